@@ -1,0 +1,155 @@
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <sstream>
+
+#include "bindings.h"
+#include "pyengine/kv_cache_manager.h"
+#include "token_ids.h"
+
+namespace py = pybind11;
+
+namespace pyengine::bindings {
+namespace {
+
+template <typename T>
+py::list to_list(std::span<const T> values) {
+  py::list list(values.size());
+  for (size_t i = 0; i < values.size(); ++i) list[i] = py::int_(values[i]);
+  return list;
+}
+
+void bind_stats(py::module_& m) {
+  py::class_<KVCacheStats>(m, "KVCacheStats")
+      .def_readonly("num_blocks", &KVCacheStats::num_blocks)
+      .def_readonly("num_used_blocks", &KVCacheStats::num_used_blocks)
+      .def_readonly("num_free_blocks", &KVCacheStats::num_free_blocks)
+      .def_readonly("num_cached_blocks", &KVCacheStats::num_cached_blocks)
+      .def_readonly("usage", &KVCacheStats::usage)
+      .def_readonly("prefix_cache_queries", &KVCacheStats::prefix_cache_queries)
+      .def_readonly("prefix_cache_hits", &KVCacheStats::prefix_cache_hits)
+      .def_readonly("num_evictions", &KVCacheStats::num_evictions)
+      .def_readonly("internal_waste_tokens", &KVCacheStats::internal_waste_tokens)
+      .def_property_readonly("prefix_cache_hit_rate",
+                             [](const KVCacheStats& s) {
+                               return s.prefix_cache_queries == 0
+                                          ? 0.0
+                                          : static_cast<double>(s.prefix_cache_hits) /
+                                                static_cast<double>(s.prefix_cache_queries);
+                             })
+      .def("__repr__", [](const KVCacheStats& s) {
+        std::ostringstream out;
+        out << "KVCacheStats(num_blocks=" << s.num_blocks << ", num_used_blocks="
+            << s.num_used_blocks << ", num_free_blocks=" << s.num_free_blocks
+            << ", num_cached_blocks=" << s.num_cached_blocks << ", usage=" << s.usage
+            << ", prefix_cache_queries=" << s.prefix_cache_queries
+            << ", prefix_cache_hits=" << s.prefix_cache_hits
+            << ", num_evictions=" << s.num_evictions
+            << ", internal_waste_tokens=" << s.internal_waste_tokens << ")";
+        return out.str();
+      });
+}
+
+void bind_pool(py::module_& m) {
+  py::class_<BlockPool>(m, "BlockPool", "Read-only view of a KVCacheManager's block pool.")
+      .def_property_readonly("num_blocks", &BlockPool::num_blocks)
+      .def_property_readonly("block_size", &BlockPool::block_size)
+      .def_property_readonly("num_free_blocks", &BlockPool::num_free_blocks)
+      .def_property_readonly("num_cached_blocks", &BlockPool::num_cached_blocks)
+      .def("ref_count", &BlockPool::ref_count, py::arg("block_id"))
+      .def("num_filled", &BlockPool::num_filled, py::arg("block_id"))
+      .def("is_cached", &BlockPool::is_cached, py::arg("block_id"))
+      .def("is_free", &BlockPool::is_free, py::arg("block_id"))
+      .def(
+          "key",
+          [](const BlockPool& p, BlockId b) {
+            const BlockKey k = p.key(b);
+            return py::make_tuple(k.hi, k.lo);
+          },
+          py::arg("block_id"), "(hi, lo) of a cached block's key; (0, 0) if not cached.")
+      .def(
+          "lookup",
+          [](const BlockPool& p, uint64_t hi, uint64_t lo) { return p.lookup(BlockKey{hi, lo}); },
+          py::arg("hi"), py::arg("lo"), "The block cached under a key, or None.")
+      .def(
+          "stored_tokens",
+          [](const BlockPool& p, BlockId b) { return to_list(p.stored_tokens(b)); },
+          py::arg("block_id"))
+      .def("free_blocks_in_order", &BlockPool::free_blocks_in_order,
+           "Free block ids in the order allocation takes them.");
+}
+
+void bind_manager(py::module_& m) {
+  py::class_<ComputedBlocks>(m, "ComputedBlocks")
+      .def_readonly("block_ids", &ComputedBlocks::block_ids)
+      .def_readonly("num_computed_tokens", &ComputedBlocks::num_computed_tokens)
+      .def("__repr__", [](const ComputedBlocks& c) {
+        return "ComputedBlocks(num_blocks=" + std::to_string(c.block_ids.size()) +
+               ", num_computed_tokens=" + std::to_string(c.num_computed_tokens) + ")";
+      });
+
+  py::class_<KVCacheManager>(m, "KVCacheManager", R"doc(Paged KV-cache manager.
+
+Per-request block tables over a pool of num_blocks blocks of block_size tokens, with
+prefix caching (verified hits, LRU eviction) and copy-on-write for forked requests.)doc")
+      .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching) {
+             return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
+           }),
+           py::arg("num_blocks"), py::arg("block_size") = 16,
+           py::arg("enable_prefix_caching") = true)
+      .def_property_readonly("num_blocks", [](const KVCacheManager& k) { return k.config().num_blocks; })
+      .def_property_readonly("block_size", &KVCacheManager::block_size)
+      .def_property_readonly("enable_prefix_caching",
+                             [](const KVCacheManager& k) { return k.config().enable_prefix_caching; })
+      .def_property_readonly("num_free_blocks", &KVCacheManager::num_free_blocks)
+      .def_property_readonly("num_requests", &KVCacheManager::num_requests)
+      .def_property_readonly("pool", &KVCacheManager::pool, py::return_value_policy::reference_internal)
+      .def("has_request", &KVCacheManager::has_request, py::arg("request_id"))
+      .def(
+          "add_request",
+          [](KVCacheManager& k, const RequestId& id, const py::handle& prompt, int64_t adapter_id,
+             std::string cache_salt) {
+            const TokenIds tokens(prompt, "prompt_token_ids");
+            k.add_request(id, tokens.span(), BlockExtras{adapter_id, std::move(cache_salt)});
+          },
+          py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("adapter_id") = 0,
+          py::arg("cache_salt") = "")
+      .def(
+          "append_token_ids",
+          [](KVCacheManager& k, const RequestId& id, const py::handle& token_ids) {
+            const TokenIds tokens(token_ids, "token_ids");
+            k.append_token_ids(id, tokens.span());
+          },
+          py::arg("request_id"), py::arg("token_ids"))
+      .def("get_computed_blocks", &KVCacheManager::get_computed_blocks, py::arg("request_id"))
+      .def("can_allocate_slots", &KVCacheManager::can_allocate_slots, py::arg("request_id"),
+           py::arg("num_new_tokens"), py::arg("num_lookahead") = 0, py::arg("computed") = nullptr)
+      .def("allocate_slots", &KVCacheManager::allocate_slots, py::arg("request_id"),
+           py::arg("num_new_tokens"), py::arg("num_lookahead") = 0, py::arg("computed") = nullptr,
+           "New block ids, or None (nothing changed) when too few blocks are free.")
+      .def("free", &KVCacheManager::free, py::arg("request_id"))
+      .def("fork", &KVCacheManager::fork, py::arg("parent_request_id"), py::arg("child_request_id"))
+      .def("take_pending_copies", &KVCacheManager::take_pending_copies,
+           "(src, dst) block copies that copy-on-write queued since the last call.")
+      .def("reset_prefix_cache", &KVCacheManager::reset_prefix_cache)
+      .def(
+          "block_table",
+          [](const KVCacheManager& k, const RequestId& id) { return to_list(k.block_table(id)); },
+          py::arg("request_id"))
+      .def(
+          "token_ids",
+          [](const KVCacheManager& k, const RequestId& id) { return to_list(k.token_ids(id)); },
+          py::arg("request_id"))
+      .def("num_computed_tokens", &KVCacheManager::num_computed_tokens, py::arg("request_id"))
+      .def("stats", &KVCacheManager::stats);
+}
+
+}  // namespace
+
+void bind_kv_cache(py::module_& m) {
+  bind_stats(m);
+  bind_pool(m);
+  bind_manager(m);
+}
+
+}  // namespace pyengine::bindings

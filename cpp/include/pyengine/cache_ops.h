@@ -1,0 +1,24 @@
+// Cache operations on the paged KV cache, dispatched on the tensors' device.
+#pragma once
+
+#include <span>
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine {
+
+// Whether this build compiled the CUDA kernels in cuda/.
+bool built_with_cuda();
+
+// For every row (src, dst) of block_mapping, block dst of every cache becomes a copy of
+// block src (copy-on-write, see KVCacheManager::take_pending_copies).
+//   caches:        one or more tensors [num_blocks, ...] (a layer's keys or values), all
+//                  of one shape, dtype and device; dims after the first dense
+//   block_mapping: int64 [num_pairs, 2] on the CPU, every id in [0, num_blocks)
+//   stream:        cudaStream_t for CUDA caches (nullptr: the default stream); unused
+//                  on the CPU
+// Throws InvalidArgument naming the argument on any mismatch, before copying anything.
+void copy_blocks(std::span<const TensorView> caches, const TensorView& block_mapping,
+                 void* stream = nullptr);
+
+}  // namespace pyengine

@@ -1,0 +1,151 @@
+// KVCacheManager: per-request block tables over a BlockPool, with prefix caching and
+// copy-on-write.
+//
+// The life of a request:
+//   add_request(id, prompt)            tokens known, keys of its full blocks computed
+//   get_computed_blocks(id)            longest verified cached prefix (changes nothing)
+//   allocate_slots(id, n, k, &hit)     first step: takes the hit, n tokens + k lookahead
+//   append_token_ids(id, sampled)      each step: new tokens become known
+//   allocate_slots(id, n, k)           each later step
+//   free(id)                           blocks released (tail first), request forgotten
+// A block is cached once all its tokens are known and their KV is scheduled, i.e.
+// when allocate_slots moves num_computed_tokens past its end. A request's cached blocks
+// always form a prefix of its block table, so every cached block's parent is cached.
+//
+// Copy-on-write: fork() shares every block of a request with a new one. Before
+// allocate_slots lets a request write into a block that another table also holds, it
+// copies the block; the (src, dst) pairs wait in take_pending_copies() for the model
+// runner, which must run them (copy_blocks) before that step's forward pass.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "pyengine/block_pool.h"
+#include "pyengine/prefix_hash.h"
+
+namespace pyengine {
+
+using RequestId = std::string;
+
+struct KVCacheConfig {
+  int num_blocks = 0;
+  int block_size = 16;  // tokens per block, a power of two
+  bool enable_prefix_caching = true;
+};
+
+// The verified cached prefix of a request.
+struct ComputedBlocks {
+  std::vector<BlockId> block_ids;
+  int num_computed_tokens = 0;  // block_ids.size() * block_size
+};
+
+struct KVCacheStats {
+  int num_blocks = 0;
+  int num_used_blocks = 0;  // held by at least one block table
+  int num_free_blocks = 0;  // allocatable, cached or not
+  int num_cached_blocks = 0;
+  double usage = 0.0;                  // num_used_blocks / num_blocks
+  int64_t prefix_cache_queries = 0;    // prompt tokens looked up
+  int64_t prefix_cache_hits = 0;       // of those, tokens found cached
+  int64_t num_evictions = 0;           // cached blocks reused for other content
+  int64_t internal_waste_tokens = 0;   // slots of used blocks holding no token's KV
+};
+
+class KVCacheManager {
+ public:
+  // Throws InvalidArgument on a non-positive num_blocks or a block_size that is not a
+  // power of two.
+  explicit KVCacheManager(const KVCacheConfig& config);
+
+  const KVCacheConfig& config() const { return config_; }
+  int block_size() const { return config_.block_size; }
+  int num_free_blocks() const { return pool_.num_free_blocks(); }
+  bool has_request(const RequestId& id) const { return requests_.count(id) > 0; }
+  int num_requests() const { return static_cast<int>(requests_.size()); }
+
+  // Registers a request with its prompt. Throws InvalidArgument on a duplicate id, an
+  // empty prompt or a negative token id.
+  void add_request(const RequestId& id, std::span<const TokenId> prompt_token_ids,
+                   BlockExtras extras = {});
+  // Appends tokens (sampled or otherwise known) to a request. Throws UnknownRequest,
+  // InvalidArgument on a negative token id.
+  void append_token_ids(const RequestId& id, std::span<const TokenId> token_ids);
+
+  // The longest verified cached prefix of a request that has no blocks yet; never all
+  // its tokens (at least one must be computed to produce logits). Counts the lookup in
+  // the prefix-cache statistics; changes nothing else.
+  ComputedBlocks get_computed_blocks(const RequestId& id);
+
+  // Whether allocate_slots with the same arguments would succeed.
+  bool can_allocate_slots(const RequestId& id, int num_new_tokens, int num_lookahead = 0,
+                          const ComputedBlocks* computed = nullptr) const;
+  // Schedules KV for the next `num_new_tokens` known tokens, plus `num_lookahead` slots
+  // for draft tokens, taking `computed` (from get_computed_blocks, first allocation only)
+  // first. Returns the newly allocated block ids, or nullopt, changing nothing, when the
+  // pool has too few free blocks. Throws UnknownRequest, InvalidArgument on
+  // num_new_tokens <= 0, num_lookahead < 0, tokens not yet known, or stale `computed`.
+  std::optional<std::vector<BlockId>> allocate_slots(const RequestId& id, int num_new_tokens,
+                                                     int num_lookahead = 0,
+                                                     const ComputedBlocks* computed = nullptr);
+
+  // Releases a request's blocks (last block first, so that prompt heads, the most
+  // shareable, are evicted last) and forgets it. Throws UnknownRequest, so freeing twice
+  // is an error.
+  void free(const RequestId& id);
+  // Makes `child` a copy of `parent` that shares all its blocks. Throws UnknownRequest
+  // for parent, InvalidArgument if child exists.
+  void fork(const RequestId& parent, const RequestId& child);
+  // Block copies (src, dst) that copy-on-write queued since the last call.
+  std::vector<std::pair<BlockId, BlockId>> take_pending_copies();
+  // Drops every cache entry; false (and nothing changed) while any block is in use.
+  bool reset_prefix_cache();
+
+  std::span<const BlockId> block_table(const RequestId& id) const;
+  std::span<const TokenId> token_ids(const RequestId& id) const;
+  int num_computed_tokens(const RequestId& id) const;
+  KVCacheStats stats() const;
+  const BlockPool& pool() const { return pool_; }
+
+ private:
+  struct Request {
+    std::vector<TokenId> token_ids;
+    std::vector<BlockId> block_table;
+    std::vector<BlockKey> block_keys;  // keys of the full blocks of token_ids
+    int num_computed_tokens = 0;
+    int num_cached_blocks = 0;  // leading entries of block_table in the prefix index
+    BlockExtras extras;
+    uint64_t extras_hash = 0;
+  };
+
+  // What an allocation needs from the pool, computed without changing anything.
+  struct Plan {
+    int first_new_token = 0;
+    int num_new_blocks = 0;
+    int num_free_hits = 0;  // hit blocks that are free now and leave the free list
+    std::vector<int> copy_on_write;  // block-table indices to copy before writing
+    bool fits = false;
+  };
+
+  Request& find(const RequestId& id);
+  const Request& find(const RequestId& id) const;
+  Plan plan(const Request& request, int num_new_tokens, int num_lookahead,
+            const ComputedBlocks* computed) const;
+  std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
+  void extend_block_keys(Request& request);
+  void cache_full_blocks(Request& request);
+
+  KVCacheConfig config_;
+  BlockPool pool_;
+  std::unordered_map<RequestId, Request> requests_;
+  std::vector<std::pair<BlockId, BlockId>> pending_copies_;
+  int64_t prefix_cache_queries_ = 0;
+  int64_t prefix_cache_hits_ = 0;
+};
+
+}  // namespace pyengine

@@ -1,0 +1,61 @@
+// Prefix hashing for the paged KV cache.
+//
+// A full block of `block_size` tokens is identified by a 128-bit BlockKey, a chained
+// hash of (parent key, the block's token ids, the request's extra keys). Two requests
+// share a block only when their whole prefix up to and including that block is equal,
+// and only when their extra keys (adapter id, cache salt) are equal.
+//
+// The hash function is xxHash64 (Yann Collet's published algorithm, implemented here
+// from its specification); a 128-bit key is two xxHash64 lanes with different seeds.
+// Hashing a long prompt runs in two levels: every block's content hash in parallel
+// (OpenMP), then a cheap sequential chain over 40-byte records.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <string>
+
+namespace pyengine {
+
+using TokenId = int32_t;
+
+// xxHash64 of `length` bytes at `data` with `seed`.
+uint64_t xxhash64(const void* data, size_t length, uint64_t seed);
+
+struct BlockKey {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+  friend bool operator==(const BlockKey&, const BlockKey&) = default;
+};
+
+struct BlockKeyHasher {
+  size_t operator()(const BlockKey& key) const noexcept { return static_cast<size_t>(key.lo); }
+};
+
+// Keys that change what a block's KV means although its tokens are equal.
+struct BlockExtras {
+  int64_t adapter_id = 0;  // LoRA adapter (0: none)
+  std::string cache_salt;  // isolates tenants: different salts never share blocks
+  friend bool operator==(const BlockExtras&, const BlockExtras&) = default;
+};
+
+// 64-bit digest of the extra keys, folded into every chain step.
+uint64_t hash_extras(const BlockExtras& extras);
+
+// The parent key of a request's first block.
+inline constexpr BlockKey kRootBlockKey{0x243F6A8885A308D3ull, 0x13198A2E03707344ull};
+
+// The key of one block: chain(parent, content hash of `block_tokens`, extras digest).
+BlockKey hash_block(const BlockKey& parent, std::span<const TokenId> block_tokens,
+                    uint64_t extras_hash);
+
+// Keys of the full blocks of `token_ids` (a trailing partial block gets none), written
+// to `out`, which must hold token_ids.size() / block_size keys. `parent` is the key of
+// the block before token_ids[0] (kRootBlockKey at the start of a request).
+// Content hashes run in parallel when there are many blocks.
+void hash_blocks(std::span<const TokenId> token_ids, int block_size, uint64_t extras_hash,
+                 const BlockKey& parent, std::span<BlockKey> out);
+
+}  // namespace pyengine

@@ -1,0 +1,192 @@
+#include "pyengine/block_pool.h"
+
+#include <algorithm>
+#include <string>
+
+#include "pyengine/errors.h"
+
+namespace pyengine {
+
+BlockPool::BlockPool(int num_blocks, int block_size) : block_size_(block_size) {
+  check_argument(num_blocks > 0, "num_blocks must be positive");
+  check_argument(block_size > 0 && (block_size & (block_size - 1)) == 0,
+                 "block_size must be a positive power of two");
+  blocks_.resize(static_cast<size_t>(num_blocks));
+  stored_tokens_.resize(static_cast<size_t>(num_blocks) * static_cast<size_t>(block_size));
+  for (BlockId b = 0; b < num_blocks; ++b) push_back(FreeList::kUncached, b);
+}
+
+const BlockPool::Meta& BlockPool::meta(BlockId block) const {
+  if (block < 0 || block >= num_blocks()) {
+    throw InvalidArgument("block id " + std::to_string(block) + " is out of range [0, " +
+                          std::to_string(num_blocks()) + ")");
+  }
+  return blocks_[static_cast<size_t>(block)];
+}
+
+void BlockPool::push_back(FreeList which, BlockId block) {
+  List& list = list_of(which);
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  m.list = which;
+  m.prev = list.tail;
+  m.next = kNoBlock;
+  if (list.tail != kNoBlock) {
+    blocks_[static_cast<size_t>(list.tail)].next = block;
+  } else {
+    list.head = block;
+  }
+  list.tail = block;
+  ++list.size;
+}
+
+void BlockPool::unlink(BlockId block) {
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  List& list = list_of(m.list);
+  if (m.prev != kNoBlock) {
+    blocks_[static_cast<size_t>(m.prev)].next = m.next;
+  } else {
+    list.head = m.next;
+  }
+  if (m.next != kNoBlock) {
+    blocks_[static_cast<size_t>(m.next)].prev = m.prev;
+  } else {
+    list.tail = m.prev;
+  }
+  m.prev = m.next = kNoBlock;
+  m.list = FreeList::kNone;
+  --list.size;
+}
+
+BlockId BlockPool::pop_front(FreeList which) {
+  const BlockId block = list_of(which).head;
+  unlink(block);
+  return block;
+}
+
+void BlockPool::drop_cache_entry(BlockId block) {
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  index_.erase(m.key);
+  if (m.parent.block_id == kNoBlock) first_block_extras_.erase(block);
+  m.is_cached = false;
+  m.key = {};
+  m.parent = {};
+  ++m.generation;  // children's links to this incarnation no longer verify
+}
+
+BlockId BlockPool::allocate() {
+  if (num_free_blocks() == 0) throw InvalidState("BlockPool::allocate: no free block");
+  BlockId block;
+  if (uncached_free_.size > 0) {
+    block = pop_front(FreeList::kUncached);
+  } else {
+    block = pop_front(FreeList::kCached);
+    drop_cache_entry(block);
+    ++num_evictions_;
+  }
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  m.ref_count = 1;
+  m.num_filled = 0;
+  ++num_in_use_;
+  return block;
+}
+
+void BlockPool::retain(BlockId block) {
+  meta(block);  // range check
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  if (m.ref_count == 0) {
+    if (m.list == FreeList::kNone) throw InvalidState("retain: free block in no free list");
+    unlink(block);
+    ++num_in_use_;
+    num_filled_in_use_ += m.num_filled;
+  }
+  ++m.ref_count;
+}
+
+void BlockPool::release(BlockId block) {
+  meta(block);
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  if (m.ref_count <= 0) {
+    throw InvalidState("release: block " + std::to_string(block) + " is already free");
+  }
+  if (--m.ref_count > 0) return;
+  --num_in_use_;
+  num_filled_in_use_ -= m.num_filled;
+  push_back(m.is_cached ? FreeList::kCached : FreeList::kUncached, block);
+}
+
+std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const {
+  const auto it = index_.find(key);
+  if (it == index_.end()) return std::nullopt;
+  return it->second;
+}
+
+std::span<const TokenId> BlockPool::stored_tokens(BlockId block) const {
+  meta(block);
+  return {stored_tokens_.data() + static_cast<size_t>(block) * static_cast<size_t>(block_size_),
+          static_cast<size_t>(block_size_)};
+}
+
+bool BlockPool::verify(BlockId block, std::span<const TokenId> tokens, const BlockLink& parent,
+                       const BlockExtras& extras) const {
+  const Meta& m = meta(block);
+  if (!m.is_cached || !(m.parent == parent)) return false;
+  if (tokens.size() != static_cast<size_t>(block_size_)) return false;
+  const auto stored = stored_tokens(block);
+  if (!std::equal(stored.begin(), stored.end(), tokens.begin())) return false;
+  if (parent.block_id != kNoBlock) return true;
+  const auto it = first_block_extras_.find(block);
+  return it != first_block_extras_.end() && it->second == extras;
+}
+
+bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenId> tokens,
+                      const BlockLink& parent, const BlockExtras& extras) {
+  const Meta& m = meta(block);
+  check_argument(tokens.size() == static_cast<size_t>(block_size_),
+                 "cache: a cached block must be full (block_size tokens)");
+  if (m.ref_count == 0) throw InvalidState("cache: block " + std::to_string(block) + " is free");
+  if (m.is_cached) {
+    if (m.key == key) return true;
+    throw InvalidState("cache: block " + std::to_string(block) + " already has another key");
+  }
+  if (!index_.emplace(key, block).second) return false;
+  Meta& w = blocks_[static_cast<size_t>(block)];
+  w.is_cached = true;
+  w.key = key;
+  w.parent = parent;
+  std::copy(tokens.begin(), tokens.end(),
+            stored_tokens_.begin() + static_cast<ptrdiff_t>(block) * block_size_);
+  if (parent.block_id == kNoBlock) first_block_extras_[block] = extras;
+  return true;
+}
+
+bool BlockPool::reset_prefix_cache() {
+  if (num_in_use_ > 0) return false;
+  while (cached_free_.size > 0) {
+    const BlockId block = pop_front(FreeList::kCached);
+    drop_cache_entry(block);
+    push_back(FreeList::kUncached, block);
+  }
+  return true;
+}
+
+void BlockPool::set_num_filled(BlockId block, int num_filled) {
+  meta(block);
+  check_argument(num_filled >= 0 && num_filled <= block_size_,
+                 "set_num_filled: num_filled must be in [0, block_size]");
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  if (m.ref_count > 0) num_filled_in_use_ += num_filled - m.num_filled;
+  m.num_filled = num_filled;
+}
+
+std::vector<BlockId> BlockPool::free_blocks_in_order() const {
+  std::vector<BlockId> order;
+  order.reserve(static_cast<size_t>(num_free_blocks()));
+  for (const List* list : {&uncached_free_, &cached_free_}) {
+    for (BlockId b = list->head; b != kNoBlock; b = blocks_[static_cast<size_t>(b)].next) {
+      order.push_back(b);
+    }
+  }
+  return order;
+}
+
+}  // namespace pyengine

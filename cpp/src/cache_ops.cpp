@@ -1,0 +1,102 @@
+#include "pyengine/cache_ops.h"
+
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "pyengine/errors.h"
+
+#ifdef PYENGINE_WITH_CUDA
+#include "cache_kernels.h"
+#endif
+
+namespace pyengine {
+namespace {
+
+void check_block_mapping(const TensorView& mapping, int64_t num_blocks) {
+  check_argument(mapping.dtype == DType::kInt64 && mapping.ndim == 2 && mapping.shape[1] == 2,
+                 "copy_blocks: block_mapping must be int64 [num_pairs, 2]");
+  check_argument(mapping.device.kind == DeviceKind::kCPU,
+                 "copy_blocks: block_mapping must be on the CPU");
+  check_argument(mapping.is_contiguous(), "copy_blocks: block_mapping must be contiguous");
+  const auto* ids = static_cast<const int64_t*>(mapping.data);
+  for (int64_t i = 0; i < mapping.shape[0] * 2; ++i) {
+    if (ids[i] < 0 || ids[i] >= num_blocks) {
+      throw InvalidArgument("copy_blocks: block_mapping[" + std::to_string(i / 2) + "] holds block " +
+                            std::to_string(ids[i]) + ", outside [0, " +
+                            std::to_string(num_blocks) + ")");
+    }
+  }
+}
+
+// Elements in one block: the product of the dims after the first.
+int64_t block_numel(const TensorView& cache) {
+  int64_t n = 1;
+  for (int d = 1; d < cache.ndim; ++d) n *= cache.shape[static_cast<size_t>(d)];
+  return n;
+}
+
+void check_caches(std::span<const TensorView> caches) {
+  check_argument(!caches.empty(), "copy_blocks: caches is empty");
+  const TensorView& first = caches[0];
+  for (size_t i = 0; i < caches.size(); ++i) {
+    const TensorView& c = caches[i];
+    const std::string name = "copy_blocks: caches[" + std::to_string(i) + "] ";
+    if (c.ndim < 1 || !c.is_contiguous_from(1) || c.strides[0] < block_numel(c)) {
+      throw InvalidArgument(name + "must be [num_blocks, ...] with dense dims after the first, got " +
+                            c.describe());
+    }
+    if (c.dtype != first.dtype || c.device != first.device || c.ndim != first.ndim ||
+        c.shape != first.shape) {
+      throw InvalidArgument(name + c.describe() + " differs from caches[0] " + first.describe());
+    }
+  }
+}
+
+}  // namespace
+
+bool built_with_cuda() {
+#ifdef PYENGINE_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+void copy_blocks(std::span<const TensorView> caches, const TensorView& block_mapping,
+                 void* stream) {
+  check_caches(caches);
+  const TensorView& first = caches[0];
+  check_block_mapping(block_mapping, first.shape[0]);
+  const int64_t num_pairs = block_mapping.shape[0];
+  if (num_pairs == 0) return;
+  const int64_t block_bytes = block_numel(first) * static_cast<int64_t>(first.element_size());
+  const auto* pairs = static_cast<const int64_t*>(block_mapping.data);
+
+  if (first.device.kind == DeviceKind::kCUDA) {
+#ifdef PYENGINE_WITH_CUDA
+    std::vector<void*> bases;
+    bases.reserve(caches.size());
+    for (const TensorView& c : caches) bases.push_back(c.data);
+    const int64_t stride_bytes = first.strides[0] * static_cast<int64_t>(first.element_size());
+    cuda::copy_blocks(bases.data(), static_cast<int64_t>(bases.size()), stride_bytes, block_bytes,
+                      pairs, num_pairs, first.device.index, stream);
+    return;
+#else
+    (void)stream;
+    throw InvalidArgument("copy_blocks: caches are on " + device_name(first.device) +
+                          " but pyengine was built without CUDA (PYENGINE_CUDA=off or no nvcc)");
+#endif
+  }
+  for (const TensorView& c : caches) {
+    auto* base = static_cast<unsigned char*>(c.data);
+    const int64_t stride = c.strides[0] * static_cast<int64_t>(c.element_size());
+    for (int64_t p = 0; p < num_pairs; ++p) {
+      // memmove: a pair may name one block twice.
+      std::memmove(base + pairs[2 * p + 1] * stride, base + pairs[2 * p] * stride,
+                   static_cast<size_t>(block_bytes));
+    }
+  }
+}
+
+}  // namespace pyengine

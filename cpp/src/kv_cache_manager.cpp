@@ -1,0 +1,265 @@
+#include "pyengine/kv_cache_manager.h"
+
+#include <algorithm>
+#include <string>
+
+#include "pyengine/errors.h"
+
+namespace pyengine {
+namespace {
+
+void check_token_ids(std::span<const TokenId> token_ids, const char* what) {
+  for (const TokenId t : token_ids) {
+    if (t < 0) {
+      throw InvalidArgument(std::string(what) + ": token id " + std::to_string(t) +
+                            " is negative");
+    }
+  }
+}
+
+}  // namespace
+
+KVCacheManager::KVCacheManager(const KVCacheConfig& config)
+    : config_(config), pool_(config.num_blocks, config.block_size) {}
+
+KVCacheManager::Request& KVCacheManager::find(const RequestId& id) {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  return it->second;
+}
+
+const KVCacheManager::Request& KVCacheManager::find(const RequestId& id) const {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  return it->second;
+}
+
+void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> prompt_token_ids,
+                                 BlockExtras extras) {
+  check_argument(!prompt_token_ids.empty(), "add_request: the prompt is empty");
+  check_token_ids(prompt_token_ids, "add_request");
+  if (requests_.count(id) > 0) {
+    throw InvalidArgument("add_request: request id '" + id + "' already exists");
+  }
+  Request request;
+  request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  request.extras_hash = hash_extras(extras);
+  request.extras = std::move(extras);
+  extend_block_keys(request);
+  requests_.emplace(id, std::move(request));
+}
+
+void KVCacheManager::append_token_ids(const RequestId& id, std::span<const TokenId> token_ids) {
+  Request& request = find(id);
+  check_token_ids(token_ids, "append_token_ids");
+  request.token_ids.insert(request.token_ids.end(), token_ids.begin(), token_ids.end());
+}
+
+std::span<const TokenId> KVCacheManager::block_tokens(const Request& request,
+                                                      size_t block_index) const {
+  const auto size = static_cast<size_t>(config_.block_size);
+  return std::span<const TokenId>(request.token_ids).subspan(block_index * size, size);
+}
+
+void KVCacheManager::extend_block_keys(Request& request) {
+  if (!config_.enable_prefix_caching) return;
+  const auto size = static_cast<size_t>(config_.block_size);
+  const size_t have = request.block_keys.size();
+  const size_t want = request.token_ids.size() / size;
+  if (want <= have) return;
+  const BlockKey parent = have == 0 ? kRootBlockKey : request.block_keys[have - 1];
+  request.block_keys.resize(want);
+  hash_blocks(std::span<const TokenId>(request.token_ids).subspan(have * size, (want - have) * size),
+              config_.block_size, request.extras_hash, parent,
+              std::span<BlockKey>(request.block_keys).subspan(have));
+}
+
+ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
+  Request& request = find(id);
+  if (!request.block_table.empty()) {
+    throw InvalidState("get_computed_blocks: request '" + id + "' already has blocks");
+  }
+  ComputedBlocks computed;
+  if (!config_.enable_prefix_caching) return computed;
+  extend_block_keys(request);
+  // At least one token is left to compute: its forward pass produces the next logits.
+  const size_t max_blocks = (request.token_ids.size() - 1) / static_cast<size_t>(block_size());
+  BlockLink parent;
+  for (size_t i = 0; i < max_blocks; ++i) {
+    const auto block = pool_.lookup(request.block_keys[i]);
+    if (!block || !pool_.verify(*block, block_tokens(request, i), parent, request.extras)) break;
+    computed.block_ids.push_back(*block);
+    parent = pool_.link(*block);
+  }
+  computed.num_computed_tokens = static_cast<int>(computed.block_ids.size()) * block_size();
+  prefix_cache_queries_ += static_cast<int64_t>(request.token_ids.size());
+  prefix_cache_hits_ += computed.num_computed_tokens;
+  return computed;
+}
+
+KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_tokens,
+                                          int num_lookahead,
+                                          const ComputedBlocks* computed) const {
+  check_argument(num_new_tokens > 0, "allocate_slots: num_new_tokens must be positive");
+  check_argument(num_lookahead >= 0, "allocate_slots: num_lookahead must be non-negative");
+  Plan p;
+  const int64_t size = block_size();
+  const bool has_hit = computed != nullptr && !computed->block_ids.empty();
+  if (has_hit) {
+    if (!request.block_table.empty()) {
+      throw InvalidArgument("allocate_slots: computed blocks are taken by a first allocation only");
+    }
+    const auto num_hit = static_cast<int64_t>(computed->block_ids.size());
+    check_argument(computed->num_computed_tokens == num_hit * size &&
+                       num_hit <= static_cast<int64_t>(request.block_keys.size()),
+                   "allocate_slots: computed blocks do not match the request");
+    for (size_t i = 0; i < computed->block_ids.size(); ++i) {
+      const BlockId b = computed->block_ids[i];
+      if (!pool_.is_cached(b) || !(pool_.key(b) == request.block_keys[i])) {
+        throw InvalidArgument("allocate_slots: computed blocks are stale (block " +
+                              std::to_string(b) + " no longer caches this prefix)");
+      }
+      if (pool_.ref_count(b) == 0) ++p.num_free_hits;
+    }
+  }
+  p.first_new_token = has_hit ? computed->num_computed_tokens : request.num_computed_tokens;
+  const int64_t end = static_cast<int64_t>(p.first_new_token) + num_new_tokens;
+  if (end > static_cast<int64_t>(request.token_ids.size())) {
+    throw InvalidArgument("allocate_slots: " + std::to_string(num_new_tokens) +
+                          " new tokens after " + std::to_string(p.first_new_token) +
+                          " computed, but only " + std::to_string(request.token_ids.size()) +
+                          " tokens are known");
+  }
+  const int64_t num_slots = end + num_lookahead;
+  const int64_t num_blocks_needed = (num_slots + size - 1) / size;
+  const int64_t num_held = static_cast<int64_t>(request.block_table.size()) +
+                           (has_hit ? static_cast<int64_t>(computed->block_ids.size()) : 0);
+  const int64_t num_new_blocks = std::max<int64_t>(0, num_blocks_needed - num_held);
+  const int64_t last_written = std::min<int64_t>(num_blocks_needed,
+                                                 static_cast<int64_t>(request.block_table.size()));
+  for (int64_t i = p.first_new_token / size; i < last_written; ++i) {
+    if (pool_.ref_count(request.block_table[static_cast<size_t>(i)]) > 1) {
+      p.copy_on_write.push_back(static_cast<int>(i));
+    }
+  }
+  const int64_t num_taken =
+      num_new_blocks + static_cast<int64_t>(p.copy_on_write.size()) + p.num_free_hits;
+  p.fits = num_taken <= pool_.num_free_blocks();
+  if (p.fits) p.num_new_blocks = static_cast<int>(num_new_blocks);  // bounded by the pool
+  return p;
+}
+
+bool KVCacheManager::can_allocate_slots(const RequestId& id, int num_new_tokens,
+                                        int num_lookahead,
+                                        const ComputedBlocks* computed) const {
+  return plan(find(id), num_new_tokens, num_lookahead, computed).fits;
+}
+
+std::optional<std::vector<BlockId>> KVCacheManager::allocate_slots(
+    const RequestId& id, int num_new_tokens, int num_lookahead, const ComputedBlocks* computed) {
+  Request& request = find(id);
+  const Plan p = plan(request, num_new_tokens, num_lookahead, computed);
+  if (!p.fits) return std::nullopt;
+
+  if (computed != nullptr && !computed->block_ids.empty()) {
+    for (const BlockId b : computed->block_ids) {
+      pool_.retain(b);
+      request.block_table.push_back(b);
+    }
+    request.num_computed_tokens = computed->num_computed_tokens;
+    request.num_cached_blocks = static_cast<int>(computed->block_ids.size());
+  }
+  for (const int i : p.copy_on_write) {
+    const BlockId shared = request.block_table[static_cast<size_t>(i)];
+    const BlockId copy = pool_.allocate();
+    pool_.set_num_filled(copy, pool_.num_filled(shared));
+    pending_copies_.emplace_back(shared, copy);
+    pool_.release(shared);
+    request.block_table[static_cast<size_t>(i)] = copy;
+  }
+  std::vector<BlockId> new_blocks;
+  new_blocks.reserve(static_cast<size_t>(p.num_new_blocks));
+  for (int i = 0; i < p.num_new_blocks; ++i) {
+    new_blocks.push_back(pool_.allocate());
+    request.block_table.push_back(new_blocks.back());
+  }
+
+  const int size = block_size();
+  const int end = p.first_new_token + num_new_tokens;
+  for (int i = p.first_new_token / size; i * size < end; ++i) {
+    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)], std::min(size, end - i * size));
+  }
+  request.num_computed_tokens = end;
+  cache_full_blocks(request);
+  return new_blocks;
+}
+
+void KVCacheManager::cache_full_blocks(Request& request) {
+  if (!config_.enable_prefix_caching) return;
+  extend_block_keys(request);
+  const auto num_full = static_cast<size_t>(request.num_computed_tokens / block_size());
+  while (static_cast<size_t>(request.num_cached_blocks) < num_full) {
+    const auto i = static_cast<size_t>(request.num_cached_blocks);
+    const BlockLink parent = i == 0 ? BlockLink{} : pool_.link(request.block_table[i - 1]);
+    // False when another block already caches this prefix; this request's later
+    // blocks then stay uncached, so that every cached block's parent is cached.
+    if (!pool_.cache(request.block_table[i], request.block_keys[i], block_tokens(request, i),
+                     parent, request.extras)) {
+      break;
+    }
+    ++request.num_cached_blocks;
+  }
+}
+
+void KVCacheManager::free(const RequestId& id) {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  const auto& table = it->second.block_table;
+  for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
+  requests_.erase(it);
+}
+
+void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
+  const Request& source = find(parent);
+  if (requests_.count(child) > 0) {
+    throw InvalidArgument("fork: request id '" + child + "' already exists");
+  }
+  Request copy = source;
+  for (const BlockId b : copy.block_table) pool_.retain(b);
+  requests_.emplace(child, std::move(copy));
+}
+
+std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {
+  return std::exchange(pending_copies_, {});
+}
+
+bool KVCacheManager::reset_prefix_cache() { return pool_.reset_prefix_cache(); }
+
+std::span<const BlockId> KVCacheManager::block_table(const RequestId& id) const {
+  return find(id).block_table;
+}
+
+std::span<const TokenId> KVCacheManager::token_ids(const RequestId& id) const {
+  return find(id).token_ids;
+}
+
+int KVCacheManager::num_computed_tokens(const RequestId& id) const {
+  return find(id).num_computed_tokens;
+}
+
+KVCacheStats KVCacheManager::stats() const {
+  KVCacheStats s;
+  s.num_blocks = pool_.num_blocks();
+  s.num_free_blocks = pool_.num_free_blocks();
+  s.num_used_blocks = s.num_blocks - s.num_free_blocks;
+  s.num_cached_blocks = pool_.num_cached_blocks();
+  s.usage = static_cast<double>(s.num_used_blocks) / s.num_blocks;
+  s.prefix_cache_queries = prefix_cache_queries_;
+  s.prefix_cache_hits = prefix_cache_hits_;
+  s.num_evictions = pool_.num_evictions();
+  s.internal_waste_tokens =
+      static_cast<int64_t>(s.num_used_blocks) * block_size() - pool_.num_filled_slots_in_use();
+  return s;
+}
+
+}  // namespace pyengine
