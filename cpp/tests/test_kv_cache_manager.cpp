@@ -1,0 +1,187 @@
+#include <numeric>
+#include <vector>
+
+#include "harness.h"
+#include "pyengine/errors.h"
+#include "pyengine/kv_cache_manager.h"
+
+using namespace pyengine;
+
+namespace {
+
+std::vector<TokenId> iota_tokens(int n, TokenId first = 0) {
+  std::vector<TokenId> tokens(static_cast<size_t>(n));
+  std::iota(tokens.begin(), tokens.end(), first);
+  return tokens;
+}
+
+KVCacheManager make(int num_blocks, int block_size = 4) {
+  return KVCacheManager(KVCacheConfig{num_blocks, block_size, true});
+}
+
+// Adds a request and computes its whole prompt, taking any prefix hit.
+ComputedBlocks start(KVCacheManager& kv, const RequestId& id, const std::vector<TokenId>& prompt,
+                     BlockExtras extras = {}) {
+  kv.add_request(id, prompt, std::move(extras));
+  ComputedBlocks hit = kv.get_computed_blocks(id);
+  const int rest = static_cast<int>(prompt.size()) - hit.num_computed_tokens;
+  CHECK(kv.allocate_slots(id, rest, 0, &hit).has_value());
+  return hit;
+}
+
+}  // namespace
+
+TEST(a_second_request_reuses_the_cached_prefix) {
+  auto kv = make(16);
+  start(kv, "a", iota_tokens(10));
+  const auto hit = start(kv, "b", iota_tokens(10));
+  CHECK_EQ(hit.num_computed_tokens, 8);
+  const auto a = kv.block_table("a");
+  const auto b = kv.block_table("b");
+  CHECK(a[0] == b[0] && a[1] == b[1] && a[2] != b[2]);
+  CHECK_EQ(kv.pool().ref_count(a[0]), 2);
+  const KVCacheStats s = kv.stats();
+  CHECK_EQ(s.prefix_cache_queries, 20);
+  CHECK_EQ(s.prefix_cache_hits, 8);
+}
+
+TEST(a_hit_never_covers_the_whole_prompt) {
+  auto kv = make(16);
+  start(kv, "a", iota_tokens(12));
+  const auto hit = start(kv, "b", iota_tokens(12));
+  CHECK_EQ(hit.num_computed_tokens, 8);  // the last block is computed again
+}
+
+TEST(cache_salt_isolates_tenants) {
+  auto kv = make(16);
+  start(kv, "a", iota_tokens(12), {0, "alice"});
+  CHECK_EQ(start(kv, "b", iota_tokens(12), {0, "bob"}).num_computed_tokens, 0);
+  CHECK_EQ(start(kv, "c", iota_tokens(12), {0, "alice"}).num_computed_tokens, 8);
+  CHECK_EQ(start(kv, "d", iota_tokens(12), {3, "alice"}).num_computed_tokens, 0);  // adapter
+}
+
+TEST(freed_blocks_stay_cached_until_evicted) {
+  auto kv = make(4);
+  start(kv, "a", iota_tokens(12));
+  kv.free("a");
+  CHECK_EQ(kv.num_free_blocks(), 4);
+  CHECK_EQ(start(kv, "b", iota_tokens(12)).num_computed_tokens, 8);
+  kv.free("b");
+  start(kv, "c", iota_tokens(16, 1000));  // needs all 4 blocks: evicts every cached one
+  CHECK(kv.stats().num_evictions >= 2);
+  kv.add_request("d", iota_tokens(12));
+  CHECK_EQ(kv.get_computed_blocks("d").num_computed_tokens, 0);
+}
+
+TEST(a_failed_allocation_changes_nothing) {
+  auto kv = make(4);
+  start(kv, "a", iota_tokens(8));
+  kv.add_request("b", iota_tokens(20, 100));
+  const KVCacheStats before = kv.stats();
+  CHECK(!kv.can_allocate_slots("b", 20));
+  CHECK(!kv.allocate_slots("b", 20).has_value());
+  const KVCacheStats after = kv.stats();
+  CHECK_EQ(after.num_free_blocks, before.num_free_blocks);
+  CHECK_EQ(after.num_cached_blocks, before.num_cached_blocks);
+  CHECK(kv.block_table("b").empty());
+  CHECK_EQ(kv.num_computed_tokens("b"), 0);
+}
+
+TEST(decode_appends_and_caches_blocks_as_they_fill) {
+  auto kv = make(8);
+  start(kv, "a", iota_tokens(6));
+  CHECK_EQ(kv.stats().num_cached_blocks, 1);
+  for (TokenId t = 6; t < 9; ++t) {
+    const TokenId sampled[] = {t};
+    kv.append_token_ids("a", sampled);
+    CHECK(kv.allocate_slots("a", 1).has_value());
+  }
+  CHECK_EQ(kv.num_computed_tokens("a"), 9);
+  CHECK_EQ(kv.block_table("a").size(), 3u);
+  CHECK_EQ(kv.stats().num_cached_blocks, 2);
+  CHECK_EQ(kv.stats().internal_waste_tokens, 3);
+  // Tokens not yet known cannot be scheduled.
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots("a", 1));
+}
+
+TEST(lookahead_slots_are_allocated_but_not_computed) {
+  auto kv = make(8);
+  kv.add_request("a", iota_tokens(4));
+  const auto blocks = kv.allocate_slots("a", 4, 5);
+  CHECK(blocks.has_value() && blocks->size() == 3u);
+  CHECK_EQ(kv.num_computed_tokens("a"), 4);
+  CHECK_EQ(kv.stats().internal_waste_tokens, 8);
+}
+
+TEST(fork_shares_blocks_and_copies_the_partial_block_on_write) {
+  auto kv = make(8);
+  start(kv, "parent", iota_tokens(6));
+  kv.fork("parent", "child");
+  const std::vector<BlockId> shared(kv.block_table("parent").begin(), kv.block_table("parent").end());
+  CHECK((std::vector<BlockId>(kv.block_table("child").begin(), kv.block_table("child").end()) == shared));
+  CHECK_EQ(kv.pool().ref_count(shared[1]), 2);
+
+  const TokenId parent_token[] = {100};
+  kv.append_token_ids("parent", parent_token);
+  CHECK(kv.allocate_slots("parent", 1).has_value());
+  const auto copies = kv.take_pending_copies();
+  CHECK_EQ(copies.size(), 1u);
+  CHECK_EQ(copies[0].first, shared[1]);
+  CHECK(kv.block_table("parent")[1] == copies[0].second);
+  CHECK(kv.block_table("parent")[0] == shared[0]);  // full blocks stay shared
+  CHECK_EQ(kv.pool().ref_count(shared[1]), 1);
+
+  const TokenId child_token[] = {200};
+  kv.append_token_ids("child", child_token);
+  CHECK(kv.allocate_slots("child", 1).has_value());
+  CHECK(kv.take_pending_copies().empty());  // the child is now the only holder
+  CHECK(kv.block_table("child")[1] == shared[1]);
+  kv.free("parent");
+  kv.free("child");
+  CHECK_EQ(kv.num_free_blocks(), 8);
+}
+
+TEST(bad_input_is_rejected_and_changes_nothing) {
+  auto kv = make(8);
+  CHECK_THROWS(InvalidArgument, KVCacheManager(KVCacheConfig{8, 6, true}));
+  CHECK_THROWS(InvalidArgument, KVCacheManager(KVCacheConfig{0, 16, true}));
+  CHECK_THROWS(InvalidArgument, kv.add_request("a", std::vector<TokenId>{}));
+  CHECK_THROWS(InvalidArgument, kv.add_request("a", std::vector<TokenId>{1, -2}));
+  CHECK(!kv.has_request("a"));
+  start(kv, "a", iota_tokens(5));
+  CHECK_THROWS(InvalidArgument, kv.add_request("a", iota_tokens(3)));
+  CHECK_THROWS(UnknownRequest, kv.allocate_slots("nobody", 1));
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots("a", 0));
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots("a", -3));
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots("a", 1, -1));
+  CHECK_THROWS(InvalidState, kv.get_computed_blocks("a"));
+  CHECK_THROWS(InvalidArgument, kv.fork("a", "a"));
+  CHECK_THROWS(UnknownRequest, kv.fork("nobody", "b"));
+  kv.free("a");
+  CHECK_THROWS(UnknownRequest, kv.free("a"));
+  CHECK_EQ(kv.num_free_blocks(), 8);
+}
+
+TEST(stale_computed_blocks_are_rejected) {
+  auto kv = make(3);
+  start(kv, "a", iota_tokens(9));
+  kv.free("a");
+  kv.add_request("b", iota_tokens(9));
+  ComputedBlocks hit = kv.get_computed_blocks("b");
+  CHECK_EQ(hit.num_computed_tokens, 8);
+  start(kv, "c", iota_tokens(12, 500));  // evicts the blocks of the hit
+  kv.free("c");
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots("b", 1, 0, &hit));
+  CHECK(kv.block_table("b").empty());
+}
+
+TEST(reset_prefix_cache_only_when_idle) {
+  auto kv = make(8);
+  start(kv, "a", iota_tokens(8));
+  CHECK(!kv.reset_prefix_cache());
+  kv.free("a");
+  CHECK(kv.reset_prefix_cache());
+  CHECK_EQ(start(kv, "b", iota_tokens(8)).num_computed_tokens, 0);
+}
+
+TEST_MAIN()
