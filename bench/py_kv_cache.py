@@ -27,7 +27,9 @@ ExtraKeys = tuple[int, str] | None
 ROOT_HASH = hashlib.sha256(b"pyengine").digest()
 
 
-def hash_block_tokens(parent_hash: bytes, block_token_ids: Sequence[int], extra_keys: ExtraKeys) -> bytes:
+def hash_block_tokens(
+    parent_hash: bytes, block_token_ids: Sequence[int], extra_keys: ExtraKeys
+) -> bytes:
     """vLLM's block hash: sha256 of the pickled (parent hash, tokens, extra keys)."""
     data = pickle.dumps((parent_hash, tuple(block_token_ids), extra_keys), pickle.HIGHEST_PROTOCOL)
     return hashlib.sha256(data).digest()
@@ -39,7 +41,9 @@ def hash_full_blocks(
     """Chained hashes of the full blocks of ``token_ids`` (a trailing partial block gets none)."""
     hashes = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent_hash = hash_block_tokens(parent_hash, token_ids[start : start + block_size], extra_keys)
+        parent_hash = hash_block_tokens(
+            parent_hash, token_ids[start : start + block_size], extra_keys
+        )
         hashes.append(parent_hash)
     return hashes
 
@@ -142,7 +146,11 @@ class PyKVCacheManager:
         return self.uncached_free.num_free_blocks + self.cached_free.num_free_blocks
 
     def add_request(
-        self, request_id: str, prompt_token_ids: Sequence[int], adapter_id: int = 0, cache_salt: str = ""
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        adapter_id: int = 0,
+        cache_salt: str = "",
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("add_request: the prompt is empty")
@@ -174,7 +182,9 @@ class PyKVCacheManager:
         parent: KVCacheBlock | None = None
         for i in range((len(tokens) - 1) // size):
             block = self.cached_block_hash_to_block.get(request.block_hashes[i])
-            if block is None or not self._verify(block, tokens[i * size : (i + 1) * size], parent, request):
+            if block is None or not self._verify(
+                block, tokens[i * size : (i + 1) * size], parent, request
+            ):
                 break
             computed.block_ids.append(block.block_id)
             parent = block
@@ -200,21 +210,21 @@ class PyKVCacheManager:
         num_free_hits = 0
         first_new_token = request.num_computed_tokens
         if computed is not None and computed.block_ids:
-            if request.block_table:
-                raise ValueError("allocate_slots: computed blocks are taken by a first allocation only")
             num_hit = len(computed.block_ids)
-            if computed.num_computed_tokens != num_hit * self.block_size or num_hit > len(request.block_hashes):
+            if request.block_table:
+                raise ValueError("allocate_slots: computed blocks are for a first allocation")
+            if computed.num_computed_tokens != num_hit * self.block_size:
                 raise ValueError("allocate_slots: computed blocks do not match the request")
-            for block_id, block_hash in zip(computed.block_ids, request.block_hashes):
+            for i, block_id in enumerate(computed.block_ids):
                 block = self.blocks[block_id]
-                if block.block_hash != block_hash:
-                    raise ValueError(f"allocate_slots: computed blocks are stale (block {block_id})")
+                if i >= len(request.block_hashes) or block.block_hash != request.block_hashes[i]:
+                    raise ValueError(f"allocate_slots: computed block {block_id} is stale")
                 num_free_hits += block.ref_cnt == 0
                 hits.append(block)
             first_new_token = computed.num_computed_tokens
         end = first_new_token + num_new_tokens
         if end > len(request.token_ids):
-            raise ValueError(f"allocate_slots: {num_new_tokens} new tokens but only {len(request.token_ids)} known")
+            raise ValueError(f"allocate_slots: only {len(request.token_ids)} tokens are known")
         num_blocks_needed = -(-(end + num_lookahead) // self.block_size)
         num_new_blocks = max(0, num_blocks_needed - len(request.block_table) - len(hits))
         if num_new_blocks + num_free_hits > self.num_free_blocks:
@@ -232,7 +242,7 @@ class PyKVCacheManager:
         return [block.block_id for block in new_blocks]
 
     def free(self, request_id: str) -> None:
-        """Releases the blocks, last first (prompt heads are evicted last), and forgets the request."""
+        """Releases the blocks, last first (prompt heads are evicted last); forgets the request."""
         request = self.requests.pop(request_id)
         for block in reversed(request.block_table):
             block.ref_cnt -= 1

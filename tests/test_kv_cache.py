@@ -1,0 +1,168 @@
+"""KVCacheManager through the bindings: behaviour, statistics and errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pyengine import KVCacheManager
+
+
+def start(kv: KVCacheManager, request: str, prompt: list[int], **extras: object) -> int:
+    """Adds a request, schedules its whole prompt, returns the prefix-hit length."""
+    kv.add_request(request, prompt, **extras)
+    hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, len(prompt) - hit.num_computed_tokens, computed=hit) is not None
+    return hit.num_computed_tokens
+
+
+def state(kv: KVCacheManager) -> tuple[object, ...]:
+    s = kv.stats()
+    return (s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries, kv.num_requests,
+            kv.pool.free_blocks_in_order())
+
+
+def test_prefix_sharing_and_statistics() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(100, 110))
+    assert start(kv, "a", prompt) == 0
+    assert start(kv, "b", prompt + [7, 7]) == 8
+    assert kv.block_table("a")[:2] == kv.block_table("b")[:2]
+    s = kv.stats()
+    assert (s.num_used_blocks, s.num_free_blocks, s.num_cached_blocks) == (4, 12, 3)
+    assert s.prefix_cache_queries == 22 and s.prefix_cache_hits == 8
+    assert s.prefix_cache_hit_rate == pytest.approx(8 / 22)
+    assert s.usage == pytest.approx(4 / 16)
+    assert s.internal_waste_tokens == 4 * 4 - (10 + 4)  # b's third block holds 4 of its own
+    assert "num_used_blocks=4" in repr(s)
+    kv.free("a")
+    kv.free("b")
+    assert kv.stats().num_used_blocks == 0
+    assert kv.stats().num_cached_blocks == 3  # freed blocks stay cached
+
+
+def test_numpy_prompts_of_any_integer_dtype() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    start(kv, "a", np.arange(9, dtype=np.int32))  # type: ignore[arg-type]
+    assert start(kv, "b", np.arange(9, dtype=np.int64)) == 8  # type: ignore[arg-type]
+    assert start(kv, "c", np.arange(9, dtype=np.uint16)) == 8  # type: ignore[arg-type]
+    assert kv.token_ids("c") == list(range(9))
+
+
+def test_cache_salt_and_adapter_isolate_requests() -> None:
+    kv = KVCacheManager(num_blocks=16, block_size=4)
+    prompt = list(range(12))
+    start(kv, "a", prompt, cache_salt="alice")
+    assert start(kv, "b", prompt, cache_salt="bob") == 0
+    assert start(kv, "c", prompt, cache_salt="alice", adapter_id=2) == 0
+    assert start(kv, "d", prompt, cache_salt="alice") == 8
+
+
+def test_without_prefix_caching_nothing_is_shared() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=False)
+    start(kv, "a", list(range(9)))
+    assert start(kv, "b", list(range(9))) == 0
+    assert kv.stats().num_cached_blocks == 0
+
+
+@pytest.mark.parametrize("block_size", [0, -16, 3, 12, 17])
+def test_block_size_must_be_a_power_of_two(block_size: int) -> None:
+    with pytest.raises(ValueError, match="block_size must be a positive power of two"):
+        KVCacheManager(num_blocks=8, block_size=block_size)
+
+
+@pytest.mark.parametrize("num_blocks", [0, -1])
+def test_num_blocks_must_be_positive(num_blocks: int) -> None:
+    with pytest.raises(ValueError, match="num_blocks must be positive"):
+        KVCacheManager(num_blocks=num_blocks)
+
+
+def test_bad_requests_raise_and_change_nothing() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    start(kv, "a", list(range(6)))
+    before = state(kv)
+    with pytest.raises(KeyError, match="unknown request id 'nobody'"):
+        kv.allocate_slots("nobody", 1)
+    with pytest.raises(KeyError, match="unknown request id"):
+        kv.block_table("nobody")
+    with pytest.raises(ValueError, match="num_new_tokens must be positive"):
+        kv.allocate_slots("a", 0)
+    with pytest.raises(ValueError, match="num_new_tokens must be positive"):
+        kv.allocate_slots("a", -2)
+    with pytest.raises(ValueError, match="num_lookahead must be non-negative"):
+        kv.allocate_slots("a", 1, num_lookahead=-1)
+    with pytest.raises(ValueError, match="only 6 tokens are known"):
+        kv.allocate_slots("a", 1)
+    with pytest.raises(ValueError, match="already exists"):
+        kv.add_request("a", [1, 2])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        kv.add_request("e", [])
+    with pytest.raises(ValueError, match="outside"):
+        kv.add_request("e", [1, -5])
+    with pytest.raises(ValueError, match="outside"):
+        kv.add_request("e", [2**31])
+    with pytest.raises(ValueError, match="outside"):
+        kv.add_request("e", np.array([1, 2**40]))
+    with pytest.raises(ValueError, match="integer dtype"):
+        kv.add_request("e", np.array([1.0, 2.0]))
+    with pytest.raises(ValueError, match="must be 1-D"):
+        kv.add_request("e", np.zeros((2, 2), dtype=np.int32))
+    with pytest.raises(TypeError, match="must hold ints"):
+        kv.add_request("e", [1, "2"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match="must be a list"):
+        kv.add_request("e", "abc")  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="already has blocks"):
+        kv.get_computed_blocks("a")
+    with pytest.raises(ValueError, match="already exists"):
+        kv.fork("a", "a")
+    with pytest.raises(ValueError, match="out of range"):
+        kv.pool.ref_count(8)
+    assert state(kv) == before
+    assert not kv.has_request("e")
+
+
+def test_freeing_twice_is_an_error() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=4)
+    start(kv, "a", list(range(6)))
+    kv.free("a")
+    with pytest.raises(KeyError, match="unknown request id 'a'"):
+        kv.free("a")
+    assert kv.num_free_blocks == 4
+
+
+def test_running_out_of_blocks_returns_none_and_changes_nothing() -> None:
+    kv = KVCacheManager(num_blocks=3, block_size=4)
+    start(kv, "a", list(range(8)))
+    kv.add_request("b", list(range(50, 62)))
+    before = state(kv)
+    assert not kv.can_allocate_slots("b", 12)
+    assert kv.allocate_slots("b", 12) is None
+    assert state(kv) == before
+    assert kv.allocate_slots("b", 4) == [2]  # a smaller chunk fits
+
+
+def test_fork_copy_on_write() -> None:
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    start(kv, "p", list(range(6)))
+    kv.fork("p", "c")
+    shared = kv.block_table("p")
+    kv.append_token_ids("c", [9])
+    assert kv.allocate_slots("c", 1) == []
+    [(src, dst)] = kv.take_pending_copies()
+    assert src == shared[1] and kv.block_table("c") == [shared[0], dst]
+    assert kv.take_pending_copies() == []
+
+
+def test_eviction_is_least_recently_freed_first() -> None:
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    start(kv, "a", [1, 2, 3])  # blocks 0, 1
+    start(kv, "b", [5, 6, 7])  # blocks 2, 3
+    kv.free("a")
+    kv.free("b")
+    # Freed tail blocks first: 1 (a's partial), 0, 3, 2; block 0 and 2 stay cached.
+    assert kv.pool.free_blocks_in_order() == [1, 3, 0, 2]
+    start(kv, "c", [9, 9, 9, 9, 9])  # needs 3 blocks: 1, 3, then evicts 0
+    assert kv.stats().num_evictions == 1
+    kv.free("c")
+    assert start(kv, "d", [5, 6, 7]) == 2  # b's first block survived
+    assert kv.block_table("d")[0] == 2

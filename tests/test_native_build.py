@@ -1,0 +1,58 @@
+"""The C++ side on its own: ctest, and a C++ program that embeds the installed library.
+
+Builds pyengine_core without Python in a temporary folder (ninja and ccache keep this
+short), runs the C++ tests, installs headers, library and CMake package, then builds
+and runs cpp/examples against the installed package through find_package(pyengine).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+
+
+def run(*args: str | Path, cwd: Path | None = None) -> str:
+    result = subprocess.run(
+        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, f"{' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def generator() -> list[str]:
+    return ["-G", "Ninja"] if shutil.which("ninja") else []
+
+
+@pytest.fixture(scope="module")
+def core_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    build = tmp_path_factory.mktemp("core-build")
+    run("cmake", "-S", REPO, "-B", build, *generator(), "-DPYENGINE_BUILD_TESTS=ON",
+        "-DPYENGINE_CUDA=off", "-DCMAKE_BUILD_TYPE=Release")
+    run("cmake", "--build", build, "--parallel", "2")
+    return build
+
+
+def test_ctest_passes(core_build: Path) -> None:
+    out = run("ctest", "--test-dir", core_build, "--output-on-failure")
+    assert "100% tests passed" in out
+
+
+def test_example_embeds_the_installed_package(core_build: Path, tmp_path: Path) -> None:
+    prefix = tmp_path / "prefix"
+    run("cmake", "--install", core_build, "--prefix", prefix)
+    assert (prefix / "include" / "pyengine" / "kv_cache_manager.h").is_file()
+    example_build = tmp_path / "example"
+    run("cmake", "-S", REPO / "cpp" / "examples", "-B", example_build, *generator(),
+        f"-DCMAKE_PREFIX_PATH={prefix}")
+    run("cmake", "--build", example_build)
+    out = run(example_build / "kv_cache_demo")
+    assert "chat-b   prefix hit: 32 of 43 tokens" in out
+    assert "chat-b.1 block_table = [0, 1, 4]" in out
+    assert "after free: 32 free blocks" in out
