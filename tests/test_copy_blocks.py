@@ -21,14 +21,16 @@ def reference(caches: list[np.ndarray], mapping: np.ndarray) -> list[np.ndarray]
 def test_copies_blocks_of_every_cache(dtype: type) -> None:
     rng = np.random.default_rng()
     num_blocks, block_shape = 12, (16, 2, 8)  # [num_blocks, block_size, num_kv_heads, head_size]
-    caches = [(rng.standard_normal((num_blocks, *block_shape)) * 50).astype(dtype) for _ in range(4)]
+    caches = [
+        (rng.standard_normal((num_blocks, *block_shape)) * 50).astype(dtype) for _ in range(4)
+    ]
     mapping = np.stack([rng.permutation(num_blocks)[:5], rng.permutation(num_blocks)[:5]], axis=1)
     mapping = mapping[mapping[:, 0] != mapping[:, 1]]
     mapping = mapping[np.unique(mapping[:, 1], return_index=True)[1]]  # one writer per block
     mapping = mapping[~np.isin(mapping[:, 0], mapping[:, 1])]  # sources not overwritten
     expected = reference(caches, mapping)
     copy_blocks(caches, mapping)
-    for got, want in zip(caches, expected):
+    for got, want in zip(caches, expected, strict=True):
         np.testing.assert_array_equal(got, want)
 
 
@@ -70,7 +72,7 @@ def test_torch_tensors_when_available() -> None:
     for c in expected:
         c[6], c[0] = c[1].clone(), c[3].clone()
     copy_blocks(caches, mapping)
-    for got, want in zip(caches, expected):
+    for got, want in zip(caches, expected, strict=True):
         assert torch.equal(got, want)
     if torch.cuda.is_available() and built_with_cuda():
         gpu = [c.cuda() for c in caches]

@@ -12,14 +12,21 @@ def start(kv: KVCacheManager, request: str, prompt: list[int], **extras: object)
     """Adds a request, schedules its whole prompt, returns the prefix-hit length."""
     kv.add_request(request, prompt, **extras)
     hit = kv.get_computed_blocks(request)
-    assert kv.allocate_slots(request, len(prompt) - hit.num_computed_tokens, computed=hit) is not None
+    assert (
+        kv.allocate_slots(request, len(prompt) - hit.num_computed_tokens, computed=hit) is not None
+    )
     return hit.num_computed_tokens
 
 
 def state(kv: KVCacheManager) -> tuple[object, ...]:
     s = kv.stats()
-    return (s.num_free_blocks, s.num_cached_blocks, s.prefix_cache_queries, kv.num_requests,
-            kv.pool.free_blocks_in_order())
+    return (
+        s.num_free_blocks,
+        s.num_cached_blocks,
+        s.prefix_cache_queries,
+        kv.num_requests,
+        kv.pool.free_blocks_in_order(),
+    )
 
 
 def test_prefix_sharing_and_statistics() -> None:

@@ -57,8 +57,14 @@ class KVCacheMachine(RuleBasedStateMachine):
         s = self.kv.stats()
         tables = {r: self.kv.block_table(r) for r in self.tokens}
         computed = {r: self.kv.num_computed_tokens(r) for r in self.tokens}
-        return (s.num_free_blocks, s.num_cached_blocks, s.num_evictions, tables, computed,
-                self.kv.pool.free_blocks_in_order())
+        return (
+            s.num_free_blocks,
+            s.num_cached_blocks,
+            s.num_evictions,
+            tables,
+            computed,
+            self.kv.pool.free_blocks_in_order(),
+        )
 
     def slot_of(self, request: str, position: int) -> tuple[int, int]:
         table = self.kv.block_table(request)
@@ -157,7 +163,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         child = f"r{self.next_id}"
         self.next_id += 1
         self.fork_as(request, child)
-        for r, token in zip((request, child), tokens):
+        for r, token in zip((request, child), tokens, strict=True):
             self.kv.append_token_ids(r, [token])
             self.tokens[r].append(token)
             self.allocate(r, 1, 0)

@@ -22,7 +22,9 @@ def run(*args: str | Path, cwd: Path | None = None) -> str:
     result = subprocess.run(
         [str(a) for a in args], cwd=cwd, capture_output=True, text=True, timeout=900
     )
-    assert result.returncode == 0, f"{' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}"
+    assert result.returncode == 0, (
+        f"{' '.join(map(str, args))} failed:\n{result.stdout}\n{result.stderr}"
+    )
     return result.stdout
 
 
@@ -33,8 +35,17 @@ def generator() -> list[str]:
 @pytest.fixture(scope="module")
 def core_build(tmp_path_factory: pytest.TempPathFactory) -> Path:
     build = tmp_path_factory.mktemp("core-build")
-    run("cmake", "-S", REPO, "-B", build, *generator(), "-DPYENGINE_BUILD_TESTS=ON",
-        "-DPYENGINE_CUDA=off", "-DCMAKE_BUILD_TYPE=Release")
+    run(
+        "cmake",
+        "-S",
+        REPO,
+        "-B",
+        build,
+        *generator(),
+        "-DPYENGINE_BUILD_TESTS=ON",
+        "-DPYENGINE_CUDA=off",
+        "-DCMAKE_BUILD_TYPE=Release",
+    )
     run("cmake", "--build", build, "--parallel", "2")
     return build
 
@@ -49,8 +60,15 @@ def test_example_embeds_the_installed_package(core_build: Path, tmp_path: Path) 
     run("cmake", "--install", core_build, "--prefix", prefix)
     assert (prefix / "include" / "pyengine" / "kv_cache_manager.h").is_file()
     example_build = tmp_path / "example"
-    run("cmake", "-S", REPO / "cpp" / "examples", "-B", example_build, *generator(),
-        f"-DCMAKE_PREFIX_PATH={prefix}")
+    run(
+        "cmake",
+        "-S",
+        REPO / "cpp" / "examples",
+        "-B",
+        example_build,
+        *generator(),
+        f"-DCMAKE_PREFIX_PATH={prefix}",
+    )
     run("cmake", "--build", example_build)
     out = run(example_build / "kv_cache_demo")
     assert "chat-b   prefix hit: 32 of 43 tokens" in out

@@ -25,8 +25,9 @@ def lanes(data: bytes) -> tuple[int, int]:
 def reference_keys(tokens: np.ndarray, block_size: int, adapter_id: int, salt: str) -> np.ndarray:
     salt_bytes = salt.encode()
     extras = xxhash.xxh64_intdigest(
-        struct.pack("<3Q", adapter_id % 2**64, xxhash.xxh64_intdigest(salt_bytes, SEED_LO),
-                    len(salt_bytes)),
+        struct.pack(
+            "<3Q", adapter_id % 2**64, xxhash.xxh64_intdigest(salt_bytes, SEED_LO), len(salt_bytes)
+        ),
         SEED_HI,
     )
     parent = ROOT
@@ -48,8 +49,14 @@ def test_xxhash64_matches_the_reference_library(length: int) -> None:
 
 @pytest.mark.parametrize(
     ("num_tokens", "block_size", "adapter_id", "salt"),
-    [(0, 16, 0, ""), (15, 16, 0, ""), (100, 16, 0, ""), (37, 1, 3, "tenant"),
-     (32 * 1024 + 5, 16, 0, "x"), (5000, 64, -1, "séance")],
+    [
+        (0, 16, 0, ""),
+        (15, 16, 0, ""),
+        (100, 16, 0, ""),
+        (37, 1, 3, "tenant"),
+        (32 * 1024 + 5, 16, 0, "x"),
+        (5000, 64, -1, "séance"),
+    ],
 )
 def test_block_keys_match_the_reference_chain(
     num_tokens: int, block_size: int, adapter_id: int, salt: str
