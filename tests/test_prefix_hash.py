@@ -1,5 +1,7 @@
 """Prefix keys against an independent reference: the xxhash package (the C library by
-xxHash's author) composing the documented chain in Python."""
+xxHash's author) composing the documented chain in Python: a block's content hash is
+xxh64(its int32 token ids, SEED_HI); its key is (xxh64(record, SEED_HI),
+xxh64(record, SEED_LO)) of the record (parent key, content hash, extras digest)."""
 
 from __future__ import annotations
 
@@ -33,8 +35,9 @@ def reference_keys(tokens: np.ndarray, block_size: int, adapter_id: int, salt: s
     parent = ROOT
     keys = []
     for i in range(len(tokens) // block_size):
-        content = lanes(tokens[i * block_size : (i + 1) * block_size].astype("<i4").tobytes())
-        parent = lanes(struct.pack("<5Q", *parent, *content, extras))
+        block = tokens[i * block_size : (i + 1) * block_size].astype("<i4").tobytes()
+        content = xxhash.xxh64_intdigest(block, SEED_HI)
+        parent = lanes(struct.pack("<4Q", *parent, content, extras))
         keys.append(parent)
     return np.array(keys, dtype=np.uint64).reshape(-1, 2)
 

@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "pyengine/kv_cache_manager.h"
+#include "pyengine/request_replay.h"
 #include "token_ids.h"
 
 namespace py = pybind11;
@@ -144,12 +145,47 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def("stats", &KVCacheManager::stats);
 }
 
+void bind_replay(py::module_& m) {
+  m.def(
+      "replay_requests",
+      [](KVCacheManager& kv, const py::sequence& prompts, const py::sequence& decodes,
+         int max_live_requests) {
+        if (prompts.size() != decodes.size()) {
+          throw py::value_error("replay_requests: prompts and decodes differ in length");
+        }
+        std::vector<TokenIds> tokens;
+        tokens.reserve(2 * prompts.size());
+        std::vector<ReplayRequest> requests;
+        requests.reserve(prompts.size());
+        for (size_t i = 0; i < prompts.size(); ++i) {
+          tokens.emplace_back(prompts[i], "prompts[i]");
+          tokens.emplace_back(decodes[i], "decodes[i]");
+          requests.push_back({tokens[2 * i].span(), tokens[2 * i + 1].span()});
+        }
+        // The GIL stays held: other Python threads must not use `kv` meanwhile.
+        const ReplayStats stats = replay_requests(kv, requests, max_live_requests);
+        py::dict result;
+        result["num_ops"] = stats.num_ops;
+        result["num_hit_tokens"] = stats.num_hit_tokens;
+        result["num_preemptions"] = stats.num_preemptions;
+        return result;
+      },
+      py::arg("manager"), py::arg("prompts"), py::arg("decodes"), py::arg("max_live_requests"),
+      R"doc(Replays requests through `manager` natively, without a model.
+
+Request i (id "req-<i>") is added with prompts[i], takes its prefix hit, computes the
+rest of its prompt, then decodes decodes[i] one token per step. At most
+max_live_requests stay live (oldest freed first); when blocks run out the oldest live
+request is preempted. Returns {"num_ops", "num_hit_tokens", "num_preemptions"}.)doc");
+}
+
 }  // namespace
 
 void bind_kv_cache(py::module_& m) {
   bind_stats(m);
   bind_pool(m);
   bind_manager(m);
+  bind_replay(m);
 }
 
 }  // namespace pyengine::bindings

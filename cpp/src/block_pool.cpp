@@ -7,21 +7,28 @@
 
 namespace pyengine {
 
-BlockPool::BlockPool(int num_blocks, int block_size) : block_size_(block_size) {
+namespace {
+
+int checked_num_blocks(int num_blocks) {
   check_argument(num_blocks > 0, "num_blocks must be positive");
+  return num_blocks;
+}
+
+}  // namespace
+
+BlockPool::BlockPool(int num_blocks, int block_size)
+    : block_size_(block_size), index_(checked_num_blocks(num_blocks)) {
   check_argument(block_size > 0 && (block_size & (block_size - 1)) == 0,
                  "block_size must be a positive power of two");
   blocks_.resize(static_cast<size_t>(num_blocks));
+  first_block_extras_.resize(static_cast<size_t>(num_blocks));
   stored_tokens_.resize(static_cast<size_t>(num_blocks) * static_cast<size_t>(block_size));
   for (BlockId b = 0; b < num_blocks; ++b) push_back(FreeList::kUncached, b);
 }
 
-const BlockPool::Meta& BlockPool::meta(BlockId block) const {
-  if (block < 0 || block >= num_blocks()) {
-    throw InvalidArgument("block id " + std::to_string(block) + " is out of range [0, " +
-                          std::to_string(num_blocks()) + ")");
-  }
-  return blocks_[static_cast<size_t>(block)];
+void BlockPool::throw_out_of_range(BlockId block) const {
+  throw InvalidArgument("block id " + std::to_string(block) + " is out of range [0, " +
+                        std::to_string(num_blocks()) + ")");
 }
 
 void BlockPool::push_back(FreeList which, BlockId block) {
@@ -66,7 +73,7 @@ BlockId BlockPool::pop_front(FreeList which) {
 void BlockPool::drop_cache_entry(BlockId block) {
   Meta& m = blocks_[static_cast<size_t>(block)];
   index_.erase(m.key);
-  if (m.parent.block_id == kNoBlock) first_block_extras_.erase(block);
+  if (m.parent.block_id == kNoBlock) first_block_extras_[static_cast<size_t>(block)] = {};
   m.is_cached = false;
   m.key = {};
   m.parent = {};
@@ -115,9 +122,7 @@ void BlockPool::release(BlockId block) {
 }
 
 std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const {
-  const auto it = index_.find(key);
-  if (it == index_.end()) return std::nullopt;
-  return it->second;
+  return index_.find(key);
 }
 
 std::span<const TokenId> BlockPool::stored_tokens(BlockId block) const {
@@ -134,8 +139,7 @@ bool BlockPool::verify(BlockId block, std::span<const TokenId> tokens, const Blo
   const auto stored = stored_tokens(block);
   if (!std::equal(stored.begin(), stored.end(), tokens.begin())) return false;
   if (parent.block_id != kNoBlock) return true;
-  const auto it = first_block_extras_.find(block);
-  return it != first_block_extras_.end() && it->second == extras;
+  return first_block_extras_[static_cast<size_t>(block)] == extras;
 }
 
 bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenId> tokens,
@@ -148,14 +152,14 @@ bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenI
     if (m.key == key) return true;
     throw InvalidState("cache: block " + std::to_string(block) + " already has another key");
   }
-  if (!index_.emplace(key, block).second) return false;
+  if (!index_.insert(key, block)) return false;
   Meta& w = blocks_[static_cast<size_t>(block)];
   w.is_cached = true;
   w.key = key;
   w.parent = parent;
   std::copy(tokens.begin(), tokens.end(),
             stored_tokens_.begin() + static_cast<ptrdiff_t>(block) * block_size_);
-  if (parent.block_id == kNoBlock) first_block_extras_[block] = extras;
+  if (parent.block_id == kNoBlock) first_block_extras_[static_cast<size_t>(block)] = extras;
   return true;
 }
 

@@ -20,16 +20,12 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
+#include "pyengine/block_index.h"
 #include "pyengine/prefix_hash.h"
 
 namespace pyengine {
-
-using BlockId = int32_t;
-
-inline constexpr BlockId kNoBlock = -1;
 
 // Identifies one cached incarnation of a block: a parent link stays valid only while
 // the parent block still holds the same cache entry.
@@ -48,7 +44,7 @@ class BlockPool {
   int block_size() const { return block_size_; }
   // Blocks with ref_count == 0 (cached or not): what allocate() can hand out.
   int num_free_blocks() const { return uncached_free_.size + cached_free_.size; }
-  int num_cached_blocks() const { return static_cast<int>(index_.size()); }
+  int num_cached_blocks() const { return index_.size(); }
   int64_t num_evictions() const { return num_evictions_; }
   // Token slots of in-use blocks that hold a token's KV.
   int64_t num_filled_slots_in_use() const { return num_filled_in_use_; }
@@ -111,7 +107,11 @@ class BlockPool {
     int size = 0;
   };
 
-  const Meta& meta(BlockId block) const;
+  const Meta& meta(BlockId block) const {
+    if (block < 0 || block >= num_blocks()) throw_out_of_range(block);
+    return blocks_[static_cast<size_t>(block)];
+  }
+  [[noreturn]] void throw_out_of_range(BlockId block) const;
   List& list_of(FreeList which) { return which == FreeList::kCached ? cached_free_ : uncached_free_; }
   void push_back(FreeList which, BlockId block);
   void unlink(BlockId block);
@@ -121,8 +121,8 @@ class BlockPool {
   int block_size_;
   std::vector<Meta> blocks_;
   std::vector<TokenId> stored_tokens_;  // [num_blocks, block_size], valid while cached
-  std::unordered_map<BlockId, BlockExtras> first_block_extras_;  // cached first blocks
-  std::unordered_map<BlockKey, BlockId, BlockKeyHasher> index_;
+  std::vector<BlockExtras> first_block_extras_;  // [num_blocks], set for cached first blocks
+  BlockIndex index_;
   List uncached_free_;
   List cached_free_;
   int num_in_use_ = 0;

@@ -6,9 +6,11 @@
 // and only when their extra keys (adapter id, cache salt) are equal.
 //
 // The hash function is xxHash64 (Yann Collet's published algorithm, implemented here
-// from its specification); a 128-bit key is two xxHash64 lanes with different seeds.
-// Hashing a long prompt runs in two levels: every block's content hash in parallel
-// (OpenMP), then a cheap sequential chain over 40-byte records.
+// from its specification). A block's content hash is one xxHash64 of its token ids; its
+// 128-bit key is two xxHash64 lanes (different seeds) over the 32-byte record
+// (parent key, content hash, extras digest). Hashing a long prompt runs in two levels:
+// every block's content hash (in parallel with OpenMP for very long prompts), then the
+// cheap sequential chain.
 #pragma once
 
 #include <cstddef>
