@@ -208,16 +208,24 @@ def bench_alloc_free(num_requests: int, repeats: int, seed: int) -> dict[str, An
     }
 
 
+def ragged(sequences: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+    """Flat int32 token ids and their int64 start offsets ([len + 1], from 0)."""
+    start_loc = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum([len(s) for s in sequences], out=start_loc[1:])
+    flat = np.fromiter((t for s in sequences for t in s), dtype=np.int32, count=int(start_loc[-1]))
+    return flat, start_loc
+
+
 def timed_native(workload: Workload, repeats: int) -> tuple[float, dict[str, int]]:
     """The same workload driven from C++ (pyengine.replay_requests), as the scheduler
     drives the manager: no Python call per operation. Token arrays are made untimed."""
-    prompts = [np.asarray(r.prompt_token_ids, dtype=np.int32) for r in workload.requests]
-    decodes = [np.asarray(r.decode_token_ids, dtype=np.int32) for r in workload.requests]
+    prompts = ragged([r.prompt_token_ids for r in workload.requests])
+    decodes = ragged([r.decode_token_ids for r in workload.requests])
     best, result = float("inf"), {}
     for _ in range(repeats):
         manager = pyengine.KVCacheManager(workload.num_blocks, BLOCK_SIZE)
         start = time.perf_counter()
-        result = pyengine.replay_requests(manager, prompts, decodes, workload.window)
+        result = pyengine.replay_requests(manager, *prompts, *decodes, workload.window)
         best = min(best, time.perf_counter() - start)
         assert manager.num_free_blocks == workload.num_blocks
     return best, result

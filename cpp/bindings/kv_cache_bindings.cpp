@@ -145,23 +145,44 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def("stats", &KVCacheManager::stats);
 }
 
+// Splits flat token ids at start_loc ([num_requests + 1], start_loc[0] == 0, ascending,
+// ending at the total) into one span per request.
+std::vector<std::span<const TokenId>> split_ragged(std::span<const TokenId> flat,
+                                                   const py::handle& start_loc, const char* name) {
+  const auto loc = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(
+      py::module_::import("numpy").attr("asarray")(start_loc));
+  if (!loc || loc.ndim() != 1 || loc.size() < 1 || loc.data()[0] != 0 ||
+      loc.data()[loc.size() - 1] != static_cast<int64_t>(flat.size())) {
+    throw py::value_error(std::string(name) +
+                          " must be 1-D, start at 0 and end at the number of token ids");
+  }
+  std::vector<std::span<const TokenId>> parts;
+  parts.reserve(static_cast<size_t>(loc.size() - 1));
+  for (py::ssize_t i = 0; i + 1 < loc.size(); ++i) {
+    const int64_t begin = loc.data()[i];
+    const int64_t end = loc.data()[i + 1];
+    if (end < begin) throw py::value_error(std::string(name) + " must be non-decreasing");
+    parts.push_back(flat.subspan(static_cast<size_t>(begin), static_cast<size_t>(end - begin)));
+  }
+  return parts;
+}
+
 void bind_replay(py::module_& m) {
   m.def(
       "replay_requests",
-      [](KVCacheManager& kv, const py::sequence& prompts, const py::sequence& decodes,
+      [](KVCacheManager& kv, const py::handle& prompt_token_ids, const py::handle& prompt_start_loc,
+         const py::handle& decode_token_ids, const py::handle& decode_start_loc,
          int max_live_requests) {
+        const TokenIds prompt_tokens(prompt_token_ids, "prompt_token_ids");
+        const TokenIds decode_tokens(decode_token_ids, "decode_token_ids");
+        const auto prompts = split_ragged(prompt_tokens.span(), prompt_start_loc, "prompt_start_loc");
+        const auto decodes = split_ragged(decode_tokens.span(), decode_start_loc, "decode_start_loc");
         if (prompts.size() != decodes.size()) {
-          throw py::value_error("replay_requests: prompts and decodes differ in length");
+          throw py::value_error("replay_requests: prompts and decodes differ in number");
         }
-        std::vector<TokenIds> tokens;
-        tokens.reserve(2 * prompts.size());
         std::vector<ReplayRequest> requests;
         requests.reserve(prompts.size());
-        for (size_t i = 0; i < prompts.size(); ++i) {
-          tokens.emplace_back(prompts[i], "prompts[i]");
-          tokens.emplace_back(decodes[i], "decodes[i]");
-          requests.push_back({tokens[2 * i].span(), tokens[2 * i + 1].span()});
-        }
+        for (size_t i = 0; i < prompts.size(); ++i) requests.push_back({prompts[i], decodes[i]});
         // The GIL stays held: other Python threads must not use `kv` meanwhile.
         const ReplayStats stats = replay_requests(kv, requests, max_live_requests);
         py::dict result;
@@ -170,13 +191,17 @@ void bind_replay(py::module_& m) {
         result["num_preemptions"] = stats.num_preemptions;
         return result;
       },
-      py::arg("manager"), py::arg("prompts"), py::arg("decodes"), py::arg("max_live_requests"),
+      py::arg("manager"), py::arg("prompt_token_ids"), py::arg("prompt_start_loc"),
+      py::arg("decode_token_ids"), py::arg("decode_start_loc"), py::arg("max_live_requests"),
       R"doc(Replays requests through `manager` natively, without a model.
 
-Request i (id "req-<i>") is added with prompts[i], takes its prefix hit, computes the
-rest of its prompt, then decodes decodes[i] one token per step. At most
-max_live_requests stay live (oldest freed first); when blocks run out the oldest live
-request is preempted. Returns {"num_ops", "num_hit_tokens", "num_preemptions"}.)doc");
+Request i (id "req-<i>") has the prompt prompt_token_ids[prompt_start_loc[i]:
+prompt_start_loc[i + 1]] and decodes decode_token_ids[decode_start_loc[i]:
+decode_start_loc[i + 1]], one token per step: the flat layout of vLLM's
+query_start_loc, so a whole trace crosses the binding in four arrays. It is added,
+takes its prefix hit, computes the rest of its prompt, then decodes. At most
+max_live_requests stay live (oldest freed first); when blocks run out the oldest
+live request is preempted. Returns {"num_ops", "num_hit_tokens", "num_preemptions"}.)doc");
 }
 
 }  // namespace

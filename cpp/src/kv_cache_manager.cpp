@@ -22,31 +22,41 @@ void check_token_ids(std::span<const TokenId> token_ids, const char* what) {
 KVCacheManager::KVCacheManager(const KVCacheConfig& config)
     : config_(config), pool_(config.num_blocks, config.block_size) {}
 
-KVCacheManager::Request& KVCacheManager::find(const RequestId& id) {
-  const auto it = requests_.find(id);
-  if (it == requests_.end()) throw UnknownRequest(id);
+size_t KVCacheManager::slot_of(const RequestId& id) const {
+  const auto it = request_slots_.find(id);
+  if (it == request_slots_.end()) throw UnknownRequest(id);
   return it->second;
 }
 
-const KVCacheManager::Request& KVCacheManager::find(const RequestId& id) const {
-  const auto it = requests_.find(id);
-  if (it == requests_.end()) throw UnknownRequest(id);
-  return it->second;
+size_t KVCacheManager::acquire_slot(const RequestId& id) {
+  size_t slot;
+  if (free_slots_.empty()) {
+    slot = requests_.size();
+    requests_.emplace_back();
+  } else {
+    slot = free_slots_.back();
+    free_slots_.pop_back();
+  }
+  request_slots_.emplace(id, slot);
+  return slot;
 }
 
 void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> prompt_token_ids,
                                  BlockExtras extras) {
   check_argument(!prompt_token_ids.empty(), "add_request: the prompt is empty");
   check_token_ids(prompt_token_ids, "add_request");
-  if (requests_.count(id) > 0) {
+  if (has_request(id)) {
     throw InvalidArgument("add_request: request id '" + id + "' already exists");
   }
-  Request request;
+  Request& request = requests_[acquire_slot(id)];
   request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  request.block_table.clear();
+  request.block_keys.clear();
+  request.num_computed_tokens = 0;
+  request.num_cached_blocks = 0;
   request.extras_hash = hash_extras(extras);
   request.extras = std::move(extras);
   extend_block_keys(request);
-  requests_.emplace(id, std::move(request));
 }
 
 void KVCacheManager::append_token_ids(const RequestId& id, std::span<const TokenId> token_ids) {
@@ -212,21 +222,22 @@ void KVCacheManager::cache_full_blocks(Request& request) {
 }
 
 void KVCacheManager::free(const RequestId& id) {
-  const auto it = requests_.find(id);
-  if (it == requests_.end()) throw UnknownRequest(id);
-  const auto& table = it->second.block_table;
+  const auto it = request_slots_.find(id);
+  if (it == request_slots_.end()) throw UnknownRequest(id);
+  const auto& table = requests_[it->second].block_table;
   for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
-  requests_.erase(it);
+  free_slots_.push_back(it->second);  // its vectors are cleared when the slot is reused
+  request_slots_.erase(it);
 }
 
 void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
-  const Request& source = find(parent);
-  if (requests_.count(child) > 0) {
+  const size_t source = slot_of(parent);
+  if (has_request(child)) {
     throw InvalidArgument("fork: request id '" + child + "' already exists");
   }
-  Request copy = source;
-  for (const BlockId b : copy.block_table) pool_.retain(b);
-  requests_.emplace(child, std::move(copy));
+  const size_t copy = acquire_slot(child);  // may grow requests_: index, don't hold references
+  requests_[copy] = requests_[source];
+  for (const BlockId b : requests_[copy].block_table) pool_.retain(b);
 }
 
 std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {

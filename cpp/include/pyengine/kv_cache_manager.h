@@ -66,8 +66,8 @@ class KVCacheManager {
   const KVCacheConfig& config() const { return config_; }
   int block_size() const { return config_.block_size; }
   int num_free_blocks() const { return pool_.num_free_blocks(); }
-  bool has_request(const RequestId& id) const { return requests_.count(id) > 0; }
-  int num_requests() const { return static_cast<int>(requests_.size()); }
+  bool has_request(const RequestId& id) const { return request_slots_.count(id) > 0; }
+  int num_requests() const { return static_cast<int>(request_slots_.size()); }
 
   // Registers a request with its prompt. Throws InvalidArgument on a duplicate id, an
   // empty prompt or a negative token id.
@@ -132,8 +132,11 @@ class KVCacheManager {
     bool fits = false;
   };
 
-  Request& find(const RequestId& id);
-  const Request& find(const RequestId& id) const;
+  size_t slot_of(const RequestId& id) const;
+  Request& find(const RequestId& id) { return requests_[slot_of(id)]; }
+  const Request& find(const RequestId& id) const { return requests_[slot_of(id)]; }
+  // A slot for a new request; the caller fills every field.
+  size_t acquire_slot(const RequestId& id);
   Plan plan(const Request& request, int num_new_tokens, int num_lookahead,
             const ComputedBlocks* computed) const;
   std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
@@ -142,7 +145,11 @@ class KVCacheManager {
 
   KVCacheConfig config_;
   BlockPool pool_;
-  std::unordered_map<RequestId, Request> requests_;
+  // Requests live in reused slots: a new request's vectors keep the capacity of the one
+  // before it, so a steady stream of requests allocates almost nothing.
+  std::unordered_map<RequestId, size_t> request_slots_;
+  std::vector<Request> requests_;
+  std::vector<size_t> free_slots_;
   std::vector<std::pair<BlockId, BlockId>> pending_copies_;
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
