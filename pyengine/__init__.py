@@ -4,6 +4,17 @@ The native core (KV-cache manager, prefix hashing, cache kernels) lives in the C
 extension ``pyengine._C``; this package re-exports it under stable names.
 """
 
+from pathlib import Path
+
+try:
+    from pyengine import _C  # noqa: F401
+except ImportError as error:  # pragma: no cover - depends on how pyengine was installed
+    raise ImportError(
+        f"pyengine's native extension pyengine._C is missing from {Path(__file__).parent}: "
+        "this looks like the source tree rather than an installed pyengine. Install it "
+        "(pip install .) and run from another folder, or install it editable (pip install -e .)"
+    ) from error
+
 from pyengine._C import (
     BlockPool,
     ComputedBlocks,
