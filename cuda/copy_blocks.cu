@@ -22,6 +22,22 @@ void check(cudaError_t status, const char* what) {
   }
 }
 
+// Makes `device` current for its lifetime and restores the caller's device after, so
+// that a kernel on cuda:1 leaves torch's current device alone.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  ~DeviceGuard() { cudaSetDevice(previous_); }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
 // grid: (num_pairs, num_caches)
 template <typename Chunk>
 __global__ void copy_blocks_kernel(unsigned char* const* __restrict__ cache_bases,  // [num_caches]
@@ -43,7 +59,7 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
   if (num_caches > 65535 || num_pairs > 0x7fffffff) {
     throw std::invalid_argument("copy_blocks (CUDA): at most 65535 caches and 2^31-1 pairs");
   }
-  check(cudaSetDevice(device_index), "cudaSetDevice");
+  const DeviceGuard device_guard(device_index);
   auto s = static_cast<cudaStream_t>(stream);
 
   // One upload: the cache base pointers, then the mapping.

@@ -8,6 +8,9 @@
 namespace pyengine {
 namespace {
 
+// Token positions are ints throughout (as in the scheduler's flat int32 inputs).
+constexpr size_t kMaxTokensPerRequest = 1u << 30;
+
 void check_token_ids(std::span<const TokenId> token_ids, const char* what) {
   TokenId smallest = 0;  // a branch-free minimum vectorizes
   for (const TokenId t : token_ids) smallest = std::min(smallest, t);
@@ -44,6 +47,8 @@ size_t KVCacheManager::acquire_slot(const RequestId& id) {
 void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> prompt_token_ids,
                                  BlockExtras extras) {
   check_argument(!prompt_token_ids.empty(), "add_request: the prompt is empty");
+  check_argument(prompt_token_ids.size() <= kMaxTokensPerRequest,
+                 "add_request: the prompt has more than 2**30 tokens");
   check_token_ids(prompt_token_ids, "add_request");
   if (has_request(id)) {
     throw InvalidArgument("add_request: request id '" + id + "' already exists");
@@ -62,6 +67,8 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
 void KVCacheManager::append_token_ids(const RequestId& id, std::span<const TokenId> token_ids) {
   Request& request = find(id);
   check_token_ids(token_ids, "append_token_ids");
+  check_argument(token_ids.size() <= kMaxTokensPerRequest - request.token_ids.size(),
+                 "append_token_ids: the request would have more than 2**30 tokens");
   request.token_ids.insert(request.token_ids.end(), token_ids.begin(), token_ids.end());
 }
 
