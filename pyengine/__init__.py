@@ -21,9 +21,9 @@ from pyengine._C import (
     KVCacheManager,
     KVCacheStats,
     built_with_cuda,
-    replay_requests,
     compute_block_keys,
     copy_blocks,
+    replay_requests,
     xxhash64,
 )
 
@@ -35,8 +35,8 @@ __all__ = [
     "KVCacheManager",
     "KVCacheStats",
     "built_with_cuda",
-    "replay_requests",
     "compute_block_keys",
     "copy_blocks",
+    "replay_requests",
     "xxhash64",
 ]
