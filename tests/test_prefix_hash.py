@@ -59,6 +59,7 @@ def test_xxhash64_matches_the_reference_library(length: int) -> None:
         (37, 1, 3, "tenant"),
         (32 * 1024 + 5, 16, 0, "x"),
         (5000, 64, -1, "séance"),
+        (8192 * 16 + 3, 16, 0, ""),  # enough blocks for the parallel (OpenMP) path
     ],
 )
 def test_block_keys_match_the_reference_chain(

@@ -34,9 +34,9 @@ TEST(xxhash64_matches_published_test_vectors) {
 }
 
 TEST(parallel_hash_equals_sequential_chain) {
-  const auto tokens = random_tokens(16 * 3000 + 5, 1);  // many blocks: the OpenMP path
+  const auto tokens = random_tokens(16 * 9000 + 5, 1);  // over 8192 blocks: the OpenMP path
   const auto keys = keys_of(tokens, 16, 7);
-  CHECK_EQ(keys.size(), 3000u);
+  CHECK_EQ(keys.size(), 9000u);
   BlockKey parent = kRootBlockKey;
   bool all_equal = true;
   for (size_t i = 0; i < keys.size(); ++i) {
