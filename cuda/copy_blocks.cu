@@ -52,9 +52,26 @@ __global__ void copy_blocks_kernel(unsigned char* const* __restrict__ cache_base
 
 }  // namespace
 
+// Stream-ordered device memory, freed on the stream however the scope is left.
+class StreamBuffer {
+ public:
+  StreamBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
+    check(cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
+  }
+  ~StreamBuffer() { cudaFreeAsync(data_, stream_); }
+  StreamBuffer(const StreamBuffer&) = delete;
+  StreamBuffer& operator=(const StreamBuffer&) = delete;
+  unsigned char* data() const { return static_cast<unsigned char*>(data_); }
+
+ private:
+  void* data_ = nullptr;
+  cudaStream_t stream_;
+};
+
 void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_stride,
-                 int64_t block_bytes, const int64_t* block_mapping, int64_t num_pairs,
-                 int device_index, void* stream) {
+                 int64_t block_bytes, const int64_t* block_mapping, const int64_t* wave_starts,
+                 int num_waves, int device_index, void* stream) {
+  const int64_t num_pairs = num_waves > 0 ? wave_starts[num_waves] : 0;
   if (num_pairs == 0 || num_caches == 0 || block_bytes == 0) return;
   if (num_caches > 65535 || num_pairs > 0x7fffffff) {
     throw std::invalid_argument("copy_blocks (CUDA): at most 65535 caches and 2^31-1 pairs");
@@ -68,26 +85,31 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
   std::vector<unsigned char> host(pointer_bytes + mapping_bytes);
   std::memcpy(host.data(), cache_bases, pointer_bytes);
   std::memcpy(host.data() + pointer_bytes, block_mapping, mapping_bytes);
-  void* device = nullptr;
-  check(cudaMallocAsync(&device, host.size(), s), "cudaMallocAsync");
+  const StreamBuffer device(host.size(), s);
   // Pageable source: the call returns once `host` is staged, so it may go out of scope.
-  check(cudaMemcpyAsync(device, host.data(), host.size(), cudaMemcpyHostToDevice, s),
+  check(cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s),
         "cudaMemcpyAsync");
-  auto* bases = static_cast<unsigned char* const*>(device);
-  auto* mapping = reinterpret_cast<const int64_t*>(static_cast<unsigned char*>(device) + pointer_bytes);
+  auto* bases = reinterpret_cast<unsigned char* const*>(device.data());
+  auto* mapping = reinterpret_cast<const int64_t*>(device.data() + pointer_bytes);
 
   bool aligned = block_bytes % 16 == 0 && block_stride % 16 == 0;
   for (int64_t c = 0; c < num_caches; ++c) {
     aligned = aligned && reinterpret_cast<uintptr_t>(cache_bases[c]) % 16 == 0;
   }
-  const dim3 grid(static_cast<unsigned>(num_pairs), static_cast<unsigned>(num_caches));
-  if (aligned) {
-    copy_blocks_kernel<uint4><<<grid, kThreads, 0, s>>>(bases, mapping, block_stride, block_bytes / 16);
-  } else {
-    copy_blocks_kernel<unsigned char><<<grid, kThreads, 0, s>>>(bases, mapping, block_stride, block_bytes);
+  // Waves in order on one stream: a wave starts after the one before has finished.
+  for (int w = 0; w < num_waves; ++w) {
+    const int64_t first = wave_starts[w];
+    const int64_t count = wave_starts[w + 1] - first;
+    if (count == 0) continue;
+    const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(num_caches));
+    const int64_t* wave = mapping + 2 * first;
+    if (aligned) {
+      copy_blocks_kernel<uint4><<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes / 16);
+    } else {
+      copy_blocks_kernel<unsigned char><<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes);
+    }
+    check(cudaGetLastError(), "kernel launch");
   }
-  check(cudaGetLastError(), "kernel launch");
-  check(cudaFreeAsync(device, s), "cudaFreeAsync");
 }
 
 }  // namespace pyengine::cuda

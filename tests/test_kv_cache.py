@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
+from collisions import colliding_block
 
-from pyengine import KVCacheManager
+from pyengine import KVCacheManager, compute_block_keys
 
 
 def start(kv: KVCacheManager, request: str, prompt: list[int], **extras: object) -> int:
@@ -173,3 +177,66 @@ def test_eviction_is_least_recently_freed_first() -> None:
     kv.free("c")
     assert start(kv, "d", [5, 6, 7]) == 2  # b's first block survived
     assert kv.block_table("d")[0] == 2
+
+
+def test_colliding_keys_never_serve_another_prefix() -> None:
+    """Regression: allocate_slots trusted a hit's key; a block evicted and re-cached
+    under the same (collided) key with other tokens was taken as the hit."""
+    ours = list(range(100, 116))
+    theirs = colliding_block(ours)
+    assert theirs != ours
+    np.testing.assert_array_equal(compute_block_keys(ours), compute_block_keys(theirs))
+
+    kv = KVCacheManager(num_blocks=2, block_size=16)
+    start(kv, "a", ours)  # caches `ours` in block 0
+    kv.add_request("z", [7])
+    kv.allocate_slots("z", 1)  # holds block 1
+    kv.free("a")
+    kv.add_request("v", [*ours, 5])
+    hit = kv.get_computed_blocks("v")
+    assert hit.block_ids == [0]
+    assert start(kv, "b", theirs) == 0  # same key, other tokens: verified as a miss...
+    kv.free("b")  # ... and it evicted block 0 and cached `theirs` there under the key
+    kv.free("z")
+    with pytest.raises(ValueError, match="computed blocks are stale"):
+        kv.allocate_slots("v", 1, computed=hit)
+    assert kv.block_table("v") == []
+    assert start(kv, "w", [*theirs, 1]) == 16  # the real owner of the key still hits
+
+
+def test_a_failed_add_request_registers_nothing() -> None:
+    """Regression: add_request took a slot (with the previous owner's block table)
+    under the new id before copying the prompt; a MemoryError left the id registered."""
+    script = """
+import resource, numpy as np
+from pyengine import KVCacheManager
+kv = KVCacheManager(num_blocks=1, block_size=4)
+kv.add_request("old", [1, 2, 3]); kv.add_request("keep", [4, 5, 6])
+kv.allocate_slots("old", 3); kv.free("old"); kv.allocate_slots("keep", 3)
+big = np.ones(50_000_000, dtype=np.int32)
+vm = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 100 * 2**20, resource.RLIM_INFINITY))
+try:
+    kv.add_request("big", big)
+    raise SystemExit("expected MemoryError")
+except MemoryError:
+    pass
+try:
+    kv.fork("keep", "child")
+except MemoryError:
+    pass
+resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+assert not kv.has_request("big") and kv.num_requests in (1, 2)
+assert kv.pool.ref_count(0) == kv.num_requests, kv.pool.ref_count(0)
+print("ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_misaligned_token_arrays_are_copied() -> None:
+    raw = np.arange(17, dtype=np.int32).tobytes()
+    misaligned = np.frombuffer(b"\0" + raw, dtype=np.int32, offset=1)
+    assert misaligned.ctypes.data % 4 != 0
+    expected = compute_block_keys(np.arange(17, dtype=np.int32), 4)
+    np.testing.assert_array_equal(compute_block_keys(misaligned, 4), expected)

@@ -33,19 +33,19 @@ void bind_cache_ops(py::module_& m) {
         }
         const auto mapping =
             py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(given);
+        const bool no_pairs = mapping.size() == 0 && mapping.ndim() == 1;  // [] is no pairs
+        if (!no_pairs && (mapping.ndim() != 2 || mapping.shape(1) != 2)) {
+          throw py::value_error("copy_blocks: block_mapping must be int64 [num_pairs, 2]");
+        }
+        // Owned: the ids are checked and then read without the GIL, when another thread
+        // could change the caller's array in between.
+        std::vector<int64_t> pairs(mapping.data(), mapping.data() + mapping.size());
         TensorView mapping_view;
-        mapping_view.data = const_cast<int64_t*>(mapping.data());
+        mapping_view.data = pairs.data();
         mapping_view.dtype = DType::kInt64;
-        mapping_view.ndim = static_cast<int>(mapping.ndim());
-        for (int d = 0; d < mapping_view.ndim && d < TensorView::kMaxDims; ++d) {
-          mapping_view.shape[static_cast<size_t>(d)] = mapping.shape(d);
-          mapping_view.strides[static_cast<size_t>(d)] = mapping.strides(d) / 8;
-        }
-        if (mapping.size() == 0 && mapping.ndim() == 1) {  // [] means no pairs
-          mapping_view.ndim = 2;
-          mapping_view.shape = {0, 2};
-          mapping_view.strides = {2, 1};
-        }
+        mapping_view.ndim = 2;
+        mapping_view.shape = {static_cast<int64_t>(pairs.size() / 2), 2};
+        mapping_view.strides = {2, 1};
         py::gil_scoped_release release;
         copy_blocks(views, mapping_view, nullptr);
       },

@@ -47,7 +47,8 @@ TokenIds::TokenIds(const py::handle& obj, const char* name) {
   if (kind != 'i' && kind != 'u') {
     fail(name, "must have an integer dtype, got " + std::string(py::str(array.dtype())));
   }
-  if (py::isinstance<py::array_t<TokenId, py::array::c_style>>(array)) {
+  const bool aligned = reinterpret_cast<uintptr_t>(array.data()) % alignof(TokenId) == 0;
+  if (aligned && py::isinstance<py::array_t<TokenId, py::array::c_style>>(array)) {
     keep_alive_ = array;
     const auto typed = py::reinterpret_borrow<py::array_t<TokenId>>(array);
     view_ = std::span<const TokenId>(typed.data(), static_cast<size_t>(typed.size()));

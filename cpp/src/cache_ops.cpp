@@ -1,7 +1,9 @@
 #include "pyengine/cache_ops.h"
 
+#include <algorithm>
 #include <cstring>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "pyengine/errors.h"
@@ -47,13 +49,35 @@ void check_caches(std::span<const TensorView> caches) {
                             c.describe());
     }
     if (c.dtype != first.dtype || c.device != first.device || c.ndim != first.ndim ||
-        c.shape != first.shape) {
-      throw InvalidArgument(name + c.describe() + " differs from caches[0] " + first.describe());
+        c.shape != first.shape || c.strides[0] != first.strides[0]) {
+      throw InvalidArgument(name + c.describe() + " differs from caches[0] " + first.describe() +
+                            " (shape, dtype, device or block stride)");
     }
   }
 }
 
 }  // namespace
+
+std::vector<int> copy_block_waves(std::span<const int64_t> pairs) {
+  check_argument(pairs.size() % 2 == 0, "copy_block_waves: pairs must hold (src, dst) pairs");
+  std::unordered_map<int64_t, int> last_write;
+  std::unordered_map<int64_t, int> last_read;
+  const auto after = [](const std::unordered_map<int64_t, int>& last, int64_t block) {
+    const auto it = last.find(block);
+    return it == last.end() ? 0 : it->second + 1;
+  };
+  std::vector<int> waves(pairs.size() / 2);
+  for (size_t p = 0; p < waves.size(); ++p) {
+    const int64_t src = pairs[2 * p];
+    const int64_t dst = pairs[2 * p + 1];
+    const int wave = std::max({after(last_write, src), after(last_write, dst), after(last_read, dst)});
+    waves[p] = wave;
+    last_write[dst] = wave;
+    int& read = last_read.try_emplace(src, wave).first->second;
+    read = std::max(read, wave);
+  }
+  return waves;
+}
 
 bool built_with_cuda() {
 #ifdef PYENGINE_WITH_CUDA
@@ -79,8 +103,22 @@ void copy_blocks(std::span<const TensorView> caches, const TensorView& block_map
     bases.reserve(caches.size());
     for (const TensorView& c : caches) bases.push_back(c.data);
     const int64_t stride_bytes = first.strides[0] * static_cast<int64_t>(first.element_size());
+    // The kernel copies a wave's pairs in parallel: sort the pairs by wave.
+    const std::span<const int64_t> all(pairs, static_cast<size_t>(2 * num_pairs));
+    const std::vector<int> waves = copy_block_waves(all);
+    const int num_waves = *std::max_element(waves.begin(), waves.end()) + 1;
+    std::vector<int64_t> wave_starts(static_cast<size_t>(num_waves) + 1, 0);
+    for (const int w : waves) ++wave_starts[static_cast<size_t>(w) + 1];
+    for (size_t w = 1; w < wave_starts.size(); ++w) wave_starts[w] += wave_starts[w - 1];
+    std::vector<int64_t> sorted(all.size());
+    std::vector<int64_t> next(wave_starts.begin(), wave_starts.end() - 1);
+    for (size_t p = 0; p < waves.size(); ++p) {
+      const auto at = static_cast<size_t>(next[static_cast<size_t>(waves[p])]++);
+      sorted[2 * at] = all[2 * p];
+      sorted[2 * at + 1] = all[2 * p + 1];
+    }
     cuda::copy_blocks(bases.data(), static_cast<int64_t>(bases.size()), stride_bytes, block_bytes,
-                      pairs, num_pairs, first.device.index, stream);
+                      sorted.data(), wave_starts.data(), num_waves, first.device.index, stream);
     return;
 #else
     (void)stream;

@@ -31,17 +31,28 @@ size_t KVCacheManager::slot_of(const RequestId& id) const {
   return it->second;
 }
 
-size_t KVCacheManager::acquire_slot(const RequestId& id) {
-  size_t slot;
+size_t KVCacheManager::take_free_slot() {
   if (free_slots_.empty()) {
-    slot = requests_.size();
+    // Reserving for every slot here keeps free()'s push_back from ever allocating.
+    free_slots_.reserve(requests_.size() + 1);
     requests_.emplace_back();
-  } else {
-    slot = free_slots_.back();
-    free_slots_.pop_back();
+    return requests_.size() - 1;
   }
-  request_slots_.emplace(id, slot);
+  const size_t slot = free_slots_.back();
+  free_slots_.pop_back();
   return slot;
+}
+
+template <typename Fill>
+void KVCacheManager::register_request(const RequestId& id, Fill&& fill) {
+  const size_t slot = take_free_slot();
+  try {
+    fill(requests_[slot]);
+    request_slots_.emplace(id, slot);
+  } catch (...) {
+    free_slots_.push_back(slot);  // the id was never registered: nothing changed
+    throw;
+  }
 }
 
 void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> prompt_token_ids,
@@ -53,15 +64,16 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
   if (has_request(id)) {
     throw InvalidArgument("add_request: request id '" + id + "' already exists");
   }
-  Request& request = requests_[acquire_slot(id)];
-  request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
-  request.block_table.clear();
-  request.block_keys.clear();
-  request.num_computed_tokens = 0;
-  request.num_cached_blocks = 0;
-  request.extras_hash = hash_extras(extras);
-  request.extras = std::move(extras);
-  extend_block_keys(request);
+  register_request(id, [&](Request& request) {
+    request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+    request.block_table.clear();
+    request.block_keys.clear();
+    request.num_computed_tokens = 0;
+    request.num_cached_blocks = 0;
+    request.extras_hash = hash_extras(extras);
+    request.extras = extras;
+    extend_block_keys(request);
+  });
 }
 
 void KVCacheManager::append_token_ids(const RequestId& id, std::span<const TokenId> token_ids) {
@@ -91,6 +103,12 @@ void KVCacheManager::extend_block_keys(Request& request) {
               std::span<BlockKey>(request.block_keys).subspan(have));
 }
 
+bool KVCacheManager::is_verified_hit(const Request& request, size_t block_index, BlockId block,
+                                     const BlockLink& parent) const {
+  return pool_.is_cached(block) && pool_.key(block) == request.block_keys[block_index] &&
+         pool_.verify(block, block_tokens(request, block_index), parent, request.extras);
+}
+
 ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
   Request& request = find(id);
   if (!request.block_table.empty()) {
@@ -104,7 +122,7 @@ ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
   BlockLink parent;
   for (size_t i = 0; i < max_blocks; ++i) {
     const auto block = pool_.lookup(request.block_keys[i]);
-    if (!block || !pool_.verify(*block, block_tokens(request, i), parent, request.extras)) break;
+    if (!block || !is_verified_hit(request, i, *block, parent)) break;
     computed.block_ids.push_back(*block);
     parent = pool_.link(*block);
   }
@@ -130,13 +148,17 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
     check_argument(computed->num_computed_tokens == num_hit * size &&
                        num_hit <= static_cast<int64_t>(request.block_keys.size()),
                    "allocate_slots: computed blocks do not match the request");
+    // Verified again, not trusted: the blocks may have been evicted and re-cached
+    // with other content since get_computed_blocks.
+    BlockLink parent;
     for (size_t i = 0; i < computed->block_ids.size(); ++i) {
       const BlockId b = computed->block_ids[i];
-      if (!pool_.is_cached(b) || !(pool_.key(b) == request.block_keys[i])) {
+      if (!is_verified_hit(request, i, b, parent)) {
         throw InvalidArgument("allocate_slots: computed blocks are stale (block " +
                               std::to_string(b) + " no longer caches this prefix)");
       }
       if (pool_.ref_count(b) == 0) ++p.num_free_hits;
+      parent = pool_.link(b);
     }
   }
   p.first_new_token = has_hit ? computed->num_computed_tokens : request.num_computed_tokens;
@@ -231,10 +253,11 @@ void KVCacheManager::cache_full_blocks(Request& request) {
 void KVCacheManager::free(const RequestId& id) {
   const auto it = request_slots_.find(id);
   if (it == request_slots_.end()) throw UnknownRequest(id);
-  const auto& table = requests_[it->second].block_table;
-  for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
-  free_slots_.push_back(it->second);  // its vectors are cleared when the slot is reused
+  const size_t slot = it->second;
   request_slots_.erase(it);
+  free_slots_.push_back(slot);  // capacity reserved: cannot throw. Cleared on reuse.
+  const auto& table = requests_[slot].block_table;
+  for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
 }
 
 void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
@@ -242,9 +265,9 @@ void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
   if (has_request(child)) {
     throw InvalidArgument("fork: request id '" + child + "' already exists");
   }
-  const size_t copy = acquire_slot(child);  // may grow requests_: index, don't hold references
-  requests_[copy] = requests_[source];
-  for (const BlockId b : requests_[copy].block_table) pool_.retain(b);
+  // Index, don't hold references: taking a slot may grow requests_.
+  register_request(child, [&](Request& copy) { copy = requests_[source]; });
+  for (const BlockId b : requests_[slot_of(child)].block_table) pool_.retain(b);
 }
 
 std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {

@@ -74,4 +74,35 @@ TEST(cuda_tensors_without_cuda_are_a_clear_error) {
   CHECK_THROWS(InvalidArgument, copy_blocks(caches, view(ok.data(), DType::kInt64, {1, 2})));
 }
 
+TEST(waves_order_dependent_pairs) {
+  // Regression: the CUDA kernel ran all pairs at once, but copy-on-write can queue a
+  // block as one pair's source and a later pair's destination.
+  const std::vector<int64_t> chain = {0, 2, 1, 0};  // block 0 read, then overwritten
+  CHECK((copy_block_waves(chain) == std::vector<int>{0, 1}));
+  const std::vector<int64_t> independent = {0, 3, 1, 4, 2, 5};
+  CHECK((copy_block_waves(independent) == std::vector<int>{0, 0, 0}));
+  const std::vector<int64_t> same_dst = {0, 5, 1, 5};  // the later write wins
+  CHECK((copy_block_waves(same_dst) == std::vector<int>{0, 1}));
+  const std::vector<int64_t> read_after_write = {0, 1, 1, 2, 3, 4};
+  CHECK((copy_block_waves(read_after_write) == std::vector<int>{0, 1, 0}));
+  CHECK_THROWS(InvalidArgument, copy_block_waves(std::vector<int64_t>{1, 2, 3}));
+}
+
+TEST(pairs_apply_in_order_on_the_cpu) {
+  std::vector<float> cache = {10, 10, 20, 20, 0, 0};  // 3 blocks of 2
+  std::vector<int64_t> mapping = {0, 2, 1, 0};
+  const std::vector<TensorView> caches = {view(cache.data(), DType::kFloat32, {3, 2})};
+  copy_blocks(caches, view(mapping.data(), DType::kInt64, {2, 2}));
+  CHECK((cache == std::vector<float>{20, 20, 20, 20, 10, 10}));
+}
+
+TEST(caches_must_share_a_block_stride) {
+  std::vector<float> keys(32), values(16);
+  std::vector<int64_t> ok = {0, 1};
+  TensorView padded = view(keys.data(), DType::kFloat32, {4, 4});
+  padded.strides[0] = 8;  // every other row of a [4, 8] buffer
+  const std::vector<TensorView> caches = {padded, view(values.data(), DType::kFloat32, {4, 4})};
+  CHECK_THROWS(InvalidArgument, copy_blocks(caches, view(ok.data(), DType::kInt64, {1, 2})));
+}
+
 TEST_MAIN()

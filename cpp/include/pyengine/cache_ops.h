@@ -1,7 +1,9 @@
 // Cache operations on the paged KV cache, dispatched on the tensors' device.
 #pragma once
 
+#include <cstdint>
 #include <span>
+#include <vector>
 
 #include "pyengine/tensor_view.h"
 
@@ -17,8 +19,16 @@ bool built_with_cuda();
 //   block_mapping: int64 [num_pairs, 2] on the CPU, every id in [0, num_blocks)
 //   stream:        cudaStream_t for CUDA caches (nullptr: the default stream); unused
 //                  on the CPU
+// The result is that of applying the pairs one after another, in order (a block may be
+// the destination of one pair and the source of a later one).
 // Throws InvalidArgument naming the argument on any mismatch, before copying anything.
 void copy_blocks(std::span<const TensorView> caches, const TensorView& block_mapping,
                  void* stream = nullptr);
+
+// The wave of each (src, dst) pair of `pairs` ([num_pairs * 2]): pairs of one wave touch
+// no block another pair of that wave writes, so a wave may run in parallel, and running
+// the waves in order gives the same result as running the pairs in order. A pair waits
+// for every earlier pair that writes its src or dst, or reads its dst.
+std::vector<int> copy_block_waves(std::span<const int64_t> pairs);
 
 }  // namespace pyengine

@@ -135,8 +135,13 @@ class KVCacheManager {
   size_t slot_of(const RequestId& id) const;
   Request& find(const RequestId& id) { return requests_[slot_of(id)]; }
   const Request& find(const RequestId& id) const { return requests_[slot_of(id)]; }
-  // A slot for a new request; the caller fills every field.
-  size_t acquire_slot(const RequestId& id);
+  size_t take_free_slot();
+  // Fills a free slot with `fill`, then registers it under `id`; if anything throws,
+  // the slot goes back and nothing has changed.
+  template <typename Fill>
+  void register_request(const RequestId& id, Fill&& fill);
+  bool is_verified_hit(const Request& request, size_t block_index, BlockId block,
+                       const BlockLink& parent) const;
   Plan plan(const Request& request, int num_new_tokens, int num_lookahead,
             const ComputedBlocks* computed) const;
   std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
