@@ -125,9 +125,17 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def("get_computed_blocks", &KVCacheManager::get_computed_blocks, py::arg("request_id"))
       .def("can_allocate_slots", &KVCacheManager::can_allocate_slots, py::arg("request_id"),
            py::arg("num_new_tokens"), py::arg("num_lookahead") = 0, py::arg("computed") = nullptr)
-      .def("allocate_slots", &KVCacheManager::allocate_slots, py::arg("request_id"),
-           py::arg("num_new_tokens"), py::arg("num_lookahead") = 0, py::arg("computed") = nullptr,
-           "New block ids, or None (nothing changed) when too few blocks are free.")
+      .def(
+          "allocate_slots",
+          [](KVCacheManager& k, const RequestId& id, int num_new_tokens, int num_lookahead,
+             const ComputedBlocks* computed) -> py::object {
+            const auto new_blocks = k.allocate_slots(id, num_new_tokens, num_lookahead, computed);
+            if (!new_blocks) return py::none();
+            return to_list(*new_blocks);
+          },
+          py::arg("request_id"), py::arg("num_new_tokens"), py::arg("num_lookahead") = 0,
+          py::arg("computed") = nullptr,
+          "New block ids, or None (nothing changed) when too few blocks are free.")
       .def("free", &KVCacheManager::free, py::arg("request_id"))
       .def("fork", &KVCacheManager::fork, py::arg("parent_request_id"), py::arg("child_request_id"))
       .def("take_pending_copies", &KVCacheManager::take_pending_copies,

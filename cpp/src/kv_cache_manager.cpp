@@ -194,7 +194,7 @@ bool KVCacheManager::can_allocate_slots(const RequestId& id, int num_new_tokens,
   return plan(find(id), num_new_tokens, num_lookahead, computed).fits;
 }
 
-std::optional<std::vector<BlockId>> KVCacheManager::allocate_slots(
+std::optional<std::span<const BlockId>> KVCacheManager::allocate_slots(
     const RequestId& id, int num_new_tokens, int num_lookahead, const ComputedBlocks* computed) {
   Request& request = find(id);
   const Plan p = plan(request, num_new_tokens, num_lookahead, computed);
@@ -216,12 +216,7 @@ std::optional<std::vector<BlockId>> KVCacheManager::allocate_slots(
     pool_.release(shared);
     request.block_table[static_cast<size_t>(i)] = copy;
   }
-  std::vector<BlockId> new_blocks;
-  new_blocks.reserve(static_cast<size_t>(p.num_new_blocks));
-  for (int i = 0; i < p.num_new_blocks; ++i) {
-    new_blocks.push_back(pool_.allocate());
-    request.block_table.push_back(new_blocks.back());
-  }
+  for (int i = 0; i < p.num_new_blocks; ++i) request.block_table.push_back(pool_.allocate());
 
   const int size = block_size();
   const int end = p.first_new_token + num_new_tokens;
@@ -230,7 +225,7 @@ std::optional<std::vector<BlockId>> KVCacheManager::allocate_slots(
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);
-  return new_blocks;
+  return std::span<const BlockId>(request.block_table).last(static_cast<size_t>(p.num_new_blocks));
 }
 
 void KVCacheManager::cache_full_blocks(Request& request) {

@@ -150,11 +150,18 @@ void hash_blocks(std::span<const TokenId> token_ids, int block_size, uint64_t ex
   const auto block = [&](size_t i) {
     return token_ids.subspan(i * static_cast<size_t>(block_size), static_cast<size_t>(block_size));
   };
-  // Level 1: content hashes, independent per block, parked in `out[i].lo`.
-  const auto n = static_cast<int64_t>(num_blocks);
-#pragma omp parallel for schedule(static) if (num_blocks >= kMinBlocksForParallel)
-  for (int64_t i = 0; i < n; ++i) {
+  // Level 1: content hashes, independent per block, parked in `out[i].lo`. The branch
+  // keeps short prompts out of the OpenMP runtime, which sets up a team even when an
+  // `if` clause turns the region serial.
+  const auto content = [&](int64_t i) {
     out[static_cast<size_t>(i)].lo = hash_content(block(static_cast<size_t>(i)));
+  };
+  const auto n = static_cast<int64_t>(num_blocks);
+  if (num_blocks >= kMinBlocksForParallel) {
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) content(i);
+  } else {
+    for (int64_t i = 0; i < n; ++i) content(i);
   }
   // Level 2: the chain, sequential but only 32 bytes per block.
   BlockKey previous = parent;

@@ -87,12 +87,13 @@ class KVCacheManager {
                           const ComputedBlocks* computed = nullptr) const;
   // Schedules KV for the next `num_new_tokens` known tokens, plus `num_lookahead` slots
   // for draft tokens, taking `computed` (from get_computed_blocks, first allocation only)
-  // first. Returns the newly allocated block ids, or nullopt, changing nothing, when the
-  // pool has too few free blocks. Throws UnknownRequest, InvalidArgument on
+  // first. Returns the newly allocated block ids (a view of the end of the request's
+  // block table, valid until the request next changes), or nullopt, changing nothing,
+  // when the pool has too few free blocks. Throws UnknownRequest, InvalidArgument on
   // num_new_tokens <= 0, num_lookahead < 0, tokens not yet known, or stale `computed`.
-  std::optional<std::vector<BlockId>> allocate_slots(const RequestId& id, int num_new_tokens,
-                                                     int num_lookahead = 0,
-                                                     const ComputedBlocks* computed = nullptr);
+  std::optional<std::span<const BlockId>> allocate_slots(const RequestId& id, int num_new_tokens,
+                                                         int num_lookahead = 0,
+                                                         const ComputedBlocks* computed = nullptr);
 
   // Releases a request's blocks (last block first, so that prompt heads, the most
   // shareable, are evicted last) and forgets it. Throws UnknownRequest, so freeing twice
