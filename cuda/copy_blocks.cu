@@ -41,7 +41,7 @@ class DeviceGuard {
 // grid: (num_pairs, num_caches)
 template <typename Chunk>
 __global__ void copy_blocks_kernel(unsigned char* const* __restrict__ cache_bases,  // [num_caches]
-                                   const int64_t* __restrict__ block_mapping,       // [num_pairs, 2]
+                                   const int64_t* __restrict__ block_mapping,  // [num_pairs, 2]
                                    int64_t block_stride, int64_t num_chunks) {
   const int64_t pair = blockIdx.x;
   unsigned char* base = cache_bases[blockIdx.y];
@@ -104,9 +104,11 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
     const dim3 grid(static_cast<unsigned>(count), static_cast<unsigned>(num_caches));
     const int64_t* wave = mapping + 2 * first;
     if (aligned) {
-      copy_blocks_kernel<uint4><<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes / 16);
+      copy_blocks_kernel<uint4>
+          <<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes / 16);
     } else {
-      copy_blocks_kernel<unsigned char><<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes);
+      copy_blocks_kernel<unsigned char>
+          <<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes);
     }
     check(cudaGetLastError(), "kernel launch");
   }

@@ -25,10 +25,8 @@ DType to_dtype(const dlpack::DataType& t, const std::string& name) {
 Device to_device(const dlpack::Device& d, const std::string& name) {
   switch (d.device_type) {
     case 1:
-    case 3:
-      return {DeviceKind::kCPU, 0};
-    case 2:
-      return {DeviceKind::kCUDA, d.device_id};
+    case 3: return {DeviceKind::kCPU, 0};
+    case 2: return {DeviceKind::kCUDA, d.device_id};
     default:
       throw py::type_error(name + " is on an unsupported device (DLPack device type " +
                            std::to_string(d.device_type) + "); supported: cpu, cuda");
@@ -39,8 +37,9 @@ Device to_device(const dlpack::Device& d, const std::string& name) {
 
 DLPackView::DLPackView(const py::handle& obj, const std::string& name) {
   if (!py::hasattr(obj, "__dlpack__")) {
-    throw py::type_error(name + " must be a tensor that supports DLPack (torch.Tensor, "
-                                "numpy.ndarray, ...), got " +
+    throw py::type_error(name +
+                         " must be a tensor that supports DLPack (torch.Tensor, "
+                         "numpy.ndarray, ...), got " +
                          std::string(py::str(py::type::of(obj).attr("__name__"))));
   }
   capsule_ = obj.attr("__dlpack__")();

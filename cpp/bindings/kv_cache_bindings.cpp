@@ -40,8 +40,9 @@ void bind_stats(py::module_& m) {
                              })
       .def("__repr__", [](const KVCacheStats& s) {
         std::ostringstream out;
-        out << "KVCacheStats(num_blocks=" << s.num_blocks << ", num_used_blocks="
-            << s.num_used_blocks << ", num_free_blocks=" << s.num_free_blocks
+        out << "KVCacheStats(num_blocks=" << s.num_blocks
+            << ", num_used_blocks=" << s.num_used_blocks
+            << ", num_free_blocks=" << s.num_free_blocks
             << ", num_cached_blocks=" << s.num_cached_blocks << ", usage=" << s.usage
             << ", prefix_cache_queries=" << s.prefix_cache_queries
             << ", prefix_cache_hits=" << s.prefix_cache_hits
@@ -70,7 +71,9 @@ void bind_pool(py::module_& m) {
           py::arg("block_id"), "(hi, lo) of a cached block's key; (0, 0) if not cached.")
       .def(
           "lookup",
-          [](const BlockPool& p, uint64_t hi, uint64_t lo) { return p.lookup(BlockKey{hi, lo}); },
+          [](const BlockPool& p, uint64_t hi, uint64_t lo) {
+            return p.lookup(BlockKey{hi, lo});
+          },
           py::arg("hi"), py::arg("lo"), "The block cached under a key, or None.")
       .def(
           "stored_tokens",
@@ -98,13 +101,16 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
            }),
            py::arg("num_blocks"), py::arg("block_size") = 16,
            py::arg("enable_prefix_caching") = true)
-      .def_property_readonly("num_blocks", [](const KVCacheManager& k) { return k.config().num_blocks; })
+      .def_property_readonly("num_blocks",
+                             [](const KVCacheManager& k) { return k.config().num_blocks; })
       .def_property_readonly("block_size", &KVCacheManager::block_size)
-      .def_property_readonly("enable_prefix_caching",
-                             [](const KVCacheManager& k) { return k.config().enable_prefix_caching; })
+      .def_property_readonly(
+          "enable_prefix_caching",
+          [](const KVCacheManager& k) { return k.config().enable_prefix_caching; })
       .def_property_readonly("num_free_blocks", &KVCacheManager::num_free_blocks)
       .def_property_readonly("num_requests", &KVCacheManager::num_requests)
-      .def_property_readonly("pool", &KVCacheManager::pool, py::return_value_policy::reference_internal)
+      .def_property_readonly("pool", &KVCacheManager::pool,
+                             py::return_value_policy::reference_internal)
       .def("has_request", &KVCacheManager::has_request, py::arg("request_id"))
       .def(
           "add_request",
@@ -183,8 +189,10 @@ void bind_replay(py::module_& m) {
          int max_live_requests) {
         const TokenIds prompt_tokens(prompt_token_ids, "prompt_token_ids");
         const TokenIds decode_tokens(decode_token_ids, "decode_token_ids");
-        const auto prompts = split_ragged(prompt_tokens.span(), prompt_start_loc, "prompt_start_loc");
-        const auto decodes = split_ragged(decode_tokens.span(), decode_start_loc, "decode_start_loc");
+        const auto prompts =
+            split_ragged(prompt_tokens.span(), prompt_start_loc, "prompt_start_loc");
+        const auto decodes =
+            split_ragged(decode_tokens.span(), decode_start_loc, "decode_start_loc");
         if (prompts.size() != decodes.size()) {
           throw py::value_error("replay_requests: prompts and decodes differ in number");
         }

@@ -121,9 +121,7 @@ void BlockPool::release(BlockId block) {
   push_back(m.is_cached ? FreeList::kCached : FreeList::kUncached, block);
 }
 
-std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const {
-  return index_.find(key);
-}
+std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const { return index_.find(key); }
 
 std::span<const TokenId> BlockPool::stored_tokens(BlockId block) const {
   meta(block);

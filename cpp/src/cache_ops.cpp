@@ -24,8 +24,8 @@ void check_block_mapping(const TensorView& mapping, int64_t num_blocks) {
   const auto* ids = static_cast<const int64_t*>(mapping.data);
   for (int64_t i = 0; i < mapping.shape[0] * 2; ++i) {
     if (ids[i] < 0 || ids[i] >= num_blocks) {
-      throw InvalidArgument("copy_blocks: block_mapping[" + std::to_string(i / 2) + "] holds block " +
-                            std::to_string(ids[i]) + ", outside [0, " +
+      throw InvalidArgument("copy_blocks: block_mapping[" + std::to_string(i / 2) +
+                            "] holds block " + std::to_string(ids[i]) + ", outside [0, " +
                             std::to_string(num_blocks) + ")");
     }
   }
@@ -45,8 +45,8 @@ void check_caches(std::span<const TensorView> caches) {
     const TensorView& c = caches[i];
     const std::string name = "copy_blocks: caches[" + std::to_string(i) + "] ";
     if (c.ndim < 1 || !c.is_contiguous_from(1) || c.strides[0] < block_numel(c)) {
-      throw InvalidArgument(name + "must be [num_blocks, ...] with dense dims after the first, got " +
-                            c.describe());
+      throw InvalidArgument(
+          name + "must be [num_blocks, ...] with dense dims after the first, got " + c.describe());
     }
     if (c.dtype != first.dtype || c.device != first.device || c.ndim != first.ndim ||
         c.shape != first.shape || c.strides[0] != first.strides[0]) {
@@ -70,7 +70,8 @@ std::vector<int> copy_block_waves(std::span<const int64_t> pairs) {
   for (size_t p = 0; p < waves.size(); ++p) {
     const int64_t src = pairs[2 * p];
     const int64_t dst = pairs[2 * p + 1];
-    const int wave = std::max({after(last_write, src), after(last_write, dst), after(last_read, dst)});
+    const int wave =
+        std::max({after(last_write, src), after(last_write, dst), after(last_read, dst)});
     waves[p] = wave;
     last_write[dst] = wave;
     int& read = last_read.try_emplace(src, wave).first->second;

@@ -98,9 +98,10 @@ void KVCacheManager::extend_block_keys(Request& request) {
   if (want <= have) return;
   const BlockKey parent = have == 0 ? kRootBlockKey : request.block_keys[have - 1];
   request.block_keys.resize(want);
-  hash_blocks(std::span<const TokenId>(request.token_ids).subspan(have * size, (want - have) * size),
-              config_.block_size, request.extras_hash, parent,
-              std::span<BlockKey>(request.block_keys).subspan(have));
+  hash_blocks(
+      std::span<const TokenId>(request.token_ids).subspan(have * size, (want - have) * size),
+      config_.block_size, request.extras_hash, parent,
+      std::span<BlockKey>(request.block_keys).subspan(have));
 }
 
 bool KVCacheManager::is_verified_hit(const Request& request, size_t block_index, BlockId block,
@@ -133,8 +134,7 @@ ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
 }
 
 KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_tokens,
-                                          int num_lookahead,
-                                          const ComputedBlocks* computed) const {
+                                          int num_lookahead, const ComputedBlocks* computed) const {
   check_argument(num_new_tokens > 0, "allocate_slots: num_new_tokens must be positive");
   check_argument(num_lookahead >= 0, "allocate_slots: num_lookahead must be non-negative");
   Plan p;
@@ -174,8 +174,8 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
   const int64_t num_held = static_cast<int64_t>(request.block_table.size()) +
                            (has_hit ? static_cast<int64_t>(computed->block_ids.size()) : 0);
   const int64_t num_new_blocks = std::max<int64_t>(0, num_blocks_needed - num_held);
-  const int64_t last_written = std::min<int64_t>(num_blocks_needed,
-                                                 static_cast<int64_t>(request.block_table.size()));
+  const int64_t last_written =
+      std::min<int64_t>(num_blocks_needed, static_cast<int64_t>(request.block_table.size()));
   for (int64_t i = p.first_new_token / size; i < last_written; ++i) {
     if (pool_.ref_count(request.block_table[static_cast<size_t>(i)]) > 1) {
       p.copy_on_write.push_back(static_cast<int>(i));
@@ -188,8 +188,7 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
   return p;
 }
 
-bool KVCacheManager::can_allocate_slots(const RequestId& id, int num_new_tokens,
-                                        int num_lookahead,
+bool KVCacheManager::can_allocate_slots(const RequestId& id, int num_new_tokens, int num_lookahead,
                                         const ComputedBlocks* computed) const {
   return plan(find(id), num_new_tokens, num_lookahead, computed).fits;
 }
@@ -221,7 +220,8 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate_slots(
   const int size = block_size();
   const int end = p.first_new_token + num_new_tokens;
   for (int i = p.first_new_token / size; i * size < end; ++i) {
-    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)], std::min(size, end - i * size));
+    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)],
+                         std::min(size, end - i * size));
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);

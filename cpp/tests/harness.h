@@ -27,7 +27,9 @@ inline int& failures() {
 }
 
 struct Register {
-  Register(const char* name, std::function<void()> body) { cases().push_back({name, std::move(body)}); }
+  Register(const char* name, std::function<void()> body) {
+    cases().push_back({name, std::move(body)});
+  }
 };
 
 inline void fail(const char* file, int line, const std::string& what) {
@@ -57,29 +59,29 @@ inline int run_all() {
 
 #define PYE_CONCAT_INNER(a, b) a##b
 #define PYE_CONCAT(a, b) PYE_CONCAT_INNER(a, b)
-#define TEST(name)                                                                       \
-  static void name();                                                                    \
-  static const ::pyengine::testing::Register PYE_CONCAT(register_, name)(#name, name);   \
+#define TEST(name)                                                                     \
+  static void name();                                                                  \
+  static const ::pyengine::testing::Register PYE_CONCAT(register_, name)(#name, name); \
   static void name()
-#define CHECK(condition)                                                                 \
-  do {                                                                                   \
-    if (!(condition)) ::pyengine::testing::fail(__FILE__, __LINE__, #condition);         \
+#define CHECK(condition)                                                         \
+  do {                                                                           \
+    if (!(condition)) ::pyengine::testing::fail(__FILE__, __LINE__, #condition); \
   } while (0)
-#define CHECK_EQ(a, b)                                                                   \
-  do {                                                                                   \
-    if (!((a) == (b))) ::pyengine::testing::fail(__FILE__, __LINE__, #a " == " #b);      \
+#define CHECK_EQ(a, b)                                                              \
+  do {                                                                              \
+    if (!((a) == (b))) ::pyengine::testing::fail(__FILE__, __LINE__, #a " == " #b); \
   } while (0)
-#define CHECK_THROWS(exception_type, statement)                                          \
-  do {                                                                                   \
-    bool thrown_ = false;                                                                \
-    try {                                                                                \
-      statement;                                                                         \
-    } catch (const exception_type&) {                                                    \
-      thrown_ = true;                                                                    \
-    }                                                                                    \
-    if (!thrown_) {                                                                      \
+#define CHECK_THROWS(exception_type, statement)                                             \
+  do {                                                                                      \
+    bool thrown_ = false;                                                                   \
+    try {                                                                                   \
+      statement;                                                                            \
+    } catch (const exception_type&) {                                                       \
+      thrown_ = true;                                                                       \
+    }                                                                                       \
+    if (!thrown_) {                                                                         \
       ::pyengine::testing::fail(__FILE__, __LINE__, #statement " throws " #exception_type); \
-    }                                                                                    \
+    }                                                                                       \
   } while (0)
 #define TEST_MAIN() \
   int main() { return ::pyengine::testing::run_all(); }

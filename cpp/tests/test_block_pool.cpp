@@ -77,7 +77,7 @@ TEST(verify_compares_tokens_parent_and_extras) {
   CHECK(pool.cache(root, {9, 9}, block_of(0), {}, salted));
   CHECK(pool.cache(child, {8, 8}, block_of(4), pool.link(root), salted));
   CHECK(pool.verify(root, block_of(0), {}, salted));
-  CHECK(!pool.verify(root, block_of(1), {}, salted));          // other tokens (a collision)
+  CHECK(!pool.verify(root, block_of(1), {}, salted));           // other tokens (a collision)
   CHECK(!pool.verify(root, block_of(0), {}, BlockExtras{}));    // other tenant
   CHECK(pool.verify(child, block_of(4), pool.link(root), {}));  // extras checked at the root
   CHECK(!pool.verify(child, block_of(4), {}, salted));          // other parent

@@ -117,8 +117,10 @@ TEST(fork_shares_blocks_and_copies_the_partial_block_on_write) {
   auto kv = make(8);
   start(kv, "parent", iota_tokens(6));
   kv.fork("parent", "child");
-  const std::vector<BlockId> shared(kv.block_table("parent").begin(), kv.block_table("parent").end());
-  CHECK((std::vector<BlockId>(kv.block_table("child").begin(), kv.block_table("child").end()) == shared));
+  const std::vector<BlockId> shared(kv.block_table("parent").begin(),
+                                    kv.block_table("parent").end());
+  CHECK((std::vector<BlockId>(kv.block_table("child").begin(), kv.block_table("child").end()) ==
+         shared));
   CHECK_EQ(kv.pool().ref_count(shared[1]), 2);
 
   const TokenId parent_token[] = {100};

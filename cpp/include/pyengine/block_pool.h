@@ -112,7 +112,9 @@ class BlockPool {
     return blocks_[static_cast<size_t>(block)];
   }
   [[noreturn]] void throw_out_of_range(BlockId block) const;
-  List& list_of(FreeList which) { return which == FreeList::kCached ? cached_free_ : uncached_free_; }
+  List& list_of(FreeList which) {
+    return which == FreeList::kCached ? cached_free_ : uncached_free_;
+  }
   void push_back(FreeList which, BlockId block);
   void unlink(BlockId block);
   BlockId pop_front(FreeList which);
@@ -120,7 +122,7 @@ class BlockPool {
 
   int block_size_;
   std::vector<Meta> blocks_;
-  std::vector<TokenId> stored_tokens_;  // [num_blocks, block_size], valid while cached
+  std::vector<TokenId> stored_tokens_;           // [num_blocks, block_size], valid while cached
   std::vector<BlockExtras> first_block_extras_;  // [num_blocks], set for cached first blocks
   BlockIndex index_;
   List uncached_free_;

@@ -50,11 +50,11 @@ struct KVCacheStats {
   int num_used_blocks = 0;  // held by at least one block table
   int num_free_blocks = 0;  // allocatable, cached or not
   int num_cached_blocks = 0;
-  double usage = 0.0;                  // num_used_blocks / num_blocks
-  int64_t prefix_cache_queries = 0;    // prompt tokens looked up
-  int64_t prefix_cache_hits = 0;       // of those, tokens found cached
-  int64_t num_evictions = 0;           // cached blocks reused for other content
-  int64_t internal_waste_tokens = 0;   // slots of used blocks holding no token's KV
+  double usage = 0.0;                 // num_used_blocks / num_blocks
+  int64_t prefix_cache_queries = 0;   // prompt tokens looked up
+  int64_t prefix_cache_hits = 0;      // of those, tokens found cached
+  int64_t num_evictions = 0;          // cached blocks reused for other content
+  int64_t internal_waste_tokens = 0;  // slots of used blocks holding no token's KV
 };
 
 class KVCacheManager {
@@ -128,7 +128,7 @@ class KVCacheManager {
   struct Plan {
     int first_new_token = 0;
     int num_new_blocks = 0;
-    int num_free_hits = 0;  // hit blocks that are free now and leave the free list
+    int num_free_hits = 0;           // hit blocks that are free now and leave the free list
     std::vector<int> copy_on_write;  // block-table indices to copy before writing
     bool fits = false;
   };
