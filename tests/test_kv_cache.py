@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ def test_colliding_keys_never_serve_another_prefix() -> None:
     assert start(kv, "w", [*theirs, 1]) == 16  # the real owner of the key still hits
 
 
-def test_a_failed_add_request_registers_nothing() -> None:
+def test_a_failed_add_request_registers_nothing(tmp_path: Path) -> None:
     """Regression: add_request took a slot (with the previous owner's block table)
     under the new id before copying the prompt; a MemoryError left the id registered."""
     script = """
@@ -230,7 +231,10 @@ assert not kv.has_request("big") and kv.num_requests in (1, 2)
 assert kv.pool.ref_count(0) == kv.num_requests, kv.pool.ref_count(0)
 print("ok")
 """
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    # Not from the source tree, whose pyengine/ would shadow the installed package.
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
