@@ -31,4 +31,5 @@ PYBIND11_MODULE(_C, m) {
   pyengine::bindings::bind_prefix_hash(m);
   pyengine::bindings::bind_kv_cache(m);
   pyengine::bindings::bind_cache_ops(m);
+  pyengine::bindings::bind_scheduler(m);
 }

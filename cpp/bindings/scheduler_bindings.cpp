@@ -1,0 +1,241 @@
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+#include <vector>
+
+#include "bindings.h"
+#include "pyengine/scheduler.h"
+#include "token_ids.h"
+
+namespace py = pybind11;
+
+namespace pyengine::bindings {
+namespace {
+
+// A numpy view of `data` (no copy) that keeps `owner` alive.
+template <typename T>
+py::array view(const std::vector<T>& data, std::vector<py::ssize_t> shape, py::handle owner) {
+  return py::array_t<T>(std::move(shape), data.data(), owner);
+}
+
+SchedulingPolicy parse_policy(const std::string& name) {
+  if (name == "fcfs") return SchedulingPolicy::kFCFS;
+  if (name == "priority") return SchedulingPolicy::kPriority;
+  throw py::value_error("policy must be 'fcfs' or 'priority', got '" + name + "'");
+}
+
+FinishReason parse_reason(const std::string& name) {
+  if (name == "stop") return FinishReason::kStop;
+  if (name == "length") return FinishReason::kLength;
+  if (name == "abort") return FinishReason::kAbort;
+  throw py::value_error("finish reason must be 'stop', 'length' or 'abort', got '" + name + "'");
+}
+
+py::object reason_or_none(uint8_t code) {
+  const auto reason = static_cast<FinishReason>(code);
+  if (reason == FinishReason::kNone) return py::none();
+  return py::str(finish_reason_name(reason));
+}
+
+void bind_step_buffers(py::module_& m) {
+  py::class_<StepBuffers>(m, "StepBuffers", R"doc(The flat inputs of the scheduled step.
+
+Arrays are numpy views of the scheduler's buffers, sized to this step; the next
+schedule() overwrites them. Rows of block_tables past a request's blocks are stale.)doc")
+      .def_readonly("num_reqs", &StepBuffers::num_reqs)
+      .def_readonly("num_tokens", &StepBuffers::num_tokens)
+      .def_readonly("num_sampled", &StepBuffers::num_sampled)
+      .def_readonly("max_blocks_per_request", &StepBuffers::max_blocks_per_request)
+      .def_property_readonly("input_ids",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.input_ids, {b.num_tokens}, self);
+                             })
+      .def_property_readonly("positions",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.positions, {b.num_tokens}, self);
+                             })
+      .def_property_readonly("slot_mapping",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.slot_mapping, {b.num_tokens}, self);
+                             })
+      .def_property_readonly("query_start_loc",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.query_start_loc, {b.num_reqs + 1}, self);
+                             })
+      .def_property_readonly("seq_lens",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.seq_lens, {b.num_reqs}, self);
+                             })
+      .def_property_readonly("block_tables",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.block_tables, {b.num_reqs, b.max_blocks_per_request},
+                                           self);
+                             })
+      .def_property_readonly("logits_indices",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.logits_indices, {b.num_sampled}, self);
+                             })
+      .def_property_readonly("num_scheduled_tokens",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.num_scheduled_tokens, {b.num_reqs}, self);
+                             })
+      .def_property_readonly("is_sampling",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.is_sampling, {b.num_reqs}, self).attr("view")("bool");
+                             })
+      .def_readonly("request_ids", &StepBuffers::request_ids)
+      .def_readonly("block_copies", &StepBuffers::block_copies);
+}
+
+void bind_step_results(py::module_& m) {
+  py::class_<StepResults>(m, "StepResults",
+                          "What update() reported, row by row as in StepBuffers.request_ids.")
+      .def_readonly("num_reqs", &StepResults::num_reqs)
+      .def_readonly("num_finished", &StepResults::num_finished)
+      .def_property_readonly("new_token_ids",
+                             [](py::object self) {
+                               const auto& r = self.cast<const StepResults&>();
+                               return view(r.new_token_ids, {r.num_reqs}, self);
+                             })
+      .def_property_readonly("finish_reasons", [](py::object self) {
+        const auto& r = self.cast<const StepResults&>();
+        return view(r.finish_reasons, {r.num_reqs}, self);
+      });
+}
+
+void bind_stats(py::module_& m) {
+  py::class_<SchedulerStats>(m, "SchedulerStats")
+      .def_readonly("num_running", &SchedulerStats::num_running)
+      .def_readonly("num_waiting", &SchedulerStats::num_waiting)
+      .def_readonly("num_preemptions", &SchedulerStats::num_preemptions)
+      .def_readonly("num_scheduled_prefill_tokens", &SchedulerStats::num_scheduled_prefill_tokens)
+      .def_readonly("num_scheduled_decode_tokens", &SchedulerStats::num_scheduled_decode_tokens)
+      .def_readonly("prefix_cache_hit_rate", &SchedulerStats::prefix_cache_hit_rate)
+      .def_readonly("kv_cache_usage", &SchedulerStats::kv_cache_usage);
+}
+
+void bind_scheduler_class(py::module_& m) {
+  py::class_<Scheduler>(m, "Scheduler", R"doc(Continuous-batching scheduler over a paged KV cache.
+
+Each step: n = schedule(); run the model on `buffers`; sample one token per
+buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.h.)doc")
+      .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
+                       int max_num_batched_tokens, int max_num_seqs, int max_model_len,
+                       bool enable_chunked_prefill, int long_prefill_token_threshold,
+                       const std::string& policy) {
+             SchedulerConfig config;
+             config.max_num_batched_tokens = max_num_batched_tokens;
+             config.max_num_seqs = max_num_seqs;
+             config.max_model_len = max_model_len;
+             config.enable_chunked_prefill = enable_chunked_prefill;
+             config.long_prefill_token_threshold = long_prefill_token_threshold;
+             config.policy = parse_policy(policy);
+             return std::make_unique<Scheduler>(
+                 config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
+           }),
+           py::arg("num_blocks"), py::arg("block_size") = 16,
+           py::arg("enable_prefix_caching") = true, py::arg("max_num_batched_tokens") = 2048,
+           py::arg("max_num_seqs") = 256, py::arg("max_model_len") = 4096,
+           py::arg("enable_chunked_prefill") = true, py::arg("long_prefill_token_threshold") = 0,
+           py::arg("policy") = "fcfs")
+      .def(
+          "add_request",
+          [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,
+             int min_tokens, std::optional<TokenId> eos_token_id,
+             const std::vector<TokenId>& stop_token_ids, bool ignore_eos, int n, int priority,
+             double arrival_time, std::string cache_salt, int64_t adapter_id) {
+            const TokenIds tokens(prompt, "prompt_token_ids");
+            RequestParams params;
+            params.max_tokens = max_tokens;
+            params.min_tokens = min_tokens;
+            params.eos_token_id = eos_token_id.value_or(kNoToken);
+            if (eos_token_id && *eos_token_id < 0) {
+              throw py::value_error("add_request: eos_token_id must be non-negative");
+            }
+            params.stop_token_ids = stop_token_ids;
+            params.ignore_eos = ignore_eos;
+            params.n = n;
+            params.priority = priority;
+            params.arrival_time = arrival_time;
+            params.cache_salt = std::move(cache_salt);
+            params.adapter_id = adapter_id;
+            s.add_request(id, tokens.span(), params);
+          },
+          py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("max_tokens") = 16,
+          py::arg("min_tokens") = 0, py::arg("eos_token_id") = py::none(),
+          py::arg("stop_token_ids") = std::vector<TokenId>{}, py::arg("ignore_eos") = false,
+          py::arg("n") = 1, py::arg("priority") = 0, py::arg("arrival_time") = 0.0,
+          py::arg("cache_salt") = "", py::arg("adapter_id") = 0)
+      .def("abort_request", &Scheduler::abort_request, py::arg("request_id"))
+      .def(
+          "finish_request",
+          [](Scheduler& s, const std::string& id, const std::string& reason) {
+            s.finish_request(id, parse_reason(reason));
+          },
+          py::arg("request_id"), py::arg("finish_reason"))
+      .def("schedule", &Scheduler::schedule, "Plans one step; returns the number of requests.")
+      .def_property_readonly("buffers", &Scheduler::buffers, py::return_value_policy::reference_internal)
+      .def(
+          "update",
+          [](Scheduler& s, const py::handle& sampled) {
+            const TokenIds tokens(sampled, "sampled_token_ids");
+            return s.update(tokens.span());
+          },
+          py::arg("sampled_token_ids"),
+          "Applies the step's sampled tokens; returns how many requests finished.")
+      .def_property_readonly("results", &Scheduler::results, py::return_value_policy::reference_internal)
+      .def(
+          "outputs",
+          [](const Scheduler& s) {
+            const StepBuffers& b = s.buffers();
+            const StepResults& r = s.results();
+            py::list out;
+            for (size_t i = 0; i < static_cast<size_t>(r.num_reqs); ++i) {
+              const TokenId t = r.new_token_ids[i];
+              const uint8_t reason = r.finish_reasons[i];
+              if (t == kNoToken && reason == 0) continue;
+              out.append(py::make_tuple(b.request_ids[i],
+                                        t == kNoToken ? py::object(py::none()) : py::int_(t),
+                                        reason_or_none(reason)));
+            }
+            return out;
+          },
+          "(request_id, new_token_id or None, finish_reason or None) of the last update().")
+      .def("has_request", &Scheduler::has_request, py::arg("request_id"))
+      .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
+      .def(
+          "token_ids",
+          [](const Scheduler& s, const std::string& id) { return s.request(id).token_ids; },
+          py::arg("request_id"), "Prompt then generated tokens of an unfinished request.")
+      .def(
+          "num_computed_tokens",
+          [](const Scheduler& s, const std::string& id) {
+            return s.request(id).num_computed_tokens;
+          },
+          py::arg("request_id"))
+      .def("stats", &Scheduler::stats)
+      .def_property_readonly("kv_cache", &Scheduler::kv_cache,
+                             py::return_value_policy::reference_internal);
+}
+
+}  // namespace
+
+void bind_scheduler(py::module_& m) {
+  bind_step_buffers(m);
+  bind_step_results(m);
+  bind_stats(m);
+  bind_scheduler_class(m);
+}
+
+}  // namespace pyengine::bindings

@@ -1,0 +1,49 @@
+// A request as the scheduler sees it: its tokens, its limits and where it stands.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "pyengine/prefix_hash.h"
+
+namespace pyengine {
+
+inline constexpr TokenId kNoToken = -1;
+
+// What ends a request and how it is ordered; the sampling itself (temperature, ...)
+// is Python's.
+struct RequestParams {
+  int max_tokens = 16;        // generated tokens at most, >= 1
+  int min_tokens = 0;         // EOS and stop tokens do not stop it before this many
+  TokenId eos_token_id = kNoToken;
+  std::vector<TokenId> stop_token_ids;
+  bool ignore_eos = false;
+  int n = 1;                  // parallel samples (1 for now)
+  int priority = 0;           // lower runs first under the priority policy
+  double arrival_time = 0.0;  // seconds; ties keep submission order
+  std::string cache_salt;
+  int64_t adapter_id = 0;
+};
+
+enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished };
+
+enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort };
+
+const char* finish_reason_name(FinishReason reason);  // "", "stop", "length", "abort"
+
+struct Request {
+  std::string id;
+  RequestParams params;
+  std::vector<TokenId> token_ids;  // prompt, then generated tokens
+  int num_prompt_tokens = 0;
+  int num_computed_tokens = 0;     // tokens whose KV is computed or scheduled
+  uint64_t arrival_seq = 0;        // submission order
+  int num_preemptions = 0;
+  RequestStatus status = RequestStatus::kWaiting;
+
+  int num_tokens() const { return static_cast<int>(token_ids.size()); }
+  int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }
+};
+
+}  // namespace pyengine

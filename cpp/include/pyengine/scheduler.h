@@ -1,0 +1,120 @@
+// Scheduler: iteration-level scheduling over the paged KV cache (continuous batching,
+// chunked prefill, prefix caching, preemption by recompute), vLLM v1 style.
+//
+// One engine step:
+//   schedule()          picks this step's requests and how many tokens each computes,
+//                       within max_num_batched_tokens and max_num_seqs, and writes the
+//                       step's flat inputs into buffers() (see StepBuffers);
+//   (the model runs; the sampler picks one token per buffers().logits_indices row)
+//   update(sampled)     appends them, applies the stop conditions, frees finished
+//                       requests and reports per request the new token and finish reason.
+// Running requests are served first (a decode token, or the next chunk of a prompt),
+// then waiting requests in policy order. When the KV cache runs out, the running
+// request that comes last in policy order is preempted: its blocks are freed and it
+// waits again, to recompute its prompt and generated tokens (with whatever the prefix
+// cache still holds), so that it finishes with exactly the tokens it would have.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <tuple>
+#include <unordered_map>
+#include <vector>
+
+#include "pyengine/kv_cache_manager.h"
+#include "pyengine/request.h"
+#include "pyengine/scheduler_output.h"
+
+namespace pyengine {
+
+enum class SchedulingPolicy : uint8_t { kFCFS, kPriority };
+
+struct SchedulerConfig {
+  int max_num_batched_tokens = 2048;  // tokens computed in one step, all requests
+  int max_num_seqs = 256;             // running requests at most
+  int max_model_len = 4096;           // prompt plus output tokens of one request
+  bool enable_chunked_prefill = true;
+  int long_prefill_token_threshold = 0;  // > 0: one request's tokens per step at most
+  SchedulingPolicy policy = SchedulingPolicy::kFCFS;
+};
+
+struct SchedulerStats {
+  int num_running = 0;
+  int num_waiting = 0;
+  int64_t num_preemptions = 0;          // since construction
+  int num_scheduled_prefill_tokens = 0;  // last step
+  int num_scheduled_decode_tokens = 0;   // last step
+  double prefix_cache_hit_rate = 0.0;
+  double kv_cache_usage = 0.0;
+};
+
+class Scheduler {
+ public:
+  // Throws InvalidArgument on non-positive limits, or when max_num_batched_tokens is
+  // below max_model_len without chunked prefill (a long prompt could never start).
+  Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_config);
+
+  const SchedulerConfig& config() const { return config_; }
+
+  // Queues a request. Throws InvalidArgument, changing nothing, on a duplicate id, an
+  // empty prompt, a negative token id, max_tokens < 1, min_tokens outside
+  // [0, max_tokens], n != 1, a prompt longer than max_model_len, or a request that
+  // could never fit in the KV cache.
+  void add_request(const std::string& id, std::span<const TokenId> prompt_token_ids,
+                   const RequestParams& params);
+  // Ends a waiting or running request now, freeing its blocks. Throws UnknownRequest.
+  // A request aborted between schedule() and update() gets no output from update().
+  void abort_request(const std::string& id);
+  // Like abort_request but with a reason (Python ends requests on stop strings).
+  void finish_request(const std::string& id, FinishReason reason);
+
+  // Plans one step into buffers(). Returns the number of requests scheduled.
+  int schedule();
+  const StepBuffers& buffers() const { return buffers_; }
+
+  // Applies the step: sampled_token_ids holds one token per logits_indices row of the
+  // last schedule(). Writes results() (rows as in buffers().request_ids) and returns
+  // the number of requests that finished. Throws InvalidArgument, changing nothing, on
+  // a length mismatch or a negative token id; InvalidState if there was no schedule()
+  // since the last update().
+  int update(std::span<const TokenId> sampled_token_ids);
+  const StepResults& results() const { return results_; }
+
+  bool has_request(const std::string& id) const { return requests_.count(id) > 0; }
+  bool has_unfinished_requests() const { return !requests_.empty(); }
+  const Request& request(const std::string& id) const;
+  SchedulerStats stats() const;
+  const KVCacheManager& kv_cache() const { return kv_; }
+
+ private:
+  // Waiting requests in policy order: (priority, arrival time, submission order).
+  using WaitingKey = std::tuple<int, double, uint64_t>;
+
+  WaitingKey waiting_key(const Request& r) const;
+  void enqueue_waiting(Request& r);
+  void remove(const std::string& id);
+  // Frees the running request that comes last in policy order; returns it.
+  Request* preempt_last_running();
+  int tokens_to_schedule(const Request& r, int budget) const;
+  void write_step(const std::vector<std::pair<Request*, int>>& scheduled);
+  FinishReason stop_reason(const Request& r, TokenId token) const;
+
+  SchedulerConfig config_;
+  KVCacheManager kv_;
+  std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
+  std::map<WaitingKey, Request*> waiting_;
+  std::vector<Request*> running_;  // admission order
+  StepBuffers buffers_;
+  StepResults results_;
+  std::vector<Request*> step_requests_;  // rows of the last schedule(), until update()
+  bool step_pending_ = false;
+  uint64_t next_arrival_seq_ = 0;
+  int64_t num_preemptions_ = 0;
+  int last_prefill_tokens_ = 0;
+  int last_decode_tokens_ = 0;
+};
+
+}  // namespace pyengine

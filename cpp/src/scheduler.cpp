@@ -1,0 +1,318 @@
+#include "pyengine/scheduler.h"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "pyengine/errors.h"
+
+namespace pyengine {
+namespace {
+
+int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
+
+const SchedulerConfig& checked(const SchedulerConfig& c) {
+  check_argument(c.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive");
+  check_argument(c.max_num_seqs > 0, "max_num_seqs must be positive");
+  check_argument(c.max_model_len > 0, "max_model_len must be positive");
+  check_argument(c.long_prefill_token_threshold >= 0,
+                 "long_prefill_token_threshold must be non-negative");
+  check_argument(c.enable_chunked_prefill || c.max_num_batched_tokens >= c.max_model_len,
+                 "without chunked prefill, max_num_batched_tokens must be at least "
+                 "max_model_len (a long prompt could never be scheduled)");
+  return c;
+}
+
+}  // namespace
+
+Scheduler::Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_config)
+    : config_(checked(config)),
+      kv_(kv_config),
+      buffers_(config.max_num_batched_tokens, config.max_num_seqs,
+               ceil_div(config.max_model_len, kv_config.block_size)),
+      results_(config.max_num_seqs) {
+  running_.reserve(static_cast<size_t>(config.max_num_seqs));
+  step_requests_.reserve(static_cast<size_t>(config.max_num_seqs));
+}
+
+Scheduler::WaitingKey Scheduler::waiting_key(const Request& r) const {
+  const int priority = config_.policy == SchedulingPolicy::kPriority ? r.params.priority : 0;
+  return {priority, r.params.arrival_time, r.arrival_seq};
+}
+
+void Scheduler::enqueue_waiting(Request& r) {
+  r.status = RequestStatus::kWaiting;
+  waiting_.emplace(waiting_key(r), &r);
+}
+
+const Request& Scheduler::request(const std::string& id) const {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  return *it->second;
+}
+
+void Scheduler::add_request(const std::string& id, std::span<const TokenId> prompt_token_ids,
+                            const RequestParams& params) {
+  if (has_request(id)) throw InvalidArgument("add_request: request id '" + id + "' already exists");
+  check_argument(!prompt_token_ids.empty(), "add_request: the prompt is empty");
+  for (const TokenId t : prompt_token_ids) {
+    if (t < 0) throw InvalidArgument("add_request: token id " + std::to_string(t) + " is negative");
+  }
+  check_argument(params.max_tokens >= 1, "add_request: max_tokens must be at least 1");
+  check_argument(params.min_tokens >= 0 && params.min_tokens <= params.max_tokens,
+                 "add_request: min_tokens must be in [0, max_tokens]");
+  check_argument(params.n == 1, "add_request: n > 1 (parallel sampling) is not supported yet");
+  check_argument(std::isfinite(params.arrival_time), "add_request: arrival_time must be finite");
+  for (const TokenId t : params.stop_token_ids) {
+    check_argument(t >= 0, "add_request: stop_token_ids must be non-negative");
+  }
+  const auto prompt_len = static_cast<int64_t>(prompt_token_ids.size());
+  if (prompt_len > config_.max_model_len) {
+    throw InvalidArgument("add_request: the prompt has " + std::to_string(prompt_len) +
+                          " tokens, more than max_model_len (" +
+                          std::to_string(config_.max_model_len) + ")");
+  }
+  const int64_t max_len = std::min<int64_t>(prompt_len + params.max_tokens, config_.max_model_len);
+  const int blocks_needed = ceil_div(max_len, kv_.block_size());
+  if (blocks_needed > kv_.config().num_blocks) {
+    throw InvalidArgument("add_request: the request needs up to " +
+                          std::to_string(blocks_needed) + " KV-cache blocks, the pool has " +
+                          std::to_string(kv_.config().num_blocks));
+  }
+  auto request = std::make_unique<Request>();
+  request->id = id;
+  request->params = params;
+  request->token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+  request->num_prompt_tokens = static_cast<int>(prompt_len);
+  request->arrival_seq = next_arrival_seq_++;
+  Request& r = *request;
+  requests_.emplace(id, std::move(request));
+  enqueue_waiting(r);
+}
+
+void Scheduler::remove(const std::string& id) {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  Request* r = it->second.get();
+  if (r->status == RequestStatus::kWaiting) {
+    waiting_.erase(waiting_key(*r));
+  } else {
+    running_.erase(std::find(running_.begin(), running_.end(), r));
+  }
+  if (kv_.has_request(id)) kv_.free(id);
+  // A step in flight keeps a row for it; update() then skips that row.
+  std::replace(step_requests_.begin(), step_requests_.end(), r, static_cast<Request*>(nullptr));
+  requests_.erase(it);
+}
+
+void Scheduler::abort_request(const std::string& id) { remove(id); }
+
+void Scheduler::finish_request(const std::string& id, FinishReason reason) {
+  check_argument(reason != FinishReason::kNone, "finish_request: a finish reason is required");
+  remove(id);
+}
+
+Request* Scheduler::preempt_last_running() {
+  const auto last = std::max_element(
+      running_.begin(), running_.end(),
+      [this](const Request* a, const Request* b) { return waiting_key(*a) < waiting_key(*b); });
+  Request* victim = *last;
+  running_.erase(last);
+  kv_.free(victim->id);
+  victim->num_computed_tokens = 0;
+  ++victim->num_preemptions;
+  ++num_preemptions_;
+  enqueue_waiting(*victim);
+  return victim;
+}
+
+int Scheduler::tokens_to_schedule(const Request& r, int budget) const {
+  int n = r.num_tokens() - r.num_computed_tokens;
+  if (config_.long_prefill_token_threshold > 0) {
+    n = std::min(n, config_.long_prefill_token_threshold);
+  }
+  return std::min(n, budget);
+}
+
+int Scheduler::schedule() {
+  if (step_pending_) throw InvalidState("schedule: the last step has not been update()d");
+  int budget = config_.max_num_batched_tokens;
+  std::vector<std::pair<Request*, int>> scheduled;
+  scheduled.reserve(running_.size() + waiting_.size());
+  bool preempted = false;
+
+  // Running requests first: a decode token each, or their prompt's next chunk.
+  for (size_t i = 0; i < running_.size() && budget > 0;) {
+    Request* r = running_[i];
+    const int n = tokens_to_schedule(*r, budget);
+    bool allocated = false;
+    while (!(allocated = kv_.allocate_slots(r->id, n).has_value())) {
+      const auto position = static_cast<size_t>(
+          std::find(running_.begin(), running_.end(), r) - running_.begin());
+      Request* victim = preempt_last_running();
+      preempted = true;
+      if (victim == r) break;
+      // A victim already scheduled this step gives its tokens back.
+      const auto it = std::find_if(scheduled.begin(), scheduled.end(),
+                                   [victim](const auto& s) { return s.first == victim; });
+      if (it != scheduled.end()) {
+        budget += it->second;
+        scheduled.erase(it);
+      }
+      if (running_.size() <= position || running_[position] != r) --i;  // it sat before r
+    }
+    if (!allocated) break;  // r itself was preempted: it came last
+    r->num_computed_tokens += n;
+    scheduled.emplace_back(r, n);
+    budget -= n;
+    ++i;
+  }
+
+  // Then waiting requests in policy order, unless this step had to preempt.
+  while (!preempted && budget > 0 && !waiting_.empty() &&
+         static_cast<int>(running_.size()) < config_.max_num_seqs) {
+    Request* r = waiting_.begin()->second;
+    if (!kv_.has_request(r->id)) {
+      kv_.add_request(r->id, r->token_ids, BlockExtras{r->params.adapter_id, r->params.cache_salt});
+    }
+    ComputedBlocks hit = kv_.get_computed_blocks(r->id);
+    int n = r->num_tokens() - hit.num_computed_tokens;
+    if (config_.long_prefill_token_threshold > 0) {
+      n = std::min(n, config_.long_prefill_token_threshold);
+    }
+    if (!config_.enable_chunked_prefill && n > budget) break;
+    n = std::min(n, budget);
+    if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
+    waiting_.erase(waiting_.begin());
+    r->status = RequestStatus::kRunning;
+    r->num_computed_tokens = hit.num_computed_tokens + n;
+    running_.push_back(r);
+    scheduled.emplace_back(r, n);
+    budget -= n;
+  }
+
+  write_step(scheduled);
+  step_pending_ = true;
+  return buffers_.num_reqs;
+}
+
+void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& scheduled) {
+  StepBuffers& b = buffers_;
+  const int block_size = kv_.block_size();
+  b.num_reqs = static_cast<int>(scheduled.size());
+  b.num_tokens = 0;
+  b.num_sampled = 0;
+  b.query_start_loc[0] = 0;
+  b.request_ids.resize(scheduled.size());
+  step_requests_.clear();
+  last_prefill_tokens_ = last_decode_tokens_ = 0;
+  for (size_t i = 0; i < scheduled.size(); ++i) {
+    const auto& [r, n] = scheduled[i];
+    const std::span<const BlockId> table = kv_.block_table(r->id);
+    const int first = r->num_computed_tokens - n;
+    for (int p = first; p < r->num_computed_tokens; ++p) {
+      const auto t = static_cast<size_t>(b.num_tokens++);
+      b.input_ids[t] = r->token_ids[static_cast<size_t>(p)];
+      b.positions[t] = p;
+      b.slot_mapping[t] = static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) *
+                              block_size + p % block_size;
+    }
+    b.query_start_loc[i + 1] = b.num_tokens;
+    b.seq_lens[i] = r->num_computed_tokens;
+    std::copy(table.begin(), table.end(),
+              b.block_tables.begin() + static_cast<ptrdiff_t>(i) * b.max_blocks_per_request);
+    b.num_scheduled_tokens[i] = n;
+    const bool sampling = r->num_computed_tokens == r->num_tokens();
+    b.is_sampling[i] = sampling ? 1 : 0;
+    if (sampling) b.logits_indices[static_cast<size_t>(b.num_sampled++)] = b.num_tokens - 1;
+    b.request_ids[i] = r->id;
+    step_requests_.push_back(r);
+    // A decode step computes only the last sampled token.
+    (first == r->num_tokens() - 1 && r->num_output_tokens() > 0 ? last_decode_tokens_
+                                                                 : last_prefill_tokens_) += n;
+  }
+  b.block_copies = kv_.take_pending_copies();
+}
+
+FinishReason Scheduler::stop_reason(const Request& r, TokenId token) const {
+  const RequestParams& p = r.params;
+  if (r.num_output_tokens() >= p.min_tokens) {
+    if (!p.ignore_eos && p.eos_token_id != kNoToken && token == p.eos_token_id) {
+      return FinishReason::kStop;
+    }
+    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
+        p.stop_token_ids.end()) {
+      return FinishReason::kStop;
+    }
+  }
+  if (r.num_output_tokens() >= p.max_tokens || r.num_tokens() >= config_.max_model_len) {
+    return FinishReason::kLength;
+  }
+  return FinishReason::kNone;
+}
+
+int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
+  if (!step_pending_) throw InvalidState("update: no step was scheduled since the last update");
+  const StepBuffers& b = buffers_;
+  if (static_cast<int>(sampled_token_ids.size()) != b.num_sampled) {
+    throw InvalidArgument("update: expected " + std::to_string(b.num_sampled) +
+                          " sampled token ids (one per logits_indices row), got " +
+                          std::to_string(sampled_token_ids.size()));
+  }
+  for (const TokenId t : sampled_token_ids) {
+    if (t < 0) throw InvalidArgument("update: token id " + std::to_string(t) + " is negative");
+  }
+  step_pending_ = false;
+  results_.num_reqs = b.num_reqs;
+  results_.num_finished = 0;
+  size_t next_sample = 0;
+  for (size_t i = 0; i < static_cast<size_t>(b.num_reqs); ++i) {
+    results_.new_token_ids[i] = kNoToken;
+    results_.finish_reasons[i] = static_cast<uint8_t>(FinishReason::kNone);
+    if (b.is_sampling[i] == 0) continue;
+    const TokenId token = sampled_token_ids[next_sample++];
+    Request* r = step_requests_[i];
+    if (r == nullptr) {  // aborted or finished by Python during the step
+      results_.finish_reasons[i] = static_cast<uint8_t>(FinishReason::kAbort);
+      continue;
+    }
+    r->token_ids.push_back(token);
+    kv_.append_token_ids(r->id, std::span<const TokenId>(&token, 1));
+    results_.new_token_ids[i] = token;
+    const FinishReason reason = stop_reason(*r, token);
+    if (reason == FinishReason::kNone) continue;
+    results_.finish_reasons[i] = static_cast<uint8_t>(reason);
+    r->status = RequestStatus::kFinished;
+    ++results_.num_finished;
+  }
+  if (results_.num_finished > 0) {
+    std::erase_if(running_, [](const Request* r) { return r->status == RequestStatus::kFinished; });
+    for (Request* r : step_requests_) {
+      if (r != nullptr && r->status == RequestStatus::kFinished) {
+        const std::string id = r->id;  // erase destroys *r
+        kv_.free(id);
+        requests_.erase(id);
+      }
+    }
+  }
+  step_requests_.clear();
+  return results_.num_finished;
+}
+
+SchedulerStats Scheduler::stats() const {
+  SchedulerStats s;
+  s.num_running = static_cast<int>(running_.size());
+  s.num_waiting = static_cast<int>(waiting_.size());
+  s.num_preemptions = num_preemptions_;
+  s.num_scheduled_prefill_tokens = last_prefill_tokens_;
+  s.num_scheduled_decode_tokens = last_decode_tokens_;
+  const KVCacheStats kv = kv_.stats();
+  s.prefix_cache_hit_rate = kv.prefix_cache_queries == 0
+                                ? 0.0
+                                : static_cast<double>(kv.prefix_cache_hits) /
+                                      static_cast<double>(kv.prefix_cache_queries);
+  s.kv_cache_usage = kv.usage;
+  return s;
+}
+
+}  // namespace pyengine
