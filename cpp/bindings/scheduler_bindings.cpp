@@ -219,6 +219,12 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           [](const Scheduler& s, const std::string& id) { return s.request(id).token_ids; },
           py::arg("request_id"), "Prompt then generated tokens of an unfinished request.")
       .def(
+          "status",
+          [](const Scheduler& s, const std::string& id) {
+            return s.request(id).status == RequestStatus::kWaiting ? "waiting" : "running";
+          },
+          py::arg("request_id"), "'waiting' or 'running' (finished requests are gone).")
+      .def(
           "num_computed_tokens",
           [](const Scheduler& s, const std::string& id) {
             return s.request(id).num_computed_tokens;

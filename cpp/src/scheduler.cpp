@@ -161,7 +161,9 @@ int Scheduler::schedule() {
       }
       if (running_.size() <= position || running_[position] != r) --i;  // it sat before r
     }
-    if (!allocated) break;  // r itself was preempted: it came last
+    // r itself came last in policy order and was preempted; the requests after it in
+    // running_ come before it in policy order, and may fit in the blocks it freed.
+    if (!allocated) continue;
     r->num_computed_tokens += n;
     scheduled.emplace_back(r, n);
     budget -= n;

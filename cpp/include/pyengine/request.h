@@ -19,7 +19,7 @@ struct RequestParams {
   TokenId eos_token_id = kNoToken;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;
-  int n = 1;                  // parallel samples (1 for now)
+  int n = 1;                  // parallel samples (only 1 so far)
   int priority = 0;           // lower runs first under the priority policy
   double arrival_time = 0.0;  // seconds; ties keep submission order
   std::string cache_salt;

@@ -1,0 +1,87 @@
+"""A deterministic stand-in for a model, reading its context through the paged KV cache.
+
+The "KV cache" stores, per slot, the (token, position) written there. Each step the
+fake model writes the step's tokens at buffers.slot_mapping, then, for every request
+that samples, reads its whole context back through its block table and checks it is
+exactly the request's tokens: wrong block tables, slot mappings or prefix-cache hits
+show up as a mismatch. The next token is a function of the last three tokens, so a
+request's output does not depend on what else runs beside it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyengine import Scheduler
+
+VOCAB = 1000
+
+
+def next_token(tokens: list[int]) -> int:
+    return (sum(tokens[-3:]) * 31 + 7) % VOCAB
+
+
+@dataclass
+class Limits:
+    max_tokens: int = 16
+    min_tokens: int = 0
+    eos_token_id: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+def run_alone(prompt: list[int], limits: Limits, max_model_len: int) -> tuple[list[int], str]:
+    """The tokens a request generates on its own, and why it stops."""
+    tokens = list(prompt)
+    output: list[int] = []
+    while True:
+        token = next_token(tokens)
+        tokens.append(token)
+        output.append(token)
+        if len(output) >= limits.min_tokens:
+            if not limits.ignore_eos and token == limits.eos_token_id:
+                return output, "stop"
+            if token in limits.stop_token_ids:
+                return output, "stop"
+        if len(output) >= limits.max_tokens or len(tokens) >= max_model_len:
+            return output, "length"
+
+
+@dataclass
+class FakeModel:
+    block_size: int
+    slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (token, pos)
+
+    def step(self, scheduler: Scheduler, tokens_of: dict[str, list[int]]) -> np.ndarray:
+        """Runs one scheduled step; `tokens_of` holds every request's known tokens."""
+        b = scheduler.buffers
+        for src, dst in b.block_copies:
+            for offset in range(self.block_size):
+                value = self.slots.get(src * self.block_size + offset)
+                if value is not None:
+                    self.slots[dst * self.block_size + offset] = value
+        for token, position, slot in zip(
+            b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), strict=True
+        ):
+            self.slots[slot] = (token, position)
+        sampled = []
+        for row in np.flatnonzero(b.is_sampling):
+            request_id = b.request_ids[row]
+            context = self.read_context(b.block_tables[row], int(b.seq_lens[row]))
+            assert context == tokens_of[request_id][: len(context)], (
+                f"{request_id}: the KV cache holds another context"
+            )
+            assert len(context) == len(tokens_of[request_id])
+            sampled.append(next_token(context))
+        return np.array(sampled, dtype=np.int32)
+
+    def read_context(self, block_table: np.ndarray, seq_len: int) -> list[int]:
+        context = []
+        for position in range(seq_len):
+            slot = int(block_table[position // self.block_size]) * self.block_size
+            token, stored_position = self.slots[slot + position % self.block_size]
+            assert stored_position == position
+            context.append(token)
+        return context

@@ -1,0 +1,336 @@
+"""The scheduler driven by a deterministic fake model that reads the paged KV cache.
+
+Every request that is not aborted must finish with exactly the tokens it generates
+alone, however it was batched, chunked, preempted and recomputed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from fake_model import FakeModel, Limits, run_alone
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from pyengine import Scheduler
+
+
+class Driver:
+    """Runs a scheduler step by step with the fake model, checking the step limits."""
+
+    def __init__(self, scheduler: Scheduler, block_size: int, budget: int, max_seqs: int) -> None:
+        self.s = scheduler
+        self.model = FakeModel(block_size)
+        self.budget, self.max_seqs = budget, max_seqs
+        self.tokens: dict[str, list[int]] = {}
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, str] = {}
+
+    def add(self, request_id: str, prompt: list[int], limits: Limits, **kwargs: object) -> None:
+        self.s.add_request(
+            request_id,
+            prompt,
+            max_tokens=limits.max_tokens,
+            min_tokens=limits.min_tokens,
+            eos_token_id=limits.eos_token_id,
+            stop_token_ids=list(limits.stop_token_ids),
+            ignore_eos=limits.ignore_eos,
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.tokens[request_id] = list(prompt)
+        self.outputs[request_id] = []
+
+    def schedule(self) -> None:
+        self.s.schedule()
+        b = self.s.buffers
+        assert 0 < b.num_tokens <= self.budget
+        assert b.num_reqs <= self.max_seqs
+        assert b.query_start_loc[-1] == b.num_tokens
+
+    def finish_step(self) -> None:
+        sampled = self.model.step(self.s, self.tokens)
+        self.s.update(sampled)
+        for request_id, token, reason in self.s.outputs():
+            if token is not None:
+                self.tokens[request_id].append(token)
+                self.outputs[request_id].append(token)
+            if reason is not None:
+                self.finished[request_id] = reason
+
+    def run(self, max_steps: int = 10_000) -> None:
+        for _ in range(max_steps):
+            if not self.s.has_unfinished_requests():
+                return
+            self.schedule()
+            self.finish_step()
+        raise AssertionError("requests did not finish")
+
+
+def make(
+    num_blocks: int = 64,
+    block_size: int = 4,
+    budget: int = 32,
+    max_seqs: int = 8,
+    max_model_len: int = 128,
+    **kwargs: object,
+) -> Driver:
+    scheduler = Scheduler(
+        num_blocks,
+        block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=max_model_len,
+        **kwargs,
+    )  # type: ignore[arg-type]
+    return Driver(scheduler, block_size, budget, max_seqs)
+
+
+def test_requests_finish_as_they_would_alone() -> None:
+    d = make()
+    rng = np.random.default_rng()
+    limits = {f"r{i}": Limits(max_tokens=int(rng.integers(1, 20))) for i in range(6)}
+    prompts = {r: rng.integers(0, 50, int(rng.integers(1, 40))).tolist() for r in limits}
+    for r in limits:
+        d.add(r, prompts[r], limits[r])
+    d.run()
+    for r in limits:
+        assert (d.outputs[r], d.finished[r]) == run_alone(prompts[r], limits[r], 128)
+    assert d.s.kv_cache.num_free_blocks == 64
+
+
+def test_stop_conditions() -> None:
+    prompt = [1, 2, 3]
+    alone, _ = run_alone(prompt, Limits(max_tokens=10), 128)
+    eos = alone[4]
+    cases = {
+        "eos": Limits(max_tokens=10, eos_token_id=eos),
+        "eos ignored": Limits(max_tokens=10, eos_token_id=eos, ignore_eos=True),
+        "stop token": Limits(max_tokens=10, stop_token_ids=(alone[2],)),
+        "min_tokens": Limits(max_tokens=10, min_tokens=6, eos_token_id=alone[1]),
+        "max_tokens": Limits(max_tokens=3),
+    }
+    d = make()
+    for name, limits in cases.items():
+        d.add(name, prompt, limits)
+    d.add(
+        "max_model_len",
+        prompt,
+        Limits(max_tokens=100),
+    )
+    d.s.abort_request("max_model_len")
+    d.run()
+    for name, limits in cases.items():
+        assert (d.outputs[name], d.finished[name]) == run_alone(prompt, limits, 128), name
+    assert d.finished["eos"] == "stop" and len(d.outputs["eos"]) == 5
+    assert len(d.outputs["min_tokens"]) >= 6
+
+
+def test_max_model_len_ends_a_request() -> None:
+    d = make(max_model_len=12)
+    d.add("a", list(range(10)), Limits(max_tokens=50))
+    d.run()
+    assert len(d.outputs["a"]) == 2 and d.finished["a"] == "length"
+
+
+def test_chunked_prefill_of_a_prompt_ten_times_the_budget_beside_decodes() -> None:
+    budget = 16
+    d = make(num_blocks=128, budget=budget, max_model_len=256)
+    rng = np.random.default_rng()
+    short = {f"s{i}": rng.integers(0, 100, 5).tolist() for i in range(3)}
+    for r, prompt in short.items():
+        d.add(r, prompt, Limits(max_tokens=30))
+    d.schedule()
+    d.finish_step()
+    long_prompt = rng.integers(0, 100, 10 * budget).tolist()
+    d.add("long", long_prompt, Limits(max_tokens=5))
+    chunks = 0
+    while "long" not in d.finished:
+        d.schedule()
+        b = d.s.buffers
+        rows = dict(zip(b.request_ids, b.num_scheduled_tokens.tolist(), strict=True))
+        decodes = [r for r in short if r in rows and r not in d.finished]
+        assert all(rows[r] == 1 for r in decodes)  # decodes keep going beside the chunks
+        if "long" in rows and d.s.num_computed_tokens("long") <= len(long_prompt):
+            chunks += 1
+        d.finish_step()
+    assert chunks >= 10
+    d.run()
+    assert (d.outputs["long"], d.finished["long"]) == run_alone(long_prompt, Limits(5), 256)
+    for r, prompt in short.items():
+        assert d.outputs[r] == run_alone(prompt, Limits(max_tokens=30), 256)[0]
+
+
+def test_preemption_recomputes_and_loses_nothing() -> None:
+    # 12 blocks of 4: three requests growing to 40 tokens cannot all stay.
+    d = make(num_blocks=12, budget=64, max_model_len=64)
+    prompts = {f"r{i}": [i + 1] * 20 for i in range(3)}
+    for r, prompt in prompts.items():
+        d.add(r, prompt, Limits(max_tokens=20))
+    d.run()
+    assert d.s.stats().num_preemptions > 0
+    for r, prompt in prompts.items():
+        assert d.outputs[r] == run_alone(prompt, Limits(max_tokens=20), 64)[0]
+    assert d.s.kv_cache.num_free_blocks == 12
+
+
+def test_priority_policy_runs_urgent_requests_first() -> None:
+    d = make(max_seqs=1, policy="priority")
+    d.add("late", [1, 2], Limits(max_tokens=2), priority=5, arrival_time=0.0)
+    d.add("urgent", [3, 4], Limits(max_tokens=2), priority=0, arrival_time=1.0)
+    d.schedule()
+    assert d.s.buffers.request_ids == ["urgent"]
+    d.finish_step()
+    d.run()
+    assert set(d.finished) == {"late", "urgent"}
+
+
+def test_abort_during_a_step() -> None:
+    d = make()
+    d.add("a", [1, 2, 3], Limits(max_tokens=5))
+    d.add("b", [4, 5, 6], Limits(max_tokens=5))
+    d.schedule()
+    d.s.abort_request("a")
+    d.finish_step()
+    assert d.finished["a"] == "abort" and d.outputs["a"] == []
+    assert not d.s.has_request("a")
+    d.run()
+    assert d.outputs["b"] == run_alone([4, 5, 6], Limits(max_tokens=5), 128)[0]
+    assert d.s.kv_cache.num_free_blocks == 64
+
+
+def test_bad_input_is_rejected_and_changes_nothing() -> None:
+    d = make(num_blocks=8, max_model_len=64)
+    d.add("a", [1, 2], Limits())
+    before = d.s.stats()
+    with pytest.raises(ValueError, match="already exists"):
+        d.s.add_request("a", [1])
+    with pytest.raises(ValueError, match="prompt is empty"):
+        d.s.add_request("b", [])
+    with pytest.raises(ValueError, match="max_tokens must be at least 1"):
+        d.s.add_request("b", [1], max_tokens=-3)
+    with pytest.raises(ValueError, match="min_tokens"):
+        d.s.add_request("b", [1], max_tokens=2, min_tokens=3)
+    with pytest.raises(ValueError, match="more than max_model_len"):
+        d.s.add_request("b", [1] * 65)
+    with pytest.raises(ValueError, match="needs up to 16 KV-cache blocks, the pool has 8"):
+        d.s.add_request("b", [1] * 60, max_tokens=4)
+    with pytest.raises(ValueError, match="outside"):
+        d.s.add_request("b", [1, -1])
+    with pytest.raises(ValueError, match="policy must be"):
+        Scheduler(8, policy="lifo")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be at least"):
+        Scheduler(8, max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
+    with pytest.raises(KeyError, match="unknown request id 'nobody'"):
+        d.s.abort_request("nobody")
+    with pytest.raises(RuntimeError, match="no step was scheduled"):
+        d.s.update(np.zeros(0, np.int32))
+    after = d.s.stats()
+    assert (
+        (after.num_waiting, after.num_running) == (before.num_waiting, before.num_running) == (1, 0)
+    )
+    d.s.schedule()
+    with pytest.raises(ValueError, match="expected 1 sampled token ids"):
+        d.s.update(np.zeros(3, np.int32))
+    with pytest.raises(RuntimeError, match="has not been update"):
+        d.s.schedule()
+    d.finish_step()  # the step is still there to complete
+    d.run()
+    assert d.finished["a"] == "length"
+
+
+@dataclass
+class Arrival:
+    step: int
+    prompt: list[int]
+    limits: Limits
+    priority: int
+    abort_at: int | None
+    abort_mid_step: bool
+
+
+@st.composite
+def arrivals(draw: st.DrawFn) -> Arrival:
+    length = draw(st.integers(1, 32))
+    prompt = draw(st.lists(st.integers(0, 4), min_size=length, max_size=length))
+    max_tokens = draw(st.integers(1, 16))
+    alone, _ = run_alone(prompt, Limits(max_tokens=max_tokens), 48)
+    eos = draw(st.one_of(st.none(), st.sampled_from(alone)))
+    limits = Limits(max_tokens=max_tokens, min_tokens=draw(st.integers(0, 2)), eos_token_id=eos)
+    limits.min_tokens = min(limits.min_tokens, max_tokens)
+    abort_at = draw(st.one_of(st.none(), st.none(), st.integers(0, 30)))
+    return Arrival(
+        draw(st.integers(0, 20)),
+        prompt,
+        limits,
+        draw(st.integers(0, 2)),
+        abort_at,
+        draw(st.booleans()),
+    )
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_workloads_finish_exactly_as_alone(data: st.DataObject) -> None:
+    block_size = data.draw(st.sampled_from([2, 4]), label="block_size")
+    max_model_len = 48
+    # Pools from "one full-length request" up: small enough that preemption is common.
+    min_blocks = max_model_len // block_size
+    num_blocks = data.draw(st.integers(min_blocks, min_blocks + 6), label="num_blocks")
+    budget = data.draw(st.integers(4, 40), label="budget")
+    max_seqs = data.draw(st.integers(1, 8), label="max_num_seqs")
+    policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
+    threshold = data.draw(st.sampled_from([0, 0, 5]), label="long_prefill_token_threshold")
+    d = make(
+        num_blocks,
+        block_size,
+        budget,
+        max_seqs,
+        max_model_len,
+        policy=policy,
+        long_prefill_token_threshold=threshold,
+    )
+    plan = data.draw(st.lists(arrivals(), min_size=2, max_size=16), label="requests")
+    keys: dict[str, tuple[int, float, int]] = {}
+    aborted: set[str] = set()
+
+    def abort(request_id: str) -> None:
+        if d.s.has_request(request_id):
+            d.s.abort_request(request_id)
+            aborted.add(request_id)
+
+    for step in range(3000):
+        for i, a in enumerate(plan):
+            if a.step == step:
+                d.add(f"r{i}", a.prompt, a.limits, priority=a.priority, arrival_time=float(step))
+                keys[f"r{i}"] = (a.priority if policy == "priority" else 0, float(step), i)
+        for i, a in enumerate(plan):
+            if a.abort_at == step and not a.abort_mid_step:
+                abort(f"r{i}")
+        if not d.s.has_unfinished_requests():
+            if step > max(a.step for a in plan):
+                break
+            continue
+        was_waiting = {r for r in keys if d.s.has_request(r) and d.s.status(r) == "waiting"}
+        d.schedule()
+        admitted = {r for r in was_waiting if d.s.status(r) == "running"}
+        still_waiting = {r for r in was_waiting if d.s.status(r) == "waiting"}
+        for r in admitted:  # FCFS within a priority: nobody earlier is left waiting
+            assert all(keys[r] < keys[w] for w in still_waiting), (r, still_waiting)
+        for i, a in enumerate(plan):
+            if a.abort_at == step and a.abort_mid_step:
+                abort(f"r{i}")
+        d.finish_step()
+    else:
+        raise AssertionError("requests did not finish")
+
+    for i, a in enumerate(plan):
+        request_id = f"r{i}"
+        if request_id in aborted:
+            continue
+        expected = run_alone(a.prompt, a.limits, max_model_len)
+        assert (d.outputs[request_id], d.finished[request_id]) == expected, request_id
+    assert d.s.kv_cache.num_free_blocks == num_blocks
+    assert d.s.kv_cache.stats().num_used_blocks == 0
+    event("preempted" if d.s.stats().num_preemptions > 0 else "no preemption")
