@@ -264,7 +264,9 @@ class PyScheduler:
                 if position < i:
                     i -= 1
             if request.status != RequestStatus.RUNNING:
-                break  # the request preempted itself: it came last
+                # It came last in policy order and preempted itself; the requests after it
+                # come before it and may fit in the blocks it freed.
+                continue
             request.num_computed_tokens += num_new_tokens
             scheduled[request] = num_new_tokens
             budget -= num_new_tokens
