@@ -4,7 +4,8 @@ The "KV cache" stores, per slot, the (token, position) written there. Each step 
 fake model writes the step's tokens at buffers.slot_mapping, then, for every request
 that samples, reads its whole context back through its block table and checks it is
 exactly the request's tokens: wrong block tables, slot mappings or prefix-cache hits
-show up as a mismatch. The next token is a function of the last three tokens, so a
+show up as a mismatch. The next token is a function of the last three tokens and of
+the sample index (parallel samples diverge, so a missed copy-on-write shows), so a
 request's output does not depend on what else runs beside it.
 """
 
@@ -19,8 +20,14 @@ from pyengine import Scheduler
 VOCAB = 1000
 
 
-def next_token(tokens: list[int]) -> int:
-    return (sum(tokens[-3:]) * 31 + 7) % VOCAB
+def next_token(tokens: list[int], sample: int = 0) -> int:
+    return (sum(tokens[-3:]) * 31 + 7 + 13 * sample) % VOCAB
+
+
+def sample_index(request_id: str) -> int:
+    """k for the id of sample k > 0 ("<id>#<k>"), else 0."""
+    head, _, tail = request_id.rpartition("#")
+    return int(tail) if head and tail.isdigit() else 0
 
 
 @dataclass
@@ -32,12 +39,14 @@ class Limits:
     ignore_eos: bool = False
 
 
-def run_alone(prompt: list[int], limits: Limits, max_model_len: int) -> tuple[list[int], str]:
-    """The tokens a request generates on its own, and why it stops."""
+def run_alone(
+    prompt: list[int], limits: Limits, max_model_len: int, sample: int = 0
+) -> tuple[list[int], str]:
+    """The tokens a request (or its sample `sample`) generates alone, and why it stops."""
     tokens = list(prompt)
     output: list[int] = []
     while True:
-        token = next_token(tokens)
+        token = next_token(tokens, sample)
         tokens.append(token)
         output.append(token)
         if len(output) >= limits.min_tokens:
@@ -74,7 +83,7 @@ class FakeModel:
                 f"{request_id}: the KV cache holds another context"
             )
             assert len(context) == len(tokens_of[request_id])
-            sampled.append(next_token(context))
+            sampled.append(next_token(context, sample_index(request_id)))
         return np.array(sampled, dtype=np.int32)
 
     def read_context(self, block_table: np.ndarray, seq_len: int) -> list[int]:

@@ -6,6 +6,7 @@ alone, however it was batched, chunked, preempted and recomputed.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +40,11 @@ class Driver:
             ignore_eos=limits.ignore_eos,
             **kwargs,  # type: ignore[arg-type]
         )
-        self.tokens[request_id] = list(prompt)
-        self.outputs[request_id] = []
+        n = int(kwargs.get("n", 1))  # type: ignore[call-overload]
+        for k in range(n):
+            sample = request_id if k == 0 else Scheduler.sample_id(request_id, k)
+            self.tokens[sample] = list(prompt)
+            self.outputs[sample] = []
 
     def schedule(self) -> None:
         self.s.schedule()
@@ -175,6 +179,44 @@ def test_preemption_recomputes_and_loses_nothing() -> None:
     assert d.s.kv_cache.num_free_blocks == 12
 
 
+def test_parallel_samples_share_the_prompt_and_diverge() -> None:
+    d = make(num_blocks=64, budget=64)
+    prompt = list(range(1, 11))  # 10 tokens: the last block is partly filled and shared
+    d.add("p", prompt, Limits(max_tokens=12), n=3)
+    samples = ["p", Scheduler.sample_id("p", 1), Scheduler.sample_id("p", 2)]
+    assert d.s.status(samples[1]) == "fork_pending"
+    d.schedule()
+    b = d.s.buffers
+    assert b.num_tokens == len(prompt)  # the prompt is computed once
+    assert b.request_ids == samples and b.num_scheduled_tokens.tolist() == [10, 0, 0]
+    assert b.logits_indices.tolist() == [9, 9, 9]
+    tables = [d.s.kv_cache.block_table(r) for r in samples]
+    assert tables[0] == tables[1] == tables[2]
+    d.finish_step()
+    d.schedule()
+    assert len(d.s.buffers.block_copies) == 2  # two of three copy the shared block
+    d.finish_step()
+    d.run()
+    for k, sample in enumerate(samples):
+        expected = run_alone(prompt, Limits(max_tokens=12), 128, sample=k)
+        assert (d.outputs[sample], d.finished[sample]) == expected
+    assert len({tuple(d.outputs[r]) for r in samples}) == 3
+    assert d.s.kv_cache.num_free_blocks == 64
+
+
+def test_aborting_a_request_drops_its_unforked_samples() -> None:
+    d = make()
+    d.add("p", [1, 2, 3], Limits(), n=3)
+    d.s.abort_request("p")
+    assert not d.s.has_unfinished_requests()
+    with pytest.raises(ValueError, match="n must be in"):
+        d.s.add_request("q", [1], n=9)  # max_num_seqs is 8
+    d.s.add_request("r#1", [1])
+    with pytest.raises(ValueError, match="'r#1', is taken"):
+        d.s.add_request("r", [1], n=2)
+    assert not d.s.has_request("r")
+
+
 def test_priority_policy_runs_urgent_requests_first() -> None:
     d = make(max_seqs=1, policy="priority")
     d.add("late", [1, 2], Limits(max_tokens=2), priority=5, arrival_time=0.0)
@@ -240,6 +282,9 @@ def test_bad_input_is_rejected_and_changes_nothing() -> None:
     assert d.finished["a"] == "length"
 
 
+MAX_MODEL_LEN = 48  # of the workload tests
+
+
 @dataclass
 class Arrival:
     step: int
@@ -248,6 +293,7 @@ class Arrival:
     priority: int
     abort_at: int | None
     abort_mid_step: bool
+    n: int
 
 
 @st.composite
@@ -255,43 +301,77 @@ def arrivals(draw: st.DrawFn) -> Arrival:
     length = draw(st.integers(1, 32))
     prompt = draw(st.lists(st.integers(0, 4), min_size=length, max_size=length))
     max_tokens = draw(st.integers(1, 16))
-    alone, _ = run_alone(prompt, Limits(max_tokens=max_tokens), 48)
+    alone, _ = run_alone(prompt, Limits(max_tokens=max_tokens), MAX_MODEL_LEN)
     eos = draw(st.one_of(st.none(), st.sampled_from(alone)))
     limits = Limits(max_tokens=max_tokens, min_tokens=draw(st.integers(0, 2)), eos_token_id=eos)
     limits.min_tokens = min(limits.min_tokens, max_tokens)
     abort_at = draw(st.one_of(st.none(), st.none(), st.integers(0, 30)))
+    n = draw(st.sampled_from([1, 1, 1, 2, 3]))
     return Arrival(
-        draw(st.integers(0, 20)),
+        draw(st.integers(0, 10)),
         prompt,
         limits,
         draw(st.integers(0, 2)),
         abort_at,
         draw(st.booleans()),
+        n,
     )
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("PYENGINE_HYPOTHESIS_EXAMPLES", 100)),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(data=st.data())
 def test_random_workloads_finish_exactly_as_alone(data: st.DataObject) -> None:
     block_size = data.draw(st.sampled_from([2, 4]), label="block_size")
-    max_model_len = 48
     # Pools from "one full-length request" up: small enough that preemption is common.
-    min_blocks = max_model_len // block_size
+    min_blocks = MAX_MODEL_LEN // block_size
     num_blocks = data.draw(st.integers(min_blocks, min_blocks + 6), label="num_blocks")
     budget = data.draw(st.integers(4, 40), label="budget")
     max_seqs = data.draw(st.integers(1, 8), label="max_num_seqs")
     policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
     threshold = data.draw(st.sampled_from([0, 0, 5]), label="long_prefill_token_threshold")
+    plan = data.draw(st.lists(arrivals(), min_size=2, max_size=16), label="requests")
+    d = run_workload(block_size, num_blocks, budget, max_seqs, policy, threshold, plan)
+    event("preempted" if d.s.stats().num_preemptions > 0 else "no preemption")
+    event("parallel samples" if any(a.n > 1 for a in plan) else "one sample each")
+
+
+def test_a_preempted_step_does_not_leave_uncomputed_blocks_in_the_prefix_cache() -> None:
+    """Regression: a request preempted after it was scheduled in the same step kept the
+    prefix-cache entries made for that step's tokens, whose KV was never computed; a
+    later request with the same prefix read garbage (found by the workload test)."""
+    plan = [Arrival(0, [0], Limits(max_tokens=1), 0, None, False, 1) for _ in range(7)]
+    plan += [
+        Arrival(0, [0, 0, 0, 1] + [0] * 17, Limits(max_tokens=1), 0, None, False, 1),
+        Arrival(2, [0] * 24, Limits(max_tokens=2), 0, None, False, 2),
+        Arrival(3, [0] * 25, Limits(max_tokens=1), 0, None, False, 1),
+    ]
+    d = run_workload(4, 12, 14, 8, "fcfs", 5, plan)
+    assert d.s.stats().num_preemptions > 0
+
+
+def run_workload(
+    block_size: int,
+    num_blocks: int,
+    budget: int,
+    max_seqs: int,
+    policy: str,
+    threshold: int,
+    plan: list[Arrival],
+) -> Driver:
+    """Runs `plan` to the end, checking every step and every output against running alone."""
     d = make(
         num_blocks,
         block_size,
         budget,
         max_seqs,
-        max_model_len,
+        MAX_MODEL_LEN,
         policy=policy,
         long_prefill_token_threshold=threshold,
     )
-    plan = data.draw(st.lists(arrivals(), min_size=2, max_size=16), label="requests")
     keys: dict[str, tuple[int, float, int]] = {}
     aborted: set[str] = set()
 
@@ -303,7 +383,14 @@ def test_random_workloads_finish_exactly_as_alone(data: st.DataObject) -> None:
     for step in range(3000):
         for i, a in enumerate(plan):
             if a.step == step:
-                d.add(f"r{i}", a.prompt, a.limits, priority=a.priority, arrival_time=float(step))
+                d.add(
+                    f"r{i}",
+                    a.prompt,
+                    a.limits,
+                    priority=a.priority,
+                    arrival_time=float(step),
+                    n=min(a.n, max_seqs),
+                )
                 keys[f"r{i}"] = (a.priority if policy == "priority" else 0, float(step), i)
         for i, a in enumerate(plan):
             if a.abort_at == step and not a.abort_mid_step:
@@ -327,10 +414,14 @@ def test_random_workloads_finish_exactly_as_alone(data: st.DataObject) -> None:
 
     for i, a in enumerate(plan):
         request_id = f"r{i}"
-        if request_id in aborted:
-            continue
-        expected = run_alone(a.prompt, a.limits, max_model_len)
-        assert (d.outputs[request_id], d.finished[request_id]) == expected, request_id
+        for k in range(min(a.n, max_seqs)):
+            sample = request_id if k == 0 else Scheduler.sample_id(request_id, k)
+            if sample in aborted or d.finished.get(sample, "abort") == "abort":
+                # Aborted itself, or with its parent before it was forked.
+                assert request_id in aborted or sample in aborted
+                continue
+            expected = run_alone(a.prompt, a.limits, MAX_MODEL_LEN, sample=k)
+            assert (d.outputs[sample], d.finished[sample]) == expected, sample
     assert d.s.kv_cache.num_free_blocks == num_blocks
     assert d.s.kv_cache.stats().num_used_blocks == 0
-    event("preempted" if d.s.stats().num_preemptions > 0 else "no preemption")
+    return d

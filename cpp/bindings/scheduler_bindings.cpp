@@ -221,9 +221,18 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
       .def(
           "status",
           [](const Scheduler& s, const std::string& id) {
-            return s.request(id).status == RequestStatus::kWaiting ? "waiting" : "running";
+            switch (s.request(id).status) {
+              case RequestStatus::kWaiting: return "waiting";
+              case RequestStatus::kRunning: return "running";
+              case RequestStatus::kForkPending: return "fork_pending";
+              case RequestStatus::kFinished: break;
+            }
+            return "finished";
           },
-          py::arg("request_id"), "'waiting' or 'running' (finished requests are gone).")
+          py::arg("request_id"),
+          "'waiting', 'running' or 'fork_pending' (a sample waiting for its prompt).")
+      .def_static("sample_id", &Scheduler::sample_id, py::arg("request_id"), py::arg("k"),
+                  "The id of sample k (1 <= k < n) of a request added with n > 1.")
       .def(
           "num_computed_tokens",
           [](const Scheduler& s, const std::string& id) {

@@ -161,6 +161,14 @@ bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenI
   return true;
 }
 
+void BlockPool::uncache(BlockId block) {
+  const Meta& m = meta(block);
+  if (!m.is_cached || m.ref_count == 0) {
+    throw InvalidState("uncache: block " + std::to_string(block) + " is not cached and in use");
+  }
+  drop_cache_entry(block);
+}
+
 bool BlockPool::reset_prefix_cache() {
   if (num_in_use_ > 0) return false;
   while (cached_free_.size > 0) {

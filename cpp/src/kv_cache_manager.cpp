@@ -245,6 +245,26 @@ void KVCacheManager::cache_full_blocks(Request& request) {
   }
 }
 
+void KVCacheManager::rollback(const RequestId& id, int num_computed_tokens) {
+  Request& request = find(id);
+  check_argument(num_computed_tokens >= 0 && num_computed_tokens <= request.num_computed_tokens,
+                 "rollback: num_computed_tokens must be in [0, the request's current count]");
+  const int size = block_size();
+  const int num_full = num_computed_tokens / size;
+  // Blocks this request cached that now hold uncomputed positions. They were written by
+  // this request alone (a shared block is copied before it is written), so nobody else
+  // relies on their entries.
+  for (int i = num_full; i < request.num_cached_blocks; ++i) {
+    pool_.uncache(request.block_table[static_cast<size_t>(i)]);
+  }
+  request.num_cached_blocks = std::min(request.num_cached_blocks, num_full);
+  for (int i = num_full; i * size < request.num_computed_tokens; ++i) {
+    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)],
+                         std::clamp(num_computed_tokens - i * size, 0, size));
+  }
+  request.num_computed_tokens = num_computed_tokens;
+}
+
 void KVCacheManager::free(const RequestId& id) {
   const auto it = request_slots_.find(id);
   if (it == request_slots_.end()) throw UnknownRequest(id);

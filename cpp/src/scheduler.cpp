@@ -37,7 +37,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_conf
 
 Scheduler::WaitingKey Scheduler::waiting_key(const Request& r) const {
   const int priority = config_.policy == SchedulingPolicy::kPriority ? r.params.priority : 0;
-  return {priority, r.params.arrival_time, r.arrival_seq};
+  return {priority, r.params.arrival_time, r.arrival_seq, r.sample_index};
 }
 
 void Scheduler::enqueue_waiting(Request& r) {
@@ -61,7 +61,8 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
   check_argument(params.max_tokens >= 1, "add_request: max_tokens must be at least 1");
   check_argument(params.min_tokens >= 0 && params.min_tokens <= params.max_tokens,
                  "add_request: min_tokens must be in [0, max_tokens]");
-  check_argument(params.n == 1, "add_request: n > 1 (parallel sampling) is not supported yet");
+  check_argument(params.n >= 1 && params.n <= config_.max_num_seqs,
+                 "add_request: n must be in [1, max_num_seqs]");
   check_argument(std::isfinite(params.arrival_time), "add_request: arrival_time must be finite");
   for (const TokenId t : params.stop_token_ids) {
     check_argument(t >= 0, "add_request: stop_token_ids must be non-negative");
@@ -79,15 +80,37 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
                           std::to_string(blocks_needed) + " KV-cache blocks, the pool has " +
                           std::to_string(kv_.config().num_blocks));
   }
-  auto request = std::make_unique<Request>();
-  request->id = id;
-  request->params = params;
-  request->token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
-  request->num_prompt_tokens = static_cast<int>(prompt_len);
-  request->arrival_seq = next_arrival_seq_++;
-  Request& r = *request;
-  requests_.emplace(id, std::move(request));
-  enqueue_waiting(r);
+  // Sample 0 under `id`, samples 1..n-1 under sample_id(id, k): all built, then all
+  // registered, so that a failure leaves nothing behind.
+  std::vector<std::unique_ptr<Request>> samples;
+  for (int k = 0; k < params.n; ++k) {
+    auto r = std::make_unique<Request>();
+    r->id = k == 0 ? id : sample_id(id, k);
+    if (k > 0 && has_request(r->id)) {
+      throw InvalidArgument("add_request: the id of sample " + std::to_string(k) + ", '" +
+                            r->id + "', is taken");
+    }
+    r->params = params;
+    r->token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+    r->num_prompt_tokens = static_cast<int>(prompt_len);
+    r->sample_index = k;
+    if (k > 0) {
+      r->params.n = 1;
+      r->parent_id = id;
+      r->status = RequestStatus::kForkPending;
+      samples[0]->sample_ids.push_back(r->id);
+    }
+    samples.push_back(std::move(r));
+  }
+  requests_.reserve(requests_.size() + samples.size());  // the emplaces below cannot fail
+  samples[0]->arrival_seq = next_arrival_seq_++;
+  Request& first = *samples[0];
+  for (auto& r : samples) {
+    r->arrival_seq = first.arrival_seq;
+    std::string key = r->id;
+    requests_.emplace(std::move(key), std::move(r));
+  }
+  enqueue_waiting(first);
 }
 
 void Scheduler::remove(const std::string& id) {
@@ -96,13 +119,21 @@ void Scheduler::remove(const std::string& id) {
   Request* r = it->second.get();
   if (r->status == RequestStatus::kWaiting) {
     waiting_.erase(waiting_key(*r));
-  } else {
+  } else if (r->status == RequestStatus::kRunning) {
     running_.erase(std::find(running_.begin(), running_.end(), r));
   }
   if (kv_.has_request(id)) kv_.free(id);
   // A step in flight keeps a row for it; update() then skips that row.
   std::replace(step_requests_.begin(), step_requests_.end(), r, static_cast<Request*>(nullptr));
+  const std::vector<std::string> unforked =
+      r->forked ? std::vector<std::string>{} : std::move(r->sample_ids);
   requests_.erase(it);
+  for (const std::string& sample : unforked) {
+    const auto s = requests_.find(sample);
+    if (s != requests_.end() && s->second->status == RequestStatus::kForkPending) {
+      requests_.erase(s);
+    }
+  }
 }
 
 void Scheduler::abort_request(const std::string& id) { remove(id); }
@@ -112,12 +143,28 @@ void Scheduler::finish_request(const std::string& id, FinishReason reason) {
   remove(id);
 }
 
-Request* Scheduler::preempt_last_running() {
-  const auto last = std::max_element(
-      running_.begin(), running_.end(),
-      [this](const Request* a, const Request* b) { return waiting_key(*a) < waiting_key(*b); });
+Request* Scheduler::preempt_last_running(std::vector<std::pair<Request*, int>>& scheduled,
+                                         int& budget) {
+  // Requests forked this step are spared: their samples take this step's logits of
+  // sample 0, whose prompt is being computed.
+  const auto spared = [this](const Request* r) { return r->fork_step == step_index_; };
+  auto last = running_.end();
+  for (auto it = running_.begin(); it != running_.end(); ++it) {
+    if (!spared(*it) && (last == running_.end() || waiting_key(**last) < waiting_key(**it))) {
+      last = it;
+    }
+  }
+  if (last == running_.end()) throw InvalidState("preempt: no running request can be preempted");
   Request* victim = *last;
   running_.erase(last);
+  const auto row = std::find_if(scheduled.begin(), scheduled.end(),
+                                [victim](const auto& s) { return s.first == victim; });
+  if (row != scheduled.end()) {
+    // Its blocks were cached as if this step's tokens would be computed: they won't.
+    kv_.rollback(victim->id, victim->num_computed_tokens - row->second);
+    budget += row->second;
+    scheduled.erase(row);
+  }
   kv_.free(victim->id);
   victim->num_computed_tokens = 0;
   ++victim->num_preemptions;
@@ -134,8 +181,34 @@ int Scheduler::tokens_to_schedule(const Request& r, int budget) const {
   return std::min(n, budget);
 }
 
+int Scheduler::num_running_seqs() const {
+  int seqs = static_cast<int>(running_.size());
+  for (const Request* r : running_) {
+    if (!r->forked) seqs += static_cast<int>(r->sample_ids.size());
+  }
+  return seqs;
+}
+
+void Scheduler::fork_samples(Request& r, std::vector<std::pair<Request*, int>>& scheduled) {
+  if (r.sample_ids.empty() || r.forked || r.num_computed_tokens != r.num_tokens()) return;
+  r.forked = true;
+  r.fork_step = step_index_;
+  for (const std::string& id : r.sample_ids) {
+    const auto it = requests_.find(id);
+    if (it == requests_.end() || it->second->status != RequestStatus::kForkPending) continue;
+    Request& sample = *it->second;
+    kv_.fork(r.id, sample.id);
+    sample.num_computed_tokens = r.num_computed_tokens;
+    sample.status = RequestStatus::kRunning;
+    sample.fork_step = step_index_;
+    running_.push_back(&sample);
+    scheduled.emplace_back(&sample, 0);  // right after r: it samples from r's logits
+  }
+}
+
 int Scheduler::schedule() {
   if (step_pending_) throw InvalidState("schedule: the last step has not been update()d");
+  ++step_index_;
   int budget = config_.max_num_batched_tokens;
   std::vector<std::pair<Request*, int>> scheduled;
   scheduled.reserve(running_.size() + waiting_.size());
@@ -145,20 +218,17 @@ int Scheduler::schedule() {
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
     const int n = tokens_to_schedule(*r, budget);
+    if (n == 0) {  // a sample forked this step: it has nothing to compute
+      ++i;
+      continue;
+    }
     bool allocated = false;
     while (!(allocated = kv_.allocate_slots(r->id, n).has_value())) {
       const auto position = static_cast<size_t>(
           std::find(running_.begin(), running_.end(), r) - running_.begin());
-      Request* victim = preempt_last_running();
+      Request* victim = preempt_last_running(scheduled, budget);
       preempted = true;
       if (victim == r) break;
-      // A victim already scheduled this step gives its tokens back.
-      const auto it = std::find_if(scheduled.begin(), scheduled.end(),
-                                   [victim](const auto& s) { return s.first == victim; });
-      if (it != scheduled.end()) {
-        budget += it->second;
-        scheduled.erase(it);
-      }
       if (running_.size() <= position || running_[position] != r) --i;  // it sat before r
     }
     // r itself came last in policy order and was preempted; the requests after it in
@@ -167,13 +237,17 @@ int Scheduler::schedule() {
     r->num_computed_tokens += n;
     scheduled.emplace_back(r, n);
     budget -= n;
+    fork_samples(*r, scheduled);
     ++i;
   }
 
-  // Then waiting requests in policy order, unless this step had to preempt.
-  while (!preempted && budget > 0 && !waiting_.empty() &&
-         static_cast<int>(running_.size()) < config_.max_num_seqs) {
+  // Then waiting requests in policy order, unless this step had to preempt. A request
+  // with samples still to fork brings their sequences along.
+  int num_seqs = num_running_seqs();
+  while (!preempted && budget > 0 && !waiting_.empty()) {
     Request* r = waiting_.begin()->second;
+    const int seqs = r->forked ? 1 : 1 + static_cast<int>(r->sample_ids.size());
+    if (num_seqs + seqs > config_.max_num_seqs) break;
     if (!kv_.has_request(r->id)) {
       kv_.add_request(r->id, r->token_ids, BlockExtras{r->params.adapter_id, r->params.cache_salt});
     }
@@ -189,8 +263,10 @@ int Scheduler::schedule() {
     r->status = RequestStatus::kRunning;
     r->num_computed_tokens = hit.num_computed_tokens + n;
     running_.push_back(r);
+    num_seqs += seqs;
     scheduled.emplace_back(r, n);
     budget -= n;
+    fork_samples(*r, scheduled);
   }
 
   write_step(scheduled);
@@ -232,6 +308,8 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     // A decode step computes only the last sampled token.
     (first == r->num_tokens() - 1 && r->num_output_tokens() > 0 ? last_decode_tokens_
                                                                  : last_prefill_tokens_) += n;
+    // A sample forked this step has no tokens: its logits row is sample 0's last one,
+    // which precedes it (b.num_tokens - 1 above already points there).
   }
   b.block_copies = kv_.take_pending_copies();
 }

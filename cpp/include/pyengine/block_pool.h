@@ -69,6 +69,9 @@ class BlockPool {
   // already cached is an InvalidState unless it is the same key (then a no-op).
   bool cache(BlockId block, const BlockKey& key, std::span<const TokenId> tokens,
              const BlockLink& parent, const BlockExtras& extras);
+  // Drops the cache entry of in-use `block` (its KV will not be computed after all).
+  // Throws InvalidState unless it is cached and in use.
+  void uncache(BlockId block);
   // Drops every cache entry. Returns false, changing nothing, while any block is in use.
   bool reset_prefix_cache();
 

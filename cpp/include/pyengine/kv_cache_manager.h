@@ -95,6 +95,12 @@ class KVCacheManager {
                                                          int num_lookahead = 0,
                                                          const ComputedBlocks* computed = nullptr);
 
+  // Takes back the scheduling of a request's tokens from position num_computed_tokens
+  // on (their KV will not be computed: the step was cancelled, or draft tokens were
+  // rejected): num_computed_tokens is lowered and blocks that were cached on the
+  // strength of those tokens leave the prefix cache. Blocks stay allocated. Throws
+  // UnknownRequest, InvalidArgument unless 0 <= num_computed_tokens <= the current count.
+  void rollback(const RequestId& id, int num_computed_tokens);
   // Releases a request's blocks (last block first, so that prompt heads, the most
   // shareable, are evicted last) and forgets it. Throws UnknownRequest, so freeing twice
   // is an error.

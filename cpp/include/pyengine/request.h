@@ -19,14 +19,16 @@ struct RequestParams {
   TokenId eos_token_id = kNoToken;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;
-  int n = 1;                  // parallel samples (only 1 so far)
+  int n = 1;                  // parallel samples: the prompt is computed once, then forked
   int priority = 0;           // lower runs first under the priority policy
   double arrival_time = 0.0;  // seconds; ties keep submission order
   std::string cache_salt;
   int64_t adapter_id = 0;
 };
 
-enum class RequestStatus : uint8_t { kWaiting, kRunning, kFinished };
+// kForkPending: sample k > 0 of a request with n > 1, waiting for its parent's prompt
+// to be computed; it then shares the parent's blocks (copy-on-write) and runs.
+enum class RequestStatus : uint8_t { kWaiting, kRunning, kForkPending, kFinished };
 
 enum class FinishReason : uint8_t { kNone, kStop, kLength, kAbort };
 
@@ -41,6 +43,11 @@ struct Request {
   uint64_t arrival_seq = 0;        // submission order
   int num_preemptions = 0;
   RequestStatus status = RequestStatus::kWaiting;
+  std::string parent_id;                // of sample k > 0; empty for sample 0
+  int sample_index = 0;                 // k of n
+  std::vector<std::string> sample_ids;  // sample 0 of n > 1: ids of samples 1..n-1
+  bool forked = false;                  // sample 0: its samples have been forked
+  uint64_t fork_step = 0;               // the step it was forked in (samples too)
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

@@ -59,14 +59,17 @@ class Scheduler {
 
   const SchedulerConfig& config() const { return config_; }
 
-  // Queues a request. Throws InvalidArgument, changing nothing, on a duplicate id, an
-  // empty prompt, a negative token id, max_tokens < 1, min_tokens outside
-  // [0, max_tokens], n != 1, a prompt longer than max_model_len, or a request that
-  // could never fit in the KV cache.
+  // Queues a request. With n > 1 its samples 1..n-1 are requests of their own, named
+  // sample_id(id, k); they share the prompt's blocks once it is computed. Throws
+  // InvalidArgument, changing nothing, on a duplicate id, an empty prompt, a negative
+  // token id, max_tokens < 1, min_tokens outside [0, max_tokens], n outside
+  // [1, max_num_seqs], a prompt longer than max_model_len, or a request that could
+  // never fit in the KV cache.
   void add_request(const std::string& id, std::span<const TokenId> prompt_token_ids,
                    const RequestParams& params);
-  // Ends a waiting or running request now, freeing its blocks. Throws UnknownRequest.
-  // A request aborted between schedule() and update() gets no output from update().
+  // Ends a waiting or running request now, with its samples not yet forked, freeing
+  // its blocks. Throws UnknownRequest. A request aborted between schedule() and
+  // update() gets no token from update().
   void abort_request(const std::string& id);
   // Like abort_request but with a reason (Python ends requests on stop strings).
   void finish_request(const std::string& id, FinishReason reason);
@@ -83,6 +86,11 @@ class Scheduler {
   int update(std::span<const TokenId> sampled_token_ids);
   const StepResults& results() const { return results_; }
 
+  // The id of sample k (1 <= k < n) of request `id`.
+  static std::string sample_id(const std::string& id, int k) {
+    return id + "#" + std::to_string(k);
+  }
+
   bool has_request(const std::string& id) const { return requests_.count(id) > 0; }
   bool has_unfinished_requests() const { return !requests_.empty(); }
   const Request& request(const std::string& id) const;
@@ -90,15 +98,23 @@ class Scheduler {
   const KVCacheManager& kv_cache() const { return kv_; }
 
  private:
-  // Waiting requests in policy order: (priority, arrival time, submission order).
-  using WaitingKey = std::tuple<int, double, uint64_t>;
+  // Waiting requests in policy order: (priority, arrival time, submission order,
+  // sample index); unique per request.
+  using WaitingKey = std::tuple<int, double, uint64_t, int>;
 
   WaitingKey waiting_key(const Request& r) const;
   void enqueue_waiting(Request& r);
   void remove(const std::string& id);
-  // Frees the running request that comes last in policy order; returns it.
-  Request* preempt_last_running();
+  // Frees the running request that comes last in policy order and returns it. If it
+  // was already scheduled this step, its row leaves `scheduled`, its tokens go back to
+  // `budget`, and the prefix-cache entries made for them are taken back first.
+  Request* preempt_last_running(std::vector<std::pair<Request*, int>>& scheduled, int& budget);
   int tokens_to_schedule(const Request& r, int budget) const;
+  // Sequences that running requests hold or have reserved for samples not yet forked.
+  int num_running_seqs() const;
+  // Once sample 0's prompt is computed, its samples share its blocks and join the step
+  // (rows without tokens that sample from sample 0's logits).
+  void fork_samples(Request& r, std::vector<std::pair<Request*, int>>& scheduled);
   void write_step(const std::vector<std::pair<Request*, int>>& scheduled);
   FinishReason stop_reason(const Request& r, TokenId token) const;
 
@@ -112,6 +128,7 @@ class Scheduler {
   std::vector<Request*> step_requests_;  // rows of the last schedule(), until update()
   bool step_pending_ = false;
   uint64_t next_arrival_seq_ = 0;
+  uint64_t step_index_ = 0;  // schedule() calls, from 1
   int64_t num_preemptions_ = 0;
   int last_prefill_tokens_ = 0;
   int last_decode_tokens_ = 0;
