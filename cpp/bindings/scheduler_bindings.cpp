@@ -73,12 +73,12 @@ schedule() overwrites them. Rows of block_tables past a request's blocks are sta
                                const auto& b = self.cast<const StepBuffers&>();
                                return view(b.seq_lens, {b.num_reqs}, self);
                              })
-      .def_property_readonly("block_tables",
-                             [](py::object self) {
-                               const auto& b = self.cast<const StepBuffers&>();
-                               return view(b.block_tables, {b.num_reqs, b.max_blocks_per_request},
-                                           self);
-                             })
+      .def_property_readonly(
+          "block_tables",
+          [](py::object self) {
+            const auto& b = self.cast<const StepBuffers&>();
+            return view(b.block_tables, {b.num_reqs, b.max_blocks_per_request}, self);
+          })
       .def_property_readonly("logits_indices",
                              [](py::object self) {
                                const auto& b = self.cast<const StepBuffers&>();
@@ -185,7 +185,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           },
           py::arg("request_id"), py::arg("finish_reason"))
       .def("schedule", &Scheduler::schedule, "Plans one step; returns the number of requests.")
-      .def_property_readonly("buffers", &Scheduler::buffers, py::return_value_policy::reference_internal)
+      .def_property_readonly("buffers", &Scheduler::buffers,
+                             py::return_value_policy::reference_internal)
       .def(
           "update",
           [](Scheduler& s, const py::handle& sampled) {
@@ -194,7 +195,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           },
           py::arg("sampled_token_ids"),
           "Applies the step's sampled tokens; returns how many requests finished.")
-      .def_property_readonly("results", &Scheduler::results, py::return_value_policy::reference_internal)
+      .def_property_readonly("results", &Scheduler::results,
+                             py::return_value_policy::reference_internal)
       .def(
           "outputs",
           [](const Scheduler& s) {

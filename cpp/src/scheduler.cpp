@@ -76,8 +76,8 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
   const int64_t max_len = std::min<int64_t>(prompt_len + params.max_tokens, config_.max_model_len);
   const int blocks_needed = ceil_div(max_len, kv_.block_size());
   if (blocks_needed > kv_.config().num_blocks) {
-    throw InvalidArgument("add_request: the request needs up to " +
-                          std::to_string(blocks_needed) + " KV-cache blocks, the pool has " +
+    throw InvalidArgument("add_request: the request needs up to " + std::to_string(blocks_needed) +
+                          " KV-cache blocks, the pool has " +
                           std::to_string(kv_.config().num_blocks));
   }
   // Sample 0 under `id`, samples 1..n-1 under sample_id(id, k): all built, then all
@@ -87,8 +87,8 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
     auto r = std::make_unique<Request>();
     r->id = k == 0 ? id : sample_id(id, k);
     if (k > 0 && has_request(r->id)) {
-      throw InvalidArgument("add_request: the id of sample " + std::to_string(k) + ", '" +
-                            r->id + "', is taken");
+      throw InvalidArgument("add_request: the id of sample " + std::to_string(k) + ", '" + r->id +
+                            "', is taken");
     }
     r->params = params;
     r->token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
@@ -224,8 +224,8 @@ int Scheduler::schedule() {
     }
     bool allocated = false;
     while (!(allocated = kv_.allocate_slots(r->id, n).has_value())) {
-      const auto position = static_cast<size_t>(
-          std::find(running_.begin(), running_.end(), r) - running_.begin());
+      const auto position =
+          static_cast<size_t>(std::find(running_.begin(), running_.end(), r) - running_.begin());
       Request* victim = preempt_last_running(scheduled, budget);
       preempted = true;
       if (victim == r) break;
@@ -292,8 +292,9 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
       const auto t = static_cast<size_t>(b.num_tokens++);
       b.input_ids[t] = r->token_ids[static_cast<size_t>(p)];
       b.positions[t] = p;
-      b.slot_mapping[t] = static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) *
-                              block_size + p % block_size;
+      b.slot_mapping[t] =
+          static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) * block_size +
+          p % block_size;
     }
     b.query_start_loc[i + 1] = b.num_tokens;
     b.seq_lens[i] = r->num_computed_tokens;
@@ -307,7 +308,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     step_requests_.push_back(r);
     // A decode step computes only the last sampled token.
     (first == r->num_tokens() - 1 && r->num_output_tokens() > 0 ? last_decode_tokens_
-                                                                 : last_prefill_tokens_) += n;
+                                                                : last_prefill_tokens_) += n;
     // A sample forked this step has no tokens: its logits row is sample 0's last one,
     // which precedes it (b.num_tokens - 1 above already points there).
   }

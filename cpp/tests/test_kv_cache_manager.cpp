@@ -177,6 +177,24 @@ TEST(stale_computed_blocks_are_rejected) {
   CHECK(kv.block_table("b").empty());
 }
 
+TEST(rollback_takes_back_scheduled_tokens_and_their_cache_entries) {
+  auto kv = make(8);
+  kv.add_request("a", iota_tokens(10));
+  CHECK(kv.allocate_slots("a", 10).has_value());
+  CHECK_EQ(kv.stats().num_cached_blocks, 2);
+  kv.rollback("a", 5);  // the step that computed tokens 5..9 was cancelled
+  CHECK_EQ(kv.num_computed_tokens("a"), 5);
+  CHECK_EQ(kv.stats().num_cached_blocks, 1);  // block 1 (tokens 4..7) was never computed
+  CHECK_EQ(kv.block_table("a").size(), 3u);   // blocks stay allocated
+  CHECK_THROWS(InvalidArgument, kv.rollback("a", 6));
+  CHECK_THROWS(InvalidArgument, kv.rollback("a", -1));
+  CHECK_THROWS(UnknownRequest, kv.rollback("b", 0));
+  CHECK(kv.allocate_slots("a", 5).has_value());  // recomputed: cached again
+  CHECK_EQ(kv.stats().num_cached_blocks, 2);
+  kv.add_request("b", iota_tokens(10));
+  CHECK_EQ(kv.get_computed_blocks("b").num_computed_tokens, 8);
+}
+
 TEST(reset_prefix_cache_only_when_idle) {
   auto kv = make(8);
   start(kv, "a", iota_tokens(8));

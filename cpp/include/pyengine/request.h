@@ -14,8 +14,8 @@ inline constexpr TokenId kNoToken = -1;
 // What ends a request and how it is ordered; the sampling itself (temperature, ...)
 // is Python's.
 struct RequestParams {
-  int max_tokens = 16;        // generated tokens at most, >= 1
-  int min_tokens = 0;         // EOS and stop tokens do not stop it before this many
+  int max_tokens = 16;  // generated tokens at most, >= 1
+  int min_tokens = 0;   // EOS and stop tokens do not stop it before this many
   TokenId eos_token_id = kNoToken;
   std::vector<TokenId> stop_token_ids;
   bool ignore_eos = false;
@@ -39,8 +39,8 @@ struct Request {
   RequestParams params;
   std::vector<TokenId> token_ids;  // prompt, then generated tokens
   int num_prompt_tokens = 0;
-  int num_computed_tokens = 0;     // tokens whose KV is computed or scheduled
-  uint64_t arrival_seq = 0;        // submission order
+  int num_computed_tokens = 0;  // tokens whose KV is computed or scheduled
+  uint64_t arrival_seq = 0;     // submission order
   int num_preemptions = 0;
   RequestStatus status = RequestStatus::kWaiting;
   std::string parent_id;                // of sample k > 0; empty for sample 0

@@ -44,7 +44,7 @@ struct SchedulerConfig {
 struct SchedulerStats {
   int num_running = 0;
   int num_waiting = 0;
-  int64_t num_preemptions = 0;          // since construction
+  int64_t num_preemptions = 0;           // since construction
   int num_scheduled_prefill_tokens = 0;  // last step
   int num_scheduled_decode_tokens = 0;   // last step
   double prefix_cache_hit_rate = 0.0;

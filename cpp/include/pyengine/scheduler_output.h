@@ -25,14 +25,14 @@ struct StepBuffers {
   int num_tokens = 0;
   int num_sampled = 0;
 
-  std::vector<int32_t> input_ids;        // [max_num_tokens]
-  std::vector<int32_t> positions;        // [max_num_tokens]
-  std::vector<int64_t> slot_mapping;     // [max_num_tokens] block * block_size + offset
-  std::vector<int32_t> query_start_loc;  // [max_num_reqs + 1] prefix sums of query lengths
-  std::vector<int32_t> seq_lens;         // [max_num_reqs] context length after this step
-  std::vector<int32_t> block_tables;     // [max_num_reqs, max_blocks_per_request]; entries
-                                         // past a request's blocks are stale
-  std::vector<int32_t> logits_indices;   // [max_num_reqs] token rows that need a next token
+  std::vector<int32_t> input_ids;             // [max_num_tokens]
+  std::vector<int32_t> positions;             // [max_num_tokens]
+  std::vector<int64_t> slot_mapping;          // [max_num_tokens] block * block_size + offset
+  std::vector<int32_t> query_start_loc;       // [max_num_reqs + 1] prefix sums of query lengths
+  std::vector<int32_t> seq_lens;              // [max_num_reqs] context length after this step
+  std::vector<int32_t> block_tables;          // [max_num_reqs, max_blocks_per_request]; entries
+                                              // past a request's blocks are stale
+  std::vector<int32_t> logits_indices;        // [max_num_reqs] token rows that need a next token
   std::vector<int32_t> num_scheduled_tokens;  // [max_num_reqs]
   std::vector<uint8_t> is_sampling;           // [max_num_reqs]
   std::vector<std::string> request_ids;       // [num_reqs] this step's requests, in row order

@@ -1,0 +1,95 @@
+#include <numeric>
+#include <vector>
+
+#include "harness.h"
+#include "pyengine/errors.h"
+#include "pyengine/scheduler.h"
+
+using namespace pyengine;
+
+namespace {
+
+Scheduler make(int num_blocks = 32, int budget = 16) {
+  SchedulerConfig config;
+  config.max_num_batched_tokens = budget;
+  config.max_num_seqs = 4;
+  config.max_model_len = 64;
+  return Scheduler(config, KVCacheConfig{num_blocks, 4, true});
+}
+
+std::vector<TokenId> iota_tokens(int n) {
+  std::vector<TokenId> tokens(static_cast<size_t>(n));
+  std::iota(tokens.begin(), tokens.end(), 1);
+  return tokens;
+}
+
+// Runs to the end, sampling token 7 everywhere; returns the number of steps.
+int run(Scheduler& s) {
+  int steps = 0;
+  while (s.has_unfinished_requests()) {
+    CHECK(s.schedule() > 0);
+    const std::vector<TokenId> sampled(static_cast<size_t>(s.buffers().num_sampled), 7);
+    s.update(sampled);
+    ++steps;
+  }
+  return steps;
+}
+
+}  // namespace
+
+TEST(a_chunked_prompt_then_decodes) {
+  Scheduler s = make();
+  RequestParams params;
+  params.max_tokens = 3;
+  s.add_request("a", iota_tokens(20), params);
+  CHECK_EQ(s.schedule(), 1);
+  const StepBuffers& b = s.buffers();
+  CHECK_EQ(b.num_tokens, 16);  // the budget: a first chunk, no token sampled
+  CHECK_EQ(b.num_sampled, 0);
+  CHECK_EQ(b.positions[15], 15);
+  CHECK_EQ(b.slot_mapping[5], static_cast<int64_t>(b.block_tables[1]) * 4 + 1);
+  s.update({});
+  CHECK_EQ(s.schedule(), 1);
+  CHECK_EQ(s.buffers().num_tokens, 4);
+  CHECK_EQ(s.buffers().num_sampled, 1);
+  CHECK_EQ(s.buffers().logits_indices[0], 3);
+  const TokenId first[] = {9};
+  CHECK_EQ(s.update(first), 0);
+  CHECK_EQ(s.results().new_token_ids[0], 9);
+  CHECK_EQ(run(s), 2);
+  CHECK_EQ(s.kv_cache().num_free_blocks(), 32);
+}
+
+TEST(finish_reasons) {
+  Scheduler s = make();
+  RequestParams eos;
+  eos.eos_token_id = 7;
+  s.add_request("eos", iota_tokens(3), eos);
+  RequestParams length;
+  length.max_tokens = 1;
+  s.add_request("length", iota_tokens(3), length);
+  s.schedule();
+  const std::vector<TokenId> sampled = {7, 7};
+  CHECK_EQ(s.update(sampled), 2);
+  CHECK_EQ(s.results().finish_reasons[0], static_cast<uint8_t>(FinishReason::kStop));
+  CHECK_EQ(s.results().finish_reasons[1], static_cast<uint8_t>(FinishReason::kLength));
+  CHECK(!s.has_unfinished_requests());
+}
+
+TEST(bad_input_changes_nothing) {
+  Scheduler s = make(8);
+  RequestParams params;
+  s.add_request("a", iota_tokens(3), params);
+  CHECK_THROWS(InvalidArgument, s.add_request("a", iota_tokens(3), params));
+  CHECK_THROWS(InvalidArgument, s.add_request("b", {}, params));
+  params.max_tokens = 0;
+  CHECK_THROWS(InvalidArgument, s.add_request("b", iota_tokens(3), params));
+  params.max_tokens = 40;
+  CHECK_THROWS(InvalidArgument, s.add_request("b", iota_tokens(30), params));  // > 8 blocks
+  CHECK_THROWS(UnknownRequest, s.abort_request("b"));
+  CHECK_THROWS(InvalidState, s.update({}));
+  CHECK_EQ(s.stats().num_waiting, 1);
+  CHECK_EQ(run(s), 16);
+}
+
+TEST_MAIN()
