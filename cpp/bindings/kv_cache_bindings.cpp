@@ -143,6 +143,9 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
           py::arg("computed") = nullptr,
           "New block ids, or None (nothing changed) when too few blocks are free.")
       .def("free", &KVCacheManager::free, py::arg("request_id"))
+      .def("rollback", &KVCacheManager::rollback, py::arg("request_id"),
+           py::arg("num_computed_tokens"),
+           "Takes back scheduled tokens from num_computed_tokens on (and their cache entries).")
       .def("fork", &KVCacheManager::fork, py::arg("parent_request_id"), py::arg("child_request_id"))
       .def("take_pending_copies", &KVCacheManager::take_pending_copies,
            "(src, dst) block copies that copy-on-write queued since the last call.")
