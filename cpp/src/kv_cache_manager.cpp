@@ -43,12 +43,27 @@ size_t KVCacheManager::take_free_slot() {
   return slot;
 }
 
+RequestHandle KVCacheManager::handle(const RequestId& id) const {
+  const size_t slot = slot_of(id);
+  return {static_cast<uint32_t>(slot), requests_[slot].generation};
+}
+
+const KVCacheManager::Request& KVCacheManager::find(RequestHandle handle) const {
+  if (handle.slot >= requests_.size() || !requests_[handle.slot].in_use ||
+      requests_[handle.slot].generation != handle.generation) {
+    throw InvalidArgument("stale request handle (the request was freed)");
+  }
+  return requests_[handle.slot];
+}
+
 template <typename Fill>
 void KVCacheManager::register_request(const RequestId& id, Fill&& fill) {
   const size_t slot = take_free_slot();
   try {
     fill(requests_[slot]);
     request_slots_.emplace(id, slot);
+    requests_[slot].in_use = true;
+    ++requests_[slot].generation;
   } catch (...) {
     free_slots_.push_back(slot);  // the id was never registered: nothing changed
     throw;
@@ -77,7 +92,14 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
 }
 
 void KVCacheManager::append_token_ids(const RequestId& id, std::span<const TokenId> token_ids) {
-  Request& request = find(id);
+  append(find(id), token_ids);
+}
+
+void KVCacheManager::append_token_ids(RequestHandle handle, std::span<const TokenId> token_ids) {
+  append(find(handle), token_ids);
+}
+
+void KVCacheManager::append(Request& request, std::span<const TokenId> token_ids) {
   check_token_ids(token_ids, "append_token_ids");
   check_argument(token_ids.size() <= kMaxTokensPerRequest - request.token_ids.size(),
                  "append_token_ids: the request would have more than 2**30 tokens");
@@ -195,7 +217,18 @@ bool KVCacheManager::can_allocate_slots(const RequestId& id, int num_new_tokens,
 
 std::optional<std::span<const BlockId>> KVCacheManager::allocate_slots(
     const RequestId& id, int num_new_tokens, int num_lookahead, const ComputedBlocks* computed) {
-  Request& request = find(id);
+  return allocate(find(id), num_new_tokens, num_lookahead, computed);
+}
+
+std::optional<std::span<const BlockId>> KVCacheManager::allocate_slots(
+    RequestHandle handle, int num_new_tokens, int num_lookahead, const ComputedBlocks* computed) {
+  return allocate(find(handle), num_new_tokens, num_lookahead, computed);
+}
+
+std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& request,
+                                                                 int num_new_tokens,
+                                                                 int num_lookahead,
+                                                                 const ComputedBlocks* computed) {
   const Plan p = plan(request, num_new_tokens, num_lookahead, computed);
   if (!p.fits) return std::nullopt;
 
@@ -270,6 +303,7 @@ void KVCacheManager::free(const RequestId& id) {
   if (it == request_slots_.end()) throw UnknownRequest(id);
   const size_t slot = it->second;
   request_slots_.erase(it);
+  requests_[slot].in_use = false;
   free_slots_.push_back(slot);  // capacity reserved: cannot throw. Cleared on reuse.
   const auto& table = requests_[slot].block_table;
   for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
@@ -281,7 +315,11 @@ void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
     throw InvalidArgument("fork: request id '" + child + "' already exists");
   }
   // Index, don't hold references: taking a slot may grow requests_.
-  register_request(child, [&](Request& copy) { copy = requests_[source]; });
+  register_request(child, [&](Request& copy) {
+    const uint32_t generation = copy.generation;  // the slot's own count, not the source's
+    copy = requests_[source];
+    copy.generation = generation;
+  });
   for (const BlockId b : requests_[slot_of(child)].block_table) pool_.retain(b);
 }
 
@@ -293,6 +331,10 @@ bool KVCacheManager::reset_prefix_cache() { return pool_.reset_prefix_cache(); }
 
 std::span<const BlockId> KVCacheManager::block_table(const RequestId& id) const {
   return find(id).block_table;
+}
+
+std::span<const BlockId> KVCacheManager::block_table(RequestHandle handle) const {
+  return find(handle).block_table;
 }
 
 std::span<const TokenId> KVCacheManager::token_ids(const RequestId& id) const {

@@ -198,6 +198,7 @@ void Scheduler::fork_samples(Request& r, std::vector<std::pair<Request*, int>>& 
     if (it == requests_.end() || it->second->status != RequestStatus::kForkPending) continue;
     Request& sample = *it->second;
     kv_.fork(r.id, sample.id);
+    sample.kv_handle = kv_.handle(sample.id);
     sample.num_computed_tokens = r.num_computed_tokens;
     sample.status = RequestStatus::kRunning;
     sample.fork_step = step_index_;
@@ -223,7 +224,7 @@ int Scheduler::schedule() {
       continue;
     }
     bool allocated = false;
-    while (!(allocated = kv_.allocate_slots(r->id, n).has_value())) {
+    while (!(allocated = kv_.allocate_slots(r->kv_handle, n).has_value())) {
       const auto position =
           static_cast<size_t>(std::find(running_.begin(), running_.end(), r) - running_.begin());
       Request* victim = preempt_last_running(scheduled, budget);
@@ -250,6 +251,7 @@ int Scheduler::schedule() {
     if (num_seqs + seqs > config_.max_num_seqs) break;
     if (!kv_.has_request(r->id)) {
       kv_.add_request(r->id, r->token_ids, BlockExtras{r->params.adapter_id, r->params.cache_salt});
+      r->kv_handle = kv_.handle(r->id);
     }
     ComputedBlocks hit = kv_.get_computed_blocks(r->id);
     int n = r->num_tokens() - hit.num_computed_tokens;
@@ -286,7 +288,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
   last_prefill_tokens_ = last_decode_tokens_ = 0;
   for (size_t i = 0; i < scheduled.size(); ++i) {
     const auto& [r, n] = scheduled[i];
-    const std::span<const BlockId> table = kv_.block_table(r->id);
+    const std::span<const BlockId> table = kv_.block_table(r->kv_handle);
     const int first = r->num_computed_tokens - n;
     for (int p = first; p < r->num_computed_tokens; ++p) {
       const auto t = static_cast<size_t>(b.num_tokens++);
@@ -358,7 +360,7 @@ int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
       continue;
     }
     r->token_ids.push_back(token);
-    kv_.append_token_ids(r->id, std::span<const TokenId>(&token, 1));
+    kv_.append_token_ids(r->kv_handle, std::span<const TokenId>(&token, 1));
     results_.new_token_ids[i] = token;
     const FinishReason reason = stop_reason(*r, token);
     if (reason == FinishReason::kNone) continue;

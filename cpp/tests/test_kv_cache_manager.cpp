@@ -195,6 +195,23 @@ TEST(rollback_takes_back_scheduled_tokens_and_their_cache_entries) {
   CHECK_EQ(kv.get_computed_blocks("b").num_computed_tokens, 8);
 }
 
+TEST(handles_name_one_request_and_go_stale_when_it_is_freed) {
+  auto kv = make(8);
+  kv.add_request("a", iota_tokens(6));
+  const RequestHandle a = kv.handle("a");
+  CHECK(kv.allocate_slots(a, 6).has_value());
+  CHECK((std::vector<BlockId>(kv.block_table(a).begin(), kv.block_table(a).end()) ==
+         std::vector<BlockId>(kv.block_table("a").begin(), kv.block_table("a").end())));
+  kv.free("a");
+  CHECK_THROWS(InvalidArgument, kv.block_table(a));
+  kv.add_request("b", iota_tokens(3));  // reuses a's slot
+  CHECK_EQ(kv.handle("b").slot, a.slot);
+  CHECK_THROWS(InvalidArgument, kv.allocate_slots(a, 1));
+  kv.fork("b", "c");
+  CHECK_THROWS(InvalidArgument, kv.append_token_ids(a, iota_tokens(1)));
+  CHECK_THROWS(UnknownRequest, kv.handle("a"));
+}
+
 TEST(reset_prefix_cache_only_when_idle) {
   auto kv = make(8);
   start(kv, "a", iota_tokens(8));

@@ -33,6 +33,14 @@ namespace pyengine {
 
 using RequestId = std::string;
 
+// A request's place in a KVCacheManager, for callers on a hot path (the scheduler) that
+// would otherwise look the id up on every call. Valid until the request is freed; a
+// stale handle is an InvalidArgument, never another request.
+struct RequestHandle {
+  uint32_t slot = UINT32_MAX;
+  uint32_t generation = 0;
+};
+
 struct KVCacheConfig {
   int num_blocks = 0;
   int block_size = 16;  // tokens per block, a power of two
@@ -76,11 +84,15 @@ class KVCacheManager {
   // Appends tokens (sampled or otherwise known) to a request. Throws UnknownRequest,
   // InvalidArgument on a negative token id.
   void append_token_ids(const RequestId& id, std::span<const TokenId> token_ids);
+  void append_token_ids(RequestHandle handle, std::span<const TokenId> token_ids);
 
   // The longest verified cached prefix of a request that has no blocks yet; never all
   // its tokens (at least one must be computed to produce logits). Counts the lookup in
   // the prefix-cache statistics; changes nothing else.
   ComputedBlocks get_computed_blocks(const RequestId& id);
+
+  // The handle of a request. Throws UnknownRequest.
+  RequestHandle handle(const RequestId& id) const;
 
   // Whether allocate_slots with the same arguments would succeed.
   bool can_allocate_slots(const RequestId& id, int num_new_tokens, int num_lookahead = 0,
@@ -92,6 +104,9 @@ class KVCacheManager {
   // when the pool has too few free blocks. Throws UnknownRequest, InvalidArgument on
   // num_new_tokens <= 0, num_lookahead < 0, tokens not yet known, or stale `computed`.
   std::optional<std::span<const BlockId>> allocate_slots(const RequestId& id, int num_new_tokens,
+                                                         int num_lookahead = 0,
+                                                         const ComputedBlocks* computed = nullptr);
+  std::optional<std::span<const BlockId>> allocate_slots(RequestHandle handle, int num_new_tokens,
                                                          int num_lookahead = 0,
                                                          const ComputedBlocks* computed = nullptr);
 
@@ -114,6 +129,7 @@ class KVCacheManager {
   bool reset_prefix_cache();
 
   std::span<const BlockId> block_table(const RequestId& id) const;
+  std::span<const BlockId> block_table(RequestHandle handle) const;
   std::span<const TokenId> token_ids(const RequestId& id) const;
   int num_computed_tokens(const RequestId& id) const;
   KVCacheStats stats() const;
@@ -128,6 +144,8 @@ class KVCacheManager {
     int num_cached_blocks = 0;  // leading entries of block_table in the prefix index
     BlockExtras extras;
     uint64_t extras_hash = 0;
+    uint32_t generation = 0;  // bumped each time the slot takes a request
+    bool in_use = false;
   };
 
   // What an allocation needs from the pool, computed without changing anything.
@@ -142,6 +160,14 @@ class KVCacheManager {
   size_t slot_of(const RequestId& id) const;
   Request& find(const RequestId& id) { return requests_[slot_of(id)]; }
   const Request& find(const RequestId& id) const { return requests_[slot_of(id)]; }
+  const Request& find(RequestHandle handle) const;
+  Request& find(RequestHandle handle) {
+    return const_cast<Request&>(std::as_const(*this).find(handle));
+  }
+  std::optional<std::span<const BlockId>> allocate(Request& request, int num_new_tokens,
+                                                   int num_lookahead,
+                                                   const ComputedBlocks* computed);
+  void append(Request& request, std::span<const TokenId> token_ids);
   size_t take_free_slot();
   // Fills a free slot with `fill`, then registers it under `id`; if anything throws,
   // the slot goes back and nothing has changed.

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "pyengine/kv_cache_manager.h"
 #include "pyengine/prefix_hash.h"
 
 namespace pyengine {
@@ -43,6 +44,7 @@ struct Request {
   uint64_t arrival_seq = 0;     // submission order
   int num_preemptions = 0;
   RequestStatus status = RequestStatus::kWaiting;
+  RequestHandle kv_handle;              // while the KV-cache manager holds it
   std::string parent_id;                // of sample k > 0; empty for sample 0
   int sample_index = 0;                 // k of n
   std::vector<std::string> sample_ids;  // sample 0 of n > 1: ids of samples 1..n-1
