@@ -27,7 +27,9 @@ from pyengine._C import (
     built_with_cuda,
     compute_block_keys,
     copy_blocks,
+    paged_attention,
     replay_requests,
+    reshape_and_cache,
     xxhash64,
 )
 
@@ -45,6 +47,8 @@ __all__ = [
     "built_with_cuda",
     "compute_block_keys",
     "copy_blocks",
+    "paged_attention",
     "replay_requests",
+    "reshape_and_cache",
     "xxhash64",
 ]

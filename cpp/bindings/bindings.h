@@ -11,5 +11,6 @@ void bind_prefix_hash(pybind11::module_& m);
 void bind_kv_cache(pybind11::module_& m);
 void bind_cache_ops(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
+void bind_attention(pybind11::module_& m);
 
 }  // namespace pyengine::bindings

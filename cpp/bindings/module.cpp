@@ -32,4 +32,5 @@ PYBIND11_MODULE(_C, m) {
   pyengine::bindings::bind_kv_cache(m);
   pyengine::bindings::bind_cache_ops(m);
   pyengine::bindings::bind_scheduler(m);
+  pyengine::bindings::bind_attention(m);
 }

@@ -1,0 +1,64 @@
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+#include "dlpack.h"
+#include "pyengine/attention.h"
+
+namespace py = pybind11;
+
+namespace pyengine::bindings {
+
+void bind_attention(py::module_& m) {
+  m.def(
+      "reshape_and_cache",
+      [](const py::handle& key, const py::handle& value, const py::handle& key_cache,
+         const py::handle& value_cache, const py::handle& slot_mapping) {
+        const DLPackView k(key, "reshape_and_cache: key");
+        const DLPackView v(value, "reshape_and_cache: value");
+        const DLPackView kc(key_cache, "reshape_and_cache: key_cache");
+        const DLPackView vc(value_cache, "reshape_and_cache: value_cache");
+        const DLPackView slots(slot_mapping, "reshape_and_cache: slot_mapping");
+        py::gil_scoped_release release;
+        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view());
+      },
+      py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+      py::arg("slot_mapping"),
+      R"doc(Writes new tokens' K and V into their cache slots (slot -1: skip).
+
+key, value:              [num_tokens, num_kv_heads, head_size]
+key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], same dtype
+slot_mapping:            int64 [num_tokens], block * block_size + offset)doc");
+
+  m.def(
+      "paged_attention",
+      [](const py::handle& out, const py::handle& query, const py::handle& key_cache,
+         const py::handle& value_cache, const py::handle& block_tables, const py::handle& seq_lens,
+         const py::handle& query_start_loc, float scale, int sliding_window, float logit_soft_cap) {
+        const DLPackView o(out, "paged_attention: out");
+        const DLPackView q(query, "paged_attention: query");
+        const DLPackView kc(key_cache, "paged_attention: key_cache");
+        const DLPackView vc(value_cache, "paged_attention: value_cache");
+        const DLPackView tables(block_tables, "paged_attention: block_tables");
+        const DLPackView lens(seq_lens, "paged_attention: seq_lens");
+        const DLPackView qsl(query_start_loc, "paged_attention: query_start_loc");
+        py::gil_scoped_release release;
+        paged_attention(o.view(), q.view(), kc.view(), vc.view(), tables.view(), lens.view(),
+                        qsl.view(), AttentionOptions{scale, sliding_window, logit_soft_cap});
+      },
+      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+      py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
+      py::arg("sliding_window") = 0, py::arg("logit_soft_cap") = 0.0f,
+      R"doc(Variable-length causal attention through block tables, into `out`.
+
+Request i's query tokens query[query_start_loc[i]:query_start_loc[i+1]] are the last
+positions of its seq_lens[i] tokens; they attend causally to them (and, with
+sliding_window > 0, only to the last sliding_window of them).
+
+out, query:              [num_tokens, num_q_heads, head_size], the cache dtype
+key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size]
+block_tables:            int32 [num_reqs, max_blocks_per_req]
+seq_lens:                int32 [num_reqs]
+query_start_loc:         int32 [num_reqs + 1])doc");
+}
+
+}  // namespace pyengine::bindings

@@ -1,0 +1,55 @@
+// CPU paged attention and the cache write that feeds it (the CPU half of PagedAttention).
+//
+// Cache layout, for keys and values alike ("NHBD"):
+//   [num_blocks, num_kv_heads, block_size, head_size]
+// A block holds one kv head's block_size consecutive token vectors contiguously, so the
+// kernel streams each (block, kv head) as one dense block_size x head_size tile, and
+// all query heads of a GQA group reuse it while it is in cache.
+//
+// Supported: cache dtypes float32, float16, bfloat16 (query, output and new K/V of the
+// same dtype; arithmetic in float32); head sizes kSupportedHeadSizes; any block size
+// that is a power of two; num_q_heads a multiple of num_kv_heads (GQA, MQA).
+#pragma once
+
+#include <array>
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine {
+
+inline constexpr std::array<int, 8> kSupportedHeadSizes = {32, 64, 80, 96, 112, 128, 192, 256};
+
+// Writes each new token's key and value into its slot.
+//   key, value:      [num_tokens, num_kv_heads, head_size] (last dim dense)
+//   key_cache:       [num_blocks, num_kv_heads, block_size, head_size] (dense)
+//   value_cache:     same as key_cache
+//   slot_mapping:    int64 [num_tokens], block * block_size + offset, or -1 to skip
+// Throws InvalidArgument naming the argument, before writing anything.
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping);
+
+struct AttentionOptions {
+  float scale = 1.0f;        // usually 1 / sqrt(head_size)
+  int sliding_window = 0;    // > 0: a query at position p sees keys in (p - window, p]
+  float logit_soft_cap = 0;  // > 0: scores become cap * tanh(score / cap)
+};
+
+// Variable-length paged attention: request i's query tokens
+// query[query_start_loc[i]:query_start_loc[i + 1]] are the last q_len_i positions of its
+// seq_lens[i] tokens, and attend causally to them through block_tables[i].
+//   out:             [num_tokens, num_q_heads, head_size] (written)
+//   query:           [num_tokens, num_q_heads, head_size]
+//   key_cache:       [num_blocks, num_kv_heads, block_size, head_size]
+//   value_cache:     same as key_cache
+//   block_tables:    int32 [num_reqs, max_blocks_per_req]
+//   seq_lens:        int32 [num_reqs], each >= its q_len
+//   query_start_loc: int32 [num_reqs + 1], from 0, ascending by >= 1, ending at num_tokens
+// One kernel serves prefill, chunked prefill over a cached prefix, and decode. Throws
+// InvalidArgument naming the argument (shapes, dtypes, devices, block ids out of range),
+// before writing anything.
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables,
+                     const TensorView& seq_lens, const TensorView& query_start_loc,
+                     const AttentionOptions& options);
+
+}  // namespace pyengine

@@ -1,0 +1,87 @@
+// Portable conversions between float and the 16-bit cache dtypes (no F16C needed), and
+// typed loads/stores used by the CPU kernels. Internal to pyengine_core.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine::detail {
+
+inline float bits_to_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
+inline float bf16_to_float(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+inline uint16_t float_to_bf16(float f) {
+  const uint32_t bits = float_to_bits(f);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0) {
+    return static_cast<uint16_t>((bits >> 16) | 0x40);  // keep NaN a NaN
+  }
+  const uint32_t rounding = 0x7FFFu + ((bits >> 16) & 1u);  // to nearest, ties to even
+  return static_cast<uint16_t>((bits + rounding) >> 16);
+}
+
+inline float fp16_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1Fu;
+  const uint32_t mantissa = h & 0x3FFu;
+  if (exponent == 0x1F) return bits_to_float(sign | 0x7F800000u | (mantissa << 13));
+  if (exponent != 0) return bits_to_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  // Subnormal (or zero): mantissa * 2^-24.
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+  return sign != 0 ? -magnitude : magnitude;
+}
+
+inline uint16_t float_to_fp16(float f) {
+  const uint32_t bits = float_to_bits(f);
+  const auto sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs >= 0x7F800000u)
+    return static_cast<uint16_t>(sign | 0x7C00u | (abs > 0x7F800000u ? 0x200u : 0));
+  if (abs >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // rounds to infinity
+  if (abs < 0x38800000u) {  // subnormal half: round abs * 2^24 to an integer, ties to even
+    const float scaled = bits_to_float(abs) * 16777216.0f;
+    auto q = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(q);
+    if (rest > 0.5f || (rest == 0.5f && (q & 1u) != 0)) ++q;
+    return static_cast<uint16_t>(sign | q);
+  }
+  const uint32_t rounding = 0xFFFu + ((abs >> 13) & 1u);
+  return static_cast<uint16_t>(sign | ((abs - 0x38000000u + rounding) >> 13));
+}
+
+// Element i of a float32 / float16 / bfloat16 array as float.
+template <DType kDType>
+inline float load(const void* base, int64_t i) {
+  if constexpr (kDType == DType::kFloat32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (kDType == DType::kFloat16) {
+    return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+    return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+template <DType kDType>
+inline void store(void* base, int64_t i, float value) {
+  if constexpr (kDType == DType::kFloat32) {
+    static_cast<float*>(base)[i] = value;
+  } else if constexpr (kDType == DType::kFloat16) {
+    static_cast<uint16_t*>(base)[i] = float_to_fp16(value);
+  } else {
+    static_cast<uint16_t*>(base)[i] = float_to_bf16(value);
+  }
+}
+
+}  // namespace pyengine::detail

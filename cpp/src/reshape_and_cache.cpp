@@ -1,0 +1,76 @@
+#include <cstring>
+#include <string>
+
+#include "attention_checks.h"
+#include "pyengine/attention.h"
+
+namespace pyengine {
+
+using detail::arg;
+
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping) {
+  constexpr const char* op = "reshape_and_cache";
+  detail::check_cache(key_cache, op, "key_cache");
+  detail::check_cache(value_cache, op, "value_cache");
+  detail::check_same_cache(key_cache, value_cache, op);
+  const int64_t num_blocks = key_cache.shape[0];
+  const int64_t num_kv_heads = key_cache.shape[1];
+  const int64_t block_size = key_cache.shape[2];
+  const int64_t head_size = key_cache.shape[3];
+  for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
+    detail::check_cpu(*t, op, name);
+    detail::check_shape(*t, op, name, 3);
+    detail::check_dtype(*t, key_cache.dtype, op, name);
+    if (t->shape[1] != num_kv_heads || t->shape[2] != head_size || t->strides[2] != 1) {
+      throw InvalidArgument(arg(op, name) + " must be [num_tokens, " +
+                            std::to_string(num_kv_heads) + ", " + std::to_string(head_size) +
+                            "] with a dense last dim, got " + t->describe());
+    }
+  }
+  const int64_t num_tokens = key.shape[0];
+  if (value.shape[0] != num_tokens) {
+    throw InvalidArgument(std::string(op) + ": key and value differ in num_tokens");
+  }
+  detail::check_cpu(slot_mapping, op, "slot_mapping");
+  detail::check_dtype(slot_mapping, DType::kInt64, op, "slot_mapping");
+  if (slot_mapping.ndim != 1 || slot_mapping.shape[0] != num_tokens) {
+    throw InvalidArgument(std::string(op) + ": slot_mapping must be int64 [num_tokens], got " +
+                          slot_mapping.describe());
+  }
+  const auto* slots = static_cast<const int64_t*>(slot_mapping.data);
+  const int64_t slot_stride = slot_mapping.strides[0];
+  const int64_t num_slots = num_blocks * block_size;
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t * slot_stride];
+    if (slot < -1 || slot >= num_slots) {
+      throw InvalidArgument(std::string(op) + ": slot_mapping[" + std::to_string(t) +
+                            "] = " + std::to_string(slot) + " is outside [-1, " +
+                            std::to_string(num_slots) + ")");
+    }
+  }
+
+  const auto element = static_cast<int64_t>(key_cache.element_size());
+  const auto row_bytes = static_cast<size_t>(head_size * element);
+  const int64_t head_stride = block_size * head_size;  // elements, within a block
+  const int64_t block_stride = num_kv_heads * head_stride;
+#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads >= 4096)
+  for (int64_t t = 0; t < num_tokens; ++t) {
+    const int64_t slot = slots[t * slot_stride];
+    if (slot < 0) continue;  // padding
+    const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * head_size;
+    for (int64_t h = 0; h < num_kv_heads; ++h) {
+      const int64_t dst = (base + h * head_stride) * element;
+      std::memcpy(
+          static_cast<char*>(key_cache.data) + dst,
+          static_cast<const char*>(key.data) + (t * key.strides[0] + h * key.strides[1]) * element,
+          row_bytes);
+      std::memcpy(static_cast<char*>(value_cache.data) + dst,
+                  static_cast<const char*>(value.data) +
+                      (t * value.strides[0] + h * value.strides[1]) * element,
+                  row_bytes);
+    }
+  }
+}
+
+}  // namespace pyengine

@@ -1,0 +1,262 @@
+"""CPU paged attention and reshape_and_cache against a float64 reference.
+
+Fresh random inputs each run, shuffled block tables whose unused entries are garbage,
+outputs poisoned with NaN before every call (an unwritten element fails).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from pyengine import paged_attention, reshape_and_cache
+
+HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
+TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
+
+
+@dataclass
+class Case:
+    query: np.ndarray  # [num_tokens, num_q_heads, head_size] float64
+    keys: list[np.ndarray]  # per request [seq_len, num_kv_heads, head_size] float64
+    values: list[np.ndarray]
+    seq_lens: np.ndarray  # int32 [num_reqs]
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1]
+    block_tables: np.ndarray  # int32 [num_reqs, max_blocks]
+    num_blocks: int
+
+
+def make_case(
+    rng: np.random.Generator,
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+) -> Case:
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_req) + 2
+    num_blocks = sum(blocks_per_req) + 3
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(seq_lens), max_blocks), 10**6, dtype=np.int32)  # garbage past the end
+    start = 0
+    for i, n in enumerate(blocks_per_req):
+        tables[i, :n] = ids[start : start + n]
+        start += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return Case(
+        query=rng.standard_normal((int(qsl[-1]), num_q_heads, head_size)),
+        keys=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
+        values=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        query_start_loc=qsl,
+        block_tables=tables,
+        num_blocks=num_blocks,
+    )
+
+
+def to_dtype(x: np.ndarray, dtype: str) -> object:
+    """x as a tensor of the cache dtype (numpy, or torch for bfloat16)."""
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16)
+    return np.ascontiguousarray(x.astype(dtype))
+
+
+def to_float64(t: object) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float64)
+    return t.float().numpy().astype(np.float64)  # type: ignore[attr-defined]
+
+
+def fill_caches(case: Case, block_size: int, dtype: str) -> tuple[object, object]:
+    num_kv_heads, head_size = case.keys[0].shape[1:]
+    shape = (case.num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = np.full(shape, np.nan)
+    value_cache = np.full(shape, np.nan)
+    for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
+        for pos in range(k.shape[0]):
+            block = case.block_tables[i, pos // block_size]
+            key_cache[block, :, pos % block_size] = k[pos]
+            value_cache[block, :, pos % block_size] = v[pos]
+    return to_dtype(key_cache, dtype), to_dtype(value_cache, dtype)
+
+
+def reference(
+    case: Case,
+    query: np.ndarray,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    scale: float,
+    window: int,
+    soft_cap: float,
+) -> np.ndarray:
+    out = np.zeros_like(query)
+    group = query.shape[1] // keys[0].shape[1]
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        first, last = case.query_start_loc[i], case.query_start_loc[i + 1]
+        seq_len = int(case.seq_lens[i])
+        for j, token in enumerate(range(first, last)):
+            position = seq_len - (last - first) + j
+            lo = max(0, position - window + 1) if window > 0 else 0
+            for h in range(query.shape[1]):
+                scores = k[lo : position + 1, h // group] @ query[token, h] * scale
+                if soft_cap > 0:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                weights = np.exp(scores - scores.max())
+                out[token, h] = weights @ v[lo : position + 1, h // group] / weights.sum()
+    return out
+
+
+def run_case(
+    case: Case, block_size: int, dtype: str, window: int = 0, soft_cap: float = 0.0
+) -> None:
+    key_cache, value_cache = fill_caches(case, block_size, dtype)
+    query = to_dtype(case.query, dtype)
+    out = to_dtype(np.full(case.query.shape, np.nan), dtype)
+    scale = 1.0 / math.sqrt(case.query.shape[2])
+    paged_attention(
+        out,
+        query,
+        key_cache,
+        value_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.query_start_loc,
+        scale,
+        window,
+        soft_cap,
+    )
+    # The reference sees the inputs as the cache dtype rounded them.
+    keys = [to_float64(to_dtype(k, dtype)) for k in case.keys]
+    values = [to_float64(to_dtype(v, dtype)) for v in case.values]
+    expected = reference(case, to_float64(query), keys, values, scale, window, soft_cap)
+    got = to_float64(out)
+    assert not np.isnan(got).any(), "an output element was not written"
+    error = np.abs(got - expected).max() / np.abs(expected).max()
+    assert error < TOLERANCE[dtype], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        ([1, 17, 40, 300], [1, 1, 1, 1]),  # decode
+        ([5, 33, 64], [5, 33, 64]),  # prefill
+        ([50, 120, 9], [7, 30, 9]),  # chunked prefill on a cached prefix, and a prefill
+    ],
+    ids=["decode", "prefill", "chunked"],
+)
+@pytest.mark.parametrize(
+    ("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"]
+)
+def test_matches_the_reference(
+    dtype: str, seq_lens: list[int], q_lens: list[int], num_q_heads: int, num_kv_heads: int
+) -> None:
+    rng = np.random.default_rng()
+    case = make_case(rng, seq_lens, q_lens, num_q_heads, num_kv_heads, 64, 16)
+    run_case(case, 16, dtype)
+
+
+@pytest.mark.parametrize("head_size", HEAD_SIZES)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_every_head_size_and_block_size(head_size: int, block_size: int) -> None:
+    rng = np.random.default_rng()
+    case = make_case(rng, [70, 3], [20, 1], 4, 2, head_size, block_size)
+    run_case(case, block_size, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sliding_window_and_soft_cap(dtype: str) -> None:
+    rng = np.random.default_rng()
+    case = make_case(rng, [90, 200, 7], [1, 40, 7], 8, 2, 128, 16)
+    run_case(case, 16, dtype, window=32)
+    run_case(case, 16, dtype, soft_cap=5.0)
+    run_case(case, 16, dtype, window=17, soft_cap=2.0)
+
+
+def test_long_contexts() -> None:
+    rng = np.random.default_rng()
+    case = make_case(rng, [3000, 2500], [1, 24], 4, 1, 128, 16)
+    run_case(case, 16, "float32")
+
+
+def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
+    rng = np.random.default_rng()
+    num_blocks, num_kv_heads, block_size, head_size = 6, 2, 4, 32
+    key = rng.standard_normal((10, num_kv_heads, head_size)).astype(np.float32)
+    value = rng.standard_normal((10, num_kv_heads, head_size)).astype(np.float32)
+    slots = rng.permutation(num_blocks * block_size)[:10].astype(np.int64)
+    slots[3] = -1  # padding: skipped
+    shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = np.zeros(shape, np.float32)
+    value_cache = np.zeros(shape, np.float32)
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    expected_k, expected_v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // block_size, :, slot % block_size] = key[t]
+            expected_v[slot // block_size, :, slot % block_size] = value[t]
+    np.testing.assert_array_equal(key_cache, expected_k)
+    np.testing.assert_array_equal(value_cache, expected_v)
+    # Strided K/V views (e.g. slices of a fused qkv projection) work too.
+    qkv = rng.standard_normal((10, 3 * num_kv_heads, head_size)).astype(np.float32)
+    reshape_and_cache(qkv[:, 2:4], qkv[:, 4:6], key_cache, value_cache, slots)
+    np.testing.assert_array_equal(key_cache[slots[0] // 4, :, slots[0] % 4], qkv[0, 2:4])
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    rng = np.random.default_rng()
+    case = make_case(rng, [20], [1], 4, 2, 64, 16)
+    key_cache, value_cache = fill_caches(case, 16, "float32")
+    query = case.query.astype(np.float32)
+    out = np.zeros_like(query)
+    args = (case.block_tables, case.seq_lens, case.query_start_loc)
+    with pytest.raises(ValueError, match="query must be float32"):
+        paged_attention(out, query.astype(np.float16), key_cache, value_cache, *args, 0.1)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        paged_attention(out, case.query, key_cache, value_cache, *args, 0.1)  # float64
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        paged_attention(out[:, :3], query[:, :3], key_cache, value_cache, *args, 0.1)
+    bad_tables = case.block_tables.copy()
+    bad_tables[0, 1] = case.num_blocks
+    with pytest.raises(ValueError, match=r"block_tables\[0, 1\] = \d+ is outside"):
+        paged_attention(out, query, key_cache, value_cache, bad_tables, *args[1:], 0.1)
+    with pytest.raises(ValueError, match="need 1 <= q_len <= seq_len"):
+        paged_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            case.block_tables,
+            np.array([0], np.int32),
+            case.query_start_loc,
+            0.1,
+        )
+    with pytest.raises(ValueError, match="seq_lens must be int32"):
+        paged_attention(
+            out,
+            query,
+            key_cache,
+            value_cache,
+            case.block_tables,
+            case.seq_lens.astype(np.int64),
+            case.query_start_loc,
+            0.1,
+        )
+    with pytest.raises(ValueError, match="head_size 48 is not supported"):
+        small = np.zeros((4, 2, 16, 48), np.float32)
+        paged_attention(out[..., :48], query[..., :48], small, small, *args, 0.1)
+    with pytest.raises(ValueError, match="value_cache .* differs from key_cache"):
+        paged_attention(out, query, key_cache, value_cache[:2], *args, 0.1)
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 999 is outside"):
+        reshape_and_cache(
+            query[:, :2], query[:, :2], key_cache, value_cache, np.array([999], np.int64)
+        )
+    with pytest.raises(TypeError, match="supports DLPack"):
+        paged_attention(out, query.tolist(), key_cache, value_cache, *args, 0.1)
+    assert not out.any()  # nothing was written
