@@ -74,14 +74,15 @@ def to_float64(t: object) -> np.ndarray:
 
 
 def fill_caches(case: Case, block_size: int, dtype: str) -> tuple[object, object]:
+    """The paged caches: keys [blocks, kv_heads, head, block] (transposed), values
+    [blocks, kv_heads, block, head]; slots no request uses hold NaN."""
     num_kv_heads, head_size = case.keys[0].shape[1:]
-    shape = (case.num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = np.full(shape, np.nan)
-    value_cache = np.full(shape, np.nan)
+    key_cache = np.full((case.num_blocks, num_kv_heads, head_size, block_size), np.nan)
+    value_cache = np.full((case.num_blocks, num_kv_heads, block_size, head_size), np.nan)
     for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
         for pos in range(k.shape[0]):
             block = case.block_tables[i, pos // block_size]
-            key_cache[block, :, pos % block_size] = k[pos]
+            key_cache[block, :, :, pos % block_size] = k[pos]
             value_cache[block, :, pos % block_size] = v[pos]
     return to_dtype(key_cache, dtype), to_dtype(value_cache, dtype)
 
@@ -192,21 +193,23 @@ def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     value = rng.standard_normal((10, num_kv_heads, head_size)).astype(np.float32)
     slots = rng.permutation(num_blocks * block_size)[:10].astype(np.int64)
     slots[3] = -1  # padding: skipped
-    shape = (num_blocks, num_kv_heads, block_size, head_size)
-    key_cache = np.zeros(shape, np.float32)
-    value_cache = np.zeros(shape, np.float32)
+    key_shape = (num_blocks, num_kv_heads, head_size, block_size)
+    value_shape = (num_blocks, num_kv_heads, block_size, head_size)
+    key_cache = np.zeros(key_shape, np.float32)
+    value_cache = np.zeros(value_shape, np.float32)
     reshape_and_cache(key, value, key_cache, value_cache, slots)
-    expected_k, expected_v = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+    expected_k, expected_v = np.zeros(key_shape, np.float32), np.zeros(value_shape, np.float32)
     for t, slot in enumerate(slots):
         if slot >= 0:
-            expected_k[slot // block_size, :, slot % block_size] = key[t]
+            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
             expected_v[slot // block_size, :, slot % block_size] = value[t]
     np.testing.assert_array_equal(key_cache, expected_k)
     np.testing.assert_array_equal(value_cache, expected_v)
     # Strided K/V views (e.g. slices of a fused qkv projection) work too.
     qkv = rng.standard_normal((10, 3 * num_kv_heads, head_size)).astype(np.float32)
     reshape_and_cache(qkv[:, 2:4], qkv[:, 4:6], key_cache, value_cache, slots)
-    np.testing.assert_array_equal(key_cache[slots[0] // 4, :, slots[0] % 4], qkv[0, 2:4])
+    np.testing.assert_array_equal(key_cache[slots[0] // 4, :, :, slots[0] % 4], qkv[0, 2:4])
+    np.testing.assert_array_equal(value_cache[slots[0] // 4, :, slots[0] % 4], qkv[0, 4:6])
 
 
 def test_bad_arguments_are_clear_errors() -> None:
@@ -249,10 +252,16 @@ def test_bad_arguments_are_clear_errors() -> None:
             0.1,
         )
     with pytest.raises(ValueError, match="head_size 48 is not supported"):
-        small = np.zeros((4, 2, 16, 48), np.float32)
-        paged_attention(out[..., :48], query[..., :48], small, small, *args, 0.1)
-    with pytest.raises(ValueError, match="value_cache .* differs from key_cache"):
-        paged_attention(out, query, key_cache, value_cache[:2], *args, 0.1)
+        paged_attention(
+            out[..., :48],
+            query[..., :48],
+            np.zeros((4, 2, 48, 16), np.float32),
+            np.zeros((4, 2, 16, 48), np.float32),
+            *args,
+            0.1,
+        )
+    with pytest.raises(ValueError, match="key_cache .* must be value_cache .* last two dims"):
+        paged_attention(out, query, value_cache, value_cache, *args, 0.1)
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 999 is outside"):
         reshape_and_cache(
             query[:, :2], query[:, :2], key_cache, value_cache, np.array([999], np.int64)

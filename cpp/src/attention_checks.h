@@ -36,27 +36,40 @@ inline bool is_cache_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }
 
-// A KV cache [num_blocks, num_kv_heads, block_size, head_size], dense.
-inline void check_cache(const TensorView& c, const char* op, const char* name) {
-  check_cpu(c, op, name);
-  check_shape(c, op, name, 4);
-  if (!c.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense, got strides");
-  if (!is_cache_dtype(c.dtype)) {
-    throw InvalidArgument(arg(op, name) + " must be float32, float16 or bfloat16, got " +
-                          c.describe());
-  }
-  const int64_t block_size = c.shape[2];
-  if (block_size <= 0 || (block_size & (block_size - 1)) != 0) {
-    throw InvalidArgument(arg(op, name) + ": block_size (dim 2) must be a power of two, got " +
-                          c.describe());
-  }
-}
+// The shape of a KV cache pair, from value_cache [num_blocks, num_kv_heads, block_size,
+// head_size]; key_cache must be [num_blocks, num_kv_heads, head_size, block_size].
+struct CacheShape {
+  int64_t num_blocks, num_kv_heads, block_size, head_size;
+};
 
-inline void check_same_cache(const TensorView& a, const TensorView& b, const char* op) {
-  if (a.dtype != b.dtype || a.shape != b.shape || a.ndim != b.ndim) {
-    throw InvalidArgument(std::string(op) + ": value_cache " + b.describe() +
-                          " differs from key_cache " + a.describe());
+inline CacheShape check_caches(const TensorView& key_cache, const TensorView& value_cache,
+                               const char* op) {
+  for (const auto& [c, name] :
+       {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
+    check_cpu(*c, op, name);
+    check_shape(*c, op, name, 4);
+    if (!c->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
+    if (!is_cache_dtype(c->dtype)) {
+      throw InvalidArgument(arg(op, name) + " must be float32, float16 or bfloat16, got " +
+                            c->describe());
+    }
   }
+  const CacheShape shape{value_cache.shape[0], value_cache.shape[1], value_cache.shape[2],
+                         value_cache.shape[3]};
+  if (shape.block_size <= 0 || (shape.block_size & (shape.block_size - 1)) != 0) {
+    throw InvalidArgument(arg(op, "value_cache") +
+                          ": block_size (dim 2) must be a power of two, got " +
+                          value_cache.describe());
+  }
+  const auto& k = key_cache.shape;
+  if (key_cache.dtype != value_cache.dtype || k[0] != shape.num_blocks ||
+      k[1] != shape.num_kv_heads || k[2] != shape.head_size || k[3] != shape.block_size) {
+    throw InvalidArgument(std::string(op) + ": key_cache " + key_cache.describe() +
+                          " must be value_cache " + value_cache.describe() +
+                          " with its last two dims swapped ([num_blocks, num_kv_heads, "
+                          "head_size, block_size]), of the same dtype");
+  }
+  return shape;
 }
 
 }  // namespace pyengine::detail

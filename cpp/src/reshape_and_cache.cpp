@@ -11,13 +11,8 @@ using detail::arg;
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping) {
   constexpr const char* op = "reshape_and_cache";
-  detail::check_cache(key_cache, op, "key_cache");
-  detail::check_cache(value_cache, op, "value_cache");
-  detail::check_same_cache(key_cache, value_cache, op);
-  const int64_t num_blocks = key_cache.shape[0];
-  const int64_t num_kv_heads = key_cache.shape[1];
-  const int64_t block_size = key_cache.shape[2];
-  const int64_t head_size = key_cache.shape[3];
+  const auto [num_blocks, num_kv_heads, block_size, head_size] =
+      detail::check_caches(key_cache, value_cache, op);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     detail::check_cpu(*t, op, name);
     detail::check_shape(*t, op, name, 3);
@@ -54,21 +49,26 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const auto row_bytes = static_cast<size_t>(head_size * element);
   const int64_t head_stride = block_size * head_size;  // elements, within a block
   const int64_t block_stride = num_kv_heads * head_stride;
+  auto* key_out = static_cast<char*>(key_cache.data);
+  auto* value_out = static_cast<char*>(value_cache.data);
+  const auto* key_in = static_cast<const char*>(key.data);
+  const auto* value_in = static_cast<const char*>(value.data);
 #pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads >= 4096)
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t * slot_stride];
     if (slot < 0) continue;  // padding
-    const int64_t base = (slot / block_size) * block_stride + (slot % block_size) * head_size;
+    const int64_t block = slot / block_size;
+    const int64_t offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
-      const int64_t dst = (base + h * head_stride) * element;
-      std::memcpy(
-          static_cast<char*>(key_cache.data) + dst,
-          static_cast<const char*>(key.data) + (t * key.strides[0] + h * key.strides[1]) * element,
-          row_bytes);
-      std::memcpy(static_cast<char*>(value_cache.data) + dst,
-                  static_cast<const char*>(value.data) +
-                      (t * value.strides[0] + h * value.strides[1]) * element,
-                  row_bytes);
+      const int64_t tile = block * block_stride + h * head_stride;  // elements
+      // Values: one dense row. Keys: one column of the transposed tile.
+      std::memcpy(value_out + (tile + offset * head_size) * element,
+                  value_in + (t * value.strides[0] + h * value.strides[1]) * element, row_bytes);
+      const char* src = key_in + (t * key.strides[0] + h * key.strides[1]) * element;
+      for (int64_t i = 0; i < head_size; ++i) {
+        std::memcpy(key_out + (tile + i * block_size + offset) * element, src + i * element,
+                    static_cast<size_t>(element));
+      }
     }
   }
 }

@@ -1,10 +1,13 @@
 // CPU paged attention and the cache write that feeds it (the CPU half of PagedAttention).
 //
-// Cache layout, for keys and values alike ("NHBD"):
-//   [num_blocks, num_kv_heads, block_size, head_size]
-// A block holds one kv head's block_size consecutive token vectors contiguously, so the
-// kernel streams each (block, kv head) as one dense block_size x head_size tile, and
-// all query heads of a GQA group reuse it while it is in cache.
+// Cache layouts (per block and kv head, one dense tile):
+//   key_cache:   [num_blocks, num_kv_heads, head_size, block_size]   keys transposed
+//   value_cache: [num_blocks, num_kv_heads, block_size, head_size]
+// With keys transposed, a query's block_size scores grow by one vector multiply-add per
+// head dimension (no horizontal sums, no transpose at read time); values are read row
+// by row into the output accumulator. reshape_and_cache pays the scattered write once
+// per token; attention reads each block many times. All query heads of a GQA group
+// reuse a tile while it is in cache.
 //
 // Supported: cache dtypes float32, float16, bfloat16 (query, output and new K/V of the
 // same dtype; arithmetic in float32); head sizes kSupportedHeadSizes; any block size
@@ -21,8 +24,8 @@ inline constexpr std::array<int, 8> kSupportedHeadSizes = {32, 64, 80, 96, 112, 
 
 // Writes each new token's key and value into its slot.
 //   key, value:      [num_tokens, num_kv_heads, head_size] (last dim dense)
-//   key_cache:       [num_blocks, num_kv_heads, block_size, head_size] (dense)
-//   value_cache:     same as key_cache
+//   key_cache:       [num_blocks, num_kv_heads, head_size, block_size] (dense)
+//   value_cache:     [num_blocks, num_kv_heads, block_size, head_size] (dense)
 //   slot_mapping:    int64 [num_tokens], block * block_size + offset, or -1 to skip
 // Throws InvalidArgument naming the argument, before writing anything.
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
@@ -39,8 +42,8 @@ struct AttentionOptions {
 // seq_lens[i] tokens, and attend causally to them through block_tables[i].
 //   out:             [num_tokens, num_q_heads, head_size] (written)
 //   query:           [num_tokens, num_q_heads, head_size]
-//   key_cache:       [num_blocks, num_kv_heads, block_size, head_size]
-//   value_cache:     same as key_cache
+//   key_cache:       [num_blocks, num_kv_heads, head_size, block_size]
+//   value_cache:     [num_blocks, num_kv_heads, block_size, head_size]
 //   block_tables:    int32 [num_reqs, max_blocks_per_req]
 //   seq_lens:        int32 [num_reqs], each >= its q_len
 //   query_start_loc: int32 [num_reqs + 1], from 0, ascending by >= 1, ending at num_tokens
