@@ -242,6 +242,40 @@ def test_abort_during_a_step() -> None:
     assert d.s.kv_cache.num_free_blocks == 64
 
 
+def test_requests_ended_during_a_step_report_their_reason() -> None:
+    """Regression: the reason given to finish_request was reported as "abort", a request
+    ended during a prefill chunk got no row at all, and re-adding its id before update()
+    made the new request look ended."""
+    d = make(budget=8)
+    d.add("chunked", list(range(1, 21)), Limits())  # 20 tokens: a chunk of 8, no sample
+    d.schedule()
+    d.s.abort_request("chunked")
+    with pytest.raises(ValueError, match="ended during the scheduled step"):
+        d.s.add_request("chunked", [1, 2])
+    d.finish_step()
+    assert d.finished["chunked"] == "abort"
+    d.add("chunked", [1, 2], Limits(max_tokens=2))  # after update(): a new request
+    d.add("b", [3, 4], Limits())
+    d.schedule()
+    d.s.finish_request("b", "stop")  # a stop string seen by Python
+    d.finish_step()
+    assert d.finished["b"] == "stop" and d.outputs["b"] == []
+    d.run()
+    assert d.finished["chunked"] == "length" and len(d.outputs["chunked"]) == 2
+
+
+def test_a_waiting_request_is_counted_once_in_prefix_cache_statistics() -> None:
+    """Regression: every blocked step looked the head of the queue up again and counted
+    its prompt each time."""
+    d = make(max_seqs=1)
+    d.add("a", [1] * 8, Limits(max_tokens=5))
+    d.add("b", [1] * 8, Limits(max_tokens=5))
+    d.run()
+    kv = d.s.kv_cache.stats()
+    assert kv.prefix_cache_queries == 16
+    assert kv.prefix_cache_hits == 4  # b reuses a's first block of 4
+
+
 def test_bad_input_is_rejected_and_changes_nothing() -> None:
     d = make(num_blocks=8, max_model_len=64)
     d.add("a", [1, 2], Limits())

@@ -85,6 +85,7 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
     request.block_keys.clear();
     request.num_computed_tokens = 0;
     request.num_cached_blocks = 0;
+    request.lookup_counted = false;
     request.extras_hash = hash_extras(extras);
     request.extras = extras;
     extend_block_keys(request);
@@ -150,8 +151,11 @@ ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
     parent = pool_.link(*block);
   }
   computed.num_computed_tokens = static_cast<int>(computed.block_ids.size()) * block_size();
-  prefix_cache_queries_ += static_cast<int64_t>(request.token_ids.size());
-  prefix_cache_hits_ += computed.num_computed_tokens;
+  if (!request.lookup_counted) {
+    request.lookup_counted = true;
+    prefix_cache_queries_ += static_cast<int64_t>(request.token_ids.size());
+    prefix_cache_hits_ += computed.num_computed_tokens;
+  }
   return computed;
 }
 

@@ -54,6 +54,13 @@ const Request& Scheduler::request(const std::string& id) const {
 void Scheduler::add_request(const std::string& id, std::span<const TokenId> prompt_token_ids,
                             const RequestParams& params) {
   if (has_request(id)) throw InvalidArgument("add_request: request id '" + id + "' already exists");
+  for (size_t i = 0; i < step_requests_.size(); ++i) {
+    // Its row still reports the removal in the next update(): one id, one request.
+    if (step_requests_[i] == nullptr && buffers_.request_ids[i] == id) {
+      throw InvalidArgument("add_request: request id '" + id +
+                            "' ended during the scheduled step; add it again after update()");
+    }
+  }
   check_argument(!prompt_token_ids.empty(), "add_request: the prompt is empty");
   for (const TokenId t : prompt_token_ids) {
     if (t < 0) throw InvalidArgument("add_request: token id " + std::to_string(t) + " is negative");
@@ -113,7 +120,7 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
   enqueue_waiting(first);
 }
 
-void Scheduler::remove(const std::string& id) {
+void Scheduler::remove(const std::string& id, FinishReason reason) {
   const auto it = requests_.find(id);
   if (it == requests_.end()) throw UnknownRequest(id);
   Request* r = it->second.get();
@@ -123,8 +130,13 @@ void Scheduler::remove(const std::string& id) {
     running_.erase(std::find(running_.begin(), running_.end(), r));
   }
   if (kv_.has_request(id)) kv_.free(id);
-  // A step in flight keeps a row for it; update() then skips that row.
-  std::replace(step_requests_.begin(), step_requests_.end(), r, static_cast<Request*>(nullptr));
+  // A step in flight keeps a row for it: update() reports `reason` there.
+  for (size_t i = 0; i < step_requests_.size(); ++i) {
+    if (step_requests_[i] == r) {
+      step_requests_[i] = nullptr;
+      step_removed_reasons_[i] = reason;
+    }
+  }
   const std::vector<std::string> unforked =
       r->forked ? std::vector<std::string>{} : std::move(r->sample_ids);
   requests_.erase(it);
@@ -136,11 +148,11 @@ void Scheduler::remove(const std::string& id) {
   }
 }
 
-void Scheduler::abort_request(const std::string& id) { remove(id); }
+void Scheduler::abort_request(const std::string& id) { remove(id, FinishReason::kAbort); }
 
 void Scheduler::finish_request(const std::string& id, FinishReason reason) {
   check_argument(reason != FinishReason::kNone, "finish_request: a finish reason is required");
-  remove(id);
+  remove(id, reason);
 }
 
 Request* Scheduler::preempt_last_running(std::vector<std::pair<Request*, int>>& scheduled,
@@ -285,6 +297,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
   b.query_start_loc[0] = 0;
   b.request_ids.resize(scheduled.size());
   step_requests_.clear();
+  step_removed_reasons_.assign(scheduled.size(), FinishReason::kNone);
   last_prefill_tokens_ = last_decode_tokens_ = 0;
   for (size_t i = 0; i < scheduled.size(); ++i) {
     const auto& [r, n] = scheduled[i];
@@ -352,13 +365,14 @@ int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
   for (size_t i = 0; i < static_cast<size_t>(b.num_reqs); ++i) {
     results_.new_token_ids[i] = kNoToken;
     results_.finish_reasons[i] = static_cast<uint8_t>(FinishReason::kNone);
-    if (b.is_sampling[i] == 0) continue;
-    const TokenId token = sampled_token_ids[next_sample++];
+    const bool sampling = b.is_sampling[i] != 0;
+    const TokenId token = sampling ? sampled_token_ids[next_sample++] : kNoToken;
     Request* r = step_requests_[i];
     if (r == nullptr) {  // aborted or finished by Python during the step
-      results_.finish_reasons[i] = static_cast<uint8_t>(FinishReason::kAbort);
+      results_.finish_reasons[i] = static_cast<uint8_t>(step_removed_reasons_[i]);
       continue;
     }
+    if (!sampling) continue;
     r->token_ids.push_back(token);
     kv_.append_token_ids(r->kv_handle, std::span<const TokenId>(&token, 1));
     results_.new_token_ids[i] = token;

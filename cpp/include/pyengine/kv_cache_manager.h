@@ -87,8 +87,9 @@ class KVCacheManager {
   void append_token_ids(RequestHandle handle, std::span<const TokenId> token_ids);
 
   // The longest verified cached prefix of a request that has no blocks yet; never all
-  // its tokens (at least one must be computed to produce logits). Counts the lookup in
-  // the prefix-cache statistics; changes nothing else.
+  // its tokens (at least one must be computed to produce logits). The first lookup of a
+  // request counts in the prefix-cache statistics (a request that waits and looks up
+  // again is not counted twice); nothing else changes.
   ComputedBlocks get_computed_blocks(const RequestId& id);
 
   // The handle of a request. Throws UnknownRequest.
@@ -146,6 +147,7 @@ class KVCacheManager {
     uint64_t extras_hash = 0;
     uint32_t generation = 0;  // bumped each time the slot takes a request
     bool in_use = false;
+    bool lookup_counted = false;  // in the prefix-cache statistics already
   };
 
   // What an allocation needs from the pool, computed without changing anything.

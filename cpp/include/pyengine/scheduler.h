@@ -68,13 +68,17 @@ class Scheduler {
   void add_request(const std::string& id, std::span<const TokenId> prompt_token_ids,
                    const RequestParams& params);
   // Ends a waiting or running request now, with its samples not yet forked, freeing
-  // its blocks. Throws UnknownRequest. A request aborted between schedule() and
-  // update() gets no token from update().
+  // its blocks. Throws UnknownRequest. A request removed between schedule() and update()
+  // gets no token from update(), whose row for it reports the reason; its id cannot be
+  // added again until then.
   void abort_request(const std::string& id);
   // Like abort_request but with a reason (Python ends requests on stop strings).
   void finish_request(const std::string& id, FinishReason reason);
 
-  // Plans one step into buffers(). Returns the number of requests scheduled.
+  // Plans one step into buffers(). Returns the number of requests scheduled. The step
+  // must then be run (its K/V written) before update(): the blocks it fills are already
+  // in the prefix cache, and copy-on-write pairs (buffers().block_copies) must be
+  // applied in order before the forward pass.
   int schedule();
   const StepBuffers& buffers() const { return buffers_; }
 
@@ -104,7 +108,7 @@ class Scheduler {
 
   WaitingKey waiting_key(const Request& r) const;
   void enqueue_waiting(Request& r);
-  void remove(const std::string& id);
+  void remove(const std::string& id, FinishReason reason);
   // Frees the running request that comes last in policy order and returns it. If it
   // was already scheduled this step, its row leaves `scheduled`, its tokens go back to
   // `budget`, and the prefix-cache entries made for them are taken back first.
@@ -125,7 +129,8 @@ class Scheduler {
   std::vector<Request*> running_;  // admission order
   StepBuffers buffers_;
   StepResults results_;
-  std::vector<Request*> step_requests_;  // rows of the last schedule(), until update()
+  std::vector<Request*> step_requests_;             // rows of the last schedule(), until update()
+  std::vector<FinishReason> step_removed_reasons_;  // of rows removed during the step
   bool step_pending_ = false;
   uint64_t next_arrival_seq_ = 0;
   uint64_t step_index_ = 0;  // schedule() calls, from 1
