@@ -7,14 +7,26 @@ outputs poisoned with NaN before every call (an unwritten element fails).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
-from pyengine import paged_attention, reshape_and_cache
+from pyengine import _C, paged_attention, reshape_and_cache
 
 HEAD_SIZES = [32, 64, 80, 96, 112, 128, 192, 256]
+ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each build of the kernel this CPU can run."""
+    _C.set_attention_isa(request.param)
+    yield request.param
+    _C.set_attention_isa("auto")
+
+
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 
 
@@ -156,7 +168,12 @@ def run_case(
     ("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"]
 )
 def test_matches_the_reference(
-    dtype: str, seq_lens: list[int], q_lens: list[int], num_q_heads: int, num_kv_heads: int
+    isa: str,
+    dtype: str,
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
 ) -> None:
     rng = np.random.default_rng()
     case = make_case(rng, seq_lens, q_lens, num_q_heads, num_kv_heads, 64, 16)
@@ -165,14 +182,14 @@ def test_matches_the_reference(
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_every_head_size_and_block_size(head_size: int, block_size: int) -> None:
+def test_every_head_size_and_block_size(isa: str, head_size: int, block_size: int) -> None:
     rng = np.random.default_rng()
     case = make_case(rng, [70, 3], [20, 1], 4, 2, head_size, block_size)
     run_case(case, block_size, "float32")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_sliding_window_and_soft_cap(dtype: str) -> None:
+def test_sliding_window_and_soft_cap(isa: str, dtype: str) -> None:
     rng = np.random.default_rng()
     case = make_case(rng, [90, 200, 7], [1, 40, 7], 8, 2, 128, 16)
     run_case(case, 16, dtype, window=32)
@@ -210,6 +227,12 @@ def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     reshape_and_cache(qkv[:, 2:4], qkv[:, 4:6], key_cache, value_cache, slots)
     np.testing.assert_array_equal(key_cache[slots[0] // 4, :, :, slots[0] % 4], qkv[0, 2:4])
     np.testing.assert_array_equal(value_cache[slots[0] // 4, :, slots[0] % 4], qkv[0, 4:6])
+
+
+def test_isa_names_are_checked() -> None:
+    with pytest.raises(ValueError, match="isa must be"):
+        _C.set_attention_isa("sse9")
+    assert _C.attention_isa() in ISAS
 
 
 def test_bad_arguments_are_clear_errors() -> None:

@@ -1,5 +1,7 @@
 #include <pybind11/pybind11.h>
 
+#include <string>
+
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/attention.h"
@@ -8,7 +10,39 @@ namespace py = pybind11;
 
 namespace pyengine::bindings {
 
+namespace {
+
+CpuIsa parse_isa(const std::string& name) {
+  if (name == "auto") return CpuIsa::kAuto;
+  if (name == "generic") return CpuIsa::kGeneric;
+  if (name == "avx2") return CpuIsa::kAvx2;
+  if (name == "avx512") return CpuIsa::kAvx512;
+  throw py::value_error("isa must be 'auto', 'generic', 'avx2' or 'avx512', got '" + name + "'");
+}
+
+const char* isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto: return "auto";
+    case CpuIsa::kGeneric: return "generic";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "generic";
+}
+
+}  // namespace
+
 void bind_attention(py::module_& m) {
+  m.def(
+      "set_attention_isa", [](const std::string& isa) { set_attention_isa(parse_isa(isa)); },
+      py::arg("isa"),
+      "Pins the CPU attention kernel build ('auto', 'generic', 'avx2', 'avx512'); for tests.");
+  m.def(
+      "attention_isa", [] { return isa_name(attention_isa()); },
+      "The CPU attention kernel build in use.");
+  m.def(
+      "cpu_supports", [](const std::string& isa) { return cpu_supports(parse_isa(isa)); },
+      py::arg("isa"), "Whether this CPU and build can run the named attention kernel.");
   m.def(
       "reshape_and_cache",
       [](const py::handle& key, const py::handle& value, const py::handle& key_cache,

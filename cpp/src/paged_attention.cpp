@@ -4,6 +4,7 @@
 // a time, for a tile of query tokens times the query heads of one kv head's GQA group;
 // K/V are read once per tile, and no score matrix beyond one block is ever held).
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <string>
@@ -21,15 +22,39 @@ using detail::kQueryTile;
 using detail::Problem;
 using detail::WorkItem;
 
-// The widest build of the kernel this CPU runs, chosen once.
-detail::AttentionKernel pick_kernel() {
+bool supported(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kAuto:
+    case CpuIsa::kGeneric: return true;
 #ifdef PYENGINE_X86_KERNELS
-  __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f")) return detail::avx512::run_attention;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return detail::avx2::run_attention;
-  }
+    case CpuIsa::kAvx2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case CpuIsa::kAvx512: return __builtin_cpu_supports("avx512f");
+#else
+    case CpuIsa::kAvx2:
+    case CpuIsa::kAvx512: return false;
 #endif
+  }
+  return false;
+}
+
+CpuIsa widest() {
+  if (supported(CpuIsa::kAvx512)) return CpuIsa::kAvx512;
+  if (supported(CpuIsa::kAvx2)) return CpuIsa::kAvx2;
+  return CpuIsa::kGeneric;
+}
+
+// The build in use; a test or benchmark may pin another (set_attention_isa).
+std::atomic<CpuIsa>& current_isa() {
+  static std::atomic<CpuIsa> isa{widest()};
+  return isa;
+}
+
+detail::AttentionKernel kernel_for(CpuIsa isa) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return detail::avx512::run_attention;
+  if (isa == CpuIsa::kAvx2) return detail::avx2::run_attention;
+#endif
+  (void)isa;
   return detail::generic::run_attention;
 }
 
@@ -42,6 +67,15 @@ void check_int_array(const TensorView& t, const char* name, int ndim) {
 }
 
 }  // namespace
+
+bool cpu_supports(CpuIsa isa) { return supported(isa); }
+
+void set_attention_isa(CpuIsa isa) {
+  check_argument(supported(isa), "set_attention_isa: this CPU or build cannot run that kernel");
+  current_isa().store(isa == CpuIsa::kAuto ? widest() : isa);
+}
+
+CpuIsa attention_isa() { return current_isa().load(); }
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
@@ -148,8 +182,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                   block_size,
                   head_size,
                   options};
-  static const detail::AttentionKernel kernel = pick_kernel();
-  kernel(p, items, key_cache.dtype);
+  kernel_for(current_isa().load(std::memory_order_relaxed))(p, items, key_cache.dtype);
 }
 
 }  // namespace pyengine

@@ -15,12 +15,23 @@
 #pragma once
 
 #include <array>
+#include <cstdint>
 
 #include "pyengine/tensor_view.h"
 
 namespace pyengine {
 
 inline constexpr std::array<int, 8> kSupportedHeadSizes = {32, 64, 80, 96, 112, 128, 192, 256};
+
+// Which build of the CPU attention kernel runs: the widest this CPU supports (kAuto), or
+// a named one, for tests and benchmarks.
+enum class CpuIsa : uint8_t { kAuto, kGeneric, kAvx2, kAvx512 };
+
+// Throws InvalidArgument if this CPU (or this build) cannot run `isa`.
+void set_attention_isa(CpuIsa isa);
+// The build that runs now (never kAuto).
+CpuIsa attention_isa();
+bool cpu_supports(CpuIsa isa);
 
 // Writes each new token's key and value into its slot.
 //   key, value:      [num_tokens, num_kv_heads, head_size] (last dim dense)
