@@ -30,6 +30,7 @@ from pyengine._C import (
     paged_attention,
     replay_requests,
     reshape_and_cache,
+    swap_blocks,
     xxhash64,
 )
 
@@ -50,5 +51,6 @@ __all__ = [
     "paged_attention",
     "replay_requests",
     "reshape_and_cache",
+    "swap_blocks",
     "xxhash64",
 ]

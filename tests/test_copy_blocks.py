@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from pyengine import built_with_cuda, copy_blocks
+from pyengine import built_with_cuda, copy_blocks, swap_blocks
 
 
 def reference(caches: list[np.ndarray], mapping: np.ndarray) -> list[np.ndarray]:
@@ -79,3 +79,31 @@ def test_torch_tensors_when_available() -> None:
         copy_blocks(gpu, torch.tensor([[6, 2]]))
         for c in gpu:
             assert torch.equal(c[2], c[6])
+
+
+def test_keys_and_values_in_their_own_layouts() -> None:
+    rng = np.random.default_rng()
+    keys = rng.standard_normal((6, 2, 32, 4)).astype(np.float32)  # [blocks, heads, head, block]
+    values = rng.standard_normal((6, 2, 4, 32)).astype(np.float32)  # [blocks, heads, block, head]
+    expected = reference([keys, values], np.array([[1, 4]]))
+    copy_blocks([keys, values], [[1, 4]])
+    np.testing.assert_array_equal(keys, expected[0])
+    np.testing.assert_array_equal(values, expected[1])
+    with pytest.raises(ValueError, match="num_blocks, block size"):
+        copy_blocks([keys, np.zeros((6, 2, 2, 32), np.float32)], [[1, 4]])
+
+
+def test_swap_blocks_between_two_caches() -> None:
+    rng = np.random.default_rng()
+    device_cache = rng.standard_normal((8, 2, 4, 16)).astype(np.float16)
+    host_pool = np.zeros((3, 2, 4, 16), np.float16)
+    swap_blocks(device_cache, host_pool, [[5, 0], [2, 2]])  # out to the pool
+    np.testing.assert_array_equal(host_pool[0], device_cache[5])
+    np.testing.assert_array_equal(host_pool[2], device_cache[2])
+    assert not host_pool[1].any()
+    swap_blocks(host_pool, device_cache, np.array([[0, 7]], np.int64))  # and back
+    np.testing.assert_array_equal(device_cache[7], device_cache[5])
+    with pytest.raises(ValueError, match=r"block_mapping\[0\] = \(3, 0\) is outside"):
+        swap_blocks(host_pool, device_cache, np.array([[3, 0]], np.int64))
+    with pytest.raises(ValueError, match="differ in dtype or block size"):
+        swap_blocks(device_cache, host_pool.astype(np.float32), np.array([[0, 0]], np.int64))

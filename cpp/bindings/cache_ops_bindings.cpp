@@ -11,8 +11,59 @@ namespace py = pybind11;
 
 namespace pyengine::bindings {
 
+namespace {
+
+// (src, dst) block pairs from any integer array-like on the CPU (a list of pairs, numpy,
+// torch), as an owned int64 [num_pairs, 2] view. Owned: the ids are checked and then read
+// without the GIL, when another thread could change the caller's array in between.
+class BlockMapping {
+ public:
+  BlockMapping(const py::handle& block_mapping, const char* op) {
+    const py::array given = py::module_::import("numpy").attr("asarray")(block_mapping);
+    if (given.dtype().kind() != 'i' && given.dtype().kind() != 'u' && given.size() > 0) {
+      throw py::type_error(std::string(op) + ": block_mapping must hold integers, got dtype " +
+                           std::string(py::str(given.dtype())));
+    }
+    const auto mapping =
+        py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(given);
+    const bool no_pairs = mapping.size() == 0 && mapping.ndim() == 1;  // [] is no pairs
+    if (!no_pairs && (mapping.ndim() != 2 || mapping.shape(1) != 2)) {
+      throw py::value_error(std::string(op) + ": block_mapping must be int64 [num_pairs, 2]");
+    }
+    pairs_.assign(mapping.data(), mapping.data() + mapping.size());
+    view_.data = pairs_.data();
+    view_.dtype = DType::kInt64;
+    view_.ndim = 2;
+    view_.shape = {static_cast<int64_t>(pairs_.size() / 2), 2};
+    view_.strides = {2, 1};
+  }
+  const TensorView& view() const { return view_; }
+
+ private:
+  std::vector<int64_t> pairs_;
+  TensorView view_;
+};
+
+}  // namespace
+
 void bind_cache_ops(py::module_& m) {
   m.def("built_with_cuda", &built_with_cuda, "Whether the CUDA kernels were compiled in.");
+
+  m.def(
+      "swap_blocks",
+      [](const py::handle& src, const py::handle& dst, const py::handle& block_mapping) {
+        const DLPackView s(src, "swap_blocks: src");
+        const DLPackView d(dst, "swap_blocks: dst");
+        const BlockMapping mapping(block_mapping, "swap_blocks");
+        py::gil_scoped_release release;
+        swap_blocks(s.view(), d.view(), mapping.view());
+      },
+      py::arg("src"), py::arg("dst"), py::arg("block_mapping"),
+      R"doc(Copies blocks between two caches: for each row (s, d) of block_mapping, block d of
+dst becomes block s of src.
+
+src, dst:       [num_blocks, ...] of one dtype and block size (their num_blocks may differ)
+block_mapping:  int64 [num_pairs, 2] on the CPU)doc");
 
   m.def(
       "copy_blocks",
@@ -25,29 +76,9 @@ void bind_cache_ops(py::module_& m) {
         std::vector<TensorView> views;
         views.reserve(holders.size());
         for (const DLPackView& h : holders) views.push_back(h.view());
-        // The mapping is read by the host: any integer array-like on the CPU will do.
-        const py::array given = py::module_::import("numpy").attr("asarray")(block_mapping);
-        if (given.dtype().kind() != 'i' && given.dtype().kind() != 'u' && given.size() > 0) {
-          throw py::type_error("copy_blocks: block_mapping must hold integers, got dtype " +
-                               std::string(py::str(given.dtype())));
-        }
-        const auto mapping =
-            py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(given);
-        const bool no_pairs = mapping.size() == 0 && mapping.ndim() == 1;  // [] is no pairs
-        if (!no_pairs && (mapping.ndim() != 2 || mapping.shape(1) != 2)) {
-          throw py::value_error("copy_blocks: block_mapping must be int64 [num_pairs, 2]");
-        }
-        // Owned: the ids are checked and then read without the GIL, when another thread
-        // could change the caller's array in between.
-        std::vector<int64_t> pairs(mapping.data(), mapping.data() + mapping.size());
-        TensorView mapping_view;
-        mapping_view.data = pairs.data();
-        mapping_view.dtype = DType::kInt64;
-        mapping_view.ndim = 2;
-        mapping_view.shape = {static_cast<int64_t>(pairs.size() / 2), 2};
-        mapping_view.strides = {2, 1};
+        const BlockMapping mapping(block_mapping, "copy_blocks");
         py::gil_scoped_release release;
-        copy_blocks(views, mapping_view, nullptr);
+        copy_blocks(views, mapping.view(), nullptr);
       },
       py::arg("caches"), py::arg("block_mapping"),
       R"doc(Copies whole KV-cache blocks: for each row (src, dst) of block_mapping, block dst

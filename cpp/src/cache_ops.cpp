@@ -48,10 +48,12 @@ void check_caches(std::span<const TensorView> caches) {
       throw InvalidArgument(
           name + "must be [num_blocks, ...] with dense dims after the first, got " + c.describe());
     }
-    if (c.dtype != first.dtype || c.device != first.device || c.ndim != first.ndim ||
-        c.shape != first.shape || c.strides[0] != first.strides[0]) {
+    // Keys and values may differ in layout (keys are stored transposed) but not in
+    // what a block is: its size, dtype, device and stride, and the number of blocks.
+    if (c.dtype != first.dtype || c.device != first.device || c.shape[0] != first.shape[0] ||
+        block_numel(c) != block_numel(first) || c.strides[0] != first.strides[0]) {
       throw InvalidArgument(name + c.describe() + " differs from caches[0] " + first.describe() +
-                            " (shape, dtype, device or block stride)");
+                            " (num_blocks, block size, dtype, device or block stride)");
     }
   }
 }
@@ -78,6 +80,46 @@ std::vector<int> copy_block_waves(std::span<const int64_t> pairs) {
     read = std::max(read, wave);
   }
   return waves;
+}
+
+void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping) {
+  for (const auto& [c, name] : {std::pair{&src, "src"}, std::pair{&dst, "dst"}}) {
+    if (c->ndim < 1 || !c->is_contiguous_from(1) || c->strides[0] < block_numel(*c)) {
+      throw InvalidArgument(std::string("swap_blocks: ") + name +
+                            " must be [num_blocks, ...] with dense dims after the first, got " +
+                            c->describe());
+    }
+    if (c->device.kind != DeviceKind::kCPU) {
+      throw InvalidArgument(std::string("swap_blocks: ") + name + " is on " +
+                            device_name(c->device) +
+                            "; swapping to or from a GPU comes with the CUDA backend");
+    }
+  }
+  if (src.dtype != dst.dtype || block_numel(src) != block_numel(dst)) {
+    throw InvalidArgument("swap_blocks: src " + src.describe() + " and dst " + dst.describe() +
+                          " differ in dtype or block size");
+  }
+  check_argument(block_mapping.dtype == DType::kInt64 && block_mapping.ndim == 2 &&
+                     block_mapping.shape[1] == 2 && block_mapping.is_contiguous() &&
+                     block_mapping.device.kind == DeviceKind::kCPU,
+                 "swap_blocks: block_mapping must be int64 [num_pairs, 2] on the CPU");
+  const auto* pairs = static_cast<const int64_t*>(block_mapping.data);
+  const int64_t num_pairs = block_mapping.shape[0];
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    if (pairs[2 * p] < 0 || pairs[2 * p] >= src.shape[0] || pairs[2 * p + 1] < 0 ||
+        pairs[2 * p + 1] >= dst.shape[0]) {
+      throw InvalidArgument("swap_blocks: block_mapping[" + std::to_string(p) + "] = (" +
+                            std::to_string(pairs[2 * p]) + ", " + std::to_string(pairs[2 * p + 1]) +
+                            ") is outside src's or dst's blocks");
+    }
+  }
+  const auto element = static_cast<int64_t>(src.element_size());
+  const auto bytes = static_cast<size_t>(block_numel(src) * element);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    std::memmove(static_cast<char*>(dst.data) + pairs[2 * p + 1] * dst.strides[0] * element,
+                 static_cast<const char*>(src.data) + pairs[2 * p] * src.strides[0] * element,
+                 bytes);
+  }
 }
 
 bool built_with_cuda() {
