@@ -1,8 +1,11 @@
-"""pyengine's kernels as torch.library custom ops (``torch.ops.pyengine.*``).
+"""pyengine's kernels as torch operators (``torch.ops.pyengine.*``).
 
-Registered as custom ops, the kernels are visible to ``torch.compile`` and to CUDA graph
-capture, and one wheel serves any torch version: tensors cross into ``pyengine._C``
-through DLPack, never through libtorch's C++ ABI. Importing this module needs torch.
+Registered with torch.library, the kernels are visible to ``torch.compile`` (each has a
+fake kernel for tracing) and to CUDA graph capture, and one wheel serves any torch
+version: tensors cross into ``pyengine._C`` through DLPack, never through libtorch's C++
+ABI. They are defined with ``torch.library.Library`` rather than ``custom_op``: a call
+costs about 2 us instead of about 17, which matters at several calls per layer per step.
+Importing this module needs torch.
 
 Shapes (see cpp/include/pyengine/attention.h):
     key_cache:   [num_blocks, num_kv_heads, head_size, block_size]   (keys transposed)
@@ -15,110 +18,60 @@ Example::
 
     ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     ops.paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
-                        query_start_loc, scale=head_size**-0.5)
+                        query_start_loc, head_size**-0.5)
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
 from pyengine import _C
 
+_SCHEMAS = {
+    # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens]
+    "reshape_and_cache": "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+    "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
+    # out, query: [num_tokens, num_q_heads, head_size]; block_tables int32 [num_reqs, max];
+    # seq_lens int32 [num_reqs]; query_start_loc int32 [num_reqs + 1]
+    "paged_attention": "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
+    "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
+    "float scale, int sliding_window=0, float logit_soft_cap=0.0) -> ()",
+    # block_mapping: int64 [num_pairs, 2] (src, dst) on the CPU
+    "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
+    "Tensor block_mapping) -> ()",
+    "swap_blocks": "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()",
+}
 
-@torch.library.custom_op("pyengine::reshape_and_cache", mutates_args=("key_cache", "value_cache"))
-def reshape_and_cache(
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # int64 [num_tokens], -1: skip
+
+def _copy_blocks(
+    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
 ) -> None:
-    """Writes each new token's key and value into its cache slot."""
-    _C.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
-
-
-@reshape_and_cache.register_fake
-def _(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    return None
-
-
-@torch.library.custom_op("pyengine::paged_attention", mutates_args=("out",))
-def paged_attention(
-    out: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-    query: torch.Tensor,  # [num_tokens, num_q_heads, head_size]
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,  # int32 [num_reqs, max_blocks_per_req]
-    seq_lens: torch.Tensor,  # int32 [num_reqs]
-    query_start_loc: torch.Tensor,  # int32 [num_reqs + 1]
-    scale: float,
-    sliding_window: int = 0,
-    logit_soft_cap: float = 0.0,
-) -> None:
-    """Causal attention of each request's query tokens to its cached context, into out."""
-    _C.paged_attention(
-        out,
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale,
-        sliding_window,
-        logit_soft_cap,
-    )
-
-
-@paged_attention.register_fake
-def _(
-    out: torch.Tensor,
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    scale: float,
-    sliding_window: int = 0,
-    logit_soft_cap: float = 0.0,
-) -> None:
-    return None
-
-
-@torch.library.custom_op("pyengine::copy_blocks", mutates_args=("key_caches", "value_caches"))
-def copy_blocks(
-    key_caches: list[torch.Tensor],
-    value_caches: list[torch.Tensor],
-    block_mapping: torch.Tensor,  # int64 [num_pairs, 2] (src, dst), on the CPU
-) -> None:
-    """Copy-on-write: block dst of every layer's caches becomes a copy of block src."""
     _C.copy_blocks([*key_caches, *value_caches], block_mapping)
 
 
-@copy_blocks.register_fake
-def _(
-    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
-) -> None:
-    return None
+_KERNELS: dict[str, Callable[..., None]] = {
+    "reshape_and_cache": _C.reshape_and_cache,
+    "paged_attention": _C.paged_attention,
+    "copy_blocks": _copy_blocks,
+    "swap_blocks": _C.swap_blocks,
+}
 
 
-@torch.library.custom_op("pyengine::swap_blocks", mutates_args=("dst",))
-def swap_blocks(
-    src: torch.Tensor,
-    dst: torch.Tensor,
-    block_mapping: torch.Tensor,  # int64 [num_pairs, 2] (src block, dst block), on the CPU
-) -> None:
-    """Copies blocks between two caches (a device cache and a host pool, say)."""
-    _C.swap_blocks(src, dst, block_mapping)
+def _register() -> torch.library.Library:
+    library = torch.library.Library("pyengine", "DEF")  # type: ignore[no-untyped-call]
+    for name, schema in _SCHEMAS.items():
+        library.define(schema)  # type: ignore[no-untyped-call]
+        library.impl(name, _KERNELS[name], "CPU")  # type: ignore[no-untyped-call]
+        # They only write into their arguments: tracing needs nothing computed.
+        torch.library.register_fake(f"pyengine::{name}", lambda *args, **kwargs: None, lib=library)
+    return library
 
 
-@swap_blocks.register_fake
-def _(src: torch.Tensor, dst: torch.Tensor, block_mapping: torch.Tensor) -> None:
-    return None
+_LIBRARY = _register()  # the registrations live as long as this object
+
+reshape_and_cache = torch.ops.pyengine.reshape_and_cache
+paged_attention = torch.ops.pyengine.paged_attention
+copy_blocks = torch.ops.pyengine.copy_blocks
+swap_blocks = torch.ops.pyengine.swap_blocks
