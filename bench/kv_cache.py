@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 from py_kv_cache import PyKVCacheManager, hash_full_blocks
+from report import print_table
 
 import pyengine
 
@@ -254,27 +255,6 @@ def bench_hash(num_tokens: int, cpp_repeats: int, py_repeats: int, seed: int) ->
     }
 
 
-def print_table(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    """A markdown table: text columns left-aligned, figures right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        padded = [
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    print(line(header))
-    print(
-        "|"
-        + "|".join("-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
-        + "|"
-    )
-    for row in rows:
-        print(line(row))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small run (about 10 s)")
@@ -339,7 +319,7 @@ def main() -> None:
             "",
         ),
     ]
-    print_table(("workload", "metric", "C++", "Python", "speedup"), rows)
+    print_table(("workload", "metric", "C++", "Python", "speedup"), rows, num_text_columns=2)
     print()
     hit_rate = af["cpp_hit_tokens"] / af["prompt_tokens"]
     print(

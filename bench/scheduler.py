@@ -28,12 +28,13 @@ import gc
 import json
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from py_scheduler import NO_TOKEN, FinishReason, PyScheduler
+from report import print_table
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -303,27 +304,6 @@ def cross_check(makers: dict[str, MakeScheduler], seed: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------- report
-
-
-def print_table(header: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> None:
-    """A markdown table: the first column left-aligned, figures right-aligned."""
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: tuple[str, ...]) -> str:
-        padded = [
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(padded) + " |"
-
-    print(line(header))
-    print(
-        "|"
-        + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
-        + "|"
-    )
-    for row in rows:
-        print(line(row))
 
 
 def main() -> None:
