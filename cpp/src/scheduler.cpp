@@ -185,12 +185,9 @@ Request* Scheduler::preempt_last_running(std::vector<std::pair<Request*, int>>& 
   return victim;
 }
 
-int Scheduler::tokens_to_schedule(const Request& r, int budget) const {
-  int n = r.num_tokens() - r.num_computed_tokens;
-  if (config_.long_prefill_token_threshold > 0) {
-    n = std::min(n, config_.long_prefill_token_threshold);
-  }
-  return std::min(n, budget);
+int Scheduler::capped_by_threshold(int num_remaining_tokens) const {
+  const int threshold = config_.long_prefill_token_threshold;
+  return threshold > 0 ? std::min(num_remaining_tokens, threshold) : num_remaining_tokens;
 }
 
 int Scheduler::num_running_seqs() const {
@@ -230,7 +227,7 @@ int Scheduler::schedule() {
   // Running requests first: a decode token each, or their prompt's next chunk.
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
-    const int n = tokens_to_schedule(*r, budget);
+    const int n = std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget);
     if (n == 0) {  // a sample forked this step: it has nothing to compute
       ++i;
       continue;
@@ -266,10 +263,7 @@ int Scheduler::schedule() {
       r->kv_handle = kv_.handle(r->id);
     }
     ComputedBlocks hit = kv_.get_computed_blocks(r->id);
-    int n = r->num_tokens() - hit.num_computed_tokens;
-    if (config_.long_prefill_token_threshold > 0) {
-      n = std::min(n, config_.long_prefill_token_threshold);
-    }
+    int n = capped_by_threshold(r->num_tokens() - hit.num_computed_tokens);
     if (!config_.enable_chunked_prefill && n > budget) break;
     n = std::min(n, budget);
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;

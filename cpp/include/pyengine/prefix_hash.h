@@ -15,7 +15,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <functional>
 #include <span>
 #include <string>
 
@@ -30,10 +29,6 @@ struct BlockKey {
   uint64_t hi = 0;
   uint64_t lo = 0;
   friend bool operator==(const BlockKey&, const BlockKey&) = default;
-};
-
-struct BlockKeyHasher {
-  size_t operator()(const BlockKey& key) const noexcept { return static_cast<size_t>(key.lo); }
 };
 
 // Keys that change what a block's KV means although its tokens are equal.

@@ -113,7 +113,8 @@ class Scheduler {
   // was already scheduled this step, its row leaves `scheduled`, its tokens go back to
   // `budget`, and the prefix-cache entries made for them are taken back first.
   Request* preempt_last_running(std::vector<std::pair<Request*, int>>& scheduled, int& budget);
-  int tokens_to_schedule(const Request& r, int budget) const;
+  // At most long_prefill_token_threshold of a request's remaining tokens, if set.
+  int capped_by_threshold(int num_remaining_tokens) const;
   // Sequences that running requests hold or have reserved for samples not yet forked.
   int num_running_seqs() const;
   // Once sample 0's prompt is computed, its samples share its blocks and join the step
