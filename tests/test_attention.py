@@ -203,6 +203,16 @@ def test_long_contexts() -> None:
     run_case(case, 16, "float32")
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("window", [0, 700])
+def test_split_context_of_a_few_long_requests(isa: str, dtype: str, window: int) -> None:
+    # One or two tiles cannot keep the threads busy: their contexts are split across
+    # threads and the partial softmax results merged.
+    rng = np.random.default_rng()
+    run_case(make_case(rng, [4000], [1], 2, 1, 64, 16), 16, dtype, window=window)
+    run_case(make_case(rng, [2100], [3], 4, 1, 128, 32), 32, dtype, window=window)
+
+
 def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     rng = np.random.default_rng()
     num_blocks, num_kv_heads, block_size, head_size = 6, 2, 4, 32

@@ -1,5 +1,6 @@
-// CPU paged attention, the glue: checks every argument, splits the batch into work items
-// (request x kv head x tile of query tokens) and runs the kernel build for this CPU
+// CPU paged attention, the glue: checks every argument, plans the work (tiles of request
+// x kv head x up to kQueryTile query tokens; with too few tiles for the threads, long
+// contexts split into parts merged afterwards) and runs the kernel build for this CPU
 // (paged_attention_kernel.inc: online softmax over the request's KV blocks, one block at
 // a time, for a tile of query tokens times the query heads of one kv head's GQA group;
 // K/V are read once per tile, and no score matrix beyond one block is ever held).
@@ -9,6 +10,10 @@
 #include <limits>
 #include <string>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "attention_checks.h"
 #include "paged_attention_kernel.h"
@@ -20,6 +25,8 @@ namespace {
 using detail::arg;
 using detail::kQueryTile;
 using detail::Problem;
+using detail::SplitTile;
+using detail::Tile;
 using detail::WorkItem;
 
 bool supported(CpuIsa isa) {
@@ -64,6 +71,75 @@ void check_int_array(const TensorView& t, const char* name, int ndim) {
   detail::check_dtype(t, DType::kInt32, op, name);
   detail::check_shape(t, op, name, ndim);
   if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be contiguous");
+}
+
+// Split-K: a tile whose context is split runs as parts of at least this many tokens.
+constexpr int64_t kMinSplitTokens = 256;
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// The work of one call, kept per calling thread and reused so that a call does not
+// allocate once the buffers have grown.
+struct WorkPlan {
+  std::vector<Tile> tiles;
+  std::vector<WorkItem> items;
+  std::vector<SplitTile> splits;
+  std::vector<float> partials;
+  int64_t num_partials = 0;
+};
+
+// Tiles of (request, kv head, up to kQueryTile query tokens), each over the key blocks its
+// queries can see. When there are too few tiles to keep every thread busy (decode of a
+// few requests), long contexts are split into parts whose partial results are merged.
+WorkPlan& plan_work(const int32_t* qsl, const int32_t* lens, int64_t num_reqs, int64_t num_kv_heads,
+                    int64_t block_size, int64_t window) {
+  thread_local WorkPlan plan;
+  plan.tiles.clear();
+  plan.items.clear();
+  plan.splits.clear();
+  plan.num_partials = 0;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    for (int64_t first = 0; first < q_len; first += kQueryTile) {
+      for (int64_t h = 0; h < num_kv_heads; ++h) {
+        plan.tiles.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h),
+                              static_cast<int32_t>(first),
+                              static_cast<int32_t>(std::min<int64_t>(kQueryTile, q_len - first))});
+      }
+    }
+  }
+  const int64_t threads = max_threads();
+  const auto num_tiles = static_cast<int64_t>(plan.tiles.size());
+  const int64_t wanted_parts =
+      threads > 1 && num_tiles < 2 * threads ? (4 * threads + num_tiles - 1) / num_tiles : 1;
+  const int64_t min_part_blocks = std::max<int64_t>(1, kMinSplitTokens / block_size);
+  for (const Tile& t : plan.tiles) {
+    const int64_t first_pos =
+        lens[t.request] - (qsl[t.request + 1] - qsl[t.request]) + t.first_query;
+    const int64_t last_pos = first_pos + t.num_queries - 1;
+    const int64_t begin =
+        window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / block_size : 0;
+    const int64_t end = last_pos / block_size + 1;
+    const int64_t parts = std::clamp<int64_t>((end - begin) / min_part_blocks, 1, wanted_parts);
+    if (parts == 1) {
+      plan.items.push_back({t, static_cast<int32_t>(begin), static_cast<int32_t>(end), -1});
+      continue;
+    }
+    plan.splits.push_back(
+        {t, static_cast<int32_t>(plan.num_partials), static_cast<int32_t>(parts)});
+    for (int64_t k = 0; k < parts; ++k) {
+      plan.items.push_back({t, static_cast<int32_t>(begin + (end - begin) * k / parts),
+                            static_cast<int32_t>(begin + (end - begin) * (k + 1) / parts),
+                            static_cast<int32_t>(plan.num_partials++)});
+    }
+  }
+  return plan;
 }
 
 }  // namespace
@@ -133,18 +209,16 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           std::to_string(num_tokens));
   }
   const int64_t group = num_q_heads / num_kv_heads;
-  std::vector<WorkItem> items;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
-    const std::string request = "request " + std::to_string(i);
     if (q_len < 1 || lens[i] < q_len) {
-      throw InvalidArgument(std::string(op) + ": " + request + " has " + std::to_string(q_len) +
-                            " query tokens and seq_len " + std::to_string(lens[i]) +
-                            " (need 1 <= q_len <= seq_len)");
+      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " has " +
+                            std::to_string(q_len) + " query tokens and seq_len " +
+                            std::to_string(lens[i]) + " (need 1 <= q_len <= seq_len)");
     }
     const int64_t num_used = (lens[i] + block_size - 1) / block_size;
     if (num_used > max_blocks) {
-      throw InvalidArgument(std::string(op) + ": " + request + " needs " +
+      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " needs " +
                             std::to_string(num_used) + " blocks, block_tables has " +
                             std::to_string(max_blocks) + " per request");
     }
@@ -156,14 +230,12 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                               " is outside [0, " + std::to_string(num_blocks) + ")");
       }
     }
-    for (int64_t first = 0; first < q_len; first += kQueryTile) {
-      for (int64_t h = 0; h < num_kv_heads; ++h) {
-        items.push_back({static_cast<int32_t>(i), static_cast<int32_t>(h),
-                         static_cast<int32_t>(first),
-                         static_cast<int32_t>(std::min<int64_t>(kQueryTile, q_len - first))});
-      }
-    }
   }
+
+  WorkPlan& plan = plan_work(qsl, lens, num_reqs, num_kv_heads, block_size, options.sliding_window);
+  const int64_t partial_stride = kQueryTile * group * (head_size + 2);
+  const auto partial_floats = static_cast<size_t>(plan.num_partials * partial_stride);
+  if (plan.partials.size() < partial_floats) plan.partials.resize(partial_floats);
 
   const Problem p{out.data,
                   query.data,
@@ -181,8 +253,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                   group,
                   block_size,
                   head_size,
-                  options};
-  kernel_for(current_isa().load(std::memory_order_relaxed))(p, items, key_cache.dtype);
+                  options,
+                  plan.partials.data(),
+                  partial_stride};
+  kernel_for(current_isa().load(std::memory_order_relaxed))(p, plan.items, plan.splits,
+                                                            key_cache.dtype);
 }
 
 }  // namespace pyengine

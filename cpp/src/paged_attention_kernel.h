@@ -4,8 +4,7 @@
 #pragma once
 
 #include <cstdint>
-#include <limits>
-#include <vector>
+#include <span>
 
 #include "pyengine/attention.h"
 
@@ -26,26 +25,48 @@ struct Problem {
   int64_t max_blocks;  // block_tables row length
   int64_t num_kv_heads, group, block_size, head_size;
   AttentionOptions options;
+  // Split-K: partial results, each [kQueryTile * group rows] x (max, sum, head_size
+  // unnormalized outputs), partial_stride floats apart.
+  float* partials;
+  int64_t partial_stride;
 };
 
-struct WorkItem {
+// A tile of one request's query tokens times the query heads of one kv head: the rows
+// that read the same K/V.
+struct Tile {
   int32_t request;
   int32_t kv_head;
   int32_t first_query;  // within the request
   int32_t num_queries;
 };
 
-using AttentionKernel = void (*)(const Problem&, const std::vector<WorkItem>&, DType);
+// One unit of parallel work: a tile over the key blocks [block_begin, block_end) of its
+// request. Writes `out` (partial < 0) or, split across the context, its partial result.
+struct WorkItem {
+  Tile tile;
+  int32_t block_begin, block_end;
+  int32_t partial;
+};
+
+// A tile split across the context: partials [first_partial, first_partial + count) are
+// merged into its output.
+struct SplitTile {
+  Tile tile;
+  int32_t first_partial, count;
+};
+
+using AttentionKernel = void (*)(const Problem&, std::span<const WorkItem>,
+                                 std::span<const SplitTile>, DType);
 
 // One build of the kernel per instruction set; each exists only where it was compiled.
-namespace generic {
-void run_attention(const Problem& p, const std::vector<WorkItem>& items, DType dtype);
-}
-namespace avx2 {
-void run_attention(const Problem& p, const std::vector<WorkItem>& items, DType dtype);
-}
-namespace avx512 {
-void run_attention(const Problem& p, const std::vector<WorkItem>& items, DType dtype);
-}
+#define PYENGINE_DECLARE_KERNEL(ns)                                     \
+  namespace ns {                                                        \
+  void run_attention(const Problem& p, std::span<const WorkItem> items, \
+                     std::span<const SplitTile> splits, DType dtype);   \
+  }
+PYENGINE_DECLARE_KERNEL(generic)
+PYENGINE_DECLARE_KERNEL(avx2)
+PYENGINE_DECLARE_KERNEL(avx512)
+#undef PYENGINE_DECLARE_KERNEL
 
 }  // namespace pyengine::detail
