@@ -1,0 +1,124 @@
+"""Model and engine configuration."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+# The architectures this engine runs, by the name in a Hugging Face config.json.
+LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass
+class ModelConfig:
+    """What the model runner needs of a checkpoint's config (Hugging Face names)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
+    sliding_window: int = 0
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
+        architectures = config.get("architectures") or []
+        if not architectures:
+            raise ValueError("config.json names no architecture ('architectures' is missing)")
+        arch = architectures[0]
+        if arch not in LLAMA_LIKE:
+            raise ValueError(
+                f"architecture {arch} is not supported; pyengine runs {', '.join(LLAMA_LIKE)}"
+            )
+        heads = int(config["num_attention_heads"])
+        hidden = int(config["hidden_size"])
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
+        rope_theta = float(config.get("rope_theta") or 0) or float(
+            (rope_scaling or {}).get("rope_theta", 10000.0)
+        )
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (
+            None,
+            "default",
+        ):
+            rope_scaling = None
+        window = config.get("sliding_window") if config.get("use_sliding_window", True) else None
+        return cls(
+            architecture=arch,
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["intermediate_size"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(
+                config.get("attention_bias", arch == "Qwen2ForCausalLM")
+            ),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=int(window or 0) if arch == "MistralForCausalLM" else 0,
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def default_kv_cache_memory() -> int:
+    """Bytes of CPU KV cache: PYENGINE_CPU_KV_CACHE_GIB (GiB) or 2 GiB."""
+    gib = os.environ.get("PYENGINE_CPU_KV_CACHE_GIB", "2")
+    try:
+        value = float(gib)
+    except ValueError:
+        raise ValueError(f"PYENGINE_CPU_KV_CACHE_GIB must be a number of GiB, got {gib!r}") from None
+    if value <= 0:
+        raise ValueError(f"PYENGINE_CPU_KV_CACHE_GIB must be positive, got {gib!r}")
+    return int(value * 2**30)
+
+
+@dataclass
+class EngineConfig:
+    """The engine's limits, as LLM(...) takes them."""
+
+    max_model_len: int
+    block_size: int = 16
+    kv_cache_memory: int = field(default_factory=default_kv_cache_memory)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        checks = {
+            "max_model_len": self.max_model_len >= 1,
+            "block_size": self.block_size >= 1 and self.block_size & (self.block_size - 1) == 0,
+            "kv_cache_memory": self.kv_cache_memory > 0,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_model_len ({self.max_model_len}) without chunked prefill"
+            )

@@ -1,0 +1,285 @@
+"""The engine loop: the C++ scheduler plans a step, the model runs it over the paged KV
+cache, the sampler picks tokens, the scheduler applies them; detokenization and stop
+strings are done here."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pyengine import Scheduler, StepBuffers
+from pyengine.config import EngineConfig
+from pyengine.loader.resolve import LoadedModel
+from pyengine.model_runner import ModelRunner
+from pyengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pyengine.sampler import Sampler, SamplerOutput, SamplingRow
+from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import PyengineTokenizer
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples."""
+
+    index: int
+    generator: torch.Generator | None
+    output: CompletionOutput
+    finished: bool = False
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    samples: list[_Sample]
+    metrics: RequestMetrics
+    blocked_token_ids: tuple[int, ...] = ()
+    num_cached_tokens: int = 0
+    done: bool = field(default=False)
+
+    def to_output(self) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=[s.output for s in self.samples],
+            finished=self.done,
+            metrics=self.metrics,
+            num_cached_tokens=self.num_cached_tokens,
+        )
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = loaded.config
+        self.tokenizer: PyengineTokenizer | None = loaded.tokenizer
+        self.runner = ModelRunner(loaded, config)
+        self.scheduler = Scheduler(
+            num_blocks=self.runner.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(config.seed)
+        self.requests: dict[str, _RequestState] = {}
+        self._by_row_id: dict[str, tuple[_RequestState, _Sample]] = {}
+
+    # -- requests --------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        vocab = self.model_config.vocab_size
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(
+                f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
+            )
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
+                f"max_model_len is {self.config.max_model_len} (prompt plus at least one token)"
+            )
+        eos, *more_eos = self.model_config.eos_token_ids or (None,)
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in more_eos if t is not None]
+        room = self.config.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        self.scheduler.add_request(
+            request_id,
+            np.asarray(prompt_token_ids, dtype=np.int32),
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            eos_token_id=eos,
+            stop_token_ids=stop_ids,
+            ignore_eos=params.ignore_eos,
+            n=params.n,
+        )
+        blocked = tuple(stop_ids) + (() if params.ignore_eos or eos is None else (eos,))
+        samples = [
+            _Sample(k, self._generator(params.seed, k), CompletionOutput(k, "", []))
+            for k in range(params.n)
+        ]
+        state = _RequestState(
+            request_id,
+            prompt,
+            list(prompt_token_ids),
+            params,
+            samples,
+            RequestMetrics(time.time() if arrival_time is None else arrival_time),
+            blocked if params.min_tokens > 0 else (),
+        )
+        self.requests[request_id] = state
+        for s in samples:
+            row_id = request_id if s.index == 0 else Scheduler.sample_id(request_id, s.index)
+            self._by_row_id[row_id] = (state, s)
+
+    @staticmethod
+    def _generator(seed: int | None, sample: int) -> torch.Generator | None:
+        if seed is None:
+            return None
+        return torch.Generator().manual_seed((seed * 1_000_003 + sample) % 2**63)
+
+    def abort_request(self, request_id: str) -> None:
+        state = self.requests.get(request_id)
+        if state is None:
+            return
+        for s in state.samples:
+            row_id = request_id if s.index == 0 else Scheduler.sample_id(request_id, s.index)
+            if not s.finished and self.scheduler.has_request(row_id):
+                self.scheduler.abort_request(row_id)
+            self._finish_sample(state, s, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the requests that finished in it."""
+        if self.scheduler.schedule() == 0:
+            return self._collect_finished()
+        b = self.scheduler.buffers
+        sampling = [self._by_row_id[b.request_ids[i]] for i in np.flatnonzero(b.is_sampling)]
+        try:
+            sampled = self._run_step(b, sampling)
+        except BaseException:
+            # A failed step (bad weights, interrupt) ends its requests, not the engine.
+            for row_id in b.request_ids:
+                if row_id in self._by_row_id:
+                    self.abort_request(self._by_row_id[row_id][0].request_id)
+            self.scheduler.update(np.zeros(len(sampling), dtype=np.int32))
+            raise
+        logprobs_of = {
+            id(sample): lp for (_, sample), lp in zip(sampling, sampled.logprobs, strict=True)
+        }
+        self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
+        now = time.time()
+        for row_id, token, reason in self.scheduler.outputs():
+            state, sample = self._by_row_id[row_id]
+            if token is not None:
+                self._append(state, sample, token, logprobs_of.get(id(sample)), now)
+            if reason is not None and not sample.finished:
+                self._finish_sample(state, sample, reason, token)
+        return self._collect_finished()
+
+    def discard_finished(self) -> None:
+        self._collect_finished()
+
+    def _run_step(self, b: StepBuffers, sampling: list[tuple[_RequestState, _Sample]]) -> SamplerOutput:
+        logits = self.runner.execute(b)
+        rows = [
+            SamplingRow(
+                state.params,
+                state.prompt_token_ids,
+                sample.output.token_ids,
+                sample.generator,
+                state.blocked_token_ids
+                if len(sample.output.token_ids) < state.params.min_tokens
+                else (),
+            )
+            for state, sample in sampling
+        ]
+        return self.sampler(logits, rows)
+
+    def _append(self, state, sample, token, logprobs, now) -> None:  # type: ignore[no-untyped-def]
+        out = sample.output
+        out.token_ids.append(token)
+        if state.metrics.first_token_time is None:
+            state.metrics.first_token_time = now
+        if logprobs is not None:
+            if out.logprobs is None:
+                out.logprobs = []
+                out.cumulative_logprob = 0.0
+            self._decode_logprobs(logprobs)
+            out.logprobs.append(logprobs)
+            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[token].logprob
+        if state.params.stop_strings and self.tokenizer is not None:
+            self._check_stop_strings(state, sample)
+
+    def _decode_logprobs(self, logprobs) -> None:  # type: ignore[no-untyped-def]
+        if self.tokenizer is not None:
+            for token, lp in logprobs.items():
+                lp.decoded_token = self.tokenizer.token_text(token)
+
+    def _check_stop_strings(self, state: _RequestState, sample: _Sample) -> None:
+        assert self.tokenizer is not None
+        p = state.params
+        text = self.tokenizer.decode(sample.output.token_ids, p.skip_special_tokens)
+        # Only the tail can hold a new match: the new token's text plus a stop string.
+        window = max(len(s) for s in p.stop_strings) + 32
+        start = max(0, len(text) - window)
+        hits = [(text.find(s, start), s) for s in p.stop_strings]
+        hits = [(at, s) for at, s in hits if at >= 0]
+        if not hits:
+            return
+        at, stop = min(hits)
+        sample.output.text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
+        sample.output.stop_reason = stop
+        row_id = state.request_id if sample.index == 0 else Scheduler.sample_id(state.request_id, sample.index)
+        if self.scheduler.has_request(row_id):
+            self.scheduler.finish_request(row_id, "stop")
+        self._finish_sample(state, sample, "stop", text_done=True)
+
+    def _finish_sample(
+        self,
+        state: _RequestState,
+        sample: _Sample,
+        reason: str,
+        last_token: int | None = None,
+        text_done: bool = False,
+    ) -> None:
+        if sample.finished:
+            return
+        sample.finished = True
+        out = sample.output
+        out.finish_reason = reason
+        if reason == "stop" and out.stop_reason is None and last_token is not None:
+            out.stop_reason = last_token if last_token != self._eos() else None
+        if not text_done and self.tokenizer is not None:
+            out.text = self.tokenizer.decode(out.token_ids, state.params.skip_special_tokens)
+        if all(s.finished for s in state.samples):
+            state.done = True
+            state.metrics.finished_time = time.time()
+
+    def _eos(self) -> int | None:
+        ids = self.model_config.eos_token_ids
+        return ids[0] if ids else None
+
+    def _collect_finished(self) -> list[RequestOutput]:
+        finished = [s for s in self.requests.values() if s.done]
+        for state in finished:
+            del self.requests[state.request_id]
+            for s in state.samples:
+                row_id = state.request_id if s.index == 0 else Scheduler.sample_id(state.request_id, s.index)
+                self._by_row_id.pop(row_id, None)
+        return [s.to_output() for s in finished]
+
+    def stats(self) -> dict[str, float]:
+        s = self.scheduler.stats()
+        return {
+            "num_running": s.num_running,
+            "num_waiting": s.num_waiting,
+            "num_preemptions": s.num_preemptions,
+            "prefix_cache_hit_rate": s.prefix_cache_hit_rate,
+            "kv_cache_usage": s.kv_cache_usage,
+        }

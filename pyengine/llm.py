@@ -1,0 +1,188 @@
+"""LLM: the offline API (as vLLM's): generate() and chat() over a batch of prompts."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from pyengine.config import EngineConfig, default_kv_cache_memory
+from pyengine.engine import LLMEngine
+from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.outputs import RequestOutput
+from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import Message, PyengineTokenizer
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        tokenizer: str | None = None,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        block_size: int = 16,
+        kv_cache_memory: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        enable_prefix_caching: bool = True,
+        enable_chunked_prefill: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        seed: int = 0,
+        load_format: str = "auto",
+    ) -> None:
+        if dtype not in ("auto", "float32"):
+            raise ValueError(f"dtype {dtype!r}: the CPU backend runs float32 ('auto' or 'float32')")
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        loaded = load_model(model, tokenizer, load_format)
+        model_len = loaded.config.max_position_embeddings
+        if max_model_len is None:
+            max_model_len = model_len
+        elif max_model_len > model_len:
+            raise ValueError(
+                f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
+        config = EngineConfig(
+            max_model_len=max_model_len,
+            block_size=block_size,
+            kv_cache_memory=kv_cache_memory or default_kv_cache_memory(),
+            enable_prefix_caching=enable_prefix_caching,
+            enable_chunked_prefill=enable_chunked_prefill,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            seed=seed,
+        )
+        self.engine = LLMEngine(loaded, config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> PyengineTokenizer:
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass tokenizer=...")
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Runs every prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids":
+        ...}) to completion; outputs in input order."""
+        batch = _as_batch(prompts)
+        params = _params_per_prompt(sampling_params, len(batch))
+        encoded = [self._encode(p) for p in batch]  # all checked before any is queued
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        if not isinstance(messages, list) or not messages:
+            raise ValueError("messages must be a non-empty list of messages or conversations")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        tokenizer = self.get_tokenizer()
+        prompts: list[Prompt] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation,  # type: ignore[arg-type]
+                chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+            )
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.get_tokenizer().encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._encode(str(prompt["prompt"]))
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}")
+
+    def _run(
+        self,
+        encoded: list[tuple[str | None, list[int]]],
+        params: list[SamplingParams],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [str(next(self._ids)) for _ in encoded]
+        added: list[str] = []
+        try:
+            for request_id, (text, token_ids), p in zip(ids, encoded, params, strict=True):
+                engine.add_request(request_id, token_ids, p, prompt=text)
+                added.append(request_id)
+            done: dict[str, RequestOutput] = {}
+            with _Progress(len(ids), use_tqdm) as progress:
+                while engine.has_unfinished_requests():
+                    for out in engine.step():
+                        done[out.request_id] = out
+                        progress.update(out)
+            return [done[i] for i in ids]
+        except BaseException:
+            for request_id in added:  # nothing is left queued behind an error
+                engine.abort_request(request_id)
+            engine.discard_finished()
+            raise
+
+
+def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, (str, dict)):
+        return [prompts]
+    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return list(prompts)
+
+
+def _params_per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, count: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    return params
+
+
+class _Progress:
+    """A tqdm bar of finished requests with the output tokens/s."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.bar = None
+        self.tokens = 0
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
+    def update(self, out: RequestOutput) -> None:
+        if self.bar is None:
+            return
+        self.tokens += sum(len(o.token_ids) for o in out.outputs)
+        elapsed = self.bar.format_dict["elapsed"] or 1e-9
+        self.bar.set_postfix_str(f"output {self.tokens / elapsed:.1f} toks/s", refresh=False)
+        self.bar.update(1)
+
+    def __enter__(self) -> _Progress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.bar is not None:
+            self.bar.close()

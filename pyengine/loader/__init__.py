@@ -1,0 +1,1 @@
+"""Checkpoint loading: Hugging Face folders (safetensors), GGUF files, random weights."""

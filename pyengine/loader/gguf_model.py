@@ -1,0 +1,111 @@
+"""A model from a GGUF file: its config, weights under Hugging Face names, tokenizer."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import numpy as np
+import torch
+
+from pyengine.config import ModelConfig
+from pyengine.loader.gguf_file import GGUFError, GGUFFile
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+
+
+def config_from_gguf(g: GGUFFile) -> ModelConfig:
+    arch = str(g.fields.get("general.architecture", ""))
+    if arch not in _ARCHITECTURES:
+        raise GGUFError(
+            f"{g.path}: GGUF architecture {arch!r} is not supported ({', '.join(_ARCHITECTURES)})"
+        )
+
+    def field(key: str, default: Any = None) -> Any:
+        value = g.fields.get(f"{arch}.{key}", default)
+        if value is None:
+            raise GGUFError(f"{g.path}: metadata {arch}.{key} is missing")
+        return value
+
+    heads = int(field("attention.head_count"))
+    hidden = int(field("embedding_length"))
+    rope_scaling = None
+    if g.fields.get(f"{arch}.rope.scaling.type") == "linear":
+        rope_scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
+    eos = g.fields.get("tokenizer.ggml.eos_token_id")
+    return ModelConfig(
+        architecture=_ARCHITECTURES[arch],
+        vocab_size=int(g.fields.get(f"{arch}.vocab_size", len(g.fields["tokenizer.ggml.tokens"]))),
+        hidden_size=hidden,
+        intermediate_size=int(field("feed_forward_length")),
+        num_hidden_layers=int(field("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(field("attention.head_count_kv", heads)),
+        head_dim=int(field("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(field("context_length", 2048)),
+        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
+        tie_word_embeddings="output.weight" not in g.tensors,
+        attention_bias="blk.0.attn_q.bias" in g.tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
+        sliding_window=int(g.fields.get(f"{arch}.attention.sliding_window", 0) or 0),
+        bos_token_id=g.fields.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=() if eos is None else (int(eos),),
+    )
+
+
+def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp stores Llama's q/k rows with each head's rotary halves interleaved;
+    Hugging Face's rotate_half wants them as two halves."""
+    rows = w.shape[0]
+    return (
+        w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+    )
+
+
+def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
+    """Every tensor as float32, under its Hugging Face name."""
+    weights: dict[str, torch.Tensor] = {}
+    permuted = g.fields.get("general.architecture") in ("llama", "mistral")
+    for name in g.tensors:
+        m = _LAYER_TENSOR.fullmatch(name)
+        if name in _GLOBAL_NAMES:
+            hf_name = _GLOBAL_NAMES[name]
+        elif m and m.group(2) in _LAYER_NAMES:
+            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+        elif name == "rope_freqs.weight":
+            continue  # Llama 3 rope scaling, recomputed from the config
+        else:
+            raise GGUFError(f"{g.path}: unexpected tensor {name}")
+        array = g.tensor(name)
+        if permuted and m and m.group(2) in ("attn_q", "attn_k"):
+            heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+            array = _unpermute_rope(array, heads)
+        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
+    return weights

@@ -1,0 +1,75 @@
+"""Runs the model on one scheduled step: the step's flat buffers in, the logits of the
+rows that sample out. Owns the model and its paged KV cache."""
+
+from __future__ import annotations
+
+import torch
+
+from pyengine import StepBuffers, ops
+from pyengine.attention import AttentionMetadata, KVCache
+from pyengine.config import LLAMA_LIKE, EngineConfig
+from pyengine.loader.resolve import LoadedModel
+from pyengine.models.llama import LlamaForCausalLM
+
+
+def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> LlamaForCausalLM:
+    config = loaded.config
+    if config.architecture not in LLAMA_LIKE:
+        raise ValueError(f"architecture {config.architecture} is not supported")
+    model = LlamaForCausalLM(config, max_positions)
+    if loaded.weights is None:  # load_format="dummy": random weights of the right scale
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02, generator=generator)
+    else:
+        model.load_weights(loaded.weights)
+    return model.eval()
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        c = loaded.config
+        self.model = build_model(loaded, config.max_model_len, config.seed)
+        self.block_size = config.block_size
+        block_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * config.block_size * 4
+        self.num_blocks = config.kv_cache_memory // block_bytes
+        min_blocks = -(-config.max_model_len // config.block_size)
+        if self.num_blocks < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory ({config.kv_cache_memory} bytes) holds {self.num_blocks} blocks "
+                f"of {config.block_size} tokens; one max_model_len request needs {min_blocks} "
+                f"(at least {min_blocks * block_bytes} bytes, or lower max_model_len)"
+            )
+        shape = (self.num_blocks, c.num_key_value_heads)
+        # torch.empty: pages are committed as blocks are first written.
+        self.caches: list[KVCache] = [
+            (
+                torch.empty(*shape, c.head_dim, config.block_size),
+                torch.empty(*shape, config.block_size, c.head_dim),
+            )
+            for _ in range(c.num_hidden_layers)
+        ]
+
+    @torch.inference_mode()
+    def execute(self, b: StepBuffers) -> torch.Tensor:
+        """Logits [num_sampling_rows, vocab] of the step in `b`."""
+        if b.block_copies:
+            mapping = torch.tensor(b.block_copies, dtype=torch.int64)
+            ops.copy_blocks(
+                [k for k, _ in self.caches], [v for _, v in self.caches], mapping
+            )
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(b.slot_mapping),
+            block_tables=torch.from_numpy(b.block_tables),
+            seq_lens=torch.from_numpy(b.seq_lens),
+            query_start_loc=torch.from_numpy(b.query_start_loc),
+        )
+        input_ids = torch.from_numpy(b.input_ids)
+        positions = torch.from_numpy(b.positions)
+        hidden = self.model(input_ids, positions, self.caches, meta)
+        rows = torch.from_numpy(b.logits_indices).long()
+        return self.model.compute_logits(hidden[rows])

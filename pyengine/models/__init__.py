@@ -1,0 +1,1 @@
+"""Model architectures, written over the paged attention layer."""

@@ -1,0 +1,202 @@
+"""The Llama family (Llama 2/3, SmolLM2, Mistral) and Qwen2/Qwen3, which differ from it
+only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+
+The step's tokens are one flat batch [num_tokens, hidden]: no padding, no per-request
+loop; attention goes through the paged KV cache. q/k/v and gate/up are each one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
+from pyengine.config import ModelConfig
+from pyengine.models.rotary import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        variance = x.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.q_size = self.heads * self.head_dim
+        self.kv_size = self.kv_heads * self.head_dim
+        self.qkv_weight = _parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
+        self.qkv_bias = _parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
+        self.o_weight = _parameter(c.hidden_size, self.q_size)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.rotary = rotary
+        self.attn = PagedAttention(self.heads, self.kv_heads, self.head_dim, c.sliding_window)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.heads, self.head_dim)
+        k = k.view(-1, self.kv_heads, self.head_dim)
+        v = v.view(-1, self.kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, cache, meta)
+        return F.linear(out.view(-1, self.q_size), self.o_weight)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate = c.intermediate_size
+        self.gate_up_weight = _parameter(2 * c.intermediate_size, c.hidden_size)
+        self.down_weight = _parameter(c.hidden_size, c.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_weight)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c, rotary)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(
+        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), positions, cache, meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+        super().__init__()
+        self.config = config
+        rotary = RotaryEmbedding(
+            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+        )
+        self.embed_tokens = _parameter(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            self.embed_tokens if config.tie_word_embeddings else _parameter(*self.embed_tokens.shape)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int [num_tokens]
+        positions: torch.Tensor,  # int [num_tokens]
+        caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden] before the final norm."""
+        h = F.embedding(input_ids, self.embed_tokens)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, positions, cache, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(hidden), self.lm_head)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+        c = self.config
+        expected = set()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                target, rows = self._target(name)
+                if target is None:
+                    continue  # rotary caches and the like
+                expected.add(name)
+                view = target if rows is None else target[rows[0] : rows[1]]
+                if view.shape != tensor.shape:
+                    raise ValueError(
+                        f"weight {name}: shape {tuple(tensor.shape)}, model expects "
+                        f"{tuple(view.shape)}"
+                    )
+                view.copy_(tensor)
+        required = self._required_names()
+        missing = sorted(required - expected)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        if c.tie_word_embeddings:
+            self.lm_head = self.embed_tokens
+
+    def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        if name == "model.embed_tokens.weight":
+            return self.embed_tokens, None
+        if name == "model.norm.weight":
+            return self.norm.weight, None
+        if name == "lm_head.weight":
+            return (None, None) if self.config.tie_word_embeddings else (self.lm_head, None)
+        parts = name.split(".")
+        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
+            return None, None
+        layer = self.layers[int(parts[2])]
+        assert isinstance(layer, DecoderLayer)
+        attn, mlp = layer.self_attn, layer.mlp
+        q, kv = attn.q_size, attn.kv_size
+        inter = mlp.intermediate
+        module, kind = ".".join(parts[3:-1]), parts[-1]
+        fused = {
+            "self_attn.q_proj": (attn.qkv_weight, attn.qkv_bias, (0, q)),
+            "self_attn.k_proj": (attn.qkv_weight, attn.qkv_bias, (q, q + kv)),
+            "self_attn.v_proj": (attn.qkv_weight, attn.qkv_bias, (q + kv, q + 2 * kv)),
+            "mlp.gate_proj": (mlp.gate_up_weight, None, (0, inter)),
+            "mlp.up_proj": (mlp.gate_up_weight, None, (inter, 2 * inter)),
+        }
+        if module in fused:
+            weight, bias, rows = fused[module]
+            return (weight if kind == "weight" else bias), rows
+        plain = {
+            "self_attn.o_proj.weight": attn.o_weight,
+            "mlp.down_proj.weight": mlp.down_weight,
+            "input_layernorm.weight": layer.input_layernorm.weight,
+            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
+            "self_attn.q_norm.weight": None if attn.q_norm is None else attn.q_norm.weight,
+            "self_attn.k_norm.weight": None if attn.k_norm is None else attn.k_norm.weight,
+        }
+        return plain.get(f"{module}.{kind}"), None
+
+    def _required_names(self) -> set[str]:
+        c = self.config
+        names = {"model.embed_tokens.weight", "model.norm.weight"}
+        if not c.tie_word_embeddings:
+            names.add("lm_head.weight")
+        per_layer = [
+            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+            "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
+        ]  # fmt: skip
+        if c.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if c.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        for i in range(c.num_hidden_layers):
+            names.update(f"model.layers.{i}.{n}" for n in per_layer)
+        return names

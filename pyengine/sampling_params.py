@@ -1,0 +1,75 @@
+"""SamplingParams: how one request's tokens are chosen and when it stops (as vLLM's)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: all tokens
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks: list[tuple[str, bool, str]] = [
+            ("n", _is_int(self.n) and self.n >= 1, "an integer >= 1"),
+            ("temperature", _is_real(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "-1, 0 (all) or >= 1"),
+            ("min_p", _is_real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", _is_real(self.presence_penalty)
+             and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
+            ("frequency_penalty", _is_real(self.frequency_penalty)
+             and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
+            ("repetition_penalty", _is_real(self.repetition_penalty)
+             and self.repetition_penalty > 0, "> 0"),
+            ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
+            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens)
+             and self.max_tokens >= 1), "an integer >= 1 or None"),
+            ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0
+             and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
+             "an integer in [0, max_tokens]"),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs)
+             and self.logprobs >= 0), "an integer >= 0 or None"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+             and self.prompt_logprobs >= 0), "an integer >= 0 or None"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop_strings),
+             "a non-empty string or a list of them"),
+            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids or []),
+             "a list of token ids >= 0"),
+        ]  # fmt: skip
+        for name, ok, expected in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

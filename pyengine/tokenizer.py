@@ -1,0 +1,160 @@
+"""Tokenizers (Hugging Face `tokenizers`) from a model folder or a GGUF file's metadata,
+with the chat template rendered by jinja2 as transformers does."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+Message = dict[str, Any]
+
+# Pre-tokenizer split patterns of llama.cpp's BPE pre-tokenizer types.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = _LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")
+
+
+class PyengineTokenizer:
+    """encode / decode / chat template over a `tokenizers.Tokenizer`."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        eos_token_id: int | None,
+        bos_token_id: int | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = bos_token_id
+        self.chat_template = chat_template
+        self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        return self.decode([token_id], skip_special_tokens=False)
+
+    def _token(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.tokenizer.id_to_token(token_id) or "")
+
+    def apply_chat_template(
+        self,
+        messages: list[Message],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **extra: Any,
+    ) -> str:
+        template = chat_template or self.chat_template
+        if template is None:
+            raise ValueError(
+                "this model's tokenizer has no chat template; pass chat_template=... to chat()"
+            )
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or "role" not in message:
+                raise ValueError(f"messages[{i}] must be a dict with a 'role' (and 'content')")
+        return _render(
+            template,
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token(self.bos_token_id),
+            eos_token=self._token(self.eos_token_id),
+            **extra,
+        )
+
+
+def _render(template: str, **variables: Any) -> str:
+    from jinja2 import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.filters["tojson"] = lambda value, indent=None, **_: json.dumps(
+        value, ensure_ascii=False, indent=indent
+    )
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(template).render(**variables)
+    except TemplateError as error:
+        raise ValueError(f"the chat template failed: {error}") from error
+
+
+def tokenizer_from_folder(folder: Path) -> PyengineTokenizer:
+    """tokenizer.json (+ tokenizer_config.json for the chat template and special tokens)."""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        raise ValueError(f"{folder} has no tokenizer.json (only fast tokenizers are supported)")
+    tokenizer = Tokenizer.from_file(str(path))
+    config: dict[str, Any] = {}
+    if (folder / "tokenizer_config.json").is_file():
+        config = json.loads((folder / "tokenizer_config.json").read_text())
+    template = config.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+
+    def token_id(key: str) -> int | None:
+        token = config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        return None if token is None else tokenizer.token_to_id(token)
+
+    return PyengineTokenizer(tokenizer, token_id("eos_token"), token_id("bos_token"), template)
+
+
+def tokenizer_from_gguf(fields: dict[str, Any], source: str) -> PyengineTokenizer:
+    """A byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.*)."""
+    kind = fields.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(
+            f"{source}: GGUF tokenizer model {kind!r} is not supported (byte-level BPE, "
+            "'gpt2', is); pass tokenizer=<a Hugging Face folder> instead"
+        )
+    tokens: list[str] = fields["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges", [])]
+    bpe = models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges, fuse_unk=False)
+    tokenizer = Tokenizer(bpe)
+    pre = fields.get("tokenizer.ggml.pre", "gpt2")
+    if pre in ("llama-bpe", "llama3", "qwen2", "deepseek-llm"):
+        pattern = _QWEN2_SPLIT if pre == "qwen2" else _LLAMA3_SPLIT
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:  # gpt2, smollm and the like
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    types = fields.get("tokenizer.ggml.token_type")
+    special = [] if types is None else [i for i, t in enumerate(types) if int(t) in (3, 4)]
+    tokenizer.add_special_tokens(
+        [AddedToken(tokens[i], special=True, normalized=False) for i in special]
+    )
+    bos = fields.get("tokenizer.ggml.bos_token_id")
+    eos = fields.get("tokenizer.ggml.eos_token_id")
+    if bos is not None and bool(fields.get("tokenizer.ggml.add_bos_token", False)):
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+        )
+    return PyengineTokenizer(
+        tokenizer,
+        None if eos is None else int(eos),
+        None if bos is None else int(bos),
+        fields.get("tokenizer.chat_template"),
+    )
