@@ -34,9 +34,16 @@ from pyengine._C import (
     xxhash64,
 )
 
+from pyengine.outputs import CompletionOutput, RequestOutput
+from pyengine.sampling_params import SamplingParams
+
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "CompletionOutput",
+    "RequestOutput",
+    "SamplingParams",
     "BlockPool",
     "ComputedBlocks",
     "KVCacheManager",
@@ -54,3 +61,12 @@ __all__ = [
     "swap_blocks",
     "xxhash64",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # LLM needs torch: `import pyengine` stays light for users of the native core alone.
+    if name == "LLM":
+        from pyengine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'pyengine' has no attribute {name!r}")

@@ -94,7 +94,8 @@ def load_model(model: str, tokenizer: str | None = None, load_format: str = "aut
             raise FileNotFoundError(f"{path} has no config.json")
         config = ModelConfig.from_hf(json.loads(config_path.read_text()))
         weights = None if load_format == "dummy" else load_safetensors(path)
-        tok = tokenizer_from_folder(path) if tokenizer is None else None
+        has_tokenizer = (path / "tokenizer.json").is_file()
+        tok = tokenizer_from_folder(path) if tokenizer is None and has_tokenizer else None
     else:
         raise ValueError(f"{path}: not a .gguf file or a Hugging Face folder")
     if tokenizer is not None:

@@ -1,0 +1,56 @@
+"""Hugging Face transformers as the reference: the same weights in its own model code."""
+
+from __future__ import annotations
+
+import torch
+
+from pyengine.config import ModelConfig
+
+
+def hf_config(c: ModelConfig) -> object:
+    import transformers
+
+    kinds = {
+        "LlamaForCausalLM": transformers.LlamaConfig,
+        "MistralForCausalLM": transformers.MistralConfig,
+        "Qwen2ForCausalLM": transformers.Qwen2Config,
+        "Qwen3ForCausalLM": transformers.Qwen3Config,
+    }
+    return kinds[c.architecture](
+        vocab_size=c.vocab_size,
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_hidden_layers,
+        num_attention_heads=c.num_attention_heads,
+        num_key_value_heads=c.num_key_value_heads,
+        head_dim=c.head_dim,
+        max_position_embeddings=c.max_position_embeddings,
+        rms_norm_eps=c.rms_norm_eps,
+        rope_theta=c.rope_theta,
+        tie_word_embeddings=c.tie_word_embeddings,
+    )
+
+
+def hf_model_from_weights(c: ModelConfig, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(hf_config(c), dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    assert not unexpected, unexpected
+    assert all("lm_head" in m for m in missing), missing  # tied to the embeddings
+    return model.eval()
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """transformers' generate, greedy, exactly new_tokens tokens (no EOS stop)."""
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[operator]
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
