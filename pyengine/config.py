@@ -8,6 +8,9 @@ from typing import Any
 
 # The architectures this engine runs, by the name in a Hugging Face config.json.
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# Learned absolute positions, LayerNorm, biases everywhere.
+LEARNED_POSITIONS = ("OPTForCausalLM", "GPT2LMHeadModel")
+ARCHITECTURES = LLAMA_LIKE + LEARNED_POSITIONS
 
 
 @dataclass
@@ -23,7 +26,7 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    norm_eps: float = 1e-6  # RMSNorm (Llama family) or LayerNorm (OPT, GPT-2) epsilon
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
@@ -32,6 +35,10 @@ class ModelConfig:
     sliding_window: int = 0
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # OPT / GPT-2
+    hidden_act: str = "silu"
+    norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m)
+    position_offset: int = 0  # OPT's learned positions start at row 2
 
     @classmethod
     def from_hf(cls, config: dict[str, Any]) -> ModelConfig:
@@ -39,14 +46,16 @@ class ModelConfig:
         if not architectures:
             raise ValueError("config.json names no architecture ('architectures' is missing)")
         arch = architectures[0]
-        if arch not in LLAMA_LIKE:
+        if arch not in ARCHITECTURES:
             raise ValueError(
-                f"architecture {arch} is not supported; pyengine runs {', '.join(LLAMA_LIKE)}"
+                f"architecture {arch} is not supported; pyengine runs {', '.join(ARCHITECTURES)}"
             )
+        if arch == "GPT2LMHeadModel":
+            return cls._from_gpt2(config)
+        if arch == "OPTForCausalLM":
+            return cls._from_opt(config)
         heads = int(config["num_attention_heads"])
         hidden = int(config["hidden_size"])
-        eos = config.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
         rope_scaling = config.get("rope_scaling") or config.get("rope_parameters")
         rope_theta = float(config.get("rope_theta") or 0) or float(
             (rope_scaling or {}).get("rope_theta", 10000.0)
@@ -67,7 +76,7 @@ class ModelConfig:
             num_key_value_heads=int(config.get("num_key_value_heads") or heads),
             head_dim=int(config.get("head_dim") or hidden // heads),
             max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            norm_eps=float(config.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
@@ -77,8 +86,63 @@ class ModelConfig:
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(window or 0) if arch == "MistralForCausalLM" else 0,
             bos_token_id=config.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+            eos_token_ids=_ids(config.get("eos_token_id")),
         )
+
+
+    @classmethod
+    def _from_gpt2(cls, config: dict[str, Any]) -> ModelConfig:
+        hidden, heads = int(config["n_embd"]), int(config["n_head"])
+        if config.get("scale_attn_by_inverse_layer_idx") or not config.get(
+            "scale_attn_weights", True
+        ):
+            raise ValueError("GPT-2 variants with other attention scaling are not supported")
+        return cls(
+            architecture="GPT2LMHeadModel",
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config.get("n_inner") or 4 * hidden),
+            num_hidden_layers=int(config["n_layer"]),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=int(config.get("n_positions", 1024)),
+            norm_eps=float(config.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_ids(config.get("eos_token_id")),
+            hidden_act=str(config.get("activation_function", "gelu_new")),
+        )
+
+    @classmethod
+    def _from_opt(cls, config: dict[str, Any]) -> ModelConfig:
+        hidden, heads = int(config["hidden_size"]), int(config["num_attention_heads"])
+        if int(config.get("word_embed_proj_dim") or hidden) != hidden:
+            raise ValueError("OPT models with word_embed_proj_dim != hidden_size are not supported")
+        return cls(
+            architecture="OPTForCausalLM",
+            vocab_size=int(config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(config["ffn_dim"]),
+            num_hidden_layers=int(config["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=hidden // heads,
+            max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+            norm_eps=1e-5,
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            bos_token_id=config.get("bos_token_id"),
+            eos_token_ids=_ids(config.get("eos_token_id")),
+            hidden_act=str(config.get("activation_function", "relu")),
+            norm_before=bool(config.get("do_layer_norm_before", True)),
+            position_offset=2,
+        )
+
+
+def _ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
 
 
 def default_kv_cache_memory() -> int:

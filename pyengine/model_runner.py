@@ -9,20 +9,25 @@ from pyengine import StepBuffers, ops
 from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
 from pyengine.loader.resolve import LoadedModel
+from pyengine.models.gpt import LearnedPositionDecoder
 from pyengine.models.llama import LlamaForCausalLM
 
+CausalLM = LlamaForCausalLM | LearnedPositionDecoder
 
-def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> LlamaForCausalLM:
+
+def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
     config = loaded.config
-    if config.architecture not in LLAMA_LIKE:
-        raise ValueError(f"architecture {config.architecture} is not supported")
-    model = LlamaForCausalLM(config, max_positions)
+    model: CausalLM
+    if config.architecture in LLAMA_LIKE:
+        model = LlamaForCausalLM(config, max_positions)
+    else:
+        model = LearnedPositionDecoder(config)
     if loaded.weights is None:  # load_format="dummy": random weights of the right scale
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if name.endswith("norm.weight"):
-                    p.fill_(1.0)
+                if "norm" in name:
+                    p.fill_(1.0 if name.endswith("weight") else 0.0)
                 else:
                     p.normal_(0.0, 0.02, generator=generator)
     else:

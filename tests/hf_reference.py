@@ -25,7 +25,7 @@ def hf_config(c: ModelConfig) -> object:
         num_key_value_heads=c.num_key_value_heads,
         head_dim=c.head_dim,
         max_position_embeddings=c.max_position_embeddings,
-        rms_norm_eps=c.rms_norm_eps,
+        rms_norm_eps=c.norm_eps,
         rope_theta=c.rope_theta,
         tie_word_embeddings=c.tie_word_embeddings,
     )

@@ -68,7 +68,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         num_key_value_heads=int(field("attention.head_count_kv", heads)),
         head_dim=int(field("attention.key_length", hidden // heads)),
         max_position_embeddings=int(field("context_length", 2048)),
-        rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
+        norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in g.tensors,

@@ -44,8 +44,8 @@ class Attention(nn.Module):
         self.qkv_weight = _parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
         self.qkv_bias = _parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
         self.o_weight = _parameter(c.hidden_size, self.q_size)
-        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(self.heads, self.kv_heads, self.head_dim, c.sliding_window)
 
@@ -79,9 +79,9 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.self_attn = Attention(c, rotary)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = MLP(c)
 
     def forward(
@@ -102,7 +102,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = (
             self.embed_tokens if config.tie_word_embeddings else _parameter(*self.embed_tokens.shape)
         )

@@ -1,0 +1,214 @@
+"""Decoders with learned absolute positions, LayerNorm and biases everywhere: OPT and
+GPT-2. Same flat batch and paged attention as the Llama family; no rotary embedding."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
+from pyengine.config import ModelConfig
+
+_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class _Linear(nn.Module):
+    def __init__(self, out_features: int, in_features: int) -> None:
+        super().__init__()
+        self.weight = _parameter(out_features, in_features)
+        self.bias = _parameter(out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class _LayerNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _parameter(size)
+        self.bias = _parameter(size)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: ModelConfig) -> None:
+        super().__init__()
+        self.hidden, self.heads, self.head_dim = c.hidden_size, c.num_attention_heads, c.head_dim
+        self.norm1 = _LayerNorm(c.hidden_size, c.norm_eps)
+        self.qkv = _Linear(3 * c.hidden_size, c.hidden_size)
+        self.out = _Linear(c.hidden_size, c.hidden_size)
+        self.norm2 = _LayerNorm(c.hidden_size, c.norm_eps)
+        self.fc1 = _Linear(c.intermediate_size, c.hidden_size)
+        self.fc2 = _Linear(c.hidden_size, c.intermediate_size)
+        if c.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"activation {c.hidden_act!r} is not supported")
+        self.act = _ACTIVATIONS[c.hidden_act]
+        self.norm_before = c.norm_before
+        self.attn = PagedAttention(c.num_attention_heads, c.num_attention_heads, c.head_dim)
+
+    def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(-1, 3, self.heads, self.head_dim).unbind(1)
+        return self.out(self.attn(q, k, v, cache, meta).view(-1, self.hidden))
+
+    def forward(self, h: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        if self.norm_before:
+            h = h + self._attention(self.norm1(h), cache, meta)
+            return h + self.fc2(self.act(self.fc1(self.norm2(h))))
+        h = self.norm1(h + self._attention(h, cache, meta))
+        return self.norm2(h + self.fc2(self.act(self.fc1(h))))
+
+
+# Hugging Face name -> (internal name, rows of a fused q/k/v weight or None, transpose).
+_OPT_LAYER = {
+    "self_attn.q_proj": ("qkv", 0),
+    "self_attn.k_proj": ("qkv", 1),
+    "self_attn.v_proj": ("qkv", 2),
+    "self_attn.out_proj": ("out", None),
+    "self_attn_layer_norm": ("norm1", None),
+    "final_layer_norm": ("norm2", None),
+    "fc1": ("fc1", None),
+    "fc2": ("fc2", None),
+}
+_GPT2_LAYER = {
+    "ln_1": "norm1",
+    "attn.c_attn": "qkv",
+    "attn.c_proj": "out",
+    "ln_2": "norm2",
+    "mlp.c_fc": "fc1",
+    "mlp.c_proj": "fc2",
+}
+_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored [in, out]
+
+
+class LearnedPositionDecoder(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.embed_tokens = _parameter(c.vocab_size, c.hidden_size)
+        self.embed_positions = _parameter(
+            c.max_position_embeddings + c.position_offset, c.hidden_size
+        )
+        self.layers = nn.ModuleList([_Layer(c) for _ in range(c.num_hidden_layers)])
+        # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
+        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before else None
+        self.lm_head = (
+            self.embed_tokens if c.tie_word_embeddings else _parameter(*self.embed_tokens.shape)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        h = F.embedding(input_ids, self.embed_tokens) + F.embedding(
+            positions + self.config.position_offset, self.embed_positions
+        )
+        for layer, cache in zip(self.layers, caches, strict=True):
+            h = layer(h, cache, meta)
+        return h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.final_norm is not None:
+            hidden = self.final_norm(hidden)
+        return F.linear(hidden, self.lm_head)
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        loaded: set[tuple[str, int | None]] = set()
+        with torch.no_grad():
+            for name, tensor in weights.items():
+                target = self._target(name, tensor)
+                if target is None:
+                    continue
+                (internal, rows), value = target
+                param = self.get_parameter(internal)
+                view = param if rows is None else param.view(3, -1, *param.shape[1:])[rows]
+                if view.shape != value.shape:
+                    raise ValueError(
+                        f"weight {name}: shape {tuple(value.shape)}, model expects "
+                        f"{tuple(view.shape)}"
+                    )
+                view.copy_(value)
+                loaded.add((internal, rows))
+        missing = sorted(
+            f"{internal}{'' if rows is None else f'[{rows}]'}"
+            for internal, rows in self._required()
+            if (internal, rows) not in loaded
+        )
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _required(self) -> list[tuple[str, int | None]]:
+        fused = self.config.architecture == "OPTForCausalLM"
+        required: list[tuple[str, int | None]] = []
+        for name, _ in self.named_parameters():
+            if name == "lm_head" and self.config.tie_word_embeddings:
+                continue
+            if fused and ".qkv." in name:
+                required += [(name, k) for k in range(3)]
+            else:
+                required.append((name, None))
+        return required
+
+    def _target(
+        self, name: str, tensor: torch.Tensor
+    ) -> tuple[tuple[str, int | None], torch.Tensor] | None:
+        if self.config.architecture == "OPTForCausalLM":
+            return self._opt_target(name, tensor)
+        return self._gpt2_target(name, tensor)
+
+    def _opt_target(self, name: str, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+        name = name.removeprefix("model.").removeprefix("decoder.")
+        plain = {
+            "embed_tokens.weight": "embed_tokens",
+            "embed_positions.weight": "embed_positions",
+            "final_layer_norm.weight": "final_norm.weight",
+            "final_layer_norm.bias": "final_norm.bias",
+            "lm_head.weight": "lm_head",
+        }
+        if name in plain:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return None
+            return (plain[name], None), tensor
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
+        if not m or m.group(2) not in _OPT_LAYER:
+            return None
+        internal, rows = _OPT_LAYER[m.group(2)]
+        return (f"layers.{m.group(1)}.{internal}.{m.group(3)}", rows), tensor
+
+    def _gpt2_target(self, name: str, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+        name = name.removeprefix("transformer.")
+        plain = {
+            "wte.weight": "embed_tokens",
+            "wpe.weight": "embed_positions",
+            "ln_f.weight": "final_norm.weight",
+            "ln_f.bias": "final_norm.bias",
+            "lm_head.weight": "lm_head",
+        }
+        if name in plain:
+            if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                return None
+            return (plain[name], None), tensor
+        m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
+        if not m or m.group(2) not in _GPT2_LAYER:
+            return None  # attn.bias / masked_bias buffers of old checkpoints
+        if m.group(2) in _GPT2_CONV1D and m.group(3) == "weight":
+            tensor = tensor.t()
+        return (f"layers.{m.group(1)}.{_GPT2_LAYER[m.group(2)]}.{m.group(3)}", None), tensor

@@ -1,0 +1,110 @@
+"""Tiny random-weight checkpoints of every supported architecture, made by transformers
+in the test: pyengine loads the saved folder and matches transformers' logits and greedy
+tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.attention import AttentionMetadata
+
+from hf_reference import hf_greedy
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = {"vocab_size": 256, "max_position_embeddings": 256}
+LLAMA_SHAPE = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+}
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, **LLAMA_SHAPE, tie_word_embeddings=False),
+    "llama3-rope": lambda: transformers.LlamaConfig(
+        **COMMON,
+        **LLAMA_SHAPE,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, **LLAMA_SHAPE, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, **LLAMA_SHAPE),
+    "opt": lambda: transformers.OPTConfig(
+        **COMMON,
+        hidden_size=128,
+        ffn_dim=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        word_embed_proj_dim=128,
+    ),
+    "gpt2": lambda: transformers.GPT2Config(
+        vocab_size=256, n_positions=256, n_embd=128, n_layer=2, n_head=4
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    config = CONFIGS[request.param]()
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # larger than the default init, so that the logits say something
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in name:
+                p.normal_(0.0, 0.05)
+    folder = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
+    runner = llm.engine.runner
+    n = len(tokens)
+    blocks = -(-n // runner.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        hidden = runner.model(
+            torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
+        )
+        return runner.model.compute_logits(hidden)
+
+
+def test_logits_match_transformers(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    folder, model = checkpoint
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20)
+    tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
+    ours = prefill_logits(llm, tokens)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_greedy_tokens_match_transformers(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    folder, model = checkpoint
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 5, 17, 40, 90, 130)]
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
