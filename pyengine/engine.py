@@ -5,6 +5,7 @@ strings are done here."""
 from __future__ import annotations
 
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -14,8 +15,8 @@ from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
 from pyengine.loader.resolve import LoadedModel
 from pyengine.model_runner import ModelRunner
-from pyengine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pyengine.sampler import Sampler, SamplerOutput, SamplingRow
+from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pyengine.sampler import Sampler, SamplerOutput, SamplingRow, top_logprobs
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -41,6 +42,7 @@ class _RequestState:
     blocked_token_ids: tuple[int, ...] = ()
     num_cached_tokens: int = 0
     done: bool = field(default=False)
+    prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -51,6 +53,10 @@ class _RequestState:
             finished=self.done,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None
+            if self.params.prompt_logprobs is None
+            else [None]
+            + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt_token_ids))],
         )
 
 
@@ -113,6 +119,8 @@ class LLMEngine:
             stop_token_ids=stop_ids,
             ignore_eos=params.ignore_eos,
             n=params.n,
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
         )
         blocked = tuple(stop_ids) + (() if params.ignore_eos or eos is None else (eos,))
         samples = [
@@ -185,8 +193,30 @@ class LLMEngine:
     def discard_finished(self) -> None:
         self._collect_finished()
 
+    def _prompt_logprob_rows(self, b: StepBuffers) -> list[tuple[_RequestState, int, int]]:
+        """(request, prompt position predicted, token row) for requests that want prompt
+        logprobs and compute prompt tokens in this step."""
+        wanted = []
+        for i, row_id in enumerate(b.request_ids):
+            state, sample = self._by_row_id[row_id]
+            if state.params.prompt_logprobs is None or sample.index != 0:
+                continue
+            for row in range(int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])):
+                target = int(b.positions[row]) + 1
+                if target < len(state.prompt_token_ids) and target not in state.prompt_logprobs:
+                    wanted.append((state, target, row))
+        return wanted
+
     def _run_step(self, b: StepBuffers, sampling: list[tuple[_RequestState, _Sample]]) -> SamplerOutput:
-        logits = self.runner.execute(b)
+        wanted = self._prompt_logprob_rows(b)
+        logits, extra = self.runner.execute(b, [row for _, _, row in wanted])
+        if extra is not None:
+            logprobs = torch.log_softmax(extra.float(), dim=-1)
+            for (state, target, _), row_logprobs in zip(wanted, logprobs, strict=True):
+                k = state.params.prompt_logprobs or 0
+                entry = top_logprobs(row_logprobs, state.prompt_token_ids[target], k)
+                self._decode_logprobs(entry)
+                state.prompt_logprobs[target] = entry
         rows = [
             SamplingRow(
                 state.params,

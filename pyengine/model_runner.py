@@ -60,8 +60,11 @@ class ModelRunner:
         ]
 
     @torch.inference_mode()
-    def execute(self, b: StepBuffers) -> torch.Tensor:
-        """Logits [num_sampling_rows, vocab] of the step in `b`."""
+    def execute(
+        self, b: StepBuffers, extra_rows: list[int] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [num_sampling_rows, vocab] of the step in `b`, and those of `extra_rows`
+        (token rows of the step; prompt logprobs)."""
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks(
@@ -77,4 +80,7 @@ class ModelRunner:
         positions = torch.from_numpy(b.positions)
         hidden = self.model(input_ids, positions, self.caches, meta)
         rows = torch.from_numpy(b.logits_indices).long()
-        return self.model.compute_logits(hidden[rows])
+        extra = None
+        if extra_rows:
+            extra = self.model.compute_logits(hidden[torch.tensor(extra_rows)])
+        return self.model.compute_logits(hidden[rows]), extra

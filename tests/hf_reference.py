@@ -1,9 +1,12 @@
-"""Hugging Face transformers as the reference: the same weights in its own model code."""
+"""References for the model tests: Hugging Face transformers on the same weights, and
+pyengine's own model run over a whole sequence at once."""
 
 from __future__ import annotations
 
 import torch
 
+from pyengine import LLM
+from pyengine.attention import AttentionMetadata
 from pyengine.config import ModelConfig
 
 
@@ -54,3 +57,21 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
             pad_token_id=0,
         )
     return [int(t) for t in out[0, len(prompt) :]]
+
+
+def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
+    runner = llm.engine.runner
+    n = len(tokens)
+    blocks = -(-n // runner.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64),
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        hidden = runner.model(
+            torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
+        )
+        return runner.model.compute_logits(hidden)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
-from pyengine.attention import AttentionMetadata
 
-from hf_reference import hf_greedy
+from hf_reference import hf_greedy, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,24 +68,6 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # ty
     folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
     return folder, model
-
-
-def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
-    runner = llm.engine.runner
-    n = len(tokens)
-    blocks = -(-n // runner.block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-    )
-    with torch.inference_mode():
-        hidden = runner.model(
-            torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
-        )
-        return runner.model.compute_logits(hidden)
 
 
 def test_logits_match_transformers(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -211,10 +211,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const int64_t group = num_q_heads / num_kv_heads;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len < 1 || lens[i] < q_len) {
+    if (q_len < 0 || lens[i] < q_len) {
       throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " has " +
                             std::to_string(q_len) + " query tokens and seq_len " +
-                            std::to_string(lens[i]) + " (need 1 <= q_len <= seq_len)");
+                            std::to_string(lens[i]) + " (need 0 <= q_len <= seq_len)");
     }
     const int64_t num_used = (lens[i] + block_size - 1) / block_size;
     if (num_used > max_blocks) {

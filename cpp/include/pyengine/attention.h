@@ -57,7 +57,8 @@ struct AttentionOptions {
 //   value_cache:     [num_blocks, num_kv_heads, block_size, head_size]
 //   block_tables:    int32 [num_reqs, max_blocks_per_req]
 //   seq_lens:        int32 [num_reqs], each >= its q_len
-//   query_start_loc: int32 [num_reqs + 1], from 0, ascending by >= 1, ending at num_tokens
+//   query_start_loc: int32 [num_reqs + 1], from 0, ascending, ending at num_tokens; a
+//                    request with no query tokens (a sample forked this step) is skipped
 // One kernel serves prefill, chunked prefill over a cached prefix, and decode. Throws
 // InvalidArgument naming the argument (shapes, dtypes, devices, block ids out of range),
 // before writing anything.

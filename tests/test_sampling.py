@@ -1,0 +1,172 @@
+"""Sampling on the default model: seeds, top-k, penalties, parallel samples, stop strings,
+logprobs, and bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader.resolve import default_model_path
+from pyengine.sampler import SamplingRow, apply_penalties, filter_logits
+
+from hf_reference import prefill_logits
+
+PROMPTS = [
+    "The future of AI is",
+    "How does PagedAttention work?",
+    "Write a haiku about the sea.",
+    "List three prime numbers:",
+    "Once upon a time",
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return LLM(max_model_len=1024)
+
+
+def tokens_of(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def test_seeded_request_is_the_same_alone_and_in_a_batch(llm: LLM) -> None:
+    seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=7)
+    alone = tokens_of(llm, [PROMPTS[0]], [seeded])[0]
+    others = [SamplingParams(temperature=1.0, max_tokens=16 + i) for i in range(4)]
+    batch = tokens_of(llm, PROMPTS, [others[0], seeded, *others[1:]])
+    # The seeded prompt sits at another place in the batch, next to unseeded ones.
+    assert tokens_of(llm, [PROMPTS[1], PROMPTS[0]], [others[0], seeded])[1] == alone
+    assert batch[1] != alone or PROMPTS[1] == PROMPTS[0]  # a different prompt, not a copy
+    assert tokens_of(llm, [PROMPTS[0]], [seeded])[0] == alone
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = tokens_of(llm, PROMPTS, [SamplingParams(temperature=0, max_tokens=16)] * 5)
+    top1 = tokens_of(llm, PROMPTS, [SamplingParams(temperature=1.3, top_k=1, max_tokens=16)] * 5)
+    assert top1 == greedy
+
+
+def reference_penalties(
+    logits: list[float], prompt: list[int], output: list[int], p: SamplingParams
+) -> list[float]:
+    result = list(logits)
+    for token in set(prompt) | set(output):
+        value = result[token]
+        result[token] = value / p.repetition_penalty if value > 0 else value * p.repetition_penalty
+    for token in set(output):
+        result[token] -= p.frequency_penalty * output.count(token) + p.presence_penalty
+    return result
+
+
+def test_penalties_match_the_reference() -> None:
+    generator = torch.Generator().manual_seed(3)
+    logits = torch.randn(50, generator=generator) * 3
+    prompt, output = [1, 4, 4, 9, 30], [4, 7, 7, 7, 12, 49]
+    p = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7)
+    row = logits.clone()
+    apply_penalties(row, SamplingRow(p, prompt, output, None))
+    expected = reference_penalties(logits.tolist(), prompt, output, p)
+    assert torch.allclose(row, torch.tensor(expected), atol=1e-6)
+
+
+def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
+    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw)).nonzero().flatten().tolist()  # noqa: E731
+    assert kept(top_k=2, top_p=1.0, min_p=0.0) == [0, 1]
+    assert kept(top_k=0, top_p=0.7, min_p=0.0) == [0, 1]  # 0.5 < 0.7 <= 0.75
+    assert kept(top_k=0, top_p=0.8, min_p=0.0) == [0, 1, 2]
+    assert kept(top_k=0, top_p=1.0, min_p=0.2) == [0, 1, 2]  # >= 0.1
+
+
+def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPTS[2] * 3)
+    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1, ignore_eos=True))
+    computed, outputs = 0, []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        computed += engine.scheduler.buffers.num_tokens
+    (out,) = outputs
+    samples = [o.token_ids for o in out.outputs]
+    assert len(samples) == 4 and len({tuple(s) for s in samples}) == 4
+    assert all(len(s) == 10 for s in samples)
+    # One prefill of the prompt, then one token per sample per step.
+    assert computed == len(prompt) + 4 * (10 - 1)
+    assert engine.scheduler.kv_cache.stats().num_used_blocks == 0
+
+
+def test_stop_strings_are_cut_across_token_boundaries(llm: LLM) -> None:
+    tokenizer = llm.get_tokenizer()
+    free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
+    ids = free[0].outputs[0].token_ids
+    text = free[0].outputs[0].text
+    # A stop string from the middle of one token to the middle of a later one.
+    first = len(tokenizer.decode(ids[:6]))
+    second = len(tokenizer.decode(ids[:8]))
+    start, end = first - 1, second - 1
+    assert 0 < start < end, "the greedy text is too short for this test"
+    stop = text[start:end]
+    assert text.find(stop) == start
+    for include in (False, True):
+        params = SamplingParams(
+            temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=include
+        )
+        out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0]
+        assert out.text == (text[:end] if include else text[:start])
+        assert out.finish_reason == "stop" and out.stop_reason == stop
+        assert len(out.token_ids) <= 8
+
+
+def test_logprobs_are_log_softmax_of_the_model_logits(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = llm.generate(PROMPTS[3], params, use_tqdm=False)[0]
+    sequence = out.prompt_token_ids + out.outputs[0].token_ids
+    reference = torch.log_softmax(prefill_logits(llm, sequence), dim=-1)
+    n = len(out.prompt_token_ids)
+    generated = out.outputs[0]
+    assert generated.logprobs is not None and len(generated.logprobs) == 6
+    for j, (token, entry) in enumerate(zip(generated.token_ids, generated.logprobs, strict=True)):
+        row = reference[n - 1 + j]
+        assert abs(entry[token].logprob - row[token].item()) < 1e-4
+        assert entry[token].rank == 1  # greedy
+        top3 = set(torch.topk(row, 3).indices.tolist())
+        assert top3 <= set(entry)
+    assert out.prompt_logprobs is not None and out.prompt_logprobs[0] is None
+    assert len(out.prompt_logprobs) == n
+    for i in range(1, n):
+        entry = out.prompt_logprobs[i]
+        assert entry is not None
+        token = out.prompt_token_ids[i]
+        assert abs(entry[token].logprob - reference[i - 1, token].item()) < 1e-4
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("temperature", -1.0), ("top_p", 0.0), ("top_k", -3), ("n", 0), ("max_tokens", 0),
+     ("min_p", 1.5), ("repetition_penalty", 0.0), ("stop", [""]), ("logprobs", -1),
+     ("presence_penalty", 3.0), ("seed", 1.5), ("stop_token_ids", [-1])],
+)  # fmt: skip
+def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})  # type: ignore[arg-type]
+
+
+def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([PROMPTS[0], {"prompt_token_ids": []}], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([PROMPTS[0], [1, 2, 10**9]], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 2000], params, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate([3.5], params, use_tqdm=False)  # type: ignore[list-item]
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
