@@ -30,6 +30,7 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
                     p.fill_(1.0 if name.endswith("weight") else 0.0)
                 else:
                     p.normal_(0.0, 0.02, generator=generator)
+        model.prepare_for_inference()
     else:
         model.load_weights(loaded.weights)
     return model.eval()

@@ -11,6 +11,7 @@ from torch import nn
 
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
+from pyengine.models.layers import dense, parameter, transpose_for_inference
 
 _ACTIVATIONS = {
     "relu": F.relu,
@@ -20,25 +21,21 @@ _ACTIVATIONS = {
 }
 
 
-def _parameter(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class _Linear(nn.Module):
     def __init__(self, out_features: int, in_features: int) -> None:
         super().__init__()
-        self.weight = _parameter(out_features, in_features)
-        self.bias = _parameter(out_features)
+        self.weight = parameter(out_features, in_features)
+        self.bias = parameter(out_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)  # weight [in, out] once prepared
 
 
 class _LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _parameter(size)
-        self.bias = _parameter(size)
+        self.weight = parameter(size)
+        self.bias = parameter(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,15 +97,15 @@ class LearnedPositionDecoder(nn.Module):
         super().__init__()
         self.config = config
         c = config
-        self.embed_tokens = _parameter(c.vocab_size, c.hidden_size)
-        self.embed_positions = _parameter(
+        self.embed_tokens = parameter(c.vocab_size, c.hidden_size)
+        self.embed_positions = parameter(
             c.max_position_embeddings + c.position_offset, c.hidden_size
         )
         self.layers = nn.ModuleList([_Layer(c) for _ in range(c.num_hidden_layers)])
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
         self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before else None
         self.lm_head = (
-            self.embed_tokens if c.tie_word_embeddings else _parameter(*self.embed_tokens.shape)
+            self.embed_tokens if c.tie_word_embeddings else parameter(*self.embed_tokens.shape)
         )
 
     def forward(
@@ -128,7 +125,7 @@ class LearnedPositionDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return F.linear(hidden, self.lm_head)
+        return dense(hidden, self.lm_head)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         loaded: set[tuple[str, int | None]] = set()
@@ -154,6 +151,16 @@ class LearnedPositionDecoder(nn.Module):
         )
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+        self.prepare_for_inference()
+
+    def prepare_for_inference(self) -> None:
+        """After the weights are in: matmul weights as [in, out]."""
+        names = [
+            f"layers.{i}.{n}.weight"
+            for i in range(self.config.num_hidden_layers)
+            for n in ("qkv", "out", "fc1", "fc2")
+        ]
+        transpose_for_inference(self, names, self.config.tie_word_embeddings)
 
     def _required(self) -> list[tuple[str, int | None]]:
         fused = self.config.architecture == "OPTForCausalLM"

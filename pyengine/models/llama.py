@@ -13,6 +13,7 @@ from torch import nn
 
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
+from pyengine.models.layers import dense, parameter, transpose_for_inference
 from pyengine.models.rotary import RotaryEmbedding
 
 
@@ -27,10 +28,6 @@ class RMSNorm(nn.Module):
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
 
-def _parameter(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
-
-
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -41,9 +38,9 @@ class Attention(nn.Module):
         )
         self.q_size = self.heads * self.head_dim
         self.kv_size = self.kv_heads * self.head_dim
-        self.qkv_weight = _parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
-        self.qkv_bias = _parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
-        self.o_weight = _parameter(c.hidden_size, self.q_size)
+        self.qkv_weight = parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
+        self.qkv_bias = parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
+        self.o_weight = parameter(c.hidden_size, self.q_size)
         self.q_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
         self.rotary = rotary
@@ -52,7 +49,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+        qkv = dense(x, self.qkv_weight, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
@@ -61,19 +58,19 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
         out = self.attn(q, k, v, cache, meta)
-        return F.linear(out.view(-1, self.q_size), self.o_weight)
+        return dense(out.view(-1, self.q_size), self.o_weight)
 
 
 class MLP(nn.Module):
     def __init__(self, c: ModelConfig) -> None:
         super().__init__()
         self.intermediate = c.intermediate_size
-        self.gate_up_weight = _parameter(2 * c.intermediate_size, c.hidden_size)
-        self.down_weight = _parameter(c.hidden_size, c.intermediate_size)
+        self.gate_up_weight = parameter(2 * c.intermediate_size, c.hidden_size)
+        self.down_weight = parameter(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_weight)
+        gate, up = dense(x, self.gate_up_weight).split(self.intermediate, dim=-1)
+        return dense(F.silu(gate) * up, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -98,13 +95,13 @@ class LlamaForCausalLM(nn.Module):
         rotary = RotaryEmbedding(
             config.head_dim, max_positions, config.rope_theta, config.rope_scaling
         )
-        self.embed_tokens = _parameter(config.vocab_size, config.hidden_size)
+        self.embed_tokens = parameter(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
         self.lm_head = (
-            self.embed_tokens if config.tie_word_embeddings else _parameter(*self.embed_tokens.shape)
+            self.embed_tokens if config.tie_word_embeddings else parameter(*self.embed_tokens.shape)
         )
 
     def forward(
@@ -121,7 +118,7 @@ class LlamaForCausalLM(nn.Module):
         return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(self.norm(hidden), self.lm_head)
+        return dense(self.norm(hidden), self.lm_head)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up."""
@@ -144,8 +141,17 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(required - expected)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-        if c.tie_word_embeddings:
-            self.lm_head = self.embed_tokens
+        self.prepare_for_inference()
+
+    def prepare_for_inference(self) -> None:
+        """After the weights are in: matmul weights as [in, out]."""
+        names = [
+            f"layers.{i}.{n}"
+            for i in range(self.config.num_hidden_layers)
+            for n in ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight",
+                      "mlp.down_weight")
+        ]  # fmt: skip
+        transpose_for_inference(self, names, self.config.tie_word_embeddings)
 
     def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         if name == "model.embed_tokens.weight":
