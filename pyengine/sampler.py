@@ -73,10 +73,11 @@ class Sampler:
         raw = logits
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
-        adjusted = logits.clone()
-        chosen: list[int] = []
-        for i, row in enumerate(rows):
-            chosen.append(self._sample_row(adjusted[i], row))
+        if all(_plain_greedy(r) for r in rows):  # the common batch: one argmax for all
+            chosen = logits.argmax(dim=-1).tolist()
+        else:
+            adjusted = logits.clone()
+            chosen = [self._sample_row(adjusted[i], row) for i, row in enumerate(rows)]
         per_row: list[PositionLogprobs | None] = []
         for i, row in enumerate(rows):
             k = row.params.logprobs
@@ -98,6 +99,17 @@ class Sampler:
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
         noise = torch.empty_like(probs).exponential_(generator=row.generator or self.generator)
         return int((probs / noise).argmax())
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        p.greedy
+        and not row.blocked_token_ids
+        and p.repetition_penalty == 1.0
+        and not p.frequency_penalty
+        and not p.presence_penalty
+    )
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> PositionLogprobs:
