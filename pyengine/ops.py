@@ -42,6 +42,13 @@ _SCHEMAS = {
     "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
     "Tensor block_mapping) -> ()",
     "swap_blocks": "swap_blocks(Tensor src, Tensor(a!) dst, Tensor block_mapping) -> ()",
+    # Fused layers (cpp/include/pyengine/layer_ops.h); x, out: [num_tokens, hidden]
+    "rms_norm": "rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()",
+    "fused_add_rms_norm": "fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, "
+    "Tensor weight, float eps) -> ()",
+    "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+    "Tensor cos_sin_cache) -> ()",
+    "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
 }
 
 
@@ -56,6 +63,10 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "paged_attention": _C.paged_attention,
     "copy_blocks": _copy_blocks,
     "swap_blocks": _C.swap_blocks,
+    "rms_norm": _C.rms_norm,
+    "fused_add_rms_norm": _C.fused_add_rms_norm,
+    "rotary_embedding": _C.rotary_embedding,
+    "silu_and_mul": _C.silu_and_mul,
 }
 
 
@@ -75,3 +86,7 @@ reshape_and_cache = torch.ops.pyengine.reshape_and_cache
 paged_attention = torch.ops.pyengine.paged_attention
 copy_blocks = torch.ops.pyengine.copy_blocks
 swap_blocks = torch.ops.pyengine.swap_blocks
+rms_norm = torch.ops.pyengine.rms_norm
+fused_add_rms_norm = torch.ops.pyengine.fused_add_rms_norm
+rotary_embedding = torch.ops.pyengine.rotary_embedding
+silu_and_mul = torch.ops.pyengine.silu_and_mul

@@ -14,7 +14,10 @@ from pyengine import ops  # noqa: E402
 
 
 def test_ops_are_registered() -> None:
-    for name in ("reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks"):
+    for name in (
+        "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks", "rms_norm",
+        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+    ):  # fmt: skip
         assert hasattr(torch.ops.pyengine, name)
 
 
@@ -107,6 +110,20 @@ def test_opcheck() -> None:
     torch.library.opcheck(
         torch.ops.pyengine.swap_blocks.default,
         (x["value_cache"], pool, torch.tensor([[1, 2]], dtype=torch.int64)),
+    )
+
+
+def test_opcheck_layer_ops() -> None:
+    h, w = torch.randn(5, 64), torch.rand(64) + 0.5
+    torch.library.opcheck(torch.ops.pyengine.rms_norm.default, (torch.empty_like(h), h, w, 1e-6))
+    torch.library.opcheck(
+        torch.ops.pyengine.fused_add_rms_norm.default, (h.clone(), torch.randn(5, 64), w, 1e-6)
+    )
+    q, k, cache = torch.randn(5, 4, 32), torch.randn(5, 2, 32), torch.randn(16, 32)
+    positions = torch.tensor([0, 3, 15, 2, 1])
+    torch.library.opcheck(torch.ops.pyengine.rotary_embedding.default, (positions, q, k, cache))
+    torch.library.opcheck(
+        torch.ops.pyengine.silu_and_mul.default, (torch.empty(5, 32), torch.randn(5, 64))
     )
 
 

@@ -12,5 +12,6 @@ void bind_kv_cache(pybind11::module_& m);
 void bind_cache_ops(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
 void bind_attention(pybind11::module_& m);
+void bind_layer_ops(pybind11::module_& m);
 
 }  // namespace pyengine::bindings

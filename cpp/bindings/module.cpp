@@ -33,4 +33,5 @@ PYBIND11_MODULE(_C, m) {
   pyengine::bindings::bind_cache_ops(m);
   pyengine::bindings::bind_scheduler(m);
   pyengine::bindings::bind_attention(m);
+  pyengine::bindings::bind_layer_ops(m);
 }

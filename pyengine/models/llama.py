@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
 from pyengine.models.layers import dense, parameter, transpose_for_inference
@@ -24,8 +25,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        variance = x.pow(2).mean(-1, keepdim=True)
+        if x.dim() == 2:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out
+        variance = x.pow(2).mean(-1, keepdim=True)  # per head (Qwen3's q/k norm)
         return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """In place: residual += x; x = norm(residual)."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -56,7 +65,7 @@ class Attention(nn.Module):
         v = v.view(-1, self.kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        self.rotary(positions, q, k)
         out = self.attn(q, k, v, cache, meta)
         return dense(out.view(-1, self.q_size), self.o_weight)
 
@@ -69,8 +78,10 @@ class MLP(nn.Module):
         self.down_weight = parameter(c.hidden_size, c.intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = dense(x, self.gate_up_weight).split(self.intermediate, dim=-1)
-        return dense(F.silu(gate) * up, self.down_weight)
+        gate_up = dense(x, self.gate_up_weight)
+        act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype)
+        ops.silu_and_mul(act, gate_up)
+        return dense(act, self.down_weight)
 
 
 class DecoderLayer(nn.Module):
@@ -82,10 +93,22 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(
-        self, h: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), positions, cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added)."""
+        if residual is None:  # the first layer: the stream is the embeddings
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            self.input_layernorm.add_residual(h, residual)
+        h = self.self_attn(h, positions, cache, meta)
+        self.post_attention_layernorm.add_residual(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -113,9 +136,10 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm."""
         h = F.embedding(input_ids, self.embed_tokens)
+        residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches, strict=True):
-            h = layer(h, positions, cache, meta)
-        return h
+            h, residual = layer(h, residual, positions, cache, meta)
+        return h if residual is None else residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return dense(self.norm(hidden), self.lm_head)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half form, as Hugging Face Llama/Qwen)."""
+"""Rotary position embeddings (rotate-half form, as Hugging Face Llama/Qwen), applied in
+place by the fused C++ op."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import math
 from typing import Any
 
 import torch
+
+from pyengine import ops
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -39,18 +42,9 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = angles.cos(), angles.sin()
+        # [max_positions, head_dim]: cos of each frequency, then sin.
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
-    def __call__(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [tokens, heads, dim], key [tokens, kv_heads, dim] rotated by position."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return query * cos + _rotate_half(query) * sin, key * cos + _rotate_half(key) * sin
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Rotates query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place."""
+        ops.rotary_embedding(positions, query, key, self.cos_sin_cache)

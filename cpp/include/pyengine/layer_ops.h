@@ -1,0 +1,33 @@
+// Fused per-token layers of the model forward pass, CPU: one pass over each row instead of
+// the several tensor ops (and temporaries) the same math takes in torch.
+//
+// Every tensor is [num_tokens, ...] with a dense last dim; dtypes float32, float16 or
+// bfloat16 (all of one call alike; arithmetic in float32). Each throws InvalidArgument
+// naming the argument, before writing anything. Compiled without floating-point
+// contraction, so that results round like the unfused torch ops.
+#pragma once
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine {
+
+// out = x / sqrt(mean(x^2) + eps) * weight, per row.   x, out: [num_tokens, hidden]
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps);
+
+// residual += x; x = rms_norm(residual) * weight, in place (the residual stream of a
+// pre-norm decoder layer).
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                        float eps);
+
+// Rotary position embedding in place, rotate-half form (Llama and Qwen as in transformers):
+// for i < d/2, (x[i], x[i + d/2]) = (x[i] c - x[i + d/2] s, x[i + d/2] c + x[i] s) with
+// c, s = cos_sin_cache[position][i], cos_sin_cache[position][d/2 + i].
+//   positions: int32 or int64 [num_tokens];  query: [num_tokens, heads, d];
+//   key: [num_tokens, kv_heads, d];  cos_sin_cache: float32 [max_positions, d]
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
+                      const TensorView& cos_sin_cache);
+
+// out = silu(x[:, :n]) * x[:, n:], with x [num_tokens, 2n] and out [num_tokens, n].
+void silu_and_mul(const TensorView& out, const TensorView& x);
+
+}  // namespace pyengine

@@ -1,0 +1,109 @@
+"""The fused layer ops against float64 torch references, on fresh random inputs, and their
+argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import ops
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = list(TOLERANCE)
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 4096])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    x = torch.randn(37, hidden).to(dtype)
+    weight = torch.rand(hidden).to(dtype) + 0.5
+    out = torch.full_like(x, float("nan"))
+    ops.rms_norm(out, x, weight, 1e-6)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert rel_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
+    x, residual = torch.randn(2, 300, 256).to(dtype)
+    weight = torch.rand(256).to(dtype) + 0.5
+    stream = residual.double() + x.double()
+    want = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert rel_error(residual, stream) < TOLERANCE[dtype]
+    assert rel_error(x, want) < TOLERANCE[dtype]
+
+
+def test_rms_norm_rounds_like_torch_float32() -> None:
+    # The model's greedy tokens equal transformers' only if the norm rounds as its ops do.
+    x = torch.randn(64, 576)
+    weight = torch.rand(576) + 0.5
+    out = torch.empty_like(x)
+    ops.rms_norm(out, x, weight, 1e-5)
+    want = weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    assert (out - want).abs().max().item() < 1e-6
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_rotary_embedding(dtype: torch.dtype, head_dim: int) -> None:
+    tokens, heads, kv_heads, max_positions = 23, 6, 2, 500
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    freqs = torch.arange(max_positions).double()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+    positions = torch.randint(0, max_positions, (tokens,))
+    # q and k as strided views of one fused qkv row, as the model passes them.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    q0, k0 = q.double().clone(), k.double().clone()
+    ops.rotary_embedding(positions.to(torch.int32), q, k, cache)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        angles = torch.cat((freqs, freqs), dim=-1)[positions][:, None]
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * angles.cos() + rotated * angles.sin()
+
+    assert rel_error(q, reference(q0)) < TOLERANCE[dtype]
+    assert rel_error(k, reference(k0)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(41, 2 * 384) * 4).to(dtype)
+    out = torch.full((41, 384), float("nan"), dtype=dtype)
+    ops.silu_and_mul(out, x)
+    xd = x.double()
+    want = torch.nn.functional.silu(xd[:, :384]) * xd[:, 384:]
+    assert rel_error(out, want) < TOLERANCE[dtype]
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    x = torch.randn(4, 64)
+    with pytest.raises(ValueError, match="disagree in shape"):
+        ops.rms_norm(torch.empty(4, 64), x, torch.ones(32), 1e-6)
+    with pytest.raises(ValueError, match="eps must be > 0"):
+        ops.rms_norm(torch.empty(4, 64), x, torch.ones(64), 0.0)
+    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16"):
+        ops.rms_norm(torch.empty(4, 64), x.to(torch.int32), torch.ones(64), 1e-6)
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        ops.rms_norm(torch.empty(4, 64), x.to(torch.float64), torch.ones(64), 1e-6)
+    with pytest.raises(ValueError, match="out must be float32"):
+        ops.silu_and_mul(torch.empty(4, 32, dtype=torch.float16), x)
+    with pytest.raises(ValueError, match=r"need x \[tokens, 2n\]"):
+        ops.silu_and_mul(torch.empty(4, 31), x)
+    q, k = torch.randn(3, 2, 64), torch.randn(3, 1, 64)
+    cache = torch.randn(10, 64)
+    with pytest.raises(ValueError, match=r"positions\[1\] = 10 is outside \[0, 10\)"):
+        ops.rotary_embedding(torch.tensor([0, 10, 2]), q, k, cache)
+    with pytest.raises(ValueError, match="positions must be int32 or int64"):
+        ops.rotary_embedding(torch.tensor([0.0, 1.0, 2.0]), q, k, cache)
+    with pytest.raises(ValueError, match="disagree"):
+        ops.rotary_embedding(torch.tensor([0, 1]), q, k, cache)
+    assert torch.isfinite(q).all()  # nothing written before an error
