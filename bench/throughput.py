@@ -128,7 +128,7 @@ def main() -> None:
     llm.generate([single_prompt], params, use_tqdm=False)
     single = time.perf_counter() - start
 
-    num_params = sum(p.numel() for p in {id(p): p for p in llm.engine.runner.model.parameters()}.values())
+    num_params = llm.engine.runner.model.num_parameters
     ceiling = matmul_ceiling()
     bandwidth = read_bandwidth()
     ceiling_tokens = ceiling / (2 * num_params)

@@ -11,7 +11,7 @@ from torch import nn
 
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import dense, parameter, transpose_for_inference
+from pyengine.models.layers import DenseWeight, parameter, prepare_dense
 
 _ACTIVATIONS = {
     "relu": F.relu,
@@ -26,9 +26,10 @@ class _Linear(nn.Module):
         super().__init__()
         self.weight = parameter(out_features, in_features)
         self.bias = parameter(out_features)
+        self.dense: DenseWeight  # from weight, once loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return dense(x, self.weight, self.bias)  # weight [in, out] once prepared
+        return self.dense(x, self.bias)
 
 
 class _LayerNorm(nn.Module):
@@ -107,6 +108,8 @@ class LearnedPositionDecoder(nn.Module):
         self.lm_head = (
             self.embed_tokens if c.tie_word_embeddings else parameter(*self.embed_tokens.shape)
         )
+        self.head: DenseWeight  # from lm_head (or the embeddings), once loaded
+        self.num_parameters = 0
 
     def forward(
         self,
@@ -125,7 +128,7 @@ class LearnedPositionDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return dense(hidden, self.lm_head)
+        return self.head(hidden)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         loaded: set[tuple[str, int | None]] = set()
@@ -154,13 +157,13 @@ class LearnedPositionDecoder(nn.Module):
         self.prepare_for_inference()
 
     def prepare_for_inference(self) -> None:
-        """After the weights are in: matmul weights as [in, out]."""
-        names = [
-            f"layers.{i}.{n}.weight"
+        """After the weights are in: matmul weights as DenseWeights."""
+        names = {
+            f"layers.{i}.{n}.weight": "dense"
             for i in range(self.config.num_hidden_layers)
             for n in ("qkv", "out", "fc1", "fc2")
-        ]
-        transpose_for_inference(self, names, self.config.tie_word_embeddings)
+        }
+        self.num_parameters = prepare_dense(self, names, self.config.tie_word_embeddings)
 
     def _required(self) -> list[tuple[str, int | None]]:
         fused = self.config.architecture == "OPTForCausalLM"

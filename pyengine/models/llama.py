@@ -14,7 +14,7 @@ from torch import nn
 from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import dense, parameter, transpose_for_inference
+from pyengine.models.layers import DenseWeight, parameter, prepare_dense
 from pyengine.models.rotary import RotaryEmbedding
 
 
@@ -50,6 +50,8 @@ class Attention(nn.Module):
         self.qkv_weight = parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
         self.qkv_bias = parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
         self.o_weight = parameter(c.hidden_size, self.q_size)
+        self.qkv: DenseWeight  # from qkv_weight and o_weight, once loaded
+        self.o: DenseWeight
         self.q_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
         self.rotary = rotary
@@ -58,7 +60,7 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = dense(x, self.qkv_weight, self.qkv_bias)
+        qkv = self.qkv(x, self.qkv_bias)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
@@ -67,7 +69,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(positions, q, k)
         out = self.attn(q, k, v, cache, meta)
-        return dense(out.view(-1, self.q_size), self.o_weight)
+        return self.o(out.view(-1, self.q_size))
 
 
 class MLP(nn.Module):
@@ -76,12 +78,14 @@ class MLP(nn.Module):
         self.intermediate = c.intermediate_size
         self.gate_up_weight = parameter(2 * c.intermediate_size, c.hidden_size)
         self.down_weight = parameter(c.hidden_size, c.intermediate_size)
+        self.gate_up: DenseWeight  # from the weights above, once loaded
+        self.down: DenseWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = dense(x, self.gate_up_weight)
+        gate_up = self.gate_up(x)
         act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype)
         ops.silu_and_mul(act, gate_up)
-        return dense(act, self.down_weight)
+        return self.down(act)
 
 
 class DecoderLayer(nn.Module):
@@ -123,6 +127,8 @@ class LlamaForCausalLM(nn.Module):
             [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.head: DenseWeight  # from lm_head (or the embeddings), once loaded
+        self.num_parameters = 0
         self.lm_head = (
             self.embed_tokens if config.tie_word_embeddings else parameter(*self.embed_tokens.shape)
         )
@@ -142,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
         return h if residual is None else residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return dense(self.norm(hidden), self.lm_head)
+        return self.head(self.norm(hidden))
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up."""
@@ -168,14 +174,15 @@ class LlamaForCausalLM(nn.Module):
         self.prepare_for_inference()
 
     def prepare_for_inference(self) -> None:
-        """After the weights are in: matmul weights as [in, out]."""
-        names = [
-            f"layers.{i}.{n}"
-            for i in range(self.config.num_hidden_layers)
-            for n in ("self_attn.qkv_weight", "self_attn.o_weight", "mlp.gate_up_weight",
-                      "mlp.down_weight")
-        ]  # fmt: skip
-        transpose_for_inference(self, names, self.config.tie_word_embeddings)
+        """After the weights are in: matmul weights as DenseWeights."""
+        names = {}
+        for i in range(self.config.num_hidden_layers):
+            for param, attribute in (
+                ("self_attn.qkv_weight", "qkv"), ("self_attn.o_weight", "o"),
+                ("mlp.gate_up_weight", "gate_up"), ("mlp.down_weight", "down"),
+            ):  # fmt: skip
+                names[f"layers.{i}.{param}"] = attribute
+        self.num_parameters = prepare_dense(self, names, self.config.tie_word_embeddings)
 
     def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         if name == "model.embed_tokens.weight":
