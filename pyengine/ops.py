@@ -49,6 +49,8 @@ _SCHEMAS = {
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
     "Tensor cos_sin_cache) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
+    # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight) + bias
+    "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",
 }
 
 
@@ -67,6 +69,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "fused_add_rms_norm": _C.fused_add_rms_norm,
     "rotary_embedding": _C.rotary_embedding,
     "silu_and_mul": _C.silu_and_mul,
+    "dense": _C.small_gemm,
 }
 
 
@@ -90,3 +93,4 @@ rms_norm = torch.ops.pyengine.rms_norm
 fused_add_rms_norm = torch.ops.pyengine.fused_add_rms_norm
 rotary_embedding = torch.ops.pyengine.rotary_embedding
 silu_and_mul = torch.ops.pyengine.silu_and_mul
+dense = torch.ops.pyengine.dense

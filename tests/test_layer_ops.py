@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine import ops
+from pyengine import _C, ops
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 DTYPES = list(TOLERANCE)
@@ -107,3 +107,32 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="disagree"):
         ops.rotary_embedding(torch.tensor([0, 1]), q, k, cache)
     assert torch.isfinite(q).all()  # nothing written before an error
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 77])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 960), (100, 70), (33, 5)])
+def test_dense_matches_float64(m: int, k: int, n: int) -> None:
+    w_t = torch.randn(k, n)
+    packed = torch.full((_C.packed_weight_size(k, n),), float("nan"))
+    _C.pack_weight(packed, w_t)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"))
+        ops.dense(out, x, packed, b, n)
+        want = x.double() @ w_t.double() + (0 if b is None else b.double())
+        assert rel_error(out, want) < 1e-5
+
+
+def test_dense_bad_arguments() -> None:
+    w_t = torch.randn(64, 50)
+    packed = torch.empty(_C.packed_weight_size(64, 50))
+    _C.pack_weight(packed, w_t)
+    with pytest.raises(ValueError, match="packed must be a packed"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 63), packed, None, 50)
+    with pytest.raises(ValueError, match=r"out must be \[2, 50\]"):
+        ops.dense(torch.empty(2, 49), torch.randn(2, 64), packed, None, 50)
+    with pytest.raises(ValueError, match="bias must be dense float32"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 64), packed, torch.randn(49), 50)
+    with pytest.raises(ValueError, match="packed must be dense float32"):
+        _C.pack_weight(torch.empty(10), w_t)

@@ -16,7 +16,7 @@ from pyengine import ops  # noqa: E402
 def test_ops_are_registered() -> None:
     for name in (
         "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks", "rms_norm",
-        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul",
+        "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "dense",
     ):  # fmt: skip
         assert hasattr(torch.ops.pyengine, name)
 
@@ -124,6 +124,11 @@ def test_opcheck_layer_ops() -> None:
     torch.library.opcheck(torch.ops.pyengine.rotary_embedding.default, (positions, q, k, cache))
     torch.library.opcheck(
         torch.ops.pyengine.silu_and_mul.default, (torch.empty(5, 32), torch.randn(5, 64))
+    )
+    packed = torch.empty(pyengine._C.packed_weight_size(64, 50))
+    pyengine._C.pack_weight(packed, torch.randn(64, 50))
+    torch.library.opcheck(
+        torch.ops.pyengine.dense.default, (torch.empty(5, 50), h, packed, torch.randn(50), 50)
     )
 
 

@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/layer_ops.h"
+#include "pyengine/small_gemm.h"
 
 namespace py = pybind11;
 
@@ -51,6 +52,33 @@ void bind_layer_ops(py::module_& m) {
         silu_and_mul(o.view(), in.view());
       },
       py::arg("out"), py::arg("x"), "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
+  m.def("packed_weight_size", &packed_weight_size, py::arg("k"), py::arg("n"),
+        "Floats of a panel-packed [k, n] weight.");
+  m.def(
+      "pack_weight",
+      [](const py::handle& packed, const py::handle& w_t) {
+        const DLPackView p(packed, "pack_weight: packed"), w(w_t, "pack_weight: w_t");
+        py::gil_scoped_release release;
+        pack_weight(p.view(), w.view());
+      },
+      py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for small_gemm.");
+  m.def(
+      "small_gemm",
+      [](const py::handle& out, const py::handle& x, const py::handle& packed,
+         const py::handle& bias, int64_t n) {
+        const DLPackView o(out, "small_gemm: out"), in(x, "small_gemm: x");
+        const DLPackView p(packed, "small_gemm: packed");
+        if (bias.is_none()) {
+          py::gil_scoped_release release;
+          small_gemm(o.view(), in.view(), p.view(), TensorView{}, n);
+          return;
+        }
+        const DLPackView b(bias, "small_gemm: bias");
+        py::gil_scoped_release release;
+        small_gemm(o.view(), in.view(), p.view(), b.view(), n);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
+      "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
 }
 
 }  // namespace pyengine::bindings

@@ -1,0 +1,179 @@
+// Small-m GEMM over panel-packed weights (see pyengine/small_gemm.h). One micro-kernel:
+// 8 rows x 48 columns (24 accumulators of 16 floats, as GCC vector extensions, which the
+// AVX2 and generic clones split into narrower registers), over the whole k; threads take
+// panels.
+#include "pyengine/small_gemm.h"
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "attention_checks.h"
+
+namespace pyengine {
+namespace {
+
+using detail::arg;
+
+constexpr int kRows = 8;
+constexpr int kLanes = 16;
+constexpr int kVectors = kPanelWidth / kLanes;
+constexpr int64_t kPrefetchRows = 24;
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using UnalignedVec =
+    float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PYENGINE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define PYENGINE_VECTOR_CLONES
+#endif
+
+// c[r][0, 48) = sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda apart).
+PYENGINE_VECTOR_CLONES
+void tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c) {
+  Vec acc[kRows][kVectors] = {};
+  for (int64_t i = 0; i < k; ++i) {
+    // The first tile of a panel reads it from memory: ask for it some rows ahead.
+    const float* ahead = panel + (i + kPrefetchRows) * kPanelWidth;
+    __builtin_prefetch(ahead);
+    __builtin_prefetch(ahead + 16);
+    __builtin_prefetch(ahead + 32);
+    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
+    const Vec b0 = row[0], b1 = row[1], b2 = row[2];
+    for (int r = 0; r < kRows; ++r) {
+      const float x = a[r * lda + i];
+      acc[r][0] += x * b0;
+      acc[r][1] += x * b1;
+      acc[r][2] += x * b2;
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) {
+      reinterpret_cast<UnalignedVec*>(c + r * kPanelWidth)[v] = acc[r][v];
+    }
+  }
+}
+
+// The same for one row (a single request's decode): six chains hide the multiply-add
+// latency, and no compute goes to padding rows.
+PYENGINE_VECTOR_CLONES
+void row_tile(const float* a, const float* panel, int64_t k, float* c) {
+  Vec even[kVectors] = {}, odd[kVectors] = {};
+  int64_t i = 0;
+  for (; i + 1 < k; i += 2) {
+    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
+    const float x0 = a[i], x1 = a[i + 1];
+    for (int v = 0; v < kVectors; ++v) {
+      even[v] += x0 * row[v];
+      odd[v] += x1 * row[kVectors + v];
+    }
+  }
+  if (i < k) {
+    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
+    for (int v = 0; v < kVectors; ++v) even[v] += a[i] * row[v];
+  }
+  for (int v = 0; v < kVectors; ++v) {
+    reinterpret_cast<UnalignedVec*>(c)[v] = even[v] + odd[v];
+  }
+}
+
+void check_float_matrix(const TensorView& t, const char* name) {
+  constexpr const char* op = "small_gemm";
+  detail::check_cpu(t, op, name);
+  detail::check_dtype(t, DType::kFloat32, op, name);
+  detail::check_shape(t, op, name, 2);
+  if (t.strides[1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
+}
+
+}  // namespace
+
+int64_t packed_weight_size(int64_t k, int64_t n) {
+  return (n + kPanelWidth - 1) / kPanelWidth * kPanelWidth * k;
+}
+
+void pack_weight(const TensorView& packed, const TensorView& w_t) {
+  check_float_matrix(w_t, "w_t");
+  const int64_t k = w_t.shape[0], n = w_t.shape[1];
+  detail::check_cpu(packed, "pack_weight", "packed");
+  detail::check_dtype(packed, DType::kFloat32, "pack_weight", "packed");
+  if (packed.ndim != 1 || packed.shape[0] != packed_weight_size(k, n) || packed.strides[0] != 1) {
+    throw InvalidArgument("pack_weight: packed must be dense float32 [" +
+                          std::to_string(packed_weight_size(k, n)) + "], got " +
+                          packed.describe());
+  }
+  const auto* src = static_cast<const float*>(w_t.data);
+  auto* dst = static_cast<float*>(packed.data);
+  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
+    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+    for (int64_t i = 0; i < k; ++i) {
+      float* out = dst + (p * k + i) * kPanelWidth;
+      std::memcpy(out, src + i * w_t.strides[0] + first, static_cast<size_t>(width) * sizeof(float));
+      std::fill(out + width, out + kPanelWidth, 0.0f);
+    }
+  }
+}
+
+void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
+                const TensorView& bias, int64_t n) {
+  constexpr const char* op = "small_gemm";
+  check_float_matrix(x, "x");
+  check_float_matrix(out, "out");
+  const int64_t m = x.shape[0], k = x.shape[1];
+  if (out.shape[0] != m || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(m) + ", " +
+                          std::to_string(n) + "], got " + out.describe());
+  }
+  if (packed.ndim != 1 || packed.dtype != DType::kFloat32 || packed.strides[0] != 1 ||
+      packed.shape[0] != packed_weight_size(k, n)) {
+    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
+                          ", " + std::to_string(n) + "] float32 weight (pack_weight), got " +
+                          packed.describe());
+  }
+  const bool has_bias = bias.data != nullptr;
+  if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
+                   bias.strides[0] != 1)) {
+    throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
+                          "], got " + bias.describe());
+  }
+  const auto* a = static_cast<const float*>(x.data);
+  const auto* panels = static_cast<const float*>(packed.data);
+  const auto* b = static_cast<const float*>(bias.data);
+  auto* c = static_cast<float*>(out.data);
+  const int64_t lda = x.strides[0], ldc = out.strides[0];
+  const int64_t num_panels = (n + kPanelWidth - 1) / kPanelWidth;
+#pragma omp parallel for schedule(static) if (num_panels > 1 && m * k * n >= (1 << 16))
+  for (int64_t p = 0; p < num_panels; ++p) {
+    thread_local std::vector<float> rows_buffer, tile_out;
+    tile_out.resize(kRows * kPanelWidth);
+    const float* panel = panels + p * k * kPanelWidth;
+    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m - r0);
+      const float* tile_a = a + r0 * lda;
+      int64_t tile_lda = lda;
+      if (rows > 1 && rows < kRows) {  // a partial tile: its rows, then zeros
+        rows_buffer.assign(static_cast<size_t>(kRows * k), 0.0f);
+        for (int64_t r = 0; r < rows; ++r) {
+          std::memcpy(rows_buffer.data() + r * k, tile_a + r * lda,
+                      static_cast<size_t>(k) * sizeof(float));
+        }
+        tile_a = rows_buffer.data();
+        tile_lda = k;
+      }
+      if (rows == 1) {
+        row_tile(tile_a, panel, k, tile_out.data());
+      } else {
+        tile(tile_a, tile_lda, panel, k, tile_out.data());
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        float* dst = c + (r0 + r) * ldc + first;
+        const float* src = tile_out.data() + r * kPanelWidth;
+        for (int64_t j = 0; j < width; ++j) dst[j] = has_bias ? src[j] + b[first + j] : src[j];
+      }
+    }
+  }
+}
+
+}  // namespace pyengine
