@@ -10,7 +10,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from pyengine import ops  # noqa: E402
+from pyengine import _C, ops  # noqa: E402
 
 
 def test_ops_are_registered() -> None:
@@ -125,8 +125,8 @@ def test_opcheck_layer_ops() -> None:
     torch.library.opcheck(
         torch.ops.pyengine.silu_and_mul.default, (torch.empty(5, 32), torch.randn(5, 64))
     )
-    packed = torch.empty(pyengine._C.packed_weight_size(64, 50))
-    pyengine._C.pack_weight(packed, torch.randn(64, 50))
+    packed = torch.empty(_C.packed_weight_size(64, 50))
+    _C.pack_weight(packed, torch.randn(64, 50))
     torch.library.opcheck(
         torch.ops.pyengine.dense.default, (torch.empty(5, 50), h, packed, torch.randn(50), 50)
     )
