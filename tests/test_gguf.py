@@ -1,0 +1,186 @@
+"""GGUF files made in the test with the gguf package: every supported tensor type loads
+as the gguf package dequantizes it, and a small Llama with its tokenizer and chat
+template in the metadata runs, token for token as transformers on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
+from pyengine.loader.resolve import load_model  # noqa: E402
+
+from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
+
+QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+
+
+def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize to them) with sane f16 scales."""
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, 256 // block * size), dtype=np.uint8)
+    blocks = raw.reshape(rows, -1, size)
+    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    if qtype == Q.Q4_K:  # d, dmin first
+        blocks[:, :, 0:2] = scale
+        blocks[:, :, 2:4] = scale
+    else:  # Q6_K: d last
+        blocks[:, :, -2:] = scale
+    return raw
+
+
+def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
+    rng = np.random.default_rng()
+    writer = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+    original = rng.standard_normal((4, 256)).astype(np.float32)
+    raw_of: dict[str, tuple[np.ndarray, Q]] = {}
+    writer.add_tensor("f32", original)
+    writer.add_tensor("f16", original.astype(np.float16))
+    for qtype in QUANTIZABLE:
+        raw = quantize(original, qtype)
+        raw_of[qtype.name] = (raw, qtype)
+        writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
+    for qtype in (Q.Q4_K, Q.Q6_K):
+        raw = k_quant_blocks(qtype, 4, rng)
+        raw_of[qtype.name] = (raw, qtype)
+        writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    g = GGUFFile(tmp_path / "t.gguf")
+    np.testing.assert_array_equal(g.tensor("f32"), original)
+    np.testing.assert_array_equal(g.tensor("f16"), original.astype(np.float16).astype(np.float32))
+    for name, (raw, qtype) in raw_of.items():
+        loaded = g.tensor(name)
+        assert loaded.shape == (4, 256)
+        np.testing.assert_array_equal(loaded, dequantize(raw, qtype))
+        assert np.isfinite(loaded).all()
+        if qtype in QUANTIZABLE:
+            assert np.abs(loaded - original).max() < 0.5  # 4 bits of a unit normal
+
+
+def test_not_a_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "x.gguf"
+    path.write_bytes(b"not a model")
+    with pytest.raises(GGUFError, match="not a GGUF file"):
+        GGUFFile(path)
+    truncated = tmp_path / "y.gguf"
+    truncated.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(8, "little"))
+    with pytest.raises(GGUFError, match="truncated"):
+        GGUFFile(truncated)
+
+
+def byte_level_vocab() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes."""
+    printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
+def permute_for_llama_cpp(w: np.ndarray, heads: int) -> np.ndarray:
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}" + (
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    rng = np.random.default_rng(5)
+    hidden, heads, kv_heads, head_dim, ffn, layers = 128, 4, 2, 32, 256, 2
+    tokens = byte_level_vocab() + ["<|eot|>", "<|user|>", "<|assistant|>"]
+    vocab = len(tokens)
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(layers)
+    writer.add_context_length(256)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * 256 + [3, 3, 3])
+    writer.add_token_merges([])
+    writer.add_eos_token_id(256)
+    writer.add_chat_template(TEMPLATE)
+    hf_layout: dict[str, np.ndarray] = {}
+
+    def add(name: str, hf_name: str, w: np.ndarray, quantized: bool, permute_heads: int = 0) -> None:
+        hf_layout[hf_name] = w
+        stored = permute_for_llama_cpp(w, permute_heads) if permute_heads else w
+        if quantized:
+            writer.add_tensor(name, quantize(stored, Q.Q8_0), raw_dtype=Q.Q8_0)
+        else:
+            writer.add_tensor(name, stored)
+
+    normal = lambda *shape: (rng.standard_normal(shape) * 0.08).astype(np.float32)  # noqa: E731
+    add("token_embd.weight", "model.embed_tokens.weight", normal(vocab, hidden), False)
+    add("output_norm.weight", "model.norm.weight", 1 + normal(hidden), False)
+    add("output.weight", "lm_head.weight", normal(vocab, hidden), True)
+    for i in range(layers):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + normal(hidden), False)
+        add(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", 1 + normal(hidden), False)
+        add(p + "attn_q.weight", h + "self_attn.q_proj.weight", normal(hidden, hidden), True, heads)
+        add(p + "attn_k.weight", h + "self_attn.k_proj.weight", normal(kv_heads * head_dim, hidden), True, kv_heads)
+        add(p + "attn_v.weight", h + "self_attn.v_proj.weight", normal(kv_heads * head_dim, hidden), True)
+        add(p + "attn_output.weight", h + "self_attn.o_proj.weight", normal(hidden, hidden), True)
+        add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", normal(ffn, hidden), True)
+        add(p + "ffn_up.weight", h + "mlp.up_proj.weight", normal(ffn, hidden), True)
+        add(p + "ffn_down.weight", h + "mlp.down_proj.weight", normal(hidden, ffn), True)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path, hf_layout
+
+
+def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    path, hf_layout = tiny_llama
+    loaded = load_model(str(path))
+    assert loaded.weights is not None and set(loaded.weights) == set(hf_layout)
+    for name, w in hf_layout.items():
+        # Q8_0 keeps a normal weight to about 1%; a wrong row order would be far off.
+        assert np.abs(loaded.weights[name].numpy() - w).max() < 0.01 * np.abs(w).max() + 1e-6, name
+
+
+def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    path, _ = tiny_llama
+    loaded = load_model(str(path))
+    reference = hf_model_from_weights(loaded.config, loaded.weights)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    tokenizer = llm.get_tokenizer()
+    assert tokenizer.decode(tokenizer.encode("héllo, wörld")) == "héllo, wörld"
+    prompts = ["hello there", "a longer prompt of some more bytes"]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, out.prompt_token_ids, 10)
+    chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
+    assert chat.prompt == "<|user|>hi\n<|assistant|>"
+    assert chat.prompt_token_ids[0] == tokens_id(tokenizer, "<|user|>")
+
+
+def tokens_id(tokenizer, token: str) -> int:  # type: ignore[no-untyped-def]
+    return int(tokenizer.tokenizer.token_to_id(token))
