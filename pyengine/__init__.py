@@ -33,7 +33,6 @@ from pyengine._C import (
     swap_blocks,
     xxhash64,
 )
-
 from pyengine.outputs import CompletionOutput, RequestOutput
 from pyengine.sampling_params import SamplingParams
 

@@ -80,15 +80,12 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            attention_bias=bool(
-                config.get("attention_bias", arch == "Qwen2ForCausalLM")
-            ),
+            attention_bias=bool(config.get("attention_bias", arch == "Qwen2ForCausalLM")),
             qk_norm=arch == "Qwen3ForCausalLM",
             sliding_window=int(window or 0) if arch == "MistralForCausalLM" else 0,
             bos_token_id=config.get("bos_token_id"),
             eos_token_ids=_ids(config.get("eos_token_id")),
         )
-
 
     @classmethod
     def _from_gpt2(cls, config: dict[str, Any]) -> ModelConfig:
@@ -151,7 +148,9 @@ def default_kv_cache_memory() -> int:
     try:
         value = float(gib)
     except ValueError:
-        raise ValueError(f"PYENGINE_CPU_KV_CACHE_GIB must be a number of GiB, got {gib!r}") from None
+        raise ValueError(
+            f"PYENGINE_CPU_KV_CACHE_GIB must be a number of GiB, got {gib!r}"
+        ) from None
     if value <= 0:
         raise ValueError(f"PYENGINE_CPU_KV_CACHE_GIB must be positive, got {gib!r}")
     return int(value * 2**30)

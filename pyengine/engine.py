@@ -53,11 +53,14 @@ class _RequestState:
             finished=self.done,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=None
-            if self.params.prompt_logprobs is None
-            else [None]
-            + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt_token_ids))],
+            prompt_logprobs=self._prompt_logprobs(),
         )
+
+    def _prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
+        if self.params.prompt_logprobs is None:
+            return None
+        positions = range(1, len(self.prompt_token_ids))  # the first token has none
+        return [None, *(self.prompt_logprobs.get(i) for i in positions)]
 
 
 class LLMEngine:
@@ -207,7 +210,9 @@ class LLMEngine:
                     wanted.append((state, target, row))
         return wanted
 
-    def _run_step(self, b: StepBuffers, sampling: list[tuple[_RequestState, _Sample]]) -> SamplerOutput:
+    def _run_step(
+        self, b: StepBuffers, sampling: list[tuple[_RequestState, _Sample]]
+    ) -> SamplerOutput:
         wanted = self._prompt_logprob_rows(b)
         logits, extra = self.runner.execute(b, [row for _, _, row in wanted])
         if extra is not None:
@@ -265,7 +270,11 @@ class LLMEngine:
         at, stop = min(hits)
         sample.output.text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
         sample.output.stop_reason = stop
-        row_id = state.request_id if sample.index == 0 else Scheduler.sample_id(state.request_id, sample.index)
+        row_id = (
+            state.request_id
+            if sample.index == 0
+            else Scheduler.sample_id(state.request_id, sample.index)
+        )
         if self.scheduler.has_request(row_id):
             self.scheduler.finish_request(row_id, "stop")
         self._finish_sample(state, sample, "stop", text_done=True)
@@ -300,7 +309,11 @@ class LLMEngine:
         for state in finished:
             del self.requests[state.request_id]
             for s in state.samples:
-                row_id = state.request_id if s.index == 0 else Scheduler.sample_id(state.request_id, s.index)
+                row_id = (
+                    state.request_id
+                    if s.index == 0
+                    else Scheduler.sample_id(state.request_id, s.index)
+                )
                 self._by_row_id.pop(row_id, None)
         return [s.to_output() for s in finished]
 

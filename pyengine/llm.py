@@ -93,7 +93,7 @@ class LLM:
         prompts: list[Prompt] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation,  # type: ignore[arg-type]
+                conversation,
                 chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt,
             )
@@ -111,7 +111,9 @@ class LLM:
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
-        raise ValueError(f"a prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}")
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}"
+        )
 
     def _run(
         self,
@@ -145,7 +147,7 @@ def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
         return [prompts]
     if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
         return [prompts]  # one prompt of token ids
-    return list(prompts)
+    return list(prompts)  # type: ignore[arg-type]
 
 
 def _params_per_prompt(

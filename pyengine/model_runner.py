@@ -41,7 +41,9 @@ class ModelRunner:
         c = loaded.config
         self.model = build_model(loaded, config.max_model_len, config.seed)
         self.block_size = config.block_size
-        block_bytes = 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * config.block_size * 4
+        block_bytes = (
+            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * config.block_size * 4
+        )
         self.num_blocks = config.kv_cache_memory // block_bytes
         min_blocks = -(-config.max_model_len // config.block_size)
         if self.num_blocks < min_blocks:
@@ -68,9 +70,7 @@ class ModelRunner:
         (token rows of the step; prompt logprobs)."""
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
-            ops.copy_blocks(
-                [k for k, _ in self.caches], [v for _, v in self.caches], mapping
-            )
+            ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
         meta = AttentionMetadata(
             slot_mapping=torch.from_numpy(b.slot_mapping),
             block_tables=torch.from_numpy(b.block_tables),

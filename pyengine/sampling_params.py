@@ -60,7 +60,9 @@ class SamplingParams:
         ]  # fmt: skip
         for name, ok, expected in checks:
             if not ok:
-                raise ValueError(f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}"
+                )
 
     @property
     def greedy(self) -> bool:

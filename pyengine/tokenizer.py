@@ -150,7 +150,9 @@ def tokenizer_from_gguf(fields: dict[str, Any], source: str) -> PyengineTokenize
     eos = fields.get("tokenizer.ggml.eos_token_id")
     if bos is not None and bool(fields.get("tokenizer.ggml.add_bos_token", False)):
         tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
+            single=f"{tokens[bos]} $A",
+            pair=f"{tokens[bos]} $A $B",
+            special_tokens=[(tokens[bos], bos)],
         )
     return PyengineTokenizer(
         tokenizer,

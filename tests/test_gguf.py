@@ -8,17 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
-
-from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 
@@ -127,7 +125,9 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
     writer.add_chat_template(TEMPLATE)
     hf_layout: dict[str, np.ndarray] = {}
 
-    def add(name: str, hf_name: str, w: np.ndarray, quantized: bool, permute_heads: int = 0) -> None:
+    def add(
+        name: str, hf_name: str, w: np.ndarray, quantized: bool, permute_heads: int = 0
+    ) -> None:
         hf_layout[hf_name] = w
         stored = permute_for_llama_cpp(w, permute_heads) if permute_heads else w
         if quantized:
@@ -144,8 +144,19 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
         add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + normal(hidden), False)
         add(p + "ffn_norm.weight", h + "post_attention_layernorm.weight", 1 + normal(hidden), False)
         add(p + "attn_q.weight", h + "self_attn.q_proj.weight", normal(hidden, hidden), True, heads)
-        add(p + "attn_k.weight", h + "self_attn.k_proj.weight", normal(kv_heads * head_dim, hidden), True, kv_heads)
-        add(p + "attn_v.weight", h + "self_attn.v_proj.weight", normal(kv_heads * head_dim, hidden), True)
+        add(
+            p + "attn_k.weight",
+            h + "self_attn.k_proj.weight",
+            normal(kv_heads * head_dim, hidden),
+            True,
+            kv_heads,
+        )
+        add(
+            p + "attn_v.weight",
+            h + "self_attn.v_proj.weight",
+            normal(kv_heads * head_dim, hidden),
+            True,
+        )
         add(p + "attn_output.weight", h + "self_attn.o_proj.weight", normal(hidden, hidden), True)
         add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", normal(ffn, hidden), True)
         add(p + "ffn_up.weight", h + "mlp.up_proj.weight", normal(ffn, hidden), True)
@@ -176,6 +187,7 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     prompts = ["hello there", "a longer prompt of some more bytes"]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False), strict=True):
+        assert out.prompt == prompt
         assert out.outputs[0].token_ids == hf_greedy(reference, out.prompt_token_ids, 10)
     chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert chat.prompt == "<|user|>hi\n<|assistant|>"

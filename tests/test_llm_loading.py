@@ -30,7 +30,9 @@ TINY_QWEN2 = {
 def test_dummy_weights_run_any_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
     llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=16 * 2**20)
-    out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [[1, 2, 3, 4]], SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0].outputs[0].token_ids) == 5
     assert out[0].outputs[0].text == ""  # no tokenizer in the folder: token ids only
     assert out[0].metrics.first_token_time is not None and out[0].metrics.finished_time

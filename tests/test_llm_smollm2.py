@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import hf_greedy, hf_model_from_weights
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path, load_model
-
-from hf_reference import hf_greedy, hf_model_from_weights
 
 pytest.importorskip("transformers")
 

@@ -9,10 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from hf_reference import hf_greedy, prefill_logits
 
 from pyengine import LLM, SamplingParams
-
-from hf_reference import hf_greedy, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
 from pyengine.sampler import SamplingRow, apply_penalties, filter_logits
-
-from hf_reference import prefill_logits
 
 PROMPTS = [
     "The future of AI is",
@@ -86,7 +85,9 @@ def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
 def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
     engine = llm.engine
     prompt = llm.get_tokenizer().encode(PROMPTS[2] * 3)
-    engine.add_request("n4", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1, ignore_eos=True))
+    engine.add_request(
+        "n4", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1, ignore_eos=True)
+    )
     computed, outputs = 0, []
     while engine.has_unfinished_requests():
         outputs += engine.step()

@@ -119,7 +119,9 @@ class GGUFFile:
         try:
             qtype = GGMLQuantizationType(info.ggml_type)
         except ValueError:
-            raise GGUFError(f"{self.path}: tensor {name} has unknown type {info.ggml_type}") from None
+            raise GGUFError(
+                f"{self.path}: tensor {name} has unknown type {info.ggml_type}"
+            ) from None
         block, type_size = GGML_QUANT_SIZES[qtype]
         rows = int(np.prod(info.shape[:-1], dtype=np.int64))
         if info.shape[-1] % block:

@@ -84,9 +84,8 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp stores Llama's q/k rows with each head's rotary halves interleaved;
     Hugging Face's rotate_half wants them as two halves."""
     rows = w.shape[0]
-    return (
-        w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-    )
+    halves = w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2)
+    return np.ascontiguousarray(halves).reshape(w.shape)
 
 
 def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
@@ -105,7 +104,9 @@ def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tenso
             raise GGUFError(f"{g.path}: unexpected tensor {name}")
         array = g.tensor(name)
         if permuted and m and m.group(2) in ("attn_q", "attn_k"):
-            heads = config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+            heads = (
+                config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
+            )
             array = _unpermute_rope(array, heads)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
     return weights

@@ -76,7 +76,9 @@ def _from_hub(repo_id: str) -> Path:
 
 def load_model(model: str, tokenizer: str | None = None, load_format: str = "auto") -> LoadedModel:
     if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
+        raise ValueError(
+            f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
+        )
     path = resolve_path(model)
     is_gguf = path.is_file() and (path.suffix == ".gguf" or load_format == "gguf")
     if is_gguf:

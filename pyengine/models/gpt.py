@@ -4,6 +4,7 @@ GPT-2. Same flat batch and paged attention as the Llama family; no rotary embedd
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,7 +14,7 @@ from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
 from pyengine.models.layers import DenseWeight, parameter, prepare_dense
 
-_ACTIVATIONS = {
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -60,15 +61,20 @@ class _Layer(nn.Module):
         self.attn = PagedAttention(c.num_attention_heads, c.num_attention_heads, c.head_dim)
 
     def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x).view(-1, 3, self.heads, self.head_dim).unbind(1)
-        return self.out(self.attn(q, k, v, cache, meta).view(-1, self.hidden))
+        q, k, v = self.qkv.dense(x, self.qkv.bias).view(-1, 3, self.heads, self.head_dim).unbind(1)
+        return self.out.dense(self.attn(q, k, v, cache, meta).view(-1, self.hidden), self.out.bias)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.act(self.fc1.dense(x, self.fc1.bias))
+        return self.fc2.dense(hidden, self.fc2.bias)
 
     def forward(self, h: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.norm_before:
             h = h + self._attention(self.norm1(h), cache, meta)
-            return h + self.fc2(self.act(self.fc1(self.norm2(h))))
+            return h + self._mlp(self.norm2(h))
         h = self.norm1(h + self._attention(h, cache, meta))
-        return self.norm2(h + self.fc2(self.act(self.fc1(h))))
+        out: torch.Tensor = self.norm2(h + self._mlp(h))
+        return out
 
 
 # Hugging Face name -> (internal name, rows of a fused q/k/v weight or None, transpose).
@@ -90,6 +96,9 @@ _GPT2_LAYER = {
     "mlp.c_fc": "fc1",
     "mlp.c_proj": "fc2",
 }
+# (internal parameter name, rows of a fused q/k/v or None), the tensor; None: not a weight.
+_Target = tuple[tuple[str, int | None], torch.Tensor] | None
+
 _GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored [in, out]
 
 
@@ -177,14 +186,12 @@ class LearnedPositionDecoder(nn.Module):
                 required.append((name, None))
         return required
 
-    def _target(
-        self, name: str, tensor: torch.Tensor
-    ) -> tuple[tuple[str, int | None], torch.Tensor] | None:
+    def _target(self, name: str, tensor: torch.Tensor) -> _Target:
         if self.config.architecture == "OPTForCausalLM":
             return self._opt_target(name, tensor)
         return self._gpt2_target(name, tensor)
 
-    def _opt_target(self, name: str, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _opt_target(self, name: str, tensor: torch.Tensor) -> _Target:
         name = name.removeprefix("model.").removeprefix("decoder.")
         plain = {
             "embed_tokens.weight": "embed_tokens",
@@ -203,7 +210,7 @@ class LearnedPositionDecoder(nn.Module):
         internal, rows = _OPT_LAYER[m.group(2)]
         return (f"layers.{m.group(1)}.{internal}.{m.group(3)}", rows), tensor
 
-    def _gpt2_target(self, name: str, tensor: torch.Tensor):  # type: ignore[no-untyped-def]
+    def _gpt2_target(self, name: str, tensor: torch.Tensor) -> _Target:
         name = name.removeprefix("transformer.")
         plain = {
             "wte.weight": "embed_tokens",

@@ -7,6 +7,7 @@ from torch import nn
 
 from pyengine import _C, ops
 
+
 def parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 

@@ -61,7 +61,7 @@ class Attention(nn.Module):
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
         qkv = self.qkv(x, self.qkv_bias)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.heads, self.head_dim)
         k = k.view(-1, self.kv_heads, self.head_dim)
         v = v.view(-1, self.kv_heads, self.head_dim)
@@ -152,7 +152,6 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up."""
-        c = self.config
         expected = set()
         with torch.no_grad():
             for name, tensor in weights.items():

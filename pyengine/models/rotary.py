@@ -11,14 +11,17 @@ import torch
 from pyengine import ops
 
 
-def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+def inverse_frequencies(
+    head_dim: int, theta: float, scaling: dict[str, Any] | None
+) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     inv_freq = 1.0 / (theta**exponents)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind is None:
         return inv_freq
     if kind == "linear":
-        return inv_freq / float(scaling["factor"])  # type: ignore[index]
+        assert scaling is not None
+        return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         assert scaling is not None
         factor = float(scaling["factor"])
