@@ -154,41 +154,48 @@ float* row_buffer(int64_t floats) {
 
 }  // namespace
 
+namespace {
+
+// body(row, a per-thread buffer of 2n floats, the weight as float32) for every row, on
+// the threads once there are enough rows.
+template <DType kD, class Body>
+void for_each_norm_row(const TensorView& weight, int64_t rows, int64_t n, Body&& body) {
+  const std::vector<float> w = weight_as_float<kD>(weight, n);
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+  for (int64_t r = 0; r < rows; ++r) body(r, row_buffer(2 * n), w.data());
+}
+
+}  // namespace
+
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps) {
   check_norm_args("rms_norm", x, out, "out", weight, eps);
-  const int64_t rows = x.shape[0], n = x.shape[1];
+  const int64_t n = x.shape[1];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
-    const std::vector<float> w = weight_as_float<kD>(weight, n);
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* buffer = row_buffer(2 * n);
+    for_each_norm_row<kD>(weight, x.shape[0], n, [&](int64_t r, float* buffer, const float* w) {
       const float* in = load_row<kD>(x, r, n, buffer);
       float* dst = kD == DType::kFloat32 ? static_cast<float*>(out.data) + r * out.strides[0]
                                          : buffer + n;
-      rms_norm_row(in, w.data(), dst, n, eps);
+      rms_norm_row(in, w, dst, n, eps);
       store_row<kD>(out, r, n, dst);
-    }
+    });
   });
 }
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         float eps) {
   check_norm_args("fused_add_rms_norm", x, residual, "residual", weight, eps);
-  const int64_t rows = x.shape[0], n = x.shape[1];
+  const int64_t n = x.shape[1];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
-    const std::vector<float> w = weight_as_float<kD>(weight, n);
-#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
-    for (int64_t r = 0; r < rows; ++r) {
-      float* buffer = row_buffer(2 * n);
+    for_each_norm_row<kD>(weight, x.shape[0], n, [&](int64_t r, float* buffer, const float* w) {
       float* xs = load_row<kD>(x, r, n, buffer);
       float* res = load_row<kD>(residual, r, n, buffer + n);
       add_row(res, xs, n);
-      rms_norm_row(res, w.data(), xs, n, eps);
+      rms_norm_row(res, w, xs, n, eps);
       store_row<kD>(residual, r, n, res);
       store_row<kD>(x, r, n, xs);
-    }
+    });
   });
 }
 

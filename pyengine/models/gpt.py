@@ -77,7 +77,22 @@ class _Layer(nn.Module):
         return out
 
 
-# Hugging Face name -> (internal name, rows of a fused q/k/v weight or None, transpose).
+# Hugging Face name (outside the layers) -> internal parameter name.
+_OPT_GLOBAL = {
+    "embed_tokens.weight": "embed_tokens",
+    "embed_positions.weight": "embed_positions",
+    "final_layer_norm.weight": "final_norm.weight",
+    "final_layer_norm.bias": "final_norm.bias",
+    "lm_head.weight": "lm_head",
+}
+_GPT2_GLOBAL = {
+    "wte.weight": "embed_tokens",
+    "wpe.weight": "embed_positions",
+    "ln_f.weight": "final_norm.weight",
+    "ln_f.bias": "final_norm.bias",
+    "lm_head.weight": "lm_head",
+}
+# Hugging Face layer module -> (internal module, rows of the fused q/k/v or None).
 _OPT_LAYER = {
     "self_attn.q_proj": ("qkv", 0),
     "self_attn.k_proj": ("qkv", 1),
@@ -187,42 +202,28 @@ class LearnedPositionDecoder(nn.Module):
         return required
 
     def _target(self, name: str, tensor: torch.Tensor) -> _Target:
-        if self.config.architecture == "OPTForCausalLM":
-            return self._opt_target(name, tensor)
-        return self._gpt2_target(name, tensor)
-
-    def _opt_target(self, name: str, tensor: torch.Tensor) -> _Target:
-        name = name.removeprefix("model.").removeprefix("decoder.")
-        plain = {
-            "embed_tokens.weight": "embed_tokens",
-            "embed_positions.weight": "embed_positions",
-            "final_layer_norm.weight": "final_norm.weight",
-            "final_layer_norm.bias": "final_norm.bias",
-            "lm_head.weight": "lm_head",
-        }
-        if name in plain:
+        opt = self.config.architecture == "OPTForCausalLM"
+        if opt:
+            name = name.removeprefix("model.").removeprefix("decoder.")
+        else:
+            name = name.removeprefix("transformer.")
+        outside_layers = _OPT_GLOBAL if opt else _GPT2_GLOBAL
+        if name in outside_layers:
             if name == "lm_head.weight" and self.config.tie_word_embeddings:
                 return None
-            return (plain[name], None), tensor
+            return (outside_layers[name], None), tensor
+        if opt:
+            return self._opt_layer_target(name, tensor)
+        return self._gpt2_layer_target(name, tensor)
+
+    def _opt_layer_target(self, name: str, tensor: torch.Tensor) -> _Target:
         m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
         if not m or m.group(2) not in _OPT_LAYER:
             return None
         internal, rows = _OPT_LAYER[m.group(2)]
         return (f"layers.{m.group(1)}.{internal}.{m.group(3)}", rows), tensor
 
-    def _gpt2_target(self, name: str, tensor: torch.Tensor) -> _Target:
-        name = name.removeprefix("transformer.")
-        plain = {
-            "wte.weight": "embed_tokens",
-            "wpe.weight": "embed_positions",
-            "ln_f.weight": "final_norm.weight",
-            "ln_f.bias": "final_norm.bias",
-            "lm_head.weight": "lm_head",
-        }
-        if name in plain:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                return None
-            return (plain[name], None), tensor
+    def _gpt2_layer_target(self, name: str, tensor: torch.Tensor) -> _Target:
         m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
         if not m or m.group(2) not in _GPT2_LAYER:
             return None  # attn.bias / masked_bias buffers of old checkpoints
