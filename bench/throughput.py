@@ -8,7 +8,7 @@ ceiling measured here (2 x parameters FLOPs per token), and single-request decod
 the memory-bandwidth bound (weight bytes / read bandwidth).
 
     python bench/throughput.py [--num-prompts 32] [--min-len 64] [--max-len 512]
-                               [--output-len 128] [--hf-batch 32] [--seed 0] [--no-hf]
+                               [--output-len 128] [--hf-batch 32] [--seed 0] [--rounds 2] [--no-hf]
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--hf-batch", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=2, help="best of this many, each engine")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     args = parser.parse_args()
 
@@ -119,16 +120,30 @@ def main() -> None:
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
 
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
-    llm.engine.scheduler.kv_cache.reset_prefix_cache()
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    ours = time.perf_counter() - start
-    assert sum(len(o.outputs[0].token_ids) for o in outputs) == generated
 
-    single_prompt = prompts[0][:16]
-    start = time.perf_counter()
-    llm.generate([single_prompt], params, use_tqdm=False)
-    single = time.perf_counter() - start
+    def run_ours() -> float:
+        llm.engine.scheduler.kv_cache.reset_prefix_cache()  # no hits from the last round
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert sum(len(o.outputs[0].token_ids) for o in outputs) == generated
+        return time.perf_counter() - start
+
+    def run_single() -> float:
+        start = time.perf_counter()
+        llm.generate([prompts[0][:16]], params, use_tqdm=False)
+        return time.perf_counter() - start
+
+    hf = None
+    if not args.no_hf:
+        hf = hf_model(args.model)
+        run_hf(hf, [prompts[0][:8]], 2, 1)  # warm up
+    # Rounds alternate the engines; each engine's best round counts (the machine is shared).
+    ours, theirs, single = float("inf"), float("inf"), float("inf")
+    for _ in range(args.rounds):
+        ours = min(ours, run_ours())
+        single = min(single, run_single())
+        if hf is not None:
+            theirs = min(theirs, run_hf(hf, prompts, args.output_len, args.hf_batch))
 
     num_params = llm.engine.runner.model.num_parameters
     ceiling = matmul_ceiling()
@@ -150,10 +165,7 @@ def main() -> None:
         "single_request_bandwidth_bound_tok_s": round(decode_bound, 1),
         "pyengine_load_s": round(load_seconds, 2),
     }
-    if not args.no_hf:
-        hf = hf_model(args.model)
-        run_hf(hf, [prompts[0][:8]], 2, 1)  # warm up
-        theirs = run_hf(hf, prompts, args.output_len, args.hf_batch)
+    if hf is not None:
         rows.append(
             (f"transformers (batch {args.hf_batch})", f"{theirs:.1f}", f"{generated / theirs:.1f}",
              f"{(generated + prompt_tokens) / theirs:.1f}",
@@ -165,7 +177,7 @@ def main() -> None:
     print(
         f"# Offline throughput: {args.model}, {args.num_prompts} prompts of {args.min_len}-"
         f"{args.max_len} tokens ({prompt_tokens} in all), {args.output_len} output tokens each, "
-        f"float32, {torch.get_num_threads()} threads"
+        f"float32, {torch.get_num_threads()} threads, best of {args.rounds} rounds"
     )
     print(
         f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s = {ceiling_tokens:.0f} tokens/s at "
