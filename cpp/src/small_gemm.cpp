@@ -20,6 +20,7 @@ constexpr int kRows = 8;
 constexpr int kLanes = 16;
 constexpr int kVectors = kPanelWidth / kLanes;
 constexpr int64_t kPrefetchRows = 24;
+constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of them
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using UnalignedVec =
     float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
@@ -100,8 +101,7 @@ void pack_weight(const TensorView& packed, const TensorView& w_t) {
   detail::check_dtype(packed, DType::kFloat32, "pack_weight", "packed");
   if (packed.ndim != 1 || packed.shape[0] != packed_weight_size(k, n) || packed.strides[0] != 1) {
     throw InvalidArgument("pack_weight: packed must be dense float32 [" +
-                          std::to_string(packed_weight_size(k, n)) + "], got " +
-                          packed.describe());
+                          std::to_string(packed_weight_size(k, n)) + "], got " + packed.describe());
   }
   const auto* src = static_cast<const float*>(w_t.data);
   auto* dst = static_cast<float*>(packed.data);
@@ -109,7 +109,8 @@ void pack_weight(const TensorView& packed, const TensorView& w_t) {
     const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
     for (int64_t i = 0; i < k; ++i) {
       float* out = dst + (p * k + i) * kPanelWidth;
-      std::memcpy(out, src + i * w_t.strides[0] + first, static_cast<size_t>(width) * sizeof(float));
+      std::memcpy(out, src + i * w_t.strides[0] + first,
+                  static_cast<size_t>(width) * sizeof(float));
       std::fill(out + width, out + kPanelWidth, 0.0f);
     }
   }
@@ -143,34 +144,40 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   auto* c = static_cast<float*>(out.data);
   const int64_t lda = x.strides[0], ldc = out.strides[0];
   const int64_t num_panels = (n + kPanelWidth - 1) / kPanelWidth;
-#pragma omp parallel for schedule(static) if (num_panels > 1 && m * k * n >= (1 << 16))
-  for (int64_t p = 0; p < num_panels; ++p) {
-    thread_local std::vector<float> rows_buffer, tile_out;
-    tile_out.resize(kRows * kPanelWidth);
-    const float* panel = panels + p * k * kPanelWidth;
-    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-    for (int64_t r0 = 0; r0 < m; r0 += kRows) {
-      const int64_t rows = std::min<int64_t>(kRows, m - r0);
-      const float* tile_a = a + r0 * lda;
-      int64_t tile_lda = lda;
-      if (rows > 1 && rows < kRows) {  // a partial tile: its rows, then zeros
-        rows_buffer.assign(static_cast<size_t>(kRows * k), 0.0f);
-        for (int64_t r = 0; r < rows; ++r) {
-          std::memcpy(rows_buffer.data() + r * k, tile_a + r * lda,
-                      static_cast<size_t>(k) * sizeof(float));
+  // Many rows (a prefill) go in blocks whose rows of x stay in L2 while every panel
+  // passes over them; a decode step's few rows are one block.
+  const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / k / kRows * kRows);
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t m1 = std::min(m, m0 + block_rows);
+#pragma omp parallel for schedule(static) if (num_panels > 1 && (m1 - m0) * k * n >= (1 << 16))
+    for (int64_t p = 0; p < num_panels; ++p) {
+      thread_local std::vector<float> rows_buffer, tile_out;
+      tile_out.resize(kRows * kPanelWidth);
+      const float* panel = panels + p * k * kPanelWidth;
+      const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+      for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+        const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
+        const float* tile_a = a + r0 * lda;
+        int64_t tile_lda = lda;
+        if (rows > 1 && rows < kRows) {  // a partial tile: its rows, then zeros
+          rows_buffer.assign(static_cast<size_t>(kRows * k), 0.0f);
+          for (int64_t r = 0; r < rows; ++r) {
+            std::memcpy(rows_buffer.data() + r * k, tile_a + r * lda,
+                        static_cast<size_t>(k) * sizeof(float));
+          }
+          tile_a = rows_buffer.data();
+          tile_lda = k;
         }
-        tile_a = rows_buffer.data();
-        tile_lda = k;
-      }
-      if (rows == 1) {
-        row_tile(tile_a, panel, k, tile_out.data());
-      } else {
-        tile(tile_a, tile_lda, panel, k, tile_out.data());
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        float* dst = c + (r0 + r) * ldc + first;
-        const float* src = tile_out.data() + r * kPanelWidth;
-        for (int64_t j = 0; j < width; ++j) dst[j] = has_bias ? src[j] + b[first + j] : src[j];
+        if (rows == 1) {
+          row_tile(tile_a, panel, k, tile_out.data());
+        } else {
+          tile(tile_a, tile_lda, panel, k, tile_out.data());
+        }
+        for (int64_t r = 0; r < rows; ++r) {
+          float* dst = c + (r0 + r) * ldc + first;
+          const float* src = tile_out.data() + r * kPanelWidth;
+          for (int64_t j = 0; j < width; ++j) dst[j] = has_bias ? src[j] + b[first + j] : src[j];
+        }
       }
     }
   }
