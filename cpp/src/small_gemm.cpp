@@ -32,12 +32,15 @@ using UnalignedVec =
 #endif
 
 // c[r][0, 48) = sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda apart).
+// Meanwhile asks for `fetch` (k rows of a panel) to be brought into cache, a row per row:
+// the first tile of a panel fetches its own rows some way ahead, the second the next
+// panel's, so that memory keeps streaming while the later tiles compute from cache.
 PYENGINE_VECTOR_CLONES
-void tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c) {
+void tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+          const float* fetch) {
   Vec acc[kRows][kVectors] = {};
   for (int64_t i = 0; i < k; ++i) {
-    // The first tile of a panel reads it from memory: ask for it some rows ahead.
-    const float* ahead = panel + (i + kPrefetchRows) * kPanelWidth;
+    const float* ahead = fetch + i * kPanelWidth;
     __builtin_prefetch(ahead);
     __builtin_prefetch(ahead + 16);
     __builtin_prefetch(ahead + 32);
@@ -154,6 +157,7 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
       thread_local std::vector<float> rows_buffer, tile_out;
       tile_out.resize(kRows * kPanelWidth);
       const float* panel = panels + p * k * kPanelWidth;
+      const float* next_panel = p + 1 < num_panels ? panel + k * kPanelWidth : panel;
       const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
       for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
@@ -171,7 +175,11 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
         if (rows == 1) {
           row_tile(tile_a, panel, k, tile_out.data());
         } else {
-          tile(tile_a, tile_lda, panel, k, tile_out.data());
+          // (A prefetch past the last panel is harmless: prefetches never fault.)
+          const float* fetch = r0 == m0           ? panel + kPrefetchRows * kPanelWidth
+                               : r0 == m0 + kRows ? next_panel
+                                                  : panel;
+          tile(tile_a, tile_lda, panel, k, tile_out.data(), fetch);
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = c + (r0 + r) * ldc + first;
