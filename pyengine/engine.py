@@ -236,7 +236,14 @@ class LLMEngine:
         ]
         return self.sampler(logits, rows)
 
-    def _append(self, state, sample, token, logprobs, now) -> None:  # type: ignore[no-untyped-def]
+    def _append(
+        self,
+        state: _RequestState,
+        sample: _Sample,
+        token: int,
+        logprobs: PositionLogprobs | None,
+        now: float,
+    ) -> None:
         out = sample.output
         out.token_ids.append(token)
         if state.metrics.first_token_time is None:
@@ -251,7 +258,7 @@ class LLMEngine:
         if state.params.stop_strings and self.tokenizer is not None:
             self._check_stop_strings(state, sample)
 
-    def _decode_logprobs(self, logprobs) -> None:  # type: ignore[no-untyped-def]
+    def _decode_logprobs(self, logprobs: PositionLogprobs) -> None:
         if self.tokenizer is not None:
             for token, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.token_text(token)
