@@ -71,3 +71,27 @@ def test_hub_ids_without_network_are_clear_errors(monkeypatch) -> None:  # type:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(FileNotFoundError, match="not in the local Hugging Face cache"):
         resolve.resolve_path("no-such-org/no-such-model")
+
+
+def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
+    llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=16 * 2**20)
+    runner = llm.engine.runner
+    execute = runner.execute
+    calls = 0
+
+    def failing_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal calls
+        calls += 1
+        if calls == 3:
+            raise RuntimeError("injected failure")
+        return execute(*args, **kwargs)
+
+    runner.execute = failing_once  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 8
