@@ -32,6 +32,19 @@ inline void check_dtype(const TensorView& t, DType dtype, const char* op, const 
   }
 }
 
+// A [tokens, ...] tensor of `ndim` dims and `dtype` on the CPU with a dense last dim (and,
+// with 3 dims, dense heads: [tokens, heads, d] rows).
+inline void check_rows(const TensorView& t, const char* op, const char* name, int ndim,
+                       DType dtype) {
+  check_cpu(t, op, name);
+  check_shape(t, op, name, ndim);
+  check_dtype(t, dtype, op, name);
+  if (t.strides[ndim - 1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
+  if (ndim == 3 && t.strides[1] != t.shape[2]) {
+    throw InvalidArgument(arg(op, name) + " must have dense heads ([tokens, heads, d] rows)");
+  }
+}
+
 inline bool is_cache_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }

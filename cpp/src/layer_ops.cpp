@@ -10,21 +10,15 @@
 
 #include "attention_checks.h"
 #include "float_convert.h"
+#include "vector_clones.h"
 
 namespace pyengine {
 namespace {
 
 using detail::arg;
+using detail::check_rows;
 
 constexpr int64_t kParallelElements = 1 << 15;
-
-// Row loops the compiler vectorizes, built for each x86 vector width where the compiler
-// clones functions per target (picked at load time).
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYENGINE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PYENGINE_VECTOR_CLONES
-#endif
 
 // A 2-d [rows, cols] view's element (r, i), any dtype, dense last dim.
 template <DType kDType>
@@ -34,16 +28,6 @@ struct Rows {
   float get(int64_t r, int64_t i) const { return detail::load<kDType>(data, r * stride + i); }
   void set(int64_t r, int64_t i, float v) const { detail::store<kDType>(data, r * stride + i, v); }
 };
-
-void check_rows(const TensorView& t, const char* op, const char* name, int ndim, DType dtype) {
-  detail::check_cpu(t, op, name);
-  detail::check_shape(t, op, name, ndim);
-  detail::check_dtype(t, dtype, op, name);
-  if (t.strides[ndim - 1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
-  if (ndim == 3 && t.strides[1] != t.shape[2]) {
-    throw InvalidArgument(arg(op, name) + " must have dense heads ([tokens, heads, d] rows)");
-  }
-}
 
 void check_float_dtype(const TensorView& t, const char* op, const char* name) {
   if (!detail::is_cache_dtype(t.dtype)) {
@@ -74,7 +58,8 @@ void check_norm_args(const char* op, const TensorView& x, const TensorView& othe
                           other.describe() + " and weight " + weight.describe() +
                           " disagree in shape");
   }
-  if (!(eps > 0) || !std::isfinite(eps)) throw InvalidArgument(std::string(op) + ": eps must be > 0");
+  if (!(eps > 0) || !std::isfinite(eps))
+    throw InvalidArgument(std::string(op) + ": eps must be > 0");
 }
 
 // exp(x), about 2 ulp, branch-free so that a loop of it vectorizes: Cody-Waite range
@@ -101,8 +86,8 @@ inline float exp_clamped(float x) {
 // out = in / sqrt(mean(in^2) + eps) * weight for one float32 row, rounding as torch's
 // x.pow(2).mean(-1): float squares, summed (here in double), then float.
 PYENGINE_VECTOR_CLONES
-void rms_norm_row(const float* __restrict in, const float* __restrict weight,
-                  float* __restrict out, int64_t n, float eps) {
+void rms_norm_row(const float* __restrict in, const float* __restrict weight, float* __restrict out,
+                  int64_t n, float eps) {
   double sum = 0;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += static_cast<double>(in[i] * in[i]);
@@ -174,8 +159,8 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
     constexpr DType kD = decltype(d)::value;
     for_each_norm_row<kD>(weight, x.shape[0], n, [&](int64_t r, float* buffer, const float* w) {
       const float* in = load_row<kD>(x, r, n, buffer);
-      float* dst = kD == DType::kFloat32 ? static_cast<float*>(out.data) + r * out.strides[0]
-                                         : buffer + n;
+      float* dst =
+          kD == DType::kFloat32 ? static_cast<float*>(out.data) + r * out.strides[0] : buffer + n;
       rms_norm_row(in, w, dst, n, eps);
       store_row<kD>(out, r, n, dst);
     });
@@ -229,8 +214,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   for (int64_t t = 0; t < tokens; ++t) {
     const int64_t p = position(t);
     if (p < 0 || p >= max_positions) {
-      throw InvalidArgument(std::string(op) + ": positions[" + std::to_string(t) + "] = " +
-                            std::to_string(p) + " is outside [0, " +
+      throw InvalidArgument(std::string(op) + ": positions[" + std::to_string(t) +
+                            "] = " + std::to_string(p) + " is outside [0, " +
                             std::to_string(max_positions) + ")");
     }
   }

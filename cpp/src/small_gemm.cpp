@@ -10,11 +10,13 @@
 #include <vector>
 
 #include "attention_checks.h"
+#include "vector_clones.h"
 
 namespace pyengine {
 namespace {
 
 using detail::arg;
+using detail::check_rows;
 
 constexpr int kRows = 8;
 constexpr int kLanes = 16;
@@ -24,12 +26,6 @@ constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of 
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using UnalignedVec =
     float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
-
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define PYENGINE_VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define PYENGINE_VECTOR_CLONES
-#endif
 
 // c[r][0, 48) = sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda apart).
 // Meanwhile asks for `fetch` (k rows of a panel) to be brought into cache, a row per row:
@@ -83,14 +79,6 @@ void row_tile(const float* a, const float* panel, int64_t k, float* c) {
   }
 }
 
-void check_float_matrix(const TensorView& t, const char* name) {
-  constexpr const char* op = "small_gemm";
-  detail::check_cpu(t, op, name);
-  detail::check_dtype(t, DType::kFloat32, op, name);
-  detail::check_shape(t, op, name, 2);
-  if (t.strides[1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
-}
-
 }  // namespace
 
 int64_t packed_weight_size(int64_t k, int64_t n) {
@@ -98,7 +86,7 @@ int64_t packed_weight_size(int64_t k, int64_t n) {
 }
 
 void pack_weight(const TensorView& packed, const TensorView& w_t) {
-  check_float_matrix(w_t, "w_t");
+  check_rows(w_t, "pack_weight", "w_t", 2, DType::kFloat32);
   const int64_t k = w_t.shape[0], n = w_t.shape[1];
   detail::check_cpu(packed, "pack_weight", "packed");
   detail::check_dtype(packed, DType::kFloat32, "pack_weight", "packed");
@@ -122,8 +110,8 @@ void pack_weight(const TensorView& packed, const TensorView& w_t) {
 void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
                 const TensorView& bias, int64_t n) {
   constexpr const char* op = "small_gemm";
-  check_float_matrix(x, "x");
-  check_float_matrix(out, "out");
+  check_rows(x, op, "x", 2, DType::kFloat32);
+  check_rows(out, op, "out", 2, DType::kFloat32);
   const int64_t m = x.shape[0], k = x.shape[1];
   if (out.shape[0] != m || out.shape[1] != n) {
     throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(m) + ", " +
@@ -147,6 +135,17 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   auto* c = static_cast<float*>(out.data);
   const int64_t lda = x.strides[0], ldc = out.strides[0];
   const int64_t num_panels = (n + kPanelWidth - 1) / kPanelWidth;
+  // A last tile of 2-7 rows runs as a full one: its rows, then zeros, copied once here.
+  const int64_t tail_first = m / kRows * kRows;
+  thread_local std::vector<float> tail;
+  if (const int64_t rows = m - tail_first; rows > 1) {
+    tail.assign(static_cast<size_t>(kRows * k), 0.0f);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(tail.data() + r * k, a + (tail_first + r) * lda,
+                  static_cast<size_t>(k) * sizeof(float));
+    }
+  }
+  const float* padded_tail = tail.data();
   // Many rows (a prefill) go in blocks whose rows of x stay in L2 while every panel
   // passes over them; a decode step's few rows are one block.
   const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / k / kRows * kRows);
@@ -154,24 +153,16 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
     const int64_t m1 = std::min(m, m0 + block_rows);
 #pragma omp parallel for schedule(static) if (num_panels > 1 && (m1 - m0) * k * n >= (1 << 16))
     for (int64_t p = 0; p < num_panels; ++p) {
-      thread_local std::vector<float> rows_buffer, tile_out;
+      thread_local std::vector<float> tile_out;
       tile_out.resize(kRows * kPanelWidth);
       const float* panel = panels + p * k * kPanelWidth;
       const float* next_panel = p + 1 < num_panels ? panel + k * kPanelWidth : panel;
       const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
       for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
         const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
-        const float* tile_a = a + r0 * lda;
-        int64_t tile_lda = lda;
-        if (rows > 1 && rows < kRows) {  // a partial tile: its rows, then zeros
-          rows_buffer.assign(static_cast<size_t>(kRows * k), 0.0f);
-          for (int64_t r = 0; r < rows; ++r) {
-            std::memcpy(rows_buffer.data() + r * k, tile_a + r * lda,
-                        static_cast<size_t>(k) * sizeof(float));
-          }
-          tile_a = rows_buffer.data();
-          tile_lda = k;
-        }
+        const bool padded = rows > 1 && rows < kRows;
+        const float* tile_a = padded ? padded_tail : a + r0 * lda;
+        const int64_t tile_lda = padded ? k : lda;
         if (rows == 1) {
           row_tile(tile_a, panel, k, tile_out.data());
         } else {
