@@ -26,6 +26,7 @@ class _Sample:
     """One of a request's n samples."""
 
     index: int
+    row_id: str  # the scheduler's id: the request's for sample 0, else sample_id(request, k)
     generator: torch.Generator | None
     output: CompletionOutput
     finished: bool = False
@@ -40,8 +41,9 @@ class _RequestState:
     samples: list[_Sample]
     metrics: RequestMetrics
     blocked_token_ids: tuple[int, ...] = ()
-    num_cached_tokens: int = 0
-    done: bool = field(default=False)
+    num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    scheduled: bool = False
+    done: bool = False
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
 
     def to_output(self) -> RequestOutput:
@@ -81,6 +83,7 @@ class LLMEngine:
         self.sampler = Sampler(config.seed)
         self.requests: dict[str, _RequestState] = {}
         self._by_row_id: dict[str, tuple[_RequestState, _Sample]] = {}
+        self._finished: list[_RequestState] = []  # done, not yet returned by step()
 
     # -- requests --------------------------------------------------------------------
 
@@ -127,7 +130,12 @@ class LLMEngine:
         )
         blocked = tuple(stop_ids) + (() if params.ignore_eos or eos is None else (eos,))
         samples = [
-            _Sample(k, self._generator(params.seed, k), CompletionOutput(k, "", []))
+            _Sample(
+                k,
+                request_id if k == 0 else Scheduler.sample_id(request_id, k),
+                self._generator(params.seed, k),
+                CompletionOutput(k, "", []),
+            )
             for k in range(params.n)
         ]
         state = _RequestState(
@@ -141,8 +149,7 @@ class LLMEngine:
         )
         self.requests[request_id] = state
         for s in samples:
-            row_id = request_id if s.index == 0 else Scheduler.sample_id(request_id, s.index)
-            self._by_row_id[row_id] = (state, s)
+            self._by_row_id[s.row_id] = (state, s)
 
     @staticmethod
     def _generator(seed: int | None, sample: int) -> torch.Generator | None:
@@ -155,9 +162,8 @@ class LLMEngine:
         if state is None:
             return
         for s in state.samples:
-            row_id = request_id if s.index == 0 else Scheduler.sample_id(request_id, s.index)
-            if not s.finished and self.scheduler.has_request(row_id):
-                self.scheduler.abort_request(row_id)
+            if not s.finished and self.scheduler.has_request(s.row_id):
+                self.scheduler.abort_request(s.row_id)
             self._finish_sample(state, s, "abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -171,6 +177,7 @@ class LLMEngine:
             return self._collect_finished()
         b = self.scheduler.buffers
         sampling = [self._by_row_id[b.request_ids[i]] for i in np.flatnonzero(b.is_sampling)]
+        self._note_cached_prefixes(b)
         try:
             sampled = self._run_step(b, sampling)
         except BaseException:
@@ -192,6 +199,14 @@ class LLMEngine:
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
         return self._collect_finished()
+
+    def _note_cached_prefixes(self, b: StepBuffers) -> None:
+        """A request's first step starts after the prompt tokens the prefix cache held."""
+        for i, row_id in enumerate(b.request_ids):
+            state, sample = self._by_row_id[row_id]
+            if sample.index == 0 and not state.scheduled:
+                state.scheduled = True
+                state.num_cached_tokens = int(b.positions[b.query_start_loc[i]])
 
     def discard_finished(self) -> None:
         self._collect_finished()
@@ -277,13 +292,8 @@ class LLMEngine:
         at, stop = min(hits)
         sample.output.text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
         sample.output.stop_reason = stop
-        row_id = (
-            state.request_id
-            if sample.index == 0
-            else Scheduler.sample_id(state.request_id, sample.index)
-        )
-        if self.scheduler.has_request(row_id):
-            self.scheduler.finish_request(row_id, "stop")
+        if self.scheduler.has_request(sample.row_id):
+            self.scheduler.finish_request(sample.row_id, "stop")
         self._finish_sample(state, sample, "stop", text_done=True)
 
     def _finish_sample(
@@ -306,22 +316,18 @@ class LLMEngine:
         if all(s.finished for s in state.samples):
             state.done = True
             state.metrics.finished_time = time.time()
+            self._finished.append(state)
 
     def _eos(self) -> int | None:
         ids = self.model_config.eos_token_ids
         return ids[0] if ids else None
 
     def _collect_finished(self) -> list[RequestOutput]:
-        finished = [s for s in self.requests.values() if s.done]
+        finished, self._finished = self._finished, []
         for state in finished:
             del self.requests[state.request_id]
             for s in state.samples:
-                row_id = (
-                    state.request_id
-                    if s.index == 0
-                    else Scheduler.sample_id(state.request_id, s.index)
-                )
-                self._by_row_id.pop(row_id, None)
+                self._by_row_id.pop(s.row_id, None)
         return [s.to_output() for s in finished]
 
     def stats(self) -> dict[str, float]:

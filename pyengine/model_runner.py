@@ -39,7 +39,6 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         c = loaded.config
-        self.model = build_model(loaded, config.max_model_len, config.seed)
         self.block_size = config.block_size
         block_bytes = (
             2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * config.block_size * 4
@@ -52,6 +51,7 @@ class ModelRunner:
                 f"of {config.block_size} tokens; one max_model_len request needs {min_blocks} "
                 f"(at least {min_blocks * block_bytes} bytes, or lower max_model_len)"
             )
+        self.model = build_model(loaded, config.max_model_len, config.seed)
         shape = (self.num_blocks, c.num_key_value_heads)
         # torch.empty: pages are committed as blocks are first written.
         self.caches: list[KVCache] = [

@@ -70,9 +70,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
         logits = logits.float()
-        raw = logits
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        logprobs = torch.log_softmax(raw, dim=-1) if want_logprobs else None
+        # Logprobs of the model's own distribution, before penalties and temperature.
+        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
         if all(_plain_greedy(r) for r in rows):  # the common batch: one argmax for all
             chosen = logits.argmax(dim=-1).tolist()
         else:
