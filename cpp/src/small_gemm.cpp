@@ -149,9 +149,12 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   // Many rows (a prefill) go in blocks whose rows of x stay in L2 while every panel
   // passes over them; a decode step's few rows are one block.
   const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / k / kRows * kRows);
+  // One parallel region, no barrier between blocks: with the same static split every
+  // block, a thread moves on to its panels of the next block as soon as it is done.
+#pragma omp parallel if (num_panels > 1 && std::min(m, block_rows) * k * n >= (1 << 16))
   for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
     const int64_t m1 = std::min(m, m0 + block_rows);
-#pragma omp parallel for schedule(static) if (num_panels > 1 && (m1 - m0) * k * n >= (1 << 16))
+#pragma omp for schedule(static) nowait
     for (int64_t p = 0; p < num_panels; ++p) {
       thread_local std::vector<float> tile_out;
       tile_out.resize(kRows * kPanelWidth);
