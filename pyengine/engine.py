@@ -13,6 +13,7 @@ import torch
 
 from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
+from pyengine.detokenizer import IncrementalDetokenizer
 from pyengine.loader.resolve import LoadedModel
 from pyengine.model_runner import ModelRunner
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -29,6 +30,7 @@ class _Sample:
     row_id: str  # the scheduler's id: the request's for sample 0, else sample_id(request, k)
     generator: torch.Generator | None
     output: CompletionOutput
+    detokenizer: IncrementalDetokenizer | None  # the text so far, as tokens arrive
     finished: bool = False
 
 
@@ -135,6 +137,9 @@ class LLMEngine:
                 request_id if k == 0 else Scheduler.sample_id(request_id, k),
                 self._generator(params.seed, k),
                 CompletionOutput(k, "", []),
+                None
+                if self.tokenizer is None
+                else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
             )
             for k in range(params.n)
         ]
@@ -172,9 +177,11 @@ class LLMEngine:
     # -- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that finished in it."""
+        """Runs one engine step; returns the requests that got tokens in it or finished
+        (since the last step, aborts too). Their outputs are live: read them before the
+        next step."""
         if self.scheduler.schedule() == 0:
-            return self._collect_finished()
+            return self._collect_outputs([])
         b = self.scheduler.buffers
         sampling = [self._by_row_id[b.request_ids[i]] for i in np.flatnonzero(b.is_sampling)]
         self._note_cached_prefixes(b)
@@ -192,13 +199,15 @@ class LLMEngine:
         }
         self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
         now = time.time()
+        progressed: dict[str, _RequestState] = {}
         for row_id, token, reason in self.scheduler.outputs():
             state, sample = self._by_row_id[row_id]
+            progressed[state.request_id] = state
             if token is not None:
                 self._append(state, sample, token, logprobs_of.get(id(sample)), now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
-        return self._collect_finished()
+        return self._collect_outputs(list(progressed.values()))
 
     def _note_cached_prefixes(self, b: StepBuffers) -> None:
         """A request's first step starts after the prompt tokens the prefix cache held."""
@@ -209,7 +218,7 @@ class LLMEngine:
                 state.num_cached_tokens = int(b.positions[b.query_start_loc[i]])
 
     def discard_finished(self) -> None:
-        self._collect_finished()
+        self._collect_outputs([])
 
     def _prompt_logprob_rows(self, b: StepBuffers) -> list[tuple[_RequestState, int, int]]:
         """(request, prompt position predicted, token row) for requests that want prompt
@@ -270,6 +279,9 @@ class LLMEngine:
             self._decode_logprobs(logprobs)
             out.logprobs.append(logprobs)
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[token].logprob
+        if sample.detokenizer is not None:
+            sample.detokenizer.add(token)
+            out.text = sample.detokenizer.text
         if state.params.stop_strings and self.tokenizer is not None:
             self._check_stop_strings(state, sample)
 
@@ -322,13 +334,16 @@ class LLMEngine:
         ids = self.model_config.eos_token_ids
         return ids[0] if ids else None
 
-    def _collect_finished(self) -> list[RequestOutput]:
+    def _collect_outputs(self, progressed: list[_RequestState]) -> list[RequestOutput]:
+        """Outputs of `progressed` and of every request finished since the last call; the
+        finished ones leave the engine."""
         finished, self._finished = self._finished, []
         for state in finished:
             del self.requests[state.request_id]
             for s in state.samples:
                 self._by_row_id.pop(s.row_id, None)
-        return [s.to_output() for s in finished]
+        ids = {id(state) for state in progressed}
+        return [s.to_output() for s in progressed + [f for f in finished if id(f) not in ids]]
 
     def stats(self) -> dict[str, float]:
         s = self.scheduler.stats()

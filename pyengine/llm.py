@@ -6,9 +6,8 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from pyengine.config import EngineConfig, default_kv_cache_memory
-from pyengine.engine import LLMEngine
-from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.engine_args import EngineArgs
+from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
@@ -33,31 +32,21 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
     ) -> None:
-        if dtype not in ("auto", "float32"):
-            raise ValueError(f"dtype {dtype!r}: the CPU backend runs float32 ('auto' or 'float32')")
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        loaded = load_model(model, tokenizer, load_format)
-        model_len = loaded.config.max_position_embeddings
-        if max_model_len is None:
-            max_model_len = model_len
-        elif max_model_len > model_len:
-            raise ValueError(
-                f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
-            )
-        if max_num_batched_tokens is None:
-            max_num_batched_tokens = 2048 if enable_chunked_prefill else max(2048, max_model_len)
-        config = EngineConfig(
+        self.engine = EngineArgs(
+            model=model,
+            tokenizer=tokenizer,
+            dtype=dtype,
             max_model_len=max_model_len,
             block_size=block_size,
-            kv_cache_memory=kv_cache_memory or default_kv_cache_memory(),
+            kv_cache_memory=kv_cache_memory,
+            gpu_memory_utilization=gpu_memory_utilization,
             enable_prefix_caching=enable_prefix_caching,
             enable_chunked_prefill=enable_chunked_prefill,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
-        )
-        self.engine = LLMEngine(loaded, config)
+            load_format=load_format,
+        ).create_engine()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PyengineTokenizer:
@@ -132,8 +121,9 @@ class LLM:
             with _Progress(len(ids), use_tqdm) as progress:
                 while engine.has_unfinished_requests():
                     for out in engine.step():
-                        done[out.request_id] = out
-                        progress.update(out)
+                        if out.finished:
+                            done[out.request_id] = out
+                            progress.update(out)
             return [done[i] for i in ids]
         except BaseException:
             for request_id in added:  # nothing is left queued behind an error

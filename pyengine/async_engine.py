@@ -1,0 +1,359 @@
+"""AsyncLLMEngine: the engine loop in a background thread, requests streamed to asyncio.
+
+The LLMEngine belongs to one thread, which takes commands (add, abort, stop) between
+steps and runs steps while any request is unfinished; all requests share its continuous
+batch. Each step's news goes back to the event loop in one call, as a `RequestUpdate`
+per request that progressed: the text, tokens and logprobs added since the last update.
+Text that could still turn out to begin a stop string is held back until it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyengine.engine import LLMEngine
+from pyengine.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from pyengine.sampling_params import SamplingParams
+
+logger = logging.getLogger("pyengine")
+
+
+@dataclass
+class SampleDelta:
+    """What one of a request's samples added since its last delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestUpdate:
+    request_id: str
+    prompt_token_ids: list[int]
+    samples: list[SampleDelta]  # those with something new
+    finished: bool
+    num_cached_tokens: int
+    metrics: RequestMetrics
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # in the first update
+
+
+@dataclass
+class EngineStats:
+    """A snapshot the engine thread takes after every step (the C++ scheduler is read only
+    from that thread)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_preemptions: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass
+class _Sent:
+    """How much of each sample's output a request's stream has delivered."""
+
+    text: list[int]
+    tokens: list[int]
+    finished: list[bool]
+    hold_back: int  # characters that could begin a stop string
+    first: bool = True
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    updates: asyncio.Queue[RequestUpdate | BaseException]
+    sent: _Sent | None = None
+
+
+@dataclass
+class _Command:
+    kind: str  # "add", "abort", "stop"
+    request_id: str = ""
+    args: tuple[Any, ...] = ()
+    done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class RequestStream:
+    """One request's updates, in order, until the one that finishes it."""
+
+    def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
+        self.request_id = request_id
+        self.finished = False
+        self._engine = engine
+        self._stream = stream
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestUpdate:
+        if self.finished:
+            raise StopAsyncIteration
+        update = await self._stream.updates.get()
+        if isinstance(update, BaseException):
+            self.finished = True
+            raise update
+        self.finished = update.finished
+        return update
+
+    def close(self) -> None:
+        """Aborts the request unless it has finished."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+
+class AsyncLLMEngine:
+    """Runs `engine` in a background thread from `start()` until `stop()`."""
+
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_step: Callable[[EngineStats, list[RequestOutput], int], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.model_config = engine.model_config
+        self.config = engine.config
+        self.stats = EngineStats()
+        # Called on the engine thread after each step: the stats, the requests that
+        # finished, and the number of tokens generated.
+        self._on_step = on_step
+        self._commands: queue.Queue[_Command] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
+        self._thread = threading.Thread(target=self._run, name="pyengine-engine", daemon=True)
+        self._error: BaseException | None = None
+
+    # -- the event loop's side -------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Aborts every request (their streams end with finish_reason "abort") and joins
+        the engine thread."""
+        if self._thread.is_alive():
+            self._submit(_Command("stop"))
+            self._thread.join(timeout)
+
+    async def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queues a request; a bad one raises ValueError here. Iterate the returned
+        stream for its updates; close it to abort the request (a client gone)."""
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        command = _Command("add", request_id, (prompt_token_ids, params, prompt, stream))
+        await asyncio.wrap_future(self._submit(command).done)
+        return RequestStream(self, request_id, stream)
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> AsyncIterator[RequestUpdate]:
+        """add_request, then its updates until it finishes; leaving early aborts it."""
+        stream = await self.add_request(request_id, prompt_token_ids, params, prompt)
+        try:
+            async for update in stream:
+                yield update
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        if self._thread.is_alive():
+            self._submit(_Command("abort", request_id))
+
+    def _submit(self, command: _Command) -> _Command:
+        if not self._thread.is_alive():
+            raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
+        self._commands.put(command)
+        if not self._thread.is_alive():  # it ended after the check above
+            self._refuse_queued_commands()
+        return command
+
+    # -- the engine thread -----------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._serve_commands():
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as error:  # a bug: fail every stream rather than hang it
+            logger.exception("the engine loop failed")
+            self._error = error
+            for stream in self._streams.values():
+                stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
+            raise
+        finally:
+            self._refuse_queued_commands()
+
+    def _refuse_queued_commands(self) -> None:
+        """Commands that raced with the end of the loop fail instead of waiting forever."""
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if not command.done.done():
+                command.done.set_exception(EngineDeadError("the engine has stopped"))
+
+    def _serve_commands(self) -> bool:
+        """Runs the queued commands (waits for one while there is nothing to step);
+        False once told to stop."""
+        idle = not self.engine.has_unfinished_requests()
+        while True:
+            try:
+                command = self._commands.get(block=idle)
+            except queue.Empty:
+                return True
+            idle = False
+            if command.kind == "stop":
+                for request_id in list(self._streams):
+                    self.engine.abort_request(request_id)
+                while self.engine.has_unfinished_requests():
+                    self._step()
+                command.done.set_result(None)
+                return False
+            try:
+                if command.kind == "add":
+                    self._add(command.request_id, *command.args)
+                else:
+                    self.engine.abort_request(command.request_id)
+            except Exception as error:
+                command.done.set_exception(error)
+            else:
+                command.done.set_result(None)
+
+    def _add(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None,
+        stream: _Stream,
+    ) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        hold_back = 0 if not params.stop_strings else max(map(len, params.stop_strings)) - 1
+        n = params.n
+        stream.sent = _Sent([0] * n, [0] * n, [False] * n, hold_back)
+        self._streams[request_id] = stream
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception:
+            # LLMEngine.step has already ended the step's requests; their aborts come
+            # out of the next step. The engine keeps serving the others.
+            logger.exception("an engine step failed; its requests were aborted")
+            outputs = []
+        deliveries: list[tuple[_Stream, RequestUpdate]] = []
+        finished: list[RequestOutput] = []
+        generated = 0
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue
+            update = _delta(out, stream)
+            generated += sum(len(s.token_ids) for s in update.samples)
+            deliveries.append((stream, update))
+            if out.finished:
+                finished.append(out)
+                del self._streams[out.request_id]
+        self._update_stats()
+        if self._on_step is not None:
+            self._on_step(self.stats, finished, generated)
+        for loop, batch in _by_loop(deliveries).items():
+            loop.call_soon_threadsafe(_deliver, batch)
+
+    def _update_stats(self) -> None:
+        s = self.engine.stats()
+        self.stats = EngineStats(
+            num_running=int(s["num_running"]),
+            num_waiting=int(s["num_waiting"]),
+            num_preemptions=int(s["num_preemptions"]),
+            prefix_cache_hit_rate=float(s["prefix_cache_hit_rate"]),
+            kv_cache_usage=float(s["kv_cache_usage"]),
+        )
+
+
+def _delta(out: RequestOutput, stream: _Stream) -> RequestUpdate:
+    """What `out` adds to what its stream has delivered (and notes it delivered)."""
+    sent = stream.sent
+    assert sent is not None
+    samples = []
+    for o in out.outputs:
+        k = o.index
+        if sent.finished[k]:
+            continue
+        done = o.finish_reason is not None
+        # The final text is the whole of it; until then, keep back a possible stop string.
+        text_end = len(o.text) if done else max(sent.text[k], len(o.text) - sent.hold_back)
+        new_tokens = o.token_ids[sent.tokens[k] :]
+        if not new_tokens and not done and text_end == sent.text[k]:
+            continue
+        logprobs = None if o.logprobs is None else o.logprobs[sent.tokens[k] :]
+        samples.append(
+            SampleDelta(
+                k,
+                o.text[sent.text[k] : text_end],
+                new_tokens,
+                logprobs,
+                o.finish_reason,
+                o.stop_reason,
+            )
+        )
+        sent.text[k], sent.tokens[k], sent.finished[k] = text_end, len(o.token_ids), done
+    first, sent.first = sent.first, False
+    return RequestUpdate(
+        out.request_id,
+        out.prompt_token_ids,
+        samples,
+        out.finished,
+        out.num_cached_tokens,
+        RequestMetrics(
+            out.metrics.arrival_time, out.metrics.first_token_time, out.metrics.finished_time
+        ),
+        out.prompt_logprobs if first else None,
+    )
+
+
+def _by_loop(
+    deliveries: list[tuple[_Stream, RequestUpdate]],
+) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestUpdate]]]:
+    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestUpdate]]] = {}
+    for stream, update in deliveries:
+        groups.setdefault(stream.loop, []).append((stream, update))
+    return groups
+
+
+def _deliver(batch: list[tuple[_Stream, RequestUpdate]]) -> None:
+    for stream, update in batch:
+        stream.updates.put_nowait(update)

@@ -1,0 +1,289 @@
+"""The OpenAI-compatible HTTP server (FastAPI + uvicorn) over one AsyncLLMEngine.
+
+python -m pyengine.entrypoints.openai.api_server --model MODEL [options]
+pyengine serve [MODEL] [options]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.background import BackgroundTask
+
+from pyengine.async_engine import AsyncLLMEngine, EngineDeadError
+from pyengine.engine_args import EngineArgs
+from pyengine.entrypoints.openai.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
+from pyengine.entrypoints.openai.serving import close_all, unless_disconnected
+from pyengine.entrypoints.openai.serving_chat import ChatServing
+from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.loader.resolve import DEFAULT_MODEL
+from pyengine.metrics import EngineMetrics
+
+logger = logging.getLogger("pyengine")
+
+CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    d = EngineArgs()
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-key", default=None, help="clients must send it as a Bearer token")
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
+    )
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--load-format", default=d.load_format)
+    parser.add_argument("--dtype", default=d.dtype)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=d.block_size)
+    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument(
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
+    parser.add_argument(
+        "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds Ctrl-C waits for in-flight requests before aborting them",
+    )
+    return parser
+
+
+def engine_args(ns: argparse.Namespace) -> EngineArgs:
+    return EngineArgs(
+        model=ns.model,
+        tokenizer=ns.tokenizer,
+        dtype=ns.dtype,
+        max_model_len=ns.max_model_len,
+        block_size=ns.block_size,
+        kv_cache_memory=ns.kv_cache_memory,
+        gpu_memory_utilization=ns.gpu_memory_utilization,
+        enable_prefix_caching=ns.enable_prefix_caching,
+        enable_chunked_prefill=ns.enable_chunked_prefill,
+        max_num_seqs=ns.max_num_seqs,
+        max_num_batched_tokens=ns.max_num_batched_tokens,
+        seed=ns.seed,
+        load_format=ns.load_format,
+    )
+
+
+def read_chat_template(value: str | None) -> str | None:
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        return path.read_text()
+    if "{{" in value or "{%" in value:
+        return value  # the template itself
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
+
+
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_names: list[str],
+    api_key: str | None = None,
+    chat_template: str | None = None,
+    metrics: EngineMetrics | None = None,
+) -> FastAPI:
+    """The app over `engine`, which it starts and stops with its lifespan."""
+    completions = CompletionServing(engine, served_model_names, chat_template)
+    chat = ChatServing(engine, served_model_names, chat_template)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if not engine.is_running:
+            engine.start()
+        yield
+        await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="pyengine", lifespan=lifespan)
+
+    @app.middleware("http")
+    async def authenticate(
+        request: Request, call_next: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        if (
+            api_key is not None
+            and request.url.path.startswith("/v1")
+            and request.headers.get("authorization") != f"Bearer {api_key}"
+        ):
+            return error_response(APIError("invalid or missing API key", status=401))
+        return await call_next(request)
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> Response:
+        return error_response(validation_error(error))
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, error: EngineDeadError) -> Response:
+        return error_response(APIError(str(error), status=503))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.is_running else 503)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        from pyengine import __version__
+
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "pyengine",
+                "max_model_len": engine.config.max_model_len,
+            }
+            for name in served_model_names
+        ]
+        return {"object": "list", "data": data}
+
+    @app.post("/v1/completions")
+    async def create_completion(body: CompletionRequest, raw: Request) -> Response:
+        return await answer(raw, completions.create(body))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
+        return await answer(raw, chat.create(body))
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError("give exactly one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            _, tokens = chat.render(body.messages, None, body.add_generation_prompt)
+        else:
+            tokens = chat.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        max_model_len = engine.config.max_model_len
+        return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
+        completions.check_model(body.model)
+        completions.check_token_ids(body.tokens, "tokens")
+        return {"prompt": chat.tokenizer.decode(body.tokens, False)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        content = metrics.render() if metrics is not None else b""
+        return Response(content, media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+async def answer(raw: Request, work: Awaitable[Any]) -> Response:
+    """A JSON body, or an SSE stream whose requests are aborted if it ends early."""
+    try:
+        result = await unless_disconnected(raw, work)
+    except asyncio.CancelledError:
+        return Response(status_code=CLIENT_CLOSED)
+    if isinstance(result, dict):
+        return JSONResponse(result)
+    events, streams = result
+    # The background task also covers a stream that never started (client already gone).
+    return StreamingResponse(
+        events, media_type="text/event-stream", background=BackgroundTask(close_all, streams)
+    )
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status)
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    problems = []
+    param = None
+    for e in error.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            problems.append(f"malformed JSON body ({e.get('msg', '')})")
+            continue
+        param = param or (loc[0] if loc else None)
+        problems.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+    return APIError("; ".join(problems) or "invalid request", status=400, param=param)
+
+
+def serve(ns: argparse.Namespace) -> None:
+    """Loads the model, logs what it holds, and serves until Ctrl-C."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    chat_template = read_chat_template(ns.chat_template)
+    start = time.perf_counter()
+    llm_engine = engine_args(ns).create_engine()
+    c, runner = llm_engine.model_config, llm_engine.runner
+    logger.info(
+        "loaded %s (%s, %.1fM parameters) in %.1f s",
+        ns.model,
+        c.architecture,
+        runner.model.num_parameters / 1e6,
+        time.perf_counter() - start,
+    )
+    block = llm_engine.config.block_size
+    logger.info(
+        "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+        runner.num_blocks,
+        block,
+        runner.num_blocks * block,
+        llm_engine.config.max_model_len,
+    )
+    names = ns.served_model_name or [ns.model]
+    metrics = EngineMetrics(names[0])
+    engine = AsyncLLMEngine(llm_engine, on_step=metrics.on_step)
+    app = build_app(engine, names, ns.api_key, chat_template, metrics)
+    logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
+    uvicorn.run(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=int(ns.shutdown_timeout),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="pyengine's OpenAI-compatible server")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    serve(add_server_arguments(parser).parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,222 @@
+"""The OpenAI API's request bodies (with vLLM's extra sampling fields) and its errors.
+Fields a client may send that pyengine does not use are accepted and ignored, as OpenAI's
+own clients send some by default; those that would change the output are refused."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pyengine.sampling_params import SamplingParams
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+
+    @property
+    def type(self) -> str:
+        return {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            503: "service_unavailable",
+        }.get(self.status, "internal_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """Fields completions and chat share."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    logit_bias: dict[str, float] | None = None
+    # vLLM's extras
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def sampling_params(
+        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+    ) -> SamplingParams:
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.temperature is not None and not 0 <= self.temperature <= 2:
+            raise APIError(
+                f"temperature must be in [0, 2], got {self.temperature}", param="temperature"
+            )
+        if self.stream_options is not None and not self.stream:
+            raise APIError(
+                "stream_options is only allowed with stream=true", param="stream_options"
+            )
+        optional = {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "repetition_penalty": self.repetition_penalty,
+        }
+        try:
+            return SamplingParams(
+                n=self.n,
+                stop=self.stop,
+                seed=self.seed,
+                max_tokens=max_tokens,
+                min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids,
+                skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                **{k: v for k, v in optional.items() if v is not None},  # type: ignore[arg-type]
+            )
+        except ValueError as error:
+            # "SamplingParams.max_tokens must be ..." -> the request's field name
+            message = str(error).removeprefix("SamplingParams.")
+            raise APIError(message, param=message.split(" ", 1)[0]) from None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def to_sampling_params(self) -> SamplingParams:
+        if self.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError("best_of must equal n (no best-of ranking)", param="best_of")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
+        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        """As chat templates take it: content as one string."""
+        content = self.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        f"message content part of type {part.type!r} is not supported (text only)",
+                        param="messages",
+                    )
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    messages: list[ChatMessage]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extras
+    chat_template: str | None = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+    def to_sampling_params(self) -> SamplingParams:
+        if not self.messages:
+            raise APIError("messages must not be empty", param="messages")
+        if self.tools:
+            raise APIError("tools are not supported", param="tools")
+        if self.response_format and self.response_format.get("type") not in (None, "text"):
+            raise APIError("only response_format type 'text' is supported", param="response_format")
+        if self.top_logprobs is not None:
+            if not self.logprobs:
+                raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+            if not 0 <= self.top_logprobs <= 20:
+                raise APIError(
+                    f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                    param="top_logprobs",
+                )
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
+            max_tokens = self.max_completion_tokens  # let the check name the problem
+        logprobs = (self.top_logprobs or 0) if self.logprobs else None
+        return self.sampling_params(max_tokens, logprobs)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]

@@ -1,0 +1,185 @@
+"""What the completions and chat endpoints share: model names, starting a request's
+prompts on the engine, merging their streams, collecting whole answers, usage, SSE."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from pyengine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import PyengineTokenizer
+
+T = TypeVar("T")
+
+# (the prompt's text if known, its token ids)
+EncodedPrompt = tuple[str | None, list[int]]
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """One sample's whole answer, accumulated from its deltas."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class PromptResult:
+    prompt: EncodedPrompt
+    choices: list[Choice]
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+
+
+class OpenAIServing:
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None
+    ) -> None:
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.chat_template = chat_template
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+    def check_model(self, model: str | None) -> str:
+        if model is None or model in self.served_model_names:
+            return self.model_name
+        raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+
+    @property
+    def tokenizer(self) -> PyengineTokenizer:
+        if self.engine.tokenizer is None:
+            raise APIError("this model was loaded without a tokenizer", status=400)
+        return self.engine.tokenizer
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        vocab = self.engine.model_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab]
+        if bad:
+            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, param)
+
+    async def start(
+        self, prompts: list[EncodedPrompt], params: SamplingParams, request_id: str
+    ) -> list[RequestStream]:
+        """Queues every prompt; if one is refused, none stays queued."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (text, token_ids) in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, token_ids, params, text))
+        except ValueError as error:
+            close_all(streams)
+            raise APIError(str(error)) from None
+        except BaseException:
+            close_all(streams)
+            raise
+        return streams
+
+    async def collect(
+        self, prompts: list[EncodedPrompt], streams: list[RequestStream], n: int
+    ) -> list[PromptResult]:
+        results = [PromptResult(p, [Choice() for _ in range(n)]) for p in prompts]
+        async for i, update in merge(streams):
+            result = results[i]
+            result.num_cached_tokens = update.num_cached_tokens
+            if update.prompt_logprobs is not None:
+                result.prompt_logprobs = update.prompt_logprobs
+            for d in update.samples:
+                choice = result.choices[d.index]
+                choice.text += d.text
+                choice.token_ids += d.token_ids
+                choice.logprobs += d.logprobs or []
+                choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
+        return results
+
+    @staticmethod
+    def usage(results: list[PromptResult]) -> dict[str, Any]:
+        prompt = sum(len(r.prompt[1]) for r in results)
+        completion = sum(len(c.token_ids) for r in results for c in r.choices)
+        return usage(prompt, completion, sum(r.num_cached_tokens for r in results))
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def close_all(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
+    """The updates of all streams as they come, tagged with the stream's index; leaving
+    early (or failing) aborts every unfinished request."""
+    try:
+        if len(streams) == 1:
+            async for update in streams[0]:
+                yield 0, update
+            return
+        pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    update = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, update
+                pending[asyncio.ensure_future(anext(streams[i]))] = i
+    finally:
+        close_all(streams)
+        if len(streams) > 1:
+            for task in pending:
+                task.cancel()
+
+
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Runs `work`; if the client goes away first, cancels it (its requests abort) and
+    raises asyncio.CancelledError."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while not await request.is_disconnected():
+            await asyncio.sleep(0.25)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done() or task.cancelled():
+        raise asyncio.CancelledError("the client disconnected")
+    return task.result()

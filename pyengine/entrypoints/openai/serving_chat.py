@@ -1,0 +1,162 @@
+"""POST /v1/chat/completions: messages through the chat template, whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jinja2
+
+from pyengine.async_engine import RequestStream
+from pyengine.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
+from pyengine.entrypoints.openai.serving import (
+    SSE_DONE,
+    EncodedPrompt,
+    OpenAIServing,
+    merge,
+    random_id,
+    sse,
+    usage,
+)
+from pyengine.outputs import PositionLogprobs
+
+
+def _logprob_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+
+class ChatServing(OpenAIServing):
+    def render(
+        self,
+        messages: list[ChatMessage],
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        **kwargs: Any,
+    ) -> EncodedPrompt:
+        """The conversation as the model's chat template writes it, and its tokens."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [m.to_template() for m in messages],
+                chat_template=chat_template or self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                **kwargs,
+            )
+        except (jinja2.TemplateError, ValueError) as error:
+            raise APIError(f"the chat template failed: {error}", param="messages") from None
+        return text, self.tokenizer.encode(text, False)
+
+    def logprobs_json(
+        self, token_ids: list[int], positions: list[PositionLogprobs], top: int
+    ) -> dict[str, Any]:
+        content = []
+        for token, position in zip(token_ids, positions, strict=True):
+            chosen = position[token]
+            ranked = sorted((lp for lp in position.values() if lp.rank <= top), key=_rank)
+            entry = _logprob_entry(
+                chosen.decoded_token or self.tokenizer.token_text(token), chosen.logprob
+            )
+            entry["top_logprobs"] = [
+                _logprob_entry(lp.decoded_token or "", lp.logprob) for lp in ranked
+            ]
+            content.append(entry)
+        return {"content": content}
+
+    async def create(
+        self, request: ChatCompletionRequest
+    ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
+        model = self.check_model(request.model)
+        params = request.to_sampling_params()
+        prompt = self.render(
+            request.messages,
+            request.chat_template,
+            request.add_generation_prompt,
+            **request.chat_template_kwargs,
+        )
+        request_id = random_id("chatcmpl")
+        streams = await self.start([prompt], params, request_id)
+        if request.stream:
+            return self._stream(request, model, request_id, prompt, streams), streams
+        (result,) = await self.collect([prompt], streams, params.n)
+        choices = []
+        for k, c in enumerate(result.choices):
+            logprobs = None
+            if request.logprobs:
+                logprobs = self.logprobs_json(c.token_ids, c.logprobs, request.top_logprobs or 0)
+            choices.append(
+                {
+                    "index": k,
+                    "message": {"role": "assistant", "content": c.text},
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish_reason,
+                    "stop_reason": c.stop_reason,
+                }
+            )
+        return {
+            "id": request_id,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage([result]),
+        }
+
+    async def _stream(
+        self,
+        request: ChatCompletionRequest,
+        model: str,
+        request_id: str,
+        prompt: EncodedPrompt,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+            return sse(
+                {
+                    "id": request_id,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": choices,
+                    **extra,
+                }
+            )
+
+        for k in range(request.n):  # the role first, as OpenAI sends it
+            yield chunk(
+                [
+                    {
+                        "index": k,
+                        "delta": {"role": "assistant", "content": ""},
+                        "logprobs": None,
+                        "finish_reason": None,
+                    }
+                ]
+            )
+        completion_tokens, cached = 0, 0
+        async for _, update in merge(streams):
+            cached = update.num_cached_tokens
+            for d in update.samples:
+                completion_tokens += len(d.token_ids)
+                logprobs = None
+                if request.logprobs and d.logprobs is not None:
+                    logprobs = self.logprobs_json(
+                        d.token_ids, d.logprobs, request.top_logprobs or 0
+                    )
+                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
+                choice = {
+                    "index": d.index,
+                    "delta": delta,
+                    "logprobs": logprobs,
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                yield chunk([choice])
+        if request.include_usage:
+            yield chunk([], usage=usage(len(prompt[1]), completion_tokens, cached))
+        yield SSE_DONE
+
+
+def _rank(lp: Any) -> int:
+    return int(lp.rank)

@@ -1,0 +1,192 @@
+"""POST /v1/completions: text or token-id prompts (one or many), whole or streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any, cast
+
+from pyengine.async_engine import RequestStream
+from pyengine.entrypoints.openai.protocol import APIError, CompletionRequest
+from pyengine.entrypoints.openai.serving import (
+    SSE_DONE,
+    EncodedPrompt,
+    OpenAIServing,
+    PromptResult,
+    merge,
+    random_id,
+    sse,
+    usage,
+)
+from pyengine.outputs import PositionLogprobs
+
+
+class CompletionLogprobs:
+    """The completions API's logprobs object, built token by token."""
+
+    def __init__(self, text_offset: int = 0) -> None:
+        self.tokens: list[str] = []
+        self.token_logprobs: list[float | None] = []
+        self.top_logprobs: list[dict[str, float] | None] = []
+        self.text_offset: list[int] = []
+        self.next_offset = text_offset
+
+    def add(self, token_text: str, chosen: float | None, top: dict[str, float] | None) -> None:
+        self.tokens.append(token_text)
+        self.token_logprobs.append(chosen)
+        self.top_logprobs.append(top)
+        self.text_offset.append(self.next_offset)
+        self.next_offset += len(token_text)
+
+    def add_positions(
+        self,
+        token_ids: list[int],
+        positions: list[PositionLogprobs] | list[PositionLogprobs | None],
+        token_text: Any,
+    ) -> None:
+        for token, position in zip(token_ids, positions, strict=True):
+            if position is None:  # the prompt's first token
+                self.add(token_text(token), None, None)
+                continue
+            chosen = position[token]
+            top = {(lp.decoded_token or ""): lp.logprob for lp in position.values()}
+            self.add(chosen.decoded_token or token_text(token), chosen.logprob, top)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens": self.tokens,
+            "token_logprobs": self.token_logprobs,
+            "top_logprobs": self.top_logprobs,
+            "text_offset": self.text_offset,
+        }
+
+
+class CompletionServing(OpenAIServing):
+    def prompts(self, request: CompletionRequest) -> list[EncodedPrompt]:
+        p = request.prompt
+        if isinstance(p, str):
+            texts: list[str] | None = [p]
+        elif p and all(isinstance(x, str) for x in p):
+            texts = list(p)  # type: ignore[arg-type]
+        else:
+            texts = None
+        if texts is not None:
+            return [(t, self.tokenizer.encode(t)) for t in texts]
+        if not p:
+            raise APIError("prompt must not be empty", param="prompt")
+        id_lists = cast(list[list[int]], [p] if isinstance(p[0], int) else p)
+        for ids in id_lists:
+            self.check_token_ids(ids, "prompt")
+        return [(None, ids) for ids in id_lists]
+
+    async def create(
+        self, request: CompletionRequest
+    ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
+        model = self.check_model(request.model)
+        params = request.to_sampling_params()
+        prompts = self.prompts(request)
+        request_id = random_id("cmpl")
+        streams = await self.start(prompts, params, request_id)
+        if request.stream:
+            return self._stream(request, model, request_id, prompts, streams), streams
+        results = await self.collect(prompts, streams, params.n)
+        return self._response(request, model, request_id, results)
+
+    def _echo_text(self, prompt: EncodedPrompt) -> str:
+        text, ids = prompt
+        return text if text is not None else self.tokenizer.decode(ids, False)
+
+    def _response(
+        self, request: CompletionRequest, model: str, request_id: str, results: list[PromptResult]
+    ) -> dict[str, Any]:
+        choices = []
+        for i, result in enumerate(results):
+            echo = self._echo_text(result.prompt) if request.echo else ""
+            for k, c in enumerate(result.choices):
+                logprobs = None
+                if request.logprobs is not None:
+                    lp = CompletionLogprobs()
+                    if request.echo and result.prompt_logprobs is not None:
+                        lp.add_positions(
+                            result.prompt[1], result.prompt_logprobs, self.tokenizer.token_text
+                        )
+                    lp.add_positions(c.token_ids, c.logprobs, self.tokenizer.token_text)
+                    logprobs = lp.to_json()
+                choices.append(
+                    {
+                        "index": i * len(result.choices) + k,
+                        "text": echo + c.text,
+                        "logprobs": logprobs,
+                        "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason,
+                    }
+                )
+        return {
+            "id": request_id,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": choices,
+            "usage": self.usage(results),
+        }
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        prompts: list[EncodedPrompt],
+        streams: list[RequestStream],
+    ) -> AsyncIterator[str]:
+        n = request.n
+        created = int(time.time())
+        echoed: set[int] = set()
+        offsets: dict[int, int] = {}  # text_offset of each choice's next token
+        completion_tokens = 0
+        cached: dict[int, int] = {}  # by prompt
+        async for i, update in merge(streams):
+            cached[i] = update.num_cached_tokens
+            for d in update.samples:
+                index = i * n + d.index
+                text = d.text
+                lp = CompletionLogprobs(offsets.get(index, 0))
+                if request.echo and index not in echoed:
+                    echoed.add(index)
+                    text = self._echo_text(prompts[i]) + text
+                    if update.prompt_logprobs is not None and request.logprobs is not None:
+                        lp.add_positions(
+                            prompts[i][1], update.prompt_logprobs, self.tokenizer.token_text
+                        )
+                if d.logprobs is not None:
+                    lp.add_positions(d.token_ids, d.logprobs, self.tokenizer.token_text)
+                offsets[index] = lp.next_offset
+                completion_tokens += len(d.token_ids)
+                choice = {
+                    "index": index,
+                    "text": text,
+                    "logprobs": lp.to_json() if request.logprobs is not None else None,
+                    "finish_reason": d.finish_reason,
+                    "stop_reason": d.stop_reason,
+                }
+                yield sse(
+                    {
+                        "id": request_id,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": model,
+                        "choices": [choice],
+                    }
+                )
+        if request.include_usage:
+            prompt_tokens = sum(len(ids) for _, ids in prompts)
+            yield sse(
+                {
+                    "id": request_id,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage(prompt_tokens, completion_tokens, sum(cached.values())),
+                }
+            )
+        yield SSE_DONE

@@ -1,0 +1,82 @@
+"""The server's Prometheus metrics (names as vLLM's, under `pyengine:`), fed by the engine
+thread after every step; each server has its own registry."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pyengine.async_engine import EngineStats
+from pyengine.outputs import RequestOutput
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TOKEN_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pyengine:{name}", doc, labels, registry=self.registry)
+
+        def counter(name: str, doc: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(f"pyengine:{name}", doc, [*labels, *extra], registry=self.registry)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(
+                f"pyengine:{name}", doc, labels, buckets=buckets, registry=self.registry
+            )
+
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
+        self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
+        self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits per block looked up.")
+        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.finished = counter(
+            "request_success", "Finished requests by finish reason.", ("finished_reason",)
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Mean time per token after the first.", _TOKEN_BUCKETS
+        )
+        self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self._model = model_name
+        self._preemptions_seen = 0
+        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens):
+            metric.labels(model_name)  # exported from the start, at 0
+
+    def on_step(self, stats: EngineStats, finished: list[RequestOutput], generated: int) -> None:
+        m = self._model
+        self.running.labels(m).set(stats.num_running)
+        self.waiting.labels(m).set(stats.num_waiting)
+        self.kv_usage.labels(m).set(stats.kv_cache_usage)
+        self.hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
+        if stats.num_preemptions > self._preemptions_seen:
+            self.preemptions.labels(m).inc(stats.num_preemptions - self._preemptions_seen)
+            self._preemptions_seen = stats.num_preemptions
+        if generated:
+            self.generation_tokens.labels(m).inc(generated)
+        for out in finished:
+            self._record_finished(out)
+
+    def _record_finished(self, out: RequestOutput) -> None:
+        m, t = self._model, out.metrics
+        self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
+        for o in out.outputs:
+            self.finished.labels(m, o.finish_reason or "abort").inc()
+        if t.finished_time is not None:
+            self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
+        if t.first_token_time is None:
+            return
+        self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
+        tokens = max(len(o.token_ids) for o in out.outputs)
+        if t.finished_time is not None and tokens > 1:
+            self.tpot.labels(m).observe((t.finished_time - t.first_token_time) / (tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
