@@ -139,6 +139,7 @@ class AsyncLLMEngine:
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
         self._thread = threading.Thread(target=self._run, name="pyengine-engine", daemon=True)
         self._error: BaseException | None = None
+        self._failed_before = False  # the last step failed too
 
     # -- the event loop's side -------------------------------------------------------
 
@@ -271,9 +272,16 @@ class AsyncLLMEngine:
             outputs = self.engine.step()
         except Exception:
             # LLMEngine.step has already ended the step's requests; their aborts come
-            # out of the next step. The engine keeps serving the others.
+            # out of the next step, and the engine keeps serving the others. If that
+            # step fails too, the engine itself is broken: the loop ends (every stream
+            # gets the error, /health says so) rather than fail forever.
+            if self._failed_before:
+                raise
             logger.exception("an engine step failed; its requests were aborted")
+            self._failed_before = True
             outputs = []
+        else:
+            self._failed_before = False
         deliveries: list[tuple[_Stream, RequestUpdate]] = []
         finished: list[RequestOutput] = []
         generated = 0

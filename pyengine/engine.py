@@ -180,7 +180,8 @@ class LLMEngine:
         """Runs one engine step; returns the requests that got tokens in it or finished
         (since the last step, aborts too). Their outputs are live: read them before the
         next step."""
-        if self.scheduler.schedule() == 0:
+        if self.scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
+            self.scheduler.update(np.zeros(0, dtype=np.int32))
             return self._collect_outputs([])
         b = self.scheduler.buffers
         sampling = [self._by_row_id[b.request_ids[i]] for i in np.flatnonzero(b.is_sampling)]

@@ -171,3 +171,21 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
     assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     out = llm.generate(PROMPTS[0], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_engine_serves_on_after_an_abort_empties_a_step(llm: LLM) -> None:
+    """An abort between steps leaves a step with nothing to run; the engine goes on."""
+    engine = llm.engine
+    prompt = llm.get_tokenizer().encode(PROMPTS[0])
+    engine.add_request("gone", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
+    engine.step()
+    engine.abort_request("gone")
+    (out,) = engine.step()
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []
+    engine.add_request("next", prompt, SamplingParams(max_tokens=3, ignore_eos=True))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert len(outputs[-1].outputs[0].token_ids) == 3

@@ -1,0 +1,136 @@
+"""The `pyengine` command: serve the OpenAI API, or generate and chat at a terminal.
+
+    pyengine serve [MODEL] [--port 8000 ...]
+    pyengine generate "prompt" [--model MODEL] [--max-tokens 256] [--raw]
+    pyengine chat [--model MODEL] [--system "..."]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import uuid
+from collections.abc import Iterator
+
+from pyengine.engine import LLMEngine
+from pyengine.engine_args import EngineArgs
+from pyengine.entrypoints.openai.api_server import add_server_arguments, serve
+from pyengine.loader.resolve import DEFAULT_MODEL
+from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import Message
+
+
+def stream_text(engine: LLMEngine, token_ids: list[int], params: SamplingParams) -> Iterator[str]:
+    """The text of one request as it is generated (the engine runs nothing else)."""
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, token_ids, params)
+    sent, finished = 0, False
+    try:
+        while not finished:
+            for out in engine.step():
+                if out.request_id == request_id:
+                    text, finished = out.outputs[0].text, out.finished
+                    yield text[sent:]
+                    sent = len(text)
+    finally:
+        if not finished:  # Ctrl-C, or the caller stopped reading
+            engine.abort_request(request_id)
+            engine.discard_finished()
+
+
+def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=DEFAULT_MODEL)
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=0.95)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--system", default=None, help="a system message")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+
+
+def _engine(ns: argparse.Namespace) -> LLMEngine:
+    print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
+    return EngineArgs(model=ns.model, max_model_len=ns.max_model_len).create_engine()
+
+
+def _params(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed
+    )
+
+
+def _prompt_ids(engine: LLMEngine, messages: list[Message]) -> list[int]:
+    tokenizer = engine.tokenizer
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return tokenizer.encode(text, False)
+
+
+def _print_stream(pieces: Iterator[str]) -> str:
+    text = ""
+    for piece in pieces:
+        text += piece
+        print(piece, end="", flush=True)
+    print()
+    return text
+
+
+def generate(ns: argparse.Namespace) -> None:
+    engine = _engine(ns)
+    if ns.raw or engine.tokenizer is None or engine.tokenizer.chat_template is None:
+        if engine.tokenizer is None:
+            raise SystemExit("this model has no tokenizer")
+        ids = engine.tokenizer.encode(ns.prompt)
+    else:
+        system = [{"role": "system", "content": ns.system}] if ns.system else []
+        ids = _prompt_ids(engine, [*system, {"role": "user", "content": ns.prompt}])
+    _print_stream(stream_text(engine, ids, _params(ns)))
+
+
+def chat(ns: argparse.Namespace) -> None:
+    engine = _engine(ns)
+    messages: list[Message] = [{"role": "system", "content": ns.system}] if ns.system else []
+    print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _print_stream(stream_text(engine, _prompt_ids(engine, messages), _params(ns)))
+        except KeyboardInterrupt:  # stops this reply, not the chat
+            print()
+            messages.pop()
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="pyengine", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    serve_parser.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    add_server_arguments(serve_parser)
+    generate_parser = commands.add_parser("generate", help="one prompt, streamed to the terminal")
+    generate_parser.add_argument("prompt")
+    generate_parser.add_argument(
+        "--raw", action="store_true", help="the prompt as is, without the chat template"
+    )
+    _add_generation_arguments(generate_parser)
+    chat_parser = commands.add_parser("chat", help="an interactive chat at the terminal")
+    _add_generation_arguments(chat_parser)
+    ns = parser.parse_args(argv)
+    try:
+        {"serve": serve, "generate": generate, "chat": chat}[ns.command](ns)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except ValueError as error:
+        sys.exit(f"pyengine {ns.command}: {error}")
+
+
+if __name__ == "__main__":
+    main()

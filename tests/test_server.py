@@ -1,0 +1,397 @@
+"""The OpenAI-compatible server, run as a user runs it (`python -m
+pyengine.entrypoints.openai.api_server`), on 127.0.0.1, driven by the official openai
+client and by raw HTTP for what a client library would not send."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader.resolve import DEFAULT_MODEL
+
+API_KEY = "test-key"
+MAX_MODEL_LEN = 1024
+KV_CACHE_BYTES = 96 * 2**20
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    def __init__(self) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pyengine.entrypoints.openai.api_server",
+                "--model",
+                DEFAULT_MODEL,
+                "--port",
+                str(self.port),
+                "--api-key",
+                API_KEY,
+                "--max-model-len",
+                str(MAX_MODEL_LEN),
+                "--kv-cache-memory",
+                str(KV_CACHE_BYTES),
+                "--uvicorn-log-level",
+                "warning",
+            ],  # fmt: skip
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited:\n{self.process.stdout.read()}")  # type: ignore[union-attr]
+            try:
+                if self.request("GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                time.sleep(0.5)
+        raise RuntimeError("the server did not come up")
+
+    def request(
+        self, method: str, path: str, body: bytes | str | None = None, auth: bool = True
+    ) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        headers = {"Content-Type": "application/json"}
+        if auth:
+            headers["Authorization"] = f"Bearer {API_KEY}"
+        conn.request(method, path, body=body, headers=headers)
+        response = conn.getresponse()
+        data = response.read()
+        conn.close()
+        ctype = response.getheader("content-type", "")
+        return response.status, json.loads(data) if "json" in ctype else data.decode()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.request("GET", "/metrics")
+        assert status == 200
+        values = {}
+        for line in text.splitlines():
+            match = re.match(r"pyengine:(\w+)(\{[^}]*\})? (\S+)$", line)
+            if match:
+                values[match[1] + (match[2] or "")] = float(match[3])
+        return values
+
+    def idle_metrics(self, timeout: float = 30.0) -> dict[str, float]:
+        """The metrics once nothing is running or waiting."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            busy = sum(v for k, v in m.items() if k.startswith(("num_requests_", "kv_cache_")))
+            if busy == 0 or time.monotonic() > deadline:
+                return m
+            time.sleep(0.2)
+
+    def stop(self) -> int:
+        self.process.send_signal(signal.SIGINT)
+        return self.process.wait(60)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    s = Server()
+    try:
+        yield s
+    finally:
+        if s.process.poll() is None:
+            assert s.stop() == 0  # Ctrl-C shuts down cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline() -> LLM:
+    return LLM(DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+
+
+def _greedy(max_tokens: int, **extra: Any) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **extra)
+
+
+def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
+    assert [m.id for m in client.models.list()] == [DEFAULT_MODEL]
+    assert server.request("GET", "/health", auth=False)[0] == 200
+    status, body = server.request("GET", "/version", auth=False)
+    assert status == 200 and body["version"]
+
+
+def test_completion_equals_offline_greedy(client: openai.OpenAI, offline: LLM) -> None:
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    got = client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompts, max_tokens=12, temperature=0
+    )
+    want = offline.generate(prompts, _greedy(12), use_tqdm=False)
+    assert [c.text for c in got.choices] == [w.outputs[0].text for w in want]
+    assert [c.index for c in got.choices] == [0, 1]
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want)
+    assert got.usage.completion_tokens == sum(len(w.outputs[0].token_ids) for w in want)
+    assert got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
+
+
+def test_token_id_prompt_and_echo(client: openai.OpenAI, offline: LLM) -> None:
+    ids = offline.get_tokenizer().encode("Once upon a time")
+    got = client.completions.create(
+        model=DEFAULT_MODEL, prompt=ids, max_tokens=6, temperature=0, echo=True
+    )
+    want = offline.generate([ids], _greedy(6), use_tqdm=False)[0]
+    assert got.choices[0].text == "Once upon a time" + want.outputs[0].text
+
+
+def test_chat_equals_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
+    got = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=QUESTION, max_tokens=24, temperature=0
+    )  # type: ignore[arg-type]
+    want = offline.chat(QUESTION, _greedy(24), use_tqdm=False)[0]
+    assert got.choices[0].message.content == want.outputs[0].text
+    assert got.choices[0].message.role == "assistant"
+    assert got.choices[0].finish_reason == want.outputs[0].finish_reason
+    assert got.usage is not None
+    assert got.usage.prompt_tokens == len(want.prompt_token_ids)
+    assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
+
+
+def test_n_samples_stop_and_seed(client: openai.OpenAI, offline: LLM) -> None:
+    args: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt="My favourite animal is", max_tokens=16)
+    two = client.completions.create(**args, n=2, temperature=1.0, seed=7)
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    assert two.choices[0].text != two.choices[1].text
+    again = client.completions.create(**args, n=2, temperature=1.0, seed=7)
+    assert [c.text for c in again.choices] == [c.text for c in two.choices]  # seeded
+
+    greedy = offline.generate(["My favourite animal is"], _greedy(16), use_tqdm=False)[0]
+    text = greedy.outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    cut = client.completions.create(**args, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[: text.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> None:
+    prompt = "The quick brown fox"
+    want = offline.generate([prompt], _greedy(5, logprobs=3), use_tqdm=False)[0].outputs[0]
+    assert want.logprobs is not None
+    got = client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=5, temperature=0, logprobs=3
+    )
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.top_logprobs is not None
+    expected = [p[t].logprob for p, t in zip(want.logprobs, want.token_ids, strict=True)]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert all(len(top) >= 3 for top in lp.top_logprobs)
+
+    chat = client.chat.completions.create(
+        model=DEFAULT_MODEL,
+        messages=QUESTION,
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )  # type: ignore[arg-type]
+    content = chat.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == chat.usage.completion_tokens  # type: ignore[union-attr]
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob >= entry.logprob - 1e-6  # greedy: the best
+        assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
+
+
+def test_streaming_equals_whole(client: openai.OpenAI) -> None:
+    args: dict[str, Any] = dict(model=DEFAULT_MODEL, max_tokens=20, temperature=0)
+    whole = client.chat.completions.create(messages=QUESTION, **args)  # type: ignore[arg-type]
+    pieces, usage, finish = [], None, None
+    for chunk in client.chat.completions.create(
+        messages=QUESTION, stream=True, stream_options={"include_usage": True}, **args
+    ):  # type: ignore[arg-type,call-overload]
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.choices[0].message.content
+    assert finish == whole.choices[0].finish_reason
+    assert usage is not None and whole.usage is not None
+    assert usage.completion_tokens == whole.usage.completion_tokens
+
+    text = "".join(
+        c.choices[0].text
+        for c in client.completions.create(prompt="Hello, my name is", stream=True, **args)
+    )
+    assert text == client.completions.create(prompt="Hello, my name is", **args).choices[0].text
+
+
+def test_async_concurrent_streams(server: Server) -> None:
+    """64 streams at once from one continuous batch; afterwards nothing is left running
+    and the KV cache is back to idle."""
+
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
+        stream = await client.completions.create(
+            model=DEFAULT_MODEL,
+            prompt=f"Request number {i} says",
+            max_tokens=12,
+            temperature=0.8,
+            seed=i,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+        chunks, usage = 0, 0
+        async for chunk in stream:
+            chunks += bool(chunk.choices)
+            if chunk.usage is not None:
+                usage = chunk.usage.completion_tokens
+        return chunks, usage
+
+    async def run() -> list[tuple[int, int]]:
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+        try:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+        finally:
+            await client.close()
+
+    results = asyncio.run(run())
+    assert all(usage == 12 for _, usage in results)
+    assert all(1 <= chunks <= 12 for chunks, _ in results)
+    m = server.idle_metrics()
+    assert m['num_requests_running{model_name="SmolLM2-135M-Instruct"}'] == 0
+    assert m['num_requests_waiting{model_name="SmolLM2-135M-Instruct"}'] == 0
+    assert m['kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"}'] == 0
+
+
+def test_disconnect_aborts_and_frees_blocks(server: Server) -> None:
+    abort_key = 'request_success_total{finished_reason="abort",model_name="SmolLM2-135M-Instruct"}'
+    aborted_before = server.metrics().get(abort_key, 0.0)
+    body = json.dumps(
+        {
+            "prompt": "Tell me a very long story.",
+            "max_tokens": 900,
+            "ignore_eos": True,
+            "stream": True,
+        }
+    )
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request(
+        "POST",
+        "/v1/completions",
+        body=body,
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"},
+    )
+    response = conn.getresponse()
+    assert response.status == 200
+    for _ in range(3):  # a few tokens in, then the client goes away
+        assert response.fp.readline()
+    running = server.metrics()['num_requests_running{model_name="SmolLM2-135M-Instruct"}']
+    assert running == 1
+    conn.sock.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+    conn.close()
+    m = server.idle_metrics()
+    assert m['num_requests_running{model_name="SmolLM2-135M-Instruct"}'] == 0
+    assert m['kv_cache_usage_perc{model_name="SmolLM2-135M-Instruct"}'] == 0
+    assert m[abort_key] == aborted_before + 1
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "needle"),
+    [
+        ("/v1/completions", {"prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+        ("/v1/completions", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
+        ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+        ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
+        ("/v1/completions", {"prompt": "word " * 1100}, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
+        ("/v1/completions", {"prompt": []}, 400, "prompt"),
+        ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
+        ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+        ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
+        ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, 400, "logprobs"),
+        ("/v1/chat/completions", {"messages": QUESTION, "stream": "maybe"}, 400, "stream"),
+    ],
+)
+def test_bad_requests_answer_errors(
+    server: Server, path: str, body: dict[str, Any], status: int, needle: str
+) -> None:
+    got, error = server.request("POST", path, json.dumps(body))
+    assert got == status
+    assert needle in error["error"]["message"]
+    assert error["error"]["code"] == status
+    # ...and the server still serves
+    ok, answer = server.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2})
+    )
+    assert ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_malformed_json_and_missing_key(server: Server) -> None:
+    status, error = server.request("POST", "/v1/completions", "{not json")
+    assert status == 400 and "malformed JSON" in error["error"]["message"]
+    status, error = server.request(
+        "POST", "/v1/completions", json.dumps({"prompt": "hi"}), auth=False
+    )
+    assert status == 401 and error["error"]["type"] == "authentication_error"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_tokenize_detokenize(server: Server, offline: LLM) -> None:
+    status, body = server.request("POST", "/tokenize", json.dumps({"prompt": "Hello world"}))
+    assert status == 200
+    assert body["tokens"] == offline.get_tokenizer().encode("Hello world")
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == MAX_MODEL_LEN
+    status, body = server.request("POST", "/detokenize", json.dumps({"tokens": body["tokens"]}))
+    assert status == 200 and body["prompt"] == "Hello world"
+    status, body = server.request("POST", "/detokenize", json.dumps({"tokens": [-1]}))
+    assert status == 400
+
+
+def test_metrics_count_tokens_and_latencies(server: Server, client: openai.OpenAI) -> None:
+    before = server.idle_metrics()
+    key = 'generation_tokens_total{model_name="SmolLM2-135M-Instruct"}'
+    client.completions.create(
+        model=DEFAULT_MODEL, prompt="Count:", max_tokens=5, extra_body={"ignore_eos": True}
+    )
+    after = server.idle_metrics()
+    assert after[key] == before.get(key, 0) + 5
+    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds"):
+        count = f'{name}_count{{model_name="SmolLM2-135M-Instruct"}}'
+        assert after[count] == before.get(count, 0) + 1
+
+
+def test_cli_generate(offline: LLM) -> None:
+    prompt = "Name three colors."
+    run = subprocess.run(
+        [sys.executable, "-m", "pyengine.entrypoints.cli", "generate", prompt,
+         "--max-tokens", "12", "--temperature", "0", "--max-model-len", str(MAX_MODEL_LEN)],
+        capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYENGINE_CPU_KV_CACHE_GIB": "0.1"},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr
+    want = offline.chat([{"role": "user", "content": prompt}], _greedy(12), use_tqdm=False)
+    assert run.stdout == want[0].outputs[0].text + "\n"
