@@ -1,8 +1,8 @@
 """The `pyengine` command: serve the OpenAI API, or generate and chat at a terminal.
 
-    pyengine serve [MODEL] [--port 8000 ...]
-    pyengine generate "prompt" [--model MODEL] [--max-tokens 256] [--raw]
-    pyengine chat [--model MODEL] [--system "..."]
+pyengine serve [MODEL] [--port 8000 ...]
+pyengine generate "prompt" [--model MODEL] [--max-tokens 256] [--raw]
+pyengine chat [--model MODEL] [--system "..."]
 """
 
 from __future__ import annotations
