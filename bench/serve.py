@@ -2,13 +2,14 @@
 on the same workload, in the same run.
 
 A synthetic workload (N prompts of random token ids, lengths drawn from a range, a fixed
-number of output tokens each, ignore_eos) runs first offline (LLM.generate, all at once)
-and then through `python -m pyengine.entrypoints.openai.api_server` started here, with
-streamed /v1/completions sent at a fixed concurrency or with Poisson arrivals. Reported:
+number of output tokens each, ignore_eos) runs first offline (LLM.generate with at most
+`concurrency` requests in its batch, as the server gets them) and then through
+`python -m pyengine.entrypoints.openai.api_server` started here, with streamed
+/v1/completions sent at a fixed concurrency or with Poisson arrivals. Reported:
 request throughput, output tokens/s, and time to first token (TTFT), time per output token
 after the first (TPOT) and inter-token latency (ITL) at p50/p90/p99.
 
-    python bench/serve.py [--num-prompts 64] [--min-len 64] [--max-len 512]
+    python bench/serve.py [--num-prompts 128] [--min-len 16] [--max-len 64]
                           [--output-len 128] [--concurrency 32] [--request-rate inf] [--seed 0]
 """
 
@@ -157,9 +158,9 @@ def percentiles(values: list[float]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--num-prompts", type=int, default=128)
+    parser.add_argument("--min-len", type=int, default=16)
+    parser.add_argument("--max-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
@@ -172,7 +173,9 @@ def main() -> None:
     generated = args.num_prompts * args.output_len
 
     # The peer: the same engine offline, every prompt at once.
-    llm = LLM(args.model, max_model_len=max_model_len, seed=args.seed)
+    llm = LLM(
+        args.model, max_model_len=max_model_len, max_num_seqs=args.concurrency, seed=args.seed
+    )
     vocab = llm.engine.model_config.vocab_size
     prompts = [rng.integers(100, vocab - 100, n).tolist() for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
@@ -211,7 +214,7 @@ def main() -> None:
     print_table(
         ("run", "seconds", "requests/s", "output tok/s"),
         [
-            ("offline LLM.generate (peer)", f"{offline_seconds:.1f}",
+            (f"offline LLM.generate, batch <= {args.concurrency} (peer)", f"{offline_seconds:.1f}",
              f"{args.num_prompts / offline_seconds:.2f}", f"{offline_tok_s:.1f}"),
             ("server over HTTP", f"{seconds:.1f}", f"{len(ok) / seconds:.2f}",
              f"{serve_tok_s:.1f}"),
