@@ -47,8 +47,10 @@ class EngineMetrics:
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
         self._model = model_name
         self._preemptions_seen = 0
-        for metric in (self.preemptions, self.prompt_tokens, self.generation_tokens):
-            metric.labels(model_name)  # exported from the start, at 0
+        for metric in (self.running, self.waiting, self.kv_usage, self.hit_rate):
+            metric.labels(model_name).set(0)  # exported from the start
+        for counter_ in (self.preemptions, self.prompt_tokens, self.generation_tokens):
+            counter_.labels(model_name)
 
     def on_step(self, stats: EngineStats, finished: list[RequestOutput], generated: int) -> None:
         m = self._model

@@ -170,8 +170,10 @@ async def unless_disconnected(request: Request, work: Awaitable[T]) -> T:
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
-        while not await request.is_disconnected():
-            await asyncio.sleep(0.25)
+        # The body has been read: the next message is the disconnect. (Polling
+        # request.is_disconnected() misses it while the server is not reading.)
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
 
     watcher = asyncio.ensure_future(watch())
     try:
