@@ -22,6 +22,7 @@ import json
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,6 +136,7 @@ def start_server(model: str, max_model_len: int) -> tuple[subprocess.Popen[bytes
             "warning",
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
+        cwd=tempfile.gettempdir(),  # not the checkout: its pyengine/ has no compiled _C
     )
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

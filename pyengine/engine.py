@@ -283,8 +283,8 @@ class LLMEngine:
         if sample.detokenizer is not None:
             sample.detokenizer.add(token)
             out.text = sample.detokenizer.text
-        if state.params.stop_strings and self.tokenizer is not None:
-            self._check_stop_strings(state, sample)
+            if state.params.stop_strings:
+                self._check_stop_strings(state, sample)
 
     def _decode_logprobs(self, logprobs: PositionLogprobs) -> None:
         if self.tokenizer is not None:
@@ -292,9 +292,8 @@ class LLMEngine:
                 lp.decoded_token = self.tokenizer.token_text(token)
 
     def _check_stop_strings(self, state: _RequestState, sample: _Sample) -> None:
-        assert self.tokenizer is not None
         p = state.params
-        text = self.tokenizer.decode(sample.output.token_ids, p.skip_special_tokens)
+        text = sample.output.text  # detokenized so far
         # Only the tail can hold a new match: the new token's text plus a stop string.
         window = max(len(s) for s in p.stop_strings) + 32
         start = max(0, len(text) - window)

@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from importlib.metadata import entry_points
 from typing import Any
 
 import openai
@@ -27,6 +29,9 @@ API_KEY = "test-key"
 MAX_MODEL_LEN = 1024
 KV_CACHE_BYTES = 96 * 2**20
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# `python -m` puts the working folder first on sys.path: from the checkout it would
+# import the source tree's pyengine (no compiled _C) instead of the installed one.
+OUTSIDE_SOURCE_TREE = tempfile.gettempdir()
 
 
 def _free_port() -> int:
@@ -60,6 +65,7 @@ class Server:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            cwd=OUTSIDE_SOURCE_TREE,
         )
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
@@ -390,9 +396,21 @@ def test_cli_generate(offline: LLM) -> None:
     run = subprocess.run(
         [sys.executable, "-m", "pyengine.entrypoints.cli", "generate", prompt,
          "--max-tokens", "12", "--temperature", "0", "--max-model-len", str(MAX_MODEL_LEN)],
-        capture_output=True, text=True, timeout=300,
+        capture_output=True, text=True, timeout=300, cwd=OUTSIDE_SOURCE_TREE,
         env={**os.environ, "PYENGINE_CPU_KV_CACHE_GIB": "0.1"},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr
     want = offline.chat([{"role": "user", "content": prompt}], _greedy(12), use_tqdm=False)
     assert run.stdout == want[0].outputs[0].text + "\n"
+
+
+def test_console_script_runs_the_cli() -> None:
+    (script,) = entry_points(group="console_scripts", name="pyengine")
+    assert script.value == "pyengine.entrypoints.cli:main"
+    run = subprocess.run(
+        [sys.executable, "-m", "pyengine.entrypoints.cli", "serve", "--help"],
+        capture_output=True, text=True, timeout=120, cwd=OUTSIDE_SOURCE_TREE,
+    )  # fmt: skip
+    assert run.returncode == 0
+    for option in ("--api-key", "--served-model-name", "--kv-cache-memory", "--chat-template"):
+        assert option in run.stdout

@@ -12,6 +12,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -80,21 +81,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(
-        model=ns.model,
-        tokenizer=ns.tokenizer,
-        dtype=ns.dtype,
-        max_model_len=ns.max_model_len,
-        block_size=ns.block_size,
-        kv_cache_memory=ns.kv_cache_memory,
-        gpu_memory_utilization=ns.gpu_memory_utilization,
-        enable_prefix_caching=ns.enable_prefix_caching,
-        enable_chunked_prefill=ns.enable_chunked_prefill,
-        max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens,
-        seed=ns.seed,
-        load_format=ns.load_format,
-    )
+    """The EngineArgs fields from the parsed command line (the options share their names)."""
+    return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
 
 
 def read_chat_template(value: str | None) -> str | None:
