@@ -414,3 +414,55 @@ def test_console_script_runs_the_cli() -> None:
     assert run.returncode == 0
     for option in ("--api-key", "--served-model-name", "--kv-cache-memory", "--chat-template"):
         assert option in run.stdout
+
+
+def test_streamed_stop_string_is_held_back(client: openai.OpenAI, offline: LLM) -> None:
+    """Text that could begin a stop string is not streamed until it cannot: the pieces
+    add up to the whole answer, cut before the stop string."""
+    prompt = "The days of the week are Monday,"
+    greedy = offline.generate([prompt], _greedy(24), use_tqdm=False)[0].outputs[0].text
+    stop = greedy[len(greedy) // 2 : len(greedy) // 2 + 4]
+    args: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt=prompt, max_tokens=24, temperature=0)
+    whole = client.completions.create(**args, stop=[stop, "never appears here"])
+    pieces = [
+        c.choices[0].text
+        for c in client.completions.create(**args, stop=[stop, "never appears here"], stream=True)
+    ]
+    assert whole.choices[0].text == greedy[: greedy.index(stop)]
+    assert "".join(pieces) == whole.choices[0].text
+
+
+def test_streamed_prompts_and_samples_keep_their_indices(client: openai.OpenAI) -> None:
+    prompts = ["One, two,", "Red, green,"]
+    args: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt=prompts, max_tokens=6, n=2, seed=3)
+    whole = client.completions.create(**args)
+    texts: dict[int, str] = {}
+    for chunk in client.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    assert sorted(texts) == [0, 1, 2, 3]  # prompt i, sample k -> index 2 * i + k
+    assert [texts[c.index] for c in whole.choices] == [c.text for c in whole.choices]
+
+
+def test_echo_with_logprobs_covers_the_prompt(client: openai.OpenAI, offline: LLM) -> None:
+    prompt = "Hello there, friend"
+    ids = offline.get_tokenizer().encode(prompt)
+    got = client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=1
+    )
+    lp = got.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None and lp.text_offset is not None
+    assert len(lp.token_logprobs) == len(ids) + 3
+    assert lp.token_logprobs[0] is None  # the first prompt token has no logprob
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    assert got.choices[0].text.startswith(prompt)
+
+
+def test_tokenize_messages_matches_the_chat_prompt(server: Server, offline: LLM) -> None:
+    status, body = server.request("POST", "/tokenize", json.dumps({"messages": QUESTION}))
+    assert status == 200
+    want = offline.chat(QUESTION, _greedy(1), use_tqdm=False)[0].prompt_token_ids
+    assert body["tokens"] == want
+    both = {"prompt": "x", "messages": QUESTION}
+    assert server.request("POST", "/tokenize", json.dumps(both))[0] == 400
