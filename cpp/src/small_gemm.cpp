@@ -27,19 +27,35 @@ using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using UnalignedVec =
     float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
 
+// Which of a panel row's three cache lines (a bit mask) tile `index` of a block's
+// `num_tiles` asks for as it goes: the first tile all three, some rows ahead in its own
+// panel; tiles 1-3 share out the next panel's lines, so that its stream from memory is
+// spread over the block's compute rather than asked for in one burst past what memory
+// delivers; the later tiles nothing. (Measured on SmolLM2's decode step of 32 requests:
+// its matmuls 20% faster than with the second tile alone fetching the next panel, to L1.)
+int prefetch_lines(int64_t index, int64_t num_tiles) {
+  if (index == 0) return 0b111;
+  const int64_t followers = std::min<int64_t>(3, num_tiles - 1);
+  if (index > followers) return 0;
+  if (followers == 1) return 0b111;
+  if (followers == 2) return index == 1 ? 0b011 : 0b100;
+  return 1 << (index - 1);
+}
+
 // c[r][0, 48) = sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda apart).
-// Meanwhile asks for `fetch` (k rows of a panel) to be brought into cache, a row per row:
-// the first tile of a panel fetches its own rows some way ahead, the second the next
-// panel's, so that memory keeps streaming while the later tiles compute from cache.
+// Meanwhile asks for the `lines` (prefetch_lines) of `fetch` (k rows of a panel) to be
+// brought into L2, a row per row, so that memory keeps streaming while tiles compute
+// from cache. (Into L2: each weight byte is used once per step, by the few tiles of one
+// block; L1 holds their working set.)
 PYENGINE_VECTOR_CLONES
 void tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
-          const float* fetch) {
+          const float* fetch, int lines) {
   Vec acc[kRows][kVectors] = {};
   for (int64_t i = 0; i < k; ++i) {
     const float* ahead = fetch + i * kPanelWidth;
-    __builtin_prefetch(ahead);
-    __builtin_prefetch(ahead + 16);
-    __builtin_prefetch(ahead + 32);
+    if (lines & 1) __builtin_prefetch(ahead, 0, 1);
+    if (lines & 2) __builtin_prefetch(ahead + 16, 0, 1);
+    if (lines & 4) __builtin_prefetch(ahead + 32, 0, 1);
     const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
     const Vec b0 = row[0], b1 = row[1], b2 = row[2];
     for (int r = 0; r < kRows; ++r) {
@@ -170,10 +186,10 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
           row_tile(tile_a, panel, k, tile_out.data());
         } else {
           // (A prefetch past the last panel is harmless: prefetches never fault.)
-          const float* fetch = r0 == m0           ? panel + kPrefetchRows * kPanelWidth
-                               : r0 == m0 + kRows ? next_panel
-                                                  : panel;
-          tile(tile_a, tile_lda, panel, k, tile_out.data(), fetch);
+          const int64_t index = (r0 - m0) / kRows;
+          const float* fetch = index == 0 ? panel + kPrefetchRows * kPanelWidth : next_panel;
+          tile(tile_a, tile_lda, panel, k, tile_out.data(), fetch,
+               prefetch_lines(index, (m1 - m0 + kRows - 1) / kRows));
         }
         for (int64_t r = 0; r < rows; ++r) {
           float* dst = c + (r0 + r) * ldc + first;
