@@ -245,6 +245,34 @@ def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     np.testing.assert_array_equal(value_cache[slots[0] // 4, :, slots[0] % 4], qkv[0, 4:6])
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_reshape_and_cache_runs_of_consecutive_slots(dtype: type) -> None:
+    """A prefill's tokens fill consecutive slots, written a run at a time: runs that
+    start mid-block, cross into another block, follow padding, over a strided view."""
+    rng = np.random.default_rng()
+    num_blocks, num_kv_heads, block_size, head_size = 8, 3, 4, 64
+    blocks = rng.permutation(num_blocks)
+    slots = np.array(
+        [blocks[0] * 4 + 1, blocks[0] * 4 + 2, blocks[0] * 4 + 3,  # mid-block to its end
+         blocks[1] * 4, blocks[1] * 4 + 1, -1, blocks[1] * 4 + 2,  # padding inside a run
+         blocks[2] * 4, blocks[2] * 4 + 1, blocks[2] * 4 + 2, blocks[2] * 4 + 3,
+         blocks[3] * 4 + 3, blocks[3] * 4 + 2],  # descending: no run
+        dtype=np.int64,
+    )  # fmt: skip
+    qkv = rng.standard_normal((len(slots), 3 * num_kv_heads, head_size)).astype(dtype)
+    key, value = qkv[:, 3:6], qkv[:, 6:9]
+    key_cache = np.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype)
+    value_cache = np.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype)
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    expected_k, expected_v = np.zeros_like(key_cache), np.zeros_like(value_cache)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
+            expected_v[slot // block_size, :, slot % block_size] = value[t]
+    np.testing.assert_array_equal(key_cache, expected_k)
+    np.testing.assert_array_equal(value_cache, expected_v)
+
+
 def test_isa_names_are_checked() -> None:
     with pytest.raises(ValueError, match="isa must be"):
         _C.set_attention_isa("sse9")

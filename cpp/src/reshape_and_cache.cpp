@@ -1,5 +1,7 @@
 #include <cstring>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "attention_checks.h"
 #include "pyengine/attention.h"
@@ -53,23 +55,55 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   auto* value_out = static_cast<char*>(value_cache.data);
   const auto* key_in = static_cast<const char*>(key.data);
   const auto* value_in = static_cast<const char*>(value.data);
-// Key columns are scattered writes (a cache line per element): two threads keep twice as
-  // many lines in flight, worth the fork already at decode batch sizes.
-#pragma omp parallel for schedule(static) if (num_tokens * num_kv_heads >= 64)
+
+  // Runs of tokens in consecutive slots of one block (a prefill's are whole blocks): a
+  // run's key columns are written a tile row at a time, not a cache line per element.
+  std::vector<std::pair<int64_t, int64_t>> runs;  // (first token, length)
   for (int64_t t = 0; t < num_tokens; ++t) {
     const int64_t slot = slots[t * slot_stride];
     if (slot < 0) continue;  // padding
+    if (!runs.empty()) {
+      auto& [first, length] = runs.back();
+      const int64_t previous = slots[(t - 1) * slot_stride];
+      if (first + length == t && previous >= 0 && slot == previous + 1 && slot % block_size != 0) {
+        ++length;
+        continue;
+      }
+    }
+    runs.emplace_back(t, 1);
+  }
+  const auto copy_keys = [&](auto word, int64_t first, int64_t length, int64_t h,
+                             char* tile_out) {
+    using Word = decltype(word);
+    auto* dst = reinterpret_cast<Word*>(tile_out);
+    const auto* src = reinterpret_cast<const Word*>(key_in) + first * key.strides[0] +
+                      h * key.strides[1];
+    for (int64_t i = 0; i < head_size; ++i) {
+      for (int64_t j = 0; j < length; ++j) dst[i * block_size + j] = src[j * key.strides[0] + i];
+    }
+  };
+  // Scattered decode writes gain from two threads keeping twice as many lines in flight.
+  const auto num_runs = static_cast<int64_t>(runs.size());
+#pragma omp parallel for schedule(static) if (num_runs * num_kv_heads >= 64)
+  for (int64_t r = 0; r < num_runs; ++r) {
+    const auto [first, length] = runs[static_cast<size_t>(r)];
+    const int64_t slot = slots[first * slot_stride];
     const int64_t block = slot / block_size;
     const int64_t offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t tile = block * block_stride + h * head_stride;  // elements
-      // Values: one dense row. Keys: one column of the transposed tile.
-      std::memcpy(value_out + (tile + offset * head_size) * element,
-                  value_in + (t * value.strides[0] + h * value.strides[1]) * element, row_bytes);
-      const char* src = key_in + (t * key.strides[0] + h * key.strides[1]) * element;
-      for (int64_t i = 0; i < head_size; ++i) {
-        std::memcpy(key_out + (tile + i * block_size + offset) * element, src + i * element,
-                    static_cast<size_t>(element));
+      // Values: dense rows, one per token.
+      for (int64_t j = 0; j < length; ++j) {
+        std::memcpy(value_out + (tile + (offset + j) * head_size) * element,
+                    value_in + ((first + j) * value.strides[0] + h * value.strides[1]) * element,
+                    row_bytes);
+      }
+      // Keys: columns offset.. of the transposed tile.
+      char* tile_out = key_out + (tile + offset) * element;
+      if (element == 4) {
+        copy_keys(uint32_t{}, first, length, h, tile_out);
+      } else {
+        copy_keys(uint16_t{}, first, length, h, tile_out);
       }
     }
   }
