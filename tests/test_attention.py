@@ -219,6 +219,24 @@ def test_split_context_of_a_few_long_requests(isa: str, dtype: str, window: int)
     run_case(make_case(rng, [2100], [3], 4, 1, 128, 32), 32, dtype, window=window)
 
 
+def assert_cached(
+    key: np.ndarray,
+    value: np.ndarray,
+    slots: np.ndarray,
+    key_cache: np.ndarray,
+    value_cache: np.ndarray,
+) -> None:
+    """The caches (zeros before) hold exactly each token's K/V in its slot (-1: none)."""
+    block_size = value_cache.shape[2]
+    expected_k, expected_v = np.zeros_like(key_cache), np.zeros_like(value_cache)
+    for t, slot in enumerate(slots):
+        if slot >= 0:
+            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
+            expected_v[slot // block_size, :, slot % block_size] = value[t]
+    np.testing.assert_array_equal(key_cache, expected_k)
+    np.testing.assert_array_equal(value_cache, expected_v)
+
+
 def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     rng = np.random.default_rng()
     num_blocks, num_kv_heads, block_size, head_size = 6, 2, 4, 32
@@ -231,13 +249,7 @@ def test_reshape_and_cache_writes_each_token_into_its_slot() -> None:
     key_cache = np.zeros(key_shape, np.float32)
     value_cache = np.zeros(value_shape, np.float32)
     reshape_and_cache(key, value, key_cache, value_cache, slots)
-    expected_k, expected_v = np.zeros(key_shape, np.float32), np.zeros(value_shape, np.float32)
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
-            expected_v[slot // block_size, :, slot % block_size] = value[t]
-    np.testing.assert_array_equal(key_cache, expected_k)
-    np.testing.assert_array_equal(value_cache, expected_v)
+    assert_cached(key, value, slots, key_cache, value_cache)
     # Strided K/V views (e.g. slices of a fused qkv projection) work too.
     qkv = rng.standard_normal((10, 3 * num_kv_heads, head_size)).astype(np.float32)
     reshape_and_cache(qkv[:, 2:4], qkv[:, 4:6], key_cache, value_cache, slots)
@@ -264,13 +276,7 @@ def test_reshape_and_cache_runs_of_consecutive_slots(dtype: type) -> None:
     key_cache = np.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype)
     value_cache = np.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype)
     reshape_and_cache(key, value, key_cache, value_cache, slots)
-    expected_k, expected_v = np.zeros_like(key_cache), np.zeros_like(value_cache)
-    for t, slot in enumerate(slots):
-        if slot >= 0:
-            expected_k[slot // block_size, :, :, slot % block_size] = key[t]
-            expected_v[slot // block_size, :, slot % block_size] = value[t]
-    np.testing.assert_array_equal(key_cache, expected_k)
-    np.testing.assert_array_equal(value_cache, expected_v)
+    assert_cached(key, value, slots, key_cache, value_cache)
 
 
 def test_isa_names_are_checked() -> None:

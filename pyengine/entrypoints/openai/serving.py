@@ -35,6 +35,21 @@ def sse(payload: dict[str, Any]) -> str:
 SSE_DONE = "data: [DONE]\n\n"
 
 
+def envelope(
+    request_id: str, kind: str, created: int, model: str, choices: list[dict[str, Any]],
+    **extra: Any,
+) -> dict[str, Any]:  # fmt: skip
+    """A response or stream chunk: its id, object kind, creation time, model and choices."""
+    return {
+        "id": request_id,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+        **extra,
+    }
+
+
 @dataclass
 class Choice:
     """One sample's whole answer, accumulated from its deltas."""

@@ -14,6 +14,7 @@ from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
     EncodedPrompt,
     OpenAIServing,
+    envelope,
     merge,
     random_id,
     sse,
@@ -92,14 +93,10 @@ class ChatServing(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
             )
-        return {
-            "id": request_id,
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": self.usage([result]),
-        }
+        return envelope(
+            request_id, "chat.completion", int(time.time()), model, choices,
+            usage=self.usage([result]),
+        )  # fmt: skip
 
     async def _stream(
         self,
@@ -112,16 +109,8 @@ class ChatServing(OpenAIServing):
         created = int(time.time())
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            return sse(
-                {
-                    "id": request_id,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": model,
-                    "choices": choices,
-                    **extra,
-                }
-            )
+            kind = "chat.completion.chunk"
+            return sse(envelope(request_id, kind, created, model, choices, **extra))
 
         for k in range(request.n):  # the role first, as OpenAI sends it
             yield chunk(

@@ -13,6 +13,7 @@ from pyengine.entrypoints.openai.serving import (
     EncodedPrompt,
     OpenAIServing,
     PromptResult,
+    envelope,
     merge,
     random_id,
     sse,
@@ -121,14 +122,10 @@ class CompletionServing(OpenAIServing):
                         "stop_reason": c.stop_reason,
                     }
                 )
-        return {
-            "id": request_id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": model,
-            "choices": choices,
-            "usage": self.usage(results),
-        }
+        return envelope(
+            request_id, "text_completion", int(time.time()), model, choices,
+            usage=self.usage(results),
+        )  # fmt: skip
 
     async def _stream(
         self,
@@ -168,25 +165,9 @@ class CompletionServing(OpenAIServing):
                     "finish_reason": d.finish_reason,
                     "stop_reason": d.stop_reason,
                 }
-                yield sse(
-                    {
-                        "id": request_id,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": model,
-                        "choices": [choice],
-                    }
-                )
+                yield sse(envelope(request_id, "text_completion", created, model, [choice]))
         if request.include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
-            yield sse(
-                {
-                    "id": request_id,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": model,
-                    "choices": [],
-                    "usage": usage(prompt_tokens, completion_tokens, sum(cached.values())),
-                }
-            )
+            total = usage(prompt_tokens, completion_tokens, sum(cached.values()))
+            yield sse(envelope(request_id, "text_completion", created, model, [], usage=total))
         yield SSE_DONE
