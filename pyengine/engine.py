@@ -22,6 +22,13 @@ from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
 
+def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
+    """Raises ValueError naming `what` and the first id outside [0, vocab_size)."""
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+
 @dataclass
 class _Sample:
     """One of a request's n samples."""
@@ -99,14 +106,9 @@ class LLMEngine:
     ) -> None:
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already exists")
-        vocab = self.model_config.vocab_size
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(
-                f"request {request_id!r}: token id {bad[0]} is outside the vocabulary [0, {vocab})"
-            )
+        check_token_ids(prompt_token_ids, self.model_config.vocab_size, f"request {request_id!r}")
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "

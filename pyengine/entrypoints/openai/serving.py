@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from pyengine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from pyengine.engine import check_token_ids
 from pyengine.entrypoints.openai.protocol import APIError
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams
@@ -93,10 +94,10 @@ class OpenAIServing:
         return self.engine.tokenizer
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
-        vocab = self.engine.model_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab]
-        if bad:
-            raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", 400, param)
+        try:
+            check_token_ids(token_ids, self.engine.model_config.vocab_size, param)
+        except ValueError as error:
+            raise APIError(str(error), param=param) from None
 
     async def start(
         self, prompts: list[EncodedPrompt], params: SamplingParams, request_id: str

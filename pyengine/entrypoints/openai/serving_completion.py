@@ -75,9 +75,8 @@ class CompletionServing(OpenAIServing):
             return [(t, self.tokenizer.encode(t)) for t in texts]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
+        # (The engine checks the ids as it queues them.)
         id_lists = cast(list[list[int]], [p] if isinstance(p[0], int) else p)
-        for ids in id_lists:
-            self.check_token_ids(ids, "prompt")
         return [(None, ids) for ids in id_lists]
 
     async def create(
