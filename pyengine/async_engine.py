@@ -14,12 +14,12 @@ import concurrent.futures
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pyengine.engine import LLMEngine
-from pyengine.outputs import PositionLogprobs, RequestMetrics, RequestOutput
+from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams
 
 logger = logging.getLogger("pyengine")
@@ -40,11 +40,9 @@ class SampleDelta:
 @dataclass
 class RequestUpdate:
     request_id: str
-    prompt_token_ids: list[int]
     samples: list[SampleDelta]  # those with something new
     finished: bool
     num_cached_tokens: int
-    metrics: RequestMetrics
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # in the first update
 
 
@@ -170,21 +168,6 @@ class AsyncLLMEngine:
         command = _Command("add", request_id, (prompt_token_ids, params, prompt, stream))
         await asyncio.wrap_future(self._submit(command).done)
         return RequestStream(self, request_id, stream)
-
-    async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> AsyncIterator[RequestUpdate]:
-        """add_request, then its updates until it finishes; leaving early aborts it."""
-        stream = await self.add_request(request_id, prompt_token_ids, params, prompt)
-        try:
-            async for update in stream:
-                yield update
-        finally:
-            stream.close()
 
     def abort(self, request_id: str) -> None:
         if self._thread.is_alive():
@@ -342,13 +325,9 @@ def _delta(out: RequestOutput, stream: _Stream) -> RequestUpdate:
     first, sent.first = sent.first, False
     return RequestUpdate(
         out.request_id,
-        out.prompt_token_ids,
         samples,
         out.finished,
         out.num_cached_tokens,
-        RequestMetrics(
-            out.metrics.arrival_time, out.metrics.first_token_time, out.metrics.finished_time
-        ),
         out.prompt_logprobs if first else None,
     )
 
