@@ -9,34 +9,12 @@
 #include <vector>
 
 #include "cache_kernels.h"
+#include "device_guard.h"
 
 namespace pyengine::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    throw std::runtime_error(std::string("copy_blocks (CUDA): ") + what + ": " +
-                             cudaGetErrorString(status));
-  }
-}
-
-// Makes `device` current for its lifetime and restores the caller's device after, so
-// that a kernel on cuda:1 leaves torch's current device alone.
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (previous_ != device) check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  ~DeviceGuard() { cudaSetDevice(previous_); }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 // grid: (num_pairs, num_caches)
 template <typename Chunk>
@@ -56,7 +34,7 @@ __global__ void copy_blocks_kernel(unsigned char* const* __restrict__ cache_base
 class StreamBuffer {
  public:
   StreamBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    check(cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
+    check_cuda("copy_blocks", cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
   }
   ~StreamBuffer() { cudaFreeAsync(data_, stream_); }
   StreamBuffer(const StreamBuffer&) = delete;
@@ -87,8 +65,9 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
   std::memcpy(host.data() + pointer_bytes, block_mapping, mapping_bytes);
   const StreamBuffer device(host.size(), s);
   // Pageable source: the call returns once `host` is staged, so it may go out of scope.
-  check(cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s),
-        "cudaMemcpyAsync");
+  check_cuda("copy_blocks",
+             cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s),
+             "cudaMemcpyAsync");
   auto* bases = reinterpret_cast<unsigned char* const*>(device.data());
   auto* mapping = reinterpret_cast<const int64_t*>(device.data() + pointer_bytes);
 
@@ -110,7 +89,7 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
       copy_blocks_kernel<unsigned char>
           <<<grid, kThreads, 0, s>>>(bases, wave, block_stride, block_bytes);
     }
-    check(cudaGetLastError(), "kernel launch");
+    check_cuda("copy_blocks", cudaGetLastError(), "kernel launch");
   }
 }
 

@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -55,9 +55,12 @@ _SCHEMAS = {
 
 
 def _copy_blocks(
-    key_caches: list[torch.Tensor], value_caches: list[torch.Tensor], block_mapping: torch.Tensor
+    key_caches: list[torch.Tensor],
+    value_caches: list[torch.Tensor],
+    block_mapping: torch.Tensor,
+    stream: int = 0,
 ) -> None:
-    _C.copy_blocks([*key_caches, *value_caches], block_mapping)
+    _C.copy_blocks([*key_caches, *value_caches], block_mapping, stream)
 
 
 _KERNELS: dict[str, Callable[..., None]] = {
@@ -73,11 +76,44 @@ _KERNELS: dict[str, Callable[..., None]] = {
 }
 
 
+# The kernels with a CUDA build (cuda/), which runs where pyengine was built with CUDA.
+_CUDA_KERNELS = (
+    "reshape_and_cache",
+    "copy_blocks",
+    "rms_norm",
+    "fused_add_rms_norm",
+    "rotary_embedding",
+    "silu_and_mul",
+)
+
+
+def _on_current_stream(kernel: Callable[..., None]) -> Callable[..., None]:
+    """The kernel on torch's current CUDA stream of its tensors' device, so that it is
+    ordered with torch's own work and captured into CUDA graphs."""
+
+    def run(*args: object) -> None:
+        device = next(_tensors(args)).device
+        kernel(*args, stream=torch.cuda.current_stream(device).cuda_stream)
+
+    return run
+
+
+def _tensors(args: tuple[object, ...]) -> Iterator[torch.Tensor]:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, list):
+            yield from (t for t in a if isinstance(t, torch.Tensor))
+
+
 def _register() -> torch.library.Library:
     library = torch.library.Library("pyengine", "DEF")  # type: ignore[no-untyped-call]
     for name, schema in _SCHEMAS.items():
         library.define(schema)  # type: ignore[no-untyped-call]
         library.impl(name, _KERNELS[name], "CPU")  # type: ignore[no-untyped-call]
+        if name in _CUDA_KERNELS:
+            cuda = _on_current_stream(_KERNELS[name])
+            library.impl(name, cuda, "CUDA")  # type: ignore[no-untyped-call]
         # They only write into their arguments: tracing needs nothing computed.
         torch.library.register_fake(f"pyengine::{name}", lambda *args, **kwargs: None, lib=library)
     return library

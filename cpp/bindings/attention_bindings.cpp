@@ -46,22 +46,25 @@ void bind_attention(py::module_& m) {
   m.def(
       "reshape_and_cache",
       [](const py::handle& key, const py::handle& value, const py::handle& key_cache,
-         const py::handle& value_cache, const py::handle& slot_mapping) {
+         const py::handle& value_cache, const py::handle& slot_mapping, uintptr_t stream) {
         const DLPackView k(key, "reshape_and_cache: key");
         const DLPackView v(value, "reshape_and_cache: value");
         const DLPackView kc(key_cache, "reshape_and_cache: key_cache");
         const DLPackView vc(value_cache, "reshape_and_cache: value_cache");
         const DLPackView slots(slot_mapping, "reshape_and_cache: slot_mapping");
         py::gil_scoped_release release;
-        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view());
+        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view(),
+                          as_stream(stream));
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
-      py::arg("slot_mapping"),
+      py::arg("slot_mapping"), py::arg("stream") = 0,
       R"doc(Writes new tokens' K and V into their cache slots (slot -1: skip).
 
-key, value:              [num_tokens, num_kv_heads, head_size]
-key_cache, value_cache:  [num_blocks, num_kv_heads, block_size, head_size], same dtype
-slot_mapping:            int64 [num_tokens], block * block_size + offset)doc");
+key, value:    [num_tokens, num_kv_heads, head_size]
+key_cache:     [num_blocks, num_kv_heads, head_size, block_size] (keys transposed)
+value_cache:   [num_blocks, num_kv_heads, block_size, head_size], the same dtype
+slot_mapping:  int64 [num_tokens], block * block_size + offset
+stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 
   m.def(
       "paged_attention",

@@ -4,7 +4,13 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
+
 namespace pyengine::bindings {
+
+// A CUDA stream handle as Python passes it (torch.cuda.Stream.cuda_stream; 0: the default
+// stream), as the void* the kernels take.
+inline void* as_stream(uintptr_t handle) { return reinterpret_cast<void*>(handle); }
 
 void bind_errors(pybind11::module_& m);
 void bind_prefix_hash(pybind11::module_& m);

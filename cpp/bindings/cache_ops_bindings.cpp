@@ -67,7 +67,7 @@ block_mapping:  int64 [num_pairs, 2] on the CPU)doc");
 
   m.def(
       "copy_blocks",
-      [](const py::sequence& caches, const py::handle& block_mapping) {
+      [](const py::sequence& caches, const py::handle& block_mapping, uintptr_t stream) {
         std::vector<DLPackView> holders;
         holders.reserve(caches.size());
         for (size_t i = 0; i < caches.size(); ++i) {
@@ -78,15 +78,16 @@ block_mapping:  int64 [num_pairs, 2] on the CPU)doc");
         for (const DLPackView& h : holders) views.push_back(h.view());
         const BlockMapping mapping(block_mapping, "copy_blocks");
         py::gil_scoped_release release;
-        copy_blocks(views, mapping.view(), nullptr);
+        copy_blocks(views, mapping.view(), as_stream(stream));
       },
-      py::arg("caches"), py::arg("block_mapping"),
+      py::arg("caches"), py::arg("block_mapping"), py::arg("stream") = 0,
       R"doc(Copies whole KV-cache blocks: for each row (src, dst) of block_mapping, block dst
 of every cache becomes a copy of block src.
 
 caches:        sequence of tensors [num_blocks, ...] (DLPack: torch or numpy), one
                shape, dtype and device; dims after the first dense
-block_mapping: integer [num_pairs, 2] on the CPU (a list of pairs, numpy or torch))doc");
+block_mapping: integer [num_pairs, 2] on the CPU (a list of pairs, numpy or torch)
+stream:        a CUDA stream handle for CUDA caches (0: the default stream))doc");
 }
 
 }  // namespace pyengine::bindings

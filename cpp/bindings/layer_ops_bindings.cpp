@@ -12,46 +12,51 @@ namespace pyengine::bindings {
 void bind_layer_ops(py::module_& m) {
   m.def(
       "rms_norm",
-      [](const py::handle& out, const py::handle& x, const py::handle& weight, float eps) {
-        const DLPackView o(out, "rms_norm: out"), in(x, "rms_norm: x"), w(weight, "rms_norm: weight");
+      [](const py::handle& out, const py::handle& x, const py::handle& weight, float eps,
+         uintptr_t stream) {
+        const DLPackView o(out, "rms_norm: out"), in(x, "rms_norm: x"),
+            w(weight, "rms_norm: weight");
         py::gil_scoped_release release;
-        rms_norm(o.view(), in.view(), w.view(), eps);
+        rms_norm(o.view(), in.view(), w.view(), eps, as_stream(stream));
       },
-      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"),
+      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("stream") = 0,
       "out = x / sqrt(mean(x^2) + eps) * weight per row; x, out [tokens, hidden].");
   m.def(
       "fused_add_rms_norm",
-      [](const py::handle& x, const py::handle& residual, const py::handle& weight, float eps) {
+      [](const py::handle& x, const py::handle& residual, const py::handle& weight, float eps,
+         uintptr_t stream) {
         const DLPackView in(x, "fused_add_rms_norm: x");
         const DLPackView res(residual, "fused_add_rms_norm: residual");
         const DLPackView w(weight, "fused_add_rms_norm: weight");
         py::gil_scoped_release release;
-        fused_add_rms_norm(in.view(), res.view(), w.view(), eps);
+        fused_add_rms_norm(in.view(), res.view(), w.view(), eps, as_stream(stream));
       },
-      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"),
+      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("stream") = 0,
       "In place: residual += x, then x = rms_norm(residual) * weight.");
   m.def(
       "rotary_embedding",
       [](const py::handle& positions, const py::handle& query, const py::handle& key,
-         const py::handle& cos_sin_cache) {
+         const py::handle& cos_sin_cache, uintptr_t stream) {
         const DLPackView p(positions, "rotary_embedding: positions");
         const DLPackView q(query, "rotary_embedding: query");
         const DLPackView k(key, "rotary_embedding: key");
         const DLPackView cs(cos_sin_cache, "rotary_embedding: cos_sin_cache");
         py::gil_scoped_release release;
-        rotary_embedding(p.view(), q.view(), k.view(), cs.view());
+        rotary_embedding(p.view(), q.view(), k.view(), cs.view(), as_stream(stream));
       },
       py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"),
+      py::arg("stream") = 0,
       "Rotate-half rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] "
       "in place; cos_sin_cache float32 [max_positions, d] (cos | sin halves).");
   m.def(
       "silu_and_mul",
-      [](const py::handle& out, const py::handle& x) {
+      [](const py::handle& out, const py::handle& x, uintptr_t stream) {
         const DLPackView o(out, "silu_and_mul: out"), in(x, "silu_and_mul: x");
         py::gil_scoped_release release;
-        silu_and_mul(o.view(), in.view());
+        silu_and_mul(o.view(), in.view(), as_stream(stream));
       },
-      py::arg("out"), py::arg("x"), "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
+      py::arg("out"), py::arg("x"), py::arg("stream") = 0,
+      "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
   m.def("packed_weight_size", &packed_weight_size, py::arg("k"), py::arg("n"),
         "Floats of a panel-packed [k, n] weight.");
   m.def(

@@ -1,4 +1,4 @@
-// Argument checks shared by the attention kernels' glue. Internal to pyengine_core.
+// Argument checks shared by the kernels' glue. Internal to pyengine_core.
 #pragma once
 
 #include <string>
@@ -32,17 +32,44 @@ inline void check_dtype(const TensorView& t, DType dtype, const char* op, const 
   }
 }
 
-// A [tokens, ...] tensor of `ndim` dims and `dtype` on the CPU with a dense last dim (and,
-// with 3 dims, dense heads: [tokens, heads, d] rows).
-inline void check_rows(const TensorView& t, const char* op, const char* name, int ndim,
-                       DType dtype) {
-  check_cpu(t, op, name);
+// For ops with a CUDA build: whether their tensors (checked to agree) are on a CUDA
+// device, where that build runs them. Throws where pyengine was built without CUDA.
+inline bool on_cuda(const Device& device, const char* op) {
+  if (device.kind != DeviceKind::kCUDA) return false;
+#ifndef PYENGINE_WITH_CUDA
+  throw InvalidArgument(std::string(op) + ": the tensors are on " + device_name(device) +
+                        " but pyengine was built without CUDA (PYENGINE_CUDA=off or no nvcc)");
+#endif
+  return true;
+}
+
+// For ops with a CUDA build: t must be on `device`, the device of the op's first tensor.
+inline void check_device(const TensorView& t, const Device& device, const char* op,
+                         const char* name) {
+  if (t.device != device) {
+    throw InvalidArgument(arg(op, name) + " is on " + device_name(t.device) +
+                          "; the op's tensors must all be on " + device_name(device));
+  }
+}
+
+// A [tokens, ...] tensor of `ndim` dims and `dtype` on `device` with a dense last dim
+// (and, with 3 dims, dense heads: [tokens, heads, d] rows).
+inline void check_rows_on(const TensorView& t, const Device& device, const char* op,
+                          const char* name, int ndim, DType dtype) {
+  check_device(t, device, op, name);
   check_shape(t, op, name, ndim);
   check_dtype(t, dtype, op, name);
   if (t.strides[ndim - 1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
   if (ndim == 3 && t.strides[1] != t.shape[2]) {
     throw InvalidArgument(arg(op, name) + " must have dense heads ([tokens, heads, d] rows)");
   }
+}
+
+// The same on the CPU.
+inline void check_rows(const TensorView& t, const char* op, const char* name, int ndim,
+                       DType dtype) {
+  check_cpu(t, op, name);
+  check_rows_on(t, Device{}, op, name, ndim, dtype);
 }
 
 inline bool is_cache_dtype(DType d) {
@@ -55,11 +82,16 @@ struct CacheShape {
   int64_t num_blocks, num_kv_heads, block_size, head_size;
 };
 
+// On `device` (an op with a CUDA build), or else on the CPU.
 inline CacheShape check_caches(const TensorView& key_cache, const TensorView& value_cache,
-                               const char* op) {
+                               const char* op, const Device* device = nullptr) {
   for (const auto& [c, name] :
        {std::pair{&key_cache, "key_cache"}, std::pair{&value_cache, "value_cache"}}) {
-    check_cpu(*c, op, name);
+    if (device == nullptr) {
+      check_cpu(*c, op, name);
+    } else {
+      check_device(*c, *device, op, name);
+    }
     check_shape(*c, op, name, 4);
     if (!c->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
     if (!is_cache_dtype(c->dtype)) {

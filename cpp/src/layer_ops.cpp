@@ -11,12 +11,16 @@
 #include "attention_checks.h"
 #include "float_convert.h"
 #include "vector_clones.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "layer_kernels.h"
+#endif
 
 namespace pyengine {
 namespace {
 
 using detail::arg;
-using detail::check_rows;
+using detail::check_rows_on;
+using detail::on_cuda;
 
 constexpr int64_t kParallelElements = 1 << 15;
 
@@ -49,9 +53,9 @@ void dispatch(DType dtype, F&& f) {
 void check_norm_args(const char* op, const TensorView& x, const TensorView& other,
                      const char* other_name, const TensorView& weight, float eps) {
   check_float_dtype(x, op, "x");
-  check_rows(x, op, "x", 2, x.dtype);
-  check_rows(other, op, other_name, 2, x.dtype);
-  check_rows(weight, op, "weight", 1, x.dtype);
+  check_rows_on(x, x.device, op, "x", 2, x.dtype);
+  check_rows_on(other, x.device, op, other_name, 2, x.dtype);
+  check_rows_on(weight, x.device, op, "weight", 1, x.dtype);
   if (other.shape[0] != x.shape[0] || other.shape[1] != x.shape[1] ||
       weight.shape[0] != x.shape[1]) {
     throw InvalidArgument(std::string(op) + ": x " + x.describe() + ", " + other_name + " " +
@@ -152,8 +156,15 @@ void for_each_norm_row(const TensorView& weight, int64_t rows, int64_t n, Body&&
 
 }  // namespace
 
-void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps) {
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
+              void* stream) {
   check_norm_args("rms_norm", x, out, "out", weight, eps);
+  if (on_cuda(x.device, "rms_norm")) {
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::rms_norm(out, x, weight, eps, stream);
+#endif
+  }
+  (void)stream;
   const int64_t n = x.shape[1];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
@@ -168,8 +179,14 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 }
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
-                        float eps) {
+                        float eps, void* stream) {
   check_norm_args("fused_add_rms_norm", x, residual, "residual", weight, eps);
+  if (on_cuda(x.device, "fused_add_rms_norm")) {
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::fused_add_rms_norm(x, residual, weight, eps, stream);
+#endif
+  }
+  (void)stream;
   const int64_t n = x.shape[1];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
@@ -185,13 +202,13 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
 }
 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache) {
+                      const TensorView& cos_sin_cache, void* stream) {
   constexpr const char* op = "rotary_embedding";
   check_float_dtype(query, op, "query");
-  check_rows(query, op, "query", 3, query.dtype);
-  check_rows(key, op, "key", 3, query.dtype);
-  check_rows(cos_sin_cache, op, "cos_sin_cache", 2, DType::kFloat32);
-  detail::check_cpu(positions, op, "positions");
+  check_rows_on(query, query.device, op, "query", 3, query.dtype);
+  check_rows_on(key, query.device, op, "key", 3, query.dtype);
+  check_rows_on(cos_sin_cache, query.device, op, "cos_sin_cache", 2, DType::kFloat32);
+  detail::check_device(positions, query.device, op, "positions");
   detail::check_shape(positions, op, "positions", 1);
   if (positions.dtype != DType::kInt32 && positions.dtype != DType::kInt64) {
     throw InvalidArgument(arg(op, "positions") + " must be int32 or int64, got " +
@@ -205,6 +222,12 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                           " and cos_sin_cache " + cos_sin_cache.describe() +
                           " disagree (need [tokens, heads, d], [tokens], [max_positions, d])");
   }
+  if (on_cuda(query.device, op)) {  // positions stay on the device: see layer_kernels.h
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::rotary_embedding(positions, query, key, cos_sin_cache, stream);
+#endif
+  }
+  (void)stream;
   const int64_t max_positions = cos_sin_cache.shape[0];
   const auto position = [&](int64_t t) -> int64_t {
     const int64_t i = t * positions.strides[0];
@@ -255,16 +278,22 @@ void silu_and_mul_row(const float* __restrict gate, const float* __restrict up,
 
 }  // namespace
 
-void silu_and_mul(const TensorView& out, const TensorView& x) {
+void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   constexpr const char* op = "silu_and_mul";
   check_float_dtype(x, op, "x");
-  check_rows(x, op, "x", 2, x.dtype);
-  check_rows(out, op, "out", 2, x.dtype);
+  check_rows_on(x, x.device, op, "x", 2, x.dtype);
+  check_rows_on(out, x.device, op, "out", 2, x.dtype);
   const int64_t rows = x.shape[0], n = out.shape[1];
   if (out.shape[0] != rows || x.shape[1] != 2 * n) {
     throw InvalidArgument(std::string(op) + ": need x [tokens, 2n] and out [tokens, n], got x " +
                           x.describe() + " and out " + out.describe());
   }
+  if (on_cuda(x.device, op)) {
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::silu_and_mul(out, x, stream);
+#endif
+  }
+  (void)stream;
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)

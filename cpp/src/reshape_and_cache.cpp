@@ -5,18 +5,23 @@
 
 #include "attention_checks.h"
 #include "pyengine/attention.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "layer_kernels.h"
+#endif
 
 namespace pyengine {
 
 using detail::arg;
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping) {
+                       const TensorView& value_cache, const TensorView& slot_mapping,
+                       void* stream) {
   constexpr const char* op = "reshape_and_cache";
+  const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
-      detail::check_caches(key_cache, value_cache, op);
+      detail::check_caches(key_cache, value_cache, op, &device);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
-    detail::check_cpu(*t, op, name);
+    detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
     detail::check_dtype(*t, key_cache.dtype, op, name);
     if (t->shape[1] != num_kv_heads || t->shape[2] != head_size || t->strides[2] != 1) {
@@ -29,12 +34,18 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   if (value.shape[0] != num_tokens) {
     throw InvalidArgument(std::string(op) + ": key and value differ in num_tokens");
   }
-  detail::check_cpu(slot_mapping, op, "slot_mapping");
+  detail::check_device(slot_mapping, device, op, "slot_mapping");
   detail::check_dtype(slot_mapping, DType::kInt64, op, "slot_mapping");
   if (slot_mapping.ndim != 1 || slot_mapping.shape[0] != num_tokens) {
     throw InvalidArgument(std::string(op) + ": slot_mapping must be int64 [num_tokens], got " +
                           slot_mapping.describe());
   }
+  if (detail::on_cuda(device, op)) {  // slots stay on the device: see layer_kernels.h
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream);
+#endif
+  }
+  (void)stream;
   const auto* slots = static_cast<const int64_t*>(slot_mapping.data);
   const int64_t slot_stride = slot_mapping.strides[0];
   const int64_t num_slots = num_blocks * block_size;
@@ -72,12 +83,11 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     }
     runs.emplace_back(t, 1);
   }
-  const auto copy_keys = [&](auto word, int64_t first, int64_t length, int64_t h,
-                             char* tile_out) {
+  const auto copy_keys = [&](auto word, int64_t first, int64_t length, int64_t h, char* tile_out) {
     using Word = decltype(word);
     auto* dst = reinterpret_cast<Word*>(tile_out);
-    const auto* src = reinterpret_cast<const Word*>(key_in) + first * key.strides[0] +
-                      h * key.strides[1];
+    const auto* src =
+        reinterpret_cast<const Word*>(key_in) + first * key.strides[0] + h * key.strides[1];
     for (int64_t i = 0; i < head_size; ++i) {
       for (int64_t j = 0; j < length; ++j) dst[i * block_size + j] = src[j * key.strides[0] + i];
     }

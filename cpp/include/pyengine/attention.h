@@ -38,9 +38,13 @@ bool cpu_supports(CpuIsa isa);
 //   key_cache:       [num_blocks, num_kv_heads, head_size, block_size] (dense)
 //   value_cache:     [num_blocks, num_kv_heads, block_size, head_size] (dense)
 //   slot_mapping:    int64 [num_tokens], block * block_size + offset, or -1 to skip
-// Throws InvalidArgument naming the argument, before writing anything.
+// Throws InvalidArgument naming the argument, before writing anything. All tensors on
+// the CPU, or all on one CUDA device where pyengine was built with CUDA (run on
+// `stream`, a cudaStream_t; nullptr: the default stream); there, slots are not read back
+// to be checked, and one outside the cache is skipped.
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping);
+                       const TensorView& value_cache, const TensorView& slot_mapping,
+                       void* stream = nullptr);
 
 struct AttentionOptions {
   float scale = 1.0f;        // usually 1 / sqrt(head_size)

@@ -5,6 +5,10 @@
 // bfloat16 (all of one call alike; arithmetic in float32). Each throws InvalidArgument
 // naming the argument, before writing anything. Compiled without floating-point
 // contraction, so that results round like the unfused torch ops.
+//
+// All of a call's tensors are on one device: the CPU, or a CUDA device where pyengine
+// was built with CUDA (the kernels of cuda/layer_kernels.cu, run on `stream`, a
+// cudaStream_t; nullptr: the default stream; unused on the CPU).
 #pragma once
 
 #include "pyengine/tensor_view.h"
@@ -12,12 +16,13 @@
 namespace pyengine {
 
 // out = x / sqrt(mean(x^2) + eps) * weight, per row.   x, out: [num_tokens, hidden]
-void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps);
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
+              void* stream = nullptr);
 
 // residual += x; x = rms_norm(residual) * weight, in place (the residual stream of a
 // pre-norm decoder layer).
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
-                        float eps);
+                        float eps, void* stream = nullptr);
 
 // Rotary position embedding in place, rotate-half form (Llama and Qwen as in transformers):
 // for i < d/2, (x[i], x[i + d/2]) = (x[i] c - x[i + d/2] s, x[i + d/2] c + x[i] s) with
@@ -25,9 +30,9 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
 //   positions: int32 or int64 [num_tokens];  query: [num_tokens, heads, d];
 //   key: [num_tokens, kv_heads, d];  cos_sin_cache: float32 [max_positions, d]
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache);
+                      const TensorView& cos_sin_cache, void* stream = nullptr);
 
 // out = silu(x[:, :n]) * x[:, n:], with x [num_tokens, 2n] and out [num_tokens, n].
-void silu_and_mul(const TensorView& out, const TensorView& x);
+void silu_and_mul(const TensorView& out, const TensorView& x, void* stream = nullptr);
 
 }  // namespace pyengine

@@ -15,7 +15,11 @@ enum class DeviceKind : uint8_t { kCPU, kCUDA };
 struct Device {
   DeviceKind kind = DeviceKind::kCPU;
   int index = 0;
-  friend bool operator==(const Device&, const Device&) = default;
+  // Spelled out, not defaulted: cuda/ includes this header as C++17.
+  friend bool operator==(const Device& a, const Device& b) {
+    return a.kind == b.kind && a.index == b.index;
+  }
+  friend bool operator!=(const Device& a, const Device& b) { return !(a == b); }
 };
 
 size_t dtype_size(DType dtype);

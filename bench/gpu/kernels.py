@@ -1,0 +1,117 @@
+"""The CUDA fused-layer and cache-write kernels against the same math in eager torch, in
+one process on one GPU: time, achieved GB/s (bytes each must read and write), and that
+bandwidth against a large device-to-device copy measured in the same run.
+
+    python bench/gpu/kernels.py [--tokens 4096] [--dtype bfloat16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from report import print_table  # noqa: E402
+
+from pyengine import ops  # noqa: E402
+
+
+def cuda_time(fn: Callable[[], object], repeats: int = 50) -> float:
+    """Seconds per call, from CUDA events around `repeats` calls after a warm-up."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a 1 GiB device-to-device copy (read + write)."""
+    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / cuda_time(lambda: dst.copy_(src), repeats=20)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    size = torch.finfo(dtype).bits // 8
+    t, hidden, inter, heads, kv_heads, d = args.tokens, 4096, 14336, 32, 8, 128
+    dev = "cuda"
+    x = torch.randn(t, hidden, device=dev, dtype=dtype)
+    residual = torch.randn_like(x)
+    weight = torch.rand(hidden, device=dev, dtype=dtype) + 0.5
+    out = torch.empty_like(x)
+    gate_up = torch.randn(t, 2 * inter, device=dev, dtype=dtype)
+    act = torch.empty(t, inter, device=dev, dtype=dtype)
+    q = torch.randn(t, heads, d, device=dev, dtype=dtype)
+    k = torch.randn(t, kv_heads, d, device=dev, dtype=dtype)
+    positions = torch.randint(0, 8192, (t,), device=dev)
+    inv_freq = 1e-4 ** (torch.arange(0, d, 2, device=dev) / d)
+    freqs = torch.arange(8192, device=dev)[:, None] * inv_freq
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+    blocks, block_size = t // 16 + 8, 16
+    key_cache = torch.zeros(blocks, kv_heads, d, block_size, device=dev, dtype=dtype)
+    value_cache = torch.zeros(blocks, kv_heads, block_size, d, device=dev, dtype=dtype)
+    slots = torch.randperm(blocks * block_size, device=dev)[:t]
+
+    def torch_rms_norm() -> torch.Tensor:
+        xf = x.float()
+        inv = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (weight.float() * (xf * inv)).to(dtype)
+
+    def torch_rotary() -> None:
+        cs = cos_sin[positions][:, None, :]
+        for tensor in (q, k):
+            a, b = tensor[..., : d // 2].float(), tensor[..., d // 2 :].float()
+            c, s = cs[..., : d // 2], cs[..., d // 2 :]
+            tensor.copy_(torch.cat((a * c - b * s, b * c + a * s), dim=-1))
+
+    def torch_cache_write() -> None:
+        block, offset = slots // block_size, slots % block_size
+        key_cache[block, :, :, offset] = k
+        value_cache[block, :, offset, :] = k
+
+    cases: list[tuple[str, int, Callable[[], object], Callable[[], object]]] = [
+        ("rms_norm", 2 * t * hidden * size,
+         lambda: ops.rms_norm(out, x, weight, 1e-6), torch_rms_norm),
+        ("fused_add_rms_norm", 4 * t * hidden * size,
+         lambda: ops.fused_add_rms_norm(out, residual, weight, 1e-6),
+         lambda: torch_rms_norm() + residual),
+        ("silu_and_mul", 3 * t * inter * size,
+         lambda: ops.silu_and_mul(act, gate_up),
+         lambda: torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]),
+        ("rotary_embedding", 2 * t * (heads + kv_heads) * d * size,
+         lambda: ops.rotary_embedding(positions, q, k, cos_sin), torch_rotary),
+        ("reshape_and_cache", 4 * t * kv_heads * d * size,
+         lambda: ops.reshape_and_cache(k, k, key_cache, value_cache, slots), torch_cache_write),
+    ]  # fmt: skip
+    copy = copy_bandwidth()
+    rows, figures = [], {"copy_gb_s": round(copy / 1e9, 1)}
+    for name, traffic, ours, theirs in cases:
+        mine, peer = cuda_time(ours), cuda_time(theirs)
+        gb_s = traffic / mine
+        rows.append((name, f"{mine * 1e6:.1f}", f"{gb_s / 1e9:.0f}", f"{gb_s / copy:.0%}",
+                     f"{peer * 1e6:.1f}", f"{peer / mine:.2f}x"))  # fmt: skip
+        figures[f"{name}_gb_s"] = round(traffic / mine / 1e9, 1)
+        figures[f"speedup_vs_torch_{name}"] = round(peer / mine, 2)
+    print(f"# CUDA layer kernels: {torch.cuda.get_device_name()}, {t} tokens, {args.dtype}; "
+          f"device-to-device copy {copy / 1e9:.0f} GB/s")  # fmt: skip
+    print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

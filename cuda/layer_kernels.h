@@ -1,0 +1,38 @@
+// Host-side launchers of the CUDA fused-layer and cache-write kernels. Plain C++ (no
+// CUDA types), so that the device-independent glue in cpp/src, which checks every
+// argument first, can call them. Each runs on `stream` (a cudaStream_t; nullptr: the
+// default stream) of the tensors' device, and throws std::runtime_error with the CUDA
+// error string when a launch fails.
+//
+// Values that live on the device are not read back to be checked (that would
+// synchronize the host with every step): a position outside the rotary table leaves
+// its token unrotated, and a slot outside the cache is skipped, as a negative slot is.
+#pragma once
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine::cuda {
+
+// out = x / sqrt(mean(x^2) + eps) * weight per row.   x, out: [tokens, hidden]
+void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
+              void* stream);
+
+// residual += x; x = rms_norm(residual) * weight (the norm of the unrounded sum).
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                        float eps, void* stream);
+
+// Rotate-half rotary embedding in place.   query [tokens, heads, d], key [tokens,
+// kv_heads, d], positions int32/int64 [tokens], cos_sin_cache float32 [max_positions, d]
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
+                      const TensorView& cos_sin_cache, void* stream);
+
+// out = silu(x[:, :n]) * x[:, n:].   x [tokens, 2n], out [tokens, n]
+void silu_and_mul(const TensorView& out, const TensorView& x, void* stream);
+
+// Writes each token's key and value into its slot of the paged caches (slot_mapping
+// int64 [tokens], negative: skip).   key/value [tokens, kv_heads, d];
+// key_cache [blocks, kv_heads, d, block_size]; value_cache [blocks, kv_heads, block_size, d]
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping, void* stream);
+
+}  // namespace pyengine::cuda

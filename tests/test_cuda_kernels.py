@@ -1,0 +1,145 @@
+"""The CUDA kernels (cuda/) against float64 torch references on fresh random inputs, with
+poisoned outputs and shuffled cache slots. Skipped, with the reason shown, where there is
+no GPU or pyengine was built without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import built_with_cuda, ops
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA"
+    if built_with_cuda()
+    else "pyengine was built without CUDA (no nvcc, or PYENGINE_CUDA=off)",
+)
+
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = list(TOLERANCE)
+CUDA = "cuda"
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double().cpu() - want.cpu()).abs().max() / want.abs().max().cpu()).item()
+
+
+def poisoned_like(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, float("nan"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [64, 576, 4096, 5120])
+def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
+    x = torch.randn(37, hidden, device=CUDA).to(dtype)
+    weight = (torch.rand(hidden, device=CUDA) + 0.5).to(dtype)
+    out = poisoned_like(x)
+    ops.rms_norm(out, x, weight, 1e-6)
+    xd = x.double()
+    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    assert rel_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
+    x, residual = torch.randn(2, 300, 2048, device=CUDA).to(dtype)
+    weight = (torch.rand(2048, device=CUDA) + 0.5).to(dtype)
+    stream = residual.double() + x.double()
+    want = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert rel_error(residual, stream) < TOLERANCE[dtype]
+    assert rel_error(x, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("position_dtype", [torch.int32, torch.int64])
+def test_rotary_embedding(dtype: torch.dtype, head_dim: int, position_dtype: torch.dtype) -> None:
+    tokens, heads, kv_heads, max_positions = 45, 8, 2, 4096
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    freqs = torch.arange(max_positions).double()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(CUDA)
+    positions = torch.randint(0, max_positions, (tokens,), device=CUDA)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=CUDA).to(dtype)
+    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    q0, k0 = q.double().clone(), k.double().clone()
+    ops.rotary_embedding(positions.to(position_dtype), q, k, cache)
+
+    def reference(x: torch.Tensor) -> torch.Tensor:
+        angles = freqs.to(CUDA)[positions][:, None, :].repeat(1, 1, 2)
+        half = head_dim // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * angles.cos() + rotated * angles.sin()
+
+    assert rel_error(q, reference(q0)) < TOLERANCE[dtype]
+    assert rel_error(k, reference(k0)) < TOLERANCE[dtype]
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype: torch.dtype) -> None:
+    x = (torch.randn(333, 2 * 1376, device=CUDA) * 4).to(dtype)
+    out = torch.full((333, 1376), float("nan"), device=CUDA, dtype=dtype)
+    ops.silu_and_mul(out, x)
+    xd = x.double()
+    want = torch.nn.functional.silu(xd[:, :1376]) * xd[:, 1376:]
+    assert rel_error(out, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("kv_heads", "head_size", "block_size"), [(8, 128, 16), (2, 64, 32)])
+def test_reshape_and_cache(
+    dtype: torch.dtype, kv_heads: int, head_size: int, block_size: int
+) -> None:
+    num_blocks, tokens = 40, 150
+    key = torch.randn(tokens, kv_heads, head_size, device=CUDA).to(dtype)
+    value = torch.randn(tokens, kv_heads, head_size, device=CUDA).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(CUDA)
+    slots[7] = -1  # padding: skipped
+    key_cache = torch.full((num_blocks, kv_heads, head_size, block_size), float("nan"))
+    value_cache = torch.full((num_blocks, kv_heads, block_size, head_size), float("nan"))
+    key_cache, value_cache = key_cache.to(CUDA, dtype), value_cache.to(CUDA, dtype)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    torch.cuda.synchronize()
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for t, slot in enumerate(slots.tolist()):
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        written[block, offset] = True
+        assert torch.equal(key_cache[block, :, :, offset], key[t])
+        assert torch.equal(value_cache[block, :, offset, :], value[t])
+    # Every other slot kept its poison.
+    assert key_cache.permute(0, 3, 1, 2)[~written.to(CUDA)].isnan().all()
+    assert value_cache.permute(0, 2, 1, 3)[~written.to(CUDA)].isnan().all()
+
+
+def test_runs_on_the_current_stream() -> None:
+    x = torch.randn(64, 1024, device=CUDA)
+    weight = torch.ones(1024, device=CUDA)
+    out = torch.empty_like(x)
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        ops.rms_norm(out, x, weight, 1e-6)
+        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    stream.synchronize()
+    assert rel_error(out, want.double()) < 1e-5
+
+
+def test_tensors_on_two_devices_are_a_clear_error() -> None:
+    x = torch.randn(4, 64, device=CUDA)
+    with pytest.raises(ValueError, match="rms_norm: weight is on cpu; the op's tensors must all"):
+        ops.rms_norm(torch.empty_like(x), x, torch.ones(64), 1e-6)
+    key_cache = torch.zeros(4, 1, 64, 16, device=CUDA)
+    value_cache = torch.zeros(4, 1, 16, 64, device=CUDA)
+    with pytest.raises(ValueError, match="slot_mapping is on cpu"):
+        ops.reshape_and_cache(
+            torch.randn(2, 1, 64, device=CUDA),
+            torch.randn(2, 1, 64, device=CUDA),
+            key_cache,
+            value_cache,
+            torch.tensor([0, 1]),
+        )
