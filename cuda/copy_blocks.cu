@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "cache_kernels.h"
-#include "device_guard.h"
+#include "cuda_utils.h"
 
 namespace pyengine::cuda {
 namespace {
@@ -30,22 +30,6 @@ __global__ void copy_blocks_kernel(unsigned char* const* __restrict__ cache_base
 
 }  // namespace
 
-// Stream-ordered device memory, freed on the stream however the scope is left.
-class StreamBuffer {
- public:
-  StreamBuffer(size_t bytes, cudaStream_t stream) : stream_(stream) {
-    check_cuda("copy_blocks", cudaMallocAsync(&data_, bytes, stream), "cudaMallocAsync");
-  }
-  ~StreamBuffer() { cudaFreeAsync(data_, stream_); }
-  StreamBuffer(const StreamBuffer&) = delete;
-  StreamBuffer& operator=(const StreamBuffer&) = delete;
-  unsigned char* data() const { return static_cast<unsigned char*>(data_); }
-
- private:
-  void* data_ = nullptr;
-  cudaStream_t stream_;
-};
-
 void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_stride,
                  int64_t block_bytes, const int64_t* block_mapping, const int64_t* wave_starts,
                  int num_waves, int device_index, void* stream) {
@@ -63,7 +47,7 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
   std::vector<unsigned char> host(pointer_bytes + mapping_bytes);
   std::memcpy(host.data(), cache_bases, pointer_bytes);
   std::memcpy(host.data() + pointer_bytes, block_mapping, mapping_bytes);
-  const StreamBuffer device(host.size(), s);
+  const StreamBuffer device("copy_blocks", host.size(), s);
   // Pageable source: the call returns once `host` is staged, so it may go out of scope.
   check_cuda("copy_blocks",
              cudaMemcpyAsync(device.data(), host.data(), host.size(), cudaMemcpyHostToDevice, s),

@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <stdexcept>
 
-#include "device_guard.h"
+#include "cuda_utils.h"
 #include "layer_kernels.h"
 
 namespace pyengine::cuda {

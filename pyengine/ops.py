@@ -79,6 +79,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
 # The kernels with a CUDA build (cuda/), which runs where pyengine was built with CUDA.
 _CUDA_KERNELS = (
     "reshape_and_cache",
+    "paged_attention",
     "copy_blocks",
     "rms_norm",
     "fused_add_rms_norm",

@@ -4,8 +4,10 @@ no GPU or pyengine was built without CUDA."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
+from test_attention import fill_caches, make_case, reference, to_dtype, to_float64
 
 from pyengine import built_with_cuda, ops
 
@@ -143,3 +145,76 @@ def test_tensors_on_two_devices_are_a_clear_error() -> None:
             value_cache,
             torch.tensor([0, 1]),
         )
+
+
+def run_attention_case(
+    seq_lens: list[int],
+    q_lens: list[int],
+    heads: tuple[int, int],
+    head_size: int,
+    block_size: int,
+    dtype: str,
+    window: int = 0,
+    soft_cap: float = 0.0,
+) -> None:
+    """The CUDA kernel on test_attention's cases (shuffled block tables, NaN in every
+    slot no request uses, a poisoned output) against its float64 reference."""
+    case = make_case(np.random.default_rng(), seq_lens, q_lens, *heads, head_size, block_size)
+    key_cache, value_cache = fill_caches(case, block_size, dtype)
+
+    def on_gpu(x: object) -> torch.Tensor:
+        t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
+        return t.to(CUDA)
+
+    query = to_dtype(case.query, dtype)
+    out = torch.full(case.query.shape, float("nan"), device=CUDA, dtype=on_gpu(query).dtype)
+    scale = head_size**-0.5
+    ops.paged_attention(
+        out,
+        on_gpu(query),
+        on_gpu(key_cache),
+        on_gpu(value_cache),
+        on_gpu(case.block_tables),
+        on_gpu(case.seq_lens),
+        on_gpu(case.query_start_loc),
+        scale,
+        window,
+        soft_cap,
+    )
+    keys = [to_float64(to_dtype(k, dtype)) for k in case.keys]
+    values = [to_float64(to_dtype(v, dtype)) for v in case.values]
+    want = reference(case, to_float64(query), keys, values, scale, window, soft_cap)
+    got = out.double().cpu().numpy()
+    assert not np.isnan(got).any(), "an output element was not written"
+    error = np.abs(got - want).max() / np.abs(want).max()
+    assert error < TOLERANCE[getattr(torch, dtype)], f"relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [
+        ([1, 17, 40, 300], [1, 1, 1, 1]),  # decode
+        ([5, 33, 64], [5, 33, 64]),  # prefill
+        ([50, 120, 9], [7, 30, 0]),  # chunked prefill on a cached prefix; a forked sample
+        ([3000, 700, 1], [1, 1, 1]),  # long contexts: split into partitions and merged
+        ([600, 90], [600, 90]),  # enough (token, head) pairs to run unsplit
+    ],
+    ids=["decode", "prefill", "chunked", "split", "unsplit"],
+)
+@pytest.mark.parametrize("heads", [(8, 8), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"])
+def test_paged_attention(
+    dtype: str, seq_lens: list[int], q_lens: list[int], heads: tuple[int, int]
+) -> None:
+    run_attention_case(seq_lens, q_lens, heads, 128, 16, dtype)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -> None:
+    run_attention_case([70, 1000], [70, 1], (4, 2), head_size, block_size, "bfloat16")
+
+
+@pytest.mark.parametrize(("window", "soft_cap"), [(32, 0.0), (0, 30.0), (100, 50.0)])
+def test_paged_attention_sliding_window_and_soft_cap(window: int, soft_cap: float) -> None:
+    run_attention_case([300, 1200], [300, 1], (8, 2), 128, 16, "float32", window, soft_cap)

@@ -18,6 +18,9 @@
 #include "attention_checks.h"
 #include "paged_attention_kernel.h"
 #include "pyengine/attention.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "paged_attention.h"
+#endif
 
 namespace pyengine {
 namespace {
@@ -65,9 +68,9 @@ detail::AttentionKernel kernel_for(CpuIsa isa) {
   return detail::generic::run_attention;
 }
 
-void check_int_array(const TensorView& t, const char* name, int ndim) {
+void check_int_array(const TensorView& t, const Device& device, const char* name, int ndim) {
   constexpr const char* op = "paged_attention";
-  detail::check_cpu(t, op, name);
+  detail::check_device(t, device, op, name);
   detail::check_dtype(t, DType::kInt32, op, name);
   detail::check_shape(t, op, name, ndim);
   if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be contiguous");
@@ -156,17 +159,18 @@ CpuIsa attention_isa() { return current_isa().load(); }
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, const TensorView& query_start_loc,
-                     const AttentionOptions& options) {
+                     const AttentionOptions& options, void* stream) {
   constexpr const char* op = "paged_attention";
+  const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
-      detail::check_caches(key_cache, value_cache, op);
+      detail::check_caches(key_cache, value_cache, op, &device);
   if (std::find(kSupportedHeadSizes.begin(), kSupportedHeadSizes.end(), head_size) ==
       kSupportedHeadSizes.end()) {
     throw InvalidArgument(std::string(op) + ": head_size " + std::to_string(head_size) +
                           " is not supported (32, 64, 80, 96, 112, 128, 192, 256)");
   }
   for (const auto& [t, name] : {std::pair{&query, "query"}, std::pair{&out, "out"}}) {
-    detail::check_cpu(*t, op, name);
+    detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
     detail::check_dtype(*t, key_cache.dtype, op, name);
     if (t->shape[2] != head_size || t->strides[2] != 1) {
@@ -186,9 +190,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           ") must be a multiple of num_kv_heads (" + std::to_string(num_kv_heads) +
                           ")");
   }
-  check_int_array(block_tables, "block_tables", 2);
-  check_int_array(seq_lens, "seq_lens", 1);
-  check_int_array(query_start_loc, "query_start_loc", 1);
+  check_int_array(block_tables, device, "block_tables", 2);
+  check_int_array(seq_lens, device, "seq_lens", 1);
+  check_int_array(query_start_loc, device, "query_start_loc", 1);
   const int64_t num_reqs = seq_lens.shape[0];
   if (query_start_loc.shape[0] != num_reqs + 1 || block_tables.shape[0] != num_reqs) {
     throw InvalidArgument(std::string(op) +
@@ -200,6 +204,13 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     throw InvalidArgument(std::string(op) +
                           ": scale must be finite, sliding_window and logit_soft_cap >= 0");
   }
+  if (detail::on_cuda(device, op)) {  // the metadata stay on the device: see paged_attention.h
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
+                                 query_start_loc, options, stream);
+#endif
+  }
+  (void)stream;
   const auto* qsl = static_cast<const int32_t*>(query_start_loc.data);
   const auto* lens = static_cast<const int32_t*>(seq_lens.data);
   const auto* tables = static_cast<const int32_t*>(block_tables.data);

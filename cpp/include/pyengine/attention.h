@@ -65,10 +65,12 @@ struct AttentionOptions {
 //                    request with no query tokens (a sample forked this step) is skipped
 // One kernel serves prefill, chunked prefill over a cached prefix, and decode. Throws
 // InvalidArgument naming the argument (shapes, dtypes, devices, block ids out of range),
-// before writing anything.
+// before writing anything. All tensors on the CPU, or all on one CUDA device where
+// pyengine was built with CUDA (run on `stream`, a cudaStream_t; nullptr: the default
+// stream); there, the metadata's values are not read back to be checked.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& block_tables,
                      const TensorView& seq_lens, const TensorView& query_start_loc,
-                     const AttentionOptions& options);
+                     const AttentionOptions& options, void* stream = nullptr);
 
 }  // namespace pyengine

@@ -1,0 +1,302 @@
+// CUDA paged attention (see paged_attention.h), one kernel for prefill and decode tokens:
+// a thread block per (query token, query head, partition of the context). Its four warps
+// take 32 keys at a time, a key per lane (the score: the query, from shared memory, times
+// the key's column of the transposed key tile, which neighbouring lanes read
+// contiguously), keep an online softmax each, and add the weighted value rows with the
+// head dimension across lanes. The warps' results merge in shared memory. Long contexts
+// of few tokens (decode) are split into partitions of kPartitionKeys keys, each written
+// as (max, sum, unnormalized output), which a second kernel merges ("v2").
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+
+#include "cuda_utils.h"
+#include "paged_attention.h"
+
+namespace pyengine::cuda {
+namespace {
+
+constexpr int kWarp = 32;
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kPartitionKeys = 512;
+// Above this many (token, head) pairs the grid is full without splitting contexts.
+constexpr int64_t kSplitBelowPairs = 4096;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __half from_float<__half>(float x) {
+  return __float2half_rn(x);
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  }
+  return v;
+}
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
+    v += __shfl_xor_sync(0xffffffffu, v, offset);
+  }
+  return v;
+}
+
+struct Params {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  void* out;
+  float* partials;  // [tokens, heads, num_parts, head_size + 2] when num_parts > 1
+  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
+  int64_t max_blocks, num_blocks;
+  int num_reqs, num_heads, num_kv_heads, head_size, block_size, num_parts;
+  float scale;
+  int sliding_window;
+  float soft_cap;
+};
+
+// The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]
+// (requests without query tokens have qsl[r] == qsl[r + 1] and are never it).
+__device__ int request_of(const int32_t* qsl, int num_reqs, int token) {
+  int lo = 0, hi = num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] <= token) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+template <typename T, int kDimsPerLane>
+__global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+  constexpr int kMaxDims = kDimsPerLane * kWarp;
+  __shared__ float query[kMaxDims];
+  __shared__ float warp_max_[kWarps], warp_sum_[kWarps];
+  __shared__ float warp_acc[kWarps][kMaxDims];
+
+  const int token = blockIdx.x, head = blockIdx.y, part = blockIdx.z;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int d = p.head_size, bs = p.block_size;
+  const int kv_head = head / (p.num_heads / p.num_kv_heads);
+  const int r = request_of(p.query_start_loc, p.num_reqs, token);
+  const int64_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
+  const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
+  const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
+  const int64_t begin = max(first, static_cast<int64_t>(part) * kPartitionKeys);
+  const int64_t end = p.num_parts > 1
+                          ? min(position + 1, static_cast<int64_t>(part + 1) * kPartitionKeys)
+                          : position + 1;
+
+  const T* q = static_cast<const T*>(p.query) + token * p.q_token_stride + head * p.q_head_stride;
+  for (int i = threadIdx.x; i < d; i += kThreads) query[i] = to_float(q[i]) * p.scale;
+  __syncthreads();
+
+  const T* keys = static_cast<const T*>(p.key_cache);
+  const T* values = static_cast<const T*>(p.value_cache);
+  const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
+  const int64_t tile = static_cast<int64_t>(bs) * d;
+  const auto tile_base = [&](int64_t key) {  // the key's (block, kv head) tile
+    int64_t block = table[key / bs];
+    if (block < 0 || block >= p.num_blocks) block = 0;  // see paged_attention.h
+    return (block * p.num_kv_heads + kv_head) * tile;
+  };
+
+  float running_max = -INFINITY, running_sum = 0.0f;
+  float acc[kDimsPerLane] = {};
+  for (int64_t chunk = begin + warp * kWarp; chunk < end; chunk += kWarps * kWarp) {
+    const int64_t key = chunk + lane;
+    const bool visible = key < end;
+    float score = -INFINITY;
+    int64_t value_row = 0;
+    if (visible) {
+      const int64_t base = tile_base(key), offset = key % bs;
+      const T* column = keys + base + offset;
+      float dot = 0.0f;
+      for (int i = 0; i < d; ++i) dot += query[i] * to_float(column[static_cast<int64_t>(i) * bs]);
+      score = p.soft_cap > 0 ? p.soft_cap * tanhf(dot / p.soft_cap) : dot;
+      value_row = base + offset * d;
+    }
+    const float new_max = fmaxf(running_max, warp_max(score));  // lane 0's key is visible
+    const float correction = __expf(running_max - new_max);     // 0 on the first chunk
+    const float weight = visible ? __expf(score - new_max) : 0.0f;
+    running_sum = running_sum * correction + warp_sum(weight);
+    for (int j = 0; j < kDimsPerLane; ++j) acc[j] *= correction;
+    const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - chunk));
+    for (int k = 0; k < count; ++k) {
+      const float w = __shfl_sync(0xffffffffu, weight, k);
+      const int64_t row = __shfl_sync(0xffffffffu, value_row, k);
+      for (int j = 0; j < kDimsPerLane; ++j) {
+        const int dim = j * kWarp + lane;
+        if (dim < d) acc[j] += w * to_float(values[row + dim]);
+      }
+    }
+    running_max = new_max;
+  }
+
+  if (lane == 0) {
+    warp_max_[warp] = running_max;
+    warp_sum_[warp] = running_sum;
+  }
+  for (int j = 0; j < kDimsPerLane; ++j) warp_acc[warp][j * kWarp + lane] = acc[j];
+  __syncthreads();
+
+  float block_max = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_[w]);
+  float scales[kWarps];
+  float sum = 0.0f;
+  for (int w = 0; w < kWarps; ++w) {
+    scales[w] = block_max == -INFINITY ? 0.0f : __expf(warp_max_[w] - block_max);
+    sum += warp_sum_[w] * scales[w];
+  }
+  if (p.num_parts == 1) {
+    T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
+    for (int i = threadIdx.x; i < d; i += kThreads) {
+      float total = 0.0f;
+      for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
+      o[i] = from_float<T>(total / sum);
+    }
+    return;
+  }
+  float* partial =
+      p.partials +
+      ((static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts + part) * (d + 2);
+  if (threadIdx.x == 0) {
+    partial[0] = block_max;
+    partial[1] = sum;
+  }
+  for (int i = threadIdx.x; i < d; i += kThreads) {
+    float total = 0.0f;
+    for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
+    partial[2 + i] = total;
+  }
+}
+
+// One block per (token, head): merges the partitions' (max, sum, output).
+template <typename T>
+__global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
+  const int token = blockIdx.x, head = blockIdx.y, d = p.head_size;
+  const float* parts =
+      p.partials + (static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts * (d + 2);
+  float max = -INFINITY;
+  for (int k = 0; k < p.num_parts; ++k) max = fmaxf(max, parts[k * (d + 2)]);
+  float sum = 0.0f;
+  for (int k = 0; k < p.num_parts; ++k) {
+    const float* part = parts + k * (d + 2);
+    sum += part[0] == -INFINITY ? 0.0f : part[1] * __expf(part[0] - max);
+  }
+  T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
+  for (int i = threadIdx.x; i < d; i += kThreads) {
+    float total = 0.0f;
+    for (int k = 0; k < p.num_parts; ++k) {
+      const float* part = parts + k * (d + 2);
+      if (part[0] != -INFINITY) total += part[2 + i] * __expf(part[0] - max);
+    }
+    o[i] = from_float<T>(total / sum);
+  }
+}
+
+template <typename T, int kDimsPerLane>
+void launch(const Params& p, int64_t num_tokens, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(p.num_heads),
+                  static_cast<unsigned>(p.num_parts));
+  attention_kernel<T, kDimsPerLane><<<grid, kThreads, 0, stream>>>(p);
+  check_cuda("paged_attention", cudaGetLastError(), "kernel launch");
+  if (p.num_parts > 1) {
+    const dim3 merge_grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(p.num_heads));
+    merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(p);
+    check_cuda("paged_attention", cudaGetLastError(), "merge kernel launch");
+  }
+}
+
+// launch<T, lanes>() with the head dimension spread over 32 lanes: ceil(head_size / 32)
+// dims each (the glue admits 32, 64, 80, 96, 112, 128, 192 and 256).
+template <typename T>
+void launch_for_head_size(const Params& p, int64_t num_tokens, cudaStream_t stream) {
+  switch ((p.head_size + kWarp - 1) / kWarp) {
+    case 1: return launch<T, 1>(p, num_tokens, stream);
+    case 2: return launch<T, 2>(p, num_tokens, stream);
+    case 3: return launch<T, 3>(p, num_tokens, stream);
+    case 4: return launch<T, 4>(p, num_tokens, stream);
+    case 6: return launch<T, 6>(p, num_tokens, stream);
+    case 8: return launch<T, 8>(p, num_tokens, stream);
+    default: throw std::invalid_argument("paged_attention (CUDA): unsupported head size");
+  }
+}
+
+}  // namespace
+
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& block_tables,
+                     const TensorView& seq_lens, const TensorView& query_start_loc,
+                     const AttentionOptions& options, void* stream) {
+  const int64_t num_tokens = query.shape[0];
+  if (num_tokens == 0) return;
+  Params p{};
+  p.query = query.data;
+  p.key_cache = key_cache.data;
+  p.value_cache = value_cache.data;
+  p.block_tables = static_cast<const int32_t*>(block_tables.data);
+  p.seq_lens = static_cast<const int32_t*>(seq_lens.data);
+  p.query_start_loc = static_cast<const int32_t*>(query_start_loc.data);
+  p.out = out.data;
+  p.q_token_stride = query.strides[0];
+  p.q_head_stride = query.strides[1];
+  p.o_token_stride = out.strides[0];
+  p.o_head_stride = out.strides[1];
+  p.max_blocks = block_tables.shape[1];
+  p.num_blocks = key_cache.shape[0];
+  p.num_reqs = static_cast<int>(seq_lens.shape[0]);
+  p.num_heads = static_cast<int>(query.shape[1]);
+  p.num_kv_heads = static_cast<int>(key_cache.shape[1]);
+  p.head_size = static_cast<int>(key_cache.shape[2]);
+  p.block_size = static_cast<int>(key_cache.shape[3]);
+  p.scale = options.scale;
+  p.sliding_window = options.sliding_window;
+  p.soft_cap = options.logit_soft_cap;
+  // The longest context any request can have is its block table's reach.
+  const int64_t max_context = p.max_blocks * p.block_size;
+  const bool split = num_tokens * p.num_heads < kSplitBelowPairs && max_context > kPartitionKeys;
+  p.num_parts = split ? static_cast<int>((max_context + kPartitionKeys - 1) / kPartitionKeys) : 1;
+  if (p.num_parts > 65535) throw std::invalid_argument("paged_attention (CUDA): context too long");
+
+  const DeviceGuard guard(query.device.index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  const size_t partial_bytes =
+      split ? static_cast<size_t>(num_tokens * p.num_heads * p.num_parts * (p.head_size + 2)) *
+                  sizeof(float)
+            : 0;
+  const StreamBuffer partials("paged_attention", std::max<size_t>(partial_bytes, 1), s);
+  p.partials = reinterpret_cast<float*>(partials.data());
+  switch (query.dtype) {
+    case DType::kFloat32: return launch_for_head_size<float>(p, num_tokens, s);
+    case DType::kFloat16: return launch_for_head_size<__half>(p, num_tokens, s);
+    case DType::kBFloat16: return launch_for_head_size<__nv_bfloat16>(p, num_tokens, s);
+    default: throw std::invalid_argument("paged_attention (CUDA): unsupported dtype");
+  }
+}
+
+}  // namespace pyengine::cuda
