@@ -1,6 +1,11 @@
-"""The CUDA fused-layer and cache-write kernels against the same math in eager torch, in
-one process on one GPU: time, achieved GB/s (bytes each must read and write), and that
-bandwidth against a large device-to-device copy measured in the same run.
+"""The CUDA kernels on one GPU, in one process:
+
+- decode paged attention (batch 64, context 4k, head 128, 32 query / 8 KV heads): time and
+  achieved GB/s of K/V read, against a large device-to-device copy measured in the same run;
+- prefill attention over the paged cache (4k tokens): TFLOP/s against torch's
+  scaled_dot_product_attention on contiguous K/V;
+- the fused-layer and cache-write kernels against the same math in eager torch: time and
+  achieved GB/s of the bytes each must read and write.
 
     python bench/gpu/kernels.py [--tokens 4096] [--dtype bfloat16]
 """
@@ -39,6 +44,73 @@ def copy_bandwidth() -> float:
     src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     return 2 * src.numel() / cuda_time(lambda: dst.copy_(src), repeats=20)
+
+
+def paged_cache(
+    lengths: list[int], kv_heads: int, d: int, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random K/V caches holding requests of `lengths` tokens in shuffled blocks, their
+    block tables and seq_lens."""
+    per_request = [-(-n // block_size) for n in lengths]
+    blocks = sum(per_request)
+    ids = torch.randperm(blocks, dtype=torch.int32)
+    tables = torch.zeros(len(lengths), max(per_request), dtype=torch.int32)
+    start = 0
+    for i, n in enumerate(per_request):
+        tables[i, :n] = ids[start : start + n]
+        start += n
+    key_cache = torch.randn(blocks, kv_heads, d, block_size, device="cuda").to(dtype)
+    value_cache = torch.randn(blocks, kv_heads, block_size, d, device="cuda").to(dtype)
+    seq_lens = torch.tensor(lengths, dtype=torch.int32)
+    return key_cache, value_cache, tables.cuda(), seq_lens.cuda()
+
+
+def attention_rows(
+    dtype: torch.dtype, copy: float
+) -> tuple[list[tuple[str, ...]], dict[str, float]]:
+    heads, kv_heads, d, block_size = 32, 8, 128, 16
+    rows: list[tuple[str, ...]] = []
+    figures: dict[str, float] = {}
+    # Decode: 64 requests of 4k tokens, a query token each.
+    batch, context = 64, 4096
+    key_cache, value_cache, tables, seq_lens = paged_cache(
+        [context] * batch, kv_heads, d, block_size, dtype
+    )
+    query = torch.randn(batch, heads, d, device="cuda").to(dtype)
+    out = torch.empty_like(query)
+    qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
+    seconds = cuda_time(
+        lambda: ops.paged_attention(out, query, key_cache, value_cache, tables, seq_lens, qsl,
+                                    d**-0.5)
+    )  # fmt: skip
+    kv_bytes = 2 * batch * context * kv_heads * d * query.element_size()
+    gb_s = kv_bytes / seconds
+    rows.append(("decode b=64 ctx=4k", f"{seconds * 1e6:.0f}", f"{gb_s / 1e9:.0f} GB/s",
+                 f"{gb_s / copy:.0%} of copy"))  # fmt: skip
+    figures["decode_attention_gb_s"] = round(kv_bytes / seconds / 1e9, 1)
+    figures["decode_attention_share_of_copy"] = round(kv_bytes / seconds / copy, 3)
+    # Prefill: one 4k-token prompt, against SDPA on contiguous K/V.
+    tokens = 4096
+    key_cache, value_cache, tables, seq_lens = paged_cache([tokens], kv_heads, d, block_size, dtype)
+    query = torch.randn(tokens, heads, d, device="cuda").to(dtype)
+    out = torch.empty_like(query)
+    qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    seconds = cuda_time(
+        lambda: ops.paged_attention(out, query, key_cache, value_cache, tables, seq_lens, qsl,
+                                    d**-0.5), repeats=5
+    )  # fmt: skip
+    q = query.transpose(0, 1)[None]
+    k = torch.randn(1, kv_heads, tokens, d, device="cuda").to(dtype).repeat_interleave(4, 1)
+    v = torch.randn_like(k)
+    sdpa = cuda_time(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5
+    )
+    flops = 2 * 2 * heads * d * tokens * tokens / 2  # QK and PV over the causal half
+    rows.append(("prefill 4k", f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f} TFLOP/s",
+                 f"SDPA {flops / sdpa / 1e12:.1f} TFLOP/s ({sdpa / seconds:.2f}x)"))  # fmt: skip
+    figures["prefill_attention_tflop_s"] = round(flops / seconds / 1e12, 2)
+    figures["speedup_vs_sdpa_prefill_attention"] = round(sdpa / seconds, 3)
+    return rows, figures
 
 
 def main() -> None:
@@ -99,7 +171,8 @@ def main() -> None:
          lambda: ops.reshape_and_cache(k, k, key_cache, value_cache, slots), torch_cache_write),
     ]  # fmt: skip
     copy = copy_bandwidth()
-    rows, figures = [], {"copy_gb_s": round(copy / 1e9, 1)}
+    attention, attention_figures = attention_rows(dtype, copy)
+    rows, figures = [], {"copy_gb_s": round(copy / 1e9, 1), **attention_figures}
     for name, traffic, ours, theirs in cases:
         mine, peer = cuda_time(ours), cuda_time(theirs)
         gb_s = traffic / mine
@@ -107,8 +180,12 @@ def main() -> None:
                      f"{peer * 1e6:.1f}", f"{peer / mine:.2f}x"))  # fmt: skip
         figures[f"{name}_gb_s"] = round(traffic / mine / 1e9, 1)
         figures[f"speedup_vs_torch_{name}"] = round(peer / mine, 2)
-    print(f"# CUDA layer kernels: {torch.cuda.get_device_name()}, {t} tokens, {args.dtype}; "
+    print(f"# CUDA kernels: {torch.cuda.get_device_name()}, {args.dtype}; "
           f"device-to-device copy {copy / 1e9:.0f} GB/s")  # fmt: skip
+    print_table(("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against"),
+                attention)  # fmt: skip
+    print()
+    print(f"fused layers and cache writes, {t} tokens:")
     print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
     print(json.dumps(figures))
 

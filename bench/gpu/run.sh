@@ -5,8 +5,8 @@
 #
 #   bash bench/gpu/run.sh
 #
-# What it cannot measure yet (the CUDA paged attention and the model runner on CUDA come
-# later in the backend's issue) it says so instead of printing a figure.
+# What it cannot measure yet (end-to-end throughput needs the model runner on CUDA, which
+# comes later in the backend's issue) it says so instead of printing a figure.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -23,8 +23,7 @@ echo "== GPU tests"
 # pytest (not python -m pytest): the installed pyengine, not the source tree, is imported.
 pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py
 
-echo "== kernels against eager torch"
+echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"
 python bench/gpu/kernels.py --dtype bfloat16
 
-echo "== not measured yet: decode/prefill paged attention on CUDA and end-to-end"
-echo "   throughput on CUDA (their kernels and the CUDA model runner are still to come)"
+echo "== not measured yet: end-to-end throughput on CUDA (the CUDA model runner is to come)"
