@@ -168,6 +168,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     seed: int = 0
+    device: str = "cpu"  # "cpu" or "cuda[:N]"
+    dtype: str = "float32"  # of the weights, activations and KV cache
+    gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device's memory to use
 
     def __post_init__(self) -> None:
         checks = {
@@ -176,6 +179,8 @@ class EngineConfig:
             "kv_cache_memory": self.kv_cache_memory > 0,
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "dtype": self.dtype in ("float32", "bfloat16", "float16"),
+            "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
         }
         for name, ok in checks.items():
             if not ok:

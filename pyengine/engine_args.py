@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
+from pyengine import built_with_cuda
 from pyengine.config import EngineConfig, default_kv_cache_memory
 from pyengine.engine import LLMEngine
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
@@ -25,11 +28,11 @@ class EngineArgs:
     seed: int = 0
     load_format: str = "auto"
 
+    device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
+
     def create_engine(self) -> LLMEngine:
-        if self.dtype not in ("auto", "float32"):
-            raise ValueError(
-                f"dtype {self.dtype!r}: the CPU backend runs float32 ('auto' or 'float32')"
-            )
+        device = resolve_device(self.device)
+        dtype = resolve_dtype(self.dtype, device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         loaded = load_model(self.model, self.tokenizer, self.load_format)
@@ -53,5 +56,39 @@ class EngineArgs:
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             seed=self.seed,
+            device=device,
+            dtype=dtype,
+            gpu_memory_utilization=self.gpu_memory_utilization,
         )
         return LLMEngine(loaded, config)
+
+
+def resolve_device(device: str) -> str:
+    """ "auto" -> "cuda" where torch sees a GPU and pyengine has its CUDA kernels, else
+    "cpu"; "cpu", "cuda" and "cuda:N" are checked to be usable."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() and built_with_cuda() else "cpu"
+    if device == "cpu":
+        return device
+    if device == "cuda" or (device.startswith("cuda:") and device[5:].isdigit()):
+        if not built_with_cuda():
+            raise ValueError(f"device {device!r}: pyengine was built without CUDA")
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: torch sees no CUDA GPU")
+        index = int(device[5:]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: torch sees {torch.cuda.device_count()} GPUs")
+        return device
+    raise ValueError(f"device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """ "auto" -> float32 on the CPU, bfloat16 on CUDA; otherwise float32, bfloat16 or
+    float16 (also "float", "half")."""
+    if dtype == "auto":
+        return "float32" if device == "cpu" else "bfloat16"
+    names = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+             "float16": "float16", "half": "float16"}  # fmt: skip
+    if dtype not in names:
+        raise ValueError(f"dtype {dtype!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'")
+    return names[dtype]

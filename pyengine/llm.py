@@ -31,6 +31,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        device: str = "auto",
     ) -> None:
         self.engine = EngineArgs(
             model=model,
@@ -46,6 +47,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
             load_format=load_format,
+            device=device,
         ).create_engine()
         self._ids = itertools.count()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import mmap
 
+import numpy as np
 import torch
 
 from pyengine import StepBuffers, ops
@@ -12,18 +13,21 @@ from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
+from pyengine.models.layers import Placement
 from pyengine.models.llama import LlamaForCausalLM
 
 CausalLM = LlamaForCausalLM | LearnedPositionDecoder
 
 
-def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
+def build_model(
+    loaded: LoadedModel, max_positions: int, seed: int, placement: Placement
+) -> CausalLM:
     config = loaded.config
     model: CausalLM
     if config.architecture in LLAMA_LIKE:
-        model = LlamaForCausalLM(config, max_positions)
+        model = LlamaForCausalLM(config, max_positions, placement)
     else:
-        model = LearnedPositionDecoder(config)
+        model = LearnedPositionDecoder(config, placement)
     if loaded.weights is None:  # load_format="dummy": random weights of the right scale
         generator = torch.Generator().manual_seed(seed)
         with torch.no_grad():
@@ -38,47 +42,99 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int) -> CausalLM:
     return model.eval()
 
 
-def allocate_kv_pool(floats: int) -> torch.Tensor:
-    """The KV cache's memory, zero-filled, on transparent huge pages where the OS offers
-    them: attention reads 4 KB tiles from wherever their blocks lie in the pool, and with
-    2 MB pages those reads stop missing the TLB (decode attention of 32 requests whose
-    blocks are scattered over a 2 GiB pool: 9% faster on the 2-core dev machine; no
-    change while a fresh pool hands out neighbouring blocks). Pages are committed as
-    blocks are first written, 2 MB at a time."""
-    if not hasattr(mmap, "MAP_ANONYMOUS") or not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(floats)
-    buffer = mmap.mmap(-1, floats * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+def allocate_kv_pool(numel: int, placement: Placement) -> torch.Tensor:
+    """The KV cache's memory, zero-filled. On a GPU, one allocation. On the CPU, on
+    transparent huge pages where the OS offers them: attention reads 4 KB tiles from
+    wherever their blocks lie in the pool, and with 2 MB pages those reads stop missing
+    the TLB (decode attention of 32 requests whose blocks are scattered over a 2 GiB pool:
+    9% faster on the 2-core dev machine; no change while a fresh pool hands out
+    neighbouring blocks). Pages are committed as blocks are first written, 2 MB at a
+    time."""
+    dtype, device = placement.dtype, placement.device
+    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):
+        return torch.zeros(numel, dtype=dtype, device=device)
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(numel, dtype=dtype)
+    size = numel * (torch.finfo(dtype).bits // 8)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=torch.float32, count=floats)  # keeps buffer alive
+    return torch.frombuffer(buffer, dtype=dtype, count=numel)  # keeps buffer alive
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         c = loaded.config
+        self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
-        block_bytes = (
-            2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * config.block_size * 4
-        )
-        self.num_blocks = config.kv_cache_memory // block_bytes
+        tile = c.num_key_value_heads * c.head_dim * config.block_size  # per layer and block
+        block_bytes = 2 * c.num_hidden_layers * tile * (torch.finfo(self.placement.dtype).bits // 8)
         min_blocks = -(-config.max_model_len // config.block_size)
+        on_cpu = self.placement.device.type == "cpu"
+        if on_cpu and config.kv_cache_memory // block_bytes < min_blocks:
+            raise ValueError(
+                f"kv_cache_memory ({config.kv_cache_memory} bytes) holds "
+                f"{config.kv_cache_memory // block_bytes} blocks of {config.block_size} tokens; "
+                f"one max_model_len request needs {min_blocks} (at least "
+                f"{min_blocks * block_bytes} bytes, or lower max_model_len)"
+            )
+        self.model = build_model(loaded, config.max_model_len, config.seed, self.placement)
+        kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
+        self.num_blocks = kv_bytes // block_bytes
         if self.num_blocks < min_blocks:
             raise ValueError(
-                f"kv_cache_memory ({config.kv_cache_memory} bytes) holds {self.num_blocks} blocks "
-                f"of {config.block_size} tokens; one max_model_len request needs {min_blocks} "
-                f"(at least {min_blocks * block_bytes} bytes, or lower max_model_len)"
+                f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
+                f"{max(kv_bytes, 0)} bytes for the KV cache after the weights and a forward "
+                f"pass: {self.num_blocks} blocks of {config.block_size} tokens, and one "
+                f"max_model_len request needs {min_blocks} (raise gpu_memory_utilization or "
+                "lower max_model_len or max_num_batched_tokens)"
             )
-        self.model = build_model(loaded, config.max_model_len, config.seed)
-        layer_floats = self.num_blocks * c.num_key_value_heads * c.head_dim * config.block_size
-        pool = allocate_kv_pool(2 * c.num_hidden_layers * layer_floats)
-        halves = pool.view(c.num_hidden_layers, 2, layer_floats)
-        shape = (self.num_blocks, c.num_key_value_heads)
-        self.caches: list[KVCache] = [
+        pool = allocate_kv_pool(2 * c.num_hidden_layers * self.num_blocks * tile, self.placement)
+        self.caches = self._kv_caches(pool, self.num_blocks, c.num_hidden_layers)
+
+    def _kv_caches(self, pool: torch.Tensor, num_blocks: int, layers: int) -> list[KVCache]:
+        """Per layer, views of `pool`: keys [blocks, kv_heads, head, block] (transposed),
+        values [blocks, kv_heads, block, head]."""
+        c = self.model.config
+        halves = pool.view(layers, 2, -1)
+        shape = (num_blocks, c.num_key_value_heads)
+        return [
             (
-                halves[i, 0].view(*shape, c.head_dim, config.block_size),
-                halves[i, 1].view(*shape, config.block_size, c.head_dim),
+                halves[i, 0].view(*shape, c.head_dim, self.block_size),
+                halves[i, 1].view(*shape, self.block_size, c.head_dim),
             )
-            for i in range(c.num_hidden_layers)
+            for i in range(layers)
         ]
+
+    @torch.inference_mode()
+    def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
+        """gpu_memory_utilization of the device's memory, less what is in use once the
+        weights are loaded and a forward pass of the largest step (max_num_batched_tokens
+        tokens of one prompt) has run: its activations stay in torch's cache, for steps
+        to reuse."""
+        device = self.placement.device
+        tokens = min(config.max_num_batched_tokens, config.max_model_len)
+        blocks = -(-tokens // self.block_size)
+        c = self.model.config
+        tile = c.num_key_value_heads * c.head_dim * self.block_size
+        pool = torch.zeros(2 * c.num_hidden_layers * blocks * tile, dtype=self.placement.dtype,
+                           device=device)  # fmt: skip
+        caches = self._kv_caches(pool, blocks, c.num_hidden_layers)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(tokens, device=device),
+            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
+            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        )
+        positions = torch.arange(tokens, device=device)
+        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions,
+                            caches, meta)  # fmt: skip
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(device)
+        del pool, caches, hidden
+        free, total = torch.cuda.mem_get_info(device)
+        in_use = total - free - (torch.cuda.memory_reserved(device) -
+                                 torch.cuda.memory_allocated(device))  # fmt: skip
+        return int(total * config.gpu_memory_utilization) - in_use
 
     @torch.inference_mode()
     def execute(
@@ -90,16 +146,22 @@ class ModelRunner:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(b.slot_mapping),
-            block_tables=torch.from_numpy(b.block_tables),
-            seq_lens=torch.from_numpy(b.seq_lens),
-            query_start_loc=torch.from_numpy(b.query_start_loc),
+            slot_mapping=self._on_device(b.slot_mapping),
+            block_tables=self._on_device(b.block_tables),
+            seq_lens=self._on_device(b.seq_lens),
+            query_start_loc=self._on_device(b.query_start_loc),
         )
-        input_ids = torch.from_numpy(b.input_ids)
-        positions = torch.from_numpy(b.positions)
+        input_ids = self._on_device(b.input_ids)
+        positions = self._on_device(b.positions)
         hidden = self.model(input_ids, positions, self.caches, meta)
-        rows = torch.from_numpy(b.logits_indices).long()
+        rows = self._on_device(b.logits_indices).long()
         extra = None
         if extra_rows:
-            extra = self.model.compute_logits(hidden[torch.tensor(extra_rows)])
-        return self.model.compute_logits(hidden[rows]), extra
+            extra_logits = self.model.compute_logits(hidden[self._on_device(extra_rows)])
+            extra = extra_logits.to("cpu", torch.float32)
+        # The sampler runs on the CPU, in float32.
+        return self.model.compute_logits(hidden[rows]).to("cpu", torch.float32), extra
+
+    def _on_device(self, values: np.ndarray | list[int]) -> torch.Tensor:
+        host = torch.from_numpy(np.asarray(values))
+        return host.to(self.placement.device, non_blocking=True)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader import resolve
@@ -60,8 +61,13 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="max_model_len 4096 exceeds"):
         LLM(str(tmp_path), load_format="dummy", max_model_len=4096)
-    with pytest.raises(ValueError, match="dtype"):
+    with pytest.raises(ValueError, match="dtype 'float64': expected 'auto', 'float32'"):
         LLM(str(tmp_path), load_format="dummy", dtype="float64")
+    with pytest.raises(ValueError, match="device 'tpu': expected 'auto', 'cpu', 'cuda'"):
+        LLM(str(tmp_path), load_format="dummy", device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="device 'cuda:0': "):
+            LLM(str(tmp_path), load_format="dummy", device="cuda:0")
     with pytest.raises(ValueError, match="kv_cache_memory"):
         LLM(str(tmp_path), load_format="dummy", kv_cache_memory=1000)
 

@@ -88,3 +88,18 @@ def test_greedy_tokens_match_transformers(checkpoint) -> None:  # type: ignore[n
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """The path a GPU takes (torch's matmul, 16-bit weights, activations and KV cache),
+    run on the CPU: the logits stay within 16-bit rounding of float32 transformers'."""
+    folder, model = checkpoint
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype=dtype)
+    assert llm.engine.runner.caches[0][0].dtype == getattr(torch, dtype)
+    tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
+    ours = prefill_logits(llm, tokens)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert error < {"bfloat16": 0.03, "float16": 0.005}[dtype]  # about 2x what they give

@@ -12,7 +12,7 @@ from torch import nn
 
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import DenseWeight, parameter, prepare_dense
+from pyengine.models.layers import DenseWeight, Placement, parameter, prepare_dense
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -118,9 +118,10 @@ _GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # store
 
 
 class LearnedPositionDecoder(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, placement: Placement | None = None) -> None:
         super().__init__()
         self.config = config
+        self.placement = placement or Placement()
         c = config
         self.embed_tokens = parameter(c.vocab_size, c.hidden_size)
         self.embed_positions = parameter(
@@ -187,7 +188,9 @@ class LearnedPositionDecoder(nn.Module):
             for i in range(self.config.num_hidden_layers)
             for n in ("qkv", "out", "fc1", "fc2")
         }
-        self.num_parameters = prepare_dense(self, names, self.config.tie_word_embeddings)
+        self.num_parameters = prepare_dense(
+            self, names, self.config.tie_word_embeddings, self.placement
+        )
 
     def _required(self) -> list[tuple[str, int | None]]:
         fused = self.config.architecture == "OPTForCausalLM"

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from pyengine import _C, ops
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a model runs and in which dtype. Float32 on the CPU runs pyengine's own
+    matmul over packed weights; anything else runs torch's (cuBLAS on CUDA)."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def packs_weights(self) -> bool:
+        return self.device.type == "cpu" and self.dtype == torch.float32
 
 
 def parameter(*shape: int) -> nn.Parameter:
@@ -13,36 +29,50 @@ def parameter(*shape: int) -> nn.Parameter:
 
 
 class DenseWeight:
-    """A [out, in] weight prepared for x [tokens, in] -> [tokens, out] on the CPU, packed
-    once into column panels for pyengine's own matmul (cpp/src/small_gemm.cpp): a decode
-    step streams each weight byte once, in order: a decode step of 32 requests runs 1.2x
-    faster than with torch.mm (which repacks the weight on every call), prefill about as
-    fast (measured side by side in one process, SmolLM2-135M, 2 cores)."""
+    """A [out, in] weight prepared for x [tokens, in] -> [tokens, out]. On the CPU in
+    float32 it is packed once into column panels for pyengine's own matmul
+    (cpp/src/small_gemm.cpp): a decode step streams each weight byte once, in order: a
+    decode step of 32 requests runs 1.2x faster than with torch.mm (which repacks the
+    weight on every call), prefill about as fast (measured side by side in one process,
+    SmolLM2-135M, 2 cores). Elsewhere it is the weight itself, for torch's matmul."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, placement: Placement) -> None:
         self.out_features, self.in_features = weight.shape
-        self.packed = torch.empty(_C.packed_weight_size(self.in_features, self.out_features))
-        _C.pack_weight(self.packed, weight.t().contiguous().float())
+        self.packed: torch.Tensor | None = None
+        self.weight: torch.Tensor | None = None
+        if placement.packs_weights:
+            self.packed = torch.empty(_C.packed_weight_size(self.in_features, self.out_features))
+            _C.pack_weight(self.packed, weight.t().contiguous().float())
+        else:
+            self.weight = weight.to(placement.device, placement.dtype).contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.weight is not None:
+            return F.linear(x, self.weight, bias)
+        assert self.packed is not None
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
         ops.dense(out, x, self.packed, bias, self.out_features)
         return out
 
 
-def prepare_dense(model: nn.Module, names: dict[str, str], tied_head: bool) -> int:
+def prepare_dense(
+    model: nn.Module, names: dict[str, str], tied_head: bool, placement: Placement
+) -> int:
     """Replaces each named [out, in] parameter by a DenseWeight attribute (parameter name ->
     attribute name, on the same module), the head too (a head tied to the embeddings gets
-    its own). Returns the model's number of parameters (a tied head counted once)."""
+    its own), then moves the remaining parameters to the placement. Returns the model's
+    number of parameters (a tied head counted once)."""
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with torch.no_grad():
         for name, attribute in names.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
-            setattr(owner, attribute, DenseWeight(getattr(owner, leaf).data))
+            setattr(owner, attribute, DenseWeight(getattr(owner, leaf).data, placement))
             delattr(owner, leaf)
         head = model.get_parameter("embed_tokens" if tied_head else "lm_head")
-        model.head = DenseWeight(head.data)  # type: ignore[assignment]
+        model.head = DenseWeight(head.data, placement)  # type: ignore[assignment]
         if not tied_head:
             del model.lm_head
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(placement.device, placement.dtype)
     return count

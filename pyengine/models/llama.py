@@ -14,7 +14,7 @@ from torch import nn
 from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import DenseWeight, parameter, prepare_dense
+from pyengine.models.layers import DenseWeight, Placement, parameter, prepare_dense
 from pyengine.models.rotary import RotaryEmbedding
 
 
@@ -83,7 +83,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up(x)
-        act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype)
+        act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype, device=x.device)
         ops.silu_and_mul(act, gate_up)
         return self.down(act)
 
@@ -116,11 +116,18 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, max_positions: int) -> None:
+    def __init__(
+        self, config: ModelConfig, max_positions: int, placement: Placement | None = None
+    ) -> None:
         super().__init__()
         self.config = config
+        self.placement = placement or Placement()
         rotary = RotaryEmbedding(
-            config.head_dim, max_positions, config.rope_theta, config.rope_scaling
+            config.head_dim,
+            max_positions,
+            config.rope_theta,
+            config.rope_scaling,
+            self.placement.device,
         )
         self.embed_tokens = parameter(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
@@ -181,7 +188,9 @@ class LlamaForCausalLM(nn.Module):
                 ("mlp.gate_up_weight", "gate_up"), ("mlp.down_weight", "down"),
             ):  # fmt: skip
                 names[f"layers.{i}.{param}"] = attribute
-        self.num_parameters = prepare_dense(self, names, self.config.tie_word_embeddings)
+        self.num_parameters = prepare_dense(
+            self, names, self.config.tie_word_embeddings, self.placement
+        )
 
     def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
         if name == "model.embed_tokens.weight":

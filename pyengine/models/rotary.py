@@ -40,13 +40,19 @@ class RotaryEmbedding:
     """cos/sin per position, computed once for every position up to max_positions."""
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
+        self,
+        head_dim: int,
+        max_positions: int,
+        theta: float,
+        scaling: dict[str, Any] | None,
+        device: torch.device | None = None,
     ) -> None:
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # [max_positions, head_dim]: cos of each frequency, then sin.
-        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        # [max_positions, head_dim]: cos of each frequency, then sin; float32 whatever
+        # the model's dtype.
+        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 
     def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place."""
