@@ -45,11 +45,13 @@ def hf_model_from_weights(c: ModelConfig, weights: dict[str, torch.Tensor]) -> t
 
 
 def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
-    """transformers' generate, greedy, exactly new_tokens tokens (no EOS stop)."""
+    """transformers' generate, greedy, exactly new_tokens tokens (no EOS stop), on the
+    model's device."""
+    device = next(model.parameters()).device
     with torch.inference_mode():
         out = model.generate(  # type: ignore[operator]
-            torch.tensor([prompt]),
-            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            torch.tensor([prompt], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
             do_sample=False,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,

@@ -1,12 +1,9 @@
 #!/usr/bin/env bash
 # The CUDA backend's device check, on a machine with an NVIDIA GPU (Hopper; Python, torch
 # and nvcc preinstalled, no network): builds pyengine with its CUDA kernels, runs the GPU
-# tests, then the kernel benchmark, and prints their tables.
+# tests, then the kernel and offline-throughput benchmarks, and prints their tables.
 #
 #   bash bench/gpu/run.sh
-#
-# What it cannot measure yet (end-to-end throughput needs the model runner on CUDA, which
-# comes later in the backend's issue) it says so instead of printing a figure.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
@@ -21,9 +18,10 @@ echo "built in $(($(date +%s) - start)) s"
 
 echo "== GPU tests"
 # pytest (not python -m pytest): the installed pyengine, not the source tree, is imported.
-pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py
+pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py tests/test_llm_cuda.py
 
 echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"
 python bench/gpu/kernels.py --dtype bfloat16
 
-echo "== not measured yet: end-to-end throughput on CUDA (the CUDA model runner is to come)"
+echo "== offline throughput: Llama-3-8B shape, random weights, bf16, against transformers"
+python bench/gpu/throughput.py

