@@ -140,8 +140,9 @@ class ModelRunner:
     def execute(
         self, b: StepBuffers, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [num_sampling_rows, vocab] of the step in `b`, and those of `extra_rows`
-        (token rows of the step; prompt logprobs)."""
+        """Logits [num_sampling_rows, vocab] of the step in `b`, on the model's device, and
+        those of `extra_rows` (token rows of the step; prompt logprobs), on the CPU in
+        float32."""
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
@@ -159,9 +160,13 @@ class ModelRunner:
         if extra_rows:
             extra_logits = self.model.compute_logits(hidden[self._on_device(extra_rows)])
             extra = extra_logits.to("cpu", torch.float32)
-        # The sampler runs on the CPU, in float32.
-        return self.model.compute_logits(hidden[rows]).to("cpu", torch.float32), extra
+        # On the model's device: a batch of plain greedy rows sends back only its argmax.
+        return self.model.compute_logits(hidden[rows]), extra
 
     def _on_device(self, values: np.ndarray | list[int]) -> torch.Tensor:
         host = torch.from_numpy(np.asarray(values))
-        return host.to(self.placement.device, non_blocking=True)
+        if self.placement.device.type == "cpu":
+            return host
+        # Through pinned memory, asynchronously: torch's caching host allocator keeps the
+        # staging buffer until the copy has run.
+        return host.pin_memory().to(self.placement.device, non_blocking=True)

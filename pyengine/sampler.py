@@ -69,11 +69,16 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        logits = logits.float()
+        """logits [rows, vocab] on any device, any float dtype."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
+        plain_greedy = all(_plain_greedy(r) for r in rows)
+        if plain_greedy and not want_logprobs:  # the common batch: one argmax, on the device
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+        # Everything else on the CPU in float32, where the requests' generators are.
+        logits = logits.to("cpu", torch.float32)
         # Logprobs of the model's own distribution, before penalties and temperature.
         logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if all(_plain_greedy(r) for r in rows):  # the common batch: one argmax for all
+        if plain_greedy:
             chosen = logits.argmax(dim=-1).tolist()
         else:
             adjusted = logits.clone()
