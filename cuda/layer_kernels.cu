@@ -1,7 +1,6 @@
 // CUDA fused layers and the KV-cache write (see layer_kernels.h). Arithmetic in float32
-// whatever the storage type, rounding as the CPU kernels do: the norms' sums in float,
-// the output rounded once. One kernel template per op, instantiated for float, half and
-// bfloat16.
+// whatever the storage type: the norms' sums in float, each output rounded once. One
+// kernel template per op, instantiated for float, half and bfloat16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -138,8 +137,9 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, int64_t out_stride,
 // One block per token; threads over (kv head, i < d). Keys go to their transposed tile
 // [d, block_size], values to [block_size, d].
 template <typename T>
-__global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_stride,
-                                         const T* __restrict__ value, int64_t value_stride,
+__global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_token_stride,
+                                         int64_t key_head_stride, const T* __restrict__ value,
+                                         int64_t value_token_stride, int64_t value_head_stride,
                                          T* __restrict__ key_cache, T* __restrict__ value_cache,
                                          const int64_t* __restrict__ slots, int64_t slot_stride,
                                          int kv_heads, int d, int block_size, int64_t num_slots) {
@@ -151,8 +151,10 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_
   for (int e = threadIdx.x; e < kv_heads * d; e += blockDim.x) {
     const int head = e / d, i = e % d;
     const int64_t base = (block * kv_heads + head) * tile;
-    key_cache[base + static_cast<int64_t>(i) * block_size + offset] = key[token * key_stride + e];
-    value_cache[base + offset * d + i] = value[token * value_stride + e];
+    key_cache[base + static_cast<int64_t>(i) * block_size + offset] =
+        key[token * key_token_stride + head * key_head_stride + i];
+    value_cache[base + offset * d + i] =
+        value[token * value_token_stride + head * value_head_stride + i];
   }
 }
 
@@ -266,10 +268,10 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     using T = decltype(zero);
     reshape_and_cache_kernel<T><<<static_cast<unsigned>(tokens), threads_for(kv_heads * d), 0,
                                   static_cast<cudaStream_t>(stream)>>>(
-        typed<T>(key), key.strides[0], typed<T>(value), value.strides[0], typed<T>(key_cache),
-        typed<T>(value_cache), static_cast<const int64_t*>(slot_mapping.data),
-        slot_mapping.strides[0], kv_heads, d, block_size,
-        key_cache.shape[0] * static_cast<int64_t>(block_size));
+        typed<T>(key), key.strides[0], key.strides[1], typed<T>(value), value.strides[0],
+        value.strides[1], typed<T>(key_cache), typed<T>(value_cache),
+        static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0], kv_heads, d,
+        block_size, key_cache.shape[0] * static_cast<int64_t>(block_size));
   });
   check_launch("reshape_and_cache");
 }

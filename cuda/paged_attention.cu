@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <stdexcept>
 
 #include "cuda_utils.h"
@@ -107,7 +108,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
   const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
   const int64_t begin = max(first, static_cast<int64_t>(part) * kPartitionKeys);
-  const int64_t end = p.num_parts > 1
+  // The last partition takes the rest of the context, however long (max_seq_len is a hint).
+  const int64_t end = part + 1 < p.num_parts
                           ? min(position + 1, static_cast<int64_t>(part + 1) * kPartitionKeys)
                           : position + 1;
 
@@ -277,8 +279,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.scale = options.scale;
   p.sliding_window = options.sliding_window;
   p.soft_cap = options.logit_soft_cap;
-  // The longest context any request can have is its block table's reach.
-  const int64_t max_context = p.max_blocks * p.block_size;
+  // The longest context: the caller's hint, else any request's block table's reach.
+  const int64_t reach = p.max_blocks * p.block_size;
+  const int64_t max_context =
+      options.max_seq_len > 0 ? std::min(options.max_seq_len, reach) : reach;
   const bool split = num_tokens * p.num_heads < kSplitBelowPairs && max_context > kPartitionKeys;
   p.num_parts = split ? static_cast<int>((max_context + kPartitionKeys - 1) / kPartitionKeys) : 1;
   if (p.num_parts > 65535) throw std::invalid_argument("paged_attention (CUDA): context too long");
@@ -289,8 +293,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
       split ? static_cast<size_t>(num_tokens * p.num_heads * p.num_parts * (p.head_size + 2)) *
                   sizeof(float)
             : 0;
-  const StreamBuffer partials("paged_attention", std::max<size_t>(partial_bytes, 1), s);
-  p.partials = reinterpret_cast<float*>(partials.data());
+  std::optional<StreamBuffer> partials;  // only where contexts are split
+  if (split) {
+    partials.emplace("paged_attention", partial_bytes, s);
+    p.partials = reinterpret_cast<float*>(partials->data());
+  }
   switch (query.dtype) {
     case DType::kFloat32: return launch_for_head_size<float>(p, num_tokens, s);
     case DType::kFloat16: return launch_for_head_size<__half>(p, num_tokens, s);

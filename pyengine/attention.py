@@ -17,6 +17,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    max_seq_len: int = 0  # the longest seq_len (0: unknown), for the CUDA kernel's split
 
 
 # One layer's cache: keys [num_blocks, kv_heads, head, block] (transposed), values
@@ -59,5 +60,7 @@ class PagedAttention:
             meta.query_start_loc,
             self.scale,
             self.sliding_window,
+            0.0,
+            meta.max_seq_len,
         )
         return out

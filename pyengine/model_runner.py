@@ -24,12 +24,13 @@ def build_model(
 ) -> CausalLM:
     config = loaded.config
     model: CausalLM
-    if config.architecture in LLAMA_LIKE:
-        model = LlamaForCausalLM(config, max_positions, placement)
-    else:
-        model = LearnedPositionDecoder(config, placement)
+    with torch.device(placement.device):  # the parameters are made (and loaded) there
+        if config.architecture in LLAMA_LIKE:
+            model = LlamaForCausalLM(config, max_positions, placement)
+        else:
+            model = LearnedPositionDecoder(config, placement)
     if loaded.weights is None:  # load_format="dummy": random weights of the right scale
-        generator = torch.Generator().manual_seed(seed)
+        generator = torch.Generator(placement.device).manual_seed(seed)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if "norm" in name:
@@ -107,34 +108,39 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
-        """gpu_memory_utilization of the device's memory, less what is in use once the
-        weights are loaded and a forward pass of the largest step (max_num_batched_tokens
-        tokens of one prompt) has run: its activations stay in torch's cache, for steps
-        to reuse."""
+        """gpu_memory_utilization of the device's memory, less what the process needs
+        besides the KV cache: what is not torch's (the CUDA context, other processes),
+        the weights, and the peak of a forward pass of the largest step
+        (max_num_batched_tokens tokens of one prompt, logits for max_num_seqs rows).
+        Prompt logprobs, which take logits for every prompt row, are not in that peak."""
         device = self.placement.device
+        c = self.model.config
         tokens = min(config.max_num_batched_tokens, config.max_model_len)
         blocks = -(-tokens // self.block_size)
-        c = self.model.config
         tile = c.num_key_value_heads * c.head_dim * self.block_size
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
         pool = torch.zeros(2 * c.num_hidden_layers * blocks * tile, dtype=self.placement.dtype,
                            device=device)  # fmt: skip
-        caches = self._kv_caches(pool, blocks, c.num_hidden_layers)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(tokens, device=device),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
             seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
             query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+            max_seq_len=tokens,
         )
         positions = torch.arange(tokens, device=device)
-        hidden = self.model(torch.zeros(tokens, dtype=torch.long, device=device), positions,
-                            caches, meta)  # fmt: skip
-        self.model.compute_logits(hidden[-1:])
+        input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
+        caches = self._kv_caches(pool, blocks, c.num_hidden_layers)
+        hidden = self.model(input_ids, positions, caches, meta)
+        self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
         torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - pool.numel() * pool.element_size()
         del pool, caches, hidden
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        in_use = total - free - (torch.cuda.memory_reserved(device) -
-                                 torch.cuda.memory_allocated(device))  # fmt: skip
-        return int(total * config.gpu_memory_utilization) - in_use
+        not_torch = total - free - torch.cuda.memory_reserved(device)
+        return int(total * config.gpu_memory_utilization) - not_torch - peak
 
     @torch.inference_mode()
     def execute(
@@ -151,6 +157,7 @@ class ModelRunner:
             block_tables=self._on_device(b.block_tables),
             seq_lens=self._on_device(b.seq_lens),
             query_start_loc=self._on_device(b.query_start_loc),
+            max_seq_len=int(b.seq_lens.max()) if len(b.seq_lens) else 0,
         )
         input_ids = self._on_device(b.input_ids)
         positions = self._on_device(b.positions)

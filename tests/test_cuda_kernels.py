@@ -122,13 +122,17 @@ def test_reshape_and_cache(
 def test_runs_on_the_current_stream() -> None:
     x = torch.randn(64, 1024, device=CUDA)
     weight = torch.ones(1024, device=CUDA)
-    out = torch.empty_like(x)
+    out = torch.full_like(x, float("nan"))
     stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        torch.cuda._sleep(200_000_000)  # holds the side stream back for a while
         ops.rms_norm(out, x, weight, 1e-6)
-        want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.cuda.current_stream().synchronize()
+    assert out.isnan().all(), "the kernel ran on another stream than the current one"
     stream.synchronize()
-    assert rel_error(out, want.double()) < 1e-5
+    want = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    assert rel_error(out, want) < 1e-5
 
 
 def test_tensors_on_two_devices_are_a_clear_error() -> None:
@@ -198,7 +202,7 @@ def run_attention_case(
         ([5, 33, 64], [5, 33, 64]),  # prefill
         ([50, 120, 9], [7, 30, 0]),  # chunked prefill on a cached prefix; a forked sample
         ([3000, 700, 1], [1, 1, 1]),  # long contexts: split into partitions and merged
-        ([600, 90], [600, 90]),  # enough (token, head) pairs to run unsplit
+        ([1100, 90], [1100, 90]),  # enough (token, head) pairs to run unsplit
     ],
     ids=["decode", "prefill", "chunked", "split", "unsplit"],
 )
@@ -216,5 +220,26 @@ def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -
 
 
 @pytest.mark.parametrize(("window", "soft_cap"), [(32, 0.0), (0, 30.0), (100, 50.0)])
-def test_paged_attention_sliding_window_and_soft_cap(window: int, soft_cap: float) -> None:
-    run_attention_case([300, 1200], [300, 1], (8, 2), 128, 16, "float32", window, soft_cap)
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"), [([300, 1200], [300, 1]), ([1200, 700], [1200, 700])],
+    ids=["split", "unsplit"],
+)  # fmt: skip
+def test_paged_attention_sliding_window_and_soft_cap(
+    window: int, soft_cap: float, seq_lens: list[int], q_lens: list[int]
+) -> None:
+    run_attention_case(seq_lens, q_lens, (8, 2), 128, 16, "float32", window, soft_cap)
+
+
+def test_reshape_and_cache_strided_heads() -> None:
+    """Key and value as views with heads apart ([tokens, kv_heads, 2, d][:, :, i])."""
+    tokens, kv_heads, d, block_size = 20, 4, 64, 16
+    kv = torch.randn(tokens, kv_heads, 2, d, device=CUDA)
+    key, value = kv[:, :, 0], kv[:, :, 1]
+    slots = torch.randperm(4 * block_size, device=CUDA)[:tokens]
+    key_cache = torch.zeros(4, kv_heads, d, block_size, device=CUDA)
+    value_cache = torch.zeros(4, kv_heads, block_size, d, device=CUDA)
+    ops.reshape_and_cache(key, value, key_cache, value_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(key_cache[block, :, :, offset], key[t])
+        assert torch.equal(value_cache[block, :, offset, :], value[t])

@@ -17,6 +17,7 @@ echo "built in $(($(date +%s) - start)) s"
 (cd / && python -c "import pyengine, sys; sys.exit(0 if pyengine.built_with_cuda() else 'not built with CUDA')")
 
 echo "== GPU tests"
+python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
 # pytest (not python -m pytest): the installed pyengine, not the source tree, is imported.
 pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py tests/test_llm_cuda.py
 

@@ -69,10 +69,11 @@ def prepare_dense(
             owner = model.get_submodule(owner_name) if owner_name else model
             setattr(owner, attribute, DenseWeight(getattr(owner, leaf).data, placement))
             delattr(owner, leaf)
+        for parameter in model.parameters():
+            parameter.data = parameter.data.to(placement.device, placement.dtype)
+        # After the move: a tied head that is not packed shares the embeddings' memory.
         head = model.get_parameter("embed_tokens" if tied_head else "lm_head")
         model.head = DenseWeight(head.data, placement)  # type: ignore[assignment]
         if not tied_head:
             del model.lm_head
-        for parameter in model.parameters():
-            parameter.data = parameter.data.to(placement.device, placement.dtype)
     return count

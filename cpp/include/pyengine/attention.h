@@ -50,6 +50,9 @@ struct AttentionOptions {
   float scale = 1.0f;        // usually 1 / sqrt(head_size)
   int sliding_window = 0;    // > 0: a query at position p sees keys in (p - window, p]
   float logit_soft_cap = 0;  // > 0: scores become cap * tanh(score / cap)
+  // The longest seq_len where the caller knows it (0: unknown, the block tables' reach).
+  // The CUDA kernel splits long contexts by it; one too small costs speed, not results.
+  int64_t max_seq_len = 0;
 };
 
 // Variable-length paged attention: request i's query tokens
