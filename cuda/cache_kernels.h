@@ -17,4 +17,13 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
                  int64_t block_bytes, const int64_t* block_mapping, const int64_t* wave_starts,
                  int num_waves, int device_index, void* stream);
 
+// For each pair (s, d) of block_mapping (a host array, range-checked), copies block s of
+// `src` to block d of `dst` (block_bytes each; strides in bytes), between a device and
+// host memory in either direction or within a device, with cudaMemcpyAsync on `stream`
+// (asynchronous where the host memory is pinned: synchronize the stream before reading
+// what arrives there).
+void swap_blocks(const void* src, int64_t src_stride, void* dst, int64_t dst_stride,
+                 int64_t block_bytes, const int64_t* block_mapping, int64_t num_pairs,
+                 int device_index, void* stream);
+
 }  // namespace pyengine::cuda

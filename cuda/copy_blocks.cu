@@ -78,3 +78,22 @@ void copy_blocks(void* const* cache_bases, int64_t num_caches, int64_t block_str
 }
 
 }  // namespace pyengine::cuda
+
+namespace pyengine::cuda {
+
+void swap_blocks(const void* src, int64_t src_stride, void* dst, int64_t dst_stride,
+                 int64_t block_bytes, const int64_t* block_mapping, int64_t num_pairs,
+                 int device_index, void* stream) {
+  if (num_pairs == 0 || block_bytes == 0) return;
+  const DeviceGuard device_guard(device_index);
+  const auto s = static_cast<cudaStream_t>(stream);
+  for (int64_t p = 0; p < num_pairs; ++p) {
+    const auto* from = static_cast<const unsigned char*>(src) + block_mapping[2 * p] * src_stride;
+    auto* to = static_cast<unsigned char*>(dst) + block_mapping[2 * p + 1] * dst_stride;
+    check_cuda("swap_blocks",
+               cudaMemcpyAsync(to, from, static_cast<size_t>(block_bytes), cudaMemcpyDefault, s),
+               "cudaMemcpyAsync");
+  }
+}
+
+}  // namespace pyengine::cuda

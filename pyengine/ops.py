@@ -81,6 +81,7 @@ _CUDA_KERNELS = (
     "reshape_and_cache",
     "paged_attention",
     "copy_blocks",
+    "swap_blocks",
     "rms_norm",
     "fused_add_rms_norm",
     "rotary_embedding",
@@ -93,7 +94,7 @@ def _on_current_stream(kernel: Callable[..., None]) -> Callable[..., None]:
     ordered with torch's own work and captured into CUDA graphs."""
 
     def run(*args: object) -> None:
-        device = next(_tensors(args)).device
+        device = next(t.device for t in _tensors(args) if t.device.type == "cuda")
         kernel(*args, stream=torch.cuda.current_stream(device).cuda_stream)
 
     return run

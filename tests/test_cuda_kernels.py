@@ -243,3 +243,21 @@ def test_reshape_and_cache_strided_heads() -> None:
         block, offset = divmod(slot, block_size)
         assert torch.equal(key_cache[block, :, :, offset], key[t])
         assert torch.equal(value_cache[block, :, offset, :], value[t])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_swap_blocks_to_pinned_host_memory_and_back(dtype: torch.dtype) -> None:
+    cache = torch.randn(12, 2, 16, 64, device=CUDA).to(dtype)
+    pool = torch.full((6, 2, 16, 64), float("nan"), dtype=dtype).pin_memory()
+    out_pairs = torch.tensor([[5, 0], [2, 3], [11, 5]])
+    ops.swap_blocks(cache, pool, out_pairs)  # out to the host pool
+    torch.cuda.current_stream().synchronize()
+    for s, d in out_pairs.tolist():
+        assert torch.equal(pool[d], cache[s].cpu())
+    assert pool[[1, 2, 4]].isnan().all()
+    back = cache.clone()
+    ops.swap_blocks(pool, back, torch.tensor([[0, 7], [5, 1]]))  # and back
+    torch.cuda.synchronize()
+    assert torch.equal(back[7], cache[5]) and torch.equal(back[1], cache[11])
+    untouched = [b for b in range(12) if b not in (1, 7)]
+    assert torch.equal(back[untouched], cache[untouched])

@@ -51,19 +51,22 @@ void bind_cache_ops(py::module_& m) {
 
   m.def(
       "swap_blocks",
-      [](const py::handle& src, const py::handle& dst, const py::handle& block_mapping) {
+      [](const py::handle& src, const py::handle& dst, const py::handle& block_mapping,
+         uintptr_t stream) {
         const DLPackView s(src, "swap_blocks: src");
         const DLPackView d(dst, "swap_blocks: dst");
         const BlockMapping mapping(block_mapping, "swap_blocks");
         py::gil_scoped_release release;
-        swap_blocks(s.view(), d.view(), mapping.view());
+        swap_blocks(s.view(), d.view(), mapping.view(), as_stream(stream));
       },
-      py::arg("src"), py::arg("dst"), py::arg("block_mapping"),
+      py::arg("src"), py::arg("dst"), py::arg("block_mapping"), py::arg("stream") = 0,
       R"doc(Copies blocks between two caches: for each row (s, d) of block_mapping, block d of
 dst becomes block s of src.
 
-src, dst:       [num_blocks, ...] of one dtype and block size (their num_blocks may differ)
-block_mapping:  int64 [num_pairs, 2] on the CPU)doc");
+src, dst:       [num_blocks, ...] of one dtype and block size (their num_blocks may differ);
+                each on the CPU or one GPU (pin host memory for asynchronous copies)
+block_mapping:  int64 [num_pairs, 2] on the CPU
+stream:         a CUDA stream handle where a cache is on a GPU (0: the default stream))doc");
 
   m.def(
       "copy_blocks",

@@ -82,18 +82,20 @@ std::vector<int> copy_block_waves(std::span<const int64_t> pairs) {
   return waves;
 }
 
-void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping) {
+void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping,
+                 void* stream) {
   for (const auto& [c, name] : {std::pair{&src, "src"}, std::pair{&dst, "dst"}}) {
     if (c->ndim < 1 || !c->is_contiguous_from(1) || c->strides[0] < block_numel(*c)) {
       throw InvalidArgument(std::string("swap_blocks: ") + name +
                             " must be [num_blocks, ...] with dense dims after the first, got " +
                             c->describe());
     }
-    if (c->device.kind != DeviceKind::kCPU) {
-      throw InvalidArgument(std::string("swap_blocks: ") + name + " is on " +
-                            device_name(c->device) +
-                            "; swapping to or from a GPU comes with the CUDA backend");
-    }
+  }
+  const bool src_on_gpu = src.device.kind == DeviceKind::kCUDA;
+  const bool dst_on_gpu = dst.device.kind == DeviceKind::kCUDA;
+  if (src_on_gpu && dst_on_gpu && src.device != dst.device) {
+    throw InvalidArgument("swap_blocks: src is on " + device_name(src.device) + " and dst on " +
+                          device_name(dst.device) + "; one GPU at a time");
   }
   if (src.dtype != dst.dtype || block_numel(src) != block_numel(dst)) {
     throw InvalidArgument("swap_blocks: src " + src.describe() + " and dst " + dst.describe() +
@@ -115,6 +117,19 @@ void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView&
   }
   const auto element = static_cast<int64_t>(src.element_size());
   const auto bytes = static_cast<size_t>(block_numel(src) * element);
+  if (src_on_gpu || dst_on_gpu) {
+#ifdef PYENGINE_WITH_CUDA
+    cuda::swap_blocks(src.data, src.strides[0] * element, dst.data, dst.strides[0] * element,
+                      static_cast<int64_t>(bytes), pairs, num_pairs,
+                      (src_on_gpu ? src : dst).device.index, stream);
+    return;
+#else
+    (void)stream;
+    throw InvalidArgument(
+        "swap_blocks: a cache is on a GPU but pyengine was built without CUDA "
+        "(PYENGINE_CUDA=off or no nvcc)");
+#endif
+  }
   for (int64_t p = 0; p < num_pairs; ++p) {
     std::memmove(static_cast<char*>(dst.data) + pairs[2 * p + 1] * dst.strides[0] * element,
                  static_cast<const char*>(src.data) + pairs[2 * p] * src.strides[0] * element,

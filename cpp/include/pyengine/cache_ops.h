@@ -29,10 +29,13 @@ void copy_blocks(std::span<const TensorView> caches, const TensorView& block_map
 // For every row (s, d) of block_mapping, block d of `dst` becomes a copy of block s of
 // `src` (moving blocks between two caches: to a host pool and back, for swapping).
 //   src, dst:      [num_blocks, ...] of one dtype and block size; dims after the first
-//                  dense (CPU for now)
+//                  dense; each on the CPU or one CUDA device (host memory pinned for
+//                  the copies to run asynchronously on `stream`; synchronize it before
+//                  reading blocks that arrive in host memory)
 //   block_mapping: int64 [num_pairs, 2] on the CPU, s < src's and d < dst's num_blocks
 // Throws InvalidArgument naming the argument, before copying anything.
-void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping);
+void swap_blocks(const TensorView& src, const TensorView& dst, const TensorView& block_mapping,
+                 void* stream = nullptr);
 
 // The wave of each (src, dst) pair of `pairs` ([num_pairs * 2]): pairs of one wave touch
 // no block another pair of that wave writes, so a wave may run in parallel, and running
