@@ -171,6 +171,7 @@ class EngineConfig:
     device: str = "cpu"  # "cpu" or "cuda[:N]"
     dtype: str = "float32"  # of the weights, activations and KV cache
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device's memory to use
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
 
     def __post_init__(self) -> None:
         checks = {

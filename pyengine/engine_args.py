@@ -28,6 +28,7 @@ class EngineArgs:
     seed: int = 0
     load_format: str = "auto"
 
+    enforce_eager: bool = False  # on CUDA: run decode steps eagerly, not as CUDA graphs
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
     def create_engine(self) -> LLMEngine:
@@ -59,6 +60,7 @@ class EngineArgs:
             device=device,
             dtype=dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
+            enforce_eager=self.enforce_eager,
         )
         return LLMEngine(loaded, config)
 

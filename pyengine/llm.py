@@ -32,6 +32,7 @@ class LLM:
         seed: int = 0,
         load_format: str = "auto",
         device: str = "auto",
+        enforce_eager: bool = False,
     ) -> None:
         self.engine = EngineArgs(
             model=model,
@@ -48,6 +49,7 @@ class LLM:
             seed=seed,
             load_format=load_format,
             device=device,
+            enforce_eager=enforce_eager,
         ).create_engine()
         self._ids = itertools.count()
 

@@ -11,6 +11,7 @@ import torch
 from pyengine import StepBuffers, ops
 from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
+from pyengine.cuda_graphs import DecodeGraphs
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
 from pyengine.models.layers import Placement
@@ -91,6 +92,13 @@ class ModelRunner:
             )
         pool = allocate_kv_pool(2 * c.num_hidden_layers * self.num_blocks * tile, self.placement)
         self.caches = self._kv_caches(pool, self.num_blocks, c.num_hidden_layers)
+        # Captured after the KV cache takes its budget; their memory is on top of it.
+        self.graphs = None
+        if not on_cpu and not config.enforce_eager:
+            self.graphs = DecodeGraphs(
+                self.model, self.caches, config.max_num_seqs, config.max_model_len,
+                config.block_size,
+            )  # fmt: skip
 
     def _kv_caches(self, pool: torch.Tensor, num_blocks: int, layers: int) -> list[KVCache]:
         """Per layer, views of `pool`: keys [blocks, kv_heads, head, block] (transposed),
@@ -152,6 +160,10 @@ class ModelRunner:
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
+        if self.graphs is not None and not extra_rows:
+            logits = self.graphs.run(b)
+            if logits is not None:
+                return logits, None
         meta = AttentionMetadata(
             slot_mapping=self._on_device(b.slot_mapping),
             block_tables=self._on_device(b.block_tables),

@@ -19,7 +19,8 @@ echo "built in $(($(date +%s) - start)) s"
 echo "== GPU tests"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
 # pytest (not python -m pytest): the installed pyengine, not the source tree, is imported.
-pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py tests/test_llm_cuda.py
+pytest -q -rs tests/test_cuda_kernels.py tests/test_copy_blocks.py tests/test_llm_cuda.py \
+  tests/test_cuda_graphs.py
 
 echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"
 python bench/gpu/kernels.py --dtype bfloat16

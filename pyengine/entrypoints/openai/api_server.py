@@ -55,6 +55,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--load-format", default=d.load_format)
     parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"
+    )
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")

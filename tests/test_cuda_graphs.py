@@ -1,0 +1,56 @@
+"""CUDA graphs of decode steps: the ladder of captured sizes, and (on a GPU) the same
+greedy tokens as eager steps. The GPU tests are skipped, with the reason shown, where
+there is no GPU or pyengine was built without CUDA."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams, built_with_cuda
+from pyengine.cuda_graphs import MAX_CAPTURED_BATCH, capture_sizes
+
+on_gpu = pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+
+
+def test_capture_sizes_climb_to_max_num_seqs() -> None:
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(16) == [1, 2, 4, 8, 16]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and sizes == sorted(set(sizes))
+    assert capture_sizes(10_000)[-1] == MAX_CAPTURED_BATCH
+
+
+def generate(enforce_eager: bool, prompts: list[list[int]]) -> list[list[int]]:
+    llm = LLM(
+        "SmolLM2-135M-Instruct",
+        device="cuda",
+        dtype="float32",
+        max_model_len=512,
+        max_num_seqs=16,
+        gpu_memory_utilization=0.2,
+        enforce_eager=enforce_eager,
+    )
+    assert (llm.engine.runner.graphs is None) == enforce_eager
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
+    return tokens
+
+
+@on_gpu
+def test_graphs_and_eager_steps_give_the_same_tokens() -> None:
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (3, 17, 40, 90, 5, 200, 64, 8)]
+    prompts += prompts[:5]  # 13 requests: padded to a graph of 16
+    assert generate(True, prompts) == generate(False, prompts)
