@@ -1,7 +1,8 @@
-"""CUDA graphs of the decode step: each batch size of a ladder is captured once, and a
-step of one query token per request replays the smallest graph that holds it, padded.
-A replay costs one launch instead of several per layer, which is what a decode step of a
-few requests is mostly made of on a GPU."""
+"""CUDA graphs of the decode step: the model's forward for each batch size of a ladder is
+captured once, and a step of one query token per request replays the smallest graph
+that holds it, padded, then computes the logits of its real rows. A replay costs one
+launch instead of several per layer, which is what a decode step of a few requests is
+mostly made of on a GPU."""
 
 from __future__ import annotations
 
@@ -18,18 +19,22 @@ if TYPE_CHECKING:
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.
 MAX_CAPTURED_BATCH = 512
+# The longest context the graphs' attention splits for (its launch shape is fixed at
+# capture); a longer one is still attended in full, its tail by the last partition.
+MAX_SPLIT_CONTEXT = 8192
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
+    top = min(max_num_seqs, MAX_CAPTURED_BATCH)
     ladder = [1, 2, 4, *range(8, MAX_CAPTURED_BATCH + 1, 8)]
-    sizes = [s for s in ladder if s < max_num_seqs]
-    return [*sizes, min(max_num_seqs, MAX_CAPTURED_BATCH)]
+    return [*(s for s in ladder if s < top), top]
 
 
 class DecodeGraphs:
     """The graphs and the static buffers they read: token ids, positions, slots, block
     tables, seq_lens and query_start_loc of the largest size; a smaller graph reads their
-    first rows. Padding rows write no slot (-1) and attend to one key of block 0."""
+    first rows. Padding rows write no slot (-1) and attend to one key of a block their
+    stale table row names (the kernel reads any out-of-range id as block 0)."""
 
     def __init__(
         self,
@@ -42,33 +47,39 @@ class DecodeGraphs:
         self.model = model
         self.caches = caches
         self.sizes = capture_sizes(max_num_seqs)
-        self.max_model_len = max_model_len
+        self.split_context = min(max_model_len, MAX_SPLIT_CONTEXT)
         device = caches[0][0].device
         largest = self.sizes[-1]
         max_blocks = -(-max_model_len // block_size)
-        self.input_ids = torch.zeros(largest, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        # int32 as the scheduler writes them: a step's copies convert nothing.
+        self.input_ids = torch.zeros(largest, dtype=torch.int32, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int32, device=device)
         self.slot_mapping = torch.full((largest,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(largest, max_blocks, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(largest, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
-        # Each size once eagerly, on a side stream as torch advises: lazy initialization
-        # (cuBLAS handles and workspaces) stays out of the graphs.
-        warmup = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        warmup.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(warmup):
-            for size in self.sizes:
-                self._forward(size)
-        torch.cuda.current_stream(device).wait_stream(warmup)
-        pool = torch.cuda.graph_pool_handle()
-        for size in reversed(self.sizes):  # the largest first: the others reuse its memory
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self._forward(size)
-            self.graphs[size] = graph
-        torch.cuda.synchronize(device)
+        self.hidden: dict[int, torch.Tensor] = {}  # each graph's output
+        with torch.cuda.device(device):  # torch.cuda.graph captures on the current device
+            # Each size once eagerly, on a side stream as torch advises: lazy
+            # initialization (cuBLAS handles and workspaces) stays out of the graphs.
+            warmup = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+            warmup.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(warmup):
+                for size in self.sizes:
+                    self._forward(size)
+            torch.cuda.current_stream(device).wait_stream(warmup)
+            pool = torch.cuda.graph_pool_handle()
+            for size in reversed(self.sizes):  # the largest first: the rest reuse its memory
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.hidden[size] = self._forward(size)
+                self.graphs[size] = graph
+            # One replay each now, on padding alone (no slot written): the memory the
+            # graphs allocate is committed here rather than at the first step.
+            for graph in self.graphs.values():
+                graph.replay()
+            torch.cuda.synchronize(device)
 
     @torch.inference_mode()
     def _forward(self, size: int) -> torch.Tensor:
@@ -77,10 +88,12 @@ class DecodeGraphs:
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
-            max_seq_len=self.max_model_len,  # fixed: the graph's launch shapes are
+            max_seq_len=self.split_context,  # fixed: so are the graph's launch shapes
         )
-        hidden = self.model(self.input_ids[:size], self.positions[:size], self.caches, meta)
-        return self.model.compute_logits(hidden)
+        hidden: torch.Tensor = self.model(
+            self.input_ids[:size], self.positions[:size], self.caches, meta
+        )
+        return hidden
 
     def run(self, b: StepBuffers) -> torch.Tensor | None:
         """The logits of a decode step by replay, or None where the step is not one (a
@@ -110,4 +123,6 @@ class DecodeGraphs:
         self.slot_mapping[n:size].fill_(-1)
         self.seq_lens[n:size].fill_(1)
         self.graphs[size].replay()
-        return self.logits[size][:n]
+        # Eagerly, for the real rows only: one [rows, vocab] buffer per graph would hold
+        # gigabytes at a large vocabulary.
+        return self.model.compute_logits(self.hidden[size][:n])

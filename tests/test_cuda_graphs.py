@@ -26,7 +26,9 @@ def test_capture_sizes_climb_to_max_num_seqs() -> None:
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     sizes = capture_sizes(256)
     assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and sizes == sorted(set(sizes))
-    assert capture_sizes(10_000)[-1] == MAX_CAPTURED_BATCH
+    for many in (MAX_CAPTURED_BATCH, 600, 10_000):
+        sizes = capture_sizes(many)
+        assert sizes[-1] == MAX_CAPTURED_BATCH and sizes == sorted(set(sizes))
 
 
 def generate(enforce_eager: bool, prompts: list[list[int]]) -> list[list[int]]:
@@ -34,14 +36,27 @@ def generate(enforce_eager: bool, prompts: list[list[int]]) -> list[list[int]]:
         "SmolLM2-135M-Instruct",
         device="cuda",
         dtype="float32",
-        max_model_len=512,
+        max_model_len=2048,  # contexts past 512 keys: the graphs hold the split attention
         max_num_seqs=16,
         gpu_memory_utilization=0.2,
         enforce_eager=enforce_eager,
     )
-    assert (llm.engine.runner.graphs is None) == enforce_eager
+    graphs = llm.engine.runner.graphs
+    assert (graphs is None) == enforce_eager
+    replays = []
+    if graphs is not None:
+        run = graphs.run
+
+        def counted(b):  # type: ignore[no-untyped-def]
+            logits = run(b)
+            replays.append(None if logits is None else len(b.seq_lens))
+            return logits
+
+        graphs.run = counted  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    if graphs is not None:
+        assert 13 in replays, "no decode step of all 13 requests replayed a graph"
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -51,6 +66,6 @@ def generate(enforce_eager: bool, prompts: list[list[int]]) -> list[list[int]]:
 @on_gpu
 def test_graphs_and_eager_steps_give_the_same_tokens() -> None:
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(100, 40000, n).tolist() for n in (3, 17, 40, 90, 5, 200, 64, 8)]
+    prompts = [rng.integers(100, 40000, n).tolist() for n in (3, 17, 40, 90, 5, 700, 64, 8)]
     prompts += prompts[:5]  # 13 requests: padded to a graph of 16
     assert generate(True, prompts) == generate(False, prompts)
