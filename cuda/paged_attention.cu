@@ -4,8 +4,9 @@
 // the key's column of the transposed key tile, which neighbouring lanes read
 // contiguously), keep an online softmax each, and add the weighted value rows with the
 // head dimension across lanes. The warps' results merge in shared memory. Long contexts
-// of few tokens (decode) are split into partitions of kPartitionKeys keys, each written
-// as (max, sum, unnormalized output), which a second kernel merges ("v2").
+// of few tokens (decode) are split: one partition per kPartitionKeys keys of the longest
+// context, each token's context shared evenly among them, each partition written as
+// (max, sum, unnormalized output), which a second kernel merges ("v2").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -25,7 +26,9 @@ namespace {
 constexpr int kWarp = 32;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
-constexpr int kPartitionKeys = 512;
+constexpr int kPartitionKeys = 512;     // of the longest context, per partition
+constexpr int kMinPartitionKeys = 256;  // of any one token's context
+constexpr int kMaxPartitions = 256;
 // Above this many (token, head) pairs the grid is full without splitting contexts.
 constexpr int64_t kSplitBelowPairs = 4096;
 
@@ -107,11 +110,17 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int64_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
   const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
   const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
-  const int64_t begin = max(first, static_cast<int64_t>(part) * kPartitionKeys);
-  // The last partition takes the rest of the context, however long (max_seq_len is a hint).
-  const int64_t end = part + 1 < p.num_parts
-                          ? min(position + 1, static_cast<int64_t>(part + 1) * kPartitionKeys)
-                          : position + 1;
+  // This token's visible keys [first, position] in num_parts even shares of whole warp
+  // chunks, at least kMinPartitionKeys each; the last share takes the rest, however long
+  // (num_parts comes from the max_seq_len hint).
+  int64_t begin = first, end = position + 1;
+  if (p.num_parts > 1) {
+    const int64_t share = (end - first + p.num_parts - 1) / p.num_parts;
+    const int64_t keys =
+        max(static_cast<int64_t>(kMinPartitionKeys), (share + kWarp - 1) / kWarp * kWarp);
+    begin = first + part * keys;
+    if (part + 1 < p.num_parts) end = min(end, begin + keys);
+  }
 
   const T* q = static_cast<const T*>(p.query) + token * p.q_token_stride + head * p.q_head_stride;
   for (int i = threadIdx.x; i < d; i += kThreads) query[i] = to_float(q[i]) * p.scale;
@@ -284,8 +293,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const int64_t max_context =
       options.max_seq_len > 0 ? std::min(options.max_seq_len, reach) : reach;
   const bool split = num_tokens * p.num_heads < kSplitBelowPairs && max_context > kPartitionKeys;
-  p.num_parts = split ? static_cast<int>((max_context + kPartitionKeys - 1) / kPartitionKeys) : 1;
-  if (p.num_parts > 65535) throw std::invalid_argument("paged_attention (CUDA): context too long");
+  p.num_parts = split ? static_cast<int>(std::min<int64_t>(
+                            (max_context + kPartitionKeys - 1) / kPartitionKeys, kMaxPartitions))
+                      : 1;
 
   const DeviceGuard guard(query.device.index);
   const auto s = static_cast<cudaStream_t>(stream);
