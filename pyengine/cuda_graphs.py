@@ -19,8 +19,9 @@ if TYPE_CHECKING:
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.
 MAX_CAPTURED_BATCH = 512
-# The longest context the graphs' attention splits for (its launch shape is fixed at
-# capture); a longer one is still attended in full, its tail by the last partition.
+# The context the graphs' attention is launched for (its shape is fixed at capture):
+# 8192 / 512 = 16 partitions per (token, head), among which each token's context, of
+# any length, is shared evenly.
 MAX_SPLIT_CONTEXT = 8192
 
 
