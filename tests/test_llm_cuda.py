@@ -65,3 +65,30 @@ def test_bfloat16_is_the_gpu_default_and_the_kv_cache_fits_the_budget(loaded) ->
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     text = llm.generate(["The capital of France is"], params, use_tqdm=False)
     assert len(text[0].outputs[0].token_ids) == 8 and text[0].outputs[0].text
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "opt", "gpt2"])
+def test_tiny_checkpoints_match_transformers_on_the_gpu(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Needs no model files: test_llm_tiny_models' random checkpoints, made here."""
+    transformers = pytest.importorskip("transformers")
+    from test_llm_tiny_models import CONFIGS
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
+    with torch.no_grad():  # larger than the default init, so that the logits say something
+        for parameter_name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.08)
+            elif "bias" in parameter_name:
+                p.normal_(0.0, 0.05)
+    model.eval().save_pretrained(tmp_path)
+    prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 5, 17, 40, 90, 130)]
+    expected = [hf_greedy(model.to("cuda"), p, 12) for p in prompts]
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=256,
+              gpu_memory_utilization=0.1, max_num_batched_tokens=64)  # fmt: skip
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()
