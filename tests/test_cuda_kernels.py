@@ -261,3 +261,16 @@ def test_swap_blocks_to_pinned_host_memory_and_back(dtype: torch.dtype) -> None:
     assert torch.equal(back[7], cache[5]) and torch.equal(back[1], cache[11])
     untouched = [b for b in range(12) if b not in (1, 7)]
     assert torch.equal(back[untouched], cache[untouched])
+
+
+@pytest.mark.parametrize(("num_tokens", "block_size"), [(100_003, 16), (4096, 64), (33, 1)])
+def test_block_content_hashes_on_the_gpu_equal_the_cpu(num_tokens: int, block_size: int) -> None:
+    from pyengine import _C
+
+    tokens = torch.randint(0, 150_000, (num_tokens,), dtype=torch.int32)
+    on_cpu = torch.zeros(num_tokens // block_size, dtype=torch.int64)
+    _C.block_content_hashes(tokens, block_size, on_cpu)
+    on_gpu = torch.zeros_like(on_cpu, device=CUDA)
+    stream = torch.cuda.current_stream().cuda_stream
+    _C.block_content_hashes(tokens.to(CUDA), block_size, on_gpu, stream)
+    assert torch.equal(on_gpu.cpu(), on_cpu)

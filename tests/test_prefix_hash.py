@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from pyengine import compute_block_keys
+from pyengine import _C, compute_block_keys
 from pyengine import xxhash64 as native_xxhash64
 
 SEED_HI = 0xB7E151628AED2A6B
@@ -85,3 +85,19 @@ def test_bad_arguments() -> None:
         compute_block_keys([1, -2, 3], 1)
     with pytest.raises(ValueError, match="integer dtype"):
         compute_block_keys(np.ones(4), 2)
+
+
+@pytest.mark.parametrize(("num_tokens", "block_size"), [(0, 16), (15, 16), (1000, 16), (77, 1)])
+def test_block_content_hashes_are_the_chains_first_level(num_tokens: int, block_size: int) -> None:
+    tokens = np.random.default_rng().integers(0, 150_000, num_tokens, dtype=np.int32)
+    out = np.zeros(num_tokens // block_size, dtype=np.int64)
+    _C.block_content_hashes(tokens, block_size, out)
+    want = [
+        xxhash.xxh64_intdigest(tokens[b * block_size : (b + 1) * block_size].tobytes(), SEED_HI)
+        for b in range(num_tokens // block_size)
+    ]
+    assert out.view(np.uint64).tolist() == want
+    with pytest.raises(ValueError, match=r"out must be dense int64 \["):
+        _C.block_content_hashes(tokens, block_size, np.zeros(len(out) + 1, dtype=np.int64))
+    with pytest.raises(ValueError, match="tokens must be dense int32"):
+        _C.block_content_hashes(tokens.astype(np.int64), block_size, out)

@@ -2,6 +2,7 @@
 #include <pybind11/pybind11.h>
 
 #include "bindings.h"
+#include "dlpack.h"
 #include "pyengine/errors.h"
 #include "pyengine/prefix_hash.h"
 #include "token_ids.h"
@@ -18,6 +19,19 @@ void bind_prefix_hash(py::module_& m) {
         return xxhash64(bytes.data(), bytes.size(), seed);
       },
       py::arg("data"), py::arg("seed") = 0, "xxHash64 of `data` (the hash prefix keys use).");
+
+  m.def(
+      "block_content_hashes",
+      [](const py::handle& tokens, int block_size, const py::handle& out, uintptr_t stream) {
+        const DLPackView t(tokens, "block_content_hashes: tokens");
+        const DLPackView o(out, "block_content_hashes: out");
+        py::gil_scoped_release release;
+        block_content_hashes(t.view(), block_size, o.view(), as_stream(stream));
+      },
+      py::arg("tokens"), py::arg("block_size"), py::arg("out"), py::arg("stream") = 0,
+      R"doc(The content hash of each full block of `tokens` (int32 [n]) into `out` (int64
+[n // block_size], the same device): on a GPU every block in parallel, bit-identical to
+the CPU. These are the first level of compute_block_keys' keys.)doc");
 
   m.def(
       "compute_block_keys",

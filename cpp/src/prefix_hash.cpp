@@ -5,6 +5,9 @@
 #include <vector>
 
 #include "pyengine/errors.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "prefix_hash_kernels.h"
+#endif
 
 namespace pyengine {
 namespace {
@@ -123,6 +126,18 @@ inline BlockKey chain(const BlockKey& parent, uint64_t content, uint64_t extras_
   return hash128(record, sizeof record);
 }
 
+// Level 2 of hash_blocks: out[i] = chain(out[i - 1] or parent, content(i), extras),
+// sequential but only 32 bytes per block.
+template <class Content>
+void chain_keys(const BlockKey& parent, uint64_t extras_hash, std::span<BlockKey> out,
+                Content&& content) {
+  BlockKey previous = parent;
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i] = chain(previous, content(i), extras_hash);
+    previous = out[i];
+  }
+}
+
 }  // namespace
 
 uint64_t xxhash64(const void* data, size_t length, uint64_t seed) {
@@ -163,11 +178,46 @@ void hash_blocks(std::span<const TokenId> token_ids, int block_size, uint64_t ex
   } else {
     for (int64_t i = 0; i < n; ++i) content(i);
   }
-  // Level 2: the chain, sequential but only 32 bytes per block.
-  BlockKey previous = parent;
-  for (size_t i = 0; i < num_blocks; ++i) {
-    out[i] = chain(previous, out[i].lo, extras_hash);
-    previous = out[i];
+  chain_keys(parent, extras_hash, out, [&](size_t i) { return out[i].lo; });
+}
+
+void chain_block_keys(std::span<const uint64_t> contents, uint64_t extras_hash,
+                      const BlockKey& parent, std::span<BlockKey> out) {
+  check_argument(out.size() == contents.size(),
+                 "chain_block_keys: out must hold one key per content hash");
+  chain_keys(parent, extras_hash, out, [&](size_t i) { return contents[i]; });
+}
+
+void block_content_hashes(const TensorView& tokens, int block_size, const TensorView& out,
+                          void* stream) {
+  constexpr const char* op = "block_content_hashes";
+  check_argument(block_size > 0, "block_content_hashes: block_size must be positive");
+  if (tokens.dtype != DType::kInt32 || tokens.ndim != 1 || !tokens.is_contiguous()) {
+    throw InvalidArgument(std::string(op) + ": tokens must be dense int32 [n], got " +
+                          tokens.describe());
+  }
+  const int64_t num_blocks = tokens.shape[0] / block_size;
+  if (out.dtype != DType::kInt64 || out.ndim != 1 || !out.is_contiguous() ||
+      out.shape[0] != num_blocks || out.device != tokens.device) {
+    throw InvalidArgument(std::string(op) + ": out must be dense int64 [" +
+                          std::to_string(num_blocks) + "] on " + device_name(tokens.device) +
+                          ", got " + out.describe());
+  }
+  auto* hashes = static_cast<uint64_t*>(out.data);  // int64 storage, the same bits
+  const auto* ids = static_cast<const TokenId*>(tokens.data);
+  if (tokens.device.kind == DeviceKind::kCUDA) {
+#ifdef PYENGINE_WITH_CUDA
+    cuda::block_content_hashes(ids, num_blocks, block_size, kSeedHi, hashes, tokens.device.index,
+                               stream);
+    return;
+#else
+    throw InvalidArgument(std::string(op) + ": tokens are on " + device_name(tokens.device) +
+                          " but pyengine was built without CUDA (PYENGINE_CUDA=off or no nvcc)");
+#endif
+  }
+  (void)stream;
+  for (int64_t b = 0; b < num_blocks; ++b) {
+    hashes[b] = hash_content({ids + b * block_size, static_cast<size_t>(block_size)});
   }
 }
 

@@ -18,6 +18,8 @@
 #include <span>
 #include <string>
 
+#include "pyengine/tensor_view.h"
+
 namespace pyengine {
 
 using TokenId = int32_t;
@@ -54,5 +56,16 @@ BlockKey hash_block(const BlockKey& parent, std::span<const TokenId> block_token
 // Content hashes run in parallel when there are many blocks.
 void hash_blocks(std::span<const TokenId> token_ids, int block_size, uint64_t extras_hash,
                  const BlockKey& parent, std::span<BlockKey> out);
+
+// The two levels apart, for a long prompt whose token ids are already on a GPU.
+// Level 1: the content hash of each full block of `tokens` (int32 [n], dense, on the CPU
+// or a CUDA device where pyengine was built with CUDA, there on `stream`) into `out`
+// (int64 [n / block_size], the same device), every block in parallel on a GPU,
+// bit-identical to the CPU. Throws InvalidArgument naming the argument.
+void block_content_hashes(const TensorView& tokens, int block_size, const TensorView& out,
+                          void* stream = nullptr);
+// Level 2: the keys of blocks whose content hashes are `contents`, chained from `parent`.
+void chain_block_keys(std::span<const uint64_t> contents, uint64_t extras_hash,
+                      const BlockKey& parent, std::span<BlockKey> out);
 
 }  // namespace pyengine
