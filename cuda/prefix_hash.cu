@@ -7,29 +7,14 @@
 
 #include "cuda_utils.h"
 #include "prefix_hash_kernels.h"
+#include "xxhash64_core.h"
 
 namespace pyengine::cuda {
 namespace {
 
-constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
-constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kPrime3 = 0x165667B19E3779F9ull;
-constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ull;
-constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ull;
+using namespace detail::xxh64;  // xxHash64's primes and rounds, shared with the other hash
+
 constexpr int kThreads = 128;
-
-__device__ __forceinline__ uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-__device__ __forceinline__ uint64_t round(uint64_t acc, uint64_t input) {
-  acc += input * kPrime2;
-  acc = rotl(acc, 31);
-  return acc * kPrime1;
-}
-
-__device__ __forceinline__ uint64_t merge_round(uint64_t acc, uint64_t value) {
-  acc ^= round(0, value);
-  return acc * kPrime1 + kPrime4;
-}
 
 // xxHash64 of `count` 32-bit words (a block's token ids, little-endian bytes).
 __device__ uint64_t xxhash64_words(const uint32_t* words, int64_t count, uint64_t seed) {
@@ -58,12 +43,7 @@ __device__ uint64_t xxhash64_words(const uint32_t* words, int64_t count, uint64_
   h += static_cast<uint64_t>(length);
   for (; i + 2 <= count; i += 2) h = rotl(h ^ round(0, word64(i)), 27) * kPrime1 + kPrime4;
   if (i < count) h = rotl(h ^ (static_cast<uint64_t>(words[i]) * kPrime1), 23) * kPrime2 + kPrime3;
-  h ^= h >> 33;
-  h *= kPrime2;
-  h ^= h >> 29;
-  h *= kPrime3;
-  h ^= h >> 32;
-  return h;
+  return avalanche(h);
 }
 
 __global__ void content_hash_kernel(const uint32_t* __restrict__ tokens, int64_t num_blocks,

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "pyengine/errors.h"
+#include "xxhash64_core.h"
 #ifdef PYENGINE_WITH_CUDA
 #include "prefix_hash_kernels.h"
 #endif
@@ -12,11 +13,7 @@
 namespace pyengine {
 namespace {
 
-constexpr uint64_t kPrime1 = 0x9E3779B185EBCA87ull;
-constexpr uint64_t kPrime2 = 0xC2B2AE3D27D4EB4Full;
-constexpr uint64_t kPrime3 = 0x165667B19E3779F9ull;
-constexpr uint64_t kPrime4 = 0x85EBCA77C2B2AE63ull;
-constexpr uint64_t kPrime5 = 0x27D4EB2F165667C5ull;
+using namespace detail::xxh64;  // xxHash64's primes and rounds, shared with the other hash
 
 // Seeds of the two lanes of a 128-bit key (digits of e, any distinct odd values do).
 constexpr uint64_t kSeedHi = 0xB7E151628AED2A6Bull;
@@ -28,8 +25,6 @@ constexpr uint64_t kSeedLo = 0x7E5E2F0E5C1A3D51ull;
 // keep busy stalls for milliseconds, so only very long prompts are worth the risk.
 constexpr size_t kMinBlocksForParallel = 8192;
 
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
 // Unaligned little-endian loads (every platform pyengine targets is little-endian).
 inline uint64_t load64(const unsigned char* p) {
   uint64_t v;
@@ -40,26 +35,6 @@ inline uint32_t load32(const unsigned char* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);
   return v;
-}
-
-inline uint64_t round(uint64_t acc, uint64_t input) {
-  acc += input * kPrime2;
-  acc = rotl(acc, 31);
-  return acc * kPrime1;
-}
-
-inline uint64_t merge_round(uint64_t acc, uint64_t value) {
-  acc ^= round(0, value);
-  return acc * kPrime1 + kPrime4;
-}
-
-inline uint64_t avalanche(uint64_t h) {
-  h ^= h >> 33;
-  h *= kPrime2;
-  h ^= h >> 29;
-  h *= kPrime3;
-  h ^= h >> 32;
-  return h;
 }
 
 // xxHash64 of one input under N seeds at once. The lanes share every load and their
