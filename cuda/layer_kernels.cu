@@ -1,8 +1,6 @@
 // CUDA fused layers and the KV-cache write (see layer_kernels.h). Arithmetic in float32
 // whatever the storage type: the norms' sums in float, each output rounded once. One
 // kernel template per op, instantiated for float, half and bfloat16.
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -10,48 +8,23 @@
 #include <stdexcept>
 
 #include "cuda_utils.h"
+#include "element_types.cuh"
 #include "layer_kernels.h"
 
 namespace pyengine::cuda {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kMaxThreads = 1024;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
 
 // The sum of every thread's `value` in the block, returned to all threads. `shared`
 // holds one float per warp.
 __device__ float block_sum(float value, float* shared) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  }
+  value = warp_sum(value);
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   if (lane == 0) shared[warp] = value;
   __syncthreads();
   const int warps = (blockDim.x + kWarp - 1) / kWarp;
-  value = lane < warps ? shared[lane] : 0.0f;
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    value += __shfl_xor_sync(0xffffffffu, value, offset);
-  }
-  return value;
+  return warp_sum(lane < warps ? shared[lane] : 0.0f);
 }
 
 // One block per row. out = weight * (x * inv), inv = 1 / sqrt(mean(x^2) + eps).
@@ -166,17 +139,6 @@ int threads_for(int64_t work) {
   return static_cast<int>(std::min<int64_t>(kMaxThreads, std::max<int64_t>(1, warps) * kWarp));
 }
 
-// f(T{}) for the element type of `dtype` (float32, float16, bfloat16; checked by the glue).
-template <class F>
-void for_dtype(DType dtype, F&& f) {
-  switch (dtype) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat16: return f(__half{});
-    case DType::kBFloat16: return f(__nv_bfloat16{});
-    default: throw std::invalid_argument("pyengine CUDA kernels: unsupported dtype");
-  }
-}
-
 template <typename T>
 T* typed(const TensorView& t) {
   return static_cast<T*>(t.data);
@@ -190,7 +152,7 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
   const int n = static_cast<int>(x.shape[1]);
   if (rows == 0) return;
   const DeviceGuard guard(x.device.index);
-  for_dtype(x.dtype, [&](auto zero) {
+  for_dtype(x.dtype, "rms_norm", [&](auto zero) {
     using T = decltype(zero);
     rms_norm_kernel<T>
         <<<static_cast<unsigned>(rows), threads_for(n), 0, static_cast<cudaStream_t>(stream)>>>(
@@ -205,7 +167,7 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   const int n = static_cast<int>(x.shape[1]);
   if (rows == 0) return;
   const DeviceGuard guard(x.device.index);
-  for_dtype(x.dtype, [&](auto zero) {
+  for_dtype(x.dtype, "fused_add_rms_norm", [&](auto zero) {
     using T = decltype(zero);
     fused_add_rms_norm_kernel<T>
         <<<static_cast<unsigned>(rows), threads_for(n), 0, static_cast<cudaStream_t>(stream)>>>(
@@ -222,7 +184,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   const int q_heads = static_cast<int>(query.shape[1]), k_heads = static_cast<int>(key.shape[1]);
   const int d = static_cast<int>(query.shape[2]);
   const DeviceGuard guard(query.device.index);
-  for_dtype(query.dtype, [&](auto zero) {
+  for_dtype(query.dtype, "rotary_embedding", [&](auto zero) {
     using T = decltype(zero);
     const auto launch = [&](const auto* pos) {
       rotary_kernel<<<static_cast<unsigned>(tokens), threads_for((q_heads + k_heads) * d / 2), 0,
@@ -246,7 +208,7 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   const DeviceGuard guard(x.device.index);
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((rows * n + kThreads - 1) / kThreads, 65535);
-  for_dtype(x.dtype, [&](auto zero) {
+  for_dtype(x.dtype, "silu_and_mul", [&](auto zero) {
     using T = decltype(zero);
     silu_and_mul_kernel<T>
         <<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
@@ -264,7 +226,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const int d = static_cast<int>(key_cache.shape[2]);
   const int block_size = static_cast<int>(key_cache.shape[3]);
   const DeviceGuard guard(key.device.index);
-  for_dtype(key_cache.dtype, [&](auto zero) {
+  for_dtype(key_cache.dtype, "reshape_and_cache", [&](auto zero) {
     using T = decltype(zero);
     reshape_and_cache_kernel<T><<<static_cast<unsigned>(tokens), threads_for(kv_heads * d), 0,
                                   static_cast<cudaStream_t>(stream)>>>(

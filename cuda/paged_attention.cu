@@ -7,8 +7,6 @@
 // of few tokens (decode) are split: one partition per kPartitionKeys keys of the longest
 // context, each token's context shared evenly among them, each partition written as
 // (max, sum, unnormalized output), which a second kernel merges ("v2").
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -18,12 +16,12 @@
 #include <stdexcept>
 
 #include "cuda_utils.h"
+#include "element_types.cuh"
 #include "paged_attention.h"
 
 namespace pyengine::cuda {
 namespace {
 
-constexpr int kWarp = 32;
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
 constexpr int kPartitionKeys = 512;     // of the longest context, per partition
@@ -31,37 +29,6 @@ constexpr int kMinPartitionKeys = 256;  // of any one token's context
 constexpr int kMaxPartitions = 256;
 // Above this many (token, head) pairs the grid is full without splitting contexts.
 constexpr int64_t kSplitBelowPairs = 4096;
-
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
-template <typename T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float<float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __half from_float<__half>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
-  }
-  return v;
-}
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = kWarp / 2; offset > 0; offset /= 2) {
-    v += __shfl_xor_sync(0xffffffffu, v, offset);
-  }
-  return v;
-}
 
 struct Params {
   const void* query;
@@ -308,12 +275,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     partials.emplace("paged_attention", partial_bytes, s);
     p.partials = reinterpret_cast<float*>(partials->data());
   }
-  switch (query.dtype) {
-    case DType::kFloat32: return launch_for_head_size<float>(p, num_tokens, s);
-    case DType::kFloat16: return launch_for_head_size<__half>(p, num_tokens, s);
-    case DType::kBFloat16: return launch_for_head_size<__nv_bfloat16>(p, num_tokens, s);
-    default: throw std::invalid_argument("paged_attention (CUDA): unsupported dtype");
-  }
+  for_dtype(query.dtype, "paged_attention",
+            [&](auto zero) { launch_for_head_size<decltype(zero)>(p, num_tokens, s); });
 }
 
 }  // namespace pyengine::cuda

@@ -69,19 +69,21 @@ class ModelRunner:
         self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
         tile = c.num_key_value_heads * c.head_dim * config.block_size  # per layer and block
-        block_bytes = 2 * c.num_hidden_layers * tile * (torch.finfo(self.placement.dtype).bits // 8)
+        self.block_numel = 2 * c.num_hidden_layers * tile  # K and V of every layer
+        self.block_bytes = self.block_numel * (torch.finfo(self.placement.dtype).bits // 8)
         min_blocks = -(-config.max_model_len // config.block_size)
         on_cpu = self.placement.device.type == "cpu"
-        if on_cpu and config.kv_cache_memory // block_bytes < min_blocks:
+        cpu_blocks = config.kv_cache_memory // self.block_bytes
+        if on_cpu and cpu_blocks < min_blocks:
             raise ValueError(
                 f"kv_cache_memory ({config.kv_cache_memory} bytes) holds "
-                f"{config.kv_cache_memory // block_bytes} blocks of {config.block_size} tokens; "
+                f"{cpu_blocks} blocks of {config.block_size} tokens; "
                 f"one max_model_len request needs {min_blocks} (at least "
-                f"{min_blocks * block_bytes} bytes, or lower max_model_len)"
+                f"{min_blocks * self.block_bytes} bytes, or lower max_model_len)"
             )
         self.model = build_model(loaded, config.max_model_len, config.seed, self.placement)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
-        self.num_blocks = kv_bytes // block_bytes
+        self.num_blocks = kv_bytes // self.block_bytes
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
@@ -90,8 +92,7 @@ class ModelRunner:
                 f"max_model_len request needs {min_blocks} (raise gpu_memory_utilization or "
                 "lower max_model_len or max_num_batched_tokens)"
             )
-        pool = allocate_kv_pool(2 * c.num_hidden_layers * self.num_blocks * tile, self.placement)
-        self.caches = self._kv_caches(pool, self.num_blocks, c.num_hidden_layers)
+        self.caches = self._allocate_caches(self.num_blocks)
         # Captured after the KV cache takes its budget; their memory is on top of it.
         self.graphs = None
         if not on_cpu and not config.enforce_eager:
@@ -100,18 +101,19 @@ class ModelRunner:
                 config.block_size,
             )  # fmt: skip
 
-    def _kv_caches(self, pool: torch.Tensor, num_blocks: int, layers: int) -> list[KVCache]:
-        """Per layer, views of `pool`: keys [blocks, kv_heads, head, block] (transposed),
-        values [blocks, kv_heads, block, head]."""
+    def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
+        """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads,
+        head, block] (transposed), values [blocks, kv_heads, block, head]."""
         c = self.model.config
-        halves = pool.view(layers, 2, -1)
+        pool = allocate_kv_pool(num_blocks * self.block_numel, self.placement)
+        halves = pool.view(c.num_hidden_layers, 2, -1)
         shape = (num_blocks, c.num_key_value_heads)
         return [
             (
                 halves[i, 0].view(*shape, c.head_dim, self.block_size),
                 halves[i, 1].view(*shape, self.block_size, c.head_dim),
             )
-            for i in range(layers)
+            for i in range(c.num_hidden_layers)
         ]
 
     @torch.inference_mode()
@@ -122,14 +124,11 @@ class ModelRunner:
         (max_num_batched_tokens tokens of one prompt, logits for max_num_seqs rows).
         Prompt logprobs, which take logits for every prompt row, are not in that peak."""
         device = self.placement.device
-        c = self.model.config
         tokens = min(config.max_num_batched_tokens, config.max_model_len)
         blocks = -(-tokens // self.block_size)
-        tile = c.num_key_value_heads * c.head_dim * self.block_size
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-        pool = torch.zeros(2 * c.num_hidden_layers * blocks * tile, dtype=self.placement.dtype,
-                           device=device)  # fmt: skip
+        caches = self._allocate_caches(blocks)
         meta = AttentionMetadata(
             slot_mapping=torch.arange(tokens, device=device),
             block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
@@ -139,12 +138,11 @@ class ModelRunner:
         )
         positions = torch.arange(tokens, device=device)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        caches = self._kv_caches(pool, blocks, c.num_hidden_layers)
         hidden = self.model(input_ids, positions, caches, meta)
         self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
         torch.cuda.synchronize(device)
-        peak = torch.cuda.max_memory_allocated(device) - pool.numel() * pool.element_size()
-        del pool, caches, hidden
+        peak = torch.cuda.max_memory_allocated(device) - blocks * self.block_bytes
+        del caches, hidden
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         not_torch = total - free - torch.cuda.memory_reserved(device)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_attention import fill_caches, make_case, reference, to_dtype, to_float64
+from test_layer_ops import DTYPES, TOLERANCE, rel_error
 
 from pyengine import built_with_cuda, ops
 
@@ -18,13 +19,7 @@ pytestmark = pytest.mark.skipif(
     else "pyengine was built without CUDA (no nvcc, or PYENGINE_CUDA=off)",
 )
 
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
-DTYPES = list(TOLERANCE)
 CUDA = "cuda"
-
-
-def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.double().cpu() - want.cpu()).abs().max() / want.abs().max().cpu()).item()
 
 
 def poisoned_like(x: torch.Tensor) -> torch.Tensor:

@@ -70,18 +70,10 @@ def test_bfloat16_is_the_gpu_default_and_the_kv_cache_fits_the_budget(loaded) ->
 @pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "opt", "gpt2"])
 def test_tiny_checkpoints_match_transformers_on_the_gpu(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Needs no model files: test_llm_tiny_models' random checkpoints, made here."""
-    transformers = pytest.importorskip("transformers")
-    from test_llm_tiny_models import CONFIGS
+    pytest.importorskip("transformers")
+    from test_llm_tiny_models import make_checkpoint
 
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[name](), dtype=torch.float32)
-    with torch.no_grad():  # larger than the default init, so that the logits say something
-        for parameter_name, p in model.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.08)
-            elif "bias" in parameter_name:
-                p.normal_(0.0, 0.05)
-    model.eval().save_pretrained(tmp_path)
+    model = make_checkpoint(name, tmp_path)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 5, 17, 40, 90, 130)]
     expected = [hf_greedy(model.to("cuda"), p, 12) for p in prompts]
     llm = LLM(str(tmp_path), device="cuda", dtype="float32", max_model_len=256,

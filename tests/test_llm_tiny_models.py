@@ -53,10 +53,10 @@ CONFIGS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
-def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+def make_checkpoint(kind: str, folder: Path) -> torch.nn.Module:
+    """A random float32 checkpoint of CONFIGS[kind], saved to folder; the model."""
     torch.manual_seed(0)
-    config = CONFIGS[request.param]()
+    config = CONFIGS[kind]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # larger than the default init, so that the logits say something
         for name, p in model.named_parameters():
@@ -64,9 +64,14 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # ty
                 p.normal_(0.0, 0.08)
             elif "bias" in name:
                 p.normal_(0.0, 0.05)
-    folder = tmp_path_factory.mktemp(request.param)
     model.save_pretrained(folder)
-    return folder, model
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    folder = tmp_path_factory.mktemp(request.param)
+    return folder, make_checkpoint(request.param, folder)
 
 
 def test_logits_match_transformers(checkpoint) -> None:  # type: ignore[no-untyped-def]
