@@ -1,22 +1,27 @@
-// CUDA paged attention (see paged_attention.h), one kernel for prefill and decode tokens:
-// a thread block per (query token, query head, partition of the context). Its four warps
-// take 32 keys at a time, a key per lane (the score: the query, from shared memory, times
-// the key's column of the transposed key tile, which neighbouring lanes read
-// contiguously), keep an online softmax each, and add the weighted value rows with the
-// head dimension across lanes. The warps' results merge in shared memory. Long contexts
-// of few tokens (decode) are split: one partition per kPartitionKeys keys of the longest
-// context, each token's context shared evenly among them, each partition written as
-// (max, sum, unnormalized output), which a second kernel merges ("v2").
+// CUDA paged attention (see paged_attention.h): the dispatch, the scalar kernel and the
+// merge of split contexts. float16 and bfloat16 of the common head sizes run on tensor
+// cores (flash_attention.cu); everything else (float32, other head sizes) on the scalar
+// kernel here: a thread block per (query token, query head, partition of the context),
+// whose four warps take 32 keys at a time, a key per lane (the score: the query, from
+// shared memory, times the key's column of the transposed key tile, which neighbouring
+// lanes read contiguously), keep an online softmax each, and add the weighted value rows
+// with the head dimension across lanes. Long contexts of few tokens (decode) are split:
+// one partition per kPartitionKeys keys of the longest context, each token's context
+// shared evenly among them (attention_params.cuh), each written as (max, sum,
+// unnormalized output), which a second kernel merges ("v2").
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 
+#include "attention_params.cuh"
 #include "cuda_utils.h"
 #include "element_types.cuh"
+#include "flash_attention.h"
 #include "paged_attention.h"
 
 namespace pyengine::cuda {
@@ -24,43 +29,12 @@ namespace {
 
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * kWarp;
-constexpr int kPartitionKeys = 512;     // of the longest context, per partition
-constexpr int kMinPartitionKeys = 256;  // of any one token's context
+constexpr int kPartitionKeys = 512;  // of the longest context, per partition
 constexpr int kMaxPartitions = 256;
 // Above this many (token, head) pairs the grid is full without splitting contexts.
 constexpr int64_t kSplitBelowPairs = 4096;
 
-struct Params {
-  const void* query;
-  const void* key_cache;
-  const void* value_cache;
-  const int32_t* block_tables;
-  const int32_t* seq_lens;
-  const int32_t* query_start_loc;
-  void* out;
-  float* partials;  // [tokens, heads, num_parts, head_size + 2] when num_parts > 1
-  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
-  int64_t max_blocks, num_blocks;
-  int num_reqs, num_heads, num_kv_heads, head_size, block_size, num_parts;
-  float scale;
-  int sliding_window;
-  float soft_cap;
-};
-
-// The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]
-// (requests without query tokens have qsl[r] == qsl[r + 1] and are never it).
-__device__ int request_of(const int32_t* qsl, int num_reqs, int token) {
-  int lo = 0, hi = num_reqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (qsl[mid] <= token) {
-      lo = mid;
-    } else {
-      hi = mid - 1;
-    }
-  }
-  return lo;
-}
+using Params = AttentionParams;
 
 template <typename T, int kDimsPerLane>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
@@ -77,17 +51,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int64_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
   const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
   const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
-  // This token's visible keys [first, position] in num_parts even shares of whole warp
-  // chunks, at least kMinPartitionKeys each; the last share takes the rest, however long
-  // (num_parts comes from the max_seq_len hint).
-  int64_t begin = first, end = position + 1;
-  if (p.num_parts > 1) {
-    const int64_t share = (end - first + p.num_parts - 1) / p.num_parts;
-    const int64_t keys =
-        max(static_cast<int64_t>(kMinPartitionKeys), (share + kWarp - 1) / kWarp * kWarp);
-    begin = first + part * keys;
-    if (part + 1 < p.num_parts) end = min(end, begin + keys);
-  }
+  // This partition's share of the token's visible keys [first, position].
+  const auto [begin, end] = partition_keys(first, position + 1, part, p.num_parts, kWarp);
 
   const T* q = static_cast<const T*>(p.query) + token * p.q_token_stride + head * p.q_head_stride;
   for (int i = threadIdx.x; i < d; i += kThreads) query[i] = to_float(q[i]) * p.scale;
@@ -98,9 +63,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
   const int64_t tile = static_cast<int64_t>(bs) * d;
   const auto tile_base = [&](int64_t key) {  // the key's (block, kv head) tile
-    int64_t block = table[key / bs];
-    if (block < 0 || block >= p.num_blocks) block = 0;  // see paged_attention.h
-    return (block * p.num_kv_heads + kv_head) * tile;
+    return (cache_block(p, table, key) * p.num_kv_heads + kv_head) * tile;
   };
 
   float running_max = -INFINITY, running_sum = 0.0f;
@@ -203,11 +166,27 @@ void launch(const Params& p, int64_t num_tokens, cudaStream_t stream) {
                   static_cast<unsigned>(p.num_parts));
   attention_kernel<T, kDimsPerLane><<<grid, kThreads, 0, stream>>>(p);
   check_cuda("paged_attention", cudaGetLastError(), "kernel launch");
-  if (p.num_parts > 1) {
-    const dim3 merge_grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(p.num_heads));
-    merge_kernel<T><<<merge_grid, kThreads, 0, stream>>>(p);
-    check_cuda("paged_attention", cudaGetLastError(), "merge kernel launch");
-  }
+}
+
+template <typename T>
+void merge(const Params& p, int64_t num_tokens, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(p.num_heads));
+  merge_kernel<T><<<grid, kThreads, 0, stream>>>(p);
+  check_cuda("paged_attention", cudaGetLastError(), "merge kernel launch");
+}
+
+bool aligned(const void* data, uintptr_t bytes) {
+  return reinterpret_cast<uintptr_t>(data) % bytes == 0;
+}
+
+// Whether the tensor-core kernel takes this call: its shapes, and alignment for its
+// 16-byte cache loads and 4-byte query and output accesses.
+bool use_flash(const Params& p, const TensorView& query, const TensorView& out) {
+  return flash_attention_supports(query.dtype, p.head_size, p.block_size,
+                                  p.num_heads / p.num_kv_heads) &&
+         aligned(p.key_cache, 16) && aligned(p.value_cache, 16) && aligned(query.data, 4) &&
+         aligned(out.data, 4) && p.q_token_stride % 2 == 0 && p.q_head_stride % 2 == 0 &&
+         p.o_token_stride % 2 == 0 && p.o_head_stride % 2 == 0;
 }
 
 // launch<T, lanes>() with the head dimension spread over 32 lanes: ceil(head_size / 32)
@@ -275,8 +254,23 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     partials.emplace("paged_attention", partial_bytes, s);
     p.partials = reinterpret_cast<float*>(partials->data());
   }
-  for_dtype(query.dtype, "paged_attention",
-            [&](auto zero) { launch_for_head_size<decltype(zero)>(p, num_tokens, s); });
+  if (use_flash(p, query, out)) {
+    // Tiles per request from the longest query (a short hint costs speed, not results).
+    const int64_t tokens_per_tile = kFlashTileRows / (p.num_heads / p.num_kv_heads);
+    const int64_t max_query =
+        options.max_query_len > 0 ? std::min(options.max_query_len, num_tokens) : num_tokens;
+    const int64_t tiles = (max_query + tokens_per_tile - 1) / tokens_per_tile;
+    p.tiles_per_request =
+        static_cast<int>(std::min<int64_t>(tiles, INT32_MAX / std::max(p.num_reqs, 1)));
+    flash_attention(p, query.dtype, s);
+  } else {
+    for_dtype(query.dtype, "paged_attention",
+              [&](auto zero) { launch_for_head_size<decltype(zero)>(p, num_tokens, s); });
+  }
+  if (split) {
+    for_dtype(query.dtype, "paged_attention",
+              [&](auto zero) { merge<decltype(zero)>(p, num_tokens, s); });
+  }
 }
 
 }  // namespace pyengine::cuda

@@ -135,6 +135,7 @@ def paged_attention(
     sliding_window: int = 0,
     logit_soft_cap: float = 0.0,
     max_seq_len: int = 0,
+    max_query_len: int = 0,
     stream: int = 0,
 ) -> None: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

@@ -18,6 +18,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # int32 [num_reqs]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     max_seq_len: int = 0  # the longest seq_len (0: unknown), for the CUDA kernel's split
+    max_query_len: int = 0  # the most query tokens of a request (0: unknown), CUDA grid
 
 
 # One layer's cache: keys [num_blocks, kv_heads, head, block] (transposed), values
@@ -62,5 +63,6 @@ class PagedAttention:
             self.sliding_window,
             0.0,
             meta.max_seq_len,
+            meta.max_query_len,
         )
         return out

@@ -90,6 +90,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size],
             query_start_loc=self.query_start_loc[: size + 1],
             max_seq_len=self.split_context,  # fixed: so are the graph's launch shapes
+            max_query_len=1,
         )
         hidden: torch.Tensor = self.model(
             self.input_ids[:size], self.positions[:size], self.caches, meta

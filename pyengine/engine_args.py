@@ -24,7 +24,8 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None  # None: 2048 (or max_model_len unchunked)
+    # None: 2048 on the CPU, 8192 on a GPU (at least max_model_len without chunked prefill)
+    max_num_batched_tokens: int | None = None
     seed: int = 0
     load_format: str = "auto"
 
@@ -47,7 +48,10 @@ class EngineArgs:
             )
         batched = self.max_num_batched_tokens
         if batched is None:
-            batched = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
+            # A GPU's matmuls want big steps; a CPU's prefill step is seconds already.
+            batched = 2048 if device == "cpu" else 8192
+            if not self.enable_chunked_prefill:
+                batched = max(batched, max_model_len)
         config = EngineConfig(
             max_model_len=max_model_len,
             block_size=self.block_size,

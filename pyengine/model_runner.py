@@ -121,22 +121,36 @@ class ModelRunner:
         """gpu_memory_utilization of the device's memory, less what the process needs
         besides the KV cache: what is not torch's (the CUDA context, other processes),
         the weights, and the peak of a forward pass of the largest step
-        (max_num_batched_tokens tokens of one prompt, logits for max_num_seqs rows).
-        Prompt logprobs, which take logits for every prompt row, are not in that peak."""
+        (max_num_batched_tokens tokens, in prompts of at most max_model_len, logits for
+        max_num_seqs rows). Prompt logprobs, which take logits for every prompt row, are
+        not in that peak."""
         device = self.placement.device
-        tokens = min(config.max_num_batched_tokens, config.max_model_len)
-        blocks = -(-tokens // self.block_size)
+        tokens = config.max_num_batched_tokens
+        lengths = [min(config.max_model_len, tokens - start)
+                   for start in range(0, tokens, config.max_model_len)]  # fmt: skip
+        per_prompt = [-(-n // self.block_size) for n in lengths]
+        first_block = np.concatenate([[0], np.cumsum(per_prompt)[:-1]])
+        blocks = sum(per_prompt)
+        tables = first_block[:, None] + np.arange(max(per_prompt))[None]
+        slots = np.concatenate(
+            [b * self.block_size + np.arange(n) for b, n in zip(first_block, lengths, strict=True)]
+        )
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         caches = self._allocate_caches(blocks)
         meta = AttentionMetadata(
-            slot_mapping=torch.arange(tokens, device=device),
-            block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None],
-            seq_lens=torch.tensor([tokens], dtype=torch.int32, device=device),
-            query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-            max_seq_len=tokens,
+            slot_mapping=torch.from_numpy(slots).to(device),
+            block_tables=torch.from_numpy(np.minimum(tables, blocks - 1).astype(np.int32)).to(
+                device
+            ),
+            seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(
+                [0, *np.cumsum(lengths)], dtype=torch.int32, device=device
+            ),
+            max_seq_len=max(lengths),
+            max_query_len=max(lengths),
         )
-        positions = torch.arange(tokens, device=device)
+        positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         hidden = self.model(input_ids, positions, caches, meta)
         self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
@@ -168,6 +182,7 @@ class ModelRunner:
             seq_lens=self._on_device(b.seq_lens),
             query_start_loc=self._on_device(b.query_start_loc),
             max_seq_len=int(b.seq_lens.max()) if len(b.seq_lens) else 0,
+            max_query_len=int(np.diff(b.query_start_loc).max()) if len(b.seq_lens) else 0,
         )
         input_ids = self._on_device(b.input_ids)
         positions = self._on_device(b.positions)

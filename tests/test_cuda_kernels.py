@@ -155,6 +155,7 @@ def run_attention_case(
     dtype: str,
     window: int = 0,
     soft_cap: float = 0.0,
+    max_query_len: int = 0,
 ) -> None:
     """The CUDA kernel on test_attention's cases (shuffled block tables, NaN in every
     slot no request uses, a poisoned output) against its float64 reference."""
@@ -179,6 +180,8 @@ def run_attention_case(
         scale,
         window,
         soft_cap,
+        0,
+        max_query_len,
     )
     keys = [to_float64(to_dtype(k, dtype)) for k in case.keys]
     values = [to_float64(to_dtype(v, dtype)) for v in case.values]
@@ -209,20 +212,40 @@ def test_paged_attention(
 
 
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -> None:
+    # float16/bfloat16 with head sizes 64, 80, 96, 128, 256 run on tensor cores
     run_attention_case([70, 1000], [70, 1], (4, 2), head_size, block_size, "bfloat16")
 
 
+@pytest.mark.parametrize(
+    "heads", [(8, 1), (12, 4), (64, 1), (80, 1), (16, 16)], ids=["g8", "g3", "g64", "g80", "g1"]
+)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_paged_attention_group_sizes(heads: tuple[int, int], dtype: str) -> None:
+    """GQA groups that fill a tensor-core tile's 64 rows unevenly, exactly, or not at all
+    (80 query heads per kv head: the scalar kernel)."""
+    run_attention_case([130, 700, 33], [130, 1, 20], heads, 64, 16, dtype)
+
+
+@pytest.mark.parametrize("max_query_len", [0, 1, 7, 300, 10_000])
+def test_paged_attention_max_query_len_hint(max_query_len: int) -> None:
+    """The hint sizes the grid; one too small (1, 7) leaves blocks several tiles each."""
+    run_attention_case(
+        [300, 40, 900], [300, 1, 90], (8, 2), 128, 16, "bfloat16", max_query_len=max_query_len
+    )
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("window", "soft_cap"), [(32, 0.0), (0, 30.0), (100, 50.0)])
 @pytest.mark.parametrize(
     ("seq_lens", "q_lens"), [([300, 1200], [300, 1]), ([1200, 700], [1200, 700])],
     ids=["split", "unsplit"],
 )  # fmt: skip
 def test_paged_attention_sliding_window_and_soft_cap(
-    window: int, soft_cap: float, seq_lens: list[int], q_lens: list[int]
+    window: int, soft_cap: float, seq_lens: list[int], q_lens: list[int], dtype: str
 ) -> None:
-    run_attention_case(seq_lens, q_lens, (8, 2), 128, 16, "float32", window, soft_cap)
+    run_attention_case(seq_lens, q_lens, (8, 2), 128, 16, dtype, window, soft_cap)
 
 
 def test_reshape_and_cache_strided_heads() -> None:

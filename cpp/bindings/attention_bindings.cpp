@@ -71,7 +71,7 @@ stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc
       [](const py::handle& out, const py::handle& query, const py::handle& key_cache,
          const py::handle& value_cache, const py::handle& block_tables, const py::handle& seq_lens,
          const py::handle& query_start_loc, float scale, int sliding_window, float logit_soft_cap,
-         int64_t max_seq_len, uintptr_t stream) {
+         int64_t max_seq_len, int64_t max_query_len, uintptr_t stream) {
         const DLPackView o(out, "paged_attention: out");
         const DLPackView q(query, "paged_attention: query");
         const DLPackView kc(key_cache, "paged_attention: key_cache");
@@ -80,15 +80,15 @@ stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc
         const DLPackView lens(seq_lens, "paged_attention: seq_lens");
         const DLPackView qsl(query_start_loc, "paged_attention: query_start_loc");
         py::gil_scoped_release release;
-        paged_attention(o.view(), q.view(), kc.view(), vc.view(), tables.view(), lens.view(),
-                        qsl.view(),
-                        AttentionOptions{scale, sliding_window, logit_soft_cap, max_seq_len},
-                        as_stream(stream));
+        paged_attention(
+            o.view(), q.view(), kc.view(), vc.view(), tables.view(), lens.view(), qsl.view(),
+            AttentionOptions{scale, sliding_window, logit_soft_cap, max_seq_len, max_query_len},
+            as_stream(stream));
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
       py::arg("sliding_window") = 0, py::arg("logit_soft_cap") = 0.0f, py::arg("max_seq_len") = 0,
-      py::arg("stream") = 0,
+      py::arg("max_query_len") = 0, py::arg("stream") = 0,
       R"doc(Variable-length causal attention through block tables, into `out`.
 
 Request i's query tokens query[query_start_loc[i]:query_start_loc[i+1]] are the last
@@ -103,6 +103,8 @@ seq_lens:                int32 [num_reqs]
 query_start_loc:         int32 [num_reqs + 1]
 max_seq_len:             the longest seq_len where the caller knows it (0: unknown); CUDA
                          splits long contexts by it (a wrong one costs speed, not results)
+max_query_len:           the most query tokens of any request where the caller knows it
+                         (0: unknown); sizes the CUDA grid (a wrong one costs speed only)
 stream:                  a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 }
 

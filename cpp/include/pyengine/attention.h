@@ -53,6 +53,9 @@ struct AttentionOptions {
   // The longest seq_len where the caller knows it (0: unknown, the block tables' reach).
   // The CUDA kernel splits long contexts by it; one too small costs speed, not results.
   int64_t max_seq_len = 0;
+  // The most query tokens of any request where the caller knows it (0: unknown, all of
+  // them). The CUDA tensor-core kernel sizes its grid by it; one too small costs speed.
+  int64_t max_query_len = 0;
 };
 
 // Variable-length paged attention: request i's query tokens

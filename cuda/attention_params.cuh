@@ -1,0 +1,72 @@
+// What the two CUDA paged-attention kernels share: their parameters, the request a query
+// token belongs to, and how a token's visible keys are split into partitions (split-K).
+// paged_attention.cu holds the scalar kernel (any supported dtype and head size), the
+// partitions' merge and the dispatch; flash_attention.cu the tensor-core kernel for 16-bit
+// types. Internal to cuda/.
+#pragma once
+
+#include <cstdint>
+
+namespace pyengine::cuda {
+
+// A partition of a split context takes at least this many keys.
+constexpr int kMinPartitionKeys = 256;
+
+struct AttentionParams {
+  const void* query;
+  const void* key_cache;
+  const void* value_cache;
+  const int32_t* block_tables;
+  const int32_t* seq_lens;
+  const int32_t* query_start_loc;
+  void* out;
+  float* partials;  // [tokens, heads, num_parts, head_size + 2] when num_parts > 1
+  int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
+  int64_t max_blocks, num_blocks;
+  int num_reqs, num_heads, num_kv_heads, head_size, block_size, num_parts;
+  int tiles_per_request;  // flash kernel: grid.x = num_reqs * tiles_per_request
+  float scale;
+  int sliding_window;
+  float soft_cap;
+};
+
+// The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]
+// (requests without query tokens have qsl[r] == qsl[r + 1] and are never it).
+__device__ inline int request_of(const int32_t* qsl, int num_reqs, int token) {
+  int lo = 0, hi = num_reqs - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (qsl[mid] <= token) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo;
+}
+
+struct KeyRange {
+  int64_t begin, end;
+};
+
+// Partition `part`'s share of the visible keys [first, end): num_parts even shares, each
+// a whole number of `align` keys and at least kMinPartitionKeys; the last share takes the
+// rest, however long (num_parts comes from the max_seq_len hint). Shares may be empty.
+__device__ inline KeyRange partition_keys(int64_t first, int64_t end, int part, int num_parts,
+                                          int align) {
+  if (num_parts == 1) return {first, end};
+  const int64_t share = (end - first + num_parts - 1) / num_parts;
+  const int64_t keys =
+      share < kMinPartitionKeys ? kMinPartitionKeys : (share + align - 1) / align * align;
+  const int64_t begin = first + part * keys;
+  return {begin, part + 1 < num_parts ? (end < begin + keys ? end : begin + keys) : end};
+}
+
+// The block id of a block-table entry, with ids outside the cache read as block 0 (see
+// paged_attention.h): never out of bounds, whatever the table holds past a request's end.
+__device__ inline int64_t cache_block(const AttentionParams& p, const int32_t* table, int64_t key) {
+  const int64_t block = table[key / p.block_size];
+  return block < 0 || block >= p.num_blocks ? 0 : block;
+}
+
+}  // namespace pyengine::cuda

@@ -1,0 +1,315 @@
+// CUDA paged attention on tensor cores (mma.sync m16n8k16: float16 or bfloat16 operands,
+// float32 accumulation), flash-attention style. A thread block per (request, kv head,
+// tile of the request's query tokens, partition of the context). A tile's 64 rows are
+// (query token, query head of this kv head's GQA group) pairs, so the group's heads share
+// every K/V load, and a decode step (one token per request) puts the group's heads in one
+// tile. K/V stream through shared memory a chunk of keys at a time in 16-byte loads
+// (zeros past the context, so that stale slots never reach the output); each warp keeps
+// its 16 rows' scores, online softmax and output in registers, the scores going back
+// into the tensor cores as the A operand of P V.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <stdexcept>
+
+#include "cuda_utils.h"
+#include "element_types.cuh"
+#include "flash_attention.h"
+
+namespace pyengine::cuda {
+namespace {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * kWarp;
+constexpr int kWarpRows = 16;  // an mma tile's M
+static_assert(kWarps * kWarpRows == kFlashTileRows);
+constexpr int kPad = 8;  // elements after each shared row: ldmatrix reads 8 rows in 8 banks
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Keys per shared-memory chunk: 64, or 32 for head size 256 (static shared memory < 48 KB).
+template <int D>
+__host__ __device__ constexpr int chunk_keys() {
+  return D > 128 ? 32 : 64;
+}
+
+__device__ __forceinline__ uint16_t bits(__half x) { return __half_as_ushort(x); }
+__device__ __forceinline__ uint16_t bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+
+// Two floats as T in one register, the first in the low half (an mma operand pair).
+template <typename T>
+__device__ __forceinline__ uint32_t pack(float first, float second) {
+  return static_cast<uint32_t>(bits(from_float<T>(first))) |
+         (static_cast<uint32_t>(bits(from_float<T>(second))) << 16);
+}
+
+// c += a * b over one m16n8k16 tile: A row-major 16x16, B column-major 16x8, C float32.
+template <typename T>
+__device__ __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1);
+template <>
+__device__ __forceinline__ void mma<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                            uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                   uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 matrices of 16-bit elements from shared memory, transposed: lane l gives the
+// address of row l % 8 of matrix l / 8, and register i receives matrix i's elements
+// (2 * (l % 4) + {0, 1}, l / 4): the B operand pairs of an mma, two k-halves of two
+// n-tiles, from a row-major [k][n] tile.
+__device__ __forceinline__ void load_b_operands(uint32_t (&r)[4], const void* row) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(address)
+               : "memory");
+}
+
+// A query row of the tile: (token, head) and the keys it sees.
+struct Row {
+  bool valid = false;
+  int token = 0, head = 0;
+  int64_t first = 0, end = 0;  // its visible keys [first, end) within the partition
+};
+
+template <typename T, int D>
+__global__ void __launch_bounds__(kThreads) flash_attention_kernel(const AttentionParams p) {
+  constexpr int kKeys = chunk_keys<D>();
+  constexpr int kSteps = D / 16;                        // k-steps of Q K^T
+  constexpr int kKeyTiles = kKeys / 8;                  // n-tiles of the scores
+  constexpr int kDimTiles = D / 8;                      // n-tiles of the output
+  __shared__ __align__(16) T k_chunk[D][kKeys + kPad];  // K^T, [dim][key]
+  __shared__ __align__(16) T v_chunk[kKeys][D + kPad];  // V, [key][dim]
+
+  const int r = blockIdx.x / p.tiles_per_request;
+  const int kv_head = blockIdx.y, part = blockIdx.z;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int group = lane / 4, quad = lane % 4;         // the lane's place in mma fragments
+  const int matrix = lane / 8, matrix_row = lane % 8;  // its row address for ldmatrix
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int tokens_per_tile = kFlashTileRows / group_size;
+  const int q_start = p.query_start_loc[r];
+  const int q_len = p.query_start_loc[r + 1] - q_start;
+  const int64_t seq_len = p.seq_lens[r];
+  const int64_t context_start = seq_len - q_len;  // the position of the first query token
+  const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
+  const T* keys = static_cast<const T*>(p.key_cache);
+  const T* values = static_cast<const T*>(p.value_cache);
+  const int64_t kv_tile = static_cast<int64_t>(p.block_size) * D;  // one (block, kv head)
+  const auto kv_base = [&](int64_t key) {
+    return (cache_block(p, table, key) * p.num_kv_heads + kv_head) * kv_tile;
+  };
+
+  // A short max_query_len hint leaves a block more than one tile: never a wrong result.
+  for (int tile = blockIdx.x % p.tiles_per_request; tile * tokens_per_tile < q_len;
+       tile += p.tiles_per_request) {
+    const int first_token = tile * tokens_per_tile;
+    const int last_token = min(first_token + tokens_per_tile, q_len) - 1;
+    const auto window_start = [&](int64_t position) {
+      return p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : int64_t{0};
+    };
+    const auto [begin, end] =
+        partition_keys(window_start(context_start + first_token), context_start + last_token + 1,
+                       part, p.num_parts, kKeys);
+    // The rows fill the tile from its first, so a warp works where its first row does.
+    const int warp_first_token = warp * kWarpRows / group_size;
+    const bool warp_active =
+        warp_first_token < tokens_per_tile && first_token + warp_first_token < q_len;
+
+    Row rows[2];  // the lane's rows: group and group + 8 of the warp's 16
+    uint32_t q_operand[kSteps][4];
+    for (int i = 0; i < 2; ++i) {
+      const int row = warp * kWarpRows + group + 8 * i;
+      const int t = row / group_size;
+      Row& x = rows[i];
+      x.valid = t < tokens_per_tile && first_token + t < q_len;
+      if (!x.valid) continue;
+      const int64_t position = context_start + first_token + t;
+      x.token = q_start + first_token + t;
+      x.head = kv_head * group_size + row % group_size;
+      x.first = max(begin, window_start(position));
+      x.end = min(end, position + 1);
+    }
+    // A operand: register i holds row (i % 2 ? group + 8 : group), dims 2 * quad + {0, 1}
+    // (+ 8 for i >= 2) of each 16-dim step.
+    for (int i = 0; i < 4; ++i) {
+      const Row& x = rows[i % 2];
+      const T* q = static_cast<const T*>(p.query) + x.token * p.q_token_stride +
+                   x.head * p.q_head_stride + 2 * quad + (i / 2) * 8;
+      for (int s = 0; s < kSteps; ++s) {
+        q_operand[s][i] = x.valid ? *reinterpret_cast<const uint32_t*>(q + s * 16) : 0u;
+      }
+    }
+
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    float acc[kDimTiles][4] = {};
+    for (int64_t chunk = begin / kKeys * kKeys; chunk < end; chunk += kKeys) {
+      __syncthreads();  // every warp is done with the last chunk
+      // K^T from the cache's [dim][block_size] tiles, 8 keys of one dim per load.
+      for (int v = threadIdx.x; v < D * kKeys / 8; v += kThreads) {
+        const int dim = v / (kKeys / 8), first_key = v % (kKeys / 8) * 8;
+        const int64_t key = chunk + first_key;
+        uint4 data = make_uint4(0, 0, 0, 0);
+        if (key < seq_len) {
+          data = *reinterpret_cast<const uint4*>(
+              keys + kv_base(key) + static_cast<int64_t>(dim) * p.block_size + key % p.block_size);
+        }
+        *reinterpret_cast<uint4*>(&k_chunk[dim][first_key]) = data;
+      }
+      // V rows, 8 dims per load; rows past the context stay zero (0 * NaN would not).
+      for (int v = threadIdx.x; v < kKeys * D / 8; v += kThreads) {
+        const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
+        const int64_t key = chunk + index;
+        uint4 data = make_uint4(0, 0, 0, 0);
+        if (key < seq_len) {
+          data = *reinterpret_cast<const uint4*>(values + kv_base(key) + key % p.block_size * D +
+                                                 first_dim);
+        }
+        *reinterpret_cast<uint4*>(&v_chunk[index][first_dim]) = data;
+      }
+      __syncthreads();
+      if (!warp_active) continue;
+
+      // S = Q K^T: 16 rows x kKeys keys per warp.
+      float s[kKeyTiles][4] = {};
+      for (int step = 0; step < kSteps; ++step) {
+        for (int n = 0; n < kKeyTiles; n += 2) {
+          uint32_t b[4];
+          load_b_operands(
+              b, &k_chunk[step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+          mma<T>(s[n], q_operand[step], b[0], b[1]);
+          mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
+        }
+      }
+      // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the n-tile),
+      // in log2 units for exp2.
+      for (int n = 0; n < kKeyTiles; ++n) {
+        for (int i = 0; i < 4; ++i) {
+          const Row& x = rows[i / 2];
+          const int64_t key = chunk + n * 8 + 2 * quad + i % 2;
+          float score = s[n][i] * p.scale;
+          if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
+          s[n][i] = x.valid && key >= x.first && key < x.end ? score * kLog2e : -INFINITY;
+        }
+      }
+      // Online softmax per row; a row's four lanes (one quad group) share its maximum.
+      for (int i = 0; i < 2; ++i) {
+        float chunk_max = -INFINITY;
+        for (int n = 0; n < kKeyTiles; ++n) {
+          chunk_max = fmaxf(chunk_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+        }
+        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
+        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
+        const float new_max = fmaxf(row_max[i], chunk_max);
+        const float base = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet
+        const float correction = exp2f(row_max[i] - base);
+        row_max[i] = new_max;
+        row_sum[i] *= correction;
+        for (int n = 0; n < kDimTiles; ++n) {
+          acc[n][2 * i] *= correction;
+          acc[n][2 * i + 1] *= correction;
+        }
+        for (int n = 0; n < kKeyTiles; ++n) {
+          for (int j = 2 * i; j < 2 * i + 2; ++j) {
+            s[n][j] = exp2f(s[n][j] - base);
+            row_sum[i] += s[n][j];
+          }
+        }
+      }
+      // O += P V: the scores' C fragments of n-tiles 2k and 2k + 1 are the A operand of
+      // the k-th 16-key step.
+      for (int k = 0; k < kKeys / 16; ++k) {
+        const uint32_t a[4] = {pack<T>(s[2 * k][0], s[2 * k][1]), pack<T>(s[2 * k][2], s[2 * k][3]),
+                               pack<T>(s[2 * k + 1][0], s[2 * k + 1][1]),
+                               pack<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+        for (int n = 0; n < kDimTiles; n += 2) {
+          uint32_t b[4];
+          load_b_operands(b,
+                          &v_chunk[k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+          mma<T>(acc[n], a, b[0], b[1]);
+          mma<T>(acc[n + 1], a, b[2], b[3]);
+        }
+      }
+    }
+    if (!warp_active) continue;
+
+    for (int i = 0; i < 2; ++i) {
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+      const Row& x = rows[i];
+      if (!x.valid) continue;
+      if (p.num_parts == 1) {  // every row sees at least its own position
+        T* o = static_cast<T*>(p.out) + x.token * p.o_token_stride + x.head * p.o_head_stride;
+        const float inverse = 1.0f / row_sum[i];
+        for (int n = 0; n < kDimTiles; ++n) {
+          *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * quad) =
+              pack<T>(acc[n][2 * i] * inverse, acc[n][2 * i + 1] * inverse);
+        }
+        continue;
+      }
+      // The partition's (max, sum, unnormalized output), the max in natural-log units.
+      float* partial =
+          p.partials +
+          ((static_cast<int64_t>(x.token) * p.num_heads + x.head) * p.num_parts + part) * (D + 2);
+      if (quad == 0) {
+        partial[0] = row_max[i] == -INFINITY ? -INFINITY : row_max[i] / kLog2e;
+        partial[1] = row_sum[i];
+      }
+      for (int n = 0; n < kDimTiles; ++n) {
+        partial[2 + n * 8 + 2 * quad] = acc[n][2 * i];
+        partial[3 + n * 8 + 2 * quad] = acc[n][2 * i + 1];
+      }
+    }
+  }
+}
+
+template <typename T>
+void launch_for_head_size(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
+  switch (p.head_size) {
+    case 64: flash_attention_kernel<T, 64><<<grid, kThreads, 0, stream>>>(p); break;
+    case 80: flash_attention_kernel<T, 80><<<grid, kThreads, 0, stream>>>(p); break;
+    case 96: flash_attention_kernel<T, 96><<<grid, kThreads, 0, stream>>>(p); break;
+    case 128: flash_attention_kernel<T, 128><<<grid, kThreads, 0, stream>>>(p); break;
+    case 256: flash_attention_kernel<T, 256><<<grid, kThreads, 0, stream>>>(p); break;
+    default: throw std::invalid_argument("flash_attention (CUDA): unsupported head size");
+  }
+}
+
+}  // namespace
+
+bool flash_attention_supports(DType dtype, int head_size, int block_size, int group_size) {
+  const bool sixteen_bit = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
+  const bool head =
+      head_size == 64 || head_size == 80 || head_size == 96 || head_size == 128 || head_size == 256;
+  // Chunks start at multiples of 8 keys, so 8 keys of one load never straddle blocks.
+  return sixteen_bit && head && block_size % 8 == 0 && group_size >= 1 &&
+         group_size <= kFlashTileRows;
+}
+
+void flash_attention(const AttentionParams& p, DType dtype, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.num_reqs) * static_cast<unsigned>(p.tiles_per_request),
+                  static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.num_parts));
+  if (dtype == DType::kFloat16) {
+    launch_for_head_size<__half>(p, grid, stream);
+  } else {
+    launch_for_head_size<__nv_bfloat16>(p, grid, stream);
+  }
+  check_cuda("paged_attention", cudaGetLastError(), "flash kernel launch");
+}
+
+}  // namespace pyengine::cuda
