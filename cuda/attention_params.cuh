@@ -24,7 +24,7 @@ struct AttentionParams {
   int64_t q_token_stride, q_head_stride, o_token_stride, o_head_stride;
   int64_t max_blocks, num_blocks;
   int num_reqs, num_heads, num_kv_heads, head_size, block_size, num_parts;
-  int tiles_per_request;  // flash kernel: grid.x = num_reqs * tiles_per_request
+  int tiles_per_request;  // flash kernel: grid.x is num_reqs * tiles_per_request
   float scale;
   int sliding_window;
   float soft_cap;

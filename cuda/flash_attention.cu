@@ -1,16 +1,20 @@
 // CUDA paged attention on tensor cores (mma.sync m16n8k16: float16 or bfloat16 operands,
 // float32 accumulation), flash-attention style. A thread block per (request, kv head,
-// tile of the request's query tokens, partition of the context). A tile's 64 rows are
+// tile of the request's query tokens, partition of the context). A tile's rows are
 // (query token, query head of this kv head's GQA group) pairs, so the group's heads share
-// every K/V load, and a decode step (one token per request) puts the group's heads in one
-// tile. K/V stream through shared memory a chunk of keys at a time in 16-byte loads
-// (zeros past the context, so that stale slots never reach the output); each warp keeps
-// its 16 rows' scores, online softmax and output in registers, the scores going back
-// into the tensor cores as the A operand of P V.
+// every K/V load: 64 rows over four warps for prefill, 16 rows in a one-warp block for
+// decode (where a request's rows are its group's heads; small blocks keep many loads in
+// flight per multiprocessor). K/V stream through double-buffered shared memory a chunk
+// of keys at a time, in 16-byte asynchronous copies issued a chunk ahead (zeros past the
+// context, so that stale slots never reach the output); each warp keeps its 16 rows'
+// scores, online softmax and output in registers, the scores going back into the tensor
+// cores as the A operand of P V.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <stdexcept>
@@ -22,17 +26,32 @@
 namespace pyengine::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * kWarp;
 constexpr int kWarpRows = 16;  // an mma tile's M
-static_assert(kWarps * kWarpRows == kFlashTileRows);
+constexpr int kPrefillWarps = 4;
 constexpr int kPad = 8;  // elements after each shared row: ldmatrix reads 8 rows in 8 banks
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Keys per shared-memory chunk: 64, or 32 for head size 256 (static shared memory < 48 KB).
+// Keys per shared-memory chunk: two chunks of K and V stay under the 48 KB of static
+// shared memory.
 template <int D>
 __host__ __device__ constexpr int chunk_keys() {
-  return D > 128 ? 32 : 64;
+  return D <= 80 ? 64 : D <= 128 ? 32 : 16;
+}
+
+// A 16-byte copy from global to shared memory that does not hold the thread up; zeros
+// where !valid (`global` is then not read).
+__device__ __forceinline__ void copy_async(void* shared, const void* global, bool valid) {
+  const auto address = static_cast<uint32_t>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+               "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void commit_copies() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Waits until at most `kPending` of this thread's newest copy groups are in flight.
+template <int kPending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 __device__ __forceinline__ uint16_t bits(__half x) { return __half_as_ushort(x); }
@@ -87,14 +106,19 @@ struct Row {
   int64_t first = 0, end = 0;  // its visible keys [first, end) within the partition
 };
 
-template <typename T, int D>
-__global__ void __launch_bounds__(kThreads) flash_attention_kernel(const AttentionParams p) {
+template <typename T, int D, int kWarps>
+__global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const AttentionParams p) {
+  constexpr int kThreads = kWarps * kWarp;
+  constexpr int kTileRows = kWarps * kWarpRows;
   constexpr int kKeys = chunk_keys<D>();
-  constexpr int kSteps = D / 16;                        // k-steps of Q K^T
-  constexpr int kKeyTiles = kKeys / 8;                  // n-tiles of the scores
-  constexpr int kDimTiles = D / 8;                      // n-tiles of the output
-  __shared__ __align__(16) T k_chunk[D][kKeys + kPad];  // K^T, [dim][key]
-  __shared__ __align__(16) T v_chunk[kKeys][D + kPad];  // V, [key][dim]
+  constexpr int kSteps = D / 16;        // k-steps of Q K^T
+  constexpr int kKeyTiles = kKeys / 8;  // n-tiles of the scores
+  constexpr int kDimTiles = D / 8;      // n-tiles of the output
+  // 16-byte copies per thread and chunk, of K and of V alike.
+  constexpr int kCopies = D * kKeys / 8 / kThreads;
+  static_assert(kCopies * kThreads * 8 == D * kKeys && kThreads % (kKeys / 8) == 0);
+  __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
+  __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
 
   const int r = blockIdx.x / p.tiles_per_request;
   const int kv_head = blockIdx.y, part = blockIdx.z;
@@ -102,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const Attenti
   const int group = lane / 4, quad = lane % 4;         // the lane's place in mma fragments
   const int matrix = lane / 8, matrix_row = lane % 8;  // its row address for ldmatrix
   const int group_size = p.num_heads / p.num_kv_heads;
-  const int tokens_per_tile = kFlashTileRows / group_size;
+  const int tokens_per_tile = kTileRows / group_size;
   const int q_start = p.query_start_loc[r];
   const int q_len = p.query_start_loc[r + 1] - q_start;
   const int64_t seq_len = p.seq_lens[r];
@@ -111,8 +135,45 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const Attenti
   const T* keys = static_cast<const T*>(p.key_cache);
   const T* values = static_cast<const T*>(p.value_cache);
   const int64_t kv_tile = static_cast<int64_t>(p.block_size) * D;  // one (block, kv head)
-  const auto kv_base = [&](int64_t key) {
-    return (cache_block(p, table, key) * p.num_kv_heads + kv_head) * kv_tile;
+
+  // The thread's copies of a chunk: K, 8 keys of dim k_dim0 + i * k_dim_step each (always
+  // the same keys), and V, 8 dims of one key each, neighbouring lanes taking the two
+  // halves of one 32-byte sector.
+  const int k_first_key = threadIdx.x % (kKeys / 8) * 8;
+  const auto k_dim = [&](int i) { return (threadIdx.x + i * kThreads) / (kKeys / 8); };
+  const auto v_key = [&](int i) { return (threadIdx.x + i * kThreads) / 2 % kKeys; };
+  const auto v_dim = [&](int i) {
+    const int v = threadIdx.x + i * kThreads;
+    return (v / (2 * kKeys) * 2 + v % 2) * 8;
+  };
+  struct ChunkBlocks {  // the cache blocks of a chunk's keys that the thread copies
+    int32_t k, v[kCopies];
+  };
+  const auto block_of = [&](int64_t key) {
+    return static_cast<int32_t>(key < seq_len ? cache_block(p, table, key) : 0);
+  };
+  const auto blocks_of = [&](int64_t chunk) {
+    ChunkBlocks b;
+    b.k = block_of(chunk + k_first_key);
+    for (int i = 0; i < kCopies; ++i) b.v[i] = block_of(chunk + v_key(i));
+    return b;
+  };
+  const auto copy_chunk = [&](int buffer, int64_t chunk, const ChunkBlocks& b) {
+    const int64_t k_key = chunk + k_first_key;
+    const T* k_tile =
+        keys + (int64_t{b.k} * p.num_kv_heads + kv_head) * kv_tile + k_key % p.block_size;
+    for (int i = 0; i < kCopies; ++i) {
+      copy_async(&k_chunk[buffer][k_dim(i)][k_first_key],
+                 k_tile + static_cast<int64_t>(k_dim(i)) * p.block_size, k_key < seq_len);
+    }
+    for (int i = 0; i < kCopies; ++i) {
+      const int64_t key = chunk + v_key(i);
+      copy_async(&v_chunk[buffer][v_key(i)][v_dim(i)],
+                 values + (int64_t{b.v[i]} * p.num_kv_heads + kv_head) * kv_tile +
+                     key % p.block_size * D + v_dim(i),
+                 key < seq_len);
+    }
+    commit_copies();
   };
 
   // A short max_query_len hint leaves a block more than one tile: never a wrong result.
@@ -158,93 +219,87 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const Attenti
 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
-    for (int64_t chunk = begin / kKeys * kKeys; chunk < end; chunk += kKeys) {
-      __syncthreads();  // every warp is done with the last chunk
-      // K^T from the cache's [dim][block_size] tiles, 8 keys of one dim per load.
-      for (int v = threadIdx.x; v < D * kKeys / 8; v += kThreads) {
-        const int dim = v / (kKeys / 8), first_key = v % (kKeys / 8) * 8;
-        const int64_t key = chunk + first_key;
-        uint4 data = make_uint4(0, 0, 0, 0);
-        if (key < seq_len) {
-          data = *reinterpret_cast<const uint4*>(
-              keys + kv_base(key) + static_cast<int64_t>(dim) * p.block_size + key % p.block_size);
-        }
-        *reinterpret_cast<uint4*>(&k_chunk[dim][first_key]) = data;
-      }
-      // V rows, 8 dims per load; rows past the context stay zero (0 * NaN would not).
-      for (int v = threadIdx.x; v < kKeys * D / 8; v += kThreads) {
-        const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
-        const int64_t key = chunk + index;
-        uint4 data = make_uint4(0, 0, 0, 0);
-        if (key < seq_len) {
-          data = *reinterpret_cast<const uint4*>(values + kv_base(key) + key % p.block_size * D +
-                                                 first_dim);
-        }
-        *reinterpret_cast<uint4*>(&v_chunk[index][first_dim]) = data;
+    // Chunk j + 1's copies fly while chunk j is computed; the block ids a chunk further.
+    const int64_t first_chunk = begin / kKeys * kKeys;
+    ChunkBlocks next;
+    if (first_chunk < end) {
+      copy_chunk(0, first_chunk, blocks_of(first_chunk));
+      if (first_chunk + kKeys < end) next = blocks_of(first_chunk + kKeys);
+    }
+    int buffer = 0;
+    for (int64_t chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
+      if (chunk + kKeys < end) {
+        copy_chunk(buffer ^ 1, chunk + kKeys, next);
+        if (chunk + 2 * kKeys < end) next = blocks_of(chunk + 2 * kKeys);
+        wait_copies<1>();  // all but the newest group: this chunk's copies have landed
+      } else {
+        wait_copies<0>();
       }
       __syncthreads();
-      if (!warp_active) continue;
-
-      // S = Q K^T: 16 rows x kKeys keys per warp.
-      float s[kKeyTiles][4] = {};
-      for (int step = 0; step < kSteps; ++step) {
-        for (int n = 0; n < kKeyTiles; n += 2) {
-          uint32_t b[4];
-          load_b_operands(
-              b, &k_chunk[step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
-          mma<T>(s[n], q_operand[step], b[0], b[1]);
-          mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
+      if (warp_active) {
+        // S = Q K^T: 16 rows x kKeys keys per warp.
+        float s[kKeyTiles][4] = {};
+        for (int step = 0; step < kSteps; ++step) {
+          for (int n = 0; n < kKeyTiles; n += 2) {
+            uint32_t b[4];
+            load_b_operands(
+                b,
+                &k_chunk[buffer][step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+            mma<T>(s[n], q_operand[step], b[0], b[1]);
+            mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
+          }
         }
-      }
-      // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the n-tile),
-      // in log2 units for exp2.
-      for (int n = 0; n < kKeyTiles; ++n) {
-        for (int i = 0; i < 4; ++i) {
-          const Row& x = rows[i / 2];
-          const int64_t key = chunk + n * 8 + 2 * quad + i % 2;
-          float score = s[n][i] * p.scale;
-          if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
-          s[n][i] = x.valid && key >= x.first && key < x.end ? score * kLog2e : -INFINITY;
-        }
-      }
-      // Online softmax per row; a row's four lanes (one quad group) share its maximum.
-      for (int i = 0; i < 2; ++i) {
-        float chunk_max = -INFINITY;
+        // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the
+        // n-tile), in log2 units for exp2.
         for (int n = 0; n < kKeyTiles; ++n) {
-          chunk_max = fmaxf(chunk_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+          for (int i = 0; i < 4; ++i) {
+            const Row& x = rows[i / 2];
+            const int64_t key = chunk + n * 8 + 2 * quad + i % 2;
+            float score = s[n][i] * p.scale;
+            if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
+            s[n][i] = x.valid && key >= x.first && key < x.end ? score * kLog2e : -INFINITY;
+          }
         }
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
-        chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
-        const float new_max = fmaxf(row_max[i], chunk_max);
-        const float base = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet
-        const float correction = exp2f(row_max[i] - base);
-        row_max[i] = new_max;
-        row_sum[i] *= correction;
-        for (int n = 0; n < kDimTiles; ++n) {
-          acc[n][2 * i] *= correction;
-          acc[n][2 * i + 1] *= correction;
+        // Online softmax per row; a row's four lanes (one quad group) share its maximum.
+        for (int i = 0; i < 2; ++i) {
+          float chunk_max = -INFINITY;
+          for (int n = 0; n < kKeyTiles; ++n) {
+            chunk_max = fmaxf(chunk_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+          }
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
+          const float new_max = fmaxf(row_max[i], chunk_max);
+          const float base = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet
+          const float correction = exp2f(row_max[i] - base);
+          row_max[i] = new_max;
+          row_sum[i] *= correction;
+          for (int n = 0; n < kDimTiles; ++n) {
+            acc[n][2 * i] *= correction;
+            acc[n][2 * i + 1] *= correction;
+          }
+          for (int n = 0; n < kKeyTiles; ++n) {
+            for (int j = 2 * i; j < 2 * i + 2; ++j) {
+              s[n][j] = exp2f(s[n][j] - base);
+              row_sum[i] += s[n][j];
+            }
+          }
         }
-        for (int n = 0; n < kKeyTiles; ++n) {
-          for (int j = 2 * i; j < 2 * i + 2; ++j) {
-            s[n][j] = exp2f(s[n][j] - base);
-            row_sum[i] += s[n][j];
+        // O += P V: the scores' C fragments of n-tiles 2k and 2k + 1 are the A operand of
+        // the k-th 16-key step.
+        for (int k = 0; k < kKeys / 16; ++k) {
+          const uint32_t a[4] = {
+              pack<T>(s[2 * k][0], s[2 * k][1]), pack<T>(s[2 * k][2], s[2 * k][3]),
+              pack<T>(s[2 * k + 1][0], s[2 * k + 1][1]), pack<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+          for (int n = 0; n < kDimTiles; n += 2) {
+            uint32_t b[4];
+            load_b_operands(
+                b, &v_chunk[buffer][k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+            mma<T>(acc[n], a, b[0], b[1]);
+            mma<T>(acc[n + 1], a, b[2], b[3]);
           }
         }
       }
-      // O += P V: the scores' C fragments of n-tiles 2k and 2k + 1 are the A operand of
-      // the k-th 16-key step.
-      for (int k = 0; k < kKeys / 16; ++k) {
-        const uint32_t a[4] = {pack<T>(s[2 * k][0], s[2 * k][1]), pack<T>(s[2 * k][2], s[2 * k][3]),
-                               pack<T>(s[2 * k + 1][0], s[2 * k + 1][1]),
-                               pack<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
-        for (int n = 0; n < kDimTiles; n += 2) {
-          uint32_t b[4];
-          load_b_operands(b,
-                          &v_chunk[k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
-          mma<T>(acc[n], a, b[0], b[1]);
-          mma<T>(acc[n + 1], a, b[2], b[3]);
-        }
-      }
+      __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     if (!warp_active) continue;
 
@@ -278,15 +333,25 @@ __global__ void __launch_bounds__(kThreads) flash_attention_kernel(const Attenti
   }
 }
 
-template <typename T>
+template <typename T, int kWarps>
 void launch_for_head_size(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
+  constexpr int kThreads = kWarps * kWarp;
   switch (p.head_size) {
-    case 64: flash_attention_kernel<T, 64><<<grid, kThreads, 0, stream>>>(p); break;
-    case 80: flash_attention_kernel<T, 80><<<grid, kThreads, 0, stream>>>(p); break;
-    case 96: flash_attention_kernel<T, 96><<<grid, kThreads, 0, stream>>>(p); break;
-    case 128: flash_attention_kernel<T, 128><<<grid, kThreads, 0, stream>>>(p); break;
-    case 256: flash_attention_kernel<T, 256><<<grid, kThreads, 0, stream>>>(p); break;
+    case 64: flash_attention_kernel<T, 64, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
+    case 80: flash_attention_kernel<T, 80, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
+    case 96: flash_attention_kernel<T, 96, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
+    case 128: flash_attention_kernel<T, 128, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
+    case 256: flash_attention_kernel<T, 256, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
     default: throw std::invalid_argument("flash_attention (CUDA): unsupported head size");
+  }
+}
+
+template <typename T>
+void launch(const AttentionParams& p, int warps, const dim3& grid, cudaStream_t stream) {
+  if (warps == 1) {
+    launch_for_head_size<T, 1>(p, grid, stream);
+  } else {
+    launch_for_head_size<T, kPrefillWarps>(p, grid, stream);
   }
 }
 
@@ -296,18 +361,25 @@ bool flash_attention_supports(DType dtype, int head_size, int block_size, int gr
   const bool sixteen_bit = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   const bool head =
       head_size == 64 || head_size == 80 || head_size == 96 || head_size == 128 || head_size == 256;
-  // Chunks start at multiples of 8 keys, so 8 keys of one load never straddle blocks.
+  // Chunks start at multiples of 8 keys, so 8 keys of one copy never straddle blocks.
   return sixteen_bit && head && block_size % 8 == 0 && group_size >= 1 &&
-         group_size <= kFlashTileRows;
+         group_size <= kPrefillWarps * kWarpRows;
 }
 
-void flash_attention(const AttentionParams& p, DType dtype, cudaStream_t stream) {
+void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cudaStream_t stream) {
+  // One warp where every request's rows fit its 16 (decode), else four.
+  const int64_t group_size = p.num_heads / p.num_kv_heads;
+  const int warps = max_query_len * group_size <= kWarpRows ? 1 : kPrefillWarps;
+  const int64_t tokens_per_tile = warps * kWarpRows / group_size;
+  const int64_t tiles = (max_query_len + tokens_per_tile - 1) / tokens_per_tile;
+  p.tiles_per_request =
+      static_cast<int>(std::min<int64_t>(tiles, INT32_MAX / std::max(p.num_reqs, 1)));
   const dim3 grid(static_cast<unsigned>(p.num_reqs) * static_cast<unsigned>(p.tiles_per_request),
                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.num_parts));
   if (dtype == DType::kFloat16) {
-    launch_for_head_size<__half>(p, grid, stream);
+    launch<__half>(p, warps, grid, stream);
   } else {
-    launch_for_head_size<__nv_bfloat16>(p, grid, stream);
+    launch<__nv_bfloat16>(p, warps, grid, stream);
   }
   check_cuda("paged_attention", cudaGetLastError(), "flash kernel launch");
 }

@@ -9,16 +9,14 @@
 
 namespace pyengine::cuda {
 
-// Query rows (token, query head of one kv head's group) per thread block.
-constexpr int kFlashTileRows = 64;
-
 // Whether the tensor-core kernel takes these shapes: float16 or bfloat16, head sizes 64,
-// 80, 96, 128 and 256, blocks of a multiple of 8 tokens, and at most kFlashTileRows query
-// heads per kv head.
+// 80, 96, 128 and 256, blocks of a multiple of 8 tokens, and at most 64 query heads per
+// kv head.
 bool flash_attention_supports(DType dtype, int head_size, int block_size, int group_size);
 
-// Launches it over grid (num_reqs * p.tiles_per_request, num_kv_heads, num_parts): writes
-// `out`, or the partials where p.num_parts > 1 (merged by the caller).
-void flash_attention(const AttentionParams& p, DType dtype, cudaStream_t stream);
+// Launches it (p.tiles_per_request is set here, from max_query_len: the most query tokens
+// of any request, or an underestimate, which costs speed only): writes `out`, or the
+// partials where p.num_parts > 1 (merged by the caller).
+void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cudaStream_t stream);
 
 }  // namespace pyengine::cuda

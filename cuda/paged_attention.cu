@@ -12,7 +12,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <optional>
@@ -255,14 +254,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     p.partials = reinterpret_cast<float*>(partials->data());
   }
   if (use_flash(p, query, out)) {
-    // Tiles per request from the longest query (a short hint costs speed, not results).
-    const int64_t tokens_per_tile = kFlashTileRows / (p.num_heads / p.num_kv_heads);
     const int64_t max_query =
         options.max_query_len > 0 ? std::min(options.max_query_len, num_tokens) : num_tokens;
-    const int64_t tiles = (max_query + tokens_per_tile - 1) / tokens_per_tile;
-    p.tiles_per_request =
-        static_cast<int>(std::min<int64_t>(tiles, INT32_MAX / std::max(p.num_reqs, 1)));
-    flash_attention(p, query.dtype, s);
+    flash_attention(p, query.dtype, max_query, s);
   } else {
     for_dtype(query.dtype, "paged_attention",
               [&](auto zero) { launch_for_head_size<decltype(zero)>(p, num_tokens, s); });

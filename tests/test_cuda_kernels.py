@@ -214,8 +214,10 @@ def test_paged_attention(
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -> None:
-    # float16/bfloat16 with head sizes 64, 80, 96, 128, 256 run on tensor cores
+    # float16/bfloat16 with head sizes 64, 80, 96, 128, 256 run on tensor cores: 4-warp
+    # tiles where a request has several query tokens, 1-warp tiles for decode alone
     run_attention_case([70, 1000], [70, 1], (4, 2), head_size, block_size, "bfloat16")
+    run_attention_case([33, 1000, 5], [1, 1, 1], (4, 2), head_size, block_size, "bfloat16")
 
 
 @pytest.mark.parametrize(
