@@ -333,15 +333,25 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
   }
 }
 
+template <typename T, int D, int kWarps>
+void launch_kernel(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
+  const auto kernel = flash_attention_kernel<T, D, kWarps>;
+  // Several ~40 KB blocks per multiprocessor want its shared memory over L1 (once, on
+  // the device first used).
+  static const cudaError_t carveout = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
+  check_cuda("paged_attention", carveout, "cudaFuncSetAttribute");
+  kernel<<<grid, kWarps * kWarp, 0, stream>>>(p);
+}
+
 template <typename T, int kWarps>
 void launch_for_head_size(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
-  constexpr int kThreads = kWarps * kWarp;
   switch (p.head_size) {
-    case 64: flash_attention_kernel<T, 64, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
-    case 80: flash_attention_kernel<T, 80, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
-    case 96: flash_attention_kernel<T, 96, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
-    case 128: flash_attention_kernel<T, 128, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
-    case 256: flash_attention_kernel<T, 256, kWarps><<<grid, kThreads, 0, stream>>>(p); break;
+    case 64: return launch_kernel<T, 64, kWarps>(p, grid, stream);
+    case 80: return launch_kernel<T, 80, kWarps>(p, grid, stream);
+    case 96: return launch_kernel<T, 96, kWarps>(p, grid, stream);
+    case 128: return launch_kernel<T, 128, kWarps>(p, grid, stream);
+    case 256: return launch_kernel<T, 256, kWarps>(p, grid, stream);
     default: throw std::invalid_argument("flash_attention (CUDA): unsupported head size");
   }
 }
