@@ -25,6 +25,7 @@ struct AttentionParams {
   int64_t max_blocks, num_blocks;
   int num_reqs, num_heads, num_kv_heads, head_size, block_size, num_parts;
   int tiles_per_request;  // flash kernel: grid.x is num_reqs * tiles_per_request
+  int block_shift;        // flash kernel: log2(block_size)
   float scale;
   int sliding_window;
   float soft_cap;

@@ -103,11 +103,13 @@ __device__ __forceinline__ void load_b_operands(uint32_t (&r)[4], const void* ro
 struct Row {
   bool valid = false;
   int token = 0, head = 0;
-  int64_t first = 0, end = 0;  // its visible keys [first, end) within the partition
+  int first = 0, end = 0;  // its visible keys [first, end) within the partition
 };
 
 template <typename T, int D, int kWarps>
-__global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const AttentionParams p) {
+// Three four-warp blocks per multiprocessor (two for head size 256): at most 168 registers.
+__global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 : 3))
+    flash_attention_kernel(const AttentionParams p) {
   constexpr int kThreads = kWarps * kWarp;
   constexpr int kTileRows = kWarps * kWarpRows;
   constexpr int kKeys = chunk_keys<D>();
@@ -119,6 +121,8 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
   static_assert(kCopies * kThreads * 8 == D * kKeys && kThreads % (kKeys / 8) == 0);
   __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
   __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
+  // The cache blocks of the two chunks in flight (blocks hold at least 8 keys).
+  __shared__ int32_t chunk_blocks[2][kKeys / 8];
 
   const int r = blockIdx.x / p.tiles_per_request;
   const int kv_head = blockIdx.y, part = blockIdx.z;
@@ -129,48 +133,43 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
   const int tokens_per_tile = kTileRows / group_size;
   const int q_start = p.query_start_loc[r];
   const int q_len = p.query_start_loc[r + 1] - q_start;
-  const int64_t seq_len = p.seq_lens[r];
-  const int64_t context_start = seq_len - q_len;  // the position of the first query token
+  // Positions and keys fit 32 bits (seq_lens are int32); block sizes are powers of two.
+  const int seq_len = p.seq_lens[r];
+  const int context_start = seq_len - q_len;  // the position of the first query token
+  const int block_shift = p.block_shift, in_block = p.block_size - 1;
   const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
-  const T* keys = static_cast<const T*>(p.key_cache);
-  const T* values = static_cast<const T*>(p.value_cache);
   const int64_t kv_tile = static_cast<int64_t>(p.block_size) * D;  // one (block, kv head)
+  const int64_t block_stride = kv_tile * p.num_kv_heads;
+  const T* keys = static_cast<const T*>(p.key_cache) + kv_head * kv_tile;
+  const T* values = static_cast<const T*>(p.value_cache) + kv_head * kv_tile;
 
-  // The thread's copies of a chunk: K, 8 keys of dim k_dim0 + i * k_dim_step each (always
-  // the same keys), and V, 8 dims of one key each, neighbouring lanes taking the two
-  // halves of one 32-byte sector.
+  // Lane i < the chunk's block count reads block i of a chunk (0 past the context).
+  const int chunk_block_count = max(1, kKeys >> block_shift);
+  const auto block_id = [&](int chunk) {
+    const int key = chunk + (static_cast<int>(threadIdx.x) << block_shift);
+    if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return 0;
+    const int32_t block = table[key >> block_shift];
+    return block < 0 || block >= p.num_blocks ? 0 : block;  // see paged_attention.h
+  };
+  // A chunk's copies into `buffer`, whose block ids are in chunk_blocks[buffer]: K, 8 keys
+  // of one dim each (the thread's keys are always the same), and V, 8 dims of one key
+  // each, neighbouring lanes along a key's row.
   const int k_first_key = threadIdx.x % (kKeys / 8) * 8;
-  const auto k_dim = [&](int i) { return (threadIdx.x + i * kThreads) / (kKeys / 8); };
-  const auto v_key = [&](int i) { return (threadIdx.x + i * kThreads) / 2 % kKeys; };
-  const auto v_dim = [&](int i) {
-    const int v = threadIdx.x + i * kThreads;
-    return (v / (2 * kKeys) * 2 + v % 2) * 8;
-  };
-  struct ChunkBlocks {  // the cache blocks of a chunk's keys that the thread copies
-    int32_t k, v[kCopies];
-  };
-  const auto block_of = [&](int64_t key) {
-    return static_cast<int32_t>(key < seq_len ? cache_block(p, table, key) : 0);
-  };
-  const auto blocks_of = [&](int64_t chunk) {
-    ChunkBlocks b;
-    b.k = block_of(chunk + k_first_key);
-    for (int i = 0; i < kCopies; ++i) b.v[i] = block_of(chunk + v_key(i));
-    return b;
-  };
-  const auto copy_chunk = [&](int buffer, int64_t chunk, const ChunkBlocks& b) {
-    const int64_t k_key = chunk + k_first_key;
+  const auto copy_chunk = [&](int buffer, int chunk) {
+    const int k_key = chunk + k_first_key;
     const T* k_tile =
-        keys + (int64_t{b.k} * p.num_kv_heads + kv_head) * kv_tile + k_key % p.block_size;
+        keys + chunk_blocks[buffer][k_first_key >> block_shift] * block_stride + (k_key & in_block);
     for (int i = 0; i < kCopies; ++i) {
-      copy_async(&k_chunk[buffer][k_dim(i)][k_first_key],
-                 k_tile + static_cast<int64_t>(k_dim(i)) * p.block_size, k_key < seq_len);
+      const int dim = (threadIdx.x + i * kThreads) / (kKeys / 8);
+      copy_async(&k_chunk[buffer][dim][k_first_key], k_tile + dim * p.block_size, k_key < seq_len);
     }
     for (int i = 0; i < kCopies; ++i) {
-      const int64_t key = chunk + v_key(i);
-      copy_async(&v_chunk[buffer][v_key(i)][v_dim(i)],
-                 values + (int64_t{b.v[i]} * p.num_kv_heads + kv_head) * kv_tile +
-                     key % p.block_size * D + v_dim(i),
+      const int v = threadIdx.x + i * kThreads;
+      const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
+      const int key = chunk + index;
+      copy_async(&v_chunk[buffer][index][first_dim],
+                 values + chunk_blocks[buffer][index >> block_shift] * block_stride +
+                     (key & in_block) * D + first_dim,
                  key < seq_len);
     }
     commit_copies();
@@ -181,12 +180,15 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
        tile += p.tiles_per_request) {
     const int first_token = tile * tokens_per_tile;
     const int last_token = min(first_token + tokens_per_tile, q_len) - 1;
-    const auto window_start = [&](int64_t position) {
-      return p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : int64_t{0};
+    const auto window_start = [&](int position) {
+      return p.sliding_window > 0 ? max(0, position - p.sliding_window + 1) : 0;
     };
-    const auto [begin, end] =
-        partition_keys(window_start(context_start + first_token), context_start + last_token + 1,
-                       part, p.num_parts, kKeys);
+    const KeyRange range = partition_keys(window_start(context_start + first_token),
+                                          context_start + last_token + 1, part, p.num_parts, kKeys);
+    const int begin = static_cast<int>(range.begin), end = static_cast<int>(range.end);
+    // Keys every row of the tile sees: chunks inside need no mask.
+    const int all_see_from = max(begin, window_start(context_start + last_token));
+    const int all_see_to = min(end, context_start + first_token + 1);
     // The rows fill the tile from its first, so a warp works where its first row does.
     const int warp_first_token = warp * kWarpRows / group_size;
     const bool warp_active =
@@ -200,7 +202,7 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
       Row& x = rows[i];
       x.valid = t < tokens_per_tile && first_token + t < q_len;
       if (!x.valid) continue;
-      const int64_t position = context_start + first_token + t;
+      const int position = context_start + first_token + t;
       x.token = q_start + first_token + t;
       x.head = kv_head * group_size + row % group_size;
       x.first = max(begin, window_start(position));
@@ -220,17 +222,21 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
     // Chunk j + 1's copies fly while chunk j is computed; the block ids a chunk further.
-    const int64_t first_chunk = begin / kKeys * kKeys;
-    ChunkBlocks next;
+    const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
-      copy_chunk(0, first_chunk, blocks_of(first_chunk));
-      if (first_chunk + kKeys < end) next = blocks_of(first_chunk + kKeys);
+      const int first_ids = block_id(first_chunk), second_ids = block_id(first_chunk + kKeys);
+      if (threadIdx.x < kKeys / 8) {
+        chunk_blocks[0][threadIdx.x] = first_ids;
+        chunk_blocks[1][threadIdx.x] = second_ids;
+      }
+      __syncthreads();
+      copy_chunk(0, first_chunk);
     }
     int buffer = 0;
-    for (int64_t chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
+    for (int chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
+      const int ids_ahead = block_id(chunk + 2 * kKeys);  // stored once this chunk is done
       if (chunk + kKeys < end) {
-        copy_chunk(buffer ^ 1, chunk + kKeys, next);
-        if (chunk + 2 * kKeys < end) next = blocks_of(chunk + 2 * kKeys);
+        copy_chunk(buffer ^ 1, chunk + kKeys);
         wait_copies<1>();  // all but the newest group: this chunk's copies have landed
       } else {
         wait_copies<0>();
@@ -250,14 +256,16 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
           }
         }
         // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the
-        // n-tile), in log2 units for exp2.
+        // n-tile), in log2 units for exp2. Chunks every row sees whole skip the mask.
+        const bool unmasked = chunk >= all_see_from && chunk + kKeys <= all_see_to;
         for (int n = 0; n < kKeyTiles; ++n) {
           for (int i = 0; i < 4; ++i) {
             const Row& x = rows[i / 2];
-            const int64_t key = chunk + n * 8 + 2 * quad + i % 2;
+            const int key = chunk + n * 8 + 2 * quad + i % 2;
             float score = s[n][i] * p.scale;
             if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
-            s[n][i] = x.valid && key >= x.first && key < x.end ? score * kLog2e : -INFINITY;
+            const bool visible = unmasked || (x.valid && key >= x.first && key < x.end);
+            s[n][i] = visible ? score * kLog2e : -INFINITY;
           }
         }
         // Online softmax per row; a row's four lanes (one quad group) share its maximum.
@@ -299,6 +307,8 @@ __global__ void __launch_bounds__(kWarps* kWarp) flash_attention_kernel(const At
           }
         }
       }
+      // Chunk j's ids (slot `buffer`) are spent: chunk j + 2's take their place.
+      if (threadIdx.x < kKeys / 8) chunk_blocks[buffer][threadIdx.x] = ids_ahead;
       __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     if (!warp_active) continue;
@@ -371,9 +381,10 @@ bool flash_attention_supports(DType dtype, int head_size, int block_size, int gr
   const bool sixteen_bit = dtype == DType::kFloat16 || dtype == DType::kBFloat16;
   const bool head =
       head_size == 64 || head_size == 80 || head_size == 96 || head_size == 128 || head_size == 256;
-  // Chunks start at multiples of 8 keys, so 8 keys of one copy never straddle blocks.
-  return sixteen_bit && head && block_size % 8 == 0 && group_size >= 1 &&
-         group_size <= kPrefillWarps * kWarpRows;
+  // Blocks of a power of two, at least 8, keys: 8 keys of one copy never straddle blocks,
+  // and a key's block and offset are a shift and a mask.
+  const bool block = block_size >= 8 && (block_size & (block_size - 1)) == 0;
+  return sixteen_bit && head && block && group_size >= 1 && group_size <= kPrefillWarps * kWarpRows;
 }
 
 void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cudaStream_t stream) {
@@ -384,6 +395,8 @@ void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cuda
   const int64_t tiles = (max_query_len + tokens_per_tile - 1) / tokens_per_tile;
   p.tiles_per_request =
       static_cast<int>(std::min<int64_t>(tiles, INT32_MAX / std::max(p.num_reqs, 1)));
+  p.block_shift = 0;
+  while ((1 << p.block_shift) < p.block_size) ++p.block_shift;
   const dim3 grid(static_cast<unsigned>(p.num_reqs) * static_cast<unsigned>(p.tiles_per_request),
                   static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.num_parts));
   if (dtype == DType::kFloat16) {

@@ -10,8 +10,8 @@
 namespace pyengine::cuda {
 
 // Whether the tensor-core kernel takes these shapes: float16 or bfloat16, head sizes 64,
-// 80, 96, 128 and 256, blocks of a multiple of 8 tokens, and at most 64 query heads per
-// kv head.
+// 80, 96, 128 and 256, blocks of a power of two (at least 8) tokens, and at most 64 query
+// heads per kv head.
 bool flash_attention_supports(DType dtype, int head_size, int block_size, int group_size);
 
 // Launches it (p.tiles_per_request is set here, from max_query_len: the most query tokens
