@@ -89,7 +89,7 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.seed, config.device)
         self.requests: dict[str, _RequestState] = {}
         self._by_row_id: dict[str, tuple[_RequestState, _Sample]] = {}
         self._finished: list[_RequestState] = []  # done, not yet returned by step()
@@ -158,11 +158,12 @@ class LLMEngine:
         for s in samples:
             self._by_row_id[s.row_id] = (state, s)
 
-    @staticmethod
-    def _generator(seed: int | None, sample: int) -> torch.Generator | None:
+    def _generator(self, seed: int | None, sample: int) -> torch.Generator | None:
+        """A seeded sample's own generator, on the device its logits are sampled on."""
         if seed is None:
             return None
-        return torch.Generator().manual_seed((seed * 1_000_003 + sample) % 2**63)
+        generator = torch.Generator(device=self.config.device)
+        return generator.manual_seed((seed * 1_000_003 + sample) % 2**63)
 
     def abort_request(self, request_id: str) -> None:
         state = self.requests.get(request_id)

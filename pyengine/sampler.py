@@ -1,8 +1,11 @@
 """The sampler: penalties, temperature, top-k / top-p / min-p and seeded sampling, over
-the logits rows of one step, and the logprobs of what it chose."""
+the logits rows of one step, and the logprobs of what it chose. Every step is one batch
+of tensor ops on the logits' device (a GPU's logits never leave it but as token ids);
+only a seeded row draws its noise alone, from its own generator."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +21,8 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: list[int]
     output_token_ids: list[int]
-    generator: torch.Generator | None  # seeded requests draw only from their own
+    # Seeded requests draw only from their own, on the logits' device.
+    generator: torch.Generator | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
 
 
@@ -28,82 +32,139 @@ class SamplerOutput:
     logprobs: list[PositionLogprobs | None]  # per row, where the request asked for them
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    """vLLM's semantics, in place on one row: repetition over prompt and output tokens
-    (divide positive logits, multiply negative ones), frequency and presence over output
-    tokens."""
-    p = row.params
+def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Per-row parameters as a tensor on the logits' device."""
+    return torch.tensor(values, dtype=dtype).to(device)
+
+
+def _token_index(
+    tokens: list[list[int]], vocab: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i, token) index tensors of the tokens inside the vocabulary of each list i."""
+    pairs = [(i, t) for i, ts in enumerate(tokens) for t in ts if 0 <= t < vocab]
+    index = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device)
+    return index[:, 0], index[:, 1]
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """vLLM's semantics, in place on logits [rows, vocab]: repetition over prompt and
+    output tokens (divide positive logits, multiply negative ones), frequency and presence
+    over output tokens."""
+    vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
+
+    def column(values: Sequence[float], of: torch.dtype) -> torch.Tensor:
+        return _column(values, of, device)
+
+    repeated = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    if repeated:
+        seen = [sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids))
+                for i in repeated]  # fmt: skip
+        j, t = _token_index(seen, vocab, device)
+        penalty = column([rows[i].params.repetition_penalty for i in repeated], dtype)[j]
+        r = column(repeated, torch.long)[j]
+        values = logits[r, t]
+        logits[r, t] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [
+        i
+        for i, row in enumerate(rows)
+        if (row.params.frequency_penalty or row.params.presence_penalty) and row.output_token_ids
+    ]
+    if counted:
+        j, t = _token_index([rows[i].output_token_ids for i in counted], vocab, device)
+        counts = torch.zeros(len(counted), vocab, device=device, dtype=dtype)
+        counts.index_put_((j, t), torch.ones_like(j, dtype=dtype), accumulate=True)
+        frequency = column([rows[i].params.frequency_penalty for i in counted], dtype)
+        presence = column([rows[i].params.presence_penalty for i in counted], dtype)
+        index = column(counted, torch.long)
+        logits[index] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(dtype)
+
+
+def filter_logits(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """logits [rows, vocab] with each row's tokens outside its top-k (0: all), its top-p
+    nucleus (1: all) and its min-p floor (0: none) at -inf, in that order."""
     vocab = logits.shape[-1]
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(row.prompt_token_ids) | set(row.output_token_ids)))
-        seen = seen[seen < vocab]
-        values = logits[seen]
-        logits[seen] = torch.where(
-            values > 0, values / p.repetition_penalty, values * p.repetition_penalty
-        )
-    if (p.frequency_penalty or p.presence_penalty) and row.output_token_ids:
-        counts = torch.bincount(torch.tensor(row.output_token_ids), minlength=vocab)[:vocab]
-        logits -= p.frequency_penalty * counts.to(logits.dtype)
-        logits -= p.presence_penalty * (counts > 0).to(logits.dtype)
-
-
-def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """One row with the tokens outside top-k, the top-p nucleus and the min-p floor at -inf."""
-    if min_p > 0:
+    if bool((min_p > 0).any()):
         probs = torch.softmax(logits, dim=-1)
-        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
-    if top_k > 0 and top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        ordered, order = logits.sort(descending=True)
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    by_k = (top_k > 0) & (top_k < vocab)
+    by_p = top_p < 1.0
+    if not bool(by_k.any() or by_p.any()):
+        return logits
+    ordered, order = logits.sort(dim=-1, descending=True)
+    if bool(by_k.any()):  # below the k-th value (ties with it stay)
+        k = torch.where(by_k, top_k, vocab).clamp(1, vocab)
+        kth = ordered.gather(1, (k - 1)[:, None])
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if bool(by_p.any()):  # once the mass before a token is past top_p
         probs = torch.softmax(ordered, dim=-1)
-        outside = probs.cumsum(-1) - probs > top_p  # mass before this token already > top_p
-        outside[0] = False
-        logits = logits.index_put((order[outside],), torch.tensor(float("-inf")))
-    return logits
+        threshold = torch.where(by_p, top_p, float("inf"))
+        outside = probs.cumsum(dim=-1) - probs > threshold[:, None]
+        outside[:, 0] = False
+        ordered = ordered.masked_fill(outside, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, ordered)
 
 
 class Sampler:
-    def __init__(self, seed: int) -> None:
-        self.generator = torch.Generator().manual_seed(seed)  # for unseeded requests
+    def __init__(self, seed: int, device: str | torch.device = "cpu") -> None:
+        # For unseeded requests, on the device the logits come from.
+        self.generator = torch.Generator(device=device).manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [rows, vocab] on any device, any float dtype."""
+        """logits [rows, vocab] on the sampler's device, any float dtype."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        plain_greedy = all(_plain_greedy(r) for r in rows)
-        if plain_greedy and not want_logprobs:  # the common batch: one argmax, on the device
+        if all(_plain_greedy(r) for r in rows) and not want_logprobs:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
-        # Everything else on the CPU in float32, where the requests' generators are.
-        logits = logits.to("cpu", torch.float32)
+        logits = logits.float()
+        chosen = self._choose(logits.clone(), rows)
+        if not want_logprobs:
+            return SamplerOutput(chosen.tolist(), [None] * len(rows))
         # Logprobs of the model's own distribution, before penalties and temperature.
-        logprobs = torch.log_softmax(logits, dim=-1) if want_logprobs else None
-        if plain_greedy:
-            chosen = logits.argmax(dim=-1).tolist()
-        else:
-            adjusted = logits.clone()
-            chosen = [self._sample_row(adjusted[i], row) for i, row in enumerate(rows)]
-        per_row: list[PositionLogprobs | None] = []
-        for i, row in enumerate(rows):
-            k = row.params.logprobs
-            if k is None or logprobs is None:
-                per_row.append(None)
-                continue
-            per_row.append(top_logprobs(logprobs[i], chosen[i], k))
-        return SamplerOutput(chosen, per_row)
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        logprobs = torch.log_softmax(logits[wanted], dim=-1).cpu()
+        chosen_ids = chosen.tolist()
+        per_row: list[PositionLogprobs | None] = [None] * len(rows)
+        for j, i in enumerate(wanted):
+            per_row[i] = top_logprobs(logprobs[j], chosen_ids[i], rows[i].params.logprobs or 0)
+        return SamplerOutput(chosen_ids, per_row)
 
-    def _sample_row(self, logits: torch.Tensor, row: SamplingRow) -> int:
-        p = row.params
-        apply_penalties(logits, row)
-        if row.blocked_token_ids:
-            logits[list(row.blocked_token_ids)] = float("-inf")
-        if p.greedy:
-            return int(logits.argmax())
-        logits = filter_logits(logits / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(logits, dim=-1)
+    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Token ids [rows] from float32 logits (modified in place)."""
+        device, vocab = logits.device, logits.shape[-1]
+        apply_penalties(logits, rows)
+        blocked = [i for i, r in enumerate(rows) if r.blocked_token_ids]
+        if blocked:
+            j, t = _token_index([list(rows[i].blocked_token_ids) for i in blocked], vocab, device)
+            logits[torch.tensor(blocked, device=device)[j], t] = float("-inf")
+        greedy = [r.params.greedy for r in rows]
+        if all(greedy):
+            return logits.argmax(dim=-1)
+
+        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
+            return _column(values, dtype, device)
+
+        temperature = column([1.0 if r.params.greedy else r.params.temperature for r in rows],
+                             torch.float32)  # fmt: skip
+        filtered = filter_logits(
+            logits / temperature[:, None],
+            column([r.params.top_k for r in rows], torch.long),
+            column([r.params.top_p for r in rows], torch.float32),
+            column([r.params.min_p for r in rows], torch.float32),
+        )
+        probs = torch.softmax(filtered, dim=-1)
         # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        noise = torch.empty_like(probs).exponential_(generator=row.generator or self.generator)
-        return int((probs / noise).argmax())
+        noise = torch.ones_like(probs)  # greedy rows draw nothing
+        shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
+        if shared:
+            draws = torch.empty(len(shared), vocab, device=device)
+            noise[shared] = draws.exponential_(generator=self.generator)
+        for i, row in enumerate(rows):
+            if row.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=row.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        return torch.where(column(greedy, torch.bool), logits.argmax(dim=-1), sampled)
 
 
 def _plain_greedy(row: SamplingRow) -> bool:

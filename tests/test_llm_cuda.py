@@ -84,3 +84,25 @@ def test_tiny_checkpoints_match_transformers_on_the_gpu(name: str, tmp_path) -> 
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def test_sampling_runs_on_the_gpu_and_seeds_hold_in_a_batch(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Temperature, top-p and penalties sampled on the device: a seeded request gives the
+    same tokens alone and among unseeded ones, and the sampler's generators are CUDA's."""
+    pytest.importorskip("transformers")
+    from test_llm_tiny_models import make_checkpoint
+
+    make_checkpoint("llama", tmp_path)
+    llm = LLM(str(tmp_path), device="cuda", max_model_len=256, gpu_memory_utilization=0.1)
+    assert llm.engine.sampler.generator.device.type == "cuda"
+    prompt = torch.randint(0, 256, (20,)).tolist()
+    seeded = SamplingParams(temperature=0.9, top_p=0.8, repetition_penalty=1.2, seed=7,
+                            max_tokens=16, ignore_eos=True)  # fmt: skip
+    other = SamplingParams(temperature=1.0, top_k=20, max_tokens=16, ignore_eos=True)
+    alone = llm.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    batch = llm.generate([prompt] * 4, [other, seeded, other, other], use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert all(len(o.outputs[0].token_ids) == 16 for o in batch)
+    del llm
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -9,7 +9,7 @@ from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sampler import SamplingRow, apply_penalties, filter_logits
+from pyengine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
 
 PROMPTS = [
     "The future of AI is",
@@ -67,19 +67,38 @@ def test_penalties_match_the_reference() -> None:
     logits = torch.randn(50, generator=generator) * 3
     prompt, output = [1, 4, 4, 9, 30], [4, 7, 7, 7, 12, 49]
     p = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=-0.7)
-    row = logits.clone()
-    apply_penalties(row, SamplingRow(p, prompt, output, None))
+    plain = SamplingParams()
+    batch = torch.stack([logits, logits, logits])  # the penalized row between two plain ones
+    apply_penalties(batch, [SamplingRow(plain, prompt, output, None),
+                            SamplingRow(p, prompt, output, None),
+                            SamplingRow(plain, prompt, output, None)])  # fmt: skip
     expected = reference_penalties(logits.tolist(), prompt, output, p)
-    assert torch.allclose(row, torch.tensor(expected), atol=1e-6)
+    assert torch.allclose(batch[1], torch.tensor(expected), atol=1e-6)
+    assert torch.equal(batch[0], logits) and torch.equal(batch[2], logits)
 
 
 def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
-    logits = torch.log(torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03]))
-    kept = lambda **kw: torch.isfinite(filter_logits(logits, **kw)).nonzero().flatten().tolist()  # noqa: E731
-    assert kept(top_k=2, top_p=1.0, min_p=0.0) == [0, 1]
-    assert kept(top_k=0, top_p=0.7, min_p=0.0) == [0, 1]  # 0.5 < 0.7 <= 0.75
-    assert kept(top_k=0, top_p=0.8, min_p=0.0) == [0, 1, 2]
-    assert kept(top_k=0, top_p=1.0, min_p=0.2) == [0, 1, 2]  # >= 0.1
+    probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])
+    cases = [  # (top_k, top_p, min_p) -> kept; the rows of one batch, each token order shuffled
+        ((2, 1.0, 0.0), [0, 1]),
+        ((0, 0.7, 0.0), [0, 1]),  # 0.5 < 0.7 <= 0.75
+        ((0, 0.8, 0.0), [0, 1, 2]),
+        ((0, 1.0, 0.2), [0, 1, 2]),  # >= 0.1
+        ((0, 1.0, 0.0), [0, 1, 2, 3, 4]),
+        ((3, 0.6, 0.0), [0, 1]),
+        ((1, 1.0, 0.0), [0]),
+    ]
+    orders = [torch.randperm(5) for _ in cases]
+    logits = torch.stack([torch.log(probs[order]) for order in orders])
+    filtered = filter_logits(
+        logits,
+        torch.tensor([k for (k, _, _), _ in cases]),
+        torch.tensor([p for (_, p, _), _ in cases]),
+        torch.tensor([m for (_, _, m), _ in cases]),
+    )
+    for row, order, (_, want) in zip(filtered, orders, cases, strict=True):
+        kept = order[torch.isfinite(row)].sort().values.tolist()
+        assert kept == want
 
 
 def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
@@ -189,3 +208,44 @@ def test_engine_serves_on_after_an_abort_empties_a_step(llm: LLM) -> None:
     while engine.has_unfinished_requests():
         outputs += engine.step()
     assert len(outputs[-1].outputs[0].token_ids) == 3
+
+
+def sampling_rows(params: list[SamplingParams], seeds: list[int | None]) -> list[SamplingRow]:
+    def generator(seed: int | None) -> torch.Generator | None:
+        return None if seed is None else torch.Generator().manual_seed(seed)
+
+    return [SamplingRow(p, [1, 2, 3], [4, 4], generator(s), (7,) if p.min_tokens else ())
+            for p, s in zip(params, seeds, strict=True)]  # fmt: skip
+
+
+def test_a_batch_samples_each_row_as_it_would_alone() -> None:
+    """Every kind of row in one batch: greedy with penalties, blocked tokens, temperature,
+    top-k/top-p/min-p, seeded; each row picks what it picks alone."""
+    params = [
+        SamplingParams(temperature=0, repetition_penalty=1.5, presence_penalty=0.5),
+        SamplingParams(temperature=0.8, top_k=5, seed=1),
+        SamplingParams(temperature=1.2, top_p=0.5, min_p=0.05, seed=2),
+        SamplingParams(temperature=0, min_tokens=3),
+        SamplingParams(temperature=0.7, frequency_penalty=1.0, seed=3),
+    ]
+    seeds = [None, 11, 12, None, 13]
+    logits = torch.randn(len(params), 64) * 3
+    logits[3, 7] = 100.0  # blocked while under min_tokens
+    together = Sampler(0)(logits, sampling_rows(params, seeds)).token_ids
+    alone = [
+        Sampler(0)(logits[i : i + 1], sampling_rows([p], [s])).token_ids[0]
+        for i, (p, s) in enumerate(zip(params, seeds, strict=True))
+    ]
+    assert together == alone
+    assert together[3] != 7
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
+    """10,000 draws of one batch row: top-p 0.85 keeps the first three of these tokens, at
+    their renormalized probabilities."""
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04])
+    rows = sampling_rows([SamplingParams(temperature=1.0, top_p=0.85)] * 10_000, [None] * 10_000)
+    drawn = Sampler(5)(torch.log(probs).expand(10_000, 5), rows).token_ids
+    counts = torch.bincount(torch.tensor(drawn), minlength=5).double() / 10_000
+    assert counts[3:].sum() == 0
+    assert torch.allclose(counts[:3], probs[:3].double() / 0.9, atol=0.02)
