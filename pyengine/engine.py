@@ -17,7 +17,7 @@ from pyengine.detokenizer import IncrementalDetokenizer
 from pyengine.loader.resolve import LoadedModel
 from pyengine.model_runner import ModelRunner
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from pyengine.sampler import Sampler, SamplerOutput, SamplingRow, top_logprobs
+from pyengine.sampler import Sampler, SamplerOutput, SamplingRow, plain_greedy, top_logprobs
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -54,6 +54,8 @@ class _RequestState:
     scheduled: bool = False
     done: bool = False
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
+    # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
+    argmax_only: bool = False
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -153,6 +155,7 @@ class LLMEngine:
             samples,
             RequestMetrics(time.time() if arrival_time is None else arrival_time),
             blocked if params.min_tokens > 0 else (),
+            argmax_only=plain_greedy(params) and params.logprobs is None,
         )
         self.requests[request_id] = state
         for s in samples:
@@ -179,27 +182,30 @@ class LLMEngine:
 
     # -- one step --------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, finished_only: bool = False) -> list[RequestOutput]:
         """Runs one engine step; returns the requests that got tokens in it or finished
-        (since the last step, aborts too). Their outputs are live: read them before the
-        next step."""
+        (since the last step, aborts too), or only the finished ones. Their outputs are
+        live: read them before the next step."""
         if self.scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             self.scheduler.update(np.zeros(0, dtype=np.int32))
             return self._collect_outputs([])
         b = self.scheduler.buffers
-        sampling = [self._by_row_id[b.request_ids[i]] for i in np.flatnonzero(b.is_sampling)]
-        self._note_cached_prefixes(b)
+        row_ids = b.request_ids  # a new list at every access: read once
+        sampling = [self._by_row_id[row_ids[i]] for i in np.flatnonzero(b.is_sampling)]
+        self._note_cached_prefixes(b, row_ids)
         try:
             sampled = self._run_step(b, sampling)
         except BaseException:
             # A failed step (bad weights, interrupt) ends its requests, not the engine.
-            for row_id in b.request_ids:
+            for row_id in row_ids:
                 if row_id in self._by_row_id:
                     self.abort_request(self._by_row_id[row_id][0].request_id)
             self.scheduler.update(np.zeros(len(sampling), dtype=np.int32))
             raise
         logprobs_of = {
-            id(sample): lp for (_, sample), lp in zip(sampling, sampled.logprobs, strict=True)
+            id(sample): lp
+            for (_, sample), lp in zip(sampling, sampled.logprobs, strict=True)
+            if lp is not None
         }
         self.scheduler.update(np.asarray(sampled.token_ids, dtype=np.int32))
         now = time.time()
@@ -211,15 +217,16 @@ class LLMEngine:
                 self._append(state, sample, token, logprobs_of.get(id(sample)), now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
-        return self._collect_outputs(list(progressed.values()))
+        return self._collect_outputs([] if finished_only else list(progressed.values()))
 
-    def _note_cached_prefixes(self, b: StepBuffers) -> None:
+    def _note_cached_prefixes(self, b: StepBuffers, row_ids: list[str]) -> None:
         """A request's first step starts after the prompt tokens the prefix cache held."""
-        for i, row_id in enumerate(b.request_ids):
+        positions, starts = b.positions, b.query_start_loc
+        for i, row_id in enumerate(row_ids):
             state, sample = self._by_row_id[row_id]
             if sample.index == 0 and not state.scheduled:
                 state.scheduled = True
-                state.num_cached_tokens = int(b.positions[b.query_start_loc[i]])
+                state.num_cached_tokens = int(positions[starts[i]])
 
     def discard_finished(self) -> None:
         self._collect_outputs([])
@@ -250,6 +257,11 @@ class LLMEngine:
                 entry = top_logprobs(row_logprobs, state.prompt_token_ids[target], k)
                 self._decode_logprobs(entry)
                 state.prompt_logprobs[target] = entry
+        if all(
+            state.argmax_only and len(sample.output.token_ids) >= state.params.min_tokens
+            for state, sample in sampling
+        ):  # the common batch: no rows to build
+            return self.sampler.argmax(logits)
         rows = [
             SamplingRow(
                 state.params,

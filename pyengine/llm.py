@@ -124,7 +124,7 @@ class LLM:
             done: dict[str, RequestOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:
                 while engine.has_unfinished_requests():
-                    for out in engine.step():
+                    for out in engine.step(finished_only=True):
                         if out.finished:
                             done[out.request_id] = out
                             progress.update(out)

@@ -116,7 +116,7 @@ class Sampler:
         """logits [rows, vocab] on the sampler's device, any float dtype."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
         if all(_plain_greedy(r) for r in rows) and not want_logprobs:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return self.argmax(logits)
         logits = logits.float()
         chosen = self._choose(logits.clone(), rows)
         if not want_logprobs:
@@ -129,6 +129,10 @@ class Sampler:
         for j, i in enumerate(wanted):
             per_row[i] = top_logprobs(logprobs[j], chosen_ids[i], rows[i].params.logprobs or 0)
         return SamplerOutput(chosen_ids, per_row)
+
+    def argmax(self, logits: torch.Tensor) -> SamplerOutput:
+        """Rows of plain greedy requests that want no logprobs: one argmax on the device."""
+        return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * logits.shape[0])
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Token ids [rows] from float32 logits (modified in place)."""
@@ -167,15 +171,19 @@ class Sampler:
         return torch.where(column(greedy, torch.bool), logits.argmax(dim=-1), sampled)
 
 
-def _plain_greedy(row: SamplingRow) -> bool:
-    p = row.params
+def plain_greedy(params: SamplingParams) -> bool:
+    """Whether a request's tokens are the argmax of the model's logits, unchanged (save
+    the tokens it blocks while under min_tokens)."""
     return (
-        p.greedy
-        and not row.blocked_token_ids
-        and p.repetition_penalty == 1.0
-        and not p.frequency_penalty
-        and not p.presence_penalty
+        params.greedy
+        and params.repetition_penalty == 1.0
+        and not params.frequency_penalty
+        and not params.presence_penalty
     )
+
+
+def _plain_greedy(row: SamplingRow) -> bool:
+    return plain_greedy(row.params) and not row.blocked_token_ids
 
 
 def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> PositionLogprobs:
