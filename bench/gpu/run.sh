@@ -3,7 +3,10 @@
 # and nvcc preinstalled, no network): builds pyengine with its CUDA kernels, runs the GPU
 # tests, then the kernel and offline-throughput benchmarks, and prints their tables.
 #
-#   bash bench/gpu/run.sh [tests] [kernels] [throughput]    (none named: all three)
+#   bash bench/gpu/run.sh [tests] [kernels] [throughput] [profile]
+#
+# None named: the first three. `profile` times pyengine alone again with torch.profiler's
+# GPU time per kernel and the share of the wall time the GPU was busy.
 #
 # The build runs unless PYENGINE_WHEEL names a wheel of this tree that works there; naming
 # parts splits the check over several device calls.
@@ -53,5 +56,9 @@ fi
 if wants throughput; then
   echo "== offline throughput: Llama-3-8B shape, random weights, bf16, against transformers"
   python3 bench/gpu/throughput.py || status=1
+fi
+if wants profile; then
+  echo "== pyengine alone, profiled: GPU time per kernel"
+  python3 bench/gpu/throughput.py --no-hf --profile || status=1
 fi
 exit $status

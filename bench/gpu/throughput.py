@@ -5,6 +5,11 @@ random token ids, a fixed number of greedy output tokens each (ignore_eos).
 
     python bench/gpu/throughput.py [--num-prompts 256] [--prompt-len 512]
                                    [--output-len 256] [--hf-batch 256] [--no-hf]
+                                   [--profile]
+
+--profile adds, after the measurements, torch.profiler's table of the GPU time per kernel
+over a short run (64 fresh prompts, 16 output tokens each) and the share of its wall time
+the GPU was busy.
 """
 
 from __future__ import annotations
@@ -74,6 +79,25 @@ def run_hf(prompts: list[list[int]], output_len: int, batch: int) -> float:
     return seconds
 
 
+def profile_run(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
+    """Prints where a short run's GPU time goes, kernel by kernel, and how much of its
+    wall time the GPU had work (the rest: the host between steps)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=output_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    print(events.table(sort_by="device_time_total", row_limit=15))
+    # Kernels only (self time on the device), so that nested ops are not counted twice.
+    busy = sum(e.self_device_time_total for e in events) / 1e6
+    print(f"profiled run: {wall:.2f} s wall, GPU busy {busy:.2f} s ({busy / wall:.0%})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--num-prompts", type=int, default=256)
@@ -82,6 +106,7 @@ def main() -> None:
     parser.add_argument("--hf-batch", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument("--profile", action="store_true", help="GPU time per kernel")
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
@@ -137,6 +162,8 @@ def main() -> None:
         f"{args.output_len} output tokens each; KV cache {llm.engine.runner.num_blocks} blocks"
     )
     print(f"pyengine: the same number of fresh prompts with 1 output token each: {prefill:.2f} s")
+    if args.profile:
+        profile_run(llm, random_prompts(64), 16)
     print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
     print(json.dumps(figures))
 
