@@ -106,8 +106,8 @@ struct Row {
   int first = 0, end = 0;  // its visible keys [first, end) within the partition
 };
 
-template <typename T, int D, int kWarps>
 // Three four-warp blocks per multiprocessor (two for head size 256): at most 168 registers.
+template <typename T, int D, int kWarps>
 __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 : 3))
     flash_attention_kernel(const AttentionParams p) {
   constexpr int kThreads = kWarps * kWarp;
