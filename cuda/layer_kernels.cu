@@ -68,13 +68,14 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, int64_t x_stride,
   }
 }
 
-// One block per token; threads over (head, i < d/2) pairs of query, then of key.
+// One block per token; threads over (head, i < d/2) pairs of query, then of key: (i,
+// i + d/2) rotate-half, (2i, 2i + 1) interleaved.
 template <typename T, typename Position>
 __global__ void rotary_kernel(const Position* __restrict__ positions, int64_t position_stride,
                               T* __restrict__ query, int64_t q_token_stride, int q_heads,
                               T* __restrict__ key, int64_t k_token_stride, int k_heads, int d,
                               const float* __restrict__ cos_sin, int64_t cos_sin_stride,
-                              int64_t max_positions) {
+                              int64_t max_positions, bool is_neox) {
   const int64_t token = blockIdx.x;
   const int64_t position = positions[token * position_stride];
   if (position < 0 || position >= max_positions) return;  // see layer_kernels.h
@@ -85,10 +86,11 @@ __global__ void rotary_kernel(const Position* __restrict__ positions, int64_t po
     const int head = p / half, i = p % half;
     T* row = head < q_heads ? query + token * q_token_stride + head * d
                             : key + token * k_token_stride + (head - q_heads) * d;
-    const float a = to_float(row[i]), b = to_float(row[half + i]);
+    const int j = is_neox ? i : 2 * i, k = is_neox ? half + i : 2 * i + 1;
+    const float a = to_float(row[j]), b = to_float(row[k]);
     const float c = cs[i], s = cs[half + i];
-    row[i] = from_float<T>(a * c + (-b) * s);
-    row[half + i] = from_float<T>(b * c + a * s);
+    row[j] = from_float<T>(a * c + (-b) * s);
+    row[k] = from_float<T>(b * c + a * s);
   }
 }
 
@@ -178,7 +180,7 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
 }
 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache, void* stream) {
+                      const TensorView& cos_sin_cache, bool is_neox, void* stream) {
   const int64_t tokens = query.shape[0];
   if (tokens == 0) return;
   const int q_heads = static_cast<int>(query.shape[1]), k_heads = static_cast<int>(key.shape[1]);
@@ -191,7 +193,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                       static_cast<cudaStream_t>(stream)>>>(
           pos, positions.strides[0], typed<T>(query), query.strides[0], q_heads, typed<T>(key),
           key.strides[0], k_heads, d, static_cast<const float*>(cos_sin_cache.data),
-          cos_sin_cache.strides[0], cos_sin_cache.shape[0]);
+          cos_sin_cache.strides[0], cos_sin_cache.shape[0], is_neox);
     };
     if (positions.dtype == DType::kInt32) {
       launch(static_cast<const int32_t*>(positions.data));

@@ -21,10 +21,11 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         float eps, void* stream);
 
-// Rotate-half rotary embedding in place.   query [tokens, heads, d], key [tokens,
-// kv_heads, d], positions int32/int64 [tokens], cos_sin_cache float32 [max_positions, d]
+// Rotary embedding in place, rotate-half (is_neox) or interleaved pairs.   query [tokens,
+// heads, d], key [tokens, kv_heads, d], positions int32/int64 [tokens], cos_sin_cache
+// float32 [max_positions, d]
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache, void* stream);
+                      const TensorView& cos_sin_cache, bool is_neox, void* stream);
 
 // out = silu(x[:, :n]) * x[:, n:].   x [tokens, 2n], out [tokens, n]
 void silu_and_mul(const TensorView& out, const TensorView& x, void* stream);

@@ -48,7 +48,7 @@ _SCHEMAS = {
     "fused_add_rms_norm": "fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, "
     "Tensor weight, float eps) -> ()",
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
-    "Tensor cos_sin_cache) -> ()",
+    "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
     # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight) + bias
     "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",

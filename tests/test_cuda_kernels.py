@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from test_attention import fill_caches, make_case, reference, to_dtype, to_float64
-from test_layer_ops import DTYPES, TOLERANCE, rel_error
+from test_layer_ops import DTYPES, TOLERANCE, rel_error, rotary_reference
 
 from pyengine import built_with_cuda, ops
 
@@ -52,7 +52,10 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("position_dtype", [torch.int32, torch.int64])
-def test_rotary_embedding(dtype: torch.dtype, head_dim: int, position_dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding(
+    dtype: torch.dtype, head_dim: int, position_dtype: torch.dtype, is_neox: bool
+) -> None:
     tokens, heads, kv_heads, max_positions = 45, 8, 2, 4096
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     freqs = torch.arange(max_positions).double()[:, None] * inv_freq
@@ -63,16 +66,9 @@ def test_rotary_embedding(dtype: torch.dtype, head_dim: int, position_dtype: tor
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     q0, k0 = q.double().clone(), k.double().clone()
-    ops.rotary_embedding(positions.to(position_dtype), q, k, cache)
-
-    def reference(x: torch.Tensor) -> torch.Tensor:
-        angles = freqs.to(CUDA)[positions][:, None, :].repeat(1, 1, 2)
-        half = head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * angles.cos() + rotated * angles.sin()
-
-    assert rel_error(q, reference(q0)) < TOLERANCE[dtype]
-    assert rel_error(k, reference(k0)) < TOLERANCE[dtype]
+    ops.rotary_embedding(positions.to(position_dtype), q, k, cache, is_neox)
+    assert rel_error(q, rotary_reference(q0, freqs, positions, is_neox)) < TOLERANCE[dtype]
+    assert rel_error(k, rotary_reference(k0, freqs, positions, is_neox)) < TOLERANCE[dtype]
     assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
 
 

@@ -51,9 +51,24 @@ def test_rms_norm_rounds_like_torch_float32() -> None:
     assert (out - want).abs().max().item() < 1e-6
 
 
+def rotary_reference(
+    x: torch.Tensor, freqs: torch.Tensor, positions: torch.Tensor, is_neox: bool
+) -> torch.Tensor:
+    """float64 rotary embedding of x [tokens, heads, d] by angles freqs[positions]."""
+    angles = freqs.to(x.device)[positions][:, None]  # [tokens, 1, d/2]
+    c, s = angles.cos(), angles.sin()
+    half = x.shape[-1] // 2
+    if is_neox:
+        a, b = x[..., :half], x[..., half:]
+        return torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    a, b = x[..., 0::2], x[..., 1::2]
+    return torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
-def test_rotary_embedding(dtype: torch.dtype, head_dim: int) -> None:
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding(dtype: torch.dtype, head_dim: int, is_neox: bool) -> None:
     tokens, heads, kv_heads, max_positions = 23, 6, 2, 500
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
     freqs = torch.arange(max_positions).double()[:, None] * inv_freq
@@ -64,16 +79,9 @@ def test_rotary_embedding(dtype: torch.dtype, head_dim: int) -> None:
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
     k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
     q0, k0 = q.double().clone(), k.double().clone()
-    ops.rotary_embedding(positions.to(torch.int32), q, k, cache)
-
-    def reference(x: torch.Tensor) -> torch.Tensor:
-        angles = torch.cat((freqs, freqs), dim=-1)[positions][:, None]
-        half = head_dim // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * angles.cos() + rotated * angles.sin()
-
-    assert rel_error(q, reference(q0)) < TOLERANCE[dtype]
-    assert rel_error(k, reference(k0)) < TOLERANCE[dtype]
+    ops.rotary_embedding(positions.to(torch.int32), q, k, cache, is_neox)
+    assert rel_error(q, rotary_reference(q0, freqs, positions, is_neox)) < TOLERANCE[dtype]
+    assert rel_error(k, rotary_reference(k0, freqs, positions, is_neox)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

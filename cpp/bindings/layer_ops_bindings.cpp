@@ -36,18 +36,19 @@ void bind_layer_ops(py::module_& m) {
   m.def(
       "rotary_embedding",
       [](const py::handle& positions, const py::handle& query, const py::handle& key,
-         const py::handle& cos_sin_cache, uintptr_t stream) {
+         const py::handle& cos_sin_cache, bool is_neox, uintptr_t stream) {
         const DLPackView p(positions, "rotary_embedding: positions");
         const DLPackView q(query, "rotary_embedding: query");
         const DLPackView k(key, "rotary_embedding: key");
         const DLPackView cs(cos_sin_cache, "rotary_embedding: cos_sin_cache");
         py::gil_scoped_release release;
-        rotary_embedding(p.view(), q.view(), k.view(), cs.view(), as_stream(stream));
+        rotary_embedding(p.view(), q.view(), k.view(), cs.view(), is_neox, as_stream(stream));
       },
       py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"),
-      py::arg("stream") = 0,
-      "Rotate-half rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] "
-      "in place; cos_sin_cache float32 [max_positions, d] (cos | sin halves).");
+      py::arg("is_neox") = true, py::arg("stream") = 0,
+      "Rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] in place; "
+      "cos_sin_cache float32 [max_positions, d] (cos | sin halves). is_neox: rotate-half "
+      "pairs (i, i + d/2), else interleaved pairs (2i, 2i + 1) (GPT-J).");
   m.def(
       "silu_and_mul",
       [](const py::handle& out, const py::handle& x, uintptr_t stream) {

@@ -202,7 +202,7 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
 }
 
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache, void* stream) {
+                      const TensorView& cos_sin_cache, bool is_neox, void* stream) {
   constexpr const char* op = "rotary_embedding";
   check_float_dtype(query, op, "query");
   check_rows_on(query, query.device, op, "query", 3, query.dtype);
@@ -224,7 +224,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   }
   if (on_cuda(query.device, op)) {  // positions stay on the device: see layer_kernels.h
 #ifdef PYENGINE_WITH_CUDA
-    return cuda::rotary_embedding(positions, query, key, cos_sin_cache, stream);
+    return cuda::rotary_embedding(positions, query, key, cos_sin_cache, is_neox, stream);
 #endif
   }
   (void)stream;
@@ -243,6 +243,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
     }
   }
   const int64_t half = d / 2;
+  // The pair of frequency i: (i, half + i) rotate-half, (2i, 2i + 1) interleaved.
+  const int64_t first_step = is_neox ? 1 : 2, second_offset = is_neox ? half : 1;
   const auto* table = static_cast<const float*>(cos_sin_cache.data);
   dispatch(query.dtype, [&](auto dt) {
     constexpr DType kD = decltype(dt)::value;
@@ -250,11 +252,11 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
       for (int64_t h = 0; h < x.shape[1]; ++h) {
         const int64_t base = t * x.strides[0] + h * x.strides[1];
         for (int64_t i = 0; i < half; ++i) {
-          const float a = detail::load<kD>(x.data, base + i);
-          const float b = detail::load<kD>(x.data, base + half + i);
+          const int64_t j = base + i * first_step, k = j + second_offset;
+          const float a = detail::load<kD>(x.data, j), b = detail::load<kD>(x.data, k);
           const float c = cs[i], s = cs[half + i];
-          detail::store<kD>(x.data, base + i, a * c + (-b) * s);
-          detail::store<kD>(x.data, base + half + i, b * c + a * s);
+          detail::store<kD>(x.data, j, a * c + (-b) * s);
+          detail::store<kD>(x.data, k, b * c + a * s);
         }
       }
     };

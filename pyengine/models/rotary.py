@@ -1,5 +1,5 @@
-"""Rotary position embeddings (rotate-half form, as Hugging Face Llama/Qwen), applied in
-place by the fused C++ op."""
+"""Rotary position embeddings (rotate-half form as Hugging Face Llama/Qwen, or interleaved
+pairs as GPT-J), applied in place by the fused C++ op."""
 
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ class RotaryEmbedding:
         theta: float,
         scaling: dict[str, Any] | None,
         device: torch.device | None = None,
+        is_neox: bool = True,  # rotate-half pairs (i, i + d/2); else (2i, 2i + 1)
     ) -> None:
+        self.is_neox = is_neox
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
@@ -56,4 +58,4 @@ class RotaryEmbedding:
 
     def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place."""
-        ops.rotary_embedding(positions, query, key, self.cos_sin_cache)
+        ops.rotary_embedding(positions, query, key, self.cos_sin_cache, self.is_neox)

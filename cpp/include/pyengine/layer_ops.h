@@ -24,13 +24,15 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         float eps, void* stream = nullptr);
 
-// Rotary position embedding in place, rotate-half form (Llama and Qwen as in transformers):
-// for i < d/2, (x[i], x[i + d/2]) = (x[i] c - x[i + d/2] s, x[i + d/2] c + x[i] s) with
-// c, s = cos_sin_cache[position][i], cos_sin_cache[position][d/2 + i].
+// Rotary position embedding in place: for i < d/2 the pair (x[j], x[k]) becomes
+// (x[j] c - x[k] s, x[k] c + x[j] s) with c, s = cos_sin_cache[position][i],
+// cos_sin_cache[position][d/2 + i], where (j, k) = (i, i + d/2) in the rotate-half
+// ("neox") form of Llama and Qwen in transformers, (2i, 2i + 1) in the interleaved
+// ("gpt-j") form.
 //   positions: int32 or int64 [num_tokens];  query: [num_tokens, heads, d];
 //   key: [num_tokens, kv_heads, d];  cos_sin_cache: float32 [max_positions, d]
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
-                      const TensorView& cos_sin_cache, void* stream = nullptr);
+                      const TensorView& cos_sin_cache, bool is_neox = true, void* stream = nullptr);
 
 // out = silu(x[:, :n]) * x[:, n:], with x [num_tokens, 2n] and out [num_tokens, n].
 void silu_and_mul(const TensorView& out, const TensorView& x, void* stream = nullptr);
