@@ -93,6 +93,11 @@ def filter_logits(
     by_p = top_p < 1.0
     if not bool(by_k.any() or by_p.any()):
         return logits
+    if not bool(by_p.any()):  # top-k alone: the k largest, not a whole sort
+        largest = logits.topk(int(top_k[by_k].max()), dim=-1).values
+        k = torch.where(by_k, top_k, 1)
+        kth = torch.where(by_k, largest.gather(1, (k - 1)[:, None])[:, 0], float("-inf"))
+        return logits.masked_fill(logits < kth[:, None], float("-inf"))
     ordered, order = logits.sort(dim=-1, descending=True)
     if bool(by_k.any()):  # below the k-th value (ties with it stay)
         k = torch.where(by_k, top_k, vocab).clamp(1, vocab)

@@ -99,6 +99,15 @@ def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
     for row, order, (_, want) in zip(filtered, orders, cases, strict=True):
         kept = order[torch.isfinite(row)].sort().values.tolist()
         assert kept == want
+    # A batch without top-p takes another path (the k largest, no sort): the same tokens.
+    no_p = [i for i, ((_, p, _), _) in enumerate(cases) if p == 1.0]
+    alone = filter_logits(
+        logits[no_p],
+        torch.tensor([cases[i][0][0] for i in no_p]),
+        torch.ones(len(no_p)),
+        torch.tensor([cases[i][0][2] for i in no_p]),
+    )
+    assert torch.equal(alone, filtered[no_p])
 
 
 def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
