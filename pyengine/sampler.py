@@ -1,7 +1,7 @@
 """The sampler: penalties, temperature, top-k / top-p / min-p and seeded sampling, over
 the logits rows of one step, and the logprobs of what it chose. Every step is one batch
 of tensor ops on the logits' device (a GPU's logits never leave it but as token ids);
-only a seeded row draws its noise alone, from its own generator."""
+only a seeded row draws its uniform number alone, from its own generator."""
 
 from __future__ import annotations
 
@@ -90,26 +90,39 @@ def filter_logits(
         floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
     by_k = (top_k > 0) & (top_k < vocab)
-    by_p = top_p < 1.0
-    if not bool(by_k.any() or by_p.any()):
-        return logits
-    if not bool(by_p.any()):  # top-k alone: the k largest, not a whole sort
+    if bool(by_k.any()):  # below the k-th largest (ties with it stay)
         largest = logits.topk(int(top_k[by_k].max()), dim=-1).values
         k = torch.where(by_k, top_k, 1)
         kth = torch.where(by_k, largest.gather(1, (k - 1)[:, None])[:, 0], float("-inf"))
-        return logits.masked_fill(logits < kth[:, None], float("-inf"))
-    ordered, order = logits.sort(dim=-1, descending=True)
-    if bool(by_k.any()):  # below the k-th value (ties with it stay)
-        k = torch.where(by_k, top_k, vocab).clamp(1, vocab)
-        kth = ordered.gather(1, (k - 1)[:, None])
-        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    if bool(by_p.any()):  # once the mass before a token is past top_p
-        probs = torch.softmax(ordered, dim=-1)
-        threshold = torch.where(by_p, top_p, float("inf"))
-        outside = probs.cumsum(dim=-1) - probs > threshold[:, None]
-        outside[:, 0] = False
-        ordered = ordered.masked_fill(outside, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, order, ordered)
+        logits = logits.masked_fill(logits < kth[:, None], float("-inf"))
+    by_p = top_p < 1.0
+    return _top_p(logits, top_p, by_p) if bool(by_p.any()) else logits
+
+
+# Tokens a top-p row looks at first, the most likely; all of them (a sort) only where the
+# nucleus reaches past these.
+_NUCLEUS_CANDIDATES = 1024
+
+
+def _top_p(logits: torch.Tensor, top_p: torch.Tensor, by_p: torch.Tensor) -> torch.Tensor:
+    """The rows of by_p with their tokens at -inf once the probability mass before them
+    (most likely first) is past top_p; the other rows as they are."""
+    vocab = logits.shape[-1]
+    threshold = torch.where(by_p, top_p, float("inf"))[:, None]
+    values, order = logits.topk(min(vocab, _NUCLEUS_CANDIDATES), dim=-1)
+    probs = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    before = probs.cumsum(dim=-1) - probs
+    past = (before[:, -1:] + probs[:, -1:] > threshold)[:, 0]  # the rest is outside
+    if values.shape[-1] < vocab and not bool((past | ~by_p).all()):
+        values, order = logits.sort(dim=-1, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+    outside = before > threshold
+    outside[:, 0] = False
+    nucleus = torch.full_like(logits, float("-inf")).scatter_(
+        1, order, values.masked_fill(outside, float("-inf"))
+    )
+    return torch.where(by_p[:, None], nucleus, logits)
 
 
 class Sampler:
@@ -163,16 +176,19 @@ class Sampler:
             column([r.params.min_p for r in rows], torch.float32),
         )
         probs = torch.softmax(filtered, dim=-1)
-        # Exponential race: argmax p_i / E_i with E_i ~ Exp(1) draws i with probability p_i.
-        noise = torch.ones_like(probs)  # greedy rows draw nothing
+        # Inverse CDF: the first token whose cumulative probability passes u ~ U[0, 1).
+        u = torch.zeros(len(rows), 1, device=device)  # greedy rows draw nothing
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
-            draws = torch.empty(len(shared), vocab, device=device)
-            noise[shared] = draws.exponential_(generator=self.generator)
+            u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=device)
         for i, row in enumerate(rows):
             if row.generator is not None and not greedy[i]:
-                noise[i].exponential_(generator=row.generator)
-        sampled = (probs / noise).argmax(dim=-1)
+                u[i] = torch.rand(1, generator=row.generator, device=device)
+        cdf = probs.cumsum(dim=-1)
+        drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
+        # u * total rounded up to the total would land past the last token kept.
+        sampled = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
+        sampled = sampled[:, 0]
         return torch.where(column(greedy, torch.bool), logits.argmax(dim=-1), sampled)
 
 

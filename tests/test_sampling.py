@@ -258,3 +258,41 @@ def test_sampled_frequencies_follow_the_filtered_distribution() -> None:
     counts = torch.bincount(torch.tensor(drawn), minlength=5).double() / 10_000
     assert counts[3:].sum() == 0
     assert torch.allclose(counts[:3], probs[:3].double() / 0.9, atol=0.02)
+
+
+def reference_filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """One row by the definitions: min-p, then top-k, then top-p on what is left."""
+    x = logits.clone()
+    if min_p > 0:
+        probs = torch.softmax(x, -1)
+        x[probs < min_p * probs.max()] = float("-inf")
+    if 0 < top_k < x.numel():
+        x[x < x.sort(descending=True).values[top_k - 1]] = float("-inf")
+    if top_p < 1.0:
+        ordered, order = x.sort(descending=True)
+        probs = torch.softmax(ordered, -1)
+        outside = probs.cumsum(-1) - probs > top_p
+        outside[0] = False
+        x[order[outside]] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("scale", [8.0, 0.05], ids=["peaked", "flat"])
+def test_filter_logits_matches_the_definitions(scale: float) -> None:
+    """Peaked rows keep their nucleus among the most likely 1024 tokens; flat rows reach
+    past them (the whole-sort path). Mixed with top-k-only and unfiltered rows."""
+    vocab = 5000
+    # Fixed logits: a cumulative mass a rounding away from top_p could go either way.
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(11)) * scale
+    settings = [(0, 0.9, 0.0), (0, 0.5, 0.0), (50, 0.8, 0.0), (20, 1.0, 0.0), (0, 1.0, 0.0),
+                (0, 0.95, 0.01)]  # fmt: skip
+    filtered = filter_logits(
+        logits,
+        torch.tensor([k for k, _, _ in settings]),
+        torch.tensor([p for _, p, _ in settings]),
+        torch.tensor([m for _, _, m in settings]),
+    )
+    for row, x, (k, p, m) in zip(filtered, logits, settings, strict=True):
+        want = reference_filter(x, k, p, m)
+        assert torch.equal(torch.isfinite(row), torch.isfinite(want))
+        assert torch.equal(row[torch.isfinite(row)], x[torch.isfinite(row)])
