@@ -52,16 +52,13 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     over output tokens."""
     vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
 
-    def column(values: Sequence[float], of: torch.dtype) -> torch.Tensor:
-        return _column(values, of, device)
-
     repeated = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
     if repeated:
         seen = [sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids))
                 for i in repeated]  # fmt: skip
         j, t = _token_index(seen, vocab, device)
-        penalty = column([rows[i].params.repetition_penalty for i in repeated], dtype)[j]
-        r = column(repeated, torch.long)[j]
+        penalty = _column([rows[i].params.repetition_penalty for i in repeated], dtype, device)[j]
+        r = _column(repeated, torch.long, device)[j]
         values = logits[r, t]
         logits[r, t] = torch.where(values > 0, values / penalty, values * penalty)
     counted = [
@@ -73,9 +70,9 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         j, t = _token_index([rows[i].output_token_ids for i in counted], vocab, device)
         counts = torch.zeros(len(counted), vocab, device=device, dtype=dtype)
         counts.index_put_((j, t), torch.ones_like(j, dtype=dtype), accumulate=True)
-        frequency = column([rows[i].params.frequency_penalty for i in counted], dtype)
-        presence = column([rows[i].params.presence_penalty for i in counted], dtype)
-        index = column(counted, torch.long)
+        frequency = _column([rows[i].params.frequency_penalty for i in counted], dtype, device)
+        presence = _column([rows[i].params.presence_penalty for i in counted], dtype, device)
+        index = _column(counted, torch.long, device)
         logits[index] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(dtype)
 
 
@@ -164,16 +161,13 @@ class Sampler:
         if all(greedy):
             return logits.argmax(dim=-1)
 
-        def column(values: Sequence[float], dtype: torch.dtype) -> torch.Tensor:
-            return _column(values, dtype, device)
-
-        temperature = column([1.0 if r.params.greedy else r.params.temperature for r in rows],
-                             torch.float32)  # fmt: skip
+        temperature = _column([1.0 if r.params.greedy else r.params.temperature for r in rows],
+                             torch.float32, device)  # fmt: skip
         filtered = filter_logits(
             logits / temperature[:, None],
-            column([r.params.top_k for r in rows], torch.long),
-            column([r.params.top_p for r in rows], torch.float32),
-            column([r.params.min_p for r in rows], torch.float32),
+            _column([r.params.top_k for r in rows], torch.long, device),
+            _column([r.params.top_p for r in rows], torch.float32, device),
+            _column([r.params.min_p for r in rows], torch.float32, device),
         )
         probs = torch.softmax(filtered, dim=-1)
         # Inverse CDF: the first token whose cumulative probability passes u ~ U[0, 1).
@@ -189,7 +183,7 @@ class Sampler:
         # u * total rounded up to the total would land past the last token kept.
         sampled = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
         sampled = sampled[:, 0]
-        return torch.where(column(greedy, torch.bool), logits.argmax(dim=-1), sampled)
+        return torch.where(_column(greedy, torch.bool, device), logits.argmax(dim=-1), sampled)
 
 
 def plain_greedy(params: SamplingParams) -> bool:
