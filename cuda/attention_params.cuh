@@ -63,11 +63,10 @@ __device__ inline KeyRange partition_keys(int64_t first, int64_t end, int part, 
   return {begin, part + 1 < num_parts ? (end < begin + keys ? end : begin + keys) : end};
 }
 
-// The block id of a block-table entry, with ids outside the cache read as block 0 (see
+// A block-table entry as a block id, ids outside the cache read as block 0 (see
 // paged_attention.h): never out of bounds, whatever the table holds past a request's end.
-__device__ inline int64_t cache_block(const AttentionParams& p, const int32_t* table, int64_t key) {
-  const int64_t block = table[key / p.block_size];
-  return block < 0 || block >= p.num_blocks ? 0 : block;
+__device__ inline int32_t cache_block(const AttentionParams& p, int32_t entry) {
+  return entry < 0 || entry >= p.num_blocks ? 0 : entry;
 }
 
 }  // namespace pyengine::cuda

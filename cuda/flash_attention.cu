@@ -148,8 +148,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
   const auto block_id = [&](int chunk) {
     const int key = chunk + (static_cast<int>(threadIdx.x) << block_shift);
     if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return 0;
-    const int32_t block = table[key >> block_shift];
-    return block < 0 || block >= p.num_blocks ? 0 : block;  // see paged_attention.h
+    return cache_block(p, table[key >> block_shift]);
   };
   // A chunk's copies into `buffer`, whose block ids are in chunk_blocks[buffer]: K, 8 keys
   // of one dim each (the thread's keys are always the same), and V, 8 dims of one key

@@ -62,7 +62,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
   const int64_t tile = static_cast<int64_t>(bs) * d;
   const auto tile_base = [&](int64_t key) {  // the key's (block, kv head) tile
-    return (cache_block(p, table, key) * p.num_kv_heads + kv_head) * tile;
+    const int64_t block = cache_block(p, table[key / bs]);
+    return (block * p.num_kv_heads + kv_head) * tile;
   };
 
   float running_max = -INFINITY, running_sum = 0.0f;
