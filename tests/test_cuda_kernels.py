@@ -8,7 +8,13 @@ import numpy as np
 import pytest
 import torch
 from test_attention import fill_caches, make_case, reference, to_dtype, to_float64
-from test_layer_ops import DTYPES, TOLERANCE, rel_error, rotary_reference
+from test_layer_ops import (
+    DTYPES,
+    TOLERANCE,
+    rel_error,
+    rms_norm_reference,
+    rotary_reference,
+)
 
 from pyengine import built_with_cuda, ops
 
@@ -33,9 +39,7 @@ def test_rms_norm(dtype: torch.dtype, hidden: int) -> None:
     weight = (torch.rand(hidden, device=CUDA) + 0.5).to(dtype)
     out = poisoned_like(x)
     ops.rms_norm(out, x, weight, 1e-6)
-    xd = x.double()
-    want = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
-    assert rel_error(out, want) < TOLERANCE[dtype]
+    assert rel_error(out, rms_norm_reference(x, weight, 1e-6)) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -43,7 +47,7 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     x, residual = torch.randn(2, 300, 2048, device=CUDA).to(dtype)
     weight = (torch.rand(2048, device=CUDA) + 0.5).to(dtype)
     stream = residual.double() + x.double()
-    want = stream * torch.rsqrt(stream.pow(2).mean(-1, keepdim=True) + 1e-5) * weight.double()
+    want = rms_norm_reference(stream, weight, 1e-5)
     ops.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert rel_error(residual, stream) < TOLERANCE[dtype]
     assert rel_error(x, want) < TOLERANCE[dtype]
