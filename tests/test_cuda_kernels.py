@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_attention import fill_caches, make_case, reference, to_dtype, to_float64
+from test_attention import check_output, fill_caches, make_case, to_dtype
 from test_layer_ops import (
     DTYPES,
     TOLERANCE,
@@ -183,13 +183,8 @@ def run_attention_case(
         0,
         max_query_len,
     )
-    keys = [to_float64(to_dtype(k, dtype)) for k in case.keys]
-    values = [to_float64(to_dtype(v, dtype)) for v in case.values]
-    want = reference(case, to_float64(query), keys, values, scale, window, soft_cap)
     got = out.double().cpu().numpy()
-    assert not np.isnan(got).any(), "an output element was not written"
-    error = np.abs(got - want).max() / np.abs(want).max()
-    assert error < TOLERANCE[getattr(torch, dtype)], f"relative error {error:.2e}"
+    check_output(case, got, dtype, scale, window, soft_cap, TOLERANCE[getattr(torch, dtype)])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
