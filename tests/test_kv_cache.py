@@ -171,9 +171,10 @@ def test_eviction_is_least_recently_freed_first() -> None:
     start(kv, "b", [5, 6, 7])  # blocks 2, 3
     kv.free("a")
     kv.free("b")
-    # Freed tail blocks first: 1 (a's partial), 0, 3, 2; block 0 and 2 stay cached.
-    assert kv.pool.free_blocks_in_order() == [1, 3, 0, 2]
-    start(kv, "c", [9, 9, 9, 9, 9])  # needs 3 blocks: 1, 3, then evicts 0
+    # Freed tail blocks first: 1 (a's partial), 0, 3, 2; block 0 and 2 stay cached. The
+    # uncached ones are taken most recently freed first: 3, then 1.
+    assert kv.pool.free_blocks_in_order() == [3, 1, 0, 2]
+    start(kv, "c", [9, 9, 9, 9, 9])  # needs 3 blocks: 3, 1, then evicts 0
     assert kv.stats().num_evictions == 1
     kv.free("c")
     assert start(kv, "d", [5, 6, 7]) == 2  # b's first block survived

@@ -46,6 +46,21 @@ void BlockPool::push_back(FreeList which, BlockId block) {
   ++list.size;
 }
 
+void BlockPool::push_front(FreeList which, BlockId block) {
+  List& list = list_of(which);
+  Meta& m = blocks_[static_cast<size_t>(block)];
+  m.list = which;
+  m.prev = kNoBlock;
+  m.next = list.head;
+  if (list.head != kNoBlock) {
+    blocks_[static_cast<size_t>(list.head)].prev = block;
+  } else {
+    list.tail = block;
+  }
+  list.head = block;
+  ++list.size;
+}
+
 void BlockPool::unlink(BlockId block) {
   Meta& m = blocks_[static_cast<size_t>(block)];
   List& list = list_of(m.list);
@@ -118,7 +133,11 @@ void BlockPool::release(BlockId block) {
   if (--m.ref_count > 0) return;
   --num_in_use_;
   num_filled_in_use_ -= m.num_filled;
-  push_back(m.is_cached ? FreeList::kCached : FreeList::kUncached, block);
+  if (m.is_cached) {
+    push_back(FreeList::kCached, block);
+  } else {
+    push_front(FreeList::kUncached, block);
+  }
 }
 
 std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const { return index_.find(key); }
@@ -171,10 +190,11 @@ void BlockPool::uncache(BlockId block) {
 
 bool BlockPool::reset_prefix_cache() {
   if (num_in_use_ > 0) return false;
-  while (cached_free_.size > 0) {
-    const BlockId block = pop_front(FreeList::kCached);
+  while (cached_free_.size > 0) {  // from the tail: the head of the list ends first
+    const BlockId block = cached_free_.tail;
+    unlink(block);
     drop_cache_entry(block);
-    push_back(FreeList::kUncached, block);
+    push_front(FreeList::kUncached, block);
   }
   return true;
 }

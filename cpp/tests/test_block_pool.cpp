@@ -54,6 +54,34 @@ TEST(uncached_blocks_go_first_then_cached_in_lru_order) {
   CHECK(pool.lookup({1, 1}).has_value());
 }
 
+TEST(uncached_blocks_are_reused_most_recently_freed_first) {
+  BlockPool pool(6, 4);
+  std::vector<BlockId> b;
+  for (int i = 0; i < 4; ++i) b.push_back(pool.allocate());
+  CHECK((b == std::vector<BlockId>{0, 1, 2, 3}));  // a fresh pool: in id order
+  pool.release(b[1]);
+  pool.release(b[3]);
+  CHECK((pool.free_blocks_in_order() == std::vector<BlockId>{b[3], b[1], 4, 5}));
+  CHECK_EQ(pool.allocate(), b[3]);
+  CHECK_EQ(pool.allocate(), b[1]);
+  CHECK_EQ(pool.allocate(), 4);
+}
+
+TEST(reset_prefix_cache_puts_the_dropped_blocks_first_in_eviction_order) {
+  BlockPool pool(4, 4);
+  std::vector<BlockId> b;
+  for (int i = 0; i < 3; ++i) b.push_back(pool.allocate());
+  CHECK(pool.cache(b[0], {1, 1}, block_of(0), {}, {}));
+  CHECK(pool.cache(b[1], {2, 2}, block_of(4), pool.link(b[0]), {}));
+  pool.release(b[1]);
+  pool.release(b[0]);
+  pool.release(b[2]);  // uncached
+  CHECK((pool.free_blocks_in_order() == std::vector<BlockId>{b[2], 3, b[1], b[0]}));
+  CHECK(pool.reset_prefix_cache());
+  CHECK_EQ(pool.num_cached_blocks(), 0);
+  CHECK((pool.free_blocks_in_order() == std::vector<BlockId>{b[1], b[0], b[2], 3}));
+}
+
 TEST(a_prefix_hit_takes_a_block_out_of_the_middle_of_the_free_queue) {
   BlockPool pool(3, 4);
   std::vector<BlockId> b;

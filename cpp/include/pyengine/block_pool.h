@@ -6,8 +6,9 @@
 //   - the uncached free list: ref_count == 0, holds no reusable KV;
 //   - the cached free list: ref_count == 0, still indexed by its BlockKey so that a
 //     later request with the same prefix can reuse it.
-// Allocation takes never-cached blocks first, then evicts cached free blocks least
-// recently freed first. Both free lists are intrusive doubly linked lists over block
+// Allocation takes uncached blocks first, most recently freed first (their memory is
+// committed and likely still in cache; a fresh pool hands out blocks in id order), then
+// evicts cached free blocks least recently freed first. Both free lists are intrusive doubly linked lists over block
 // ids, because a prefix hit must take a block out of the middle of the cached list in
 // O(1); no operation here scans the pool.
 //
@@ -55,7 +56,8 @@ class BlockPool {
   BlockId allocate();
   // Adds a holder to a block; a cached free block leaves the free list (a prefix hit).
   void retain(BlockId block);
-  // Drops a holder; at zero the block joins the tail of its free list.
+  // Drops a holder; at zero the block joins its free list: the head of the uncached one
+  // (taken next), the tail of the cached one (evicted last).
   void release(BlockId block);
 
   // The cached block indexed under `key`, if any. Does not verify it.
@@ -72,7 +74,8 @@ class BlockPool {
   // Drops the cache entry of in-use `block` (its KV will not be computed after all).
   // Throws InvalidState unless it is cached and in use.
   void uncache(BlockId block);
-  // Drops every cache entry. Returns false, changing nothing, while any block is in use.
+  // Drops every cache entry (the dropped blocks are taken next, in the order they would
+  // have been evicted). Returns false, changing nothing, while any block is in use.
   bool reset_prefix_cache();
 
   // How many tokens' KV `block` holds (for the internal-waste statistic).
@@ -86,7 +89,8 @@ class BlockPool {
   BlockKey key(BlockId block) const { return meta(block).key; }
   BlockLink link(BlockId block) const { return {block, meta(block).generation}; }
   std::span<const TokenId> stored_tokens(BlockId block) const;
-  // Free blocks in allocation order: uncached first, then cached least recently freed.
+  // Free blocks in allocation order: uncached most recently freed first, then cached
+  // least recently freed first.
   std::vector<BlockId> free_blocks_in_order() const;
 
  private:
@@ -119,6 +123,7 @@ class BlockPool {
     return which == FreeList::kCached ? cached_free_ : uncached_free_;
   }
   void push_back(FreeList which, BlockId block);
+  void push_front(FreeList which, BlockId block);
   void unlink(BlockId block);
   BlockId pop_front(FreeList which);
   void drop_cache_entry(BlockId block);
