@@ -8,9 +8,9 @@
 //     later request with the same prefix can reuse it.
 // Allocation takes uncached blocks first, most recently freed first (their memory is
 // committed and likely still in cache; a fresh pool hands out blocks in id order), then
-// evicts cached free blocks least recently freed first. Both free lists are intrusive doubly linked lists over block
-// ids, because a prefix hit must take a block out of the middle of the cached list in
-// O(1); no operation here scans the pool.
+// evicts cached free blocks least recently freed first. Both free lists are intrusive
+// doubly linked lists over block ids, because a prefix hit must take a block out of the
+// middle of the cached list in O(1); no operation here scans the pool.
 //
 // A cached block records how to verify a hit without trusting the hash: its token
 // ids, its parent (block id and generation; a block's generation changes whenever it
