@@ -10,6 +10,7 @@ around every round, and the best kept.
 
     python bench/throughput.py [--num-prompts 32] [--min-len 64] [--max-len 512]
                                [--output-len 128] [--hf-batch 32] [--seed 0] [--rounds 2] [--no-hf]
+                               [--kv-cache-dtype auto|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -107,12 +108,20 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="best of this many, each engine")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", help="auto (float32) or a 16-bit cache (not HF's)"
+    )
     args = parser.parse_args()
 
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
     start = time.perf_counter()
-    llm = LLM(args.model, max_model_len=args.max_len + args.output_len + 16, seed=args.seed)
+    llm = LLM(
+        args.model,
+        max_model_len=args.max_len + args.output_len + 16,
+        seed=args.seed,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
     load_seconds = time.perf_counter() - start
     vocab = llm.engine.model_config.vocab_size
     prompts = [rng.integers(100, vocab - 100, n).tolist() for n in lengths]
@@ -180,7 +189,8 @@ def main() -> None:
     print(
         f"# Offline throughput: {args.model}, {args.num_prompts} prompts of {args.min_len}-"
         f"{args.max_len} tokens ({prompt_tokens} in all), {args.output_len} output tokens each, "
-        f"float32, {torch.get_num_threads()} threads, best of {args.rounds} rounds"
+        f"float32, KV cache {llm.engine.runner.cache_dtype}, {torch.get_num_threads()} threads, "
+        f"best of {args.rounds} rounds"
     )
     print(
         f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s = {ceiling_tokens:.0f} tokens/s at "

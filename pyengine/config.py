@@ -169,9 +169,14 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     seed: int = 0
     device: str = "cpu"  # "cpu" or "cuda[:N]"
-    dtype: str = "float32"  # of the weights, activations and KV cache
+    dtype: str = "float32"  # of the weights and activations
+    kv_cache_dtype: str | None = None  # None: dtype; else float16/bfloat16 under float32 (CPU)
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device's memory to use
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
+
+    @property
+    def cache_dtype(self) -> str:
+        return self.kv_cache_dtype or self.dtype
 
     def __post_init__(self) -> None:
         checks = {
@@ -181,6 +186,12 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
+            "kv_cache_dtype": self.kv_cache_dtype in (None, self.dtype)
+            or (
+                self.dtype == "float32"
+                and self.device == "cpu"
+                and self.kv_cache_dtype in ("bfloat16", "float16")
+            ),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
         }
         for name, ok in checks.items():

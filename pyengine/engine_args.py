@@ -17,6 +17,9 @@ class EngineArgs:
     model: str = DEFAULT_MODEL
     tokenizer: str | None = None
     dtype: str = "auto"
+    # of the KV cache: "auto" (the model's dtype), or on the CPU, under float32 weights,
+    # "bfloat16"/"float16": half the memory and half the bytes decode attention reads
+    kv_cache_dtype: str = "auto"
     max_model_len: int | None = None  # None: the model's positions
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes of CPU KV cache; None: the default
@@ -35,6 +38,7 @@ class EngineArgs:
     def create_engine(self) -> LLMEngine:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
+        kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         loaded = load_model(self.model, self.tokenizer, self.load_format)
@@ -63,6 +67,7 @@ class EngineArgs:
             seed=self.seed,
             device=device,
             dtype=dtype,
+            kv_cache_dtype=kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
         )
@@ -88,13 +93,34 @@ def resolve_device(device: str) -> str:
     raise ValueError(f"device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
+_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
+                "float16": "float16", "half": "float16"}  # fmt: skip
+
+
 def resolve_dtype(dtype: str, device: str) -> str:
     """ "auto" -> float32 on the CPU, bfloat16 on CUDA; otherwise float32, bfloat16 or
     float16 (also "float", "half")."""
     if dtype == "auto":
         return "float32" if device == "cpu" else "bfloat16"
-    names = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-             "float16": "float16", "half": "float16"}  # fmt: skip
-    if dtype not in names:
+    if dtype not in _DTYPE_NAMES:
         raise ValueError(f"dtype {dtype!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'")
-    return names[dtype]
+    return _DTYPE_NAMES[dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """ "auto" -> the model's dtype. A 16-bit cache under float32 weights only on the CPU
+    (the kernels read it as float32); otherwise the model's dtype itself."""
+    if kv_cache_dtype == "auto":
+        return dtype
+    if kv_cache_dtype not in _DTYPE_NAMES:
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16' or "
+            "'float16'"
+        )
+    resolved = _DTYPE_NAMES[kv_cache_dtype]
+    if resolved != dtype and not (device == "cpu" and dtype == "float32"):
+        raise ValueError(
+            f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "
+            "dtype other than the model's needs float32 weights on the CPU"
+        )
+    return resolved

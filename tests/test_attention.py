@@ -126,9 +126,16 @@ def reference(
 
 
 def run_case(
-    case: Case, block_size: int, dtype: str, window: int = 0, soft_cap: float = 0.0
+    case: Case,
+    block_size: int,
+    dtype: str,
+    window: int = 0,
+    soft_cap: float = 0.0,
+    cache_dtype: str | None = None,
 ) -> None:
-    key_cache, value_cache = fill_caches(case, block_size, dtype)
+    """query and out in `dtype`, the caches in `cache_dtype` (default: the same)."""
+    cache_dtype = cache_dtype or dtype
+    key_cache, value_cache = fill_caches(case, block_size, cache_dtype)
     query = to_dtype(case.query, dtype)
     out = to_dtype(np.full(case.query.shape, np.nan), dtype)
     scale = 1.0 / math.sqrt(case.query.shape[2])
@@ -144,7 +151,8 @@ def run_case(
         window,
         soft_cap,
     )
-    check_output(case, to_float64(out), dtype, scale, window, soft_cap, TOLERANCE[dtype])
+    tolerance = TOLERANCE[dtype]
+    check_output(case, to_float64(out), dtype, scale, window, soft_cap, tolerance, cache_dtype)
 
 
 def check_output(
@@ -155,13 +163,15 @@ def check_output(
     window: int,
     soft_cap: float,
     tolerance: float,
+    cache_dtype: str | None = None,
 ) -> None:
     """Every element of `got` (float64) written and within `tolerance` of the reference,
     relative to its largest value."""
-    # The reference sees the inputs as the cache dtype rounded them.
+    # The reference sees the inputs as their dtypes rounded them.
+    cache_dtype = cache_dtype or dtype
     query = to_float64(to_dtype(case.query, dtype))
-    keys = [to_float64(to_dtype(k, dtype)) for k in case.keys]
-    values = [to_float64(to_dtype(v, dtype)) for v in case.values]
+    keys = [to_float64(to_dtype(k, cache_dtype)) for k in case.keys]
+    values = [to_float64(to_dtype(v, cache_dtype)) for v in case.values]
     expected = reference(case, query, keys, values, scale, window, soft_cap)
     assert not np.isnan(got).any(), "an output element was not written"
     error = np.abs(got - expected).max() / np.abs(expected).max()
@@ -192,6 +202,23 @@ def test_matches_the_reference(
     rng = np.random.default_rng()
     case = make_case(rng, seq_lens, q_lens, num_q_heads, num_kv_heads, 64, 16)
     run_case(case, 16, dtype)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [([1, 17, 40, 300], [1, 1, 1, 1]), ([5, 33, 64], [5, 33, 64]), ([50, 120, 9], [7, 30, 9])],
+    ids=["decode", "prefill", "chunked"],
+)
+def test_float32_queries_over_a_16_bit_cache(
+    isa: str, cache_dtype: str, seq_lens: list[int], q_lens: list[int]
+) -> None:
+    """kv_cache_dtype on the CPU: float32 queries and output over a float16/bfloat16
+    cache, exact to float32 arithmetic on the cache's rounded K/V."""
+    rng = np.random.default_rng()
+    case = make_case(rng, seq_lens, q_lens, 8, 2, 64, 16)
+    run_case(case, 16, "float32", cache_dtype=cache_dtype)
+    run_case(case, 16, "float32", window=20, soft_cap=5.0, cache_dtype=cache_dtype)
 
 
 @pytest.mark.parametrize("head_size", HEAD_SIZES)
@@ -291,6 +318,46 @@ def test_reshape_and_cache_runs_of_consecutive_slots(dtype: type) -> None:
     value_cache = np.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype)
     reshape_and_cache(key, value, key_cache, value_cache, slots)
     assert_cached(key, value, slots, key_cache, value_cache)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float16", "bfloat16"])
+def test_reshape_and_cache_rounds_float32_into_a_16_bit_cache(cache_dtype: str) -> None:
+    """Each element as torch rounds float32 to the cache dtype (to nearest, ties to
+    even), for runs of slots and scattered ones, from strided views."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    num_blocks, num_kv_heads, block_size, head_size = 6, 2, 4, 32
+    qkv = rng.standard_normal((12, 3 * num_kv_heads, head_size)).astype(np.float32)
+    qkv[0, 2, :4] = [65504.0, 1e-7, -3e-5, 2.0**-14 * 1.5]  # float16's edges
+    key, value = qkv[:, 2:4], qkv[:, 4:6]
+    slots = np.concatenate([np.arange(8, 15), rng.permutation(8)[:4], [-1]]).astype(np.int64)
+    dtype = getattr(torch, cache_dtype)
+    key_cache = torch.zeros((num_blocks, num_kv_heads, head_size, block_size), dtype=dtype)
+    value_cache = torch.zeros((num_blocks, num_kv_heads, block_size, head_size), dtype=dtype)
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    rounded_key = torch.from_numpy(np.ascontiguousarray(key)).to(dtype).float().numpy()
+    rounded_value = torch.from_numpy(np.ascontiguousarray(value)).to(dtype).float().numpy()
+    assert_cached(
+        rounded_key, rounded_value, slots, key_cache.float().numpy(), value_cache.float().numpy()
+    )
+
+
+def test_only_float32_queries_may_read_a_cache_of_another_dtype() -> None:
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng()
+    case = make_case(rng, [20], [1], 4, 2, 64, 16)
+    args = (case.block_tables, case.seq_lens, case.query_start_loc, 0.1)
+    f32_caches = fill_caches(case, 16, "float32")
+    query = torch.from_numpy(case.query).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="query must be float32"):
+        paged_attention(torch.zeros_like(query), query, *f32_caches, *args)
+    bf16_caches = fill_caches(case, 16, "bfloat16")
+    query16 = case.query.astype(np.float16)
+    with pytest.raises(ValueError, match="query must be bfloat16"):
+        paged_attention(np.zeros_like(query16), query16, *bf16_caches, *args)
+    kv = query16[:, :2]
+    with pytest.raises(ValueError, match="key must be bfloat16"):
+        reshape_and_cache(kv, kv, *bf16_caches, np.zeros(1, np.int64))
 
 
 def test_isa_names_are_checked() -> None:

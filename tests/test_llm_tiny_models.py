@@ -95,6 +95,24 @@ def test_greedy_tokens_match_transformers(checkpoint) -> None:  # type: ignore[n
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_under_float32_weights(checkpoint, kv_cache_dtype: str) -> None:  # type: ignore[no-untyped-def]
+    """kv_cache_dtype on the CPU: twice the blocks in the same memory, and logits within
+    the cache dtype's rounding of float32 transformers'."""
+    folder, model = checkpoint
+    memory = 64 * 2**20
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype)
+    full = LLM(str(folder), max_model_len=256, kv_cache_memory=memory)
+    assert llm.engine.runner.caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert llm.engine.runner.num_blocks == 2 * full.engine.runner.num_blocks
+    tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
+    ours = prefill_logits(llm, tokens)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
+    assert 0 < error < {"bfloat16": 0.02, "float16": 0.003}[kv_cache_dtype]
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str) -> None:  # type: ignore[no-untyped-def]
     """The path a GPU takes (torch's matmul, 16-bit weights, activations and KV cache),

@@ -55,14 +55,16 @@ struct SplitTile {
   int32_t first_partial, count;
 };
 
+// query_dtype (of query and out) equals cache_dtype, or is float32 over a float16 or
+// bfloat16 cache.
 using AttentionKernel = void (*)(const Problem&, std::span<const WorkItem>,
-                                 std::span<const SplitTile>, DType);
+                                 std::span<const SplitTile>, DType query_dtype, DType cache_dtype);
 
 // One build of the kernel per instruction set; each exists only where it was compiled.
-#define PYENGINE_DECLARE_KERNEL(ns)                                     \
-  namespace ns {                                                        \
-  void run_attention(const Problem& p, std::span<const WorkItem> items, \
-                     std::span<const SplitTile> splits, DType dtype);   \
+#define PYENGINE_DECLARE_KERNEL(ns)                                                            \
+  namespace ns {                                                                               \
+  void run_attention(const Problem& p, std::span<const WorkItem> items,                        \
+                     std::span<const SplitTile> splits, DType query_dtype, DType cache_dtype); \
   }
 PYENGINE_DECLARE_KERNEL(generic)
 PYENGINE_DECLARE_KERNEL(avx2)

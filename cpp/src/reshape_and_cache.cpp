@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "attention_checks.h"
+#include "float_convert.h"
 #include "pyengine/attention.h"
 #ifdef PYENGINE_WITH_CUDA
 #include "layer_kernels.h"
@@ -20,10 +21,13 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
       detail::check_caches(key_cache, value_cache, op, &device);
+  // On the CPU, float32 K/V may go into a float16/bfloat16 cache (kv_cache_dtype).
+  const bool converts = device.kind == DeviceKind::kCPU && key.dtype == DType::kFloat32 &&
+                        key_cache.dtype != DType::kFloat32;
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
-    detail::check_dtype(*t, key_cache.dtype, op, name);
+    detail::check_dtype(*t, converts ? DType::kFloat32 : key_cache.dtype, op, name);
     if (t->shape[1] != num_kv_heads || t->shape[2] != head_size || t->strides[2] != 1) {
       throw InvalidArgument(arg(op, name) + " must be [num_tokens, " +
                             std::to_string(num_kv_heads) + ", " + std::to_string(head_size) +
@@ -60,6 +64,16 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 
   const auto element = static_cast<int64_t>(key_cache.element_size());
   const auto row_bytes = static_cast<size_t>(head_size * element);
+  const bool to_bfloat16 = key_cache.dtype == DType::kBFloat16;
+  // One float32 element of `in` into element `index` of the 16-bit cache `out`.
+  const auto convert = [to_bfloat16](const char* in, int64_t in_index, char* out, int64_t index) {
+    const float x = detail::load<DType::kFloat32>(in, in_index);
+    if (to_bfloat16) {
+      detail::store<DType::kBFloat16>(out, index, x);
+    } else {
+      detail::store<DType::kFloat16>(out, index, x);
+    }
+  };
   const int64_t head_stride = block_size * head_size;  // elements, within a block
   const int64_t block_stride = num_kv_heads * head_stride;
   auto* key_out = static_cast<char*>(key_cache.data);
@@ -102,6 +116,17 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     const int64_t offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t tile = block * block_stride + h * head_stride;  // elements
+      if (converts) {
+        for (int64_t j = 0; j < length; ++j) {
+          const int64_t k_row = (first + j) * key.strides[0] + h * key.strides[1];
+          const int64_t v_row = (first + j) * value.strides[0] + h * value.strides[1];
+          for (int64_t i = 0; i < head_size; ++i) {
+            convert(value_in, v_row + i, value_out, tile + (offset + j) * head_size + i);
+            convert(key_in, k_row + i, key_out, tile + i * block_size + offset + j);
+          }
+        }
+        continue;
+      }
       // Values: dense rows, one per token.
       for (int64_t j = 0; j < length; ++j) {
         std::memcpy(value_out + (tile + (offset + j) * head_size) * element,

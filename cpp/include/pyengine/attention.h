@@ -10,7 +10,8 @@
 // reuse a tile while it is in cache.
 //
 // Supported: cache dtypes float32, float16, bfloat16 (query, output and new K/V of the
-// same dtype; arithmetic in float32); head sizes kSupportedHeadSizes; any block size
+// same dtype, or on the CPU float32 over a 16-bit cache, which reshape_and_cache rounds
+// to nearest; arithmetic in float32); head sizes kSupportedHeadSizes; any block size
 // that is a power of two; num_q_heads a multiple of num_kv_heads (GQA, MQA).
 #pragma once
 

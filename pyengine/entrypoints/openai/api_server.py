@@ -54,6 +54,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--load-format", default=d.load_format)
     parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        help="auto: the model's dtype; bfloat16 or float16 under float32 weights (CPU)",
+    )
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"
