@@ -7,6 +7,7 @@ shuffled block tables from its paged cache; SDPA gets the same data as dense
 decode reads per second against this machine's read bandwidth, measured here.
 
     python bench/attention_cpu.py [--quick] [--dtype float32|bfloat16]
+                                  [--cache-dtype float32|bfloat16|float16]
 """
 
 from __future__ import annotations
@@ -61,10 +62,14 @@ def paged_copy(
     return cache
 
 
-def case(batch: int, ctx: int, q_len: int, head: int, dtype: torch.dtype) -> dict[str, float]:
+def case(
+    batch: int, ctx: int, q_len: int, head: int, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> dict[str, float]:
+    """pyengine's queries in dtype over a cache in cache_dtype; SDPA's K/V in dtype (the
+    cache's values, so both compute the same attention)."""
     gen = torch.Generator().manual_seed(batch * 1_000_003 + ctx + head)
-    k = torch.randn(batch, NUM_KV_HEADS, ctx, head, generator=gen).to(dtype)
-    v = torch.randn(batch, NUM_KV_HEADS, ctx, head, generator=gen).to(dtype)
+    k = torch.randn(batch, NUM_KV_HEADS, ctx, head, generator=gen).to(cache_dtype)
+    v = torch.randn(batch, NUM_KV_HEADS, ctx, head, generator=gen).to(cache_dtype)
     q = torch.randn(batch, NUM_Q_HEADS, q_len, head, generator=gen).to(dtype)
     per_req = ctx // BLOCK_SIZE
     num_blocks = batch * per_req
@@ -86,9 +91,11 @@ def case(batch: int, ctx: int, q_len: int, head: int, dtype: torch.dtype) -> dic
 
     causal = q_len > 1
 
+    k_peer, v_peer = k.to(dtype), v.to(dtype)
+
     def sdpa() -> torch.Tensor:
         return F.scaled_dot_product_attention(
-            q, k, v, is_causal=causal, scale=scale, enable_gqa=True
+            q, k_peer, v_peer, is_causal=causal, scale=scale, enable_gqa=True
         )
 
     with torch.inference_mode():
@@ -104,8 +111,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="batch 1 and 8, contexts to 2k")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument(
+        "--cache-dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16"],
+        help="the KV cache's (default: --dtype); 16-bit under float32 queries: kv_cache_dtype",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    cache_dtype_name = args.cache_dtype or args.dtype
+    cache_dtype = getattr(torch, cache_dtype_name)
     torch.set_num_threads(torch.get_num_threads())
     bandwidth = read_bandwidth()
 
@@ -115,7 +130,7 @@ def main() -> None:
     for head in (64, 128):
         for batch in batches:
             for ctx in contexts:
-                r = case(batch, ctx, 1, head, dtype)
+                r = case(batch, ctx, 1, head, dtype, cache_dtype)
                 speedup = r["sdpa_s"] / r["ours_s"]
                 share = r["kv_bytes"] / r["ours_s"] / bandwidth
                 name = f"decode_b{batch}_ctx{ctx}_h{head}"
@@ -123,14 +138,15 @@ def main() -> None:
                 figures[f"bandwidth_share_{name}"] = round(share, 3)
                 rows.append((f"decode b={batch} ctx={ctx} h={head}", r, speedup, share))
     for tokens in [512] if args.quick else [512, 2048]:
-        r = case(1, tokens, tokens, 128, dtype)
+        r = case(1, tokens, tokens, 128, dtype, cache_dtype)
         speedup = r["sdpa_s"] / r["ours_s"]
         figures[f"speedup_vs_sdpa_prefill_{tokens}"] = round(speedup, 2)
         rows.append((f"prefill {tokens} h=128", r, speedup, float("nan")))
 
     print(
-        f"# CPU paged attention ({args.dtype} cache, block {BLOCK_SIZE}, "
-        f"{NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, {torch.get_num_threads()} threads)"
+        f"# CPU paged attention ({args.dtype} queries, {cache_dtype_name} cache, "
+        f"block {BLOCK_SIZE}, {NUM_Q_HEADS} q / {NUM_KV_HEADS} kv heads, "
+        f"{torch.get_num_threads()} threads)"
     )
     print(f"read bandwidth measured here: {bandwidth / 1e9:.1f} GB/s\n")
     print(
