@@ -256,10 +256,11 @@ def serve(ns: argparse.Namespace) -> None:
     )
     block = llm_engine.config.block_size
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens; max_model_len %d",
+        "KV cache: %d blocks of %d tokens = %d tokens (%s); max_model_len %d",
         runner.num_blocks,
         block,
         runner.num_blocks * block,
+        llm_engine.config.cache_dtype,
         llm_engine.config.max_model_len,
     )
     names = ns.served_model_name or [ns.model]
