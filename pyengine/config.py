@@ -156,6 +156,14 @@ def default_kv_cache_memory() -> int:
     return int(value * 2**30)
 
 
+def kv_cache_dtype_supported(kv_cache_dtype: str, dtype: str, device: str) -> bool:
+    """A KV cache in the model's dtype anywhere; a 16-bit one under float32 weights on the
+    CPU, whose kernels read it as float32."""
+    return kv_cache_dtype == dtype or (
+        device == "cpu" and dtype == "float32" and kv_cache_dtype in ("bfloat16", "float16")
+    )
+
+
 @dataclass
 class EngineConfig:
     """The engine's limits, as LLM(...) takes them."""
@@ -186,12 +194,8 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs >= 1,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "dtype": self.dtype in ("float32", "bfloat16", "float16"),
-            "kv_cache_dtype": self.kv_cache_dtype in (None, self.dtype)
-            or (
-                self.dtype == "float32"
-                and self.device == "cpu"
-                and self.kv_cache_dtype in ("bfloat16", "float16")
-            ),
+            "kv_cache_dtype": self.kv_cache_dtype is None
+            or kv_cache_dtype_supported(self.kv_cache_dtype, self.dtype, self.device),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
         }
         for name, ok in checks.items():

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from pyengine import built_with_cuda
-from pyengine.config import EngineConfig, default_kv_cache_memory
+from pyengine.config import EngineConfig, default_kv_cache_memory, kv_cache_dtype_supported
 from pyengine.engine import LLMEngine
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
@@ -118,7 +118,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
             "'float16'"
         )
     resolved = _DTYPE_NAMES[kv_cache_dtype]
-    if resolved != dtype and not (device == "cpu" and dtype == "float32"):
+    if not kv_cache_dtype_supported(resolved, dtype, device):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "
             "dtype other than the model's needs float32 weights on the CPU"

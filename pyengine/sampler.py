@@ -156,7 +156,7 @@ class Sampler:
         blocked = [i for i, r in enumerate(rows) if r.blocked_token_ids]
         if blocked:
             j, t = _token_index([list(rows[i].blocked_token_ids) for i in blocked], vocab, device)
-            logits[torch.tensor(blocked, device=device)[j], t] = float("-inf")
+            logits[_column(blocked, torch.long, device)[j], t] = float("-inf")
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
             return logits.argmax(dim=-1)

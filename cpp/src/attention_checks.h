@@ -76,6 +76,15 @@ inline bool is_cache_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }
 
+// The dtype that tensors going with `cache` (query and out, or new K/V) must have: the
+// cache's own, or, on the CPU, float32 over a float16/bfloat16 cache (kv_cache_dtype)
+// where `input` is float32.
+inline DType input_dtype_for(const TensorView& input, const TensorView& cache) {
+  const bool widened = cache.device.kind == DeviceKind::kCPU && input.dtype == DType::kFloat32 &&
+                       cache.dtype != DType::kFloat32;
+  return widened ? DType::kFloat32 : cache.dtype;
+}
+
 // The shape of a KV cache pair, from value_cache [num_blocks, num_kv_heads, block_size,
 // head_size]; key_cache must be [num_blocks, num_kv_heads, head_size, block_size].
 struct CacheShape {

@@ -169,13 +169,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     throw InvalidArgument(std::string(op) + ": head_size " + std::to_string(head_size) +
                           " is not supported (32, 64, 80, 96, 112, 128, 192, 256)");
   }
-  // On the CPU, float32 queries may read a float16/bfloat16 cache (kv_cache_dtype).
-  const bool mixed = device.kind == DeviceKind::kCPU && query.dtype == DType::kFloat32 &&
-                     key_cache.dtype != DType::kFloat32;
+  const DType query_dtype = detail::input_dtype_for(query, key_cache);
   for (const auto& [t, name] : {std::pair{&query, "query"}, std::pair{&out, "out"}}) {
     detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
-    detail::check_dtype(*t, mixed ? DType::kFloat32 : key_cache.dtype, op, name);
+    detail::check_dtype(*t, query_dtype, op, name);
     if (t->shape[2] != head_size || t->strides[2] != 1) {
       throw InvalidArgument(arg(op, name) + " must be [num_tokens, num_q_heads, " +
                             std::to_string(head_size) + "] with a dense last dim, got " +

@@ -21,13 +21,11 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
       detail::check_caches(key_cache, value_cache, op, &device);
-  // On the CPU, float32 K/V may go into a float16/bfloat16 cache (kv_cache_dtype).
-  const bool converts = device.kind == DeviceKind::kCPU && key.dtype == DType::kFloat32 &&
-                        key_cache.dtype != DType::kFloat32;
+  const DType input_dtype = detail::input_dtype_for(key, key_cache);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
-    detail::check_dtype(*t, converts ? DType::kFloat32 : key_cache.dtype, op, name);
+    detail::check_dtype(*t, input_dtype, op, name);
     if (t->shape[1] != num_kv_heads || t->shape[2] != head_size || t->strides[2] != 1) {
       throw InvalidArgument(arg(op, name) + " must be [num_tokens, " +
                             std::to_string(num_kv_heads) + ", " + std::to_string(head_size) +
@@ -64,6 +62,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 
   const auto element = static_cast<int64_t>(key_cache.element_size());
   const auto row_bytes = static_cast<size_t>(head_size * element);
+  const bool converts = input_dtype != key_cache.dtype;  // float32 into a 16-bit cache
   const bool to_bfloat16 = key_cache.dtype == DType::kBFloat16;
   // One float32 element of `in` into element `index` of the 16-bit cache `out`.
   const auto convert = [to_bfloat16](const char* in, int64_t in_index, char* out, int64_t index) {
