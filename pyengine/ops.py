@@ -52,6 +52,9 @@ _SCHEMAS = {
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
     # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight) + bias
     "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",
+    # out [m, n] = silu(x @ gate) * (x @ up), gate/up packed by pack_gate_up_weight
+    "dense_silu_and_mul": "dense_silu_and_mul(Tensor(a!) out, Tensor x, Tensor packed, "
+    "int n) -> ()",
 }
 
 
@@ -74,6 +77,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "rotary_embedding": _C.rotary_embedding,
     "silu_and_mul": _C.silu_and_mul,
     "dense": _C.small_gemm,
+    "dense_silu_and_mul": _C.small_gemm_silu_and_mul,
 }
 
 
@@ -133,3 +137,4 @@ fused_add_rms_norm = torch.ops.pyengine.fused_add_rms_norm
 rotary_embedding = torch.ops.pyengine.rotary_embedding
 silu_and_mul = torch.ops.pyengine.silu_and_mul
 dense = torch.ops.pyengine.dense
+dense_silu_and_mul = torch.ops.pyengine.dense_silu_and_mul

@@ -138,6 +138,28 @@ def test_dense_matches_float64(m: int, k: int, n: int) -> None:
         assert rel_error(out, want) < 1e-5
 
 
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 77, 200])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 1536), (100, 70), (33, 5)])
+def test_dense_silu_and_mul_matches_float64(m: int, k: int, n: int) -> None:
+    w_t = torch.randn(k, 2 * n)
+    packed = torch.full((2 * _C.packed_weight_size(k, n),), float("nan"))
+    _C.pack_gate_up_weight(packed, w_t)
+    x = torch.randn(m, k)
+    out = torch.full((m, n), float("nan"))
+    ops.dense_silu_and_mul(out, x, packed, n)
+    gate_up = x.double() @ w_t.double()
+    want = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert rel_error(out, want) < 1e-5
+    # The activation rounds as the separate op's, over the same float32 product.
+    separate = torch.empty(m, n)
+    product = torch.empty(m, 2 * n)
+    dense_packed = torch.empty(_C.packed_weight_size(k, 2 * n))
+    _C.pack_weight(dense_packed, w_t)
+    ops.dense(product, x, dense_packed, None, 2 * n)
+    ops.silu_and_mul(separate, product)
+    assert torch.equal(out, separate)
+
+
 def test_dense_bad_arguments() -> None:
     w_t = torch.randn(64, 50)
     packed = torch.empty(_C.packed_weight_size(64, 50))
@@ -150,3 +172,13 @@ def test_dense_bad_arguments() -> None:
         ops.dense(torch.empty(2, 50), torch.randn(2, 64), packed, torch.randn(49), 50)
     with pytest.raises(ValueError, match="packed must be dense float32"):
         _C.pack_weight(torch.empty(10), w_t)
+    gate_up = torch.empty(2 * _C.packed_weight_size(64, 25))
+    with pytest.raises(ValueError, match=r"w_t must be \[k, 2n\]"):
+        _C.pack_gate_up_weight(gate_up, torch.randn(64, 49))
+    with pytest.raises(ValueError, match="packed must be dense float32"):
+        _C.pack_gate_up_weight(torch.empty(10), w_t)
+    _C.pack_gate_up_weight(gate_up, w_t)
+    with pytest.raises(ValueError, match=r"packed must be a packed .*\(pack_gate_up_weight\)"):
+        ops.dense_silu_and_mul(torch.empty(2, 25), torch.randn(2, 64), gate_up[:-1], 25)
+    with pytest.raises(ValueError, match=r"out must be \[2, 25\]"):
+        ops.dense_silu_and_mul(torch.empty(2, 50), torch.randn(2, 64), gate_up, 25)

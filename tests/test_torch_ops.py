@@ -17,6 +17,7 @@ def test_ops_are_registered() -> None:
     for name in (
         "reshape_and_cache", "paged_attention", "copy_blocks", "swap_blocks", "rms_norm",
         "fused_add_rms_norm", "rotary_embedding", "silu_and_mul", "dense",
+        "dense_silu_and_mul",
     ):  # fmt: skip
         assert hasattr(torch.ops.pyengine, name)
 
@@ -129,6 +130,11 @@ def test_opcheck_layer_ops() -> None:
     _C.pack_weight(packed, torch.randn(64, 50))
     torch.library.opcheck(
         torch.ops.pyengine.dense.default, (torch.empty(5, 50), h, packed, torch.randn(50), 50)
+    )
+    gate_up = torch.empty(2 * _C.packed_weight_size(64, 50))
+    _C.pack_gate_up_weight(gate_up, torch.randn(64, 100))
+    torch.library.opcheck(
+        torch.ops.pyengine.dense_silu_and_mul.default, (torch.empty(5, 50), h, gate_up, 50)
     )
 
 

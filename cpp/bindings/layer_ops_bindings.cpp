@@ -85,6 +85,27 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
       "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
+  m.def(
+      "pack_gate_up_weight",
+      [](const py::handle& packed, const py::handle& w_t) {
+        const DLPackView p(packed, "pack_gate_up_weight: packed");
+        const DLPackView w(w_t, "pack_gate_up_weight: w_t");
+        py::gil_scoped_release release;
+        pack_gate_up_weight(p.view(), w.view());
+      },
+      py::arg("packed"), py::arg("w_t"),
+      "Packs w_t [k, 2n] (gate columns, then up) for small_gemm_silu_and_mul.");
+  m.def(
+      "small_gemm_silu_and_mul",
+      [](const py::handle& out, const py::handle& x, const py::handle& packed, int64_t n) {
+        const DLPackView o(out, "small_gemm_silu_and_mul: out");
+        const DLPackView in(x, "small_gemm_silu_and_mul: x");
+        const DLPackView p(packed, "small_gemm_silu_and_mul: packed");
+        py::gil_scoped_release release;
+        small_gemm_silu_and_mul(o.view(), in.view(), p.view(), n);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"),
+      "out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight.");
 }
 
 }  // namespace pyengine::bindings

@@ -39,6 +39,8 @@ inline bool on_cuda(const Device& device, const char* op) {
 #ifndef PYENGINE_WITH_CUDA
   throw InvalidArgument(std::string(op) + ": the tensors are on " + device_name(device) +
                         " but pyengine was built without CUDA (PYENGINE_CUDA=off or no nvcc)");
+#else
+  (void)op;
 #endif
   return true;
 }

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
 #include "attention_checks.h"
 #include "float_convert.h"
 #include "vector_clones.h"
@@ -64,27 +65,6 @@ void check_norm_args(const char* op, const TensorView& x, const TensorView& othe
   }
   if (!(eps > 0) || !std::isfinite(eps))
     throw InvalidArgument(std::string(op) + ": eps must be > 0");
-}
-
-// exp(x), about 2 ulp, branch-free so that a loop of it vectorizes: Cody-Waite range
-// reduction, a degree-6 polynomial and 2^n built in the exponent bits. x is clamped to
-// [-87, 88] (silu needs no more: its gate / (1 + exp(-gate)) is then 0 or gate).
-inline float exp_clamped(float x) {
-  x = std::min(std::max(x, -87.0f), 88.0f);
-  const float round = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float n = (x * 1.44269504088896341f + round) - round;
-  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = (p * r * r + r) + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 // out = in / sqrt(mean(in^2) + eps) * weight for one float32 row, rounding as torch's
@@ -269,7 +249,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   });
 }
 
-namespace {
+namespace detail {
 
 PYENGINE_VECTOR_CLONES
 void silu_and_mul_row(const float* __restrict gate, const float* __restrict up,
@@ -278,7 +258,7 @@ void silu_and_mul_row(const float* __restrict gate, const float* __restrict up,
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
-}  // namespace
+}  // namespace detail
 
 void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   constexpr const char* op = "silu_and_mul";
@@ -302,14 +282,14 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
     for (int64_t r = 0; r < rows; ++r) {
       if constexpr (kD == DType::kFloat32) {
         const float* in = static_cast<const float*>(x.data) + r * x.strides[0];
-        silu_and_mul_row(in, in + n, static_cast<float*>(out.data) + r * out.strides[0], n);
+        detail::silu_and_mul_row(in, in + n, static_cast<float*>(out.data) + r * out.strides[0], n);
       } else {
         thread_local std::vector<float> row;
         row.resize(static_cast<size_t>(3 * n));
         for (int64_t i = 0; i < 2 * n; ++i) {
           row[static_cast<size_t>(i)] = detail::load<kD>(x.data, r * x.strides[0] + i);
         }
-        silu_and_mul_row(row.data(), row.data() + n, row.data() + 2 * n, n);
+        detail::silu_and_mul_row(row.data(), row.data() + n, row.data() + 2 * n, n);
         for (int64_t i = 0; i < n; ++i) {
           detail::store<kD>(out.data, r * out.strides[0] + i, row[static_cast<size_t>(2 * n + i)]);
         }

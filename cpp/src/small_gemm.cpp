@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "activation.h"
 #include "attention_checks.h"
 #include "vector_clones.h"
 
@@ -106,63 +107,19 @@ void row_tile(const float* a, const float* panel, int64_t k, float* c) {
   }
 }
 
-}  // namespace
+// x [m, k] as the tiles read it: full tiles of 8 rows from x itself, a last tile of 2-7
+// rows from a copy padded with zero rows.
+struct Rows8 {
+  const float* a;
+  int64_t lda;
+  int64_t m;
+  int64_t k;
+  const float* padded_tail;  // rows m / 8 * 8 .. m, then zeros (when there are 2-7)
+};
 
-int64_t packed_weight_size(int64_t k, int64_t n) {
-  return (n + kPanelWidth - 1) / kPanelWidth * kPanelWidth * k;
-}
-
-void pack_weight(const TensorView& packed, const TensorView& w_t) {
-  check_rows(w_t, "pack_weight", "w_t", 2, DType::kFloat32);
-  const int64_t k = w_t.shape[0], n = w_t.shape[1];
-  detail::check_cpu(packed, "pack_weight", "packed");
-  detail::check_dtype(packed, DType::kFloat32, "pack_weight", "packed");
-  if (packed.ndim != 1 || packed.shape[0] != packed_weight_size(k, n) || packed.strides[0] != 1) {
-    throw InvalidArgument("pack_weight: packed must be dense float32 [" +
-                          std::to_string(packed_weight_size(k, n)) + "], got " + packed.describe());
-  }
-  const auto* src = static_cast<const float*>(w_t.data);
-  auto* dst = static_cast<float*>(packed.data);
-  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
-    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-    for (int64_t i = 0; i < k; ++i) {
-      float* out = dst + (p * k + i) * kPanelWidth;
-      std::memcpy(out, src + i * w_t.strides[0] + first,
-                  static_cast<size_t>(width) * sizeof(float));
-      std::fill(out + width, out + kPanelWidth, 0.0f);
-    }
-  }
-}
-
-void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
-                const TensorView& bias, int64_t n) {
-  constexpr const char* op = "small_gemm";
-  check_rows(x, op, "x", 2, DType::kFloat32);
-  check_rows(out, op, "out", 2, DType::kFloat32);
-  const int64_t m = x.shape[0], k = x.shape[1];
-  if (out.shape[0] != m || out.shape[1] != n) {
-    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(m) + ", " +
-                          std::to_string(n) + "], got " + out.describe());
-  }
-  if (packed.ndim != 1 || packed.dtype != DType::kFloat32 || packed.strides[0] != 1 ||
-      packed.shape[0] != packed_weight_size(k, n)) {
-    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
-                          ", " + std::to_string(n) + "] float32 weight (pack_weight), got " +
-                          packed.describe());
-  }
-  const bool has_bias = bias.data != nullptr;
-  if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
-                   bias.strides[0] != 1)) {
-    throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
-                          "], got " + bias.describe());
-  }
+Rows8 tile_rows(const TensorView& x) {
   const auto* a = static_cast<const float*>(x.data);
-  const auto* panels = static_cast<const float*>(packed.data);
-  const auto* b = static_cast<const float*>(bias.data);
-  auto* c = static_cast<float*>(out.data);
-  const int64_t lda = x.strides[0], ldc = out.strides[0];
-  const int64_t num_panels = (n + kPanelWidth - 1) / kPanelWidth;
-  // A last tile of 2-7 rows runs as a full one: its rows, then zeros, copied once here.
+  const int64_t m = x.shape[0], k = x.shape[1], lda = x.strides[0];
   const int64_t tail_first = m / kRows * kRows;
   thread_local std::vector<float> tail;
   if (const int64_t rows = m - tail_first; rows > 1) {
@@ -172,42 +129,193 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
                   static_cast<size_t>(k) * sizeof(float));
     }
   }
-  const float* padded_tail = tail.data();
-  // Many rows (a prefill) go in blocks whose rows of x stay in L2 while every panel
-  // passes over them; a decode step's few rows are one block.
-  const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / k / kRows * kRows);
-  // One parallel region, no barrier between blocks: with the same static split every
-  // block, a thread moves on to its panels of the next block as soon as it is done.
-#pragma omp parallel if (num_panels > 1 && std::min(m, block_rows) * k * n >= (1 << 16))
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t m1 = std::min(m, m0 + block_rows);
+  return {a, lda, m, k, tail.data()};
+}
+
+// Rows [m0, m1) of x times one panel, 8 rows at a time: sink(r0, rows, tile) receives
+// each [rows, kPanelWidth] result (rows kPanelWidth apart). `tile_out` is the calling
+// thread's scratch.
+template <class Sink>
+void multiply_panel(const Rows8& x, const float* panel, int64_t m0, int64_t m1, float* tile_out,
+                    Sink&& sink) {
+  for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
+    const bool padded = rows > 1 && rows < kRows;
+    const float* tile_a = padded ? x.padded_tail : x.a + r0 * x.lda;
+    const int64_t tile_lda = padded ? x.k : x.lda;
+    if (rows == 1) {
+      row_tile(tile_a, panel, x.k, tile_out);
+    } else {
+      // (A prefetch past the last panel is harmless: prefetches never fault.)
+      const int64_t index = (r0 - m0) / kRows;
+      run_tile(tile_a, tile_lda, panel, x.k, tile_out,
+               fetch_plan(index, (m1 - m0 + kRows - 1) / kRows, panel, x.k));
+    }
+    sink(r0, rows, static_cast<const float*>(tile_out));
+  }
+}
+
+// body(m0, m1, unit, scratch) for every block of rows and every unit (a panel, or a pair of
+// them), units split statically over the threads. Many rows (a prefill) go in blocks whose
+// rows of x stay in L2 while every panel passes over them; a decode step's few rows are
+// one block. One parallel region, no barrier between blocks: with the same split every
+// block, a thread moves on to its units of the next block as soon as it is done.
+template <class Body>
+void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_columns, Body&& body) {
+  const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / x.k / kRows * kRows);
+#pragma omp parallel if (num_units > 1 && \
+                         std::min(x.m, block_rows) * x.k * unit_columns * num_units >= (1 << 16))
+  for (int64_t m0 = 0; m0 < x.m; m0 += block_rows) {
+    const int64_t m1 = std::min(x.m, m0 + block_rows);
 #pragma omp for schedule(static) nowait
-    for (int64_t p = 0; p < num_panels; ++p) {
-      thread_local std::vector<float> tile_out;
-      tile_out.resize(kRows * kPanelWidth);
-      const float* panel = panels + p * k * kPanelWidth;
-      const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-      for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
-        const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
-        const bool padded = rows > 1 && rows < kRows;
-        const float* tile_a = padded ? padded_tail : a + r0 * lda;
-        const int64_t tile_lda = padded ? k : lda;
-        if (rows == 1) {
-          row_tile(tile_a, panel, k, tile_out.data());
-        } else {
-          // (A prefetch past the last panel is harmless: prefetches never fault.)
-          const int64_t index = (r0 - m0) / kRows;
-          run_tile(tile_a, tile_lda, panel, k, tile_out.data(),
-                   fetch_plan(index, (m1 - m0 + kRows - 1) / kRows, panel, k));
-        }
-        for (int64_t r = 0; r < rows; ++r) {
-          float* dst = c + (r0 + r) * ldc + first;
-          const float* src = tile_out.data() + r * kPanelWidth;
-          for (int64_t j = 0; j < width; ++j) dst[j] = has_bias ? src[j] + b[first + j] : src[j];
-        }
-      }
+    for (int64_t u = 0; u < num_units; ++u) {
+      thread_local std::vector<float> scratch;  // a tile, then a unit's rows (the gates)
+      scratch.resize(static_cast<size_t>((kRows + std::min(x.m, block_rows)) * kPanelWidth));
+      body(m0, m1, u, scratch.data());
     }
   }
+}
+
+void check_packed(const char* op, const TensorView& packed, int64_t size, int64_t k, int64_t n,
+                  const char* how) {
+  if (packed.ndim != 1 || packed.dtype != DType::kFloat32 || packed.strides[0] != 1 ||
+      packed.shape[0] != size) {
+    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
+                          ", " + std::to_string(n) + "] float32 weight (" + how + "), got " +
+                          packed.describe());
+  }
+}
+
+// x and out float32 rows, out [m, n] for x [m, k].
+void check_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
+  check_rows(x, op, "x", 2, DType::kFloat32);
+  check_rows(out, op, "out", 2, DType::kFloat32);
+  if (out.shape[0] != x.shape[0] || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(x.shape[0]) + ", " +
+                          std::to_string(n) + "], got " + out.describe());
+  }
+}
+
+// Columns [first, first + width) of w_t [k, n] as one panel at dst, zero-padded.
+void pack_panel(float* dst, const TensorView& w_t, int64_t first, int64_t width) {
+  const auto* src = static_cast<const float*>(w_t.data);
+  for (int64_t i = 0; i < w_t.shape[0]; ++i) {
+    float* out = dst + i * kPanelWidth;
+    std::memcpy(out, src + i * w_t.strides[0] + first, static_cast<size_t>(width) * sizeof(float));
+    std::fill(out + width, out + kPanelWidth, 0.0f);
+  }
+}
+
+void check_pack_args(const char* op, const TensorView& packed, const TensorView& w_t,
+                     int64_t size) {
+  check_rows(w_t, op, "w_t", 2, DType::kFloat32);
+  detail::check_cpu(packed, op, "packed");
+  detail::check_dtype(packed, DType::kFloat32, op, "packed");
+  if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
+    throw InvalidArgument(std::string(op) + ": packed must be dense float32 [" +
+                          std::to_string(size) + "], got " + packed.describe());
+  }
+}
+
+}  // namespace
+
+int64_t packed_weight_size(int64_t k, int64_t n) {
+  return (n + kPanelWidth - 1) / kPanelWidth * kPanelWidth * k;
+}
+
+void pack_weight(const TensorView& packed, const TensorView& w_t) {
+  check_pack_args("pack_weight", packed, w_t, packed_weight_size(w_t.shape[0], w_t.shape[1]));
+  const int64_t k = w_t.shape[0], n = w_t.shape[1];
+  auto* dst = static_cast<float*>(packed.data);
+  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
+    const int64_t first = p * kPanelWidth;
+    pack_panel(dst + p * k * kPanelWidth, w_t, first, std::min(kPanelWidth, n - first));
+  }
+}
+
+void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
+  constexpr const char* op = "pack_gate_up_weight";
+  check_rows(w_t, op, "w_t", 2, DType::kFloat32);
+  if (w_t.shape[1] % 2 != 0) {
+    throw InvalidArgument(std::string(op) + ": w_t must be [k, 2n] (gate columns, then up), got " +
+                          w_t.describe());
+  }
+  const int64_t k = w_t.shape[0], n = w_t.shape[1] / 2;
+  check_pack_args(op, packed, w_t, 2 * packed_weight_size(k, n));
+  auto* dst = static_cast<float*>(packed.data);
+  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
+    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+    pack_panel(dst + 2 * p * k * kPanelWidth, w_t, first, width);
+    pack_panel(dst + (2 * p + 1) * k * kPanelWidth, w_t, n + first, width);
+  }
+}
+
+void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
+                const TensorView& bias, int64_t n) {
+  constexpr const char* op = "small_gemm";
+  check_x_out(op, out, x, n);
+  const int64_t k = x.shape[1];
+  check_packed(op, packed, packed_weight_size(k, n), k, n, "pack_weight");
+  const bool has_bias = bias.data != nullptr;
+  if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
+                   bias.strides[0] != 1)) {
+    throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
+                          "], got " + bias.describe());
+  }
+  const auto* panels = static_cast<const float*>(packed.data);
+  const auto* b = static_cast<const float*>(bias.data);
+  auto* c = static_cast<float*>(out.data);
+  const int64_t ldc = out.strides[0];
+  const Rows8 rows8 = tile_rows(x);
+  for_blocks_and_units(rows8, (n + kPanelWidth - 1) / kPanelWidth, kPanelWidth,
+                       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
+                         const int64_t first = p * kPanelWidth;
+                         const int64_t width = std::min(kPanelWidth, n - first);
+                         multiply_panel(rows8, panels + p * k * kPanelWidth, m0, m1, scratch,
+                                        [&](int64_t r0, int64_t rows, const float* tile) {
+                                          for (int64_t r = 0; r < rows; ++r) {
+                                            float* dst = c + (r0 + r) * ldc + first;
+                                            const float* src = tile + r * kPanelWidth;
+                                            for (int64_t j = 0; j < width; ++j) {
+                                              dst[j] = has_bias ? src[j] + b[first + j] : src[j];
+                                            }
+                                          }
+                                        });
+                       });
+}
+
+void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                             int64_t n) {
+  constexpr const char* op = "small_gemm_silu_and_mul";
+  check_x_out(op, out, x, n);
+  const int64_t k = x.shape[1];
+  check_packed(op, packed, 2 * packed_weight_size(k, n), k, 2 * n, "pack_gate_up_weight");
+  const auto* panels = static_cast<const float*>(packed.data);
+  auto* c = static_cast<float*>(out.data);
+  const int64_t ldc = out.strides[0];
+  const Rows8 rows8 = tile_rows(x);
+  // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
+  // weights stream in memory order, as in small_gemm.
+  for_blocks_and_units(
+      rows8, (n + kPanelWidth - 1) / kPanelWidth, 2 * kPanelWidth,
+      [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
+        const float* gate_panel = panels + 2 * p * k * kPanelWidth;
+        float* gates = scratch + kRows * kPanelWidth;  // [m1 - m0, kPanelWidth]
+        multiply_panel(rows8, gate_panel, m0, m1, scratch,
+                       [&](int64_t r0, int64_t rows, const float* tile) {
+                         std::memcpy(gates + (r0 - m0) * kPanelWidth, tile,
+                                     static_cast<size_t>(rows * kPanelWidth) * sizeof(float));
+                       });
+        const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+        multiply_panel(rows8, gate_panel + k * kPanelWidth, m0, m1, scratch,
+                       [&](int64_t r0, int64_t rows, const float* tile) {
+                         for (int64_t r = 0; r < rows; ++r) {
+                           detail::silu_and_mul_row(gates + (r0 - m0 + r) * kPanelWidth,
+                                                    tile + r * kPanelWidth,
+                                                    c + (r0 + r) * ldc + first, width);
+                         }
+                       });
+      });
 }
 
 }  // namespace pyengine

@@ -55,19 +55,50 @@ class DenseWeight:
         return out
 
 
+class GatedDense:
+    """silu(x @ gate) * (x @ up), an MLP's activation of its fused [gate; up] weight
+    [2 * n, in]. On the CPU in float32, one op over pairs of packed panels
+    (small_gemm_silu_and_mul): the [tokens, 2 * n] product never goes to memory and back.
+    Elsewhere a matmul, then silu_and_mul."""
+
+    def __init__(self, weight: torch.Tensor, placement: Placement) -> None:
+        self.out_features, self.in_features = weight.shape[0] // 2, weight.shape[1]
+        self.packed: torch.Tensor | None = None
+        self.dense: DenseWeight | None = None
+        if placement.packs_weights:
+            size = 2 * _C.packed_weight_size(self.in_features, self.out_features)
+            self.packed = torch.empty(size)
+            _C.pack_gate_up_weight(self.packed, weight.t().contiguous().float())
+        else:
+            self.dense = DenseWeight(weight, placement)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
+        if self.dense is not None:
+            ops.silu_and_mul(out, self.dense(x))
+        else:
+            ops.dense_silu_and_mul(out, x, self.packed, self.out_features)
+        return out
+
+
 def prepare_dense(
-    model: nn.Module, names: dict[str, str], tied_head: bool, placement: Placement
+    model: nn.Module,
+    names: dict[str, str],
+    tied_head: bool,
+    placement: Placement,
+    gated: frozenset[str] = frozenset(),
 ) -> int:
     """Replaces each named [out, in] parameter by a DenseWeight attribute (parameter name ->
-    attribute name, on the same module), the head too (a head tied to the embeddings gets
-    its own), then moves the remaining parameters to the placement. Returns the model's
-    number of parameters (a tied head counted once)."""
+    attribute name, on the same module), or a GatedDense for the names in `gated`, the head
+    too (a head tied to the embeddings gets its own), then moves the remaining parameters to
+    the placement. Returns the model's number of parameters (a tied head counted once)."""
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with torch.no_grad():
         for name, attribute in names.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
-            setattr(owner, attribute, DenseWeight(getattr(owner, leaf).data, placement))
+            kind = GatedDense if name in gated else DenseWeight
+            setattr(owner, attribute, kind(getattr(owner, leaf).data, placement))
             delattr(owner, leaf)
         for parameter in model.parameters():
             parameter.data = parameter.data.to(placement.device, placement.dtype)

@@ -14,7 +14,13 @@ from torch import nn
 from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import DenseWeight, Placement, parameter, prepare_dense
+from pyengine.models.layers import (
+    DenseWeight,
+    GatedDense,
+    Placement,
+    parameter,
+    prepare_dense,
+)
 from pyengine.models.rotary import RotaryEmbedding
 
 
@@ -78,14 +84,11 @@ class MLP(nn.Module):
         self.intermediate = c.intermediate_size
         self.gate_up_weight = parameter(2 * c.intermediate_size, c.hidden_size)
         self.down_weight = parameter(c.hidden_size, c.intermediate_size)
-        self.gate_up: DenseWeight  # from the weights above, once loaded
+        self.gate_up: GatedDense  # from the weights above, once loaded
         self.down: DenseWeight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up(x)
-        act = torch.empty(x.shape[0], self.intermediate, dtype=x.dtype, device=x.device)
-        ops.silu_and_mul(act, gate_up)
-        return self.down(act)
+        return self.down(self.gate_up(x))
 
 
 class DecoderLayer(nn.Module):
@@ -188,8 +191,9 @@ class LlamaForCausalLM(nn.Module):
                 ("mlp.gate_up_weight", "gate_up"), ("mlp.down_weight", "down"),
             ):  # fmt: skip
                 names[f"layers.{i}.{param}"] = attribute
+        gated = frozenset(f"layers.{i}.mlp.gate_up_weight" for i in range(len(self.layers)))
         self.num_parameters = prepare_dense(
-            self, names, self.config.tie_word_embeddings, self.placement
+            self, names, self.config.tie_word_embeddings, self.placement, gated
         )
 
     def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:

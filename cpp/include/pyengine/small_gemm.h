@@ -25,4 +25,15 @@ void pack_weight(const TensorView& packed, const TensorView& w_t);
 void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
                 const TensorView& bias, int64_t n);
 
+// Packs w_t [k, 2n], gate columns then up columns (an MLP's fused gate/up projection), for
+// small_gemm_silu_and_mul into `packed` (float32 [2 * packed_weight_size(k, n)]): each
+// gate panel followed by the up panel of the same columns.
+void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
+
+// out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight: the gate/up
+// product never leaves the thread's cache, and the activation rounds exactly as
+// silu_and_mul's. x and out float32 with a dense last dim.
+void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                             int64_t n);
+
 }  // namespace pyengine
