@@ -160,6 +160,23 @@ def test_dense_silu_and_mul_matches_float64(m: int, k: int, n: int) -> None:
     assert torch.equal(out, separate)
 
 
+@pytest.mark.parametrize(("m", "k"), [(0, 64), (5, 0)])
+def test_dense_of_empty_operands(m: int, k: int) -> None:
+    """No rows, or no inner dimension (a product of zeros: the bias, or zero)."""
+    n = 50
+    packed = torch.empty(_C.packed_weight_size(k, n))
+    _C.pack_weight(packed, torch.randn(k, n))
+    bias = torch.randn(n)
+    out = torch.full((m, n), float("nan"))
+    ops.dense(out, torch.randn(m, k), packed, bias, n)
+    assert torch.equal(out, bias.expand(m, n))
+    gate_up = torch.empty(2 * _C.packed_weight_size(k, n))
+    _C.pack_gate_up_weight(gate_up, torch.randn(k, 2 * n))
+    out = torch.full((m, n), float("nan"))
+    ops.dense_silu_and_mul(out, torch.randn(m, k), gate_up, n)
+    assert torch.equal(out, torch.zeros(m, n))
+
+
 def test_dense_bad_arguments() -> None:
     w_t = torch.randn(64, 50)
     packed = torch.empty(_C.packed_weight_size(64, 50))

@@ -162,7 +162,8 @@ void multiply_panel(const Rows8& x, const float* panel, int64_t m0, int64_t m1, 
 // block, a thread moves on to its units of the next block as soon as it is done.
 template <class Body>
 void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_columns, Body&& body) {
-  const int64_t block_rows = std::max<int64_t>(kRows, kBlockFloats / x.k / kRows * kRows);
+  const int64_t block_rows =
+      std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(x.k, 1) / kRows * kRows);
 #pragma omp parallel if (num_units > 1 && \
                          std::min(x.m, block_rows) * x.k * unit_columns * num_units >= (1 << 16))
   for (int64_t m0 = 0; m0 < x.m; m0 += block_rows) {
