@@ -416,6 +416,14 @@ def test_bad_arguments_are_clear_errors() -> None:
         )
     with pytest.raises(ValueError, match="key_cache .* must be value_cache .* last two dims"):
         paged_attention(out, query, value_cache, value_cache, *args, 0.1)
+    no_heads_k, no_heads_v = (
+        np.zeros((4, 0, 64, 16), np.float32),
+        np.zeros((4, 0, 16, 64), np.float32),
+    )
+    with pytest.raises(ValueError, match=r"num_kv_heads \(dim 1\) must be at least 1"):
+        paged_attention(out, query, no_heads_k, no_heads_v, *args, 0.1)
+    with pytest.raises(ValueError, match=r"num_kv_heads \(dim 1\) must be at least 1"):
+        reshape_and_cache(query[:, :0], query[:, :0], no_heads_k, no_heads_v, np.zeros(1, np.int64))
     with pytest.raises(ValueError, match=r"slot_mapping\[0\] = 999 is outside"):
         reshape_and_cache(
             query[:, :2], query[:, :2], key_cache, value_cache, np.array([999], np.int64)

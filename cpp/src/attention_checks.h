@@ -117,6 +117,11 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
                           ": block_size (dim 2) must be a power of two, got " +
                           value_cache.describe());
   }
+  if (shape.num_kv_heads <= 0) {
+    throw InvalidArgument(arg(op, "value_cache") +
+                          ": num_kv_heads (dim 1) must be at least 1, got " +
+                          value_cache.describe());
+  }
   const auto& k = key_cache.shape;
   if (key_cache.dtype != value_cache.dtype || k[0] != shape.num_blocks ||
       k[1] != shape.num_kv_heads || k[2] != shape.head_size || k[3] != shape.block_size) {
