@@ -14,13 +14,7 @@ from torch import nn
 from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import (
-    DenseWeight,
-    GatedDense,
-    Placement,
-    parameter,
-    prepare_dense,
-)
+from pyengine.models.layers import DenseWeight, GatedDense, Placement, parameter, prepare_dense
 from pyengine.models.rotary import RotaryEmbedding
 
 
