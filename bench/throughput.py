@@ -30,6 +30,7 @@ from report import print_table  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model  # noqa: E402
+from pyengine.models.layers import DenseWeight, GatedDense  # noqa: E402
 
 
 def matmul_ceiling() -> float:
@@ -71,6 +72,18 @@ def hf_model(model: str) -> torch.nn.Module:
     hf.load_state_dict(weights, strict=False)
     hf.tie_weights()
     return hf.eval()
+
+
+def single_decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of matmul weights a one-row decode step reads on the CPU: the block-quantized
+    form where a weight has one (models/layers.py), else its float32 panels."""
+    total = 0
+    for module in model.modules():
+        for part in vars(module).values():
+            if isinstance(part, (DenseWeight, GatedDense)):
+                packed = part.packed_blocks if part.packed_blocks is not None else part.packed
+                total += 0 if packed is None else packed.numel() * packed.element_size()
+    return total
 
 
 def run_hf(hf: torch.nn.Module, prompts: list[list[int]], output_len: int, batch: int) -> float:
@@ -162,6 +175,7 @@ def main() -> None:
     num_params = llm.engine.runner.model.num_parameters
     ceiling_tokens = ceiling / (2 * num_params)
     decode_bound = bandwidth / (num_params * 4)
+    streamed = single_decode_weight_bytes(llm.engine.runner.model)
 
     total = generated + prompt_tokens
     rows = [
@@ -175,6 +189,8 @@ def main() -> None:
         "share_of_matmul_ceiling": round((generated + prompt_tokens) / ours / ceiling_tokens, 3),
         "single_request_decode_tok_s": round(args.output_len / single, 1),
         "single_request_bandwidth_bound_tok_s": round(decode_bound, 1),
+        "single_request_weight_bytes": streamed,
+        "single_request_streamed_bytes_bound_tok_s": round(bandwidth / streamed, 1),
         "pyengine_load_s": round(load_seconds, 2),
     }
     if hf is not None:
@@ -202,7 +218,9 @@ def main() -> None:
         print(f"\nspeedup vs transformers (generated tok/s): {speedup}x")
     print(
         f"single request decode: {args.output_len / single:.1f} tok/s; bandwidth bound "
-        f"(float32 weights / read bandwidth): {decode_bound:.1f} tok/s"
+        f"(float32 weights / read bandwidth): {decode_bound:.1f} tok/s; bound of the "
+        f"{streamed / 1e6:.0f} MB of weights it streams (GGUF blocks where the file has "
+        f"them): {bandwidth / streamed:.1f} tok/s"
     )
     print(f"model load (LLM(...), weights dequantized, tokenizer built): {load_seconds:.1f} s")
     print(json.dumps(figures))

@@ -39,6 +39,8 @@ def build_model(
                 else:
                     p.normal_(0.0, 0.02, generator=generator)
         model.prepare_for_inference()
+    elif isinstance(model, LlamaForCausalLM):
+        model.load_weights(loaded.weights, loaded.block_quantized)
     else:
         model.load_weights(loaded.weights)
     return model.eval()

@@ -50,9 +50,11 @@ _SCHEMAS = {
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
     "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
-    # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight) + bias
+    # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight, float32; or
+    # pack_quantized_weight, uint8/int8) + bias
     "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",
-    # out [m, n] = silu(x @ gate) * (x @ up), gate/up packed by pack_gate_up_weight
+    # out [m, n] = silu(x @ gate) * (x @ up), gate/up packed by pack_gate_up_weight (or
+    # pack_quantized_weight with gate_up)
     "dense_silu_and_mul": "dense_silu_and_mul(Tensor(a!) out, Tensor x, Tensor packed, "
     "int n) -> ()",
 }

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
@@ -19,6 +20,9 @@ from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
 
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
+# The tiny Llama's 4-bit matrices (in layer 1; the rest are Q8_0)
+FOUR_BIT = {"attn_k.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0, "ffn_down.weight": Q.Q4_1}
+FOUR_BIT_HF = ("self_attn.k_proj", "mlp.up_proj", "mlp.down_proj")
 
 
 def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -65,6 +69,18 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         assert np.isfinite(loaded).all()
         if qtype in QUANTIZABLE:
             assert np.abs(loaded - original).max() < 0.5  # 4 bits of a unit normal
+            # The block form that the CPU matmul keeps widens to the same float32, bit
+            # for bit, but for Q4_0's zeros under a negative scale (+0 for -0, which no
+            # sum tells apart).
+            blocks = g.block_quantized(name)
+            assert blocks is not None and blocks.bits == (8 if qtype == Q.Q8_0 else 4)
+            widened = blocks.dequantize()
+            np.testing.assert_array_equal(widened, loaded)
+            if qtype != Q.Q4_0:
+                np.testing.assert_array_equal(widened.view(np.uint32), loaded.view(np.uint32))
+        else:
+            assert g.block_quantized(name) is None
+    assert g.block_quantized("f32") is None and g.block_quantized("f16") is None
 
 
 def test_not_a_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
@@ -131,7 +147,11 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
         hf_layout[hf_name] = w
         stored = permute_for_llama_cpp(w, permute_heads) if permute_heads else w
         if quantized:
-            writer.add_tensor(name, quantize(stored, Q.Q8_0), raw_dtype=Q.Q8_0)
+            # Mostly Q8_0; a few 4-bit ones, so that fused q/k/v and gate/up mix the two.
+            qtype = (
+                FOUR_BIT.get(name.removeprefix("blk.1."), Q.Q8_0) if "blk.1." in name else Q.Q8_0
+            )
+            writer.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, stored)
 
@@ -173,8 +193,19 @@ def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  
     loaded = load_model(str(path))
     assert loaded.weights is not None and set(loaded.weights) == set(hf_layout)
     for name, w in hf_layout.items():
-        # Q8_0 keeps a normal weight to about 1%; a wrong row order would be far off.
-        assert np.abs(loaded.weights[name].numpy() - w).max() < 0.01 * np.abs(w).max() + 1e-6, name
+        # Q8_0 keeps a normal weight to about 1%, 4 bits to about 10%; a wrong row order
+        # would be far off.
+        tolerance = 0.1 if any(name.endswith(f"layers.1.{m}.weight") for m in FOUR_BIT_HF) else 0.01
+        assert (
+            np.abs(loaded.weights[name].numpy() - w).max() < tolerance * np.abs(w).max() + 1e-6
+        ), name
+    # The matrices' block form (q/k rows back in Hugging Face order too) is the same float32.
+    for name, blocks in loaded.block_quantized.items():
+        np.testing.assert_array_equal(blocks.dequantize(), loaded.weights[name].numpy(), name)
+    assert {name for name, b in loaded.block_quantized.items() if b.bits == 4} == {
+        f"model.layers.1.{m}.weight" for m in FOUR_BIT_HF
+    }
+    assert len(loaded.block_quantized) == 1 + 7 * 2  # the head and every layer's matrices
 
 
 def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: ignore[no-untyped-def]
@@ -182,6 +213,14 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     loaded = load_model(str(path))
     reference = hf_model_from_weights(loaded.config, loaded.weights)
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    # Decode steps multiply from the block form: q/k/v and gate/up fused from 4- and 8-bit
+    # parts (8-bit then), down 4-bit in layer 1.
+    model = llm.engine.runner.model
+    layer = model.layers[1]
+    assert layer.self_attn.qkv.packed_blocks.dtype == torch.int8
+    assert layer.mlp.gate_up.packed_blocks.dtype == torch.int8
+    assert layer.mlp.down.packed_blocks.dtype == torch.uint8
+    assert model.head.packed_blocks is not None
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("héllo, wörld")) == "héllo, wörld"
     prompts = ["hello there", "a longer prompt of some more bytes"]

@@ -68,6 +68,24 @@ void bind_layer_ops(py::module_& m) {
         pack_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for small_gemm.");
+  m.def("packed_quantized_weight_size", &packed_quantized_weight_size, py::arg("k"), py::arg("n"),
+        py::arg("bits"), "Bytes of a block-quantized [k, n] weight, 4 or 8 bits.");
+  m.def(
+      "pack_quantized_weight",
+      [](const py::handle& packed, const py::handle& q_t, const py::handle& scale_t,
+         const py::handle& offset_t, bool gate_up) {
+        const DLPackView p(packed, "pack_quantized_weight: packed");
+        const DLPackView q(q_t, "pack_quantized_weight: q_t");
+        const DLPackView s(scale_t, "pack_quantized_weight: scale_t");
+        const DLPackView o(offset_t, "pack_quantized_weight: offset_t");
+        py::gil_scoped_release release;
+        pack_quantized_weight(p.view(), q.view(), s.view(), o.view(), gate_up);
+      },
+      py::arg("packed"), py::arg("q_t"), py::arg("scale_t"), py::arg("offset_t"),
+      py::arg("gate_up") = false,
+      "Packs q_t [k, n] (uint8 0..15: 4-bit; int8: 8-bit), scale_t and offset_t [k / 32, n] "
+      "(w = q * scale + offset a block of 32 rows) for small_gemm (gate_up: for "
+      "small_gemm_silu_and_mul).");
   m.def(
       "small_gemm",
       [](const py::handle& out, const py::handle& x, const py::handle& packed,

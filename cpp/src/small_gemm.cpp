@@ -11,6 +11,7 @@
 
 #include "activation.h"
 #include "attention_checks.h"
+#include "quantized_panel.h"
 #include "vector_clones.h"
 
 namespace pyengine {
@@ -48,14 +49,21 @@ Fetch fetch_plan(int64_t index, int64_t num_tiles, const float* panel, int64_t k
   return {panel + k * kPanelWidth + (index - 1) * share, per_step};
 }
 
-// c[r][0, 48) = sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda apart),
-// while asking for kPerStep lines of `fetch` per k step (fetch_plan). (Into L2: each
-// weight byte is used once per step, by the few tiles of one block; L1 holds their
-// working set.)
+// c[r][0, 48) (+)= sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda
+// apart), adding to c's sums where `accumulate`, while asking for kPerStep lines of `fetch`
+// per k step (fetch_plan). (Into L2: each weight byte is used once per step, by the few
+// tiles of one block; L1 holds their working set.)
 template <int kPerStep>
 PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel, int64_t k,
-                                 float* c, const float* fetch) {
+                                 float* c, bool accumulate, const float* fetch) {
   Vec acc[kRows][kVectors] = {};
+  if (accumulate) {
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < kVectors; ++v) {
+        acc[r][v] = reinterpret_cast<const UnalignedVec*>(c + r * kPanelWidth)[v];
+      }
+    }
+  }
   for (int64_t i = 0; i < k; ++i) {
     for (int j = 0; j < kPerStep; ++j) __builtin_prefetch(fetch + (i * kPerStep + j) * 16, 0, 1);
     const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
@@ -74,21 +82,24 @@ PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel
   }
 }
 
-void run_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+void run_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c, bool accumulate,
               const Fetch& fetch) {
   switch (fetch.per_step) {
-    case 0: return tile<0>(a, lda, panel, k, c, fetch.start);
-    case 1: return tile<1>(a, lda, panel, k, c, fetch.start);
-    case 2: return tile<2>(a, lda, panel, k, c, fetch.start);
-    default: return tile<3>(a, lda, panel, k, c, fetch.start);
+    case 0: return tile<0>(a, lda, panel, k, c, accumulate, fetch.start);
+    case 1: return tile<1>(a, lda, panel, k, c, accumulate, fetch.start);
+    case 2: return tile<2>(a, lda, panel, k, c, accumulate, fetch.start);
+    default: return tile<3>(a, lda, panel, k, c, accumulate, fetch.start);
   }
 }
 
 // The same for one row (a single request's decode): six chains hide the multiply-add
 // latency, and no compute goes to padding rows.
 PYENGINE_VECTOR_CLONES
-void row_tile(const float* a, const float* panel, int64_t k, float* c) {
+void row_tile(const float* a, const float* panel, int64_t k, float* c, bool accumulate) {
   Vec even[kVectors] = {}, odd[kVectors] = {};
+  if (accumulate) {
+    for (int v = 0; v < kVectors; ++v) even[v] = reinterpret_cast<const UnalignedVec*>(c)[v];
+  }
   int64_t i = 0;
   for (; i + 1 < k; i += 2) {
     const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
@@ -132,26 +143,71 @@ Rows8 tile_rows(const TensorView& x) {
   return {a, lda, m, k, tail.data()};
 }
 
-// Rows [m0, m1) of x times one panel, 8 rows at a time: sink(r0, rows, tile) receives
-// each [rows, kPanelWidth] result (rows kPanelWidth apart). `tile_out` is the calling
-// thread's scratch.
+// A packed weight's panels, float32 or block-quantized (quantized_panel.h).
+struct Panels {
+  const uint8_t* data;
+  int64_t k;
+  int bits;  // 32: float32 panels
+  int64_t panel_bytes;
+
+  const uint8_t* panel(int64_t p) const { return data + p * panel_bytes; }
+};
+
+// Rows of a quantized panel widened at a time: 24 KiB of float32, in L1 while every tile
+// of the block passes over them. (Widening a whole panel, 110-300 KiB, went through L2 and
+// cost as much as the bytes it saved; 64-row chunks cost more calls and sum reloads.)
+constexpr int64_t kChunkRows = 4 * kQuantBlock;
+
+// Floats of a thread's tile scratch for a block of `rows` rows: a tile's sums each.
+int64_t tile_scratch_floats(int64_t rows) {
+  return (rows + kRows - 1) / kRows * kRows * kPanelWidth;
+}
+
+// Rows [m0, m1) of x times panel p, 8 rows at a time: sink(r0, rows, tile) receives each
+// [rows, kPanelWidth] result (rows kPanelWidth apart). `sums` is the calling thread's
+// scratch, tile_scratch_floats(m1 - m0). A float32 panel goes tile by tile over the whole
+// k; a quantized one chunk by chunk of kChunkRows widened rows, every tile's sums kept in
+// `sums` between chunks.
 template <class Sink>
-void multiply_panel(const Rows8& x, const float* panel, int64_t m0, int64_t m1, float* tile_out,
+void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
-  for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
-    const bool padded = rows > 1 && rows < kRows;
-    const float* tile_a = padded ? x.padded_tail : x.a + r0 * x.lda;
-    const int64_t tile_lda = padded ? x.k : x.lda;
-    if (rows == 1) {
-      row_tile(tile_a, panel, x.k, tile_out);
-    } else {
-      // (A prefetch past the last panel is harmless: prefetches never fault.)
-      const int64_t index = (r0 - m0) / kRows;
-      run_tile(tile_a, tile_lda, panel, x.k, tile_out,
-               fetch_plan(index, (m1 - m0 + kRows - 1) / kRows, panel, x.k));
+  const bool quantized = w.bits != 32;
+  thread_local std::vector<float> chunk;
+  if (quantized) chunk.resize(static_cast<size_t>(kChunkRows * kPanelWidth));
+  const int64_t step = quantized ? kChunkRows : std::max<int64_t>(x.k, 1);
+  const int64_t num_tiles = (m1 - m0 + kRows - 1) / kRows;
+  for (int64_t i0 = 0; i0 == 0 || i0 < x.k; i0 += step) {  // (once where k is 0: zero sums)
+    const int64_t depth = std::min(step, x.k - i0);
+    const float* panel = reinterpret_cast<const float*>(w.panel(p));
+    if (quantized) {
+      const uint8_t* src = w.panel(p) + i0 / kQuantBlock * detail::quantized_block_bytes(w.bits);
+      detail::widen_quantized_panel(src, depth, w.bits, chunk.data());
+      panel = chunk.data();
     }
-    sink(r0, rows, static_cast<const float*>(tile_out));
+    for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+      const int64_t rows = std::min<int64_t>(kRows, m1 - r0);
+      const bool padded = rows > 1 && rows < kRows;
+      const float* tile_a = (padded ? x.padded_tail : x.a + r0 * x.lda) + i0;
+      const int64_t tile_lda = padded ? x.k : x.lda;
+      const int64_t index = (r0 - m0) / kRows;
+      // Over the whole k, a tile is done at once: its sums go out from one slot.
+      float* c = quantized ? sums + index * kRows * kPanelWidth : sums;
+      if (rows == 1) {
+        row_tile(tile_a, panel, depth, c, i0 > 0);
+      } else if (!quantized) {
+        // (A prefetch past the last panel is harmless: prefetches never fault.)
+        run_tile(tile_a, tile_lda, panel, depth, c, false,
+                 fetch_plan(index, num_tiles, panel, depth));
+      } else {  // (the widening asks for the quantized rows ahead)
+        run_tile(tile_a, tile_lda, panel, depth, c, i0 > 0, Fetch{nullptr, 0});
+      }
+      if (!quantized) sink(r0, rows, static_cast<const float*>(c));
+    }
+  }
+  if (!quantized) return;
+  for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
+    const float* tile_sums = sums + (r0 - m0) * kPanelWidth;
+    sink(r0, std::min<int64_t>(kRows, m1 - r0), tile_sums);
   }
 }
 
@@ -170,21 +226,37 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
     const int64_t m1 = std::min(x.m, m0 + block_rows);
 #pragma omp for schedule(static) nowait
     for (int64_t u = 0; u < num_units; ++u) {
-      thread_local std::vector<float> scratch;  // a tile, then a unit's rows (the gates)
-      scratch.resize(static_cast<size_t>((kRows + std::min(x.m, block_rows)) * kPanelWidth));
+      thread_local std::vector<float> scratch;  // the tiles' sums, then a unit's gates
+      const int64_t rows = std::min(x.m, block_rows);
+      scratch.resize(static_cast<size_t>(tile_scratch_floats(rows) + rows * kPanelWidth));
       body(m0, m1, u, scratch.data());
     }
   }
 }
 
-void check_packed(const char* op, const TensorView& packed, int64_t size, int64_t k, int64_t n,
-                  const char* how) {
-  if (packed.ndim != 1 || packed.dtype != DType::kFloat32 || packed.strides[0] != 1 ||
-      packed.shape[0] != size) {
-    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
-                          ", " + std::to_string(n) + "] float32 weight (" + how + "), got " +
-                          packed.describe());
+// The panels of a packed [k, n] weight (`pairs`: gate/up panel pairs of n columns each),
+// checked: float32 from `how`, or uint8/int8 from pack_quantized_weight.
+Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n, bool pairs,
+                    const char* how) {
+  detail::check_cpu(packed, op, "packed");
+  const bool quantized = packed.dtype == DType::kUInt8 || packed.dtype == DType::kInt8;
+  const int bits = packed.dtype == DType::kUInt8 ? 4 : quantized ? 8 : 32;
+  if (quantized && k % kQuantBlock != 0) {
+    throw InvalidArgument(std::string(op) + ": a quantized weight needs k (x's columns) a " +
+                          "multiple of " + std::to_string(kQuantBlock) + ", got " +
+                          std::to_string(k));
   }
+  const int64_t size = (pairs ? 2 : 1) * (quantized ? packed_quantized_weight_size(k, n, bits)
+                                                    : packed_weight_size(k, n));
+  if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size ||
+      !(quantized || packed.dtype == DType::kFloat32)) {
+    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
+                          ", " + std::to_string(pairs ? 2 * n : n) + "] weight: float32 (" + how +
+                          ") or uint8/int8 (pack_quantized_weight), got " + packed.describe());
+  }
+  const int64_t panel_bytes = quantized ? packed_quantized_weight_size(k, kPanelWidth, bits)
+                                        : k * kPanelWidth * int64_t{sizeof(float)};
+  return {static_cast<const uint8_t*>(packed.data), k, bits, panel_bytes};
 }
 
 // x and out float32 rows, out [m, n] for x [m, k].
@@ -256,14 +328,13 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   constexpr const char* op = "small_gemm";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
-  check_packed(op, packed, packed_weight_size(k, n), k, n, "pack_weight");
+  const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
   const bool has_bias = bias.data != nullptr;
   if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
                    bias.strides[0] != 1)) {
     throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
                           "], got " + bias.describe());
   }
-  const auto* panels = static_cast<const float*>(packed.data);
   const auto* b = static_cast<const float*>(bias.data);
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
@@ -272,7 +343,7 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
                          const int64_t width = std::min(kPanelWidth, n - first);
-                         multiply_panel(rows8, panels + p * k * kPanelWidth, m0, m1, scratch,
+                         multiply_panel(rows8, panels, p, m0, m1, scratch,
                                         [&](int64_t r0, int64_t rows, const float* tile) {
                                           for (int64_t r = 0; r < rows; ++r) {
                                             float* dst = c + (r0 + r) * ldc + first;
@@ -290,8 +361,7 @@ void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const T
   constexpr const char* op = "small_gemm_silu_and_mul";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
-  check_packed(op, packed, 2 * packed_weight_size(k, n), k, 2 * n, "pack_gate_up_weight");
-  const auto* panels = static_cast<const float*>(packed.data);
+  const Panels panels = check_packed(op, packed, k, n, true, "pack_gate_up_weight");
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
   const Rows8 rows8 = tile_rows(x);
@@ -300,15 +370,14 @@ void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const T
   for_blocks_and_units(
       rows8, (n + kPanelWidth - 1) / kPanelWidth, 2 * kPanelWidth,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
-        const float* gate_panel = panels + 2 * p * k * kPanelWidth;
-        float* gates = scratch + kRows * kPanelWidth;  // [m1 - m0, kPanelWidth]
-        multiply_panel(rows8, gate_panel, m0, m1, scratch,
+        float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
+        multiply_panel(rows8, panels, 2 * p, m0, m1, scratch,
                        [&](int64_t r0, int64_t rows, const float* tile) {
                          std::memcpy(gates + (r0 - m0) * kPanelWidth, tile,
                                      static_cast<size_t>(rows * kPanelWidth) * sizeof(float));
                        });
         const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-        multiply_panel(rows8, gate_panel + k * kPanelWidth, m0, m1, scratch,
+        multiply_panel(rows8, panels, 2 * p + 1, m0, m1, scratch,
                        [&](int64_t r0, int64_t rows, const float* tile) {
                          for (int64_t r = 0; r < rows; ++r) {
                            detail::silu_and_mul_row(gates + (r0 - m0 + r) * kPanelWidth,

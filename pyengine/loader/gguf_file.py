@@ -16,6 +16,8 @@ from typing import Any
 
 import numpy as np
 
+from pyengine.loader.block_quantized import BlockQuantized, from_gguf_blocks, is_block_quantized
+
 _MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format
     0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
@@ -112,8 +114,28 @@ class GGUFFile:
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 (dequantized if quantized)."""
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
+
+        qtype, raw = self._raw(name)
+        if qtype == GGMLQuantizationType.F32:
+            values = raw.view(np.float32)
+        elif qtype == GGMLQuantizationType.F16:
+            values = raw.view(np.float16).astype(np.float32)
+        else:
+            values = dequantize(raw, qtype)
+        return values.astype(np.float32).reshape(self.tensors[name].shape)  # a writable copy
+
+    def block_quantized(self, name: str) -> BlockQuantized | None:
+        """A 2-D tensor `name` in its block form where it is Q4_0, Q4_1 or Q8_0, else None."""
+        info = self.tensors[name]
+        if len(info.shape) != 2 or not is_block_quantized(info.ggml_type):
+            return None
+        return from_gguf_blocks(self._raw(name)[1], info.ggml_type)
+
+    def _raw(self, name: str) -> tuple[Any, np.ndarray]:
+        """(GGML type, the tensor's bytes as uint8 [rows, row bytes]), checked."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
         info = self.tensors[name]
         try:
@@ -131,10 +153,4 @@ class GGUFFile:
         if end > len(self._map):
             raise GGUFError(f"{self.path}: tensor {name} runs past the end of the file")
         raw = np.frombuffer(self._map, np.uint8, rows * row_bytes, info.offset)
-        if qtype == GGMLQuantizationType.F32:
-            values = raw.view(np.float32)
-        elif qtype == GGMLQuantizationType.F16:
-            values = raw.view(np.float16).astype(np.float32)
-        else:
-            values = dequantize(raw.reshape(rows, row_bytes), qtype)
-        return values.astype(np.float32).reshape(info.shape)  # a writable copy
+        return qtype, raw.reshape(rows, row_bytes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.loader.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFError, GGUFFile
 
 _ARCHITECTURES = {
@@ -91,22 +93,47 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
 def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Every tensor as float32, under its Hugging Face name."""
     weights: dict[str, torch.Tensor] = {}
-    permuted = g.fields.get("general.architecture") in ("llama", "mistral")
     for name in g.tensors:
-        m = _LAYER_TENSOR.fullmatch(name)
-        if name in _GLOBAL_NAMES:
-            hf_name = _GLOBAL_NAMES[name]
-        elif m and m.group(2) in _LAYER_NAMES:
-            hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-        elif name == "rope_freqs.weight":
-            continue  # Llama 3 rope scaling, recomputed from the config
-        else:
-            raise GGUFError(f"{g.path}: unexpected tensor {name}")
+        hf_name, rope_heads = _hf_name(g, name, config)
+        if hf_name is None:
+            continue
         array = g.tensor(name)
-        if permuted and m and m.group(2) in ("attn_q", "attn_k"):
-            heads = (
-                config.num_attention_heads if m.group(2) == "attn_q" else config.num_key_value_heads
-            )
-            array = _unpermute_rope(array, heads)
+        if rope_heads:
+            array = _unpermute_rope(array, rope_heads)
         weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
     return weights
+
+
+def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, BlockQuantized]:
+    """The Q4_0/Q4_1/Q8_0 matrices in their block form, under their Hugging Face names (the
+    same values as weights_from_gguf's, bit for bit)."""
+    quantized: dict[str, BlockQuantized] = {}
+    for name in g.tensors:
+        hf_name, rope_heads = _hf_name(g, name, config)
+        blocks = None if hf_name is None else g.block_quantized(name)
+        if hf_name is None or blocks is None:
+            continue
+        if rope_heads:
+            blocks = blocks.map_rows(functools.partial(_unpermute_rope, heads=rope_heads))
+        quantized[hf_name] = blocks
+    return quantized
+
+
+def _hf_name(g: GGUFFile, name: str, config: ModelConfig) -> tuple[str | None, int]:
+    """(GGUF tensor `name`'s Hugging Face name, or None for a tensor not loaded; the heads
+    whose rows llama.cpp permuted for its rope, or 0)."""
+    m = _LAYER_TENSOR.fullmatch(name)
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name], 0
+    if name == "rope_freqs.weight":
+        return None, 0  # Llama 3 rope scaling, recomputed from the config
+    if not (m and m.group(2) in _LAYER_NAMES):
+        raise GGUFError(f"{g.path}: unexpected tensor {name}")
+    hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if g.fields.get("general.architecture") not in ("llama", "mistral"):
+        return hf_name, 0
+    if m.group(2) == "attn_q":
+        return hf_name, config.num_attention_heads
+    if m.group(2) == "attn_k":
+        return hf_name, config.num_key_value_heads
+    return hf_name, 0

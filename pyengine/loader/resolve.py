@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from pyengine.config import ModelConfig
+from pyengine.loader.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFFile
-from pyengine.loader.gguf_model import config_from_gguf, weights_from_gguf
+from pyengine.loader.gguf_model import (
+    block_quantized_from_gguf,
+    config_from_gguf,
+    weights_from_gguf,
+)
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -25,6 +30,8 @@ class LoadedModel:
     weights: dict[str, torch.Tensor] | None  # None: random ("dummy")
     tokenizer: PyengineTokenizer | None
     source: str
+    # GGUF's Q4_0/Q4_1/Q8_0 matrices in block form too (the same values as `weights`)
+    block_quantized: dict[str, BlockQuantized] = field(default_factory=dict)
 
 
 def default_model_path() -> Path:
@@ -80,6 +87,7 @@ def load_model(model: str, tokenizer: str | None = None, load_format: str = "aut
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     path = resolve_path(model)
+    block_quantized: dict[str, BlockQuantized] = {}
     is_gguf = path.is_file() and (path.suffix == ".gguf" or load_format == "gguf")
     if is_gguf:
         if load_format == "safetensors":
@@ -87,6 +95,8 @@ def load_model(model: str, tokenizer: str | None = None, load_format: str = "aut
         g = GGUFFile(path)
         config = config_from_gguf(g)
         weights = None if load_format == "dummy" else weights_from_gguf(g, config)
+        if weights is not None:
+            block_quantized = block_quantized_from_gguf(g, config)
         tok = tokenizer_from_gguf(g.fields, str(path)) if tokenizer is None else None
     elif path.is_dir():
         if load_format == "gguf":
@@ -104,7 +114,7 @@ def load_model(model: str, tokenizer: str | None = None, load_format: str = "aut
         tok = tokenizer_from_folder(resolve_path(tokenizer))
     if tok is not None and tok.eos_token_id is not None and not config.eos_token_ids:
         config.eos_token_ids = (tok.eos_token_id,)
-    return LoadedModel(config, weights, tok, str(path))
+    return LoadedModel(config, weights, tok, str(path), block_quantized)
 
 
 def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pyengine import _C, ops
+from pyengine.loader.block_quantized import BlockQuantized
 
 
 @dataclass(frozen=True)
@@ -28,30 +31,56 @@ def parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
+# Up to this many rows, a weight with a block-quantized form multiplies from it: a step
+# of few rows is bound by streaming the weights, and those bytes are a fifth (SmolLM2's
+# matmuls for one row: 13 ms against 26 from the float32 panels, for 16 rows 29 against
+# 38). With more rows the arithmetic binds, and the float32 panels skip the widening (32
+# rows: level; a prefill: 15-20% faster).
+BLOCK_QUANTIZED_MAX_ROWS = 16
+
+
+def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
+    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
+    out_features, in_features = blocks.shape
+    n = out_features // 2 if gate_up else out_features
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, blocks.bits)
+    packed = torch.empty(size, dtype=torch.uint8 if blocks.bits == 4 else torch.int8)
+    q_t, scale_t, offset_t = (
+        torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
+    )
+    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up)
+    return packed
+
+
 class DenseWeight:
     """A [out, in] weight prepared for x [tokens, in] -> [tokens, out]. On the CPU in
     float32 it is packed once into column panels for pyengine's own matmul
     (cpp/src/small_gemm.cpp): a decode step streams each weight byte once, in order: a
     decode step of 32 requests runs 1.2x faster than with torch.mm (which repacks the
     weight on every call), prefill about as fast (measured side by side in one process,
-    SmolLM2-135M, 2 cores). Elsewhere it is the weight itself, for torch's matmul."""
+    SmolLM2-135M, 2 cores). A weight that came block-quantized (GGUF's Q4_0/Q4_1/Q8_0) is
+    also packed in that form, for steps of few rows. Elsewhere it is the weight itself,
+    for torch's matmul."""
 
-    def __init__(self, weight: torch.Tensor, placement: Placement) -> None:
+    def __init__(
+        self, weight: torch.Tensor, placement: Placement, blocks: BlockQuantized | None = None
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.packed: torch.Tensor | None = None
+        self.packed_blocks: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         if placement.packs_weights:
             self.packed = torch.empty(_C.packed_weight_size(self.in_features, self.out_features))
             _C.pack_weight(self.packed, weight.t().contiguous().float())
+            self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=False)
         else:
             self.weight = weight.to(placement.device, placement.dtype).contiguous()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.weight is not None:
             return F.linear(x, self.weight, bias)
-        assert self.packed is not None
         out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        ops.dense(out, x, self.packed, bias, self.out_features)
+        ops.dense(out, x, _for_rows(self.packed, self.packed_blocks, x), bias, self.out_features)
         return out
 
 
@@ -61,14 +90,18 @@ class GatedDense:
     (small_gemm_silu_and_mul): the [tokens, 2 * n] product never goes to memory and back.
     Elsewhere a matmul, then silu_and_mul."""
 
-    def __init__(self, weight: torch.Tensor, placement: Placement) -> None:
+    def __init__(
+        self, weight: torch.Tensor, placement: Placement, blocks: BlockQuantized | None = None
+    ) -> None:
         self.out_features, self.in_features = weight.shape[0] // 2, weight.shape[1]
         self.packed: torch.Tensor | None = None
+        self.packed_blocks: torch.Tensor | None = None
         self.dense: DenseWeight | None = None
         if placement.packs_weights:
             size = 2 * _C.packed_weight_size(self.in_features, self.out_features)
             self.packed = torch.empty(size)
             _C.pack_gate_up_weight(self.packed, weight.t().contiguous().float())
+            self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=True)
         else:
             self.dense = DenseWeight(weight, placement)
 
@@ -77,8 +110,28 @@ class GatedDense:
         if self.dense is not None:
             ops.silu_and_mul(out, self.dense(x))
         else:
-            ops.dense_silu_and_mul(out, x, self.packed, self.out_features)
+            packed = _for_rows(self.packed, self.packed_blocks, x)
+            ops.dense_silu_and_mul(out, x, packed, self.out_features)
         return out
+
+
+def _packed_blocks(
+    blocks: BlockQuantized | None, shape: tuple[int, ...], gate_up: bool
+) -> torch.Tensor | None:
+    if blocks is None:
+        return None
+    if blocks.shape != shape:
+        raise ValueError(f"block-quantized weight {blocks.shape} for a {shape} weight")
+    return pack_block_quantized(blocks, gate_up)
+
+
+def _for_rows(
+    packed: torch.Tensor | None, packed_blocks: torch.Tensor | None, x: torch.Tensor
+) -> torch.Tensor:
+    if packed_blocks is not None and x.shape[0] <= BLOCK_QUANTIZED_MAX_ROWS:
+        return packed_blocks
+    assert packed is not None
+    return packed
 
 
 def prepare_dense(
@@ -87,24 +140,29 @@ def prepare_dense(
     tied_head: bool,
     placement: Placement,
     gated: frozenset[str] = frozenset(),
+    block_quantized: Mapping[str, BlockQuantized] | None = None,
 ) -> int:
     """Replaces each named [out, in] parameter by a DenseWeight attribute (parameter name ->
     attribute name, on the same module), or a GatedDense for the names in `gated`, the head
     too (a head tied to the embeddings gets its own), then moves the remaining parameters to
-    the placement. Returns the model's number of parameters (a tied head counted once)."""
+    the placement. `block_quantized` gives the block form of parameters that have one
+    (by parameter name). Returns the model's number of parameters (a tied head counted
+    once)."""
+    blocks = block_quantized or {}
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     with torch.no_grad():
         for name, attribute in names.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
             kind = GatedDense if name in gated else DenseWeight
-            setattr(owner, attribute, kind(getattr(owner, leaf).data, placement))
+            setattr(owner, attribute, kind(getattr(owner, leaf).data, placement, blocks.get(name)))
             delattr(owner, leaf)
         for parameter in model.parameters():
             parameter.data = parameter.data.to(placement.device, placement.dtype)
         # After the move: a tied head that is not packed shares the embeddings' memory.
-        head = model.get_parameter("embed_tokens" if tied_head else "lm_head")
-        model.head = DenseWeight(head.data, placement)  # type: ignore[assignment]
+        head_name = "embed_tokens" if tied_head else "lm_head"
+        head = model.get_parameter(head_name)
+        model.head = DenseWeight(head.data, placement, blocks.get(head_name))  # type: ignore[assignment]
         if not tied_head:
             del model.lm_head
     return count

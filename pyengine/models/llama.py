@@ -7,6 +7,8 @@ loop; attention goes through the paged KV cache. q/k/v and gate/up are each one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -14,6 +16,7 @@ from torch import nn
 from pyengine import ops
 from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
+from pyengine.loader.block_quantized import BlockQuantized
 from pyengine.models.layers import DenseWeight, GatedDense, Placement, parameter, prepare_dense
 from pyengine.models.rotary import RotaryEmbedding
 
@@ -154,9 +157,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(hidden))
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up."""
+    def load_weights(
+        self,
+        weights: dict[str, torch.Tensor],
+        block_quantized: Mapping[str, BlockQuantized] | None = None,
+    ) -> None:
+        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up. `block_quantized`:
+        the block form of some of them (GGUF's), fused the same way where every part has
+        one."""
         expected = set()
+        names = {id(p): n for n, p in self.named_parameters()}
+        block_parts: dict[str, list[tuple[int, BlockQuantized]]] = {}
         with torch.no_grad():
             for name, tensor in weights.items():
                 target, rows = self._target(name)
@@ -170,14 +181,28 @@ class LlamaForCausalLM(nn.Module):
                         f"{tuple(view.shape)}"
                     )
                 view.copy_(tensor)
+                if block_quantized and name in block_quantized:
+                    first = 0 if rows is None else rows[0]
+                    block_parts.setdefault(names[id(target)], []).append(
+                        (first, block_quantized[name])
+                    )
         required = self._required_names()
         missing = sorted(required - expected)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-        self.prepare_for_inference()
+        fused = {}
+        for param, parts in block_parts.items():
+            parts.sort(key=lambda part: part[0])
+            whole = BlockQuantized.stack([blocks for _, blocks in parts])
+            if whole.shape == tuple(self.get_parameter(param).shape):  # every part has one
+                fused[param] = whole
+        self.prepare_for_inference(fused)
 
-    def prepare_for_inference(self) -> None:
-        """After the weights are in: matmul weights as DenseWeights."""
+    def prepare_for_inference(
+        self, block_quantized: Mapping[str, BlockQuantized] | None = None
+    ) -> None:
+        """After the weights are in: matmul weights as DenseWeights (from their block form
+        too where `block_quantized`, by parameter name, has one)."""
         names = {}
         for i in range(self.config.num_hidden_layers):
             for param, attribute in (
@@ -187,7 +212,7 @@ class LlamaForCausalLM(nn.Module):
                 names[f"layers.{i}.{param}"] = attribute
         gated = frozenset(f"layers.{i}.mlp.gate_up_weight" for i in range(len(self.layers)))
         self.num_parameters = prepare_dense(
-            self, names, self.config.tie_word_embeddings, self.placement, gated
+            self, names, self.config.tie_word_embeddings, self.placement, gated, block_quantized
         )
 
     def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:

@@ -20,8 +20,30 @@ int64_t packed_weight_size(int64_t k, int64_t n);
 // [packed_weight_size(k, n)]); columns past n in the last panel are zero.
 void pack_weight(const TensorView& packed, const TensorView& w_t);
 
+// Block-quantized weights, the form of GGUF's Q4_0, Q4_1 and Q8_0: along k, every
+// kQuantBlock rows of a column share a scale and an offset, w[i][j] = q[i][j] *
+// scale[i / kQuantBlock][j] + offset[i / kQuantBlock][j] with q a small integer and the
+// scales of at most 16 significant bits (GGUF's are float16), so that the product is exact
+// and the float32 result rounds once. Packed, a panel takes 0.75 (4-bit) or
+// 1.25 (8-bit) bytes a weight instead of 4, so a decode step streams a fifth of the
+// bytes; each panel is widened to float32 in the thread's cache before the tiles use it,
+// so the product is exactly the float32 one over the widened weight.
+inline constexpr int64_t kQuantBlock = 32;
+
+// Bytes a packed quantized [k, n] weight takes, bits 4 or 8 (k a multiple of
+// kQuantBlock).
+int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits);
+
+// Packs q_t [k, n] (uint8 0..15 for 4 bits, int8 for 8), scale_t and offset_t (float32
+// [k / kQuantBlock, n]; the scales of at most 16 significant bits) into `packed`: uint8 (4-bit) or
+// int8 (8-bit) [size], size packed_quantized_weight_size(k, n, bits), or twice that of n / 2 with
+// gate_up (q_t [k, 2 * n]: gate columns, then up, paired as pack_gate_up_weight pairs them).
+void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
+                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up);
+
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
-// null). x and out float32 with a dense last dim.
+// null). x and out float32 with a dense last dim; packed float32 (pack_weight) or
+// uint8/int8 (pack_quantized_weight).
 void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
                 const TensorView& bias, int64_t n);
 
@@ -32,7 +54,8 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 
 // out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight: the gate/up
 // product never leaves the thread's cache, and the activation rounds exactly as
-// silu_and_mul's. x and out float32 with a dense last dim.
+// silu_and_mul's. x and out float32 with a dense last dim; packed float32
+// (pack_gate_up_weight) or uint8/int8 (pack_quantized_weight with gate_up).
 void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                              int64_t n);
 

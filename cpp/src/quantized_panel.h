@@ -1,0 +1,31 @@
+// The block-quantized panel of small_gemm (see pyengine/small_gemm.h): its byte layout,
+// and its widening to the float32 panel the tiles read. Internal to pyengine_core.
+//
+// A panel of kPanelWidth columns over k rows is k / kQuantBlock blocks, each
+//   scale  [kPanelWidth] float32, offset [kPanelWidth] float32,
+//   then the block's kQuantBlock rows of kPanelWidth integers:
+//     8-bit: one int8 a weight, row after row;
+//     4-bit: rows in pairs, one byte a column: row 2i in the low nibble, 2i + 1 in the
+//            high one (unsigned, 0..15),
+// so that widening one row of 16 columns is a 16-byte load, a widening conversion and a
+// multiply-add.
+#pragma once
+
+#include <cstdint>
+
+#include "pyengine/small_gemm.h"
+
+namespace pyengine::detail {
+
+inline constexpr int64_t kQuantParamBytes = 2 * kPanelWidth * sizeof(float);
+
+// Bytes of one block of one panel (4 or 8 bits a weight).
+constexpr int64_t quantized_block_bytes(int bits) {
+  return kQuantParamBytes + kQuantBlock * kPanelWidth * bits / 8;
+}
+
+// The float32 panel [k, kPanelWidth] of the quantized panel at src: q * scale + offset,
+// rounded once (q * scale is exact).
+void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst);
+
+}  // namespace pyengine::detail

@@ -1,0 +1,136 @@
+"""dense and dense_silu_and_mul over block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0
+form): bit for bit the float32 matmul over the widened weight, which is the weight the
+loader dequantizes; and clear errors for what cannot be packed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pyengine import _C, ops
+from pyengine.loader.block_quantized import BLOCK, BlockQuantized
+from pyengine.models.layers import pack_block_quantized
+
+
+def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:
+    """Fresh random blocks: float16 scales; offsets as Q4_1 (float16), Q4_0 (-8 scale) or
+    Q8_0 (-0.0) store them."""
+    scale = (torch.randn(rows, cols // BLOCK) * 0.05).half().float()
+    if bits == 4:
+        q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
+    else:
+        q = torch.randint(-128, 128, (rows, cols), dtype=torch.int8)
+    offset = {
+        "q4_1": (torch.randn(rows, cols // BLOCK) * 0.1).half().float(),
+        "q4_0": -8 * scale,
+        "q8_0": torch.full_like(scale, -0.0),
+    }[form]
+    return BlockQuantized(q.numpy(), scale.numpy(), offset.numpy())
+
+
+FORMS = [(4, "q4_1"), (4, "q4_0"), (8, "q8_0")]
+
+
+def float_packed(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
+    out_features, in_features = w.shape
+    n = out_features // 2 if gate_up else out_features
+    packed = torch.empty((2 if gate_up else 1) * _C.packed_weight_size(in_features, n))
+    (_C.pack_gate_up_weight if gate_up else _C.pack_weight)(packed, w.t().contiguous())
+    return packed
+
+
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 50), (3, 96, 100), (8, 576, 49), (21, 160, 97)])
+def test_dense_of_blocks_is_the_float32_dense_of_the_widened_weight(
+    bits: int, form: str, m: int, k: int, n: int
+) -> None:
+    blocks = random_blocks(n, k, bits, form)
+    w = torch.from_numpy(blocks.dequantize())
+    x, bias = torch.randn(m, k), torch.randn(n)
+    got, want = torch.empty(m, n), torch.empty(m, n)
+    ops.dense(got, x, pack_block_quantized(blocks), bias, n)
+    ops.dense(want, x, float_packed(w), bias, n)
+    assert torch.equal(got, want)
+    reference = x.double() @ w.double().t() + bias.double()
+    assert (got - reference).abs().max() < 1e-4 * max(1.0, reference.abs().max().item())
+
+
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 40), (5, 192, 100), (16, 576, 70)])
+def test_gated_dense_of_blocks_is_the_float32_one(
+    bits: int, form: str, m: int, k: int, n: int
+) -> None:
+    blocks = random_blocks(2 * n, k, bits, form)
+    w = torch.from_numpy(blocks.dequantize())
+    x = torch.randn(m, k)
+    got, want = torch.empty(m, n), torch.empty(m, n)
+    ops.dense_silu_and_mul(got, x, pack_block_quantized(blocks, gate_up=True), n)
+    ops.dense_silu_and_mul(want, x, float_packed(w, gate_up=True), n)
+    assert torch.equal(got, want)
+
+
+def test_widening_rounds_as_the_loader_dequantizes() -> None:
+    """q * scale + offset in float32, one rounding (q * scale is exact): the product of x
+    with a unit row picks the widened weights out exactly."""
+    blocks = random_blocks(48, 64, 4, "q4_1")
+    eye = torch.eye(64)
+    got = torch.empty(64, 48)
+    for rows in (1, 8):  # the one-row kernel and the tiles
+        for r0 in range(0, 64, rows):
+            ops.dense(
+                got[r0 : r0 + rows], eye[r0 : r0 + rows], pack_block_quantized(blocks), None, 48
+            )
+        assert torch.equal(got.t(), torch.from_numpy(blocks.dequantize()))
+
+
+def test_stacked_blocks_of_mixed_bits_are_8_bit() -> None:
+    a, b = random_blocks(10, 64, 4, "q4_1"), random_blocks(6, 64, 8, "q8_0")
+    whole = BlockQuantized.stack([a, b])
+    assert whole.bits == 8 and whole.shape == (16, 64)
+    assert (whole.dequantize()[:10] == a.dequantize()).all()
+    assert (whole.dequantize()[10:] == b.dequantize()).all()
+
+
+def test_empty_operands() -> None:
+    blocks = random_blocks(50, 64, 4, "q4_1")
+    out = torch.empty(0, 50)
+    ops.dense(out, torch.randn(0, 64), pack_block_quantized(blocks), None, 50)
+    assert out.shape == (0, 50)
+
+
+def test_quantized_packing_errors() -> None:
+    q = torch.randint(0, 16, (64, 50), dtype=torch.uint8)
+    scale = torch.full((2, 50), 0.25)
+    offset = torch.zeros(2, 50)
+    packed = torch.empty(_C.packed_quantized_weight_size(64, 50, 4), dtype=torch.uint8)
+    _C.pack_quantized_weight(packed, q, scale, offset)
+    with pytest.raises(ValueError, match="bits must be 4 or 8"):
+        _C.packed_quantized_weight_size(64, 50, 5)
+    with pytest.raises(ValueError, match="k must be a multiple of 32"):
+        _C.packed_quantized_weight_size(40, 50, 4)
+    with pytest.raises(ValueError, match="must be uint8 .4-bit weights. or int8"):
+        _C.pack_quantized_weight(torch.empty(packed.numel()), q, scale, offset)
+    with pytest.raises(ValueError, match="q_t must be int8"):
+        _C.pack_quantized_weight(packed.view(torch.int8), q, scale, offset)
+    with pytest.raises(ValueError, match=r"q_t's rows. must be a multiple of 32"):
+        _C.pack_quantized_weight(packed, q[:40], scale, offset)
+    with pytest.raises(ValueError, match=r"scale_t must be \[2, 50\]"):
+        _C.pack_quantized_weight(packed, q, scale[:1], offset)
+    with pytest.raises(ValueError, match=r"offset_t must be float32"):
+        _C.pack_quantized_weight(packed, q, scale, offset.int())
+    with pytest.raises(ValueError, match="holds values 0..15, row 3 has more"):
+        bad = q.clone()
+        bad[3, 7] = 16
+        _C.pack_quantized_weight(packed, bad, scale, offset)
+    with pytest.raises(ValueError, match="at most 16 significant bits"):
+        _C.pack_quantized_weight(packed, q, scale + 1e-6, offset)
+    with pytest.raises(ValueError, match=r"packed must be dense \["):
+        _C.pack_quantized_weight(packed[:-1], q, scale, offset)
+    with pytest.raises(ValueError, match=r"q_t must be \[k, 2n\]"):
+        _C.pack_quantized_weight(packed, q[:, :49], scale[:, :49], offset[:, :49], True)
+    with pytest.raises(ValueError, match="needs k .x's columns. a multiple of 32"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 40), packed, None, 50)
+    with pytest.raises(ValueError, match="packed must be a packed"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 96), packed, None, 50)
+    with pytest.raises(ValueError, match="packed must be a packed"):  # 8-bit size, 4-bit data
+        ops.dense(torch.empty(2, 50), torch.randn(2, 64), packed.view(torch.int8), None, 50)
