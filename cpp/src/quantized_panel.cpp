@@ -22,12 +22,11 @@ using detail::quantized_block_bytes;
 constexpr int kLanes = 16;
 constexpr int64_t kPrefetchBlocks = 4;
 
-int bits_of(DType packed) { return packed == DType::kUInt8 ? 4 : 8; }
-
 void check_quantized_args(const char* op, const TensorView& packed, const TensorView& q_t,
                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   detail::check_cpu(packed, op, "packed");
-  if (packed.dtype != DType::kUInt8 && packed.dtype != DType::kInt8) {
+  const int bits = detail::quantized_bits(packed.dtype);
+  if (bits == 0) {
     throw InvalidArgument(detail::arg(op, "packed") +
                           " must be uint8 (4-bit weights) or int8 (8-bit), got " +
                           packed.describe());
@@ -62,7 +61,6 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
                             std::to_string(b) + " has more");
     }
   }
-  const int bits = bits_of(packed.dtype);
   const int64_t size = gate_up ? 2 * packed_quantized_weight_size(k, n / 2, bits)
                                : packed_quantized_weight_size(k, n, bits);
   if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
@@ -126,7 +124,7 @@ int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits) {
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up);
-  const int bits = bits_of(packed.dtype);
+  const int bits = detail::quantized_bits(packed.dtype);
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
   const int64_t panel_bytes = packed_quantized_weight_size(k, kPanelWidth, bits);
   auto* dst = static_cast<uint8_t*>(packed.data);

@@ -14,10 +14,17 @@
 #include <cstdint>
 
 #include "pyengine/small_gemm.h"
+#include "pyengine/tensor_view.h"
 
 namespace pyengine::detail {
 
 inline constexpr int64_t kQuantParamBytes = 2 * kPanelWidth * sizeof(float);
+
+// Bits a weight of a quantized panel buffer of this dtype: uint8 4, int8 8, else 0 (not
+// quantized: float32 panels).
+constexpr int quantized_bits(DType packed) {
+  return packed == DType::kUInt8 ? 4 : packed == DType::kInt8 ? 8 : 0;
+}
 
 // Bytes of one block of one panel (4 or 8 bits a weight).
 constexpr int64_t quantized_block_bytes(int bits) {

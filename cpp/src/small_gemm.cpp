@@ -239,8 +239,8 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
 Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n, bool pairs,
                     const char* how) {
   detail::check_cpu(packed, op, "packed");
-  const bool quantized = packed.dtype == DType::kUInt8 || packed.dtype == DType::kInt8;
-  const int bits = packed.dtype == DType::kUInt8 ? 4 : quantized ? 8 : 32;
+  const bool quantized = detail::quantized_bits(packed.dtype) != 0;
+  const int bits = quantized ? detail::quantized_bits(packed.dtype) : 32;
   if (quantized && k % kQuantBlock != 0) {
     throw InvalidArgument(std::string(op) + ": a quantized weight needs k (x's columns) a " +
                           "multiple of " + std::to_string(kQuantBlock) + ", got " +
