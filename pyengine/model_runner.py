@@ -3,8 +3,6 @@ rows that sample out. Owns the model and its paged KV cache."""
 
 from __future__ import annotations
 
-import mmap
-
 import numpy as np
 import torch
 
@@ -12,6 +10,7 @@ from pyengine import StepBuffers, ops
 from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
 from pyengine.cuda_graphs import DecodeGraphs
+from pyengine.host_memory import huge_page_tensor
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
 from pyengine.models.layers import Placement
@@ -48,20 +47,15 @@ def build_model(
 
 def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The KV cache's memory, zero-filled. On a GPU, one allocation. On the CPU, on
-    transparent huge pages where the OS offers them: attention reads 4 KB tiles from
-    wherever their blocks lie in the pool, and with 2 MB pages those reads stop missing
-    the TLB (decode attention of 32 requests whose blocks are scattered over a 2 GiB pool:
-    9% faster on the 2-core dev machine; no change while a fresh pool hands out
+    transparent huge pages where the OS offers them (host_memory): attention reads 4 KB
+    tiles from wherever their blocks lie in the pool, and with 2 MB pages those reads stop
+    missing the TLB (decode attention of 32 requests whose blocks are scattered over a
+    2 GiB pool: 9% faster on the 2-core dev machine; no change while a fresh pool hands out
     neighbouring blocks). Pages are committed as blocks are first written, 2 MB at a
     time."""
-    if device.type != "cpu" or not hasattr(mmap, "MAP_ANONYMOUS"):
+    if device.type != "cpu":
         return torch.zeros(numel, dtype=dtype, device=device)
-    if not hasattr(mmap, "MADV_HUGEPAGE"):
-        return torch.zeros(numel, dtype=dtype)
-    size = numel * (torch.finfo(dtype).bits // 8)
-    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    buffer.madvise(mmap.MADV_HUGEPAGE)
-    return torch.frombuffer(buffer, dtype=dtype, count=numel)  # keeps buffer alive
+    return huge_page_tensor(numel, dtype)
 
 
 class ModelRunner:

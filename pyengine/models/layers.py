@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine import _C, ops
+from pyengine import _C, host_memory, ops
 from pyengine.loader.block_quantized import BlockQuantized
 
 
@@ -44,7 +44,7 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
     out_features, in_features = blocks.shape
     n = out_features // 2 if gate_up else out_features
     size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, blocks.bits)
-    packed = torch.empty(size, dtype=torch.uint8 if blocks.bits == 4 else torch.int8)
+    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
     q_t, scale_t, offset_t = (
         torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
     )
@@ -70,7 +70,8 @@ class DenseWeight:
         self.packed_blocks: torch.Tensor | None = None
         self.weight: torch.Tensor | None = None
         if placement.packs_weights:
-            self.packed = torch.empty(_C.packed_weight_size(self.in_features, self.out_features))
+            size = _C.packed_weight_size(self.in_features, self.out_features)
+            self.packed = host_memory.empty(size)
             _C.pack_weight(self.packed, weight.t().contiguous().float())
             self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=False)
         else:
@@ -99,7 +100,7 @@ class GatedDense:
         self.dense: DenseWeight | None = None
         if placement.packs_weights:
             size = 2 * _C.packed_weight_size(self.in_features, self.out_features)
-            self.packed = torch.empty(size)
+            self.packed = host_memory.empty(size)
             _C.pack_gate_up_weight(self.packed, weight.t().contiguous().float())
             self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=True)
         else:
@@ -150,7 +151,8 @@ def prepare_dense(
     once)."""
     blocks = block_quantized or {}
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    with torch.no_grad():
+    # The packed weights, streamed every step, go on huge pages (host_memory).
+    with torch.no_grad(), host_memory.huge_page_arena():
         for name, attribute in names.items():
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name) if owner_name else model
