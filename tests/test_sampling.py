@@ -9,7 +9,7 @@ from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits
+from pyengine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits, row_argmax
 
 PROMPTS = [
     "The future of AI is",
@@ -296,3 +296,19 @@ def test_filter_logits_matches_the_definitions(scale: float) -> None:
         want = reference_filter(x, k, p, m)
         assert torch.equal(torch.isfinite(row), torch.isfinite(want))
         assert torch.equal(row[torch.isfinite(row)], x[torch.isfinite(row)])
+
+
+def test_row_argmax_matches_torch_with_ties_nan_and_strides() -> None:
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(9, 1000, generator=gen)
+    logits[1, [5, 700]] = 50.0  # a tie: the first wins
+    logits[2] = float("-inf")
+    logits[3, 400] = float("nan")  # NaN counts as the largest
+    logits[4, [3, 999]] = float("nan")
+    logits[5] = logits[5].round()  # many ties
+    for x in (logits, logits[:, ::3], logits.t().contiguous().t(), logits[:0]):
+        got, want = row_argmax(x), x.argmax(dim=-1)
+        assert got.dtype == want.dtype == torch.int64
+        assert torch.equal(got, want)
+    half = logits.to(torch.bfloat16)  # (not numpy's: through torch)
+    assert torch.equal(row_argmax(half), half.argmax(dim=-1))
