@@ -212,10 +212,14 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
 }
 
 // body(m0, m1, unit, scratch) for every block of rows and every unit (a panel, or a pair of
-// them), units split statically over the threads. Many rows (a prefill) go in blocks whose
-// rows of x stay in L2 while every panel passes over them; a decode step's few rows are
-// one block. One parallel region, no barrier between blocks: with the same split every
-// block, a thread moves on to its units of the next block as soon as it is done.
+// them). Many rows (a prefill) go in blocks whose rows of x stay in L2 while every panel
+// passes over them; a decode step's few rows are one block. One parallel region, no
+// barrier between blocks: a thread moves on to the next block as soon as it is done.
+// Units are handed out guided: runs of consecutive panels (what the fetch plan streams
+// ahead into), shrinking towards the end, so that a thread the machine slows down for a
+// while (a shared host's vCPUs) does not leave the other waiting at the end of the call.
+// (Against the even static split, a run's decode matmuls took 9% less time, its prefill
+// matmuls 4% less: medians of 4 alternating runs in one process, same tokens.)
 template <class Body>
 void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_columns, Body&& body) {
   const int64_t block_rows =
@@ -224,7 +228,7 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
                          std::min(x.m, block_rows) * x.k * unit_columns * num_units >= (1 << 16))
   for (int64_t m0 = 0; m0 < x.m; m0 += block_rows) {
     const int64_t m1 = std::min(x.m, m0 + block_rows);
-#pragma omp for schedule(static) nowait
+#pragma omp for schedule(guided, 2) nowait
     for (int64_t u = 0; u < num_units; ++u) {
       thread_local std::vector<float> scratch;  // the tiles' sums, then a unit's gates
       const int64_t rows = std::min(x.m, block_rows);
