@@ -38,10 +38,12 @@ def huge_page_tensor(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A zero-filled CPU tensor of numel elements in its own anonymous mapping, advised
     for huge pages (torch.zeros where that is unavailable). The mapping is released when
     the tensor and every view of it are gone."""
-    if not huge_pages_available():
+    if numel < 0:
+        raise ValueError(f"numel must be non-negative, got {numel}")
+    if numel == 0 or not huge_pages_available():
         return torch.zeros(numel, dtype=dtype)
     size = numel * dtype.itemsize
-    buffer = mmap.mmap(-1, max(size, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buffer = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(buffer, dtype=dtype, count=numel)  # keeps buffer alive
 

@@ -99,7 +99,16 @@ def test_a_slice_keeps_its_chunk_alive() -> None:
     assert bool((kept == 7.0).all())
 
 
+def test_empty_tensors() -> None:
+    assert huge_page_tensor(0, torch.float32).shape == (0,)
+    assert HugePageArena().empty(0, torch.int8).shape == (0,)
+    with huge_page_arena():
+        assert host_memory.empty(0).shape == (0,)
+
+
 def test_arena_rejects_bad_sizes() -> None:
+    with pytest.raises(ValueError, match="numel"):
+        huge_page_tensor(-1, torch.float32)
     with pytest.raises(ValueError, match="chunk_bytes"):
         HugePageArena(chunk_bytes=HUGE_PAGE_BYTES + 1)
     with pytest.raises(ValueError, match="numel"):
