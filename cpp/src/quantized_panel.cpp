@@ -128,16 +128,9 @@ void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
   const int64_t panel_bytes = packed_quantized_weight_size(k, kPanelWidth, bits);
   auto* dst = static_cast<uint8_t*>(packed.data);
-  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
-    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-    if (gate_up) {  // gate panel p, then up panel p (as pack_gate_up_weight)
-      pack_quantized_panel(dst + 2 * p * panel_bytes, q_t, scale_t, offset_t, first, width, bits);
-      pack_quantized_panel(dst + (2 * p + 1) * panel_bytes, q_t, scale_t, offset_t, n + first,
-                           width, bits);
-    } else {
-      pack_quantized_panel(dst + p * panel_bytes, q_t, scale_t, offset_t, first, width, bits);
-    }
-  }
+  detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
+    pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, bits);
+  });
 }
 
 namespace {

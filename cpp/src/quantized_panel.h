@@ -11,6 +11,7 @@
 // multiply-add.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "pyengine/small_gemm.h"
@@ -19,6 +20,23 @@
 namespace pyengine::detail {
 
 inline constexpr int64_t kQuantParamBytes = 2 * kPanelWidth * sizeof(float);
+
+// Calls f(slot, first_column, width) for each panel of a packed weight of n columns, slot
+// being its place in the buffer: panel p at slot p, or, for a gate/up pair (`gate_up`:
+// columns [0, n) gate, [n, 2n) up), gate panel p at slot 2p and its up panel at 2p + 1.
+// The one layout of pack_weight, pack_gate_up_weight and pack_quantized_weight.
+template <class F>
+void for_each_packed_panel(int64_t n, bool gate_up, F&& f) {
+  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
+    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+    if (gate_up) {
+      f(2 * p, first, width);
+      f(2 * p + 1, n + first, width);
+    } else {
+      f(p, first, width);
+    }
+  }
+}
 
 // Bits a weight of a quantized panel buffer of this dtype: uint8 4, int8 8, else 0 (not
 // quantized: float32 panels).

@@ -304,10 +304,9 @@ void pack_weight(const TensorView& packed, const TensorView& w_t) {
   check_pack_args("pack_weight", packed, w_t, packed_weight_size(w_t.shape[0], w_t.shape[1]));
   const int64_t k = w_t.shape[0], n = w_t.shape[1];
   auto* dst = static_cast<float*>(packed.data);
-  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
-    const int64_t first = p * kPanelWidth;
-    pack_panel(dst + p * k * kPanelWidth, w_t, first, std::min(kPanelWidth, n - first));
-  }
+  detail::for_each_packed_panel(n, false, [&](int64_t slot, int64_t first, int64_t width) {
+    pack_panel(dst + slot * k * kPanelWidth, w_t, first, width);
+  });
 }
 
 void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
@@ -320,11 +319,9 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
   const int64_t k = w_t.shape[0], n = w_t.shape[1] / 2;
   check_pack_args(op, packed, w_t, 2 * packed_weight_size(k, n));
   auto* dst = static_cast<float*>(packed.data);
-  for (int64_t p = 0; p * kPanelWidth < n; ++p) {
-    const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
-    pack_panel(dst + 2 * p * k * kPanelWidth, w_t, first, width);
-    pack_panel(dst + (2 * p + 1) * k * kPanelWidth, w_t, n + first, width);
-  }
+  detail::for_each_packed_panel(n, true, [&](int64_t slot, int64_t first, int64_t width) {
+    pack_panel(dst + slot * k * kPanelWidth, w_t, first, width);
+  });
 }
 
 void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
