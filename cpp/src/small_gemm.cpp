@@ -146,7 +146,6 @@ Rows8 tile_rows(const TensorView& x) {
 // A packed weight's panels, float32 or block-quantized (quantized_panel.h).
 struct Panels {
   const uint8_t* data;
-  int64_t k;
   int bits;  // 32: float32 panels
   int64_t panel_bytes;
 
@@ -260,7 +259,7 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
   }
   const int64_t panel_bytes = quantized ? packed_quantized_weight_size(k, kPanelWidth, bits)
                                         : k * kPanelWidth * int64_t{sizeof(float)};
-  return {static_cast<const uint8_t*>(packed.data), k, bits, panel_bytes};
+  return {static_cast<const uint8_t*>(packed.data), bits, panel_bytes};
 }
 
 // x and out float32 rows, out [m, n] for x [m, k].
