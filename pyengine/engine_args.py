@@ -10,6 +10,7 @@ from pyengine import built_with_cuda
 from pyengine.config import EngineConfig, default_kv_cache_memory, kv_cache_dtype_supported
 from pyengine.engine import LLMEngine
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.models.layers import Placement
 
 
 @dataclass
@@ -41,7 +42,10 @@ class EngineArgs:
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
-        loaded = load_model(self.model, self.tokenizer, self.load_format)
+        packs_weights = Placement(torch.device(device), getattr(torch, dtype)).packs_weights
+        loaded = load_model(
+            self.model, self.tokenizer, self.load_format, keep_block_quantized=packs_weights
+        )
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:

@@ -206,6 +206,8 @@ def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  
         f"model.layers.1.{m}.weight" for m in FOUR_BIT_HF
     }
     assert len(loaded.block_quantized) == 1 + 7 * 2  # the head and every layer's matrices
+    # Placements that do not pack float32 weights (CUDA, 16-bit) load no block form.
+    assert load_model(str(path), keep_block_quantized=False).block_quantized == {}
 
 
 def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: ignore[no-untyped-def]
