@@ -191,7 +191,9 @@ def check_output(
     ids=["decode", "prefill", "chunked"],
 )
 @pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads"), [(4, 4), (8, 2), (4, 1)], ids=["mha", "gqa", "mqa"]
+    ("num_q_heads", "num_kv_heads"),
+    [(4, 4), (8, 2), (9, 3), (4, 1)],
+    ids=["mha", "gqa", "gqa3", "mqa"],  # (gqa3: SmolLM2's groups, 3-row decode tiles)
 )
 def test_matches_the_reference(
     isa: str,
