@@ -138,14 +138,15 @@ def _eager_cpu_direct(name: str) -> Callable[..., None]:
     is a CPU tensor goes straight to the CPU kernel that the op would run. In the engine,
     torch's dispatcher took a few microseconds a call at about 300 calls a decode step:
     a 32-request decode step of SmolLM2 took 1.5-3.3 ms less without it (same logits;
-    alternating in one process). CUDA tensors keep the op (its stream, graph capture),
-    and so do torch.compile's tracing and fake tensors."""
+    alternating in one process). Tensors on any other device keep the op (CUDA: its
+    stream, graph capture; meta: the fake kernel), and so do torch.compile's tracing and
+    fake tensors."""
     op = getattr(torch.ops.pyengine, name)
     kernel = _KERNELS[name]
 
     def call(*args: object, **kwargs: object) -> None:
         first = args[0] if args else None
-        if type(first) is torch.Tensor and not first.is_cuda and not torch.compiler.is_compiling():
+        if type(first) is torch.Tensor and first.is_cpu and not torch.compiler.is_compiling():
             kernel(*args, **kwargs)
         else:
             op(*args, **kwargs)

@@ -147,3 +147,18 @@ def test_copy_and_swap_blocks() -> None:
     pool = torch.zeros(3, *value_cache.shape[1:])
     ops.swap_blocks(value_cache, pool, torch.tensor([[7, 0]], dtype=torch.int64))
     assert torch.equal(pool[0], value_cache[7])
+
+
+def test_ops_names_take_the_kernel_on_cpu_and_the_op_elsewhere() -> None:
+    """ops.<name> calls CPU kernels directly in eager mode (the same result as the
+    torch op); tensors on other devices keep the op, e.g. meta tensors its fake kernel."""
+    h, residual, w = torch.randn(5, 64), torch.randn(5, 64), torch.randn(64)
+    by_op = (h.clone(), residual.clone())
+    torch.ops.pyengine.fused_add_rms_norm(*by_op, w, 1e-6)
+    direct = (h.clone(), residual.clone())
+    ops.fused_add_rms_norm(*direct, w, 1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(direct, by_op, strict=True))
+    meta = [torch.empty(5, 64, device="meta") for _ in range(2)]
+    ops.fused_add_rms_norm(*meta, torch.empty(64, device="meta"), 1e-6)  # the fake kernel
+    with pytest.raises(ValueError, match="fused_add_rms_norm"):
+        ops.fused_add_rms_norm(torch.randn(5, 64), torch.randn(5, 32), w, 1e-6)
