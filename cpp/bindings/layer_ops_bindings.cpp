@@ -86,6 +86,21 @@ void bind_layer_ops(py::module_& m) {
       "Packs q_t [k, n] (uint8 0..15: 4-bit; int8: 8-bit), scale_t and offset_t [k / 32, n] "
       "(w = q * scale + offset a block of 32 rows) for small_gemm (gate_up: for "
       "small_gemm_silu_and_mul).");
+  m.def("split_gemm_supported", &split_gemm_supported,
+        "Whether this CPU runs split-bfloat16 weights (AMX with bfloat16, allowed by the OS).");
+  m.def("packed_split_weight_size", &packed_split_weight_size, py::arg("k"), py::arg("n"),
+        py::arg("gate_up") = false, "bfloat16s of a split [k, n] weight (gate_up: n a half).");
+  m.def(
+      "pack_split_weight",
+      [](const py::handle& packed, const py::handle& w_t, bool gate_up) {
+        const DLPackView p(packed, "pack_split_weight: packed");
+        const DLPackView w(w_t, "pack_split_weight: w_t");
+        py::gil_scoped_release release;
+        pack_split_weight(p.view(), w.view(), gate_up);
+      },
+      py::arg("packed"), py::arg("w_t"), py::arg("gate_up") = false,
+      "Packs w_t [k, n] (gate_up: [k, 2n], gate columns then up) as split bfloat16s for "
+      "small_gemm / small_gemm_silu_and_mul on AMX.");
   m.def(
       "small_gemm",
       [](const py::handle& out, const py::handle& x, const py::handle& packed,

@@ -12,6 +12,7 @@
 #include "activation.h"
 #include "attention_checks.h"
 #include "quantized_panel.h"
+#include "split_bf16_gemm.h"
 #include "vector_clones.h"
 
 namespace pyengine {
@@ -307,7 +308,54 @@ void check_pack_args(const char* op, const TensorView& packed, const TensorView&
   }
 }
 
+// A split-bfloat16 weight (pack_split_weight) for x [m, k] and n columns, checked.
+const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k, int64_t n,
+                            bool gate_up) {
+  detail::check_cpu(packed, op, "packed");
+  if (!detail::amx_usable()) {
+    throw InvalidArgument(std::string(op) + ": a split-bfloat16 weight needs a CPU with AMX " +
+                          "(amx-bf16) that the OS lets this process use; see split_gemm_supported()");
+  }
+  const int64_t size = packed_split_weight_size(k, n, gate_up);
+  if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size) {
+    throw InvalidArgument(std::string(op) + ": packed must be a split [" + std::to_string(k) +
+                          ", " + std::to_string(gate_up ? 2 * n : n) +
+                          "] weight: bfloat16 [" + std::to_string(size) +
+                          "] (pack_split_weight), got " + packed.describe());
+  }
+  return static_cast<const uint16_t*>(packed.data);
+}
+
 }  // namespace
+
+bool split_gemm_supported() { return detail::amx_usable(); }
+
+int64_t packed_split_weight_size(int64_t k, int64_t n, bool gate_up) {
+  if (k < 0 || n < 0) {
+    throw InvalidArgument("packed_split_weight_size: k and n must be >= 0, got " +
+                          std::to_string(k) + " and " + std::to_string(n));
+  }
+  return detail::split_units(n, gate_up) * detail::split_unit_size(k);
+}
+
+void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gate_up) {
+  constexpr const char* op = "pack_split_weight";
+  check_rows(w_t, op, "w_t", 2, DType::kFloat32);
+  if (gate_up && w_t.shape[1] % 2 != 0) {
+    throw InvalidArgument(std::string(op) + ": w_t must be [k, 2n] (gate columns, then up), got " +
+                          w_t.describe());
+  }
+  const int64_t k = w_t.shape[0], n = gate_up ? w_t.shape[1] / 2 : w_t.shape[1];
+  detail::check_cpu(packed, op, "packed");
+  detail::check_dtype(packed, DType::kBFloat16, op, "packed");
+  const int64_t size = packed_split_weight_size(k, n, gate_up);
+  if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
+    throw InvalidArgument(std::string(op) + ": packed must be dense bfloat16 [" +
+                          std::to_string(size) + "], got " + packed.describe());
+  }
+  detail::pack_split_bf16(static_cast<uint16_t*>(packed.data),
+                          static_cast<const float*>(w_t.data), w_t.strides[0], k, n, gate_up);
+}
 
 int64_t packed_weight_size(int64_t k, int64_t n) {
   return (n + kPanelWidth - 1) / kPanelWidth * kPanelWidth * k;
@@ -342,7 +390,9 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   constexpr const char* op = "small_gemm";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
-  const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
+  const bool split = packed.dtype == DType::kBFloat16;
+  const Panels panels =
+      split ? Panels{} : check_packed(op, packed, k, n, false, "pack_weight");
   const bool has_bias = bias.data != nullptr;
   if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
                    bias.strides[0] != 1)) {
@@ -352,6 +402,11 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   const auto* b = static_cast<const float*>(bias.data);
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
+  if (split) {
+    detail::split_bf16_gemm(c, ldc, static_cast<const float*>(x.data), x.strides[0], x.shape[0], k,
+                            check_split(op, packed, k, n, false), n, b);
+    return;
+  }
   const Rows8 rows8 = tile_rows(x);
   for_blocks_and_units(rows8, (n + kPanelWidth - 1) / kPanelWidth, kPanelWidth,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
@@ -375,9 +430,14 @@ void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const T
   constexpr const char* op = "small_gemm_silu_and_mul";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
-  const Panels panels = check_packed(op, packed, k, n, true, "pack_gate_up_weight");
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
+  if (packed.dtype == DType::kBFloat16) {
+    detail::split_bf16_gemm_silu_and_mul(c, ldc, static_cast<const float*>(x.data), x.strides[0],
+                                         x.shape[0], k, check_split(op, packed, k, n, true), n);
+    return;
+  }
+  const Panels panels = check_packed(op, packed, k, n, true, "pack_gate_up_weight");
   const Rows8 rows8 = tile_rows(x);
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
   // weights stream in memory order, as in small_gemm.

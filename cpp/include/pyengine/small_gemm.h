@@ -41,9 +41,23 @@ int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits);
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up);
 
+// Split-bfloat16 weights, for many rows (a prefill) on CPUs with AMX: each weight split
+// exactly into three bfloat16s, of whose products with x's (split alike) the six that
+// float32 would not round away run on the tile unit (cpp/src/split_bf16_gemm.h). As
+// accurate as a float32 GEMM; 6 bytes a weight.
+bool split_gemm_supported();
+
+// bfloat16s a split [k, n] weight takes (gate_up: a gate/up pair of n columns each).
+int64_t packed_split_weight_size(int64_t k, int64_t n, bool gate_up);
+
+// Packs w_t [k, n] (gate_up: [k, 2n], gate columns then up) into `packed` (bfloat16
+// [packed_split_weight_size(k, n, gate_up)], n the columns of one half with gate_up).
+void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gate_up);
+
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
-// null). x and out float32 with a dense last dim; packed float32 (pack_weight) or
-// uint8/int8 (pack_quantized_weight).
+// null). x and out float32 with a dense last dim; packed float32 (pack_weight),
+// uint8/int8 (pack_quantized_weight) or bfloat16 (pack_split_weight, where
+// split_gemm_supported()).
 void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
                 const TensorView& bias, int64_t n);
 
@@ -55,7 +69,8 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 // out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight: the gate/up
 // product never leaves the thread's cache, and the activation rounds exactly as
 // silu_and_mul's. x and out float32 with a dense last dim; packed float32
-// (pack_gate_up_weight) or uint8/int8 (pack_quantized_weight with gate_up).
+// (pack_gate_up_weight), uint8/int8 (pack_quantized_weight with gate_up) or bfloat16
+// (pack_split_weight with gate_up).
 void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                              int64_t n);
 
