@@ -313,15 +313,15 @@ const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k,
                             bool gate_up) {
   detail::check_cpu(packed, op, "packed");
   if (!detail::amx_usable()) {
-    throw InvalidArgument(std::string(op) + ": a split-bfloat16 weight needs a CPU with AMX " +
-                          "(amx-bf16) that the OS lets this process use; see split_gemm_supported()");
+    throw InvalidArgument(
+        std::string(op) + ": a split-bfloat16 weight needs a CPU with AMX " +
+        "(amx-bf16) that the OS lets this process use; see split_gemm_supported()");
   }
   const int64_t size = packed_split_weight_size(k, n, gate_up);
   if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size) {
     throw InvalidArgument(std::string(op) + ": packed must be a split [" + std::to_string(k) +
-                          ", " + std::to_string(gate_up ? 2 * n : n) +
-                          "] weight: bfloat16 [" + std::to_string(size) +
-                          "] (pack_split_weight), got " + packed.describe());
+                          ", " + std::to_string(gate_up ? 2 * n : n) + "] weight: bfloat16 [" +
+                          std::to_string(size) + "] (pack_split_weight), got " + packed.describe());
   }
   return static_cast<const uint16_t*>(packed.data);
 }
@@ -353,8 +353,8 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
     throw InvalidArgument(std::string(op) + ": packed must be dense bfloat16 [" +
                           std::to_string(size) + "], got " + packed.describe());
   }
-  detail::pack_split_bf16(static_cast<uint16_t*>(packed.data),
-                          static_cast<const float*>(w_t.data), w_t.strides[0], k, n, gate_up);
+  detail::pack_split_bf16(static_cast<uint16_t*>(packed.data), static_cast<const float*>(w_t.data),
+                          w_t.strides[0], k, n, gate_up);
 }
 
 int64_t packed_weight_size(int64_t k, int64_t n) {
@@ -391,8 +391,7 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
   const bool split = packed.dtype == DType::kBFloat16;
-  const Panels panels =
-      split ? Panels{} : check_packed(op, packed, k, n, false, "pack_weight");
+  const Panels panels = split ? Panels{} : check_packed(op, packed, k, n, false, "pack_weight");
   const bool has_bias = bias.data != nullptr;
   if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
                    bias.strides[0] != 1)) {
