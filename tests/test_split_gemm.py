@@ -74,6 +74,14 @@ def test_dense_silu_and_mul_matches_float64(m: int, k: int, n: int) -> None:
 
 
 @needs_amx
+@pytest.mark.parametrize("m,k,n", [(0, 32, 16), (3, 0, 5)])
+def test_empty_sizes(m: int, k: int, n: int) -> None:
+    out = torch.full((m, n), float("nan"))
+    ops.dense(out, torch.randn(m, k), split_packed(torch.randn(n, k)), None, n)
+    assert torch.equal(out, torch.zeros(m, n))
+
+
+@needs_amx
 def test_exact_where_the_inputs_are_bfloat16() -> None:
     """bfloat16 x and w are their own hi parts: every product is exact, and the sums of
     small integers too."""
@@ -109,10 +117,10 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
         assert calls == [dtype, dtype]
         products = x.double() @ gate_up.double().t()
         torch.testing.assert_close(
-            y.double(), x.double() @ weight.double().t(), rtol=1e-5, atol=1e-5
+            y.double(), x.double() @ weight.double().t(), rtol=1e-4, atol=1e-4
         )
         expected = F.silu(products[:, :80]) * products[:, 80:]
-        torch.testing.assert_close(z.double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(z.double(), expected, rtol=1e-4, atol=1e-4)
 
 
 def test_split_form_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -105,10 +105,12 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
 #define PYENGINE_W(tile, part, b) \
   _tile_loadd(tile, unit + ((b)*2 + (tile)-6) * kSplitParts * kTileBf16 + (part)*kTileBf16, 64)
 #define PYENGINE_P(c, x, w) _tile_dpbf16ps(c, x, w)
-  PYENGINE_X(4, hi, 0);
-  PYENGINE_X(5, hi, 0);
-  PYENGINE_W(6, 0, 0);
-  PYENGINE_W(7, 0, 0);
+  if (k_blocks > 0) {  // (k = 0: no tiles to load; the sums stay zero)
+    PYENGINE_X(4, hi, 0);
+    PYENGINE_X(5, hi, 0);
+    PYENGINE_W(6, 0, 0);
+    PYENGINE_W(7, 0, 0);
+  }
   for (int64_t b = 0; b < k_blocks; ++b) {
     // hi x hi
     PYENGINE_P(0, 4, 6);
@@ -215,7 +217,8 @@ void for_each_block(const SplitRows& a, const uint16_t* packed, int64_t units, S
   const int64_t k_blocks = a.k_pad / kSplitBlock;
   const int64_t unit_size = k_blocks * 2 * kSplitParts * kTileBf16;
   const int64_t block_rows =
-      std::max(kBlockRows, kL2Budget / (kSplitParts * 2 * a.k_pad) / kBlockRows * kBlockRows);
+      std::max(kBlockRows, kL2Budget / (kSplitParts * 2 * std::max(a.k_pad, kSplitBlock)) /
+                               kBlockRows * kBlockRows);
 #pragma omp parallel if (units > 1 && a.m_pad * a.k_pad * units >= (1 << 14))
   {
     configure_tiles();
