@@ -8,6 +8,7 @@
 // multiplies bfloat16 pairs exactly and adds in float32, so the result is as accurate as
 // a float32 GEMM's (tests/test_split_gemm.py checks against float64), and six tile
 // products run faster than the float32 multiply-adds they replace where the rows are many.
+// (An infinite x or w splits into inf and NaN parts: its products are NaN, not +-inf.)
 //
 // A packed weight is units of 32 output columns (two halves of 16: columns [32u, 32u +
 // 16) and [32u + 16, 32u + 32), or for a gate/up pair gate and up columns [16u, 16u +
