@@ -297,14 +297,15 @@ void pack_panel(float* dst, const TensorView& w_t, int64_t first, int64_t width)
   }
 }
 
-void check_pack_args(const char* op, const TensorView& packed, const TensorView& w_t,
-                     int64_t size) {
+// w_t float32 rows; packed a dense [size] of `packed_dtype` on the CPU.
+void check_pack_args(const char* op, const TensorView& packed, const TensorView& w_t, int64_t size,
+                     DType packed_dtype = DType::kFloat32) {
   check_rows(w_t, op, "w_t", 2, DType::kFloat32);
   detail::check_cpu(packed, op, "packed");
-  detail::check_dtype(packed, DType::kFloat32, op, "packed");
+  detail::check_dtype(packed, packed_dtype, op, "packed");
   if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
-    throw InvalidArgument(std::string(op) + ": packed must be dense float32 [" +
-                          std::to_string(size) + "], got " + packed.describe());
+    throw InvalidArgument(std::string(op) + ": packed must be dense " + dtype_name(packed_dtype) +
+                          " [" + std::to_string(size) + "], got " + packed.describe());
   }
 }
 
@@ -346,13 +347,7 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
                           w_t.describe());
   }
   const int64_t k = w_t.shape[0], n = gate_up ? w_t.shape[1] / 2 : w_t.shape[1];
-  detail::check_cpu(packed, op, "packed");
-  detail::check_dtype(packed, DType::kBFloat16, op, "packed");
-  const int64_t size = packed_split_weight_size(k, n, gate_up);
-  if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
-    throw InvalidArgument(std::string(op) + ": packed must be dense bfloat16 [" +
-                          std::to_string(size) + "], got " + packed.describe());
-  }
+  check_pack_args(op, packed, w_t, packed_split_weight_size(k, n, gate_up), DType::kBFloat16);
   detail::pack_split_bf16(static_cast<uint16_t*>(packed.data), static_cast<const float*>(w_t.data),
                           w_t.strides[0], k, n, gate_up);
 }

@@ -105,6 +105,15 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
 #define PYENGINE_W(tile, part, b) \
   _tile_loadd(tile, unit + ((b)*2 + (tile)-6) * kSplitParts * kTileBf16 + (part)*kTileBf16, 64)
 #define PYENGINE_P(c, x, w) _tile_dpbf16ps(c, x, w)
+// The four products of the x and w tiles in place, each w tile reloaded with `part` of
+// block b once its two products are in.
+#define PYENGINE_P4_THEN_W(part, b) \
+  PYENGINE_P(0, 4, 6);              \
+  PYENGINE_P(2, 5, 6);              \
+  PYENGINE_W(6, part, b);           \
+  PYENGINE_P(1, 4, 7);              \
+  PYENGINE_P(3, 5, 7);              \
+  PYENGINE_W(7, part, b);
   if (k_blocks > 0) {  // (k = 0: no tiles to load; the sums stay zero)
     PYENGINE_X(4, hi, 0);
     PYENGINE_X(5, hi, 0);
@@ -112,20 +121,8 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
     PYENGINE_W(7, 0, 0);
   }
   for (int64_t b = 0; b < k_blocks; ++b) {
-    // hi x hi
-    PYENGINE_P(0, 4, 6);
-    PYENGINE_P(2, 5, 6);
-    PYENGINE_W(6, 1, b);
-    PYENGINE_P(1, 4, 7);
-    PYENGINE_P(3, 5, 7);
-    PYENGINE_W(7, 1, b);
-    // hi x mid
-    PYENGINE_P(0, 4, 6);
-    PYENGINE_P(2, 5, 6);
-    PYENGINE_W(6, 2, b);
-    PYENGINE_P(1, 4, 7);
-    PYENGINE_P(3, 5, 7);
-    PYENGINE_W(7, 2, b);
+    PYENGINE_P4_THEN_W(1, b)  // hi x hi
+    PYENGINE_P4_THEN_W(2, b)  // hi x mid
     // hi x lo
     PYENGINE_P(0, 4, 6);
     PYENGINE_P(2, 5, 6);
@@ -135,13 +132,7 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
     PYENGINE_P(3, 5, 7);
     PYENGINE_X(5, mid, b);
     PYENGINE_W(7, 1, b);
-    // mid x mid
-    PYENGINE_P(0, 4, 6);
-    PYENGINE_P(2, 5, 6);
-    PYENGINE_W(6, 0, b);
-    PYENGINE_P(1, 4, 7);
-    PYENGINE_P(3, 5, 7);
-    PYENGINE_W(7, 0, b);
+    PYENGINE_P4_THEN_W(0, b)  // mid x mid
     // mid x hi
     PYENGINE_P(0, 4, 6);
     PYENGINE_P(1, 4, 7);
@@ -165,6 +156,7 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
 #undef PYENGINE_X
 #undef PYENGINE_W
 #undef PYENGINE_P
+#undef PYENGINE_P4_THEN_W
   _tile_stored(0, c, kBlockRows * 4);
   _tile_stored(1, c + kSplitHalf, kBlockRows * 4);
   _tile_stored(2, c + kTileRows * kBlockRows, kBlockRows * 4);
