@@ -3,20 +3,25 @@ rows that sample out. Owns the model and its paged KV cache."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from pyengine import StepBuffers, ops
 from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
-from pyengine.cuda_graphs import DecodeGraphs
+from pyengine.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.host_memory import huge_page_tensor
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
 from pyengine.models.layers import Placement
 from pyengine.models.llama import LlamaForCausalLM
+from pyengine.step_inputs import DeviceStep, StepInputs
 
 CausalLM = LlamaForCausalLM | LearnedPositionDecoder
+
+logger = logging.getLogger("pyengine")
 
 
 def build_model(
@@ -78,23 +83,39 @@ class ModelRunner:
                 f"{min_blocks * self.block_bytes} bytes, or lower max_model_len)"
             )
         self.model = build_model(loaded, config.max_model_len, config.seed, self.placement)
+        # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
+        self.inputs: StepInputs | None = None
+        self.capture_sizes: list[int] = []
+        self.graph_bytes_expected = 0  # what the KV budget leaves the graphs
+        if not on_cpu:
+            self.inputs = StepInputs(
+                self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
+                min_blocks,
+            )  # fmt: skip
+            self.capture_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+        self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
         self.num_blocks = kv_bytes // self.block_bytes
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
-                f"{max(kv_bytes, 0)} bytes for the KV cache after the weights and a forward "
-                f"pass: {self.num_blocks} blocks of {config.block_size} tokens, and one "
-                f"max_model_len request needs {min_blocks} (raise gpu_memory_utilization or "
-                "lower max_model_len or max_num_batched_tokens)"
+                f"{max(kv_bytes, 0)} bytes for the KV cache after the weights, a forward "
+                f"pass and the CUDA graphs: {self.num_blocks} blocks of {config.block_size} "
+                f"tokens, and one max_model_len request needs {min_blocks} (raise "
+                "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or "
+                "max_num_seqs)"
             )
         self.caches = self._allocate_caches(self.num_blocks)
-        # Captured after the KV cache takes its budget; their memory is on top of it.
+        # Captured after the KV cache takes its budget, which left room for them.
         self.graphs = None
-        if not on_cpu and not config.enforce_eager:
+        if self.inputs is not None and self.capture_sizes:
             self.graphs = DecodeGraphs(
-                self.model, self.caches, config.max_num_seqs, config.max_model_len,
-                config.block_size,
+                self.model, self.caches, self.inputs, self.capture_sizes, self.split_context
+            )
+            logger.info(
+                "CUDA graphs of %d decode batch sizes (1 to %d): %.0f MiB, %.0f MiB expected",
+                len(self.capture_sizes), self.capture_sizes[-1], self.graphs.pool_bytes / 2**20,
+                self.graph_bytes_expected / 2**20,
             )  # fmt: skip
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
@@ -118,10 +139,10 @@ class ModelRunner:
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
         """gpu_memory_utilization of the device's memory, less what the process needs
         besides the KV cache: what is not torch's (the CUDA context, other processes),
-        the weights, and the peak of a forward pass of the largest step
+        the weights, the peak of a forward pass of the largest step
         (max_num_batched_tokens tokens, in prompts of at most max_model_len, logits for
-        max_num_seqs rows). Prompt logprobs, which take logits for every prompt row, are
-        not in that peak."""
+        max_num_seqs rows), and the CUDA graphs' memory (graph_bytes_expected). Prompt
+        logprobs, which take logits for every prompt row, are not in that peak."""
         device = self.placement.device
         tokens = config.max_num_batched_tokens
         lengths = [min(config.max_model_len, tokens - start)
@@ -154,11 +175,28 @@ class ModelRunner:
         self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - blocks * self.block_bytes
-        del caches, hidden
+        del hidden
+        self.graph_bytes_expected = self._graph_bytes(caches)
+        del caches
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
         not_torch = total - free - torch.cuda.memory_reserved(device)
-        return int(total * config.gpu_memory_utilization) - not_torch - peak
+        budget = int(total * config.gpu_memory_utilization)
+        return budget - not_torch - peak - self.graph_bytes_expected
+
+    def _graph_bytes(self, caches: list[KVCache]) -> int:
+        """The device memory the decode graphs will take: the largest one captured now
+        (on the profiling caches) and released, plus the outputs of the smaller ones,
+        which keep their own memory; their temporaries reuse the largest's."""
+        if not self.capture_sizes or self.inputs is None:
+            return 0
+        torch.cuda.empty_cache()
+        largest = self.capture_sizes[-1]
+        probe = DecodeGraphs(self.model, caches, self.inputs, [largest], self.split_context)
+        pool_bytes, hidden = probe.pool_bytes, probe.hidden[largest]
+        outputs = hidden.element_size() * hidden.shape[1] * sum(self.capture_sizes[:-1])
+        del probe, hidden
+        return pool_bytes + outputs
 
     @torch.inference_mode()
     def execute(
@@ -170,28 +208,44 @@ class ModelRunner:
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
+        graph = None
         if self.graphs is not None and not extra_rows:
-            logits = self.graphs.run(b)
-            if logits is not None:
-                return logits, None
+            graph = self.graphs.size_for(b)
+        step = self._step_tensors(b, graph)
+        if self.graphs is not None and graph is not None:
+            # Eagerly, for the real rows only: one [rows, vocab] buffer per graph would
+            # hold gigabytes at a large vocabulary.
+            return self.model.compute_logits(self.graphs.replay(graph)[: len(b.seq_lens)]), None
         meta = AttentionMetadata(
-            slot_mapping=self._on_device(b.slot_mapping),
-            block_tables=self._on_device(b.block_tables),
-            seq_lens=self._on_device(b.seq_lens),
-            query_start_loc=self._on_device(b.query_start_loc),
+            slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
             max_seq_len=int(b.seq_lens.max()) if len(b.seq_lens) else 0,
             max_query_len=int(np.diff(b.query_start_loc).max()) if len(b.seq_lens) else 0,
         )
-        input_ids = self._on_device(b.input_ids)
-        positions = self._on_device(b.positions)
-        hidden = self.model(input_ids, positions, self.caches, meta)
-        rows = self._on_device(b.logits_indices).long()
+        hidden = self.model(step.input_ids, step.positions, self.caches, meta)
         extra = None
         if extra_rows:
             extra_logits = self.model.compute_logits(hidden[self._on_device(extra_rows)])
             extra = extra_logits.to("cpu", torch.float32)
         # On the model's device: a batch of plain greedy rows sends back only its argmax.
-        return self.model.compute_logits(hidden[rows]), extra
+        return self.model.compute_logits(hidden[step.logits_indices.long()]), extra
+
+    def _step_tensors(self, b: StepBuffers, graph: int | None) -> DeviceStep:
+        """The step's arrays as tensors: the scheduler's buffers themselves on the CPU;
+        on a GPU, one upload (padded to the graph's rows where one runs the step)."""
+        if self.inputs is not None:
+            return self.inputs.upload(b, graph or 0)
+        return DeviceStep(
+            input_ids=torch.from_numpy(b.input_ids),
+            positions=torch.from_numpy(b.positions),
+            slot_mapping=torch.from_numpy(b.slot_mapping),
+            query_start_loc=torch.from_numpy(b.query_start_loc),
+            seq_lens=torch.from_numpy(b.seq_lens),
+            logits_indices=torch.from_numpy(b.logits_indices),
+            block_tables=torch.from_numpy(b.block_tables),
+        )
 
     def _on_device(self, values: np.ndarray | list[int]) -> torch.Tensor:
         host = torch.from_numpy(np.asarray(values))

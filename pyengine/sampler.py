@@ -29,7 +29,8 @@ class SamplingRow:
 @dataclass
 class SamplerOutput:
     token_ids: list[int]
-    logprobs: list[PositionLogprobs | None]  # per row, where the request asked for them
+    # Per row, where the request asked for them; None where no row did.
+    logprobs: list[PositionLogprobs | None] | None
 
 
 def row_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -145,7 +146,7 @@ class Sampler:
         logits = logits.float()
         chosen = self._choose(logits.clone(), rows)
         if not want_logprobs:
-            return SamplerOutput(chosen.tolist(), [None] * len(rows))
+            return SamplerOutput(chosen.tolist(), None)
         # Logprobs of the model's own distribution, before penalties and temperature.
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         logprobs = torch.log_softmax(logits[wanted], dim=-1).cpu()
@@ -157,7 +158,7 @@ class Sampler:
 
     def argmax(self, logits: torch.Tensor) -> SamplerOutput:
         """Rows of plain greedy requests that want no logprobs: one argmax on the device."""
-        return SamplerOutput(row_argmax(logits).tolist(), [None] * logits.shape[0])
+        return SamplerOutput(row_argmax(logits).tolist(), None)
 
     def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Token ids [rows] from float32 logits (modified in place)."""

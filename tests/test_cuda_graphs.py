@@ -63,20 +63,20 @@ def generate(folder: Path, enforce_eager: bool, prompts: list[list[int]]) -> lis
     )
     graphs = llm.engine.runner.graphs
     assert (graphs is None) == enforce_eager
-    replays = []
+    replays = []  # (requests, the graph's size or None) of every step
     if graphs is not None:
-        run = graphs.run
+        size_for = graphs.size_for
 
         def counted(b):  # type: ignore[no-untyped-def]
-            logits = run(b)
-            replays.append(None if logits is None else len(b.seq_lens))
-            return logits
+            size = size_for(b)
+            replays.append((len(b.seq_lens), size))
+            return size
 
-        graphs.run = counted  # type: ignore[method-assign]
+        graphs.size_for = counted  # type: ignore[method-assign]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     if graphs is not None:
-        assert 13 in replays, "no decode step of all 13 requests replayed a graph"
+        assert (13, 16) in replays, "no decode step of all 13 requests replayed a graph"
     del llm
     gc.collect()
     torch.cuda.empty_cache()
@@ -90,3 +90,30 @@ def test_graphs_and_eager_steps_give_the_same_tokens(tmp_path: Path) -> None:
     prompts = [rng.integers(0, 4096, n).tolist() for n in (3, 17, 40, 90, 5, 700, 64, 8)]
     prompts += prompts[:5]  # 13 requests: padded to a graph of 16
     assert generate(tmp_path, True, prompts) == generate(tmp_path, False, prompts)
+
+
+@on_gpu
+def test_the_graphs_fit_in_gpu_memory_utilization(tmp_path: Path) -> None:
+    """The KV cache leaves room for the graphs: the process stays within its fraction of
+    the device memory after capture and after running, and the room left is about what
+    the graphs took."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.mem_get_info()[1]
+    budget = 0.2 * total
+    llm = LLM(str(tmp_path), load_format="dummy", device="cuda", max_model_len=2048,
+              max_num_seqs=256, gpu_memory_utilization=0.2)  # fmt: skip
+    runner = llm.engine.runner
+    assert runner.graphs is not None and runner.graphs.sizes[-1] == 256
+    taken, expected = runner.graphs.pool_bytes, runner.graph_bytes_expected
+    assert taken > 0 and 0.8 * taken <= expected <= 1.25 * taken + (8 << 20), (taken, expected)
+    tolerance = 0.03 * budget
+    assert total - torch.cuda.mem_get_info()[0] <= budget + tolerance
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 4096, n).tolist() for n in rng.integers(1, 300, 200)]
+    llm.generate(prompts, SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert total - torch.cuda.mem_get_info()[0] <= budget + tolerance
+    del llm, runner
+    gc.collect()
+    torch.cuda.empty_cache()

@@ -1,0 +1,156 @@
+"""A step's scheduler arrays on a GPU, in one host-to-device copy per step.
+
+The arrays lie at fixed offsets of one int32 buffer sized to the scheduler's capacity:
+a pinned host copy is filled from the StepBuffers, then copied to its device mirror in
+one asynchronous copy, of which the device tensors of the step are views. Fixed offsets
+let CUDA graphs capture reads of the same addresses that every step's copy fills.
+
+    [slot_mapping (int64) | input_ids | positions | query_start_loc | seq_lens |
+     logits_indices | block_tables (rows of max_blocks)]
+
+The block tables come last, so a step copies the buffer up to the end of its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from pyengine import StepBuffers
+
+ALIGN_WORDS = 16  # int32 words: 64 bytes
+
+
+@dataclass
+class DeviceStep:
+    """Views of the device buffer: a step's arrays, or a CUDA graph's padded ones."""
+
+    input_ids: torch.Tensor  # int32 [num_tokens]
+    positions: torch.Tensor  # int32 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
+    seq_lens: torch.Tensor  # int32 [num_reqs]
+    logits_indices: torch.Tensor  # int32 [num_sampled]
+    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
+
+
+class StepInputs:
+    """The buffer pair (pinned host, device) and the views of one step.
+
+    Rows a step does not fill keep values that are safe to run a graph's padding on:
+    slot -1 (write no K/V), token 0 at position 0, seq_len 1, query_start_loc counting
+    one token per row, and block table entries that were valid ids (0 at first).
+    """
+
+    def __init__(
+        self, device: torch.device, max_tokens: int, max_reqs: int, max_blocks: int
+    ) -> None:
+        if min(max_tokens, max_reqs, max_blocks) < 1:
+            raise ValueError(
+                f"StepInputs needs positive capacities, got max_tokens={max_tokens}, "
+                f"max_reqs={max_reqs}, max_blocks={max_blocks}"
+            )
+        self.device = device
+        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        self.sizes = {  # in int32 words
+            "slot_mapping": 2 * max_tokens,  # first: 8-byte aligned
+            "input_ids": max_tokens,
+            "positions": max_tokens,
+            "query_start_loc": max_reqs + 1,
+            "seq_lens": max_reqs,
+            "logits_indices": max_reqs,
+            "block_tables": max_reqs * max_blocks,
+        }
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, size in self.sizes.items():  # each on a 64-byte boundary, as if alone
+            self.offsets[name] = total
+            total += -(-size // ALIGN_WORDS) * ALIGN_WORDS
+        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
+        words = self.host.numpy()
+        f = self._fields = {name: self._field(words, name) for name in self.sizes}
+        f["slot_mapping"][:] = -1
+        f["seq_lens"][:] = 1
+        f["query_start_loc"][:] = np.arange(max_reqs + 1)
+        self.buffer = self.host.to(device, copy=True)
+        # Recorded after each copy from the host buffer: the next upload waits for it
+        # before overwriting that buffer.
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+
+    def _field(self, words: np.ndarray, name: str) -> np.ndarray:
+        start = self.offsets[name]
+        field = words[start : start + self.sizes[name]]
+        if name == "slot_mapping":
+            return field.view(np.int64)
+        if name == "block_tables":
+            return field.reshape(self.max_reqs, self.max_blocks)
+        return field
+
+    def upload(self, b: StepBuffers, padded_reqs: int = 0) -> DeviceStep:
+        """Copies the step in `b` to the device; its views. A decode step (one token per
+        request) padded to `padded_reqs` rows leaves the rows past its own at their safe
+        values, for a graph of that size to read."""
+        num_reqs, num_tokens = len(b.seq_lens), len(b.input_ids)
+        block_tables = np.asarray(b.block_tables)
+        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+            raise ValueError(
+                f"a step of {num_tokens} tokens and {num_reqs} requests is larger than the "
+                f"inputs' capacity ({self.max_tokens} tokens, {self.max_reqs} requests)"
+            )
+        if block_tables.ndim != 2 or block_tables.shape[1] > self.max_blocks:
+            raise ValueError(
+                f"block tables of shape {block_tables.shape}: expected at most "
+                f"{self.max_blocks} blocks per request"
+            )
+        rows = max(num_reqs, padded_reqs)
+        if rows > self.max_reqs or (padded_reqs > num_reqs and num_tokens != num_reqs):
+            raise ValueError(
+                f"cannot pad a step of {num_tokens} tokens and {num_reqs} requests to "
+                f"{padded_reqs} rows: only decode steps pad, up to {self.max_reqs} rows"
+            )
+        if self._copied is not None:
+            self._copied.synchronize()  # at once where no copy is pending
+        f = self._fields
+        f["input_ids"][:num_tokens] = b.input_ids
+        f["positions"][:num_tokens] = b.positions
+        f["slot_mapping"][:num_tokens] = b.slot_mapping
+        f["query_start_loc"][: num_reqs + 1] = b.query_start_loc
+        f["seq_lens"][:num_reqs] = b.seq_lens
+        f["logits_indices"][: len(b.logits_indices)] = b.logits_indices
+        f["block_tables"][:num_reqs, : block_tables.shape[1]] = block_tables
+        if rows > num_reqs:  # a graph's padding rows
+            f["input_ids"][num_reqs:rows] = 0
+            f["positions"][num_reqs:rows] = 0
+            f["slot_mapping"][num_reqs:rows] = -1
+            f["seq_lens"][num_reqs:rows] = 1
+            f["query_start_loc"][num_reqs + 1 : rows + 1] = np.arange(num_reqs + 1, rows + 1)
+        end = self.offsets["block_tables"] + rows * self.max_blocks
+        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
+        if self._copied is not None:
+            self._copied.record()
+        padding = rows - num_reqs  # decode: as many tokens as requests
+        return self.views(num_tokens + padding, rows, len(b.logits_indices))
+
+    def views(self, num_tokens: int, num_reqs: int, num_sampled: int) -> DeviceStep:
+        """The device buffer's first rows of each array (what the last upload filled, or
+        the safe values)."""
+
+        def first(name: str, count: int) -> torch.Tensor:
+            start = self.offsets[name]
+            return self.buffer[start : start + count]
+
+        return DeviceStep(
+            input_ids=first("input_ids", num_tokens),
+            positions=first("positions", num_tokens),
+            slot_mapping=first("slot_mapping", 2 * num_tokens).view(torch.int64),
+            query_start_loc=first("query_start_loc", num_reqs + 1),
+            seq_lens=first("seq_lens", num_reqs),
+            logits_indices=first("logits_indices", num_sampled),
+            block_tables=first("block_tables", num_reqs * self.max_blocks).view(
+                num_reqs, self.max_blocks
+            ),
+        )

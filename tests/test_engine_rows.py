@@ -1,0 +1,95 @@
+"""The engine's per-row bookkeeping: a step skips building sampling rows, prompt-logprob
+rows and first-step notes where no request needs them, and switches a greedy request to
+the plain argmax once it is past min_tokens. Each case checks the tokens against the
+same request run alone, and that nothing is left behind."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from pyengine import LLM, SamplingParams
+
+TINY_LLAMA = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory: pytest.TempPathFactory) -> LLM:
+    folder: Path = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return LLM(str(folder), load_format="dummy", dtype="float32", max_model_len=256)
+
+
+def tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_nothing_left(llm: LLM) -> None:
+    engine = llm.engine
+    assert not engine.requests and not engine._by_row_id
+    assert not engine._unscheduled and not engine._prompt_logprobs
+    assert not engine._sampled_rows
+
+
+def test_min_tokens_blocks_a_stop_token_then_greedy_resumes(llm: LLM) -> None:
+    prompt = np.random.default_rng(0).integers(0, 512, 9).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    free = tokens(llm, [prompt], [greedy])[0]
+    # A token greedy picks at step k and not before: stopping on it is blocked to k + 2.
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])
+    held = SamplingParams(
+        temperature=0, max_tokens=16, ignore_eos=True, stop_token_ids=[free[k]], min_tokens=k + 2
+    )
+    alone = tokens(llm, [prompt], [held])[0]
+    assert alone[:k] == free[:k] and alone[k] != free[k]
+    assert free[k] not in alone[: k + 2] and len(alone) >= k + 2
+    # Among plain greedy requests, with n = 2: the same tokens, and theirs unchanged.
+    other = np.random.default_rng(1).integers(0, 512, 20).tolist()
+    batch = tokens(llm, [other, prompt, other], [greedy, held, greedy])
+    assert batch[1] == alone
+    assert batch[0] == batch[2] == tokens(llm, [other], [greedy])[0]
+    assert_nothing_left(llm)
+
+
+def test_prompt_logprobs_and_sampled_rows_in_a_greedy_batch(llm: LLM) -> None:
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 512, n).tolist() for n in (5, 30, 12)]
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    scored = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, prompt_logprobs=1)
+    seeded = SamplingParams(temperature=0.9, seed=3, max_tokens=6, ignore_eos=True)
+    outputs = llm.generate(prompts, [greedy, scored, seeded], use_tqdm=False)
+    assert outputs[0].prompt_logprobs is None
+    scores = outputs[1].prompt_logprobs
+    assert scores is not None and scores[0] is None and len(scores) == 30
+    assert all(entry is not None and prompts[1][i] in entry for i, entry in enumerate(scores) if i)
+    assert outputs[1].outputs[0].token_ids == tokens(llm, [prompts[1]], [greedy])[0]
+    assert outputs[2].outputs[0].token_ids == tokens(llm, [prompts[2]], [seeded])[0]
+    assert_nothing_left(llm)
+
+
+def test_aborted_requests_leave_no_row_behind(llm: LLM) -> None:
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, prompt_logprobs=0)
+    engine.add_request("never-scheduled", [1, 2, 3], params)
+    engine.add_request("mid-way", [4, 5, 6], params)
+    engine.abort_request("never-scheduled")
+    engine.step()
+    engine.abort_request("mid-way")
+    engine.discard_finished()
+    assert_nothing_left(llm)

@@ -1,0 +1,118 @@
+"""StepInputs: a step's scheduler arrays packed at fixed offsets and copied in one piece.
+On a GPU the copy goes to the device; the packing, the views and a graph's padding rows
+are the same code on the CPU, checked here against the scheduler's own arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import Scheduler, StepBuffers
+from pyengine.step_inputs import DeviceStep, StepInputs
+
+BLOCK = 4
+MAX_LEN = 64
+MAX_BLOCKS = MAX_LEN // BLOCK
+
+
+def scheduler(budget: int = 48, max_seqs: int = 8) -> Scheduler:
+    return Scheduler(
+        64, BLOCK, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=MAX_LEN
+    )
+
+
+def inputs(budget: int = 48, max_seqs: int = 8) -> StepInputs:
+    return StepInputs(torch.device("cpu"), budget, max_seqs, MAX_BLOCKS)
+
+
+def assert_holds(step: DeviceStep, b: StepBuffers) -> None:
+    np.testing.assert_array_equal(step.input_ids.numpy(), b.input_ids)
+    np.testing.assert_array_equal(step.positions.numpy(), b.positions)
+    np.testing.assert_array_equal(step.slot_mapping.numpy(), b.slot_mapping)
+    np.testing.assert_array_equal(step.query_start_loc.numpy(), b.query_start_loc)
+    np.testing.assert_array_equal(step.seq_lens.numpy(), b.seq_lens)
+    np.testing.assert_array_equal(step.logits_indices.numpy(), b.logits_indices)
+    np.testing.assert_array_equal(step.block_tables.numpy(), b.block_tables)
+    assert step.slot_mapping.dtype == torch.int64 and step.input_ids.dtype == torch.int32
+    assert step.block_tables.shape == (len(b.seq_lens), MAX_BLOCKS)
+
+
+def test_prefill_and_decode_steps_arrive_whole() -> None:
+    rng = np.random.default_rng(1)
+    s, staged = scheduler(), inputs()
+    for i, n in enumerate((5, 13, 2, 30)):
+        s.add_request(f"r{i}", rng.integers(0, 1000, n).astype(np.int32), max_tokens=6)
+    steps = 0
+    while s.has_unfinished_requests():
+        s.schedule()
+        b = s.buffers
+        assert_holds(staged.upload(b), b)
+        s.update(rng.integers(0, 1000, b.num_sampled).astype(np.int32))
+        steps += 1
+    assert steps >= 6
+
+
+def test_a_padded_decode_step_leaves_safe_rows_after_a_prefill_dirtied_them() -> None:
+    rng = np.random.default_rng(2)
+    s, staged = scheduler(), inputs()
+    for i in range(3):
+        s.add_request(f"r{i}", rng.integers(0, 1000, 11).astype(np.int32), max_tokens=4)
+    s.schedule()  # one prefill step of 33 tokens: every token row up to 33 written
+    staged.upload(s.buffers)
+    s.update(rng.integers(0, 1000, 3).astype(np.int32))
+    s.schedule()
+    b = s.buffers
+    assert b.num_tokens == 3  # a decode step
+    step = staged.upload(b, padded_reqs=8)
+    real = DeviceStep(*(getattr(step, f)[:3] for f in step.__dataclass_fields__))
+    real.query_start_loc = step.query_start_loc[:4]
+    assert_holds(real, b)
+    assert step.input_ids.shape == (8,) and step.block_tables.shape == (8, MAX_BLOCKS)
+    assert step.slot_mapping[3:].tolist() == [-1] * 5  # padding writes no K/V
+    assert step.positions[3:].tolist() == [0] * 5
+    assert step.input_ids[3:].tolist() == [0] * 5
+    assert step.seq_lens[3:].tolist() == [1] * 5
+    assert step.query_start_loc.tolist() == list(range(9))
+    # What a graph of 8 rows reads from the buffer is what the upload returned.
+    again = staged.views(8, 8, 8)
+    for name in step.__dataclass_fields__:
+        if name != "logits_indices":
+            assert torch.equal(getattr(again, name), getattr(step, name)), name
+
+
+def test_fresh_buffers_hold_safe_values_for_graph_capture() -> None:
+    step = inputs().views(8, 8, 8)
+    assert step.slot_mapping.tolist() == [-1] * 8
+    assert step.seq_lens.tolist() == [1] * 8
+    assert step.query_start_loc.tolist() == list(range(9))
+    assert not step.block_tables.any() and not step.input_ids.any()
+
+
+def test_fields_start_on_64_byte_boundaries() -> None:
+    staged = StepInputs(torch.device("cpu"), 37, 5, 3)
+    assert all(offset % 16 == 0 for offset in staged.offsets.values())
+    step = staged.views(37, 5, 5)
+    base = staged.buffer.data_ptr()
+    for name in step.__dataclass_fields__:
+        assert (getattr(step, name).data_ptr() - base) % 64 == 0, name
+
+
+def test_bad_sizes_are_clear_errors() -> None:
+    with pytest.raises(ValueError, match="positive capacities"):
+        StepInputs(torch.device("cpu"), 0, 8, 4)
+    rng = np.random.default_rng(3)
+    s = scheduler(budget=48, max_seqs=8)
+    s.add_request("a", rng.integers(0, 1000, 40).astype(np.int32), max_tokens=2)
+    s.schedule()
+    with pytest.raises(ValueError, match="larger than the inputs' capacity"):
+        inputs(budget=16).upload(s.buffers)
+    with pytest.raises(ValueError, match="only decode steps pad"):
+        inputs().upload(s.buffers, padded_reqs=4)
+    s.update(np.array([7], dtype=np.int32))
+    s.schedule()
+    with pytest.raises(ValueError, match="only decode steps pad, up to 8 rows"):
+        inputs().upload(s.buffers, padded_reqs=9)
+    wide = StepInputs(torch.device("cpu"), 48, 8, MAX_BLOCKS - 1)
+    with pytest.raises(ValueError, match="block tables of shape"):
+        wide.upload(s.buffers)
