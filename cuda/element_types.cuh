@@ -34,6 +34,25 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
+// W consecutive elements moved as one access of W * sizeof(T) bytes (16 at most: one
+// 128-bit load or store where W = kPackWidth<T>). The address must be aligned to that
+// size; launchers check it (packs_fit) and otherwise run the W = 1 kernel.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T v[W];
+};
+template <typename T>
+constexpr int kPackWidth = 16 / static_cast<int>(sizeof(T));
+
+template <typename T, int W>
+__device__ __forceinline__ Pack<T, W> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T, W>*>(p);
+}
+template <typename T, int W>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, W>& x) {
+  *reinterpret_cast<Pack<T, W>*>(p) = x;
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = kWarp / 2; offset > 0; offset /= 2) {
     v += __shfl_xor_sync(0xffffffffu, v, offset);

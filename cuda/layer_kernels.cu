@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <stdexcept>
+#include <type_traits>
 
 #include "cuda_utils.h"
 #include "element_types.cuh"
@@ -27,50 +29,74 @@ __device__ float block_sum(float value, float* shared) {
   return warp_sum(lane < warps ? shared[lane] : 0.0f);
 }
 
+// Every kernel moves W consecutive elements per access (Pack): 16 bytes where the
+// launcher found the tensors aligned for it, single elements otherwise (W = 1).
+
 // One block per row. out = weight * (x * inv), inv = 1 / sqrt(mean(x^2) + eps).
-template <typename T>
+template <typename T, int W>
 __global__ void rms_norm_kernel(T* __restrict__ out, int64_t out_stride, const T* __restrict__ x,
                                 int64_t x_stride, const T* __restrict__ weight, int n, float eps) {
   __shared__ float shared[kMaxThreads / kWarp];
   const T* row = x + blockIdx.x * x_stride;
+  const int packs = n / W;
   float squares = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float v = to_float(row[i]);
-    squares += v * v;
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    const Pack<T, W> v = load_pack<T, W>(row + p * W);
+#pragma unroll
+    for (int j = 0; j < W; ++j) squares += to_float(v.v[j]) * to_float(v.v[j]);
   }
   const float inv = rsqrtf(block_sum(squares, shared) / static_cast<float>(n) + eps);
   T* dst = out + blockIdx.x * out_stride;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    dst[i] = from_float<T>(to_float(weight[i]) * (to_float(row[i]) * inv));
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    const Pack<T, W> v = load_pack<T, W>(row + p * W), w = load_pack<T, W>(weight + p * W);
+    Pack<T, W> o;
+#pragma unroll
+    for (int j = 0; j < W; ++j) o.v[j] = from_float<T>(to_float(w.v[j]) * (to_float(v.v[j]) * inv));
+    store_pack<T, W>(dst + p * W, o);
   }
 }
 
 // One block per row: z = x + residual (float); residual = z; x = rms_norm(z) * weight.
 // Each thread reads and writes the same elements in both passes, so the second pass
 // recomputes z from the untouched inputs instead of keeping the row.
-template <typename T>
+template <typename T, int W>
 __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, int64_t x_stride,
                                           T* __restrict__ residual, int64_t residual_stride,
                                           const T* __restrict__ weight, int n, float eps) {
   __shared__ float shared[kMaxThreads / kWarp];
   T* xs = x + blockIdx.x * x_stride;
   T* res = residual + blockIdx.x * residual_stride;
+  const int packs = n / W;
   float squares = 0.0f;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float z = to_float(res[i]) + to_float(xs[i]);
-    squares += z * z;
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    const Pack<T, W> a = load_pack<T, W>(res + p * W), b = load_pack<T, W>(xs + p * W);
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float z = to_float(a.v[j]) + to_float(b.v[j]);
+      squares += z * z;
+    }
   }
   const float inv = rsqrtf(block_sum(squares, shared) / static_cast<float>(n) + eps);
-  for (int i = threadIdx.x; i < n; i += blockDim.x) {
-    const float z = to_float(res[i]) + to_float(xs[i]);
-    res[i] = from_float<T>(z);
-    xs[i] = from_float<T>(to_float(weight[i]) * (z * inv));
+  for (int p = threadIdx.x; p < packs; p += blockDim.x) {
+    const Pack<T, W> a = load_pack<T, W>(res + p * W), b = load_pack<T, W>(xs + p * W);
+    const Pack<T, W> w = load_pack<T, W>(weight + p * W);
+    Pack<T, W> sum, normed;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const float z = to_float(a.v[j]) + to_float(b.v[j]);
+      sum.v[j] = from_float<T>(z);
+      normed.v[j] = from_float<T>(to_float(w.v[j]) * (z * inv));
+    }
+    store_pack<T, W>(res + p * W, sum);
+    store_pack<T, W>(xs + p * W, normed);
   }
 }
 
-// One block per token; threads over (head, i < d/2) pairs of query, then of key: (i,
-// i + d/2) rotate-half, (2i, 2i + 1) interleaved.
-template <typename T, typename Position>
+// One block per token; threads over (head, W pairs) of query, then of key. Pair i of a
+// head is (i, i + d/2) rotate-half, (2i, 2i + 1) interleaved; a thread takes pairs
+// i0 .. i0 + W - 1, as two packs: [i0, i0 + W) and [d/2 + i0, ...) rotate-half, the
+// 2W elements from 2 * i0 interleaved.
+template <typename T, typename Position, int W>
 __global__ void rotary_kernel(const Position* __restrict__ positions, int64_t position_stride,
                               T* __restrict__ query, int64_t q_token_stride, int q_heads,
                               T* __restrict__ key, int64_t k_token_stride, int k_heads, int d,
@@ -81,37 +107,62 @@ __global__ void rotary_kernel(const Position* __restrict__ positions, int64_t po
   if (position < 0 || position >= max_positions) return;  // see layer_kernels.h
   const float* cs = cos_sin + position * cos_sin_stride;
   const int half = d / 2;
-  const int pairs = (q_heads + k_heads) * half;
-  for (int p = threadIdx.x; p < pairs; p += blockDim.x) {
-    const int head = p / half, i = p % half;
+  const int per_head = half / W;
+  const int work = (q_heads + k_heads) * per_head;
+  for (int p = threadIdx.x; p < work; p += blockDim.x) {
+    const int head = p / per_head, i0 = (p % per_head) * W;
     T* row = head < q_heads ? query + token * q_token_stride + head * d
                             : key + token * k_token_stride + (head - q_heads) * d;
-    const int j = is_neox ? i : 2 * i, k = is_neox ? half + i : 2 * i + 1;
-    const float a = to_float(row[j]), b = to_float(row[k]);
-    const float c = cs[i], s = cs[half + i];
-    row[j] = from_float<T>(a * c + (-b) * s);
-    row[k] = from_float<T>(b * c + a * s);
+    T* first = row + (is_neox ? i0 : 2 * i0);
+    T* second = is_neox ? row + half + i0 : first + W;
+    Pack<T, W> a = load_pack<T, W>(first), b = load_pack<T, W>(second);
+    // e: the 2W elements in memory order of the interleaved form, or (a, b) rotate-half.
+    float e[2 * W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      e[j] = to_float(a.v[j]);
+      e[W + j] = to_float(b.v[j]);
+    }
+#pragma unroll
+    for (int k = 0; k < W; ++k) {
+      const int x = is_neox ? k : 2 * k, y = is_neox ? W + k : 2 * k + 1;
+      const float c = cs[i0 + k], s = cs[half + i0 + k];
+      const float ex = e[x], ey = e[y];
+      e[x] = ex * c + (-ey) * s;
+      e[y] = ey * c + ex * s;
+    }
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      a.v[j] = from_float<T>(e[j]);
+      b.v[j] = from_float<T>(e[W + j]);
+    }
+    store_pack<T, W>(first, a);
+    store_pack<T, W>(second, b);
   }
 }
 
-// Grid-stride over [rows, n]: out = gate / (1 + exp(-gate)) * up.
-template <typename T>
+// Grid (rows, chunks of threads * W elements): out = gate / (1 + exp(-gate)) * up.
+template <typename T, int W>
 __global__ void silu_and_mul_kernel(T* __restrict__ out, int64_t out_stride,
-                                    const T* __restrict__ x, int64_t x_stride, int64_t rows,
-                                    int64_t n) {
-  const int64_t total = rows * n;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t r = e / n, i = e % n;
-    const float gate = to_float(x[r * x_stride + i]);
-    const float up = to_float(x[r * x_stride + n + i]);
-    out[r * out_stride + i] = from_float<T>(gate / (1.0f + expf(-gate)) * up);
+                                    const T* __restrict__ x, int64_t x_stride, int64_t n) {
+  const int64_t r = blockIdx.x;
+  const int64_t i = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
+  if (i >= n) return;
+  const T* in = x + r * x_stride;
+  const Pack<T, W> gate = load_pack<T, W>(in + i), up = load_pack<T, W>(in + n + i);
+  Pack<T, W> o;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const float g = to_float(gate.v[j]);
+    o.v[j] = from_float<T>(g / (1.0f + expf(-g)) * to_float(up.v[j]));
   }
+  store_pack<T, W>(out + r * out_stride + i, o);
 }
 
-// One block per token; threads over (kv head, i < d). Keys go to their transposed tile
-// [d, block_size], values to [block_size, d].
-template <typename T>
+// One block per token; threads over (kv head, W elements of d). Values go to their tile
+// [block_size, d] as packs; keys to their transposed tile [d, block_size], one element
+// at a time (a token's key elements lie block_size apart there).
+template <typename T, int W>
 __global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_token_stride,
                                          int64_t key_head_stride, const T* __restrict__ value,
                                          int64_t value_token_stride, int64_t value_head_stride,
@@ -123,13 +174,18 @@ __global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_
   if (slot < 0 || slot >= num_slots) return;  // see layer_kernels.h
   const int64_t block = slot / block_size, offset = slot % block_size;
   const int64_t tile = static_cast<int64_t>(block_size) * d;
-  for (int e = threadIdx.x; e < kv_heads * d; e += blockDim.x) {
-    const int head = e / d, i = e % d;
+  const int per_head = d / W;
+  for (int p = threadIdx.x; p < kv_heads * per_head; p += blockDim.x) {
+    const int head = p / per_head, i = (p % per_head) * W;
     const int64_t base = (block * kv_heads + head) * tile;
-    key_cache[base + static_cast<int64_t>(i) * block_size + offset] =
-        key[token * key_token_stride + head * key_head_stride + i];
-    value_cache[base + offset * d + i] =
-        value[token * value_token_stride + head * value_head_stride + i];
+    const Pack<T, W> k =
+        load_pack<T, W>(key + token * key_token_stride + head * key_head_stride + i);
+    store_pack<T, W>(
+        value_cache + base + offset * d + i,
+        load_pack<T, W>(value + token * value_token_stride + head * value_head_stride + i));
+#pragma unroll
+    for (int j = 0; j < W; ++j)
+      key_cache[base + static_cast<int64_t>(i + j) * block_size + offset] = k.v[j];
   }
 }
 
@@ -146,6 +202,22 @@ T* typed(const TensorView& t) {
   return static_cast<T*>(t.data);
 }
 
+// f(std::integral_constant<int, W>) with W = kPackWidth<T> where every pointer is 16-byte
+// aligned and every count (sizes and strides, in elements) a multiple of W; else W = 1.
+template <typename T, class F>
+void with_pack_width(std::initializer_list<const void*> pointers,
+                     std::initializer_list<int64_t> counts, F&& f) {
+  constexpr int kWidth = kPackWidth<T>;
+  bool fits = true;
+  for (const void* p : pointers) fits = fits && reinterpret_cast<uintptr_t>(p) % 16 == 0;
+  for (const int64_t c : counts) fits = fits && c % kWidth == 0;
+  if (fits) {
+    f(std::integral_constant<int, kWidth>{});
+  } else {
+    f(std::integral_constant<int, 1>{});
+  }
+}
+
 }  // namespace
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
@@ -156,9 +228,13 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
   const DeviceGuard guard(x.device.index);
   for_dtype(x.dtype, "rms_norm", [&](auto zero) {
     using T = decltype(zero);
-    rms_norm_kernel<T>
-        <<<static_cast<unsigned>(rows), threads_for(n), 0, static_cast<cudaStream_t>(stream)>>>(
-            typed<T>(out), out.strides[0], typed<T>(x), x.strides[0], typed<T>(weight), n, eps);
+    with_pack_width<T>(
+        {out.data, x.data, weight.data}, {n, out.strides[0], x.strides[0]}, [&](auto width) {
+          constexpr int W = decltype(width)::value;
+          rms_norm_kernel<T, W><<<static_cast<unsigned>(rows), threads_for(n / W), 0,
+                                  static_cast<cudaStream_t>(stream)>>>(
+              typed<T>(out), out.strides[0], typed<T>(x), x.strides[0], typed<T>(weight), n, eps);
+        });
   });
   check_launch("rms_norm");
 }
@@ -171,10 +247,15 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   const DeviceGuard guard(x.device.index);
   for_dtype(x.dtype, "fused_add_rms_norm", [&](auto zero) {
     using T = decltype(zero);
-    fused_add_rms_norm_kernel<T>
-        <<<static_cast<unsigned>(rows), threads_for(n), 0, static_cast<cudaStream_t>(stream)>>>(
-            typed<T>(x), x.strides[0], typed<T>(residual), residual.strides[0], typed<T>(weight), n,
-            eps);
+    with_pack_width<T>({x.data, residual.data, weight.data}, {n, x.strides[0], residual.strides[0]},
+                       [&](auto width) {
+                         constexpr int W = decltype(width)::value;
+                         fused_add_rms_norm_kernel<T, W>
+                             <<<static_cast<unsigned>(rows), threads_for(n / W), 0,
+                                static_cast<cudaStream_t>(stream)>>>(
+                                 typed<T>(x), x.strides[0], typed<T>(residual), residual.strides[0],
+                                 typed<T>(weight), n, eps);
+                       });
   });
   check_launch("fused_add_rms_norm");
 }
@@ -188,18 +269,26 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   const DeviceGuard guard(query.device.index);
   for_dtype(query.dtype, "rotary_embedding", [&](auto zero) {
     using T = decltype(zero);
-    const auto launch = [&](const auto* pos) {
-      rotary_kernel<<<static_cast<unsigned>(tokens), threads_for((q_heads + k_heads) * d / 2), 0,
-                      static_cast<cudaStream_t>(stream)>>>(
-          pos, positions.strides[0], typed<T>(query), query.strides[0], q_heads, typed<T>(key),
-          key.strides[0], k_heads, d, static_cast<const float*>(cos_sin_cache.data),
-          cos_sin_cache.strides[0], cos_sin_cache.shape[0], is_neox);
-    };
-    if (positions.dtype == DType::kInt32) {
-      launch(static_cast<const int32_t*>(positions.data));
-    } else {
-      launch(static_cast<const int64_t*>(positions.data));
-    }
+    // Heads lie d elements apart (the glue checks it); a thread's packs start at
+    // multiples of W from the head (d / 2 + i0 rotate-half).
+    with_pack_width<T>(
+        {query.data, key.data}, {d / 2, query.strides[0], key.strides[0]}, [&](auto width) {
+          constexpr int W = decltype(width)::value;
+          const auto launch = [&](const auto* pos) {
+            rotary_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(pos)>>, W>
+                <<<static_cast<unsigned>(tokens), threads_for((q_heads + k_heads) * d / 2 / W), 0,
+                   static_cast<cudaStream_t>(stream)>>>(
+                    pos, positions.strides[0], typed<T>(query), query.strides[0], q_heads,
+                    typed<T>(key), key.strides[0], k_heads, d,
+                    static_cast<const float*>(cos_sin_cache.data), cos_sin_cache.strides[0],
+                    cos_sin_cache.shape[0], is_neox);
+          };
+          if (positions.dtype == DType::kInt32) {
+            launch(static_cast<const int32_t*>(positions.data));
+          } else {
+            launch(static_cast<const int64_t*>(positions.data));
+          }
+        });
   });
   check_launch("rotary_embedding");
 }
@@ -209,12 +298,16 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   if (rows * n == 0) return;
   const DeviceGuard guard(x.device.index);
   constexpr int kThreads = 256;
-  const int64_t blocks = std::min<int64_t>((rows * n + kThreads - 1) / kThreads, 65535);
   for_dtype(x.dtype, "silu_and_mul", [&](auto zero) {
     using T = decltype(zero);
-    silu_and_mul_kernel<T>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
-            typed<T>(out), out.strides[0], typed<T>(x), x.strides[0], rows, n);
+    with_pack_width<T>({out.data, x.data}, {n, out.strides[0], x.strides[0]}, [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      const int64_t chunks = (n / W + kThreads - 1) / kThreads;
+      if (chunks > 65535) throw std::invalid_argument("silu_and_mul (CUDA): rows are too long");
+      const dim3 grid(static_cast<unsigned>(rows), static_cast<unsigned>(chunks));
+      silu_and_mul_kernel<T, W><<<grid, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(
+          typed<T>(out), out.strides[0], typed<T>(x), x.strides[0], n);
+    });
   });
   check_launch("silu_and_mul");
 }
@@ -230,12 +323,18 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const DeviceGuard guard(key.device.index);
   for_dtype(key_cache.dtype, "reshape_and_cache", [&](auto zero) {
     using T = decltype(zero);
-    reshape_and_cache_kernel<T><<<static_cast<unsigned>(tokens), threads_for(kv_heads * d), 0,
-                                  static_cast<cudaStream_t>(stream)>>>(
-        typed<T>(key), key.strides[0], key.strides[1], typed<T>(value), value.strides[0],
-        value.strides[1], typed<T>(key_cache), typed<T>(value_cache),
-        static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0], kv_heads, d,
-        block_size, key_cache.shape[0] * static_cast<int64_t>(block_size));
+    with_pack_width<T>(
+        {key.data, value.data, value_cache.data},
+        {d, key.strides[0], key.strides[1], value.strides[0], value.strides[1]}, [&](auto width) {
+          constexpr int W = decltype(width)::value;
+          reshape_and_cache_kernel<T, W>
+              <<<static_cast<unsigned>(tokens), threads_for(kv_heads * d / W), 0,
+                 static_cast<cudaStream_t>(stream)>>>(
+                  typed<T>(key), key.strides[0], key.strides[1], typed<T>(value), value.strides[0],
+                  value.strides[1], typed<T>(key_cache), typed<T>(value_cache),
+                  static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0], kv_heads,
+                  d, block_size, key_cache.shape[0] * static_cast<int64_t>(block_size));
+        });
   });
   check_launch("reshape_and_cache");
 }

@@ -114,6 +114,69 @@ def test_reshape_and_cache(
     assert value_cache.permute(0, 2, 1, 3)[~written.to(CUDA)].isnan().all()
 
 
+def unaligned(rows: int, width: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """[rows, width] whose rows start one element past a 16-byte boundary, width + 3
+    elements apart: the kernels take their one-element path."""
+    return (torch.randn(rows, width + 3, device=CUDA) * scale).to(dtype)[:, 1 : width + 1]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layers_on_unaligned_rows(dtype: torch.dtype) -> None:
+    """The fused layers where 16-byte packs do not fit (an offset view, an odd stride, a
+    width of 1000 = 125 packs of 8): the same results, and nothing outside the views
+    written."""
+    x, weight = unaligned(37, 1000, dtype), (torch.rand(1000, device=CUDA) + 0.5).to(dtype)
+    out = poisoned_like(x)
+    ops.rms_norm(out, x, weight, 1e-6)
+    assert rel_error(out, rms_norm_reference(x, weight, 1e-6)) < TOLERANCE[dtype]
+
+    residual = unaligned(37, 1000, dtype)
+    whole = residual._base.clone()  # type: ignore[union-attr]
+    stream = residual.double() + x.double()
+    ops.fused_add_rms_norm(x, residual, weight, 1e-5)
+    assert rel_error(residual, stream) < TOLERANCE[dtype]
+    assert rel_error(x, rms_norm_reference(stream, weight, 1e-5)) < TOLERANCE[dtype]
+    outside = torch.ones_like(whole, dtype=torch.bool)
+    outside[:, 1:1001] = False
+    assert torch.equal(residual._base[outside], whole[outside])  # type: ignore[index]
+
+    gate_up = unaligned(29, 2 * 500, dtype, scale=4.0)
+    out = torch.full((29, 500), float("nan"), device=CUDA, dtype=dtype)
+    ops.silu_and_mul(out, gate_up)
+    xd = gate_up.double()
+    assert rel_error(out, torch.nn.functional.silu(xd[:, :500]) * xd[:, 500:]) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+def test_rotary_embedding_and_cache_writes_on_unaligned_rows(
+    dtype: torch.dtype, is_neox: bool
+) -> None:
+    tokens, heads, kv_heads, d, max_positions = 21, 4, 2, 64, 512
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).double() / d))
+    freqs = torch.arange(max_positions).double()[:, None] * inv_freq
+    cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(CUDA)
+    positions = torch.randint(0, max_positions, (tokens,), device=CUDA)
+    qkv = unaligned(tokens, (heads + 2 * kv_heads) * d, dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    q0, k0 = q.double().clone(), k.double().clone()
+    ops.rotary_embedding(positions, q, k, cache, is_neox)
+    assert rel_error(q, rotary_reference(q0, freqs, positions, is_neox)) < TOLERANCE[dtype]
+    assert rel_error(k, rotary_reference(k0, freqs, positions, is_neox)) < TOLERANCE[dtype]
+
+    block_size = 16
+    slots = torch.randperm(4 * block_size, device=CUDA)[:tokens]
+    key_cache = torch.zeros(4, kv_heads, d, block_size, device=CUDA, dtype=dtype)
+    value_cache = torch.zeros(4, kv_heads, block_size, d, device=CUDA, dtype=dtype)
+    ops.reshape_and_cache(k, v, key_cache, value_cache, slots)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(key_cache[block, :, :, offset], k[t])
+        assert torch.equal(value_cache[block, :, offset, :], v[t])
+
+
 def test_runs_on_the_current_stream() -> None:
     x = torch.randn(64, 1024, device=CUDA)
     weight = torch.ones(1024, device=CUDA)
