@@ -37,7 +37,8 @@ class DecodeGraphs:
     inputs' device buffer (StepInputs), which every step's upload fills at the same
     addresses; a smaller graph reads fewer rows. Padding rows write no slot (-1) and
     attend to one key of a block their stale table row names (the kernel reads any
-    out-of-range id as block 0). `pool_bytes`: the device memory the captures took."""
+    out-of-range id as block 0). `device_bytes`: the device memory the captures took
+    (torch's pool, and what the graphs allocate themselves)."""
 
     def __init__(
         self,
@@ -49,7 +50,7 @@ class DecodeGraphs:
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be distinct, ascending and positive: {sizes}")
-        if sizes[-1] > inputs.max_reqs:
+        if sizes[-1] > min(inputs.max_reqs, inputs.max_tokens):
             raise ValueError(f"a graph of {sizes[-1]} rows is larger than the step inputs")
         self.model = model
         self.caches = caches
@@ -69,7 +70,11 @@ class DecodeGraphs:
                     self._forward(size)
             torch.cuda.current_stream(device).wait_stream(warmup)
             torch.cuda.synchronize(device)
-            before = torch.cuda.memory_reserved(device)
+            # What the device has free before and after: the captures' memory is torch's
+            # pool and the graphs' own allocations (the attention's split-K scratch), which
+            # torch does not see. Emptied first, as torch.cuda.graph does at entry.
+            torch.cuda.empty_cache()
+            free_before = torch.cuda.mem_get_info(device)[0]
             pool = torch.cuda.graph_pool_handle()
             for size in reversed(self.sizes):  # the largest first: the rest reuse its memory
                 graph = torch.cuda.CUDAGraph()
@@ -81,7 +86,7 @@ class DecodeGraphs:
             for graph in self.graphs.values():
                 graph.replay()
             torch.cuda.synchronize(device)
-            self.pool_bytes = torch.cuda.memory_reserved(device) - before
+            self.device_bytes = free_before - torch.cuda.mem_get_info(device)[0]
 
     @torch.inference_mode()
     def _forward(self, size: int) -> torch.Tensor:

@@ -114,7 +114,7 @@ class ModelRunner:
             )
             logger.info(
                 "CUDA graphs of %d decode batch sizes (1 to %d): %.0f MiB, %.0f MiB expected",
-                len(self.capture_sizes), self.capture_sizes[-1], self.graphs.pool_bytes / 2**20,
+                len(self.capture_sizes), self.capture_sizes[-1], self.graphs.device_bytes / 2**20,
                 self.graph_bytes_expected / 2**20,
             )  # fmt: skip
 
@@ -187,16 +187,18 @@ class ModelRunner:
     def _graph_bytes(self, caches: list[KVCache]) -> int:
         """The device memory the decode graphs will take: the largest one captured now
         (on the profiling caches) and released, plus the outputs of the smaller ones,
-        which keep their own memory; their temporaries reuse the largest's."""
+        which keep their own memory; their temporaries reuse the largest's. On the
+        safe side: what the probe leaves allocated (cuBLAS's workspace for the capture
+        stream, CUDA's pool of graph allocations) is counted again as not torch's."""
         if not self.capture_sizes or self.inputs is None:
             return 0
         torch.cuda.empty_cache()
         largest = self.capture_sizes[-1]
         probe = DecodeGraphs(self.model, caches, self.inputs, [largest], self.split_context)
-        pool_bytes, hidden = probe.pool_bytes, probe.hidden[largest]
+        device_bytes, hidden = probe.device_bytes, probe.hidden[largest]
         outputs = hidden.element_size() * hidden.shape[1] * sum(self.capture_sizes[:-1])
         del probe, hidden
-        return pool_bytes + outputs
+        return device_bytes + outputs
 
     @torch.inference_mode()
     def execute(

@@ -55,6 +55,8 @@ class StepInputs:
                 f"max_reqs={max_reqs}, max_blocks={max_blocks}"
             )
         self.device = device
+        # A decode step padded to max_reqs rows has a token row for each.
+        max_tokens = max(max_tokens, max_reqs)
         self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
         self.sizes = {  # in int32 words
             "slot_mapping": 2 * max_tokens,  # first: 8-byte aligned
@@ -77,8 +79,9 @@ class StepInputs:
         f["seq_lens"][:] = 1
         f["query_start_loc"][:] = np.arange(max_reqs + 1)
         self.buffer = self.host.to(device, copy=True)
-        # Recorded after each copy from the host buffer: the next upload waits for it
-        # before overwriting that buffer.
+        # Recorded after each copy from the host buffer (on the stream of the buffer's
+        # device, which runs it): the next upload waits for it before overwriting that
+        # buffer. Steps that sample have waited for their tokens already.
         self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
 
     def _field(self, words: np.ndarray, name: str) -> np.ndarray:
@@ -131,13 +134,23 @@ class StepInputs:
         end = self.offsets["block_tables"] + rows * self.max_blocks
         self.buffer[:end].copy_(self.host[:end], non_blocking=True)
         if self._copied is not None:
-            self._copied.record()
+            self._copied.record(torch.cuda.current_stream(self.device))
         padding = rows - num_reqs  # decode: as many tokens as requests
         return self.views(num_tokens + padding, rows, len(b.logits_indices))
 
     def views(self, num_tokens: int, num_reqs: int, num_sampled: int) -> DeviceStep:
         """The device buffer's first rows of each array (what the last upload filled, or
         the safe values)."""
+        if not (
+            0 <= num_tokens <= self.max_tokens
+            and 0 <= num_reqs <= self.max_reqs
+            and 0 <= num_sampled <= self.max_reqs
+        ):
+            raise ValueError(
+                f"views of {num_tokens} tokens, {num_reqs} requests and {num_sampled} "
+                f"sampled rows: the capacity is {self.max_tokens} tokens and "
+                f"{self.max_reqs} requests"
+            )
 
         def first(name: str, count: int) -> torch.Tensor:
             start = self.offsets[name]

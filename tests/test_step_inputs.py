@@ -116,3 +116,22 @@ def test_bad_sizes_are_clear_errors() -> None:
     wide = StepInputs(torch.device("cpu"), 48, 8, MAX_BLOCKS - 1)
     with pytest.raises(ValueError, match="block tables of shape"):
         wide.upload(s.buffers)
+
+
+def test_a_graph_larger_than_the_token_budget_pads_safely() -> None:
+    """max_num_batched_tokens below max_num_seqs: a decode step of 4 requests padded to a
+    graph of 8 rows still has 8 token rows, all of the padding safe."""
+    rng = np.random.default_rng(4)
+    s, staged = scheduler(budget=4, max_seqs=8), inputs(budget=4, max_seqs=8)
+    assert staged.max_tokens == 8
+    for i in range(4):
+        s.add_request(f"r{i}", rng.integers(0, 1000, 1).astype(np.int32), max_tokens=3)
+    s.schedule()
+    staged.upload(s.buffers)
+    s.update(rng.integers(0, 1000, 4).astype(np.int32))
+    s.schedule()
+    step = staged.upload(s.buffers, padded_reqs=8)
+    assert step.slot_mapping.shape == (8,) and step.slot_mapping[4:].tolist() == [-1] * 4
+    assert step.seq_lens[4:].tolist() == [1] * 4
+    with pytest.raises(ValueError, match="capacity is 8 tokens"):
+        staged.views(9, 8, 8)
