@@ -1,10 +1,11 @@
-// Runs simple CUDA kernels on the host, for tests on machines without a GPU: the kernel
-// source is compiled as C++ (CUDA's headers give __half, __nv_bfloat16 and their
-// conversions on the host), and `launch` runs every CUDA thread of a block as a host
-// thread, one block after another. Emulated: threadIdx/blockIdx/blockDim/gridDim (1-D
-// blocks, up to 3-D grids), __shared__ (static: one block runs at a time),
-// __syncthreads, __shfl_xor_sync over whole warps of 32, rsqrtf. Inline PTX (mma,
-// ldmatrix, cp.async) is not: kernels that use it cannot run here.
+// Runs CUDA kernels on the host, for tests on machines without a GPU: the kernel source
+// is compiled as C++ (CUDA's headers give __half, __nv_bfloat16 and their conversions on
+// the host), and `launch` runs every CUDA thread of a block as a host thread, one block
+// after another. Emulated: threadIdx/blockIdx/blockDim/gridDim (1-D blocks, up to 3-D
+// grids), __shared__ (static: one block runs at a time), __syncthreads, __shfl_xor_sync
+// over whole warps of 32, rsqrtf, and the instructions of cuda/mma_primitives.cuh
+// (mma.sync m16n8k16, ldmatrix .x4 .trans, cp.async), lane by lane as the PTX ISA lays
+// out their fragments; asynchronous copies land at once.
 //
 // Include this before the kernels' header, in one translation unit.
 #pragma once
@@ -12,30 +13,38 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <array>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #undef __shared__
 #define __shared__ static
+#define __launch_bounds__(...)
+#define PYENGINE_CUDA_HOST_EMULATION 1
 
 namespace pyengine::emulation {
 
 // What the threads of the running block share.
 struct Block {
-  explicit Block(unsigned threads) : all(threads), lanes(threads) {
+  explicit Block(unsigned threads)
+      : all(threads), lanes(threads), fragments(threads), rows(threads) {
     for (unsigned first = 0; first < threads; first += 32) {
       const auto width = static_cast<std::ptrdiff_t>(std::min(32u, threads - first));
       warps.push_back(std::make_unique<std::barrier<>>(width));
     }
   }
   std::barrier<> all;                                  // __syncthreads
-  std::vector<std::unique_ptr<std::barrier<>>> warps;  // a warp's shuffles
-  std::vector<float> lanes;                            // one shuffle slot per thread
+  std::vector<std::unique_ptr<std::barrier<>>> warps;  // a warp's exchanges
+  std::vector<float> lanes;                            // a lane's shuffled value
+  std::vector<std::array<uint32_t, 6>> fragments;      // a lane's mma a0-a3, b0, b1
+  std::vector<const void*> rows;                       // a lane's ldmatrix row address
 };
 
 inline Block*& current_block() {
@@ -50,21 +59,113 @@ inline thread_local uint3 blockIdx;
 inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 
+namespace pyengine::emulation {
+
+// Every lane of the calling thread's warp publishes its part, then reads the others'
+// once all have published; returns after all have read.
+template <class Publish, class Read>
+void warp_exchange(const Publish& publish, const Read& read) {
+  Block& b = *current_block();
+  std::barrier<>& warp = *b.warps[threadIdx.x / 32];
+  publish(b);
+  warp.arrive_and_wait();
+  read(b);
+  warp.arrive_and_wait();
+}
+
+}  // namespace pyengine::emulation
+
 inline void __syncthreads() { pyengine::emulation::current_block()->all.arrive_and_wait(); }
 
-// Every lane of the warp must call it (as the kernels do); lanes past the block's last
-// thread read their own value.
+// Lanes past the block's last thread read their own value.
 inline float __shfl_xor_sync(unsigned /*mask*/, float value, int offset) {
-  pyengine::emulation::Block& b = *pyengine::emulation::current_block();
-  const unsigned t = threadIdx.x, warp = t / 32, source = t ^ static_cast<unsigned>(offset);
-  b.lanes[t] = value;
-  b.warps[warp]->arrive_and_wait();
-  const float got = source < b.lanes.size() && source / 32 == warp ? b.lanes[source] : value;
-  b.warps[warp]->arrive_and_wait();
+  float got = value;
+  pyengine::emulation::warp_exchange(
+      [&](pyengine::emulation::Block& b) { b.lanes[threadIdx.x] = value; },
+      [&](pyengine::emulation::Block& b) {
+        const unsigned source = threadIdx.x ^ static_cast<unsigned>(offset);
+        if (source < b.lanes.size() && source / 32 == threadIdx.x / 32) got = b.lanes[source];
+      });
   return got;
 }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline int max(int a, int b) { return a < b ? b : a; }
+inline int min(int a, int b) { return a < b ? a : b; }
+
+namespace pyengine::cuda {
+
+// cp.async: 16 bytes, or zeros where !valid; here at once.
+inline void copy_async(void* shared, const void* global, bool valid) {
+  if (valid) {
+    std::memcpy(shared, global, 16);
+  } else {
+    std::memset(shared, 0, 16);
+  }
+}
+inline void commit_copies() {}
+template <int kPending>
+void wait_copies() {}
+
+// The 16-bit element `half` (0: the low one) of a register, as float.
+template <typename T>
+float element_of(uint32_t reg, int half) {
+  const auto bits = static_cast<uint16_t>(half == 0 ? reg & 0xffffu : reg >> 16);
+  if constexpr (std::is_same_v<T, __half>) {
+    __half_raw raw;
+    raw.x = bits;
+    return __half2float(__half(raw));
+  } else {
+    const uint32_t word = static_cast<uint32_t>(bits) << 16;
+    float value = 0.0f;
+    std::memcpy(&value, &word, sizeof value);
+    return value;
+  }
+}
+
+// mma.sync.aligned.m16n8k16.row.col.f32.{f16,bf16}: with g = lane / 4 and q = lane % 4,
+// A register i holds row g + 8 * (i % 2), columns 2q + {0, 1} + 8 * (i / 2); B register
+// j holds rows 2q + {0, 1} + 8j of column g; C element e is row g + 8 * (e / 2), column
+// 2q + e % 2.
+template <typename T>
+void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  const unsigned lane = threadIdx.x % 32, first = threadIdx.x - lane;
+  emulation::warp_exchange(
+      [&](emulation::Block& b) { b.fragments[threadIdx.x] = {a[0], a[1], a[2], a[3], b0, b1}; },
+      [&](emulation::Block& b) {
+        for (int e = 0; e < 4; ++e) {
+          const int m = static_cast<int>(lane / 4) + 8 * (e / 2);
+          const int n = 2 * static_cast<int>(lane % 4) + e % 2;
+          float sum = 0.0f;
+          for (int k = 0; k < 16; ++k) {
+            const auto& a_lane =
+                b.fragments[first + static_cast<unsigned>((m % 8) * 4 + k % 8 / 2)];
+            const auto& b_lane = b.fragments[first + static_cast<unsigned>(n * 4 + k % 8 / 2)];
+            sum += element_of<T>(a_lane[(m >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k % 2) *
+                   element_of<T>(b_lane[k >= 8 ? 5 : 4], k % 2);
+          }
+          c[e] += sum;
+        }
+      });
+}
+
+// ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l gives row l % 8 of matrix l / 8;
+// register i receives matrix i's elements (rows 2 * (l % 4) + {0, 1}, column l / 4).
+inline void load_b_operands(uint32_t (&r)[4], const void* row) {
+  const unsigned lane = threadIdx.x % 32, first = threadIdx.x - lane;
+  emulation::warp_exchange([&](emulation::Block& b) { b.rows[threadIdx.x] = row; },
+                           [&](emulation::Block& b) {
+                             for (unsigned i = 0; i < 4; ++i) {
+                               const unsigned top = first + 8 * i + 2 * (lane % 4);
+                               const auto* upper = static_cast<const uint16_t*>(b.rows[top]);
+                               const auto* lower = static_cast<const uint16_t*>(b.rows[top + 1]);
+                               r[i] =
+                                   upper[lane / 4] | (static_cast<uint32_t>(lower[lane / 4]) << 16);
+                             }
+                           });
+}
+
+}  // namespace pyengine::cuda
 
 namespace pyengine::emulation {
 

@@ -1,0 +1,246 @@
+// The tensor-core paged-attention kernel (cuda/flash_attention.cuh) run on the host
+// through cuda_host_emulation.h (mma, ldmatrix and cp.async emulated lane by lane),
+// against a float64 reference: shuffled block tables, stale table entries, poisoned
+// slots past each context and a poisoned output; prefill, chunked prefill over a cached
+// prefix, decode (one-warp blocks), split-K partitions, GQA groups, sliding windows and
+// soft-capping, float16 and bfloat16. The launch shape is the launcher's (plan_launch).
+#include "cuda_host_emulation.h"
+// The kernel after the emulation.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "flash_attention.cuh"
+#include "harness.h"
+
+namespace {
+
+using pyengine::cuda::AttentionParams;
+using pyengine::cuda::from_float;
+using pyengine::cuda::to_float;
+namespace flash = pyengine::cuda::flash;
+
+std::mt19937& rng() {
+  static std::mt19937 generator(7);
+  return generator;
+}
+
+struct Case {
+  int head_size, num_heads, num_kv_heads, block_size;
+  std::vector<int> query_lens, seq_lens;  // per request
+  int sliding_window = 0;
+  float soft_cap = 0.0f;
+  int num_parts = 1;
+};
+
+template <typename T>
+struct Buffers {
+  std::vector<T> query, key_cache, value_cache, out;
+  std::vector<int32_t> block_tables, seq_lens, query_start_loc;
+  std::vector<float> partials;
+  std::vector<std::vector<int>> blocks;  // each request's block ids, in order
+  int num_blocks = 0, max_blocks = 0, num_tokens = 0;
+};
+
+template <typename T>
+Buffers<T> make_buffers(const Case& c) {
+  Buffers<T> b;
+  const int d = c.head_size, bs = c.block_size, n = static_cast<int>(c.seq_lens.size());
+  std::vector<int> needed(n);
+  for (int r = 0; r < n; ++r) {
+    needed[r] = (c.seq_lens[r] + bs - 1) / bs;
+    b.max_blocks = std::max(b.max_blocks, needed[r] + 2);  // stale entries past the end
+  }
+  b.num_blocks = std::accumulate(needed.begin(), needed.end(), 0) + 3;  // 3 never used
+  std::vector<int> ids(b.num_blocks);
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng());
+  std::normal_distribution<float> normal;
+  const T poison = from_float<T>(NAN);
+  const size_t cache = static_cast<size_t>(b.num_blocks) * c.num_kv_heads * d * bs;
+  b.key_cache.assign(cache, poison);
+  b.value_cache.assign(cache, poison);
+  b.block_tables.assign(static_cast<size_t>(n) * b.max_blocks, 0);
+  size_t next = 0;
+  for (int r = 0; r < n; ++r) {
+    b.blocks.emplace_back(ids.begin() + next, ids.begin() + next + needed[r]);
+    next += needed[r];
+    for (int i = 0; i < b.max_blocks; ++i) {
+      // Past the request's blocks: an id outside the cache, and one of another request's.
+      const int stale = i % 2 ? -5 : b.num_blocks + 7;
+      b.block_tables[r * b.max_blocks + i] = i < needed[r] ? b.blocks[r][i] : stale;
+    }
+    for (int key = 0; key < c.seq_lens[r]; ++key) {  // slots past the context stay NaN
+      const int64_t block = b.blocks[r][key / bs], offset = key % bs;
+      for (int h = 0; h < c.num_kv_heads; ++h) {
+        const int64_t tile = (block * c.num_kv_heads + h) * d * bs;
+        for (int i = 0; i < d; ++i) {
+          b.key_cache[tile + i * bs + offset] = from_float<T>(normal(rng()));
+          b.value_cache[tile + offset * d + i] = from_float<T>(normal(rng()));
+        }
+      }
+    }
+  }
+  b.seq_lens.assign(c.seq_lens.begin(), c.seq_lens.end());
+  b.query_start_loc.assign(1, 0);
+  for (const int q : c.query_lens) b.query_start_loc.push_back(b.query_start_loc.back() + q);
+  b.num_tokens = b.query_start_loc.back();
+  const size_t rows = static_cast<size_t>(b.num_tokens) * c.num_heads;
+  b.query.resize(rows * d);
+  for (T& x : b.query) x = from_float<T>(normal(rng()));
+  b.out.assign(rows * d, poison);
+  b.partials.assign(rows * c.num_parts * (d + 2), NAN);
+  return b;
+}
+
+template <typename T>
+AttentionParams params(const Case& c, Buffers<T>& b) {
+  AttentionParams p{};
+  p.query = b.query.data();
+  p.key_cache = b.key_cache.data();
+  p.value_cache = b.value_cache.data();
+  p.block_tables = b.block_tables.data();
+  p.seq_lens = b.seq_lens.data();
+  p.query_start_loc = b.query_start_loc.data();
+  p.out = b.out.data();
+  p.partials = c.num_parts > 1 ? b.partials.data() : nullptr;
+  p.q_token_stride = p.o_token_stride = static_cast<int64_t>(c.num_heads) * c.head_size;
+  p.q_head_stride = p.o_head_stride = c.head_size;
+  p.max_blocks = b.max_blocks;
+  p.num_blocks = b.num_blocks;
+  p.num_reqs = static_cast<int>(c.seq_lens.size());
+  p.num_heads = c.num_heads;
+  p.num_kv_heads = c.num_kv_heads;
+  p.head_size = c.head_size;
+  p.block_size = c.block_size;
+  p.num_parts = c.num_parts;
+  p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
+  p.sliding_window = c.sliding_window;
+  p.soft_cap = c.soft_cap;
+  return p;
+}
+
+template <typename T, int D>
+void run(AttentionParams p, int max_query_len) {
+  const flash::Launch shape = flash::plan_launch(p, max_query_len);
+  const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
+  if (shape.warps == 1) {
+    pyengine::emulation::launch(grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); });
+  } else {
+    pyengine::emulation::launch(grid, flash::kPrefillWarps * 32,
+                                [&] { flash::flash_attention_kernel<T, D, 4>(p); });
+  }
+}
+
+// The kernel's output (merged from the partitions where it wrote partials) against the
+// float64 reference over the same rounded inputs: largest error over largest value.
+template <typename T>
+double relative_error(const Case& c, const Buffers<T>& b) {
+  const int d = c.head_size, bs = c.block_size, group = c.num_heads / c.num_kv_heads;
+  double worst = 0.0, largest = 0.0;
+  for (size_t r = 0; r < c.seq_lens.size(); ++r) {
+    const int q_len = c.query_lens[r], seq_len = c.seq_lens[r];
+    for (int i = 0; i < q_len; ++i) {
+      const int token = b.query_start_loc[r] + i, position = seq_len - q_len + i;
+      const int first = c.sliding_window > 0 ? std::max(0, position - c.sliding_window + 1) : 0;
+      for (int h = 0; h < c.num_heads; ++h) {
+        const int kvh = h / group;
+        const size_t row = static_cast<size_t>(token) * c.num_heads + h;
+        std::vector<double> scores;
+        for (int key = first; key <= position; ++key) {
+          const int64_t tile = (b.blocks[r][key / bs] * c.num_kv_heads + kvh) * d * bs;
+          double s = 0.0;
+          for (int x = 0; x < d; ++x) {
+            s += static_cast<double>(to_float(b.query[row * d + x])) *
+                 to_float(b.key_cache[tile + x * bs + key % bs]);
+          }
+          s /= std::sqrt(static_cast<double>(d));
+          if (c.soft_cap > 0) s = c.soft_cap * std::tanh(s / c.soft_cap);
+          scores.push_back(s);
+        }
+        const double top = *std::max_element(scores.begin(), scores.end());
+        double total = 0.0;
+        for (double& s : scores) total += (s = std::exp(s - top));
+        std::vector<double> got(d);
+        if (c.num_parts == 1) {
+          for (int x = 0; x < d; ++x) got[x] = to_float(b.out[row * d + x]);
+        } else {
+          const float* parts = b.partials.data() + row * c.num_parts * (d + 2);
+          double m = -INFINITY, sum = 0.0;
+          for (int part = 0; part < c.num_parts; ++part)
+            m = std::max<double>(m, parts[part * (d + 2)]);
+          for (int part = 0; part < c.num_parts; ++part) {
+            const float* q = parts + part * (d + 2);
+            const double w = q[0] == -INFINITY ? 0.0 : std::exp(q[0] - m);
+            sum += w * q[1];
+            for (int x = 0; x < d; ++x) got[x] += w * q[2 + x];
+          }
+          for (double& x : got) x /= sum;
+        }
+        for (int x = 0; x < d; ++x) {
+          double want = 0.0;
+          for (int key = first; key <= position; ++key) {
+            const int64_t tile = (b.blocks[r][key / bs] * c.num_kv_heads + kvh) * d * bs;
+            want +=
+                scores[key - first] / total * to_float(b.value_cache[tile + (key % bs) * d + x]);
+          }
+          largest = std::max(largest, std::abs(want));
+          worst = std::max(worst, std::isfinite(got[x]) ? std::abs(got[x] - want) : INFINITY);
+        }
+      }
+    }
+  }
+  return worst / largest;
+}
+
+template <typename T, int D>
+void check_case(const Case& c, const char* what) {
+  Buffers<T> b = make_buffers<T>(c);
+  const int max_query = *std::max_element(c.query_lens.begin(), c.query_lens.end());
+  run<T, D>(params(c, b), max_query);
+  const double error = relative_error(c, b);
+  const double tolerance = std::is_same_v<T, __half> ? 5e-3 : 2e-2;
+  if (!(error < tolerance)) {
+    pyengine::testing::fail(__FILE__, __LINE__,
+                            std::string(what) + ": relative error " + std::to_string(error));
+  }
+}
+
+}  // namespace
+
+TEST(prefill_of_fresh_prompts_float16) {
+  check_case<__half, 64>({64, 4, 2, 16, {37, 5, 64}, {37, 5, 64}}, "prefill, group 2");
+}
+
+TEST(chunked_prefill_over_a_cached_prefix_bfloat16) {
+  check_case<__nv_bfloat16, 128>({128, 8, 2, 8, {20, 33}, {50, 33}}, "chunked prefill, group 4");
+}
+
+TEST(decode_in_one_warp_blocks) {
+  check_case<__nv_bfloat16, 64>({64, 4, 1, 16, {1, 1, 1}, {100, 17, 300}}, "decode, group 4");
+  check_case<__half, 96>({96, 2, 2, 32, {1, 2}, {70, 9}}, "decode, head 96");
+}
+
+TEST(split_k_partitions) {
+  Case c{128, 4, 2, 16, {1, 3}, {600, 260}};
+  c.num_parts = 3;
+  check_case<__half, 128>(c, "decode over 3 partitions");
+}
+
+TEST(sliding_window_and_soft_cap) {
+  Case c{64, 6, 2, 8, {30, 1}, {45, 80}};
+  c.sliding_window = 20;
+  c.soft_cap = 30.0f;
+  check_case<__nv_bfloat16, 64>(c, "window 20, cap 30");
+}
+
+TEST(head_size_80_and_256) {
+  check_case<__nv_bfloat16, 80>({80, 2, 1, 16, {9, 40}, {9, 70}}, "head 80");
+  check_case<__half, 256>({256, 2, 2, 8, {12}, {20}}, "head 256");
+}
+
+int main() { return pyengine::testing::run_all(); }

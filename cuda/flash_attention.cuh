@@ -1,0 +1,302 @@
+// The tensor-core paged-attention kernel (launched by flash_attention.cu): mma.sync
+// m16n8k16 with float16 or bfloat16 operands and float32 accumulation, flash-attention
+// style. A thread block per (request, kv head, tile of the request's query tokens,
+// partition of the context). A tile's rows are (query token, query head of this kv
+// head's GQA group) pairs, so the group's heads share every K/V load: 64 rows over four
+// warps for prefill, 16 rows in a one-warp block for decode (where a request's rows are
+// its group's heads; small blocks keep many loads in flight per multiprocessor). K/V
+// stream through double-buffered shared memory a chunk of keys at a time, in 16-byte
+// asynchronous copies issued a chunk ahead (zeros past the context, so that stale slots
+// never reach the output); each warp keeps its 16 rows' scores, online softmax and output
+// in registers, the scores going back into the tensor cores as the A operand of P V.
+// Device code and plain C++ only, so that cpp/tests can run it on the host. Internal to
+// cuda/.
+#pragma once
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
+
+#include "attention_params.cuh"
+#include "element_types.cuh"
+#include "mma_primitives.cuh"
+
+namespace pyengine::cuda::flash {
+
+constexpr int kWarpRows = 16;  // an mma tile's M
+constexpr int kPrefillWarps = 4;
+constexpr int kPad = 8;  // elements after each shared row: ldmatrix reads 8 rows in 8 banks
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Keys per shared-memory chunk: two chunks of K and V stay under the 48 KB of static
+// shared memory.
+template <int D>
+__host__ __device__ constexpr int chunk_keys() {
+  return D <= 80 ? 64 : D <= 128 ? 32 : 16;
+}
+
+// A query row of the tile: (token, head) and the keys it sees.
+struct Row {
+  bool valid = false;
+  int token = 0, head = 0;
+  int first = 0, end = 0;  // its visible keys [first, end) within the partition
+};
+
+// Three four-warp blocks per multiprocessor (two for head size 256): at most 168 registers.
+template <typename T, int D, int kWarps>
+__global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 : 3))
+    flash_attention_kernel(const AttentionParams p) {
+  constexpr int kThreads = kWarps * kWarp;
+  constexpr int kTileRows = kWarps * kWarpRows;
+  constexpr int kKeys = chunk_keys<D>();
+  constexpr int kSteps = D / 16;        // k-steps of Q K^T
+  constexpr int kKeyTiles = kKeys / 8;  // n-tiles of the scores
+  constexpr int kDimTiles = D / 8;      // n-tiles of the output
+  // 16-byte copies per thread and chunk, of K and of V alike.
+  constexpr int kCopies = D * kKeys / 8 / kThreads;
+  static_assert(kCopies * kThreads * 8 == D * kKeys && kThreads % (kKeys / 8) == 0);
+  __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
+  __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
+  // The cache blocks of the two chunks in flight (blocks hold at least 8 keys).
+  __shared__ int32_t chunk_blocks[2][kKeys / 8];
+
+  const int r = blockIdx.x / p.tiles_per_request;
+  const int kv_head = blockIdx.y, part = blockIdx.z;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  const int group = lane / 4, quad = lane % 4;         // the lane's place in mma fragments
+  const int matrix = lane / 8, matrix_row = lane % 8;  // its row address for ldmatrix
+  const int group_size = p.num_heads / p.num_kv_heads;
+  const int tokens_per_tile = kTileRows / group_size;
+  const int q_start = p.query_start_loc[r];
+  const int q_len = p.query_start_loc[r + 1] - q_start;
+  // Positions and keys fit 32 bits (seq_lens are int32); block sizes are powers of two.
+  const int seq_len = p.seq_lens[r];
+  const int context_start = seq_len - q_len;  // the position of the first query token
+  const int block_shift = p.block_shift, in_block = p.block_size - 1;
+  const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
+  const int64_t kv_tile = static_cast<int64_t>(p.block_size) * D;  // one (block, kv head)
+  const int64_t block_stride = kv_tile * p.num_kv_heads;
+  const T* keys = static_cast<const T*>(p.key_cache) + kv_head * kv_tile;
+  const T* values = static_cast<const T*>(p.value_cache) + kv_head * kv_tile;
+
+  // Lane i < the chunk's block count reads block i of a chunk (0 past the context).
+  const int chunk_block_count = max(1, kKeys >> block_shift);
+  const auto block_id = [&](int chunk) {
+    const int key = chunk + (static_cast<int>(threadIdx.x) << block_shift);
+    if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return 0;
+    return cache_block(p, table[key >> block_shift]);
+  };
+  // A chunk's copies into `buffer`, whose block ids are in chunk_blocks[buffer]: K, 8 keys
+  // of one dim each (the thread's keys are always the same), and V, 8 dims of one key
+  // each, neighbouring lanes along a key's row.
+  const int k_first_key = threadIdx.x % (kKeys / 8) * 8;
+  const auto copy_chunk = [&](int buffer, int chunk) {
+    const int k_key = chunk + k_first_key;
+    const T* k_tile =
+        keys + chunk_blocks[buffer][k_first_key >> block_shift] * block_stride + (k_key & in_block);
+    for (int i = 0; i < kCopies; ++i) {
+      const int dim = (threadIdx.x + i * kThreads) / (kKeys / 8);
+      copy_async(&k_chunk[buffer][dim][k_first_key], k_tile + dim * p.block_size, k_key < seq_len);
+    }
+    for (int i = 0; i < kCopies; ++i) {
+      const int v = threadIdx.x + i * kThreads;
+      const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
+      const int key = chunk + index;
+      copy_async(&v_chunk[buffer][index][first_dim],
+                 values + chunk_blocks[buffer][index >> block_shift] * block_stride +
+                     (key & in_block) * D + first_dim,
+                 key < seq_len);
+    }
+    commit_copies();
+  };
+
+  // A short max_query_len hint leaves a block more than one tile: never a wrong result.
+  for (int tile = blockIdx.x % p.tiles_per_request; tile * tokens_per_tile < q_len;
+       tile += p.tiles_per_request) {
+    const int first_token = tile * tokens_per_tile;
+    const int last_token = min(first_token + tokens_per_tile, q_len) - 1;
+    const auto window_start = [&](int position) {
+      return p.sliding_window > 0 ? max(0, position - p.sliding_window + 1) : 0;
+    };
+    const KeyRange range = partition_keys(window_start(context_start + first_token),
+                                          context_start + last_token + 1, part, p.num_parts, kKeys);
+    const int begin = static_cast<int>(range.begin), end = static_cast<int>(range.end);
+    // Keys every row of the tile sees: chunks inside need no mask.
+    const int all_see_from = max(begin, window_start(context_start + last_token));
+    const int all_see_to = min(end, context_start + first_token + 1);
+    // The rows fill the tile from its first, so a warp works where its first row does.
+    const int warp_first_token = warp * kWarpRows / group_size;
+    const bool warp_active =
+        warp_first_token < tokens_per_tile && first_token + warp_first_token < q_len;
+
+    Row rows[2];  // the lane's rows: group and group + 8 of the warp's 16
+    uint32_t q_operand[kSteps][4];
+    for (int i = 0; i < 2; ++i) {
+      const int row = warp * kWarpRows + group + 8 * i;
+      const int t = row / group_size;
+      Row& x = rows[i];
+      x.valid = t < tokens_per_tile && first_token + t < q_len;
+      if (!x.valid) continue;
+      const int position = context_start + first_token + t;
+      x.token = q_start + first_token + t;
+      x.head = kv_head * group_size + row % group_size;
+      x.first = max(begin, window_start(position));
+      x.end = min(end, position + 1);
+    }
+    // A operand: register i holds row (i % 2 ? group + 8 : group), dims 2 * quad + {0, 1}
+    // (+ 8 for i >= 2) of each 16-dim step.
+    for (int i = 0; i < 4; ++i) {
+      const Row& x = rows[i % 2];
+      const T* q = static_cast<const T*>(p.query) + x.token * p.q_token_stride +
+                   x.head * p.q_head_stride + 2 * quad + (i / 2) * 8;
+      for (int s = 0; s < kSteps; ++s) {
+        q_operand[s][i] = x.valid ? *reinterpret_cast<const uint32_t*>(q + s * 16) : 0u;
+      }
+    }
+
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
+    float acc[kDimTiles][4] = {};
+    // Chunk j + 1's copies fly while chunk j is computed; the block ids a chunk further.
+    const int first_chunk = begin / kKeys * kKeys;
+    if (first_chunk < end) {
+      const int first_ids = block_id(first_chunk), second_ids = block_id(first_chunk + kKeys);
+      if (threadIdx.x < kKeys / 8) {
+        chunk_blocks[0][threadIdx.x] = first_ids;
+        chunk_blocks[1][threadIdx.x] = second_ids;
+      }
+      __syncthreads();
+      copy_chunk(0, first_chunk);
+    }
+    int buffer = 0;
+    for (int chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
+      const int ids_ahead = block_id(chunk + 2 * kKeys);  // stored once this chunk is done
+      if (chunk + kKeys < end) {
+        copy_chunk(buffer ^ 1, chunk + kKeys);
+        wait_copies<1>();  // all but the newest group: this chunk's copies have landed
+      } else {
+        wait_copies<0>();
+      }
+      __syncthreads();
+      if (warp_active) {
+        // S = Q K^T: 16 rows x kKeys keys per warp.
+        float s[kKeyTiles][4] = {};
+        for (int step = 0; step < kSteps; ++step) {
+          for (int n = 0; n < kKeyTiles; n += 2) {
+            uint32_t b[4];
+            load_b_operands(
+                b,
+                &k_chunk[buffer][step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+            mma<T>(s[n], q_operand[step], b[0], b[1]);
+            mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
+          }
+        }
+        // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the
+        // n-tile), in log2 units for exp2. Chunks every row sees whole skip the mask.
+        const bool unmasked = chunk >= all_see_from && chunk + kKeys <= all_see_to;
+        for (int n = 0; n < kKeyTiles; ++n) {
+          for (int i = 0; i < 4; ++i) {
+            const Row& x = rows[i / 2];
+            const int key = chunk + n * 8 + 2 * quad + i % 2;
+            float score = s[n][i] * p.scale;
+            if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
+            const bool visible = unmasked || (x.valid && key >= x.first && key < x.end);
+            s[n][i] = visible ? score * kLog2e : -INFINITY;
+          }
+        }
+        // Online softmax per row; a row's four lanes (one quad group) share its maximum.
+        for (int i = 0; i < 2; ++i) {
+          float chunk_max = -INFINITY;
+          for (int n = 0; n < kKeyTiles; ++n) {
+            chunk_max = fmaxf(chunk_max, fmaxf(s[n][2 * i], s[n][2 * i + 1]));
+          }
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
+          chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
+          const float new_max = fmaxf(row_max[i], chunk_max);
+          const float base = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet
+          const float correction = exp2f(row_max[i] - base);
+          row_max[i] = new_max;
+          row_sum[i] *= correction;
+          for (int n = 0; n < kDimTiles; ++n) {
+            acc[n][2 * i] *= correction;
+            acc[n][2 * i + 1] *= correction;
+          }
+          for (int n = 0; n < kKeyTiles; ++n) {
+            for (int j = 2 * i; j < 2 * i + 2; ++j) {
+              s[n][j] = exp2f(s[n][j] - base);
+              row_sum[i] += s[n][j];
+            }
+          }
+        }
+        // O += P V: the scores' C fragments of n-tiles 2k and 2k + 1 are the A operand of
+        // the k-th 16-key step.
+        for (int k = 0; k < kKeys / 16; ++k) {
+          const uint32_t a[4] = {
+              pack<T>(s[2 * k][0], s[2 * k][1]), pack<T>(s[2 * k][2], s[2 * k][3]),
+              pack<T>(s[2 * k + 1][0], s[2 * k + 1][1]), pack<T>(s[2 * k + 1][2], s[2 * k + 1][3])};
+          for (int n = 0; n < kDimTiles; n += 2) {
+            uint32_t b[4];
+            load_b_operands(
+                b, &v_chunk[buffer][k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+            mma<T>(acc[n], a, b[0], b[1]);
+            mma<T>(acc[n + 1], a, b[2], b[3]);
+          }
+        }
+      }
+      // Chunk j's ids (slot `buffer`) are spent: chunk j + 2's take their place.
+      if (threadIdx.x < kKeys / 8) chunk_blocks[buffer][threadIdx.x] = ids_ahead;
+      __syncthreads();  // every warp is done with this buffer before it is refilled
+    }
+    if (!warp_active) continue;
+
+    for (int i = 0; i < 2; ++i) {
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+      const Row& x = rows[i];
+      if (!x.valid) continue;
+      if (p.num_parts == 1) {  // every row sees at least its own position
+        T* o = static_cast<T*>(p.out) + x.token * p.o_token_stride + x.head * p.o_head_stride;
+        const float inverse = 1.0f / row_sum[i];
+        for (int n = 0; n < kDimTiles; ++n) {
+          *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * quad) =
+              pack<T>(acc[n][2 * i] * inverse, acc[n][2 * i + 1] * inverse);
+        }
+        continue;
+      }
+      // The partition's (max, sum, unnormalized output), the max in natural-log units.
+      float* partial =
+          p.partials +
+          ((static_cast<int64_t>(x.token) * p.num_heads + x.head) * p.num_parts + part) * (D + 2);
+      if (quad == 0) {
+        partial[0] = row_max[i] == -INFINITY ? -INFINITY : row_max[i] / kLog2e;
+        partial[1] = row_sum[i];
+      }
+      for (int n = 0; n < kDimTiles; ++n) {
+        partial[2 + n * 8 + 2 * quad] = acc[n][2 * i];
+        partial[3 + n * 8 + 2 * quad] = acc[n][2 * i + 1];
+      }
+    }
+  }
+}
+
+// The launch of the kernel for `p` (its tiles_per_request and block_shift set here) and
+// a largest query length of `max_query_len`: one warp where every request's rows fit its
+// 16 (decode), else four.
+struct Launch {
+  unsigned grid_x, grid_y, grid_z;
+  int warps;
+};
+inline Launch plan_launch(AttentionParams& p, int64_t max_query_len) {
+  const int64_t group_size = p.num_heads / p.num_kv_heads;
+  const int warps = max_query_len * group_size <= kWarpRows ? 1 : kPrefillWarps;
+  const int64_t tokens_per_tile = warps * kWarpRows / group_size;
+  const int64_t tiles = (max_query_len + tokens_per_tile - 1) / tokens_per_tile;
+  p.tiles_per_request =
+      static_cast<int>(std::min<int64_t>(tiles, INT32_MAX / std::max(p.num_reqs, 1)));
+  p.block_shift = 0;
+  while ((1 << p.block_shift) < p.block_size) ++p.block_shift;
+  return {static_cast<unsigned>(p.num_reqs) * static_cast<unsigned>(p.tiles_per_request),
+          static_cast<unsigned>(p.num_kv_heads), static_cast<unsigned>(p.num_parts), warps};
+}
+
+}  // namespace pyengine::cuda::flash
