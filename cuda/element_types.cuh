@@ -36,7 +36,7 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 
 // W consecutive elements moved as one access of W * sizeof(T) bytes (16 at most: one
 // 128-bit load or store where W = kPackWidth<T>). The address must be aligned to that
-// size; launchers check it (packs_fit) and otherwise run the W = 1 kernel.
+// size; launchers check it (with_pack_width) and otherwise run the W = 1 kernel.
 template <typename T, int W>
 struct alignas(sizeof(T) * W) Pack {
   T v[W];

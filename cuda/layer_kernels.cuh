@@ -31,8 +31,9 @@ __device__ inline float block_sum(float value, float* shared) {
 
 // One block per row. out = weight * (x * inv), inv = 1 / sqrt(mean(x^2) + eps).
 template <typename T, int W>
-__global__ void rms_norm_kernel(T* __restrict__ out, int64_t out_stride, const T* __restrict__ x,
-                                int64_t x_stride, const T* __restrict__ weight, int n, float eps) {
+__global__ void __launch_bounds__(kMaxThreads)
+    rms_norm_kernel(T* __restrict__ out, int64_t out_stride, const T* __restrict__ x,
+                    int64_t x_stride, const T* __restrict__ weight, int n, float eps) {
   __shared__ float shared[kMaxThreads / kWarp];
   const T* row = x + blockIdx.x * x_stride;
   const int packs = n / W;
@@ -57,9 +58,10 @@ __global__ void rms_norm_kernel(T* __restrict__ out, int64_t out_stride, const T
 // Each thread reads and writes the same elements in both passes, so the second pass
 // recomputes z from the untouched inputs instead of keeping the row.
 template <typename T, int W>
-__global__ void fused_add_rms_norm_kernel(T* __restrict__ x, int64_t x_stride,
-                                          T* __restrict__ residual, int64_t residual_stride,
-                                          const T* __restrict__ weight, int n, float eps) {
+__global__ void __launch_bounds__(kMaxThreads)
+    fused_add_rms_norm_kernel(T* __restrict__ x, int64_t x_stride, T* __restrict__ residual,
+                              int64_t residual_stride, const T* __restrict__ weight, int n,
+                              float eps) {
   __shared__ float shared[kMaxThreads / kWarp];
   T* xs = x + blockIdx.x * x_stride;
   T* res = residual + blockIdx.x * residual_stride;
@@ -94,11 +96,11 @@ __global__ void fused_add_rms_norm_kernel(T* __restrict__ x, int64_t x_stride,
 // i0 .. i0 + W - 1, as two packs: [i0, i0 + W) and [d/2 + i0, ...) rotate-half, the
 // 2W elements from 2 * i0 interleaved.
 template <typename T, typename Position, int W>
-__global__ void rotary_kernel(const Position* __restrict__ positions, int64_t position_stride,
-                              T* __restrict__ query, int64_t q_token_stride, int q_heads,
-                              T* __restrict__ key, int64_t k_token_stride, int k_heads, int d,
-                              const float* __restrict__ cos_sin, int64_t cos_sin_stride,
-                              int64_t max_positions, bool is_neox) {
+__global__ void __launch_bounds__(kMaxThreads)
+    rotary_kernel(const Position* __restrict__ positions, int64_t position_stride,
+                  T* __restrict__ query, int64_t q_token_stride, int q_heads, T* __restrict__ key,
+                  int64_t k_token_stride, int k_heads, int d, const float* __restrict__ cos_sin,
+                  int64_t cos_sin_stride, int64_t max_positions, bool is_neox) {
   const int64_t token = blockIdx.x;
   const int64_t position = positions[token * position_stride];
   if (position < 0 || position >= max_positions) return;  // see layer_kernels.h
@@ -140,8 +142,9 @@ __global__ void rotary_kernel(const Position* __restrict__ positions, int64_t po
 
 // Grid (rows, chunks of threads * W elements): out = gate / (1 + exp(-gate)) * up.
 template <typename T, int W>
-__global__ void silu_and_mul_kernel(T* __restrict__ out, int64_t out_stride,
-                                    const T* __restrict__ x, int64_t x_stride, int64_t n) {
+__global__ void __launch_bounds__(kMaxThreads)
+    silu_and_mul_kernel(T* __restrict__ out, int64_t out_stride, const T* __restrict__ x,
+                        int64_t x_stride, int64_t n) {
   const int64_t r = blockIdx.x;
   const int64_t i = (static_cast<int64_t>(blockIdx.y) * blockDim.x + threadIdx.x) * W;
   if (i >= n) return;
@@ -160,12 +163,13 @@ __global__ void silu_and_mul_kernel(T* __restrict__ out, int64_t out_stride,
 // [block_size, d] as packs; keys to their transposed tile [d, block_size], one element
 // at a time (a token's key elements lie block_size apart there).
 template <typename T, int W>
-__global__ void reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_token_stride,
-                                         int64_t key_head_stride, const T* __restrict__ value,
-                                         int64_t value_token_stride, int64_t value_head_stride,
-                                         T* __restrict__ key_cache, T* __restrict__ value_cache,
-                                         const int64_t* __restrict__ slots, int64_t slot_stride,
-                                         int kv_heads, int d, int block_size, int64_t num_slots) {
+__global__ void __launch_bounds__(kMaxThreads)
+    reshape_and_cache_kernel(const T* __restrict__ key, int64_t key_token_stride,
+                             int64_t key_head_stride, const T* __restrict__ value,
+                             int64_t value_token_stride, int64_t value_head_stride,
+                             T* __restrict__ key_cache, T* __restrict__ value_cache,
+                             const int64_t* __restrict__ slots, int64_t slot_stride, int kv_heads,
+                             int d, int block_size, int64_t num_slots) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slots[token * slot_stride];
   if (slot < 0 || slot >= num_slots) return;  // see layer_kernels.h

@@ -114,50 +114,71 @@ def test_reshape_and_cache(
     assert value_cache.permute(0, 2, 1, 3)[~written.to(CUDA)].isnan().all()
 
 
-def unaligned(rows: int, width: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """[rows, width] whose rows start one element past a 16-byte boundary, width + 3
-    elements apart: the kernels take their one-element path."""
-    return (torch.randn(rows, width + 3, device=CUDA) * scale).to(dtype)[:, 1 : width + 1]
+# Rows the kernels' 16-byte packs do not fit, each for one reason: rows a stride of
+# width + 1 apart from an aligned start; rows a whole number of packs apart from a start
+# one element in; or contiguous rows of a width that is not a whole number of packs
+# (the width given is then made odd: 1000 -> 1004 = 125.5 packs of 8).
+LAYOUTS = ["odd-stride", "offset-start", "odd-width"]
+
+
+def unaligned(
+    rows: int, width: int, dtype: torch.dtype, layout: str, scale: float = 1.0
+) -> torch.Tensor:
+    """[rows, width] (width + 4 for odd-width) laid out as `layout` says."""
+    if layout == "odd-width":
+        return (torch.randn(rows, width + 4, device=CUDA) * scale).to(dtype)
+    extra, start = (1, 0) if layout == "odd-stride" else (16, 1)
+    whole = (torch.randn(rows, width + extra, device=CUDA) * scale).to(dtype)
+    return whole[:, start : start + width]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_layers_on_unaligned_rows(dtype: torch.dtype) -> None:
-    """The fused layers where 16-byte packs do not fit (an offset view, an odd stride, a
-    width of 1000 = 125 packs of 8): the same results, and nothing outside the views
-    written."""
-    x, weight = unaligned(37, 1000, dtype), (torch.rand(1000, device=CUDA) + 0.5).to(dtype)
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_layers_on_unaligned_rows(dtype: torch.dtype, layout: str) -> None:
+    """The fused layers where 16-byte packs do not fit: the same results, and nothing
+    of the tensors the views are cut from written outside them."""
+    x = unaligned(37, 1000, dtype, layout)
+    width = x.shape[1]
+    weight = (torch.rand(width, device=CUDA) + 0.5).to(dtype)
     out = poisoned_like(x)
     ops.rms_norm(out, x, weight, 1e-6)
     assert rel_error(out, rms_norm_reference(x, weight, 1e-6)) < TOLERANCE[dtype]
 
-    residual = unaligned(37, 1000, dtype)
-    whole = residual._base.clone()  # type: ignore[union-attr]
+    residual = unaligned(37, 1000, dtype, layout)
+    bases = [t if t._base is None else t._base for t in (x, residual)]
+    before = [base.clone() for base in bases]
     stream = residual.double() + x.double()
     ops.fused_add_rms_norm(x, residual, weight, 1e-5)
     assert rel_error(residual, stream) < TOLERANCE[dtype]
     assert rel_error(x, rms_norm_reference(stream, weight, 1e-5)) < TOLERANCE[dtype]
-    outside = torch.ones_like(whole, dtype=torch.bool)
-    outside[:, 1:1001] = False
-    assert torch.equal(residual._base[outside], whole[outside])  # type: ignore[index]
+    for view, base, old in zip((x, residual), bases, before, strict=True):
+        first = view.storage_offset() - base.storage_offset()  # a column of row 0
+        outside = torch.ones_like(base, dtype=torch.bool)
+        outside[:, first : first + view.shape[1]] = False
+        assert torch.equal(base[outside], old[outside])
 
-    gate_up = unaligned(29, 2 * 500, dtype, scale=4.0)
-    out = torch.full((29, 500), float("nan"), device=CUDA, dtype=dtype)
+    gate_up = unaligned(29, 2 * 500, dtype, layout, scale=4.0)
+    n = gate_up.shape[1] // 2
+    out = torch.full((29, n), float("nan"), device=CUDA, dtype=dtype)
     ops.silu_and_mul(out, gate_up)
     xd = gate_up.double()
-    assert rel_error(out, torch.nn.functional.silu(xd[:, :500]) * xd[:, 500:]) < TOLERANCE[dtype]
+    assert rel_error(out, torch.nn.functional.silu(xd[:, :n]) * xd[:, n:]) < TOLERANCE[dtype]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_rotary_embedding_and_cache_writes_on_unaligned_rows(
-    dtype: torch.dtype, is_neox: bool
+    dtype: torch.dtype, is_neox: bool, layout: str
 ) -> None:
     tokens, heads, kv_heads, d, max_positions = 21, 4, 2, 64, 512
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2).double() / d))
     freqs = torch.arange(max_positions).double()[:, None] * inv_freq
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(CUDA)
     positions = torch.randint(0, max_positions, (tokens,), device=CUDA)
-    qkv = unaligned(tokens, (heads + 2 * kv_heads) * d, dtype)
+    qkv = unaligned(tokens, (heads + 2 * kv_heads) * d, dtype, layout)[
+        :, : (heads + 2 * kv_heads) * d
+    ]
     q = qkv[:, : heads * d].view(tokens, heads, d)
     k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
     v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)

@@ -28,10 +28,26 @@ std::mt19937& rng() {
   return generator;
 }
 
+// Storage on 16-byte boundaries, as the kernels' packs need (and cudaMalloc gives).
 template <typename T>
-std::vector<T> random_values(size_t n, float scale = 1.0f, float shift = 0.0f) {
+struct Aligned {
+  using value_type = T;
+  Aligned() = default;
+  template <typename U>
+  Aligned(const Aligned<U>& /*other*/) {}  // NOLINT(google-explicit-constructor)
+  T* allocate(size_t n) {
+    return static_cast<T*>(::operator new (n * sizeof(T), std::align_val_t{16}));
+  }
+  void deallocate(T* p, size_t /*n*/) { ::operator delete (p, std::align_val_t{16}); }
+  bool operator==(const Aligned& /*other*/) const { return true; }
+};
+template <typename T>
+using Buffer = std::vector<T, Aligned<T>>;
+
+template <typename T>
+Buffer<T> random_values(size_t n, float scale = 1.0f, float shift = 0.0f) {
   std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<T> values(n);
+  Buffer<T> values(n);
   for (T& v : values) v = from_float<T>(normal(rng()) + shift);
   return values;
 }
@@ -40,7 +56,7 @@ template <typename T>
 double tolerance() {
   if constexpr (std::is_same_v<T, float>) return 1e-5;
   if constexpr (std::is_same_v<T, __half>) return 2e-3;
-  return 1.6e-2;
+  return 1e-2;
 }
 
 // Largest |got - want| over the largest |want|.
@@ -70,13 +86,14 @@ void check_error(const Error& e, const char* op) {
   }
 }
 
-constexpr int kRows = 3, kN = 96, kStride = kN + 8;
+// 8256 elements: more packs of 8 than the 1024 threads of a block, so that every loop
+// runs twice and the block's sums span 32 warps.
+constexpr int kRows = 3, kN = 8256, kStride = kN + 8;
 
 template <typename T, int W>
 void rms_norm_case() {
-  const std::vector<T> x = random_values<T>(kRows * kStride),
-                       weight = random_values<T>(kN, 0.3f, 1.0f);
-  std::vector<T> out(kRows * kStride, from_float<T>(NAN));
+  const Buffer<T> x = random_values<T>(kRows * kStride), weight = random_values<T>(kN, 0.3f, 1.0f);
+  Buffer<T> out(kRows * kStride, from_float<T>(NAN));
   launch(dim3(kRows), k::threads_for(kN / W), [&] {
     k::rms_norm_kernel<T, W>(out.data(), kStride, x.data(), kStride, weight.data(), kN, 1e-6f);
   });
@@ -94,8 +111,8 @@ void rms_norm_case() {
 
 template <typename T, int W>
 void fused_add_rms_norm_case() {
-  std::vector<T> x = random_values<T>(kRows * kStride), residual = random_values<T>(kRows * kN);
-  const std::vector<T> x0 = x, residual0 = residual, weight = random_values<T>(kN, 0.3f, 1.0f);
+  Buffer<T> x = random_values<T>(kRows * kStride), residual = random_values<T>(kRows * kN);
+  const Buffer<T> x0 = x, residual0 = residual, weight = random_values<T>(kN, 0.3f, 1.0f);
   launch(dim3(kRows), k::threads_for(kN / W), [&] {
     k::fused_add_rms_norm_kernel<T, W>(x.data(), kStride, residual.data(), kN, weight.data(), kN,
                                        1e-5f);
@@ -120,10 +137,12 @@ void fused_add_rms_norm_case() {
 
 template <typename T, typename Position, int W>
 void rotary_case(bool is_neox) {
-  constexpr int kTokens = 4, kQHeads = 3, kKHeads = 2, kD = 64, kHalf = kD / 2, kMaxPos = 50;
+  // 300 heads: more packs per token than threads, so the threads' loop runs twice.
+  constexpr int kTokens = 4, kQHeads = 200, kKHeads = 100, kD = 64, kHalf = kD / 2;
+  constexpr int kMaxPos = 50;
   constexpr int kTokenStride = (kQHeads + 2 * kKHeads) * kD;  // q, k, v of a fused qkv row
-  std::vector<T> qkv = random_values<T>(kTokens * kTokenStride);
-  const std::vector<T> before = qkv;
+  Buffer<T> qkv = random_values<T>(kTokens * kTokenStride);
+  const Buffer<T> before = qkv;
   std::vector<float> cos_sin(kMaxPos * kD);
   for (int p = 0; p < kMaxPos; ++p) {
     for (int i = 0; i < kHalf; ++i) {
@@ -165,9 +184,9 @@ void rotary_case(bool is_neox) {
 
 template <typename T, int W>
 void silu_and_mul_case() {
-  constexpr int kThreads = 256, kWidth = 320, kInStride = 2 * kWidth + 16;
-  const std::vector<T> x = random_values<T>(kRows * kInStride, 3.0f);
-  std::vector<T> out(kRows * kWidth, from_float<T>(NAN));
+  constexpr int kThreads = 256, kWidth = 5000, kInStride = 2 * kWidth + 16;
+  const Buffer<T> x = random_values<T>(kRows * kInStride, 3.0f);
+  Buffer<T> out(kRows * kWidth, from_float<T>(NAN));
   const dim3 grid(kRows, (kWidth / W + kThreads - 1) / kThreads);
   launch(grid, kThreads,
          [&] { k::silu_and_mul_kernel<T, W>(out.data(), kWidth, x.data(), kInStride, kWidth); });
@@ -185,16 +204,15 @@ template <typename T, int W>
 void reshape_and_cache_case() {
   constexpr int kTokens = 6, kHeads = 2, kD = 64, kBlock = 8, kBlocks = 4;
   // [tokens, heads, 2, d]: a token's key and value heads lie 2d apart.
-  const std::vector<T> kv = random_values<T>(kTokens * kHeads * 2 * kD);
+  const Buffer<T> kv = random_values<T>(kTokens * kHeads * 2 * kD);
   const std::vector<int64_t> slots = {9, -1, 31, 0, kBlocks * kBlock, 17};  // skip 2 of them
   const size_t cache_size = static_cast<size_t>(kBlocks) * kHeads * kD * kBlock;
-  std::vector<T> key_cache(cache_size, from_float<T>(NAN)), value_cache = key_cache;
+  Buffer<T> key_cache(cache_size, from_float<T>(NAN)), value_cache = key_cache;
   launch(dim3(kTokens), k::threads_for(kHeads * kD / W), [&] {
     k::reshape_and_cache_kernel<T, W>(kv.data(), kHeads * 2 * kD, 2 * kD, kv.data() + kD,
                                       kHeads * 2 * kD, 2 * kD, key_cache.data(), value_cache.data(),
                                       slots.data(), 1, kHeads, kD, kBlock, kBlocks * kBlock);
   });
-  std::vector<bool> written(cache_size, false);
   bool equal = true;
   for (int t = 0; t < kTokens; ++t) {
     const int64_t slot = slots[t];
@@ -207,8 +225,6 @@ void reshape_and_cache_case() {
         const int64_t source = (t * kHeads + h) * 2 * kD + i;
         equal = equal && to_float(key_cache[key_at]) == to_float(kv[source]) &&
                 to_float(value_cache[value_at]) == to_float(kv[source + kD]);
-        written[key_at] = true;  // the key's place in the key cache
-        written[value_at] = written[value_at] || false;
       }
     }
   }
