@@ -1,14 +1,7 @@
-// CUDA paged attention (see paged_attention.h): the dispatch, the scalar kernel and the
-// merge of split contexts. float16 and bfloat16 of the common head sizes run on tensor
-// cores (flash_attention.cu); everything else (float32, other head sizes) on the scalar
-// kernel here: a thread block per (query token, query head, partition of the context),
-// whose four warps take 32 keys at a time, a key per lane (the score: the query, from
-// shared memory, times the key's column of the transposed key tile, which neighbouring
-// lanes read contiguously), keep an online softmax each, and add the weighted value rows
-// with the head dimension across lanes. Long contexts of few tokens (decode) are split:
-// one partition per kPartitionKeys keys of the longest context, each token's context
-// shared evenly among them (attention_params.cuh), each written as (max, sum,
-// unnormalized output), which a second kernel merges ("v2").
+// CUDA paged attention (see paged_attention.h): the dispatch. float16 and bfloat16 of the
+// common head sizes run on tensor cores (flash_attention.cuh); everything else (float32,
+// other head sizes) on the scalar kernel (paged_attention.cuh), whose merge kernel also
+// merges the tensor-core kernel's split contexts.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -21,144 +14,19 @@
 #include "cuda_utils.h"
 #include "element_types.cuh"
 #include "flash_attention.h"
+#include "paged_attention.cuh"
 #include "paged_attention.h"
 
 namespace pyengine::cuda {
 namespace {
 
-constexpr int kWarps = 4;
-constexpr int kThreads = kWarps * kWarp;
-constexpr int kPartitionKeys = 512;  // of the longest context, per partition
-constexpr int kMaxPartitions = 256;
-// Above this many (token, head) pairs the grid is full without splitting contexts.
-constexpr int64_t kSplitBelowPairs = 4096;
-
+using scalar_attention::attention_kernel;
+using scalar_attention::kMaxPartitions;
+using scalar_attention::kPartitionKeys;
+using scalar_attention::kSplitBelowPairs;
+using scalar_attention::kThreads;
+using scalar_attention::merge_kernel;
 using Params = AttentionParams;
-
-template <typename T, int kDimsPerLane>
-__global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
-  constexpr int kMaxDims = kDimsPerLane * kWarp;
-  __shared__ float query[kMaxDims];
-  __shared__ float warp_max_[kWarps], warp_sum_[kWarps];
-  __shared__ float warp_acc[kWarps][kMaxDims];
-
-  const int token = blockIdx.x, head = blockIdx.y, part = blockIdx.z;
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int d = p.head_size, bs = p.block_size;
-  const int kv_head = head / (p.num_heads / p.num_kv_heads);
-  const int r = request_of(p.query_start_loc, p.num_reqs, token);
-  const int64_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
-  const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
-  const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
-  // This partition's share of the token's visible keys [first, position].
-  const auto [begin, end] = partition_keys(first, position + 1, part, p.num_parts, kWarp);
-
-  const T* q = static_cast<const T*>(p.query) + token * p.q_token_stride + head * p.q_head_stride;
-  for (int i = threadIdx.x; i < d; i += kThreads) query[i] = to_float(q[i]) * p.scale;
-  __syncthreads();
-
-  const T* keys = static_cast<const T*>(p.key_cache);
-  const T* values = static_cast<const T*>(p.value_cache);
-  const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
-  const int64_t tile = static_cast<int64_t>(bs) * d;
-  const auto tile_base = [&](int64_t key) {  // the key's (block, kv head) tile
-    const int64_t block = cache_block(p, table[key / bs]);
-    return (block * p.num_kv_heads + kv_head) * tile;
-  };
-
-  float running_max = -INFINITY, running_sum = 0.0f;
-  float acc[kDimsPerLane] = {};
-  for (int64_t chunk = begin + warp * kWarp; chunk < end; chunk += kWarps * kWarp) {
-    const int64_t key = chunk + lane;
-    const bool visible = key < end;
-    float score = -INFINITY;
-    int64_t value_row = 0;
-    if (visible) {
-      const int64_t base = tile_base(key), offset = key % bs;
-      const T* column = keys + base + offset;
-      float dot = 0.0f;
-      for (int i = 0; i < d; ++i) dot += query[i] * to_float(column[static_cast<int64_t>(i) * bs]);
-      score = p.soft_cap > 0 ? p.soft_cap * tanhf(dot / p.soft_cap) : dot;
-      value_row = base + offset * d;
-    }
-    const float new_max = fmaxf(running_max, warp_max(score));  // lane 0's key is visible
-    const float correction = __expf(running_max - new_max);     // 0 on the first chunk
-    const float weight = visible ? __expf(score - new_max) : 0.0f;
-    running_sum = running_sum * correction + warp_sum(weight);
-    for (int j = 0; j < kDimsPerLane; ++j) acc[j] *= correction;
-    const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - chunk));
-    for (int k = 0; k < count; ++k) {
-      const float w = __shfl_sync(0xffffffffu, weight, k);
-      const int64_t row = __shfl_sync(0xffffffffu, value_row, k);
-      for (int j = 0; j < kDimsPerLane; ++j) {
-        const int dim = j * kWarp + lane;
-        if (dim < d) acc[j] += w * to_float(values[row + dim]);
-      }
-    }
-    running_max = new_max;
-  }
-
-  if (lane == 0) {
-    warp_max_[warp] = running_max;
-    warp_sum_[warp] = running_sum;
-  }
-  for (int j = 0; j < kDimsPerLane; ++j) warp_acc[warp][j * kWarp + lane] = acc[j];
-  __syncthreads();
-
-  float block_max = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_[w]);
-  float scales[kWarps];
-  float sum = 0.0f;
-  for (int w = 0; w < kWarps; ++w) {
-    scales[w] = block_max == -INFINITY ? 0.0f : __expf(warp_max_[w] - block_max);
-    sum += warp_sum_[w] * scales[w];
-  }
-  if (p.num_parts == 1) {
-    T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
-    for (int i = threadIdx.x; i < d; i += kThreads) {
-      float total = 0.0f;
-      for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-      o[i] = from_float<T>(total / sum);
-    }
-    return;
-  }
-  float* partial =
-      p.partials +
-      ((static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts + part) * (d + 2);
-  if (threadIdx.x == 0) {
-    partial[0] = block_max;
-    partial[1] = sum;
-  }
-  for (int i = threadIdx.x; i < d; i += kThreads) {
-    float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-    partial[2 + i] = total;
-  }
-}
-
-// One block per (token, head): merges the partitions' (max, sum, output).
-template <typename T>
-__global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
-  const int token = blockIdx.x, head = blockIdx.y, d = p.head_size;
-  const float* parts =
-      p.partials + (static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts * (d + 2);
-  float max = -INFINITY;
-  for (int k = 0; k < p.num_parts; ++k) max = fmaxf(max, parts[k * (d + 2)]);
-  float sum = 0.0f;
-  for (int k = 0; k < p.num_parts; ++k) {
-    const float* part = parts + k * (d + 2);
-    sum += part[0] == -INFINITY ? 0.0f : part[1] * __expf(part[0] - max);
-  }
-  T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
-  for (int i = threadIdx.x; i < d; i += kThreads) {
-    float total = 0.0f;
-    for (int k = 0; k < p.num_parts; ++k) {
-      const float* part = parts + k * (d + 2);
-      if (part[0] != -INFINITY) total += part[2 + i] * __expf(part[0] - max);
-    }
-    o[i] = from_float<T>(total / sum);
-  }
-}
 
 template <typename T, int kDimsPerLane>
 void launch(const Params& p, int64_t num_tokens, cudaStream_t stream) {

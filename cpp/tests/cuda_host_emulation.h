@@ -3,7 +3,8 @@
 // the host), and `launch` runs every CUDA thread of a block as a host thread, one block
 // after another. Emulated: threadIdx/blockIdx/blockDim/gridDim (1-D blocks, up to 3-D
 // grids), __shared__ (static: one block runs at a time), __syncthreads, __shfl_xor_sync
-// over whole warps of 32, rsqrtf, and the instructions of cuda/mma_primitives.cuh
+// and __shfl_sync over whole warps of 32, rsqrtf, __expf, and the instructions of
+// cuda/mma_primitives.cuh
 // (mma.sync m16n8k16, ldmatrix .x4 .trans, cp.async), lane by lane as the PTX ISA lays
 // out their fragments; asynchronous copies land at once.
 //
@@ -42,7 +43,7 @@ struct Block {
   }
   std::barrier<> all;                                  // __syncthreads
   std::vector<std::unique_ptr<std::barrier<>>> warps;  // a warp's exchanges
-  std::vector<float> lanes;                            // a lane's shuffled value
+  std::vector<uint64_t> lanes;                         // a lane's shuffled value
   std::vector<std::array<uint32_t, 6>> fragments;      // a lane's mma a0-a3, b0, b1
   std::vector<const void*> rows;                       // a lane's ldmatrix row address
 };
@@ -77,21 +78,40 @@ void warp_exchange(const Publish& publish, const Read& read) {
 
 inline void __syncthreads() { pyengine::emulation::current_block()->all.arrive_and_wait(); }
 
-// Lanes past the block's last thread read their own value.
-inline float __shfl_xor_sync(unsigned /*mask*/, float value, int offset) {
-  float got = value;
-  pyengine::emulation::warp_exchange(
-      [&](pyengine::emulation::Block& b) { b.lanes[threadIdx.x] = value; },
-      [&](pyengine::emulation::Block& b) {
-        const unsigned source = threadIdx.x ^ static_cast<unsigned>(offset);
-        if (source < b.lanes.size() && source / 32 == threadIdx.x / 32) got = b.lanes[source];
-      });
+namespace pyengine::emulation {
+
+// `value` of the lane `source(lane)` of the warp; lanes past the block's last thread
+// read their own.
+template <typename T, class Source>
+T shuffle(T value, const Source& source) {
+  static_assert(sizeof(T) <= sizeof(uint64_t));
+  T got = value;
+  warp_exchange([&](Block& b) { std::memcpy(&b.lanes[threadIdx.x], &value, sizeof(T)); },
+                [&](Block& b) {
+                  const unsigned lane = threadIdx.x % 32, from = threadIdx.x - lane + source(lane);
+                  if (from < b.lanes.size()) std::memcpy(&got, &b.lanes[from], sizeof(T));
+                });
   return got;
 }
 
+}  // namespace pyengine::emulation
+
+inline float __shfl_xor_sync(unsigned /*mask*/, float value, int offset) {
+  return pyengine::emulation::shuffle(
+      value, [&](unsigned lane) { return (lane ^ static_cast<unsigned>(offset)) % 32; });
+}
+template <typename T>
+T __shfl_sync(unsigned /*mask*/, T value, int source) {
+  return pyengine::emulation::shuffle(value,
+                                      [&](unsigned) { return static_cast<unsigned>(source) % 32; });
+}
+
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
 inline int max(int a, int b) { return a < b ? b : a; }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline int64_t max(int64_t a, int64_t b) { return a < b ? b : a; }
+inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 namespace pyengine::cuda {
 

@@ -1,9 +1,11 @@
-// The tensor-core paged-attention kernel (cuda/flash_attention.cuh) run on the host
-// through cuda_host_emulation.h (mma, ldmatrix and cp.async emulated lane by lane),
-// against a float64 reference: shuffled block tables, stale table entries, poisoned
-// slots past each context and a poisoned output; prefill, chunked prefill over a cached
-// prefix, decode (one-warp blocks), split-K partitions, GQA groups, sliding windows and
-// soft-capping, float16 and bfloat16. The launch shape is the launcher's (plan_launch).
+// The CUDA paged-attention kernels run on the host through cuda_host_emulation.h (mma,
+// ldmatrix and cp.async emulated lane by lane): the tensor-core kernel
+// (cuda/flash_attention.cuh, float16/bfloat16), the scalar kernel (cuda/paged_attention.cuh,
+// float32 and other head sizes) and the merge of split contexts, against a float64
+// reference: shuffled block tables, stale table entries, poisoned slots past each
+// context and a poisoned output; prefill, chunked prefill over a cached prefix, decode
+// (one-warp blocks), split-K partitions, GQA groups, sliding windows and soft-capping.
+// The tensor-core launch shape is the launcher's (plan_launch).
 #include "cuda_host_emulation.h"
 // The kernel after the emulation.
 #include <algorithm>
@@ -16,13 +18,16 @@
 
 #include "flash_attention.cuh"
 #include "harness.h"
+#include "paged_attention.cuh"
 
 namespace {
 
+constexpr int kWarpLanes = 32;
 using pyengine::cuda::AttentionParams;
 using pyengine::cuda::from_float;
 using pyengine::cuda::to_float;
 namespace flash = pyengine::cuda::flash;
+namespace scalar = pyengine::cuda::scalar_attention;
 
 std::mt19937& rng() {
   static std::mt19937 generator(7);
@@ -124,20 +129,35 @@ AttentionParams params(const Case& c, Buffers<T>& b) {
   return p;
 }
 
+enum class Kernel { kFlash, kScalar };
+
+// The kernel, then the merge where the contexts are split: the dispatch's path.
 template <typename T, int D>
-void run(AttentionParams p, int max_query_len) {
-  const flash::Launch shape = flash::plan_launch(p, max_query_len);
-  const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
-  if (shape.warps == 1) {
-    pyengine::emulation::launch(grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); });
+void run(AttentionParams p, Kernel kernel, int num_tokens, int max_query_len) {
+  using pyengine::emulation::launch;
+  if (kernel == Kernel::kScalar) {
+    const dim3 grid(num_tokens, p.num_heads, p.num_parts);
+    launch(grid, scalar::kThreads,
+           [&] { scalar::attention_kernel<T, (D + kWarpLanes - 1) / kWarpLanes>(p); });
   } else {
-    pyengine::emulation::launch(grid, flash::kPrefillWarps * 32,
-                                [&] { flash::flash_attention_kernel<T, D, 4>(p); });
+    const flash::Launch shape = flash::plan_launch(p, max_query_len);
+    const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
+    constexpr bool kFlashShape = D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
+    if constexpr (kFlashShape && !std::is_same_v<T, float>) {
+      if (shape.warps == 1) {
+        launch(grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); });
+      } else {
+        launch(grid, flash::kPrefillWarps * 32, [&] { flash::flash_attention_kernel<T, D, 4>(p); });
+      }
+    }
+  }
+  if (p.num_parts > 1) {
+    launch(dim3(num_tokens, p.num_heads), scalar::kThreads, [&] { scalar::merge_kernel<T>(p); });
   }
 }
 
-// The kernel's output (merged from the partitions where it wrote partials) against the
-// float64 reference over the same rounded inputs: largest error over largest value.
+// The output against the float64 reference over the same rounded inputs: largest error
+// over largest value.
 template <typename T>
 double relative_error(const Case& c, const Buffers<T>& b) {
   const int d = c.head_size, bs = c.block_size, group = c.num_heads / c.num_kv_heads;
@@ -166,21 +186,7 @@ double relative_error(const Case& c, const Buffers<T>& b) {
         double total = 0.0;
         for (double& s : scores) total += (s = std::exp(s - top));
         std::vector<double> got(d);
-        if (c.num_parts == 1) {
-          for (int x = 0; x < d; ++x) got[x] = to_float(b.out[row * d + x]);
-        } else {
-          const float* parts = b.partials.data() + row * c.num_parts * (d + 2);
-          double m = -INFINITY, sum = 0.0;
-          for (int part = 0; part < c.num_parts; ++part)
-            m = std::max<double>(m, parts[part * (d + 2)]);
-          for (int part = 0; part < c.num_parts; ++part) {
-            const float* q = parts + part * (d + 2);
-            const double w = q[0] == -INFINITY ? 0.0 : std::exp(q[0] - m);
-            sum += w * q[1];
-            for (int x = 0; x < d; ++x) got[x] += w * q[2 + x];
-          }
-          for (double& x : got) x /= sum;
-        }
+        for (int x = 0; x < d; ++x) got[x] = to_float(b.out[row * d + x]);
         for (int x = 0; x < d; ++x) {
           double want = 0.0;
           for (int key = first; key <= position; ++key) {
@@ -198,12 +204,14 @@ double relative_error(const Case& c, const Buffers<T>& b) {
 }
 
 template <typename T, int D>
-void check_case(const Case& c, const char* what) {
+void check_case(const Case& c, const char* what, Kernel kernel = Kernel::kFlash) {
   Buffers<T> b = make_buffers<T>(c);
   const int max_query = *std::max_element(c.query_lens.begin(), c.query_lens.end());
-  run<T, D>(params(c, b), max_query);
+  run<T, D>(params(c, b), kernel, b.num_tokens, max_query);
   const double error = relative_error(c, b);
-  const double tolerance = std::is_same_v<T, __half> ? 5e-3 : 2e-2;
+  const double tolerance = std::is_same_v<T, float>    ? 1e-5
+                           : std::is_same_v<T, __half> ? 5e-3
+                                                       : 2e-2;
   if (!(error < tolerance)) {
     pyengine::testing::fail(__FILE__, __LINE__,
                             std::string(what) + ": relative error " + std::to_string(error));
@@ -225,10 +233,26 @@ TEST(decode_in_one_warp_blocks) {
   check_case<__half, 96>({96, 2, 2, 32, {1, 2}, {70, 9}}, "decode, head 96");
 }
 
-TEST(split_k_partitions) {
+TEST(split_k_partitions_then_the_merge) {
   Case c{128, 4, 2, 16, {1, 3}, {600, 260}};
   c.num_parts = 3;
   check_case<__half, 128>(c, "decode over 3 partitions");
+}
+
+TEST(scalar_kernel_float32) {
+  check_case<float, 128>({128, 4, 2, 16, {37, 5}, {37, 45}}, "prefill", Kernel::kScalar);
+  Case c{128, 8, 8, 8, {1, 1, 1}, {700, 3, 260}};
+  c.num_parts = 2;
+  check_case<float, 128>(c, "decode over 2 partitions", Kernel::kScalar);
+}
+
+TEST(scalar_kernel_for_head_sizes_the_tensor_cores_skip) {
+  check_case<__nv_bfloat16, 112>({112, 4, 1, 16, {1, 6}, {90, 6}}, "head 112", Kernel::kScalar);
+  Case c{32, 4, 2, 8, {25}, {40}};
+  c.sliding_window = 9;
+  c.soft_cap = 5.0f;
+  check_case<__half, 32>(c, "head 32, window 9, cap 5", Kernel::kScalar);
+  check_case<float, 192>({192, 2, 1, 32, {3}, {33}}, "head 192", Kernel::kScalar);
 }
 
 TEST(sliding_window_and_soft_cap) {
