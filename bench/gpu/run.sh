@@ -6,7 +6,8 @@
 #   bash bench/gpu/run.sh [tests] [kernels] [throughput] [profile]
 #
 # None named: the first three. `profile` times pyengine alone again with torch.profiler's
-# GPU time per kernel and the share of the wall time the GPU was busy.
+# GPU time per kernel and the share of the wall time the GPU was busy, for a prefill and
+# for decode steps apart.
 #
 # The build runs unless PYENGINE_WHEEL names a wheel of this tree that works there; naming
 # parts splits the check over several device calls.

@@ -7,9 +7,10 @@ random token ids, a fixed number of greedy output tokens each (ignore_eos).
                                    [--output-len 256] [--hf-batch 256] [--no-hf]
                                    [--profile]
 
---profile adds, after the measurements, torch.profiler's table of the GPU time per kernel
-over a short run (64 fresh prompts, 16 output tokens each) and the share of its wall time
-the GPU was busy.
+--profile adds, after the measurements, torch.profiler's tables of the GPU time per kernel
+and the share of the wall time the GPU was busy, for the two phases apart: a prefill
+(64 fresh prompts, one output token each) and decode steps (the same prompts again, their
+prefixes cached, 32 output tokens each).
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def run_hf(prompts: list[list[int]], output_len: int, batch: int) -> float:
     return seconds
 
 
-def profile_run(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
-    """Prints where a short run's GPU time goes, kernel by kernel, and how much of its
-    wall time the GPU had work (the rest: the host between steps)."""
+def profile_run(llm: LLM, prompts: list[list[int]], output_len: int, phase: str) -> None:
+    """Prints where a run's GPU time goes, kernel by kernel, and how much of its wall time
+    the GPU had work (the rest: the host between kernels and steps)."""
     from torch.profiler import ProfilerActivity, profile
 
     params = SamplingParams(max_tokens=output_len, ignore_eos=True)
@@ -92,10 +93,18 @@ def profile_run(llm: LLM, prompts: list[list[int]], output_len: int) -> None:
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     events = prof.key_averages()
+    print(f"== profiled {phase}: {len(prompts)} prompts, {output_len} output tokens each")
     print(events.table(sort_by="device_time_total", row_limit=15))
     # Kernels only (self time on the device), so that nested ops are not counted twice.
     busy = sum(e.self_device_time_total for e in events) / 1e6
-    print(f"profiled run: {wall:.2f} s wall, GPU busy {busy:.2f} s ({busy / wall:.0%})")
+    print(f"{phase}: {wall:.2f} s wall, GPU busy {busy:.2f} s ({busy / wall:.0%})")
+
+
+def profile_phases(llm: LLM, prompts: list[list[int]]) -> None:
+    """A prefill of fresh prompts, then decode steps over the same prompts, whose blocks
+    the prefix cache then holds (each recomputes only its last prompt token)."""
+    profile_run(llm, prompts, 1, "prefill")
+    profile_run(llm, prompts, 32, "decode")
 
 
 def main() -> None:
@@ -163,7 +172,7 @@ def main() -> None:
     )
     print(f"pyengine: the same number of fresh prompts with 1 output token each: {prefill:.2f} s")
     if args.profile:
-        profile_run(llm, random_prompts(64), 16)
+        profile_phases(llm, random_prompts(64))
     print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
     print(json.dumps(figures))
 
