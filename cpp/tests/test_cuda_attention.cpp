@@ -268,3 +268,15 @@ TEST(head_size_80_and_256) {
 }
 
 int main() { return pyengine::testing::run_all(); }
+
+TEST(group_sizes_block_sizes_and_empty_queries) {
+  // Group 3 leaves a tile row unused (21 tokens of 3 heads in 64 rows); 64 fills a tile
+  // with one token.
+  check_case<__nv_bfloat16, 64>({64, 9, 3, 32, {40, 7}, {40, 60}}, "group 3, blocks of 32");
+  check_case<__half, 64>({64, 64, 1, 64, {3, 1}, {130, 64}}, "group 64, blocks of 64");
+  check_case<__half, 64>({64, 16, 2, 16, {2, 1}, {33, 128}}, "group 8, decode of 2 tokens");
+  // A request without query tokens this step, between two that have some.
+  check_case<__nv_bfloat16, 128>({128, 4, 2, 16, {5, 0, 32}, {70, 40, 64}}, "an empty query");
+  check_case<float, 64>({64, 4, 2, 16, {5, 0, 3}, {70, 40, 3}}, "an empty query (scalar)",
+                        Kernel::kScalar);
+}
