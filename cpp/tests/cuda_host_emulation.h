@@ -6,7 +6,7 @@
 // and __shfl_sync over whole warps of 32, rsqrtf, __expf, and the instructions of
 // cuda/mma_primitives.cuh
 // (mma.sync m16n8k16, ldmatrix .x4 .trans, cp.async), lane by lane as the PTX ISA lays
-// out their fragments; asynchronous copies land at once.
+// out their fragments; asynchronous copies land only when waited for.
 //
 // Include this before the kernels' header, in one translation unit.
 #pragma once
@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <stdexcept>
 #include <thread>
@@ -115,17 +116,35 @@ inline int64_t min(int64_t a, int64_t b) { return a < b ? a : b; }
 
 namespace pyengine::cuda {
 
-// cp.async: 16 bytes, or zeros where !valid; here at once.
+// cp.async lands as late as the PTX ISA allows: a thread's copies wait in groups
+// (commit_copies closes one) until wait_copies<k> leaves at most k groups in flight, so
+// that a kernel reading shared memory before its copies are waited for reads stale data.
+struct AsyncCopy {
+  void* shared;
+  const void* global;  // nullptr: zeros
+};
+inline std::deque<std::vector<AsyncCopy>>& copy_groups() {
+  static thread_local std::deque<std::vector<AsyncCopy>> groups(1);  // the last one open
+  return groups;
+}
 inline void copy_async(void* shared, const void* global, bool valid) {
-  if (valid) {
-    std::memcpy(shared, global, 16);
-  } else {
-    std::memset(shared, 0, 16);
+  copy_groups().back().push_back({shared, valid ? global : nullptr});
+}
+inline void commit_copies() { copy_groups().emplace_back(); }
+template <int kPending>
+void wait_copies() {
+  auto& groups = copy_groups();  // committed groups, then the open one
+  while (groups.size() > static_cast<size_t>(kPending) + 1) {
+    for (const AsyncCopy& c : groups.front()) {
+      if (c.global != nullptr) {
+        std::memcpy(c.shared, c.global, 16);
+      } else {
+        std::memset(c.shared, 0, 16);
+      }
+    }
+    groups.pop_front();
   }
 }
-inline void commit_copies() {}
-template <int kPending>
-void wait_copies() {}
 
 // The 16-bit element `half` (0: the low one) of a register, as float.
 template <typename T>
