@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent.parent))
 
+from kernels import copy_bandwidth, cuda_time  # noqa: E402
 from report import print_table  # noqa: E402
+from roofline import Workload, matmul_flop_s, roofline  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 
@@ -127,6 +129,10 @@ def main() -> None:
     prompts = random_prompts(args.num_prompts)
     generated = args.num_prompts * args.output_len
     theirs = None if args.no_hf else run_hf(prompts, args.output_len, args.hf_batch)
+    matmul_rate, copy_rate = matmul_flop_s(cuda_time), copy_bandwidth()
+    work = Workload(args.num_prompts, args.prompt_len, args.output_len)
+    floor = roofline(LLAMA3_8B, work, matmul_rate, copy_rate)
+    torch.cuda.empty_cache()
 
     folder = Path(tempfile.mkdtemp())
     (folder / "config.json").write_text(
@@ -159,18 +165,30 @@ def main() -> None:
         "pyengine_load_s": round(load_seconds, 1),
         "pyengine_prefill_only_s": round(prefill, 2),
         "kv_cache_blocks": llm.engine.runner.num_blocks,
+        "matmul_tflop_s": round(matmul_rate / 1e12, 1),
+        "copy_gb_s": round(copy_rate / 1e9, 1),
+        "hardware_floor_s": round(floor.total_s, 2),
+        "share_of_floor": round(floor.total_s / ours, 3),
     }
     if theirs is not None:
         rows.append((f"transformers (batch {args.hf_batch})", f"{theirs:.1f}",
                      f"{generated / theirs:.0f}", f"{total / theirs:.0f}"))  # fmt: skip
         figures["hf_generated_tok_s"] = round(generated / theirs, 1)
         figures["speedup_vs_hf_generated_tok_s"] = round(theirs / ours, 2)
+        figures["speedup_cap_vs_hf"] = round(theirs / floor.total_s, 2)
     print(
         f"# Offline throughput on {torch.cuda.get_device_name()}: Llama-3-8B shape, random "
         f"weights, bfloat16, {args.num_prompts} prompts of {args.prompt_len} tokens, "
         f"{args.output_len} output tokens each; KV cache {llm.engine.runner.num_blocks} blocks"
     )
     print(f"pyengine: the same number of fresh prompts with 1 output token each: {prefill:.2f} s")
+    print(
+        f"hardware floor (roofline.py): {floor.total_s:.2f} s = prefill {floor.prefill_s:.2f} s "
+        f"at {matmul_rate / 1e12:.0f} TFLOP/s + decode {floor.decode_s:.2f} s at "
+        f"{copy_rate / 1e9:.0f} GB/s; pyengine at {floor.total_s / ours:.0%} of it"
+    )
+    if theirs is not None:
+        print(f"no engine can be more than {theirs / floor.total_s:.2f}x transformers here")
     if args.profile:
         profile_phases(llm, random_prompts(64))
     print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
