@@ -1,8 +1,8 @@
 // What the two CUDA paged-attention kernels share: their parameters, the request a query
 // token belongs to, and how a token's visible keys are split into partitions (split-K).
-// paged_attention.cu holds the scalar kernel (any supported dtype and head size), the
-// partitions' merge and the dispatch; flash_attention.cu the tensor-core kernel for 16-bit
-// types. Internal to cuda/.
+// paged_attention.cuh holds the scalar kernel (any supported dtype and head size) and the
+// partitions' merge, flash_attention.cuh the tensor-core kernel for 16-bit types, and
+// paged_attention.cu the dispatch. Internal to cuda/.
 #pragma once
 
 #include <cstdint>

@@ -45,7 +45,10 @@ fi
 # skip; tiny checkpoints made in the tests check parity too.
 for first in .wheels/*.whl.part-aa; do
   [[ -e "$first" ]] || continue
-  cat "${first%-aa}"-* >"${first%.part-aa}"
+  whole="${first%.part-aa}"
+  cat "${first%-aa}"-* >"$whole"
+  # A part missing (the machine went cold between the calls): skip it, not the run.
+  python3 -m zipfile -t "$whole" >/dev/null 2>&1 || { echo "incomplete $whole"; rm -f "$whole"; }
 done
 if compgen -G ".wheels/*.whl" >/dev/null; then python3 -m pip install -q --no-deps .wheels/*.whl; fi
 

@@ -18,6 +18,8 @@
 #include <barrier>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <memory>
@@ -52,6 +54,15 @@ struct Block {
 inline Block*& current_block() {
   static thread_local Block* block = nullptr;
   return block;
+}
+
+// Aborts, naming `what`, where the hardware would fault on a misaligned address.
+inline void require_aligned(const void* address, uintptr_t bytes, const char* what) {
+  if (reinterpret_cast<uintptr_t>(address) % bytes != 0) {
+    std::fprintf(stderr, "emulated CUDA: %s %p is not %zu-byte aligned\n", what, address,
+                 static_cast<size_t>(bytes));
+    std::abort();
+  }
 }
 
 }  // namespace pyengine::emulation
@@ -97,7 +108,8 @@ T shuffle(T value, const Source& source) {
 
 }  // namespace pyengine::emulation
 
-inline float __shfl_xor_sync(unsigned /*mask*/, float value, int offset) {
+template <typename T>
+T __shfl_xor_sync(unsigned /*mask*/, T value, int offset) {
   return pyengine::emulation::shuffle(
       value, [&](unsigned lane) { return (lane ^ static_cast<unsigned>(offset)) % 32; });
 }
@@ -127,7 +139,12 @@ inline std::deque<std::vector<AsyncCopy>>& copy_groups() {
   static thread_local std::deque<std::vector<AsyncCopy>> groups(1);  // the last one open
   return groups;
 }
+// The destination reads as NaN (all ones) from the issue until the copy lands: a kernel
+// that refills a buffer others still read shows it.
 inline void copy_async(void* shared, const void* global, bool valid) {
+  emulation::require_aligned(shared, 16, "cp.async destination");
+  if (valid) emulation::require_aligned(global, 16, "cp.async source");
+  std::memset(shared, 0xff, 16);
   copy_groups().back().push_back({shared, valid ? global : nullptr});
 }
 inline void commit_copies() { copy_groups().emplace_back(); }
@@ -191,6 +208,7 @@ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
 // ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16: lane l gives row l % 8 of matrix l / 8;
 // register i receives matrix i's elements (rows 2 * (l % 4) + {0, 1}, column l / 4).
 inline void load_b_operands(uint32_t (&r)[4], const void* row) {
+  emulation::require_aligned(row, 16, "ldmatrix row");
   const unsigned lane = threadIdx.x % 32, first = threadIdx.x - lane;
   emulation::warp_exchange([&](emulation::Block& b) { b.rows[threadIdx.x] = row; },
                            [&](emulation::Block& b) {
@@ -227,6 +245,10 @@ void launch(dim3 grid, unsigned threads, const Kernel& kernel) {
             gridDim = grid;
             current_block() = &block;
             kernel();
+            // An exited thread no longer holds up its block's or warp's barriers (as on
+            // the GPU, where exited threads count as arrived).
+            block.all.arrive_and_drop();
+            block.warps[t / 32]->arrive_and_drop();
           });
         }
         for (std::thread& thread : running) thread.join();

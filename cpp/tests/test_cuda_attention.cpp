@@ -131,7 +131,8 @@ AttentionParams params(const Case& c, Buffers<T>& b) {
 
 enum class Kernel { kFlash, kScalar };
 
-// The kernel, then the merge where the contexts are split: the dispatch's path.
+// The kernel, then the merge where the contexts are split, as the dispatch runs them (the
+// test picks the kernel and the number of partitions itself).
 template <typename T, int D>
 void run(AttentionParams p, Kernel kernel, int num_tokens, int max_query_len) {
   using pyengine::emulation::launch;

@@ -7,7 +7,7 @@
 // contraction, so that results round like the unfused torch ops.
 //
 // All of a call's tensors are on one device: the CPU, or a CUDA device where pyengine
-// was built with CUDA (the kernels of cuda/layer_kernels.cu, run on `stream`, a
+// was built with CUDA (the kernels of cuda/layer_kernels.cuh, run on `stream`, a
 // cudaStream_t; nullptr: the default stream; unused on the CPU).
 #pragma once
 
