@@ -40,6 +40,7 @@ struct Case {
   int sliding_window = 0;
   float soft_cap = 0.0f;
   int num_parts = 1;
+  int max_query_len_hint = 0;  // the launch's hint; 0: the true largest query length
 };
 
 template <typename T>
@@ -207,7 +208,9 @@ double relative_error(const Case& c, const Buffers<T>& b) {
 template <typename T, int D>
 void check_case(const Case& c, const char* what, Kernel kernel = Kernel::kFlash) {
   Buffers<T> b = make_buffers<T>(c);
-  const int max_query = *std::max_element(c.query_lens.begin(), c.query_lens.end());
+  const int max_query = c.max_query_len_hint > 0
+                            ? c.max_query_len_hint
+                            : *std::max_element(c.query_lens.begin(), c.query_lens.end());
   run<T, D>(params(c, b), kernel, b.num_tokens, max_query);
   const double error = relative_error(c, b);
   const double tolerance = std::is_same_v<T, float>    ? 1e-5
@@ -280,4 +283,20 @@ TEST(group_sizes_block_sizes_and_empty_queries) {
   check_case<__nv_bfloat16, 128>({128, 4, 2, 16, {5, 0, 32}, {70, 40, 64}}, "an empty query");
   check_case<float, 64>({64, 4, 2, 16, {5, 0, 3}, {70, 40, 3}}, "an empty query (scalar)",
                         Kernel::kScalar);
+}
+
+TEST(a_short_max_query_len_hint_costs_speed_not_results) {
+  // A hint of 1 for prompts of 40 and 9 tokens: one-warp blocks, each over many tiles.
+  Case c{64, 4, 2, 16, {40, 9}, {40, 30}};
+  c.max_query_len_hint = 1;
+  check_case<__half, 64>(c, "hint 1 for 40 tokens");
+  c.max_query_len_hint = 17;  // four-warp blocks, each over two tiles
+  check_case<__nv_bfloat16, 64>(c, "hint 17 for 40 tokens");
+}
+
+TEST(split_contexts_of_a_prefill) {
+  Case c{64, 4, 2, 16, {20, 3}, {700, 3}};
+  c.num_parts = 3;
+  check_case<__half, 64>(c, "a chunked prefill over 3 partitions");
+  check_case<float, 64>(c, "a chunked prefill over 3 partitions (scalar)", Kernel::kScalar);
 }
