@@ -72,17 +72,24 @@ class StepInputs:
         for name, size in self.sizes.items():  # each on a 64-byte boundary, as if alone
             self.offsets[name] = total
             total += -(-size // ALIGN_WORDS) * ALIGN_WORDS
-        self.host = torch.zeros(total, dtype=torch.int32, pin_memory=device.type == "cuda")
-        words = self.host.numpy()
-        f = self._fields = {name: self._field(words, name) for name in self.sizes}
-        f["slot_mapping"][:] = -1
-        f["seq_lens"][:] = 1
-        f["query_start_loc"][:] = np.arange(max_reqs + 1)
-        self.buffer = self.host.to(device, copy=True)
-        # Recorded after each copy from the host buffer (on the stream of the buffer's
-        # device, which runs it): the next upload waits for it before overwriting that
-        # buffer. Steps that sample have waited for their tokens already.
-        self._copied = torch.cuda.Event() if device.type == "cuda" else None  # type: ignore[no-untyped-call]
+        # Two host buffers in turn: a step fills one while the last step's copy from the
+        # other may still wait on the device behind work the host did not wait for (a
+        # prefill chunk that samples nothing).
+        on_gpu = device.type == "cuda"
+        self._hosts = [torch.zeros(total, dtype=torch.int32, pin_memory=on_gpu) for _ in range(2)]
+        self._fields = [
+            {name: self._field(host.numpy(), name) for name in self.sizes} for host in self._hosts
+        ]
+        for f in self._fields:
+            f["slot_mapping"][:] = -1
+            f["seq_lens"][:] = 1
+            f["query_start_loc"][:] = np.arange(max_reqs + 1)
+        self.buffer = self._hosts[0].to(device, copy=True)
+        # Recorded after each copy from a host buffer (on the stream of the device buffer,
+        # which runs it): an upload waits for its host buffer's last copy before
+        # overwriting it.
+        self._copied = [torch.cuda.Event() if on_gpu else None for _ in range(2)]  # type: ignore[no-untyped-call]
+        self._turn = 0  # the host buffer the next upload fills
 
     def _field(self, words: np.ndarray, name: str) -> np.ndarray:
         start = self.offsets[name]
@@ -115,9 +122,11 @@ class StepInputs:
                 f"cannot pad a step of {num_tokens} tokens and {num_reqs} requests to "
                 f"{padded_reqs} rows: only decode steps pad, up to {self.max_reqs} rows"
             )
-        if self._copied is not None:
-            self._copied.synchronize()  # at once where no copy is pending
-        f = self._fields
+        turn, self._turn = self._turn, 1 - self._turn
+        copied = self._copied[turn]
+        if copied is not None:
+            copied.synchronize()  # at once where no copy is pending
+        f = self._fields[turn]
         f["input_ids"][:num_tokens] = b.input_ids
         f["positions"][:num_tokens] = b.positions
         f["slot_mapping"][:num_tokens] = b.slot_mapping
@@ -132,9 +141,9 @@ class StepInputs:
             f["seq_lens"][num_reqs:rows] = 1
             f["query_start_loc"][num_reqs + 1 : rows + 1] = np.arange(num_reqs + 1, rows + 1)
         end = self.offsets["block_tables"] + rows * self.max_blocks
-        self.buffer[:end].copy_(self.host[:end], non_blocking=True)
-        if self._copied is not None:
-            self._copied.record(torch.cuda.current_stream(self.device))
+        self.buffer[:end].copy_(self._hosts[turn][:end], non_blocking=True)
+        if copied is not None:
+            copied.record(torch.cuda.current_stream(self.device))
         padding = rows - num_reqs  # decode: as many tokens as requests
         return self.views(num_tokens + padding, rows, len(b.logits_indices))
 
