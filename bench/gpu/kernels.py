@@ -5,9 +5,12 @@
 - prefill attention over the paged cache (4k tokens): TFLOP/s against torch's
   scaled_dot_product_attention on contiguous K/V;
 - the fused-layer and cache-write kernels against the same math in eager torch: time and
-  achieved GB/s of the bytes each must read and write.
+  achieved GB/s of the bytes each must read and write;
+- the kernels of one prefill step of the offline-throughput run (Llama-3-8B shape, 8192
+  tokens in prompts of 512), op by op: what the step costs on the device alone, to set
+  against the step's measured time (bench/gpu/throughput.py).
 
-    python bench/gpu/kernels.py [--tokens 4096] [--dtype bfloat16]
+    python bench/gpu/kernels.py [--tokens 4096] [--step-tokens 8192] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -143,9 +146,65 @@ def attention_rows(
     return rows, figures
 
 
+def prefill_step_rows(
+    tokens: int, dtype: torch.dtype, timer: Callable[[Callable[[], object]], float] = cuda_time
+) -> tuple[list[tuple[str, ...]], float]:
+    """Seconds of each kernel of one Llama-3-8B-shaped prefill step of `tokens` tokens in
+    prompts of 512 (32 layers), as the model runs them; the rows and the total."""
+    hidden, inter, heads, kv_heads, d, layers, prompt = 4096, 14336, 32, 8, 128, 32, 512
+    dev = "cuda"
+    x = torch.randn(tokens, hidden, device=dev, dtype=dtype)
+    residual = torch.randn_like(x)
+    norm = torch.rand(hidden, device=dev, dtype=dtype) + 0.5
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, device=dev, dtype=dtype)
+    q = qkv[:, : heads * d].view(tokens, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(tokens, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(tokens, kv_heads, d)
+    attn = torch.empty(tokens, heads, d, device=dev, dtype=dtype)
+    gate_up = torch.randn(tokens, 2 * inter, device=dev, dtype=dtype)
+    act = torch.empty(tokens, inter, device=dev, dtype=dtype)
+    weights = {
+        name: torch.randn(n, k_, device=dev, dtype=dtype) * 0.02
+        for name, (n, k_) in {
+            "qkv": ((heads + 2 * kv_heads) * d, hidden), "o": (hidden, heads * d),
+            "gate_up": (2 * inter, hidden), "down": (hidden, inter),
+        }.items()
+    }  # fmt: skip
+    prompts = tokens // prompt
+    key_cache, value_cache, tables, seq_lens = paged_cache(
+        [prompt] * prompts, kv_heads, d, 16, dtype
+    )
+    slots = (tables[:, :, None].long() * 16 + torch.arange(16, device=dev)).view(-1)[:tokens]
+    qsl = torch.arange(0, tokens + 1, prompt, dtype=torch.int32, device=dev)
+    positions = torch.arange(tokens, device=dev, dtype=torch.int32) % prompt
+    inv_freq = 1e-4 ** (torch.arange(0, d, 2, device=dev) / d)
+    freqs = torch.arange(prompt, device=dev)[:, None] * inv_freq
+    cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
+    linear = torch.nn.functional.linear
+    per_layer: list[tuple[str, int, Callable[[], object]]] = [
+        ("fused_add_rms_norm x2", 2, lambda: ops.fused_add_rms_norm(x, residual, norm, 1e-5)),
+        ("qkv matmul", 1, lambda: linear(x, weights["qkv"])),
+        ("rotary_embedding", 1, lambda: ops.rotary_embedding(positions, q, k, cos_sin)),
+        ("reshape_and_cache", 1,
+         lambda: ops.reshape_and_cache(k, v, key_cache, value_cache, slots)),
+        ("paged_attention", 1,
+         lambda: ops.paged_attention(attn, q, key_cache, value_cache, tables, seq_lens, qsl,
+                                     d**-0.5, 0, 0.0, prompt, prompt)),
+        ("o matmul", 1, lambda: linear(attn.view(tokens, -1), weights["o"])),
+        ("gate_up matmul", 1, lambda: linear(x, weights["gate_up"])),
+        ("silu_and_mul", 1, lambda: ops.silu_and_mul(act, gate_up)),
+        ("down matmul", 1, lambda: linear(act, weights["down"])),
+    ]  # fmt: skip
+    seconds = {name: calls * layers * timer(fn) for name, calls, fn in per_layer}
+    total = sum(seconds.values())
+    rows = [(name, f"{s * 1e3:.1f}", f"{s / total:.0%}") for name, s in seconds.items()]
+    return rows, total
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--step-tokens", type=int, default=8192, help="of the prefill step")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
@@ -217,6 +276,12 @@ def main() -> None:
     print()
     print(f"fused layers and cache writes, {t} tokens:")
     print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
+    step_rows, step = prefill_step_rows(args.step_tokens, dtype)
+    print()
+    print(f"one prefill step of {args.step_tokens} tokens in prompts of 512, 32 layers, "
+          f"kernels alone: {step * 1e3:.0f} ms")  # fmt: skip
+    print_table(("op (all layers)", "ms", "share"), step_rows)
+    figures["prefill_step_kernels_ms"] = round(step * 1e3, 1)
     print(json.dumps(figures))
 
 
