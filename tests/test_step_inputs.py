@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from test_engine_rows import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams, Scheduler, StepBuffers
 from pyengine.cuda_graphs import DecodeGraphs
@@ -156,20 +157,6 @@ class EagerGraphs(DecodeGraphs):
     def replay(self, size: int) -> torch.Tensor:
         self.replayed.append(size)
         return self._forward(size)
-
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 256,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-}
 
 
 def test_the_gpu_data_path_gives_the_cpu_path_tokens(tmp_path: Path) -> None:
