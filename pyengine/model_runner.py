@@ -192,7 +192,6 @@ class ModelRunner:
         stream, CUDA's pool of graph allocations) is counted again as not torch's."""
         if not self.capture_sizes or self.inputs is None:
             return 0
-        torch.cuda.empty_cache()
         largest = self.capture_sizes[-1]
         probe = DecodeGraphs(self.model, caches, self.inputs, [largest], self.split_context)
         device_bytes, hidden = probe.device_bytes, probe.hidden[largest]
