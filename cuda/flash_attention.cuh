@@ -58,8 +58,9 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
   static_assert(kCopies * kThreads * 8 == D * kKeys && kThreads % (kKeys / 8) == 0);
   __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
   __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
-  // The cache blocks of the two chunks in flight (blocks hold at least 8 keys).
-  __shared__ int32_t chunk_blocks[2][kKeys / 8];
+  // Where the cache blocks of the two chunks in flight hold this kv head (elements from
+  // the cache's start; blocks hold at least 8 keys): the copies add only their offsets.
+  __shared__ int64_t chunk_tiles[2][kKeys / 8];
 
   const int r = blockIdx.x / p.tiles_per_request;
   const int kv_head = blockIdx.y, part = blockIdx.z;
@@ -77,39 +78,52 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
   const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
   const int64_t kv_tile = static_cast<int64_t>(p.block_size) * D;  // one (block, kv head)
   const int64_t block_stride = kv_tile * p.num_kv_heads;
-  const T* keys = static_cast<const T*>(p.key_cache) + kv_head * kv_tile;
-  const T* values = static_cast<const T*>(p.value_cache) + kv_head * kv_tile;
+  const T* keys = static_cast<const T*>(p.key_cache);
+  const T* values = static_cast<const T*>(p.value_cache);
 
-  // Lane i < the chunk's block count reads block i of a chunk (0 past the context).
+  // Lane i < the chunk's block count reads block i of a chunk (block 0 past the context)
+  // and gives where it holds this kv head.
   const int chunk_block_count = max(1, kKeys >> block_shift);
-  const auto block_id = [&](int chunk) {
+  const int64_t head_tile = kv_head * kv_tile;
+  const auto tile_of = [&](int chunk) -> int64_t {
     const int key = chunk + (static_cast<int>(threadIdx.x) << block_shift);
-    if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return 0;
-    return cache_block(p, table[key >> block_shift]);
+    if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return head_tile;
+    return cache_block(p, table[key >> block_shift]) * block_stride + head_tile;
   };
-  // A chunk's copies into `buffer`, whose block ids are in chunk_blocks[buffer]: K, 8 keys
-  // of one dim each (the thread's keys are always the same), and V, 8 dims of one key
-  // each, neighbouring lanes along a key's row.
+  // A chunk's copies into `buffer`, whose tiles are in chunk_tiles[buffer]: K, 8 keys
+  // of one dim each (the thread's keys are always the same, its dims kKeyDimStep apart),
+  // and V, 8 dims of one key each, neighbouring lanes along a key's row. What does not
+  // change from chunk to chunk is computed once: the copies are a fair share of the
+  // loop's instructions.
+  constexpr int kKeyDimStep = kThreads / (kKeys / 8);
   const int k_first_key = threadIdx.x % (kKeys / 8) * 8;
+  const int k_first_dim = threadIdx.x / (kKeys / 8);
+  const int k_dim_step = kKeyDimStep * p.block_size;  // elements between its K copies
   const auto copy_chunk = [&](int buffer, int chunk) {
     const int k_key = chunk + k_first_key;
-    const T* k_tile =
-        keys + chunk_blocks[buffer][k_first_key >> block_shift] * block_stride + (k_key & in_block);
+    const T* k_source = keys + chunk_tiles[buffer][k_first_key >> block_shift] +
+                        ((k_key & in_block) + k_first_dim * p.block_size);
+    const bool k_valid = k_key < seq_len;
     for (int i = 0; i < kCopies; ++i) {
-      const int dim = (threadIdx.x + i * kThreads) / (kKeys / 8);
-      copy_async(&k_chunk[buffer][dim][k_first_key], k_tile + dim * p.block_size, k_key < seq_len);
+      copy_async(&k_chunk[buffer][k_first_dim + i * kKeyDimStep][k_first_key],
+                 k_source + i * k_dim_step, k_valid);
     }
     for (int i = 0; i < kCopies; ++i) {
-      const int v = threadIdx.x + i * kThreads;
+      const int v = threadIdx.x + i * kThreads;  // (key, 8 dims) of the chunk's V
       const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
       const int key = chunk + index;
-      copy_async(&v_chunk[buffer][index][first_dim],
-                 values + chunk_blocks[buffer][index >> block_shift] * block_stride +
-                     (key & in_block) * D + first_dim,
-                 key < seq_len);
+      copy_async(
+          &v_chunk[buffer][index][first_dim],
+          values + chunk_tiles[buffer][index >> block_shift] + ((key & in_block) * D + first_dim),
+          key < seq_len);
     }
     commit_copies();
   };
+
+  // Scores go into exp2 as score * score_log2; a soft cap maps them first to
+  // cap * tanh(score * scale / cap), already in log2 units.
+  const float cap_log2 = p.soft_cap * kLog2e, scale_over_cap = p.scale / p.soft_cap;
+  const float score_log2 = p.soft_cap > 0 ? 1.0f : p.scale * kLog2e;
 
   // A short max_query_len hint leaves a block more than one tile: never a wrong result.
   for (int tile = blockIdx.x % p.tiles_per_request; tile * tokens_per_tile < q_len;
@@ -157,20 +171,20 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
-    // Chunk j + 1's copies fly while chunk j is computed; the block ids a chunk further.
+    // Chunk j + 1's copies fly while chunk j is computed; the tiles a chunk further.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
-      const int first_ids = block_id(first_chunk), second_ids = block_id(first_chunk + kKeys);
+      const int64_t first_tiles = tile_of(first_chunk), second_tiles = tile_of(first_chunk + kKeys);
       if (threadIdx.x < kKeys / 8) {
-        chunk_blocks[0][threadIdx.x] = first_ids;
-        chunk_blocks[1][threadIdx.x] = second_ids;
+        chunk_tiles[0][threadIdx.x] = first_tiles;
+        chunk_tiles[1][threadIdx.x] = second_tiles;
       }
       __syncthreads();
       copy_chunk(0, first_chunk);
     }
     int buffer = 0;
     for (int chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
-      const int ids_ahead = block_id(chunk + 2 * kKeys);  // stored once this chunk is done
+      const int64_t tiles_ahead = tile_of(chunk + 2 * kKeys);  // stored once this chunk is done
       if (chunk + kKeys < end) {
         copy_chunk(buffer ^ 1, chunk + kKeys);
         wait_copies<1>();  // all but the newest group: this chunk's copies have landed
@@ -191,20 +205,28 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
             mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
           }
         }
-        // Scale, cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the
-        // n-tile), in log2 units for exp2. Chunks every row sees whole skip the mask.
-        const bool unmasked = chunk >= all_see_from && chunk + kKeys <= all_see_to;
-        for (int n = 0; n < kKeyTiles; ++n) {
-          for (int i = 0; i < 4; ++i) {
-            const Row& x = rows[i / 2];
-            const int key = chunk + n * 8 + 2 * quad + i % 2;
-            float score = s[n][i] * p.scale;
-            if (p.soft_cap > 0) score = p.soft_cap * tanhf(score / p.soft_cap);
-            const bool visible = unmasked || (x.valid && key >= x.first && key < x.end);
-            s[n][i] = visible ? score * kLog2e : -INFINITY;
+        // Cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the n-tile); the
+        // scale goes into the exponent. Uniform branches, so that a plain chunk spends
+        // nothing on either: chunks every row sees whole skip the mask.
+        if (p.soft_cap > 0) {
+          for (int n = 0; n < kKeyTiles; ++n) {
+            for (int i = 0; i < 4; ++i) s[n][i] = cap_log2 * tanhf(s[n][i] * scale_over_cap);
           }
         }
-        // Online softmax per row; a row's four lanes (one quad group) share its maximum.
+        if (chunk < all_see_from || chunk + kKeys > all_see_to) {
+          for (int n = 0; n < kKeyTiles; ++n) {
+            for (int i = 0; i < 4; ++i) {
+              const Row& x = rows[i / 2];
+              const int key = chunk + n * 8 + 2 * quad + i % 2;
+              if (!(x.valid && key >= x.first && key < x.end)) s[n][i] = -INFINITY;
+            }
+          }
+        }
+        // Online softmax per row, in log2 units (exponent = score * score_log2 - base);
+        // a row's four lanes (one quad group) share its maximum. The output is rescaled
+        // only where a maximum of the warp grew: after the first chunks, seldom.
+        float correction[2];
+        bool grew = false;
         for (int i = 0; i < 2; ++i) {
           float chunk_max = -INFINITY;
           for (int n = 0; n < kKeyTiles; ++n) {
@@ -213,19 +235,21 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
           chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 1));
           chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
           const float new_max = fmaxf(row_max[i], chunk_max);
-          const float base = new_max == -INFINITY ? 0.0f : new_max;  // nothing seen yet
-          const float correction = exp2f(row_max[i] - base);
+          const float base = new_max == -INFINITY ? 0.0f : new_max * score_log2;  // none yet
+          correction[i] = exp2f(row_max[i] * score_log2 - base);
+          grew = grew || new_max > row_max[i];
           row_max[i] = new_max;
-          row_sum[i] *= correction;
-          for (int n = 0; n < kDimTiles; ++n) {
-            acc[n][2 * i] *= correction;
-            acc[n][2 * i + 1] *= correction;
-          }
+          row_sum[i] *= correction[i];
           for (int n = 0; n < kKeyTiles; ++n) {
             for (int j = 2 * i; j < 2 * i + 2; ++j) {
-              s[n][j] = exp2f(s[n][j] - base);
+              s[n][j] = exp2f(fmaf(s[n][j], score_log2, -base));
               row_sum[i] += s[n][j];
             }
+          }
+        }
+        if (__any_sync(0xffffffffu, grew)) {
+          for (int n = 0; n < kDimTiles; ++n) {
+            for (int j = 0; j < 4; ++j) acc[n][j] *= correction[j / 2];
           }
         }
         // O += P V: the scores' C fragments of n-tiles 2k and 2k + 1 are the A operand of
@@ -243,8 +267,8 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
           }
         }
       }
-      // Chunk j's ids (slot `buffer`) are spent: chunk j + 2's take their place.
-      if (threadIdx.x < kKeys / 8) chunk_blocks[buffer][threadIdx.x] = ids_ahead;
+      // Chunk j's tiles (slot `buffer`) are spent: chunk j + 2's take their place.
+      if (threadIdx.x < kKeys / 8) chunk_tiles[buffer][threadIdx.x] = tiles_ahead;
       __syncthreads();  // every warp is done with this buffer before it is refilled
     }
     if (!warp_active) continue;
@@ -268,7 +292,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
           p.partials +
           ((static_cast<int64_t>(x.token) * p.num_heads + x.head) * p.num_parts + part) * (D + 2);
       if (quad == 0) {
-        partial[0] = row_max[i] == -INFINITY ? -INFINITY : row_max[i] / kLog2e;
+        partial[0] = row_max[i] == -INFINITY ? -INFINITY : row_max[i] * score_log2 / kLog2e;
         partial[1] = row_sum[i];
       }
       for (int n = 0; n < kDimTiles; ++n) {

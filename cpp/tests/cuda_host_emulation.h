@@ -2,8 +2,8 @@
 // is compiled as C++ (CUDA's headers give __half, __nv_bfloat16 and their conversions on
 // the host), and `launch` runs every CUDA thread of a block as a host thread, one block
 // after another. Emulated: threadIdx/blockIdx/blockDim/gridDim (1-D blocks, up to 3-D
-// grids), __shared__ (static: one block runs at a time), __syncthreads, __shfl_xor_sync
-// and __shfl_sync over whole warps of 32, rsqrtf, __expf, and the instructions of
+// grids), __shared__ (static: one block runs at a time), __syncthreads, __shfl_xor_sync,
+// __shfl_sync and __any_sync over whole warps of 32, rsqrtf, __expf, and the instructions of
 // cuda/mma_primitives.cuh
 // (mma.sync m16n8k16, ldmatrix .x4 .trans, cp.async), lane by lane as the PTX ISA lays
 // out their fragments; asynchronous copies land only when waited for.
@@ -117,6 +117,19 @@ template <typename T>
 T __shfl_sync(unsigned /*mask*/, T value, int source) {
   return pyengine::emulation::shuffle(value,
                                       [&](unsigned) { return static_cast<unsigned>(source) % 32; });
+}
+
+// True where `predicate` holds in any lane of the warp (lanes past the block's last thread
+// do not exist).
+inline int __any_sync(unsigned /*mask*/, int predicate) {
+  int any = 0;
+  pyengine::emulation::warp_exchange(
+      [&](pyengine::emulation::Block& b) { b.lanes[threadIdx.x] = predicate != 0; },
+      [&](pyengine::emulation::Block& b) {
+        const unsigned first = threadIdx.x - threadIdx.x % 32;
+        for (unsigned l = first; l < first + 32 && l < b.lanes.size(); ++l) any |= b.lanes[l] != 0;
+      });
+  return any;
 }
 
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }

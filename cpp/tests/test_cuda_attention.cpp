@@ -149,7 +149,8 @@ void run(AttentionParams p, Kernel kernel, int num_tokens, int max_query_len) {
       if (shape.warps == 1) {
         launch(grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); });
       } else {
-        launch(grid, flash::kPrefillWarps * 32, [&] { flash::flash_attention_kernel<T, D, 4>(p); });
+        launch(grid, flash::kPrefillWarps * 32,
+               [&] { flash::flash_attention_kernel<T, D, flash::kPrefillWarps>(p); });
       }
     }
   }
@@ -264,6 +265,11 @@ TEST(sliding_window_and_soft_cap) {
   c.sliding_window = 20;
   c.soft_cap = 30.0f;
   check_case<__nv_bfloat16, 64>(c, "window 20, cap 30");
+  // A capped partition's maximum goes to the merge in the same units as an uncapped one's.
+  Case split{128, 4, 2, 16, {1, 12}, {600, 300}};
+  split.soft_cap = 3.0f;
+  split.num_parts = 2;
+  check_case<__half, 128>(split, "cap 3 over 2 partitions");
 }
 
 TEST(head_size_80_and_256) {
