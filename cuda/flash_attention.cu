@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <stdexcept>
+#include <string>
 
 #include "cuda_utils.h"
 #include "flash_attention.cuh"
@@ -14,8 +16,6 @@ namespace pyengine::cuda {
 namespace {
 
 using flash::flash_attention_kernel;
-using flash::kPrefillWarps;
-using flash::kWarpRows;
 
 template <typename T, int D, int kWarps>
 void launch_kernel(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
@@ -42,11 +42,24 @@ void launch_for_head_size(const AttentionParams& p, const dim3& grid, cudaStream
 
 template <typename T>
 void launch(const AttentionParams& p, int warps, const dim3& grid, cudaStream_t stream) {
-  if (warps == 1) {
-    launch_for_head_size<T, 1>(p, grid, stream);
-  } else {
-    launch_for_head_size<T, kPrefillWarps>(p, grid, stream);
+  switch (warps) {
+    case 1: return launch_for_head_size<T, 1>(p, grid, stream);
+    case 4: return launch_for_head_size<T, 4>(p, grid, stream);
+    default: return launch_for_head_size<T, 8>(p, grid, stream);
   }
+}
+
+// PYENGINE_FLASH_PREFILL_WARPS=4 runs prefills in four-warp blocks instead of eight-warp
+// ones: a switch for comparing the two on a device (bench/gpu/run.sh), read once.
+int prefill_warps() {
+  static const int warps = [] {
+    const char* value = std::getenv("PYENGINE_FLASH_PREFILL_WARPS");
+    const std::string text = value == nullptr ? "" : value;
+    if (text.empty()) return flash::kPrefillWarps;
+    if (text == "4" || text == "8") return std::stoi(text);
+    throw std::invalid_argument("PYENGINE_FLASH_PREFILL_WARPS must be 4 or 8, not '" + text + "'");
+  }();
+  return warps;
 }
 
 }  // namespace
@@ -58,11 +71,11 @@ bool flash_attention_supports(DType dtype, int head_size, int block_size, int gr
   // Blocks of a power of two, at least 8, keys: 8 keys of one copy never straddle blocks,
   // and a key's block and offset are a shift and a mask.
   const bool block = block_size >= 8 && (block_size & (block_size - 1)) == 0;
-  return sixteen_bit && head && block && group_size >= 1 && group_size <= kPrefillWarps * kWarpRows;
+  return sixteen_bit && head && block && group_size >= 1 && group_size <= flash::kMaxGroupSize;
 }
 
 void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cudaStream_t stream) {
-  const flash::Launch shape = flash::plan_launch(p, max_query_len);
+  const flash::Launch shape = flash::plan_launch(p, max_query_len, prefill_warps());
   const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
   if (dtype == DType::kFloat16) {
     launch<__half>(p, shape.warps, grid, stream);

@@ -2,9 +2,10 @@
 // m16n8k16 with float16 or bfloat16 operands and float32 accumulation, flash-attention
 // style. A thread block per (request, kv head, tile of the request's query tokens,
 // partition of the context). A tile's rows are (query token, query head of this kv
-// head's GQA group) pairs, so the group's heads share every K/V load: 64 rows over four
-// warps for prefill, 16 rows in a one-warp block for decode (where a request's rows are
-// its group's heads; small blocks keep many loads in flight per multiprocessor). K/V
+// head's GQA group) pairs, so the group's heads share every K/V load: 128 rows over
+// eight warps for prefill (each chunk of K/V copied once for that many rows), 16 rows in
+// a one-warp block for decode (where a request's rows are its group's heads; small blocks
+// keep many loads in flight per multiprocessor). K/V
 // stream through double-buffered shared memory a chunk of keys at a time, in 16-byte
 // asynchronous copies issued a chunk ahead (zeros past the context, so that stale slots
 // never reach the output); each warp keeps its 16 rows' scores, online softmax and output
@@ -25,7 +26,10 @@
 namespace pyengine::cuda::flash {
 
 constexpr int kWarpRows = 16;  // an mma tile's M
-constexpr int kPrefillWarps = 4;
+// Prefill blocks: eight warps by default; four (64 rows, three blocks a multiprocessor)
+// where flash_attention.cu is asked for them, to compare the two on a device.
+constexpr int kPrefillWarps = 8;
+constexpr int kMaxGroupSize = 4 * kWarpRows;  // a group's heads fit either tile
 constexpr int kPad = 8;  // elements after each shared row: ldmatrix reads 8 rows in 8 banks
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -43,9 +47,13 @@ struct Row {
   int first = 0, end = 0;  // its visible keys [first, end) within the partition
 };
 
-// Three four-warp blocks per multiprocessor (two for head size 256): at most 168 registers.
+// One eight-warp prefill block per multiprocessor, which lets a thread keep its Q, scores
+// and output in up to 255 registers without spilling; three four-warp blocks (two for
+// head size 256); six one-warp decode blocks.
 template <typename T, int D, int kWarps>
-__global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 : 3))
+__global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
+                                                 : kWarps == 4 ? (D > 128 ? 2 : 3)
+                                                               : 1)
     flash_attention_kernel(const AttentionParams p) {
   constexpr int kThreads = kWarps * kWarp;
   constexpr int kTileRows = kWarps * kWarpRows;
@@ -53,9 +61,10 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
   constexpr int kSteps = D / 16;        // k-steps of Q K^T
   constexpr int kKeyTiles = kKeys / 8;  // n-tiles of the scores
   constexpr int kDimTiles = D / 8;      // n-tiles of the output
-  // 16-byte copies per thread and chunk, of K and of V alike.
-  constexpr int kCopies = D * kKeys / 8 / kThreads;
-  static_assert(kCopies * kThreads * 8 == D * kKeys && kThreads % (kKeys / 8) == 0);
+  // 16-byte copies of a chunk, of K and of V alike, and the most a thread makes.
+  constexpr int kChunkCopies = D * kKeys / 8;
+  constexpr int kCopies = (kChunkCopies + kThreads - 1) / kThreads;
+  static_assert(kThreads % (kKeys / 8) == 0);
   __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
   __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
   // Where the cache blocks of the two chunks in flight hold this kv head (elements from
@@ -105,11 +114,13 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
                         ((k_key & in_block) + k_first_dim * p.block_size);
     const bool k_valid = k_key < seq_len;
     for (int i = 0; i < kCopies; ++i) {
+      if (kChunkCopies % kThreads != 0 && k_first_dim + i * kKeyDimStep >= D) break;
       copy_async(&k_chunk[buffer][k_first_dim + i * kKeyDimStep][k_first_key],
                  k_source + i * k_dim_step, k_valid);
     }
     for (int i = 0; i < kCopies; ++i) {
       const int v = threadIdx.x + i * kThreads;  // (key, 8 dims) of the chunk's V
+      if (kChunkCopies % kThreads != 0 && v >= kChunkCopies) break;
       const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
       const int key = chunk + index;
       copy_async(
@@ -305,14 +316,15 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1 ? 6 : (D > 128 ? 2 
 
 // The launch of the kernel for `p` (its tiles_per_request and block_shift set here) and
 // a largest query length of `max_query_len`: one warp where every request's rows fit its
-// 16 (decode), else four.
+// 16 (decode), else `prefill_warps` (4 or 8).
 struct Launch {
   unsigned grid_x, grid_y, grid_z;
   int warps;
 };
-inline Launch plan_launch(AttentionParams& p, int64_t max_query_len) {
+inline Launch plan_launch(AttentionParams& p, int64_t max_query_len,
+                          int prefill_warps = kPrefillWarps) {
   const int64_t group_size = p.num_heads / p.num_kv_heads;
-  const int warps = max_query_len * group_size <= kWarpRows ? 1 : kPrefillWarps;
+  const int warps = max_query_len * group_size <= kWarpRows ? 1 : prefill_warps;
   const int64_t tokens_per_tile = warps * kWarpRows / group_size;
   const int64_t tiles = (max_query_len + tokens_per_tile - 1) / tokens_per_tile;
   p.tiles_per_request =

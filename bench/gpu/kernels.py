@@ -206,8 +206,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--step-tokens", type=int, default=8192, help="of the prefill step")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--attention-only",
+        action="store_true",
+        help="only the attention table (run.sh runs "
+        "it again with PYENGINE_FLASH_PREFILL_WARPS=4, the other prefill tile)",
+    )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    if args.attention_only:
+        copy = copy_bandwidth()
+        attention, attention_figures = attention_rows(dtype, copy)
+        print_table(("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against"),
+                    attention)  # fmt: skip
+        print(json.dumps({"copy_gb_s": round(copy / 1e9, 1), **attention_figures}))
+        return
     size = torch.finfo(dtype).bits // 8
     t, hidden, inter, heads, kv_heads, d = args.tokens, 4096, 14336, 32, 8, 128
     dev = "cuda"

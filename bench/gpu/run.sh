@@ -65,6 +65,9 @@ fi
 if wants kernels; then
   echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"
   python3 bench/gpu/kernels.py --dtype bfloat16 || status=1
+  echo "== attention again with four-warp prefill blocks (64 rows; the default is eight, 128)"
+  PYENGINE_FLASH_PREFILL_WARPS=4 python3 bench/gpu/kernels.py --dtype bfloat16 --attention-only ||
+    status=1
 fi
 if wants throughput; then
   echo "== offline throughput: Llama-3-8B shape, random weights, bf16, against transformers"
