@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <stdexcept>
@@ -17,15 +18,31 @@ namespace {
 
 using flash::flash_attention_kernel;
 
+// Sets, once for each device it runs on, a kernel's dynamic shared memory (over the
+// default 48 KB for eight-warp blocks) and its wish for shared memory over L1.
+void configure(const void* kernel, unsigned shared_bytes, std::atomic<uint64_t>& devices) {
+  int device = 0;
+  check_cuda("paged_attention", cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t bit = device < 64 ? uint64_t{1} << device : 0;  // past 64: every launch
+  if (bit != 0 && (devices.load(std::memory_order_relaxed) & bit) != 0) return;
+  check_cuda("paged_attention",
+             cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  static_cast<int>(shared_bytes)),
+             "cudaFuncSetAttribute(MaxDynamicSharedMemorySize)");
+  check_cuda("paged_attention",
+             cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared),
+             "cudaFuncSetAttribute(PreferredSharedMemoryCarveout)");
+  devices.fetch_or(bit, std::memory_order_relaxed);
+}
+
 template <typename T, int D, int kWarps>
 void launch_kernel(const AttentionParams& p, const dim3& grid, cudaStream_t stream) {
   const auto kernel = flash_attention_kernel<T, D, kWarps>;
-  // Several ~40 KB blocks per multiprocessor want its shared memory over L1 (once, on
-  // the device first used).
-  static const cudaError_t carveout = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-  check_cuda("paged_attention", carveout, "cudaFuncSetAttribute");
-  kernel<<<grid, kWarps * kWarp, 0, stream>>>(p);
+  constexpr unsigned kSharedBytes = flash::shared_bytes<T, D, kWarps>();
+  static std::atomic<uint64_t> configured_devices{0};
+  configure(reinterpret_cast<const void*>(kernel), kSharedBytes, configured_devices);
+  kernel<<<grid, kWarps * kWarp, kSharedBytes, stream>>>(p);
 }
 
 template <typename T, int kWarps>

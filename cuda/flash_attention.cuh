@@ -33,11 +33,27 @@ constexpr int kMaxGroupSize = 4 * kWarpRows;  // a group's heads fit either tile
 constexpr int kPad = 8;  // elements after each shared row: ldmatrix reads 8 rows in 8 banks
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Keys per shared-memory chunk: two chunks of K and V stay under the 48 KB of static
-// shared memory.
-template <int D>
-__host__ __device__ constexpr int chunk_keys() {
-  return D <= 80 ? 64 : D <= 128 ? 32 : 16;
+// A block's shared memory (dynamic): kStages chunks of K and V in flight, and where the
+// cache blocks of each hold this kv head. An eight-warp prefill block, alone on its
+// multiprocessor, streams 64 keys a chunk (16 at head size 256) three chunks deep; the
+// smaller blocks, several a multiprocessor, two chunks of up to 48 KB in all.
+template <typename T, int D, int kWarps>
+struct SharedChunks {
+  static constexpr int kKeys = kWarps == 8 ? (D <= 128 ? 64 : 16)
+                                           : (D <= 80    ? 64
+                                              : D <= 128 ? 32
+                                                         : 16);
+  static constexpr int kStages = kWarps == 8 ? 3 : 2;
+  T k[kStages][D][kKeys + kPad];  // K^T, [dim][key]
+  T v[kStages][kKeys][D + kPad];  // V, [key][dim]
+  // Elements from the cache's start (blocks hold at least 8 keys): the copies add only
+  // their offsets.
+  int64_t tiles[kStages][kKeys / 8];
+};
+
+template <typename T, int D, int kWarps>
+constexpr unsigned shared_bytes() {
+  return sizeof(SharedChunks<T, D, kWarps>);
 }
 
 // A query row of the tile: (token, head) and the keys it sees.
@@ -57,7 +73,8 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     flash_attention_kernel(const AttentionParams p) {
   constexpr int kThreads = kWarps * kWarp;
   constexpr int kTileRows = kWarps * kWarpRows;
-  constexpr int kKeys = chunk_keys<D>();
+  using Shared = SharedChunks<T, D, kWarps>;
+  constexpr int kKeys = Shared::kKeys, kStages = Shared::kStages;
   constexpr int kSteps = D / 16;        // k-steps of Q K^T
   constexpr int kKeyTiles = kKeys / 8;  // n-tiles of the scores
   constexpr int kDimTiles = D / 8;      // n-tiles of the output
@@ -65,11 +82,8 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   constexpr int kChunkCopies = D * kKeys / 8;
   constexpr int kCopies = (kChunkCopies + kThreads - 1) / kThreads;
   static_assert(kThreads % (kKeys / 8) == 0);
-  __shared__ __align__(16) T k_chunk[2][D][kKeys + kPad];  // K^T, [dim][key]
-  __shared__ __align__(16) T v_chunk[2][kKeys][D + kPad];  // V, [key][dim]
-  // Where the cache blocks of the two chunks in flight hold this kv head (elements from
-  // the cache's start; blocks hold at least 8 keys): the copies add only their offsets.
-  __shared__ int64_t chunk_tiles[2][kKeys / 8];
+  PYENGINE_DYNAMIC_SHARED(shared_memory);
+  Shared& shared = *reinterpret_cast<Shared*>(shared_memory);
 
   const int r = blockIdx.x / p.tiles_per_request;
   const int kv_head = blockIdx.y, part = blockIdx.z;
@@ -99,7 +113,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return head_tile;
     return cache_block(p, table[key >> block_shift]) * block_stride + head_tile;
   };
-  // A chunk's copies into `buffer`, whose tiles are in chunk_tiles[buffer]: K, 8 keys
+  // A chunk's copies into `stage`, whose tiles are in shared.tiles[stage]: K, 8 keys
   // of one dim each (the thread's keys are always the same, its dims kKeyDimStep apart),
   // and V, 8 dims of one key each, neighbouring lanes along a key's row. What does not
   // change from chunk to chunk is computed once: the copies are a fair share of the
@@ -108,14 +122,14 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const int k_first_key = threadIdx.x % (kKeys / 8) * 8;
   const int k_first_dim = threadIdx.x / (kKeys / 8);
   const int k_dim_step = kKeyDimStep * p.block_size;  // elements between its K copies
-  const auto copy_chunk = [&](int buffer, int chunk) {
+  const auto copy_chunk = [&](int stage, int chunk) {
     const int k_key = chunk + k_first_key;
-    const T* k_source = keys + chunk_tiles[buffer][k_first_key >> block_shift] +
+    const T* k_source = keys + shared.tiles[stage][k_first_key >> block_shift] +
                         ((k_key & in_block) + k_first_dim * p.block_size);
     const bool k_valid = k_key < seq_len;
     for (int i = 0; i < kCopies; ++i) {
       if (kChunkCopies % kThreads != 0 && k_first_dim + i * kKeyDimStep >= D) break;
-      copy_async(&k_chunk[buffer][k_first_dim + i * kKeyDimStep][k_first_key],
+      copy_async(&shared.k[stage][k_first_dim + i * kKeyDimStep][k_first_key],
                  k_source + i * k_dim_step, k_valid);
     }
     for (int i = 0; i < kCopies; ++i) {
@@ -124,11 +138,10 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
       const int key = chunk + index;
       copy_async(
-          &v_chunk[buffer][index][first_dim],
-          values + chunk_tiles[buffer][index >> block_shift] + ((key & in_block) * D + first_dim),
+          &shared.v[stage][index][first_dim],
+          values + shared.tiles[stage][index >> block_shift] + ((key & in_block) * D + first_dim),
           key < seq_len);
     }
-    commit_copies();
   };
 
   // Scores go into exp2 as score * score_log2; a soft cap maps them first to
@@ -182,27 +195,31 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
-    // Chunk j + 1's copies fly while chunk j is computed; the tiles a chunk further.
+    // The copies of chunk j + kStages - 1 are issued as chunk j is computed, into the
+    // stage chunk j - 1 used; the tiles of each chunk are read one chunk before that. A
+    // copy group is committed each time, empty past the end, so that leaving kStages - 2
+    // groups pending always means that chunk j has landed.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
-      const int64_t first_tiles = tile_of(first_chunk), second_tiles = tile_of(first_chunk + kKeys);
-      if (threadIdx.x < kKeys / 8) {
-        chunk_tiles[0][threadIdx.x] = first_tiles;
-        chunk_tiles[1][threadIdx.x] = second_tiles;
+      for (int i = 0; i < kStages; ++i) {
+        const int64_t tiles = tile_of(first_chunk + i * kKeys);
+        if (threadIdx.x < kKeys / 8) shared.tiles[i][threadIdx.x] = tiles;
       }
       __syncthreads();
-      copy_chunk(0, first_chunk);
+      for (int i = 0; i + 1 < kStages; ++i) {
+        if (first_chunk + i * kKeys < end) copy_chunk(i, first_chunk + i * kKeys);
+        commit_copies();
+      }
     }
-    int buffer = 0;
-    for (int chunk = first_chunk; chunk < end; chunk += kKeys, buffer ^= 1) {
-      const int64_t tiles_ahead = tile_of(chunk + 2 * kKeys);  // stored once this chunk is done
-      if (chunk + kKeys < end) {
-        copy_chunk(buffer ^ 1, chunk + kKeys);
-        wait_copies<1>();  // all but the newest group: this chunk's copies have landed
-      } else {
-        wait_copies<0>();
-      }
+    int stage = 0;
+    for (int chunk = first_chunk; chunk < end; chunk += kKeys) {
+      wait_copies<kStages - 2>();
+      // Chunk j is in every thread's view, and every warp is done with chunk j - 1.
       __syncthreads();
+      const int ahead = chunk + (kStages - 1) * kKeys;
+      if (ahead < end) copy_chunk(stage == 0 ? kStages - 1 : stage - 1, ahead);
+      commit_copies();
+      const int64_t tiles_ahead = tile_of(chunk + kStages * kKeys);  // stored after the compute
       if (warp_active) {
         // S = Q K^T: 16 rows x kKeys keys per warp.
         float s[kKeyTiles][4] = {};
@@ -211,7 +228,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
             uint32_t b[4];
             load_b_operands(
                 b,
-                &k_chunk[buffer][step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+                &shared.k[stage][step * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
             mma<T>(s[n], q_operand[step], b[0], b[1]);
             mma<T>(s[n + 1], q_operand[step], b[2], b[3]);
           }
@@ -272,16 +289,18 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
           for (int n = 0; n < kDimTiles; n += 2) {
             uint32_t b[4];
             load_b_operands(
-                b, &v_chunk[buffer][k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
+                b, &shared.v[stage][k * 16 + matrix_row + (matrix & 1) * 8][(n + matrix / 2) * 8]);
             mma<T>(acc[n], a, b[0], b[1]);
             mma<T>(acc[n + 1], a, b[2], b[3]);
           }
         }
       }
-      // Chunk j's tiles (slot `buffer`) are spent: chunk j + 2's take their place.
-      if (threadIdx.x < kKeys / 8) chunk_tiles[buffer][threadIdx.x] = tiles_ahead;
-      __syncthreads();  // every warp is done with this buffer before it is refilled
+      // Chunk j's tiles are spent: chunk j + kStages's, whose copies reuse its stage, take
+      // their place (read after the next barrier).
+      if (threadIdx.x < kKeys / 8) shared.tiles[stage][threadIdx.x] = tiles_ahead;
+      stage = stage + 1 == kStages ? 0 : stage + 1;
     }
+    __syncthreads();  // every warp is done with the stages before the next tile refills them
     if (!warp_active) continue;
 
     for (int i = 0; i < 2; ++i) {

@@ -1,8 +1,8 @@
 // The tensor-core and asynchronous-copy instructions the flash-attention kernel is
 // built from (sm_80 and later), as inline PTX. cpp/tests/cuda_host_emulation.h defines
 // PYENGINE_CUDA_HOST_EMULATION and host versions of these instead (copy_async,
-// commit_copies, wait_copies, mma, load_b_operands), lane by lane as the PTX ISA
-// specifies them. Internal to cuda/.
+// commit_copies, wait_copies, mma, load_b_operands, and PYENGINE_DYNAMIC_SHARED), lane by
+// lane as the PTX ISA specifies them. Internal to cuda/.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -25,6 +25,9 @@ __device__ __forceinline__ uint32_t pack(float first, float second) {
 }
 
 #ifndef PYENGINE_CUDA_HOST_EMULATION
+
+// The block's dynamic shared memory, as bytes named `name` (16-byte aligned).
+#define PYENGINE_DYNAMIC_SHARED(name) extern __shared__ __align__(16) unsigned char name[]
 
 // A 16-byte copy from global to shared memory that does not hold the thread up; zeros
 // where !valid (`global` is then not read).

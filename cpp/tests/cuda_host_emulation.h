@@ -2,7 +2,8 @@
 // is compiled as C++ (CUDA's headers give __half, __nv_bfloat16 and their conversions on
 // the host), and `launch` runs every CUDA thread of a block as a host thread, one block
 // after another. Emulated: threadIdx/blockIdx/blockDim/gridDim (1-D blocks, up to 3-D
-// grids), __shared__ (static: one block runs at a time), __syncthreads, __shfl_xor_sync,
+// grids), __shared__ (static: one block runs at a time) and dynamic shared memory
+// (PYENGINE_DYNAMIC_SHARED), __syncthreads, __shfl_xor_sync,
 // __shfl_sync and __any_sync over whole warps of 32, rsqrtf, __expf, and the instructions of
 // cuda/mma_primitives.cuh
 // (mma.sync m16n8k16, ldmatrix .x4 .trans, cp.async), lane by lane as the PTX ISA lays
@@ -32,13 +33,21 @@
 #define __shared__ static
 #define __launch_bounds__(...)
 #define PYENGINE_CUDA_HOST_EMULATION 1
+#define PYENGINE_DYNAMIC_SHARED(name)                     \
+  unsigned char* name = reinterpret_cast<unsigned char*>( \
+      pyengine::emulation::current_block()->dynamic_shared.data())
 
 namespace pyengine::emulation {
 
 // What the threads of the running block share.
 struct Block {
-  explicit Block(unsigned threads)
-      : all(threads), lanes(threads), fragments(threads), rows(threads) {
+  Block(unsigned threads, size_t dynamic_shared_bytes)
+      : all(threads),
+        lanes(threads),
+        fragments(threads),
+        rows(threads),
+        // All ones (NaN) until written: a kernel that reads it first shows it.
+        dynamic_shared((dynamic_shared_bytes + 15) / 16, make_uint4(~0u, ~0u, ~0u, ~0u)) {
     for (unsigned first = 0; first < threads; first += 32) {
       const auto width = static_cast<std::ptrdiff_t>(std::min(32u, threads - first));
       warps.push_back(std::make_unique<std::barrier<>>(width));
@@ -49,6 +58,7 @@ struct Block {
   std::vector<uint64_t> lanes;                         // a lane's shuffled value
   std::vector<std::array<uint32_t, 6>> fragments;      // a lane's mma a0-a3, b0, b1
   std::vector<const void*> rows;                       // a lane's ldmatrix row address
+  std::vector<uint4> dynamic_shared;                   // 16-byte aligned
 };
 
 inline Block*& current_block() {
@@ -240,14 +250,14 @@ inline void load_b_operands(uint32_t (&r)[4], const void* row) {
 namespace pyengine::emulation {
 
 // Runs `kernel()` (a call of the kernel with its arguments) as grid x threads CUDA
-// threads, block by block.
+// threads, block by block, each with `dynamic_shared_bytes` of dynamic shared memory.
 template <class Kernel>
-void launch(dim3 grid, unsigned threads, const Kernel& kernel) {
+void launch(dim3 grid, unsigned threads, const Kernel& kernel, size_t dynamic_shared_bytes = 0) {
   if (threads == 0 || threads > 1024) throw std::invalid_argument("launch: 1 to 1024 threads");
   for (unsigned z = 0; z < grid.z; ++z) {
     for (unsigned y = 0; y < grid.y; ++y) {
       for (unsigned x = 0; x < grid.x; ++x) {
-        Block block(threads);
+        Block block(threads, dynamic_shared_bytes);
         std::vector<std::thread> running;
         running.reserve(threads);
         for (unsigned t = 0; t < threads; ++t) {

@@ -147,11 +147,17 @@ void run(AttentionParams p, Kernel kernel, int num_tokens, int max_query_len, in
     constexpr bool kFlashShape = D == 64 || D == 80 || D == 96 || D == 128 || D == 256;
     if constexpr (kFlashShape && !std::is_same_v<T, float>) {
       if (shape.warps == 1) {
-        launch(grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); });
+        launch(
+            grid, 32, [&] { flash::flash_attention_kernel<T, D, 1>(p); },
+            flash::shared_bytes<T, D, 1>());
       } else if (shape.warps == 4) {
-        launch(grid, 4 * 32, [&] { flash::flash_attention_kernel<T, D, 4>(p); });
+        launch(
+            grid, 4 * 32, [&] { flash::flash_attention_kernel<T, D, 4>(p); },
+            flash::shared_bytes<T, D, 4>());
       } else {
-        launch(grid, 8 * 32, [&] { flash::flash_attention_kernel<T, D, 8>(p); });
+        launch(
+            grid, 8 * 32, [&] { flash::flash_attention_kernel<T, D, 8>(p); },
+            flash::shared_bytes<T, D, 8>());
       }
     }
   }
@@ -305,6 +311,11 @@ TEST(a_short_max_query_len_hint_costs_speed_not_results) {
   Case g{64, 16, 2, 16, {40, 9}, {40, 30}};
   g.max_query_len_hint = 17;
   check_case<__nv_bfloat16, 64>(g, "hint 17 for 40 tokens");
+  // Head 128, a long cached prefix: each tile streams 16 chunks three deep, and the block
+  // starts its second tile's pipeline where the first one's ended.
+  Case deep{128, 8, 2, 16, {40}, {1000}};
+  deep.max_query_len_hint = 17;
+  check_case<__nv_bfloat16, 128>(deep, "hint 17 for 40 tokens after 960");
 }
 
 TEST(prefill_in_four_warp_blocks) {  // PYENGINE_FLASH_PREFILL_WARPS=4
