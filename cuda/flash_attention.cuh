@@ -195,10 +195,11 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
 
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
-    // The copies of chunk j + kStages - 1 are issued as chunk j is computed, into the
-    // stage chunk j - 1 used; the tiles of each chunk are read one chunk before that. A
-    // copy group is committed each time, empty past the end, so that leaving kStages - 2
-    // groups pending always means that chunk j has landed.
+    // The copies of chunk j + kStages - 1 are issued, into the stage chunk j - 1 used,
+    // before chunk j is waited for: kStages chunks in flight while a warp waits, kStages - 1
+    // while it computes. The tiles of a chunk are read one chunk before its copies. A copy
+    // group is committed each time, empty past the end, so that leaving kStages - 1 groups
+    // pending always means that chunk j has landed.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
       for (int i = 0; i < kStages; ++i) {
@@ -213,13 +214,12 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     }
     int stage = 0;
     for (int chunk = first_chunk; chunk < end; chunk += kKeys) {
-      wait_copies<kStages - 2>();
-      // Chunk j is in every thread's view, and every warp is done with chunk j - 1.
-      __syncthreads();
       const int ahead = chunk + (kStages - 1) * kKeys;
       if (ahead < end) copy_chunk(stage == 0 ? kStages - 1 : stage - 1, ahead);
       commit_copies();
       const int64_t tiles_ahead = tile_of(chunk + kStages * kKeys);  // stored after the compute
+      wait_copies<kStages - 1>();
+      __syncthreads();  // chunk j is in every thread's view
       if (warp_active) {
         // S = Q K^T: 16 rows x kKeys keys per warp.
         float s[kKeyTiles][4] = {};
@@ -296,11 +296,11 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
         }
       }
       // Chunk j's tiles are spent: chunk j + kStages's, whose copies reuse its stage, take
-      // their place (read after the next barrier).
+      // their place.
       if (threadIdx.x < kKeys / 8) shared.tiles[stage][threadIdx.x] = tiles_ahead;
+      __syncthreads();  // every warp is done with chunk j's stage before it is refilled
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }
-    __syncthreads();  // every warp is done with the stages before the next tile refills them
     if (!warp_active) continue;
 
     for (int i = 0; i < 2; ++i) {
