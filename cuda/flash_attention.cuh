@@ -264,13 +264,13 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
           chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
           const float new_max = fmaxf(row_max[i], chunk_max);
           const float base = new_max == -INFINITY ? 0.0f : new_max * score_log2;  // none yet
-          correction[i] = exp2f(row_max[i] * score_log2 - base);
+          correction[i] = fast_exp2(row_max[i] * score_log2 - base);
           grew = grew || new_max > row_max[i];
           row_max[i] = new_max;
           row_sum[i] *= correction[i];
           for (int n = 0; n < kKeyTiles; ++n) {
             for (int j = 2 * i; j < 2 * i + 2; ++j) {
-              s[n][j] = exp2f(fmaf(s[n][j], score_log2, -base));
+              s[n][j] = fast_exp2(fmaf(s[n][j], score_log2, -base));
               row_sum[i] += s[n][j];
             }
           }

@@ -1,8 +1,8 @@
 // The tensor-core and asynchronous-copy instructions the flash-attention kernel is
 // built from (sm_80 and later), as inline PTX. cpp/tests/cuda_host_emulation.h defines
 // PYENGINE_CUDA_HOST_EMULATION and host versions of these instead (copy_async,
-// commit_copies, wait_copies, mma, load_b_operands, and PYENGINE_DYNAMIC_SHARED), lane by
-// lane as the PTX ISA specifies them. Internal to cuda/.
+// commit_copies, wait_copies, mma, load_b_operands, fast_exp2 and PYENGINE_DYNAMIC_SHARED),
+// lane by lane as the PTX ISA specifies them. Internal to cuda/.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -36,6 +36,15 @@ __device__ __forceinline__ void copy_async(void* shared, const void* global, boo
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
                "r"(valid ? 16 : 0));
 }
+// 2^x by the special-function unit alone (ex2.approx.ftz: relative error about 2^-22,
+// results under 2^-126 flushed to zero), where exp2f adds a range check and two multiplies
+// for subnormal results: softmax weights that small are zeros to a float32 sum anyway.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void commit_copies() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }

@@ -171,6 +171,12 @@ inline void copy_async(void* shared, const void* global, bool valid) {
   copy_groups().back().push_back({shared, valid ? global : nullptr});
 }
 inline void commit_copies() { copy_groups().emplace_back(); }
+
+// ex2.approx.ftz.f32: flushes results under 2^-126 to zero.
+inline float fast_exp2(float x) {
+  const float y = std::exp2(x);
+  return y < 0x1p-126f ? 0.0f : y;
+}
 template <int kPending>
 void wait_copies() {
   auto& groups = copy_groups();  // committed groups, then the open one
