@@ -88,23 +88,28 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 
 def filter_logits(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
 ) -> torch.Tensor:
     """logits [rows, vocab] with each row's tokens outside its top-k (0: all), its top-p
-    nucleus (1: all) and its min-p floor (0: none) at -inf, in that order."""
-    vocab = logits.shape[-1]
-    if bool((min_p > 0).any()):
+    nucleus (1: all) and its min-p floor (0: none) at -inf, in that order. Which filters
+    run is decided from the host's values, so that the host never waits on the device
+    for it mid-step."""
+    vocab, device = logits.shape[-1], logits.device
+    if any(m > 0 for m in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+        floor = _column(min_p, logits.dtype, device)[:, None] * probs.max(-1, keepdim=True).values
         logits = logits.masked_fill(probs < floor, float("-inf"))
-    by_k = (top_k > 0) & (top_k < vocab)
-    if bool(by_k.any()):  # below the k-th largest (ties with it stay)
-        largest = logits.topk(int(top_k[by_k].max()), dim=-1).values
-        k = torch.where(by_k, top_k, 1)
-        kth = torch.where(by_k, largest.gather(1, (k - 1)[:, None])[:, 0], float("-inf"))
+    by_k = [0 < k < vocab for k in top_k]
+    if any(by_k):  # below the k-th largest (ties with it stay)
+        largest = logits.topk(max(k for k, on in zip(top_k, by_k, strict=True) if on), dim=-1)
+        k = _column([k if on else 1 for k, on in zip(top_k, by_k, strict=True)], torch.long, device)
+        kth = largest.values.gather(1, (k - 1)[:, None])[:, 0]
+        kth = torch.where(_column(by_k, torch.bool, device), kth, float("-inf"))
         logits = logits.masked_fill(logits < kth[:, None], float("-inf"))
-    by_p = top_p < 1.0
-    return _top_p(logits, top_p, by_p) if bool(by_p.any()) else logits
+    by_p = [p < 1.0 for p in top_p]
+    if not any(by_p):
+        return logits
+    return _top_p(logits, _column(top_p, torch.float32, device), _column(by_p, torch.bool, device))
 
 
 # Tokens a top-p row looks at first, the most likely; all of them (a sort) only where the
@@ -176,9 +181,9 @@ class Sampler:
                              torch.float32, device)  # fmt: skip
         filtered = filter_logits(
             logits / temperature[:, None],
-            _column([r.params.top_k for r in rows], torch.long, device),
-            _column([r.params.top_p for r in rows], torch.float32, device),
-            _column([r.params.min_p for r in rows], torch.float32, device),
+            [r.params.top_k for r in rows],
+            [r.params.top_p for r in rows],
+            [r.params.min_p for r in rows],
         )
         probs = torch.softmax(filtered, dim=-1)
         # Inverse CDF: the first token whose cumulative probability passes u ~ U[0, 1).

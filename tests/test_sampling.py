@@ -92,9 +92,9 @@ def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
     logits = torch.stack([torch.log(probs[order]) for order in orders])
     filtered = filter_logits(
         logits,
-        torch.tensor([k for (k, _, _), _ in cases]),
-        torch.tensor([p for (_, p, _), _ in cases]),
-        torch.tensor([m for (_, _, m), _ in cases]),
+        [k for (k, _, _), _ in cases],
+        [p for (_, p, _), _ in cases],
+        [m for (_, _, m), _ in cases],
     )
     for row, order, (_, want) in zip(filtered, orders, cases, strict=True):
         kept = order[torch.isfinite(row)].sort().values.tolist()
@@ -103,9 +103,9 @@ def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
     no_p = [i for i, ((_, p, _), _) in enumerate(cases) if p == 1.0]
     alone = filter_logits(
         logits[no_p],
-        torch.tensor([cases[i][0][0] for i in no_p]),
-        torch.ones(len(no_p)),
-        torch.tensor([cases[i][0][2] for i in no_p]),
+        [cases[i][0][0] for i in no_p],
+        [1.0] * len(no_p),
+        [cases[i][0][2] for i in no_p],
     )
     assert torch.equal(alone, filtered[no_p])
 
@@ -288,9 +288,9 @@ def test_filter_logits_matches_the_definitions(scale: float) -> None:
                 (0, 0.95, 0.01)]  # fmt: skip
     filtered = filter_logits(
         logits,
-        torch.tensor([k for k, _, _ in settings]),
-        torch.tensor([p for _, p, _ in settings]),
-        torch.tensor([m for _, _, m in settings]),
+        [k for k, _, _ in settings],
+        [p for _, p, _ in settings],
+        [m for _, _, m in settings],
     )
     for row, x, (k, p, m) in zip(filtered, logits, settings, strict=True):
         want = reference_filter(x, k, p, m)
