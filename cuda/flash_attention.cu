@@ -3,6 +3,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <array>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -79,6 +80,38 @@ int prefill_warps() {
   return warps;
 }
 
+// The eight-warp blocks' shared memory for a head size (the same for both 16-bit types).
+unsigned eight_warp_shared_bytes(int head_size) {
+  switch (head_size) {
+    case 64: return flash::shared_bytes<__half, 64, 8>();
+    case 80: return flash::shared_bytes<__half, 80, 8>();
+    case 96: return flash::shared_bytes<__half, 96, 8>();
+    case 128: return flash::shared_bytes<__half, 128, 8>();
+    default: return flash::shared_bytes<__half, 256, 8>();
+  }
+}
+
+// The most shared memory a block may opt into on the current device, read once a device.
+int max_shared_bytes() {
+  static std::array<std::atomic<int>, 64> known{};  // 0: not read yet
+  int device = 0;
+  check_cuda("paged_attention", cudaGetDevice(&device), "cudaGetDevice");
+  if (device < 64 && known[device].load(std::memory_order_relaxed) > 0) return known[device];
+  int bytes = 0;
+  check_cuda("paged_attention",
+             cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+             "cudaDeviceGetAttribute(MaxSharedMemoryPerBlockOptin)");
+  if (device < 64) known[device].store(bytes, std::memory_order_relaxed);
+  return bytes;
+}
+
+// Eight-warp prefill blocks where the device gives them their shared memory (108 KB at
+// head size 128: an A100 or H100 does, an sm_86/89 card's 99 KB does not), else four.
+int prefill_warps_for(int head_size) {
+  if (prefill_warps() == 4) return 4;
+  return eight_warp_shared_bytes(head_size) <= static_cast<unsigned>(max_shared_bytes()) ? 8 : 4;
+}
+
 }  // namespace
 
 bool flash_attention_supports(DType dtype, int head_size, int block_size, int group_size) {
@@ -92,7 +125,7 @@ bool flash_attention_supports(DType dtype, int head_size, int block_size, int gr
 }
 
 void flash_attention(AttentionParams p, DType dtype, int64_t max_query_len, cudaStream_t stream) {
-  const flash::Launch shape = flash::plan_launch(p, max_query_len, prefill_warps());
+  const flash::Launch shape = flash::plan_launch(p, max_query_len, prefill_warps_for(p.head_size));
   const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);
   if (dtype == DType::kFloat16) {
     launch<__half>(p, shape.warps, grid, stream);

@@ -264,7 +264,10 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
           chunk_max = fmaxf(chunk_max, __shfl_xor_sync(0xffffffffu, chunk_max, 2));
           const float new_max = fmaxf(row_max[i], chunk_max);
           const float base = new_max == -INFINITY ? 0.0f : new_max * score_log2;  // none yet
-          correction[i] = fast_exp2(row_max[i] * score_log2 - base);
+          // Exactly 1 where the maximum held (a fused row_max * score_log2 - base would
+          // leave its rounding error, which the sum would gather chunk after chunk).
+          correction[i] =
+              new_max > row_max[i] ? fast_exp2((row_max[i] - new_max) * score_log2) : 1.0f;
           grew = grew || new_max > row_max[i];
           row_max[i] = new_max;
           row_sum[i] *= correction[i];
