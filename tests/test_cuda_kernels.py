@@ -4,6 +4,11 @@ no GPU or pyengine was built without CUDA."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -293,7 +298,7 @@ def test_paged_attention(
 @pytest.mark.parametrize("head_size", [32, 64, 80, 96, 112, 128, 192, 256])
 @pytest.mark.parametrize("block_size", [8, 16, 32, 64])
 def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -> None:
-    # float16/bfloat16 with head sizes 64, 80, 96, 128, 256 run on tensor cores: 4-warp
+    # float16/bfloat16 with head sizes 64, 80, 96, 128, 256 run on tensor cores: 8-warp
     # tiles where a request has several query tokens, 1-warp tiles for decode alone
     run_attention_case([70, 1000], [70, 1], (4, 2), head_size, block_size, "bfloat16")
     run_attention_case([33, 1000, 5], [1, 1, 1], (4, 2), head_size, block_size, "bfloat16")
@@ -304,9 +309,31 @@ def test_paged_attention_head_and_block_sizes(head_size: int, block_size: int) -
 )
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_paged_attention_group_sizes(heads: tuple[int, int], dtype: str) -> None:
-    """GQA groups that fill a tensor-core tile's 64 rows unevenly, exactly, or not at all
-    (80 query heads per kv head: the scalar kernel)."""
+    """GQA groups that fill a tensor-core tile's rows (128, or 64 in four-warp blocks)
+    unevenly, exactly, or not at all (80 query heads per kv head: the scalar kernel)."""
     run_attention_case([130, 700, 33], [130, 1, 20], heads, 64, 16, dtype)
+
+
+def test_four_warp_prefill_blocks_in_a_fresh_process() -> None:
+    """PYENGINE_FLASH_PREFILL_WARPS=4 (read once a process) runs prefills in four-warp
+    blocks, which pass the same cases; any value but 4 or 8 is a clear error."""
+    code = (
+        "import test_cuda_kernels as t\n"
+        "for h in (64, 80, 96, 128, 256):\n"
+        "    t.run_attention_case([70, 1000, 9], [70, 30, 1], (8, 2), h, 16, 'bfloat16')\n"
+        "t.run_attention_case([130, 700], [130, 20], (64, 1), 64, 16, 'float16')\n"
+    )
+
+    def run(value: str) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "PYENGINE_FLASH_PREFILL_WARPS": value}
+        return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                              capture_output=True, text=True, timeout=600)  # fmt: skip
+
+    four = run("4")
+    assert four.returncode == 0, four.stderr[-2000:]
+    bad = run("6")
+    assert bad.returncode != 0
+    assert "PYENGINE_FLASH_PREFILL_WARPS must be 4 or 8, not '6'" in bad.stderr
 
 
 @pytest.mark.parametrize("max_query_len", [0, 1, 7, 300, 10_000])
