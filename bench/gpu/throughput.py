@@ -146,6 +146,8 @@ def main() -> None:
     # Warm up on other prompts: the measured ones must not be in the prefix cache.
     llm.generate(random_prompts(2), SamplingParams(max_tokens=4), use_tqdm=False)
     torch.cuda.synchronize()
+    torch.cuda.reset_accumulated_memory_stats()  # the allocator's counts of the runs below
+    torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     torch.cuda.synchronize()
@@ -195,6 +197,16 @@ def main() -> None:
             f"at most {theirs / floor.any_engine_s:.2f}x transformers for any engine, "
             f"{theirs / floor.phases_s:.2f}x prefilling before decoding"
         )
+    # Where the caching allocator ran out of cached blocks and had to free them all and
+    # retry, or went to cudaMalloc again, steps waited on the device: a KV budget that
+    # left activations too little room shows here.
+    stats = torch.cuda.memory_stats()
+    keys = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+    allocator = {key: stats.get(key, 0) for key in keys}
+    peak = stats.get("allocated_bytes.all.peak", 0) / 2**30
+    listed = ", ".join(f"{key} {value}" for key, value in allocator.items())
+    print(f"allocator: {listed}; peak allocated {peak:.1f} GiB")
+    figures.update({f"allocator_{key}": value for key, value in allocator.items()})
     if args.profile:
         profile_phases(llm, random_prompts(64))
     print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
