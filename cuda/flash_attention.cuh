@@ -5,11 +5,11 @@
 // head's GQA group) pairs, so the group's heads share every K/V load: 128 rows over
 // eight warps for prefill (each chunk of K/V copied once for that many rows), 16 rows in
 // a one-warp block for decode (where a request's rows are its group's heads; small blocks
-// keep many loads in flight per multiprocessor). K/V
-// stream through double-buffered shared memory a chunk of keys at a time, in 16-byte
-// asynchronous copies issued a chunk ahead (zeros past the context, so that stale slots
-// never reach the output); each warp keeps its 16 rows' scores, online softmax and output
-// in registers, the scores going back into the tensor cores as the A operand of P V.
+// keep many loads in flight per multiprocessor). K/V stream through shared memory a chunk
+// of keys at a time, two or three chunks deep (SharedChunks), in 16-byte asynchronous
+// copies issued ahead (zeros past the context, so that stale slots never reach the
+// output); each warp keeps its 16 rows' scores, online softmax and output in registers,
+// the scores going back into the tensor cores as the A operand of P V.
 // Device code and plain C++ only, so that cpp/tests can run it on the host. Internal to
 // cuda/.
 #pragma once
