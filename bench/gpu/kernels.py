@@ -100,16 +100,33 @@ def prefill_seconds(
     block_size: int,
     dtype: torch.dtype,
     repeats: int = 5,
+    prompts: int = 1,
 ) -> float:
-    """Seconds per prefill attention call: one prompt of `tokens` tokens."""
-    key_cache, value_cache, tables, seq_lens = paged_cache([tokens], kv_heads, d, block_size, dtype)
-    query = torch.randn(tokens, heads, d, device="cuda").to(dtype)
+    """Seconds per prefill attention call: `prompts` fresh prompts of `tokens` tokens."""
+    key_cache, value_cache, tables, seq_lens = paged_cache(
+        [tokens] * prompts, kv_heads, d, block_size, dtype
+    )
+    query = torch.randn(prompts * tokens, heads, d, device="cuda").to(dtype)
     out = torch.empty_like(query)
-    qsl = torch.tensor([0, tokens], dtype=torch.int32, device="cuda")
+    qsl = torch.arange(0, prompts * tokens + 1, tokens, dtype=torch.int32, device="cuda")
     return cuda_time(
         lambda: ops.paged_attention(out, query, key_cache, value_cache, tables, seq_lens, qsl,
                                     d**-0.5, 0, 0.0, tokens, tokens), repeats
     )  # fmt: skip
+
+
+def sdpa_seconds(
+    prompts: int, tokens: int, heads: int, kv_heads: int, d: int, dtype: torch.dtype
+) -> float:
+    """torch's causal scaled_dot_product_attention on contiguous [prompts, heads, tokens,
+    d] Q/K/V (K/V repeated over each GQA group)."""
+    q = torch.randn(prompts, heads, tokens, d, device="cuda").to(dtype)
+    k = torch.randn(prompts, kv_heads, tokens, d, device="cuda").to(dtype)
+    k = k.repeat_interleave(heads // kv_heads, 1)
+    v = torch.randn_like(k)
+    return cuda_time(
+        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5
+    )
 
 
 def attention_rows(
@@ -128,21 +145,17 @@ def attention_rows(
         name = f"decode_b{batch}_ctx{context}"
         figures[f"{name}_attention_gb_s"] = round(gb_s / 1e9, 1)
         figures[f"{name}_attention_share_of_copy"] = round(gb_s / copy, 3)
-    # Prefill: one 4k-token prompt, against SDPA on contiguous K/V.
-    tokens = 4096
-    seconds = prefill_seconds(tokens, heads, kv_heads, d, block_size, dtype)
-    query = torch.randn(tokens, heads, d, device="cuda").to(dtype)
-    q = query.transpose(0, 1)[None]
-    k = torch.randn(1, kv_heads, tokens, d, device="cuda").to(dtype).repeat_interleave(4, 1)
-    v = torch.randn_like(k)
-    sdpa = cuda_time(
-        lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5
-    )
-    flops = 2 * 2 * heads * d * tokens * tokens / 2  # QK and PV over the causal half
-    rows.append(("prefill 4k", f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f} TFLOP/s",
-                 f"SDPA {flops / sdpa / 1e12:.1f} TFLOP/s ({sdpa / seconds:.2f}x)"))  # fmt: skip
-    figures["prefill_attention_tflop_s"] = round(flops / seconds / 1e12, 2)
-    figures["speedup_vs_sdpa_prefill_attention"] = round(sdpa / seconds, 3)
+    # Prefill against SDPA on contiguous K/V: one 4k-token prompt, and the throughput
+    # run's prefill step (16 prompts of 512).
+    for prompts, tokens, name in ((1, 4096, "prefill 4k"), (16, 512, "prefill 16 x 512")):
+        seconds = prefill_seconds(tokens, heads, kv_heads, d, block_size, dtype, prompts=prompts)
+        sdpa = sdpa_seconds(prompts, tokens, heads, kv_heads, d, dtype)
+        flops = prompts * 2 * 2 * heads * d * tokens * tokens / 2  # QK and PV, causal half
+        peer = f"SDPA {flops / sdpa / 1e12:.1f} TFLOP/s ({sdpa / seconds:.2f}x)"
+        rows.append((name, f"{seconds * 1e6:.0f}", f"{flops / seconds / 1e12:.1f} TFLOP/s", peer))
+        key = "prefill" if prompts == 1 else "prefill_16x512"
+        figures[f"{key}_attention_tflop_s"] = round(flops / seconds / 1e12, 2)
+        figures[f"speedup_vs_sdpa_{key}_attention"] = round(sdpa / seconds, 3)
     return rows, figures
 
 
