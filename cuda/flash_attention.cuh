@@ -149,9 +149,12 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const float cap_log2 = p.soft_cap * kLog2e, scale_over_cap = p.scale / p.soft_cap;
   const float score_log2 = p.soft_cap > 0 ? 1.0f : p.scale * kLog2e;
 
-  // A short max_query_len hint leaves a block more than one tile: never a wrong result.
-  for (int tile = blockIdx.x % p.tiles_per_request; tile * tokens_per_tile < q_len;
-       tile += p.tiles_per_request) {
+  // A request's last tiles, which see the most keys, go to its first blocks: the device
+  // starts blocks in order, so the long ones start first and short ones fill the end of
+  // the grid (longest first). A short max_query_len hint leaves a block more than one
+  // tile: never a wrong result.
+  for (int tile = p.tiles_per_request - 1 - static_cast<int>(blockIdx.x) % p.tiles_per_request;
+       tile * tokens_per_tile < q_len; tile += p.tiles_per_request) {
     const int first_token = tile * tokens_per_tile;
     const int last_token = min(first_token + tokens_per_tile, q_len) - 1;
     const auto window_start = [&](int position) {
