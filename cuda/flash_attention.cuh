@@ -46,9 +46,11 @@ struct SharedChunks {
   static constexpr int kStages = kWarps == 8 ? 3 : 2;
   T k[kStages][D][kKeys + kPad];  // K^T, [dim][key]
   T v[kStages][kKeys][D + kPad];  // V, [key][dim]
-  // Elements from the cache's start (blocks hold at least 8 keys): the copies add only
-  // their offsets.
-  int64_t tiles[kStages][kKeys / 8];
+  // Where each chunk's groups of 8 keys start in the K and the V cache (elements from
+  // the cache's start; blocks hold at least 8 keys, so a group never straddles two): the
+  // copies add only their own offsets.
+  int64_t k_groups[kStages][kKeys / 8];
+  int64_t v_groups[kStages][kKeys / 8];
 };
 
 template <typename T, int D, int kWarps>
@@ -104,16 +106,25 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const T* keys = static_cast<const T*>(p.key_cache);
   const T* values = static_cast<const T*>(p.value_cache);
 
-  // Lane i < the chunk's block count reads block i of a chunk (block 0 past the context)
-  // and gives where it holds this kv head.
-  const int chunk_block_count = max(1, kKeys >> block_shift);
+  // Thread g < kKeys / 8 finds where group g of a chunk's keys starts in K and in V
+  // (block 0 past the context), and stores it into a stage's slots.
   const int64_t head_tile = kv_head * kv_tile;
-  const auto tile_of = [&](int chunk) -> int64_t {
-    const int key = chunk + (static_cast<int>(threadIdx.x) << block_shift);
-    if (static_cast<int>(threadIdx.x) >= chunk_block_count || key >= seq_len) return head_tile;
-    return cache_block(p, table[key >> block_shift]) * block_stride + head_tile;
+  struct GroupStart {
+    int64_t k = 0, v = 0;
   };
-  // A chunk's copies into `stage`, whose tiles are in shared.tiles[stage]: K, 8 keys
+  const auto group_start = [&](int chunk) {
+    const int key = chunk + 8 * static_cast<int>(threadIdx.x);
+    if (threadIdx.x >= kKeys / 8 || key >= seq_len) return GroupStart{head_tile, head_tile};
+    const int64_t tile = cache_block(p, table[key >> block_shift]) * block_stride + head_tile;
+    return GroupStart{tile + (key & in_block), tile + (key & in_block) * D};
+  };
+  const auto store_group_start = [&](int stage, GroupStart start) {
+    if (threadIdx.x < kKeys / 8) {
+      shared.k_groups[stage][threadIdx.x] = start.k;
+      shared.v_groups[stage][threadIdx.x] = start.v;
+    }
+  };
+  // A chunk's copies into `stage`, whose groups start at shared.*_groups[stage]: K, 8 keys
   // of one dim each (the thread's keys are always the same, its dims kKeyDimStep apart),
   // and V, 8 dims of one key each, neighbouring lanes along a key's row. What does not
   // change from chunk to chunk is computed once: the copies are a fair share of the
@@ -123,10 +134,8 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const int k_first_dim = threadIdx.x / (kKeys / 8);
   const int k_dim_step = kKeyDimStep * p.block_size;  // elements between its K copies
   const auto copy_chunk = [&](int stage, int chunk) {
-    const int k_key = chunk + k_first_key;
-    const T* k_source = keys + shared.tiles[stage][k_first_key >> block_shift] +
-                        ((k_key & in_block) + k_first_dim * p.block_size);
-    const bool k_valid = k_key < seq_len;
+    const T* k_source = keys + shared.k_groups[stage][k_first_key / 8] + k_first_dim * p.block_size;
+    const bool k_valid = chunk + k_first_key < seq_len;
     for (int i = 0; i < kCopies; ++i) {
       if (kChunkCopies % kThreads != 0 && k_first_dim + i * kKeyDimStep >= D) break;
       copy_async(&shared.k[stage][k_first_dim + i * kKeyDimStep][k_first_key],
@@ -136,11 +145,9 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       const int v = threadIdx.x + i * kThreads;  // (key, 8 dims) of the chunk's V
       if (kChunkCopies % kThreads != 0 && v >= kChunkCopies) break;
       const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
-      const int key = chunk + index;
-      copy_async(
-          &shared.v[stage][index][first_dim],
-          values + shared.tiles[stage][index >> block_shift] + ((key & in_block) * D + first_dim),
-          key < seq_len);
+      copy_async(&shared.v[stage][index][first_dim],
+                 values + shared.v_groups[stage][index / 8] + (index % 8 * D + first_dim),
+                 chunk + index < seq_len);
     }
   };
 
@@ -200,15 +207,12 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     float acc[kDimTiles][4] = {};
     // The copies of chunk j + kStages - 1 are issued, into the stage chunk j - 1 used,
     // before chunk j is waited for: kStages chunks in flight while a warp waits, kStages - 1
-    // while it computes. The tiles of a chunk are read one chunk before its copies. A copy
+    // while it computes. Where a chunk's groups start is read one chunk before its copies. A copy
     // group is committed each time, empty past the end, so that leaving kStages - 1 groups
     // pending always means that chunk j has landed.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
-      for (int i = 0; i < kStages; ++i) {
-        const int64_t tiles = tile_of(first_chunk + i * kKeys);
-        if (threadIdx.x < kKeys / 8) shared.tiles[i][threadIdx.x] = tiles;
-      }
+      for (int i = 0; i < kStages; ++i) store_group_start(i, group_start(first_chunk + i * kKeys));
       __syncthreads();
       for (int i = 0; i + 1 < kStages; ++i) {
         if (first_chunk + i * kKeys < end) copy_chunk(i, first_chunk + i * kKeys);
@@ -220,7 +224,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       const int ahead = chunk + (kStages - 1) * kKeys;
       if (ahead < end) copy_chunk(stage == 0 ? kStages - 1 : stage - 1, ahead);
       commit_copies();
-      const int64_t tiles_ahead = tile_of(chunk + kStages * kKeys);  // stored after the compute
+      const GroupStart ahead_start = group_start(chunk + kStages * kKeys);  // stored after
       wait_copies<kStages - 1>();
       __syncthreads();  // chunk j is in every thread's view
       if (warp_active) {
@@ -301,9 +305,9 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
           }
         }
       }
-      // Chunk j's tiles are spent: chunk j + kStages's, whose copies reuse its stage, take
+      // Chunk j's group starts are spent: chunk j + kStages's, whose copies reuse its stage, take
       // their place.
-      if (threadIdx.x < kKeys / 8) shared.tiles[stage][threadIdx.x] = tiles_ahead;
+      store_group_start(stage, ahead_start);
       __syncthreads();  // every warp is done with chunk j's stage before it is refilled
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }

@@ -90,10 +90,11 @@ def disassemble(cubin: Path, fragment: str) -> list[Instruction]:
     ]
 
 
-def hot_path(code: list[Instruction]) -> collections.Counter[str]:
+def hot_path(code: list[Instruction]) -> tuple[collections.Counter[str], bool]:
     """Opcodes of the innermost loop holding every HMMA, without what its conditional
     forward branches skip (the soft cap, the mask, the rescale, a few lanes' block-table
-    reads), except the branches that skip the copies or a warp's whole compute."""
+    reads), except the branches that skip the copies or a warp's whole compute; and
+    whether a loop ptxas kept rolled runs inside it (its body is counted once)."""
     mma = [i.address for i in code if i.opcode == "HMMA"]
     first, last = min(mma), max(mma)
     loops = [
@@ -111,9 +112,11 @@ def hot_path(code: list[Instruction]) -> collections.Counter[str]:
         region = [j for j in body if i.address < j.address < target]
         if target - i.address < (end - start) / 2 and not any(j.opcode == "LDGSTS" for j in region):
             skipped.update(j.address for j in region)
-    return collections.Counter(
+    inner = any((t := i.branch_target()) is not None and t <= i.address < end for i in body)
+    mix = collections.Counter(
         i.opcode for i in body if i.address not in skipped and not i.never_runs
     )
+    return mix, inner
 
 
 def main() -> None:
@@ -133,7 +136,8 @@ def main() -> None:
                 registers, spills = resources(report, fragment)
             except ValueError:
                 continue  # a variant this source tree does not have
-            mix = hot_path(disassemble(cubin, fragment))
+            mix, inner = hot_path(disassemble(cubin, fragment))
+            label += " (*)" if inner else ""
             total, mma = sum(mix.values()), mix["HMMA"]
             common = ", ".join(f"{op} {n}" for op, n in mix.most_common(8) if op != "HMMA")
             rows.append((label, str(registers), str(spills), str(mma), str(total),
@@ -143,6 +147,8 @@ def main() -> None:
     print(f"# flash_attention_kernel (bfloat16) for {args.arch}: one chunk's hot path")
     print_table(("kernel", "registers", "spill bytes", "HMMA", "instructions",
                  "per HMMA", "most common others"), rows)  # fmt: skip
+    if any(row[0].endswith("(*)") for row in rows):
+        print("(*) a loop of copies ptxas kept rolled runs inside the chunk's: counted once")
     print(json.dumps(figures))
 
 
