@@ -106,23 +106,21 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const T* keys = static_cast<const T*>(p.key_cache);
   const T* values = static_cast<const T*>(p.value_cache);
 
-  // Thread g < kKeys / 8 finds where group g of a chunk's keys starts in K and in V
-  // (block 0 past the context), and stores it into a stage's slots.
+  // Thread g < kKeys / 8 reads the cache block of group g of a chunk's keys (block 0 past
+  // the context); store_group_start stores where the group starts in K and in V into a
+  // stage's slots. Only the block id waits through a chunk's compute: one register.
   const int64_t head_tile = kv_head * kv_tile;
-  struct GroupStart {
-    int64_t k = 0, v = 0;
-  };
-  const auto group_start = [&](int chunk) {
+  const auto group_block = [&](int chunk) -> int32_t {
     const int key = chunk + 8 * static_cast<int>(threadIdx.x);
-    if (threadIdx.x >= kKeys / 8 || key >= seq_len) return GroupStart{head_tile, head_tile};
-    const int64_t tile = cache_block(p, table[key >> block_shift]) * block_stride + head_tile;
-    return GroupStart{tile + (key & in_block), tile + (key & in_block) * D};
+    if (threadIdx.x >= kKeys / 8 || key >= seq_len) return 0;
+    return cache_block(p, table[key >> block_shift]);
   };
-  const auto store_group_start = [&](int stage, GroupStart start) {
-    if (threadIdx.x < kKeys / 8) {
-      shared.k_groups[stage][threadIdx.x] = start.k;
-      shared.v_groups[stage][threadIdx.x] = start.v;
-    }
+  const auto store_group_start = [&](int stage, int chunk, int32_t block) {
+    if (threadIdx.x >= kKeys / 8) return;
+    const int in_block_key = (chunk + 8 * static_cast<int>(threadIdx.x)) & in_block;
+    const int64_t tile = block * block_stride + head_tile;
+    shared.k_groups[stage][threadIdx.x] = tile + in_block_key;
+    shared.v_groups[stage][threadIdx.x] = tile + static_cast<int64_t>(in_block_key) * D;
   };
   // A chunk's copies into `stage`, whose groups start at shared.*_groups[stage]: K, 8 keys
   // of one dim each (the thread's keys are always the same, its dims kKeyDimStep apart),
@@ -212,7 +210,10 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     // pending always means that chunk j has landed.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
-      for (int i = 0; i < kStages; ++i) store_group_start(i, group_start(first_chunk + i * kKeys));
+      for (int i = 0; i < kStages; ++i) {
+        const int chunk = first_chunk + i * kKeys;
+        store_group_start(i, chunk, group_block(chunk));
+      }
       __syncthreads();
       for (int i = 0; i + 1 < kStages; ++i) {
         if (first_chunk + i * kKeys < end) copy_chunk(i, first_chunk + i * kKeys);
@@ -224,7 +225,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       const int ahead = chunk + (kStages - 1) * kKeys;
       if (ahead < end) copy_chunk(stage == 0 ? kStages - 1 : stage - 1, ahead);
       commit_copies();
-      const GroupStart ahead_start = group_start(chunk + kStages * kKeys);  // stored after
+      const int32_t ahead_block = group_block(chunk + kStages * kKeys);  // stored after
       wait_copies<kStages - 1>();
       __syncthreads();  // chunk j is in every thread's view
       if (warp_active) {
@@ -307,7 +308,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       }
       // Chunk j's group starts are spent: chunk j + kStages's, whose copies reuse its stage, take
       // their place.
-      store_group_start(stage, ahead_start);
+      store_group_start(stage, chunk + kStages * kKeys, ahead_block);
       __syncthreads();  // every warp is done with chunk j's stage before it is refilled
       stage = stage + 1 == kStages ? 0 : stage + 1;
     }

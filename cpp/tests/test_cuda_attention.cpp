@@ -331,6 +331,22 @@ TEST(prefill_in_four_warp_blocks) {  // PYENGINE_FLASH_PREFILL_WARPS=4
   check_case<__nv_bfloat16, 64>(c, "hint 17 for 40 tokens, 2 partitions", kFlash, 4);
 }
 
+TEST(cache_blocks_larger_and_smaller_than_a_chunk) {
+  // Where a group of 8 keys starts inside its cache block: blocks of 128 and 256 keys hold
+  // several chunks; blocks of 8 split one chunk over eight; groups past the context.
+  check_case<__nv_bfloat16, 64>({64, 4, 2, 128, {70, 0, 45}, {200, 30, 45}}, "blocks of 128");
+  check_case<__half, 128>({128, 8, 2, 256, {40, 3}, {300, 3}}, "head 128, blocks of 256");
+  check_case<__nv_bfloat16, 80>({80, 2, 1, 128, {30}, {150}}, "head 80, blocks of 128");
+  check_case<__half, 256>({256, 4, 2, 32, {20, 5}, {50, 5}}, "head 256, blocks of 32");
+  check_case<__nv_bfloat16, 256>({256, 2, 1, 8, {20}, {37}}, "head 256, blocks of 8");
+  check_case<__half, 256>({256, 4, 2, 64, {20}, {90}}, "head 256, four warps", Kernel::kFlash, 4);
+  check_case<__nv_bfloat16, 128>({128, 4, 1, 64, {1, 1}, {100, 7}}, "decode, blocks of 64");
+  // A hint longer than every query: blocks past a request's last tile do nothing.
+  Case c{64, 4, 2, 16, {40, 9, 0}, {40, 30, 5}};
+  c.max_query_len_hint = 300;
+  check_case<__half, 64>(c, "hint 300 for 40 tokens");
+}
+
 TEST(split_contexts_of_a_prefill) {
   Case c{64, 4, 2, 16, {20, 3}, {700, 3}};
   c.num_parts = 3;
