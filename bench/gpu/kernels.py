@@ -227,12 +227,13 @@ def main() -> None:
     )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    copy = copy_bandwidth()
+    attention, attention_figures = attention_rows(dtype, copy)
+    figures = {"copy_gb_s": round(copy / 1e9, 1), **attention_figures}
+    attention_columns = ("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against")
     if args.attention_only:
-        copy = copy_bandwidth()
-        attention, attention_figures = attention_rows(dtype, copy)
-        print_table(("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against"),
-                    attention)  # fmt: skip
-        print(json.dumps({"copy_gb_s": round(copy / 1e9, 1), **attention_figures}))
+        print_table(attention_columns, attention)
+        print(json.dumps(figures))
         return
     size = torch.finfo(dtype).bits // 8
     t, hidden, inter, heads, kv_heads, d = args.tokens, 4096, 14336, 32, 8, 128
@@ -285,9 +286,7 @@ def main() -> None:
         ("reshape_and_cache", 4 * t * kv_heads * d * size,
          lambda: ops.reshape_and_cache(k, k, key_cache, value_cache, slots), torch_cache_write),
     ]  # fmt: skip
-    copy = copy_bandwidth()
-    attention, attention_figures = attention_rows(dtype, copy)
-    rows, figures = [], {"copy_gb_s": round(copy / 1e9, 1), **attention_figures}
+    rows: list[tuple[str, ...]] = []
     for name, traffic, ours, theirs in cases:
         mine, peer = cuda_time(ours), cuda_time(theirs)
         gb_s = traffic / mine
@@ -297,8 +296,7 @@ def main() -> None:
         figures[f"speedup_vs_torch_{name}"] = round(peer / mine, 2)
     print(f"# CUDA kernels: {torch.cuda.get_device_name()}, {args.dtype}; "
           f"device-to-device copy {copy / 1e9:.0f} GB/s")  # fmt: skip
-    print_table(("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against"),
-                attention)  # fmt: skip
+    print_table(attention_columns, attention)
     print()
     print(f"fused layers and cache writes, {t} tokens:")
     print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
