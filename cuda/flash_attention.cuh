@@ -204,10 +204,10 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.0f, 0.0f};
     float acc[kDimTiles][4] = {};
     // The copies of chunk j + kStages - 1 are issued, into the stage chunk j - 1 used,
-    // before chunk j is waited for: kStages chunks in flight while a warp waits, kStages - 1
-    // while it computes. Where a chunk's groups start is read one chunk before its copies. A copy
-    // group is committed each time, empty past the end, so that leaving kStages - 1 groups
-    // pending always means that chunk j has landed.
+    // before chunk j is waited for: kStages chunks in flight while a warp waits,
+    // kStages - 1 while it computes. Where a chunk's groups start is read one chunk before
+    // its copies. A copy group is committed each time, empty past the end, so that leaving
+    // kStages - 1 groups pending always means that chunk j has landed.
     const int first_chunk = begin / kKeys * kKeys;
     if (first_chunk < end) {
       for (int i = 0; i < kStages; ++i) {
