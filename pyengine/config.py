@@ -181,6 +181,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = None  # None: dtype; else float16/bfloat16 under float32 (CPU)
     gpu_memory_utilization: float = 0.9  # on CUDA: the share of the device's memory to use
     enforce_eager: bool = False  # on CUDA: no CUDA graphs for decode steps
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     @property
     def cache_dtype(self) -> str:
@@ -197,6 +198,7 @@ class EngineConfig:
             "kv_cache_dtype": self.kv_cache_dtype is None
             or kv_cache_dtype_supported(self.kv_cache_dtype, self.dtype, self.device),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
+            "max_logprobs": self.max_logprobs >= 0,
         }
         for name, ok in checks.items():
             if not ok:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -17,16 +18,31 @@ from pyengine.detokenizer import IncrementalDetokenizer
 from pyengine.loader.resolve import LoadedModel
 from pyengine.model_runner import ModelRunner
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from pyengine.sampler import Sampler, SamplerOutput, SamplingRow, plain_greedy, top_logprobs
+from pyengine.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingRow,
+    gather_logprobs,
+    plain_greedy,
+)
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
 
-def check_token_ids(token_ids: list[int], vocab_size: int, what: str) -> None:
-    """Raises ValueError naming `what` and the first id outside [0, vocab_size)."""
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"{what}: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Raises ValueError naming `what` and the first entry that is not an integer token id
+    in [0, vocab_size)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1 and ids.dtype.kind in "iu":  # the common case, without a Python loop
+        outside = (ids < 0) | (ids >= vocab_size)
+        if not outside.any():
+            return
+        token_ids = [int(ids[outside.argmax()])]
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise ValueError(f"{what}: token ids must be integers, got {t!r:.40}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass
@@ -116,6 +132,13 @@ class LLMEngine:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         check_token_ids(prompt_token_ids, self.model_config.vocab_size, f"request {request_id!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            asked = getattr(params, name)
+            if asked is not None and asked > self.config.max_logprobs:
+                raise ValueError(
+                    f"request {request_id!r}: {name} {asked} is more than max_logprobs "
+                    f"({self.config.max_logprobs}, an engine argument)"
+                )
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
@@ -263,14 +286,9 @@ class LLMEngine:
         self, b: StepBuffers, row_ids: list[str], sampling: list[tuple[_RequestState, _Sample]]
     ) -> SamplerOutput:
         wanted = self._prompt_logprob_rows(b, row_ids) if self._prompt_logprobs else []
-        logits, extra = self.runner.execute(b, [row for _, _, row in wanted])
-        if extra is not None:
-            logprobs = torch.log_softmax(extra.float(), dim=-1)
-            for (state, target, _), row_logprobs in zip(wanted, logprobs, strict=True):
-                k = state.params.prompt_logprobs or 0
-                entry = top_logprobs(row_logprobs, state.prompt_token_ids[target], k)
-                self._decode_logprobs(entry)
-                state.prompt_logprobs[target] = entry
+        logits, scored = self.runner.execute(b, [row for _, _, row in wanted])
+        if scored is not None:
+            self._score_prompts(wanted, scored)
         if not self._sampled_rows or all(
             sample.row_id not in self._sampled_rows for _, sample in sampling
         ):  # the common batch: no rows to build
@@ -288,6 +306,23 @@ class LLMEngine:
             for state, sample in sampling
         ]
         return self.sampler(logits, rows)
+
+    def _score_prompts(
+        self, wanted: list[tuple[_RequestState, int, int]], hidden: torch.Tensor
+    ) -> None:
+        """Prompt logprobs of `wanted` (from _prompt_logprob_rows) from the final hidden
+        states of its rows: max_num_seqs rows at a time, so that a long prompt's logits
+        never exist whole (8192 rows of a 128k vocabulary would be 4 GB in float32)."""
+        tokens = [state.prompt_token_ids[target] for state, target, _ in wanted]
+        ks = [state.params.prompt_logprobs or 0 for state, _, _ in wanted]
+        rows = self.config.max_num_seqs
+        for start in range(0, len(wanted), rows):
+            part = slice(start, start + rows)
+            logprobs = torch.log_softmax(self.runner.logits(hidden[part]).float(), dim=-1)
+            entries = gather_logprobs(logprobs, tokens[part], ks[part])
+            for (state, target, _), entry in zip(wanted[part], entries, strict=True):
+                self._decode_logprobs(entry)
+                state.prompt_logprobs[target] = entry
 
     def _append(
         self,

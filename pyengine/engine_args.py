@@ -32,6 +32,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     enforce_eager: bool = False  # on CUDA: run decode steps eagerly, not as CUDA graphs
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
@@ -74,6 +75,7 @@ class EngineArgs:
             kv_cache_dtype=kv_cache_dtype,
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
+            max_logprobs=self.max_logprobs,
         )
         return LLMEngine(loaded, config)
 

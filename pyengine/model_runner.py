@@ -142,7 +142,7 @@ class ModelRunner:
         the weights, the peak of a forward pass of the largest step
         (max_num_batched_tokens tokens, in prompts of at most max_model_len, logits for
         max_num_seqs rows), and the CUDA graphs' memory (graph_bytes_expected). Prompt
-        logprobs, which take logits for every prompt row, are not in that peak."""
+        logprobs take logits max_num_seqs rows at a time too."""
         device = self.placement.device
         tokens = config.max_num_batched_tokens
         lengths = [min(config.max_model_len, tokens - start)
@@ -203,9 +203,9 @@ class ModelRunner:
     def execute(
         self, b: StepBuffers, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Logits [num_sampling_rows, vocab] of the step in `b`, on the model's device, and
-        those of `extra_rows` (token rows of the step; prompt logprobs), on the CPU in
-        float32."""
+        """Logits [num_sampling_rows, vocab] of the step in `b`, and the final hidden
+        states of `extra_rows` (token rows of the step; prompt logprobs, for `logits`
+        to score a slice at a time), both on the model's device."""
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
@@ -226,12 +226,14 @@ class ModelRunner:
             max_query_len=int(np.diff(b.query_start_loc).max()) if len(b.seq_lens) else 0,
         )
         hidden = self.model(step.input_ids, step.positions, self.caches, meta)
-        extra = None
-        if extra_rows:
-            extra_logits = self.model.compute_logits(hidden[self._on_device(extra_rows)])
-            extra = extra_logits.to("cpu", torch.float32)
+        extra = hidden[self._on_device(extra_rows)] if extra_rows else None
         # On the model's device: a batch of plain greedy rows sends back only its argmax.
         return self.model.compute_logits(hidden[step.logits_indices.long()]), extra
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of final hidden states [rows, hidden] from `execute`."""
+        return self.model.compute_logits(hidden)
 
     def _step_tensors(self, b: StepBuffers, graph: int | None) -> DeviceStep:
         """The step's arrays as tensors: the scheduler's buffers themselves on the CPU;

@@ -154,11 +154,15 @@ class Sampler:
             return SamplerOutput(chosen.tolist(), None)
         # Logprobs of the model's own distribution, before penalties and temperature.
         wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        logprobs = torch.log_softmax(logits[wanted], dim=-1).cpu()
         chosen_ids = chosen.tolist()
+        entries = gather_logprobs(
+            torch.log_softmax(logits[wanted], dim=-1),
+            [chosen_ids[i] for i in wanted],
+            [rows[i].params.logprobs or 0 for i in wanted],
+        )
         per_row: list[PositionLogprobs | None] = [None] * len(rows)
-        for j, i in enumerate(wanted):
-            per_row[i] = top_logprobs(logprobs[j], chosen_ids[i], rows[i].params.logprobs or 0)
+        for i, entry in zip(wanted, entries, strict=True):
+            per_row[i] = entry
         return SamplerOutput(chosen_ids, per_row)
 
     def argmax(self, logits: torch.Tensor) -> SamplerOutput:
@@ -217,14 +221,25 @@ def _plain_greedy(row: SamplingRow) -> bool:
     return plain_greedy(row.params) and not row.blocked_token_ids
 
 
-def top_logprobs(logprobs: torch.Tensor, chosen: int, k: int) -> PositionLogprobs:
-    """The chosen token's logprob and rank, and the k most likely tokens'."""
-    chosen_value = float(logprobs[chosen])
-    result: PositionLogprobs = {
-        chosen: Logprob(chosen_value, int((logprobs > chosen_value).sum()) + 1)
-    }
-    if k > 0:
-        values, ids = torch.topk(logprobs, k)
-        for rank, (value, token) in enumerate(zip(values.tolist(), ids.tolist(), strict=True)):
-            result.setdefault(int(token), Logprob(float(value), rank + 1))
-    return result
+def gather_logprobs(
+    logprobs: torch.Tensor, chosen: Sequence[int], ks: Sequence[int]
+) -> list[PositionLogprobs]:
+    """Per row of logprobs [rows, vocab]: the chosen token's logprob and rank, and the
+    ks[row] most likely tokens'. Batched on the logprobs' device: only [rows, 2 + 2k]
+    numbers come back to the host, not the rows themselves (a GPU batch of 256 rows of a
+    128k vocabulary would send 131 MB, then rank them row by row on the host)."""
+    device, vocab = logprobs.device, logprobs.shape[-1]
+    chosen_values = logprobs.gather(1, _column(chosen, torch.long, device)[:, None])
+    ranks = (logprobs > chosen_values).sum(-1, keepdim=True) + 1
+    k = min(max(ks, default=0), vocab)
+    top = logprobs.topk(k, dim=-1)
+    # One copy back; float64 holds the float32 values and the integers exactly.
+    columns = (chosen_values, ranks, top.values, top.indices)
+    table = torch.cat([c.double() for c in columns], dim=1)
+    entries = []
+    for token, k_row, row in zip(chosen, ks, table.tolist(), strict=True):
+        entry: PositionLogprobs = {token: Logprob(row[0], int(row[1]))}
+        for rank in range(min(k_row, k)):
+            entry.setdefault(int(row[2 + k + rank]), Logprob(row[2 + rank], rank + 1))
+        entries.append(entry)
+    return entries

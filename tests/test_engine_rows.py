@@ -83,6 +83,51 @@ def test_prompt_logprobs_and_sampled_rows_in_a_greedy_batch(llm: LLM) -> None:
     assert_nothing_left(llm)
 
 
+def test_prompt_logprobs_come_the_same_a_few_rows_at_a_time(
+    llm: LLM, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A 60-token prompt's logprobs are taken max_num_seqs rows at a time: in 15 slices
+    under max_num_seqs=4, as in one under the default 256 (same dummy weights)."""
+    folder: Path = tmp_path_factory.mktemp("tiny-narrow")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    narrow = LLM(str(folder), load_format="dummy", dtype="float32", max_model_len=256,
+                 max_num_seqs=4)  # fmt: skip
+    prompt = np.random.default_rng(4).integers(0, 512, 60).tolist()
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, prompt_logprobs=5)
+    wide_out, narrow_out = (m.generate([prompt], params, use_tqdm=False)[0] for m in (llm, narrow))
+    assert wide_out.outputs[0].token_ids == narrow_out.outputs[0].token_ids
+    wide, slices = wide_out.prompt_logprobs, narrow_out.prompt_logprobs
+    assert wide is not None and slices is not None and len(wide) == len(slices) == 60
+    for position, (a, b) in enumerate(zip(wide[1:], slices[1:], strict=True), start=1):
+        assert a is not None and b is not None and a.keys() == b.keys()
+        assert prompt[position] in a and 5 <= len(a) <= 6
+        for token in a:
+            assert a[token].rank == b[token].rank
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-5)
+    assert_nothing_left(narrow)
+
+
+def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
+    """Refused when added, naming the problem; the requests beside them are not lost."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    want = tokens(llm, [[1, 2, 3]], [greedy])[0]
+    for bad, params, match in [
+        ([1, 2.7, 3], greedy, "integers"),
+        ([1, "2", 3], greedy, "integers"),
+        ([1, 2, 512], greedy, "outside the vocabulary"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, logprobs=21), "logprobs 21 is more than"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=10**6), "max_logprobs"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            llm.generate([[1, 2, 3], {"prompt_token_ids": bad}], [greedy, params], use_tqdm=False)
+        assert_nothing_left(llm)
+        assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    assert tokens(llm, [[1, 2, 3]], [greedy])[0] == want
+    top = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=20)
+    entries = llm.generate([[1, 2, 3]], top, use_tqdm=False)[0].outputs[0].logprobs
+    assert entries is not None and all(len(entry) == 20 for entry in entries)
+
+
 def test_aborted_requests_leave_no_row_behind(llm: LLM) -> None:
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, prompt_logprobs=0)

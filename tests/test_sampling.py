@@ -9,7 +9,14 @@ from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sampler import Sampler, SamplingRow, apply_penalties, filter_logits, row_argmax
+from pyengine.sampler import (
+    Sampler,
+    SamplingRow,
+    apply_penalties,
+    filter_logits,
+    gather_logprobs,
+    row_argmax,
+)
 
 PROMPTS = [
     "The future of AI is",
@@ -312,3 +319,28 @@ def test_row_argmax_matches_torch_with_ties_nan_and_strides() -> None:
         assert torch.equal(got, want)
     half = logits.to(torch.bfloat16)  # (not numpy's: through torch)
     assert torch.equal(row_argmax(half), half.argmax(dim=-1))
+
+
+def test_gather_logprobs_matches_the_definitions() -> None:
+    """Each row's chosen token (its logprob and its rank: one plus the tokens strictly
+    more likely) and its own number k of most likely tokens (ranks 1..k, in order), among
+    rows asking for none, for more than the vocabulary, and with ties."""
+    vocab = 300
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(5))
+    logprobs = torch.log_softmax(logits, -1)
+    logprobs[3, :40] = logprobs[3, 40]  # a tie the chosen token sits in
+    chosen, ks = [7, 0, 299, 12, 150], [3, 0, 1, vocab + 5, 20]
+    entries = gather_logprobs(logprobs, chosen, ks)
+    for row, token, k, entry in zip(logprobs, chosen, ks, entries, strict=True):
+        assert entry[token].logprob == float(row[token])
+        assert entry[token].rank == int((row > row[token]).sum()) + 1
+        k = min(k, vocab)
+        ordered = row.sort(descending=True).values
+        others = [t for t in entry if t != token]  # the chosen one may be a top one too
+        assert len(others) == k or (len(others) == k - 1 and row[token] >= ordered[k - 1])
+        assert sorted(entry[t].rank for t in others) == sorted(set(entry[t].rank for t in others))
+        for t in others:
+            assert 1 <= entry[t].rank <= k
+            assert entry[t].logprob == float(row[t]) == float(ordered[entry[t].rank - 1])
+        if k:
+            assert set((row > ordered[k - 1]).nonzero()[:, 0].tolist()) <= set(entry)

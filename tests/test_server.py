@@ -339,6 +339,14 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, stream: bool) -> Non
         ("/v1/chat/completions", {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, 400, "role"),
         ("/v1/chat/completions", {"messages": QUESTION, "top_logprobs": 2}, 400, "logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "max_logprobs"),
+        ("/v1/completions", {"prompt": "hi", "logprobs": -1}, 400, "logprobs"),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "logprobs": True, "top_logprobs": 21},
+            400,
+            "max_logprobs",
+        ),
         ("/v1/chat/completions", {"messages": QUESTION, "stream": "maybe"}, 400, "stream"),
     ],
 )

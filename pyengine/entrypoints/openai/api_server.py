@@ -76,6 +76,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help="the most logprobs (top_logprobs) a request may ask for",
+    )
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]

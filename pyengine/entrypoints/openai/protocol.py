@@ -131,8 +131,8 @@ class CompletionRequest(_SamplingRequest):
             raise APIError("suffix is not supported", param="suffix")
         if self.best_of is not None and self.best_of != self.n:
             raise APIError("best_of must equal n (no best-of ranking)", param="best_of")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise APIError(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        if self.logprobs is not None and self.logprobs < 0:  # the engine has the upper bound
+            raise APIError(f"logprobs must be at least 0, got {self.logprobs}", param="logprobs")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
         return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
 
@@ -193,9 +193,9 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-            if not 0 <= self.top_logprobs <= 20:
+            if self.top_logprobs < 0:  # the engine has the upper bound (max_logprobs)
                 raise APIError(
-                    f"top_logprobs must be in [0, 20], got {self.top_logprobs}",
+                    f"top_logprobs must be at least 0, got {self.top_logprobs}",
                     param="top_logprobs",
                 )
         max_tokens = self.max_completion_tokens or self.max_tokens
