@@ -71,6 +71,8 @@ class _RequestState:
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
     # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
     argmax_only: bool = False
+    # The prompt as an array, for the penalties, made once rather than every step.
+    prompt_array: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -150,9 +152,10 @@ class LLMEngine:
             stop_ids += [t for t in more_eos if t is not None]
         room = self.config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        prompt_array = np.asarray(prompt_token_ids, dtype=np.int32)
         self.scheduler.add_request(
             request_id,
-            np.asarray(prompt_token_ids, dtype=np.int32),
+            prompt_array,
             max_tokens=max_tokens,
             min_tokens=min(params.min_tokens, max_tokens),
             eos_token_id=eos,
@@ -184,6 +187,7 @@ class LLMEngine:
             RequestMetrics(time.time() if arrival_time is None else arrival_time),
             blocked if params.min_tokens > 0 else (),
             argmax_only=plain_greedy(params) and params.logprobs is None,
+            prompt_array=prompt_array,
         )
         self.requests[request_id] = state
         self._unscheduled.add(request_id)
@@ -296,7 +300,7 @@ class LLMEngine:
         rows = [
             SamplingRow(
                 state.params,
-                state.prompt_token_ids,
+                state.prompt_array,
                 sample.output.token_ids,
                 sample.generator,
                 state.blocked_token_ids

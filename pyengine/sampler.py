@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from pyengine.outputs import Logprob, PositionLogprobs
@@ -19,8 +20,8 @@ class SamplingRow:
     """One logits row: the request (or sample) it belongs to and what it has so far."""
 
     params: SamplingParams
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
+    prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
+    output_token_ids: Sequence[int]
     # Seeded requests draw only from their own, on the logits' device.
     generator: torch.Generator | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
@@ -48,43 +49,59 @@ def _column(values: Sequence[float], dtype: torch.dtype, device: torch.device) -
     return torch.tensor(values, dtype=dtype).to(device)
 
 
+def _token_pairs(
+    tokens: Sequence[Sequence[int] | np.ndarray], vocab: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(i, token) of every token inside the vocabulary in each sequence i, repeats kept:
+    host arrays built without a Python loop over the tokens (256 rows of 768 tokens, a
+    penalized decode step of the GPU throughput shape, in a few ms)."""
+    flat = np.concatenate([np.zeros(0, np.int64), *(np.asarray(ts, np.int64) for ts in tokens)])
+    rows = np.repeat(np.arange(len(tokens)), [len(ts) for ts in tokens])
+    inside = (flat >= 0) & (flat < vocab)
+    return rows[inside], flat[inside]
+
+
 def _token_index(
-    tokens: list[list[int]], vocab: int, device: torch.device
+    tokens: Sequence[Sequence[int]], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(i, token) index tensors of the tokens inside the vocabulary of each list i."""
-    pairs = [(i, t) for i, ts in enumerate(tokens) for t in ts if 0 <= t < vocab]
-    index = torch.tensor(pairs, dtype=torch.long).reshape(-1, 2).to(device)
-    return index[:, 0], index[:, 1]
+    """_token_pairs as index tensors on `device`, in one copy."""
+    index = torch.from_numpy(np.stack(_token_pairs(tokens, vocab))).to(device)
+    return index[0], index[1]
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """vLLM's semantics, in place on logits [rows, vocab]: repetition over prompt and
     output tokens (divide positive logits, multiply negative ones), frequency and presence
-    over output tokens."""
+    over output tokens. Only the tokens the rows hold are touched, by index."""
     vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
 
     repeated = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
-    if repeated:
-        seen = [sorted(set(rows[i].prompt_token_ids) | set(rows[i].output_token_ids))
-                for i in repeated]  # fmt: skip
-        j, t = _token_index(seen, vocab, device)
-        penalty = _column([rows[i].params.repetition_penalty for i in repeated], dtype, device)[j]
-        r = _column(repeated, torch.long, device)[j]
-        values = logits[r, t]
-        logits[r, t] = torch.where(values > 0, values / penalty, values * penalty)
     counted = [
         i
         for i, row in enumerate(rows)
         if (row.params.frequency_penalty or row.params.presence_penalty) and row.output_token_ids
     ]
+    outputs = {i: np.asarray(rows[i].output_token_ids, np.int64) for i in repeated + counted}
+    if repeated:
+        # A token seen twice is written twice, with the same value: from the logits as
+        # they were, gathered before the write.
+        seen = [rows[i].prompt_token_ids for i in repeated] + [outputs[i] for i in repeated]
+        row, token = _token_pairs(seen, vocab)
+        row %= len(repeated)  # the outputs' sequences follow the prompts'
+        penalty = np.array([rows[i].params.repetition_penalty for i in repeated])[row]
+        r, t = torch.from_numpy(np.stack([np.asarray(repeated)[row], token])).to(device)
+        factor = torch.from_numpy(penalty).to(device, dtype)
+        values = logits[r, t]
+        logits[r, t] = torch.where(values > 0, values / factor, values * factor)
     if counted:
-        j, t = _token_index([rows[i].output_token_ids for i in counted], vocab, device)
-        counts = torch.zeros(len(counted), vocab, device=device, dtype=dtype)
-        counts.index_put_((j, t), torch.ones_like(j, dtype=dtype), accumulate=True)
-        frequency = _column([rows[i].params.frequency_penalty for i in counted], dtype, device)
-        presence = _column([rows[i].params.presence_penalty for i in counted], dtype, device)
-        index = _column(counted, torch.long, device)
-        logits[index] -= frequency[:, None] * counts + presence[:, None] * (counts > 0).to(dtype)
+        row, token = _token_pairs([outputs[i] for i in counted], vocab)
+        pair, count = np.unique(row * vocab + token, return_counts=True)
+        row, token = np.divmod(pair, vocab)
+        frequency = np.array([rows[i].params.frequency_penalty for i in counted])[row]
+        presence = np.array([rows[i].params.presence_penalty for i in counted])[row]
+        r, t = torch.from_numpy(np.stack([np.asarray(counted)[row], token])).to(device)
+        # Each (row, token) once: a plain subtraction by index.
+        logits[r, t] -= torch.from_numpy(frequency * count + presence).to(device, dtype)
 
 
 def filter_logits(

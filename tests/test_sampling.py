@@ -3,6 +3,7 @@ logprobs, and bad input."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hf_reference import prefill_logits
@@ -82,6 +83,28 @@ def test_penalties_match_the_reference() -> None:
     expected = reference_penalties(logits.tolist(), prompt, output, p)
     assert torch.allclose(batch[1], torch.tensor(expected), atol=1e-6)
     assert torch.equal(batch[0], logits) and torch.equal(batch[2], logits)
+
+
+def test_penalties_of_many_rows_match_the_reference() -> None:
+    """Rows of different penalties, repeated tokens and lengths (an empty output too) in
+    one batch, each as the reference has it alone."""
+    rng = np.random.default_rng(8)
+    vocab, rows = 40, []
+    for i in range(12):
+        params = SamplingParams(
+            repetition_penalty=[1.0, 1.2, 0.8][i % 3],
+            frequency_penalty=[0.0, 0.5, -0.3, 1.1][i % 4],
+            presence_penalty=[0.0, 0.7][i % 2],
+        )
+        prompt = rng.integers(0, vocab, rng.integers(1, 30)).tolist()
+        output = rng.integers(0, vocab, i * 3).tolist()
+        rows.append(SamplingRow(params, prompt, output, None))
+    logits = torch.from_numpy(rng.standard_normal((12, vocab)) * 3).float()
+    batch = logits.clone()
+    apply_penalties(batch, rows)
+    for got, x, r in zip(batch, logits, rows, strict=True):
+        want = reference_penalties(x.tolist(), r.prompt_token_ids, r.output_token_ids, r.params)
+        assert torch.allclose(got, torch.tensor(want), atol=1e-5)
 
 
 def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
