@@ -199,10 +199,10 @@ class LLMEngine:
                 self._sampled_rows.add(s.row_id)
 
     def _generator(self, seed: int | None, sample: int) -> torch.Generator | None:
-        """A seeded sample's own generator, on the device its logits are sampled on."""
+        """A seeded sample's own generator, on the host (see SamplingRow)."""
         if seed is None:
             return None
-        generator = torch.Generator(device=self.config.device)
+        generator = torch.Generator()
         return generator.manual_seed((seed * 1_000_003 + sample) % 2**63)
 
     def abort_request(self, request_id: str) -> None:

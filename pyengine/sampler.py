@@ -22,7 +22,9 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
     output_token_ids: Sequence[int]
-    # Seeded requests draw only from their own, on the logits' device.
+    # Seeded requests draw only from their own, a CPU generator wherever the logits are:
+    # one draw a step, a few microseconds on the host against a kernel launch and a copy
+    # on a GPU, and the same numbers on either.
     generator: torch.Generator | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
 
@@ -81,7 +83,7 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         for i, row in enumerate(rows)
         if (row.params.frequency_penalty or row.params.presence_penalty) and row.output_token_ids
     ]
-    outputs = {i: np.asarray(rows[i].output_token_ids, np.int64) for i in repeated + counted}
+    outputs = {i: np.asarray(rows[i].output_token_ids, np.int64) for i in {*repeated, *counted}}
     if repeated:
         # A token seen twice is written twice, with the same value: from the logits as
         # they were, gathered before the write.
@@ -212,9 +214,10 @@ class Sampler:
         shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
         if shared:
             u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=device)
-        for i, row in enumerate(rows):
-            if row.generator is not None and not greedy[i]:
-                u[i] = torch.rand(1, generator=row.generator, device=device)
+        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
+        if seeded:  # each from its own generator, on the host; one copy for them all
+            draws = torch.cat([torch.rand(1, generator=rows[i].generator) for i in seeded])
+            u[seeded] = draws.to(device)[:, None]
         cdf = probs.cumsum(dim=-1)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
         # u * total rounded up to the total would land past the last token kept.
