@@ -32,6 +32,7 @@ class LLM:
         max_num_batched_tokens: int | None = None,
         seed: int = 0,
         load_format: str = "auto",
+        max_logprobs: int = 20,
         device: str = "auto",
         enforce_eager: bool = False,
     ) -> None:
@@ -50,6 +51,7 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
             load_format=load_format,
+            max_logprobs=max_logprobs,
             device=device,
             enforce_eager=enforce_eager,
         ).create_engine()

@@ -8,7 +8,7 @@ import logging
 import numpy as np
 import torch
 
-from pyengine import StepBuffers, ops
+from pyengine import _C, StepBuffers, ops
 from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
 from pyengine.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
@@ -66,6 +66,12 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         c = loaded.config
+        head_sizes = _C.attention_head_sizes()
+        if c.head_dim not in head_sizes:  # refused now, not at the first request
+            raise ValueError(
+                f"the model's attention head size {c.head_dim} is not one paged attention "
+                f"runs ({', '.join(map(str, head_sizes))})"
+            )
         self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
         tile = c.num_key_value_heads * c.head_dim * config.block_size  # per layer and block

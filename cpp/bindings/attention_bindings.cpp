@@ -1,6 +1,8 @@
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
 
 #include <string>
+#include <vector>
 
 #include "bindings.h"
 #include "dlpack.h"
@@ -43,6 +45,10 @@ void bind_attention(py::module_& m) {
   m.def(
       "cpu_supports", [](const std::string& isa) { return cpu_supports(parse_isa(isa)); },
       py::arg("isa"), "Whether this CPU and build can run the named attention kernel.");
+  m.def(
+      "attention_head_sizes",
+      [] { return std::vector<int>(kSupportedHeadSizes.begin(), kSupportedHeadSizes.end()); },
+      "The head sizes paged_attention runs (on every device).");
   m.def(
       "reshape_and_cache",
       [](const py::handle& key, const py::handle& value, const py::handle& key_cache,

@@ -166,8 +166,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
       detail::check_caches(key_cache, value_cache, op, &device);
   if (std::find(kSupportedHeadSizes.begin(), kSupportedHeadSizes.end(), head_size) ==
       kSupportedHeadSizes.end()) {
+    std::string sizes;
+    for (const int size : kSupportedHeadSizes)
+      sizes += (sizes.empty() ? "" : ", ") + std::to_string(size);
     throw InvalidArgument(std::string(op) + ": head_size " + std::to_string(head_size) +
-                          " is not supported (32, 64, 80, 96, 112, 128, 192, 256)");
+                          " is not supported (" + sizes + ")");
   }
   const DType query_dtype = detail::input_dtype_for(query, key_cache);
   for (const auto& [t, name] : {std::pair{&query, "query"}, std::pair{&out, "out"}}) {
