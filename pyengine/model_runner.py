@@ -17,6 +17,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
 from pyengine.models.layers import Placement
 from pyengine.models.llama import LlamaForCausalLM
+from pyengine.sampler import Sampler, heaviest_rows
 from pyengine.step_inputs import DeviceStep, StepInputs
 
 CausalLM = LlamaForCausalLM | LearnedPositionDecoder
@@ -147,8 +148,9 @@ class ModelRunner:
         besides the KV cache: what is not torch's (the CUDA context, other processes),
         the weights, the peak of a forward pass of the largest step
         (max_num_batched_tokens tokens, in prompts of at most max_model_len, logits for
-        max_num_seqs rows), and the CUDA graphs' memory (graph_bytes_expected). Prompt
-        logprobs take logits max_num_seqs rows at a time too."""
+        max_num_seqs rows and the sampler's work on them), and the CUDA graphs' memory
+        (graph_bytes_expected). Prompt logprobs take logits max_num_seqs rows at a time
+        too."""
         device = self.placement.device
         tokens = config.max_num_batched_tokens
         lengths = [min(config.max_model_len, tokens - start)
@@ -178,7 +180,10 @@ class ModelRunner:
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
         hidden = self.model(input_ids, positions, caches, meta)
-        self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
+        logits = self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
+        # The sampler's float32 copies of a whole batch of logits are in the peak too.
+        Sampler(0, device)(logits, heaviest_rows(len(logits), config.max_logprobs))
+        del logits
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - blocks * self.block_bytes
         del hidden

@@ -6,7 +6,7 @@ only a seeded row draws its uniform number alone, from its own generator."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -224,6 +224,19 @@ class Sampler:
         sampled = torch.where(probs.gather(1, drawn) > 0, drawn, probs.argmax(-1, keepdim=True))
         sampled = sampled[:, 0]
         return torch.where(_column(greedy, torch.bool, device), row_argmax(logits), sampled)
+
+
+def heaviest_rows(num_rows: int, max_logprobs: int) -> list[SamplingRow]:
+    """Rows that take the sampler's costliest paths (penalties, every filter, the top-p
+    sort of whole rows where the nucleus is wide, logprobs), for measuring its memory at
+    a batch of `num_rows`."""
+    filtered = SamplingParams(
+        temperature=0.7, top_p=0.999, top_k=50, min_p=0.01, repetition_penalty=1.1,
+        frequency_penalty=0.1, presence_penalty=0.1, logprobs=max_logprobs,
+    )  # fmt: skip
+    wide = replace(filtered, top_k=0, min_p=0.0)  # its nucleus can pass the top 1024
+    return [SamplingRow(wide if i % 2 else filtered, [0, 1, 2], [3, 3], None)
+            for i in range(num_rows)]  # fmt: skip
 
 
 def plain_greedy(params: SamplingParams) -> bool:

@@ -66,7 +66,11 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        # As vLLM: a temperature this small is greedy (dividing by it overflows float32).
+        return self.temperature < GREEDY_BELOW_TEMPERATURE or self.top_k == 1
+
+
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 def _is_int(value: object) -> bool:

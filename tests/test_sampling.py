@@ -16,6 +16,7 @@ from pyengine.sampler import (
     apply_penalties,
     filter_logits,
     gather_logprobs,
+    heaviest_rows,
     row_argmax,
 )
 
@@ -56,6 +57,10 @@ def test_top_k_one_is_greedy(llm: LLM) -> None:
     greedy = tokens_of(llm, PROMPTS, [SamplingParams(temperature=0, max_tokens=16)] * 5)
     top1 = tokens_of(llm, PROMPTS, [SamplingParams(temperature=1.3, top_k=1, max_tokens=16)] * 5)
     assert top1 == greedy
+    # A temperature too small to divide by is greedy too (vLLM's 1e-5), with any filter.
+    tiny = [SamplingParams(temperature=t, top_p=0.5, max_tokens=16) for t in (1e-30, 1e-6)]
+    assert tokens_of(llm, PROMPTS[:2], tiny) == greedy[:2]
+    assert not SamplingParams(temperature=1e-5).greedy
 
 
 def reference_penalties(
@@ -367,3 +372,18 @@ def test_gather_logprobs_matches_the_definitions() -> None:
             assert entry[t].logprob == float(row[t]) == float(ordered[entry[t].rank - 1])
         if k:
             assert set((row > ordered[k - 1]).nonzero()[:, 0].tolist()) <= set(entry)
+
+
+def test_the_heaviest_rows_run_every_path_of_the_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What the GPU memory profile samples (model_runner): on flat logits, a nucleus
+    reaching past the top 1024 (the whole-row sort), and max_logprobs tokens each."""
+    sorts = []
+    sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorts.append(1) or sort(*a, **k))
+    logits = torch.randn(8, 3000, generator=torch.Generator().manual_seed(2)) * 0.1
+    out = Sampler(0)(logits, heaviest_rows(8, 20))
+    assert sorts
+    assert len(out.token_ids) == 8 and all(0 <= t < 3000 for t in out.token_ids)
+    assert out.logprobs is not None and all(e is not None and len(e) >= 20 for e in out.logprobs)
