@@ -10,10 +10,12 @@ Text that could still turn out to begin a stop string is held back until it cann
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
 import queue
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -143,6 +145,9 @@ class AsyncLLMEngine:
 
     def start(self) -> None:
         self._thread.start()
+        # An interpreter that exits with a step running would be torn down under it. (A
+        # weak reference: the engine and its model go when their last user drops them.)
+        atexit.register(_stop_at_exit, weakref.ref(self))
 
     @property
     def is_running(self) -> bool:
@@ -166,7 +171,13 @@ class AsyncLLMEngine:
         stream for its updates; close it to abort the request (a client gone)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         command = _Command("add", request_id, (prompt_token_ids, params, prompt, stream))
-        await asyncio.wrap_future(self._submit(command).done)
+        try:
+            await asyncio.wrap_future(self._submit(command).done)
+        except asyncio.CancelledError:
+            # The caller went away (a client that disconnected) after the engine thread
+            # took the command: the request runs unread, so it is aborted.
+            self.abort(request_id)
+            raise
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
@@ -192,7 +203,7 @@ class AsyncLLMEngine:
             logger.exception("the engine loop failed")
             self._error = error
             for stream in self._streams.values():
-                stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
+                _post(stream.loop, stream.updates.put_nowait, error)
             raise
         finally:
             self._refuse_queued_commands()
@@ -217,6 +228,8 @@ class AsyncLLMEngine:
             except queue.Empty:
                 return True
             idle = False
+            if command.kind != "stop" and not command.done.set_running_or_notify_cancel():
+                continue  # cancelled by its caller while queued: nobody waits for it
             if command.kind == "stop":
                 for request_id in list(self._streams):
                     self.engine.abort_request(request_id)
@@ -282,7 +295,7 @@ class AsyncLLMEngine:
         if self._on_step is not None:
             self._on_step(self.stats, finished, generated)
         for loop, batch in _by_loop(deliveries).items():
-            loop.call_soon_threadsafe(_deliver, batch)
+            _post(loop, _deliver, batch)
 
     def _update_stats(self) -> None:
         s = self.engine.stats()
@@ -330,6 +343,22 @@ def _delta(out: RequestOutput, stream: _Stream) -> RequestUpdate:
         out.num_cached_tokens,
         out.prompt_logprobs if first else None,
     )
+
+
+def _stop_at_exit(engine: weakref.ref[AsyncLLMEngine]) -> None:
+    alive = engine()
+    if alive is not None:
+        alive.stop()
+
+
+def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
+    """Runs callback(*args) on `loop`; nothing where the loop is closed (its readers are
+    gone: a script that ended, the stop at interpreter exit)."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
 
 
 def _by_loop(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import torch
@@ -129,23 +129,7 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        if request_id in self.requests:
-            raise ValueError(f"request {request_id!r} already exists")
-        if not prompt_token_ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        check_token_ids(prompt_token_ids, self.model_config.vocab_size, f"request {request_id!r}")
-        for name in ("logprobs", "prompt_logprobs"):
-            asked = getattr(params, name)
-            if asked is not None and asked > self.config.max_logprobs:
-                raise ValueError(
-                    f"request {request_id!r}: {name} {asked} is more than max_logprobs "
-                    f"({self.config.max_logprobs}, an engine argument)"
-                )
-        if len(prompt_token_ids) >= self.config.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
-                f"max_model_len is {self.config.max_model_len} (prompt plus at least one token)"
-            )
+        params = self._checked(request_id, prompt_token_ids, params)
         eos, *more_eos = self.model_config.eos_token_ids or (None,)
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
@@ -197,6 +181,42 @@ class LLMEngine:
             self._by_row_id[s.row_id] = (state, s)
             if not state.argmax_only or params.min_tokens > 0:
                 self._sampled_rows.add(s.row_id)
+
+    def _checked(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """The request's own copy of `params`, checked again (a caller may have changed
+        its fields since it was made, or change them while the request runs); raises
+        ValueError naming whatever the engine cannot run."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"a request id must be a string, got {request_id!r:.40}")
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: {params!r:.40} is not a SamplingParams")
+        params = replace(params)  # validates
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab, what = self.model_config.vocab_size, f"request {request_id!r}"
+        check_token_ids(prompt_token_ids, vocab, what)
+        check_token_ids(params.stop_token_ids or [], vocab, f"{what}: stop_token_ids")
+        c = self.config
+        limits = [("logprobs", "max_logprobs", c.max_logprobs),
+                  ("prompt_logprobs", "max_logprobs", c.max_logprobs),
+                  ("n", "max_num_seqs", c.max_num_seqs)]  # fmt: skip
+        for name, limit_name, limit in limits:
+            asked = getattr(params, name)
+            if asked is not None and asked > limit:
+                raise ValueError(
+                    f"{what}: {name} {asked} is more than {limit_name} ({limit}, an engine "
+                    "argument)"
+                )
+        if len(prompt_token_ids) >= self.config.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
+                f"max_model_len is {self.config.max_model_len} (prompt plus at least one token)"
+            )
+        return params
 
     def _generator(self, seed: int | None, sample: int) -> torch.Generator | None:
         """A seeded sample's own generator, on the host (see SamplingRow)."""
@@ -354,23 +374,25 @@ class LLMEngine:
             out.logprobs.append(logprobs)
             out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[token].logprob
         if sample.detokenizer is not None:
+            new_from = len(out.text)  # the detokenizer's text only grows
             sample.detokenizer.add(token)
             out.text = sample.detokenizer.text
             if state.params.stop_strings:
-                self._check_stop_strings(state, sample)
+                self._check_stop_strings(state, sample, new_from)
 
     def _decode_logprobs(self, logprobs: PositionLogprobs) -> None:
         if self.tokenizer is not None:
             for token, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.token_text(token)
 
-    def _check_stop_strings(self, state: _RequestState, sample: _Sample) -> None:
+    def _check_stop_strings(self, state: _RequestState, sample: _Sample, new_from: int) -> None:
+        """Ends the sample at the first stop string that overlaps its text from `new_from`
+        on (what the last token added; a token can add any number of characters)."""
         p = state.params
         text = sample.output.text  # detokenized so far
-        # Only the tail can hold a new match: the new token's text plus a stop string.
-        window = max(len(s) for s in p.stop_strings) + 32
-        start = max(0, len(text) - window)
-        hits = [(text.find(s, start), s) for s in p.stop_strings]
+        stops = p.stop_strings
+        start = max(0, new_from - max(len(s) for s in stops) + 1)
+        hits = [(text.find(s, start), s) for s in stops]
         hits = [(at, s) for at, s in hits if at >= 0]
         if not hits:
             return

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pyengine.outputs import Logprob, PositionLogprobs
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import GREEDY_BELOW_TEMPERATURE, SamplingParams
 
 
 @dataclass
@@ -94,7 +94,11 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         r, t = torch.from_numpy(np.stack([np.asarray(repeated)[row], token])).to(device)
         factor = torch.from_numpy(penalty).to(device, dtype)
         values = logits[r, t]
-        logits[r, t] = torch.where(values > 0, values / factor, values * factor)
+        penalized = torch.where(values > 0, values / factor, values * factor)
+        # A penalty far from 1 can overflow: +inf would make the row's softmax NaN. The
+        # bound stays finite divided by any temperature that is not greedy.
+        bound = torch.finfo(dtype).max * GREEDY_BELOW_TEMPERATURE
+        logits[r, t] = penalized.clamp_(-bound, bound)
     if counted:
         row, token = _token_pairs([outputs[i] for i in counted], vocab)
         pair, count = np.unique(row * vocab + token, return_counts=True)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass
 
 
 @dataclass
@@ -25,12 +26,18 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.stop_strings = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field with a bad value. The engine checks a
+        request's copy again when it is added: fields can be set after construction."""
         if self.top_k == -1:
             self.top_k = 0
+        stop = self.stop
+        strings = isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop)
+        stop_ok = (stop is None or isinstance(stop, str) or strings) and all(self.stop_strings)
         checks: list[tuple[str, bool, str]] = [
             ("n", _is_int(self.n) and self.n >= 1, "an integer >= 1"),
             ("temperature", _is_real(self.temperature) and self.temperature >= 0, ">= 0"),
@@ -42,7 +49,7 @@ class SamplingParams:
             ("frequency_penalty", _is_real(self.frequency_penalty)
              and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
             ("repetition_penalty", _is_real(self.repetition_penalty)
-             and self.repetition_penalty > 0, "> 0"),
+             and self.repetition_penalty > 0, "> 0 (and finite)"),
             ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
             ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens)
              and self.max_tokens >= 1), "an integer >= 1 or None"),
@@ -53,16 +60,24 @@ class SamplingParams:
              and self.logprobs >= 0), "an integer >= 0 or None"),
             ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
              and self.prompt_logprobs >= 0), "an integer >= 0 or None"),
-            ("stop", all(isinstance(s, str) and s for s in self.stop_strings),
-             "a non-empty string or a list of them"),
-            ("stop_token_ids", all(_is_int(t) and t >= 0 for t in self.stop_token_ids or []),
+            ("stop", stop_ok, "a non-empty string or a list of them"),
+            ("stop_token_ids", self.stop_token_ids is None or (
+             isinstance(self.stop_token_ids, list | tuple)
+             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
              "a list of token ids >= 0"),
         ]  # fmt: skip
+        checks += [(name, isinstance(getattr(self, name), bool), "True or False")
+                   for name in ("ignore_eos", "skip_special_tokens",
+                                "include_stop_str_in_output")]  # fmt: skip
         for name, ok, expected in checks:
             if not ok:
                 raise ValueError(
                     f"SamplingParams.{name} must be {expected}, got {getattr(self, name)!r}"
                 )
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def greedy(self) -> bool:
@@ -78,4 +93,5 @@ def _is_int(value: object) -> bool:
 
 
 def _is_real(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite number (not a bool, NaN or infinity)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

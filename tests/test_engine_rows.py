@@ -107,6 +107,25 @@ def test_prompt_logprobs_come_the_same_a_few_rows_at_a_time(
     assert_nothing_left(narrow)
 
 
+def changed_after_made() -> SamplingParams:
+    params = SamplingParams(max_tokens=4, temperature=0.5)
+    params.logprobs = -1  # past the checks made at construction
+    return params
+
+
+def test_params_changed_while_a_request_runs_do_not_touch_it(llm: LLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    want = tokens(llm, [[1, 2, 3]], [params])[0]
+    llm.engine.add_request("changing", [1, 2, 3], params)
+    llm.engine.step()
+    params.max_tokens, params.logprobs = 1, -1  # the engine runs its own copy
+    got = []
+    while llm.engine.has_unfinished_requests():
+        got += [o.outputs[0].token_ids for o in llm.engine.step() if o.finished]
+    assert got == [want]
+    assert_nothing_left(llm)
+
+
 def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
     """Refused when added, naming the problem; the requests beside them are not lost."""
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -117,12 +136,20 @@ def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
         ([1, 2, 512], greedy, "outside the vocabulary"),
         ([1, 2, 3], SamplingParams(max_tokens=4, logprobs=21), "logprobs 21 is more than"),
         ([1, 2, 3], SamplingParams(max_tokens=4, prompt_logprobs=10**6), "max_logprobs"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, n=2**40), "n 1099511627776 is more than max_"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2**40]), "stop_token_ids"),
+        ([1, 2, 3], changed_after_made(), "logprobs must be"),
     ]:
         with pytest.raises(ValueError, match=match):
             llm.generate([[1, 2, 3], {"prompt_token_ids": bad}], [greedy, params], use_tqdm=False)
         assert_nothing_left(llm)
         assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     assert tokens(llm, [[1, 2, 3]], [greedy])[0] == want
+    with pytest.raises(ValueError, match="request id must be a string"):
+        llm.engine.add_request(7, [1, 2], greedy)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="is not a SamplingParams"):
+        llm.engine.add_request("x", [1, 2], {"max_tokens": 3})  # type: ignore[arg-type]
+    assert_nothing_left(llm)
     top = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=20)
     entries = llm.generate([[1, 2, 3]], top, use_tqdm=False)[0].outputs[0].logprobs
     assert entries is not None and all(len(entry) == 20 for entry in entries)

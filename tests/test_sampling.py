@@ -90,6 +90,19 @@ def test_penalties_match_the_reference() -> None:
     assert torch.equal(batch[0], logits) and torch.equal(batch[2], logits)
 
 
+def test_a_penalty_far_from_one_keeps_the_logits_finite() -> None:
+    """Dividing by a tiny repetition penalty overflows float32; the row must still give
+    a token (the largest logits: the prompt's, pushed up), not NaN."""
+    logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(4))
+    logits[:, [3, 5]] = torch.tensor([2.0, 1.0])
+    rows = [SamplingRow(SamplingParams(temperature=t, repetition_penalty=1e-39), [3, 5], [], None)
+            for t in (0.0, 0.8)]  # fmt: skip
+    penalized = logits.clone()
+    apply_penalties(penalized, rows)
+    assert torch.isfinite(penalized).all()
+    assert set(Sampler(0)(logits, rows).token_ids) <= {3, 5}
+
+
 def test_penalties_of_many_rows_match_the_reference() -> None:
     """Rows of different penalties, repeated tokens and lengths (an empty output too) in
     one batch, each as the reference has it alone."""
@@ -186,6 +199,20 @@ def test_stop_strings_are_cut_across_token_boundaries(llm: LLM) -> None:
         assert len(out.token_ids) <= 8
 
 
+def test_stop_strings_are_found_in_tokens_of_many_characters(llm: LLM) -> None:
+    """SmolLM2's token 45855 is 80 '#': a stop string anywhere in a token's text counts,
+    however long the text."""
+    wide = 45855
+    assert llm.get_tokenizer().decode([wide], False) == "#" * 80
+    prompt = {"prompt_token_ids": [wide, 198] * 6}  # it repeats: '#' * 80, '\n', ...
+    free = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert free[0].outputs[0].token_ids[:3] == [wide, 198, wide]
+    for stop, text in (("#", ""), ("\n#", "#" * 80), ("#\n##", "#" * 79)):
+        params = SamplingParams(temperature=0, max_tokens=6, stop=[stop])
+        out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+        assert (out.text, out.finish_reason, out.stop_reason) == (text, "stop", stop)
+
+
 def test_logprobs_are_log_softmax_of_the_model_logits(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=3, prompt_logprobs=2)
     out = llm.generate(PROMPTS[3], params, use_tqdm=False)[0]
@@ -213,7 +240,10 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm: LLM) -> None:
     ("field", "value"),
     [("temperature", -1.0), ("top_p", 0.0), ("top_k", -3), ("n", 0), ("max_tokens", 0),
      ("min_p", 1.5), ("repetition_penalty", 0.0), ("stop", [""]), ("logprobs", -1),
-     ("presence_penalty", 3.0), ("seed", 1.5), ("stop_token_ids", [-1])],
+     ("presence_penalty", 3.0), ("seed", 1.5), ("stop_token_ids", [-1]),
+     ("temperature", float("inf")), ("repetition_penalty", float("inf")), ("top_p", float("nan")),
+     ("ignore_eos", "no"), ("skip_special_tokens", 1), ("stop", 5), ("stop", ["a", 3]),
+     ("stop", ""), ("stop_token_ids", 5), ("logprobs", True)],
 )  # fmt: skip
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
