@@ -103,9 +103,9 @@ class LLM:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if "prompt" in prompt:
-                return self._encode(str(prompt["prompt"]))
-            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+            if isinstance(prompt.get("prompt"), str):
+                return self._encode(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return None, list(prompt)
         raise ValueError(

@@ -64,6 +64,10 @@ class PyengineTokenizer:
         for i, message in enumerate(messages):
             if not isinstance(message, dict) or "role" not in message:
                 raise ValueError(f"messages[{i}] must be a dict with a 'role' (and 'content')")
+        reserved = sorted(extra.keys() & {"messages", "add_generation_prompt", "bos_token",
+                                          "eos_token"})  # fmt: skip
+        if reserved:
+            raise ValueError(f"chat template variables {reserved} are set by the engine")
         return _render(
             template,
             messages=messages,
@@ -91,6 +95,8 @@ def _render(template: str, **variables: Any) -> str:
         return env.from_string(template).render(**variables)
     except TemplateError as error:
         raise ValueError(f"the chat template failed: {error}") from error
+    except Exception as error:  # a template is a program: whatever it does wrong
+        raise ValueError(f"the chat template failed: {type(error).__name__}: {error}") from error
 
 
 def tokenizer_from_folder(folder: Path) -> PyengineTokenizer:

@@ -117,3 +117,8 @@ def test_chat_answers_from_the_model(loaded) -> None:  # type: ignore[no-untyped
     )
     assert "Paris" in out[0].outputs[0].text
     assert out[0].outputs[0].finish_reason == "stop"  # EOS (<|im_end|>)
+    question = [{"role": "user", "content": "Hi"}]
+    with pytest.raises(ValueError, match="chat template failed: ZeroDivisionError"):
+        llm.chat(question, chat_template="{{ 1/0 }}", use_tqdm=False)
+    with pytest.raises(ValueError, match="chat template failed: TypeError"):
+        llm.chat([{"role": "user", "content": None}], use_tqdm=False)

@@ -260,6 +260,8 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([[5] * 2000], params, use_tqdm=False)
     with pytest.raises(ValueError, match="prompt"):
         llm.generate([3.5], params, use_tqdm=False)  # type: ignore[list-item]
+    with pytest.raises(ValueError, match="'prompt' \\(a string\\)"):
+        llm.generate([{"prompt": None}], params, use_tqdm=False)  # type: ignore[list-item]
     assert not llm.engine.has_unfinished_requests()
     assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     out = llm.generate(PROMPTS[0], params, use_tqdm=False)

@@ -348,6 +348,21 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, stream: bool) -> Non
             "max_logprobs",
         ),
         ("/v1/chat/completions", {"messages": QUESTION, "stream": "maybe"}, 400, "stream"),
+        ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
+        ("/v1/completions", {"prompt": "hi", "n": 2**40}, 400, "max_num_seqs"),
+        ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e999}, 400, "repetition"),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "chat_template": "{{ 1/0 }}"},
+            400,
+            "--trust-request-chat-template",
+        ),
+        (
+            "/v1/chat/completions",
+            {"messages": QUESTION, "chat_template_kwargs": {"bos_token": "x"}},
+            400,
+            "set by the engine",
+        ),
     ],
 )
 def test_bad_requests_answer_errors(

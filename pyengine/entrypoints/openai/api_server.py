@@ -84,6 +84,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let requests bring their own chat_template (a program the server runs)",
+    )
+    parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument(
@@ -117,10 +122,12 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     metrics: EngineMetrics | None = None,
+    trust_request_chat_template: bool = False,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan."""
     completions = CompletionServing(engine, served_model_names, chat_template)
     chat = ChatServing(engine, served_model_names, chat_template)
+    chat.trust_request_chat_template = trust_request_chat_template
     created = int(time.time())
 
     @asynccontextmanager
@@ -194,7 +201,7 @@ def build_app(
         if (body.prompt is None) == (body.messages is None):
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
-            _, tokens = chat.render(body.messages, None, body.add_generation_prompt)
+            _, tokens = await chat.render(body.messages, None, body.add_generation_prompt)
         else:
             tokens = chat.tokenizer.encode(body.prompt or "", body.add_special_tokens)
         max_model_len = engine.config.max_model_len
@@ -272,7 +279,9 @@ def serve(ns: argparse.Namespace) -> None:
     names = ns.served_model_name or [ns.model]
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, on_step=metrics.on_step)
-    app = build_app(engine, names, ns.api_key, chat_template, metrics)
+    app = build_app(
+        engine, names, ns.api_key, chat_template, metrics, ns.trust_request_chat_template
+    )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
     uvicorn.run(
         app,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,14 +29,36 @@ def _logprob_entry(token: str, logprob: float) -> dict[str, Any]:
 
 
 class ChatServing(OpenAIServing):
-    def render(
+    # A request's own chat_template is a program the server would run: refused unless the
+    # server was started trusting them (vLLM's --trust-request-chat-template).
+    trust_request_chat_template = False
+
+    async def render(
         self,
         messages: list[ChatMessage],
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         **kwargs: Any,
     ) -> EncodedPrompt:
-        """The conversation as the model's chat template writes it, and its tokens."""
+        """The conversation as the model's chat template writes it, and its tokens. In a
+        worker thread: a slow template must not hold up the event loop."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise APIError(
+                "a request's chat_template runs only on a server started with "
+                "--trust-request-chat-template",
+                param="chat_template",
+            )
+        return await asyncio.to_thread(
+            self._render, messages, chat_template, add_generation_prompt, kwargs
+        )
+
+    def _render(
+        self,
+        messages: list[ChatMessage],
+        chat_template: str | None,
+        add_generation_prompt: bool,
+        kwargs: dict[str, Any],
+    ) -> EncodedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
                 [m.to_template() for m in messages],
@@ -68,7 +91,7 @@ class ChatServing(OpenAIServing):
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         model = self.check_model(request.model)
         params = request.to_sampling_params()
-        prompt = self.render(
+        prompt = await self.render(
             request.messages,
             request.chat_template,
             request.add_generation_prompt,
