@@ -30,6 +30,7 @@ def hf_config(c: ModelConfig) -> object:
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.norm_eps,
         rope_theta=c.rope_theta,
+        rope_scaling=c.rope_scaling,
         tie_word_embeddings=c.tie_word_embeddings,
     )
 

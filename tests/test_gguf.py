@@ -4,6 +4,7 @@ template in the metadata runs, token for token as transformers on the same weigh
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +19,7 @@ from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
+from pyengine.models.rotary import inverse_frequencies  # noqa: E402
 
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # The tiny Llama's 4-bit matrices (in layer 1; the rest are Q8_0)
@@ -94,6 +96,37 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
         GGUFFile(truncated)
 
 
+def test_gguf_tensors_that_share_bytes_or_names_are_refused(tmp_path: Path) -> None:
+    """As llama.cpp: each tensor's data is its own and aligned, and its name unique
+    (otherwise one tensor's weights load as another's)."""
+
+    def two_tensors(edit: str) -> Path:
+        path = tmp_path / f"{edit}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_tensor("a.weight", np.ones((4, 32), np.float32))
+        writer.add_tensor("b.weight", np.full((4, 32), 2.0, np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        parts = gguf.GGUFReader(str(path), "r+").tensors[1].field.parts  # b's info, in place
+        if edit == "overlap":
+            parts[-1][0] = 256  # b's data offset: inside a's 512 bytes
+        elif edit == "unaligned":
+            parts[-1][0] += 4
+        else:
+            parts[1][0] = ord("a")  # b.weight -> a.weight
+        return path
+
+    for edit, message in (
+        ("overlap", "tensors a.weight and b.weight overlap"),
+        ("unaligned", "tensor b.weight is not 32-byte aligned"),
+        ("renamed", "tensor a.weight is in the file twice"),
+    ):
+        with pytest.raises(GGUFError, match=message):
+            GGUFFile(two_tensors(edit))
+
+
 def byte_level_vocab() -> list[str]:
     """GPT-2's printable stand-ins for the 256 bytes."""
     printable = list(range(33, 127)) + list(range(161, 173)) + list(range(174, 256))
@@ -119,11 +152,19 @@ TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% end
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type: ignore[no-untyped-def]
+    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
+    return path, write_tiny_llama(path)
+
+
+def write_tiny_llama(
+    path: Path, rope_freqs: np.ndarray | None = None, rope_scaling_type: str | None = None
+) -> dict[str, np.ndarray]:
+    """A two-layer Llama GGUF, mostly Q8_0 (some 4-bit); its weights in Hugging Face's
+    layout."""
     rng = np.random.default_rng(5)
     hidden, heads, kv_heads, head_dim, ffn, layers = 128, 4, 2, 32, 256, 2
     tokens = byte_level_vocab() + ["<|eot|>", "<|user|>", "<|assistant|>"]
     vocab = len(tokens)
-    path = tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(layers)
     writer.add_context_length(256)
@@ -132,6 +173,8 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
     writer.add_head_count(heads)
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
+    if rope_scaling_type is not None:
+        writer.add_string("llama.rope.scaling.type", rope_scaling_type)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
@@ -181,11 +224,13 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
         add(p + "ffn_gate.weight", h + "mlp.gate_proj.weight", normal(ffn, hidden), True)
         add(p + "ffn_up.weight", h + "mlp.up_proj.weight", normal(ffn, hidden), True)
         add(p + "ffn_down.weight", h + "mlp.down_proj.weight", normal(hidden, ffn), True)
+    if rope_freqs is not None:
+        writer.add_tensor("rope_freqs.weight", rope_freqs.astype(np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return path, hf_layout
+    return hf_layout
 
 
 def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  # type: ignore[no-untyped-def]
@@ -233,6 +278,46 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert chat.prompt == "<|user|>hi\n<|assistant|>"
     assert chat.prompt_token_ids[0] == tokens_id(tokenizer, "<|user|>")
+
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+
+
+def test_gguf_llama3_rope_scaling_comes_from_rope_freqs(tmp_path: Path) -> None:
+    """llama.cpp keeps Llama 3.1's rope scaling only as the tensor rope_freqs: a divisor
+    of each rotary frequency. The model generates as transformers does with the scaling
+    in its config (and not as without it)."""
+    base = inverse_frequencies(32, 10000.0, None).double()
+    scaled = inverse_frequencies(32, 10000.0, LLAMA3_ROPE).double()
+    path = tmp_path / "llama3.gguf"
+    write_tiny_llama(path, rope_freqs=(base / scaled).numpy())
+    loaded = load_model(str(path))
+    assert loaded.weights is not None and "rope_freqs.weight" not in loaded.weights
+    scaled_reference, plain_reference = (
+        hf_model_from_weights(replace(loaded.config, rope_scaling=rope), loaded.weights)
+        for rope in (LLAMA3_ROPE, None)
+    )
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    prompt = llm.get_tokenizer().encode("a prompt long enough for the low frequencies to turn")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
+    assert got.outputs[0].token_ids == hf_greedy(scaled_reference, prompt, 12)
+    assert got.outputs[0].token_ids != hf_greedy(plain_reference, prompt, 12)
+
+
+def test_gguf_rope_freqs_of_the_wrong_size_and_other_scalings_are_refused(tmp_path: Path) -> None:
+    write_tiny_llama(tmp_path / "short.gguf", rope_freqs=np.ones(7))
+    with pytest.raises(ValueError, match="rope_freqs has 7 divisors; head size 32 needs 16"):
+        LLM(str(tmp_path / "short.gguf"), kv_cache_memory=32 * 2**20)
+    write_tiny_llama(tmp_path / "yarn.gguf", rope_scaling_type="yarn")
+    with pytest.raises(GGUFError, match="rope scaling 'yarn' is not supported"):
+        load_model(str(tmp_path / "yarn.gguf"))
 
 
 def tokens_id(tokenizer, token: str) -> int:  # type: ignore[no-untyped-def]

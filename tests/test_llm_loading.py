@@ -81,6 +81,66 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         LLM(str(tmp_path), load_format="dummy")
 
 
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [
+        ("{not json", "not a JSON file"),
+        ([1, 2], "must hold an object"),
+        ({**TINY_QWEN2, "architectures": "Qwen2ForCausalLM"}, "names no architecture"),
+        ({k: v for k, v in TINY_QWEN2.items() if k != "hidden_size"}, "lacks 'hidden_size'"),
+        ({**TINY_QWEN2, "hidden_size": 64.7}, "64.7 where an integer belongs"),
+        ({**TINY_QWEN2, "hidden_size": 130}, "130 does not split into 4 attention heads"),
+        ({**TINY_QWEN2, "num_key_value_heads": 3}, "must be a multiple of num_key_value_heads"),
+        ({**TINY_QWEN2, "vocab_size": 0}, "vocab_size must be a positive integer"),
+        ({**TINY_QWEN2, "rms_norm_eps": -1}, "norm_eps must be a positive number"),
+        ({**TINY_QWEN2, "rope_theta": float("nan")}, "rope_theta must be a positive number"),
+        ({**TINY_QWEN2, "rope_scaling": {"rope_type": "linear", "factor": 0}}, "positive numbers"),
+        ({**TINY_QWEN2, "rope_scaling": [1]}, "rope_scaling \\[1\\] is not supported"),
+        ({**TINY_QWEN2, "rope_scaling": {"rope_type": "yarn", "factor": 4}}, "not supported"),
+    ],
+)
+def test_bad_configs_are_refused_when_loaded(tmp_path: Path, config: object, message: str) -> None:
+    """Named in the error, before any request (they used to fail at the first one, or run
+    into NaN)."""
+    text = config if isinstance(config, str) else json.dumps(config)
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tmp_path), load_format="dummy")
+
+
+def test_checkpoints_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
+    """Tensors in two shards, past the last layer, of a kind the model lacks (a quantized
+    checkpoint's scales, a bias the config does not declare), integer weights, a
+    truncated file, a quantization_config: each named, never loaded as something else."""
+    from safetensors.torch import save_file
+    from test_llm_tiny_models import make_checkpoint
+
+    make_checkpoint("llama", tmp_path)
+    good = tmp_path / "model.safetensors"
+    extra = tmp_path / "more.safetensors"
+    weight = torch.zeros(64, 64)
+    for tensors, message in (
+        ({"model.norm.weight": torch.ones(64)}, "model.norm.weight is in another file too"),
+        ({"model.layers.7.mlp.up_proj.weight": weight}, "the model has layers 0 to 1"),
+        ({"model.layers.-1.mlp.up_proj.weight": weight}, "the model has layers 0 to 1"),
+        ({"model.layers.0.mlp.up_proj.weight_scale": weight}, "has no such tensor"),
+        ({"model.layers.0.mlp.up_proj.bias": torch.zeros(64)}, "has no such tensor"),
+        ({"model.layers.0.mlp.up_proj.qweight": weight.to(torch.int8)}, "is torch.int8"),
+    ):
+        save_file(tensors, str(extra))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
+    extra.write_bytes(good.read_bytes()[:1000])
+    with pytest.raises(ValueError, match="more.safetensors: not a readable safetensors file"):
+        LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
+    extra.unlink()
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoints \\(fp8\\) are not supported"):
+        LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
+
+
 def test_hub_ids_without_network_are_clear_errors(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     pytest.importorskip("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")

@@ -8,6 +8,7 @@ dequantized by the `gguf` package, which knows every block format.
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import struct
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ class _Cursor:
         raise GGUFError(f"{self.path}: unknown GGUF value type {value_type}")
 
 
+_RawInfo = tuple[str, tuple[int, ...], int, int]  # name, shape, GGML type, offset
+
+
 class GGUFFile:
     """Metadata (`fields`) and tensor infos of a GGUF file, its data memory-mapped."""
 
@@ -99,18 +103,47 @@ class GGUFFile:
         for _ in range(num_fields):
             key = cursor.string()
             self.fields[key] = cursor.value(cursor.scalar("<I"))
-        infos = []
+        infos: list[_RawInfo] = []
         for _ in range(num_tensors):
             name = cursor.string()
             dims = [cursor.scalar("<Q") for _ in range(cursor.scalar("<I"))]
             ggml_type, offset = cursor.scalar("<I"), cursor.scalar("<Q")
             infos.append((name, tuple(reversed(dims)), ggml_type, offset))
-        alignment = int(self.fields.get("general.alignment", 32))
+        alignment = self.fields.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise GGUFError(f"{self.path}: general.alignment {alignment!r} is not a power of 2")
         start = (cursor.pos + alignment - 1) // alignment * alignment
         self.tensors = {
             name: TensorInfo(name, shape, ggml_type, start + offset)
             for name, shape, ggml_type, offset in infos
         }
+        self._check_layout(infos, alignment)
+
+    def _check_layout(self, infos: list[_RawInfo], alignment: int) -> None:
+        """As llama.cpp: names are unique, and each tensor's data is aligned and its own
+        (two tensors that share bytes would load one's weights as the other's)."""
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        if len(self.tensors) != len(infos):
+            names = [name for name, *_ in infos]
+            twice = next(name for name in names if names.count(name) > 1)
+            raise GGUFError(f"{self.path}: tensor {twice} is in the file twice")
+        spans = []
+        for name, shape, ggml_type, offset in infos:
+            if not shape or min(shape) < 1:
+                raise GGUFError(f"{self.path}: tensor {name} has shape {shape}")
+            if offset % alignment:
+                raise GGUFError(f"{self.path}: tensor {name} is not {alignment}-byte aligned")
+            try:
+                block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+            except (KeyError, ValueError):
+                continue  # refused with its name when read
+            elements = int(np.prod(shape, dtype=np.int64))
+            spans.append((offset, offset + elements // block * type_size, name))
+        spans.sort()
+        for (_, end, name), (next_start, _, next_name) in itertools.pairwise(spans):
+            if end > next_start:
+                raise GGUFError(f"{self.path}: tensors {name} and {next_name} overlap")
 
     def tensor(self, name: str) -> np.ndarray:
         """Tensor `name` as float32 (dequantized if quantized)."""

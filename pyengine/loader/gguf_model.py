@@ -56,9 +56,6 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
 
     heads = int(field("attention.head_count"))
     hidden = int(field("embedding_length"))
-    rope_scaling = None
-    if g.fields.get(f"{arch}.rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": float(field("rope.scaling.factor"))}
     eos = g.fields.get("tokenizer.ggml.eos_token_id")
     return ModelConfig(
         architecture=_ARCHITECTURES[arch],
@@ -72,7 +69,7 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         max_position_embeddings=int(field("context_length", 2048)),
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field("rope.freq_base", 10000.0)),
-        rope_scaling=rope_scaling,
+        rope_scaling=_rope_scaling(g, arch),
         tie_word_embeddings="output.weight" not in g.tensors,
         attention_bias="blk.0.attn_q.bias" in g.tensors,
         qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
@@ -80,6 +77,19 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         bos_token_id=g.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+
+
+def _rope_scaling(g: GGUFFile, arch: str) -> dict[str, Any] | None:
+    """Linear scaling from the metadata; Llama 3's, which llama.cpp keeps only as the
+    tensor rope_freqs (a divisor of each rotary frequency), as those divisors."""
+    kind = g.fields.get(f"{arch}.rope.scaling.type")
+    if kind not in (None, "none", "linear"):
+        raise GGUFError(f"{g.path}: rope scaling {kind!r} is not supported (linear, rope_freqs)")
+    linear = float(g.fields.get(f"{arch}.rope.scaling.factor", 1.0)) if kind == "linear" else 1.0
+    if "rope_freqs.weight" in g.tensors:
+        divisors = g.tensor("rope_freqs.weight").astype(np.float64).ravel() * linear
+        return {"rope_type": "freq_divisors", "divisors": divisors.tolist()}
+    return {"rope_type": "linear", "factor": linear} if kind == "linear" else None
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -126,7 +136,7 @@ def _hf_name(g: GGUFFile, name: str, config: ModelConfig) -> tuple[str | None, i
     if name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[name], 0
     if name == "rope_freqs.weight":
-        return None, 0  # Llama 3 rope scaling, recomputed from the config
+        return None, 0  # in the config's rope_scaling (_rope_scaling)
     if not (m and m.group(2) in _LAYER_NAMES):
         raise GGUFError(f"{g.path}: unexpected tensor {name}")
     hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"

@@ -6,6 +6,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -111,7 +112,18 @@ def load_model(
         config_path = path / "config.json"
         if not config_path.is_file():
             raise FileNotFoundError(f"{path} has no config.json")
-        config = ModelConfig.from_hf(json.loads(config_path.read_text()))
+        raw_config = _read_json(config_path)
+        try:
+            config = ModelConfig.from_hf(raw_config)
+        except ValueError as error:
+            raise ValueError(f"{config_path}: {error}") from None
+        quantization = raw_config.get("quantization_config")
+        if quantization and load_format != "dummy":
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+            raise ValueError(
+                f"{config_path}: quantized checkpoints ({method or 'quantization_config'}) "
+                "are not supported; give float weights, or a GGUF file"
+            )
         weights = None if load_format == "dummy" else load_safetensors(path)
         has_tokenizer = (path / "tokenizer.json").is_file()
         tok = tokenizer_from_folder(path) if tokenizer is None and has_tokenizer else None
@@ -124,18 +136,46 @@ def load_model(
     return LoadedModel(config, weights, tok, str(path), block_quantized)
 
 
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: not a JSON file ({error})") from None
+
+
 def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the folder's safetensors files (by its index where there is one),
+    as float32; a tensor in two files, or one that is not floating point, is an error."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(f, str) for f in weight_map.values()
+        ):
+            raise ValueError(f"{index}: needs a 'weight_map' of tensor names to file names")
+        files = sorted(set(weight_map.values()))
     else:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
     weights: dict[str, torch.Tensor] = {}
     for name in files:
-        for key, tensor in load_file(str(folder / name)).items():
+        path = folder / name
+        try:
+            tensors = load_file(str(path))
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+        for key, tensor in tensors.items():
+            if key in weights:
+                raise ValueError(f"{path}: tensor {key} is in another file too")
+            if not tensor.is_floating_point():
+                raise ValueError(
+                    f"{path}: tensor {key} is {tensor.dtype}; pyengine loads floating-point "
+                    "weights (quantized checkpoints are not supported)"
+                )
             weights[key] = tensor.float()
     return weights

@@ -225,6 +225,11 @@ class LlamaForCausalLM(nn.Module):
         parts = name.split(".")
         if len(parts) < 5 or parts[:2] != ["model", "layers"]:
             return None, None
+        if not parts[2].isdigit() or int(parts[2]) >= len(self.layers):
+            raise ValueError(
+                f"weight {name}: the model has layers 0 to {len(self.layers) - 1} "
+                "(num_hidden_layers)"
+            )
         layer = self.layers[int(parts[2])]
         assert isinstance(layer, DecoderLayer)
         attn, mlp = layer.self_attn, layer.mlp
@@ -240,6 +245,11 @@ class LlamaForCausalLM(nn.Module):
         }
         if module in fused:
             weight, bias, rows = fused[module]
+            if kind not in ("weight", "bias") or (kind == "bias" and bias is None):
+                raise ValueError(
+                    f"weight {name}: this model has no such tensor (a bias the config does "
+                    "not declare, or a quantized checkpoint's scale)"
+                )
             return (weight if kind == "weight" else bias), rows
         plain = {
             "self_attn.o_proj.weight": attn.o_weight,

@@ -22,6 +22,15 @@ def inverse_frequencies(
     if kind == "linear":
         assert scaling is not None
         return inv_freq / float(scaling["factor"])
+    if kind == "freq_divisors":  # a GGUF's rope_freqs tensor (llama.cpp's Llama 3 scaling)
+        assert scaling is not None
+        divisors = torch.tensor(scaling["divisors"], dtype=torch.float64)
+        if divisors.shape != inv_freq.shape:
+            raise ValueError(
+                f"rope_freqs has {divisors.numel()} divisors; head size {head_dim} needs "
+                f"{inv_freq.numel()}"
+            )
+        return (inv_freq.double() / divisors).float()
     if kind == "llama3":
         assert scaling is not None
         factor = float(scaling["factor"])
