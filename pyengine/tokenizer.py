@@ -4,7 +4,8 @@ with the chat template rendered by jinja2 as transformers does."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -104,10 +105,35 @@ def tokenizer_from_folder(folder: Path) -> PyengineTokenizer:
     path = folder / "tokenizer.json"
     if not path.is_file():
         raise ValueError(f"{folder} has no tokenizer.json (only fast tokenizers are supported)")
+    with _named_errors(folder):
+        return _tokenizer_from_folder(folder, path)
+
+
+def tokenizer_from_gguf(fields: dict[str, Any], source: str) -> PyengineTokenizer:
+    """A byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.*)."""
+    with _named_errors(source):
+        return _tokenizer_from_gguf(fields, source)
+
+
+@contextmanager
+def _named_errors(source: str | Path) -> Iterator[None]:
+    """A tokenizer's files are input like any other: whatever in them breaks loading is a
+    ValueError that names where it came from."""
+    try:
+        yield
+    except Exception as error:  # tokenizers raises plain Exceptions for bad files
+        if isinstance(error, ValueError) and str(source) in str(error):
+            raise  # named already
+        raise ValueError(f"{source}: the tokenizer: {type(error).__name__}: {error}") from error
+
+
+def _tokenizer_from_folder(folder: Path, path: Path) -> PyengineTokenizer:
     tokenizer = Tokenizer.from_file(str(path))
     config: dict[str, Any] = {}
     if (folder / "tokenizer_config.json").is_file():
         config = json.loads((folder / "tokenizer_config.json").read_text())
+        if not isinstance(config, dict):
+            raise ValueError(f"{folder / 'tokenizer_config.json'} must hold an object")
     template = config.get("chat_template")
     if (folder / "chat_template.jinja").is_file():
         template = (folder / "chat_template.jinja").read_text()
@@ -123,8 +149,7 @@ def tokenizer_from_folder(folder: Path) -> PyengineTokenizer:
     return PyengineTokenizer(tokenizer, token_id("eos_token"), token_id("bos_token"), template)
 
 
-def tokenizer_from_gguf(fields: dict[str, Any], source: str) -> PyengineTokenizer:
-    """A byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.*)."""
+def _tokenizer_from_gguf(fields: dict[str, Any], source: str) -> PyengineTokenizer:
     kind = fields.get("tokenizer.ggml.model")
     if kind != "gpt2":
         raise ValueError(

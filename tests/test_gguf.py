@@ -90,6 +90,10 @@ def test_not_a_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
     path.write_bytes(b"not a model")
     with pytest.raises(GGUFError, match="not a GGUF file"):
         GGUFFile(path)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(GGUFError, match="empty.gguf is empty"):
+        GGUFFile(empty)
     truncated = tmp_path / "y.gguf"
     truncated.write_bytes(b"GGUF" + (3).to_bytes(4, "little") + (5).to_bytes(8, "little"))
     with pytest.raises(GGUFError, match="truncated"):

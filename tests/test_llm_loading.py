@@ -76,6 +76,10 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         LLM(str(tmp_path), load_format="dummy", kv_cache_memory=1000)
     with pytest.raises(ValueError, match="max_logprobs"):
         LLM(str(tmp_path), load_format="dummy", max_logprobs=-1)
+    (tmp_path / "tokenizer.json").write_text("{not a tokenizer")
+    with pytest.raises(ValueError, match="the tokenizer: Exception"):
+        LLM(str(tmp_path), load_format="dummy")
+    (tmp_path / "tokenizer.json").unlink()
     (tmp_path / "config.json").write_text(json.dumps(dict(TINY_QWEN2, num_attention_heads=8)))
     with pytest.raises(ValueError, match=r"head size 16 is not one paged attention runs \(32, "):
         LLM(str(tmp_path), load_format="dummy")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import mmap
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,8 @@ class _Cursor:
             item_type, count = self.scalar("<I"), self.scalar("<Q")
             if item_type in _NUMPY:
                 dtype = np.dtype(_NUMPY[item_type])
+                if count > (len(self.buffer) - self.pos) // dtype.itemsize:
+                    raise GGUFError(f"{self.path}: truncated GGUF file")
                 array = np.frombuffer(self.buffer, dtype, count, self.pos)
                 self.pos += dtype.itemsize * count
                 return array
@@ -89,6 +92,8 @@ class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         with open(self.path, "rb") as f:
+            if not os.fstat(f.fileno()).st_size:
+                raise GGUFError(f"{self.path} is empty")
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         data = memoryview(self._map)
         if bytes(data[:4]) != _MAGIC:
@@ -156,7 +161,12 @@ class GGUFFile:
         elif qtype == GGMLQuantizationType.F16:
             values = raw.view(np.float16).astype(np.float32)
         else:
-            values = dequantize(raw, qtype)
+            try:
+                values = dequantize(raw, qtype)
+            except NotImplementedError:
+                raise GGUFError(
+                    f"{self.path}: tensor {name} is {qtype.name}, a type pyengine does not load"
+                ) from None
         return values.astype(np.float32).reshape(self.tensors[name].shape)  # a writable copy
 
     def block_quantized(self, name: str) -> BlockQuantized | None:

@@ -42,6 +42,19 @@ _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
+    """The model's config from the file's metadata; whatever is missing or malformed there
+    is a GGUFError naming the file."""
+    try:
+        return _config_from_gguf(g)
+    except GGUFError:
+        raise
+    except KeyError as error:
+        raise GGUFError(f"{g.path}: metadata {error} is missing") from None
+    except (TypeError, ValueError, IndexError) as error:
+        raise GGUFError(f"{g.path}: {error}") from None
+
+
+def _config_from_gguf(g: GGUFFile) -> ModelConfig:
     arch = str(g.fields.get("general.architecture", ""))
     if arch not in _ARCHITECTURES:
         raise GGUFError(
