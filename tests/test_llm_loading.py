@@ -120,6 +120,7 @@ def test_checkpoints_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
     from test_llm_tiny_models import make_checkpoint
 
     make_checkpoint("llama", tmp_path)
+    make_checkpoint("gpt2", tmp_path / "gpt2")
     good = tmp_path / "model.safetensors"
     extra = tmp_path / "more.safetensors"
     weight = torch.zeros(64, 64)
@@ -134,6 +135,9 @@ def test_checkpoints_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
         save_file(tensors, str(extra))
         with pytest.raises(ValueError, match=message):
             LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
+    save_file({"transformer.h.9.mlp.c_fc.weight": weight}, str(tmp_path / "gpt2" / "x.safetensors"))
+    with pytest.raises(ValueError, match="transformer.h.9.mlp.c_fc.weight: the model has no such"):
+        LLM(str(tmp_path / "gpt2"), kv_cache_memory=16 * 2**20)
     extra.write_bytes(good.read_bytes()[:1000])
     with pytest.raises(ValueError, match="more.safetensors: not a readable safetensors file"):
         LLM(str(tmp_path), kv_cache_memory=16 * 2**20)

@@ -163,7 +163,10 @@ class LearnedPositionDecoder(nn.Module):
                 if target is None:
                     continue
                 (internal, rows), value = target
-                param = self.get_parameter(internal)
+                try:
+                    param = self.get_parameter(internal)
+                except AttributeError:  # a layer past the last, say
+                    raise ValueError(f"weight {name}: the model has no such tensor") from None
                 view = param if rows is None else param.view(3, -1, *param.shape[1:])[rows]
                 if view.shape != value.shape:
                     raise ValueError(
