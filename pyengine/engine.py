@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Sequence
+from copy import copy
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -194,12 +195,18 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} already exists")
         if not isinstance(params, SamplingParams):
             raise ValueError(f"request {request_id!r}: {params!r:.40} is not a SamplingParams")
-        params = replace(params)  # validates
+        params = replace(  # validates; the lists its own too
+            params,
+            stop=copy(params.stop),
+            stop_token_ids=copy(params.stop_token_ids),
+            logit_bias=copy(params.logit_bias),
+        )
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")
         vocab, what = self.model_config.vocab_size, f"request {request_id!r}"
         check_token_ids(prompt_token_ids, vocab, what)
         check_token_ids(params.stop_token_ids or [], vocab, f"{what}: stop_token_ids")
+        check_token_ids(list(params.logit_bias or {}), vocab, f"{what}: logit_bias")
         c = self.config
         limits = [("logprobs", "max_logprobs", c.max_logprobs),
                   ("prompt_logprobs", "max_logprobs", c.max_logprobs),

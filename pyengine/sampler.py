@@ -110,6 +110,19 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
         logits[r, t] -= torch.from_numpy(frequency * count + presence).to(device, dtype)
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (ids past the
+    vocabulary, which the engine refuses, skipped)."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    entries = [(i, t, b) for i, bias in biased for t, b in bias.items() if 0 <= t < vocab]
+    row, token = torch.tensor([(i, t) for i, t, _ in entries], dtype=torch.long).reshape(-1, 2).T
+    values = torch.tensor([b for _, _, b in entries], dtype=logits.dtype)
+    logits.index_put_((row.to(device), token.to(device)), values.to(device), accumulate=True)
+
+
 def filter_logits(
     logits: torch.Tensor, top_k: Sequence[int], top_p: Sequence[float], min_p: Sequence[float]
 ) -> torch.Tensor:
@@ -196,6 +209,7 @@ class Sampler:
         """Token ids [rows] from float32 logits (modified in place)."""
         device, vocab = logits.device, logits.shape[-1]
         apply_penalties(logits, rows)
+        apply_logit_bias(logits, rows)
         blocked = [i for i, r in enumerate(rows) if r.blocked_token_ids]
         if blocked:
             j, t = _token_index([list(rows[i].blocked_token_ids) for i in blocked], vocab, device)
@@ -251,6 +265,7 @@ def plain_greedy(params: SamplingParams) -> bool:
         and params.repetition_penalty == 1.0
         and not params.frequency_penalty
         and not params.presence_penalty
+        and not params.logit_bias
     )
 
 

@@ -26,6 +26,9 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Added to the logits of these token ids before sampling (OpenAI's: -100 bans a
+    # token, 100 all but forces it).
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -66,6 +69,10 @@ class SamplingParams:
              and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
              "a list of token ids >= 0"),
         ]  # fmt: skip
+        bias = self.logit_bias
+        checks.append(("logit_bias", bias is None or isinstance(bias, dict) and all(
+            _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
+            "a dict of token ids >= 0 to numbers in [-100, 100]"))  # fmt: skip
         checks += [(name, isinstance(getattr(self, name), bool), "True or False")
                    for name in ("ignore_eos", "skip_special_tokens",
                                 "include_stop_str_in_output")]  # fmt: skip

@@ -139,6 +139,7 @@ def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
         ([1, 2, 3], SamplingParams(max_tokens=4, n=2**40), "n 1099511627776 is more than max_"),
         ([1, 2, 3], SamplingParams(max_tokens=4, stop_token_ids=[2**40]), "stop_token_ids"),
         ([1, 2, 3], changed_after_made(), "logprobs must be"),
+        ([1, 2, 3], SamplingParams(max_tokens=4, logit_bias={512: 5.0}), "logit_bias: token id"),
     ]:
         with pytest.raises(ValueError, match=match):
             llm.generate([[1, 2, 3], {"prompt_token_ids": bad}], [greedy, params], use_tqdm=False)

@@ -17,6 +17,7 @@ from pyengine.sampler import (
     filter_logits,
     gather_logprobs,
     heaviest_rows,
+    plain_greedy,
     row_argmax,
 )
 
@@ -243,7 +244,8 @@ def test_logprobs_are_log_softmax_of_the_model_logits(llm: LLM) -> None:
      ("presence_penalty", 3.0), ("seed", 1.5), ("stop_token_ids", [-1]),
      ("temperature", float("inf")), ("repetition_penalty", float("inf")), ("top_p", float("nan")),
      ("ignore_eos", "no"), ("skip_special_tokens", 1), ("stop", 5), ("stop", ["a", 3]),
-     ("stop", ""), ("stop_token_ids", 5), ("logprobs", True)],
+     ("stop", ""), ("stop_token_ids", 5), ("logprobs", True), ("logit_bias", {5: 101}),
+     ("logit_bias", {-1: 1.0}), ("logit_bias", {"5": 1.0}), ("logit_bias", [5])],
 )  # fmt: skip
 def test_invalid_sampling_params_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ValueError, match=field):
@@ -419,3 +421,22 @@ def test_the_heaviest_rows_run_every_path_of_the_sampler(
     assert sorts
     assert len(out.token_ids) == 8 and all(0 <= t < 3000 for t in out.token_ids)
     assert out.logprobs is not None and all(e is not None and len(e) >= 20 for e in out.logprobs)
+
+
+def test_logit_bias_moves_each_row_as_asked() -> None:
+    """Added to the logits of its tokens, in any row's mix of sampling (greedy or not,
+    penalized): +100 all but forces a token, -100 bans the argmax."""
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(6))
+    top = int(logits[1].argmax())
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}),
+        SamplingParams(temperature=0, logit_bias={top: -100.0}),
+        SamplingParams(temperature=0.8, repetition_penalty=1.2, logit_bias={9: 100.0}, seed=1),
+    ]
+    rows = [SamplingRow(p, [1, 2], [3], None) for p in params]
+    chosen = Sampler(0)(logits, rows).token_ids
+    assert chosen[0] == 7 and chosen[2] == 9
+    biased = logits[1].clone()
+    biased[top] -= 100
+    assert chosen[1] == int(biased.argmax()) != top
+    assert not plain_greedy(params[0])

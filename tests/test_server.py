@@ -229,6 +229,27 @@ def test_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> None:
         assert entry.logprob == pytest.approx(entry.top_logprobs[0].logprob, abs=1e-6)
 
 
+def test_logit_bias_forces_and_bans_tokens(client: openai.OpenAI, offline: LLM) -> None:
+    """OpenAI's logit_bias (token ids as strings): +100 makes every token the biased one;
+    -100 on greedy's first token makes it another."""
+    forced = client.completions.create(
+        model=DEFAULT_MODEL, prompt="Hello", max_tokens=4, temperature=0, logit_bias={"42": 100}
+    )
+    want = offline.get_tokenizer().decode([42] * 4)
+    assert forced.choices[0].text == want
+    first = offline.generate(["Hello"], _greedy(1), use_tqdm=False)[0].outputs[0].token_ids[0]
+    banned = client.completions.create(
+        model=DEFAULT_MODEL,
+        prompt="Hello",
+        max_tokens=1,
+        temperature=0,
+        logit_bias={str(first): -100},
+        logprobs=1,
+    )
+    assert banned.choices[0].logprobs is not None
+    assert banned.choices[0].text != offline.get_tokenizer().decode([first])
+
+
 def test_streaming_equals_whole(client: openai.OpenAI) -> None:
     args: dict[str, Any] = dict(model=DEFAULT_MODEL, max_tokens=20, temperature=0)
     whole = client.chat.completions.create(messages=QUESTION, **args)  # type: ignore[arg-type]
@@ -350,6 +371,9 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, stream: bool) -> Non
         ("/v1/chat/completions", {"messages": QUESTION, "stream": "maybe"}, 400, "stream"),
         ("/v1/completions", {"prompt": "hi", "stop_token_ids": [2**40]}, 400, "stop_token_ids"),
         ("/v1/completions", {"prompt": "hi", "n": 2**40}, 400, "max_num_seqs"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"x": 1}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": 300}}, 400, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "logit_bias": {"99999": 1}}, 400, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e999}, 400, "repetition"),
         (
             "/v1/chat/completions",

@@ -74,8 +74,12 @@ class _SamplingRequest(BaseModel):
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
     ) -> SamplingParams:
+        logit_bias = None
         if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+            try:  # OpenAI's keys are token ids as strings
+                logit_bias = {int(token): bias for token, bias in self.logit_bias.items()}
+            except ValueError:
+                raise APIError("logit_bias keys must be token ids", param="logit_bias") from None
         if self.temperature is not None and not 0 <= self.temperature <= 2:
             raise APIError(
                 f"temperature must be in [0, 2], got {self.temperature}", param="temperature"
@@ -106,6 +110,7 @@ class _SamplingRequest(BaseModel):
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
+                logit_bias=logit_bias,
                 **{k: v for k, v in optional.items() if v is not None},  # type: ignore[arg-type]
             )
         except ValueError as error:
