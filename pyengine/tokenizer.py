@@ -3,7 +3,9 @@ with the chat template rendered by jinja2 as transformers does."""
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from datetime import datetime
@@ -39,7 +41,37 @@ class PyengineTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not text.isascii():
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError:  # half of a UTF-16 pair, as a cut JavaScript string has
+                raise ValueError("the text is not valid Unicode (an unpaired surrogate)") from None
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes a token stands for, whole: a token that holds part of a character
+        (one of an emoji's) decodes to U+FFFD, but its bytes join up with its neighbours'
+        (OpenAI's logprobs "bytes")."""
+        piece = self.tokenizer.id_to_token(token_id) or ""
+        if self._byte_level and all(c in _BYTE_OF_CHAR for c in piece):
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)  # SentencePiece's byte fallback
+        if byte:
+            return bytes([int(byte.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")  # SentencePiece's word marker
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        return "ByteLevel" in type(self.tokenizer.decoder).__name__ or "ByteLevel" in str(
+            self.tokenizer.decoder
+        )
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """More characters than any token covers (twice the longest token's string: a
+        byte-level token's string has a character a byte), so that a text longer than n
+        times this has more than n tokens, known without tokenizing it."""
+        return 2 * max(map(len, self.tokenizer.get_vocab(with_added_tokens=True)), default=1)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
@@ -77,6 +109,18 @@ class PyengineTokenizer:
             eos_token=self._token(self.eos_token_id),
             **extra,
         )
+
+
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's characters for the 256 bytes (GPT-2's table), reversed: printable
+    bytes stand for themselves, the others for 256 and up, in order."""
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = (b for b in range(256) if b not in printable)
+    chars = {b: chr(b) for b in printable} | {b: chr(256 + n) for n, b in enumerate(extra)}
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
 
 
 def _render(template: str, **variables: Any) -> str:

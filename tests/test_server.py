@@ -352,7 +352,17 @@ def test_disconnect_aborts_and_frees_blocks(server: Server, stream: bool) -> Non
         ("/v1/completions", {"prompt": "hi", "temperature": 3}, 400, "temperature"),
         ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "gpt-4"),
-        ("/v1/completions", {"prompt": "word " * 1100}, 400, "max_model_len"),
+        ("/v1/completions", {"prompt": "word " * 1100}, 400, "maximum context length is 1024"),
+        ("/v1/completions", {"prompt": "word " * 400_000}, 400, "more than that many tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 1024}, 400, "(1 in the prompt, 1024"),
+        ("/v1/completions", {"prompt": "a \ud800 b"}, 400, "not valid Unicode"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "\udfff"}]},
+            400,
+            "not valid Unicode",
+        ),  # fmt: skip
+        ("/v1/completions", {"prompt": "hi", "model": "\ud800"}, 404, "does not exist"),
         ("/v1/completions", {"prompt": [1, 2, 10**9]}, 400, "vocabulary"),
         ("/v1/completions", {"prompt": []}, 400, "prompt"),
         ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
@@ -401,6 +411,51 @@ def test_bad_requests_answer_errors(
         "POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2})
     )
     assert ok == 200 and answer["usage"]["completion_tokens"] == 2
+
+
+def test_nulls_cors_model_lookup_and_unknown_routes(server: Server) -> None:
+    """null for fields OpenAI allows it in (the default); a browser's CORS preflight,
+    which carries no API key; GET /v1/models/{id}; errors in OpenAI's shape for routes
+    that do not exist."""
+    body = {"prompt": "hi", "max_tokens": 2, "n": None, "stream": None, "echo": None}
+    status, answer = server.request("POST", "/v1/completions", json.dumps(body))
+    assert status == 200 and answer["usage"]["completion_tokens"] == 2
+    chat = {"messages": QUESTION, "max_tokens": 2, "n": None, "logprobs": None, "stream": None}
+    status, answer = server.request("POST", "/v1/chat/completions", json.dumps(chat))
+    assert status == 200 and len(answer["choices"]) == 1
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    conn.request(
+        "OPTIONS",
+        "/v1/completions",
+        headers={"Origin": "http://example.com", "Access-Control-Request-Method": "POST"},
+    )
+    preflight = conn.getresponse()
+    preflight.read()
+    conn.close()
+    assert preflight.status == 200
+    assert preflight.getheader("access-control-allow-origin") in ("*", "http://example.com")
+    status, card = server.request("GET", f"/v1/models/{DEFAULT_MODEL}")
+    assert status == 200 and card["id"] == DEFAULT_MODEL and card["object"] == "model"
+    status, error = server.request("GET", "/v1/models/gpt-4")
+    assert status == 404 and "gpt-4" in error["error"]["message"]
+    status, error = server.request("GET", "/v1/nowhere")
+    assert status == 404 and error["error"]["code"] == 404
+
+
+def test_chat_logprob_bytes_join_into_the_text(client: openai.OpenAI, offline: LLM) -> None:
+    """Each logprob's bytes are its token's own, so they join up even where a character
+    spans tokens (which decode to U+FFFD one by one)."""
+    answer = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=QUESTION, max_tokens=12, temperature=0, logprobs=True
+    )
+    content = answer.choices[0].logprobs.content  # type: ignore[union-attr]
+    joined = b"".join(bytes(entry.bytes or []) for entry in content or [])
+    # (The last entry can be the end-of-turn token, which the text leaves out.)
+    assert joined.decode().removesuffix("<|im_end|>") == answer.choices[0].message.content
+    tokenizer = offline.get_tokenizer()
+    emoji = tokenizer.encode("a 😀 b", add_special_tokens=False)
+    assert "\ufffd" in tokenizer.token_text(emoji[1])  # half of the emoji
+    assert b"".join(tokenizer.token_bytes(t) for t in emoji).decode() == "a 😀 b"
 
 
 def test_malformed_json_and_missing_key(server: Server) -> None:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
@@ -19,9 +20,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyengine.async_engine import AsyncLLMEngine, EngineDeadError
 from pyengine.engine_args import EngineArgs
@@ -84,6 +87,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=["*"],
+        help="origins a browser may call the server from (CORS)",
+    )
+    parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
         help="let requests bring their own chat_template (a program the server runs)",
@@ -123,6 +132,7 @@ def build_app(
     chat_template: str | None = None,
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
+    allowed_origins: Sequence[str] = ("*",),
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan."""
     completions = CompletionServing(engine, served_model_names, chat_template)
@@ -145,11 +155,29 @@ def build_app(
     ) -> Response:
         if (
             api_key is not None
+            and request.method != "OPTIONS"  # a browser's CORS preflight carries no key
             and request.url.path.startswith("/v1")
             and request.headers.get("authorization") != f"Bearer {api_key}"
         ):
             return error_response(APIError("invalid or missing API key", status=401))
         return await call_next(request)
+
+    # After authenticate, so outside it: preflights are answered here (as vLLM's server).
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=allowed_origins,
+        allow_methods=["*"],
+        allow_headers=["*"],
+    )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
+        return error_response(APIError(str(error.detail), status=error.status_code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> Response:
+        logger.exception("a request failed")
+        return error_response(APIError(f"internal error: {type(error).__name__}", status=500))
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> Response:
@@ -173,19 +201,23 @@ def build_app(
 
         return {"version": __version__}
 
+    def model_card(name: str) -> dict[str, Any]:
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "pyengine",
+            "max_model_len": engine.config.max_model_len,
+        }
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        data = [
-            {
-                "id": name,
-                "object": "model",
-                "created": created,
-                "owned_by": "pyengine",
-                "max_model_len": engine.config.max_model_len,
-            }
-            for name in served_model_names
-        ]
-        return {"object": "list", "data": data}
+        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict[str, Any]:
+        completions.check_model(name)
+        return model_card(name)
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -203,7 +235,7 @@ def build_app(
         if body.messages is not None:
             _, tokens = await chat.render(body.messages, None, body.add_generation_prompt)
         else:
-            tokens = chat.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+            tokens = chat.encode(body.prompt or "", "prompt", body.add_special_tokens)
         max_model_len = engine.config.max_model_len
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
@@ -236,8 +268,12 @@ async def answer(raw: Request, work: Awaitable[Any]) -> Response:
     )
 
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+def error_response(error: APIError) -> Response:
+    # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
+    # encode (an unpaired surrogate).
+    return Response(
+        json.dumps(error.body()), status_code=error.status, media_type="application/json"
+    )
 
 
 def validation_error(error: RequestValidationError) -> APIError:
@@ -280,7 +316,13 @@ def serve(ns: argparse.Namespace) -> None:
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, on_step=metrics.on_step)
     app = build_app(
-        engine, names, ns.api_key, chat_template, metrics, ns.trust_request_chat_template
+        engine,
+        names,
+        ns.api_key,
+        chat_template,
+        metrics,
+        ns.trust_request_chat_template,
+        ns.allowed_origins,
     )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
     uvicorn.run(

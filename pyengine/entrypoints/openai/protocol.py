@@ -4,9 +4,9 @@ own clients send some by default; those that would change the output are refused
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pyengine.sampling_params import SamplingParams
 
@@ -48,6 +48,22 @@ class _SamplingRequest(BaseModel):
     """Fields completions and chat share."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        """OpenAI's API allows null for fields such as n, stream and echo (SDKs that send
+        every field do): it means the default, where the field itself cannot be None."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None
+            or key not in fields
+            or type(None) in get_args(fields[key].annotation)
+        }
 
     model: str | None = None
     n: int = 1

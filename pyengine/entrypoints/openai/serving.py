@@ -99,10 +99,47 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(str(error), param=param) from None
 
+    def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids. A text too long for max_model_len whatever its tokens is
+        refused untokenized: tokenizing megabytes holds the interpreter for seconds, and
+        every other request with it."""
+        max_model_len = self.engine.config.max_model_len
+        if len(text) > max_model_len * self.tokenizer.max_token_chars:
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your {param} has {len(text)} characters, more than that many tokens hold. "
+                f"Please reduce the length of the {param}.",
+                param=param,
+            )
+        try:
+            return self.tokenizer.encode(text, add_special_tokens)
+        except ValueError as error:
+            raise APIError(f"{param}: {error}", param=param) from None
+
+    def check_length(self, prompt: EncodedPrompt, params: SamplingParams, param: str) -> None:
+        """As vLLM's server: a prompt and max_tokens that together pass max_model_len are
+        refused (the offline API lets generation stop there instead)."""
+        max_model_len, asked = self.engine.config.max_model_len, len(prompt[1])
+        completion = params.max_tokens or 0
+        if asked >= max_model_len or asked + completion > max_model_len:
+            raise APIError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"you requested {asked + completion} tokens ({asked} in the {param}, "
+                f"{completion} in the completion). Please reduce the length of the {param} "
+                "or completion.",
+                param=param if asked >= max_model_len else "max_tokens",
+            )
+
     async def start(
-        self, prompts: list[EncodedPrompt], params: SamplingParams, request_id: str
+        self,
+        prompts: list[EncodedPrompt],
+        params: SamplingParams,
+        request_id: str,
+        prompt_param: str = "prompt",
     ) -> list[RequestStream]:
         """Queues every prompt; if one is refused, none stays queued."""
+        for prompt in prompts:
+            self.check_length(prompt, params, prompt_param)
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):

@@ -24,8 +24,8 @@ from pyengine.entrypoints.openai.serving import (
 from pyengine.outputs import PositionLogprobs
 
 
-def _logprob_entry(token: str, logprob: float) -> dict[str, Any]:
-    return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+def _logprob_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(raw)}
 
 
 class ChatServing(OpenAIServing):
@@ -68,7 +68,7 @@ class ChatServing(OpenAIServing):
             )
         except (jinja2.TemplateError, ValueError) as error:
             raise APIError(f"the chat template failed: {error}", param="messages") from None
-        return text, self.tokenizer.encode(text, False)
+        return text, self.encode(text, "messages", add_special_tokens=False)
 
     def logprobs_json(
         self, token_ids: list[int], positions: list[PositionLogprobs], top: int
@@ -76,12 +76,19 @@ class ChatServing(OpenAIServing):
         content = []
         for token, position in zip(token_ids, positions, strict=True):
             chosen = position[token]
-            ranked = sorted((lp for lp in position.values() if lp.rank <= top), key=_rank)
+            ranked = sorted(
+                ((t, lp) for t, lp in position.items() if lp.rank <= top),
+                key=lambda item: item[1].rank,
+            )
+            tokenizer = self.tokenizer
             entry = _logprob_entry(
-                chosen.decoded_token or self.tokenizer.token_text(token), chosen.logprob
+                chosen.decoded_token or tokenizer.token_text(token),
+                chosen.logprob,
+                tokenizer.token_bytes(token),
             )
             entry["top_logprobs"] = [
-                _logprob_entry(lp.decoded_token or "", lp.logprob) for lp in ranked
+                _logprob_entry(lp.decoded_token or "", lp.logprob, tokenizer.token_bytes(t))
+                for t, lp in ranked
             ]
             content.append(entry)
         return {"content": content}
@@ -98,7 +105,7 @@ class ChatServing(OpenAIServing):
             **request.chat_template_kwargs,
         )
         request_id = random_id("chatcmpl")
-        streams = await self.start([prompt], params, request_id)
+        streams = await self.start([prompt], params, request_id, "messages")
         if request.stream:
             return self._stream(request, model, request_id, prompt, streams), streams
         (result,) = await self.collect([prompt], streams, params.n)
@@ -168,7 +175,3 @@ class ChatServing(OpenAIServing):
         if request.include_usage:
             yield chunk([], usage=usage(len(prompt[1]), completion_tokens, cached))
         yield SSE_DONE
-
-
-def _rank(lp: Any) -> int:
-    return int(lp.rank)

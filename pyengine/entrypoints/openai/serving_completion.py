@@ -72,7 +72,7 @@ class CompletionServing(OpenAIServing):
         else:
             texts = None
         if texts is not None:
-            return [(t, self.tokenizer.encode(t)) for t in texts]
+            return [(t, self.encode(t, "prompt")) for t in texts]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
         # (The engine checks the ids as it queues them.)
