@@ -94,9 +94,7 @@ class PyengineTokenizer:
             raise ValueError(
                 "this model's tokenizer has no chat template; pass chat_template=... to chat()"
             )
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message:
-                raise ValueError(f"messages[{i}] must be a dict with a 'role' (and 'content')")
+        messages = [_template_message(i, message) for i, message in enumerate(messages)]
         reserved = sorted(extra.keys() & {"messages", "add_generation_prompt", "bos_token",
                                           "eos_token"})  # fmt: skip
         if reserved:
@@ -109,6 +107,30 @@ class PyengineTokenizer:
             eos_token=self._token(self.eos_token_id),
             **extra,
         )
+
+
+def _template_message(i: int, message: Any) -> Message:
+    """A message as chat templates take it: content one string (OpenAI's text parts
+    joined, None as empty)."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise ValueError(f"messages[{i}] must be a dict with a 'role' (and 'content')")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts: list[str] = []
+        for part in content:
+            if (
+                not isinstance(part, dict)
+                or part.get("type") != "text"
+                or not isinstance(part.get("text"), str)
+            ):
+                raise ValueError(f"messages[{i}]: only text content parts are supported")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise ValueError(f"messages[{i}]: content must be a string or a list of text parts")
+    return {**message, "content": content}
 
 
 def _byte_of_char() -> dict[str, int]:

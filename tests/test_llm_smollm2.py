@@ -120,5 +120,12 @@ def test_chat_answers_from_the_model(loaded) -> None:  # type: ignore[no-untyped
     question = [{"role": "user", "content": "Hi"}]
     with pytest.raises(ValueError, match="chat template failed: ZeroDivisionError"):
         llm.chat(question, chat_template="{{ 1/0 }}", use_tqdm=False)
-    with pytest.raises(ValueError, match="chat template failed: TypeError"):
-        llm.chat([{"role": "user", "content": None}], use_tqdm=False)
+    # OpenAI's content forms: text parts, as the same text; None, as empty.
+    params = SamplingParams(temperature=0, max_tokens=3)
+    parts = [{"type": "text", "text": t} for t in ("What is the capital", "of France?")]
+    as_parts = llm.chat([{"role": "user", "content": parts}], params, use_tqdm=False)[0]
+    joined = [{"role": "user", "content": "What is the capital\nof France?"}]
+    assert as_parts.prompt == llm.chat(joined, params, use_tqdm=False)[0].prompt
+    assert llm.chat([{"role": "user", "content": None}], params, use_tqdm=False)[0].outputs
+    with pytest.raises(ValueError, match="only text content parts"):
+        llm.chat([{"role": "user", "content": [{"type": "image_url"}]}], use_tqdm=False)
