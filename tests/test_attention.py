@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from pyengine import _C, paged_attention, reshape_and_cache
 
@@ -450,4 +451,21 @@ def test_bad_arguments_are_clear_errors() -> None:
         )
     with pytest.raises(TypeError, match="supports DLPack"):
         paged_attention(out, query.tolist(), key_cache, value_cache, *args, 0.1)
+    with pytest.raises(ValueError, match="logit_soft_cap finite"):
+        paged_attention(out, query, key_cache, value_cache, *args, 0.1, logit_soft_cap=math.inf)
+    shared_rows = torch.zeros(1, 1, out.shape[2]).expand(out.shape)  # one head's memory
+    with pytest.raises(ValueError, match="out is written, but its elements share memory"):
+        paged_attention(shared_rows, query, key_cache, value_cache, *args, 0.1)
     assert not out.any()  # nothing was written
+
+
+def test_no_query_tokens_is_nothing_to_do() -> None:
+    """Zero query tokens (no requests, or requests with no new tokens) return at once;
+    they divided by the number of tiles, 0, on a machine of several threads (SIGFPE)."""
+    key_cache, value_cache = torch.zeros(4, 1, 64, 16), torch.zeros(4, 1, 16, 64)
+    empty = torch.empty(0, 1, 64)
+    tables, i32 = torch.zeros(2, 1, dtype=torch.int32), torch.int32
+    paged_attention(empty, empty, key_cache, value_cache, tables[:0], torch.zeros(0, dtype=i32),
+                    torch.zeros(1, dtype=i32), 0.1)  # fmt: skip
+    paged_attention(empty, empty, key_cache, value_cache, tables, torch.tensor([3, 5], dtype=i32),
+                    torch.zeros(3, dtype=i32), 0.1)  # fmt: skip

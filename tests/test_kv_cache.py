@@ -245,3 +245,23 @@ def test_misaligned_token_arrays_are_copied() -> None:
     assert misaligned.ctypes.data % 4 != 0
     expected = compute_block_keys(np.arange(17, dtype=np.int32), 4)
     np.testing.assert_array_equal(compute_block_keys(misaligned, 4), expected)
+
+
+def test_rollback_into_blocks_another_request_shares_is_refused() -> None:
+    """b's prefix hit shares a's first two blocks: rolling b (or a) back into them would
+    take them out of the prefix index under the other request. Refused, nothing changed."""
+    kv = KVCacheManager(8, 4)
+    kv.add_request("a", list(range(9)))
+    kv.allocate_slots("a", 9)
+    kv.add_request("b", list(range(10)))
+    hit = kv.get_computed_blocks("b")
+    assert hit.num_computed_tokens == 8
+    kv.allocate_slots("b", 2, 0, hit)
+    for request in ("b", "a"):
+        with pytest.raises(ValueError, match="inside blocks other requests share"):
+            kv.rollback(request, 0)
+    kv.rollback("b", 8)  # b's own block only
+    kv.free("b")
+    kv.rollback("a", 0)  # a alone holds them now
+    kv.free("a")
+    assert kv.stats().num_used_blocks == 0

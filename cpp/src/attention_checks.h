@@ -61,9 +61,23 @@ inline void check_rows_on(const TensorView& t, const Device& device, const char*
   check_device(t, device, op, name);
   check_shape(t, op, name, ndim);
   check_dtype(t, dtype, op, name);
-  if (t.strides[ndim - 1] != 1) throw InvalidArgument(arg(op, name) + " needs a dense last dim");
-  if (ndim == 3 && t.strides[1] != t.shape[2]) {
+  // (A dim of size 1 may have any stride: torch calls such a tensor contiguous.)
+  if (t.strides[ndim - 1] != 1 && t.shape[ndim - 1] > 1) {
+    throw InvalidArgument(arg(op, name) + " needs a dense last dim");
+  }
+  if (ndim == 3 && t.strides[1] != t.shape[2] && t.shape[1] > 1) {
     throw InvalidArgument(arg(op, name) + " must have dense heads ([tokens, heads, d] rows)");
+  }
+}
+
+// A tensor an op writes: no two of its elements may share memory (a stride of 0, as
+// torch's `expand` makes, would have them written as one).
+inline void check_writable(const TensorView& t, const char* op, const char* name) {
+  for (int d = 0; d < t.ndim; ++d) {
+    if (t.shape[d] > 1 && t.strides[d] == 0) {
+      throw InvalidArgument(arg(op, name) + " is written, but its elements share memory (" +
+                            t.describe() + ")");
+    }
   }
 }
 

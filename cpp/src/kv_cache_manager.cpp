@@ -288,9 +288,13 @@ void KVCacheManager::rollback(const RequestId& id, int num_computed_tokens) {
                  "rollback: num_computed_tokens must be in [0, the request's current count]");
   const int size = block_size();
   const int num_full = num_computed_tokens / size;
-  // Blocks this request cached that now hold uncomputed positions. They were written by
-  // this request alone (a shared block is copied before it is written), so nobody else
-  // relies on their entries.
+  // Blocks this request cached that now hold uncomputed positions. Only blocks it holds
+  // alone may be given back: a block another table holds too (a prefix hit) is that
+  // request's cached content as well.
+  for (int i = num_full; i < request.num_cached_blocks; ++i) {
+    check_argument(pool_.ref_count(request.block_table[static_cast<size_t>(i)]) == 1,
+                   "rollback: num_computed_tokens is inside blocks other requests share");
+  }
   for (int i = num_full; i < request.num_cached_blocks; ++i) {
     pool_.uncache(request.block_table[static_cast<size_t>(i)]);
   }

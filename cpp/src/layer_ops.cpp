@@ -52,11 +52,13 @@ void dispatch(DType dtype, F&& f) {
 }
 
 void check_norm_args(const char* op, const TensorView& x, const TensorView& other,
-                     const char* other_name, const TensorView& weight, float eps) {
+                     const char* other_name, const TensorView& weight, float eps, bool writes_x) {
   check_float_dtype(x, op, "x");
   check_rows_on(x, x.device, op, "x", 2, x.dtype);
   check_rows_on(other, x.device, op, other_name, 2, x.dtype);
   check_rows_on(weight, x.device, op, "weight", 1, x.dtype);
+  detail::check_writable(other, op, other_name);
+  if (writes_x) detail::check_writable(x, op, "x");
   if (other.shape[0] != x.shape[0] || other.shape[1] != x.shape[1] ||
       weight.shape[0] != x.shape[1]) {
     throw InvalidArgument(std::string(op) + ": x " + x.describe() + ", " + other_name + " " +
@@ -138,7 +140,7 @@ void for_each_norm_row(const TensorView& weight, int64_t rows, int64_t n, Body&&
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
               void* stream) {
-  check_norm_args("rms_norm", x, out, "out", weight, eps);
+  check_norm_args("rms_norm", x, out, "out", weight, eps, false);
   if (on_cuda(x.device, "rms_norm")) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::rms_norm(out, x, weight, eps, stream);
@@ -160,7 +162,7 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         float eps, void* stream) {
-  check_norm_args("fused_add_rms_norm", x, residual, "residual", weight, eps);
+  check_norm_args("fused_add_rms_norm", x, residual, "residual", weight, eps, true);
   if (on_cuda(x.device, "fused_add_rms_norm")) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::fused_add_rms_norm(x, residual, weight, eps, stream);
@@ -188,6 +190,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   check_rows_on(query, query.device, op, "query", 3, query.dtype);
   check_rows_on(key, query.device, op, "key", 3, query.dtype);
   check_rows_on(cos_sin_cache, query.device, op, "cos_sin_cache", 2, DType::kFloat32);
+  detail::check_writable(query, op, "query");
+  detail::check_writable(key, op, "key");
   detail::check_device(positions, query.device, op, "positions");
   detail::check_shape(positions, op, "positions", 1);
   if (positions.dtype != DType::kInt32 && positions.dtype != DType::kInt64) {
@@ -265,6 +269,7 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   check_float_dtype(x, op, "x");
   check_rows_on(x, x.device, op, "x", 2, x.dtype);
   check_rows_on(out, x.device, op, "out", 2, x.dtype);
+  detail::check_writable(out, op, "out");
   const int64_t rows = x.shape[0], n = out.shape[1];
   if (out.shape[0] != rows || x.shape[1] != 2 * n) {
     throw InvalidArgument(std::string(op) + ": need x [tokens, 2n] and out [tokens, n], got x " +

@@ -119,8 +119,10 @@ WorkPlan& plan_work(const int32_t* qsl, const int32_t* lens, int64_t num_reqs, i
   }
   const int64_t threads = max_threads();
   const auto num_tiles = static_cast<int64_t>(plan.tiles.size());
-  const int64_t wanted_parts =
-      threads > 1 && num_tiles < 2 * threads ? (4 * threads + num_tiles - 1) / num_tiles : 1;
+  // (No tiles: no query tokens, nothing to split.)
+  const int64_t wanted_parts = threads > 1 && 0 < num_tiles && num_tiles < 2 * threads
+                                   ? (4 * threads + num_tiles - 1) / num_tiles
+                                   : 1;
   const int64_t min_part_blocks = std::max<int64_t>(1, kMinSplitTokens / block_size);
   for (const Tile& t : plan.tiles) {
     const int64_t first_pos =
@@ -183,6 +185,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                             t->describe());
     }
   }
+  detail::check_writable(out, op, "out");
   if (out.shape[0] != query.shape[0] || out.shape[1] != query.shape[1]) {
     throw InvalidArgument(std::string(op) + ": out " + out.describe() + " differs from query " +
                           query.describe());
@@ -204,9 +207,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           "block_tables [num_reqs, max_blocks]");
   }
   if (!std::isfinite(options.scale) || options.sliding_window < 0 ||
-      !(options.logit_soft_cap >= 0)) {
+      !(options.logit_soft_cap >= 0) || !std::isfinite(options.logit_soft_cap)) {
     throw InvalidArgument(std::string(op) +
-                          ": scale must be finite, sliding_window and logit_soft_cap >= 0");
+                          ": scale must be finite, sliding_window >= 0 and logit_soft_cap "
+                          "finite and >= 0");
   }
   if (detail::on_cuda(device, op)) {  // the metadata stay on the device: see paged_attention.h
 #ifdef PYENGINE_WITH_CUDA

@@ -281,6 +281,7 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
 void check_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
   check_rows(x, op, "x", 2, DType::kFloat32);
   check_rows(out, op, "out", 2, DType::kFloat32);
+  detail::check_writable(out, op, "out");
   if (out.shape[0] != x.shape[0] || out.shape[1] != n) {
     throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(x.shape[0]) + ", " +
                           std::to_string(n) + "], got " + out.describe());
@@ -388,6 +389,7 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
   const bool split = packed.dtype == DType::kBFloat16;
   const Panels panels = split ? Panels{} : check_packed(op, packed, k, n, false, "pack_weight");
   const bool has_bias = bias.data != nullptr;
+  if (has_bias) detail::check_cpu(bias, op, "bias");
   if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
                    bias.strides[0] != 1)) {
     throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
