@@ -154,3 +154,81 @@ def test_a_size_one_dim_may_have_any_stride() -> None:
     out = torch.randn(1, 3).t()  # [3, 1], strides (1, 3)
     ops.dense(out, x, packed, None, 1)
     assert torch.allclose(out, x @ w_t, atol=1e-4)
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 77])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 960), (100, 70), (33, 5)])
+def test_dense_matches_float64(m: int, k: int, n: int) -> None:
+    w_t = torch.randn(k, n)
+    packed = torch.full((_C.packed_weight_size(k, n),), float("nan"))
+    _C.pack_weight(packed, w_t)
+    x = torch.randn(m, k)
+    bias = torch.randn(n)
+    for b in (None, bias):
+        out = torch.full((m, n), float("nan"))
+        ops.dense(out, x, packed, b, n)
+        want = x.double() @ w_t.double() + (0 if b is None else b.double())
+        assert rel_error(out, want) < 1e-5
+
+
+@pytest.mark.parametrize("m", [1, 3, 8, 32, 77, 200])
+@pytest.mark.parametrize(("k", "n"), [(64, 48), (576, 1536), (100, 70), (33, 5)])
+def test_dense_silu_and_mul_matches_float64(m: int, k: int, n: int) -> None:
+    w_t = torch.randn(k, 2 * n)
+    packed = torch.full((2 * _C.packed_weight_size(k, n),), float("nan"))
+    _C.pack_gate_up_weight(packed, w_t)
+    x = torch.randn(m, k)
+    out = torch.full((m, n), float("nan"))
+    ops.dense_silu_and_mul(out, x, packed, n)
+    gate_up = x.double() @ w_t.double()
+    want = torch.nn.functional.silu(gate_up[:, :n]) * gate_up[:, n:]
+    assert rel_error(out, want) < 1e-5
+    # The activation rounds as the separate op's, over the same float32 product.
+    separate = torch.empty(m, n)
+    product = torch.empty(m, 2 * n)
+    dense_packed = torch.empty(_C.packed_weight_size(k, 2 * n))
+    _C.pack_weight(dense_packed, w_t)
+    ops.dense(product, x, dense_packed, None, 2 * n)
+    ops.silu_and_mul(separate, product)
+    assert torch.equal(out, separate)
+
+
+@pytest.mark.parametrize(("m", "k"), [(0, 64), (5, 0)])
+def test_dense_of_empty_operands(m: int, k: int) -> None:
+    """No rows, or no inner dimension (a product of zeros: the bias, or zero)."""
+    n = 50
+    packed = torch.empty(_C.packed_weight_size(k, n))
+    _C.pack_weight(packed, torch.randn(k, n))
+    bias = torch.randn(n)
+    out = torch.full((m, n), float("nan"))
+    ops.dense(out, torch.randn(m, k), packed, bias, n)
+    assert torch.equal(out, bias.expand(m, n))
+    gate_up = torch.empty(2 * _C.packed_weight_size(k, n))
+    _C.pack_gate_up_weight(gate_up, torch.randn(k, 2 * n))
+    out = torch.full((m, n), float("nan"))
+    ops.dense_silu_and_mul(out, torch.randn(m, k), gate_up, n)
+    assert torch.equal(out, torch.zeros(m, n))
+
+
+def test_dense_bad_arguments() -> None:
+    w_t = torch.randn(64, 50)
+    packed = torch.empty(_C.packed_weight_size(64, 50))
+    _C.pack_weight(packed, w_t)
+    with pytest.raises(ValueError, match="packed must be a packed"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 63), packed, None, 50)
+    with pytest.raises(ValueError, match=r"out must be \[2, 50\]"):
+        ops.dense(torch.empty(2, 49), torch.randn(2, 64), packed, None, 50)
+    with pytest.raises(ValueError, match="bias must be dense float32"):
+        ops.dense(torch.empty(2, 50), torch.randn(2, 64), packed, torch.randn(49), 50)
+    with pytest.raises(ValueError, match="packed must be dense float32"):
+        _C.pack_weight(torch.empty(10), w_t)
+    gate_up = torch.empty(2 * _C.packed_weight_size(64, 25))
+    with pytest.raises(ValueError, match=r"w_t must be \[k, 2n\]"):
+        _C.pack_gate_up_weight(gate_up, torch.randn(64, 49))
+    with pytest.raises(ValueError, match="packed must be dense float32"):
+        _C.pack_gate_up_weight(torch.empty(10), w_t)
+    _C.pack_gate_up_weight(gate_up, w_t)
+    with pytest.raises(ValueError, match=r"packed must be a packed .*\(pack_gate_up_weight\)"):
+        ops.dense_silu_and_mul(torch.empty(2, 25), torch.randn(2, 64), gate_up[:-1], 25)
+    with pytest.raises(ValueError, match=r"out must be \[2, 25\]"):
+        ops.dense_silu_and_mul(torch.empty(2, 50), torch.randn(2, 64), gate_up, 25)
