@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from pyengine.sampling_params import is_int, is_real
 
 # The architectures this engine runs, by the name in a Hugging Face config.json.
 LLAMA_LIKE = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -49,7 +50,7 @@ class ModelConfig:
                     "max_position_embeddings")  # fmt: skip
         for name in positive:
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
@@ -58,9 +59,9 @@ class ModelConfig:
             )
         for name in ("norm_eps", "rope_theta"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+            if not is_real(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive number, got {value!r}")
-        if not _is_int(self.sliding_window) or self.sliding_window < 0:
+        if not is_int(self.sliding_window) or self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window!r}")
         _check_rope_scaling(self.rope_scaling)
 
@@ -194,7 +195,7 @@ def _check_rope_scaling(scaling: Any) -> None:
     if kind == "freq_divisors":
         values = list(scaling.get("divisors") or [None])
     for value in values:
-        if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+        if not is_real(value) or value <= 0:
             raise ValueError(f"rope_scaling {kind!r} needs positive numbers, got {scaling!r:.120}")
     if kind == "llama3" and scaling["high_freq_factor"] <= scaling["low_freq_factor"]:
         raise ValueError("rope_scaling 'llama3': high_freq_factor must exceed low_freq_factor")
@@ -213,10 +214,6 @@ def _integer(value: Any) -> int:
     ):
         raise ValueError(f"{value!r} where an integer belongs")
     return int(value)
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _ids(value: Any) -> tuple[int, ...]:

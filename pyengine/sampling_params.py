@@ -42,36 +42,36 @@ class SamplingParams:
         strings = isinstance(stop, list | tuple) and all(isinstance(s, str) for s in stop)
         stop_ok = (stop is None or isinstance(stop, str) or strings) and all(self.stop_strings)
         checks: list[tuple[str, bool, str]] = [
-            ("n", _is_int(self.n) and self.n >= 1, "an integer >= 1"),
-            ("temperature", _is_real(self.temperature) and self.temperature >= 0, ">= 0"),
-            ("top_p", _is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
-            ("top_k", _is_int(self.top_k) and self.top_k >= 0, "-1, 0 (all) or >= 1"),
-            ("min_p", _is_real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
-            ("presence_penalty", _is_real(self.presence_penalty)
+            ("n", is_int(self.n) and self.n >= 1, "an integer >= 1"),
+            ("temperature", is_real(self.temperature) and self.temperature >= 0, ">= 0"),
+            ("top_p", is_real(self.top_p) and 0 < self.top_p <= 1, "in (0, 1]"),
+            ("top_k", is_int(self.top_k) and self.top_k >= 0, "-1, 0 (all) or >= 1"),
+            ("min_p", is_real(self.min_p) and 0 <= self.min_p <= 1, "in [0, 1]"),
+            ("presence_penalty", is_real(self.presence_penalty)
              and -2 <= self.presence_penalty <= 2, "in [-2, 2]"),
-            ("frequency_penalty", _is_real(self.frequency_penalty)
+            ("frequency_penalty", is_real(self.frequency_penalty)
              and -2 <= self.frequency_penalty <= 2, "in [-2, 2]"),
-            ("repetition_penalty", _is_real(self.repetition_penalty)
+            ("repetition_penalty", is_real(self.repetition_penalty)
              and self.repetition_penalty > 0, "> 0 (and finite)"),
-            ("seed", self.seed is None or _is_int(self.seed), "an integer or None"),
-            ("max_tokens", self.max_tokens is None or (_is_int(self.max_tokens)
+            ("seed", self.seed is None or is_int(self.seed), "an integer or None"),
+            ("max_tokens", self.max_tokens is None or (is_int(self.max_tokens)
              and self.max_tokens >= 1), "an integer >= 1 or None"),
-            ("min_tokens", _is_int(self.min_tokens) and self.min_tokens >= 0
+            ("min_tokens", is_int(self.min_tokens) and self.min_tokens >= 0
              and (self.max_tokens is None or self.min_tokens <= self.max_tokens),
              "an integer in [0, max_tokens]"),
-            ("logprobs", self.logprobs is None or (_is_int(self.logprobs)
+            ("logprobs", self.logprobs is None or (is_int(self.logprobs)
              and self.logprobs >= 0), "an integer >= 0 or None"),
-            ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+            ("prompt_logprobs", self.prompt_logprobs is None or (is_int(self.prompt_logprobs)
              and self.prompt_logprobs >= 0), "an integer >= 0 or None"),
             ("stop", stop_ok, "a non-empty string or a list of them"),
             ("stop_token_ids", self.stop_token_ids is None or (
              isinstance(self.stop_token_ids, list | tuple)
-             and all(_is_int(t) and t >= 0 for t in self.stop_token_ids)),
+             and all(is_int(t) and t >= 0 for t in self.stop_token_ids)),
              "a list of token ids >= 0"),
         ]  # fmt: skip
         bias = self.logit_bias
         checks.append(("logit_bias", bias is None or isinstance(bias, dict) and all(
-            _is_int(t) and t >= 0 and _is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
+            is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
             "a dict of token ids >= 0 to numbers in [-100, 100]"))  # fmt: skip
         checks += [(name, isinstance(getattr(self, name), bool), "True or False")
                    for name in ("ignore_eos", "skip_special_tokens",
@@ -95,10 +95,10 @@ class SamplingParams:
 GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
-def _is_int(value: object) -> bool:
+def is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def is_real(value: object) -> bool:
     """A finite number (not a bool, NaN or infinity)."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

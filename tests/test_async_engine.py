@@ -8,23 +8,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_engine_rows import TINY_LLAMA
 
 from pyengine import SamplingParams
 from pyengine.async_engine import AsyncLLMEngine
 from pyengine.engine_args import EngineArgs
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-}
 
 
 def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(

@@ -74,13 +74,13 @@ class ChatServing(OpenAIServing):
         self, token_ids: list[int], positions: list[PositionLogprobs], top: int
     ) -> dict[str, Any]:
         content = []
+        tokenizer = self.tokenizer
         for token, position in zip(token_ids, positions, strict=True):
             chosen = position[token]
             ranked = sorted(
                 ((t, lp) for t, lp in position.items() if lp.rank <= top),
                 key=lambda item: item[1].rank,
             )
-            tokenizer = self.tokenizer
             entry = _logprob_entry(
                 chosen.decoded_token or tokenizer.token_text(token),
                 chosen.logprob,
