@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import print_table  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.layers.linear import DenseWeight, GatedDense  # noqa: E402
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model  # noqa: E402
-from pyengine.models.layers import DenseWeight, GatedDense  # noqa: E402
 
 
 def matmul_ceiling() -> float:
@@ -76,7 +76,7 @@ def hf_model(model: str) -> torch.nn.Module:
 
 def single_decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of matmul weights a one-row decode step reads on the CPU: the block-quantized
-    form where a weight has one (models/layers.py), else its float32 panels."""
+    form where a weight has one (layers/linear.py), else its float32 panels."""
     total = 0
     for module in model.modules():
         for part in vars(module).values():

@@ -65,7 +65,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # LLM needs torch: `import pyengine` stays light for users of the native core alone.
     if name == "LLM":
-        from pyengine.llm import LLM
+        from pyengine.entrypoints.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'pyengine' has no attribute {name!r}")

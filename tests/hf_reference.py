@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from pyengine import LLM
-from pyengine.attention import AttentionMetadata
 from pyengine.config import ModelConfig
+from pyengine.layers.attention import AttentionMetadata
 
 
 def hf_config(c: ModelConfig) -> object:

@@ -11,8 +11,8 @@ import pytest
 from test_engine_rows import TINY_LLAMA
 
 from pyengine import SamplingParams
-from pyengine.async_engine import AsyncLLMEngine
-from pyengine.engine_args import EngineArgs
+from pyengine.engine.async_engine import AsyncLLMEngine
+from pyengine.engine.engine_args import EngineArgs
 
 
 def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from pyengine import LLM, SamplingParams, built_with_cuda
-from pyengine.cuda_graphs import MAX_CAPTURED_BATCH, capture_sizes
+from pyengine.worker.cuda_graphs import MAX_CAPTURED_BATCH, capture_sizes
 
 on_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and built_with_cuda()),

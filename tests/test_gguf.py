@@ -17,9 +17,9 @@ from gguf.quants import dequantize, quantize  # noqa: E402
 from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine.layers.rotary import inverse_frequencies  # noqa: E402
 from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
-from pyengine.models.rotary import inverse_frequencies  # noqa: E402
 
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
 # The tiny Llama's 4-bit matrices (in layer 1; the rest are Q8_0)

@@ -1,4 +1,4 @@
-"""Host memory on transparent huge pages (pyengine.host_memory)."""
+"""Host memory on transparent huge pages (pyengine.utils.host_memory)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pyengine import host_memory
-from pyengine.host_memory import (
+from pyengine.utils import host_memory
+from pyengine.utils.host_memory import (
     ALIGNMENT,
     HUGE_PAGE_BYTES,
     HugePageArena,
@@ -131,7 +131,7 @@ def test_empty_uses_the_active_arena_only_inside_the_block() -> None:
 def test_packed_model_weights_live_on_arena_chunks() -> None:
     """prepare_dense packs every weight inside one arena: neighbouring weights share
     2 MB-aligned chunks rather than scattered small allocations."""
-    from pyengine.models.layers import DenseWeight, Placement, prepare_dense
+    from pyengine.layers.linear import DenseWeight, Placement, prepare_dense
 
     model = torch.nn.Module()
     model.embed_tokens = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pyengine import _C, ops
-from pyengine.loader.block_quantized import BLOCK, BlockQuantized
-from pyengine.models.layers import pack_block_quantized
+from pyengine.layers.block_quantized import BLOCK, BlockQuantized
+from pyengine.layers.linear import pack_block_quantized
 
 
 def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:

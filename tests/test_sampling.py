@@ -10,7 +10,7 @@ from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sampler import (
+from pyengine.sample.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,

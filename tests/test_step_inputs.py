@@ -13,9 +13,9 @@ import torch
 from test_engine_rows import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams, Scheduler, StepBuffers
-from pyengine.cuda_graphs import DecodeGraphs
-from pyengine.model_runner import ModelRunner
-from pyengine.step_inputs import DeviceStep, StepInputs
+from pyengine.worker.cuda_graphs import DecodeGraphs
+from pyengine.worker.model_runner import ModelRunner
+from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 BLOCK = 4
 MAX_LEN = 64

@@ -12,8 +12,8 @@ import sys
 import uuid
 from collections.abc import Iterator
 
-from pyengine.engine import LLMEngine
-from pyengine.engine_args import EngineArgs
+from pyengine.engine.engine_args import EngineArgs
+from pyengine.engine.llm_engine import LLMEngine
 from pyengine.entrypoints.openai.api_server import add_server_arguments, serve
 from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.sampling_params import SamplingParams

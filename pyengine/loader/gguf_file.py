@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from pyengine.loader.block_quantized import BlockQuantized, from_gguf_blocks, is_block_quantized
+from pyengine.layers.block_quantized import BlockQuantized, from_gguf_blocks, is_block_quantized
 
 _MAGIC = b"GGUF"
 _SCALARS = {  # GGUF value type -> struct format

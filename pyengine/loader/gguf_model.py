@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pyengine.config import ModelConfig
-from pyengine.loader.block_quantized import BlockQuantized
+from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFError, GGUFFile
 
 _ARCHITECTURES = {

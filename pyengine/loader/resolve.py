@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from pyengine.config import ModelConfig
-from pyengine.loader.block_quantized import BlockQuantized
+from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFFile
 from pyengine.loader.gguf_model import (
     block_quantized_from_gguf,

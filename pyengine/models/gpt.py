@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.models.layers import DenseWeight, Placement, parameter, prepare_dense
+from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from pyengine.layers.linear import DenseWeight, Placement, parameter, prepare_dense
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,

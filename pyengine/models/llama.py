@@ -14,11 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine import ops
-from pyengine.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.config import ModelConfig
-from pyengine.loader.block_quantized import BlockQuantized
-from pyengine.models.layers import DenseWeight, GatedDense, Placement, parameter, prepare_dense
-from pyengine.models.rotary import RotaryEmbedding
+from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear import DenseWeight, GatedDense, Placement, parameter, prepare_dense
+from pyengine.layers.rotary import RotaryEmbedding
 
 
 class RMSNorm(nn.Module):

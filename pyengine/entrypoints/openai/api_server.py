@@ -26,8 +26,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pyengine.async_engine import AsyncLLMEngine, EngineDeadError
-from pyengine.engine_args import EngineArgs
+from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pyengine.engine.engine_args import EngineArgs
+from pyengine.entrypoints.openai.metrics import EngineMetrics
 from pyengine.entrypoints.openai.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -39,7 +40,6 @@ from pyengine.entrypoints.openai.serving import close_all, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
 from pyengine.loader.resolve import DEFAULT_MODEL
-from pyengine.metrics import EngineMetrics
 
 logger = logging.getLogger("pyengine")
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import jinja2
 
-from pyengine.async_engine import RequestStream
+from pyengine.engine.async_engine import RequestStream
 from pyengine.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,

@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
 
-from pyengine.async_engine import RequestStream
+from pyengine.engine.async_engine import RequestStream
 from pyengine.entrypoints.openai.protocol import APIError, CompletionRequest
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,

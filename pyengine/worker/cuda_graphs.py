@@ -11,12 +11,12 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pyengine.attention import AttentionMetadata, KVCache
+from pyengine.layers.attention import AttentionMetadata, KVCache
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
-    from pyengine.model_runner import CausalLM
-    from pyengine.step_inputs import StepInputs
+    from pyengine.worker.model_runner import CausalLM
+    from pyengine.worker.step_inputs import StepInputs
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.
 MAX_CAPTURED_BATCH = 512

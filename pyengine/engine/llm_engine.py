@@ -15,11 +15,10 @@ import torch
 
 from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
-from pyengine.detokenizer import IncrementalDetokenizer
+from pyengine.engine.detokenizer import IncrementalDetokenizer
 from pyengine.loader.resolve import LoadedModel
-from pyengine.model_runner import ModelRunner
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
-from pyengine.sampler import (
+from pyengine.sample.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,
@@ -28,6 +27,7 @@ from pyengine.sampler import (
 )
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
+from pyengine.worker.model_runner import ModelRunner
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:

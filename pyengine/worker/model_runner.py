@@ -9,16 +9,16 @@ import numpy as np
 import torch
 
 from pyengine import _C, StepBuffers, ops
-from pyengine.attention import AttentionMetadata, KVCache
 from pyengine.config import LLAMA_LIKE, EngineConfig
-from pyengine.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
-from pyengine.host_memory import huge_page_tensor
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.linear import Placement
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.gpt import LearnedPositionDecoder
-from pyengine.models.layers import Placement
 from pyengine.models.llama import LlamaForCausalLM
-from pyengine.sampler import Sampler, heaviest_rows
-from pyengine.step_inputs import DeviceStep, StepInputs
+from pyengine.sample.sampler import Sampler, heaviest_rows
+from pyengine.utils.host_memory import huge_page_tensor
+from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
+from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 CausalLM = LlamaForCausalLM | LearnedPositionDecoder
 

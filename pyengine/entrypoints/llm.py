@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Sequence
 from typing import Any
 
-from pyengine.engine_args import EngineArgs
+from pyengine.engine.engine_args import EngineArgs
 from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams

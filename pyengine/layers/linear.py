@@ -11,8 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine import _C, host_memory, ops
-from pyengine.loader.block_quantized import BlockQuantized
+from pyengine import _C, ops
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.utils import host_memory
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pyengine.engine import LLMEngine
+from pyengine.engine.llm_engine import LLMEngine
 from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams
 

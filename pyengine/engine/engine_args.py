@@ -8,9 +8,9 @@ import torch
 
 from pyengine import built_with_cuda
 from pyengine.config import EngineConfig, default_kv_cache_memory, kv_cache_dtype_supported
-from pyengine.engine import LLMEngine
+from pyengine.engine.llm_engine import LLMEngine
+from pyengine.layers.linear import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
-from pyengine.models.layers import Placement
 
 
 @dataclass
