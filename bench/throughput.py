@@ -172,10 +172,10 @@ def main() -> None:
             theirs = min(theirs, run_hf(hf, prompts, args.output_len, args.hf_batch))
         ceiling, bandwidth = max(ceiling, matmul_ceiling()), max(bandwidth, read_bandwidth())
 
-    num_params = llm.engine.runner.model.num_parameters
+    num_params = llm.engine.executor.driver_worker.model_runner.model.num_parameters
     ceiling_tokens = ceiling / (2 * num_params)
     decode_bound = bandwidth / (num_params * 4)
-    streamed = single_decode_weight_bytes(llm.engine.runner.model)
+    streamed = single_decode_weight_bytes(llm.engine.executor.driver_worker.model_runner.model)
 
     total = generated + prompt_tokens
     rows = [
@@ -205,7 +205,8 @@ def main() -> None:
     print(
         f"# Offline throughput: {args.model}, {args.num_prompts} prompts of {args.min_len}-"
         f"{args.max_len} tokens ({prompt_tokens} in all), {args.output_len} output tokens each, "
-        f"float32, KV cache {llm.engine.runner.cache_dtype}, {torch.get_num_threads()} threads, "
+        f"float32, KV cache {llm.engine.executor.driver_worker.model_runner.cache_dtype}, "
+        f"{torch.get_num_threads()} threads, "
         f"best of {args.rounds} rounds"
     )
     print(

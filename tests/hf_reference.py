@@ -23,10 +23,10 @@ def hf_config(c: ModelConfig) -> object:
         vocab_size=c.vocab_size,
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_hidden_layers,
-        num_attention_heads=c.num_attention_heads,
-        num_key_value_heads=c.num_key_value_heads,
-        head_dim=c.head_dim,
+        num_hidden_layers=c.num_layers,
+        num_attention_heads=c.num_heads,
+        num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_size,
         max_position_embeddings=c.max_position_embeddings,
         rms_norm_eps=c.norm_eps,
         rope_theta=c.rope_theta,
@@ -64,7 +64,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
 
 def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.model_runner
     n = len(tokens)
     blocks = -(-n // runner.block_size)
     meta = AttentionMetadata(

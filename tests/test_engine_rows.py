@@ -42,9 +42,11 @@ def tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> 
 
 def assert_nothing_left(llm: LLM) -> None:
     engine = llm.engine
-    assert not engine.requests and not engine._by_row_id
-    assert not engine._unscheduled and not engine._prompt_logprobs
-    assert not engine._sampled_rows
+    assert not engine.requests and not engine.output_processor.by_row_id
+    core = engine.core
+    assert not core._rows and not core._live_rows
+    assert not core._unscheduled and not core._prompt_logprobs
+    assert not core._sampled_rows
 
 
 def test_min_tokens_blocks_a_stop_token_then_greedy_resumes(llm: LLM) -> None:

@@ -266,12 +266,12 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
     # Decode steps multiply from the block form: q/k/v and gate/up fused from 4- and 8-bit
     # parts (8-bit then), down 4-bit in layer 1.
-    model = llm.engine.runner.model
+    model = llm.engine.executor.driver_worker.model_runner.model
     layer = model.layers[1]
-    assert layer.self_attn.qkv.packed_blocks.dtype == torch.int8
-    assert layer.mlp.gate_up.packed_blocks.dtype == torch.int8
-    assert layer.mlp.down.packed_blocks.dtype == torch.uint8
-    assert model.head.packed_blocks is not None
+    assert layer.self_attn.qkv_proj.packed_blocks.dtype == torch.int8
+    assert layer.mlp.gate_up_proj.packed_blocks.dtype == torch.int8
+    assert layer.mlp.down_proj.packed_blocks.dtype == torch.uint8
+    assert model.lm_head.packed_blocks is not None
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("héllo, wörld")) == "héllo, wörld"
     prompts = ["hello there", "a longer prompt of some more bytes"]

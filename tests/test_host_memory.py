@@ -129,17 +129,27 @@ def test_empty_uses_the_active_arena_only_inside_the_block() -> None:
 
 
 def test_packed_model_weights_live_on_arena_chunks() -> None:
-    """prepare_dense packs every weight inside one arena: neighbouring weights share
-    2 MB-aligned chunks rather than scattered small allocations."""
-    from pyengine.layers.linear import DenseWeight, Placement, prepare_dense
+    """process_weights_after_loading packs every weight inside one arena: neighbouring
+    weights share 2 MB-aligned chunks rather than scattered small allocations."""
+    from pyengine.layers.linear import (
+        ColumnParallelLinear,
+        LayerContext,
+        process_weights_after_loading,
+    )
+    from pyengine.layers.placement import Placement
+    from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
+    ctx = LayerContext()
     model = torch.nn.Module()
-    model.embed_tokens = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
-    model.proj = torch.nn.Parameter(torch.randn(48, 32), requires_grad=False)
-    weight, embeddings = model.proj.clone(), model.embed_tokens.clone()
-    prepare_dense(model, {"proj": "proj_dense"}, tied_head=True, placement=Placement())
-    proj, head = model.proj_dense, model.head
-    assert isinstance(proj, DenseWeight) and isinstance(head, DenseWeight)
+    model.embed_tokens = VocabParallelEmbedding(64, 32, ctx)
+    model.proj = ColumnParallelLinear(32, [48], False, ctx, ["proj.weight"])
+    model.head = ParallelLMHead(64, 32, ctx, ["embed_tokens.weight"], tied_to=model.embed_tokens)
+    weight, embeddings = torch.randn(48, 32), torch.randn(64, 32)
+    with torch.no_grad():
+        model.embed_tokens.weight_loader("embed_tokens.weight", embeddings)
+        model.proj.weight_loader("proj.weight", "weight", weight)
+    process_weights_after_loading(model, Placement())
+    proj, head = model.proj, model.head
     assert proj.packed is not None and head.packed is not None
     x = torch.randn(3, 32)
     torch.testing.assert_close(proj(x), x @ weight.T)

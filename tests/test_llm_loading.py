@@ -159,7 +159,7 @@ def test_hub_ids_without_network_are_clear_errors(monkeypatch) -> None:  # type:
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
     llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=16 * 2**20)
-    runner = llm.engine.runner
+    runner = llm.engine.executor.driver_worker.model_runner
     execute = runner.execute
     calls = 0
 

@@ -103,8 +103,9 @@ def test_a_16_bit_kv_cache_under_float32_weights(checkpoint, kv_cache_dtype: str
     memory = 64 * 2**20
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype)
     full = LLM(str(folder), max_model_len=256, kv_cache_memory=memory)
-    assert llm.engine.runner.caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    assert llm.engine.runner.num_blocks == 2 * full.engine.runner.num_blocks
+    runner = llm.engine.executor.driver_worker.model_runner
+    assert runner.caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    assert runner.num_blocks == 2 * full.engine.executor.driver_worker.model_runner.num_blocks
     tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
     ours = prefill_logits(llm, tokens)
     with torch.inference_mode():
@@ -119,7 +120,8 @@ def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str)
     run on the CPU: the logits stay within 16-bit rounding of float32 transformers'."""
     folder, model = checkpoint
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype=dtype)
-    assert llm.engine.runner.caches[0][0].dtype == getattr(torch, dtype)
+    runner = llm.engine.executor.driver_worker.model_runner
+    assert runner.caches[0][0].dtype == getattr(torch, dtype)
     tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
     ours = prefill_logits(llm, tokens)
     with torch.inference_mode():

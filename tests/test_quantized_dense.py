@@ -9,7 +9,7 @@ import torch
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
-from pyengine.layers.linear import pack_block_quantized
+from pyengine.layers.linear_method import pack_block_quantized
 
 
 def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:

@@ -10,16 +10,11 @@ from hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sample.sampler import (
-    Sampler,
-    SamplingRow,
-    apply_penalties,
-    filter_logits,
-    gather_logprobs,
-    heaviest_rows,
-    plain_greedy,
-    row_argmax,
-)
+from pyengine.sample.common import row_argmax
+from pyengine.sample.logits_processors import apply_penalties
+from pyengine.sample.logprobs import gather_logprobs
+from pyengine.sample.sampler import Sampler, SamplingRow, heaviest_rows, plain_greedy
+from pyengine.sample.token_selection import filter_logits
 
 PROMPTS = [
     "The future of AI is",

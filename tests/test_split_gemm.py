@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import _C, ops
-from pyengine.models import layers
+from pyengine.layers import linear_method
+from pyengine.layers.linear import LayerContext, linear_from_weight
 
 needs_amx = pytest.mark.skipif(
     not _C.split_gemm_supported(), reason="no AMX with bfloat16 on this CPU (or not allowed)"
@@ -95,9 +96,9 @@ def test_exact_where_the_inputs_are_bfloat16() -> None:
 @needs_amx
 def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PYENGINE_SPLIT_GEMM", raising=False)
-    placement = layers.Placement()
     weight, gate_up = torch.randn(96, 64), torch.randn(2 * 80, 64)
-    dense, gated = layers.DenseWeight(weight, placement), layers.GatedDense(gate_up, placement)
+    dense = linear_from_weight(weight, LayerContext())
+    gated = linear_from_weight(gate_up, LayerContext(), gate_up=True)
     assert dense.packed_split is not None and gated.packed_split is not None
     calls: list[torch.dtype] = []
     for name in ("dense", "dense_silu_and_mul"):
@@ -109,11 +110,11 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
             calls.append(packed.dtype)
             real(out, x, packed, *rest)
 
-        monkeypatch.setattr(layers.ops, name, record)
-    for rows, dtype in ((layers.SPLIT_MIN_ROWS, torch.bfloat16), (4, torch.float32)):
+        monkeypatch.setattr(linear_method.ops, name, record)
+    for rows, dtype in ((linear_method.SPLIT_MIN_ROWS, torch.bfloat16), (4, torch.float32)):
         calls.clear()
         x = torch.randn(rows, 64)
-        y, z = dense(x), gated(x)
+        y, z = dense(x), gated.silu_and_mul(x)
         assert calls == [dtype, dtype]
         products = x.double() @ gate_up.double().t()
         torch.testing.assert_close(
@@ -125,12 +126,12 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
 
 def test_split_form_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYENGINE_SPLIT_GEMM", "0")
-    assert not layers.split_gemm_enabled()
-    assert layers.DenseWeight(torch.randn(8, 32), layers.Placement()).packed_split is None
+    assert not linear_method.split_gemm_enabled()
+    assert linear_from_weight(torch.randn(8, 32), LayerContext()).packed_split is None
 
 
 def test_head_keeps_no_split_form() -> None:
-    head = layers.DenseWeight(torch.randn(8, 32), layers.Placement(), many_rows=False)
+    head = linear_from_weight(torch.randn(8, 32), LayerContext(), many_rows=False)
     assert head.packed_split is None
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pyengine.engine.llm_engine import LLMEngine
+from pyengine.engine.stats import EngineStats
 from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams
 
@@ -46,18 +47,6 @@ class RequestUpdate:
     finished: bool
     num_cached_tokens: int
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # in the first update
-
-
-@dataclass
-class EngineStats:
-    """A snapshot the engine thread takes after every step (the C++ scheduler is read only
-    from that thread)."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_preemptions: int = 0
-    prefix_cache_hit_rate: float = 0.0
-    kv_cache_usage: float = 0.0
 
 
 @dataclass
@@ -298,14 +287,8 @@ class AsyncLLMEngine:
             _post(loop, _deliver, batch)
 
     def _update_stats(self) -> None:
-        s = self.engine.stats()
-        self.stats = EngineStats(
-            num_running=int(s["num_running"]),
-            num_waiting=int(s["num_waiting"]),
-            num_preemptions=int(s["num_preemptions"]),
-            prefix_cache_hit_rate=float(s["prefix_cache_hit_rate"]),
-            kv_cache_usage=float(s["kv_cache_usage"]),
-        )
+        # A snapshot, taken on the engine thread (the only one that reads the scheduler).
+        self.stats = self.engine.stats()
 
 
 def _delta(out: RequestOutput, stream: _Stream) -> RequestUpdate:

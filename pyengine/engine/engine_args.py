@@ -9,7 +9,7 @@ import torch
 from pyengine import built_with_cuda
 from pyengine.config import EngineConfig, default_kv_cache_memory, kv_cache_dtype_supported
 from pyengine.engine.llm_engine import LLMEngine
-from pyengine.layers.linear import Placement
+from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
 

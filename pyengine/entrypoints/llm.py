@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
-from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
@@ -16,45 +15,12 @@ Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
-    def __init__(
-        self,
-        model: str = DEFAULT_MODEL,
-        tokenizer: str | None = None,
-        dtype: str = "auto",
-        kv_cache_dtype: str = "auto",
-        max_model_len: int | None = None,
-        block_size: int = 16,
-        kv_cache_memory: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        enable_prefix_caching: bool = True,
-        enable_chunked_prefill: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        seed: int = 0,
-        load_format: str = "auto",
-        max_logprobs: int = 20,
-        device: str = "auto",
-        enforce_eager: bool = False,
-    ) -> None:
-        self.engine = EngineArgs(
-            model=model,
-            tokenizer=tokenizer,
-            dtype=dtype,
-            kv_cache_dtype=kv_cache_dtype,
-            max_model_len=max_model_len,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            gpu_memory_utilization=gpu_memory_utilization,
-            enable_prefix_caching=enable_prefix_caching,
-            enable_chunked_prefill=enable_chunked_prefill,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            seed=seed,
-            load_format=load_format,
-            max_logprobs=max_logprobs,
-            device=device,
-            enforce_eager=enforce_eager,
-        ).create_engine()
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """`model` (the default model where None) and any EngineArgs field by name
+        (EngineArgs holds every default)."""
+        if model is not None:
+            engine_args["model"] = model
+        self.engine = EngineArgs(**engine_args).create_engine()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PyengineTokenizer:

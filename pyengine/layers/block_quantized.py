@@ -56,6 +56,20 @@ class BlockQuantized:
         """The same row reordering applied to q, scale and offset (llama.cpp's q/k rows)."""
         return BlockQuantized(reorder(self.q), reorder(self.scale), reorder(self.offset))
 
+    def rows(self, start: int, stop: int) -> BlockQuantized:
+        """Rows [start, stop) (a tensor-parallel shard of the output features)."""
+        return BlockQuantized(self.q[start:stop], self.scale[start:stop], self.offset[start:stop])
+
+    def columns(self, start: int, stop: int) -> BlockQuantized:
+        """Columns [start, stop), whole blocks only (a shard of the input features)."""
+        if start % BLOCK or stop % BLOCK:
+            raise ValueError(
+                f"columns [{start}, {stop}) of a block-quantized weight split its blocks of "
+                f"{BLOCK}"
+            )
+        blocks = slice(start // BLOCK, stop // BLOCK)
+        return BlockQuantized(self.q[:, start:stop], self.scale[:, blocks], self.offset[:, blocks])
+
     def with_bits(self, bits: int) -> BlockQuantized:
         """As 8-bit (int8 holds every 4-bit value); 4 bits only from 4 bits."""
         if bits == self.bits:

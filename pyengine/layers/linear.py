@@ -1,216 +1,312 @@
-"""Pieces shared by the model files."""
+"""Linear layers written for tensor parallelism: each holds its rank's shard of a
+checkpoint weight, and its LinearMethod decides how that shard is stored and multiplied.
+
+- ColumnParallelLinear: the output features split over the ranks (no communication).
+- MergedColumnParallelLinear: several checkpoint weights stacked on the output axis
+  (gate and up), each split over the ranks.
+- QKVParallelLinear: q, k and v stacked, split by heads (kv heads replicated where the
+  ranks outnumber them).
+- RowParallelLinear: the input features split; the partial products summed over the
+  group.
+
+Weight loaders take the whole checkpoint tensor and narrow it to the rank's shard (a view:
+nothing of the other ranks' rows is copied). Every layer calls its adapter hook, where a
+per-row delta (LoRA) joins the base product.
+"""
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pyengine import _C, ops
+from pyengine import ops
+from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear_method import LinearMethods
+from pyengine.layers.placement import Placement
 from pyengine.utils import host_memory
 
 
 @dataclass(frozen=True)
-class Placement:
-    """Where a model runs and in which dtype. Float32 on the CPU runs pyengine's own
-    matmul over packed weights; anything else runs torch's (cuBLAS on CUDA)."""
+class LayerContext:
+    """What every layer of a model is built with."""
 
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    dtype: torch.dtype = torch.float32
+    placement: Placement = field(default_factory=Placement)
+    tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
+    methods: LinearMethods | None = None  # None: LinearMethods(placement)
 
     @property
-    def packs_weights(self) -> bool:
-        return self.device.type == "cpu" and self.dtype == torch.float32
+    def linear_methods(self) -> LinearMethods:
+        return self.methods or LinearMethods(self.placement)
 
 
-def parameter(*shape: int) -> nn.Parameter:
-    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+class AdapterHook(Protocol):
+    """Adds a per-row delta to a linear layer's product (LoRA: each row's adapter)."""
+
+    def add_delta(self, layer: LinearBase, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [tokens, out] + the delta of x [tokens, in]; may work in place."""
+        ...
 
 
-# Up to this many rows, a weight with a block-quantized form multiplies from it: a step
-# of few rows is bound by streaming the weights, and those bytes are a fifth (SmolLM2's
-# matmuls for one row: 13 ms against 26 from the float32 panels, for 16 rows 29 against
-# 38). With more rows the arithmetic binds, and the float32 panels skip the widening (32
-# rows: level; a prefill: 15-20% faster).
-BLOCK_QUANTIZED_MAX_ROWS = 16
-
-# From this many rows on, a weight with a split-bfloat16 form (CPUs with AMX) multiplies
-# from it: six bfloat16 tile products, as accurate as float32, run a prefill's matmuls
-# about 1.3x faster than the float32 panels. Its 6 bytes a weight stream slower than the
-# panels' 4, so a decode step's few rows keep the panels.
-SPLIT_MIN_ROWS = 128
-
-
-def split_gemm_enabled() -> bool:
-    """Whether packed weights get a split-bfloat16 form: on CPUs with AMX, unless
-    PYENGINE_SPLIT_GEMM=0."""
-    return os.environ.get("PYENGINE_SPLIT_GEMM", "1") != "0" and _C.split_gemm_supported()
-
-
-def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor | None:
-    """w_t [in, out] (a weight transposed; gate_up: [gate | up]) in split-bfloat16 form,
-    where enabled."""
-    if not split_gemm_enabled():
-        return None
-    in_features, out_features = w_t.shape
-    n = out_features // 2 if gate_up else out_features
-    size = _C.packed_split_weight_size(in_features, n, gate_up)
-    packed = host_memory.empty(size, torch.bfloat16)
-    _C.pack_split_weight(packed, w_t, gate_up)
-    return packed
-
-
-def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
-    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
-    out_features, in_features = blocks.shape
-    n = out_features // 2 if gate_up else out_features
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, blocks.bits)
-    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
-    q_t, scale_t, offset_t = (
-        torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
-    )
-    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up)
-    return packed
-
-
-class DenseWeight:
-    """A [out, in] weight prepared for x [tokens, in] -> [tokens, out]. On the CPU in
-    float32 it is packed once into column panels for pyengine's own matmul
-    (cpp/src/small_gemm.cpp): a decode step streams each weight byte once, in order: a
-    decode step of 32 requests runs 1.2x faster than with torch.mm (which repacks the
-    weight on every call), prefill about as fast (measured side by side in one process,
-    SmolLM2-135M, 2 cores). A weight that came block-quantized (GGUF's Q4_0/Q4_1/Q8_0) is
-    also packed in that form, for steps of few rows. Elsewhere it is the weight itself,
-    for torch's matmul."""
+class LinearBase(nn.Module):
+    """A [output_size, input_size] weight of which this rank holds
+    [output_size_per_partition, input_size_per_partition]."""
 
     def __init__(
         self,
-        weight: torch.Tensor,
-        placement: Placement,
-        blocks: BlockQuantized | None = None,
+        input_size: int,
+        output_size: int,
+        input_size_per_partition: int,
+        output_size_per_partition: int,
+        bias: bool,
+        ctx: LayerContext,
+        checkpoint_names: Sequence[str],
+        gate_up: bool = False,
         many_rows: bool = True,
     ) -> None:
-        self.out_features, self.in_features = weight.shape
+        super().__init__()
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = input_size_per_partition
+        self.output_size_per_partition = output_size_per_partition
+        self.tp = ctx.tp
+        self.gate_up = gate_up  # [gate; up], applied as silu(gate) * up
+        self.adapter: AdapterHook | None = None
+        # The method's forms (those it makes) and the block parts it is handed.
         self.packed: torch.Tensor | None = None
-        self.packed_blocks: torch.Tensor | None = None
         self.packed_split: torch.Tensor | None = None
-        self.weight: torch.Tensor | None = None
-        if placement.packs_weights:
-            size = _C.packed_weight_size(self.in_features, self.out_features)
-            self.packed = host_memory.empty(size)
-            w_t = weight.t().contiguous().float()
-            _C.pack_weight(self.packed, w_t)
-            self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=False)
-            # (The head sees a prefill's last rows only: it keeps no split form.)
-            self.packed_split = pack_split(w_t, gate_up=False) if many_rows else None
-        else:
-            self.weight = weight.to(placement.device, placement.dtype).contiguous()
+        self.packed_blocks: torch.Tensor | None = None
+        self.block_parts: list[tuple[int, BlockQuantized]] = []
+        self.method = ctx.linear_methods.choose(checkpoint_names, many_rows)
+        self.method.create_weights(self)
+        self.bias = (
+            nn.Parameter(torch.empty(self.bias_size()), requires_grad=False) if bias else None
+        )
 
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if self.weight is not None:
-            return F.linear(x, self.weight, bias)
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        packed = _for_rows(self.packed, self.packed_blocks, self.packed_split, x)
-        ops.dense(out, x, packed, bias, self.out_features)
-        return out
+    def bias_size(self) -> int:
+        return self.output_size_per_partition
+
+    def load_blocks(self, start: int, blocks: BlockQuantized) -> None:
+        self.method.load_blocks(self, start, blocks)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.method.apply(self, x, self.bias)
+        return out if self.adapter is None else self.adapter.add_delta(self, x, out)
+
+    @staticmethod
+    def _copy(name: str, into: torch.Tensor, shard: torch.Tensor) -> None:
+        if into.shape != shard.shape:
+            raise ValueError(
+                f"weight {name}: shape {tuple(shard.shape)}, model expects {tuple(into.shape)}"
+            )
+        into.copy_(shard)
 
 
-class GatedDense:
-    """silu(x @ gate) * (x @ up), an MLP's activation of its fused [gate; up] weight
-    [2 * n, in]. On the CPU in float32, one op over pairs of packed panels
-    (small_gemm_silu_and_mul): the [tokens, 2 * n] product never goes to memory and back.
-    Elsewhere a matmul, then silu_and_mul."""
+def _shard_shape_check(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(loaded.shape) != expected:
+        raise ValueError(f"weight {name}: shape {tuple(loaded.shape)}, model expects {expected}")
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split over the ranks: each rank's output is its slice of the
+    whole (gather_output: the whole, gathered)."""
 
     def __init__(
-        self, weight: torch.Tensor, placement: Placement, blocks: BlockQuantized | None = None
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool,
+        ctx: LayerContext,
+        checkpoint_names: Sequence[str],
+        gather_output: bool = False,
+        gate_up: bool = False,
+        many_rows: bool = True,
     ) -> None:
-        self.out_features, self.in_features = weight.shape[0] // 2, weight.shape[1]
-        self.packed: torch.Tensor | None = None
-        self.packed_blocks: torch.Tensor | None = None
-        self.packed_split: torch.Tensor | None = None
-        self.dense: DenseWeight | None = None
-        if placement.packs_weights:
-            size = 2 * _C.packed_weight_size(self.in_features, self.out_features)
-            self.packed = host_memory.empty(size)
-            w_t = weight.t().contiguous().float()
-            _C.pack_gate_up_weight(self.packed, w_t)
-            self.packed_blocks = _packed_blocks(blocks, tuple(weight.shape), gate_up=True)
-            self.packed_split = pack_split(w_t, gate_up=True)
-        else:
-            self.dense = DenseWeight(weight, placement)
+        # Each stacked part is split over the ranks: a rank holds its slice of every part.
+        self.output_sizes = list(output_sizes)
+        self.shard_offsets: list[tuple[int, int]] = []  # per part: (rank's start, length)
+        self.local_offsets: list[int] = []  # per part: where its slice starts in this rank
+        local = 0
+        for i, size in enumerate(self.output_sizes):
+            start, length = self._part_slice(i, size, ctx.tp)
+            self.shard_offsets.append((start, length))
+            self.local_offsets.append(local)
+            local += length
+        super().__init__(
+            input_size, sum(self.output_sizes), input_size, local, bias, ctx, checkpoint_names,
+            gate_up, many_rows,
+        )  # fmt: skip
+        self.gather_output = gather_output
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype, device=x.device)
-        if self.dense is not None:
-            ops.silu_and_mul(out, self.dense(x))
+    def _part_slice(self, part: int, size: int, tp: TensorParallelGroup) -> tuple[int, int]:
+        return tp.split(size, f"output size of part {part}")
+
+    def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
+        """Copies this rank's rows of checkpoint tensor `loaded` (part `part` of the
+        stacked weight; kind: "weight" or "bias") into the layer."""
+        start, length = self.shard_offsets[part]
+        full = self.output_sizes[part]
+        if kind == "weight":
+            _shard_shape_check(name, loaded, (full, self.input_size))
+            target = self.weight
         else:
-            packed = _for_rows(self.packed, self.packed_blocks, self.packed_split, x)
-            ops.dense_silu_and_mul(out, x, packed, self.out_features)
+            _shard_shape_check(name, loaded, (full,))
+            assert self.bias is not None
+            target = self.bias
+        into = target.data.narrow(0, self.local_offsets[part], length)
+        self._copy(name, into, loaded.narrow(0, start, length))
+
+    def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
+        start, length = self.shard_offsets[part]
+        self.load_blocks(self.local_offsets[part], blocks.rows(start, start + length))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return self.tp.all_gather(out) if self.gather_output else out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of a [gate; up] layer, [tokens, output_size_per_partition / 2]."""
+        if self.adapter is None:
+            return self.method.apply_silu_and_mul(self, x)
+        product = self.adapter.add_delta(self, x, self.method.apply(self, x, None))
+        out = torch.empty(x.shape[0], product.shape[1] // 2, dtype=x.dtype, device=x.device)
+        ops.silu_and_mul(out, product)
         return out
 
 
-def _packed_blocks(
-    blocks: BlockQuantized | None, shape: tuple[int, ...], gate_up: bool
-) -> torch.Tensor | None:
-    if blocks is None:
-        return None
-    if blocks.shape != shape:
-        raise ValueError(f"block-quantized weight {blocks.shape} for a {shape} weight")
-    return pack_block_quantized(blocks, gate_up)
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """gate and up (or any parts) stacked along the output axis; with gate_up, each rank
+    holds [its gate rows; its up rows] and applies silu(gate) * up (silu_and_mul)."""
 
 
-def _for_rows(
-    packed: torch.Tensor | None,
-    packed_blocks: torch.Tensor | None,
-    packed_split: torch.Tensor | None,
-    x: torch.Tensor,
-) -> torch.Tensor:
-    if packed_blocks is not None and x.shape[0] <= BLOCK_QUANTIZED_MAX_ROWS:
-        return packed_blocks
-    if packed_split is not None and x.shape[0] >= SPLIT_MIN_ROWS:
-        return packed_split
-    assert packed is not None
-    return packed
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v (parts 0, 1, 2) split by heads. Where the ranks outnumber the kv
+    heads, each kv head is held by world_size / num_kv_heads ranks."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool,
+        ctx: LayerContext,
+        checkpoint_names: Sequence[str],
+    ) -> None:
+        tp = ctx.tp
+        if num_heads % tp.world_size:
+            raise ValueError(
+                f"num_heads ({num_heads}) is not divisible by the tensor-parallel size "
+                f"({tp.world_size})"
+            )
+        if num_kv_heads >= tp.world_size:
+            kv_start, self.num_kv_heads_per_partition = tp.split(num_kv_heads, "num_kv_heads")
+        elif tp.world_size % num_kv_heads == 0:
+            kv_start, self.num_kv_heads_per_partition = tp.rank * num_kv_heads // tp.world_size, 1
+        else:
+            raise ValueError(
+                f"the tensor-parallel size ({tp.world_size}) is neither a divisor nor a "
+                f"multiple of num_kv_heads ({num_kv_heads})"
+            )
+        self.head_size = head_size
+        self.num_heads_per_partition = num_heads // tp.world_size
+        self._kv_start = kv_start * head_size
+        super().__init__(
+            hidden_size,
+            [num_heads * head_size, num_kv_heads * head_size, num_kv_heads * head_size],
+            bias, ctx, checkpoint_names,
+        )  # fmt: skip
+
+    def _part_slice(self, part: int, size: int, tp: TensorParallelGroup) -> tuple[int, int]:
+        if part == 0:
+            return tp.split(size, "q size")
+        return self._kv_start, self.num_kv_heads_per_partition * self.head_size
+
+    @property
+    def local_sizes(self) -> list[int]:
+        """[q, k, v] features this rank holds."""
+        return [length for _, length in self.shard_offsets]
+
+    def load_fused(self, name: str, kind: str, loaded: torch.Tensor) -> None:
+        """A checkpoint tensor of q, k and v stacked (GPT-2's c_attn)."""
+        for part, piece in enumerate(torch.split(loaded, self.output_sizes, dim=0)):
+            self.weight_loader(name, kind, piece, part)
 
 
-def prepare_dense(
-    model: nn.Module,
-    names: dict[str, str],
-    tied_head: bool,
-    placement: Placement,
-    gated: frozenset[str] = frozenset(),
-    block_quantized: Mapping[str, BlockQuantized] | None = None,
-) -> int:
-    """Replaces each named [out, in] parameter by a DenseWeight attribute (parameter name ->
-    attribute name, on the same module), or a GatedDense for the names in `gated`, the head
-    too (a head tied to the embeddings gets its own), then moves the remaining parameters to
-    the placement. `block_quantized` gives the block form of parameters that have one
-    (by parameter name). Returns the model's number of parameters (a tied head counted
-    once)."""
-    blocks = block_quantized or {}
+class RowParallelLinear(LinearBase):
+    """Input features split over the ranks (x is already this rank's slice, as a
+    column-parallel layer leaves it); the partial products are summed over the group."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool,
+        ctx: LayerContext,
+        checkpoint_names: Sequence[str],
+    ) -> None:
+        self.input_start, local = ctx.tp.split(input_size, "input size")
+        super().__init__(
+            input_size, output_size, local, output_size, bias, ctx, checkpoint_names
+        )
+
+    def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
+        if kind == "bias":  # added once, after the sum
+            assert self.bias is not None
+            self._copy(name, self.bias.data, loaded)
+            return
+        _shard_shape_check(name, loaded, (self.output_size, self.input_size))
+        shard = loaded.narrow(1, self.input_start, self.input_size_per_partition)
+        self._copy(name, self.weight.data, shard)
+
+    def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
+        end = self.input_start + self.input_size_per_partition
+        self.load_blocks(0, blocks.columns(self.input_start, end))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(x)
+        out = self.method.apply(self, x, None)
+        if self.adapter is not None:
+            out = self.adapter.add_delta(self, x, out)
+        out = self.tp.all_reduce(out)
+        return out if self.bias is None else out + self.bias
+
+
+def linear_from_weight(
+    weight: torch.Tensor, ctx: LayerContext, gate_up: bool = False, many_rows: bool = True
+) -> MergedColumnParallelLinear:
+    """A layer holding `weight` [out, in] (gate_up: [gate; up]), loaded and prepared: a
+    linear layer outside a model, for tools and tests."""
+    out_features, in_features = weight.shape
+    sizes = [out_features // 2] * 2 if gate_up else [out_features]
+    layer = MergedColumnParallelLinear(
+        in_features, sizes, False, ctx, ["weight"] * len(sizes), gate_up=gate_up,
+        many_rows=many_rows,
+    )  # fmt: skip
+    with torch.no_grad():
+        for part, piece in enumerate(weight.split(sizes)):
+            layer.weight_loader("weight", "weight", piece, part)
+        layer.process_weights_after_loading()
+    return layer
+
+
+def process_weights_after_loading(model: nn.Module, placement: Placement) -> int:
+    """Every linear layer's method prepares its weight, then the other parameters
+    (embeddings, norms, biases) move to the placement. Returns the model's number of
+    parameters before (a tied head counted once)."""
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     # The packed weights, streamed every step, go on huge pages (host_memory).
     with torch.no_grad(), host_memory.huge_page_arena():
-        for name, attribute in names.items():
-            owner_name, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(owner_name) if owner_name else model
-            kind = GatedDense if name in gated else DenseWeight
-            setattr(owner, attribute, kind(getattr(owner, leaf).data, placement, blocks.get(name)))
-            delattr(owner, leaf)
+        for module in model.modules():
+            if isinstance(module, LinearBase):
+                module.process_weights_after_loading()
         for parameter in model.parameters():
             parameter.data = parameter.data.to(placement.device, placement.dtype)
-        # After the move: a tied head that is not packed shares the embeddings' memory.
-        head_name = "embed_tokens" if tied_head else "lm_head"
-        head = model.get_parameter(head_name)
-        model.head = DenseWeight(  # type: ignore[assignment]
-            head.data, placement, blocks.get(head_name), many_rows=False
-        )
-        if not tied_head:
-            del model.lm_head
     return count

@@ -75,10 +75,10 @@ def _config_from_gguf(g: GGUFFile) -> ModelConfig:
         vocab_size=int(g.fields.get(f"{arch}.vocab_size", len(g.fields["tokenizer.ggml.tokens"]))),
         hidden_size=hidden,
         intermediate_size=int(field("feed_forward_length")),
-        num_hidden_layers=int(field("block_count")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(field("attention.head_count_kv", heads)),
-        head_dim=int(field("attention.key_length", hidden // heads)),
+        num_layers=int(field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(field("attention.head_count_kv", heads)),
+        head_size=int(field("attention.key_length", hidden // heads)),
         max_position_embeddings=int(field("context_length", 2048)),
         norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(field("rope.freq_base", 10000.0)),
@@ -156,7 +156,7 @@ def _hf_name(g: GGUFFile, name: str, config: ModelConfig) -> tuple[str | None, i
     if g.fields.get("general.architecture") not in ("llama", "mistral"):
         return hf_name, 0
     if m.group(2) == "attn_q":
-        return hf_name, config.num_attention_heads
+        return hf_name, config.num_heads
     if m.group(2) == "attn_k":
-        return hf_name, config.num_key_value_heads
+        return hf_name, config.num_kv_heads
     return hf_name, 0

@@ -18,6 +18,7 @@ from pyengine.loader.gguf_model import (
     config_from_gguf,
     weights_from_gguf,
 )
+from pyengine.loader.hf_config import model_config_from_hf
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -114,7 +115,7 @@ def load_model(
             raise FileNotFoundError(f"{path} has no config.json")
         raw_config = _read_json(config_path)
         try:
-            config = ModelConfig.from_hf(raw_config)
+            config = model_config_from_hf(raw_config)
         except ValueError as error:
             raise ValueError(f"{config_path}: {error}") from None
         quantization = raw_config.get("quantization_config")

@@ -4,7 +4,7 @@ GPT-2. Same flat batch and paged attention as the Llama family; no rotary embedd
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +12,16 @@ from torch import nn
 
 from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
-from pyengine.layers.linear import DenseWeight, Placement, parameter, prepare_dense
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear import (
+    ColumnParallelLinear,
+    LayerContext,
+    QKVParallelLinear,
+    RowParallelLinear,
+    process_weights_after_loading,
+)
+from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyengine.models.weights import WeightRouter
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -22,22 +31,15 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-class _Linear(nn.Module):
-    def __init__(self, out_features: int, in_features: int) -> None:
-        super().__init__()
-        self.weight = parameter(out_features, in_features)
-        self.bias = parameter(out_features)
-        self.dense: DenseWeight  # from weight, once loaded
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense(x, self.bias)
+def _parameter(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
 class _LayerNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = parameter(size)
-        self.bias = parameter(size)
+        self.weight = _parameter(size)
+        self.bias = _parameter(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -45,28 +47,30 @@ class _LayerNorm(nn.Module):
 
 
 class _Layer(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
-        self.hidden, self.heads, self.head_dim = c.hidden_size, c.num_attention_heads, c.head_dim
-        self.norm1 = _LayerNorm(c.hidden_size, c.norm_eps)
-        self.qkv = _Linear(3 * c.hidden_size, c.hidden_size)
-        self.out = _Linear(c.hidden_size, c.hidden_size)
-        self.norm2 = _LayerNorm(c.hidden_size, c.norm_eps)
-        self.fc1 = _Linear(c.intermediate_size, c.hidden_size)
-        self.fc2 = _Linear(c.hidden_size, c.intermediate_size)
+        hidden = c.hidden_size
+        self.norm1 = _LayerNorm(hidden, c.norm_eps)
+        self.qkv = QKVParallelLinear(
+            hidden, c.head_size, c.num_heads, c.num_heads, True, ctx, [f"{prefix}.qkv"]
+        )
+        self.num_heads, self.head_size = self.qkv.num_heads_per_partition, c.head_size
+        self.out = RowParallelLinear(hidden, hidden, True, ctx, [f"{prefix}.out"])
+        self.norm2 = _LayerNorm(hidden, c.norm_eps)
+        self.fc1 = ColumnParallelLinear(hidden, [c.intermediate_size], True, ctx, [f"{prefix}.fc1"])
+        self.fc2 = RowParallelLinear(c.intermediate_size, hidden, True, ctx, [f"{prefix}.fc2"])
         if c.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"activation {c.hidden_act!r} is not supported")
         self.act = _ACTIVATIONS[c.hidden_act]
         self.norm_before = c.norm_before
-        self.attn = PagedAttention(c.num_attention_heads, c.num_attention_heads, c.head_dim)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, c.head_size)
 
     def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv.dense(x, self.qkv.bias).view(-1, 3, self.heads, self.head_dim).unbind(1)
-        return self.out.dense(self.attn(q, k, v, cache, meta).view(-1, self.hidden), self.out.bias)
+        q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_size).unbind(1)
+        return self.out(self.attn(q, k, v, cache, meta).view(-1, self.num_heads * self.head_size))
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        hidden = self.act(self.fc1.dense(x, self.fc1.bias))
-        return self.fc2.dense(hidden, self.fc2.bias)
+        return self.fc2(self.act(self.fc1(x)))
 
     def forward(self, h: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.norm_before:
@@ -77,22 +81,12 @@ class _Layer(nn.Module):
         return out
 
 
-# Hugging Face name (outside the layers) -> internal parameter name.
-_OPT_GLOBAL = {
-    "embed_tokens.weight": "embed_tokens",
-    "embed_positions.weight": "embed_positions",
-    "final_layer_norm.weight": "final_norm.weight",
-    "final_layer_norm.bias": "final_norm.bias",
-    "lm_head.weight": "lm_head",
-}
-_GPT2_GLOBAL = {
-    "wte.weight": "embed_tokens",
-    "wpe.weight": "embed_positions",
-    "ln_f.weight": "final_norm.weight",
-    "ln_f.bias": "final_norm.bias",
-    "lm_head.weight": "lm_head",
-}
-# Hugging Face layer module -> (internal module, rows of the fused q/k/v or None).
+# Checkpoint names outside the layers (prefixes stripped) -> what loads them.
+_OPT_GLOBAL = {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions",
+               "final_layer_norm": "final_norm", "lm_head": "lm_head"}  # fmt: skip
+_GPT2_GLOBAL = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "final_norm",
+                "lm_head": "lm_head"}  # fmt: skip
+# Hugging Face layer module -> (internal module, part of the fused q/k/v or None).
 _OPT_LAYER = {
     "self_attn.q_proj": ("qkv", 0),
     "self_attn.k_proj": ("qkv", 1),
@@ -104,36 +98,35 @@ _OPT_LAYER = {
     "fc2": ("fc2", None),
 }
 _GPT2_LAYER = {
-    "ln_1": "norm1",
-    "attn.c_attn": "qkv",
-    "attn.c_proj": "out",
-    "ln_2": "norm2",
-    "mlp.c_fc": "fc1",
-    "mlp.c_proj": "fc2",
+    "ln_1": ("norm1", None),
+    "attn.c_attn": ("qkv", None),  # q, k and v in one tensor
+    "attn.c_proj": ("out", None),
+    "ln_2": ("norm2", None),
+    "mlp.c_fc": ("fc1", None),
+    "mlp.c_proj": ("fc2", None),
 }
-# (internal parameter name, rows of a fused q/k/v or None), the tensor; None: not a weight.
-_Target = tuple[tuple[str, int | None], torch.Tensor] | None
-
 _GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored [in, out]
 
 
 class LearnedPositionDecoder(nn.Module):
-    def __init__(self, config: ModelConfig, placement: Placement | None = None) -> None:
+    def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None):
         super().__init__()
+        ctx = ctx or LayerContext()
         self.config = config
-        self.placement = placement or Placement()
+        self.placement = ctx.placement
         c = config
-        self.embed_tokens = parameter(c.vocab_size, c.hidden_size)
-        self.embed_positions = parameter(
+        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, ctx)
+        self.embed_positions = _parameter(
             c.max_position_embeddings + c.position_offset, c.hidden_size
         )
-        self.layers = nn.ModuleList([_Layer(c) for _ in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([_Layer(c, ctx, f"layers.{i}") for i in range(c.num_layers)])
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
         self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before else None
-        self.lm_head = (
-            self.embed_tokens if c.tie_word_embeddings else parameter(*self.embed_tokens.shape)
-        )
-        self.head: DenseWeight  # from lm_head (or the embeddings), once loaded
+        tied = c.tie_word_embeddings
+        self.lm_head = ParallelLMHead(
+            c.vocab_size, c.hidden_size, ctx, ["embed_tokens" if tied else "lm_head"],
+            tied_to=self.embed_tokens if tied else None,
+        )  # fmt: skip
         self.num_parameters = 0
 
     def forward(
@@ -143,7 +136,7 @@ class LearnedPositionDecoder(nn.Module):
         caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = F.embedding(input_ids, self.embed_tokens) + F.embedding(
+        h = self.embed_tokens(input_ids) + F.embedding(
             positions + self.config.position_offset, self.embed_positions
         )
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -153,86 +146,72 @@ class LearnedPositionDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return self.head(hidden)
+        return self.lm_head(hidden)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        loaded: set[tuple[str, int | None]] = set()
+    def load_weights(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        block_quantized: Mapping[str, BlockQuantized] | None = None,
+    ) -> None:
         with torch.no_grad():
-            for name, tensor in weights.items():
-                target = self._target(name, tensor)
-                if target is None:
-                    continue
-                (internal, rows), value = target
-                try:
-                    param = self.get_parameter(internal)
-                except AttributeError:  # a layer past the last, say
-                    raise ValueError(f"weight {name}: the model has no such tensor") from None
-                view = param if rows is None else param.view(3, -1, *param.shape[1:])[rows]
-                if view.shape != value.shape:
-                    raise ValueError(
-                        f"weight {name}: shape {tuple(value.shape)}, model expects "
-                        f"{tuple(view.shape)}"
-                    )
-                view.copy_(value)
-                loaded.add((internal, rows))
-        missing = sorted(
-            f"{internal}{'' if rows is None else f'[{rows}]'}"
-            for internal, rows in self._required()
-            if (internal, rows) not in loaded
-        )
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+            self._router().load(weights, block_quantized or {}, self._normalize)
         self.prepare_for_inference()
 
     def prepare_for_inference(self) -> None:
-        """After the weights are in: matmul weights as DenseWeights."""
-        names = {
-            f"layers.{i}.{n}.weight": "dense"
-            for i in range(self.config.num_hidden_layers)
-            for n in ("qkv", "out", "fc1", "fc2")
-        }
-        self.num_parameters = prepare_dense(
-            self, names, self.config.tie_word_embeddings, self.placement
-        )
+        """After the weights are in: each linear layer's method prepares its weight."""
+        self.num_parameters = process_weights_after_loading(self, self.placement)
 
-    def _required(self) -> list[tuple[str, int | None]]:
-        fused = self.config.architecture == "OPTForCausalLM"
-        required: list[tuple[str, int | None]] = []
-        for name, _ in self.named_parameters():
-            if name == "lm_head" and self.config.tie_word_embeddings:
-                continue
-            if fused and ".qkv." in name:
-                required += [(name, k) for k in range(3)]
-            else:
-                required.append((name, None))
-        return required
-
-    def _target(self, name: str, tensor: torch.Tensor) -> _Target:
-        opt = self.config.architecture == "OPTForCausalLM"
-        if opt:
-            name = name.removeprefix("model.").removeprefix("decoder.")
+    def _router(self) -> WeightRouter:
+        """Routes by internal names (_normalize maps the checkpoint's to them)."""
+        router = WeightRouter(self.config.num_layers, "layers.")
+        router.vocab("embed_tokens.weight", self.embed_tokens)
+        if self.config.tie_word_embeddings:
+            router.ignore("lm_head.weight")
         else:
-            name = name.removeprefix("transformer.")
-        outside_layers = _OPT_GLOBAL if opt else _GPT2_GLOBAL
-        if name in outside_layers:
-            if name == "lm_head.weight" and self.config.tie_word_embeddings:
-                return None
-            return (outside_layers[name], None), tensor
-        if opt:
-            return self._opt_layer_target(name, tensor)
-        return self._gpt2_layer_target(name, tensor)
+            router.vocab("lm_head.weight", self.lm_head)
+        router.plain("embed_positions.weight", self.embed_positions)
+        if self.final_norm is not None:
+            router.plain("final_norm.weight", self.final_norm.weight)
+            router.plain("final_norm.bias", self.final_norm.bias)
+        opt = self.config.architecture == "OPTForCausalLM"
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, _Layer)
+            p = f"layers.{i}"
+            for norm in ("norm1", "norm2"):
+                for kind in ("weight", "bias"):
+                    router.plain(f"{p}.{norm}.{kind}", getattr(getattr(layer, norm), kind))
+            for kind in ("weight", "bias"):
+                if opt:
+                    for part in range(3):
+                        router.linear(f"{p}.qkv.{part}.{kind}", layer.qkv, kind, part)
+                else:
+                    router.fused_qkv(f"{p}.qkv.{kind}", layer.qkv, kind)
+                for name in ("out", "fc1", "fc2"):
+                    router.linear(f"{p}.{name}.{kind}", getattr(layer, name), kind)
+        return router
 
-    def _opt_layer_target(self, name: str, tensor: torch.Tensor) -> _Target:
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)\.(weight|bias)", name)
-        if not m or m.group(2) not in _OPT_LAYER:
+    def _normalize(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        """A checkpoint name as the router's (None: not a weight, as GPT-2's attn.bias
+        buffers); GPT-2's Conv1D weights transposed to [out, in]."""
+        opt = self.config.architecture == "OPTForCausalLM"
+        name = (
+            name.removeprefix("model.").removeprefix("decoder.")
+            if opt
+            else name.removeprefix("transformer.")
+        )
+        module, _, kind = name.rpartition(".")
+        outside = _OPT_GLOBAL if opt else _GPT2_GLOBAL
+        if module in outside:
+            return f"{outside[module]}.{kind}", tensor
+        m = re.fullmatch(r"(?:layers|h)\.(\d+)\.(.+)", module)
+        table = _OPT_LAYER if opt else _GPT2_LAYER
+        if not m:
             return None
-        internal, rows = _OPT_LAYER[m.group(2)]
-        return (f"layers.{m.group(1)}.{internal}.{m.group(3)}", rows), tensor
-
-    def _gpt2_layer_target(self, name: str, tensor: torch.Tensor) -> _Target:
-        m = re.fullmatch(r"h\.(\d+)\.(.+)\.(weight|bias)", name)
-        if not m or m.group(2) not in _GPT2_LAYER:
-            return None  # attn.bias / masked_bias buffers of old checkpoints
-        if m.group(2) in _GPT2_CONV1D and m.group(3) == "weight":
+        if m.group(2) not in table:
+            # A layer the model lacks is an error; other tensors are old buffers.
+            return (f"layers.{m.group(1)}.{m.group(2)}.{kind}", tensor)
+        internal, part = table[m.group(2)]
+        if not opt and m.group(2) in _GPT2_CONV1D and kind == "weight":
             tensor = tensor.t()
-        return (f"layers.{m.group(1)}.{_GPT2_LAYER[m.group(2)]}.{m.group(3)}", None), tensor
+        suffix = "" if part is None else f".{part}"
+        return f"layers.{m.group(1)}.{internal}{suffix}.{kind}", tensor

@@ -10,91 +10,85 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from pyengine import ops
 from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.linear import DenseWeight, GatedDense, Placement, parameter, prepare_dense
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import (
+    LayerContext,
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    process_weights_after_loading,
+)
 from pyengine.layers.rotary import RotaryEmbedding
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            out = torch.empty_like(x)
-            ops.rms_norm(out, x, self.weight, self.eps)
-            return out
-        variance = x.pow(2).mean(-1, keepdim=True)  # per head (Qwen3's q/k norm)
-        return self.weight * (x * torch.rsqrt(variance + self.eps))
-
-    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:
-        """In place: residual += x; x = norm(residual)."""
-        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyengine.models.weights import WeightRouter
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str):
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
+        self.qkv_proj = QKVParallelLinear(
+            c.hidden_size, c.head_size, c.num_heads, c.num_kv_heads, c.attention_bias, ctx,
+            [f"{prefix}.{p}_proj.weight" for p in "qkv"],
+        )  # fmt: skip
+        self.num_heads = self.qkv_proj.num_heads_per_partition
+        self.num_kv_heads = self.qkv_proj.num_kv_heads_per_partition
+        self.head_size = c.head_size
+        self.q_size, self.kv_size, _ = self.qkv_proj.local_sizes
+        self.o_proj = RowParallelLinear(
+            c.num_heads * c.head_size, c.hidden_size, False, ctx, [f"{prefix}.o_proj.weight"]
         )
-        self.q_size = self.heads * self.head_dim
-        self.kv_size = self.kv_heads * self.head_dim
-        self.qkv_weight = parameter(self.q_size + 2 * self.kv_size, c.hidden_size)
-        self.qkv_bias = parameter(self.q_size + 2 * self.kv_size) if c.attention_bias else None
-        self.o_weight = parameter(c.hidden_size, self.q_size)
-        self.qkv: DenseWeight  # from qkv_weight and o_weight, once loaded
-        self.o: DenseWeight
-        self.q_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, c.norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(self.head_size, c.norm_eps) if c.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, c.norm_eps) if c.qk_norm else None
         self.rotary = rotary
-        self.attn = PagedAttention(self.heads, self.kv_heads, self.head_dim, c.sliding_window)
+        self.attn = PagedAttention(
+            self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
+        )
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
     ) -> torch.Tensor:
-        qkv = self.qkv(x, self.qkv_bias)
+        qkv = self.qkv_proj(x)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.heads, self.head_dim)
-        k = k.view(-1, self.kv_heads, self.head_dim)
-        v = v.view(-1, self.kv_heads, self.head_dim)
+        q = q.view(-1, self.num_heads, self.head_size)
+        k = k.view(-1, self.num_kv_heads, self.head_size)
+        v = v.view(-1, self.num_kv_heads, self.head_size)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(positions, q, k)
         out = self.attn(q, k, v, cache, meta)
-        return self.o(out.view(-1, self.q_size))
+        return self.o_proj(out.view(-1, self.q_size))
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig) -> None:
+    def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
-        self.intermediate = c.intermediate_size
-        self.gate_up_weight = parameter(2 * c.intermediate_size, c.hidden_size)
-        self.down_weight = parameter(c.hidden_size, c.intermediate_size)
-        self.gate_up: GatedDense  # from the weights above, once loaded
-        self.down: DenseWeight
+        n = c.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            c.hidden_size, [n, n], False, ctx,
+            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"], gate_up=True,
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            n, c.hidden_size, False, ctx, [f"{prefix}.down_proj.weight"]
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.gate_up(x))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str
+    ) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.self_attn = Attention(c, rotary)
+        self.self_attn = Attention(c, rotary, ctx, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = MLP(c, ctx, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -117,28 +111,34 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     def __init__(
-        self, config: ModelConfig, max_positions: int, placement: Placement | None = None
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         super().__init__()
+        ctx = ctx or LayerContext()
         self.config = config
-        self.placement = placement or Placement()
+        self.placement = ctx.placement
         rotary = RotaryEmbedding(
-            config.head_dim,
+            config.head_size,
             max_positions,
             config.rope_theta,
             config.rope_scaling,
             self.placement.device,
         )
-        self.embed_tokens = parameter(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
         self.layers = nn.ModuleList(
-            [DecoderLayer(config, rotary) for _ in range(config.num_hidden_layers)]
+            [
+                DecoderLayer(config, rotary, ctx, f"model.layers.{i}")
+                for i in range(config.num_layers)
+            ]
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps)
-        self.head: DenseWeight  # from lm_head (or the embeddings), once loaded
+        tied = config.tie_word_embeddings
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, ctx,
+            ["model.embed_tokens.weight" if tied else "lm_head.weight"],
+            tied_to=self.embed_tokens if tied else None,
+        )  # fmt: skip
         self.num_parameters = 0
-        self.lm_head = (
-            self.embed_tokens if config.tie_word_embeddings else parameter(*self.embed_tokens.shape)
-        )
 
     def forward(
         self,
@@ -148,133 +148,58 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm."""
-        h = F.embedding(input_ids, self.embed_tokens)
+        h = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches, strict=True):
             h, residual = layer(h, residual, positions, cache, meta)
         return h if residual is None else residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(self.norm(hidden))
+        return self.lm_head(self.norm(hidden))
 
     def load_weights(
         self,
-        weights: dict[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
         block_quantized: Mapping[str, BlockQuantized] | None = None,
     ) -> None:
-        """Copies Hugging Face-named tensors in, fusing q/k/v and gate/up. `block_quantized`:
-        the block form of some of them (GGUF's), fused the same way where every part has
-        one."""
-        expected = set()
-        names = {id(p): n for n, p in self.named_parameters()}
-        block_parts: dict[str, list[tuple[int, BlockQuantized]]] = {}
+        """Copies Hugging Face-named tensors in (each layer narrows them to its shard),
+        q/k/v and gate/up into their fused layers; `block_quantized`: the block form of
+        some of them (GGUF's), kept by the layers whose method multiplies from it."""
+        router = self._router()
         with torch.no_grad():
-            for name, tensor in weights.items():
-                target, rows = self._target(name)
-                if target is None:
-                    continue  # rotary caches and the like
-                expected.add(name)
-                view = target if rows is None else target[rows[0] : rows[1]]
-                if view.shape != tensor.shape:
-                    raise ValueError(
-                        f"weight {name}: shape {tuple(tensor.shape)}, model expects "
-                        f"{tuple(view.shape)}"
-                    )
-                view.copy_(tensor)
-                if block_quantized and name in block_quantized:
-                    first = 0 if rows is None else rows[0]
-                    block_parts.setdefault(names[id(target)], []).append(
-                        (first, block_quantized[name])
-                    )
-        required = self._required_names()
-        missing = sorted(required - expected)
-        if missing:
-            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
-        fused = {}
-        for param, parts in block_parts.items():
-            parts.sort(key=lambda part: part[0])
-            whole = BlockQuantized.stack([blocks for _, blocks in parts])
-            if whole.shape == tuple(self.get_parameter(param).shape):  # every part has one
-                fused[param] = whole
-        self.prepare_for_inference(fused)
+            router.load(weights, block_quantized or {})
+        self.prepare_for_inference()
 
-    def prepare_for_inference(
-        self, block_quantized: Mapping[str, BlockQuantized] | None = None
-    ) -> None:
-        """After the weights are in: matmul weights as DenseWeights (from their block form
-        too where `block_quantized`, by parameter name, has one)."""
-        names = {}
-        for i in range(self.config.num_hidden_layers):
-            for param, attribute in (
-                ("self_attn.qkv_weight", "qkv"), ("self_attn.o_weight", "o"),
-                ("mlp.gate_up_weight", "gate_up"), ("mlp.down_weight", "down"),
-            ):  # fmt: skip
-                names[f"layers.{i}.{param}"] = attribute
-        gated = frozenset(f"layers.{i}.mlp.gate_up_weight" for i in range(len(self.layers)))
-        self.num_parameters = prepare_dense(
-            self, names, self.config.tie_word_embeddings, self.placement, gated, block_quantized
-        )
+    def prepare_for_inference(self) -> None:
+        """After the weights are in: each linear layer's method prepares its weight."""
+        self.num_parameters = process_weights_after_loading(self, self.placement)
 
-    def _target(self, name: str) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
-        if name == "model.embed_tokens.weight":
-            return self.embed_tokens, None
-        if name == "model.norm.weight":
-            return self.norm.weight, None
-        if name == "lm_head.weight":
-            return (None, None) if self.config.tie_word_embeddings else (self.lm_head, None)
-        parts = name.split(".")
-        if len(parts) < 5 or parts[:2] != ["model", "layers"]:
-            return None, None
-        if not parts[2].isdigit() or int(parts[2]) >= len(self.layers):
-            raise ValueError(
-                f"weight {name}: the model has layers 0 to {len(self.layers) - 1} "
-                "(num_hidden_layers)"
-            )
-        layer = self.layers[int(parts[2])]
-        assert isinstance(layer, DecoderLayer)
-        attn, mlp = layer.self_attn, layer.mlp
-        q, kv = attn.q_size, attn.kv_size
-        inter = mlp.intermediate
-        module, kind = ".".join(parts[3:-1]), parts[-1]
-        fused = {
-            "self_attn.q_proj": (attn.qkv_weight, attn.qkv_bias, (0, q)),
-            "self_attn.k_proj": (attn.qkv_weight, attn.qkv_bias, (q, q + kv)),
-            "self_attn.v_proj": (attn.qkv_weight, attn.qkv_bias, (q + kv, q + 2 * kv)),
-            "mlp.gate_proj": (mlp.gate_up_weight, None, (0, inter)),
-            "mlp.up_proj": (mlp.gate_up_weight, None, (inter, 2 * inter)),
-        }
-        if module in fused:
-            weight, bias, rows = fused[module]
-            if kind not in ("weight", "bias") or (kind == "bias" and bias is None):
-                raise ValueError(
-                    f"weight {name}: this model has no such tensor (a bias the config does "
-                    "not declare, or a quantized checkpoint's scale)"
-                )
-            return (weight if kind == "weight" else bias), rows
-        plain = {
-            "self_attn.o_proj.weight": attn.o_weight,
-            "mlp.down_proj.weight": mlp.down_weight,
-            "input_layernorm.weight": layer.input_layernorm.weight,
-            "post_attention_layernorm.weight": layer.post_attention_layernorm.weight,
-            "self_attn.q_norm.weight": None if attn.q_norm is None else attn.q_norm.weight,
-            "self_attn.k_norm.weight": None if attn.k_norm is None else attn.k_norm.weight,
-        }
-        return plain.get(f"{module}.{kind}"), None
-
-    def _required_names(self) -> set[str]:
+    def _router(self) -> WeightRouter:
         c = self.config
-        names = {"model.embed_tokens.weight", "model.norm.weight"}
-        if not c.tie_word_embeddings:
-            names.add("lm_head.weight")
-        per_layer = [
-            "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-            "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-            "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight",
-        ]  # fmt: skip
-        if c.attention_bias:
-            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
-        if c.qk_norm:
-            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
-        for i in range(c.num_hidden_layers):
-            names.update(f"model.layers.{i}.{n}" for n in per_layer)
-        return names
+        router = WeightRouter(c.num_layers, "model.layers.")
+        router.vocab("model.embed_tokens.weight", self.embed_tokens)
+        if c.tie_word_embeddings:
+            router.tied_head("model.embed_tokens.weight", self.lm_head)
+            router.ignore("lm_head.weight")
+        else:
+            router.vocab("lm_head.weight", self.lm_head)
+        router.plain("model.norm.weight", self.norm.weight)
+        for i, layer in enumerate(self.layers):
+            assert isinstance(layer, DecoderLayer)
+            p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
+            kinds = ("weight", "bias") if c.attention_bias else ("weight",)
+            for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                for kind in kinds:
+                    router.linear(f"{p}.self_attn.{name}.{kind}", attn.qkv_proj, kind, part)
+            router.linear(f"{p}.self_attn.o_proj.weight", attn.o_proj)
+            router.linear(f"{p}.mlp.gate_proj.weight", mlp.gate_up_proj, part=0)
+            router.linear(f"{p}.mlp.up_proj.weight", mlp.gate_up_proj, part=1)
+            router.linear(f"{p}.mlp.down_proj.weight", mlp.down_proj)
+            router.plain(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
+            router.plain(
+                f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight
+            )
+            if attn.q_norm is not None and attn.k_norm is not None:
+                router.plain(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
+                router.plain(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+        return router

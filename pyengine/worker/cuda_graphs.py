@@ -15,7 +15,8 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
-    from pyengine.worker.model_runner import CausalLM
+    from pyengine.models.interface import CausalLM
+    from pyengine.worker.scheduler_output import SchedulerOutput
     from pyengine.worker.step_inputs import StepInputs
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.
@@ -102,7 +103,7 @@ class DecodeGraphs:
         hidden: torch.Tensor = self.model(step.input_ids, step.positions, self.caches, meta)
         return hidden
 
-    def size_for(self, b: StepBuffers) -> int | None:
+    def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
         """The graph that runs the step in `b`, or None where the step is not a decode
         step (a prefill, a request without a query token) or is larger than every
         graph."""

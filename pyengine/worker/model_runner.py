@@ -8,47 +8,20 @@ import logging
 import numpy as np
 import torch
 
-from pyengine import _C, StepBuffers, ops
-from pyengine.config import LLAMA_LIKE, EngineConfig
+from pyengine import _C, ops
+from pyengine.config import EngineConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache
-from pyengine.layers.linear import Placement
+from pyengine.layers.linear import LayerContext
+from pyengine.layers.placement import Placement
+from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
-from pyengine.models.gpt import LearnedPositionDecoder
-from pyengine.models.llama import LlamaForCausalLM
 from pyengine.sample.sampler import Sampler, heaviest_rows
 from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
+from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
-CausalLM = LlamaForCausalLM | LearnedPositionDecoder
-
 logger = logging.getLogger("pyengine")
-
-
-def build_model(
-    loaded: LoadedModel, max_positions: int, seed: int, placement: Placement
-) -> CausalLM:
-    config = loaded.config
-    model: CausalLM
-    with torch.device(placement.device):  # the parameters are made (and loaded) there
-        if config.architecture in LLAMA_LIKE:
-            model = LlamaForCausalLM(config, max_positions, placement)
-        else:
-            model = LearnedPositionDecoder(config, placement)
-    if loaded.weights is None:  # load_format="dummy": random weights of the right scale
-        generator = torch.Generator(placement.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "norm" in name:
-                    p.fill_(1.0 if name.endswith("weight") else 0.0)
-                else:
-                    p.normal_(0.0, 0.02, generator=generator)
-        model.prepare_for_inference()
-    elif isinstance(model, LlamaForCausalLM):
-        model.load_weights(loaded.weights, loaded.block_quantized)
-    else:
-        model.load_weights(loaded.weights)
-    return model.eval()
 
 
 def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -68,15 +41,15 @@ class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         c = loaded.config
         head_sizes = _C.attention_head_sizes()
-        if c.head_dim not in head_sizes:  # refused now, not at the first request
+        if c.head_size not in head_sizes:  # refused now, not at the first request
             raise ValueError(
-                f"the model's attention head size {c.head_dim} is not one paged attention "
+                f"the model's attention head size {c.head_size} is not one paged attention "
                 f"runs ({', '.join(map(str, head_sizes))})"
             )
         self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
-        tile = c.num_key_value_heads * c.head_dim * config.block_size  # per layer and block
-        self.block_numel = 2 * c.num_hidden_layers * tile  # K and V of every layer
+        tile = c.num_kv_heads * c.head_size * config.block_size  # per layer and block
+        self.block_numel = 2 * c.num_layers * tile  # K and V of every layer
         self.cache_dtype = getattr(torch, config.cache_dtype)
         self.block_bytes = self.block_numel * (torch.finfo(self.cache_dtype).bits // 8)
         min_blocks = -(-config.max_model_len // config.block_size)
@@ -89,7 +62,9 @@ class ModelRunner:
                 f"one max_model_len request needs {min_blocks} (at least "
                 f"{min_blocks * self.block_bytes} bytes, or lower max_model_len)"
             )
-        self.model = build_model(loaded, config.max_model_len, config.seed, self.placement)
+        self.model = build_model(
+            loaded, config.max_model_len, config.seed, LayerContext(self.placement)
+        )
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None
         self.capture_sizes: list[int] = []
@@ -132,14 +107,14 @@ class ModelRunner:
         pool = allocate_kv_pool(
             num_blocks * self.block_numel, self.cache_dtype, self.placement.device
         )
-        halves = pool.view(c.num_hidden_layers, 2, -1)
-        shape = (num_blocks, c.num_key_value_heads)
+        halves = pool.view(c.num_layers, 2, -1)
+        shape = (num_blocks, c.num_kv_heads)
         return [
             (
-                halves[i, 0].view(*shape, c.head_dim, self.block_size),
-                halves[i, 1].view(*shape, self.block_size, c.head_dim),
+                halves[i, 0].view(*shape, c.head_size, self.block_size),
+                halves[i, 1].view(*shape, self.block_size, c.head_size),
             )
-            for i in range(c.num_hidden_layers)
+            for i in range(c.num_layers)
         ]
 
     @torch.inference_mode()
@@ -212,7 +187,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, b: StepBuffers, extra_rows: list[int] | None = None
+        self, b: SchedulerOutput, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [num_sampling_rows, vocab] of the step in `b`, and the final hidden
         states of `extra_rows` (token rows of the step; prompt logprobs, for `logits`
@@ -246,7 +221,7 @@ class ModelRunner:
         """Logits [rows, vocab] of final hidden states [rows, hidden] from `execute`."""
         return self.model.compute_logits(hidden)
 
-    def _step_tensors(self, b: StepBuffers, graph: int | None) -> DeviceStep:
+    def _step_tensors(self, b: SchedulerOutput, graph: int | None) -> DeviceStep:
         """The step's arrays as tensors: the scheduler's buffers themselves on the CPU;
         on a GPU, one upload (padded to the graph's rows where one runs the step)."""
         if self.inputs is not None:

@@ -21,6 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
+    from pyengine.worker.scheduler_output import SchedulerOutput
 
 ALIGN_WORDS = 16  # int32 words: 64 bytes
 
@@ -100,7 +101,7 @@ class StepInputs:
             return field.reshape(self.max_reqs, self.max_blocks)
         return field
 
-    def upload(self, b: StepBuffers, padded_reqs: int = 0) -> DeviceStep:
+    def upload(self, b: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
         """Copies the step in `b` to the device; its views. A decode step (one token per
         request) padded to `padded_reqs` rows leaves the rows past its own at their safe
         values, for a graph of that size to read."""

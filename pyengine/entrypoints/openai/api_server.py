@@ -73,10 +73,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        default=d.enable_prefix_caching,
     )
     parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True
+        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+        default=d.enable_chunked_prefill,
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
@@ -295,7 +297,7 @@ def serve(ns: argparse.Namespace) -> None:
     chat_template = read_chat_template(ns.chat_template)
     start = time.perf_counter()
     llm_engine = engine_args(ns).create_engine()
-    c, runner = llm_engine.model_config, llm_engine.runner
+    c, runner = llm_engine.model_config, llm_engine.executor.driver_worker.model_runner
     logger.info(
         "loaded %s (%s, %.1fM parameters) in %.1f s",
         ns.model,

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from starlette.requests import Request
 
 from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
-from pyengine.engine.llm_engine import check_token_ids
+from pyengine.engine.input_processor import check_token_ids
 from pyengine.entrypoints.openai.protocol import APIError
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams

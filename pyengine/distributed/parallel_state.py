@@ -1,0 +1,54 @@
+"""A worker's place in its tensor-parallel group.
+
+Passed to every parallel layer when a model is built (no process-wide state), so that
+several groups, or none, can live in one process. With world_size 1 every collective is
+the identity and no torch.distributed process group is needed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from pyengine.sampling_params import is_int
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    world_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        if not is_int(self.world_size) or self.world_size < 1:
+            raise ValueError(f"tensor-parallel world_size must be >= 1, got {self.world_size!r}")
+        if not is_int(self.rank) or not 0 <= self.rank < self.world_size:
+            raise ValueError(
+                f"tensor-parallel rank must be in [0, {self.world_size}), got {self.rank!r}"
+            )
+
+    def split(self, size: int, what: str) -> tuple[int, int]:
+        """(start, length) of this rank's equal part of `size` entries; ValueError naming
+        `what` where the parts would not be equal."""
+        if size % self.world_size:
+            raise ValueError(
+                f"{what} ({size}) is not divisible by the tensor-parallel size "
+                f"({self.world_size})"
+            )
+        length = size // self.world_size
+        return self.rank * length, length
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the group, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        """Every rank's `x`, concatenated along `dim` in rank order."""
+        if self.world_size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)

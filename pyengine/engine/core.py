@@ -1,0 +1,240 @@
+"""The engine core: schedule -> execute -> update, once a step. It owns the C++
+scheduler and the executor, and of each running row (a request, or one of its n
+samples) only what choosing its tokens needs: its parameters and the tokens so far. The
+text, stop strings and outputs are the output processor's."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pyengine import Scheduler, StepBuffers
+from pyengine.config import EngineConfig
+from pyengine.engine.input_processor import EngineRequest
+from pyengine.executor import Executor
+from pyengine.outputs import PositionLogprobs
+from pyengine.sample.sampler import plain_greedy
+from pyengine.worker.scheduler_output import (
+    ModelRunnerOutput,
+    PromptLogprobRow,
+    SamplingRequest,
+    SchedulerOutput,
+)
+
+# (row id, its new token or None, its finish reason or None), as Scheduler.outputs().
+RowUpdate = tuple[str, int | None, str | None]
+
+
+@dataclass
+class _Row:
+    """What the core keeps of a running row."""
+
+    request: EngineRequest
+    seed: int | None  # its generator's seed where the request is seeded
+    output_token_ids: list[int] = field(default_factory=list)
+    # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
+    argmax_only: bool = False
+
+
+@dataclass
+class EngineCoreOutput:
+    updates: list[RowUpdate]
+    sampled_row_ids: list[str]  # the rows that sampled, in the runner output's order
+    runner_output: ModelRunnerOutput | None
+    # request id -> prompt tokens its first step found in the prefix cache
+    num_cached_tokens: dict[str, int]
+    # (request id, prompt position, its logprobs)
+    prompt_logprobs: list[tuple[str, int, PositionLogprobs]]
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.scheduler = Scheduler(
+            num_blocks=executor.num_blocks,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=config.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self._rows: dict[str, _Row] = {}
+        self._live_rows: dict[str, int] = {}  # request id -> its rows still running
+        self._finished_row_ids: list[str] = []  # for the workers, at the next step
+        self.step_request_ids: set[str] = set()  # the requests of the last step
+        # What a step must look at row by row, kept as sets so that the common step (every
+        # request scheduled before, greedy, no logprobs) skips those loops.
+        self._unscheduled: set[str] = set()  # requests whose first step is still to come
+        self._prompt_logprobs: dict[str, set[int]] = {}  # request -> positions scored
+        self._sampled_rows: set[str] = set()  # rows that need sampling requests
+
+    def add_request(self, request: EngineRequest, row_ids: list[str]) -> None:
+        """Schedules `request`, its samples under `row_ids` (the first is its own id)."""
+        params, request_id = request.params, request.request_id
+        self.scheduler.add_request(
+            request_id,
+            request.prompt_array,
+            max_tokens=request.max_tokens,
+            min_tokens=request.min_tokens,
+            eos_token_id=request.eos_token_id,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=params.ignore_eos,
+            n=params.n,
+            # Prompt logprobs need every prompt position computed: no prefix-cache hits.
+            cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
+        )
+        argmax_only = plain_greedy(params) and params.logprobs is None
+        for k, row_id in enumerate(row_ids):
+            seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
+            self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only)
+            if not argmax_only or params.min_tokens > 0:
+                self._sampled_rows.add(row_id)
+        self._live_rows[request_id] = len(row_ids)
+        self._unscheduled.add(request_id)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = set()
+
+    def finish_rows(self, row_ids: Iterable[str], reason: str) -> None:
+        """Ends rows the engine itself ends (aborts; "stop": a stop string)."""
+        for row_id in row_ids:
+            if self.scheduler.has_request(row_id):
+                if reason == "abort":
+                    self.scheduler.abort_request(row_id)
+                else:
+                    self.scheduler.finish_request(row_id, reason)
+            self._drop(row_id)
+
+    def step(self) -> EngineCoreOutput:
+        """One step. Where the executor fails, the step's rows are aborted (the caller
+        ends their requests: step_request_ids) and the error raised."""
+        if self.scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
+            self.scheduler.update(np.zeros(0, dtype=np.int32))
+            return EngineCoreOutput(self._updates(), [], None, {}, [])
+        b = self.scheduler.buffers
+        row_ids = b.request_ids  # a new list at every access: read once
+        self.step_request_ids = {self._rows[r].request.request_id for r in row_ids}
+        cached = self._first_steps(b, row_ids) if self._unscheduled else {}
+        step, sampled_row_ids, scored = self._scheduler_output(b, row_ids)
+        try:
+            out = self.executor.execute_model(step)
+        except BaseException:
+            self.finish_rows([r for r in row_ids if r in self._rows], "abort")
+            self.scheduler.update(np.zeros(len(sampled_row_ids), dtype=np.int32))
+            raise
+        self.scheduler.update(np.asarray(out.sampled_token_ids, dtype=np.int32))
+        prompt_logprobs = [
+            (request_id, position, logprobs)
+            for (request_id, position), logprobs in zip(scored, out.prompt_logprobs, strict=True)
+        ]
+        for request_id, position, _ in prompt_logprobs:
+            self._prompt_logprobs[request_id].add(position)
+        return EngineCoreOutput(self._updates(), sampled_row_ids, out, cached, prompt_logprobs)
+
+    def _updates(self) -> list[RowUpdate]:
+        updates = self.scheduler.outputs()
+        for row_id, token, reason in updates:
+            row = self._rows.get(row_id)
+            if row is None:
+                continue
+            if token is not None:
+                row.output_token_ids.append(token)
+                if (
+                    row.argmax_only
+                    and row_id in self._sampled_rows
+                    and len(row.output_token_ids) >= row.request.params.min_tokens
+                ):
+                    self._sampled_rows.discard(row_id)  # past min_tokens: plain argmax now
+            if reason is not None:
+                self._drop(row_id)
+        return updates
+
+    def _drop(self, row_id: str) -> None:
+        row = self._rows.pop(row_id, None)
+        if row is None:
+            return
+        self._finished_row_ids.append(row_id)
+        self._sampled_rows.discard(row_id)
+        request_id = row.request.request_id
+        self._live_rows[request_id] -= 1
+        if not self._live_rows[request_id]:  # the request's last row
+            del self._live_rows[request_id]
+            self._unscheduled.discard(request_id)
+            self._prompt_logprobs.pop(request_id, None)
+
+    def _first_steps(self, b: StepBuffers, row_ids: list[str]) -> dict[str, int]:
+        """A request's first step starts after the prompt tokens the prefix cache held."""
+        positions, starts = b.positions, b.query_start_loc
+        cached = {}
+        for i, row_id in enumerate(row_ids):
+            if row_id in self._unscheduled:  # sample 0's row: its id is the request's
+                self._unscheduled.discard(row_id)
+                cached[row_id] = int(positions[starts[i]])
+        return cached
+
+    def _scheduler_output(
+        self, b: StepBuffers, row_ids: list[str]
+    ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
+        """The step as the executor takes it, the sampled rows' ids, and the (request,
+        prompt position) of each prompt-logprob row."""
+        sampled_row_ids = [row_ids[i] for i in np.flatnonzero(b.is_sampling)]
+        sampling = None
+        if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
+            sampling = [self._sampling_request(r) for r in sampled_row_ids]
+        scored: list[tuple[str, int]] = []
+        prompt_rows: list[PromptLogprobRow] = []
+        if self._prompt_logprobs:
+            for request_id, position, row in self._prompt_logprob_rows(b, row_ids):
+                request = self._rows[request_id].request
+                k = request.params.prompt_logprobs or 0
+                prompt_rows.append(PromptLogprobRow(row, request.prompt_token_ids[position], k))
+                scored.append((request_id, position))
+        finished, self._finished_row_ids = self._finished_row_ids, []
+        step = SchedulerOutput(
+            input_ids=b.input_ids,
+            positions=b.positions,
+            slot_mapping=b.slot_mapping,
+            query_start_loc=b.query_start_loc,
+            seq_lens=b.seq_lens,
+            block_tables=b.block_tables,
+            logits_indices=b.logits_indices,
+            block_copies=b.block_copies,
+            sampling=sampling,
+            prompt_logprob_rows=prompt_rows,
+            finished_row_ids=finished,
+        )
+        return step, sampled_row_ids, scored
+
+    def _sampling_request(self, row_id: str) -> SamplingRequest:
+        row = self._rows[row_id]
+        request = row.request
+        under_min = len(row.output_token_ids) < request.params.min_tokens
+        return SamplingRequest(
+            row_id,
+            request.params,
+            request.prompt_array,
+            row.output_token_ids,
+            row.seed,
+            request.blocked_token_ids if under_min else (),
+        )
+
+    def _prompt_logprob_rows(
+        self, b: StepBuffers, row_ids: list[str]
+    ) -> list[tuple[str, int, int]]:
+        """(request, prompt position predicted, token row) for requests that want prompt
+        logprobs and compute prompt tokens in this step."""
+        wanted = []
+        for i, row_id in enumerate(row_ids):
+            scored = self._prompt_logprobs.get(row_id)  # sample 0's row: the request's id
+            if scored is None:
+                continue
+            prompt_len = len(self._rows[row_id].request.prompt_token_ids)
+            for row in range(int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])):
+                target = int(b.positions[row]) + 1
+                if target < prompt_len and target not in scored:
+                    wanted.append((row_id, target, row))
+        return wanted

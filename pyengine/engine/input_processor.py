@@ -1,0 +1,132 @@
+"""The input processor: a request as the caller gave it, checked and turned into what the
+engine core schedules. Every check happens here, before the request touches the
+scheduler, so that a bad request is a ValueError naming its problem and nothing else."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Container, Sequence
+from copy import copy
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from pyengine.config import EngineConfig, ModelConfig
+from pyengine.sampling_params import SamplingParams
+
+
+def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
+    """Raises ValueError naming `what` and the first entry that is not an integer token id
+    in [0, vocab_size)."""
+    ids = np.asarray(token_ids)
+    if ids.ndim == 1 and ids.dtype.kind in "iu":  # the common case, without a Python loop
+        outside = (ids < 0) | (ids >= vocab_size)
+        if not outside.any():
+            return
+        token_ids = [int(ids[outside.argmax()])]
+    for t in token_ids:
+        if isinstance(t, bool) or not isinstance(t, int | np.integer):
+            raise ValueError(f"{what}: token ids must be integers, got {t!r:.40}")
+        if not 0 <= t < vocab_size:
+            raise ValueError(f"{what}: token id {t} is outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A checked request: the engine's own copy of everything it runs with."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_array: np.ndarray  # int32 [prompt_len], made once (penalties, the scheduler)
+    params: SamplingParams  # a checked copy with lists of its own
+    max_tokens: int  # at most what max_model_len leaves
+    min_tokens: int
+    eos_token_id: int | None
+    stop_token_ids: list[int]  # the request's, and the model's other EOS ids
+    blocked_token_ids: tuple[int, ...]  # while under min_tokens: EOS and stop tokens
+    arrival_time: float
+
+
+class InputProcessor:
+    def __init__(self, model_config: ModelConfig, config: EngineConfig) -> None:
+        self.model_config = model_config
+        self.config = config
+
+    def process(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        arrival_time: float | None = None,
+        existing: Container[str] = (),
+    ) -> EngineRequest:
+        """The request, checked (its id against `existing`); ValueError naming whatever
+        the engine cannot run."""
+        params = self._checked(request_id, prompt_token_ids, params, existing)
+        eos, *more_eos = self.model_config.eos_token_ids or (None,)
+        stop_ids = list(params.stop_token_ids or [])
+        if not params.ignore_eos:
+            stop_ids += [t for t in more_eos if t is not None]
+        room = self.config.max_model_len - len(prompt_token_ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        blocked = tuple(stop_ids) + (() if params.ignore_eos or eos is None else (eos,))
+        return EngineRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            prompt_array=np.asarray(prompt_token_ids, dtype=np.int32),
+            params=params,
+            max_tokens=max_tokens,
+            min_tokens=min(params.min_tokens, max_tokens),
+            eos_token_id=eos,
+            stop_token_ids=stop_ids,
+            blocked_token_ids=blocked if params.min_tokens > 0 else (),
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+        )
+
+    def _checked(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        existing: Container[str],
+    ) -> SamplingParams:
+        """The request's own copy of `params`, checked again (a caller may have changed
+        its fields since it was made, or change them while the request runs)."""
+        if not isinstance(request_id, str):
+            raise ValueError(f"a request id must be a string, got {request_id!r:.40}")
+        if request_id in existing:
+            raise ValueError(f"request {request_id!r} already exists")
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"request {request_id!r}: {params!r:.40} is not a SamplingParams")
+        params = replace(  # validates; the lists its own too
+            params,
+            stop=copy(params.stop),
+            stop_token_ids=copy(params.stop_token_ids),
+            logit_bias=copy(params.logit_bias),
+        )
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        vocab, what = self.model_config.vocab_size, f"request {request_id!r}"
+        check_token_ids(prompt_token_ids, vocab, what)
+        check_token_ids(params.stop_token_ids or [], vocab, f"{what}: stop_token_ids")
+        check_token_ids(list(params.logit_bias or {}), vocab, f"{what}: logit_bias")
+        c = self.config
+        limits = [("logprobs", "max_logprobs", c.max_logprobs),
+                  ("prompt_logprobs", "max_logprobs", c.max_logprobs),
+                  ("n", "max_num_seqs", c.max_num_seqs)]  # fmt: skip
+        for name, limit_name, limit in limits:
+            asked = getattr(params, name)
+            if asked is not None and asked > limit:
+                raise ValueError(
+                    f"{what}: {name} {asked} is more than {limit_name} ({limit}, an engine "
+                    "argument)"
+                )
+        if len(prompt_token_ids) >= c.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
+                f"max_model_len is {c.max_model_len} (prompt plus at least one token)"
+            )
+        return params

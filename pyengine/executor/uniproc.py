@@ -1,0 +1,24 @@
+"""One worker, in this process: the executor of a single device."""
+
+from __future__ import annotations
+
+from pyengine.config import EngineConfig
+from pyengine.executor.abstract import Executor
+from pyengine.loader.resolve import LoadedModel
+from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.worker.worker import Worker
+
+
+class UniProcExecutor(Executor):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self.driver_worker = Worker(loaded, config)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.driver_worker.num_blocks
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        return self.driver_worker.execute_model(step)
+
+    def shutdown(self) -> None:
+        self.driver_worker.shutdown()

@@ -1,0 +1,27 @@
+"""RMSNorm over the fused CPU/CUDA kernels."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pyengine import ops
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:
+            out = torch.empty_like(x)
+            ops.rms_norm(out, x, self.weight, self.eps)
+            return out
+        variance = x.pow(2).mean(-1, keepdim=True)  # per head (Qwen3's q/k norm)
+        return self.weight * (x * torch.rsqrt(variance + self.eps))
+
+    def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:
+        """In place: residual += x; x = norm(residual)."""
+        ops.fused_add_rms_norm(x, residual, self.weight, self.eps)

@@ -1,0 +1,232 @@
+"""LinearMethod: how a linear layer holds its weight and multiplies by it, chosen per
+layer when a model is built (LinearMethods.choose).
+
+Every method sees the same life: the layer makes a float weight [out, in] (its shard of
+the checkpoint's), the loader copies the checkpoint into it (and hands block-quantized
+parts to methods that keep them), then `process_weights_after_loading` turns it into
+the method's form, and `apply` multiplies by it. Quantized checkpoint formats (AWQ,
+GPTQ, FP8, INT8) are further methods behind the same four calls.
+
+The forms today:
+- TorchLinearMethod: the weight itself in the placement's dtype, torch's matmul (16-bit
+  weights, CUDA).
+- PackedPanelsMethod: float32 on the CPU, packed once into column panels for pyengine's
+  own matmul (cpp/src/small_gemm.cpp), which streams each weight byte once, in order.
+- SplitBF16Method: the panels, and for steps of many rows a split-bfloat16 form (six
+  bfloat16 tile products on AMX, as accurate as float32).
+- GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form for steps of few rows,
+  another method's form for the rest.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pyengine import _C, ops
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.placement import Placement
+from pyengine.utils import host_memory
+
+if TYPE_CHECKING:
+    from pyengine.layers.linear import LinearBase
+
+# Up to this many rows a block-quantized weight multiplies from its block form: a step of
+# few rows is bound by streaming the weights, and those bytes are a fifth. With more rows
+# the arithmetic binds and the float32 panels skip the widening.
+BLOCK_QUANTIZED_MAX_ROWS = 16
+
+# From this many rows on a weight with a split-bfloat16 form multiplies from it. Its 6
+# bytes a weight stream slower than the panels' 4, so a decode step's few rows keep them.
+SPLIT_MIN_ROWS = 128
+
+
+def split_gemm_enabled() -> bool:
+    """Whether packed weights get a split-bfloat16 form: on CPUs with AMX, unless
+    PYENGINE_SPLIT_GEMM=0."""
+    return os.environ.get("PYENGINE_SPLIT_GEMM", "1") != "0" and _C.split_gemm_supported()
+
+
+def pack_panels(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """w_t [in, out] (a weight transposed; gate_up: [gate | up]) as float32 panels."""
+    in_features, out_features = w_t.shape
+    n = out_features // 2 if gate_up else out_features
+    packed = host_memory.empty((2 if gate_up else 1) * _C.packed_weight_size(in_features, n))
+    (_C.pack_gate_up_weight if gate_up else _C.pack_weight)(packed, w_t)
+    return packed
+
+
+def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """w_t [in, out] (gate_up: [gate | up]) in split-bfloat16 form."""
+    in_features, out_features = w_t.shape
+    n = out_features // 2 if gate_up else out_features
+    packed = host_memory.empty(
+        _C.packed_split_weight_size(in_features, n, gate_up), torch.bfloat16
+    )
+    _C.pack_split_weight(packed, w_t, gate_up)
+    return packed
+
+
+def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
+    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
+    out_features, in_features = blocks.shape
+    n = out_features // 2 if gate_up else out_features
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, blocks.bits)
+    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
+    q_t, scale_t, offset_t = (
+        torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
+    )
+    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up)
+    return packed
+
+
+class LinearMethod(ABC):
+    """What a linear layer delegates its weight to. A layer with `gate_up` set holds
+    [gate; up] and is applied through `apply_silu_and_mul` only."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        """Registers layer.weight [out, in] of the layer's shard, for the loader to fill."""
+        weight = torch.empty(layer.output_size_per_partition, layer.input_size_per_partition)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
+        """The block form of rows [start, start + rows) of the weight (GGUF's). Methods
+        that keep no such form ignore it: the float values are loaded all the same."""
+        del layer, start, blocks
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        """Turns the loaded layer.weight into this method's form (may remove it)."""
+
+    @abstractmethod
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x [tokens, in] @ weight.T + bias -> [tokens, out]."""
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        """silu(x @ gate.T) * (x @ up.T) -> [tokens, out / 2]."""
+        product = self.apply(layer, x, None)
+        out = torch.empty(x.shape[0], product.shape[1] // 2, dtype=x.dtype, device=x.device)
+        ops.silu_and_mul(out, product)
+        return out
+
+
+class TorchLinearMethod(LinearMethod):
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        # In place: a head tied to the embeddings keeps sharing their memory.
+        layer.weight.data = layer.weight.data.to(
+            self.placement.device, self.placement.dtype
+        ).contiguous()
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        return F.linear(x, layer.weight, bias)
+
+
+class PackedPanelsMethod(LinearMethod):
+    """Float32 column panels on the CPU. The panels are made in `pack`, so that methods
+    built on this one add their forms from the same transposed weight."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        w_t = layer.weight.data.t().contiguous().float()
+        self.pack(layer, w_t)
+        del layer.weight  # the packed forms are the weight now
+
+    def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
+        layer.packed = pack_panels(w_t, layer.gate_up)
+
+    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
+        """The packed form a step of `rows` rows multiplies from."""
+        assert layer.packed is not None
+        return layer.packed
+
+    def apply(
+        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        if layer.gate_up:  # its panels are paired for the fused op only
+            raise ValueError(
+                "a packed [gate; up] weight multiplies only fused with silu_and_mul: an "
+                "adapter on it needs a method whose product it can join (TorchLinearMethod)"
+            )
+        out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
+        ops.dense(out, x, self.packed_for(layer, x.shape[0]), bias, out.shape[1])
+        return out
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        # One op over pairs of panels: the [tokens, 2 n] product never goes to memory.
+        n = layer.output_size_per_partition // 2
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        ops.dense_silu_and_mul(out, x, self.packed_for(layer, x.shape[0]), n)
+        return out
+
+
+class SplitBF16Method(PackedPanelsMethod):
+    def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
+        super().pack(layer, w_t)
+        layer.packed_split = pack_split(w_t, layer.gate_up)
+
+    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
+        if rows >= SPLIT_MIN_ROWS and layer.packed_split is not None:
+            return layer.packed_split
+        return super().packed_for(layer, rows)
+
+
+class GGUFBlockMethod(PackedPanelsMethod):
+    """The block form for steps of at most BLOCK_QUANTIZED_MAX_ROWS rows, `larger`'s form
+    for the rest."""
+
+    def __init__(self, larger: PackedPanelsMethod) -> None:
+        self.larger = larger
+
+    def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
+        layer.block_parts.append((start, blocks))
+
+    def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
+        self.larger.pack(layer, w_t)
+        parts = sorted(layer.block_parts, key=lambda part: part[0])
+        whole = BlockQuantized.stack([blocks for _, blocks in parts])
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        if whole.shape != shape:
+            raise ValueError(f"block-quantized weight {whole.shape} for a {shape} weight")
+        layer.packed_blocks = pack_block_quantized(whole, layer.gate_up)
+        layer.block_parts.clear()
+
+    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
+        if rows <= BLOCK_QUANTIZED_MAX_ROWS and layer.packed_blocks is not None:
+            return layer.packed_blocks
+        return self.larger.packed_for(layer, rows)
+
+
+@dataclass(frozen=True)
+class LinearMethods:
+    """Chooses each layer's method from the placement and the checkpoint."""
+
+    placement: Placement = Placement()
+    # Checkpoint weight names that came with a GGUF block form.
+    block_quantized: frozenset[str] = frozenset()
+
+    def choose(self, checkpoint_names: Sequence[str], many_rows: bool = True) -> LinearMethod:
+        """The method of a layer made of `checkpoint_names` (its parts, in order);
+        many_rows: whether it multiplies every token of a step (the head sees only the
+        sampled rows: it keeps no split form)."""
+        if not self.placement.packs_weights:
+            return TorchLinearMethod(self.placement)
+        base: PackedPanelsMethod = (
+            SplitBF16Method() if many_rows and split_gemm_enabled() else PackedPanelsMethod()
+        )
+        names = list(checkpoint_names)
+        if names and all(name in self.block_quantized for name in names):
+            return GGUFBlockMethod(base)  # every part has a block form
+        return base

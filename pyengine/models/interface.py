@@ -1,0 +1,57 @@
+"""What the model runner needs of a model: the CausalLM protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+
+from pyengine.config import ModelConfig
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear import LayerContext
+
+
+class CausalLM(Protocol):
+    """A decoder over the paged KV cache. Built with `(config, max_positions, ctx)`:
+    its parameters are made at the placement, each linear layer with the LinearMethod
+    ctx chooses for it."""
+
+    config: ModelConfig
+    num_parameters: int  # set once the weights are in (a tied head counted once)
+
+    def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext) -> None: ...
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # int [num_tokens]
+        positions: torch.Tensor,  # int [num_tokens]
+        caches: list[KVCache],  # per layer
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Final hidden states [num_tokens, hidden_size] (before the final norm where
+        compute_logits applies it)."""
+        ...
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab_size] of hidden states [rows, hidden_size]."""
+        ...
+
+    def load_weights(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        block_quantized: Mapping[str, BlockQuantized] | None = None,
+    ) -> None:
+        """Copies a checkpoint's Hugging Face-named tensors in (block forms by the same
+        names), then prepares every layer; ValueError naming a tensor the model has no
+        place for, or what the checkpoint lacks."""
+        ...
+
+    def prepare_for_inference(self) -> None:
+        """Prepares the layers for weights already in place (random ones)."""
+        ...
+
+    def eval(self) -> CausalLM: ...
+
+    def named_parameters(self) -> object: ...

@@ -1,0 +1,127 @@
+"""WeightRouter: from checkpoint tensor names to the layers that load them.
+
+A model lists where each checkpoint name goes (a linear layer's part, an embedding, a
+plain parameter); the router then walks a checkpoint, hands each tensor to its loader
+(which narrows it to the rank's shard), hands block-quantized forms to the layers that
+keep them, and refuses what the model cannot hold: a tensor past the last layer, a tensor
+of a linear layer that it has no place for, or a checkpoint that lacks one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    QKVParallelLinear,
+    RowParallelLinear,
+)
+from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+# A checkpoint name and tensor as the model's routes know them, or None: not a weight.
+Normalize = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
+
+
+@dataclass
+class _Route:
+    load: Callable[[torch.Tensor], None] | None  # None: only a block form goes somewhere
+    blocks: Callable[[BlockQuantized], None] | None = None
+
+
+class WeightRouter:
+    def __init__(self, num_layers: int, layer_prefix: str) -> None:
+        self.num_layers, self.layer_prefix = num_layers, layer_prefix
+        self._routes: dict[str, _Route] = {}
+        self._ignored: set[str] = set()
+        self._linear_modules: set[str] = set()  # checkpoint modules of linear layers
+
+    def linear(
+        self,
+        name: str,
+        layer: ColumnParallelLinear | RowParallelLinear,
+        kind: str = "weight",
+        part: int = 0,
+    ) -> None:
+        """Part `part` of `layer`'s weight or bias (kind)."""
+        self._linear_modules.add(name.rpartition(".")[0])
+        blocks = None if kind != "weight" else lambda b: layer.load_part_blocks(b, part)
+        self._routes[name] = _Route(lambda t: layer.weight_loader(name, kind, t, part), blocks)
+
+    def fused_qkv(self, name: str, layer: QKVParallelLinear, kind: str) -> None:
+        """q, k and v in one checkpoint tensor."""
+        self._linear_modules.add(name.rpartition(".")[0])
+        self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t))
+
+    def vocab(self, name: str, module: VocabParallelEmbedding | ParallelLMHead) -> None:
+        blocks = None
+        if isinstance(module, ParallelLMHead):
+            blocks = lambda b: _head_blocks(module, b)  # noqa: E731
+        self._routes[name] = _Route(lambda t: module.weight_loader(name, t), blocks)
+
+    def tied_head(self, name: str, head: ParallelLMHead) -> None:
+        """A head that multiplies by the embeddings `name` loads: their block form is its."""
+        route = self._routes[name]
+        route.blocks = lambda b: _head_blocks(head, b)
+
+    def plain(self, name: str, parameter: torch.Tensor) -> None:
+        """A replicated parameter (a norm's weight, learned positions)."""
+
+        def load(tensor: torch.Tensor) -> None:
+            LinearBase._copy(name, parameter.data, tensor)
+
+        self._routes[name] = _Route(load)
+
+    def ignore(self, name: str) -> None:
+        self._ignored.add(name)
+
+    def load(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        block_quantized: Mapping[str, BlockQuantized],
+        normalize: Normalize | None = None,
+    ) -> None:
+        """Loads `weights` (block forms by the same names); raises ValueError naming the
+        first tensor the model has no place for, or what the checkpoint lacks."""
+        loaded = set()
+        for name, tensor in weights.items():
+            normalized = (name, tensor) if normalize is None else normalize(name, tensor)
+            if normalized is None:
+                continue
+            key, value = normalized
+            route = self._routes.get(key)
+            if route is None:
+                self._check_unrouted(name, key)
+                continue
+            if route.load is not None:
+                route.load(value)
+            if route.blocks is not None and name in block_quantized:
+                route.blocks(block_quantized[name])
+            loaded.add(key)
+        missing = sorted(set(self._routes) - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
+
+    def _check_unrouted(self, name: str, key: str) -> None:
+        """Tensors outside the layers that no route takes are not weights (rotary caches
+        and the like); inside, they must name a layer the model has."""
+        if key in self._ignored or not key.startswith(self.layer_prefix):
+            return
+        index = key[len(self.layer_prefix) :].partition(".")[0]
+        if not index.isdigit() or int(index) >= self.num_layers:
+            raise ValueError(
+                f"weight {name}: the model has no such tensor (the model has layers 0 to "
+                f"{self.num_layers - 1}: num_layers)"
+            )
+        if key.rpartition(".")[0] in self._linear_modules:
+            raise ValueError(
+                f"weight {name}: this model has no such tensor (a bias the config does not "
+                "declare, or a quantized checkpoint's scale)"
+            )
+
+
+def _head_blocks(head: ParallelLMHead, blocks: BlockQuantized) -> None:
+    head.load_blocks(0, blocks.rows(head.start, head.start + head.output_size_per_partition))

@@ -1,0 +1,97 @@
+"""Logits processors: each changes a batch of logits rows in place, in the order the
+sampler runs them, before a token is selected. Penalties, OpenAI's logit_bias and the
+tokens blocked under min_tokens today; a grammar's mask of allowed tokens is one more.
+
+A processor looks only at its own rows' parameters, and costs nothing in a batch where
+no row asks for it."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import torch
+
+from pyengine.sample.common import column, token_index, token_pairs
+from pyengine.sampling_params import GREEDY_BELOW_TEMPERATURE
+
+if TYPE_CHECKING:
+    from pyengine.sample.sampler import SamplingRow
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+        """In place, on float32 logits [rows, vocab] (one row per SamplingRow)."""
+        ...
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """vLLM's semantics, in place on logits [rows, vocab]: repetition over prompt and
+    output tokens (divide positive logits, multiply negative ones), frequency and presence
+    over output tokens. Only the tokens the rows hold are touched, by index."""
+    vocab, device, dtype = logits.shape[-1], logits.device, logits.dtype
+
+    repeated = [i for i, r in enumerate(rows) if r.params.repetition_penalty != 1.0]
+    counted = [
+        i
+        for i, row in enumerate(rows)
+        if (row.params.frequency_penalty or row.params.presence_penalty) and row.output_token_ids
+    ]
+    outputs = {i: np.asarray(rows[i].output_token_ids, np.int64) for i in {*repeated, *counted}}
+    if repeated:
+        # A token seen twice is written twice, with the same value: from the logits as
+        # they were, gathered before the write.
+        seen = [rows[i].prompt_token_ids for i in repeated] + [outputs[i] for i in repeated]
+        row, token = token_pairs(seen, vocab)
+        row %= len(repeated)  # the outputs' sequences follow the prompts'
+        penalty = np.array([rows[i].params.repetition_penalty for i in repeated])[row]
+        r, t = torch.from_numpy(np.stack([np.asarray(repeated)[row], token])).to(device)
+        factor = torch.from_numpy(penalty).to(device, dtype)
+        values = logits[r, t]
+        penalized = torch.where(values > 0, values / factor, values * factor)
+        # A penalty far from 1 can overflow: +inf would make the row's softmax NaN. The
+        # bound stays finite divided by any temperature that is not greedy.
+        bound = torch.finfo(dtype).max * GREEDY_BELOW_TEMPERATURE
+        logits[r, t] = penalized.clamp_(-bound, bound)
+    if counted:
+        row, token = token_pairs([outputs[i] for i in counted], vocab)
+        pair, count = np.unique(row * vocab + token, return_counts=True)
+        row, token = np.divmod(pair, vocab)
+        frequency = np.array([rows[i].params.frequency_penalty for i in counted])[row]
+        presence = np.array([rows[i].params.presence_penalty for i in counted])[row]
+        r, t = torch.from_numpy(np.stack([np.asarray(counted)[row], token])).to(device)
+        # Each (row, token) once: a plain subtraction by index.
+        logits[r, t] -= torch.from_numpy(frequency * count + presence).to(device, dtype)
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's logit_bias added to its tokens' logits (ids past the
+    vocabulary, which the engine refuses, skipped)."""
+    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    if not biased:
+        return
+    vocab, device = logits.shape[-1], logits.device
+    entries = [(i, t, b) for i, bias in biased for t, b in bias.items() if 0 <= t < vocab]
+    row, token = torch.tensor([(i, t) for i, t, _ in entries], dtype=torch.long).reshape(-1, 2).T
+    values = torch.tensor([b for _, _, b in entries], dtype=logits.dtype)
+    logits.index_put_((row.to(device), token.to(device)), values.to(device), accumulate=True)
+
+
+def block_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row's blocked_token_ids (EOS and stop tokens while under
+    min_tokens) at -inf."""
+    blocked = [i for i, r in enumerate(rows) if r.blocked_token_ids]
+    if not blocked:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    j, t = token_index([list(rows[i].blocked_token_ids) for i in blocked], vocab, device)
+    logits[column(blocked, torch.long, device)[j], t] = float("-inf")
+
+
+# The order vLLM applies them in: penalties see the model's logits, the bias and the
+# blocked tokens come after.
+DEFAULT_LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (
+    apply_penalties,
+    apply_logit_bias,
+    block_tokens,
+)

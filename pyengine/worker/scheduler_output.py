@@ -1,0 +1,63 @@
+"""What the engine hands the executor for one step, and what comes back: plain values
+(numpy arrays, lists, dataclasses) that pickle, so that workers in other processes or on
+other machines take the same call as the in-process one."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """A logits row that is not the plain argmax of the model: how to choose its token."""
+
+    row_id: str  # the scheduler's id of the request (or of one of its n samples)
+    params: SamplingParams
+    prompt_token_ids: np.ndarray  # int32 [prompt_len], for the repetition penalty
+    output_token_ids: Sequence[int]  # the tokens it has so far
+    # A seeded row draws from its own generator, made from this on first sight.
+    seed: int | None = None
+    blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
+
+
+@dataclass(frozen=True)
+class PromptLogprobRow:
+    """A token row of the step whose next prompt token is scored."""
+
+    row: int  # index into the step's tokens
+    token_id: int  # the prompt token that follows it
+    num_logprobs: int  # how many of the most likely tokens besides
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step, as Scheduler::schedule() planned it (the arrays are its StepBuffers'
+    views: valid until the next schedule(); pickling copies them)."""
+
+    input_ids: np.ndarray  # int32 [num_tokens]
+    positions: np.ndarray  # int32 [num_tokens]
+    slot_mapping: np.ndarray  # int64 [num_tokens]: block * block_size + offset
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1]
+    seq_lens: np.ndarray  # int32 [num_reqs]: context length after this step
+    block_tables: np.ndarray  # int32 [num_reqs, max_num_blocks_per_req]
+    logits_indices: np.ndarray  # int32 [num_sampled]: the token rows that sample
+    block_copies: list[tuple[int, int]]  # (source, destination) blocks, before the step
+    # Per sampled row; None: every row is the plain argmax (the common batch).
+    sampling: list[SamplingRequest] | None
+    prompt_logprob_rows: list[PromptLogprobRow]
+    # Rows finished since the last step: workers drop what they keep for them.
+    finished_row_ids: list[str]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: list[int]  # per sampled row
+    # Per sampled row where its request asked for them; None where no row did.
+    logprobs: list[PositionLogprobs | None] | None
+    prompt_logprobs: list[PositionLogprobs]  # per PromptLogprobRow, in order

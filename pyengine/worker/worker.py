@@ -1,0 +1,92 @@
+"""A worker: one device, its place in the tensor-parallel group, the model runner (the
+model and its shard of the KV cache) and the sampler. It runs a step from a
+SchedulerOutput and returns the sampled tokens; it knows nothing of requests' text."""
+
+from __future__ import annotations
+
+import torch
+
+from pyengine.config import EngineConfig
+from pyengine.distributed import TensorParallelGroup
+from pyengine.loader.resolve import LoadedModel
+from pyengine.outputs import PositionLogprobs
+from pyengine.sample.logprobs import gather_logprobs
+from pyengine.sample.sampler import Sampler, SamplingRow
+from pyengine.worker.model_runner import ModelRunner
+from pyengine.worker.scheduler_output import (
+    ModelRunnerOutput,
+    PromptLogprobRow,
+    SamplingRequest,
+    SchedulerOutput,
+)
+
+
+class Worker:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+    ) -> None:
+        self.config = config
+        self.tp = tp or TensorParallelGroup()
+        self.model_runner = ModelRunner(loaded, config)
+        self.sampler = Sampler(config.seed, config.device)
+        # Seeded rows' generators, by row id, for as long as the row runs.
+        self._generators: dict[str, torch.Generator] = {}
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks this worker's memory holds."""
+        return self.model_runner.num_blocks
+
+    def shutdown(self) -> None:
+        """Frees the model, the KV cache and the CUDA graphs; the worker runs no more
+        steps."""
+        device = self.model_runner.placement.device
+        del self.model_runner
+        self._generators.clear()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        for row_id in step.finished_row_ids:
+            self._generators.pop(row_id, None)
+        scored_rows = [r.row for r in step.prompt_logprob_rows]
+        logits, hidden = self.model_runner.execute(step, scored_rows)
+        prompt_logprobs = [] if hidden is None else self._score_prompts(step, hidden)
+        if step.sampling is None:
+            sampled = self.sampler.argmax(logits)
+        else:
+            sampled = self.sampler(logits, [self._row(r) for r in step.sampling])
+        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+
+    def _row(self, request: SamplingRequest) -> SamplingRow:
+        generator = None
+        if request.seed is not None:
+            generator = self._generators.get(request.row_id)
+            if generator is None:  # on the host (see SamplingRow)
+                generator = torch.Generator().manual_seed(request.seed)
+                self._generators[request.row_id] = generator
+        return SamplingRow(
+            request.params,
+            request.prompt_token_ids,
+            request.output_token_ids,
+            generator,
+            request.blocked_token_ids,
+        )
+
+    def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:
+        """Prompt logprobs from the final hidden states of the scored rows, max_num_seqs
+        rows at a time, so that a long prompt's logits never exist whole (8192 rows of a
+        128k vocabulary would be 4 GB in float32)."""
+        rows: list[PromptLogprobRow] = step.prompt_logprob_rows
+        entries: list[PositionLogprobs] = []
+        chunk = self.config.max_num_seqs
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            logits = self.model_runner.logits(hidden[start : start + chunk])
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            tokens, ks = [r.token_id for r in part], [r.num_logprobs for r in part]
+            entries += gather_logprobs(logprobs, tokens, ks)
+        return entries
