@@ -5,6 +5,8 @@ unsharded layer's against float64; the linear-method choice and the adapter hook
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -230,3 +232,44 @@ def test_adapter_hook_adds_its_delta(placement: Placement) -> None:
     torch.testing.assert_close(
         gated.silu_and_mul(x).double(), expected, rtol=tolerance, atol=tolerance
     )
+
+
+def _gloo_rank(rank: int, world_size: int, init: str, tensors: dict[str, torch.Tensor]) -> None:
+    """One rank of test_layers_join_their_shards_over_a_real_group: its layers' outputs,
+    through the group's collectives, must be the whole layers'."""
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world_size)
+    try:
+        ctx = LayerContext(TORCH, TensorParallelGroup(world_size, rank))
+        column = ColumnParallelLinear(16, [8], False, ctx, ["c"], gather_output=True)
+        row = RowParallelLinear(8, 6, True, ctx, ["r"])
+        embedding = VocabParallelEmbedding(9, 16, ctx)  # 9 rows: the last rank pads
+        head = ParallelLMHead(9, 16, ctx, ["e"], tied_to=embedding)
+        with torch.no_grad():
+            column.weight_loader("c", "weight", tensors["c"])
+            row.weight_loader("r", "weight", tensors["r"])
+            row.weight_loader("rb", "bias", tensors["rb"])
+            embedding.weight_loader("e", tensors["e"])
+        model = torch.nn.Module()
+        model.column, model.row, model.embedding, model.head = column, row, embedding, head
+        prepared(model)
+        x, ids = tensors["x"], tensors["ids"]
+        hidden = column(x)  # gathered: the whole [tokens, 8]
+        start, length = row.input_start, row.input_size_per_partition
+        out = row(hidden[:, start : start + length])
+        torch.testing.assert_close(hidden, x @ tensors["c"].T)
+        torch.testing.assert_close(out, hidden @ tensors["r"].T + tensors["rb"])
+        torch.testing.assert_close(embedding(ids), tensors["e"][ids])
+        torch.testing.assert_close(head(x), x @ tensors["e"].T)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_layers_join_their_shards_over_a_real_group(tmp_path: Path) -> None:
+    """Two processes in a gloo group: all_reduce and all_gather as a tensor-parallel
+    worker runs them."""
+    tensors = {
+        "c": rand(8, 16), "r": rand(6, 8), "rb": rand(6), "e": rand(9, 16),
+        "x": rand(3, 16), "ids": torch.tensor([0, 4, 5, 8, 8]),
+    }  # fmt: skip
+    init = f"file://{tmp_path / 'rendezvous'}"
+    mp.spawn(_gloo_rank, args=(2, init, tensors), nprocs=2, join=True)
