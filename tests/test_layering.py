@@ -63,8 +63,7 @@ def graph() -> dict[str, set[str]]:
 
 def test_no_module_imports_a_higher_layer() -> None:
     upward = [
-        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} "
-        f"({LAYERS[layer_of(target)][0]})"
+        f"{module} ({LAYERS[layer_of(module)][0]}) imports {target} ({LAYERS[layer_of(target)][0]})"
         for module, targets in graph().items()
         for target in targets
         if target != "pyengine" and layer_of(target) > layer_of(module)

@@ -43,8 +43,7 @@ def rand(*shape: int) -> torch.Tensor:
 
 def contexts(world_size: int, placement: Placement = TORCH) -> list[LayerContext]:
     return [
-        LayerContext(placement, TensorParallelGroup(world_size, rank))
-        for rank in range(world_size)
+        LayerContext(placement, TensorParallelGroup(world_size, rank)) for rank in range(world_size)
     ]
 
 
@@ -196,9 +195,7 @@ class LowRankDelta:
     def __init__(self, a: torch.Tensor, b: torch.Tensor) -> None:
         self.a, self.b = a, b
 
-    def add_delta(
-        self, layer: object, x: torch.Tensor, out: torch.Tensor
-    ) -> torch.Tensor:
+    def add_delta(self, layer: object, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         return out + x @ self.a.T @ self.b.T
 
 

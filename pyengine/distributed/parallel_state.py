@@ -33,8 +33,7 @@ class TensorParallelGroup:
         `what` where the parts would not be equal."""
         if size % self.world_size:
             raise ValueError(
-                f"{what} ({size}) is not divisible by the tensor-parallel size "
-                f"({self.world_size})"
+                f"{what} ({size}) is not divisible by the tensor-parallel size ({self.world_size})"
             )
         length = size // self.world_size
         return self.rank * length, length

@@ -64,8 +64,7 @@ class BlockQuantized:
         """Columns [start, stop), whole blocks only (a shard of the input features)."""
         if start % BLOCK or stop % BLOCK:
             raise ValueError(
-                f"columns [{start}, {stop}) of a block-quantized weight split its blocks of "
-                f"{BLOCK}"
+                f"columns [{start}, {stop}) of a block-quantized weight split its blocks of {BLOCK}"
             )
         blocks = slice(start // BLOCK, stop // BLOCK)
         return BlockQuantized(self.q[:, start:stop], self.scale[:, blocks], self.offset[:, blocks])

@@ -252,9 +252,7 @@ class RowParallelLinear(LinearBase):
         checkpoint_names: Sequence[str],
     ) -> None:
         self.input_start, local = ctx.tp.split(input_size, "input size")
-        super().__init__(
-            input_size, output_size, local, output_size, bias, ctx, checkpoint_names
-        )
+        super().__init__(input_size, output_size, local, output_size, bias, ctx, checkpoint_names)
 
     def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
         if kind == "bias":  # added once, after the sum

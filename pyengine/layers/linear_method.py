@@ -67,9 +67,7 @@ def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
     """w_t [in, out] (gate_up: [gate | up]) in split-bfloat16 form."""
     in_features, out_features = w_t.shape
     n = out_features // 2 if gate_up else out_features
-    packed = host_memory.empty(
-        _C.packed_split_weight_size(in_features, n, gate_up), torch.bfloat16
-    )
+    packed = host_memory.empty(_C.packed_split_weight_size(in_features, n, gate_up), torch.bfloat16)
     _C.pack_split_weight(packed, w_t, gate_up)
     return packed
 
@@ -106,9 +104,7 @@ class LinearMethod(ABC):
         """Turns the loaded layer.weight into this method's form (may remove it)."""
 
     @abstractmethod
-    def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [tokens, in] @ weight.T + bias -> [tokens, out]."""
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -129,9 +125,7 @@ class TorchLinearMethod(LinearMethod):
             self.placement.device, self.placement.dtype
         ).contiguous()
 
-    def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, layer.weight, bias)
 
 
@@ -152,9 +146,7 @@ class PackedPanelsMethod(LinearMethod):
         assert layer.packed is not None
         return layer.packed
 
-    def apply(
-        self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gate_up:  # its panels are paired for the fused op only
             raise ValueError(
                 "a packed [gate; up] weight multiplies only fused with silu_and_mul: an "

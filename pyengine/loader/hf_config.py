@@ -49,8 +49,7 @@ def _from_hf(config: dict[str, Any]) -> ModelConfig:
     kv_heads = _integer(config.get("num_key_value_heads") or heads)
     if kv_heads >= 1 and heads % kv_heads:  # named as config.json names it
         raise ValueError(
-            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads "
-            f"({kv_heads})"
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
     return ModelConfig(
         architecture=arch,
@@ -76,9 +75,7 @@ def _from_hf(config: dict[str, Any]) -> ModelConfig:
 
 def _from_gpt2(config: dict[str, Any]) -> ModelConfig:
     hidden, heads = _integer(config["n_embd"]), _integer(config["n_head"])
-    if config.get("scale_attn_by_inverse_layer_idx") or not config.get(
-        "scale_attn_weights", True
-    ):
+    if config.get("scale_attn_by_inverse_layer_idx") or not config.get("scale_attn_weights", True):
         raise ValueError("GPT-2 variants with other attention scaling are not supported")
     return ModelConfig(
         architecture="GPT2LMHeadModel",

@@ -14,9 +14,7 @@ from pyengine.models.interface import CausalLM
 from pyengine.models.registry import model_class
 
 
-def build_model(
-    loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerContext
-) -> CausalLM:
+def build_model(loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerContext) -> CausalLM:
     """The model of `loaded` (random weights of the right scale where it has none)."""
     placement = ctx.placement
     ctx = replace(ctx, methods=LinearMethods(placement, frozenset(loaded.block_quantized)))

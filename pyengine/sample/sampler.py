@@ -116,5 +116,3 @@ def plain_greedy(params: SamplingParams) -> bool:
 
 def _plain_greedy(row: SamplingRow) -> bool:
     return plain_greedy(row.params) and not row.blocked_token_ids
-
-

@@ -73,11 +73,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
-        "--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
         default=d.enable_prefix_caching,
     )
     parser.add_argument(
-        "--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
         default=d.enable_chunked_prefill,
     )
     parser.add_argument("--seed", type=int, default=d.seed)
