@@ -81,7 +81,7 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
 class DenseWeight:
     """A [out, in] weight prepared for x [tokens, in] -> [tokens, out]. On the CPU in
     float32 it is packed once into column panels for pyengine's own matmul
-    (cpp/src/small_gemm.cpp): a decode step streams each weight byte once, in order: a
+    (cpp/src/kernels/small_gemm.cpp): a decode step streams each weight byte once, in order: a
     decode step of 32 requests runs 1.2x faster than with torch.mm (which repacks the
     weight on every call), prefill about as fast (measured side by side in one process,
     SmolLM2-135M, 2 cores). A weight that came block-quantized (GGUF's Q4_0/Q4_1/Q8_0) is

@@ -43,7 +43,7 @@ void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
 
 // Split-bfloat16 weights, for many rows (a prefill) on CPUs with AMX: each weight split
 // exactly into three bfloat16s, of whose products with x's (split alike) the six that
-// float32 would not round away run on the tile unit (cpp/src/split_bf16_gemm.h). As
+// float32 would not round away run on the tile unit (cpp/src/kernels/split_bf16_gemm.h). As
 // accurate as a float32 GEMM; 6 bytes a weight.
 bool split_gemm_supported();
 
