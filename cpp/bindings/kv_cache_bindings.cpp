@@ -4,8 +4,8 @@
 #include <sstream>
 
 #include "bindings.h"
+#include "core/request_replay.h"
 #include "pyengine/kv_cache_manager.h"
-#include "pyengine/request_replay.h"
 #include "token_ids.h"
 
 namespace py = pybind11;

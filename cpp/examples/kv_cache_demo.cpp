@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "pyengine/kv_cache_manager.h"
+#include "pyengine/pyengine.h"
 
 namespace {
 
@@ -37,6 +37,7 @@ void start(pyengine::KVCacheManager& kv, const std::string& id,
 }  // namespace
 
 int main() {
+  std::printf("pyengine %s\n", PYENGINE_VERSION);
   pyengine::KVCacheManager kv(pyengine::KVCacheConfig{/*num_blocks=*/32, /*block_size=*/16, true});
 
   std::vector<pyengine::TokenId> system_prompt(40);
