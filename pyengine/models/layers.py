@@ -81,7 +81,7 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
 class DenseWeight:
     """A [out, in] weight prepared for x [tokens, in] -> [tokens, out]. On the CPU in
     float32 it is packed once into column panels for pyengine's own matmul
-    (cpp/src/kernels/small_gemm.cpp): a decode step streams each weight byte once, in order: a
+    (cpp/src/kernels/dense.cpp): a decode step streams each weight byte once, in order: a
     decode step of 32 requests runs 1.2x faster than with torch.mm (which repacks the
     weight on every call), prefill about as fast (measured side by side in one process,
     SmolLM2-135M, 2 cores). A weight that came block-quantized (GGUF's Q4_0/Q4_1/Q8_0) is
@@ -123,7 +123,7 @@ class DenseWeight:
 class GatedDense:
     """silu(x @ gate) * (x @ up), an MLP's activation of its fused [gate; up] weight
     [2 * n, in]. On the CPU in float32, one op over pairs of packed panels
-    (small_gemm_silu_and_mul): the [tokens, 2 * n] product never goes to memory and back.
+    (dense_silu_and_mul): the [tokens, 2 * n] product never goes to memory and back.
     Elsewhere a matmul, then silu_and_mul."""
 
     def __init__(

@@ -4,20 +4,17 @@
 // small-batch matmul). Link pyengine::core (find_package(pyengine)); no Python, no torch.
 #pragma once
 
-#include "pyengine/version.h"
-
-#include "pyengine/errors.h"
-#include "pyengine/tensor_view.h"
-
+#include "pyengine/attention.h"
 #include "pyengine/block_index.h"
 #include "pyengine/block_pool.h"
+#include "pyengine/cache_ops.h"
+#include "pyengine/dense.h"
+#include "pyengine/errors.h"
 #include "pyengine/kv_cache_manager.h"
+#include "pyengine/layer_ops.h"
 #include "pyengine/prefix_hash.h"
 #include "pyengine/request.h"
 #include "pyengine/scheduler.h"
 #include "pyengine/scheduler_output.h"
-
-#include "pyengine/attention.h"
-#include "pyengine/cache_ops.h"
-#include "pyengine/layer_ops.h"
-#include "pyengine/small_gemm.h"
+#include "pyengine/tensor_view.h"
+#include "pyengine/version.h"
