@@ -55,9 +55,7 @@ class ComputedBlocks:
     def num_computed_tokens(self) -> int: ...
 
 class KVCacheManager:
-    def __init__(
-        self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True
-    ) -> None: ...
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None: ...
     @property
     def num_blocks(self) -> int: ...
     @property
@@ -230,14 +228,14 @@ class Scheduler:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        max_num_batched_tokens: int = 2048,
-        max_num_seqs: int = 256,
-        max_model_len: int = 4096,
-        enable_chunked_prefill: bool = True,
-        long_prefill_token_threshold: int = 0,
-        policy: str = "fcfs",
+        block_size: int,
+        enable_prefix_caching: bool,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool,
+        long_prefill_token_threshold: int,
+        policy: str,
     ) -> None: ...
     def add_request(
         self,

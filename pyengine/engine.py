@@ -108,6 +108,8 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=0,  # not an engine argument yet: no cap
+            policy="fcfs",  # not an engine argument yet
         )
         self.sampler = Sampler(config.seed, config.device)
         self.requests: dict[str, _RequestState] = {}
