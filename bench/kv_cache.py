@@ -142,7 +142,7 @@ def timings(repeats: int, fn: Callable[[], Any]) -> tuple[list[float], Any]:
 def bench_alloc_free(num_requests: int, repeats: int, seed: int) -> dict[str, Any]:
     workload = make_workload(num_requests, seed)
     factories: dict[str, Callable[[], Any]] = {
-        "cpp": lambda: pyengine.KVCacheManager(workload.num_blocks, BLOCK_SIZE),
+        "cpp": lambda: pyengine.KVCacheManager(workload.num_blocks, BLOCK_SIZE, True),
         "python": lambda: PyKVCacheManager(workload.num_blocks, BLOCK_SIZE),
     }
     # One recorded, untimed pass each: both must make exactly the same decisions.
@@ -224,7 +224,7 @@ def timed_native(workload: Workload, repeats: int) -> tuple[float, dict[str, int
     decodes = ragged([r.decode_token_ids for r in workload.requests])
     best, result = float("inf"), {}
     for _ in range(repeats):
-        manager = pyengine.KVCacheManager(workload.num_blocks, BLOCK_SIZE)
+        manager = pyengine.KVCacheManager(workload.num_blocks, BLOCK_SIZE, True)
         start = time.perf_counter()
         result = pyengine.replay_requests(manager, *prompts, *decodes, workload.window)
         best = min(best, time.perf_counter() - start)

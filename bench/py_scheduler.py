@@ -7,7 +7,7 @@ block list per request) instead of pyengine.KVCacheManager, so that no part of i
 there is no prefix caching (the benchmark runs the C++ side with it disabled too).
 
 Its constructor, methods and buffers are those of ``pyengine.Scheduler``, and so is its
-policy (cpp/src/scheduler.cpp), down to the block ids it hands out: blocks are taken from
+policy (cpp/src/core/scheduler.cpp), down to the block ids it hands out: blocks are taken from
 the head of the free list and a freed request's blocks join its tail, last block first.
 One difference: block_tables rows are zero padded past a request's blocks, as
 scheduler_output.h documents (the C++ leaves them stale).

@@ -212,7 +212,7 @@ def drive(make: MakeScheduler, config: dict[str, Any], workload: list[CheckReque
         enable_prefix_caching=False,
         max_model_len=CHECK_MAX_MODEL_LEN,
         policy="fcfs",
-        **config,
+        **({"enable_chunked_prefill": True, "long_prefill_token_threshold": 0} | config),
     )
     pending = sorted(workload, key=lambda r: r.add_at_step)
     num_prompt_tokens = {r.request_id: len(r.prompt_token_ids) for r in workload}

@@ -28,7 +28,7 @@ struct AttentionParams {
   int block_shift;        // flash kernel: log2(block_size)
   float scale;
   int sliding_window;
-  float soft_cap;
+  float logit_soft_cap;
 };
 
 // The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]

@@ -1,5 +1,5 @@
 // Host-side launchers of the CUDA cache kernels. Plain C++ (no CUDA types), so that the
-// device-independent glue in cpp/src can call them; arguments are checked there.
+// device-independent glue in cpp/src/kernels can call them; arguments are checked there.
 #pragma once
 
 #include <cstdint>

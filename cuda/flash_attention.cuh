@@ -151,8 +151,9 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
 
   // Scores go into exp2 as score * score_log2; a soft cap maps them first to
   // cap * tanh(score * scale / cap), already in log2 units.
-  const float cap_log2 = p.soft_cap * kLog2e, scale_over_cap = p.scale / p.soft_cap;
-  const float score_log2 = p.soft_cap > 0 ? 1.0f : p.scale * kLog2e;
+  const float cap_log2 = p.logit_soft_cap * kLog2e;
+  const float scale_over_cap = p.scale / p.logit_soft_cap;
+  const float score_log2 = p.logit_soft_cap > 0 ? 1.0f : p.scale * kLog2e;
 
   // A request's last tiles, which see the most keys, go to its first blocks: the device
   // starts blocks in order, so the long ones start first and short ones fill the end of
@@ -244,7 +245,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
         // Cap and mask (C element i: row i / 2, key 2 * quad + i % 2 of the n-tile); the
         // scale goes into the exponent. Uniform branches, so that a plain chunk spends
         // nothing on either: chunks every row sees whole skip the mask.
-        if (p.soft_cap > 0) {
+        if (p.logit_soft_cap > 0) {
           for (int n = 0; n < kKeyTiles; ++n) {
             for (int i = 0; i < 4; ++i) s[n][i] = cap_log2 * tanhf(s[n][i] * scale_over_cap);
           }

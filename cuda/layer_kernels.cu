@@ -69,7 +69,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                       const TensorView& cos_sin_cache, bool is_neox, void* stream) {
   const int64_t tokens = query.shape[0];
   if (tokens == 0) return;
-  const int q_heads = static_cast<int>(query.shape[1]), k_heads = static_cast<int>(key.shape[1]);
+  const int num_heads = static_cast<int>(query.shape[1]),
+            num_kv_heads = static_cast<int>(key.shape[1]);
   const int d = static_cast<int>(query.shape[2]);
   const DeviceGuard guard(query.device.index);
   for_dtype(query.dtype, "rotary_embedding", [&](auto zero) {
@@ -81,10 +82,11 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
           constexpr int W = decltype(width)::value;
           const auto launch = [&](const auto* pos) {
             rotary_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(pos)>>, W>
-                <<<static_cast<unsigned>(tokens), threads_for((q_heads + k_heads) * d / 2 / W), 0,
+                <<<static_cast<unsigned>(tokens),
+                   threads_for((num_heads + num_kv_heads) * d / 2 / W), 0,
                    static_cast<cudaStream_t>(stream)>>>(
-                    pos, positions.strides[0], typed<T>(query), query.strides[0], q_heads,
-                    typed<T>(key), key.strides[0], k_heads, d,
+                    pos, positions.strides[0], typed<T>(query), query.strides[0], num_heads,
+                    typed<T>(key), key.strides[0], num_kv_heads, d,
                     static_cast<const float*>(cos_sin_cache.data), cos_sin_cache.strides[0],
                     cos_sin_cache.shape[0], is_neox);
           };
@@ -122,23 +124,25 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
                        void* stream) {
   const int64_t tokens = key.shape[0];
   if (tokens == 0) return;
-  const int kv_heads = static_cast<int>(key_cache.shape[1]);
-  const int d = static_cast<int>(key_cache.shape[2]);
+  const int num_kv_heads = static_cast<int>(key_cache.shape[1]);
+  const int head_size = static_cast<int>(key_cache.shape[2]);
   const int block_size = static_cast<int>(key_cache.shape[3]);
   const DeviceGuard guard(key.device.index);
   for_dtype(key_cache.dtype, "reshape_and_cache", [&](auto zero) {
     using T = decltype(zero);
     with_pack_width<T>(
         {key.data, value.data, value_cache.data},
-        {d, key.strides[0], key.strides[1], value.strides[0], value.strides[1]}, [&](auto width) {
+        {head_size, key.strides[0], key.strides[1], value.strides[0], value.strides[1]},
+        [&](auto width) {
           constexpr int W = decltype(width)::value;
           reshape_and_cache_kernel<T, W>
-              <<<static_cast<unsigned>(tokens), threads_for(kv_heads * d / W), 0,
+              <<<static_cast<unsigned>(tokens), threads_for(num_kv_heads * head_size / W), 0,
                  static_cast<cudaStream_t>(stream)>>>(
                   typed<T>(key), key.strides[0], key.strides[1], typed<T>(value), value.strides[0],
                   value.strides[1], typed<T>(key_cache), typed<T>(value_cache),
-                  static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0], kv_heads,
-                  d, block_size, key_cache.shape[0] * static_cast<int64_t>(block_size));
+                  static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0],
+                  num_kv_heads, head_size, block_size,
+                  key_cache.shape[0] * static_cast<int64_t>(block_size));
         });
   });
   check_launch("reshape_and_cache");

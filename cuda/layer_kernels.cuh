@@ -98,20 +98,21 @@ __global__ void __launch_bounds__(kMaxThreads)
 template <typename T, typename Position, int W>
 __global__ void __launch_bounds__(kMaxThreads)
     rotary_kernel(const Position* __restrict__ positions, int64_t position_stride,
-                  T* __restrict__ query, int64_t q_token_stride, int q_heads, T* __restrict__ key,
-                  int64_t k_token_stride, int k_heads, int d, const float* __restrict__ cos_sin,
-                  int64_t cos_sin_stride, int64_t max_positions, bool is_neox) {
+                  T* __restrict__ query, int64_t q_token_stride, int num_heads, T* __restrict__ key,
+                  int64_t k_token_stride, int num_kv_heads, int d,
+                  const float* __restrict__ cos_sin, int64_t cos_sin_stride, int64_t max_positions,
+                  bool is_neox) {
   const int64_t token = blockIdx.x;
   const int64_t position = positions[token * position_stride];
   if (position < 0 || position >= max_positions) return;  // see layer_kernels.h
   const float* cs = cos_sin + position * cos_sin_stride;
   const int half = d / 2;
   const int per_head = half / W;
-  const int work = (q_heads + k_heads) * per_head;
+  const int work = (num_heads + num_kv_heads) * per_head;
   for (int p = threadIdx.x; p < work; p += blockDim.x) {
     const int head = p / per_head, i0 = (p % per_head) * W;
-    T* row = head < q_heads ? query + token * q_token_stride + head * d
-                            : key + token * k_token_stride + (head - q_heads) * d;
+    T* row = head < num_heads ? query + token * q_token_stride + head * d
+                              : key + token * k_token_stride + (head - num_heads) * d;
     T* first = row + (is_neox ? i0 : 2 * i0);
     T* second = is_neox ? row + half + i0 : first + W;
     Pack<T, W> a = load_pack<T, W>(first), b = load_pack<T, W>(second);
@@ -168,21 +169,21 @@ __global__ void __launch_bounds__(kMaxThreads)
                              int64_t key_head_stride, const T* __restrict__ value,
                              int64_t value_token_stride, int64_t value_head_stride,
                              T* __restrict__ key_cache, T* __restrict__ value_cache,
-                             const int64_t* __restrict__ slots, int64_t slot_stride, int kv_heads,
-                             int d, int block_size, int64_t num_slots) {
+                             const int64_t* __restrict__ slots, int64_t slot_stride,
+                             int num_kv_heads, int head_size, int block_size, int64_t num_slots) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slots[token * slot_stride];
   if (slot < 0 || slot >= num_slots) return;  // see layer_kernels.h
   const int64_t block = slot / block_size, offset = slot % block_size;
-  const int64_t tile = static_cast<int64_t>(block_size) * d;
-  const int per_head = d / W;
-  for (int p = threadIdx.x; p < kv_heads * per_head; p += blockDim.x) {
+  const int64_t tile = static_cast<int64_t>(block_size) * head_size;
+  const int per_head = head_size / W;
+  for (int p = threadIdx.x; p < num_kv_heads * per_head; p += blockDim.x) {
     const int head = p / per_head, i = (p % per_head) * W;
-    const int64_t base = (block * kv_heads + head) * tile;
+    const int64_t base = (block * num_kv_heads + head) * tile;
     const Pack<T, W> k =
         load_pack<T, W>(key + token * key_token_stride + head * key_head_stride + i);
     store_pack<T, W>(
-        value_cache + base + offset * d + i,
+        value_cache + base + offset * head_size + i,
         load_pack<T, W>(value + token * value_token_stride + head * value_head_stride + i));
 #pragma unroll
     for (int j = 0; j < W; ++j)

@@ -1,5 +1,5 @@
 // Host-side launchers of the CUDA fused-layer and cache-write kernels. Plain C++ (no
-// CUDA types), so that the device-independent glue in cpp/src, which checks every
+// CUDA types), so that the device-independent glue in cpp/src/kernels, which checks every
 // argument first, can call them. Each runs on `stream` (a cudaStream_t; nullptr: the
 // default stream) of the tensors' device, and throws std::runtime_error with the CUDA
 // error string when a launch fails.

@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
       const T* column = keys + base + offset;
       float dot = 0.0f;
       for (int i = 0; i < d; ++i) dot += query[i] * to_float(column[static_cast<int64_t>(i) * bs]);
-      score = p.soft_cap > 0 ? p.soft_cap * tanhf(dot / p.soft_cap) : dot;
+      score = p.logit_soft_cap > 0 ? p.logit_soft_cap * tanhf(dot / p.logit_soft_cap) : dot;
       value_row = base + offset * d;
     }
     const float new_max = fmaxf(running_max, warp_max(score));  // lane 0's key is visible

@@ -1,5 +1,5 @@
 // Host-side launcher of the CUDA paged-attention kernel. Plain C++ (no CUDA types), so
-// that the glue in cpp/src/paged_attention.cpp, which checks shapes, dtypes and devices
+// that the glue in cpp/src/kernels/paged_attention.cpp, which checks shapes, dtypes and devices
 // first, can call it.
 #pragma once
 

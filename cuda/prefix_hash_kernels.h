@@ -1,5 +1,5 @@
 // Host-side launcher of the CUDA block-content hash. Plain C++ (no CUDA types), called by
-// cpp/src/prefix_hash.cpp after it has checked the arguments.
+// cpp/src/core/prefix_hash.cpp after it has checked the arguments.
 #pragma once
 
 #include <cstdint>

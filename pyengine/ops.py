@@ -80,8 +80,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "fused_add_rms_norm": _C.fused_add_rms_norm,
     "rotary_embedding": _C.rotary_embedding,
     "silu_and_mul": _C.silu_and_mul,
-    "dense": _C.small_gemm,
-    "dense_silu_and_mul": _C.small_gemm_silu_and_mul,
+    "dense": _C.dense,
+    "dense_silu_and_mul": _C.dense_silu_and_mul,
 }
 
 

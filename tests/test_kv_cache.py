@@ -35,7 +35,7 @@ def state(kv: KVCacheManager) -> tuple[object, ...]:
 
 
 def test_prefix_sharing_and_statistics() -> None:
-    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     prompt = list(range(100, 110))
     assert start(kv, "a", prompt) == 0
     assert start(kv, "b", prompt + [7, 7]) == 8
@@ -54,7 +54,7 @@ def test_prefix_sharing_and_statistics() -> None:
 
 
 def test_numpy_prompts_of_any_integer_dtype() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     start(kv, "a", np.arange(9, dtype=np.int32))  # type: ignore[arg-type]
     assert start(kv, "b", np.arange(9, dtype=np.int64)) == 8  # type: ignore[arg-type]
     assert start(kv, "c", np.arange(9, dtype=np.uint16)) == 8  # type: ignore[arg-type]
@@ -62,7 +62,7 @@ def test_numpy_prompts_of_any_integer_dtype() -> None:
 
 
 def test_cache_salt_and_adapter_isolate_requests() -> None:
-    kv = KVCacheManager(num_blocks=16, block_size=4)
+    kv = KVCacheManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
     prompt = list(range(12))
     start(kv, "a", prompt, cache_salt="alice")
     assert start(kv, "b", prompt, cache_salt="bob") == 0
@@ -80,17 +80,23 @@ def test_without_prefix_caching_nothing_is_shared() -> None:
 @pytest.mark.parametrize("block_size", [0, -16, 3, 12, 17])
 def test_block_size_must_be_a_power_of_two(block_size: int) -> None:
     with pytest.raises(ValueError, match="block_size must be a positive power of two"):
-        KVCacheManager(num_blocks=8, block_size=block_size)
+        KVCacheManager(num_blocks=8, block_size=block_size, enable_prefix_caching=True)
+
+
+def test_the_binding_takes_every_argument() -> None:
+    """The engine's defaults live in EngineArgs alone, none in the binding."""
+    with pytest.raises(TypeError):
+        KVCacheManager(num_blocks=8)  # type: ignore[call-arg]
 
 
 @pytest.mark.parametrize("num_blocks", [0, -1])
 def test_num_blocks_must_be_positive(num_blocks: int) -> None:
     with pytest.raises(ValueError, match="num_blocks must be positive"):
-        KVCacheManager(num_blocks=num_blocks)
+        KVCacheManager(num_blocks=num_blocks, block_size=16, enable_prefix_caching=True)
 
 
 def test_bad_requests_raise_and_change_nothing() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     start(kv, "a", list(range(6)))
     before = state(kv)
     with pytest.raises(KeyError, match="unknown request id 'nobody'"):
@@ -134,7 +140,7 @@ def test_bad_requests_raise_and_change_nothing() -> None:
 
 
 def test_freeing_twice_is_an_error() -> None:
-    kv = KVCacheManager(num_blocks=4, block_size=4)
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_prefix_caching=True)
     start(kv, "a", list(range(6)))
     kv.free("a")
     with pytest.raises(KeyError, match="unknown request id 'a'"):
@@ -143,7 +149,7 @@ def test_freeing_twice_is_an_error() -> None:
 
 
 def test_running_out_of_blocks_returns_none_and_changes_nothing() -> None:
-    kv = KVCacheManager(num_blocks=3, block_size=4)
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_prefix_caching=True)
     start(kv, "a", list(range(8)))
     kv.add_request("b", list(range(50, 62)))
     before = state(kv)
@@ -154,7 +160,7 @@ def test_running_out_of_blocks_returns_none_and_changes_nothing() -> None:
 
 
 def test_fork_copy_on_write() -> None:
-    kv = KVCacheManager(num_blocks=8, block_size=4)
+    kv = KVCacheManager(num_blocks=8, block_size=4, enable_prefix_caching=True)
     start(kv, "p", list(range(6)))
     kv.fork("p", "c")
     shared = kv.block_table("p")
@@ -166,7 +172,7 @@ def test_fork_copy_on_write() -> None:
 
 
 def test_eviction_is_least_recently_freed_first() -> None:
-    kv = KVCacheManager(num_blocks=4, block_size=2)
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_prefix_caching=True)
     start(kv, "a", [1, 2, 3])  # blocks 0, 1
     start(kv, "b", [5, 6, 7])  # blocks 2, 3
     kv.free("a")
@@ -189,7 +195,7 @@ def test_colliding_keys_never_serve_another_prefix() -> None:
     assert theirs != ours
     np.testing.assert_array_equal(compute_block_keys(ours), compute_block_keys(theirs))
 
-    kv = KVCacheManager(num_blocks=2, block_size=16)
+    kv = KVCacheManager(num_blocks=2, block_size=16, enable_prefix_caching=True)
     start(kv, "a", ours)  # caches `ours` in block 0
     kv.add_request("z", [7])
     kv.allocate_slots("z", 1)  # holds block 1
@@ -212,7 +218,7 @@ def test_a_failed_add_request_registers_nothing(tmp_path: Path) -> None:
     script = """
 import resource, numpy as np
 from pyengine import KVCacheManager
-kv = KVCacheManager(num_blocks=1, block_size=4)
+kv = KVCacheManager(num_blocks=1, block_size=4, enable_prefix_caching=True)
 kv.add_request("old", [1, 2, 3]); kv.add_request("keep", [4, 5, 6])
 kv.allocate_slots("old", 3); kv.free("old"); kv.allocate_slots("keep", 3)
 big = np.ones(50_000_000, dtype=np.int32)
@@ -250,7 +256,7 @@ def test_misaligned_token_arrays_are_copied() -> None:
 def test_rollback_into_blocks_another_request_shares_is_refused() -> None:
     """b's prefix hit shares a's first two blocks: rolling b (or a) back into them would
     take them out of the prefix index under the other request. Refused, nothing changed."""
-    kv = KVCacheManager(8, 4)
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     kv.add_request("a", list(range(9)))
     kv.allocate_slots("a", 9)
     kv.add_request("b", list(range(10)))

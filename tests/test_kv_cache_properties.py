@@ -48,7 +48,9 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]))
     def make_manager(self, num_blocks: int, block_size: int) -> None:
-        self.kv = KVCacheManager(num_blocks=num_blocks, block_size=block_size)
+        self.kv = KVCacheManager(
+            num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True
+        )
         self.block_size = block_size
 
     # ---- helpers ------------------------------------------------------------------

@@ -7,6 +7,7 @@ and runs cpp/examples against the installed package through find_package(pyengin
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -58,7 +59,8 @@ def test_ctest_passes(core_build: Path) -> None:
 def test_example_embeds_the_installed_package(core_build: Path, tmp_path: Path) -> None:
     prefix = tmp_path / "prefix"
     run("cmake", "--install", core_build, "--prefix", prefix)
-    assert (prefix / "include" / "pyengine" / "kv_cache_manager.h").is_file()
+    for header in ("pyengine.h", "version.h", "kv_cache_manager.h"):
+        assert (prefix / "include" / "pyengine" / header).is_file(), header
     example_build = tmp_path / "example"
     run(
         "cmake",
@@ -71,6 +73,9 @@ def test_example_embeds_the_installed_package(core_build: Path, tmp_path: Path) 
     )
     run("cmake", "--build", example_build)
     out = run(example_build / "kv_cache_demo")
+    version = re.search(r'^version = "(.+)"$', (REPO / "pyproject.toml").read_text(), re.M)
+    assert version is not None
+    assert f"pyengine {version[1]}\n" in out  # version.h, from CMake's project(VERSION)
     assert "chat-b   prefix hit: 32 of 43 tokens" in out
     assert "chat-b.1 block_table = [0, 1, 4]" in out
     assert "after free: 32 free blocks" in out

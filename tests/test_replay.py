@@ -65,7 +65,8 @@ def test_native_replay_matches_python_driving() -> None:
         for _ in range(300)
     ]
     decodes = [rng.integers(0, 50, rng.integers(0, 6)).tolist() for _ in prompts]
-    native_kv, python_kv = KVCacheManager(40, 4), KVCacheManager(40, 4)
+    native_kv = KVCacheManager(40, 4, enable_prefix_caching=True)
+    python_kv = KVCacheManager(40, 4, enable_prefix_caching=True)
     native = replay_requests(native_kv, *ragged(prompts), *ragged(decodes), 6)
     expected = drive_from_python(python_kv, prompts, decodes, 6)
     assert native == expected
@@ -75,7 +76,7 @@ def test_native_replay_matches_python_driving() -> None:
 
 
 def test_bad_traces_are_rejected() -> None:
-    kv = KVCacheManager(8, 4)
+    kv = KVCacheManager(8, 4, enable_prefix_caching=True)
     tokens, loc = ragged([[1, 2, 3], [4, 5]])
     empty, empty_loc = ragged([[], []])
     with pytest.raises(ValueError, match="end at the number of token ids"):

@@ -72,6 +72,16 @@ class Driver:
         raise AssertionError("requests did not finish")
 
 
+# The rest of the Scheduler's arguments, which the binding no longer defaults: the values
+# it defaulted to; a test overrides them through make()'s kwargs.
+OPTIONS: dict[str, object] = {
+    "enable_prefix_caching": True,
+    "enable_chunked_prefill": True,
+    "long_prefill_token_threshold": 0,
+    "policy": "fcfs",
+}
+
+
 def make(
     num_blocks: int = 64,
     block_size: int = 4,
@@ -86,7 +96,7 @@ def make(
         max_num_batched_tokens=budget,
         max_num_seqs=max_seqs,
         max_model_len=max_model_len,
-        **kwargs,
+        **(OPTIONS | kwargs),
     )  # type: ignore[arg-type]
     return Driver(scheduler, block_size, budget, max_seqs)
 
@@ -276,6 +286,12 @@ def test_a_waiting_request_is_counted_once_in_prefix_cache_statistics() -> None:
     assert kv.prefix_cache_hits == 4  # b reuses a's first block of 4
 
 
+def test_the_binding_takes_every_argument() -> None:
+    """The engine's defaults live in EngineArgs alone, none in the binding."""
+    with pytest.raises(TypeError):
+        Scheduler(8, 16)  # type: ignore[call-arg]
+
+
 def test_bad_input_is_rejected_and_changes_nothing() -> None:
     d = make(num_blocks=8, max_model_len=64)
     d.add("a", [1, 2], Limits())
@@ -294,10 +310,26 @@ def test_bad_input_is_rejected_and_changes_nothing() -> None:
         d.s.add_request("b", [1] * 60, max_tokens=4)
     with pytest.raises(ValueError, match="outside"):
         d.s.add_request("b", [1, -1])
+    defaults = {  # the values the binding used to default to
+        "block_size": 16,
+        "max_num_batched_tokens": 2048,
+        "max_num_seqs": 256,
+        "max_model_len": 4096,
+    } | OPTIONS
     with pytest.raises(ValueError, match="policy must be"):
-        Scheduler(8, policy="lifo")
+        Scheduler(8, **(defaults | {"policy": "lifo"}))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_num_batched_tokens must be at least"):
-        Scheduler(8, max_num_batched_tokens=16, max_model_len=64, enable_chunked_prefill=False)
+        Scheduler(
+            8,
+            **(
+                defaults
+                | {
+                    "max_num_batched_tokens": 16,
+                    "max_model_len": 64,
+                    "enable_chunked_prefill": False,
+                }
+            ),
+        )  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="unknown request id 'nobody'"):
         d.s.abort_request("nobody")
     with pytest.raises(RuntimeError, match="no step was scheduled"):

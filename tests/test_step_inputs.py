@@ -24,7 +24,15 @@ MAX_BLOCKS = MAX_LEN // BLOCK
 
 def scheduler(budget: int = 48, max_seqs: int = 8) -> Scheduler:
     return Scheduler(
-        64, BLOCK, max_num_batched_tokens=budget, max_num_seqs=max_seqs, max_model_len=MAX_LEN
+        64,
+        BLOCK,
+        enable_prefix_caching=True,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_seqs,
+        max_model_len=MAX_LEN,
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        policy="fcfs",
     )
 
 

@@ -101,10 +101,10 @@ Request i's query tokens query[query_start_loc[i]:query_start_loc[i+1]] are the 
 positions of its seq_lens[i] tokens; they attend causally to them (and, with
 sliding_window > 0, only to the last sliding_window of them).
 
-out, query:              [num_tokens, num_q_heads, head_size], the cache dtype
+out, query:              [num_tokens, num_heads, head_size], the cache dtype
 key_cache:               [num_blocks, num_kv_heads, head_size, block_size] (transposed)
 value_cache:             [num_blocks, num_kv_heads, block_size, head_size]
-block_tables:            int32 [num_reqs, max_blocks_per_req]
+block_tables:            int32 [num_reqs, max_blocks_per_request]
 seq_lens:                int32 [num_reqs]
 query_start_loc:         int32 [num_reqs + 1]
 max_seq_len:             the longest seq_len where the caller knows it (0: unknown); CUDA

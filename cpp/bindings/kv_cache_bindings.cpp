@@ -4,8 +4,8 @@
 #include <sstream>
 
 #include "bindings.h"
+#include "core/request_replay.h"
 #include "pyengine/kv_cache_manager.h"
-#include "pyengine/request_replay.h"
 #include "token_ids.h"
 
 namespace py = pybind11;
@@ -99,8 +99,7 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching) {
              return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
            }),
-           py::arg("num_blocks"), py::arg("block_size") = 16,
-           py::arg("enable_prefix_caching") = true)
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"))
       .def_property_readonly("num_blocks",
                              [](const KVCacheManager& k) { return k.config().num_blocks; })
       .def_property_readonly("block_size", &KVCacheManager::block_size)

@@ -2,8 +2,8 @@
 
 #include "bindings.h"
 #include "dlpack.h"
+#include "pyengine/dense.h"
 #include "pyengine/layer_ops.h"
-#include "pyengine/small_gemm.h"
 
 namespace py = pybind11;
 
@@ -67,7 +67,7 @@ void bind_layer_ops(py::module_& m) {
         py::gil_scoped_release release;
         pack_weight(p.view(), w.view());
       },
-      py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for small_gemm.");
+      py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for dense.");
   m.def("packed_quantized_weight_size", &packed_quantized_weight_size, py::arg("k"), py::arg("n"),
         py::arg("bits"), "Bytes of a block-quantized [k, n] weight, 4 or 8 bits.");
   m.def(
@@ -84,8 +84,8 @@ void bind_layer_ops(py::module_& m) {
       py::arg("packed"), py::arg("q_t"), py::arg("scale_t"), py::arg("offset_t"),
       py::arg("gate_up") = false,
       "Packs q_t [k, n] (uint8 0..15: 4-bit; int8: 8-bit), scale_t and offset_t [k / 32, n] "
-      "(w = q * scale + offset a block of 32 rows) for small_gemm (gate_up: for "
-      "small_gemm_silu_and_mul).");
+      "(w = q * scale + offset a block of 32 rows) for dense (gate_up: for "
+      "dense_silu_and_mul).");
   m.def("split_gemm_supported", &split_gemm_supported,
         "Whether this CPU runs split-bfloat16 weights (AMX with bfloat16, allowed by the OS).");
   m.def("packed_split_weight_size", &packed_split_weight_size, py::arg("k"), py::arg("n"),
@@ -100,21 +100,21 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("packed"), py::arg("w_t"), py::arg("gate_up") = false,
       "Packs w_t [k, n] (gate_up: [k, 2n], gate columns then up) as split bfloat16s for "
-      "small_gemm / small_gemm_silu_and_mul on AMX.");
+      "dense / dense_silu_and_mul on AMX.");
   m.def(
-      "small_gemm",
+      "dense",
       [](const py::handle& out, const py::handle& x, const py::handle& packed,
          const py::handle& bias, int64_t n) {
-        const DLPackView o(out, "small_gemm: out"), in(x, "small_gemm: x");
-        const DLPackView p(packed, "small_gemm: packed");
+        const DLPackView o(out, "dense: out"), in(x, "dense: x");
+        const DLPackView p(packed, "dense: packed");
         if (bias.is_none()) {
           py::gil_scoped_release release;
-          small_gemm(o.view(), in.view(), p.view(), TensorView{}, n);
+          dense(o.view(), in.view(), p.view(), TensorView{}, n);
           return;
         }
-        const DLPackView b(bias, "small_gemm: bias");
+        const DLPackView b(bias, "dense: bias");
         py::gil_scoped_release release;
-        small_gemm(o.view(), in.view(), p.view(), b.view(), n);
+        dense(o.view(), in.view(), p.view(), b.view(), n);
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
       "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
@@ -127,15 +127,15 @@ void bind_layer_ops(py::module_& m) {
         pack_gate_up_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("w_t"),
-      "Packs w_t [k, 2n] (gate columns, then up) for small_gemm_silu_and_mul.");
+      "Packs w_t [k, 2n] (gate columns, then up) for dense_silu_and_mul.");
   m.def(
-      "small_gemm_silu_and_mul",
+      "dense_silu_and_mul",
       [](const py::handle& out, const py::handle& x, const py::handle& packed, int64_t n) {
-        const DLPackView o(out, "small_gemm_silu_and_mul: out");
-        const DLPackView in(x, "small_gemm_silu_and_mul: x");
-        const DLPackView p(packed, "small_gemm_silu_and_mul: packed");
+        const DLPackView o(out, "dense_silu_and_mul: out");
+        const DLPackView in(x, "dense_silu_and_mul: x");
+        const DLPackView p(packed, "dense_silu_and_mul: packed");
         py::gil_scoped_release release;
-        small_gemm_silu_and_mul(o.view(), in.view(), p.view(), n);
+        dense_silu_and_mul(o.view(), in.view(), p.view(), n);
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"),
       "out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight.");

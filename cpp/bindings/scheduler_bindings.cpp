@@ -144,11 +144,11 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
            }),
-           py::arg("num_blocks"), py::arg("block_size") = 16,
-           py::arg("enable_prefix_caching") = true, py::arg("max_num_batched_tokens") = 2048,
-           py::arg("max_num_seqs") = 256, py::arg("max_model_len") = 4096,
-           py::arg("enable_chunked_prefill") = true, py::arg("long_prefill_token_threshold") = 0,
-           py::arg("policy") = "fcfs")
+           // No defaults: the engine's live in Python's EngineArgs alone.
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
+           py::arg("max_num_batched_tokens"), py::arg("max_num_seqs"), py::arg("max_model_len"),
+           py::arg("enable_chunked_prefill"), py::arg("long_prefill_token_threshold"),
+           py::arg("policy"))
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "pyengine/kv_cache_manager.h"
+#include "pyengine/pyengine.h"
 
 namespace {
 
@@ -37,7 +37,11 @@ void start(pyengine::KVCacheManager& kv, const std::string& id,
 }  // namespace
 
 int main() {
-  pyengine::KVCacheManager kv(pyengine::KVCacheConfig{/*num_blocks=*/32, /*block_size=*/16, true});
+  std::printf("pyengine %s\n", PYENGINE_VERSION);
+  // Every field explicit: pyengine's C++ API has no engine defaults (Python's EngineArgs
+  // holds the engine's).
+  pyengine::KVCacheManager kv(
+      pyengine::KVCacheConfig{.num_blocks = 32, .block_size = 16, .enable_prefix_caching = true});
 
   std::vector<pyengine::TokenId> system_prompt(40);
   std::iota(system_prompt.begin(), system_prompt.end(), 1000);

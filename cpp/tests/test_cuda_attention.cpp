@@ -38,7 +38,7 @@ struct Case {
   int head_size, num_heads, num_kv_heads, block_size;
   std::vector<int> query_lens, seq_lens;  // per request
   int sliding_window = 0;
-  float soft_cap = 0.0f;
+  float logit_soft_cap = 0.0f;
   int num_parts = 1;
   int max_query_len_hint = 0;  // the launch's hint; 0: the true largest query length
 };
@@ -126,7 +126,7 @@ AttentionParams params(const Case& c, Buffers<T>& b) {
   p.num_parts = c.num_parts;
   p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
   p.sliding_window = c.sliding_window;
-  p.soft_cap = c.soft_cap;
+  p.logit_soft_cap = c.logit_soft_cap;
   return p;
 }
 
@@ -189,7 +189,7 @@ double relative_error(const Case& c, const Buffers<T>& b) {
                  to_float(b.key_cache[tile + x * bs + key % bs]);
           }
           s /= std::sqrt(static_cast<double>(d));
-          if (c.soft_cap > 0) s = c.soft_cap * std::tanh(s / c.soft_cap);
+          if (c.logit_soft_cap > 0) s = c.logit_soft_cap * std::tanh(s / c.logit_soft_cap);
           scores.push_back(s);
         }
         const double top = *std::max_element(scores.begin(), scores.end());
@@ -263,7 +263,7 @@ TEST(scalar_kernel_for_head_sizes_the_tensor_cores_skip) {
   check_case<__nv_bfloat16, 112>({112, 4, 1, 16, {1, 6}, {90, 6}}, "head 112", Kernel::kScalar);
   Case c{32, 4, 2, 8, {25}, {40}};
   c.sliding_window = 9;
-  c.soft_cap = 5.0f;
+  c.logit_soft_cap = 5.0f;
   check_case<__half, 32>(c, "head 32, window 9, cap 5", Kernel::kScalar);
   check_case<float, 192>({192, 2, 1, 32, {3}, {33}}, "head 192", Kernel::kScalar);
 }
@@ -271,11 +271,11 @@ TEST(scalar_kernel_for_head_sizes_the_tensor_cores_skip) {
 TEST(sliding_window_and_soft_cap) {
   Case c{64, 6, 2, 8, {30, 1}, {45, 80}};
   c.sliding_window = 20;
-  c.soft_cap = 30.0f;
+  c.logit_soft_cap = 30.0f;
   check_case<__nv_bfloat16, 64>(c, "window 20, cap 30");
   // A capped partition's maximum goes to the merge in the same units as an uncapped one's.
   Case split{128, 4, 2, 16, {1, 12}, {600, 300}};
-  split.soft_cap = 3.0f;
+  split.logit_soft_cap = 3.0f;
   split.num_parts = 2;
   check_case<__half, 128>(split, "cap 3 over 2 partitions");
 }

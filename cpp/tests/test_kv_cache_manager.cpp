@@ -147,6 +147,7 @@ TEST(bad_input_is_rejected_and_changes_nothing) {
   auto kv = make(8);
   CHECK_THROWS(InvalidArgument, KVCacheManager(KVCacheConfig{8, 6, true}));
   CHECK_THROWS(InvalidArgument, KVCacheManager(KVCacheConfig{0, 16, true}));
+  CHECK_THROWS(InvalidArgument, KVCacheManager(KVCacheConfig{}));  // no defaults to fall back on
   CHECK_THROWS(InvalidArgument, kv.add_request("a", std::vector<TokenId>{}));
   CHECK_THROWS(InvalidArgument, kv.add_request("a", std::vector<TokenId>{1, -2}));
   CHECK(!kv.has_request("a"));

@@ -14,6 +14,9 @@ Scheduler make(int num_blocks = 32, int budget = 16) {
   config.max_num_batched_tokens = budget;
   config.max_num_seqs = 4;
   config.max_model_len = 64;
+  config.enable_chunked_prefill = true;
+  config.long_prefill_token_threshold = 0;
+  config.policy = SchedulingPolicy::kFCFS;
   return Scheduler(config, KVCacheConfig{num_blocks, 4, true});
 }
 
@@ -90,6 +93,11 @@ TEST(bad_input_changes_nothing) {
   CHECK_THROWS(InvalidState, s.update({}));
   CHECK_EQ(s.stats().num_waiting, 1);
   CHECK_EQ(run(s), 16);
+}
+
+TEST(a_config_left_unset_is_rejected) {
+  // No engine defaults in C++ (they are Python's EngineArgs'): unset limits are an error.
+  CHECK_THROWS(InvalidArgument, Scheduler(SchedulerConfig{}, KVCacheConfig{8, 4, true}));
 }
 
 TEST_MAIN()

@@ -62,6 +62,8 @@ class EngineCore:
             max_num_seqs=config.max_num_seqs,
             max_model_len=config.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            long_prefill_token_threshold=0,  # not an engine argument yet: no cap
+            policy="fcfs",  # not an engine argument yet
         )
         self._rows: dict[str, _Row] = {}
         self._live_rows: dict[str, int] = {}  # request id -> its rows still running

@@ -1,7 +1,7 @@
 """A matmul weight kept in its GGUF block form (Q4_0, Q4_1, Q8_0) beside its float32
 values: the CPU matmul of a decode step then streams 0.75-1.25 bytes a weight instead of
 4, and widens each block to exactly the float32 values the loader dequantizes
-(cpp/include/pyengine/small_gemm.h).
+(cpp/include/pyengine/dense.h).
 
 Every 32 weights along a row share a float16 scale d (and, for Q4_1, an offset m):
     Q4_0: w = d * (nibble - 8)     = nibble * d + (-8 d)

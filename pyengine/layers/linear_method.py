@@ -11,7 +11,7 @@ The forms today:
 - TorchLinearMethod: the weight itself in the placement's dtype, torch's matmul (16-bit
   weights, CUDA).
 - PackedPanelsMethod: float32 on the CPU, packed once into column panels for pyengine's
-  own matmul (cpp/src/small_gemm.cpp), which streams each weight byte once, in order.
+  own matmul (cpp/src/kernels/dense.cpp), which streams each weight byte once, in order.
 - SplitBF16Method: the panels, and for steps of many rows a split-bfloat16 form (six
   bfloat16 tile products on AMX, as accurate as float32).
 - GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form for steps of few rows,

@@ -12,7 +12,7 @@
 // Supported: cache dtypes float32, float16, bfloat16 (query, output and new K/V of the
 // same dtype, or on the CPU float32 over a 16-bit cache, which reshape_and_cache rounds
 // to nearest; arithmetic in float32); head sizes kSupportedHeadSizes; any block size
-// that is a power of two; num_q_heads a multiple of num_kv_heads (GQA, MQA).
+// that is a power of two; num_heads a multiple of num_kv_heads (GQA, MQA).
 #pragma once
 
 #include <array>
@@ -62,11 +62,11 @@ struct AttentionOptions {
 // Variable-length paged attention: request i's query tokens
 // query[query_start_loc[i]:query_start_loc[i + 1]] are the last q_len_i positions of its
 // seq_lens[i] tokens, and attend causally to them through block_tables[i].
-//   out:             [num_tokens, num_q_heads, head_size] (written)
-//   query:           [num_tokens, num_q_heads, head_size]
+//   out:             [num_tokens, num_heads, head_size] (written)
+//   query:           [num_tokens, num_heads, head_size]
 //   key_cache:       [num_blocks, num_kv_heads, head_size, block_size]
 //   value_cache:     [num_blocks, num_kv_heads, block_size, head_size]
-//   block_tables:    int32 [num_reqs, max_blocks_per_req]
+//   block_tables:    int32 [num_reqs, max_blocks_per_request]
 //   seq_lens:        int32 [num_reqs], each >= its q_len
 //   query_start_loc: int32 [num_reqs + 1], from 0, ascending, ending at num_tokens; a
 //                    request with no query tokens (a sample forked this step) is skipped

@@ -41,10 +41,12 @@ struct RequestHandle {
   uint32_t generation = 0;
 };
 
+// The caller sets every field (the engine's defaults live in Python's EngineArgs); the
+// zeros only keep a forgotten one from being indeterminate, and 0 sizes are rejected.
 struct KVCacheConfig {
   int num_blocks = 0;
-  int block_size = 16;  // tokens per block, a power of two
-  bool enable_prefix_caching = true;
+  int block_size = 0;  // tokens per block, a power of two
+  bool enable_prefix_caching = false;
 };
 
 // The verified cached prefix of a request.

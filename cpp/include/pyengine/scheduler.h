@@ -32,11 +32,15 @@ namespace pyengine {
 
 enum class SchedulingPolicy : uint8_t { kFCFS, kPriority };
 
+// The caller sets every field: the engine's defaults live in one place, Python's
+// EngineArgs, and a C++ embedder chooses its own. The zeros below only keep a forgotten
+// field from being indeterminate: the limits are rejected at 0, and false, 0 and kFCFS
+// are the features' off states.
 struct SchedulerConfig {
-  int max_num_batched_tokens = 2048;  // tokens computed in one step, all requests
-  int max_num_seqs = 256;             // running requests at most
-  int max_model_len = 4096;           // prompt plus output tokens of one request
-  bool enable_chunked_prefill = true;
+  int max_num_batched_tokens = 0;  // tokens computed in one step, all requests
+  int max_num_seqs = 0;            // running requests at most
+  int max_model_len = 0;           // prompt plus output tokens of one request
+  bool enable_chunked_prefill = false;
   int long_prefill_token_threshold = 0;  // > 0: one request's tokens per step at most
   SchedulingPolicy policy = SchedulingPolicy::kFCFS;
 };

@@ -26,8 +26,8 @@ namespace pyengine {
 namespace {
 
 using detail::arg;
+using detail::AttentionParams;
 using detail::kQueryTile;
-using detail::Problem;
 using detail::SplitTile;
 using detail::Tile;
 using detail::WorkItem;
@@ -180,7 +180,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     detail::check_shape(*t, op, name, 3);
     detail::check_dtype(*t, query_dtype, op, name);
     if (t->shape[2] != head_size || t->strides[2] != 1) {
-      throw InvalidArgument(arg(op, name) + " must be [num_tokens, num_q_heads, " +
+      throw InvalidArgument(arg(op, name) + " must be [num_tokens, num_heads, " +
                             std::to_string(head_size) + "] with a dense last dim, got " +
                             t->describe());
     }
@@ -191,9 +191,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           query.describe());
   }
   const int64_t num_tokens = query.shape[0];
-  const int64_t num_q_heads = query.shape[1];
-  if (num_q_heads % num_kv_heads != 0) {
-    throw InvalidArgument(std::string(op) + ": num_q_heads (" + std::to_string(num_q_heads) +
+  const int64_t num_heads = query.shape[1];
+  if (num_heads % num_kv_heads != 0) {
+    throw InvalidArgument(std::string(op) + ": num_heads (" + std::to_string(num_heads) +
                           ") must be a multiple of num_kv_heads (" + std::to_string(num_kv_heads) +
                           ")");
   }
@@ -227,7 +227,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     throw InvalidArgument(std::string(op) + ": query_start_loc must start at 0 and end at " +
                           std::to_string(num_tokens));
   }
-  const int64_t group = num_q_heads / num_kv_heads;
+  const int64_t group = num_heads / num_kv_heads;
   for (int64_t i = 0; i < num_reqs; ++i) {
     const int64_t q_len = qsl[i + 1] - qsl[i];
     if (q_len < 0 || lens[i] < q_len) {
@@ -256,25 +256,25 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const auto partial_floats = static_cast<size_t>(plan.num_partials * partial_stride);
   if (plan.partials.size() < partial_floats) plan.partials.resize(partial_floats);
 
-  const Problem p{out.data,
-                  query.data,
-                  key_cache.data,
-                  value_cache.data,
-                  tables,
-                  lens,
-                  qsl,
-                  query.strides[0],
-                  query.strides[1],
-                  out.strides[0],
-                  out.strides[1],
-                  max_blocks,
-                  num_kv_heads,
-                  group,
-                  block_size,
-                  head_size,
-                  options,
-                  plan.partials.data(),
-                  partial_stride};
+  const AttentionParams p{out.data,
+                          query.data,
+                          key_cache.data,
+                          value_cache.data,
+                          tables,
+                          lens,
+                          qsl,
+                          query.strides[0],
+                          query.strides[1],
+                          out.strides[0],
+                          out.strides[1],
+                          max_blocks,
+                          num_kv_heads,
+                          group,
+                          block_size,
+                          head_size,
+                          options,
+                          plan.partials.data(),
+                          partial_stride};
   kernel_for(current_isa().load(std::memory_order_relaxed))(p, plan.items, plan.splits, query.dtype,
                                                             key_cache.dtype);
 }

@@ -1,6 +1,7 @@
-// The CPU paged-attention kernel's problem description, shared by the glue
-// (paged_attention.cpp) and the kernel, which is compiled once per instruction set
-// (paged_attention_kernel.inc) and picked at run time. Internal to pyengine_core.
+// The CPU paged-attention kernel's parameters (AttentionParams, named as the CUDA kernel's
+// in cuda/attention_params.cuh), shared by the glue (paged_attention.cpp) and the kernel,
+// which is compiled once per instruction set (paged_attention_kernel.inc) and picked at
+// run time. Internal to pyengine_core.
 #pragma once
 
 #include <cstdint>
@@ -12,7 +13,7 @@ namespace pyengine::detail {
 
 constexpr int kQueryTile = 8;  // query tokens per work item
 
-struct Problem {
+struct AttentionParams {
   void* out;
   const void* query;
   const void* key_cache;
@@ -57,13 +58,13 @@ struct SplitTile {
 
 // query_dtype (of query and out) equals cache_dtype, or is float32 over a float16 or
 // bfloat16 cache.
-using AttentionKernel = void (*)(const Problem&, std::span<const WorkItem>,
+using AttentionKernel = void (*)(const AttentionParams&, std::span<const WorkItem>,
                                  std::span<const SplitTile>, DType query_dtype, DType cache_dtype);
 
 // One build of the kernel per instruction set; each exists only where it was compiled.
 #define PYENGINE_DECLARE_KERNEL(ns)                                                            \
   namespace ns {                                                                               \
-  void run_attention(const Problem& p, std::span<const WorkItem> items,                        \
+  void run_attention(const AttentionParams& p, std::span<const WorkItem> items,                \
                      std::span<const SplitTile> splits, DType query_dtype, DType cache_dtype); \
   }
 PYENGINE_DECLARE_KERNEL(generic)

@@ -1,4 +1,4 @@
-#include "pyengine/request_replay.h"
+#include "request_replay.h"
 
 #include <deque>
 #include <string>

@@ -13,8 +13,8 @@ const char* finish_reason_name(FinishReason reason) {
 }
 
 StepBuffers::StepBuffers(int max_num_batched_tokens, int max_num_seqs, int max_blocks)
-    : max_num_tokens(max_num_batched_tokens),
-      max_num_reqs(max_num_seqs),
+    : max_num_batched_tokens(max_num_batched_tokens),
+      max_num_seqs(max_num_seqs),
       max_blocks_per_request(max_blocks),
       input_ids(static_cast<size_t>(max_num_batched_tokens)),
       positions(static_cast<size_t>(max_num_batched_tokens)),

@@ -1,8 +1,8 @@
-// Small-m GEMM over panel-packed weights (see pyengine/small_gemm.h). One micro-kernel:
+// Small-m GEMM over panel-packed weights (see pyengine/dense.h). One micro-kernel:
 // 8 rows x 48 columns (24 accumulators of 16 floats, as GCC vector extensions, which the
 // AVX2 and generic clones split into narrower registers), over the whole k; threads take
 // panels.
-#include "pyengine/small_gemm.h"
+#include "pyengine/dense.h"
 
 #include <algorithm>
 #include <cstring>
@@ -238,8 +238,9 @@ template <class Body>
 void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_columns, Body&& body) {
   const int64_t block_rows =
       std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(x.k, 1) / kRows * kRows);
-#pragma omp parallel if (num_units > 1 && \
-                         std::min(x.m, block_rows) * x.k * unit_columns * num_units >= (1 << 16))
+#pragma omp parallel if (num_units > 1 &&                                                  \
+                             std::min(x.m, block_rows) * x.k * unit_columns * num_units >= \
+                                     (1 << 16))
   for (int64_t m0 = 0; m0 < x.m; m0 += block_rows) {
     const int64_t m1 = std::min(x.m, m0 + block_rows);
 #pragma omp for schedule(guided, 2) nowait
@@ -381,9 +382,9 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
   });
 }
 
-void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
-                const TensorView& bias, int64_t n) {
-  constexpr const char* op = "small_gemm";
+void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
+           const TensorView& bias, int64_t n) {
+  constexpr const char* op = "dense";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
   const bool split = packed.dtype == DType::kBFloat16;
@@ -421,9 +422,9 @@ void small_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
                        });
 }
 
-void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
-                             int64_t n) {
-  constexpr const char* op = "small_gemm_silu_and_mul";
+void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                        int64_t n) {
+  constexpr const char* op = "dense_silu_and_mul";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
   auto* c = static_cast<float*>(out.data);
@@ -436,7 +437,7 @@ void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const T
   const Panels panels = check_packed(op, packed, k, n, true, "pack_gate_up_weight");
   const Rows8 rows8 = tile_rows(x);
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
-  // weights stream in memory order, as in small_gemm.
+  // weights stream in memory order, as in dense.
   for_blocks_and_units(
       rows8, (n + kPanelWidth - 1) / kPanelWidth, 2 * kPanelWidth,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {

@@ -4,7 +4,8 @@
 // live (the oldest is freed first), and when blocks run out the oldest live request is
 // preempted. The benchmark drives the manager natively through it, as the scheduler
 // will; it is also the seed of a capacity planner that runs the real memory manager
-// against request traces.
+// against request traces. Internal to pyengine_core (not installed): only the bindings'
+// replay_requests calls it.
 #pragma once
 
 #include <cstdint>

@@ -43,7 +43,7 @@ void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
 
 // Split-bfloat16 weights, for many rows (a prefill) on CPUs with AMX: each weight split
 // exactly into three bfloat16s, of whose products with x's (split alike) the six that
-// float32 would not round away run on the tile unit (cpp/src/split_bf16_gemm.h). As
+// float32 would not round away run on the tile unit (cpp/src/kernels/split_bf16_gemm.h). As
 // accurate as a float32 GEMM; 6 bytes a weight.
 bool split_gemm_supported();
 
@@ -58,11 +58,11 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
 // uint8/int8 (pack_quantized_weight) or bfloat16 (pack_split_weight, where
 // split_gemm_supported()).
-void small_gemm(const TensorView& out, const TensorView& x, const TensorView& packed,
-                const TensorView& bias, int64_t n);
+void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
+           const TensorView& bias, int64_t n);
 
 // Packs w_t [k, 2n], gate columns then up columns (an MLP's fused gate/up projection), for
-// small_gemm_silu_and_mul into `packed` (float32 [2 * packed_weight_size(k, n)]): each
+// dense_silu_and_mul into `packed` (float32 [2 * packed_weight_size(k, n)]): each
 // gate panel followed by the up panel of the same columns.
 void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 
@@ -71,7 +71,7 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 // silu_and_mul's. x and out float32 with a dense last dim; packed float32
 // (pack_gate_up_weight), uint8/int8 (pack_quantized_weight with gate_up) or bfloat16
 // (pack_split_weight with gate_up).
-void small_gemm_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
-                             int64_t n);
+void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
+                        int64_t n);
 
 }  // namespace pyengine

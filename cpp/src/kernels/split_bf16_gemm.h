@@ -1,4 +1,4 @@
-// The split-bfloat16 GEMM of small_gemm (see pyengine/small_gemm.h): float32 products on
+// The split-bfloat16 GEMM of dense (see pyengine/dense.h): float32 products on
 // the CPU's AMX tile unit. Internal to pyengine_core.
 //
 // A float32 splits exactly into three bfloat16s, x = hi + mid + lo (8 significant bits

@@ -202,7 +202,7 @@ SplitRows split_rows(const float* x, int64_t ldx, int64_t m, int64_t k) {
 // sink(r0, u, c) for every block of 32 rows and every unit, c [32, 32] the block's
 // products (rows 32 floats apart; rows past m are zero). Rows go in blocks whose planes
 // stay in L2 while every unit passes over them; threads take units, guided as in
-// small_gemm.
+// dense.
 template <class Sink>
 void for_each_block(const SplitRows& a, const uint16_t* packed, int64_t units, Sink&& sink) {
 #ifdef PYENGINE_AMX

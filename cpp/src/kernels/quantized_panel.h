@@ -1,4 +1,4 @@
-// The block-quantized panel of small_gemm (see pyengine/small_gemm.h): its byte layout,
+// The block-quantized panel of dense (see pyengine/dense.h): its byte layout,
 // and its widening to the float32 panel the tiles read. Internal to pyengine_core.
 //
 // A panel of kPanelWidth columns over k rows is k / kQuantBlock blocks, each
@@ -14,7 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "pyengine/small_gemm.h"
+#include "pyengine/dense.h"
 #include "pyengine/tensor_view.h"
 
 namespace pyengine::detail {
