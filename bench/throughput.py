@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from report import print_table  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
-from pyengine.layers.linear import DenseWeight, GatedDense  # noqa: E402
+from pyengine.layers.linear import LinearBase  # noqa: E402
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model  # noqa: E402
 
 
@@ -78,11 +78,10 @@ def single_decode_weight_bytes(model: torch.nn.Module) -> int:
     """Bytes of matmul weights a one-row decode step reads on the CPU: the block-quantized
     form where a weight has one (layers/linear.py), else its float32 panels."""
     total = 0
-    for module in model.modules():
-        for part in vars(module).values():
-            if isinstance(part, (DenseWeight, GatedDense)):
-                packed = part.packed_blocks if part.packed_blocks is not None else part.packed
-                total += 0 if packed is None else packed.numel() * packed.element_size()
+    for layer in model.modules():
+        if isinstance(layer, LinearBase):
+            packed = layer.packed_blocks if layer.packed_blocks is not None else layer.packed
+            total += 0 if packed is None else packed.numel() * packed.element_size()
     return total
 
 

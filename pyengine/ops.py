@@ -3,8 +3,8 @@
 Registered with torch.library, the kernels are visible to ``torch.compile`` (each has a
 fake kernel for tracing) and to CUDA graph capture, and one wheel serves any torch
 version: tensors cross into ``pyengine._C`` through DLPack, never through libtorch's C++
-ABI. They are defined with ``torch.library.Library`` rather than ``custom_op``: a call
-costs about 2 us instead of about 17, which matters at several calls per layer per step.
+ABI. They are defined with ``torch.library.Library`` rather than ``custom_op``, whose calls
+cost several times more, at several calls per layer per step.
 The names below call the CPU kernels directly in eager mode, past torch's dispatcher
 (see ``_eager_cpu_direct``); CUDA tensors, tracing and compiling go through the ops.
 Importing this module needs torch.
@@ -135,10 +135,9 @@ _LIBRARY = _register()  # the registrations live as long as this object
 
 def _eager_cpu_direct(name: str) -> Callable[..., None]:
     """torch.ops.pyengine.<name>, except that a call in eager mode whose first argument
-    is a CPU tensor goes straight to the CPU kernel that the op would run. In the engine,
-    torch's dispatcher took a few microseconds a call at about 300 calls a decode step:
-    a 32-request decode step of SmolLM2 took 1.5-3.3 ms less without it (same logits;
-    alternating in one process). Tensors on any other device keep the op (CUDA: its
+    is a CPU tensor goes straight to the CPU kernel that the op would run: torch's
+    dispatcher costs microseconds a call, at hundreds of calls a decode step (the same
+    logits either way). Tensors on any other device keep the op (CUDA: its
     stream, graph capture; meta: the fake kernel), and so do torch.compile's tracing and
     fake tensors."""
     op = getattr(torch.ops.pyengine, name)

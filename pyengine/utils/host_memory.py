@@ -4,10 +4,8 @@ A decode step reads every packed weight once and the K/V of every running reques
 4 KB tiles from wherever their blocks lie. On 4 KB pages many of those reads also miss
 the TLB; on 2 MB pages they do not. Linux backs an anonymous mapping with huge pages
 where it is advised to (transparent huge pages in "madvise" or "always" mode), as its
-pages are first touched. Measured on the 2-core dev machine against the same data on
-4 KB pages: attention over a scattered 520 MB KV pool 12% faster; SmolLM2-135M's decode
-matmuls 0-9% faster in isolation (one row and 32), a change the engine's run-to-run
-noise hides.
+pages are first touched. Attention over a scattered KV pool gains most; the decode
+matmuls, which stream in order, little (docs/benchmarks.md has the measurements).
 
 Example::
 

@@ -28,10 +28,8 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
     """The KV cache's memory, zero-filled. On a GPU, one allocation. On the CPU, on
     transparent huge pages where the OS offers them (host_memory): attention reads 4 KB
     tiles from wherever their blocks lie in the pool, and with 2 MB pages those reads stop
-    missing the TLB (decode attention of 32 requests whose blocks are scattered over a
-    2 GiB pool: 9% faster on the 2-core dev machine; no change while a fresh pool hands out
-    neighbouring blocks). Pages are committed as blocks are first written, 2 MB at a
-    time."""
+    missing the TLB (it shows once the blocks of running requests are scattered). Pages
+    are committed as blocks are first written, 2 MB at a time."""
     if device.type != "cpu":
         return torch.zeros(numel, dtype=dtype, device=device)
     return huge_page_tensor(numel, dtype)
