@@ -54,6 +54,10 @@ class PicklingExecutor(Executor):
     def num_blocks(self) -> int:
         return self.inner.num_blocks
 
+    @property
+    def num_parameters(self) -> int:
+        return self.inner.num_parameters
+
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         self.steps += 1
         out = self.inner.execute_model(pickle.loads(pickle.dumps(step)))

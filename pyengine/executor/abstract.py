@@ -14,6 +14,11 @@ class Executor(ABC):
     def num_blocks(self) -> int:
         """KV-cache blocks every worker holds (the scheduler's pool)."""
 
+    @property
+    @abstractmethod
+    def num_parameters(self) -> int:
+        """Parameters of the model the workers run (all shards; a tied head once)."""
+
     @abstractmethod
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         """Runs `step` on every worker; the sampled tokens (the same on every rank)."""

@@ -17,6 +17,10 @@ class UniProcExecutor(Executor):
     def num_blocks(self) -> int:
         return self.driver_worker.num_blocks
 
+    @property
+    def num_parameters(self) -> int:
+        return self.driver_worker.model_runner.model.num_parameters
+
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
         return self.driver_worker.execute_model(step)
 

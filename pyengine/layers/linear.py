@@ -56,6 +56,8 @@ class LinearBase(nn.Module):
     """A [output_size, input_size] weight of which this rank holds
     [output_size_per_partition, input_size_per_partition]."""
 
+    weight: nn.Parameter  # the method's to create, and to remove once it has its forms
+
     def __init__(
         self,
         input_size: int,
@@ -289,7 +291,7 @@ def linear_from_weight(
         many_rows=many_rows,
     )  # fmt: skip
     with torch.no_grad():
-        for part, piece in enumerate(weight.split(sizes)):
+        for part, piece in enumerate(torch.split(weight, sizes)):
             layer.weight_loader("weight", "weight", piece, part)
         layer.process_weights_after_loading()
     return layer

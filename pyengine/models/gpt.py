@@ -67,10 +67,13 @@ class _Layer(nn.Module):
 
     def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_size).unbind(1)
-        return self.out(self.attn(q, k, v, cache, meta).view(-1, self.num_heads * self.head_size))
+        attended = self.attn(q, k, v, cache, meta).view(-1, self.num_heads * self.head_size)
+        out: torch.Tensor = self.out(attended)
+        return out
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.act(self.fc1(x)))
+        out: torch.Tensor = self.fc2(self.act(self.fc1(x)))
+        return out
 
     def forward(self, h: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         if self.norm_before:
@@ -136,7 +139,7 @@ class LearnedPositionDecoder(nn.Module):
         caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = self.embed_tokens(input_ids) + F.embedding(
+        h: torch.Tensor = self.embed_tokens(input_ids) + F.embedding(
             positions + self.config.position_offset, self.embed_positions
         )
         for layer, cache in zip(self.layers, caches, strict=True):
@@ -146,7 +149,8 @@ class LearnedPositionDecoder(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
-        return self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        return logits
 
     def load_weights(
         self,

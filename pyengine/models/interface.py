@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Protocol
 
 import torch
+from torch import nn
 
 from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache
@@ -54,4 +55,4 @@ class CausalLM(Protocol):
 
     def eval(self) -> CausalLM: ...
 
-    def named_parameters(self) -> object: ...
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...

@@ -60,8 +60,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(positions, q, k)
-        out = self.attn(q, k, v, cache, meta)
-        return self.o_proj(out.view(-1, self.q_size))
+        out: torch.Tensor = self.o_proj(self.attn(q, k, v, cache, meta).view(-1, self.q_size))
+        return out
 
 
 class MLP(nn.Module):
@@ -77,7 +77,8 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        out: torch.Tensor = self.down_proj(self.gate_up_proj.silu_and_mul(x))
+        return out
 
 
 class DecoderLayer(nn.Module):
@@ -148,14 +149,15 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden] before the final norm."""
-        h = self.embed_tokens(input_ids)
+        h: torch.Tensor = self.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
         for layer, cache in zip(self.layers, caches, strict=True):
             h, residual = layer(h, residual, positions, cache, meta)
         return h if residual is None else residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden))
+        logits: torch.Tensor = self.lm_head(self.norm(hidden))
+        return logits
 
     def load_weights(
         self,

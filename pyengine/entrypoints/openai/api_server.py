@@ -299,20 +299,20 @@ def serve(ns: argparse.Namespace) -> None:
     chat_template = read_chat_template(ns.chat_template)
     start = time.perf_counter()
     llm_engine = engine_args(ns).create_engine()
-    c, runner = llm_engine.model_config, llm_engine.executor.driver_worker.model_runner
+    c, executor = llm_engine.model_config, llm_engine.executor
     logger.info(
         "loaded %s (%s, %.1fM parameters) in %.1f s",
         ns.model,
         c.architecture,
-        runner.model.num_parameters / 1e6,
+        executor.num_parameters / 1e6,
         time.perf_counter() - start,
     )
     block = llm_engine.config.block_size
     logger.info(
         "KV cache: %d blocks of %d tokens = %d tokens (%s); max_model_len %d",
-        runner.num_blocks,
+        executor.num_blocks,
         block,
-        runner.num_blocks * block,
+        executor.num_blocks * block,
         llm_engine.config.cache_dtype,
         llm_engine.config.max_model_len,
     )
