@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_reference import prefill_logits
+from helpers.hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
