@@ -1,4 +1,4 @@
-"""A pure-Python scheduler: the peer that bench/scheduler.py measures pyengine.Scheduler against.
+"""A pure-Python scheduler: the peer that bench.scheduler measures pyengine.Scheduler against.
 
 Written the way vLLM v1's Python scheduler is: request dataclasses, a waiting queue and a
 running list, one loop over the running requests then one over the waiting ones, and a

@@ -1,4 +1,4 @@
-"""A pure-Python KV-cache manager: the peer that bench/kv_cache.py measures the C++ one against.
+"""A pure-Python KV-cache manager: the peer that bench.kv_cache measures the C++ one against.
 
 Written the way vLLM v1's Python block pool and KV cache manager are: block objects in a
 hand-made doubly linked free queue (O(1) removal from the middle on a prefix hit), a dict
