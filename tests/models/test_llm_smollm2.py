@@ -13,6 +13,9 @@ from pyengine.loader.resolve import default_model_path, load_model
 
 pytest.importorskip("transformers")
 
+# The default model loaded twice (pyengine, transformers): the slowest module on a CPU.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def loaded():  # type: ignore[no-untyped-def]
