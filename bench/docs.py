@@ -165,7 +165,8 @@ def headline_table(results: dict[str, dict[str, Any]]) -> str:
         value = h.value(result["figures"])
         if value is None:
             continue
-        machine = result["machine"].get("device") or result["machine"].get("cpu", "?")
+        m = result["machine"]
+        machine = m.get("device") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
         date = result["date"][:10]
         rows.append((h.label, format_value(value, h.unit), f"`{h.benchmark}`", machine, date))
     if not rows:
@@ -180,8 +181,8 @@ def section(name: str, result: dict[str, Any]) -> str:
         lines += [body, ""]
     commit = f", commit `{result['commit']}`" if result.get("commit") else ""
     lines += [
-        f"Measured {result['date']}{commit} with `{result['command']}`",
-        f"on {machine_text(result['machine'])}.",
+        f"Measured {result['date']}{commit}, with `{result['command']}`, on",
+        f"{machine_text(result['machine'])}.",
         "",
     ]
     for table in result.get("tables", []):

