@@ -87,12 +87,15 @@ def cpu_model() -> str:
 
 def git_commit() -> str | None:
     """The checkout's commit (with "-dirty" if it has changes), or None outside git."""
-    try:
-        run = lambda *args: subprocess.run(  # noqa: E731
+
+    def git(*args: str) -> str:
+        return subprocess.run(
             ["git", *args], cwd=BENCH, capture_output=True, text=True, timeout=10, check=True
         ).stdout.strip()
-        commit = run("rev-parse", "--short=12", "HEAD")
-        return commit + ("-dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
+
+    try:
+        commit = git("rev-parse", "--short=12", "HEAD")
+        return commit + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
