@@ -4,19 +4,19 @@ Decode at batch 1, 8, 32 with contexts 512, 2k, 8k (head sizes 64 and 128, GQA 1
 heads over 4 kv heads), and prefill of 512 and 2k tokens. pyengine reads K/V through
 shuffled block tables from its paged cache; SDPA gets the same data as dense
 [batch, kv_heads, context, head] tensors (enable_gqa). Also prints the K/V bytes each
-decode reads per second against this machine's read bandwidth, measured here.
+decode reads per second against this machine's read bandwidth, measured here. The last line
+printed is one JSON object, also written to bench/results/attention_cpu.json.
 
-    python bench/attention_cpu.py [--quick] [--dtype float32|bfloat16]
+    python -m bench.attention_cpu [--quick] [--dtype float32|bfloat16]
                                   [--cache-dtype float32|bfloat16|float16]
+
+(from the repository root; bench/__init__.py says how with a plain install)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -24,19 +24,10 @@ import torch.nn.functional as F
 
 import pyengine
 
+from .common import best_time, print_table, report
+
 BLOCK_SIZE = 16
 NUM_Q_HEADS, NUM_KV_HEADS = 16, 4
-
-
-def best_time(fn: Callable[[], object], min_repeats: int = 5, min_seconds: float = 0.3) -> float:
-    fn()  # warm up
-    times: list[float] = []
-    start = time.perf_counter()
-    while len(times) < min_repeats or time.perf_counter() - start < min_seconds:
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def read_bandwidth() -> float:
@@ -149,26 +140,25 @@ def main() -> None:
         f"{torch.get_num_threads()} threads)"
     )
     print(f"read bandwidth measured here: {bandwidth / 1e9:.1f} GB/s\n")
-    print(
-        "| case | pyengine ms | SDPA ms | speedup vs SDPA | K/V GB/s | share of bandwidth "
-        "| max rel. error |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    cells = []
     for name, r, speedup, share in rows:
         gbs = r["kv_bytes"] / r["ours_s"] / 1e9
         share_text = "" if math.isnan(share) else f"{share:.0%}"
         gbs_text = "" if math.isnan(share) else f"{gbs:.1f}"
-        print(
-            f"| {name} | {r['ours_s'] * 1e3:.3f} | {r['sdpa_s'] * 1e3:.3f} | {speedup:.2f}x "
-            f"| {gbs_text} | {share_text} | {r['error']:.1e} |"
-        )
+        cells.append(
+            (name, f"{r['ours_s'] * 1e3:.3f}", f"{r['sdpa_s'] * 1e3:.3f}", f"{speedup:.2f}x",
+             gbs_text, share_text, f"{r['error']:.1e}")
+        )  # fmt: skip
+    header = ("case", "pyengine ms", "SDPA ms", "speedup vs SDPA", "K/V GB/s",
+              "share of bandwidth", "max rel. error")  # fmt: skip
+    table = print_table(header, cells)
     decode = [v for k, v in figures.items() if k.startswith("speedup_vs_sdpa_decode")]
     figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     figures["target_decode_at_least_sdpa"] = min(decode) >= 1.0
     key = "bandwidth_share_decode_b32_ctx2048_h128"
     if key in figures:
         figures["target_60pct_bandwidth_b32_ctx2k"] = figures[key] >= 0.6
-    print(json.dumps(figures))
+    report("attention_cpu", figures, tables=[table])
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """KV-cache manager benchmark: pyengine's C++ KVCacheManager against a pure-Python peer.
 
-Both run in this process on the same seeded workloads (the peer is bench/py_kv_cache.py,
-written the way vLLM v1's Python block pool is):
+Both run in this process on the same seeded workloads (the peer is
+bench/reference/kv_cache_manager.py, written the way vLLM v1's Python block pool is):
 
   a) allocate/free cycle: requests with prompts of varying length, some sharing a
      system-prompt prefix, each doing add_request, get_computed_blocks, allocate_slots
@@ -14,16 +14,18 @@ written the way vLLM v1's Python block pool is):
      pyengine.compute_block_keys against vLLM's sha256(pickle(...)) chain.
 
 Timings are best-of-N with time.perf_counter (the hash also reports its median). The last
-line printed is one JSON object.
+line printed is one JSON object, also written to bench/results/kv_cache.json.
+tests/core/test_reference_equivalence.py asserts the same decisions on these workloads.
 
-    python bench/kv_cache.py [--quick] [--requests N] [--repeats N]
+    python -m bench.kv_cache [--quick] [--requests N] [--repeats N]
+
+(from the repository root; bench/__init__.py says how with a plain install)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import sys
 import time
@@ -33,10 +35,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from py_kv_cache import PyKVCacheManager, hash_full_blocks
-from report import print_table
 
 import pyengine
+
+from .common import print_table, report, timings
+from .reference.kv_cache_manager import PyKVCacheManager, hash_full_blocks
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -127,16 +130,6 @@ def run_workload(manager: Any, workload: Workload, record: bool = False) -> RunR
         manager.free(live.popleft())
         num_ops += 1
     return RunResult(num_ops, num_hit_tokens, num_preemptions, trace)
-
-
-def timings(repeats: int, fn: Callable[[], Any]) -> tuple[list[float], Any]:
-    """Sorted wall times of `repeats` calls, and the last call's result."""
-    times, result = [], None
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-    return sorted(times), result
 
 
 def bench_alloc_free(num_requests: int, repeats: int, seed: int) -> dict[str, Any]:
@@ -319,7 +312,9 @@ def main() -> None:
             "",
         ),
     ]
-    print_table(("workload", "metric", "C++", "Python", "speedup"), rows, num_text_columns=2)
+    table = print_table(
+        ("workload", "metric", "C++", "Python", "speedup"), rows, num_text_columns=2
+    )
     print()
     hit_rate = af["cpp_hit_tokens"] / af["prompt_tokens"]
     print(
@@ -356,7 +351,7 @@ def main() -> None:
         "target_alloc_free_20x": alloc_speedup >= 20.0,
         "target_hash_under_20us_per_1k": hs["cpp_us_per_1k"] < 20.0,
     }
-    print(json.dumps(figures))
+    report("kv_cache", figures, tables=[table])
 
 
 if __name__ == "__main__":

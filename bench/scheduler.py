@@ -1,7 +1,7 @@
 """Scheduler benchmark: pyengine's C++ Scheduler against a pure-Python peer.
 
-Both run in this process, without prefix caching (the peer is bench/py_scheduler.py, written
-the way vLLM v1's Python scheduler is, with its own pure-Python block allocator):
+Both run in this process, without prefix caching (the peer is bench/reference/scheduler.py,
+written the way vLLM v1's Python scheduler is, with its own pure-Python block allocator):
 
   a) decode steps: n = 64, 256 and 1024 requests with 112-144-token prompts and
      max_tokens=10,000 (ignore_eos) are stepped until every one decodes; then each timed
@@ -16,16 +16,18 @@ the way vLLM v1's Python scheduler is, with its own pure-Python block allocator)
      both schedulers must produce the same outputs, the same step-by-step schedule and
      (since both hand out blocks in the same order) the same block ids.
 
-The last line printed is one JSON object.
+The last line printed is one JSON object, also written to bench/results/scheduler.json.
+tests/core/test_reference_equivalence.py asserts the cross-check's equalities.
 
-    python bench/scheduler.py [--python-only] [--quick] [--steps K] [--rounds R]
+    python -m bench.scheduler [--python-only] [--quick] [--steps K] [--rounds R]
+
+(from the repository root; bench/__init__.py says how with a plain install)
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import time
 from collections.abc import Callable
@@ -33,8 +35,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from py_scheduler import NO_TOKEN, FinishReason, PyScheduler
-from report import print_table
+
+from .common import print_table, report
+from .reference.scheduler import NO_TOKEN, FinishReason, PyScheduler
 
 BLOCK_SIZE = 16
 VOCAB_SIZE = 32000
@@ -348,7 +351,7 @@ def main() -> None:
         )
         for n in SIZES
     ]
-    print_table(("running requests", "C++ µs/step", "Python µs/step", "speedup"), rows)
+    table = print_table(("running requests", "C++ µs/step", "Python µs/step", "speedup"), rows)
     print()
     preemptions = ", ".join(f"{name} {check[f'{name}_preemptions']}" for name in makers)
     print(
@@ -377,7 +380,7 @@ def main() -> None:
     figures["cross_check_schedules_match"] = check.get("schedules_match")
     figures["python_matches_reference"] = check["python_matches_reference"]
     figures["cpp_matches_reference"] = check.get("cpp_matches_reference")
-    print(json.dumps(figures))
+    report("scheduler", figures, tables=[table])
 
 
 if __name__ == "__main__":

@@ -9,8 +9,12 @@ number of output tokens each, ignore_eos) runs first offline (LLM.generate with 
 request throughput, output tokens/s, and time to first token (TTFT), time per output token
 after the first (TPOT) and inter-token latency (ITL) at p50/p90/p99.
 
-    python bench/serve.py [--num-prompts 128] [--min-len 16] [--max-len 64]
+The last line printed is one JSON object, also written to bench/results/serve.json.
+
+    python -m bench.serve [--num-prompts 128] [--min-len 16] [--max-len 64]
                           [--output-len 128] [--concurrency 32] [--request-rate inf] [--seed 0]
+
+(from the repository root; bench/__init__.py says how with a plain install)
 """
 
 from __future__ import annotations
@@ -25,16 +29,13 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).parent))
+from pyengine import LLM, SamplingParams
+from pyengine.loader.resolve import DEFAULT_MODEL
 
-from report import print_table  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
-from pyengine.loader.resolve import DEFAULT_MODEL  # noqa: E402
+from .common import print_table, report
 
 
 @dataclass
@@ -213,7 +214,7 @@ def main() -> None:
         f"tokens, {args.output_len} output tokens each (ignore_eos), concurrency "
         f"{args.concurrency}, request rate {rate}, streamed /v1/completions over HTTP\n"
     )
-    print_table(
+    runs = print_table(
         ("run", "seconds", "requests/s", "output tok/s"),
         [
             (f"offline LLM.generate, batch <= {args.concurrency} (peer)", f"{offline_seconds:.1f}",
@@ -223,7 +224,7 @@ def main() -> None:
         ],
     )  # fmt: skip
     print()
-    print_table(
+    latency = print_table(
         ("latency (ms)", "p50", "p90", "p99"),
         [("TTFT", *percentiles(ttft)), ("TPOT", *percentiles(tpot)), ("ITL", *percentiles(itl))],
     )
@@ -244,7 +245,7 @@ def main() -> None:
         "itl_p99_s": round(float(np.percentile(itl, 99)), 4) if itl else None,
         "failed_requests": len(failed),
     }
-    print(json.dumps(figures))
+    report("serve", figures, tables=[runs, latency])
 
 
 if __name__ == "__main__":

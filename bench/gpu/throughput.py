@@ -3,9 +3,12 @@ in the same run, on a Llama-3-8B-shaped model with random weights (load_format="
 both engines random, the same architecture and shapes), bfloat16, the same prompts of
 random token ids, a fixed number of greedy output tokens each (ignore_eos).
 
-    python bench/gpu/throughput.py [--num-prompts 256] [--prompt-len 512]
+    python -m bench.gpu.throughput [--num-prompts 256] [--prompt-len 512]
                                    [--output-len 256] [--hf-batch 256] [--no-hf]
                                    [--profile]
+
+(bench/gpu/run.sh runs it; bench/__init__.py says how from a checkout.) The last line
+printed is one JSON object, also written to bench/results/gpu_throughput.json.
 
 --profile adds, after the measurements, torch.profiler's tables of the GPU time per kernel
 and the share of the wall time the GPU was busy, for the two phases apart: a prefill
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,13 +27,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent.parent))
+from pyengine import LLM, SamplingParams
 
-from kernels import copy_bandwidth, cuda_time  # noqa: E402
-from report import print_table  # noqa: E402
-from roofline import Workload, matmul_flop_s, roofline  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
+from ..common import print_table, report
+from .kernels import copy_bandwidth, cuda_time
+from .roofline import Workload, matmul_flop_s, roofline
 
 LLAMA3_8B = {
     "vocab_size": 128256,
@@ -210,8 +210,8 @@ def main() -> None:
     figures.update({f"allocator_{key}": value for key, value in allocator.items()})
     if args.profile:
         profile_phases(llm, random_prompts(64))
-    print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
-    print(json.dumps(figures))
+    table = print_table(("engine", "seconds", "generated tok/s", "total tok/s"), rows)
+    report("gpu_throughput", figures, tables=[table], device=torch.cuda.get_device_name())
 
 
 if __name__ == "__main__":

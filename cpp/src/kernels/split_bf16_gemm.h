@@ -6,7 +6,7 @@
 // weight 2^-16 and up (hi hi, hi mid, mid hi, hi lo, mid mid, lo hi) are kept; the three
 // dropped ones are below 2^-23 of |x w| together, float32's own rounding of a product. AMX
 // multiplies bfloat16 pairs exactly and adds in float32, so the result is as accurate as
-// a float32 GEMM's (tests/test_split_gemm.py checks against float64), and six tile
+// a float32 GEMM's (tests/kernels/test_split_gemm.py checks against float64), and six tile
 // products run faster than the float32 multiply-adds they replace where the rows are many.
 // (An infinite x or w splits into inf and NaN parts: its products are NaN, not +-inf.)
 //

@@ -10,22 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams
-
-TINY_LLAMA = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 128,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-}
 
 
 @pytest.fixture(scope="module")

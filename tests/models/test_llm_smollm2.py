@@ -5,28 +5,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hf_reference import hf_greedy, hf_model_from_weights
+from helpers.hf_reference import hf_greedy, hf_model_from_weights
+from helpers.smollm2 import NEW_TOKENS, make_prompts
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path, load_model
 
 pytest.importorskip("transformers")
 
-NEW_TOKENS = 20
-TEXT = (
-    "PagedAttention stores the key and value cache in fixed-size blocks, so that memory is "
-    "allocated on demand and shared between requests with a common prefix. "
-)
-
-
-def make_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
-    prompts = []
-    for i in range(16):
-        words = TEXT.split()
-        text = f"Question {i}: " + " ".join(words[: 3 + 4 * i]) + (TEXT * (i // 5))
-        prompts.append(tokenizer.encode(text))
-    prompts.append(tokenizer.encode(TEXT * 12))  # longer than the step's token budget
-    return prompts
+# The default model loaded twice (pyengine, transformers): the slowest module on a CPU.
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""A pure-Python scheduler: the peer that bench/scheduler.py measures pyengine.Scheduler against.
+"""A pure-Python scheduler: the peer that bench.scheduler measures pyengine.Scheduler against.
 
 Written the way vLLM v1's Python scheduler is: request dataclasses, a waiting queue and a
 running list, one loop over the running requests then one over the waiting ones, and a
@@ -8,7 +8,8 @@ there is no prefix caching (the benchmark runs the C++ side with it disabled too
 
 Its constructor, methods and buffers are those of ``pyengine.Scheduler``, and so is its
 policy (cpp/src/core/scheduler.cpp), down to the block ids it hands out: blocks are taken from
-the head of the free list and a freed request's blocks join its tail, last block first.
+the head of the free list, and a freed request's blocks go back to its head, released last
+block first (so the most recently freed are reused first, as pyengine's BlockPool does).
 One difference: block_tables rows are zero padded past a request's blocks, as
 scheduler_output.h documents (the C++ leaves them stale).
 """
@@ -63,7 +64,7 @@ class Request:
 
 
 class BlockAllocator:
-    """KV-cache blocks without prefix caching: a FIFO free list and each request's blocks."""
+    """KV-cache blocks without prefix caching: a LIFO free list and each request's blocks."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
@@ -84,8 +85,9 @@ class BlockAllocator:
         return True
 
     def free(self, request_id: str) -> None:
-        """Returns a request's blocks to the free list, last block first."""
-        self.free_block_ids.extend(reversed(self.req_to_blocks.pop(request_id, [])))
+        """Returns a request's blocks to the head of the free list, each pushed there last
+        block first: the request's first block ends up at the head."""
+        self.free_block_ids.extendleft(reversed(self.req_to_blocks.pop(request_id, [])))
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A pure-Python KV-cache manager: the peer that bench/kv_cache.py measures the C++ one against.
+"""A pure-Python KV-cache manager: the peer that bench.kv_cache measures the C++ one against.
 
 Written the way vLLM v1's Python block pool and KV cache manager are: block objects in a
 hand-made doubly linked free queue (O(1) removal from the middle on a prefix hit), a dict
@@ -8,10 +8,10 @@ sha256 over the pickled (parent hash, block token ids, extra keys).
 
 Its public methods and semantics are those of ``pyengine.KVCacheManager`` (without fork /
 copy-on-write, which the benchmark does not use), so that both make the same decisions on
-the same workload. Two deliberate matches with the C++ manager where vLLM differs:
+the same workload. Three deliberate matches with the C++ manager where vLLM differs:
 never-cached free blocks are handed out before cached ones are evicted (two free queues
-instead of one), and a hit is verified against the stored token ids, the parent block and
-(for a first block) the extra keys, not trusted on the hash alone.
+instead of one), most recently freed first; and a hit is verified against the stored token
+ids, the parent block and (for a first block) the extra keys, not trusted on the hash alone.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ class FreeKVCacheBlockQueue:
     """Doubly linked list of free blocks between two sentinels, as in vLLM.
 
     A hand-made list rather than a deque: a prefix hit takes a block out of the middle in
-    O(1). Blocks are appended when freed and taken from the front, so the front is the
-    least recently freed block.
+    O(1). Blocks are taken from the front. A freed cached block is appended (the front is
+    the least recently freed: LRU eviction); a freed uncached one goes to the front, so
+    the most recently freed is reused first, as pyengine's BlockPool does (its pages are
+    committed and likely still in the CPU's caches).
     """
 
     def __init__(self) -> None:
@@ -87,6 +89,15 @@ class FreeKVCacheBlockQueue:
         block.prev_free = last
         block.next_free = self.tail
         self.tail.prev_free = block
+        self.num_free_blocks += 1
+
+    def appendleft(self, block: KVCacheBlock) -> None:
+        first = self.head.next_free
+        assert first is not None
+        first.prev_free = block
+        block.next_free = first
+        block.prev_free = self.head
+        self.head.next_free = block
         self.num_free_blocks += 1
 
     def remove(self, block: KVCacheBlock) -> None:
@@ -247,8 +258,10 @@ class PyKVCacheManager:
         for block in reversed(request.block_table):
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
-                queue = self.cached_free if block.block_hash is not None else self.uncached_free
-                queue.append(block)
+                if block.block_hash is not None:
+                    self.cached_free.append(block)
+                else:
+                    self.uncached_free.appendleft(block)
 
     # Internals.
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_attention import check_output, fill_caches, make_case, to_dtype
-from test_layer_ops import (
+from helpers.attention import check_output, fill_caches, make_case, to_dtype
+from helpers.layer_ops import (
     DTYPES,
     TOLERANCE,
     rel_error,
@@ -23,12 +23,15 @@ from test_layer_ops import (
 
 from pyengine import built_with_cuda, ops
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and built_with_cuda()),
-    reason="needs a CUDA GPU and pyengine built with CUDA"
-    if built_with_cuda()
-    else "pyengine was built without CUDA (no nvcc, or PYENGINE_CUDA=off)",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and built_with_cuda()),
+        reason="needs a CUDA GPU and pyengine built with CUDA"
+        if built_with_cuda()
+        else "pyengine was built without CUDA (no nvcc, or PYENGINE_CUDA=off)",
+    ),
+]
 
 CUDA = "cuda"
 

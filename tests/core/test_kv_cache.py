@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from collisions import colliding_block
+from helpers.collisions import colliding_block
 
 from pyengine import KVCacheManager, compute_block_keys
 

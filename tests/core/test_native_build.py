@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
-pytestmark = pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed")
+pytestmark = [
+    pytest.mark.slow,  # a CMake build of the C++ library and its tests
+    pytest.mark.skipif(shutil.which("cmake") is None, reason="cmake is not installed"),
+]
 
 
 def run(*args: str | Path, cwd: Path | None = None) -> str:

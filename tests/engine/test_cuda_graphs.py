@@ -83,6 +83,7 @@ def generate(folder: Path, enforce_eager: bool, prompts: list[list[int]]) -> lis
     return tokens
 
 
+@pytest.mark.gpu
 @on_gpu
 def test_graphs_and_eager_steps_give_the_same_tokens(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
@@ -92,6 +93,7 @@ def test_graphs_and_eager_steps_give_the_same_tokens(tmp_path: Path) -> None:
     assert generate(tmp_path, True, prompts) == generate(tmp_path, False, prompts)
 
 
+@pytest.mark.gpu
 @on_gpu
 def test_the_graphs_fit_in_gpu_memory_utilization(tmp_path: Path) -> None:
     """The KV cache leaves room for the graphs: the process stays within its fraction of

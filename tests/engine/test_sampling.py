@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from hf_reference import prefill_logits
+from helpers.hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
@@ -38,6 +38,7 @@ def tokens_of(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> lis
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
+@pytest.mark.slow
 def test_seeded_request_is_the_same_alone_and_in_a_batch(llm: LLM) -> None:
     seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=24, seed=7)
     alone = tokens_of(llm, [PROMPTS[0]], [seeded])[0]
@@ -49,6 +50,7 @@ def test_seeded_request_is_the_same_alone_and_in_a_batch(llm: LLM) -> None:
     assert tokens_of(llm, [PROMPTS[0]], [seeded])[0] == alone
 
 
+@pytest.mark.slow
 def test_top_k_one_is_greedy(llm: LLM) -> None:
     greedy = tokens_of(llm, PROMPTS, [SamplingParams(temperature=0, max_tokens=16)] * 5)
     top1 = tokens_of(llm, PROMPTS, [SamplingParams(temperature=1.3, top_k=1, max_tokens=16)] * 5)
@@ -173,6 +175,7 @@ def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
     assert engine.scheduler.kv_cache.stats().num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_stop_strings_are_cut_across_token_boundaries(llm: LLM) -> None:
     tokenizer = llm.get_tokenizer()
     free = llm.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
@@ -247,6 +250,7 @@ def test_invalid_sampling_params_name_the_field(field: str, value: object) -> No
         SamplingParams(**{field: value})  # type: ignore[arg-type]
 
 
+@pytest.mark.slow
 def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=4)
     with pytest.raises(ValueError, match="empty"):

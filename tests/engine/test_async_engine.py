@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from test_engine_rows import TINY_LLAMA
+from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import SamplingParams
 from pyengine.engine.async_engine import AsyncLLMEngine

@@ -116,8 +116,8 @@ def test_checkpoints_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
     """Tensors in two shards, past the last layer, of a kind the model lacks (a quantized
     checkpoint's scales, a bias the config does not declare), integer weights, a
     truncated file, a quantization_config: each named, never loaded as something else."""
+    from helpers.tiny_models import make_checkpoint
     from safetensors.torch import save_file
-    from test_llm_tiny_models import make_checkpoint
 
     make_checkpoint("llama", tmp_path)
     make_checkpoint("gpt2", tmp_path / "gpt2")

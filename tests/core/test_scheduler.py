@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from fake_model import FakeModel, Limits, run_alone
+from helpers.fake_model import FakeModel, Limits, run_alone
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 

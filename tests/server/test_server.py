@@ -148,6 +148,7 @@ def test_models_health_version(server: Server, client: openai.OpenAI) -> None:
     assert status == 200 and body["version"]
 
 
+@pytest.mark.slow
 def test_completion_equals_offline_greedy(client: openai.OpenAI, offline: LLM) -> None:
     prompts = ["The capital of France is", "def fibonacci(n):"]
     got = client.completions.create(
@@ -171,6 +172,7 @@ def test_token_id_prompt_and_echo(client: openai.OpenAI, offline: LLM) -> None:
     assert got.choices[0].text == "Once upon a time" + want.outputs[0].text
 
 
+@pytest.mark.slow
 def test_chat_equals_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
     got = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=QUESTION, max_tokens=24, temperature=0
@@ -184,6 +186,7 @@ def test_chat_equals_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
     assert got.usage.completion_tokens == len(want.outputs[0].token_ids)
 
 
+@pytest.mark.slow
 def test_n_samples_stop_and_seed(client: openai.OpenAI, offline: LLM) -> None:
     args: dict[str, Any] = dict(model=DEFAULT_MODEL, prompt="My favourite animal is", max_tokens=16)
     two = client.completions.create(**args, n=2, temperature=1.0, seed=7)
@@ -493,6 +496,7 @@ def test_metrics_count_tokens_and_latencies(server: Server, client: openai.OpenA
         assert after[count] == before.get(count, 0) + 1
 
 
+@pytest.mark.slow
 def test_cli_generate(offline: LLM) -> None:
     prompt = "Name three colors."
     run = subprocess.run(

@@ -1,0 +1,259 @@
+"""docs/benchmarks.md from the figures the benchmarks wrote to bench/results/*.json: one
+section per benchmark (what it measures, from its docstring; its tables; the command, date,
+commit and machine), and a headline table, which also replaces README.md's block between
+the lines `<!-- bench:headline:begin -->` and `<!-- bench:headline:end -->` where README.md
+has them. Nothing here is typed by hand: rerun a benchmark, then this.
+
+    python -m bench.docs [--results bench/results] [--output docs/benchmarks.md]
+                         [--readme README.md]
+
+(imports no pyengine: runs from the repository root whatever the install)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .common import BENCH, RESULTS
+
+ROOT = BENCH.parent
+BEGIN, END = "<!-- bench:headline:begin -->", "<!-- bench:headline:end -->"
+# Sections in this order; results of other benchmarks follow, by name.
+ORDER = (
+    "kv_cache",
+    "scheduler",
+    "attention_cpu",
+    "throughput",
+    "serve",
+    "gpu_kernels",
+    "gpu_kernels_attention",
+    "gpu_throughput",
+    "gpu_sass_mix",
+)
+
+
+@dataclass(frozen=True)
+class Headline:
+    benchmark: str
+    label: str
+    value: Callable[[dict[str, Any]], float | None]  # from the figures; None: not measured
+    unit: str  # "x" for a ratio
+
+
+def figure(key: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda figures: figures.get(key)
+
+
+def smallest(prefix: str) -> Callable[[dict[str, Any]], float | None]:
+    def pick(figures: dict[str, Any]) -> float | None:
+        values = [v for k, v in figures.items() if k.startswith(prefix) and v is not None]
+        return min(values) if values else None
+
+    return pick
+
+
+HEADLINES = (
+    Headline(
+        "kv_cache",
+        "KV-cache allocate/free driven from C++, against pure Python",
+        figure("speedup_vs_python_alloc_free"),
+        "x",
+    ),
+    Headline("kv_cache", "prefix hash, µs per 1k tokens", figure("cpp_hash_us_per_1k_tokens"), ""),
+    Headline("scheduler", "scheduler step, 256 requests, µs", figure("us_per_step_256"), ""),
+    Headline(
+        "scheduler",
+        "scheduler step against pure Python, least of 64/256/1024 requests",
+        figure("min_speedup_vs_python"),
+        "x",
+    ),
+    Headline(
+        "attention_cpu",
+        "CPU decode attention against torch SDPA, slowest case",
+        smallest("speedup_vs_sdpa_decode"),
+        "x",
+    ),
+    Headline(
+        "throughput",
+        "CPU offline generated tokens/s, against transformers",
+        figure("speedup_vs_hf_generated_tok_s"),
+        "x",
+    ),
+    Headline("serve", "server output tokens/s over HTTP", figure("serve_output_tok_s"), ""),
+    Headline(
+        "gpu_throughput",
+        "GPU offline generated tokens/s, against transformers",
+        figure("speedup_vs_hf_generated_tok_s"),
+        "x",
+    ),
+)
+
+
+def load_results(folder: Path) -> dict[str, dict[str, Any]]:
+    """Every bench/results/<name>.json, by name, in ORDER."""
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(folder.glob("*.json"))}
+    rank = {name: i for i, name in enumerate(ORDER)}
+    return dict(sorted(results.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
+
+
+def docstring(module: str | None) -> str:
+    """The benchmark module's docstring, read from its file (nothing is imported)."""
+    if not module or not module.startswith("bench."):
+        return ""
+    path = BENCH.joinpath(*module.split(".")[1:]).with_suffix(".py")
+    if not path.exists():
+        return ""
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def description(doc: str) -> tuple[str, str]:
+    """(summary line, what it measures): the docstring without its usage paragraphs (an
+    indented `python ...` command, a parenthesised note on how to run it)."""
+    paragraphs = [p for p in doc.strip().split("\n\n") if p.strip()]
+    if not paragraphs:
+        return "", ""
+    summary, *rest = paragraphs
+    kept = [
+        "\n".join(line.strip() for line in p.splitlines())
+        for p in rest
+        if not p.startswith("    ") and not p.startswith("(")
+    ]
+    return " ".join(summary.split()), "\n\n".join(kept)
+
+
+def format_value(value: Any, unit: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        text = f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
+    elif isinstance(value, int):
+        text = f"{value:,}"
+    else:
+        text = str(value)
+    return text + unit
+
+
+def machine_text(machine: dict[str, Any]) -> str:
+    parts = [f"{machine.get('cpu', 'unknown CPU')}, {machine.get('cores', '?')} cores"]
+    if machine.get("device"):
+        parts.insert(0, str(machine["device"]))
+    if machine.get("load_average_1m") is not None:
+        parts.append(f"load average {machine['load_average_1m']} (1 min) at the end")
+    if machine.get("environment"):
+        parts.append(", ".join(f"{k}={v}" for k, v in machine["environment"].items()))
+    return "; ".join(parts)
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], align: str) -> str:
+    """A markdown table; align has one letter per column: l (text) or r (figures)."""
+    rule = ["---:" if a == "r" else "---" for a in align]
+    lines = [header, rule, *rows]
+    return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+
+def headline_table(results: dict[str, dict[str, Any]]) -> str:
+    rows = []
+    for h in HEADLINES:
+        result = results.get(h.benchmark)
+        if result is None:
+            continue
+        value = h.value(result["figures"])
+        if value is None:
+            continue
+        m = result["machine"]
+        machine = m.get("device") or f"{m.get('cpu', '?')}, {m.get('cores', '?')} cores"
+        date = result["date"][:10]
+        rows.append((h.label, format_value(value, h.unit), f"`{h.benchmark}`", machine, date))
+    if not rows:
+        return "(no benchmark results yet: run one, then `python -m bench.docs`)"
+    return markdown_table(("figure", "value", "benchmark", "machine", "date"), rows, "lrlll")
+
+
+def section(name: str, result: dict[str, Any]) -> str:
+    summary, body = description(docstring(result.get("module")))
+    lines = [f"## `{name}`" + (f": {summary}" if summary else ""), ""]
+    if body:
+        lines += [body, ""]
+    commit = f", commit `{result['commit']}`" if result.get("commit") else ""
+    lines += [
+        f"Measured {result['date']}{commit}, with `{result['command']}`, on",
+        f"{machine_text(result['machine'])}.",
+        "",
+    ]
+    for table in result.get("tables", []):
+        lines += [table, ""]
+    figures = result["figures"]
+    rows = [(f"`{key}`", format_value(value)) for key, value in figures.items()]
+    lines += [
+        "<details><summary>All figures (bench/results/" + name + ".json)</summary>",
+        "",
+        markdown_table(("figure", "value"), rows, "lr"),
+        "",
+        "</details>",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def benchmarks_md(results: dict[str, dict[str, Any]]) -> str:
+    head = [
+        "# Benchmarks",
+        "",
+        "<!-- Generated by `python -m bench.docs` from bench/results/*.json: do not edit. -->",
+        "Generated by `python -m bench.docs` from the JSON the benchmarks write to",
+        "bench/results/ (bench/common.py); rerun a benchmark with the command its section",
+        "gives, then `python -m bench.docs`. Figures hold for the machine, and the load on it,",
+        "named in each section.",
+        "",
+        "## Headline",
+        "",
+        headline_table(results),
+        "",
+    ]
+    return "\n".join(head + [section(name, r) for name, r in results.items()]).rstrip() + "\n"
+
+
+def replace_headline(readme: str, table: str) -> str | None:
+    """README text with the block between BEGIN and END replaced, or None without them."""
+    lines = readme.splitlines(keepends=True)
+    stripped = [line.strip() for line in lines]
+    if BEGIN not in stripped or END not in stripped:
+        return None
+    begin, end = stripped.index(BEGIN), stripped.index(END)
+    if end < begin:
+        raise ValueError(f"README: {END} comes before {BEGIN}")
+    details = "[docs/benchmarks.md](docs/benchmarks.md)"
+    note = f"Generated by `python -m bench.docs`; details in {details}.\n"
+    block = ["\n", table + "\n", "\n", note, "\n"]
+    return "".join(lines[: begin + 1] + block + lines[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--output", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
+    args = parser.parse_args()
+    results = load_results(args.results)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(benchmarks_md(results))
+    print(f"wrote {args.output} ({len(results)} benchmarks)")
+    if args.readme.exists():
+        text = replace_headline(args.readme.read_text(), headline_table(results))
+        if text is None:
+            print(f"{args.readme}: no {BEGIN} / {END} lines, left as it is")
+        else:
+            args.readme.write_text(text)
+            print(f"rewrote the headline block of {args.readme}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""pyengine's C++ KV-cache manager and scheduler make the same decisions as the pure-Python
+references in bench/reference/ (written the way vLLM v1's Python is), on the seeded
+workloads of bench/kv_cache.py and bench/scheduler.py: call-by-call results, block ids,
+step-by-step schedules. The benchmarks time the two on these workloads; here they are
+only compared."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from pyengine import KVCacheManager, Scheduler, replay_requests
+
+BenchModule = Callable[[str], ModuleType]
+
+
+def first_difference(ours: list[Any], theirs: list[Any]) -> int | None:
+    """The index of the first call whose results differ, or None where none does."""
+    for i, (a, b) in enumerate(zip(ours, theirs, strict=False)):
+        if a != b:
+            return i
+    return None if len(ours) == len(theirs) else min(len(ours), len(theirs))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_kv_cache_manager_decides_as_the_python_reference(
+    bench_module: BenchModule, seed: int
+) -> None:
+    """The allocate/free workload (shared system prompts, a pool too small for the live
+    requests: evictions and preemptions): every call's result, the prefix hits, the
+    preemptions and evictions are the same, and all blocks are free at the end."""
+    bench = bench_module("kv_cache")
+    reference = bench_module("reference.kv_cache_manager")
+    workload = bench.make_workload(300, seed)
+    ours = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
+    theirs = reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
+    got = bench.run_workload(ours, workload, record=True)
+    want = bench.run_workload(theirs, workload, record=True)
+    assert first_difference(got.trace, want.trace) is None
+    assert (got.num_ops, got.num_hit_tokens, got.num_preemptions) == (
+        want.num_ops,
+        want.num_hit_tokens,
+        want.num_preemptions,
+    )
+    assert ours.stats().num_evictions == theirs.num_evictions
+    assert ours.num_free_blocks == theirs.num_free_blocks == workload.num_blocks
+    # The workload reaches what it is there for: hits, evictions and preemptions.
+    assert got.num_hit_tokens > 0 and got.num_preemptions > 0 and theirs.num_evictions > 0
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_cache_workload_driven_from_cpp_counts_as_the_python_reference(
+    bench_module: BenchModule, seed: int
+) -> None:
+    """replay_requests (the same workload driven from C++, no Python call per operation)
+    makes as many calls, hits and preemptions as the Python reference."""
+    bench = bench_module("kv_cache")
+    reference = bench_module("reference.kv_cache_manager")
+    workload = bench.make_workload(300, seed)
+    want = bench.run_workload(
+        reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE), workload
+    )
+    manager = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
+    prompts = bench.ragged([r.prompt_token_ids for r in workload.requests])
+    decodes = bench.ragged([r.decode_token_ids for r in workload.requests])
+    got = replay_requests(manager, *prompts, *decodes, workload.window)
+    assert (got["num_ops"], got["num_hit_tokens"], got["num_preemptions"]) == (
+        want.num_ops,
+        want.num_hit_tokens,
+        want.num_preemptions,
+    )
+    assert manager.num_free_blocks == workload.num_blocks
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_scheduler_decides_as_the_python_reference(bench_module: BenchModule, seed: int) -> None:
+    """The scheduler cross-check's workloads (pools small enough to preempt often, with and
+    without chunked prefill, a long-prefill threshold, EOS, stop tokens, min_tokens,
+    max_tokens, max_model_len and aborts): the same outputs and finish reasons, the same
+    step-by-step schedule and block ids, the same preemptions; and every finished request's
+    output is the fake model run on it alone (an aborted one's a prefix of it)."""
+    bench = bench_module("scheduler")
+    reference = bench_module("reference.scheduler")
+    for i, config in enumerate(bench.CHECK_CONFIGS):
+        workload = bench.make_check_workload(40, seed + i)
+        ours = bench.drive(Scheduler, config, workload)
+        theirs = bench.drive(reference.PyScheduler, config, workload)
+        assert ours.outputs == theirs.outputs, config
+        step = first_difference(ours.schedule_trace, theirs.schedule_trace)
+        assert step is None, f"{config}: the schedules differ from step {step}"
+        step = first_difference(ours.block_trace, theirs.block_trace)
+        assert step is None, f"{config}: the block ids differ from step {step}"
+        assert ours.num_preemptions == theirs.num_preemptions, config
+        assert bench.matches_reference(ours, workload), config
+        assert bench.matches_reference(theirs, workload), config

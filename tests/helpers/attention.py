@@ -1,0 +1,128 @@
+"""The CPU and CUDA paged-attention tests' cases and float64 reference: random queries and
+K/V per request, shuffled block tables, the paged caches filled from them."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+
+@dataclass
+class Case:
+    query: np.ndarray  # [num_tokens, num_q_heads, head_size] float64
+    keys: list[np.ndarray]  # per request [seq_len, num_kv_heads, head_size] float64
+    values: list[np.ndarray]
+    seq_lens: np.ndarray  # int32 [num_reqs]
+    query_start_loc: np.ndarray  # int32 [num_reqs + 1]
+    block_tables: np.ndarray  # int32 [num_reqs, max_blocks]
+    num_blocks: int
+
+
+def make_case(
+    rng: np.random.Generator,
+    seq_lens: list[int],
+    q_lens: list[int],
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+) -> Case:
+    blocks_per_req = [math.ceil(s / block_size) for s in seq_lens]
+    max_blocks = max(blocks_per_req) + 2
+    num_blocks = sum(blocks_per_req) + 3
+    ids = rng.permutation(num_blocks).astype(np.int32)
+    tables = np.full((len(seq_lens), max_blocks), 10**6, dtype=np.int32)  # garbage past the end
+    start = 0
+    for i, n in enumerate(blocks_per_req):
+        tables[i, :n] = ids[start : start + n]
+        start += n
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    return Case(
+        query=rng.standard_normal((int(qsl[-1]), num_q_heads, head_size)),
+        keys=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
+        values=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
+        seq_lens=np.array(seq_lens, dtype=np.int32),
+        query_start_loc=qsl,
+        block_tables=tables,
+        num_blocks=num_blocks,
+    )
+
+
+def to_dtype(x: np.ndarray, dtype: str) -> object:
+    """x as a tensor of the cache dtype (numpy, or torch for bfloat16)."""
+    if dtype == "bfloat16":
+        torch = pytest.importorskip("torch")
+        return torch.from_numpy(np.ascontiguousarray(x)).to(torch.bfloat16)
+    return np.ascontiguousarray(x.astype(dtype))
+
+
+def to_float64(t: object) -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t.astype(np.float64)
+    return t.float().numpy().astype(np.float64)  # type: ignore[attr-defined]
+
+
+def fill_caches(case: Case, block_size: int, dtype: str) -> tuple[object, object]:
+    """The paged caches: keys [blocks, kv_heads, head, block] (transposed), values
+    [blocks, kv_heads, block, head]; slots no request uses hold NaN."""
+    num_kv_heads, head_size = case.keys[0].shape[1:]
+    key_cache = np.full((case.num_blocks, num_kv_heads, head_size, block_size), np.nan)
+    value_cache = np.full((case.num_blocks, num_kv_heads, block_size, head_size), np.nan)
+    for i, (k, v) in enumerate(zip(case.keys, case.values, strict=True)):
+        for pos in range(k.shape[0]):
+            block = case.block_tables[i, pos // block_size]
+            key_cache[block, :, :, pos % block_size] = k[pos]
+            value_cache[block, :, pos % block_size] = v[pos]
+    return to_dtype(key_cache, dtype), to_dtype(value_cache, dtype)
+
+
+def reference(
+    case: Case,
+    query: np.ndarray,
+    keys: list[np.ndarray],
+    values: list[np.ndarray],
+    scale: float,
+    window: int,
+    soft_cap: float,
+) -> np.ndarray:
+    out = np.zeros_like(query)
+    group = query.shape[1] // keys[0].shape[1]
+    for i, (k, v) in enumerate(zip(keys, values, strict=True)):
+        first, last = case.query_start_loc[i], case.query_start_loc[i + 1]
+        seq_len = int(case.seq_lens[i])
+        for j, token in enumerate(range(first, last)):
+            position = seq_len - (last - first) + j
+            lo = max(0, position - window + 1) if window > 0 else 0
+            for h in range(query.shape[1]):
+                scores = k[lo : position + 1, h // group] @ query[token, h] * scale
+                if soft_cap > 0:
+                    scores = soft_cap * np.tanh(scores / soft_cap)
+                weights = np.exp(scores - scores.max())
+                out[token, h] = weights @ v[lo : position + 1, h // group] / weights.sum()
+    return out
+
+
+def check_output(
+    case: Case,
+    got: np.ndarray,
+    dtype: str,
+    scale: float,
+    window: int,
+    soft_cap: float,
+    tolerance: float,
+    cache_dtype: str | None = None,
+) -> None:
+    """Every element of `got` (float64) written and within `tolerance` of the reference,
+    relative to its largest value."""
+    # The reference sees the inputs as their dtypes rounded them.
+    cache_dtype = cache_dtype or dtype
+    query = to_float64(to_dtype(case.query, dtype))
+    keys = [to_float64(to_dtype(k, cache_dtype)) for k in case.keys]
+    values = [to_float64(to_dtype(v, cache_dtype)) for v in case.values]
+    expected = reference(case, query, keys, values, scale, window, soft_cap)
+    assert not np.isnan(got).any(), "an output element was not written"
+    error = np.abs(got - expected).max() / np.abs(expected).max()
+    assert error < tolerance, f"relative error {error:.2e}"
