@@ -35,7 +35,7 @@ def test_kv_cache_manager_decides_as_the_python_reference(
     bench = bench_module("kv_cache")
     reference = bench_module("reference.kv_cache_manager")
     workload = bench.make_workload(300, seed)
-    ours = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
+    ours = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE, enable_prefix_caching=True)
     theirs = reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
     got = bench.run_workload(ours, workload, record=True)
     want = bench.run_workload(theirs, workload, record=True)
@@ -63,7 +63,7 @@ def test_kv_cache_workload_driven_from_cpp_counts_as_the_python_reference(
     want = bench.run_workload(
         reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE), workload
     )
-    manager = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE)
+    manager = KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE, enable_prefix_caching=True)
     prompts = bench.ragged([r.prompt_token_ids for r in workload.requests])
     decodes = bench.ragged([r.decode_token_ids for r in workload.requests])
     got = replay_requests(manager, *prompts, *decodes, workload.window)
