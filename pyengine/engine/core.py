@@ -68,7 +68,7 @@ class EngineCore:
         self._rows: dict[str, _Row] = {}
         self._live_rows: dict[str, int] = {}  # request id -> its rows still running
         self._finished_row_ids: list[str] = []  # for the workers, at the next step
-        self.step_request_ids: set[str] = set()  # the requests of the last step
+        self.failed_request_ids: set[str] = set()  # the requests of a step that failed
         # What a step must look at row by row, kept as sets so that the common step (every
         # request scheduled before, greedy, no logprobs) skips those loops.
         self._unscheduled: set[str] = set()  # requests whose first step is still to come
@@ -113,18 +113,19 @@ class EngineCore:
 
     def step(self) -> EngineCoreOutput:
         """One step. Where the executor fails, the step's rows are aborted (the caller
-        ends their requests: step_request_ids) and the error raised."""
+        ends their requests: failed_request_ids) and the error raised."""
+        self.failed_request_ids = set()
         if self.scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             self.scheduler.update(np.zeros(0, dtype=np.int32))
             return EngineCoreOutput(self._updates(), [], None, {}, [])
         b = self.scheduler.buffers
         row_ids = b.request_ids  # a new list at every access: read once
-        self.step_request_ids = {self._rows[r].request.request_id for r in row_ids}
         cached = self._first_steps(b, row_ids) if self._unscheduled else {}
         step, sampled_row_ids, scored = self._scheduler_output(b, row_ids)
         try:
             out = self.executor.execute_model(step)
         except BaseException:
+            self.failed_request_ids = {self._rows[r].request.request_id for r in row_ids}
             self.finish_rows([r for r in row_ids if r in self._rows], "abort")
             self.scheduler.update(np.zeros(len(sampled_row_ids), dtype=np.int32))
             raise

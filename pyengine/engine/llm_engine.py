@@ -71,7 +71,7 @@ class LLMEngine:
             out = self.core.step()
         except BaseException:
             # A failed step (bad weights, interrupt) ends its requests, not the engine.
-            for request_id in self.core.step_request_ids:
+            for request_id in self.core.failed_request_ids:
                 self.abort_request(request_id)
             raise
         outputs = self.output_processor.process(out, finished_only)

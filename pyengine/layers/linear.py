@@ -85,11 +85,10 @@ class LinearBase(nn.Module):
         self.method = ctx.linear_methods.choose(checkpoint_names, many_rows)
         self.method.create_weights(self)
         self.bias = (
-            nn.Parameter(torch.empty(self.bias_size()), requires_grad=False) if bias else None
+            nn.Parameter(torch.empty(output_size_per_partition), requires_grad=False)
+            if bias
+            else None
         )
-
-    def bias_size(self) -> int:
-        return self.output_size_per_partition
 
     def load_blocks(self, start: int, blocks: BlockQuantized) -> None:
         self.method.load_blocks(self, start, blocks)
@@ -101,18 +100,16 @@ class LinearBase(nn.Module):
         out = self.method.apply(self, x, self.bias)
         return out if self.adapter is None else self.adapter.add_delta(self, x, out)
 
-    @staticmethod
-    def _copy(name: str, into: torch.Tensor, shard: torch.Tensor) -> None:
-        if into.shape != shard.shape:
-            raise ValueError(
-                f"weight {name}: shape {tuple(shard.shape)}, model expects {tuple(into.shape)}"
-            )
-        into.copy_(shard)
 
-
-def _shard_shape_check(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+    """ValueError naming checkpoint tensor `name` where its shape is not `expected`."""
     if tuple(loaded.shape) != expected:
         raise ValueError(f"weight {name}: shape {tuple(loaded.shape)}, model expects {expected}")
+
+
+def copy_checked(name: str, into: torch.Tensor, value: torch.Tensor) -> None:
+    check_shape(name, value, tuple(into.shape))
+    into.copy_(value)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -155,14 +152,14 @@ class ColumnParallelLinear(LinearBase):
         start, length = self.shard_offsets[part]
         full = self.output_sizes[part]
         if kind == "weight":
-            _shard_shape_check(name, loaded, (full, self.input_size))
+            check_shape(name, loaded, (full, self.input_size))
             target = self.weight
         else:
-            _shard_shape_check(name, loaded, (full,))
+            check_shape(name, loaded, (full,))
             assert self.bias is not None
             target = self.bias
         into = target.data.narrow(0, self.local_offsets[part], length)
-        self._copy(name, into, loaded.narrow(0, start, length))
+        copy_checked(name, into, loaded.narrow(0, start, length))
 
     def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
         start, length = self.shard_offsets[part]
@@ -259,11 +256,11 @@ class RowParallelLinear(LinearBase):
     def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
         if kind == "bias":  # added once, after the sum
             assert self.bias is not None
-            self._copy(name, self.bias.data, loaded)
+            copy_checked(name, self.bias.data, loaded)
             return
-        _shard_shape_check(name, loaded, (self.output_size, self.input_size))
+        check_shape(name, loaded, (self.output_size, self.input_size))
         shard = loaded.narrow(1, self.input_start, self.input_size_per_partition)
-        self._copy(name, self.weight.data, shard)
+        copy_checked(name, self.weight.data, shard)
 
     def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
         end = self.input_start + self.input_size_per_partition

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.layers.linear import LayerContext, LinearBase
+from pyengine.layers.linear import LayerContext, LinearBase, check_shape
 
 
 def _vocab_shard(vocab_size: int, ctx: LayerContext) -> tuple[int, int]:
@@ -75,10 +75,7 @@ def _load_vocab_rows(
     name: str, weight: nn.Parameter, loaded: torch.Tensor, vocab_size: int, start: int
 ) -> None:
     rows, size = weight.shape
-    if tuple(loaded.shape) != (vocab_size, size):
-        raise ValueError(
-            f"weight {name}: shape {tuple(loaded.shape)}, model expects {(vocab_size, size)}"
-        )
+    check_shape(name, loaded, (vocab_size, size))
     held = max(0, min(rows, vocab_size - start))
     weight.data[:held].copy_(loaded.narrow(0, start, held))
     weight.data[held:].zero_()

@@ -16,9 +16,9 @@ import torch
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import (
     ColumnParallelLinear,
-    LinearBase,
     QKVParallelLinear,
     RowParallelLinear,
+    copy_checked,
 )
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
@@ -71,7 +71,7 @@ class WeightRouter:
         """A replicated parameter (a norm's weight, learned positions)."""
 
         def load(tensor: torch.Tensor) -> None:
-            LinearBase._copy(name, parameter.data, tensor)
+            copy_checked(name, parameter.data, tensor)
 
         self._routes[name] = _Route(load)
 
