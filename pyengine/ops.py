@@ -35,7 +35,7 @@ _SCHEMAS = {
     # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens]
     "reshape_and_cache": "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
     "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
-    # out, query: [num_tokens, num_q_heads, head_size]; block_tables int32 [num_reqs, max];
+    # out, query: [num_tokens, num_heads, head_size]; block_tables int32 [num_reqs, max];
     # seq_lens int32 [num_reqs]; query_start_loc int32 [num_reqs + 1]
     "paged_attention": "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
     "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "

@@ -120,6 +120,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.config = engine.config
+        self.input_processor = engine.input_processor  # stateless: any thread tokenizes
         self.stats = EngineStats()
         # Called on the engine thread after each step: the stats, the requests that
         # finished, and the number of tokens generated.

@@ -8,11 +8,17 @@ import time
 from collections.abc import Container, Sequence
 from copy import copy
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
 from pyengine.config import EngineConfig, ModelConfig
 from pyengine.sampling_params import SamplingParams
+from pyengine.tokenizer import PyengineTokenizer
+
+# What the offline API takes as one prompt: text, token ids, or {"prompt": text} /
+# {"prompt_token_ids": ids} (with "prompt" the text they came from, if any).
+Prompt = str | list[int] | dict[str, Any]
 
 
 def check_token_ids(token_ids: Sequence[int], vocab_size: int, what: str) -> None:
@@ -49,9 +55,51 @@ class EngineRequest:
 
 
 class InputProcessor:
-    def __init__(self, model_config: ModelConfig, config: EngineConfig) -> None:
+    """Stateless: the server's threads tokenize through it while the engine thread steps."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        config: EngineConfig,
+        tokenizer: PyengineTokenizer | None,
+    ) -> None:
         self.model_config = model_config
         self.config = config
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
+        """The text's token ids; ValueError naming `what`. A text too long for
+        max_model_len whatever its tokens is refused untokenized: tokenizing megabytes
+        holds the interpreter for seconds, and every other request with it."""
+        if self.tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer (tokenizer=...)")
+        max_model_len = self.config.max_model_len
+        if len(text) > max_model_len * self.tokenizer.max_token_chars:
+            raise ValueError(
+                f"This model's maximum context length is {max_model_len} tokens. However, "
+                f"your {what} has {len(text)} characters, more than that many tokens hold. "
+                f"Please reduce the length of the {what}."
+            )
+        try:
+            return self.tokenizer.encode(text, add_special_tokens)
+        except ValueError as error:
+            raise ValueError(f"{what}: {error}") from None
+
+    def encode_prompt(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of one offline prompt."""
+        if isinstance(prompt, str):
+            return prompt, self.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return self.encode_prompt(prompt["prompt"])
+            raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(
+            f"a prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}"
+        )
 
     def process(
         self,

@@ -25,7 +25,7 @@ class LLMEngine:
         self.model_config = loaded.config
         self.tokenizer: PyengineTokenizer | None = loaded.tokenizer
         self.executor = executor or UniProcExecutor(loaded, config)
-        self.input_processor = InputProcessor(loaded.config, config)
+        self.input_processor = InputProcessor(loaded.config, config, self.tokenizer)
         self.core = EngineCore(config, self.executor)
         eos = loaded.config.eos_token_ids
         self.output_processor = OutputProcessor(self.tokenizer, eos[0] if eos else None)

@@ -7,11 +7,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
+from pyengine.engine.input_processor import Prompt
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
-
-Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -25,7 +24,7 @@ class LLM:
 
     def get_tokenizer(self) -> PyengineTokenizer:
         if self.engine.tokenizer is None:
-            raise ValueError("this model has no tokenizer; pass tokenizer=...")
+            raise ValueError("this model was loaded without a tokenizer (tokenizer=...)")
         return self.engine.tokenizer
 
     def generate(
@@ -38,7 +37,7 @@ class LLM:
         ...}) to completion; outputs in input order."""
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
-        encoded = [self._encode(p) for p in batch]  # all checked before any is queued
+        encoded = [self.engine.input_processor.encode_prompt(p) for p in batch]  # all checked first
         return self._run(encoded, params, use_tqdm)
 
     def chat(
@@ -62,21 +61,6 @@ class LLM:
             )
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)
-
-    def _encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.get_tokenizer().encode(prompt)
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
-            if isinstance(prompt.get("prompt"), str):
-                return self._encode(prompt["prompt"])
-            raise ValueError("a prompt dict needs 'prompt' (a string) or 'prompt_token_ids'")
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return None, list(prompt)
-        raise ValueError(
-            f"a prompt must be a string, a list of token ids or a dict, got {prompt!r:.80}"
-        )
 
     def _run(
         self,

@@ -32,18 +32,18 @@ class PagedAttention:
     and decode together."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, sliding_window: int = 0
+        self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int = 0
     ) -> None:
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.head_size = head_size
+        self.scale = head_size**-0.5
         self.sliding_window = sliding_window
 
     def __call__(
         self,
-        query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        query: torch.Tensor,  # [num_tokens, num_heads, head_size]
+        key: torch.Tensor,  # [num_tokens, num_kv_heads, head_size]
         value: torch.Tensor,
         cache: KVCache,
         meta: AttentionMetadata,

@@ -12,9 +12,9 @@ from pyengine import ops
 
 
 def inverse_frequencies(
-    head_dim: int, theta: float, scaling: dict[str, Any] | None
+    head_size: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
     inv_freq = 1.0 / (theta**exponents)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind is None:
@@ -27,7 +27,7 @@ def inverse_frequencies(
         divisors = torch.tensor(scaling["divisors"], dtype=torch.float64)
         if divisors.shape != inv_freq.shape:
             raise ValueError(
-                f"rope_freqs has {divisors.numel()} divisors; head size {head_dim} needs "
+                f"rope_freqs has {divisors.numel()} divisors; head size {head_size} needs "
                 f"{inv_freq.numel()}"
             )
         return (inv_freq.double() / divisors).float()
@@ -50,7 +50,7 @@ class RotaryEmbedding:
 
     def __init__(
         self,
-        head_dim: int,
+        head_size: int,
         max_positions: int,
         theta: float,
         scaling: dict[str, Any] | None,
@@ -58,10 +58,10 @@ class RotaryEmbedding:
         is_neox: bool = True,  # rotate-half pairs (i, i + d/2); else (2i, 2i + 1)
     ) -> None:
         self.is_neox = is_neox
-        inv_freq = inverse_frequencies(head_dim, theta, scaling)
+        inv_freq = inverse_frequencies(head_size, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # [max_positions, head_dim]: cos of each frequency, then sin; float32 whatever
+        # [max_positions, head_size]: cos of each frequency, then sin; float32 whatever
         # the model's dtype.
         self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
 

@@ -51,7 +51,7 @@ class DecodeGraphs:
     ) -> None:
         if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
             raise ValueError(f"capture sizes must be distinct, ascending and positive: {sizes}")
-        if sizes[-1] > min(inputs.max_reqs, inputs.max_tokens):
+        if sizes[-1] > min(inputs.max_num_seqs, inputs.max_num_batched_tokens):
             raise ValueError(f"a graph of {sizes[-1]} rows is larger than the step inputs")
         self.model = model
         self.caches = caches

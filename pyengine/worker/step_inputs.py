@@ -48,25 +48,26 @@ class StepInputs:
     """
 
     def __init__(
-        self, device: torch.device, max_tokens: int, max_reqs: int, max_blocks: int
+        self, device: torch.device, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int
     ) -> None:
-        if min(max_tokens, max_reqs, max_blocks) < 1:
+        if min(max_num_batched_tokens, max_num_seqs, max_blocks) < 1:
             raise ValueError(
-                f"StepInputs needs positive capacities, got max_tokens={max_tokens}, "
-                f"max_reqs={max_reqs}, max_blocks={max_blocks}"
+                "StepInputs needs positive capacities, got max_num_batched_tokens="
+                f"{max_num_batched_tokens}, max_num_seqs={max_num_seqs}, max_blocks={max_blocks}"
             )
         self.device = device
-        # A decode step padded to max_reqs rows has a token row for each.
-        max_tokens = max(max_tokens, max_reqs)
-        self.max_tokens, self.max_reqs, self.max_blocks = max_tokens, max_reqs, max_blocks
+        # A decode step padded to max_num_seqs rows has a token row for each.
+        max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs, self.max_blocks = max_num_seqs, max_blocks
         self.sizes = {  # in int32 words
-            "slot_mapping": 2 * max_tokens,  # first: 8-byte aligned
-            "input_ids": max_tokens,
-            "positions": max_tokens,
-            "query_start_loc": max_reqs + 1,
-            "seq_lens": max_reqs,
-            "logits_indices": max_reqs,
-            "block_tables": max_reqs * max_blocks,
+            "slot_mapping": 2 * max_num_batched_tokens,  # first: 8-byte aligned
+            "input_ids": max_num_batched_tokens,
+            "positions": max_num_batched_tokens,
+            "query_start_loc": max_num_seqs + 1,
+            "seq_lens": max_num_seqs,
+            "logits_indices": max_num_seqs,
+            "block_tables": max_num_seqs * max_blocks,
         }
         self.offsets: dict[str, int] = {}
         total = 0
@@ -84,7 +85,7 @@ class StepInputs:
         for f in self._fields:
             f["slot_mapping"][:] = -1
             f["seq_lens"][:] = 1
-            f["query_start_loc"][:] = np.arange(max_reqs + 1)
+            f["query_start_loc"][:] = np.arange(max_num_seqs + 1)
         self.buffer = self._hosts[0].to(device, copy=True)
         # Recorded after each copy from a host buffer (on the stream of the device buffer,
         # which runs it): an upload waits for its host buffer's last copy before
@@ -98,7 +99,7 @@ class StepInputs:
         if name == "slot_mapping":
             return field.view(np.int64)
         if name == "block_tables":
-            return field.reshape(self.max_reqs, self.max_blocks)
+            return field.reshape(self.max_num_seqs, self.max_blocks)
         return field
 
     def upload(self, b: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
@@ -107,10 +108,11 @@ class StepInputs:
         values, for a graph of that size to read."""
         num_reqs, num_tokens = len(b.seq_lens), len(b.input_ids)
         block_tables = np.asarray(b.block_tables)
-        if num_tokens > self.max_tokens or num_reqs > self.max_reqs:
+        if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_seqs:
             raise ValueError(
                 f"a step of {num_tokens} tokens and {num_reqs} requests is larger than the "
-                f"inputs' capacity ({self.max_tokens} tokens, {self.max_reqs} requests)"
+                f"inputs' capacity ({self.max_num_batched_tokens} tokens, {self.max_num_seqs} "
+                "requests)"
             )
         if block_tables.ndim != 2 or block_tables.shape[1] > self.max_blocks:
             raise ValueError(
@@ -118,10 +120,10 @@ class StepInputs:
                 f"{self.max_blocks} blocks per request"
             )
         rows = max(num_reqs, padded_reqs)
-        if rows > self.max_reqs or (padded_reqs > num_reqs and num_tokens != num_reqs):
+        if rows > self.max_num_seqs or (padded_reqs > num_reqs and num_tokens != num_reqs):
             raise ValueError(
                 f"cannot pad a step of {num_tokens} tokens and {num_reqs} requests to "
-                f"{padded_reqs} rows: only decode steps pad, up to {self.max_reqs} rows"
+                f"{padded_reqs} rows: only decode steps pad, up to {self.max_num_seqs} rows"
             )
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
@@ -152,14 +154,14 @@ class StepInputs:
         """The device buffer's first rows of each array (what the last upload filled, or
         the safe values)."""
         if not (
-            0 <= num_tokens <= self.max_tokens
-            and 0 <= num_reqs <= self.max_reqs
-            and 0 <= num_sampled <= self.max_reqs
+            0 <= num_tokens <= self.max_num_batched_tokens
+            and 0 <= num_reqs <= self.max_num_seqs
+            and 0 <= num_sampled <= self.max_num_seqs
         ):
             raise ValueError(
                 f"views of {num_tokens} tokens, {num_reqs} requests and {num_sampled} "
-                f"sampled rows: the capacity is {self.max_tokens} tokens and "
-                f"{self.max_reqs} requests"
+                f"sampled rows: the capacity is {self.max_num_batched_tokens} tokens and "
+                f"{self.max_num_seqs} requests"
             )
 
         def first(name: str, count: int) -> torch.Tensor:

@@ -137,7 +137,7 @@ def test_a_graph_larger_than_the_token_budget_pads_safely() -> None:
     graph of 8 rows still has 8 token rows, all of the padding safe."""
     rng = np.random.default_rng(4)
     s, staged = scheduler(budget=4, max_seqs=8), inputs(budget=4, max_seqs=8)
-    assert staged.max_tokens == 8
+    assert staged.max_num_batched_tokens == 8
     for i in range(4):
         s.add_request(f"r{i}", rng.integers(0, 1000, 1).astype(np.int32), max_tokens=3)
     s.schedule()

@@ -12,7 +12,7 @@ import pytest
 
 @dataclass
 class Case:
-    query: np.ndarray  # [num_tokens, num_q_heads, head_size] float64
+    query: np.ndarray  # [num_tokens, num_heads, head_size] float64
     keys: list[np.ndarray]  # per request [seq_len, num_kv_heads, head_size] float64
     values: list[np.ndarray]
     seq_lens: np.ndarray  # int32 [num_reqs]
@@ -25,7 +25,7 @@ def make_case(
     rng: np.random.Generator,
     seq_lens: list[int],
     q_lens: list[int],
-    num_q_heads: int,
+    num_heads: int,
     num_kv_heads: int,
     head_size: int,
     block_size: int,
@@ -41,7 +41,7 @@ def make_case(
         start += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
     return Case(
-        query=rng.standard_normal((int(qsl[-1]), num_q_heads, head_size)),
+        query=rng.standard_normal((int(qsl[-1]), num_heads, head_size)),
         keys=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
         values=[rng.standard_normal((s, num_kv_heads, head_size)) for s in seq_lens],
         seq_lens=np.array(seq_lens, dtype=np.int32),

@@ -81,7 +81,7 @@ def run_case(
     ids=["decode", "prefill", "chunked"],
 )
 @pytest.mark.parametrize(
-    ("num_q_heads", "num_kv_heads"),
+    ("num_heads", "num_kv_heads"),
     [(4, 4), (8, 2), (9, 3), (4, 1)],
     ids=["mha", "gqa", "gqa3", "mqa"],  # (gqa3: SmolLM2's groups, 3-row decode tiles)
 )
@@ -90,11 +90,11 @@ def test_matches_the_reference(
     dtype: str,
     seq_lens: list[int],
     q_lens: list[int],
-    num_q_heads: int,
+    num_heads: int,
     num_kv_heads: int,
 ) -> None:
     rng = np.random.default_rng()
-    case = make_case(rng, seq_lens, q_lens, num_q_heads, num_kv_heads, 64, 16)
+    case = make_case(rng, seq_lens, q_lens, num_heads, num_kv_heads, 64, 16)
     run_case(case, 16, dtype)
 
 

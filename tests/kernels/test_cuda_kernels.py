@@ -62,26 +62,26 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
 @pytest.mark.parametrize("position_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
 def test_rotary_embedding(
-    dtype: torch.dtype, head_dim: int, position_dtype: torch.dtype, is_neox: bool
+    dtype: torch.dtype, head_size: int, position_dtype: torch.dtype, is_neox: bool
 ) -> None:
     tokens, heads, kv_heads, max_positions = 45, 8, 2, 4096
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).double() / head_size))
     freqs = torch.arange(max_positions).double()[:, None] * inv_freq
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float().to(CUDA)
     positions = torch.randint(0, max_positions, (tokens,), device=CUDA)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device=CUDA).to(dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
-    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size, device=CUDA).to(dtype)
+    q = qkv[:, : heads * head_size].view(tokens, heads, head_size)
+    k = qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(tokens, kv_heads, head_size)
+    v_before = qkv[:, (heads + kv_heads) * head_size :].clone()
     q0, k0 = q.double().clone(), k.double().clone()
     ops.rotary_embedding(positions.to(position_dtype), q, k, cache, is_neox)
     assert rel_error(q, rotary_reference(q0, freqs, positions, is_neox)) < TOLERANCE[dtype]
     assert rel_error(k, rotary_reference(k0, freqs, positions, is_neox)) < TOLERANCE[dtype]
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)  # v untouched
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_size :], v_before)  # v untouched
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

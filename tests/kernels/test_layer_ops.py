@@ -42,18 +42,18 @@ def test_rms_norm_rounds_like_torch_float32() -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_size", [32, 64, 128])
 @pytest.mark.parametrize("is_neox", [True, False], ids=["neox", "gptj"])
-def test_rotary_embedding(dtype: torch.dtype, head_dim: int, is_neox: bool) -> None:
+def test_rotary_embedding(dtype: torch.dtype, head_size: int, is_neox: bool) -> None:
     tokens, heads, kv_heads, max_positions = 23, 6, 2, 500
-    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).double() / head_dim))
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, head_size, 2).double() / head_size))
     freqs = torch.arange(max_positions).double()[:, None] * inv_freq
     cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).float()
     positions = torch.randint(0, max_positions, (tokens,))
     # q and k as strided views of one fused qkv row, as the model passes them.
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim).to(dtype)
-    q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)
-    k = qkv[:, heads * head_dim : (heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_size).to(dtype)
+    q = qkv[:, : heads * head_size].view(tokens, heads, head_size)
+    k = qkv[:, heads * head_size : (heads + kv_heads) * head_size].view(tokens, kv_heads, head_size)
     q0, k0 = q.double().clone(), k.double().clone()
     ops.rotary_embedding(positions.to(torch.int32), q, k, cache, is_neox)
     assert rel_error(q, rotary_reference(q0, freqs, positions, is_neox)) < TOLERANCE[dtype]

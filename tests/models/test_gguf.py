@@ -166,7 +166,7 @@ def write_tiny_llama(
     """A two-layer Llama GGUF, mostly Q8_0 (some 4-bit); its weights in Hugging Face's
     layout."""
     rng = np.random.default_rng(5)
-    hidden, heads, kv_heads, head_dim, ffn, layers = 128, 4, 2, 32, 256, 2
+    hidden, heads, kv_heads, head_size, ffn, layers = 128, 4, 2, 32, 256, 2
     tokens = byte_level_vocab() + ["<|eot|>", "<|user|>", "<|assistant|>"]
     vocab = len(tokens)
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -214,14 +214,14 @@ def write_tiny_llama(
         add(
             p + "attn_k.weight",
             h + "self_attn.k_proj.weight",
-            normal(kv_heads * head_dim, hidden),
+            normal(kv_heads * head_size, hidden),
             True,
             kv_heads,
         )
         add(
             p + "attn_v.weight",
             h + "self_attn.v_proj.weight",
-            normal(kv_heads * head_dim, hidden),
+            normal(kv_heads * head_size, hidden),
             True,
         )
         add(p + "attn_output.weight", h + "self_attn.o_proj.weight", normal(hidden, hidden), True)

@@ -54,7 +54,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
     )
-    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--tokenizer", default=d.tokenizer)
     parser.add_argument("--load-format", default=d.load_format)
     parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument(
@@ -66,12 +66,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"
     )
-    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument("--block-size", type=int, default=d.block_size)
-    parser.add_argument("--kv-cache-memory", type=int, default=None, help="bytes (CPU)")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes (CPU)"
+    )
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
     parser.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,

@@ -100,21 +100,11 @@ class OpenAIServing:
             raise APIError(str(error), param=param) from None
 
     def encode(self, text: str, param: str, add_special_tokens: bool = True) -> list[int]:
-        """The text's token ids. A text too long for max_model_len whatever its tokens is
-        refused untokenized: tokenizing megabytes holds the interpreter for seconds, and
-        every other request with it."""
-        max_model_len = self.engine.config.max_model_len
-        if len(text) > max_model_len * self.tokenizer.max_token_chars:
-            raise APIError(
-                f"This model's maximum context length is {max_model_len} tokens. However, "
-                f"your {param} has {len(text)} characters, more than that many tokens hold. "
-                f"Please reduce the length of the {param}.",
-                param=param,
-            )
+        """The text's token ids (InputProcessor.encode), its errors as 400s naming `param`."""
         try:
-            return self.tokenizer.encode(text, add_special_tokens)
+            return self.engine.input_processor.encode(text, param, add_special_tokens)
         except ValueError as error:
-            raise APIError(f"{param}: {error}", param=param) from None
+            raise APIError(str(error), param=param) from None
 
     def check_length(self, prompt: EncodedPrompt, params: SamplingParams, param: str) -> None:
         """As vLLM's server: a prompt and max_tokens that together pass max_model_len are
