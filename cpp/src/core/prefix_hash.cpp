@@ -19,10 +19,10 @@ using namespace detail::xxh64;  // xxHash64's primes and rounds, shared with the
 constexpr uint64_t kSeedHi = 0xB7E151628AED2A6Bull;
 constexpr uint64_t kSeedLo = 0x7E5E2F0E5C1A3D51ull;
 
-// Below this many blocks (128k tokens, about 1 ms of serial work) hashing stays on the
-// calling thread. Measured on 2 cores: two threads only gain about 1.25x (the chain is
-// serial), while a fork-join whose worker waits for a core that the model's own threads
-// keep busy stalls for milliseconds, so only very long prompts are worth the risk.
+// Below this many blocks (128k tokens) hashing stays on the calling thread: more threads
+// gain little (the chain is serial), while a fork-join whose worker waits for a core that
+// the model's own threads keep busy stalls far longer, so only very long prompts are
+// worth the risk.
 constexpr size_t kMinBlocksForParallel = 8192;
 
 // Unaligned little-endian loads (every platform pyengine targets is little-endian).

@@ -56,9 +56,7 @@ Fetch fetch_plan(int64_t index, int64_t num_tiles, const float* panel, int64_t k
 // tiles of one block; L1 holds their working set.) The sums' loops are unrolled early, so
 // that the compiler keeps the sums in registers: with a runtime `accumulate` and the
 // loops left to it, they went through a stack copy on the way in and out of every tile
-// call: a quantized chunk's 128-row tiles paid most (32-row matmuls from the 4-bit blocks
-// 3-8% faster without it; float32 panels 1-2%, a prefill -1 to +5%: whole-model matmuls,
-// two runs of 14 alternations in one process).
+// call; a quantized chunk's 128-row tiles paid most.
 template <int kPerStep, bool kAccumulate>
 PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel, int64_t k,
                                  float* c, const float* fetch) {

@@ -99,7 +99,7 @@ PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const ui
   // Each tile load goes in right after the last product that reads its tile, two
   // products ahead of the first that needs it. (With the tiles in L1 or L2, this order
   // and the plain one, loads then four products, both reach the unit's peak in a
-  // microbenchmark, 2.8 TFLOP/s a core here: the order costs nothing.)
+  // microbenchmark: the order costs nothing.)
 #define PYENGINE_X(tile, plane, b) \
   _tile_loadd(tile, (plane) + (b)*kTileBf16 + ((tile)-4) * down, 64)
 #define PYENGINE_W(tile, part, b) \
