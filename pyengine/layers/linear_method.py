@@ -85,6 +85,18 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
     return packed
 
 
+def packed_for(layer: LinearBase, rows: int) -> torch.Tensor:
+    """The packed form a step of `rows` rows multiplies from: the block form for few rows,
+    the split form for many, the float32 panels otherwise (each where the layer's method
+    made it)."""
+    if rows <= BLOCK_QUANTIZED_MAX_ROWS and layer.packed_blocks is not None:
+        return layer.packed_blocks
+    if rows >= SPLIT_MIN_ROWS and layer.packed_split is not None:
+        return layer.packed_split
+    assert layer.packed is not None
+    return layer.packed
+
+
 class LinearMethod(ABC):
     """What a linear layer delegates its weight to. A layer with `gate_up` set holds
     [gate; up] and is applied through `apply_silu_and_mul` only."""
@@ -131,7 +143,8 @@ class TorchLinearMethod(LinearMethod):
 
 class PackedPanelsMethod(LinearMethod):
     """Float32 column panels on the CPU. The panels are made in `pack`, so that methods
-    built on this one add their forms from the same transposed weight."""
+    built on this one add their forms from the same transposed weight; `packed_for`
+    picks among the forms a layer has, row count by row count."""
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w_t = layer.weight.data.t().contiguous().float()
@@ -141,11 +154,6 @@ class PackedPanelsMethod(LinearMethod):
     def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
         layer.packed = pack_panels(w_t, layer.gate_up)
 
-    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
-        """The packed form a step of `rows` rows multiplies from."""
-        assert layer.packed is not None
-        return layer.packed
-
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if layer.gate_up:  # its panels are paired for the fused op only
             raise ValueError(
@@ -153,14 +161,14 @@ class PackedPanelsMethod(LinearMethod):
                 "adapter on it needs a method whose product it can join (TorchLinearMethod)"
             )
         out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
-        ops.dense(out, x, self.packed_for(layer, x.shape[0]), bias, out.shape[1])
+        ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1])
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         # One op over pairs of panels: the [tokens, 2 n] product never goes to memory.
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        ops.dense_silu_and_mul(out, x, self.packed_for(layer, x.shape[0]), n)
+        ops.dense_silu_and_mul(out, x, packed_for(layer, x.shape[0]), n)
         return out
 
 
@@ -168,11 +176,6 @@ class SplitBF16Method(PackedPanelsMethod):
     def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
         super().pack(layer, w_t)
         layer.packed_split = pack_split(w_t, layer.gate_up)
-
-    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
-        if rows >= SPLIT_MIN_ROWS and layer.packed_split is not None:
-            return layer.packed_split
-        return super().packed_for(layer, rows)
 
 
 class GGUFBlockMethod(PackedPanelsMethod):
@@ -194,11 +197,6 @@ class GGUFBlockMethod(PackedPanelsMethod):
             raise ValueError(f"block-quantized weight {whole.shape} for a {shape} weight")
         layer.packed_blocks = pack_block_quantized(whole, layer.gate_up)
         layer.block_parts.clear()
-
-    def packed_for(self, layer: LinearBase, rows: int) -> torch.Tensor:
-        if rows <= BLOCK_QUANTIZED_MAX_ROWS and layer.packed_blocks is not None:
-            return layer.packed_blocks
-        return self.larger.packed_for(layer, rows)
 
 
 @dataclass(frozen=True)
