@@ -121,13 +121,14 @@ class EngineCore:
         b = self.scheduler.buffers
         row_ids = b.request_ids  # a new list at every access: read once
         cached = self._first_steps(b, row_ids) if self._unscheduled else {}
-        step, sampled_row_ids, scored = self._scheduler_output(b, row_ids)
         try:
+            step, sampled_row_ids, scored = self._scheduler_output(b, row_ids)
             out = self.executor.execute_model(step)
         except BaseException:
+            num_sampled = int(np.count_nonzero(b.is_sampling))
             self.failed_request_ids = {self._rows[r].request.request_id for r in row_ids}
             self.finish_rows([r for r in row_ids if r in self._rows], "abort")
-            self.scheduler.update(np.zeros(len(sampled_row_ids), dtype=np.int32))
+            self.scheduler.update(np.zeros(num_sampled, dtype=np.int32))
             raise
         self.scheduler.update(np.asarray(out.sampled_token_ids, dtype=np.int32))
         prompt_logprobs = [
