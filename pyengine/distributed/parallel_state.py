@@ -38,6 +38,18 @@ class TensorParallelGroup:
         length = size // self.world_size
         return self.rank * length, length
 
+    def kv_head_shard(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first kv head, kv heads) this rank holds: an equal part where the heads are at
+        least the ranks, else one head shared by world_size / num_kv_heads ranks."""
+        if num_kv_heads >= self.world_size:
+            return self.split(num_kv_heads, "num_kv_heads")
+        if self.world_size % num_kv_heads == 0:
+            return self.rank * num_kv_heads // self.world_size, 1
+        raise ValueError(
+            f"the tensor-parallel size ({self.world_size}) is neither a divisor nor a "
+            f"multiple of num_kv_heads ({num_kv_heads})"
+        )
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, in place."""
         if self.world_size > 1:

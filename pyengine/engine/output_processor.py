@@ -35,12 +35,13 @@ class RequestState:
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
 
     def to_output(self) -> RequestOutput:
-        """A snapshot: lists and metrics copied, so that later steps leave it as it is."""
+        """A snapshot: what later steps change (each sample's tokens, logprobs and text,
+        the metrics) copied, so that they leave it as it is."""
         r = self.request
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
-            prompt_token_ids=list(r.prompt_token_ids),
+            prompt_token_ids=r.prompt_token_ids,  # the engine never changes it
             outputs=[_snapshot(s.output) for s in self.samples],
             finished=self.done,
             metrics=replace(self.metrics),

@@ -209,15 +209,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                 f"num_heads ({num_heads}) is not divisible by the tensor-parallel size "
                 f"({tp.world_size})"
             )
-        if num_kv_heads >= tp.world_size:
-            kv_start, self.num_kv_heads_per_partition = tp.split(num_kv_heads, "num_kv_heads")
-        elif tp.world_size % num_kv_heads == 0:
-            kv_start, self.num_kv_heads_per_partition = tp.rank * num_kv_heads // tp.world_size, 1
-        else:
-            raise ValueError(
-                f"the tensor-parallel size ({tp.world_size}) is neither a divisor nor a "
-                f"multiple of num_kv_heads ({num_kv_heads})"
-            )
+        kv_start, self.num_kv_heads_per_partition = tp.kv_head_shard(num_kv_heads)
         self.head_size = head_size
         self.num_heads_per_partition = num_heads // tp.world_size
         self._kv_start = kv_start * head_size

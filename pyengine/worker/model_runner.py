@@ -10,6 +10,7 @@ import torch
 
 from pyengine import _C, ops
 from pyengine.config import EngineConfig
+from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.placement import Placement
@@ -36,7 +37,9 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+    def __init__(
+        self, loaded: LoadedModel, config: EngineConfig, tp: TensorParallelGroup | None = None
+    ) -> None:
         c = loaded.config
         head_sizes = _C.attention_head_sizes()
         if c.head_size not in head_sizes:  # refused now, not at the first request
@@ -46,7 +49,10 @@ class ModelRunner:
             )
         self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
-        tile = c.num_kv_heads * c.head_size * config.block_size  # per layer and block
+        self.tp = tp or TensorParallelGroup()
+        # This rank's share of the kv heads: its attention layers hold only those.
+        _, self.num_kv_heads = self.tp.kv_head_shard(c.num_kv_heads)
+        tile = self.num_kv_heads * c.head_size * config.block_size  # per layer and block
         self.block_numel = 2 * c.num_layers * tile  # K and V of every layer
         self.cache_dtype = getattr(torch, config.cache_dtype)
         self.block_bytes = self.block_numel * (torch.finfo(self.cache_dtype).bits // 8)
@@ -61,7 +67,7 @@ class ModelRunner:
                 f"{min_blocks * self.block_bytes} bytes, or lower max_model_len)"
             )
         self.model = build_model(
-            loaded, config.max_model_len, config.seed, LayerContext(self.placement)
+            loaded, config.max_model_len, config.seed, LayerContext(self.placement, self.tp)
         )
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None
@@ -106,7 +112,7 @@ class ModelRunner:
             num_blocks * self.block_numel, self.cache_dtype, self.placement.device
         )
         halves = pool.view(c.num_layers, 2, -1)
-        shape = (num_blocks, c.num_kv_heads)
+        shape = (num_blocks, self.num_kv_heads)
         return [
             (
                 halves[i, 0].view(*shape, c.head_size, self.block_size),

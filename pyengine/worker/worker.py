@@ -30,7 +30,7 @@ class Worker:
     ) -> None:
         self.config = config
         self.tp = tp or TensorParallelGroup()
-        self.model_runner = ModelRunner(loaded, config)
+        self.model_runner = ModelRunner(loaded, config, self.tp)
         self.sampler = Sampler(config.seed, config.device)
         # Seeded rows' generators, by row id, for as long as the row runs.
         self._generators: dict[str, torch.Generator] = {}
