@@ -1,6 +1,13 @@
-"""Tensor-parallel groups: which shard of each weight a worker holds, and the collectives
-that join the shards' results."""
+"""Tensor- and pipeline-parallel places: which shard of each weight and which layers a
+worker holds, and the collectives and transfers that join them."""
 
-from pyengine.distributed.parallel_state import TensorParallelGroup
+from pyengine.distributed.parallel_state import CommStats, TensorParallelGroup
+from pyengine.distributed.pipeline import IntermediateTensors, PipelineStage, stage_layer_ranges
 
-__all__ = ["TensorParallelGroup"]
+__all__ = [
+    "CommStats",
+    "IntermediateTensors",
+    "PipelineStage",
+    "TensorParallelGroup",
+    "stage_layer_ranges",
+]

@@ -7,7 +7,9 @@ the identity and no torch.distributed process group is needed.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -15,10 +17,29 @@ import torch.distributed as dist
 from pyengine.sampling_params import is_int
 
 
+@dataclass
+class CommStats:
+    """Time spent in collectives and point-to-point transfers, since the last reset: the
+    share of a step that communication costs (bench/distributed.py reads it)."""
+
+    seconds: float = 0.0
+    calls: int = 0
+    bytes: int = 0
+
+    def add(self, started: float, x: torch.Tensor) -> None:
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        self.bytes += x.numel() * x.element_size()
+
+
 @dataclass(frozen=True)
 class TensorParallelGroup:
     world_size: int = 1
     rank: int = 0
+    # The torch.distributed group of this rank's tensor-parallel peers (None: the
+    # default group, or no group at world_size 1).
+    group: Any = field(default=None, compare=False)
+    comm: CommStats = field(default_factory=CommStats, compare=False)
 
     def __post_init__(self) -> None:
         if not is_int(self.world_size) or self.world_size < 1:
@@ -53,13 +74,17 @@ class TensorParallelGroup:
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The sum of `x` over the group, in place."""
         if self.world_size > 1:
-            dist.all_reduce(x)
+            started = time.perf_counter()
+            dist.all_reduce(x, group=self.group)
+            self.comm.add(started, x)
         return x
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x`, concatenated along `dim` in rank order."""
         if self.world_size == 1:
             return x
+        started = time.perf_counter()
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous())
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        self.comm.add(started, x)
         return torch.cat(parts, dim=dim)

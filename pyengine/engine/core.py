@@ -1,11 +1,18 @@
 """The engine core: schedule -> execute -> update, once a step. It owns the C++
 scheduler and the executor, and of each running row (a request, or one of its n
 samples) only what choosing its tokens needs: its parameters and the tokens so far. The
-text, stop strings and outputs are the output processor's."""
+text, stop strings and outputs are the output processor's.
+
+With a pipeline of P stages, P steps are in flight at once so that every stage has work
+(vLLM's virtual engines): P schedulers, each with its own requests and its own range of
+the KV blocks, take turns; a request belongs to one, so it is in at most one step in
+flight, and each scheduler's schedule -> update order is the one-step order.
+"""
 
 from __future__ import annotations
 
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -40,6 +47,18 @@ class _Row:
 
 
 @dataclass
+class _InFlight:
+    """A step submitted to the executor whose tokens are still to come."""
+
+    virtual_engine: int
+    row_ids: list[str]
+    sampled_row_ids: list[str]
+    scored: list[tuple[str, int]]  # (request id, prompt position) per prompt-logprob row
+    cached: dict[str, int]  # as EngineCoreOutput.num_cached_tokens
+    num_sampled: int
+
+
+@dataclass
 class EngineCoreOutput:
     updates: list[RowUpdate]
     sampled_row_ids: list[str]  # the rows that sampled, in the runner output's order
@@ -54,17 +73,24 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.executor = executor
-        self.scheduler = Scheduler(
-            num_blocks=executor.num_blocks,
-            block_size=config.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_model_len=config.max_model_len,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            long_prefill_token_threshold=0,  # not an engine argument yet: no cap
-            policy="fcfs",  # not an engine argument yet
-        )
+        num_engines = executor.max_steps_in_flight
+        self.schedulers = [
+            Scheduler(
+                num_blocks=executor.num_blocks // num_engines,
+                block_size=config.block_size,
+                enable_prefix_caching=config.enable_prefix_caching,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=config.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+                long_prefill_token_threshold=0,  # not an engine argument yet: no cap
+                policy="fcfs",  # not an engine argument yet
+            )
+            for _ in range(num_engines)
+        ]
+        self._engine_of: dict[str, int] = {}  # request id -> its scheduler
+        self._in_flight: deque[_InFlight] = deque()
+        self._next_engine = 0  # the scheduler to fill first, in turn
         self._rows: dict[str, _Row] = {}
         self._live_rows: dict[str, int] = {}  # request id -> its rows still running
         self._finished_row_ids: list[str] = []  # for the workers, at the next step
@@ -75,10 +101,22 @@ class EngineCore:
         self._prompt_logprobs: dict[str, set[int]] = {}  # request -> positions scored
         self._sampled_rows: set[str] = set()  # rows that need sampling requests
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The first scheduler (the only one without a pipeline)."""
+        return self.schedulers[0]
+
     def add_request(self, request: EngineRequest, row_ids: list[str]) -> None:
-        """Schedules `request`, its samples under `row_ids` (the first is its own id)."""
+        """Schedules `request`, its samples under `row_ids` (the first is its own id),
+        with the scheduler that has the fewest requests."""
         params, request_id = request.params, request.request_id
-        self.scheduler.add_request(
+        engine = 0
+        if len(self.schedulers) > 1:
+            load = [0] * len(self.schedulers)
+            for e in self._engine_of.values():
+                load[e] += 1
+            engine = load.index(min(load))
+        self.schedulers[engine].add_request(
             request_id,
             request.prompt_array,
             max_tokens=request.max_tokens,
@@ -96,6 +134,7 @@ class EngineCore:
             self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only)
             if not argmax_only or params.min_tokens > 0:
                 self._sampled_rows.add(row_id)
+        self._engine_of[request_id] = engine
         self._live_rows[request_id] = len(row_ids)
         self._unscheduled.add(request_id)
         if params.prompt_logprobs is not None:
@@ -104,43 +143,87 @@ class EngineCore:
     def finish_rows(self, row_ids: Iterable[str], reason: str) -> None:
         """Ends rows the engine itself ends (aborts; "stop": a stop string)."""
         for row_id in row_ids:
-            if self.scheduler.has_request(row_id):
+            row = self._rows.get(row_id)
+            # During its step a row's removal is recorded, and reported by update().
+            scheduler = self.schedulers[self._engine_of[row.request.request_id]] if row else None
+            if scheduler is not None and scheduler.has_request(row_id):
                 if reason == "abort":
-                    self.scheduler.abort_request(row_id)
+                    scheduler.abort_request(row_id)
                 else:
-                    self.scheduler.finish_request(row_id, reason)
+                    scheduler.finish_request(row_id, reason)
             self._drop(row_id)
 
     def step(self) -> EngineCoreOutput:
-        """One step. Where the executor fails, the step's rows are aborted (the caller
-        ends their requests: failed_request_ids) and the error raised."""
+        """One step: every scheduler without a step in flight plans and submits one,
+        then the oldest step in flight is completed. Where the executor fails, the
+        failed steps' rows are aborted (the caller ends their requests:
+        failed_request_ids) and the error raised."""
         self.failed_request_ids = set()
-        if self.scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
-            self.scheduler.update(np.zeros(0, dtype=np.int32))
-            return EngineCoreOutput(self._updates(), [], None, {}, [])
-        b = self.scheduler.buffers
-        row_ids = b.request_ids  # a new list at every access: read once
-        cached = self._first_steps(b, row_ids) if self._unscheduled else {}
+        updates: list[RowUpdate] = []
+        busy = {f.virtual_engine for f in self._in_flight}
+        for k in range(len(self.schedulers)):
+            engine = (self._next_engine + k) % len(self.schedulers)
+            if engine not in busy:
+                updates += self._submit(engine)
+        self._next_engine = (self._next_engine + 1) % len(self.schedulers)
+        if not self._in_flight:
+            return EngineCoreOutput(updates, [], None, {}, [])
+        flight = self._in_flight.popleft()
         try:
-            step, sampled_row_ids, scored = self._scheduler_output(b, row_ids)
-            out = self.executor.execute_model(step)
+            out = self.executor.collect()
         except BaseException:
-            num_sampled = int(np.count_nonzero(b.is_sampling))
-            self.failed_request_ids = {self._rows[r].request.request_id for r in row_ids}
-            self.finish_rows([r for r in row_ids if r in self._rows], "abort")
-            self.scheduler.update(np.zeros(num_sampled, dtype=np.int32))
+            self._fail(flight)
+            if not self.executor.is_alive:  # the other steps in flight are lost too
+                while self._in_flight:
+                    self._fail(self._in_flight.popleft())
             raise
-        self.scheduler.update(np.asarray(out.sampled_token_ids, dtype=np.int32))
+        scheduler = self.schedulers[flight.virtual_engine]
+        scheduler.update(np.asarray(out.sampled_token_ids, dtype=np.int32))
         prompt_logprobs = [
             (request_id, position, logprobs)
-            for (request_id, position), logprobs in zip(scored, out.prompt_logprobs, strict=True)
+            for (request_id, position), logprobs in zip(
+                flight.scored, out.prompt_logprobs, strict=True
+            )
         ]
         for request_id, position, _ in prompt_logprobs:
             self._prompt_logprobs[request_id].add(position)
-        return EngineCoreOutput(self._updates(), sampled_row_ids, out, cached, prompt_logprobs)
+        updates += self._updates(flight.virtual_engine)
+        return EngineCoreOutput(
+            updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs
+        )
 
-    def _updates(self) -> list[RowUpdate]:
-        updates = self.scheduler.outputs()
+    def _submit(self, engine: int) -> list[RowUpdate]:
+        """Scheduler `engine` plans a step and the executor takes it; what the scheduler
+        reports when it has nothing to run (aborted rows) is returned."""
+        scheduler = self.schedulers[engine]
+        if scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
+            scheduler.update(np.zeros(0, dtype=np.int32))
+            return self._updates(engine)
+        b = scheduler.buffers
+        row_ids = b.request_ids  # a new list at every access: read once
+        cached = self._first_steps(b, row_ids) if self._unscheduled else {}
+        num_sampled = int(np.count_nonzero(b.is_sampling))
+        flight = _InFlight(engine, row_ids, [], [], cached, num_sampled)
+        try:
+            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(
+                b, row_ids, engine
+            )
+            self.executor.submit(step)
+        except BaseException:
+            self._fail(flight)
+            raise
+        self._in_flight.append(flight)
+        return []
+
+    def _fail(self, flight: _InFlight) -> None:
+        """Aborts the rows of a step that will not complete, and ends it."""
+        rows = [r for r in flight.row_ids if r in self._rows]
+        self.failed_request_ids |= {self._rows[r].request.request_id for r in rows}
+        self.finish_rows(rows, "abort")
+        self.schedulers[flight.virtual_engine].update(np.zeros(flight.num_sampled, np.int32))
+
+    def _updates(self, engine: int = 0) -> list[RowUpdate]:
+        updates = self.schedulers[engine].outputs()
         for row_id, token, reason in updates:
             row = self._rows.get(row_id)
             if row is None:
@@ -167,6 +250,7 @@ class EngineCore:
         self._live_rows[request_id] -= 1
         if not self._live_rows[request_id]:  # the request's last row
             del self._live_rows[request_id]
+            del self._engine_of[request_id]
             self._unscheduled.discard(request_id)
             self._prompt_logprobs.pop(request_id, None)
 
@@ -181,7 +265,7 @@ class EngineCore:
         return cached
 
     def _scheduler_output(
-        self, b: StepBuffers, row_ids: list[str]
+        self, b: StepBuffers, row_ids: list[str], engine: int
     ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
         """The step as the executor takes it, the sampled rows' ids, and the (request,
         prompt position) of each prompt-logprob row."""
@@ -210,6 +294,7 @@ class EngineCore:
             sampling=sampling,
             prompt_logprob_rows=prompt_rows,
             finished_row_ids=finished,
+            virtual_engine=engine,
         )
         return step, sampled_row_ids, scored
 

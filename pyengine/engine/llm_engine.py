@@ -32,7 +32,13 @@ class LLMEngine:
 
     @property
     def scheduler(self) -> Scheduler:
+        """The first scheduler (the only one without a pipeline)."""
         return self.core.scheduler
+
+    @property
+    def schedulers(self) -> list[Scheduler]:
+        """One per pipeline step in flight."""
+        return self.core.schedulers
 
     @property
     def requests(self) -> dict[str, object]:
@@ -82,4 +88,4 @@ class LLMEngine:
         self.output_processor.collect([])
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self.scheduler.stats())
+        return EngineStats.of([s.stats() for s in self.core.schedulers])

@@ -17,11 +17,14 @@ class EngineStats:
     kv_cache_usage: float = 0.0
 
     @classmethod
-    def of(cls, s: SchedulerStats) -> EngineStats:
+    def of(cls, stats: list[SchedulerStats]) -> EngineStats:
+        """Of the engine's schedulers (one per pipeline step in flight, each with an
+        equal share of the KV blocks): counts summed, rates averaged."""
+        n = len(stats)
         return cls(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            num_preemptions=s.num_preemptions,
-            prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-            kv_cache_usage=s.kv_cache_usage,
+            num_running=sum(s.num_running for s in stats),
+            num_waiting=sum(s.num_waiting for s in stats),
+            num_preemptions=sum(s.num_preemptions for s in stats),
+            prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
+            kv_cache_usage=sum(s.kv_cache_usage for s in stats) / n,
         )

@@ -4,15 +4,25 @@ its workers run in this process, in one process per rank or across machines."""
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 
 from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
 
 
+class ExecutorDeadError(RuntimeError):
+    """A worker died or stopped answering: the executor runs no more steps."""
+
+
 class Executor(ABC):
+    # Steps the engine may submit before collecting the first: the pipeline's stages
+    # (one step each at a time), 1 without a pipeline.
+    max_steps_in_flight: int = 1
+
     @property
     @abstractmethod
     def num_blocks(self) -> int:
-        """KV-cache blocks every worker holds (the scheduler's pool)."""
+        """KV-cache blocks every worker holds (the schedulers' pool, shared between the
+        steps in flight)."""
 
     @property
     @abstractmethod
@@ -26,3 +36,19 @@ class Executor(ABC):
     @abstractmethod
     def shutdown(self) -> None:
         """Releases the workers (processes, devices); the executor runs no more steps."""
+
+    @property
+    def is_alive(self) -> bool:
+        """False once a worker has died or stopped answering (ExecutorDeadError)."""
+        return True
+
+    def submit(self, step: SchedulerOutput) -> None:
+        """Starts `step`; collect() returns its tokens, in submission order. Here it runs
+        at once (an executor whose workers run on their own overrides both)."""
+        if not hasattr(self, "_results"):
+            self._results: deque[ModelRunnerOutput] = deque()
+        self._results.append(self.execute_model(step))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The tokens of the oldest step submitted and not yet collected."""
+        return self._results.popleft()

@@ -12,6 +12,7 @@ from pyengine.worker.worker import Worker
 class UniProcExecutor(Executor):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self.driver_worker = Worker(loaded, config)
+        self.driver_worker.initialize_cache(self.driver_worker.num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -22,7 +23,9 @@ class UniProcExecutor(Executor):
         return self.driver_worker.model_runner.model.num_parameters
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        return self.driver_worker.execute_model(step)
+        out = self.driver_worker.execute_model(step)
+        assert out is not None  # the only rank is the output rank
+        return out
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pyengine import ops
-from pyengine.distributed import TensorParallelGroup
+from pyengine.distributed import PipelineStage, TensorParallelGroup
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear_method import LinearMethods
 from pyengine.layers.placement import Placement
@@ -37,6 +37,7 @@ class LayerContext:
 
     placement: Placement = field(default_factory=Placement)
     tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
+    pp: PipelineStage = field(default_factory=PipelineStage)
     methods: LinearMethods | None = None  # None: LinearMethods(placement)
 
     @property

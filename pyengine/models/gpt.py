@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import (
@@ -112,41 +113,70 @@ _GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # store
 
 
 class LearnedPositionDecoder(nn.Module):
+    intermediate_names = ("hidden",)
+
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None):
         super().__init__()
         ctx = ctx or LayerContext()
         self.config = config
         self.placement = ctx.placement
         c = config
-        self.embed_tokens = VocabParallelEmbedding(c.vocab_size, c.hidden_size, ctx)
-        self.embed_positions = _parameter(
-            c.max_position_embeddings + c.position_offset, c.hidden_size
+        # A pipeline stage holds its layers only (placeholders for the others): the
+        # first the embeddings, the last the final norm and the head.
+        self.stage = ctx.pp
+        self.start_layer, self.end_layer = self.stage.layer_range(c.num_layers)
+        first, last = self.stage.is_first, self.stage.is_last
+        self.embed_tokens = (
+            VocabParallelEmbedding(c.vocab_size, c.hidden_size, ctx) if first else None
         )
-        self.layers = nn.ModuleList([_Layer(c, ctx, f"layers.{i}") for i in range(c.num_layers)])
+        self.embed_positions = (
+            _parameter(c.max_position_embeddings + c.position_offset, c.hidden_size)
+            if first
+            else None
+        )
+        self.layers = nn.ModuleList(
+            [
+                _Layer(c, ctx, f"layers.{i}")
+                if self.start_layer <= i < self.end_layer
+                else nn.Identity()
+                for i in range(c.num_layers)
+            ]
+        )
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
-        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before else None
+        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before and last else None
         tied = c.tie_word_embeddings
-        self.lm_head = ParallelLMHead(
-            c.vocab_size, c.hidden_size, ctx, ["embed_tokens" if tied else "lm_head"],
-            tied_to=self.embed_tokens if tied else None,
-        )  # fmt: skip
+        self.lm_head = (
+            ParallelLMHead(
+                c.vocab_size, c.hidden_size, ctx, ["embed_tokens" if tied else "lm_head"],
+                tied_to=self.embed_tokens if tied else None,
+            )  # fmt: skip
+            if last
+            else None
+        )
         self.num_parameters = 0
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        caches: list[KVCache],
+        caches: list[KVCache],  # of this stage's layers
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        h: torch.Tensor = self.embed_tokens(input_ids) + F.embedding(
-            positions + self.config.position_offset, self.embed_positions
-        )
-        for layer, cache in zip(self.layers, caches, strict=True):
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        if intermediate is None:
+            assert self.embed_tokens is not None and self.embed_positions is not None
+            h: torch.Tensor = self.embed_tokens(input_ids) + F.embedding(
+                positions + self.config.position_offset, self.embed_positions
+            )
+        else:
+            h = intermediate["hidden"]
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, cache in zip(layers, caches, strict=True):
             h = layer(h, cache, meta)
-        return h
+        return h if self.stage.is_last else {"hidden": h}
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.lm_head is not None, "the last stage's"
         if self.final_norm is not None:
             hidden = self.final_norm(hidden)
         logits: torch.Tensor = self.lm_head(hidden)
@@ -167,18 +197,23 @@ class LearnedPositionDecoder(nn.Module):
 
     def _router(self) -> WeightRouter:
         """Routes by internal names (_normalize maps the checkpoint's to them)."""
-        router = WeightRouter(self.config.num_layers, "layers.")
-        router.vocab("embed_tokens.weight", self.embed_tokens)
-        if self.config.tie_word_embeddings:
+        layer_range = (self.start_layer, self.end_layer)
+        router = WeightRouter(self.config.num_layers, "layers.", layer_range)
+        tied = self.config.tie_word_embeddings
+        if self.embed_tokens is not None and self.embed_positions is not None:
+            router.vocab("embed_tokens.weight", self.embed_tokens)
+            router.plain("embed_positions.weight", self.embed_positions)
+        if self.lm_head is not None and not (tied and self.embed_tokens is not None):
+            # Untied, or a tied head on a stage without the embeddings: it loads them.
+            router.vocab("embed_tokens.weight" if tied else "lm_head.weight", self.lm_head)
+        if tied:
             router.ignore("lm_head.weight")
-        else:
-            router.vocab("lm_head.weight", self.lm_head)
-        router.plain("embed_positions.weight", self.embed_positions)
         if self.final_norm is not None:
             router.plain("final_norm.weight", self.final_norm.weight)
             router.plain("final_norm.bias", self.final_norm.bias)
         opt = self.config.architecture == "OPTForCausalLM"
-        for i, layer in enumerate(self.layers):
+        for i in range(self.start_layer, self.end_layer):
+            layer = self.layers[i]
             assert isinstance(layer, _Layer)
             p = f"layers.{i}"
             for norm in ("norm1", "norm2"):

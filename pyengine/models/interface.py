@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import LayerContext
@@ -21,6 +22,11 @@ class CausalLM(Protocol):
 
     config: ModelConfig
     num_parameters: int  # set once the weights are in (a tied head counted once)
+    # [start, end) of the layers this pipeline stage holds (all of them with one stage)
+    start_layer: int
+    end_layer: int
+    # What a stage hands the next (IntermediateTensors' names)
+    intermediate_names: tuple[str, ...]
 
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext) -> None: ...
 
@@ -28,15 +34,17 @@ class CausalLM(Protocol):
         self,
         input_ids: torch.Tensor,  # int [num_tokens]
         positions: torch.Tensor,  # int [num_tokens]
-        caches: list[KVCache],  # per layer
+        caches: list[KVCache],  # per layer of this stage
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+        intermediate: IntermediateTensors | None = None,  # from the previous stage
+    ) -> torch.Tensor | IntermediateTensors:
         """Final hidden states [num_tokens, hidden_size] (before the final norm where
-        compute_logits applies it)."""
+        compute_logits applies it); before the last stage, what the next one takes."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab_size] of hidden states [rows, hidden_size]."""
+        """Logits [rows, vocab_size] of hidden states [rows, hidden_size] (the last
+        stage's)."""
         ...
 
     def load_weights(

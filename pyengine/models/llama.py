@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.layernorm import RMSNorm
@@ -111,6 +112,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    intermediate_names = ("hidden", "residual")
+
     def __init__(
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
@@ -118,6 +121,7 @@ class LlamaForCausalLM(nn.Module):
         ctx = ctx or LayerContext()
         self.config = config
         self.placement = ctx.placement
+        self.stage = ctx.pp
         rotary = RotaryEmbedding(
             config.head_size,
             max_positions,
@@ -125,37 +129,62 @@ class LlamaForCausalLM(nn.Module):
             config.rope_scaling,
             self.placement.device,
         )
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+        # A pipeline stage holds its layers only: the first the embedding, the last the
+        # final norm and the head (other layers are placeholders, so indices stay).
+        self.start_layer, self.end_layer = self.stage.layer_range(config.num_layers)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+            if self.stage.is_first
+            else None
+        )
         self.layers = nn.ModuleList(
             [
                 DecoderLayer(config, rotary, ctx, f"model.layers.{i}")
+                if self.start_layer <= i < self.end_layer
+                else nn.Identity()
                 for i in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.norm_eps) if self.stage.is_last else None
         tied = config.tie_word_embeddings
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, ctx,
-            ["model.embed_tokens.weight" if tied else "lm_head.weight"],
-            tied_to=self.embed_tokens if tied else None,
-        )  # fmt: skip
+        self.lm_head = (
+            ParallelLMHead(
+                config.vocab_size, config.hidden_size, ctx,
+                ["model.embed_tokens.weight" if tied else "lm_head.weight"],
+                tied_to=self.embed_tokens if tied else None,
+            )  # fmt: skip
+            if self.stage.is_last
+            else None
+        )
         self.num_parameters = 0
 
     def forward(
         self,
         input_ids: torch.Tensor,  # int [num_tokens]
         positions: torch.Tensor,  # int [num_tokens]
-        caches: list[KVCache],
+        caches: list[KVCache],  # of this stage's layers
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden] before the final norm."""
-        h: torch.Tensor = self.embed_tokens(input_ids)
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [num_tokens, hidden] before the final norm; before the last
+        pipeline stage, the hidden states and the residual stream for the next stage
+        (which passes them as `intermediate`)."""
         residual: torch.Tensor | None = None
-        for layer, cache in zip(self.layers, caches, strict=True):
+        if intermediate is None:
+            assert self.embed_tokens is not None, "only the first stage embeds tokens"
+            h: torch.Tensor = self.embed_tokens(input_ids)
+        else:
+            h, residual = intermediate["hidden"], intermediate["residual"]
+        layers = self.layers[self.start_layer : self.end_layer]
+        for layer, cache in zip(layers, caches, strict=True):
             h, residual = layer(h, residual, positions, cache, meta)
-        return h if residual is None else residual + h
+        assert residual is not None  # every stage has a layer
+        if not self.stage.is_last:
+            return {"hidden": h, "residual": residual}
+        return residual + h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        assert self.norm is not None and self.lm_head is not None, "the last stage's"
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits
 
@@ -178,15 +207,23 @@ class LlamaForCausalLM(nn.Module):
 
     def _router(self) -> WeightRouter:
         c = self.config
-        router = WeightRouter(c.num_layers, "model.layers.")
-        router.vocab("model.embed_tokens.weight", self.embed_tokens)
+        router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
+        embed, head = "model.embed_tokens.weight", "lm_head.weight"
+        if self.embed_tokens is not None:
+            router.vocab(embed, self.embed_tokens)
+        if self.lm_head is not None:
+            if not c.tie_word_embeddings:
+                router.vocab(head, self.lm_head)
+            elif self.embed_tokens is not None:
+                router.tied_head(embed, self.lm_head)
+            else:  # the last stage's tied head loads the embeddings itself
+                router.vocab(embed, self.lm_head)
         if c.tie_word_embeddings:
-            router.tied_head("model.embed_tokens.weight", self.lm_head)
-            router.ignore("lm_head.weight")
-        else:
-            router.vocab("lm_head.weight", self.lm_head)
-        router.plain("model.norm.weight", self.norm.weight)
-        for i, layer in enumerate(self.layers):
+            router.ignore(head)
+        if self.norm is not None:
+            router.plain("model.norm.weight", self.norm.weight)
+        for i in range(self.start_layer, self.end_layer):
+            layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)
             p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
             kinds = ("weight", "bias") if c.attention_bias else ("weight",)

@@ -33,8 +33,13 @@ class _Route:
 
 
 class WeightRouter:
-    def __init__(self, num_layers: int, layer_prefix: str) -> None:
+    def __init__(
+        self, num_layers: int, layer_prefix: str, layer_range: tuple[int, int] | None = None
+    ) -> None:
+        """`layer_range`: [start, end) of the layers this pipeline stage holds; the
+        checkpoint's other layers are skipped (the other stages load them)."""
         self.num_layers, self.layer_prefix = num_layers, layer_prefix
+        self.layer_range = layer_range or (0, num_layers)
         self._routes: dict[str, _Route] = {}
         self._ignored: set[str] = set()
         self._linear_modules: set[str] = set()  # checkpoint modules of linear layers
@@ -116,6 +121,8 @@ class WeightRouter:
                 f"weight {name}: the model has no such tensor (the model has layers 0 to "
                 f"{self.num_layers - 1}: num_layers)"
             )
+        if not self.layer_range[0] <= int(index) < self.layer_range[1]:
+            return  # another pipeline stage's
         if key.rpartition(".")[0] in self._linear_modules:
             raise ValueError(
                 f"weight {name}: this model has no such tensor (a bias the config does not "

@@ -10,7 +10,7 @@ import torch
 
 from pyengine import _C, ops
 from pyengine.config import EngineConfig
-from pyengine.distributed import TensorParallelGroup
+from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.placement import Placement
@@ -37,8 +37,16 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
 
 
 class ModelRunner:
+    """Built in two steps: __init__ makes the model and measures how many KV blocks its
+    memory holds (num_blocks); initialize_cache allocates the number the executor
+    settles on (the least over the ranks), split between the virtual engines."""
+
     def __init__(
-        self, loaded: LoadedModel, config: EngineConfig, tp: TensorParallelGroup | None = None
+        self,
+        loaded: LoadedModel,
+        config: EngineConfig,
+        tp: TensorParallelGroup | None = None,
+        pp: PipelineStage | None = None,
     ) -> None:
         c = loaded.config
         head_sizes = _C.attention_head_sizes()
@@ -50,10 +58,13 @@ class ModelRunner:
         self.placement = Placement(torch.device(config.device), getattr(torch, config.dtype))
         self.block_size = config.block_size
         self.tp = tp or TensorParallelGroup()
-        # This rank's share of the kv heads: its attention layers hold only those.
+        self.pp = pp or PipelineStage()
+        # This rank's share of the kv heads and of the layers: its cache holds only those.
         _, self.num_kv_heads = self.tp.kv_head_shard(c.num_kv_heads)
+        start, end = self.pp.layer_range(c.num_layers)
+        self.num_layers = end - start
         tile = self.num_kv_heads * c.head_size * config.block_size  # per layer and block
-        self.block_numel = 2 * c.num_layers * tile  # K and V of every layer
+        self.block_numel = 2 * self.num_layers * tile  # K and V of every layer
         self.cache_dtype = getattr(torch, config.cache_dtype)
         self.block_bytes = self.block_numel * (torch.finfo(self.cache_dtype).bits // 8)
         min_blocks = -(-config.max_model_len // config.block_size)
@@ -67,8 +78,10 @@ class ModelRunner:
                 f"{min_blocks * self.block_bytes} bytes, or lower max_model_len)"
             )
         self.model = build_model(
-            loaded, config.max_model_len, config.seed, LayerContext(self.placement, self.tp)
-        )
+            loaded, config.max_model_len, config.seed,
+            LayerContext(self.placement, self.tp, self.pp),
+        )  # fmt: skip
+        self.min_blocks = min_blocks
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None
         self.capture_sizes: list[int] = []
@@ -78,7 +91,9 @@ class ModelRunner:
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
                 min_blocks,
             )  # fmt: skip
-            self.capture_sizes = [] if config.enforce_eager else capture_sizes(config.max_num_seqs)
+            # Captured for one rank alone: collectives and stage transfers run eagerly.
+            eager = config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
+            self.capture_sizes = [] if eager else capture_sizes(config.max_num_seqs)
         self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
         self.num_blocks = kv_bytes // self.block_bytes
@@ -91,9 +106,34 @@ class ModelRunner:
                 "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or "
                 "max_num_seqs)"
             )
-        self.caches = self._allocate_caches(self.num_blocks)
+        self.caches_by_engine: list[list[KVCache]] = []
+        self.graphs: DecodeGraphs | None = None
+
+    @property
+    def caches(self) -> list[KVCache]:
+        """The KV cache of the first virtual engine (of the only one without a pipeline)."""
+        return self.caches_by_engine[0]
+
+    def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
+        """Allocates `num_blocks` blocks (at most num_blocks), an equal range of them for
+        each virtual engine, then captures the CUDA graphs in what the budget left."""
+        if not 1 <= num_blocks <= self.num_blocks:
+            raise ValueError(f"{num_blocks} KV blocks asked for; this rank holds {self.num_blocks}")
+        per_engine = num_blocks // num_virtual_engines
+        if per_engine < self.min_blocks:
+            raise ValueError(
+                f"{num_blocks} KV blocks shared by {num_virtual_engines} pipeline steps in "
+                f"flight leave {per_engine} each, and one max_model_len request needs "
+                f"{self.min_blocks} (more KV cache memory, or a lower max_model_len)"
+            )
+        self.num_blocks = num_blocks
+        pool = self._allocate_caches(num_blocks)
+        self.caches_by_engine = [
+            [(k[i * per_engine : (i + 1) * per_engine], v[i * per_engine : (i + 1) * per_engine])
+             for k, v in pool]
+            for i in range(num_virtual_engines)
+        ]  # fmt: skip
         # Captured after the KV cache takes its budget, which left room for them.
-        self.graphs = None
         if self.inputs is not None and self.capture_sizes:
             self.graphs = DecodeGraphs(
                 self.model, self.caches, self.inputs, self.capture_sizes, self.split_context
@@ -111,14 +151,14 @@ class ModelRunner:
         pool = allocate_kv_pool(
             num_blocks * self.block_numel, self.cache_dtype, self.placement.device
         )
-        halves = pool.view(c.num_layers, 2, -1)
+        halves = pool.view(self.num_layers, 2, -1)
         shape = (num_blocks, self.num_kv_heads)
         return [
             (
                 halves[i, 0].view(*shape, c.head_size, self.block_size),
                 halves[i, 1].view(*shape, self.block_size, c.head_size),
             )
-            for i in range(c.num_layers)
+            for i in range(self.num_layers)
         ]
 
     @torch.inference_mode()
@@ -158,11 +198,12 @@ class ModelRunner:
         )
         positions = torch.from_numpy(np.concatenate([np.arange(n) for n in lengths])).to(device)
         input_ids = torch.zeros(tokens, dtype=torch.long, device=device)
-        hidden = self.model(input_ids, positions, caches, meta)
-        logits = self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
-        # The sampler's float32 copies of a whole batch of logits are in the peak too.
-        Sampler(0, device)(logits, heaviest_rows(len(logits), config.max_logprobs))
-        del logits
+        hidden = self.model(input_ids, positions, caches, meta, self._zero_intermediate(tokens))
+        if isinstance(hidden, torch.Tensor):  # the last stage: logits and the sampler
+            logits = self.model.compute_logits(hidden[-min(tokens, config.max_num_seqs) :])
+            # The sampler's float32 copies of a whole batch of logits are in the peak too.
+            Sampler(0, device)(logits, heaviest_rows(len(logits), config.max_logprobs))
+            del logits
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device) - blocks * self.block_bytes
         del hidden
@@ -189,16 +230,27 @@ class ModelRunner:
         del probe, hidden
         return device_bytes + outputs
 
+    def _zero_intermediate(self, tokens: int) -> IntermediateTensors | None:
+        """What a stage after the first takes, as zeros (the memory profile's input)."""
+        if self.pp.is_first:
+            return None
+        shape = (tokens, self.model.config.hidden_size)
+        device, dtype = self.placement.device, self.placement.dtype
+        return {n: torch.zeros(shape, dtype=dtype, device=device)
+                for n in self.model.intermediate_names}  # fmt: skip
+
     @torch.inference_mode()
     def execute(
         self, b: SchedulerOutput, extra_rows: list[int] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Logits [num_sampling_rows, vocab] of the step in `b`, and the final hidden
         states of `extra_rows` (token rows of the step; prompt logprobs, for `logits`
-        to score a slice at a time), both on the model's device."""
+        to score a slice at a time), both on the model's device. A stage before the
+        last sends its output on and returns (None, None)."""
+        caches = self.caches_by_engine[b.virtual_engine]
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
-            ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
+            ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
         graph = None
         if self.graphs is not None and not extra_rows:
             graph = self.graphs.size_for(b)
@@ -215,7 +267,16 @@ class ModelRunner:
             max_seq_len=int(b.seq_lens.max()) if len(b.seq_lens) else 0,
             max_query_len=int(np.diff(b.query_start_loc).max()) if len(b.seq_lens) else 0,
         )
-        hidden = self.model(step.input_ids, step.positions, self.caches, meta)
+        intermediate = None
+        if not self.pp.is_first:
+            shape = (len(b.input_ids), self.model.config.hidden_size)
+            intermediate = self.pp.recv(
+                self.model.intermediate_names, shape, self.placement.dtype, self.placement.device
+            )
+        hidden = self.model(step.input_ids, step.positions, caches, meta, intermediate)
+        if not isinstance(hidden, torch.Tensor):
+            self.pp.send(hidden)
+            return None, None
         extra = hidden[self._on_device(extra_rows)] if extra_rows else None
         # On the model's device: a batch of plain greedy rows sends back only its argmax.
         return self.model.compute_logits(hidden[step.logits_indices.long()]), extra

@@ -53,6 +53,9 @@ class SchedulerOutput:
     prompt_logprob_rows: list[PromptLogprobRow]
     # Rows finished since the last step: workers drop what they keep for them.
     finished_row_ids: list[str]
+    # Whose scheduler planned it, and so whose range of KV blocks it reads: with a
+    # pipeline, each of the steps in flight has its own (vLLM's virtual engines).
+    virtual_engine: int
 
 
 @dataclass(frozen=True)

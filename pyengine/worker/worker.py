@@ -1,13 +1,15 @@
-"""A worker: one device, its place in the tensor-parallel group, the model runner (the
-model and its shard of the KV cache) and the sampler. It runs a step from a
-SchedulerOutput and returns the sampled tokens; it knows nothing of requests' text."""
+"""A worker: one device, its place in the tensor-parallel group and the pipeline, the
+model runner (the model's shard and its shard of the KV cache) and the sampler. It runs
+a step from a SchedulerOutput and returns the sampled tokens; it knows nothing of
+requests' text. Of the ranks, one returns the tokens: tensor-parallel rank 0 of the
+last stage (the output rank); the others return None."""
 
 from __future__ import annotations
 
 import torch
 
 from pyengine.config import EngineConfig
-from pyengine.distributed import TensorParallelGroup
+from pyengine.distributed import PipelineStage, TensorParallelGroup
 from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
@@ -27,18 +29,25 @@ class Worker:
         loaded: LoadedModel,
         config: EngineConfig,
         tp: TensorParallelGroup | None = None,
+        pp: PipelineStage | None = None,
     ) -> None:
         self.config = config
         self.tp = tp or TensorParallelGroup()
-        self.model_runner = ModelRunner(loaded, config, self.tp)
+        self.pp = pp or PipelineStage()
+        self.is_output_rank = self.pp.is_last and self.tp.rank == 0
+        self.model_runner = ModelRunner(loaded, config, self.tp, self.pp)
         self.sampler = Sampler(config.seed, config.device)
         # Seeded rows' generators, by row id, for as long as the row runs.
         self._generators: dict[str, torch.Generator] = {}
 
     @property
     def num_blocks(self) -> int:
-        """KV-cache blocks this worker's memory holds."""
+        """KV-cache blocks this worker's memory holds (then, once initialize_cache ran,
+        those it allocated)."""
         return self.model_runner.num_blocks
+
+    def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
+        self.model_runner.initialize_cache(num_blocks, num_virtual_engines)
 
     def shutdown(self) -> None:
         """Frees the model, the KV cache and the CUDA graphs; the worker runs no more
@@ -49,12 +58,17 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+        """The step's tokens on the output rank; None on the others."""
         for row_id in step.finished_row_ids:
             self._generators.pop(row_id, None)
         scored_rows = [r.row for r in step.prompt_logprob_rows]
         logits, hidden = self.model_runner.execute(step, scored_rows)
+        if logits is None:  # a stage before the last: its output went on
+            return None
         prompt_logprobs = [] if hidden is None else self._score_prompts(step, hidden)
+        if not self.is_output_rank:  # the logits' collectives ran; the tokens are rank 0's
+            return None
         if step.sampling is None:
             sampled = self.sampler.argmax(logits)
         else:
