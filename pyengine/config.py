@@ -112,6 +112,64 @@ def kv_cache_dtype_supported(kv_cache_dtype: str, dtype: str, device: str) -> bo
     )
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How the model is split: tensor_parallel_size ranks per pipeline stage, and the
+    executor whose workers run the ranks ("uni": this process, one rank; "mp": a process
+    per rank on this machine; "ray": Ray actors across a cluster's nodes)."""
+
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    distributed_executor_backend: str
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                f"got {backend!r}"
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank; {self.world_size} "
+                "(tensor_parallel_size x pipeline_parallel_size) need 'mp' or 'ray'"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def check_model(self, c: ModelConfig) -> None:
+        """ValueError, at start, where the model does not split this way (as vLLM)."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        if c.num_heads % tp:
+            raise ValueError(
+                f"the model's {c.num_heads} attention heads are not divisible by "
+                f"tensor_parallel_size {tp}"
+            )
+        if c.num_kv_heads % tp and tp % c.num_kv_heads:
+            raise ValueError(
+                f"tensor_parallel_size {tp} must divide, or be a multiple of, the model's "
+                f"{c.num_kv_heads} key/value heads"
+            )
+        if c.intermediate_size % tp:
+            raise ValueError(
+                f"the model's intermediate_size {c.intermediate_size} is not divisible by "
+                f"tensor_parallel_size {tp}"
+            )
+        if c.num_layers < pp:
+            raise ValueError(
+                f"pipeline_parallel_size {pp} exceeds the model's {c.num_layers} layers"
+            )
+
+
 @dataclass
 class EngineConfig:
     """The engine's limits, resolved: EngineArgs (which holds every default) makes it."""
@@ -130,6 +188,7 @@ class EngineConfig:
     gpu_memory_utilization: float  # on CUDA: the share of the device's memory to use
     enforce_eager: bool  # on CUDA: no CUDA graphs for decode steps
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for
+    parallel: ParallelConfig
 
     @property
     def cache_dtype(self) -> str:

@@ -7,7 +7,12 @@ from dataclasses import dataclass
 import torch
 
 from pyengine import built_with_cuda
-from pyengine.config import EngineConfig, default_kv_cache_memory, kv_cache_dtype_supported
+from pyengine.config import (
+    EngineConfig,
+    ParallelConfig,
+    default_kv_cache_memory,
+    kv_cache_dtype_supported,
+)
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
@@ -34,6 +39,12 @@ class EngineArgs:
     load_format: str = "auto"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
+    # Ranks per pipeline stage, and stages; their product is the number of workers.
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "uni", "mp" or "ray"; None: "uni" for one rank, else "mp" (a process per rank).
+    distributed_executor_backend: str | None = None
+
     enforce_eager: bool = False  # on CUDA: run decode steps eagerly, not as CUDA graphs
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
@@ -43,10 +54,14 @@ class EngineArgs:
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        parallel = self.parallel_config()
         packs_weights = Placement(torch.device(device), getattr(torch, dtype)).packs_weights
+        # With workers of their own, each reads its shards itself: here the config only.
         loaded = load_model(
-            self.model, self.tokenizer, self.load_format, keep_block_quantized=packs_weights
-        )
+            self.model, self.tokenizer, self.load_format, keep_block_quantized=packs_weights,
+            read_weights=parallel.distributed_executor_backend == "uni",
+        )  # fmt: skip
+        parallel.check_model(loaded.config)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -76,8 +91,14 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
+            parallel=parallel,
         )
         return LLMEngine(loaded, config)
+
+    def parallel_config(self) -> ParallelConfig:
+        world = self.tensor_parallel_size * self.pipeline_parallel_size
+        backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
+        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
 
 
 def resolve_device(device: str) -> str:

@@ -10,7 +10,7 @@ from pyengine.engine.core import EngineCore
 from pyengine.engine.input_processor import InputProcessor
 from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.stats import EngineStats
-from pyengine.executor import Executor, UniProcExecutor
+from pyengine.executor import Executor, create_executor
 from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
@@ -24,7 +24,7 @@ class LLMEngine:
         self.config = config
         self.model_config = loaded.config
         self.tokenizer: PyengineTokenizer | None = loaded.tokenizer
-        self.executor = executor or UniProcExecutor(loaded, config)
+        self.executor = executor or create_executor(loaded, config)
         self.input_processor = InputProcessor(loaded.config, config, self.tokenizer)
         self.core = EngineCore(config, self.executor)
         eos = loaded.config.eos_token_ids
@@ -83,6 +83,10 @@ class LLMEngine:
         outputs = self.output_processor.process(out, finished_only)
         self.core.finish_rows(self.output_processor.take_stopped_rows(), "stop")
         return outputs
+
+    def shutdown(self) -> None:
+        """Ends the workers (their processes, where they have their own)."""
+        self.executor.shutdown()
 
     def discard_finished(self) -> None:
         self.output_processor.collect([])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -12,6 +13,7 @@ import torch
 from pyengine.config import ModelConfig
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFError, GGUFFile
+from pyengine.loader.lazy_weights import LazyWeights
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -113,18 +115,21 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
     return np.ascontiguousarray(halves).reshape(w.shape)
 
 
-def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Every tensor as float32, under its Hugging Face name."""
-    weights: dict[str, torch.Tensor] = {}
+def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyWeights:
+    """Every tensor as float32, under its Hugging Face name, dequantized when read."""
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
     for name in g.tensors:
         hf_name, rope_heads = _hf_name(g, name, config)
-        if hf_name is None:
-            continue
-        array = g.tensor(name)
-        if rope_heads:
-            array = _unpermute_rope(array, rope_heads)
-        weights[hf_name] = torch.from_numpy(np.ascontiguousarray(array))
-    return weights
+        if hf_name is not None:
+            readers[hf_name] = functools.partial(_read_tensor, g, name, rope_heads)
+    return LazyWeights(readers)
+
+
+def _read_tensor(g: GGUFFile, name: str, rope_heads: int) -> torch.Tensor:
+    array = g.tensor(name)
+    if rope_heads:
+        array = _unpermute_rope(array, rope_heads)
+    return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, BlockQuantized]:

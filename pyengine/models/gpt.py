@@ -188,14 +188,14 @@ class LearnedPositionDecoder(nn.Module):
         block_quantized: Mapping[str, BlockQuantized] | None = None,
     ) -> None:
         with torch.no_grad():
-            self._router().load(weights, block_quantized or {}, self._normalize)
+            self.weight_router().load(weights, block_quantized or {}, self._normalize)
         self.prepare_for_inference()
 
     def prepare_for_inference(self) -> None:
         """After the weights are in: each linear layer's method prepares its weight."""
         self.num_parameters = process_weights_after_loading(self, self.placement)
 
-    def _router(self) -> WeightRouter:
+    def weight_router(self) -> WeightRouter:
         """Routes by internal names (_normalize maps the checkpoint's to them)."""
         layer_range = (self.start_layer, self.end_layer)
         router = WeightRouter(self.config.num_layers, "layers.", layer_range)

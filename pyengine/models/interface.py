@@ -13,6 +13,7 @@ from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import LayerContext
+from pyengine.models.weights import WeightRouter
 
 
 class CausalLM(Protocol):
@@ -55,6 +56,10 @@ class CausalLM(Protocol):
         """Copies a checkpoint's Hugging Face-named tensors in (block forms by the same
         names), then prepares every layer; ValueError naming a tensor the model has no
         place for, or what the checkpoint lacks."""
+        ...
+
+    def weight_router(self) -> WeightRouter:
+        """Where each checkpoint tensor (by the names the router takes) goes."""
         ...
 
     def prepare_for_inference(self) -> None:

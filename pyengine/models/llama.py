@@ -196,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         """Copies Hugging Face-named tensors in (each layer narrows them to its shard),
         q/k/v and gate/up into their fused layers; `block_quantized`: the block form of
         some of them (GGUF's), kept by the layers whose method multiplies from it."""
-        router = self._router()
+        router = self.weight_router()
         with torch.no_grad():
             router.load(weights, block_quantized or {})
         self.prepare_for_inference()
@@ -205,7 +205,7 @@ class LlamaForCausalLM(nn.Module):
         """After the weights are in: each linear layer's method prepares its weight."""
         self.num_parameters = process_weights_after_loading(self, self.placement)
 
-    def _router(self) -> WeightRouter:
+    def weight_router(self) -> WeightRouter:
         c = self.config
         router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
         embed, head = "model.embed_tokens.weight", "lm_head.weight"

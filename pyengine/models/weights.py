@@ -30,6 +30,7 @@ Normalize = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
 class _Route:
     load: Callable[[torch.Tensor], None] | None  # None: only a block form goes somewhere
     blocks: Callable[[BlockQuantized], None] | None = None
+    shape: tuple[int, ...] = ()  # of the whole checkpoint tensor (every rank's shards)
 
 
 class WeightRouter:
@@ -54,18 +55,26 @@ class WeightRouter:
         """Part `part` of `layer`'s weight or bias (kind)."""
         self._linear_modules.add(name.rpartition(".")[0])
         blocks = None if kind != "weight" else lambda b: layer.load_part_blocks(b, part)
-        self._routes[name] = _Route(lambda t: layer.weight_loader(name, kind, t, part), blocks)
+        rows = layer.output_sizes[part] if isinstance(layer, ColumnParallelLinear) else None
+        shape = _linear_shape(rows or layer.output_size, layer.input_size, kind)
+        self._routes[name] = _Route(
+            lambda t: layer.weight_loader(name, kind, t, part), blocks, shape
+        )
 
     def fused_qkv(self, name: str, layer: QKVParallelLinear, kind: str) -> None:
         """q, k and v in one checkpoint tensor."""
         self._linear_modules.add(name.rpartition(".")[0])
-        self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t))
+        shape = _linear_shape(sum(layer.output_sizes), layer.input_size, kind)
+        self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t), shape=shape)
 
     def vocab(self, name: str, module: VocabParallelEmbedding | ParallelLMHead) -> None:
         blocks = None
         if isinstance(module, ParallelLMHead):
             blocks = lambda b: _head_blocks(module, b)  # noqa: E731
-        self._routes[name] = _Route(lambda t: module.weight_loader(name, t), blocks)
+            shape = (module.vocab_size, module.input_size)
+        else:
+            shape = (module.vocab_size, module.embedding_size)
+        self._routes[name] = _Route(lambda t: module.weight_loader(name, t), blocks, shape)
 
     def tied_head(self, name: str, head: ParallelLMHead) -> None:
         """A head that multiplies by the embeddings `name` loads: their block form is its."""
@@ -78,7 +87,11 @@ class WeightRouter:
         def load(tensor: torch.Tensor) -> None:
             copy_checked(name, parameter.data, tensor)
 
-        self._routes[name] = _Route(load)
+        self._routes[name] = _Route(load, shape=tuple(parameter.shape))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """The whole shape of every checkpoint tensor the model loads (on this stage)."""
+        return {name: route.shape for name, route in self._routes.items() if route.load}
 
     def ignore(self, name: str) -> None:
         self._ignored.add(name)
@@ -128,6 +141,10 @@ class WeightRouter:
                 f"weight {name}: this model has no such tensor (a bias the config does not "
                 "declare, or a quantized checkpoint's scale)"
             )
+
+
+def _linear_shape(rows: int, columns: int, kind: str) -> tuple[int, ...]:
+    return (rows, columns) if kind == "weight" else (rows,)
 
 
 def _head_blocks(head: ParallelLMHead, blocks: BlockQuantized) -> None:

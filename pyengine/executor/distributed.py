@@ -1,0 +1,180 @@
+"""What the executors with a worker per rank share: starting the ranks, settling the KV
+cache on the least any rank holds, running steps (several in flight with a pipeline),
+telling the engine which rank failed, and failing fast once one is gone.
+
+A subclass moves the commands: `_send` one to every rank, `_receive` every rank's
+answer to the oldest command still unanswered, `_kill` the ranks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from abc import abstractmethod
+from typing import Any
+
+from pyengine.config import EngineConfig
+from pyengine.executor.abstract import Executor, ExecutorDeadError
+from pyengine.executor.worker_process import WorkerSpec
+from pyengine.loader.resolve import LoadedModel
+from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger("pyengine")
+
+Reply = tuple[str, Any]  # ("ok", result) or ("error", text)
+
+
+def step_timeout_s() -> float:
+    """Seconds a rank may take to answer a step before it counts as gone:
+    PYENGINE_STEP_TIMEOUT_S, default 600 (a long prefill on a CPU takes seconds)."""
+    value = os.environ.get("PYENGINE_STEP_TIMEOUT_S", "600")
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise ValueError(f"PYENGINE_STEP_TIMEOUT_S must be a number, got {value!r}") from None
+    if seconds <= 0:
+        raise ValueError(f"PYENGINE_STEP_TIMEOUT_S must be positive, got {value!r}")
+    return seconds
+
+
+class DistributedExecutor(Executor):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        parallel = config.parallel
+        parallel.check_model(loaded.config)
+        if loaded.spec is None:
+            raise ValueError("a distributed executor needs a model its workers can load")
+        self.config = config
+        self.world_size = parallel.world_size
+        self.max_steps_in_flight = parallel.pipeline_parallel_size
+        # The output rank: tensor-parallel rank 0 of the last stage.
+        self.output_rank = self.world_size - parallel.tensor_parallel_size
+        self.timeout_s = step_timeout_s()
+        self._dead: str | None = None
+        self._in_flight = 0
+        self._closed = False
+        spec = WorkerSpec(loaded.spec, config, self._init_method(), self.timeout_s)
+        try:
+            descriptions = self._start(spec)
+            self.ranks = sorted(descriptions, key=lambda d: d["rank"])
+            self._num_blocks = min(d["num_blocks"] for d in self.ranks)
+            self._call(("init_cache", self._num_blocks, self.max_steps_in_flight))
+        except BaseException:
+            self._dead = self._dead or "a worker failed to start"
+            self.shutdown()
+            raise
+        self._log_ranks()
+
+    # -- what a transport provides -------------------------------------------------
+
+    @abstractmethod
+    def _init_method(self) -> str:
+        """The torch.distributed rendezvous address the ranks meet at."""
+
+    @abstractmethod
+    def _start(self, spec: WorkerSpec) -> list[dict[str, Any]]:
+        """Starts every rank; their describe() once all are ready (an error naming
+        the rank that failed otherwise)."""
+
+    @abstractmethod
+    def _send(self, command: tuple[Any, ...]) -> None: ...
+
+    @abstractmethod
+    def _receive(self, timeout_s: float) -> list[Reply]:
+        """Every rank's reply to the oldest unanswered command, in rank order;
+        ExecutorDeadError (via _die) where a rank is gone or does not answer in time."""
+
+    @abstractmethod
+    def _kill(self) -> None:
+        """Ends every rank now, and frees what the transport holds."""
+
+    @abstractmethod
+    def _stop(self) -> None:
+        """Asks every rank to end (after "shutdown"), ending those that do not."""
+
+    # -- the executor --------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def num_parameters(self) -> int:
+        """Over every rank's shard (what is replicated, norms, counted on each rank)."""
+        return sum(d["num_parameters"] for d in self.ranks)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._dead is None and not self._closed
+
+    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(step)
+        return self.collect()
+
+    def submit(self, step: SchedulerOutput) -> None:
+        self._check_alive()
+        self._send(("execute", step))
+        self._in_flight += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        self._check_alive()
+        if not self._in_flight:
+            raise RuntimeError("collect() without a step in flight")
+        self._in_flight -= 1
+        out = self._answers(self._receive(self.timeout_s))[self.output_rank]
+        assert isinstance(out, ModelRunnerOutput)
+        return out
+
+    def collective_rpc(self, command: tuple[Any, ...]) -> list[Any]:
+        """Every rank's result of `command` (between steps: none may be in flight)."""
+        if self._in_flight:
+            raise RuntimeError("collective_rpc with steps in flight")
+        return self._call(command)
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._dead is None:
+                self._stop()
+        finally:
+            self._kill()
+
+    # -- helpers -------------------------------------------------------------------
+
+    def _call(self, command: tuple[Any, ...]) -> list[Any]:
+        self._check_alive()
+        self._send(command)
+        return self._answers(self._receive(self.timeout_s))
+
+    def _answers(self, replies: list[Reply]) -> list[Any]:
+        failed = [(rank, value) for rank, (kind, value) in enumerate(replies) if kind == "error"]
+        if failed:
+            rank, text = failed[0]
+            raise RuntimeError(f"worker rank {rank} failed: {text.strip().splitlines()[-1]}\n{text}")
+        return [value for _, value in replies]
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise ExecutorDeadError("the executor has been shut down")
+        if self._dead is not None:
+            raise ExecutorDeadError(self._dead)
+
+    def _die(self, reason: str) -> ExecutorDeadError:
+        """Marks the executor dead (every rank ended); the error to raise."""
+        if self._dead is None:
+            self._dead = reason
+            logger.error("distributed executor: %s; ending every worker", reason)
+            self._kill()
+        return ExecutorDeadError(reason)
+
+    def _log_ranks(self) -> None:
+        for d in self.ranks:
+            start, end = d["layers"]
+            logger.info(
+                "rank %d (pid %s): stage %d layers %d-%d, tensor-parallel rank %d with %d "
+                "kv heads; weights %.1f MiB, KV cache %d blocks (%.1f MiB)",
+                d["rank"], d["pid"], d["pp_rank"], start, end - 1, d["tp_rank"], d["kv_heads"],
+                d["weight_bytes"] / 2**20, self._num_blocks,
+                self._num_blocks * d["block_bytes"] / 2**20,
+            )  # fmt: skip

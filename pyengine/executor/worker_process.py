@@ -1,0 +1,156 @@
+"""The loop a worker process runs, for the `mp` executor (a process per rank on this
+machine) and the `ray` executor (an actor per rank, which runs the same commands).
+
+Commands reach every rank in the same order; each rank answers each command on its
+own channel: ("ok", result) or ("error", the traceback's text). The output rank's result
+of an "execute" is the step's ModelRunnerOutput, the others' None.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.synchronize import Semaphore
+from typing import Any
+
+import torch
+
+from pyengine.config import EngineConfig
+from pyengine.distributed.process_groups import destroy_process_groups, init_process_groups
+from pyengine.loader.resolve import LoadSpec, load_model
+from pyengine.worker.worker import Worker
+
+logger = logging.getLogger("pyengine")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank is started with."""
+
+    load: LoadSpec
+    config: EngineConfig
+    init_method: str  # of the torch.distributed rendezvous (tcp://host:port)
+    timeout_s: float  # of the collectives: a peer that never comes is an error
+
+
+class RankWorker:
+    """A rank's Worker in its group, and the commands it takes."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, local_rank: int) -> None:
+        config, parallel = spec.config, spec.config.parallel
+        device = config.device
+        if device.startswith("cuda"):
+            device = f"cuda:{local_rank}"  # a GPU per rank of this node
+            torch.cuda.set_device(device)
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        self.rank = rank
+        self.tp, self.pp = init_process_groups(
+            rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
+            backend, spec.init_method, spec.timeout_s,
+        )  # fmt: skip
+        load = spec.load
+        loaded = load_model(
+            load.model, None, load.load_format, load.keep_block_quantized, read_tokenizer=False
+        )
+        self.worker = Worker(loaded, replace(config, device=device), self.tp, self.pp)
+
+    def describe(self) -> dict[str, Any]:
+        """What the driver logs and plans with: this rank's layers, heads and memory."""
+        runner = self.worker.model_runner
+        model = runner.model
+        return {
+            "rank": self.rank,
+            "pid": os.getpid(),
+            "tp_rank": self.tp.rank,
+            "pp_rank": self.pp.rank,
+            "layers": (model.start_layer, model.end_layer),
+            "kv_heads": runner.num_kv_heads,
+            "num_blocks": runner.num_blocks,
+            "block_bytes": runner.block_bytes,
+            "num_parameters": model.num_parameters,
+            "weight_bytes": sum(
+                p.numel() * p.element_size() for p in {id(p): p for p in _tensors(model)}.values()
+            ),
+        }
+
+    def run(self, command: tuple[Any, ...]) -> Any:
+        kind = command[0]
+        if kind == "execute":
+            return self.worker.execute_model(command[1])
+        if kind == "init_cache":
+            self.worker.initialize_cache(command[1], command[2])
+            return None
+        if kind == "comm_stats":  # and reset them
+            stats = {"tp": self.tp.comm, "pp": self.pp.comm}
+            result = {k: (v.seconds, v.calls, v.bytes) for k, v in stats.items()}
+            for v in stats.values():
+                v.seconds, v.calls, v.bytes = 0.0, 0, 0
+            return result
+        if kind == "describe":
+            return self.describe()
+        raise ValueError(f"unknown worker command {kind!r}")
+
+    def close(self) -> None:
+        self.worker.shutdown()
+        destroy_process_groups()
+
+
+def _tensors(model: Any) -> list[torch.Tensor]:
+    """The model's parameters and buffers, and the forms its linear methods made."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        for attr in ("packed", "packed_split", "packed_blocks"):
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return tensors
+
+
+def error_text(error: BaseException) -> str:
+    return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+def run_worker_process(
+    spec: WorkerSpec,
+    rank: int,
+    broadcast: tuple[str, int, int, int],
+    wakeup: Semaphore,
+    pipe: Connection,
+    parent_pid: int,
+) -> None:
+    """A `mp` worker's process: joins the group, builds its rank, answers ("ready",
+    describe()) or ("error", text), then serves the broadcast's commands until
+    "shutdown", or until the driver is gone (its process ended: nothing is left
+    behind)."""
+    from pyengine.executor.shm_broadcast import ShmReader
+
+    def driver_alive() -> bool:
+        return os.getppid() == parent_pid
+
+    try:
+        worker = RankWorker(spec, rank, rank)
+    except BaseException as error:
+        pipe.send(("error", error_text(error)))
+        return
+    name, num_readers, num_slots, slot_bytes = broadcast
+    reader = ShmReader(name, rank, num_readers, num_slots, slot_bytes, wakeup, pipe)
+    pipe.send(("ready", worker.describe()))
+    try:
+        while True:
+            try:
+                command = reader.read(driver_alive)
+            except RuntimeError:
+                return  # the driver is gone
+            if command[0] == "shutdown":
+                return
+            try:
+                result = ("ok", worker.run(command))
+            except Exception as error:
+                result = ("error", error_text(error))
+            pipe.send(result)
+    finally:
+        reader.close()
+        worker.close()
