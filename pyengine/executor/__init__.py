@@ -20,5 +20,6 @@ def create_executor(loaded: LoadedModel, config: EngineConfig) -> Executor:
     if backend == "ray":
         from pyengine.executor.ray_distributed import RayDistributedExecutor
 
-        return RayDistributedExecutor(loaded, config)
+        ray_executor: Executor = RayDistributedExecutor(loaded, config)
+        return ray_executor
     return UniProcExecutor(loaded, config)

@@ -52,11 +52,11 @@ class DistributedExecutor(Executor):
         self._dead: str | None = None
         self._in_flight = 0
         self._closed = False
-        spec = WorkerSpec(loaded.spec, config, self._init_method(), self.timeout_s)
+        spec = WorkerSpec(loaded.spec, config, "", self.timeout_s)
         try:
             descriptions = self._start(spec)
             self.ranks = sorted(descriptions, key=lambda d: d["rank"])
-            self._num_blocks = min(d["num_blocks"] for d in self.ranks)
+            self._num_blocks = min(int(d["num_blocks"]) for d in self.ranks)
             self._call(("init_cache", self._num_blocks, self.max_steps_in_flight))
         except BaseException:
             self._dead = self._dead or "a worker failed to start"
@@ -67,13 +67,10 @@ class DistributedExecutor(Executor):
     # -- what a transport provides -------------------------------------------------
 
     @abstractmethod
-    def _init_method(self) -> str:
-        """The torch.distributed rendezvous address the ranks meet at."""
-
-    @abstractmethod
     def _start(self, spec: WorkerSpec) -> list[dict[str, Any]]:
-        """Starts every rank; their describe() once all are ready (an error naming
-        the rank that failed otherwise)."""
+        """Starts every rank (`spec` with the rendezvous address the ranks meet at);
+        their describe() once all are ready (an error naming the rank that failed
+        otherwise)."""
 
     @abstractmethod
     def _send(self, command: tuple[Any, ...]) -> None: ...
@@ -100,7 +97,7 @@ class DistributedExecutor(Executor):
     @property
     def num_parameters(self) -> int:
         """Over every rank's shard (what is replicated, norms, counted on each rank)."""
-        return sum(d["num_parameters"] for d in self.ranks)
+        return sum(int(d["num_parameters"]) for d in self.ranks)
 
     @property
     def is_alive(self) -> bool:
@@ -172,9 +169,10 @@ class DistributedExecutor(Executor):
         for d in self.ranks:
             start, end = d["layers"]
             logger.info(
-                "rank %d (pid %s): stage %d layers %d-%d, tensor-parallel rank %d with %d "
+                "rank %d (pid %s%s): stage %d layers %d-%d, tensor-parallel rank %d with %d "
                 "kv heads; weights %.1f MiB, KV cache %d blocks (%.1f MiB)",
-                d["rank"], d["pid"], d["pp_rank"], start, end - 1, d["tp_rank"], d["kv_heads"],
+                d["rank"], d["pid"], f" on {d['node']}" if "node" in d else "", d["pp_rank"],
+                start, end - 1, d["tp_rank"], d["kv_heads"],
                 d["weight_bytes"] / 2**20, self._num_blocks,
                 self._num_blocks * d["block_bytes"] / 2**20,
             )  # fmt: skip

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import types
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -25,7 +25,7 @@ from typing import Any
 from pyengine.config import EngineConfig
 from pyengine.executor.distributed import DistributedExecutor, Reply
 from pyengine.executor.shm_broadcast import ShmBroadcast
-from pyengine.executor.worker_process import WorkerSpec, run_worker_process
+from pyengine.executor.worker_process import WorkerSpec, free_port, run_worker_process
 from pyengine.loader.resolve import LoadedModel
 
 # Bytes of a broadcast slot: a step's arrays for thousands of tokens and their sampling
@@ -33,12 +33,6 @@ from pyengine.loader.resolve import LoadedModel
 SLOT_BYTES = 4 << 20
 STARTUP_TIMEOUT_S = 600.0  # to load a model's shards and join the group
 STOP_TIMEOUT_S = 10.0  # for a rank to end after "shutdown"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def threads_per_rank(world_size: int) -> int:
@@ -53,10 +47,8 @@ class MultiprocExecutor(DistributedExecutor):
         self.broadcast: ShmBroadcast | None = None
         super().__init__(loaded, config)
 
-    def _init_method(self) -> str:
-        return f"tcp://127.0.0.1:{free_port()}"
-
     def _start(self, spec: WorkerSpec) -> list[dict[str, Any]]:
+        spec = replace(spec, init_method=f"tcp://127.0.0.1:{free_port('127.0.0.1')}")
         context = mp.get_context("spawn")  # never fork: torch's threads and CUDA
         n = self.world_size
         pairs = [context.Pipe(duplex=True) for _ in range(n)]
@@ -98,7 +90,9 @@ class MultiprocExecutor(DistributedExecutor):
         replies: dict[int, Reply] = {}
         deadline = time.monotonic() + timeout_s
         rank_of = {id(pipe): rank for rank, pipe in enumerate(self.pipes)}
-        rank_of_sentinel = {p.sentinel: rank for rank, p in enumerate(self.processes)}
+        rank_of_sentinel: dict[Any, int] = {
+            p.sentinel: rank for rank, p in enumerate(self.processes)
+        }
         while len(replies) < self.world_size:
             waiting = [self.pipes[r] for r in range(self.world_size) if r not in replies]
             remaining = deadline - time.monotonic()

@@ -44,7 +44,8 @@ class ShmBroadcast:
         self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
         size = layout_bytes(num_readers, num_slots, slot_bytes)
         self.shm = shared_memory.SharedMemory(create=True, size=size)
-        self.shm.buf[:size] = bytes(size)
+        self.buf = _buffer(self.shm)
+        self.buf[:size] = bytes(size)
         self.wakeups, self.pipes = list(wakeups), list(pipes)
         self.sequence = 0  # of the last message written
 
@@ -62,7 +63,7 @@ class ShmBroadcast:
                 raise RuntimeError("a reader of the step broadcast is gone")
             time.sleep(0.0005)
         offset = _slot_offset(self.num_readers, self.num_slots, self.slot_bytes, sequence)
-        buf = self.shm.buf
+        buf = self.buf
         if len(data) <= self.slot_bytes:
             buf[offset + _HEADER.size : offset + _HEADER.size + len(data)] = data
             _HEADER.pack_into(buf, offset, -1, len(data))
@@ -76,9 +77,10 @@ class ShmBroadcast:
             wakeup.release()
 
     def _read(self, reader: int) -> int:
-        return int(_WORD.unpack_from(self.shm.buf, reader * _WORD.size)[0])
+        return int(_WORD.unpack_from(self.buf, reader * _WORD.size)[0])
 
     def close(self) -> None:
+        self.buf.release()
         self.shm.close()
         try:
             self.shm.unlink()
@@ -98,6 +100,7 @@ class ShmReader:
         pipe: Connection,
     ) -> None:
         self.shm = shared_memory.SharedMemory(name=name)
+        self.buf = _buffer(self.shm)
         self.reader, self.num_readers = reader, num_readers
         self.num_slots, self.slot_bytes = num_slots, slot_bytes
         self.wakeup, self.pipe = wakeup, pipe
@@ -111,20 +114,28 @@ class ShmReader:
                 raise RuntimeError("the writer of the step broadcast is gone")
         sequence = self.sequence + 1
         offset = _slot_offset(self.num_readers, self.num_slots, self.slot_bytes, sequence)
-        buf = self.shm.buf
+        buf = self.buf
         written, length = _HEADER.unpack_from(buf, offset)
         if written != sequence:
             raise RuntimeError(f"step broadcast out of order: slot holds {written}, {sequence} due")
         if length == OVERFLOW:
-            data = self.pipe.recv_bytes()
+            message = pickle.loads(self.pipe.recv_bytes())
         else:
-            data = bytes(buf[offset + _HEADER.size : offset + _HEADER.size + length])
+            with buf[offset + _HEADER.size : offset + _HEADER.size + length] as data:
+                message = pickle.loads(data)  # copies out what it keeps
         self.sequence = sequence
         _WORD.pack_into(buf, self.reader * _WORD.size, sequence)  # the slot may be reused
-        return pickle.loads(data)
+        return message
 
     def close(self) -> None:
+        self.buf.release()
         self.shm.close()
+
+
+def _buffer(shm: shared_memory.SharedMemory) -> memoryview:
+    """The segment's bytes (a view released before the segment is closed)."""
+    assert shm.buf is not None
+    return shm.buf.cast("B")
 
 
 def layout_bytes(num_readers: int, num_slots: int, slot_bytes: int) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -107,6 +108,13 @@ def _tensors(model: Any) -> list[torch.Tensor]:
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
     return tensors
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the rendezvous of a group rank 0 starts)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def error_text(error: BaseException) -> str:

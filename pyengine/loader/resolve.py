@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -190,7 +190,7 @@ def load_safetensors(folder: Path) -> LazyWeights:
         files = sorted(p.name for p in folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
-    readers = {}
+    readers: dict[str, Callable[[], torch.Tensor]] = {}
     for name in files:
         path = folder / name
         try:
@@ -220,4 +220,5 @@ def _read_safetensor(path: Path, key: str) -> torch.Tensor:
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
-        return f.get_tensor(key)
+        tensor: torch.Tensor = f.get_tensor(key)
+    return tensor

@@ -113,7 +113,7 @@ _GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # store
 
 
 class LearnedPositionDecoder(nn.Module):
-    intermediate_names = ("hidden",)
+    intermediate_names: tuple[str, ...] = ("hidden",)
 
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None):
         super().__init__()

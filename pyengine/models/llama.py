@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    intermediate_names = ("hidden", "residual")
+    intermediate_names: tuple[str, ...] = ("hidden", "residual")
 
     def __init__(
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None

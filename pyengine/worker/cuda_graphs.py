@@ -100,7 +100,8 @@ class DecodeGraphs:
             max_seq_len=self.split_context,  # fixed: so are the graph's launch shapes
             max_query_len=1,
         )
-        hidden: torch.Tensor = self.model(step.input_ids, step.positions, self.caches, meta)
+        hidden = self.model(step.input_ids, step.positions, self.caches, meta)
+        assert isinstance(hidden, torch.Tensor)  # graphs run one whole model (no pipeline)
         return hidden
 
     def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:

@@ -1,0 +1,85 @@
+"""The Ray backend on a two-node Ray cluster that the test starts on this machine (two
+`ray start` processes, each a node with its own CPUs): the ranks spread over both nodes
+and give one rank's tokens; too small a cluster is refused at start. The cluster is
+stopped afterwards."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers.tiny_models import TINY_LLAMA
+
+from pyengine import LLM, SamplingParams
+from pyengine.executor.worker_process import free_port
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+
+ENGINE = dict(load_format="dummy", max_model_len=128, kv_cache_memory=2**22)
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+def ray_cli(*args: str, env: dict[str, str]) -> None:
+    subprocess.run(["ray", *args], check=True, env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[str]:
+    """A head node and a second node of one CPU each; RAY_ADDRESS points the engine at
+    them."""
+    port = free_port("127.0.0.1")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
+    common = ["--num-cpus=1", "--disable-usage-stats"]
+    try:
+        ray_cli("start", "--head", f"--port={port}", "--include-dashboard=false", *common, env=env)
+        ray_cli("start", f"--address=127.0.0.1:{port}", *common, env=env)
+        os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
+        yield os.environ["RAY_ADDRESS"]
+    finally:
+        os.environ.pop("RAY_ADDRESS", None)
+        if ray.is_initialized():
+            ray.shutdown()
+        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    import json
+
+    folder: Path = tmp_path_factory.mktemp("tiny")
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    return str(folder)
+
+
+def tokens(llm: LLM) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_ranks_on_two_nodes_give_one_rank_tokens(cluster: str, model: str) -> None:
+    expected = tokens(LLM(model, **ENGINE))
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    try:
+        nodes = {d["node"] for d in llm.engine.executor.ranks}  # type: ignore[attr-defined]
+        assert len(ray.nodes()) == 2
+        assert len(nodes) == 2, "a node has one CPU: the ranks must be on both"
+        assert tokens(llm) == expected
+        assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    finally:
+        llm.engine.shutdown()
+    # Pipeline stages as actors too: a rank per node.
+    llm = LLM(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    try:
+        assert tokens(llm) == expected
+    finally:
+        llm.engine.shutdown()
+
+
+def test_a_cluster_too_small_is_refused_at_start(cluster: str, model: str) -> None:
+    with pytest.raises(ValueError, match="the Ray cluster has too few resources for 4 ranks"):
+        LLM(model, tensor_parallel_size=4, distributed_executor_backend="ray", **ENGINE)
