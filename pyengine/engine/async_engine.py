@@ -149,6 +149,8 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._submit(_Command("stop"))
             self._thread.join(timeout)
+        if not self._thread.is_alive():
+            self.engine.shutdown()  # the workers (their processes) end with the engine
 
     async def add_request(
         self,
@@ -259,9 +261,10 @@ class AsyncLLMEngine:
         except Exception:
             # LLMEngine.step has already ended the step's requests; their aborts come
             # out of the next step, and the engine keeps serving the others. If that
-            # step fails too, the engine itself is broken: the loop ends (every stream
-            # gets the error, /health says so) rather than fail forever.
-            if self._failed_before:
+            # step fails too, or the executor lost a worker, the engine itself is broken:
+            # the loop ends (every stream gets the error, /health says so) rather than
+            # fail forever.
+            if self._failed_before or not self.engine.executor.is_alive:
                 raise
             logger.exception("an engine step failed; its requests were aborted")
             self._failed_before = True

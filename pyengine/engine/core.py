@@ -205,9 +205,7 @@ class EngineCore:
         num_sampled = int(np.count_nonzero(b.is_sampling))
         flight = _InFlight(engine, row_ids, [], [], cached, num_sampled)
         try:
-            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(
-                b, row_ids, engine
-            )
+            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(b, row_ids, engine)
             self.executor.submit(step)
         except BaseException:
             self._fail(flight)

@@ -148,7 +148,9 @@ class DistributedExecutor(Executor):
         failed = [(rank, value) for rank, (kind, value) in enumerate(replies) if kind == "error"]
         if failed:
             rank, text = failed[0]
-            raise RuntimeError(f"worker rank {rank} failed: {text.strip().splitlines()[-1]}\n{text}")
+            raise RuntimeError(
+                f"worker rank {rank} failed: {text.strip().splitlines()[-1]}\n{text}"
+            )
         return [value for _, value in replies]
 
     def _check_alive(self) -> None:

@@ -15,6 +15,7 @@ import sys
 import time
 import types
 import weakref
+from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -45,6 +46,7 @@ class MultiprocExecutor(DistributedExecutor):
         self.processes: list[BaseProcess] = []
         self.pipes: list[Connection] = []
         self.broadcast: ShmBroadcast | None = None
+        self._sent: deque[int] = deque([0])  # numbers of the commands still unanswered
         super().__init__(loaded, config)
 
     def _start(self, spec: WorkerSpec) -> list[dict[str, Any]]:
@@ -85,9 +87,11 @@ class MultiprocExecutor(DistributedExecutor):
     def _send(self, command: tuple[Any, ...]) -> None:
         assert self.broadcast is not None
         self.broadcast.write(command, lambda: all(p.is_alive() for p in self.processes))
+        self._sent.append(self.broadcast.sequence)
 
     def _receive(self, timeout_s: float, expect: str = "ok") -> list[Reply]:
         replies: dict[int, Reply] = {}
+        number = self._sent.popleft()
         deadline = time.monotonic() + timeout_s
         rank_of = {id(pipe): rank for rank, pipe in enumerate(self.pipes)}
         rank_of_sentinel: dict[Any, int] = {
@@ -101,9 +105,11 @@ class MultiprocExecutor(DistributedExecutor):
             for pipe in pipes:
                 rank = rank_of[id(pipe)]
                 try:
-                    kind, value = pipe.recv()
+                    answered, kind, value = pipe.recv()
                 except (EOFError, OSError):
                     raise self._die(self._gone(rank)) from None
+                if answered < number:
+                    continue  # a command whose waiter was interrupted: nobody wants it
                 if kind == "error" and expect == "ready":
                     raise RuntimeError(f"worker rank {rank} failed to start:\n{value}")
                 replies[rank] = (kind if kind != "ready" else "ok", value)
@@ -115,9 +121,7 @@ class MultiprocExecutor(DistributedExecutor):
                     raise self._die(self._gone(dead[0]))
                 if time.monotonic() >= deadline:
                     late = sorted(set(range(self.world_size)) - set(replies))
-                    raise self._die(
-                        f"worker ranks {late} did not answer within {timeout_s:.0f} s"
-                    )
+                    raise self._die(f"worker ranks {late} did not answer within {timeout_s:.0f} s")
         return [replies[r] for r in range(self.world_size)]
 
     def _gone(self, rank: int) -> str:

@@ -11,6 +11,7 @@ time ends them all. The actors belong to this process: Ray ends them with it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections import deque
@@ -105,7 +106,9 @@ class RayDistributedExecutor(DistributedExecutor):
             raise too_few from None
         actor_class = ray.remote(RankActor)
         for rank in range(self.world_size):
-            strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=rank)
+            strategy = PlacementGroupSchedulingStrategy(
+                self.group, placement_group_bundle_index=rank
+            )
             options = dict(num_cpus=1, num_gpus=1 if on_gpu else 0, scheduling_strategy=strategy)
             self.actors.append(actor_class.options(**options).remote())
         ip, port = ray.get(self.actors[0].address.remote(), timeout=STARTUP_TIMEOUT_S)
@@ -147,16 +150,12 @@ class RayDistributedExecutor(DistributedExecutor):
 
     def _kill(self) -> None:
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(actor)
-            except Exception:  # already gone
-                pass
         self.actors = []
         if self.group is not None:
-            try:
+            with contextlib.suppress(Exception):  # the cluster is gone
                 remove_placement_group(self.group)
-            except Exception:  # the cluster is gone
-                pass
             self.group = None
 
 

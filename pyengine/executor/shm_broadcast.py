@@ -12,6 +12,7 @@ than a slot goes through each reader's pipe instead (the slot says so: length -1
 
 from __future__ import annotations
 
+import contextlib
 import pickle
 import struct
 import time
@@ -82,10 +83,8 @@ class ShmBroadcast:
     def close(self) -> None:
         self.buf.release()
         self.shm.close()
-        try:
+        with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
-        except FileNotFoundError:
-            pass
 
 
 class ShmReader:

@@ -11,6 +11,7 @@ from pyengine.worker.worker import Worker
 
 class UniProcExecutor(Executor):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        self._closed = False
         self.driver_worker = Worker(loaded, config)
         self.driver_worker.initialize_cache(self.driver_worker.num_blocks)
 
@@ -27,5 +28,11 @@ class UniProcExecutor(Executor):
         assert out is not None  # the only rank is the output rank
         return out
 
+    @property
+    def is_alive(self) -> bool:
+        return not self._closed
+
     def shutdown(self) -> None:
-        self.driver_worker.shutdown()
+        if not self._closed:
+            self._closed = True
+            self.driver_worker.shutdown()

@@ -2,7 +2,8 @@
 machine) and the `ray` executor (an actor per rank, which runs the same commands).
 
 Commands reach every rank in the same order; each rank answers each command on its
-own channel: ("ok", result) or ("error", the traceback's text). The output rank's result
+own channel: ("ok", result) or ("error", the traceback's text) (through a `mp` pipe,
+with the command's number first). The output rank's result
 of an "execute" is the step's ModelRunnerOutput, the others' None.
 """
 
@@ -129,8 +130,8 @@ def run_worker_process(
     pipe: Connection,
     parent_pid: int,
 ) -> None:
-    """A `mp` worker's process: joins the group, builds its rank, answers ("ready",
-    describe()) or ("error", text), then serves the broadcast's commands until
+    """A `mp` worker's process: joins the group, builds its rank, answers (0, "ready",
+    describe()) or (0, "error", text), then serves the broadcast's commands until
     "shutdown", or until the driver is gone (its process ended: nothing is left
     behind)."""
     from pyengine.executor.shm_broadcast import ShmReader
@@ -141,11 +142,11 @@ def run_worker_process(
     try:
         worker = RankWorker(spec, rank, rank)
     except BaseException as error:
-        pipe.send(("error", error_text(error)))
+        pipe.send((0, "error", error_text(error)))
         return
     name, num_readers, num_slots, slot_bytes = broadcast
     reader = ShmReader(name, rank, num_readers, num_slots, slot_bytes, wakeup, pipe)
-    pipe.send(("ready", worker.describe()))
+    pipe.send((0, "ready", worker.describe()))
     try:
         while True:
             try:
@@ -155,10 +156,12 @@ def run_worker_process(
             if command[0] == "shutdown":
                 return
             try:
-                result = ("ok", worker.run(command))
+                kind, result = "ok", worker.run(command)
             except Exception as error:
-                result = ("error", error_text(error))
-            pipe.send(result)
+                kind, result = "error", error_text(error)
+            # With the command's number: a driver interrupted while it waited skips the
+            # answers it no longer wants.
+            pipe.send((reader.sequence, kind, result))
     finally:
         reader.close()
         worker.close()

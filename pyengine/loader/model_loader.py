@@ -27,7 +27,9 @@ def dummy_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> LazyWeights:
         generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
         return torch.empty(shape).normal_(0.0, 0.02, generator=generator)
 
-    return LazyWeights({name: functools.partial(draw, name, shape) for name, shape in shapes.items()})
+    return LazyWeights(
+        {name: functools.partial(draw, name, shape) for name, shape in shapes.items()}
+    )
 
 
 def build_model(loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerContext) -> CausalLM:

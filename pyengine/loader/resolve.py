@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
-import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -202,9 +202,10 @@ def load_safetensors(folder: Path) -> LazyWeights:
             if key in readers:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
             if not dtype.startswith(("F", "BF")):
+                kind = _INTEGER_DTYPES.get(dtype, dtype)
                 raise ValueError(
-                    f"{path}: tensor {key} is {_INTEGER_DTYPES.get(dtype, dtype)}; pyengine loads floating-point "
-                    "weights (quantized checkpoints are not supported)"
+                    f"{path}: tensor {key} is {kind}; pyengine loads floating-point weights "
+                    "(quantized checkpoints are not supported)"
                 )
             readers[key] = functools.partial(_read_safetensor, path, key)
     return LazyWeights(readers)

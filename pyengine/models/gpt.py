@@ -147,7 +147,10 @@ class LearnedPositionDecoder(nn.Module):
         tied = c.tie_word_embeddings
         self.lm_head = (
             ParallelLMHead(
-                c.vocab_size, c.hidden_size, ctx, ["embed_tokens" if tied else "lm_head"],
+                c.vocab_size,
+                c.hidden_size,
+                ctx,
+                ["embed_tokens" if tied else "lm_head"],
                 tied_to=self.embed_tokens if tied else None,
             )  # fmt: skip
             if last

@@ -149,7 +149,9 @@ class LlamaForCausalLM(nn.Module):
         tied = config.tie_word_embeddings
         self.lm_head = (
             ParallelLMHead(
-                config.vocab_size, config.hidden_size, ctx,
+                config.vocab_size,
+                config.hidden_size,
+                ctx,
                 ["model.embed_tokens.weight" if tied else "lm_head.weight"],
                 tied_to=self.embed_tokens if tied else None,
             )  # fmt: skip

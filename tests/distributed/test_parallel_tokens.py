@@ -93,7 +93,9 @@ def test_preemption_under_a_pipeline_keeps_the_tokens(checkpoints: dict[str, Pat
 
 def test_a_split_the_model_does_not_allow_is_refused_at_start(checkpoints: dict[str, Path]) -> None:
     model = str(checkpoints["llama"])  # 4 heads, 2 kv heads, 2 layers
-    with pytest.raises(ValueError, match="4 attention heads are not divisible by tensor_parallel_size 3"):
+    with pytest.raises(
+        ValueError, match="4 attention heads are not divisible by tensor_parallel_size 3"
+    ):
         LLM(model, tensor_parallel_size=3, **TINY)
     with pytest.raises(ValueError, match="pipeline_parallel_size 3 exceeds the model's 2 layers"):
         LLM(model, pipeline_parallel_size=3, **TINY)
@@ -149,5 +151,7 @@ def test_the_default_model_preempted_at_tp3_gives_one_rank_tokens(
 
 def test_the_default_model_refuses_tp2(default_model: tuple[str, list[list[int]]]) -> None:
     """9 query heads and 3 kv heads: TP=2 divides neither (as vLLM refuses it)."""
-    with pytest.raises(ValueError, match="9 attention heads are not divisible by tensor_parallel_size 2"):
+    with pytest.raises(
+        ValueError, match="9 attention heads are not divisible by tensor_parallel_size 2"
+    ):
         LLM(default_model[0], tensor_parallel_size=2, **SMOLLM)

@@ -36,9 +36,10 @@ from pyengine.entrypoints.openai.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from pyengine.entrypoints.openai.serving import close_all, unless_disconnected
+from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.executor import ExecutorDeadError
 from pyengine.loader.resolve import DEFAULT_MODEL
 
 logger = logging.getLogger("pyengine")
@@ -67,6 +68,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"
     )
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument(
+        "-tp", "--tensor-parallel-size", type=int, default=d.tensor_parallel_size,
+        help="ranks each layer is split over",
+    )  # fmt: skip
+    parser.add_argument(
+        "-pp", "--pipeline-parallel-size", type=int, default=d.pipeline_parallel_size,
+        help="stages the layers are split into",
+    )  # fmt: skip
+    parser.add_argument(
+        "--distributed-executor-backend", choices=["uni", "mp", "ray"],
+        default=d.distributed_executor_backend,
+        help="uni: this process; mp: a process per rank (the default for more than one); "
+        "ray: Ray actors across a cluster's nodes",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=d.block_size)
     parser.add_argument(
         "--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes (CPU)"
@@ -194,7 +209,8 @@ def build_app(
         return error_response(validation_error(error))
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, error: EngineDeadError) -> Response:
+    @app.exception_handler(ExecutorDeadError)
+    async def engine_dead(_: Request, error: Exception) -> Response:
         return error_response(APIError(str(error), status=503))
 
     @app.get("/health")
@@ -270,8 +286,21 @@ async def answer(raw: Request, work: Awaitable[Any]) -> Response:
     events, streams = result
     # The background task also covers a stream that never started (client already gone).
     return StreamingResponse(
-        events, media_type="text/event-stream", background=BackgroundTask(close_all, streams)
-    )
+        _ending_in_an_error_event(events), media_type="text/event-stream",
+        background=BackgroundTask(close_all, streams),
+    )  # fmt: skip
+
+
+async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream whose engine fails mid-way (a worker died) ends with the error as an
+    event, then [DONE], as OpenAI's streams do: the client learns why it ended."""
+    try:
+        async for event in events:
+            yield event
+    except (EngineDeadError, ExecutorDeadError, RuntimeError) as error:
+        logger.error("a stream ended by an engine failure: %s", error)
+        yield sse(APIError(f"the engine failed: {error}", status=503).body())
+        yield SSE_DONE
 
 
 def error_response(error: APIError) -> Response:
@@ -331,13 +360,16 @@ def serve(ns: argparse.Namespace) -> None:
         ns.allowed_origins,
     )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
-    uvicorn.run(
-        app,
-        host=ns.host,
-        port=ns.port,
-        log_level=ns.uvicorn_log_level,
-        timeout_graceful_shutdown=int(ns.shutdown_timeout),
-    )
+    try:
+        uvicorn.run(
+            app,
+            host=ns.host,
+            port=ns.port,
+            log_level=ns.uvicorn_log_level,
+            timeout_graceful_shutdown=int(ns.shutdown_timeout),
+        )
+    finally:
+        llm_engine.shutdown()  # no worker process outlives the server
 
 
 def main(argv: list[str] | None = None) -> None:
