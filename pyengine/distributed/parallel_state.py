@@ -40,6 +40,9 @@ class TensorParallelGroup:
     # default group, or no group at world_size 1).
     group: Any = field(default=None, compare=False)
     comm: CommStats = field(default_factory=CommStats, compare=False)
+    # Where the group's ranks share a machine: its collectives of CPU tensors go through
+    # shared memory (ShmCommunicator), the rest through torch.distributed.
+    local: Any = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if not is_int(self.world_size) or self.world_size < 1:
@@ -75,7 +78,10 @@ class TensorParallelGroup:
         """The sum of `x` over the group, in place."""
         if self.world_size > 1:
             started = time.perf_counter()
-            dist.all_reduce(x, group=self.group)
+            if self.local is not None and self.local.fits(x):
+                self.local.all_reduce(x)
+            else:
+                dist.all_reduce(x, group=self.group)
             self.comm.add(started, x)
         return x
 
@@ -84,7 +90,12 @@ class TensorParallelGroup:
         if self.world_size == 1:
             return x
         started = time.perf_counter()
-        parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        dist.all_gather(parts, x.contiguous(), group=self.group)
+        x = x.contiguous()
+        if self.local is not None and self.local.fits(x):
+            out: torch.Tensor = self.local.all_gather(x, dim)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.world_size)]
+            dist.all_gather(parts, x, group=self.group)
+            out = torch.cat(parts, dim=dim)
         self.comm.add(started, x)
-        return torch.cat(parts, dim=dim)
+        return out

@@ -49,34 +49,25 @@ class RankWorker:
             torch.cuda.set_device(device)
         backend = "nccl" if device.startswith("cuda") else "gloo"
         self.rank = rank
+        load = spec.load
+        loaded = load_model(  # the config; the weights are read as the model is built
+            load.model, None, load.load_format, load.keep_block_quantized, read_tokenizer=False
+        )
         self.tp, self.pp = init_process_groups(
             rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size,
             backend, spec.init_method, spec.timeout_s,
+            shm_slot_bytes=shm_slot_bytes(config, loaded.config.hidden_size,
+                                          loaded.config.vocab_size),
         )  # fmt: skip
-        load = spec.load
-        loaded = load_model(
-            load.model, None, load.load_format, load.keep_block_quantized, read_tokenizer=False
-        )
         self.worker = Worker(loaded, replace(config, device=device), self.tp, self.pp)
 
     def describe(self) -> dict[str, Any]:
-        """What the driver logs and plans with: this rank's layers, heads and memory."""
-        runner = self.worker.model_runner
-        model = runner.model
+        """What the driver logs and plans with: this rank's place, layers, heads and
+        memory (Worker.describe)."""
         return {
-            "rank": self.rank,
-            "pid": os.getpid(),
-            "tp_rank": self.tp.rank,
-            "pp_rank": self.pp.rank,
-            "layers": (model.start_layer, model.end_layer),
-            "kv_heads": runner.num_kv_heads,
-            "num_blocks": runner.num_blocks,
-            "block_bytes": runner.block_bytes,
-            "num_parameters": model.num_parameters,
-            "weight_bytes": sum(
-                p.numel() * p.element_size() for p in {id(p): p for p in _tensors(model)}.values()
-            ),
-        }
+            "rank": self.rank, "pid": os.getpid(), "tp_rank": self.tp.rank,
+            "pp_rank": self.pp.rank, **self.worker.describe(),
+        }  # fmt: skip
 
     def run(self, command: tuple[Any, ...]) -> Any:
         kind = command[0]
@@ -100,15 +91,17 @@ class RankWorker:
         destroy_process_groups()
 
 
-def _tensors(model: Any) -> list[torch.Tensor]:
-    """The model's parameters and buffers, and the forms its linear methods made."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    for module in model.modules():
-        for attr in ("packed", "packed_split", "packed_blocks"):
-            value = getattr(module, attr, None)
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-    return tensors
+MAX_SHM_SLOT_BYTES = 64 << 20
+
+
+def shm_slot_bytes(config: EngineConfig, hidden_size: int, vocab_size: int) -> int:
+    """The largest collective of a step: a step's hidden states (all-reduced), or its
+    logits' vocabulary shards (gathered), in float32; capped (a larger one takes gloo)."""
+    tp = config.parallel.tensor_parallel_size
+    largest = max(
+        config.max_num_batched_tokens * hidden_size, config.max_num_seqs * -(-vocab_size // tp)
+    )
+    return min(4 * largest, MAX_SHM_SLOT_BYTES)
 
 
 def free_port(host: str) -> int:

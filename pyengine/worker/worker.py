@@ -6,6 +6,8 @@ last stage (the output rank); the others return None."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pyengine.config import EngineConfig
@@ -48,6 +50,21 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
         self.model_runner.initialize_cache(num_blocks, num_virtual_engines)
+
+    def describe(self) -> dict[str, Any]:
+        """This worker's layers, kv heads and memory: the weights (every form the linear
+        methods keep), and the KV cache (its blocks and their bytes)."""
+        runner = self.model_runner
+        model = runner.model
+        tensors = {id(t): t for t in _tensors(model)}.values()
+        return {
+            "layers": (model.start_layer, model.end_layer),
+            "kv_heads": runner.num_kv_heads,
+            "num_blocks": runner.num_blocks,
+            "block_bytes": runner.block_bytes,
+            "num_parameters": model.num_parameters,
+            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+        }
 
     def shutdown(self) -> None:
         """Frees the model, the KV cache and the CUDA graphs; the worker runs no more
@@ -104,3 +121,14 @@ class Worker:
             tokens, ks = [r.token_id for r in part], [r.num_logprobs for r in part]
             entries += gather_logprobs(logprobs, tokens, ks)
         return entries
+
+
+def _tensors(model: Any) -> list[torch.Tensor]:
+    """The model's parameters and buffers, and the forms its linear methods made."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        for attr in ("packed", "packed_split", "packed_blocks"):
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    return tensors
