@@ -186,8 +186,9 @@ def main() -> None:
     (folder / "config.json").write_text(json.dumps(BENCH_MODEL))
     shaped = str(folder)
     dummy = dict(engine_args, load_format="dummy")
+    splits = (("TP=1 (2 threads)", 1, 1), ("TP=2", 2, 1), ("PP=2", 1, 2))
     rows = [run(name, shaped, tp, pp, prompts, params, args.rounds, dummy)
-            for name, tp, pp in (("TP=1 (2 threads)", 1, 1), ("TP=2", 2, 1), ("PP=2", 1, 2))]  # fmt: skip
+            for name, tp, pp in splits]  # fmt: skip
     if not args.no_default_model:
         for name, tp, pp in (("default model, TP=1", 1, 1), ("default model, PP=2", 1, 2)):
             rows.append(run(name, DEFAULT_MODEL, tp, pp, prompts, params, args.rounds, engine_args))

@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
-from pyengine.distributed.shm_communicator import ShmCommunicator
 from pyengine.distributed.parallel_state import TensorParallelGroup
 from pyengine.distributed.pipeline import PipelineStage
+from pyengine.distributed.shm_communicator import ShmCommunicator
 
 
 def parallel_place(
@@ -61,7 +62,7 @@ def init_process_groups(
 
 
 def _shm_communicator(
-    tp: TensorParallelGroup, group: object, first_rank: int, slot_bytes: int, timeout_s: float
+    tp: TensorParallelGroup, group: Any, first_rank: int, slot_bytes: int, timeout_s: float
 ) -> ShmCommunicator | None:
     """The group's shared-memory communicator where all its ranks are on this machine
     (None elsewhere): its first rank makes the file, every rank maps it, then it is
