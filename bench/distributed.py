@@ -14,12 +14,15 @@ and each rank's memory (weights, KV cache bytes per token).
 The second table is a worked estimate, not a measurement: Llama-3-70B (80 layers, hidden
 8192, bfloat16) on 8 GPUs of an H200 node, TP=8 against TP=4 x PP=2. Each decoder layer
 all-reduces the step's hidden states twice (what the first table's all-reduce bytes
-show per token, here 2 x hidden x 4 bytes in float32); a ring all-reduce over n GPUs
+show per token: 2 x hidden x 4 bytes in float32, and the embedding's and the logits'
+collectives besides); a ring all-reduce over n GPUs
 moves 2 (n-1)/n of them through each GPU's link; a pipeline step sends them once per
-stage boundary. A decode step reads every weight once (HBM-bound). Published figures
-used: H200 HBM3e 4.8 TB/s, NVLink 4 450 GB/s each way per GPU, InfiniBand NDR 400 Gb/s
-(50 GB/s) per GPU between nodes, and an assumed 10 µs latency per collective on NVLink
-(25 µs over InfiniBand).
+stage boundary. A stage's compute is the longer of reading its weights (a decode step
+is HBM-bound) and its FLOPs (2 x parameters per token; a prefill is compute-bound), and
+nothing overlaps the communication (the bound is on the safe side). Published figures
+used: H200 HBM3e 4.8 TB/s and 989 dense bfloat16 TFLOP/s (at an assumed 50% of it),
+NVLink 4 450 GB/s each way per GPU, InfiniBand NDR 400 Gb/s (50 GB/s) per GPU between
+nodes, and an assumed 10 µs latency per collective on NVLink (25 µs over InfiniBand).
 
 The last line printed is one JSON object, also written to bench/results/distributed.json.
 
@@ -132,19 +135,21 @@ def share(part_s: float, row: Row) -> str:
 # -- the worked estimate: Llama-3-70B on an 8-GPU H200 node ---------------------------
 
 LAYERS, HIDDEN, PARAMS, BF16 = 80, 8192, 70.6e9, 2
-HBM, NVLINK, INFINIBAND = 4.8e12, 450e9, 50e9
+HBM, FLOPS, NVLINK, INFINIBAND = 4.8e12, 989e12 * 0.5, 450e9, 50e9
 NVLINK_LATENCY, IB_LATENCY = 10e-6, 25e-6
 
 
 def estimate(tp: int, pp: int, tokens: int, pp_link: float, pp_latency: float) -> dict[str, float]:
     """Seconds of one step of `tokens` tokens through the whole model: the weights read
     (each stage in turn), the all-reduces, the transfers between stages."""
-    weights = PARAMS * BF16 / (tp * pp) / HBM * pp  # every stage reads its share in turn
+    per_gpu = PARAMS / (tp * pp)
+    stage = max(per_gpu * BF16 / HBM, 2 * per_gpu * tokens / FLOPS)
+    compute = stage * pp  # a step passes every stage in turn
     payload = tokens * HIDDEN * BF16
-    ring = 2 * (tp - 1) / tp * payload / NVLINK + 2 * (tp - 1) * NVLINK_LATENCY / tp
+    ring = 2 * (tp - 1) / tp * payload / NVLINK + NVLINK_LATENCY
     all_reduce = 2 * LAYERS * ring if tp > 1 else 0.0
     transfers = (pp - 1) * (payload / pp_link + pp_latency)
-    step = weights + all_reduce + transfers
+    step = compute + all_reduce + transfers
     # With pp steps in flight every stage is busy: a step leaves every step / pp.
     return {"step": step, "comm": all_reduce + transfers, "interval": step / pp}
 

@@ -30,6 +30,7 @@ ORDER = (
     "scheduler",
     "attention_cpu",
     "throughput",
+    "distributed",
     "serve",
     "gpu_kernels",
     "gpu_kernels_attention",
@@ -84,6 +85,12 @@ HEADLINES = (
         "CPU offline generated tokens/s, against transformers",
         figure("speedup_vs_hf_generated_tok_s"),
         "x",
+    ),
+    Headline(
+        "distributed",
+        "CPU TP=2: all-reduce share of the step time (2 ranks, shared memory)",
+        lambda f: None if f.get("tp2_allreduce_share") is None else 100 * f["tp2_allreduce_share"],
+        "%",
     ),
     Headline("serve", "server output tokens/s over HTTP", figure("serve_output_tok_s"), ""),
     Headline(

@@ -29,6 +29,7 @@ from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear_method import LinearMethods
 from pyengine.layers.placement import Placement
 from pyengine.utils import host_memory
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 
 @dataclass(frozen=True)
@@ -107,15 +108,16 @@ class LinearBase(nn.Module):
         return out if self.adapter is None else self.adapter.add_delta(self, x, out)
 
 
-def check_shape(name: str, loaded: torch.Tensor, expected: tuple[int, ...]) -> None:
+def check_shape(name: str, loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
     """ValueError naming checkpoint tensor `name` where its shape is not `expected`."""
     if tuple(loaded.shape) != expected:
         raise ValueError(f"weight {name}: shape {tuple(loaded.shape)}, model expects {expected}")
 
 
-def copy_checked(name: str, into: torch.Tensor, value: torch.Tensor) -> None:
+def copy_checked(name: str, into: torch.Tensor, value: CheckpointTensor) -> None:
+    """Checks the shape, then reads `value` (only its region, where it is a LazySlice)."""
     check_shape(name, value, tuple(into.shape))
-    into.copy_(value)
+    into.copy_(materialize(value))
 
 
 class ColumnParallelLinear(LinearBase):
@@ -152,7 +154,7 @@ class ColumnParallelLinear(LinearBase):
     def _part_slice(self, part: int, size: int, tp: TensorParallelGroup) -> tuple[int, int]:
         return tp.split(size, f"output size of part {part}")
 
-    def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
+    def weight_loader(self, name: str, kind: str, loaded: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of checkpoint tensor `loaded` (part `part` of the
         stacked weight; kind: "weight" or "bias") into the layer."""
         start, length = self.shard_offsets[part]
@@ -230,10 +232,13 @@ class QKVParallelLinear(ColumnParallelLinear):
         """[q, k, v] features this rank holds."""
         return [length for _, length in self.shard_offsets]
 
-    def load_fused(self, name: str, kind: str, loaded: torch.Tensor) -> None:
+    def load_fused(self, name: str, kind: str, loaded: CheckpointTensor) -> None:
         """A checkpoint tensor of q, k and v stacked (GPT-2's c_attn)."""
-        for part, piece in enumerate(torch.split(loaded, self.output_sizes, dim=0)):
-            self.weight_loader(name, kind, piece, part)
+        check_shape(name, loaded, (sum(self.output_sizes), *tuple(loaded.shape)[1:]))
+        start = 0
+        for part, size in enumerate(self.output_sizes):
+            self.weight_loader(name, kind, loaded.narrow(0, start, size), part)
+            start += size
 
 
 class RowParallelLinear(LinearBase):
@@ -251,7 +256,7 @@ class RowParallelLinear(LinearBase):
         self.input_start, local = ctx.tp.split(input_size, "input size")
         super().__init__(input_size, output_size, local, output_size, bias, ctx, checkpoint_names)
 
-    def weight_loader(self, name: str, kind: str, loaded: torch.Tensor, part: int = 0) -> None:
+    def weight_loader(self, name: str, kind: str, loaded: CheckpointTensor, part: int = 0) -> None:
         if kind == "bias":  # added once, after the sum
             assert self.bias is not None
             copy_checked(name, self.bias.data, loaded)

@@ -131,6 +131,13 @@ class TorchLinearMethod(LinearMethod):
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
 
+    def create_weights(self, layer: LinearBase) -> None:
+        """In the model's dtype: the checkpoint's shard is converted as it is copied in,
+        and no float32 copy of it ever exists."""
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        weight = torch.empty(shape, dtype=self.placement.dtype)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         # In place: a head tied to the embeddings keeps sharing their memory.
         layer.weight.data = layer.weight.data.to(

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pyengine.layers.linear import LayerContext, LinearBase, check_shape
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 
 def _vocab_shard(vocab_size: int, ctx: LayerContext) -> tuple[int, int]:
@@ -25,9 +26,11 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         self.tp = ctx.tp
         self.start, self.rows = _vocab_shard(vocab_size, ctx)
-        self.weight = nn.Parameter(torch.empty(self.rows, embedding_size), requires_grad=False)
+        # In the model's dtype: the checkpoint's rows are converted as they are copied in.
+        weight = torch.empty(self.rows, embedding_size, dtype=ctx.placement.dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
 
-    def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
+    def weight_loader(self, name: str, loaded: CheckpointTensor) -> None:
         """This rank's rows of the [vocab_size, embedding_size] checkpoint tensor."""
         _load_vocab_rows(name, self.weight, loaded, self.vocab_size, self.start)
 
@@ -61,7 +64,7 @@ class ParallelLMHead(LinearBase):
         if tied_to is not None:
             self.weight = tied_to.weight
 
-    def weight_loader(self, name: str, loaded: torch.Tensor) -> None:
+    def weight_loader(self, name: str, loaded: CheckpointTensor) -> None:
         _load_vocab_rows(name, self.weight, loaded, self.vocab_size, self.start)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -72,10 +75,10 @@ class ParallelLMHead(LinearBase):
 
 
 def _load_vocab_rows(
-    name: str, weight: nn.Parameter, loaded: torch.Tensor, vocab_size: int, start: int
+    name: str, weight: nn.Parameter, loaded: CheckpointTensor, vocab_size: int, start: int
 ) -> None:
     rows, size = weight.shape
     check_shape(name, loaded, (vocab_size, size))
     held = max(0, min(rows, vocab_size - start))
-    weight.data[:held].copy_(loaded.narrow(0, start, held))
+    weight.data[:held].copy_(materialize(loaded.narrow(0, start, held)))
     weight.data[held:].zero_()

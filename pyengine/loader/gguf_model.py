@@ -13,7 +13,7 @@ import torch
 from pyengine.config import ModelConfig
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFError, GGUFFile
-from pyengine.loader.lazy_weights import LazyWeights
+from pyengine.utils.lazy_weights import LazyWeights
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

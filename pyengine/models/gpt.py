@@ -23,6 +23,7 @@ from pyengine.layers.linear import (
 )
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from pyengine.models.weights import WeightRouter
+from pyengine.utils.lazy_weights import CheckpointTensor
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
@@ -232,7 +233,9 @@ class LearnedPositionDecoder(nn.Module):
                     router.linear(f"{p}.{name}.{kind}", getattr(layer, name), kind)
         return router
 
-    def _normalize(self, name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    def _normalize(
+        self, name: str, tensor: CheckpointTensor
+    ) -> tuple[str, CheckpointTensor] | None:
         """A checkpoint name as the router's (None: not a weight, as GPT-2's attn.bias
         buffers); GPT-2's Conv1D weights transposed to [out, in]."""
         opt = self.config.architecture == "OPTForCausalLM"

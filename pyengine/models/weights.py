@@ -21,14 +21,15 @@ from pyengine.layers.linear import (
     copy_checked,
 )
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyengine.utils.lazy_weights import CheckpointTensor, LazyWeights
 
 # A checkpoint name and tensor as the model's routes know them, or None: not a weight.
-Normalize = Callable[[str, torch.Tensor], "tuple[str, torch.Tensor] | None"]
+Normalize = Callable[[str, CheckpointTensor], "tuple[str, CheckpointTensor] | None"]
 
 
 @dataclass
 class _Route:
-    load: Callable[[torch.Tensor], None] | None  # None: only a block form goes somewhere
+    load: Callable[[CheckpointTensor], None] | None  # None: only a block form goes somewhere
     blocks: Callable[[BlockQuantized], None] | None = None
     shape: tuple[int, ...] = ()  # of the whole checkpoint tensor (every rank's shards)
 
@@ -84,7 +85,7 @@ class WeightRouter:
     def plain(self, name: str, parameter: torch.Tensor) -> None:
         """A replicated parameter (a norm's weight, learned positions)."""
 
-        def load(tensor: torch.Tensor) -> None:
+        def load(tensor: CheckpointTensor) -> None:
             copy_checked(name, parameter.data, tensor)
 
         self._routes[name] = _Route(load, shape=tuple(parameter.shape))
@@ -98,12 +99,15 @@ class WeightRouter:
 
     def load(
         self,
-        weights: Mapping[str, torch.Tensor],
+        weights: Mapping[str, CheckpointTensor],
         block_quantized: Mapping[str, BlockQuantized],
         normalize: Normalize | None = None,
     ) -> None:
         """Loads `weights` (block forms by the same names); raises ValueError naming the
-        first tensor the model has no place for, or what the checkpoint lacks."""
+        first tensor the model has no place for, or what the checkpoint lacks. Of
+        LazyWeights that read regions, each loader reads only its shard."""
+        if isinstance(weights, LazyWeights):
+            weights = weights.sliced()
         loaded = set()
         for name, tensor in weights.items():
             normalized = (name, tensor) if normalize is None else normalize(name, tensor)

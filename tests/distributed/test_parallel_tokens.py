@@ -155,3 +155,27 @@ def test_the_default_model_refuses_tp2(default_model: tuple[str, list[list[int]]
         ValueError, match="9 attention heads are not divisible by tensor_parallel_size 2"
     ):
         LLM(default_model[0], tensor_parallel_size=2, **SMOLLM)
+
+
+NO_RAY = """
+import sys
+sys.modules["ray"] = None  # as if Ray were not installed
+from pyengine import LLM
+try:
+    LLM(sys.argv[1], tensor_parallel_size=2, distributed_executor_backend="ray",
+        load_format="dummy", max_model_len=128, kv_cache_memory=2**22)
+except ValueError as error:
+    print(error)
+"""
+
+
+def test_the_ray_backend_without_ray_is_a_clear_error(checkpoints: dict[str, Path]) -> None:
+    import subprocess
+    import sys
+    import tempfile
+
+    out = subprocess.run(
+        [sys.executable, "-c", NO_RAY, str(checkpoints["llama"])], capture_output=True,
+        text=True, timeout=120, cwd=tempfile.gettempdir(),
+    )  # fmt: skip
+    assert "needs Ray, which is not installed: pip install 'pyengine[ray]'" in out.stdout, out
