@@ -7,7 +7,6 @@ no process holds the whole checkpoint, nor a rank the other ranks' shards."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Union
 
 import torch
 
@@ -55,7 +54,7 @@ class LazySlice:
 
 
 # What a layer's weight loader takes: a tensor, or a checkpoint tensor still to be read.
-CheckpointTensor = Union[torch.Tensor, LazySlice]
+CheckpointTensor = torch.Tensor | LazySlice
 
 
 def materialize(x: CheckpointTensor) -> torch.Tensor:
