@@ -143,6 +143,11 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive()
 
+    def check_health(self) -> bool:
+        """Running, with every worker there (a worker that died between steps is
+        noticed here, and ends the executor: the next step fails at once)."""
+        return self._thread.is_alive() and self.engine.executor.check_health()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every request (their streams end with finish_reason "abort") and joins
         the engine thread."""

@@ -42,6 +42,11 @@ class Executor(ABC):
         """False once a worker has died or stopped answering (ExecutorDeadError)."""
         return True
 
+    def check_health(self) -> bool:
+        """Whether every worker is there now (for /health: between steps too, a worker
+        that died is noticed); one that is gone ends the executor."""
+        return self.is_alive
+
     def submit(self, step: SchedulerOutput) -> None:
         """Starts `step`; collect() returns its tokens, in submission order. Here it runs
         at once (an executor whose workers run on their own overrides both)."""

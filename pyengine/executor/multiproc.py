@@ -124,6 +124,13 @@ class MultiprocExecutor(DistributedExecutor):
                     raise self._die(f"worker ranks {late} did not answer within {timeout_s:.0f} s")
         return [replies[r] for r in range(self.world_size)]
 
+    def check_health(self) -> bool:
+        if self.is_alive:
+            dead = [rank for rank, p in enumerate(self.processes) if not p.is_alive()]
+            if dead:
+                self._die(self._gone(dead[0]))
+        return self.is_alive
+
     def _gone(self, rank: int) -> str:
         process = self.processes[rank]
         process.join(0.1)

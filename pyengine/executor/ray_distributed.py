@@ -142,6 +142,21 @@ class RayDistributedExecutor(DistributedExecutor):
                 raise self._die(f"worker rank {rank} died ({type(error).__name__})") from None
         return replies
 
+    def check_health(self) -> bool:
+        """From the cluster's actor table (an actor busy in a step cannot answer a
+        ping); where Ray's state API is not there, as of the last step."""
+        if self.is_alive and self.actors:
+            try:
+                from ray._private.state import actors as actor_table
+
+                states = [actor_table(a._actor_id.hex()).get("State") for a in self.actors]
+            except Exception:  # the private API moved
+                return self.is_alive
+            dead = [rank for rank, state in enumerate(states) if state == "DEAD"]
+            if dead:
+                self._die(f"worker rank {dead[0]}'s actor is dead")
+        return self.is_alive
+
     def _stop(self) -> None:
         try:
             ray.get([a.close.remote() for a in self.actors], timeout=STOP_TIMEOUT_S)

@@ -147,17 +147,22 @@ def get(port: int, path: str) -> int:
     return status
 
 
-def complete(port: int, result: dict[str, object]) -> None:
-    """A streamed completion; what the client got, in `result`."""
+def complete(port: int, result: dict[str, object], streaming: threading.Event) -> None:
+    """A streamed completion of several prompts; what the client got, in `result`;
+    `streaming` set once the first tokens came."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 240, "stream": True,
-            "ignore_eos": True, "temperature": 0}  # fmt: skip
+    body = {"model": "tiny", "prompt": [[1, 2, 3 + i] for i in range(8)], "max_tokens": 240,
+            "stream": True, "ignore_eos": True, "temperature": 0}  # fmt: skip
     try:
         conn.request("POST", "/v1/completions", json.dumps(body),
                      {"Content-Type": "application/json"})  # fmt: skip
         response = conn.getresponse()
         result["status"] = response.status
-        result["body"] = response.read().decode()
+        lines = []
+        for line in response:
+            lines.append(line.decode())
+            streaming.set()
+        result["body"] = "".join(lines)
     except OSError as error:
         result["error"] = repr(error)
     finally:
@@ -201,21 +206,31 @@ def test_the_server_answers_503_once_a_worker_dies(
     ranks = [p for p in workers if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
     assert len(ranks) == 2, workers  # the resource tracker besides
     result: dict[str, object] = {}
-    client = threading.Thread(target=complete, args=(port, result))
+    streaming = threading.Event()
+    client = threading.Thread(target=complete, args=(port, result, streaming))
     client.start()
-    time.sleep(1.0)  # generating by now
-    for pid in ranks:
-        os.kill(pid, signal.SIGKILL)
-        break
+    assert streaming.wait(60), result
+    os.kill(ranks[0], signal.SIGKILL)
     killed = time.monotonic()
     assert wait_until(lambda: get(port, "/health") == 503, 10), "/health still 200"
     assert time.monotonic() - killed < 10
     client.join(60)
     assert not client.is_alive(), "the request in flight hangs"
-    events = [e for e in str(result["body"]).split("\n\n") if e]
+    events = [e for e in str(result["body"]).split("\n\n") if e.strip()]
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert error["code"] == 503 and "worker rank" in error["message"] and "died" in error["message"]
     process.send_signal(signal.SIGINT)
     process.wait(30)
     assert wait_until(lambda: not any(alive(p) for p in workers), 10), "workers left behind"
+
+
+def test_a_worker_that_dies_between_requests_turns_health_503(
+    server: tuple[subprocess.Popen[str], int],
+) -> None:
+    process, port = server
+    ranks = [p for p in children(process.pid)
+             if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]  # fmt: skip
+    os.kill(ranks[1], signal.SIGKILL)
+    assert wait_until(lambda: get(port, "/health") == 503, 10), "/health still 200"
+    assert wait_until(lambda: not any(alive(p) for p in ranks), 10), "the other rank is left"

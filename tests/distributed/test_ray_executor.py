@@ -6,7 +6,9 @@ stopped afterwards."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +16,7 @@ import pytest
 from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams
+from pyengine.executor import ExecutorDeadError
 from pyengine.executor.worker_process import free_port
 
 ray = pytest.importorskip("ray")
@@ -24,8 +27,12 @@ PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
+# The `ray` command of this interpreter's environment (beside it in a virtual env).
+RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
+
+
 def ray_cli(*args: str, env: dict[str, str]) -> None:
-    subprocess.run(["ray", *args], check=True, env=env, capture_output=True, timeout=120)
+    subprocess.run([RAY, *args], check=True, env=env, capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +51,7 @@ def cluster() -> Iterator[str]:
         os.environ.pop("RAY_ADDRESS", None)
         if ray.is_initialized():
             ray.shutdown()
-        subprocess.run(["ray", "stop", "--force"], env=env, capture_output=True, timeout=120)
+        subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +85,23 @@ def test_ranks_on_two_nodes_give_one_rank_tokens(cluster: str, model: str) -> No
         assert tokens(llm) == expected
     finally:
         llm.engine.shutdown()
+
+
+def test_a_dead_actor_is_noticed_and_ends_the_rest(cluster: str, model: str) -> None:
+    import signal
+    import time
+
+    llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
+    executor = llm.engine.executor
+    assert executor.check_health()
+    os.kill(int(executor.ranks[1]["pid"]), signal.SIGKILL)  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 30
+    while executor.check_health() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not executor.is_alive, "the dead actor went unnoticed"
+    with pytest.raises(ExecutorDeadError):
+        tokens(llm)
+    llm.engine.shutdown()
 
 
 def test_a_cluster_too_small_is_refused_at_start(cluster: str, model: str) -> None:

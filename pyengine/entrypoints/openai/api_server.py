@@ -215,7 +215,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if engine.is_running else 503)
+        healthy = await asyncio.to_thread(engine.check_health)
+        return Response(status_code=200 if healthy else 503)
 
     @app.get("/version")
     async def version() -> dict[str, str]:
