@@ -81,10 +81,13 @@ class ShmBroadcast:
         return int(_WORD.unpack_from(self.buf, reader * _WORD.size)[0])
 
     def close(self) -> None:
-        self.buf.release()
-        self.shm.close()
+        """Unlinks the segment; unmaps it unless a write in another thread still uses
+        it (the process's end unmaps it then)."""
         with contextlib.suppress(FileNotFoundError):
             self.shm.unlink()
+        with contextlib.suppress(BufferError, ValueError):
+            self.buf.release()
+            self.shm.close()
 
 
 class ShmReader:
