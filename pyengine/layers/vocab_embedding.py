@@ -74,6 +74,22 @@ class ParallelLMHead(LinearBase):
         return self.tp.all_gather(logits)[:, : self.vocab_size]
 
 
+def stage_lm_head(
+    vocab_size: int,
+    hidden_size: int,
+    ctx: LayerContext,
+    checkpoint_names: tuple[str, str],
+    tied_to: VocabParallelEmbedding | None,
+    tied: bool,
+) -> ParallelLMHead | None:
+    """The head of the last pipeline stage (None on the others): checkpoint_names
+    (tied, untied)[0 if tied else 1]; tied to the embedding where this stage has it."""
+    if not ctx.pp.is_last:
+        return None
+    name = checkpoint_names[0] if tied else checkpoint_names[1]
+    return ParallelLMHead(vocab_size, hidden_size, ctx, [name], tied_to=tied_to if tied else None)
+
+
 def _load_vocab_rows(
     name: str, weight: nn.Parameter, loaded: CheckpointTensor, vocab_size: int, start: int
 ) -> None:

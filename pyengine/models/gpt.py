@@ -21,7 +21,7 @@ from pyengine.layers.linear import (
     RowParallelLinear,
     process_weights_after_loading,
 )
-from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyengine.layers.vocab_embedding import VocabParallelEmbedding, stage_lm_head
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor
 
@@ -145,18 +145,10 @@ class LearnedPositionDecoder(nn.Module):
         )
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
         self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before and last else None
-        tied = c.tie_word_embeddings
-        self.lm_head = (
-            ParallelLMHead(
-                c.vocab_size,
-                c.hidden_size,
-                ctx,
-                ["embed_tokens" if tied else "lm_head"],
-                tied_to=self.embed_tokens if tied else None,
-            )  # fmt: skip
-            if last
-            else None
-        )
+        self.lm_head = stage_lm_head(
+            c.vocab_size, c.hidden_size, ctx, ("embed_tokens", "lm_head"), self.embed_tokens,
+            c.tie_word_embeddings,
+        )  # fmt: skip
         self.num_parameters = 0
 
     def forward(

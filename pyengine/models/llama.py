@@ -25,7 +25,7 @@ from pyengine.layers.linear import (
     process_weights_after_loading,
 )
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from pyengine.layers.vocab_embedding import VocabParallelEmbedding, stage_lm_head
 from pyengine.models.weights import WeightRouter
 
 
@@ -146,18 +146,11 @@ class LlamaForCausalLM(nn.Module):
             ]
         )
         self.norm = RMSNorm(config.hidden_size, config.norm_eps) if self.stage.is_last else None
-        tied = config.tie_word_embeddings
-        self.lm_head = (
-            ParallelLMHead(
-                config.vocab_size,
-                config.hidden_size,
-                ctx,
-                ["model.embed_tokens.weight" if tied else "lm_head.weight"],
-                tied_to=self.embed_tokens if tied else None,
-            )  # fmt: skip
-            if self.stage.is_last
-            else None
-        )
+        self.lm_head = stage_lm_head(
+            config.vocab_size, config.hidden_size, ctx,
+            ("model.embed_tokens.weight", "lm_head.weight"), self.embed_tokens,
+            config.tie_word_embeddings,
+        )  # fmt: skip
         self.num_parameters = 0
 
     def forward(

@@ -4,14 +4,11 @@ Skipped, with the reason shown, without a GPU or a CUDA build (bench/gpu/run.sh 
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
-from helpers.tiny_models import TINY_LLAMA
+from helpers.tiny_models import greedy_tokens
 
-from pyengine import LLM, SamplingParams, built_with_cuda
+from pyengine import LLM, built_with_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,26 +20,12 @@ pytestmark = [
 
 ENGINE = dict(load_format="dummy", max_model_len=256, dtype="float32", device="cuda",
               gpu_memory_utilization=0.3)  # fmt: skip
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
-GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder: Path = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(folder)
-
-
-def tokens(llm: LLM) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
 
 
 def run(model: str, **engine_args: object) -> list[list[int]]:
     llm = LLM(model, **ENGINE, **engine_args)
     try:
-        return tokens(llm)
+        return greedy_tokens(llm)
     finally:
         llm.engine.shutdown()
 

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import LLM, SamplingParams
 from pyengine.executor import ExecutorDeadError
@@ -27,13 +26,6 @@ pytestmark = pytest.mark.slow
 
 ENGINE = dict(load_format="dummy", max_model_len=256, kv_cache_memory=2**22)
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder: Path = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(folder)
 
 
 def children(pid: int) -> list[int]:

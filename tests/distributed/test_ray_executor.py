@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from helpers.tiny_models import TINY_LLAMA
+from helpers.tiny_models import greedy_tokens
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 from pyengine.executor import ExecutorDeadError
 from pyengine.executor.worker_process import free_port
 
@@ -23,8 +23,6 @@ ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow
 
 ENGINE = dict(load_format="dummy", max_model_len=128, kv_cache_memory=2**22)
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
-GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
 # The `ray` command of this interpreter's environment (beside it in a virtual env).
@@ -54,35 +52,21 @@ def cluster() -> Iterator[str]:
         subprocess.run([RAY, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> str:
-    import json
-
-    folder: Path = tmp_path_factory.mktemp("tiny")
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
-    return str(folder)
-
-
-def tokens(llm: LLM) -> list[list[int]]:
-    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    return [list(o.outputs[0].token_ids) for o in outputs]
-
-
 def test_ranks_on_two_nodes_give_one_rank_tokens(cluster: str, model: str) -> None:
-    expected = tokens(LLM(model, **ENGINE))
+    expected = greedy_tokens(LLM(model, **ENGINE))
     llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
     try:
         nodes = {d["node"] for d in llm.engine.executor.ranks}  # type: ignore[attr-defined]
         assert len(ray.nodes()) == 2
         assert len(nodes) == 2, "a node has one CPU: the ranks must be on both"
-        assert tokens(llm) == expected
+        assert greedy_tokens(llm) == expected
         assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         llm.engine.shutdown()
     # Pipeline stages as actors too: a rank per node.
     llm = LLM(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
     try:
-        assert tokens(llm) == expected
+        assert greedy_tokens(llm) == expected
     finally:
         llm.engine.shutdown()
 
@@ -100,7 +84,7 @@ def test_a_dead_actor_is_noticed_and_ends_the_rest(cluster: str, model: str) -> 
         time.sleep(0.2)
     assert not executor.is_alive, "the dead actor went unnoticed"
     with pytest.raises(ExecutorDeadError):
-        tokens(llm)
+        greedy_tokens(llm)
     llm.engine.shutdown()
 
 

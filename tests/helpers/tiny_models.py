@@ -84,3 +84,16 @@ def make_checkpoint(kind: str, folder: Path) -> torch.nn.Module:
                 p.normal_(0.0, 0.05)
     model.save_pretrained(folder)
     return model
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
+
+
+def greedy_tokens(llm: object, max_tokens: int = 12) -> list[list[int]]:
+    """The greedy tokens of `llm` (an LLM) for PROMPTS."""
+    from pyengine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    outputs = llm.generate(prompts, params, use_tqdm=False)  # type: ignore[attr-defined]
+    return [list(o.outputs[0].token_ids) for o in outputs]
