@@ -104,6 +104,12 @@ class RayDistributedExecutor(DistributedExecutor):
             ray.get(self.group.ready(), timeout=PLACEMENT_TIMEOUT_S)
         except GetTimeoutError:
             raise too_few from None
+        try:
+            return self._start_actors(spec, on_gpu)
+        except RayActorError as error:  # an actor could not even be made (an import)
+            raise RuntimeError(f"a Ray worker failed to start: {error}") from None
+
+    def _start_actors(self, spec: WorkerSpec, on_gpu: bool) -> list[dict[str, Any]]:
         actor_class = ray.remote(RankActor)
         for rank in range(self.world_size):
             strategy = PlacementGroupSchedulingStrategy(

@@ -179,3 +179,17 @@ def test_the_ray_backend_without_ray_is_a_clear_error(checkpoints: dict[str, Pat
         text=True, timeout=120, cwd=tempfile.gettempdir(),
     )  # fmt: skip
     assert "needs Ray, which is not installed: pip install 'pyengine[ray]'" in out.stdout, out
+
+
+def test_one_rank_in_a_process_of_its_own_gives_the_in_process_tokens(model: str) -> None:
+    """The `mp` executor at world size 1 (as on one GPU): a worker process, no groups."""
+    from helpers.tiny_models import greedy_tokens
+
+    args = dict(load_format="dummy", max_model_len=128, kv_cache_memory=2**22)
+    expected = greedy_tokens(LLM(model, **args))
+    llm = LLM(model, distributed_executor_backend="mp", **args)
+    try:
+        assert len(llm.engine.executor.ranks) == 1  # type: ignore[attr-defined]
+        assert greedy_tokens(llm) == expected
+    finally:
+        llm.engine.shutdown()

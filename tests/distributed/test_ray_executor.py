@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -30,13 +31,19 @@ RAY = shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
 
 
 def ray_cli(*args: str, env: dict[str, str]) -> None:
-    subprocess.run([RAY, *args], check=True, env=env, capture_output=True, timeout=120)
+    # From outside the checkout: Ray's workers start in the folder the cluster and the
+    # driver run from, and there the source tree's pyengine/ (no _C) would shadow the
+    # installed one.
+    subprocess.run([RAY, *args], check=True, env=env, capture_output=True, timeout=120,
+                   cwd=tempfile.gettempdir())  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[str]:
     """A head node and a second node of one CPU each; RAY_ADDRESS points the engine at
-    them."""
+    them. The driver runs from outside the checkout too (see ray_cli)."""
+    cwd = os.getcwd()
+    os.chdir(tempfile.gettempdir())
     port = free_port("127.0.0.1")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0"}
     common = ["--num-cpus=1", "--disable-usage-stats"]
@@ -46,6 +53,7 @@ def cluster() -> Iterator[str]:
         os.environ["RAY_ADDRESS"] = f"127.0.0.1:{port}"
         yield os.environ["RAY_ADDRESS"]
     finally:
+        os.chdir(cwd)
         os.environ.pop("RAY_ADDRESS", None)
         if ray.is_initialized():
             ray.shutdown()
