@@ -23,6 +23,8 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
+import torch
+
 from pyengine.config import EngineConfig
 from pyengine.executor.distributed import DistributedExecutor, Reply
 from pyengine.executor.shm_broadcast import ShmBroadcast
@@ -43,6 +45,12 @@ def threads_per_rank(world_size: int) -> int:
 
 class MultiprocExecutor(DistributedExecutor):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
+        world = config.parallel.world_size
+        if config.device.startswith("cuda") and torch.cuda.device_count() < world:
+            raise ValueError(
+                f"{world} ranks need a GPU each, and this machine has "
+                f"{torch.cuda.device_count()} (or use the ray backend across machines)"
+            )
         self.processes: list[BaseProcess] = []
         self.pipes: list[Connection] = []
         self.broadcast: ShmBroadcast | None = None

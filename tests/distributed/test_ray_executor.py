@@ -1,7 +1,7 @@
 """The Ray backend on a two-node Ray cluster that the test starts on this machine (two
 `ray start` processes, each a node with its own CPUs): the ranks spread over both nodes
-and give one rank's tokens; too small a cluster is refused at start. The cluster is
-stopped afterwards."""
+and give one rank's tokens; an actor killed is noticed; too small a cluster is refused
+at start. The cluster is stopped afterwards."""
 
 from __future__ import annotations
 
