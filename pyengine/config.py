@@ -8,6 +8,46 @@ from typing import Any
 
 from pyengine.sampling_params import is_int, is_real
 
+QUANTIZATION_METHODS = ("gptq", "awq")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """A weight-only integer checkpoint's quantization (its config.json's
+    `quantization_config`): `bits`-bit weights in groups of `group_size` input features
+    (-1: one group), each group with a scale and a zero point."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int
+    desc_act: bool = False  # GPTQ: groups in activation order (a g_idx per input feature)
+    # GPTQ's original format stores each zero point less 1 ("gptq"); "gptq_v2" does not.
+    zero_offset: int = 0
+
+    def __post_init__(self) -> None:
+        if self.method not in QUANTIZATION_METHODS:
+            raise ValueError(
+                f"quantization {self.method!r} is not supported (supported: "
+                f"{', '.join(QUANTIZATION_METHODS)})"
+            )
+        allowed_bits = (4, 8) if self.method == "gptq" else (4,)
+        if self.bits not in allowed_bits:
+            raise ValueError(
+                f"{self.method} with {self.bits!r}-bit weights is not supported (bits: "
+                f"{', '.join(map(str, allowed_bits))})"
+            )
+        if not is_int(self.group_size) or not (self.group_size == -1 or self.group_size >= 8):
+            raise ValueError(
+                f"{self.method} group_size must be -1 or at least 8, got {self.group_size!r}"
+            )
+        if self.method == "awq" and self.desc_act:
+            raise ValueError("awq checkpoints have no activation-order groups (desc_act)")
+
+    @property
+    def pack_factor(self) -> int:
+        """Weights in one int32 of the checkpoint."""
+        return 32 // self.bits
+
 
 @dataclass
 class ModelConfig:
@@ -36,6 +76,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m)
     position_offset: int = 0  # OPT's learned positions start at row 2
+    quantization: QuantizationConfig | None = None  # None: float weights
 
     def __post_init__(self) -> None:
         """Values a model cannot run with are refused when loaded, not at the first

@@ -10,6 +10,7 @@ from pyengine import built_with_cuda
 from pyengine.config import (
     EngineConfig,
     ParallelConfig,
+    QuantizationConfig,
     default_kv_cache_memory,
     kv_cache_dtype_supported,
 )
@@ -37,6 +38,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     load_format: str = "auto"
+    # "gptq" or "awq"; None: the checkpoint's quantization_config says (or float weights)
+    quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     # Ranks per pipeline stage, and stages; their product is the number of workers.
@@ -62,6 +65,7 @@ class EngineArgs:
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
         parallel.check_model(loaded.config)
+        check_quantization(self.quantization, loaded.config.quantization, self.model)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -99,6 +103,21 @@ class EngineArgs:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+
+
+def check_quantization(asked: str | None, found: QuantizationConfig | None, model: str) -> None:
+    """A quantization asked for must be the checkpoint's own."""
+    if asked is None:
+        return
+    if found is None:
+        raise ValueError(
+            f"quantization {asked!r} was asked for, and {model} has no quantization_config "
+            "(float weights)"
+        )
+    if asked != found.method:
+        raise ValueError(
+            f"quantization {asked!r} was asked for, and {model} is a {found.method} checkpoint"
+        )
 
 
 def resolve_device(device: str) -> str:

@@ -59,6 +59,11 @@ class LinearBase(nn.Module):
     [output_size_per_partition, input_size_per_partition]."""
 
     weight: nn.Parameter  # the method's to create, and to remove once it has its forms
+    # A weight-only integer method's forms, as buffers (layers/weight_only_int.py).
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    input_groups: torch.Tensor
 
     def __init__(
         self,
@@ -157,6 +162,9 @@ class ColumnParallelLinear(LinearBase):
     def weight_loader(self, name: str, kind: str, loaded: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of checkpoint tensor `loaded` (part `part` of the
         stacked weight; kind: "weight" or "bias") into the layer."""
+        if kind not in ("weight", "bias"):  # a quantized checkpoint's integers and scales
+            self.method.load_quantized(self, name, kind, loaded, part)
+            return
         start, length = self.shard_offsets[part]
         full = self.output_sizes[part]
         if kind == "weight":
@@ -260,6 +268,9 @@ class RowParallelLinear(LinearBase):
         if kind == "bias":  # added once, after the sum
             assert self.bias is not None
             copy_checked(name, self.bias.data, loaded)
+            return
+        if kind != "weight":  # a quantized checkpoint's integers and scales
+            self.method.load_quantized(self, name, kind, loaded, part)
             return
         check_shape(name, loaded, (self.output_size, self.input_size))
         shard = loaded.narrow(1, self.input_start, self.input_size_per_partition)

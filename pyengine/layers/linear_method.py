@@ -31,9 +31,11 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import _C, ops
+from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.placement import Placement
 from pyengine.utils import host_memory
+from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from pyengine.layers.linear import LinearBase
@@ -101,10 +103,19 @@ class LinearMethod(ABC):
     """What a linear layer delegates its weight to. A layer with `gate_up` set holds
     [gate; up] and is applied through `apply_silu_and_mul` only."""
 
+    # The checkpoint tensors of a layer's weight, by the suffix of their names.
+    weight_kinds: tuple[str, ...] = ("weight",)
+
     def create_weights(self, layer: LinearBase) -> None:
         """Registers layer.weight [out, in] of the layer's shard, for the loader to fill."""
         weight = torch.empty(layer.output_size_per_partition, layer.input_size_per_partition)
         layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def load_quantized(
+        self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
+    ) -> None:
+        """A quantized checkpoint's tensor of kind `kind` (one of weight_kinds)."""
+        raise ValueError(f"weight {name}: this layer holds no {kind!r} tensor")
 
     def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
         """The block form of rows [start, start + rows) of the weight (GGUF's). Methods
@@ -213,11 +224,17 @@ class LinearMethods:
     placement: Placement = Placement()
     # Checkpoint weight names that came with a GGUF block form.
     block_quantized: frozenset[str] = frozenset()
+    # A GPTQ/AWQ checkpoint's: its layers' weights (all but the head) are integers.
+    quantization: QuantizationConfig | None = None
 
     def choose(self, checkpoint_names: Sequence[str], many_rows: bool = True) -> LinearMethod:
         """The method of a layer made of `checkpoint_names` (its parts, in order);
         many_rows: whether it multiplies every token of a step (the head sees only the
-        sampled rows: it keeps no split form)."""
+        sampled rows: it keeps no split form, and stays float in a quantized checkpoint)."""
+        if self.quantization is not None and many_rows:
+            from pyengine.layers.weight_only_int import WeightOnlyIntMethod
+
+            return WeightOnlyIntMethod(self.quantization, self.placement)
         if not self.placement.packs_weights:
             return TorchLinearMethod(self.placement)
         base: PackedPanelsMethod = (

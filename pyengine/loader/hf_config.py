@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pyengine.config import ModelConfig
+from pyengine.config import QUANTIZATION_METHODS, ModelConfig, QuantizationConfig
 from pyengine.models.registry import ARCHITECTURES
 
 
@@ -138,3 +138,33 @@ def _ids(value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     return tuple(int(v) for v in value) if isinstance(value, list) else (int(value),)
+
+
+def quantization_from_hf(raw: Any) -> QuantizationConfig:
+    """A config.json's `quantization_config` (GPTQ as AutoGPTQ / GPTQModel write it, AWQ
+    as AutoAWQ's GEMM format); ValueError naming what is not supported."""
+    method = raw.get("quant_method") if isinstance(raw, dict) else None
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(
+            f"quantized checkpoints ({method or 'quantization_config'}) are not supported "
+            f"(supported: {', '.join(QUANTIZATION_METHODS)}); give float weights, or a GGUF file"
+        )
+    assert isinstance(raw, dict)
+    # Checked by QuantizationConfig (a missing or odd value is named there).
+    bits: Any = raw.get("bits", raw.get("w_bit"))
+    group_size: Any = raw.get("group_size", raw.get("q_group_size"))
+    if method == "awq":
+        version = str(raw.get("version", "gemm")).lower()
+        if version != "gemm" or raw.get("zero_point") is False:
+            raise ValueError(
+                f"awq version {version!r} (zero_point {raw.get('zero_point')!r}) is not "
+                "supported: AutoAWQ's GEMM packing with zero points"
+            )
+        return QuantizationConfig("awq", bits, group_size)
+    checkpoint_format = raw.get("checkpoint_format", "gptq")
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ValueError(f"gptq checkpoint_format {checkpoint_format!r} is not supported")
+    return QuantizationConfig(
+        "gptq", bits, group_size, bool(raw.get("desc_act", False)),
+        zero_offset=1 if checkpoint_format == "gptq" else 0,
+    )  # fmt: skip

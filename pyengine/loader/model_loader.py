@@ -37,7 +37,10 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerCo
     if not loaded.weights_read:
         raise ValueError(f"{loaded.source}: loaded without its weights (read_weights=False)")
     placement = ctx.placement
-    ctx = replace(ctx, methods=LinearMethods(placement, frozenset(loaded.block_quantized)))
+    methods = LinearMethods(
+        placement, frozenset(loaded.block_quantized), loaded.config.quantization
+    )
+    ctx = replace(ctx, methods=methods)
     with torch.device(placement.device):  # the parameters are made (and loaded) there
         model = model_class(loaded.config.architecture)(loaded.config, max_positions, ctx)
     if loaded.weights is None:  # load_format="dummy"

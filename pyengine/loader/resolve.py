@@ -20,7 +20,7 @@ from pyengine.loader.gguf_model import (
     config_from_gguf,
     weights_from_gguf,
 )
-from pyengine.loader.hf_config import model_config_from_hf
+from pyengine.loader.hf_config import model_config_from_hf, quantization_from_hf
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
 from pyengine.utils.lazy_weights import LazySlice, LazyWeights
 
@@ -140,13 +140,14 @@ def load_model(
         except ValueError as error:
             raise ValueError(f"{config_path}: {error}") from None
         quantization = raw_config.get("quantization_config")
-        if quantization and load_format != "dummy":
-            method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-            raise ValueError(
-                f"{config_path}: quantized checkpoints ({method or 'quantization_config'}) "
-                "are not supported; give float weights, or a GGUF file"
-            )
-        weights = None if load_format == "dummy" else load_safetensors(path)
+        if quantization and load_format != "dummy":  # random weights are float ones
+            try:
+                config.quantization = quantization_from_hf(quantization)
+            except ValueError as error:
+                raise ValueError(f"{config_path}: {error}") from None
+        weights = None
+        if load_format != "dummy":
+            weights = load_safetensors(path, quantized=config.quantization is not None)
         has_tokenizer = (path / "tokenizer.json").is_file() and read_tokenizer
         tok = tokenizer_from_folder(path) if tokenizer is None and has_tokenizer else None
     else:
@@ -171,10 +172,11 @@ def _read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not a JSON file ({error})") from None
 
 
-def load_safetensors(folder: Path) -> LazyWeights:
+def load_safetensors(folder: Path, quantized: bool = False) -> LazyWeights:
     """Every tensor of the folder's safetensors files (by its index where there is one),
     each read when asked for, in its stored dtype; a tensor in two files, or one that is
-    not floating point, is an error (from the files' headers, before any is read)."""
+    not floating point (but a quantized checkpoint's packed integers), is an error (from
+    the files' headers, before any is read)."""
     from safetensors import SafetensorError, safe_open
 
     index = folder / "model.safetensors.index.json"
@@ -205,7 +207,8 @@ def load_safetensors(folder: Path) -> LazyWeights:
         for key, (dtype, shape) in headers.items():
             if key in readers:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
-            if not dtype.startswith(("F", "BF")):
+            packed = quantized and key.endswith(QUANTIZED_INTEGER_TENSORS)
+            if not dtype.startswith(("F", "BF")) and not packed:
                 kind = _INTEGER_DTYPES.get(dtype, dtype)
                 raise ValueError(
                     f"{path}: tensor {key} is {kind}; pyengine loads floating-point weights "
@@ -217,6 +220,9 @@ def load_safetensors(folder: Path) -> LazyWeights:
     return LazyWeights(readers, slicers)
 
 
+# A quantized checkpoint's integer tensors (GPTQ's and AWQ's packed weights and zero
+# points, GPTQ's input groups).
+QUANTIZED_INTEGER_TENSORS = (".qweight", ".qzeros", ".g_idx")
 # safetensors' header dtypes that are not floating point, as torch names them
 _INTEGER_DTYPES = {"BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8",
                    "I16": "torch.int16", "U16": "torch.uint16", "I32": "torch.int32",

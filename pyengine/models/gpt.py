@@ -122,6 +122,11 @@ class LearnedPositionDecoder(nn.Module):
         self.config = config
         self.placement = ctx.placement
         c = config
+        if c.quantization is not None:
+            raise ValueError(
+                f"{c.quantization.method} checkpoints of {c.architecture} are not supported "
+                "(the Llama family's are)"
+            )
         # A pipeline stage holds its layers only (placeholders for the others): the
         # first the embeddings, the last the final norm and the head.
         self.stage = ctx.pp

@@ -221,14 +221,14 @@ class LlamaForCausalLM(nn.Module):
             layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)
             p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
-            kinds = ("weight", "bias") if c.attention_bias else ("weight",)
             for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                for kind in kinds:
-                    router.linear(f"{p}.self_attn.{name}.{kind}", attn.qkv_proj, kind, part)
-            router.linear(f"{p}.self_attn.o_proj.weight", attn.o_proj)
-            router.linear(f"{p}.mlp.gate_proj.weight", mlp.gate_up_proj, part=0)
-            router.linear(f"{p}.mlp.up_proj.weight", mlp.gate_up_proj, part=1)
-            router.linear(f"{p}.mlp.down_proj.weight", mlp.down_proj)
+                router.linear_weight(f"{p}.self_attn.{name}", attn.qkv_proj, part)
+                if c.attention_bias:
+                    router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
+            router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
+            router.linear_weight(f"{p}.mlp.gate_proj", mlp.gate_up_proj, part=0)
+            router.linear_weight(f"{p}.mlp.up_proj", mlp.gate_up_proj, part=1)
+            router.linear_weight(f"{p}.mlp.down_proj", mlp.down_proj)
             router.plain(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
             router.plain(
                 f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight

@@ -58,9 +58,22 @@ class WeightRouter:
         blocks = None if kind != "weight" else lambda b: layer.load_part_blocks(b, part)
         rows = layer.output_sizes[part] if isinstance(layer, ColumnParallelLinear) else None
         shape = _linear_shape(rows or layer.output_size, layer.input_size, kind)
+        if kind not in ("weight", "bias"):
+            shape = ()  # a quantized form's: no random weights of it
         self._routes[name] = _Route(
             lambda t: layer.weight_loader(name, kind, t, part), blocks, shape
         )
+
+    def linear_weight(
+        self,
+        module: str,
+        layer: ColumnParallelLinear | RowParallelLinear,
+        part: int = 0,
+    ) -> None:
+        """Part `part` of `layer`'s weight, checkpoint module `module`: its `.weight`, or
+        the tensors a quantized format stores instead (the method's weight_kinds)."""
+        for kind in layer.method.weight_kinds:
+            self.linear(f"{module}.{kind}", layer, kind, part)
 
     def fused_qkv(self, name: str, layer: QKVParallelLinear, kind: str) -> None:
         """q, k and v in one checkpoint tensor."""

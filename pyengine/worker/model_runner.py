@@ -4,6 +4,7 @@ rows that sample out. Owns the model and its paged KV cache."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 import torch
@@ -23,6 +24,19 @@ from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")
+
+
+def resident_bytes(model: Any) -> int:
+    """Bytes the model's weights hold: its parameters and buffers, and the forms its
+    linear methods made (each tensor once)."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    for module in model.modules():
+        for attr in ("packed", "packed_split", "packed_blocks"):
+            value = getattr(module, attr, None)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+    unique = {id(t): t for t in tensors}.values()
+    return sum(t.numel() * t.element_size() for t in unique)
 
 
 def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -82,6 +96,12 @@ class ModelRunner:
             LayerContext(self.placement, self.tp, self.pp),
         )  # fmt: skip
         self.min_blocks = min_blocks
+        q = c.quantization
+        logger.info(
+            "weights: %s, %.1f MiB resident",
+            f"{q.method} {q.bits}-bit, groups of {q.group_size}" if q else "float",
+            resident_bytes(self.model) / 2**20,
+        )
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None
         self.capture_sizes: list[int] = []

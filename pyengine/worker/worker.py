@@ -16,7 +16,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.model_runner import ModelRunner
+from pyengine.worker.model_runner import ModelRunner, resident_bytes
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
     PromptLogprobRow,
@@ -56,14 +56,13 @@ class Worker:
         methods keep), and the KV cache (its blocks and their bytes)."""
         runner = self.model_runner
         model = runner.model
-        tensors = {id(t): t for t in _tensors(model)}.values()
         return {
             "layers": (model.start_layer, model.end_layer),
             "kv_heads": runner.num_kv_heads,
             "num_blocks": runner.num_blocks,
             "block_bytes": runner.block_bytes,
             "num_parameters": model.num_parameters,
-            "weight_bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "weight_bytes": resident_bytes(model),
         }
 
     def shutdown(self) -> None:
@@ -121,14 +120,3 @@ class Worker:
             tokens, ks = [r.token_id for r in part], [r.num_logprobs for r in part]
             entries += gather_logprobs(logprobs, tokens, ks)
         return entries
-
-
-def _tensors(model: Any) -> list[torch.Tensor]:
-    """The model's parameters and buffers, and the forms its linear methods made."""
-    tensors = list(model.parameters()) + list(model.buffers())
-    for module in model.modules():
-        for attr in ("packed", "packed_split", "packed_blocks"):
-            value = getattr(module, attr, None)
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-    return tensors

@@ -57,6 +57,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--tokenizer", default=d.tokenizer)
     parser.add_argument("--load-format", default=d.load_format)
+    parser.add_argument(
+        "--quantization", "-q", choices=["gptq", "awq"], default=d.quantization,
+        help="the checkpoint's quantization (default: what its config.json says)",
+    )  # fmt: skip
     parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument(
         "--kv-cache-dtype",

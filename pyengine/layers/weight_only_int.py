@@ -1,0 +1,169 @@
+"""GPTQ and AWQ checkpoints: 4- or 8-bit integer weights in groups of input features,
+each group with a scale and a zero point, read from their packed int32 forms and held
+in quantized form (the integers, one byte each, and the groups' scales and zeros).
+
+The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
+- GPTQ (AutoGPTQ, GPTQModel): qweight int32 [in / (32 / bits), out], packed along the
+  input, lowest bits first; qzeros int32 [groups, out / (32 / bits)], packed along the
+  output; scales [groups, out]; g_idx int32 [in], each input's group (activation order
+  with desc_act). W[o, i] = scales[g_idx[i], o] * (q[i, o] - zero[g_idx[i], o]), the
+  stored zero less 1 in the original "gptq" format.
+- AWQ (AutoAWQ's GEMM): qweight int32 [in, out / 8], qzeros int32 [in / group, out / 8],
+  both packed along the output in the order 0, 2, 4, 6, 1, 3, 5, 7; scales
+  [in / group, out]; W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o]).
+
+Held per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
+the whole input (a row-parallel shard's inputs may fall in any group with activation
+order), and each stacked part's input groups. This method multiplies by dequantizing the
+shard in torch each step: correct, and a reference for the integer kernels to come.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pyengine.config import QuantizationConfig
+from pyengine.layers.linear_method import LinearMethod
+from pyengine.layers.placement import Placement
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from pyengine.layers.linear import LinearBase
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each nibble of an int32
+
+
+def unpack_int32(
+    packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] = ()
+) -> torch.Tensor:
+    """The integers packed 32 / bits to an int32 along `dim`, lowest bits first (or, with
+    `order`, nibble k holding position order[k]), as int16 with `dim` widened."""
+    if packed.dtype != torch.int32:
+        raise ValueError(f"packed weights are int32, got {packed.dtype}")
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32)
+    moved = packed.movedim(dim, -1)
+    values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
+    if order:
+        values = values[..., list(_inverse(order))]
+    widened = values.reshape(*moved.shape[:-1], moved.shape[-1] * per_word)
+    return widened.movedim(-1, dim).to(torch.int16)
+
+
+def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
+    """Positions -> nibbles: nibble k holds position order[k]."""
+    inverse = [0] * len(order)
+    for nibble, position in enumerate(order):
+        inverse[position] = nibble
+    return tuple(inverse)
+
+
+def num_groups(in_features: int, group_size: int) -> int:
+    return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+class WeightOnlyIntMethod(LinearMethod):
+    def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
+        self.q = quantization
+        self.placement = placement
+        kinds = ("qweight", "qzeros", "scales")
+        self.weight_kinds = (*kinds, "g_idx") if quantization.method == "gptq" else kinds
+
+    def _full_input(self, layer: LinearBase) -> int:
+        return layer.input_size
+
+    def create_weights(self, layer: LinearBase) -> None:
+        out, local_in = layer.output_size_per_partition, layer.input_size_per_partition
+        groups = num_groups(self._full_input(layer), self.q.group_size)
+        parts = len(getattr(layer, "output_sizes", [out]))
+        layer.register_buffer("qweight", torch.zeros(out, local_in, dtype=torch.uint8))
+        layer.register_buffer("scales", torch.zeros(out, groups))
+        layer.register_buffer("zeros", torch.zeros(out, groups))
+        # Each stacked part's group of every input of the shard (GPTQ's g_idx).
+        first = getattr(layer, "input_start", 0)
+        default = self._default_groups(layer)[first : first + local_in]
+        layer.register_buffer("input_groups", default.repeat(parts, 1))
+
+    def _default_groups(self, layer: LinearBase) -> torch.Tensor:
+        full = self._full_input(layer)
+        if self.q.group_size == -1:
+            return torch.zeros(full, dtype=torch.int64)
+        return torch.arange(full, dtype=torch.int64) // self.q.group_size
+
+    def load_quantized(
+        self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
+    ) -> None:
+        """Checkpoint tensor `name` (kind qweight, qzeros, scales or g_idx) of stacked
+        part `part`: this rank's rows (column-parallel) or inputs (row-parallel)."""
+        from pyengine.layers.linear import check_shape
+
+        tensor = materialize(loaded)
+        out_rows = self._part_rows(layer, part)  # (checkpoint rows, start, length, local start)
+        full_out, start, length, local = out_rows
+        full_in = self._full_input(layer)
+        groups = num_groups(full_in, self.q.group_size)
+        first_in, local_in = getattr(layer, "input_start", 0), layer.input_size_per_partition
+        bits, per_word = self.q.bits, self.q.pack_factor
+        awq = self.q.method == "awq"
+        if kind == "g_idx":
+            check_shape(name, tensor, (full_in,))
+            g = tensor.to(torch.int64)
+            if int(g.min()) < 0 or int(g.max()) >= groups:
+                raise ValueError(f"weight {name}: groups outside [0, {groups})")
+            layer.input_groups[part] = g[first_in : first_in + local_in]
+            return
+        if kind == "scales":
+            check_shape(name, tensor, (groups, full_out))
+            value = tensor.t().float()
+            target = layer.scales
+        elif kind == "qzeros":
+            packed_shape = (groups, full_out // per_word)
+            check_shape(name, tensor, packed_shape)
+            value = unpack_int32(tensor, bits, 1, AWQ_ORDER if awq else ()).t().float()
+            value = value + self.q.zero_offset
+            target = layer.zeros
+        else:  # qweight
+            packed_shape = (
+                (full_in, full_out // per_word) if awq else (full_in // per_word, full_out)
+            )
+            check_shape(name, tensor, packed_shape)
+            q = unpack_int32(tensor, bits, 1 if awq else 0, AWQ_ORDER if awq else ())
+            value = q.t()[:, first_in : first_in + local_in].to(torch.uint8)
+            target = layer.qweight
+        target[local : local + length] = value[start : start + length]
+
+    def _part_rows(self, layer: LinearBase, part: int) -> tuple[int, int, int, int]:
+        """(output rows of the part in the checkpoint, this rank's first and count, where
+        they go in the layer)."""
+        from pyengine.layers.linear import ColumnParallelLinear
+
+        if not isinstance(layer, ColumnParallelLinear):  # row-parallel: every output row
+            return layer.output_size, 0, layer.output_size, 0
+        start, length = layer.shard_offsets[part]
+        return layer.output_sizes[part], start, length, layer.local_offsets[part]
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        for attr in ("qweight", "scales", "zeros", "input_groups"):
+            setattr(layer, attr, getattr(layer, attr).to(self.placement.device))
+
+    def dequantize(self, layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
+        """The shard's weight [out, in] in `dtype`."""
+        q, scales, zeros = layer.qweight, layer.scales, layer.zeros
+        weight = torch.empty(q.shape, dtype=dtype, device=q.device)
+        from pyengine.layers.linear import ColumnParallelLinear
+
+        bounds = [0, q.shape[0]]
+        if isinstance(layer, ColumnParallelLinear):
+            ends = zip(layer.local_offsets, layer.shard_offsets, strict=True)
+            bounds = [0] + [offset + length for offset, (_, length) in ends]
+        for part in range(len(bounds) - 1):
+            rows = slice(bounds[part], bounds[part + 1])
+            g = layer.input_groups[part]
+            weight[rows] = ((q[rows].float() - zeros[rows][:, g]) * scales[rows][:, g]).to(dtype)
+        return weight
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, self.dequantize(layer, x.dtype), bias)

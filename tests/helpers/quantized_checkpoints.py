@@ -1,0 +1,111 @@
+"""GPTQ and AWQ checkpoints written in the test, by the documented tensor layouts (an
+implementation of its own, independent of pyengine's reader): a float checkpoint's
+linear weights quantized per group (min/max, asymmetric), packed into int32, with the
+dequantized float weights of the same values for the reference checkpoint."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an int32 holds column order[k]
+
+
+def _to_int32(words: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy((words & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+
+
+def quantize(w: np.ndarray, bits: int, group_of: np.ndarray, groups: int):  # type: ignore[no-untyped-def]
+    """w [out, in] -> (q [out, in], scales [groups, out] as float16, zeros [groups, out],
+    dequantized [out, in]); zero points in [1, 2^bits - 1] (GPTQ's stored zero less 1
+    must not wrap)."""
+    top = (1 << bits) - 1
+    out = w.shape[0]
+    scales = np.zeros((groups, out))
+    zeros = np.zeros((groups, out), dtype=np.int64)
+    for g in range(groups):
+        cols = w[:, group_of == g]
+        low, high = np.minimum(cols.min(1), 0), np.maximum(cols.max(1), 0)
+        scales[g] = np.maximum(high - low, 1e-8) / (top - 1)
+        zeros[g] = np.clip(np.round(-low / scales[g]) + 1, 1, top)
+    scales = scales.astype(np.float16).astype(np.float64)  # stored as float16
+    q = np.clip(np.round(w / scales[group_of].T) + zeros[group_of].T, 0, top).astype(np.int64)
+    deq = (q - zeros[group_of].T) * scales[group_of].T
+    return q, scales.astype(np.float16), zeros, deq
+
+
+def pack_gptq(q: np.ndarray, zeros: np.ndarray, bits: int, zero_offset: int) -> tuple:  # type: ignore[type-arg]
+    per = 32 // bits
+    qt = q.T  # [in, out]
+    qweight = np.zeros((qt.shape[0] // per, qt.shape[1]), dtype=np.int64)
+    for k in range(per):
+        qweight |= qt[k::per] << (bits * k)
+    stored = zeros - zero_offset
+    qzeros = np.zeros((stored.shape[0], stored.shape[1] // per), dtype=np.int64)
+    for k in range(per):
+        qzeros |= stored[:, k::per] << (bits * k)
+    return _to_int32(qweight), _to_int32(qzeros)
+
+
+def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple:  # type: ignore[type-arg]
+    def pack(values: np.ndarray) -> torch.Tensor:  # [rows, out] -> [rows, out / 8]
+        words = np.zeros((values.shape[0], values.shape[1] // 8), dtype=np.int64)
+        for k, column in enumerate(AWQ_PACK_ORDER):
+            words |= values[:, column::8] << (4 * k)
+        return _to_int32(words)
+
+    return pack(q.T), pack(zeros)
+
+
+def write_quantized(
+    float_folder: Path, out: Path, reference: Path, method: str, bits: int, group_size: int,
+    desc_act: bool = False, seed: int = 0,
+) -> None:  # fmt: skip
+    """`out`: float_folder's checkpoint with its linear layers quantized (method "gptq"
+    or "awq"); `reference`: the same model with those layers' dequantized float32
+    weights, and no quantization_config."""
+    rng = np.random.default_rng(seed)
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
+            continue
+        in_features = w.shape[1]
+        groups = -(-in_features // group_size)
+        order = rng.permutation(in_features) if desc_act else np.arange(in_features)
+        group_of = np.empty(in_features, dtype=np.int64)
+        group_of[order] = np.arange(in_features) // group_size
+        q, scales, zeros, deq = quantize(w.double().numpy(), bits, group_of, groups)
+        del quantized[name]
+        if method == "gptq":
+            qweight, qzeros = pack_gptq(q, zeros, bits, zero_offset=1)
+            quantized[f"{module}.g_idx"] = torch.from_numpy(group_of.astype(np.int32))
+        else:
+            qweight, qzeros = pack_awq(q, zeros)
+        quantized[f"{module}.qweight"] = qweight
+        quantized[f"{module}.qzeros"] = qzeros
+        quantized[f"{module}.scales"] = torch.from_numpy(scales)
+        dequantized[name] = torch.from_numpy(deq.astype(np.float32))
+    for folder, weights in ((out, quantized), (reference, dequantized)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for extra in float_folder.iterdir():
+            if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
+                shutil.copy(extra, folder / extra.name)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((float_folder / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config))
+    config["quantization_config"] = (
+        {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
+         "sym": False, "checkpoint_format": "gptq"}
+        if method == "gptq"
+        else {"quant_method": "awq", "bits": bits, "group_size": group_size,
+              "zero_point": True, "version": "gemm"}
+    )  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
