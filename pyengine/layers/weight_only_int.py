@@ -14,19 +14,32 @@ The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
 
 Held per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
 the whole input (a row-parallel shard's inputs may fall in any group with activation
-order), and each stacked part's input groups. This method multiplies by dequantizing the
-shard in torch each step: correct, and a reference for the integer kernels to come.
+order), and each stacked part's input groups.
+
+Multiplied, on the CPU in float32, for steps of few rows (decode) by pyengine's
+block-quantized matmul (ops.dense over GGUF's Q4_1/Q8_0 block form, layers/
+block_quantized.py), wherever every block of 32 inputs lies in one group: w = s (q - z)
+is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
+exact in float32, so the weights are the same bits. Otherwise (steps of many rows,
+activation order, other placements) the shard is dequantized in torch each step.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from pyengine import ops
 from pyengine.config import QuantizationConfig
-from pyengine.layers.linear_method import LinearMethod
+from pyengine.layers.block_quantized import BLOCK, BlockQuantized
+from pyengine.layers.linear_method import (
+    BLOCK_QUANTIZED_MAX_ROWS,
+    LinearMethod,
+    pack_block_quantized,
+)
 from pyengine.layers.placement import Placement
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -148,22 +161,72 @@ class WeightOnlyIntMethod(LinearMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         for attr in ("qweight", "scales", "zeros", "input_groups"):
             setattr(layer, attr, getattr(layer, attr).to(self.placement.device))
+        blocks = self.block_form(layer) if self.placement.packs_weights else None
+        if blocks is not None:
+            layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
+
+    def block_form(self, layer: LinearBase) -> BlockQuantized | None:
+        """The shard as GGUF-style blocks of 32 inputs (q, scale, offset per block), or
+        None where a block's inputs fall in more than one group."""
+        groups = layer.input_groups
+        local_in = groups.shape[1]
+        if local_in % BLOCK or not torch.equal(
+            groups.view(groups.shape[0], -1, BLOCK), groups[:, ::BLOCK, None].expand(-1, -1, BLOCK)
+        ):
+            return None
+        q, scales, zeros = layer.qweight, layer.scales, layer.zeros
+        block_groups = groups[:, ::BLOCK]  # [parts, blocks]
+        scale = torch.empty(q.shape[0], local_in // BLOCK)
+        zero = torch.empty_like(scale)
+        for part, rows in enumerate(self._part_bounds(layer)):
+            scale[rows] = scales[rows][:, block_groups[part]]
+            zero[rows] = zeros[rows][:, block_groups[part]]
+        if self.q.bits == 4:
+            q_form = q.numpy()
+            offset = -scale * zero
+        else:
+            q_form = (q.to(torch.int16) - 128).to(torch.int8).numpy()
+            offset = scale * (128 - zero)
+        return BlockQuantized(q_form, scale.numpy(), offset.numpy().astype(np.float32))
+
+    def _part_bounds(self, layer: LinearBase) -> list[slice]:
+        """The layer's rows of each stacked part."""
+        from pyengine.layers.linear import ColumnParallelLinear
+
+        if not isinstance(layer, ColumnParallelLinear):
+            return [slice(0, layer.output_size_per_partition)]
+        return [
+            slice(offset, offset + length)
+            for offset, (_, length) in zip(layer.local_offsets, layer.shard_offsets, strict=True)
+        ]
 
     def dequantize(self, layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
         """The shard's weight [out, in] in `dtype`."""
         q, scales, zeros = layer.qweight, layer.scales, layer.zeros
         weight = torch.empty(q.shape, dtype=dtype, device=q.device)
-        from pyengine.layers.linear import ColumnParallelLinear
-
-        bounds = [0, q.shape[0]]
-        if isinstance(layer, ColumnParallelLinear):
-            ends = zip(layer.local_offsets, layer.shard_offsets, strict=True)
-            bounds = [0] + [offset + length for offset, (_, length) in ends]
-        for part in range(len(bounds) - 1):
-            rows = slice(bounds[part], bounds[part + 1])
+        for part, rows in enumerate(self._part_bounds(layer)):
             g = layer.input_groups[part]
             weight[rows] = ((q[rows].float() - zeros[rows][:, g]) * scales[rows][:, g]).to(dtype)
         return weight
 
+    def _blocks_for(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
+        if x.shape[0] <= BLOCK_QUANTIZED_MAX_ROWS and x.dtype == torch.float32:
+            return layer.packed_blocks
+        return None
+
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return F.linear(x, self.dequantize(layer, x.dtype), bias)
+        packed = self._blocks_for(layer, x)
+        if packed is None or layer.gate_up:  # paired blocks multiply fused only
+            return F.linear(x, self.dequantize(layer, x.dtype), bias)
+        out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
+        ops.dense(out, x, packed, bias, out.shape[1])
+        return out
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        packed = self._blocks_for(layer, x)
+        if packed is None:
+            return super().apply_silu_and_mul(layer, x)
+        n = layer.output_size_per_partition // 2
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        ops.dense_silu_and_mul(out, x, packed, n)
+        return out

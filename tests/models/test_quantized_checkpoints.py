@@ -1,6 +1,8 @@
 """GPTQ (4- and 8-bit, activation order too) and AWQ checkpoints, written in the test by
-the documented layouts: held as integers (no float weight), their logits those of the
-model with the dequantized float weights, and the same greedy tokens; sharded over
+the documented layouts: held as integers (no float weight), their logits (decode steps
+through the block-quantized matmul where the groups allow it, prefill through the
+dequantized shard) those of the model with the dequantized float weights, and the same
+greedy tokens; sharded over
 tensor-parallel ranks, the same tokens as one rank; bad ones refused, named."""
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
               if isinstance(m, LinearBase) and hasattr(m, "qweight")]  # fmt: skip
     assert len(linear) == 2 * 4  # qkv, o, gate_up, down of 2 layers
     assert all(m.qweight.dtype == torch.uint8 and "weight" not in m._parameters for m in linear)
+    # Groups of 32 inputs or more in order: decode steps multiply from the block form.
+    assert all((m.packed_blocks is not None) == (not desc_act) for m in linear)
     llm.engine.shutdown()
     got, want = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
