@@ -16,6 +16,7 @@ The forms today:
   bfloat16 tile products on AMX, as accurate as float32).
 - GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form for steps of few rows,
   another method's form for the rest.
+- WeightOnlyIntMethod (layers/weight_only_int.py): a GPTQ or AWQ checkpoint's integers.
 """
 
 from __future__ import annotations
