@@ -79,12 +79,14 @@ def test_sums_and_gathers_equal_torchs_and_agree_bit_for_bit(world: int) -> None
     out = CONTEXT.Queue()
     procs = [CONTEXT.Process(target=_reduce, args=(path, r, world, tensors, out))
              for r in range(world)]  # fmt: skip
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(10)
-    os.unlink(path)
+    try:
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(10)
+        os.unlink(path)  # nothing left in /dev/shm, whatever failed
     for i, t in enumerate(tensors):
         want = sum((t.double() * (r + 1) + i) for r in range(world))
         sums = [torch.from_numpy(results[r][2 * i]) for r in range(world)]
