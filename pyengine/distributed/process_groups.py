@@ -74,10 +74,12 @@ def _shm_communicator(
     path = [ShmCommunicator.create(tp.world_size, slot_bytes) if tp.rank == 0 else None]
     dist.broadcast_object_list(path, src=first_rank, group=group)
     assert isinstance(path[0], str)
-    communicator = ShmCommunicator(path[0], tp.rank, tp.world_size, slot_bytes, timeout_s)
-    dist.barrier(group=group)  # every rank has it mapped
-    if tp.rank == 0:
-        os.unlink(path[0])
+    try:
+        communicator = ShmCommunicator(path[0], tp.rank, tp.world_size, slot_bytes, timeout_s)
+        dist.barrier(group=group)  # every rank has it mapped
+    finally:
+        if tp.rank == 0:  # also where a peer never came: no file is left behind
+            os.unlink(path[0])
     return communicator
 
 
