@@ -64,7 +64,6 @@ class EngineArgs:
             self.model, self.tokenizer, self.load_format, keep_block_quantized=packs_weights,
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
-        parallel.check_model(loaded.config)
         check_quantization(self.quantization, loaded.config.quantization, self.model)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len

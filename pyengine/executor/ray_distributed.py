@@ -68,10 +68,7 @@ class RankActor:
 
     def run(self, command: tuple[Any, ...]) -> Reply:
         assert self.worker is not None
-        try:
-            return ("ok", self.worker.run(command))
-        except Exception as error:
-            return ("error", error_text(error))
+        return self.worker.answer(command)
 
     def close(self) -> None:
         if self.worker is not None:

@@ -44,9 +44,8 @@ class ShmBroadcast:
             raise ValueError("ShmBroadcast needs a wakeup semaphore and a pipe per reader")
         self.num_readers, self.num_slots, self.slot_bytes = num_readers, num_slots, slot_bytes
         size = layout_bytes(num_readers, num_slots, slot_bytes)
-        self.shm = shared_memory.SharedMemory(create=True, size=size)
+        self.shm = shared_memory.SharedMemory(create=True, size=size)  # zero-filled
         self.buf = _buffer(self.shm)
-        self.buf[:size] = bytes(size)
         self.wakeups, self.pipes = list(wakeups), list(pipes)
         self.sequence = 0  # of the last message written
 

@@ -9,7 +9,6 @@ of an "execute" is the step's ModelRunnerOutput, the others' None.
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import traceback
@@ -24,8 +23,6 @@ from pyengine.config import EngineConfig
 from pyengine.distributed.process_groups import destroy_process_groups, init_process_groups
 from pyengine.loader.resolve import LoadSpec, load_model
 from pyengine.worker.worker import Worker
-
-logger = logging.getLogger("pyengine")
 
 
 @dataclass(frozen=True)
@@ -82,9 +79,14 @@ class RankWorker:
             for v in stats.values():
                 v.seconds, v.calls, v.bytes = 0.0, 0, 0
             return result
-        if kind == "describe":
-            return self.describe()
         raise ValueError(f"unknown worker command {kind!r}")
+
+    def answer(self, command: tuple[Any, ...]) -> tuple[str, Any]:
+        """("ok", run(command)), or ("error", the traceback's text): the rank stays up."""
+        try:
+            return "ok", self.run(command)
+        except Exception as error:
+            return "error", error_text(error)
 
     def close(self) -> None:
         self.worker.shutdown()
@@ -148,10 +150,7 @@ def run_worker_process(
                 return  # the driver is gone
             if command[0] == "shutdown":
                 return
-            try:
-                kind, result = "ok", worker.run(command)
-            except Exception as error:
-                kind, result = "error", error_text(error)
+            kind, result = worker.answer(command)
             # With the command's number: a driver interrupted while it waited skips the
             # answers it no longer wants.
             pipe.send((reader.sequence, kind, result))

@@ -47,13 +47,14 @@ if TYPE_CHECKING:
     from pyengine.layers.linear import LinearBase
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each nibble of an int32
+AWQ_NIBBLE_OF_COLUMN = tuple(AWQ_ORDER.index(column) for column in range(8))
 
 
 def unpack_int32(
     packed: torch.Tensor, bits: int, dim: int, order: tuple[int, ...] = ()
 ) -> torch.Tensor:
     """The integers packed 32 / bits to an int32 along `dim`, lowest bits first (or, with
-    `order`, nibble k holding position order[k]), as int16 with `dim` widened."""
+    `order`, position p in nibble order[p]), as int16 with `dim` widened."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed weights are int32, got {packed.dtype}")
     per_word = 32 // bits
@@ -61,17 +62,9 @@ def unpack_int32(
     moved = packed.movedim(dim, -1)
     values = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)  # [..., words, per_word]
     if order:
-        values = values[..., list(_inverse(order))]
+        values = values[..., list(order)]
     widened = values.reshape(*moved.shape[:-1], moved.shape[-1] * per_word)
     return widened.movedim(-1, dim).to(torch.int16)
-
-
-def _inverse(order: tuple[int, ...]) -> tuple[int, ...]:
-    """Positions -> nibbles: nibble k holds position order[k]."""
-    inverse = [0] * len(order)
-    for nibble, position in enumerate(order):
-        inverse[position] = nibble
-    return tuple(inverse)
 
 
 def num_groups(in_features: int, group_size: int) -> int:
@@ -85,12 +78,9 @@ class WeightOnlyIntMethod(LinearMethod):
         kinds = ("qweight", "qzeros", "scales")
         self.weight_kinds = (*kinds, "g_idx") if quantization.method == "gptq" else kinds
 
-    def _full_input(self, layer: LinearBase) -> int:
-        return layer.input_size
-
     def create_weights(self, layer: LinearBase) -> None:
         out, local_in = layer.output_size_per_partition, layer.input_size_per_partition
-        groups = num_groups(self._full_input(layer), self.q.group_size)
+        groups = num_groups(layer.input_size, self.q.group_size)
         parts = len(getattr(layer, "output_sizes", [out]))
         layer.register_buffer("qweight", torch.zeros(out, local_in, dtype=torch.uint8))
         layer.register_buffer("scales", torch.zeros(out, groups))
@@ -101,7 +91,7 @@ class WeightOnlyIntMethod(LinearMethod):
         layer.register_buffer("input_groups", default.repeat(parts, 1))
 
     def _default_groups(self, layer: LinearBase) -> torch.Tensor:
-        full = self._full_input(layer)
+        full = layer.input_size
         if self.q.group_size == -1:
             return torch.zeros(full, dtype=torch.int64)
         return torch.arange(full, dtype=torch.int64) // self.q.group_size
@@ -114,9 +104,8 @@ class WeightOnlyIntMethod(LinearMethod):
         from pyengine.layers.linear import check_shape
 
         tensor = materialize(loaded)
-        out_rows = self._part_rows(layer, part)  # (checkpoint rows, start, length, local start)
-        full_out, start, length, local = out_rows
-        full_in = self._full_input(layer)
+        full_out, start, length, local = self._part_rows(layer, part)
+        full_in = layer.input_size
         groups = num_groups(full_in, self.q.group_size)
         first_in, local_in = getattr(layer, "input_start", 0), layer.input_size_per_partition
         bits, per_word = self.q.bits, self.q.pack_factor
@@ -135,7 +124,7 @@ class WeightOnlyIntMethod(LinearMethod):
         elif kind == "qzeros":
             packed_shape = (groups, full_out // per_word)
             check_shape(name, tensor, packed_shape)
-            value = unpack_int32(tensor, bits, 1, AWQ_ORDER if awq else ()).t().float()
+            value = unpack_int32(tensor, bits, 1, AWQ_NIBBLE_OF_COLUMN if awq else ()).t().float()
             value = value + self.q.zero_offset
             target = layer.zeros
         else:  # qweight
@@ -143,7 +132,7 @@ class WeightOnlyIntMethod(LinearMethod):
                 (full_in, full_out // per_word) if awq else (full_in // per_word, full_out)
             )
             check_shape(name, tensor, packed_shape)
-            q = unpack_int32(tensor, bits, 1 if awq else 0, AWQ_ORDER if awq else ())
+            q = unpack_int32(tensor, bits, 1 if awq else 0, AWQ_NIBBLE_OF_COLUMN if awq else ())
             value = q.t()[:, first_in : first_in + local_in].to(torch.uint8)
             target = layer.qweight
         target[local : local + length] = value[start : start + length]

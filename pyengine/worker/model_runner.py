@@ -96,11 +96,12 @@ class ModelRunner:
             LayerContext(self.placement, self.tp, self.pp),
         )  # fmt: skip
         self.min_blocks = min_blocks
+        self.weight_bytes = resident_bytes(self.model)
         q = c.quantization
         logger.info(
             "weights: %s, %.1f MiB resident",
             f"{q.method} {q.bits}-bit, groups of {q.group_size}" if q else "float",
-            resident_bytes(self.model) / 2**20,
+            self.weight_bytes / 2**20,
         )
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None

@@ -16,7 +16,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.model_runner import ModelRunner, resident_bytes
+from pyengine.worker.model_runner import ModelRunner
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
     PromptLogprobRow,
@@ -62,7 +62,7 @@ class Worker:
             "num_blocks": runner.num_blocks,
             "block_bytes": runner.block_bytes,
             "num_parameters": model.num_parameters,
-            "weight_bytes": resident_bytes(model),
+            "weight_bytes": runner.weight_bytes,
         }
 
     def shutdown(self) -> None:
