@@ -16,9 +16,10 @@ The second table is a worked estimate, not a measurement: Llama-3-70B (80 layers
 all-reduces the step's hidden states twice (what the first table's all-reduce bytes
 show per token: 2 x hidden x 4 bytes in float32, and the embedding's and the logits'
 collectives besides); a ring all-reduce over n GPUs moves 2 (n-1)/n of them through
-each GPU's link; a pipeline step sends them once per stage boundary. A stage's compute is the longer of reading its weights (a decode step
-is HBM-bound) and its FLOPs (2 x parameters per token; a prefill is compute-bound), and
-nothing overlaps the communication (the bound is on the safe side). Published figures
+each GPU's link; a pipeline step sends them once per stage boundary. A stage's compute
+is the longer of reading its weights (a decode step is HBM-bound) and its FLOPs (2 x
+parameters per token; a prefill is compute-bound), and nothing overlaps the
+communication (the bound is on the safe side). Published figures
 used: H200 HBM3e 4.8 TB/s and 989 dense bfloat16 TFLOP/s (at an assumed 50% of it),
 NVLink 4 450 GB/s each way per GPU, InfiniBand NDR 400 Gb/s (50 GB/s) per GPU between
 nodes, and an assumed 10 µs latency per collective on NVLink (25 µs over InfiniBand).
