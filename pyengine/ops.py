@@ -59,6 +59,9 @@ _SCHEMAS = {
     # pack_quantized_weight with gate_up)
     "dense_silu_and_mul": "dense_silu_and_mul(Tensor(a!) out, Tensor x, Tensor packed, "
     "int n) -> ()",
+    # out [t, k] = columns ids (int64 [t]) of a packed [k, n] weight: an embedding lookup
+    # in a head's packed form
+    "packed_columns": "packed_columns(Tensor(a!) out, Tensor packed, Tensor ids, int n) -> ()",
 }
 
 
@@ -82,6 +85,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "silu_and_mul": _C.silu_and_mul,
     "dense": _C.dense,
     "dense_silu_and_mul": _C.dense_silu_and_mul,
+    "packed_columns": _C.packed_columns,
 }
 
 
@@ -165,3 +169,4 @@ rotary_embedding = _eager_cpu_direct("rotary_embedding")
 silu_and_mul = _eager_cpu_direct("silu_and_mul")
 dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
+packed_columns = _eager_cpu_direct("packed_columns")

@@ -119,6 +119,17 @@ void bind_layer_ops(py::module_& m) {
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
       "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
   m.def(
+      "packed_columns",
+      [](const py::handle& out, const py::handle& packed, const py::handle& ids, int64_t n) {
+        const DLPackView o(out, "packed_columns: out");
+        const DLPackView p(packed, "packed_columns: packed");
+        const DLPackView i(ids, "packed_columns: ids");
+        py::gil_scoped_release release;
+        packed_columns(o.view(), p.view(), i.view(), n);
+      },
+      py::arg("out"), py::arg("packed"), py::arg("ids"), py::arg("n"),
+      "out [t, k] = columns ids [t] of a packed [k, n] weight, widened to float32.");
+  m.def(
       "pack_gate_up_weight",
       [](const py::handle& packed, const py::handle& w_t) {
         const DLPackView p(packed, "pack_gate_up_weight: packed");

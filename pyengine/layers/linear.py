@@ -64,6 +64,7 @@ class LinearBase(nn.Module):
     scales: torch.Tensor
     zeros: torch.Tensor
     input_groups: torch.Tensor
+    input_order: torch.Tensor | None  # the inputs' order of its blocks (activation order)
 
     def __init__(
         self,
@@ -113,7 +114,9 @@ class LinearBase(nn.Module):
         return out if self.adapter is None else self.adapter.add_delta(self, x, out)
 
 
-def check_shape(name: str, loaded: CheckpointTensor, expected: tuple[int, ...]) -> None:
+def check_shape(
+    name: str, loaded: CheckpointTensor | BlockQuantized, expected: tuple[int, ...]
+) -> None:
     """ValueError naming checkpoint tensor `name` where its shape is not `expected`."""
     if tuple(loaded.shape) != expected:
         raise ValueError(f"weight {name}: shape {tuple(loaded.shape)}, model expects {expected}")
@@ -309,15 +312,29 @@ def linear_from_weight(
 
 
 def process_weights_after_loading(model: nn.Module, placement: Placement) -> int:
-    """Every linear layer's method prepares its weight, then the other parameters
-    (embeddings, norms, biases) move to the placement. Returns the model's number of
-    parameters before (a tied head counted once)."""
-    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    """Every layer that holds a packed form makes it (the embeddings before the head tied
+    to them, modules() being in build order), then the other parameters (norms, biases)
+    move to the placement. Returns the model's number of weights (a tied head counted
+    once, a layer held as blocks by its shape)."""
+    count = _weight_count(model)
     # The packed weights, streamed every step, go on huge pages (host_memory).
     with torch.no_grad(), host_memory.huge_page_arena():
         for module in model.modules():
-            if isinstance(module, LinearBase):
-                module.process_weights_after_loading()
+            process = getattr(module, "process_weights_after_loading", None)
+            if callable(process):
+                process()
         for parameter in model.parameters():
             parameter.data = parameter.data.to(placement.device, placement.dtype)
+    return count
+
+
+def _weight_count(model: nn.Module) -> int:
+    count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    for module in model.modules():
+        if getattr(module, "tied_to", None) is not None:
+            continue  # its weight is the embedding's, counted there
+        if isinstance(module, LinearBase) and module.method.keeps_blocks:
+            count += module.output_size_per_partition * module.input_size_per_partition
+        elif getattr(module, "keeps_blocks", False):  # an embedding held as blocks
+            count += int(getattr(module, "rows")) * int(getattr(module, "embedding_size"))  # noqa: B009
     return count

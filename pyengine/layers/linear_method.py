@@ -14,8 +14,7 @@ The forms today:
   own matmul (cpp/src/kernels/dense.cpp), which streams each weight byte once, in order.
 - SplitBF16Method: the panels, and for steps of many rows a split-bfloat16 form (six
   bfloat16 tile products on AMX, as accurate as float32).
-- GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form for steps of few rows,
-  another method's form for the rest.
+- GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form only, for every step.
 - WeightOnlyIntMethod (layers/weight_only_int.py): a GPTQ or AWQ checkpoint's integers.
 """
 
@@ -40,11 +39,6 @@ from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from pyengine.layers.linear import LinearBase
-
-# Up to this many rows a block-quantized weight multiplies from its block form: a step of
-# few rows is bound by streaming the weights, and those bytes are a fifth. With more rows
-# the arithmetic binds and the float32 panels skip the widening.
-BLOCK_QUANTIZED_MAX_ROWS = 16
 
 # From this many rows on a weight with a split-bfloat16 form multiplies from it. Its 6
 # bytes a weight stream slower than the panels' 4, so a decode step's few rows keep them.
@@ -89,10 +83,10 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
 
 
 def packed_for(layer: LinearBase, rows: int) -> torch.Tensor:
-    """The packed form a step of `rows` rows multiplies from: the block form for few rows,
-    the split form for many, the float32 panels otherwise (each where the layer's method
-    made it)."""
-    if rows <= BLOCK_QUANTIZED_MAX_ROWS and layer.packed_blocks is not None:
+    """The packed form a step of `rows` rows multiplies from: a block-quantized layer's
+    blocks (its only form), else the split form for many rows, the float32 panels
+    otherwise (each where the layer's method made it)."""
+    if layer.packed_blocks is not None:
         return layer.packed_blocks
     if rows >= SPLIT_MIN_ROWS and layer.packed_split is not None:
         return layer.packed_split
@@ -106,6 +100,8 @@ class LinearMethod(ABC):
 
     # The checkpoint tensors of a layer's weight, by the suffix of their names.
     weight_kinds: tuple[str, ...] = ("weight",)
+    # Whether the layer takes its weight as GGUF blocks (load_blocks) instead of floats.
+    keeps_blocks = False
 
     def create_weights(self, layer: LinearBase) -> None:
         """Registers layer.weight [out, in] of the layer's shard, for the loader to fill."""
@@ -119,9 +115,9 @@ class LinearMethod(ABC):
         raise ValueError(f"weight {name}: this layer holds no {kind!r} tensor")
 
     def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
-        """The block form of rows [start, start + rows) of the weight (GGUF's). Methods
-        that keep no such form ignore it: the float values are loaded all the same."""
-        del layer, start, blocks
+        """The block form of rows [start, start + rows) of the weight (GGUF's), handed
+        instead of its float values to methods that keep_blocks."""
+        raise ValueError(f"{type(self).__name__} takes float weights, not GGUF blocks")
 
     @abstractmethod
     def process_weights_after_loading(self, layer: LinearBase) -> None:
@@ -198,20 +194,25 @@ class SplitBF16Method(PackedPanelsMethod):
 
 
 class GGUFBlockMethod(PackedPanelsMethod):
-    """The block form for steps of at most BLOCK_QUANTIZED_MAX_ROWS rows, `larger`'s form
-    for the rest."""
+    """A GGUF Q4_0/Q4_1/Q8_0 weight kept only in its block form, which every step
+    multiplies from: few rows stream a fifth of float32's bytes, and for many the
+    widening of each chunk into L1 is shared by all the rows' tiles. No float copy of
+    the weight is ever made."""
 
-    def __init__(self, larger: PackedPanelsMethod) -> None:
-        self.larger = larger
+    keeps_blocks = True
+
+    def create_weights(self, layer: LinearBase) -> None:
+        del layer  # the blocks arrive through load_blocks
 
     def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
         layer.block_parts.append((start, blocks))
 
-    def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
-        self.larger.pack(layer, w_t)
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
         parts = sorted(layer.block_parts, key=lambda part: part[0])
-        whole = BlockQuantized.stack([blocks for _, blocks in parts])
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        if not parts:
+            raise ValueError(f"block-quantized weight {shape} got no blocks")
+        whole = BlockQuantized.stack([blocks for _, blocks in parts])
         if whole.shape != shape:
             raise ValueError(f"block-quantized weight {whole.shape} for a {shape} weight")
         layer.packed_blocks = pack_block_quantized(whole, layer.gate_up)
@@ -238,10 +239,7 @@ class LinearMethods:
             return WeightOnlyIntMethod(self.quantization, self.placement)
         if not self.placement.packs_weights:
             return TorchLinearMethod(self.placement)
-        base: PackedPanelsMethod = (
-            SplitBF16Method() if many_rows and split_gemm_enabled() else PackedPanelsMethod()
-        )
         names = list(checkpoint_names)
         if names and all(name in self.block_quantized for name in names):
-            return GGUFBlockMethod(base)  # every part has a block form
-        return base
+            return GGUFBlockMethod()  # every part has a block form
+        return SplitBF16Method() if many_rows and split_gemm_enabled() else PackedPanelsMethod()

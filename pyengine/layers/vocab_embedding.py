@@ -1,16 +1,24 @@
 """The token embedding and the LM head, split over the vocabulary: each rank holds
 ceil(vocab / world_size) rows (the last rank's tail zero), looks up the tokens it holds
-and sums over the group; the head's logits are gathered and the padding cut."""
+and sums over the group; the head's logits are gathered and the padding cut.
+
+On the CPU an embedding may hold no table of its own: it looks its rows up in a packed
+form (ops.packed_columns), its GGUF blocks packed as a head's, or the float32 panels of
+the head tied to it, so that a tied model keeps one copy of the vocabulary."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyengine import ops
+from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import LayerContext, LinearBase, check_shape
+from pyengine.layers.linear_method import pack_block_quantized
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 
@@ -21,25 +29,62 @@ def _vocab_shard(vocab_size: int, ctx: LayerContext) -> tuple[int, int]:
 
 
 class VocabParallelEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, embedding_size: int, ctx: LayerContext) -> None:
+    weight: nn.Parameter  # absent where the rows are looked up in `packed`
+
+    def __init__(
+        self,
+        vocab_size: int,
+        embedding_size: int,
+        ctx: LayerContext,
+        checkpoint_name: str | None = None,
+    ) -> None:
+        """`checkpoint_name`: the table's, for a GGUF block form of it to be kept."""
         super().__init__()
         self.vocab_size, self.embedding_size = vocab_size, embedding_size
         self.tp = ctx.tp
         self.start, self.rows = _vocab_shard(vocab_size, ctx)
-        # In the model's dtype: the checkpoint's rows are converted as they are copied in.
-        weight = torch.empty(self.rows, embedding_size, dtype=ctx.placement.dtype)
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        methods = ctx.linear_methods
+        self.keeps_blocks = ctx.placement.packs_weights and checkpoint_name in (
+            methods.block_quantized
+        )
+        self.blocks: BlockQuantized | None = None
+        # The packed [embedding_size, rows] form the rows are looked up in, if any.
+        self.packed: torch.Tensor | None = None
+        if not self.keeps_blocks:
+            # In the model's dtype: the checkpoint's rows are converted as they are copied.
+            weight = torch.empty(self.rows, embedding_size, dtype=ctx.placement.dtype)
+            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def weight_loader(self, name: str, loaded: CheckpointTensor) -> None:
         """This rank's rows of the [vocab_size, embedding_size] checkpoint tensor."""
         _load_vocab_rows(name, self.weight, loaded, self.vocab_size, self.start)
 
+    def load_vocab_blocks(self, blocks: BlockQuantized) -> None:
+        self.blocks = _vocab_blocks(blocks, self.start, self.rows)
+
+    def process_weights_after_loading(self) -> None:
+        if self.blocks is not None:
+            self.packed = pack_block_quantized(self.blocks)
+            self.blocks = None
+
+    def look_up_in(self, packed: torch.Tensor) -> None:
+        """From now on, rows come from `packed` (a tied head's panels of this table)."""
+        self.packed = packed
+        del self.weight
+
+    def _rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.embedding(ids, self.weight)
+        out = torch.empty(ids.shape[0], self.embedding_size)
+        ops.packed_columns(out, self.packed, ids.to(torch.int64), self.rows)
+        return out
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # int [num_tokens]
         if self.tp.world_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self._rows(input_ids)
         local = input_ids - self.start
         outside = (local < 0) | (local >= self.rows)
-        h = F.embedding(local.masked_fill(outside, 0), self.weight)
+        h = self._rows(local.masked_fill(outside, 0))
         return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
 
 
@@ -61,11 +106,30 @@ class ParallelLMHead(LinearBase):
             hidden_size, vocab_size, hidden_size, rows, False, ctx, checkpoint_names,
             many_rows=False,
         )  # fmt: skip
-        if tied_to is not None:
+        self.tied_to = tied_to
+        if tied_to is not None and not tied_to.keeps_blocks:
             self.weight = tied_to.weight
+
+    @property
+    def keeps_blocks(self) -> bool:
+        return self.method.keeps_blocks
 
     def weight_loader(self, name: str, loaded: CheckpointTensor) -> None:
         _load_vocab_rows(name, self.weight, loaded, self.vocab_size, self.start)
+
+    def load_vocab_blocks(self, blocks: BlockQuantized) -> None:
+        self.load_blocks(0, _vocab_blocks(blocks, self.start, self.output_size_per_partition))
+
+    def process_weights_after_loading(self) -> None:
+        """Tied, one packed form serves both: the embedding's blocks, or this head's float32
+        panels, in which the embedding then looks its rows up."""
+        embedding = self.tied_to
+        if embedding is not None and embedding.keeps_blocks:
+            self.packed_blocks = embedding.packed
+            return
+        super().process_weights_after_loading()
+        if embedding is not None and self.packed is not None and embedding.packed is None:
+            embedding.look_up_in(self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)
@@ -98,3 +162,17 @@ def _load_vocab_rows(
     held = max(0, min(rows, vocab_size - start))
     weight.data[:held].copy_(materialize(loaded.narrow(0, start, held)))
     weight.data[held:].zero_()
+
+
+def _vocab_blocks(blocks: BlockQuantized, start: int, rows: int) -> BlockQuantized:
+    """Rows [start, start + rows) of a [vocab, size] block form, zero past the vocabulary."""
+    held = blocks.rows(start, start + rows)
+    missing = rows - held.shape[0]
+    if missing == 0:
+        return held
+    zeros = BlockQuantized(
+        np.zeros((missing, held.shape[1]), held.q.dtype),
+        np.zeros((missing, held.scale.shape[1]), np.float32),
+        np.zeros((missing, held.offset.shape[1]), np.float32),
+    )
+    return BlockQuantized.stack([held, zeros])

@@ -16,12 +16,14 @@ Held per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] 
 the whole input (a row-parallel shard's inputs may fall in any group with activation
 order), and each stacked part's input groups.
 
-Multiplied, on the CPU in float32, for steps of few rows (decode) by pyengine's
-block-quantized matmul (ops.dense over GGUF's Q4_1/Q8_0 block form, layers/
-block_quantized.py), wherever every block of 32 inputs lies in one group: w = s (q - z)
+Multiplied, on the CPU in float32, by pyengine's block-quantized matmul (ops.dense over
+GGUF's Q4_1/Q8_0 block form, layers/block_quantized.py) wherever every block of 32
+inputs lies in one group, in the checkpoint's order or, with activation order, once the
+inputs are sorted by group (x's columns are then taken in that order): w = s (q - z)
 is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
-exact in float32, so the weights are the same bits. Otherwise (steps of many rows,
-activation order, other placements) the shard is dequantized in torch each step.
+exact in float32, so the weights are the same bits. The blocks are then the layer's only
+form. Otherwise (a row-parallel shard with activation order, groups smaller than a
+block, CUDA) the integers are kept and the shard is dequantized in torch each step.
 """
 
 from __future__ import annotations
@@ -35,11 +37,7 @@ import torch.nn.functional as F
 from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
-from pyengine.layers.linear_method import (
-    BLOCK_QUANTIZED_MAX_ROWS,
-    LinearMethod,
-    pack_block_quantized,
-)
+from pyengine.layers.linear_method import LinearMethod, pack_block_quantized
 from pyengine.layers.placement import Placement
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -150,26 +148,45 @@ class WeightOnlyIntMethod(LinearMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         for attr in ("qweight", "scales", "zeros", "input_groups"):
             setattr(layer, attr, getattr(layer, attr).to(self.placement.device))
-        blocks = self.block_form(layer) if self.placement.packs_weights else None
-        if blocks is not None:
-            layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
+        layer.input_order = None
+        if not self.placement.packs_weights:
+            return
+        order = self.block_order(layer.input_groups)
+        blocks = None if order is None else self.block_form(layer, order)
+        if order is None or blocks is None:
+            return
+        # The blocks are the weight now: its integers are not kept a second time.
+        layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
+        in_order = torch.equal(order, torch.arange(len(order)))
+        layer.input_order = None if in_order else order
+        for attr in ("qweight", "scales", "zeros", "input_groups"):
+            delattr(layer, attr)
 
-    def block_form(self, layer: LinearBase) -> BlockQuantized | None:
-        """The shard as GGUF-style blocks of 32 inputs (q, scale, offset per block), or
-        None where a block's inputs fall in more than one group."""
-        groups = layer.input_groups
-        local_in = groups.shape[1]
-        if local_in % BLOCK or not torch.equal(
-            groups.view(groups.shape[0], -1, BLOCK), groups[:, ::BLOCK, None].expand(-1, -1, BLOCK)
+    @staticmethod
+    def block_order(groups: torch.Tensor) -> torch.Tensor | None:
+        """An order of the shard's inputs in which every block of 32 lies in one group, for
+        every stacked part (activation order puts them in a permutation: sorting by
+        group, shared by parts that share their g_idx, as q/k/v and gate/up do), or None."""
+        if not all(torch.equal(groups[0], g) for g in groups[1:]):
+            return None
+        order = torch.sort(groups[0], stable=True).indices
+        grouped = groups[0][order]
+        if len(order) % BLOCK or not torch.equal(
+            grouped.view(-1, BLOCK), grouped[::BLOCK, None].expand(-1, BLOCK)
         ):
             return None
-        q, scales, zeros = layer.qweight, layer.scales, layer.zeros
-        block_groups = groups[:, ::BLOCK]  # [parts, blocks]
-        scale = torch.empty(q.shape[0], local_in // BLOCK)
-        zero = torch.empty_like(scale)
-        for part, rows in enumerate(self._part_bounds(layer)):
-            scale[rows] = scales[rows][:, block_groups[part]]
-            zero[rows] = zeros[rows][:, block_groups[part]]
+        return order
+
+    def block_form(self, layer: LinearBase, order: torch.Tensor) -> BlockQuantized | None:
+        """The shard, its inputs in `order`, as GGUF-style blocks of 32 inputs (q, scale,
+        offset per block), or None where a scale has more than a float16's bits (then
+        q * s would not be exact in float32)."""
+        q, scales, zeros = layer.qweight[:, order], layer.scales, layer.zeros
+        if not torch.equal(scales, scales.half().float()):
+            return None
+        block_groups = layer.input_groups[0][order][::BLOCK]  # [blocks]
+        scale = scales[:, block_groups]
+        zero = zeros[:, block_groups]
         if self.q.bits == 4:
             q_form = q.numpy()
             offset = -scale * zero
@@ -198,23 +215,26 @@ class WeightOnlyIntMethod(LinearMethod):
             weight[rows] = ((q[rows].float() - zeros[rows][:, g]) * scales[rows][:, g]).to(dtype)
         return weight
 
-    def _blocks_for(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor | None:
-        if x.shape[0] <= BLOCK_QUANTIZED_MAX_ROWS and x.dtype == torch.float32:
-            return layer.packed_blocks
-        return None
+    def _blocks_for(self, layer: LinearBase, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the packed blocks, x's inputs in their order)."""
+        assert layer.packed_blocks is not None
+        order = layer.input_order
+        return layer.packed_blocks, x if order is None else x.index_select(1, order)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = self._blocks_for(layer, x)
-        if packed is None or layer.gate_up:  # paired blocks multiply fused only
+        if layer.packed_blocks is None or x.dtype != torch.float32:
             return F.linear(x, self.dequantize(layer, x.dtype), bias)
+        if layer.gate_up:
+            raise ValueError("paired [gate; up] blocks multiply only fused with silu_and_mul")
+        packed, x = self._blocks_for(layer, x)
         out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
         ops.dense(out, x, packed, bias, out.shape[1])
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        packed = self._blocks_for(layer, x)
-        if packed is None:
+        if layer.packed_blocks is None or x.dtype != torch.float32:
             return super().apply_silu_and_mul(layer, x)
+        packed, x = self._blocks_for(layer, x)
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         ops.dense_silu_and_mul(out, x, packed, n)

@@ -169,12 +169,16 @@ class GGUFFile:
                 ) from None
         return values.astype(np.float32).reshape(self.tensors[name].shape)  # a writable copy
 
+    def has_block_form(self, name: str) -> bool:
+        """Whether tensor `name` is a 2-D Q4_0, Q4_1 or Q8_0 one."""
+        info = self.tensors[name]
+        return len(info.shape) == 2 and is_block_quantized(info.ggml_type)
+
     def block_quantized(self, name: str) -> BlockQuantized | None:
         """A 2-D tensor `name` in its block form where it is Q4_0, Q4_1 or Q8_0, else None."""
-        info = self.tensors[name]
-        if len(info.shape) != 2 or not is_block_quantized(info.ggml_type):
+        if not self.has_block_form(name):
             return None
-        return from_gguf_blocks(self._raw(name)[1], info.ggml_type)
+        return from_gguf_blocks(self._raw(name)[1], self.tensors[name].ggml_type)
 
     def _raw(self, name: str) -> tuple[Any, np.ndarray]:
         """(GGML type, the tensor's bytes as uint8 [rows, row bytes]), checked."""

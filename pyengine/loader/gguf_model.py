@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -132,19 +132,40 @@ def _read_tensor(g: GGUFFile, name: str, rope_heads: int) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
-def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> dict[str, BlockQuantized]:
+class LazyBlocks(Mapping[str, BlockQuantized]):
+    """Block forms by name, each decoded from the file when asked for (once a layer takes
+    it), so that no more than one tensor's unpacked integers exist at a time."""
+
+    def __init__(self, readers: dict[str, Callable[[], BlockQuantized]]) -> None:
+        self._readers = readers
+
+    def __getitem__(self, name: str) -> BlockQuantized:
+        return self._readers[name]()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._readers)
+
+    def __len__(self) -> int:
+        return len(self._readers)
+
+
+def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyBlocks:
     """The Q4_0/Q4_1/Q8_0 matrices in their block form, under their Hugging Face names (the
     same values as weights_from_gguf's, bit for bit)."""
-    quantized: dict[str, BlockQuantized] = {}
+    readers: dict[str, Callable[[], BlockQuantized]] = {}
     for name in g.tensors:
         hf_name, rope_heads = _hf_name(g, name, config)
-        blocks = None if hf_name is None else g.block_quantized(name)
-        if hf_name is None or blocks is None:
-            continue
-        if rope_heads:
-            blocks = blocks.map_rows(functools.partial(_unpermute_rope, heads=rope_heads))
-        quantized[hf_name] = blocks
-    return quantized
+        if hf_name is not None and g.has_block_form(name):
+            readers[hf_name] = functools.partial(_read_blocks, g, name, rope_heads)
+    return LazyBlocks(readers)
+
+
+def _read_blocks(g: GGUFFile, name: str, rope_heads: int) -> BlockQuantized:
+    blocks = g.block_quantized(name)
+    assert blocks is not None  # has_block_form said so
+    if rope_heads:
+        blocks = blocks.map_rows(functools.partial(_unpermute_rope, heads=rope_heads))
+    return blocks
 
 
 def _hf_name(g: GGUFFile, name: str, config: ModelConfig) -> tuple[str | None, int]:

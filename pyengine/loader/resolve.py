@@ -47,7 +47,7 @@ class LoadedModel:
     tokenizer: PyengineTokenizer | None
     source: str
     # GGUF's Q4_0/Q4_1/Q8_0 matrices in block form too (the same values as `weights`)
-    block_quantized: dict[str, BlockQuantized] = field(default_factory=dict)
+    block_quantized: Mapping[str, BlockQuantized] = field(default_factory=dict)
     spec: LoadSpec | None = None
     weights_read: bool = True  # False: load `spec` again where the model is built
 
@@ -116,7 +116,7 @@ def load_model(
             f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}"
         )
     path = resolve_path(model)
-    block_quantized: dict[str, BlockQuantized] = {}
+    block_quantized: Mapping[str, BlockQuantized] = {}
     is_gguf = path.is_file() and (path.suffix == ".gguf" or load_format == "gguf")
     if is_gguf:
         if load_format == "safetensors":

@@ -133,7 +133,9 @@ class LlamaForCausalLM(nn.Module):
         # final norm and the head (other layers are placeholders, so indices stay).
         self.start_layer, self.end_layer = self.stage.layer_range(config.num_layers)
         self.embed_tokens = (
-            VocabParallelEmbedding(config.vocab_size, config.hidden_size, ctx)
+            VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, ctx, "model.embed_tokens.weight"
+            )
             if self.stage.is_first
             else None
         )
@@ -209,9 +211,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             if not c.tie_word_embeddings:
                 router.vocab(head, self.lm_head)
-            elif self.embed_tokens is not None:
-                router.tied_head(embed, self.lm_head)
-            else:  # the last stage's tied head loads the embeddings itself
+            elif self.embed_tokens is None:  # the last stage's tied head loads them itself
                 router.vocab(embed, self.lm_head)
         if c.tie_word_embeddings:
             router.ignore(head)

@@ -18,6 +18,7 @@ from pyengine.layers.linear import (
     ColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    check_shape,
     copy_checked,
 )
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -29,7 +30,8 @@ Normalize = Callable[[str, CheckpointTensor], "tuple[str, CheckpointTensor] | No
 
 @dataclass
 class _Route:
-    load: Callable[[CheckpointTensor], None] | None  # None: only a block form goes somewhere
+    load: Callable[[CheckpointTensor], None]
+    # Where the receiver keeps a GGUF block form: it takes the blocks instead of `load`.
     blocks: Callable[[BlockQuantized], None] | None = None
     shape: tuple[int, ...] = ()  # of the whole checkpoint tensor (every rank's shards)
 
@@ -55,7 +57,8 @@ class WeightRouter:
     ) -> None:
         """Part `part` of `layer`'s weight or bias (kind)."""
         self._linear_modules.add(name.rpartition(".")[0])
-        blocks = None if kind != "weight" else lambda b: layer.load_part_blocks(b, part)
+        keeps_blocks = kind == "weight" and layer.method.keeps_blocks
+        blocks = (lambda b: layer.load_part_blocks(b, part)) if keeps_blocks else None
         rows = layer.output_sizes[part] if isinstance(layer, ColumnParallelLinear) else None
         shape = _linear_shape(rows or layer.output_size, layer.input_size, kind)
         if kind not in ("weight", "bias"):
@@ -82,18 +85,12 @@ class WeightRouter:
         self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t), shape=shape)
 
     def vocab(self, name: str, module: VocabParallelEmbedding | ParallelLMHead) -> None:
-        blocks = None
         if isinstance(module, ParallelLMHead):
-            blocks = lambda b: _head_blocks(module, b)  # noqa: E731
             shape = (module.vocab_size, module.input_size)
         else:
             shape = (module.vocab_size, module.embedding_size)
+        blocks = module.load_vocab_blocks if module.keeps_blocks else None
         self._routes[name] = _Route(lambda t: module.weight_loader(name, t), blocks, shape)
-
-    def tied_head(self, name: str, head: ParallelLMHead) -> None:
-        """A head that multiplies by the embeddings `name` loads: their block form is its."""
-        route = self._routes[name]
-        route.blocks = lambda b: _head_blocks(head, b)
 
     def plain(self, name: str, parameter: torch.Tensor) -> None:
         """A replicated parameter (a norm's weight, learned positions)."""
@@ -105,7 +102,7 @@ class WeightRouter:
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The whole shape of every checkpoint tensor the model loads (on this stage)."""
-        return {name: route.shape for name, route in self._routes.items() if route.load}
+        return {name: route.shape for name, route in self._routes.items()}
 
     def ignore(self, name: str) -> None:
         self._ignored.add(name)
@@ -131,10 +128,14 @@ class WeightRouter:
             if route is None:
                 self._check_unrouted(name, key)
                 continue
-            if route.load is not None:
+            if route.blocks is None:
                 route.load(value)
-            if route.blocks is not None and name in block_quantized:
-                route.blocks(block_quantized[name])
+            elif name in block_quantized:
+                blocks = block_quantized[name]
+                check_shape(name, blocks, route.shape)
+                route.blocks(blocks)
+            else:
+                raise ValueError(f"weight {name}: its layer takes GGUF blocks, and it has none")
             loaded.add(key)
         missing = sorted(set(self._routes) - loaded)
         if missing:
@@ -162,7 +163,3 @@ class WeightRouter:
 
 def _linear_shape(rows: int, columns: int, kind: str) -> tuple[int, ...]:
     return (rows, columns) if kind == "weight" else (rows,)
-
-
-def _head_blocks(head: ParallelLMHead, blocks: BlockQuantized) -> None:
-    head.load_blocks(0, blocks.rows(head.start, head.start + head.output_size_per_partition))

@@ -63,14 +63,23 @@ def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple:  # type: ignore[type-ar
     return pack(q.T), pack(zeros)
 
 
+# The linear layers that read one input.
+_SAME_INPUT = {
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"
+}  # fmt: skip
+
+
 def write_quantized(
     float_folder: Path, out: Path, reference: Path, method: str, bits: int, group_size: int,
-    desc_act: bool = False, seed: int = 0,
+    desc_act: bool = False, seed: int = 0, shared_order: bool = True,
 ) -> None:  # fmt: skip
     """`out`: float_folder's checkpoint with its linear layers quantized (method "gptq"
     or "awq"); `reference`: the same model with those layers' dequantized float32
-    weights, and no quantization_config."""
+    weights, and no quantization_config. With desc_act, the weights that read the same
+    input (q/k/v, gate/up) share its activation order, as GPTQ's one Hessian of that
+    input gives them, unless not `shared_order`."""
     rng = np.random.default_rng(seed)
+    orders: dict[tuple[str, str], np.ndarray] = {}
     tensors = load_file(str(float_folder / "model.safetensors"))
     quantized, dequantized = dict(tensors), dict(tensors)
     for name, w in tensors.items():
@@ -79,7 +88,11 @@ def write_quantized(
             continue
         in_features = w.shape[1]
         groups = -(-in_features // group_size)
-        order = rng.permutation(in_features) if desc_act else np.arange(in_features)
+        layer, _, leaf = module.rpartition(".")
+        key = (layer, _SAME_INPUT.get(leaf, leaf) if shared_order else leaf)
+        if key not in orders:
+            orders[key] = rng.permutation(in_features) if desc_act else np.arange(in_features)
+        order = orders[key]
         group_of = np.empty(in_features, dtype=np.int64)
         group_of[order] = np.arange(in_features) // group_size
         q, scales, zeros, deq = quantize(w.double().numpy(), bits, group_of, groups)

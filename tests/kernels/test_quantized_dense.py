@@ -40,7 +40,11 @@ def float_packed(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(("bits", "form"), FORMS)
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 50), (3, 96, 100), (8, 576, 49), (21, 160, 97)])
+@pytest.mark.parametrize(
+    ("m", "k", "n"),
+    # up to a prefill's many rows, past one block of rows (kBlockFloats / k)
+    [(1, 32, 50), (3, 96, 100), (8, 576, 49), (21, 160, 97), (130, 64, 60), (1100, 96, 50)],
+)
 def test_dense_of_blocks_is_the_float32_dense_of_the_widened_weight(
     bits: int, form: str, m: int, k: int, n: int
 ) -> None:
@@ -67,6 +71,24 @@ def test_gated_dense_of_blocks_is_the_float32_one(
     ops.dense_silu_and_mul(got, x, pack_block_quantized(blocks, gate_up=True), n)
     ops.dense_silu_and_mul(want, x, float_packed(w, gate_up=True), n)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(("bits", "form"), [*FORMS, (32, "float32")])
+@pytest.mark.parametrize(("k", "n"), [(32, 48), (96, 100), (576, 49)])
+def test_packed_columns_are_the_weights_rows(bits: int, form: str, k: int, n: int) -> None:
+    """An embedding looked up in its head's packed form: row v of the [n, k] weight,
+    exactly (the widened values)."""
+    blocks = random_blocks(n, k, 4 if bits == 32 else bits, "q4_1" if bits == 32 else form)
+    w = torch.from_numpy(blocks.dequantize())
+    packed = float_packed(w) if bits == 32 else pack_block_quantized(blocks)
+    ids = torch.tensor([0, n - 1, n // 2, 0, 7 % n])
+    out = torch.empty(len(ids), k)
+    ops.packed_columns(out, packed, ids, n)
+    assert torch.equal(out, w[ids])
+    with pytest.raises(ValueError, match=r"ids\[1\] is -1, outside \[0, "):
+        ops.packed_columns(out[:2], packed, torch.tensor([0, -1]), n)
+    with pytest.raises(ValueError, match="ids must be int64"):
+        ops.packed_columns(out[:2], packed, torch.tensor([0, 1], dtype=torch.int32), n)
 
 
 def test_widening_rounds_as_the_loader_dequantizes() -> None:

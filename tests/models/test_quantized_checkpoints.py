@@ -1,9 +1,9 @@
 """GPTQ (4- and 8-bit, activation order too) and AWQ checkpoints, written in the test by
-the documented layouts: held as integers (no float weight), their logits (decode steps
-through the block-quantized matmul where the groups allow it, prefill through the
-dequantized shard) those of the model with the dequantized float weights, and the same
-greedy tokens; sharded over
-tensor-parallel ranks, the same tokens as one rank; bad ones refused, named."""
+the documented layouts: held in quantized form only (no float weight; blocks of 32 inputs
+where the groups allow, activation order sorted into them, else the integers, dequantized
+each step), their logits those of the model with the dequantized float weights, and the
+same greedy tokens; sharded over tensor-parallel ranks, the same tokens as one rank; bad
+ones refused, named."""
 
 from __future__ import annotations
 
@@ -17,17 +17,22 @@ from helpers.tiny_models import make_checkpoint
 
 from pyengine import LLM, SamplingParams
 from pyengine.layers.linear import LinearBase
+from pyengine.layers.weight_only_int import WeightOnlyIntMethod
 
 pytest.importorskip("transformers")
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [40, 41, 42], list(range(100, 160))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
 ENGINE = dict(max_model_len=128, kv_cache_memory=2**22)
+# (method, bits, group size, activation order, shared by the weights of one input)
 CASES = {
-    "gptq-4bit-g32": ("gptq", 4, 32, False),
-    "gptq-4bit-g64-desc-act": ("gptq", 4, 64, True),
-    "gptq-8bit-g32": ("gptq", 8, 32, False),
-    "awq-4bit-g32": ("awq", 4, 32, False),
+    "gptq-4bit-g32": ("gptq", 4, 32, False, True),
+    "gptq-4bit-g64-desc-act": ("gptq", 4, 64, True, True),
+    "gptq-8bit-g32": ("gptq", 8, 32, False, True),
+    "awq-4bit-g32": ("awq", 4, 32, False, True),
+    # Integers kept: groups inside a block; q/k/v (gate/up) each in an order of its own.
+    "gptq-4bit-g16": ("gptq", 4, 16, False, True),
+    "gptq-4bit-g32-own-orders": ("gptq", 4, 32, True, False),
 }
 
 
@@ -47,20 +52,33 @@ def outputs(model: Path, **engine_args: object) -> list:  # type: ignore[type-ar
         llm.engine.shutdown()
 
 
+def model_layers(llm: LLM) -> list[tuple[LinearBase, LinearBase]]:
+    """Each decoder layer's stacked layers (q/k/v, gate/up)."""
+    model = llm.engine.executor.driver_worker.model_runner.model
+    return [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in model.layers]
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
     float_llama: Path, tmp_path: Path, case: str
 ) -> None:
-    method, bits, group_size, desc_act = CASES[case]
+    method, bits, group_size, desc_act, shared = CASES[case]
     write_quantized(float_llama, tmp_path / "q", tmp_path / "ref", method, bits, group_size,
-                    desc_act)  # fmt: skip
+                    desc_act, shared_order=shared)  # fmt: skip
     llm = LLM(str(tmp_path / "q"), **ENGINE)
-    linear = [m for m in llm.engine.executor.driver_worker.model_runner.model.modules()
-              if isinstance(m, LinearBase) and hasattr(m, "qweight")]  # fmt: skip
+    model = llm.engine.executor.driver_worker.model_runner.model
+    linear = [
+        m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyIntMethod)
+    ]
     assert len(linear) == 2 * 4  # qkv, o, gate_up, down of 2 layers
-    assert all(m.qweight.dtype == torch.uint8 and "weight" not in m._parameters for m in linear)
-    # Groups of 32 inputs or more in order: decode steps multiply from the block form.
-    assert all((m.packed_blocks is not None) == (not desc_act) for m in linear)
+    assert not any("weight" in m._parameters for m in linear)
+    for m in linear:  # one quantized form each
+        stacked = m in (m_ for layer in model_layers(llm) for m_ in layer)
+        if group_size % 32 == 0 and (shared or not stacked):
+            assert m.packed_blocks is not None and not hasattr(m, "qweight")
+            assert (m.input_order is not None) == desc_act
+        else:
+            assert m.packed_blocks is None and m.qweight.dtype == torch.uint8
     llm.engine.shutdown()
     got, want = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):

