@@ -7,6 +7,7 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/attention.h"
+#include "pyengine/dense.h"
 
 namespace py = pybind11;
 
@@ -42,6 +43,13 @@ void bind_attention(py::module_& m) {
   m.def(
       "attention_isa", [] { return isa_name(attention_isa()); },
       "The CPU attention kernel build in use.");
+  m.def(
+      "set_quantized_dense_isa",
+      [](const std::string& isa) { set_quantized_dense_isa(parse_isa(isa)); }, py::arg("isa"),
+      "Pins the widening of quantized dense weights ('auto', 'generic', 'avx512'); for tests.");
+  m.def(
+      "quantized_dense_isa", [] { return isa_name(quantized_dense_isa()); },
+      "The widening of quantized dense weights in use.");
   m.def(
       "cpu_supports", [](const std::string& isa) { return cpu_supports(parse_isa(isa)); },
       py::arg("isa"), "Whether this CPU and build can run the named attention kernel.");

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "pyengine/attention.h"
 #include "pyengine/tensor_view.h"
 
 namespace pyengine {
@@ -29,6 +30,13 @@ void pack_weight(const TensorView& packed, const TensorView& w_t);
 // bytes; each panel is widened to float32 in the thread's cache before the tiles use it,
 // so the product is exactly the float32 one over the widened weight.
 inline constexpr int64_t kQuantBlock = 32;
+
+// Which build widens quantized panels: AVX-512 (which also multiplies a decode step's
+// few rows with the weights widened in registers) where the CPU has it (kAuto), or the
+// portable one (kGeneric), for tests and benchmarks. Throws InvalidArgument for what this
+// CPU cannot run, and for kAvx2 (no such build).
+void set_quantized_dense_isa(CpuIsa isa);
+CpuIsa quantized_dense_isa();
 
 // Bytes a packed quantized [k, n] weight takes, bits 4 or 8 (k a multiple of
 // kQuantBlock).

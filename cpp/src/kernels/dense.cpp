@@ -184,6 +184,12 @@ template <class Sink>
 void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
   const bool quantized = w.bits != 32;
+  if (quantized && m1 - m0 <= detail::kRegisterRows && detail::quantized_avx512()) {
+    detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0),
+                                    w.panel(p), x.k, w.bits, sums);
+    sink(m0, m1 - m0, static_cast<const float*>(sums));
+    return;
+  }
   thread_local std::vector<float> chunk;
   if (quantized) chunk.resize(static_cast<size_t>(kChunkRows * kPanelWidth));
   const int64_t step = quantized ? kChunkRows : std::max<int64_t>(x.k, 1);

@@ -3,6 +3,7 @@
 #include "quantized_panel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cstring>
 #include <string>
@@ -184,33 +185,164 @@ void widen_block_generic(const uint8_t* block, int bits, float* out) {
   }
 }
 
-using WidenBlock = void (*)(const uint8_t*, int, float*);
+// The quantized rows of a block are read once, in order: ask for them kPrefetchBlocks
+// ahead (past the panel, into the thread's next one; prefetches never fault).
+inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes) {
+  const uint8_t* ahead = block + kPrefetchBlocks * block_bytes;
+  for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 1);
+}
 
-WidenBlock pick_widen_block() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")) {
-    return widen_block_avx512;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+// acc (+)= x * w for kRows rows, x[r] at a[r * lda]; one row alternates two chains.
+template <int kRows>
+PYENGINE_WIDEN_AVX512 inline void add_products(__m512 (&acc)[kRows][3], __m512 (&odd)[3],
+                                               const float* a, int64_t lda, bool second,
+                                               const __m512 (&w)[3]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m512 x = _mm512_set1_ps(a[r * lda]);
+    for (int v = 0; v < 3; ++v) {
+      if (kRows == 1 && second) {
+        odd[v] = _mm512_fmadd_ps(x, w[v], odd[v]);
+      } else {
+        acc[r][v] = _mm512_fmadd_ps(x, w[v], acc[r][v]);
+      }
+    }
   }
+}
+
+template <int kRows, int kBits>
+PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, const uint8_t* panel,
+                                                int64_t k, float* c) {
+  static_assert(kPanelWidth == 3 * kLanes);
+  const int64_t block_bytes = quantized_block_bytes(kBits);
+  __m512 acc[kRows][3], odd[3];
+  for (int v = 0; v < 3; ++v) {
+    odd[v] = _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) acc[r][v] = _mm512_setzero_ps();
+  }
+  const __m512i low_bits = _mm512_set1_epi32(15);
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    const uint8_t* block = panel + b * block_bytes;
+    prefetch_ahead(block, block_bytes);
+    __m512 scale[3], offset[3];
+    for (int v = 0; v < 3; ++v) {
+      scale[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + v * kLanes);
+      offset[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kPanelWidth + v * kLanes);
+    }
+    const uint8_t* ints = block + kQuantParamBytes;
+    const float* x = a + b * kQuantBlock;
+    if constexpr (kBits == 8) {
+      for (int i = 0; i < kQuantBlock; ++i) {
+        __m512 w[3];
+        for (int v = 0; v < 3; ++v) {
+          const __m128i q =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + i * kPanelWidth + v * kLanes));
+          w[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale[v], offset[v]);
+        }
+        add_products<kRows>(acc, odd, x + i, lda, i % 2 == 1, w);
+      }
+    } else {
+      for (int i = 0; i < kQuantBlock / 2; ++i) {
+        __m512 low[3], high[3];
+        for (int v = 0; v < 3; ++v) {
+          const __m128i q =
+              _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + i * kPanelWidth + v * kLanes));
+          const __m512i pair = _mm512_cvtepu8_epi32(q);
+          low[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, low_bits)), scale[v],
+                                   offset[v]);
+          high[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 4)), scale[v],
+                                    offset[v]);
+        }
+        add_products<kRows>(acc, odd, x + 2 * i, lda, false, low);
+        add_products<kRows>(acc, odd, x + 2 * i + 1, lda, true, high);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < 3; ++v) {
+      const __m512 sum = kRows == 1 ? _mm512_add_ps(acc[0][v], odd[v]) : acc[r][v];
+      _mm512_storeu_ps(c + r * kPanelWidth + v * kLanes, sum);
+    }
+  }
+}
+#pragma GCC diagnostic pop
+
+template <int kBits>
+void multiply_rows_avx512(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
+                          float* c) {
+  static_assert(detail::kRegisterRows == 4);
+  switch (rows) {
+    case 1: return multiply_rows_avx512<1, kBits>(a, lda, panel, k, c);
+    case 2: return multiply_rows_avx512<2, kBits>(a, lda, panel, k, c);
+    case 3: return multiply_rows_avx512<3, kBits>(a, lda, panel, k, c);
+    default: return multiply_rows_avx512<4, kBits>(a, lda, panel, k, c);
+  }
+}
 #endif
-  return widen_block_generic;
+
+bool avx512_supported() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+#else
+  return false;
+#endif
+}
+
+std::atomic<bool>& avx512_in_use() {
+  static std::atomic<bool> in_use{avx512_supported()};
+  return in_use;
 }
 
 }  // namespace
+
+void set_quantized_dense_isa(CpuIsa isa) {
+  if (isa == CpuIsa::kAvx2) {
+    throw InvalidArgument(
+        "set_quantized_dense_isa: the quantized widening has an AVX-512 build and a portable "
+        "one ('generic'), no AVX2 one");
+  }
+  if (isa == CpuIsa::kAvx512 && !avx512_supported()) {
+    throw InvalidArgument("set_quantized_dense_isa: this CPU has no AVX-512 (avx512f, avx512bw)");
+  }
+  avx512_in_use().store(isa == CpuIsa::kAuto ? avx512_supported() : isa == CpuIsa::kAvx512);
+}
+
+CpuIsa quantized_dense_isa() {
+  return avx512_in_use().load() ? CpuIsa::kAvx512 : CpuIsa::kGeneric;
+}
 
 namespace detail {
 
 // (q * scale is exact, pack_quantized_weight checks: a multiply-add rounds as the
 // product, then the sum.)
+bool quantized_avx512() { return avx512_in_use().load(std::memory_order_relaxed); }
+
 void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst) {
-  static const WidenBlock widen_block = pick_widen_block();
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  const auto widen_block = quantized_avx512() ? widen_block_avx512 : widen_block_generic;
+#else
+  const auto widen_block = widen_block_generic;
+#endif
   const int64_t block_bytes = quantized_block_bytes(bits);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
-    // The quantized rows are read once, in order: ask for them kPrefetchBlocks ahead (past
-    // the panel, into the thread's next one; prefetches never fault).
-    const uint8_t* ahead = src + (b + kPrefetchBlocks) * block_bytes;
-    for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 1);
-    widen_block(src + b * block_bytes, bits, dst + b * kQuantBlock * kPanelWidth);
+    const uint8_t* block = src + b * block_bytes;
+    prefetch_ahead(block, block_bytes);
+    widen_block(block, bits, dst + b * kQuantBlock * kPanelWidth);
   }
+}
+
+void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
+                             int64_t k, int bits, float* c) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (bits == 8) return multiply_rows_avx512<8>(a, lda, rows, panel, k, c);
+  return multiply_rows_avx512<4>(a, lda, rows, panel, k, c);
+#else
+  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)bits, (void)c;
+  throw InvalidArgument("multiply_quantized_rows: built without AVX-512");
+#endif
 }
 
 }  // namespace detail

@@ -53,4 +53,19 @@ constexpr int64_t quantized_block_bytes(int bits) {
 // rounded once (q * scale is exact).
 void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst);
 
+// Rows a decode step multiplies with the weights widened in registers, not through a
+// widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
+inline constexpr int kRegisterRows = 4;
+
+// Whether quantized panels are widened with AVX-512 (and few rows multiplied in
+// registers): on CPUs with it, unless pinned to the portable build.
+bool quantized_avx512();
+
+// c [rows][kPanelWidth] = a [rows, k] (lda apart) @ the quantized panel at `panel`, for
+// 1 <= rows <= kRegisterRows, each weight widened in registers exactly as
+// widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
+// (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
+void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
+                             int64_t k, int bits, float* c);
+
 }  // namespace pyengine::detail
