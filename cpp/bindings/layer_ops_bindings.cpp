@@ -118,6 +118,8 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
       "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
+  m.def("release_thread_pool", &release_thread_pool,
+        "Frees the calling thread's OpenMP workers (before another thread runs the kernels).");
   m.def(
       "packed_columns",
       [](const py::handle& out, const py::handle& packed, const py::handle& ids, int64_t n) {

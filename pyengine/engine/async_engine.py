@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.engine.stats import EngineStats
 from pyengine.outputs import PositionLogprobs, RequestOutput
@@ -134,6 +135,11 @@ class AsyncLLMEngine:
     # -- the event loop's side -------------------------------------------------------
 
     def start(self) -> None:
+        # The engine thread runs the kernels from now on: the pool of OpenMP workers that
+        # building the engine (its profile step) made for this thread goes, or the two
+        # pools would outnumber the cores and every parallel region wait on sleeping
+        # workers (the OpenMP runtime stops spinning them).
+        _C.release_thread_pool()
         self._thread.start()
         # An interpreter that exits with a step running would be torn down under it. (A
         # weak reference: the engine and its model go when their last user drops them.)

@@ -82,6 +82,12 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                         int64_t n);
 
+// Frees the calling thread's OpenMP worker threads (the kernels' thread pool). For a
+// thread that hands the kernels over to another: the OpenMP runtime spins its idle
+// workers only while it manages no more threads than there are cores, so a second pool
+// beside the first makes every parallel region of both wake sleeping workers.
+void release_thread_pool();
+
 // out [t, k] = columns ids [t] of a packed [k, n] weight (float32 panels or
 // block-quantized ones), widened to float32 exactly as dense widens them: an embedding
 // table kept only in the packed form of the head that multiplies by it. ids int64, each

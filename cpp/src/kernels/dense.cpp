@@ -6,6 +6,9 @@
 
 #include <algorithm>
 #include <cstring>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 #include <string>
 #include <vector>
 
@@ -461,6 +464,12 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
                          }
                        });
       });
+}
+
+void release_thread_pool() {
+#ifdef _OPENMP  // (in GCC from 9, though its _OPENMP still says 4.5)
+  omp_pause_resource_all(omp_pause_hard);  // the host's part: this thread's pool
+#endif
 }
 
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
