@@ -18,6 +18,7 @@ from pyengine.layers.placement import Placement
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.sample.sampler import Sampler, heaviest_rows
+from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.scheduler_output import SchedulerOutput
@@ -37,6 +38,27 @@ def resident_bytes(model: Any) -> int:
                 tensors.append(value)
     unique = {id(t): t for t in tensors}.values()
     return sum(t.numel() * t.element_size() for t in unique)
+
+
+def weight_forms(model: Any) -> str:
+    """How many linear layers hold each form: "210 4-bit blocks, 1 8-bit blocks"."""
+    forms: dict[str, int] = {}
+    for module in model.modules():
+        if not hasattr(module, "method"):
+            continue  # not a linear layer
+        blocks, packed = getattr(module, "packed_blocks", None), getattr(module, "packed", None)
+        if blocks is not None:
+            form = f"{4 if blocks.dtype == torch.uint8 else 8}-bit blocks"
+        elif isinstance(packed, torch.Tensor):
+            form = "float32 panels"
+        elif isinstance(getattr(module, "qweight", None), torch.Tensor):
+            form = "integers"
+        elif isinstance(weight := getattr(module, "weight", None), torch.Tensor):
+            form = str(weight.dtype).removeprefix("torch.")
+        else:
+            continue
+        forms[form] = forms.get(form, 0) + 1
+    return ", ".join(f"{count} {form}" for form, count in forms.items()) or "no linear layers"
 
 
 def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -97,11 +119,14 @@ class ModelRunner:
         )  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)
+        if on_cpu:
+            host_memory.release_free_heap()  # what loading freed
         q = c.quantization
         logger.info(
-            "weights: %s, %.1f MiB resident",
-            f"{q.method} {q.bits}-bit, groups of {q.group_size}" if q else "float",
+            "weights: %s, %.1f MiB resident (%s)",
+            f"{q.method} {q.bits}-bit, groups of {q.group_size}" if q else "from the checkpoint",
             self.weight_bytes / 2**20,
+            weight_forms(self.model),
         )
         # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
         self.inputs: StepInputs | None = None
