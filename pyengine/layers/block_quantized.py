@@ -1,17 +1,22 @@
-"""A matmul weight kept in its GGUF block form (Q4_0, Q4_1, Q8_0) beside its float32
-values: the CPU matmul of a decode step then streams 0.75-1.25 bytes a weight instead of
-4, and widens each block to exactly the float32 values the loader dequantizes
-(cpp/include/pyengine/dense.h).
+"""A matmul weight kept in a GGUF block form: the CPU matmul streams its 0.75 (4-bit) or
+1.25 (8-bit) bytes a weight instead of float32's 4, and widens each block to exactly the
+float32 values the `gguf` package dequantizes (cpp/include/pyengine/dense.h).
 
-Every 32 weights along a row share a float16 scale d (and, for Q4_1, an offset m):
+Every 32 weights along a row share a float32 scale and offset, w = q * scale + offset:
     Q4_0: w = d * (nibble - 8)     = nibble * d + (-8 d)
     Q4_1: w = d * nibble + m
+    Q5_0: w = d * (q5 - 16)        = int8 * d + (-0.0)        (as 8-bit)
+    Q5_1: w = d * q5 + m                                       (as 8-bit)
     Q8_0: w = d * int8             = int8 * d + (-0.0)
-With an 11-bit scale and an integer of at most 8 bits, q * d is exact in float32, so
+    Q4_K: w = (d * sc) * nibble - dmin * mn, sc and mn 6-bit, one pair per 32 of the 256
+    Q5_K: the same with 5-bit q                                (as 8-bit)
+With d a float16 (11 significant bits) times an integer of at most 6 bits, a scale has at
+most 17, and q * scale is exact in float32 (q of 4 bits, or 5 bits in an int8), so
 q * scale + offset rounds exactly once, as the `gguf` package's float32 dequantization
-does: the same float32 weights, bit for bit, but for Q4_0's zeros under a negative scale
-(8 d - 8 d is +0 where d * 0 is -0). No sum tells those apart: the matmul's sums start at
-+0, and adding a zero of either sign to them changes nothing.
+does: the same float32 weights, bit for bit, but for the zeros of a negative scale (8 d -
+8 d is +0 where d * 0 is -0). No sum tells those apart: the matmul's sums start at +0,
+and adding a zero of either sign to them changes nothing. (Q6_K and the 2- and 3-bit
+K-quants keep 16-weight groups; they load as float weights.)
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ import numpy as np
 
 BLOCK = 32  # weights sharing a scale (along a row)
 
-# GGML type -> (bytes a block, bits a weight); the GGML type numbers of the gguf format.
-_Q4_0, _Q4_1, _Q8_0 = 2, 3, 8
-_LAYOUTS = {_Q4_0: (18, 4), _Q4_1: (20, 4), _Q8_0: (34, 8)}
+# The GGML type numbers of the gguf format.
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K = 2, 3, 6, 7, 8, 12, 13
 
 
 @dataclass(frozen=True)
@@ -90,25 +94,108 @@ class BlockQuantized:
         )
 
 
+Parts = tuple[np.ndarray, np.ndarray, np.ndarray]  # q, scale, offset of [rows, blocks, bytes]
+
+
+@dataclass(frozen=True)
+class _Layout:
+    weights: int  # a GGUF block's
+    bytes: int
+    decode: Callable[[np.ndarray], Parts]  # -> q [rows, weights], scale/offset [rows, groups]
+
+
+def _float16(raw: np.ndarray) -> np.ndarray:
+    """[..., 2] bytes as float32 [...]."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes holding weights 0-15 in their low nibbles, 16-31 in the high ones."""
+    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def _high_bits(qh: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's 4 bytes of fifth bits, as [..., 32] (weight j at bit j)."""
+    word = qh.copy().view(np.uint32)  # [..., 1], little-endian
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _q4_0(blocks: np.ndarray) -> Parts:
+    d = _float16(blocks[..., :2])
+    return _nibbles(blocks[..., 2:]), d, -8 * d
+
+
+def _q4_1(blocks: np.ndarray) -> Parts:
+    return _nibbles(blocks[..., 4:]), _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
+
+
+def _q5_0(blocks: np.ndarray) -> Parts:
+    q = (_nibbles(blocks[..., 6:]) | (_high_bits(blocks[..., 2:6]) << 4)).astype(np.int8) - 16
+    d = _float16(blocks[..., :2])
+    return q.astype(np.int8), d, np.full_like(d, -0.0)
+
+
+def _q5_1(blocks: np.ndarray) -> Parts:
+    q = _nibbles(blocks[..., 8:]) | (_high_bits(blocks[..., 4:8]) << 4)
+    return q.view(np.int8), _float16(blocks[..., :2]), _float16(blocks[..., 2:4])
+
+
+def _q8_0(blocks: np.ndarray) -> Parts:
+    d = _float16(blocks[..., :2])
+    return blocks[..., 2:].copy().view(np.int8), d, np.full_like(d, -0.0)
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A K-quant block's 8 (scale, offset) pairs, d * sc and -(dmin * mn), [..., 8]: the
+    6-bit sc and mn of groups 0-3 are the low bits of bytes 0-3 and 4-7; those of groups
+    4-7 take their low 4 bits from bytes 8-11 and their high 2 from the top of bytes 0-7."""
+    d, dmin = _float16(blocks[..., 0:2]), _float16(blocks[..., 2:4])
+    packed = blocks[..., 4:16]
+    low, high, rest = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([low & 63, (rest & 15) | ((low >> 6) << 4)], axis=-1)
+    mn = np.concatenate([high & 63, (rest >> 4) | ((high >> 6) << 4)], axis=-1)
+    return d[..., None] * sc.astype(np.float32), -(dmin[..., None] * mn.astype(np.float32))
+
+
+def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes as 256 4-bit values: 4 runs of 32 bytes, each 32 low nibbles, then 32
+    high ones."""
+    runs = qs.reshape(*qs.shape[:-1], 4, 32)
+    return np.stack([runs & 0x0F, runs >> 4], axis=-2).reshape(*qs.shape[:-1], 256)
+
+
+def _q4_k(blocks: np.ndarray) -> Parts:
+    scale, offset = _k_scales(blocks)
+    return _k_low_nibbles(blocks[..., 16:144]), scale, offset
+
+
+def _q5_k(blocks: np.ndarray) -> Parts:
+    scale, offset = _k_scales(blocks)
+    qh = blocks[..., 16:48]  # group g's fifth bits: bit g of each of the 32 bytes
+    fifth = (qh[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8, 32]
+    q = _k_low_nibbles(blocks[..., 48:176]) | (fifth.reshape(*qh.shape[:-1], 256) << 4)
+    return q.view(np.int8), scale, offset
+
+
+_LAYOUTS = {
+    _Q4_0: _Layout(32, 18, _q4_0), _Q4_1: _Layout(32, 20, _q4_1),
+    _Q5_0: _Layout(32, 22, _q5_0), _Q5_1: _Layout(32, 24, _q5_1),
+    _Q8_0: _Layout(32, 34, _q8_0),
+    _Q4_K: _Layout(256, 144, _q4_k), _Q5_K: _Layout(256, 176, _q5_k),
+}  # fmt: skip
+
+
 def is_block_quantized(ggml_type: int) -> bool:
     return ggml_type in _LAYOUTS
 
 
 def from_gguf_blocks(raw: np.ndarray, ggml_type: int) -> BlockQuantized:
-    """raw: uint8 [rows, row bytes] of a Q4_0, Q4_1 or Q8_0 tensor."""
-    block_bytes, _ = _LAYOUTS[ggml_type]
+    """raw: uint8 [rows, row bytes] of a tensor of one of the types above."""
+    layout = _LAYOUTS[ggml_type]
     rows = raw.shape[0]
-    blocks = raw.reshape(rows, -1, block_bytes)
-    scale = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-    if ggml_type == _Q8_0:
-        q = blocks[..., 2:].copy().view(np.int8).reshape(rows, -1)
-        return BlockQuantized(q, scale, np.full_like(scale, -0.0))
-    if ggml_type == _Q4_1:
-        offset = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        packed = blocks[..., 4:]
-    else:
-        offset = -8 * scale
-        packed = blocks[..., 2:]
-    # A block's 16 bytes hold weights 0-15 in their low nibbles, 16-31 in the high ones.
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-1).reshape(rows, -1)
-    return BlockQuantized(q, scale, offset)
+    q, scale, offset = layout.decode(raw.reshape(rows, -1, layout.bytes))
+    return BlockQuantized(
+        np.ascontiguousarray(q.reshape(rows, -1)),
+        np.ascontiguousarray(scale.reshape(rows, -1), dtype=np.float32),
+        np.ascontiguousarray(offset.reshape(rows, -1), dtype=np.float32),
+    )

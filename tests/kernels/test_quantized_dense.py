@@ -174,8 +174,17 @@ def test_quantized_packing_errors() -> None:
         bad = q.clone()
         bad[3, 7] = 16
         _C.pack_quantized_weight(packed, bad, scale, offset)
-    with pytest.raises(ValueError, match="at most 16 significant bits"):
+    with pytest.raises(ValueError, match="at most 20 significant bits for 4-bit q"):
         _C.pack_quantized_weight(packed, q, scale + 1e-6, offset)
+    # 20 bits do for 4-bit q (a K-quant's float16 times a 6-bit integer has at most 17),
+    # 18 not for 8-bit
+    twenty = torch.full((2, 50), 1 + 2.0**-19)
+    _C.pack_quantized_weight(packed, q, twenty, offset)
+    packed8 = torch.empty(_C.packed_quantized_weight_size(64, 50, 8), dtype=torch.int8)
+    with pytest.raises(ValueError, match="at most 17 significant bits for 8-bit q"):
+        _C.pack_quantized_weight(
+            packed8, q.view(torch.int8), torch.full((2, 50), 1 + 2.0**-17), offset
+        )
     with pytest.raises(ValueError, match=r"packed must be dense \["):
         _C.pack_quantized_weight(packed[:-1], q, scale, offset)
     with pytest.raises(ValueError, match=r"q_t must be \[k, 2n\]"):

@@ -15,16 +15,24 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from helpers.hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
+from helpers.k_quants import quantize_k  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import inverse_frequencies  # noqa: E402
 from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
 
-QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1]
-# The tiny Llama's 4-bit matrices (in layer 1; the rest are Q8_0)
-FOUR_BIT = {"attn_k.weight": Q.Q4_1, "ffn_up.weight": Q.Q4_0, "ffn_down.weight": Q.Q4_1}
-FOUR_BIT_HF = ("self_attn.k_proj", "mlp.up_proj", "mlp.down_proj")
+QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # by the gguf package
+# The types with a block form, and their bits a weight in it.
+BLOCK_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q8_0: 8}
+# The tiny Llama's matrices that are not Q8_0 (K-quants need rows of 256: down's only).
+OTHER_TYPES = {
+    "blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_output.weight": Q.Q5_1,
+    "blk.0.ffn_down.weight": Q.Q4_K, "blk.1.attn_k.weight": Q.Q4_1,
+    "blk.1.ffn_up.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q5_K,
+}  # fmt: skip
+FOUR_BIT_HF = ("layers.0.mlp.down_proj", "layers.1.self_attn.k_proj", "layers.1.mlp.up_proj")
+FIVE_BIT_HF = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj")
 
 
 def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -33,12 +41,18 @@ def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
     raw = rng.integers(0, 256, (rows, 256 // block * size), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, size)
     scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
-    if qtype == Q.Q4_K:  # d, dmin first
+    if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin first
         blocks[:, :, 0:2] = scale
         blocks[:, :, 2:4] = scale
     else:  # Q6_K: d last
         blocks[:, :, -2:] = scale
     return raw
+
+
+def quantize_any(w: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype in (Q.Q4_K, Q.Q5_K):
+        return quantize_k(w, 4 if qtype == Q.Q4_K else 5)
+    return quantize(w, qtype)
 
 
 def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
@@ -52,7 +66,7 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         raw = quantize(original, qtype)
         raw_of[qtype.name] = (raw, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
-    for qtype in (Q.Q4_K, Q.Q6_K):
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
         raw = k_quant_blocks(qtype, 4, rng)
         raw_of[qtype.name] = (raw, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
@@ -71,15 +85,18 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         assert np.isfinite(loaded).all()
         if qtype in QUANTIZABLE:
             assert np.abs(loaded - original).max() < 0.5  # 4 bits of a unit normal
+        if qtype in BLOCK_BITS:
             # The block form that the CPU matmul keeps widens to the same float32, bit
-            # for bit, but for Q4_0's zeros under a negative scale (+0 for -0, which no
-            # sum tells apart).
+            # for bit, but for the zeros of a negative scale (+0 for -0, which no sum
+            # tells apart).
             blocks = g.block_quantized(name)
-            assert blocks is not None and blocks.bits == (8 if qtype == Q.Q8_0 else 4)
+            assert blocks is not None and blocks.bits == BLOCK_BITS[qtype]
             widened = blocks.dequantize()
             np.testing.assert_array_equal(widened, loaded)
-            if qtype != Q.Q4_0:
-                np.testing.assert_array_equal(widened.view(np.uint32), loaded.view(np.uint32))
+            nonzero = loaded != 0
+            np.testing.assert_array_equal(
+                widened[nonzero].view(np.uint32), loaded[nonzero].view(np.uint32)
+            )
         else:
             assert g.block_quantized(name) is None
     assert g.block_quantized("f32") is None and g.block_quantized("f16") is None
@@ -194,11 +211,10 @@ def write_tiny_llama(
         hf_layout[hf_name] = w
         stored = permute_for_llama_cpp(w, permute_heads) if permute_heads else w
         if quantized:
-            # Mostly Q8_0; a few 4-bit ones, so that fused q/k/v and gate/up mix the two.
-            qtype = (
-                FOUR_BIT.get(name.removeprefix("blk.1."), Q.Q8_0) if "blk.1." in name else Q.Q8_0
-            )
-            writer.add_tensor(name, quantize(stored, qtype), raw_dtype=qtype)
+            # Mostly Q8_0; some of every other block type, so that fused q/k/v and
+            # gate/up mix 4 and 8 bits.
+            qtype = OTHER_TYPES.get(name, Q.Q8_0)
+            writer.add_tensor(name, quantize_any(stored, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, stored)
 
@@ -242,9 +258,11 @@ def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  
     loaded = load_model(str(path))
     assert loaded.weights is not None and set(loaded.weights) == set(hf_layout)
     for name, w in hf_layout.items():
-        # Q8_0 keeps a normal weight to about 1%, 4 bits to about 10%; a wrong row order
-        # would be far off.
-        tolerance = 0.1 if any(name.endswith(f"layers.1.{m}.weight") for m in FOUR_BIT_HF) else 0.01
+        # Q8_0 keeps a normal weight to about 1%, 5 bits to about 5%, 4 bits to about
+        # 10%; a wrong row order would be far off.
+        tolerance = 0.01
+        if any(name.endswith(f"{m}.weight") for m in FOUR_BIT_HF + FIVE_BIT_HF):
+            tolerance = 0.1 if any(name.endswith(f"{m}.weight") for m in FOUR_BIT_HF) else 0.05
         assert (
             np.abs(loaded.weights[name].numpy() - w).max() < tolerance * np.abs(w).max() + 1e-6
         ), name
@@ -252,7 +270,7 @@ def test_gguf_llama_weights_return_to_hugging_face_layout(tiny_llama) -> None:  
     for name, blocks in loaded.block_quantized.items():
         np.testing.assert_array_equal(blocks.dequantize(), loaded.weights[name].numpy(), name)
     assert {name for name, b in loaded.block_quantized.items() if b.bits == 4} == {
-        f"model.layers.1.{m}.weight" for m in FOUR_BIT_HF
+        f"model.{m}.weight" for m in FOUR_BIT_HF
     }
     assert len(loaded.block_quantized) == 1 + 7 * 2  # the head and every layer's matrices
     # Placements that do not pack float32 weights (CUDA, 16-bit) load no block form.
@@ -264,13 +282,13 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     loaded = load_model(str(path))
     reference = hf_model_from_weights(loaded.config, loaded.weights)
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
-    # Decode steps multiply from the block form: q/k/v and gate/up fused from 4- and 8-bit
-    # parts (8-bit then), down 4-bit in layer 1.
+    # Every step multiplies from the block forms: q/k/v and gate/up fused from 4- and
+    # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q5_K in layer 1.
     model = llm.engine.executor.driver_worker.model_runner.model
-    layer = model.layers[1]
-    assert layer.self_attn.qkv_proj.packed_blocks.dtype == torch.int8
-    assert layer.mlp.gate_up_proj.packed_blocks.dtype == torch.int8
-    assert layer.mlp.down_proj.packed_blocks.dtype == torch.uint8
+    assert model.layers[1].self_attn.qkv_proj.packed_blocks.dtype == torch.int8
+    assert model.layers[1].mlp.gate_up_proj.packed_blocks.dtype == torch.int8
+    assert model.layers[0].mlp.down_proj.packed_blocks.dtype == torch.uint8
+    assert model.layers[1].mlp.down_proj.packed_blocks.dtype == torch.int8
     assert model.lm_head.packed_blocks is not None
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("héllo, wörld")) == "héllo, wörld"

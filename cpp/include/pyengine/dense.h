@@ -21,11 +21,12 @@ int64_t packed_weight_size(int64_t k, int64_t n);
 // [packed_weight_size(k, n)]); columns past n in the last panel are zero.
 void pack_weight(const TensorView& packed, const TensorView& w_t);
 
-// Block-quantized weights, the form of GGUF's Q4_0, Q4_1 and Q8_0: along k, every
-// kQuantBlock rows of a column share a scale and an offset, w[i][j] = q[i][j] *
+// Block-quantized weights, the form of GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K: along
+// k, every kQuantBlock rows of a column share a scale and an offset, w[i][j] = q[i][j] *
 // scale[i / kQuantBlock][j] + offset[i / kQuantBlock][j] with q a small integer and the
-// scales of at most 16 significant bits (GGUF's are float16), so that the product is exact
-// and the float32 result rounds once. Packed, a panel takes 0.75 (4-bit) or
+// scales of few significant bits (at most 20 for 4-bit q, 17 for 8-bit; GGUF's are a
+// float16 times a 6-bit integer at most), so that the product is exact and the float32
+// result rounds once. Packed, a panel takes 0.75 (4-bit) or
 // 1.25 (8-bit) bytes a weight instead of 4, so a decode step streams a fifth of the
 // bytes; each panel is widened to float32 in the thread's cache before the tiles use it,
 // so the product is exactly the float32 one over the widened weight.
@@ -43,7 +44,7 @@ CpuIsa quantized_dense_isa();
 int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits);
 
 // Packs q_t [k, n] (uint8 0..15 for 4 bits, int8 for 8), scale_t and offset_t (float32
-// [k / kQuantBlock, n]; the scales of at most 16 significant bits) into `packed`: uint8 (4-bit) or
+// [k / kQuantBlock, n]; the scales of few significant bits, as above) into `packed`: uint8 (4-bit) or
 // int8 (8-bit) [size], size packed_quantized_weight_size(k, n, bits), or twice that of n / 2 with
 // gate_up (q_t [k, 2 * n]: gate columns, then up, paired as pack_gate_up_weight pairs them).
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,

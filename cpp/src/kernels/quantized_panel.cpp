@@ -51,14 +51,20 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
                             t->describe());
     }
   }
-  // With at most 16 significant bits a scale times an int8 is exact in float32, so any
-  // rounding of q * scale + offset (a multiply-add, or the product, then the sum) is one.
+  // A scale of at most 24 - (q's bits) significant bits times q is exact in float32 (q 4
+  // bits, or an int8: 7, 128 being a power of two), so any rounding of q * scale + offset
+  // (a multiply-add, or the product, then the sum) is one.
+  const int scale_bits = bits == 4 ? 20 : 17;
+  const uint32_t low_mantissa = (uint32_t{1} << (24 - scale_bits)) - 1;
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     const auto* row = static_cast<const float*>(scale_t.data) + b * scale_t.strides[0];
-    if (std::any_of(row, row + n,
-                    [](float s) { return (std::bit_cast<uint32_t>(s) & 0xff) != 0; })) {
-      throw InvalidArgument(std::string(op) + ": scale_t must have at most 16 significant bits " +
-                            "(a float16's 11 fit), so that q * scale is exact; block row " +
+    if (std::any_of(row, row + n, [&](float s) {
+          return (std::bit_cast<uint32_t>(s) & low_mantissa) != 0;
+        })) {
+      throw InvalidArgument(std::string(op) + ": scale_t must have at most " +
+                            std::to_string(scale_bits) + " significant bits for " +
+                            std::to_string(bits) + "-bit q (a float16's 11 times a 6-bit " +
+                            "integer fit), so that q * scale is exact; block row " +
                             std::to_string(b) + " has more");
     }
   }
