@@ -106,7 +106,8 @@ class _Layout:
 
 def _float16(raw: np.ndarray) -> np.ndarray:
     """[..., 2] bytes as float32 [...]."""
-    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+    values: np.ndarray = raw.copy().view(np.float16)[..., 0].astype(np.float32)
+    return values
 
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
@@ -117,7 +118,8 @@ def _nibbles(packed: np.ndarray) -> np.ndarray:
 def _high_bits(qh: np.ndarray) -> np.ndarray:
     """Q5_0/Q5_1's 4 bytes of fifth bits, as [..., 32] (weight j at bit j)."""
     word = qh.copy().view(np.uint32)  # [..., 1], little-endian
-    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    bits: np.ndarray = ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    return bits
 
 
 def _q4_0(blocks: np.ndarray) -> Parts:
