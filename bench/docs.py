@@ -30,6 +30,8 @@ ORDER = (
     "scheduler",
     "attention_cpu",
     "throughput",
+    "quantized",
+    "perplexity",
     "distributed",
     "serve",
     "gpu_kernels",
@@ -59,6 +61,11 @@ def smallest(prefix: str) -> Callable[[dict[str, Any]], float | None]:
     return pick
 
 
+def ratio(figures: dict[str, Any], numerator: str, denominator: str) -> float | None:
+    top, bottom = figures.get(numerator), figures.get(denominator)
+    return None if top is None or not bottom else round(top / bottom, 2)
+
+
 HEADLINES = (
     Headline(
         "kv_cache",
@@ -85,6 +92,28 @@ HEADLINES = (
         "CPU offline generated tokens/s, against transformers",
         figure("speedup_vs_hf_generated_tok_s"),
         "x",
+    ),
+    Headline(
+        "quantized",
+        "CPU single-stream decode (streamed) against llama.cpp's server, slowest of Q4_0/Q4_1/Q8_0",
+        smallest("speedup_vs_llamacpp_"),
+        "x",
+    ),
+    Headline(
+        "quantized",
+        "resident memory, Q4_1 model loaded in the server, against llama.cpp's",
+        lambda f: ratio(f, "q4_1_pyengine_server_rss_mib", "q4_1_llamacpp_server_rss_mib"),
+        "x",
+    ),
+    Headline(
+        "perplexity",
+        "Q8_0 weights: perplexity change against the float32 reference",
+        lambda f: (
+            None
+            if f.get("q8_0_change_vs_reference") is None
+            else 100 * f["q8_0_change_vs_reference"]
+        ),
+        "%",
     ),
     Headline(
         "distributed",

@@ -223,7 +223,7 @@ def main() -> None:
         f"{streamed / 1e6:.0f} MB of weights it streams (GGUF blocks where the file has "
         f"them): {bandwidth / streamed:.1f} tok/s"
     )
-    print(f"model load (LLM(...), weights dequantized, tokenizer built): {load_seconds:.1f} s")
+    print(f"model load (LLM(...): weights packed, tokenizer built): {load_seconds:.1f} s")
     report("throughput", figures, tables=[table])
 
 
