@@ -8,21 +8,23 @@ from typing import Any
 
 from pyengine.sampling_params import is_int, is_real
 
-QUANTIZATION_METHODS = ("gptq", "awq")
+QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors")
 
 
 @dataclass(frozen=True)
 class QuantizationConfig:
-    """A weight-only integer checkpoint's quantization (its config.json's
-    `quantization_config`): `bits`-bit weights in groups of `group_size` input features
-    (-1: one group), each group with a scale and a zero point."""
+    """A quantized checkpoint's scheme (its config.json's `quantization_config`):
+    `bits`-bit weights in groups of `group_size` input features (-1: one group per
+    output channel), each group with a scale (and, for GPTQ/AWQ, a zero point); with
+    `activation_bits`, activations quantized too, per token, as each step runs (W8A8)."""
 
-    method: str  # "gptq" or "awq"
+    method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int
     desc_act: bool = False  # GPTQ: groups in activation order (a g_idx per input feature)
     # GPTQ's original format stores each zero point less 1 ("gptq"); "gptq_v2" does not.
     zero_offset: int = 0
+    activation_bits: int = 0  # 0: float activations (weight-only)
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -30,6 +32,14 @@ class QuantizationConfig:
                 f"quantization {self.method!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})"
             )
+        if self.method == "compressed-tensors":
+            if (self.bits, self.group_size, self.activation_bits) != (8, -1, 8):
+                raise ValueError(
+                    "compressed-tensors: int8 weights per channel with int8 activations per "
+                    f"token (W8A8) are supported, not {self.bits}-bit weights in groups of "
+                    f"{self.group_size} with {self.activation_bits or 'float'} activations"
+                )
+            return
         allowed_bits = (4, 8) if self.method == "gptq" else (4,)
         if self.bits not in allowed_bits:
             raise ValueError(
@@ -47,6 +57,11 @@ class QuantizationConfig:
     def pack_factor(self) -> int:
         """Weights in one int32 of the checkpoint."""
         return 32 // self.bits
+
+    def describe(self) -> str:
+        if self.activation_bits:
+            return f"{self.method} W{self.bits}A{self.activation_bits} int, per channel and token"
+        return f"{self.method} {self.bits}-bit, groups of {self.group_size}"
 
 
 @dataclass

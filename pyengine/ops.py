@@ -62,6 +62,9 @@ _SCHEMAS = {
     # out [t, k] = columns ids (int64 [t]) of a packed [k, n] weight: an embedding lookup
     # in a head's packed form
     "packed_columns": "packed_columns(Tensor(a!) out, Tensor packed, Tensor ids, int n) -> ()",
+    # out [m, n] = x [m, k] (int8-quantized per row) @ a packed int8 weight * scale + bias
+    "int8_dense": "int8_dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, "
+    "Tensor? bias, int n) -> ()",
 }
 
 
@@ -86,6 +89,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "dense": _C.dense,
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "packed_columns": _C.packed_columns,
+    "int8_dense": _C.int8_dense,
 }
 
 
@@ -170,3 +174,4 @@ silu_and_mul = _eager_cpu_direct("silu_and_mul")
 dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
+int8_dense = _eager_cpu_direct("int8_dense")

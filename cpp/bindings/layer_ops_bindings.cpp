@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/dense.h"
+#include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
 
 namespace py = pybind11;
@@ -118,6 +119,36 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
       "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
+  m.def("packed_int8_weight_size", &packed_int8_weight_size, py::arg("k"), py::arg("n"),
+        "Bytes of a packed int8 [n, k] weight (pack_int8_weight).");
+  m.def(
+      "pack_int8_weight",
+      [](const py::handle& packed, const py::handle& q) {
+        const DLPackView p(packed, "pack_int8_weight: packed"), w(q, "pack_int8_weight: q");
+        py::gil_scoped_release release;
+        pack_int8_weight(p.view(), w.view());
+      },
+      py::arg("packed"), py::arg("q"), "Packs q [n, k] (int8) for int8_dense.");
+  m.def(
+      "int8_dense",
+      [](const py::handle& out, const py::handle& x, const py::handle& packed,
+         const py::handle& scale, const py::handle& bias, int64_t n) {
+        const DLPackView o(out, "int8_dense: out"), in(x, "int8_dense: x");
+        const DLPackView p(packed, "int8_dense: packed"), s(scale, "int8_dense: scale");
+        if (bias.is_none()) {
+          py::gil_scoped_release release;
+          int8_dense(o.view(), in.view(), p.view(), s.view(), TensorView{}, n);
+          return;
+        }
+        const DLPackView b(bias, "int8_dense: bias");
+        py::gil_scoped_release release;
+        int8_dense(o.view(), in.view(), p.view(), s.view(), b.view(), n);
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
+      py::arg("n"),
+      "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times scale "
+      "[n] and x's row scales, + bias (or None).");
+  m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   m.def("release_thread_pool", &release_thread_pool,
         "Frees the calling thread's OpenMP workers (before another thread runs the kernels).");
   m.def(

@@ -65,6 +65,7 @@ class LinearBase(nn.Module):
     zeros: torch.Tensor
     input_groups: torch.Tensor
     input_order: torch.Tensor | None  # the inputs' order of its blocks (activation order)
+    weight_scale: torch.Tensor  # a W8A8 method's, per output channel
 
     def __init__(
         self,
@@ -89,6 +90,7 @@ class LinearBase(nn.Module):
         self.packed: torch.Tensor | None = None
         self.packed_split: torch.Tensor | None = None
         self.packed_blocks: torch.Tensor | None = None
+        self.packed_int8: torch.Tensor | None = None  # a W8A8 method's (layers/int8_w8a8.py)
         self.block_parts: list[tuple[int, BlockQuantized]] = []
         self.method = ctx.linear_methods.choose(checkpoint_names, many_rows)
         self.method.create_weights(self)
@@ -123,9 +125,13 @@ def check_shape(
 
 
 def copy_checked(name: str, into: torch.Tensor, value: CheckpointTensor) -> None:
-    """Checks the shape, then reads `value` (only its region, where it is a LazySlice)."""
+    """Checks the shape, then reads `value` (only its region, where it is a LazySlice);
+    integers go only into integers (an int8 checkpoint's weight), never cast."""
     check_shape(name, value, tuple(into.shape))
-    into.copy_(materialize(value))
+    tensor = materialize(value)
+    if into.dtype.is_floating_point != tensor.dtype.is_floating_point:
+        raise ValueError(f"weight {name}: {tensor.dtype} values, the model expects {into.dtype}")
+    into.copy_(tensor)
 
 
 class ColumnParallelLinear(LinearBase):

@@ -16,6 +16,8 @@ The forms today:
   bfloat16 tile products on AMX, as accurate as float32).
 - GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form only, for every step.
 - WeightOnlyIntMethod (layers/weight_only_int.py): a GPTQ or AWQ checkpoint's integers.
+- Int8W8A8Method (layers/int8_w8a8.py): a compressed-tensors W8A8 checkpoint's int8
+  weights, multiplied by activations quantized per token.
 """
 
 from __future__ import annotations
@@ -234,6 +236,10 @@ class LinearMethods:
         many_rows: whether it multiplies every token of a step (the head sees only the
         sampled rows: it keeps no split form, and stays float in a quantized checkpoint)."""
         if self.quantization is not None and many_rows:
+            if self.quantization.activation_bits:
+                from pyengine.layers.int8_w8a8 import Int8W8A8Method
+
+                return Int8W8A8Method(self.placement)
             from pyengine.layers.weight_only_int import WeightOnlyIntMethod
 
             return WeightOnlyIntMethod(self.quantization, self.placement)

@@ -65,6 +65,17 @@ def unpack_int32(
     return widened.movedim(-1, dim).to(torch.int16)
 
 
+def part_rows(layer: LinearBase, part: int) -> tuple[int, int, int, int]:
+    """(output rows of stacked part `part` in the checkpoint, this rank's first and count,
+    where they go in the layer)."""
+    from pyengine.layers.linear import ColumnParallelLinear
+
+    if not isinstance(layer, ColumnParallelLinear):  # row-parallel: every output row
+        return layer.output_size, 0, layer.output_size, 0
+    start, length = layer.shard_offsets[part]
+    return layer.output_sizes[part], start, length, layer.local_offsets[part]
+
+
 def num_groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-in_features // group_size)
 
@@ -102,7 +113,7 @@ class WeightOnlyIntMethod(LinearMethod):
         from pyengine.layers.linear import check_shape
 
         tensor = materialize(loaded)
-        full_out, start, length, local = self._part_rows(layer, part)
+        full_out, start, length, local = part_rows(layer, part)
         full_in = layer.input_size
         groups = num_groups(full_in, self.q.group_size)
         first_in, local_in = getattr(layer, "input_start", 0), layer.input_size_per_partition
@@ -134,16 +145,6 @@ class WeightOnlyIntMethod(LinearMethod):
             value = q.t()[:, first_in : first_in + local_in].to(torch.uint8)
             target = layer.qweight
         target[local : local + length] = value[start : start + length]
-
-    def _part_rows(self, layer: LinearBase, part: int) -> tuple[int, int, int, int]:
-        """(output rows of the part in the checkpoint, this rank's first and count, where
-        they go in the layer)."""
-        from pyengine.layers.linear import ColumnParallelLinear
-
-        if not isinstance(layer, ColumnParallelLinear):  # row-parallel: every output row
-            return layer.output_size, 0, layer.output_size, 0
-        start, length = layer.shard_offsets[part]
-        return layer.output_sizes[part], start, length, layer.local_offsets[part]
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         for attr in ("qweight", "scales", "zeros", "input_groups"):

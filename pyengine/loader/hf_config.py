@@ -150,6 +150,8 @@ def quantization_from_hf(raw: Any) -> QuantizationConfig:
             f"(supported: {', '.join(QUANTIZATION_METHODS)}); give float weights, or a GGUF file"
         )
     assert isinstance(raw, dict)
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
     # Checked by QuantizationConfig (a missing or odd value is named there).
     bits: Any = raw.get("bits", raw.get("w_bit"))
     group_size: Any = raw.get("group_size", raw.get("q_group_size"))
@@ -168,3 +170,48 @@ def quantization_from_hf(raw: Any) -> QuantizationConfig:
         "gptq", bits, group_size, bool(raw.get("desc_act", False)),
         zero_offset=1 if checkpoint_format == "gptq" else 0,
     )  # fmt: skip
+
+
+# compressed-tensors' W8A8: int8 weights, a scale per output channel, and int8
+# activations quantized per token as each step runs.
+_W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+_W8A8_ACTIVATIONS = {
+    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+}  # fmt: skip
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
+    """llm-compressor's format: one scheme for every Linear layer (the head may be left
+    out), int-quantized W8A8; what else it can say is refused, by name."""
+    form = raw.get("format")
+    if form not in ("int-quantized", "naive-quantized"):
+        raise ValueError(
+            f"compressed-tensors format {form!r} is not supported (int-quantized W8A8; "
+            "FP8 and pack-quantized W4A16 checkpoints are not yet)"
+        )
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError("compressed-tensors: config_groups is missing")
+    for name, group in groups.items():
+        if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+            raise ValueError(
+                f"compressed-tensors group {name!r}: only targets ['Linear'] are supported"
+            )
+        for part, wanted in (("weights", _W8A8_WEIGHTS), ("input_activations", _W8A8_ACTIVATIONS)):
+            scheme = group.get(part) or {}
+            odd = {
+                key: scheme.get(key) for key, value in wanted.items() if scheme.get(key) != value
+            }
+            if odd:
+                raise ValueError(
+                    f"compressed-tensors group {name!r}: {part} {odd} are not supported "
+                    f"(W8A8: {part} {wanted})"
+                )
+    ignored = [i for i in raw.get("ignore") or [] if i != "lm_head"]
+    if ignored:
+        raise ValueError(
+            f"compressed-tensors: ignore {ignored} is not supported (only lm_head may stay float)"
+        )
+    if raw.get("kv_cache_scheme"):
+        raise ValueError("compressed-tensors: a kv_cache_scheme is not supported")
+    return QuantizationConfig("compressed-tensors", 8, -1, activation_bits=8)

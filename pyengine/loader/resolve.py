@@ -207,7 +207,10 @@ def load_safetensors(folder: Path, quantized: bool = False) -> LazyWeights:
         for key, (dtype, shape) in headers.items():
             if key in readers:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
-            packed = quantized and key.endswith(QUANTIZED_INTEGER_TENSORS)
+            packed = quantized and (
+                key.endswith(QUANTIZED_INTEGER_TENSORS)
+                or (dtype == "I8" and key.endswith(".weight"))  # W8A8's int8 weights
+            )
             if not dtype.startswith(("F", "BF")) and not packed:
                 kind = _INTEGER_DTYPES.get(dtype, dtype)
                 raise ValueError(

@@ -32,7 +32,7 @@ def resident_bytes(model: Any) -> int:
     linear methods made (each tensor once)."""
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
-        for attr in ("packed", "packed_split", "packed_blocks"):
+        for attr in ("packed", "packed_split", "packed_blocks", "packed_int8"):
             value = getattr(module, attr, None)
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
@@ -49,6 +49,8 @@ def weight_forms(model: Any) -> str:
         blocks, packed = getattr(module, "packed_blocks", None), getattr(module, "packed", None)
         if blocks is not None:
             form = f"{4 if blocks.dtype == torch.uint8 else 8}-bit blocks"
+        elif getattr(module, "packed_int8", None) is not None:
+            form = "int8 W8A8"
         elif isinstance(packed, torch.Tensor):
             form = "float32 panels"
         elif isinstance(getattr(module, "qweight", None), torch.Tensor):
@@ -124,7 +126,7 @@ class ModelRunner:
         q = c.quantization
         logger.info(
             "weights: %s, %.1f MiB resident (%s)",
-            f"{q.method} {q.bits}-bit, groups of {q.group_size}" if q else "from the checkpoint",
+            q.describe() if q else "from the checkpoint",
             self.weight_bytes / 2**20,
             weight_forms(self.model),
         )

@@ -1,6 +1,7 @@
-"""GPTQ and AWQ checkpoints written in the test, by the documented tensor layouts (an
-implementation of its own, independent of pyengine's reader): a float checkpoint's
-linear weights quantized per group (min/max, asymmetric), packed into int32, with the
+"""GPTQ, AWQ and compressed-tensors W8A8 checkpoints written in the test, by the
+documented tensor layouts (an implementation of its own, independent of pyengine's
+reader): a float checkpoint's linear weights quantized (GPTQ/AWQ per group, min/max,
+asymmetric, packed into int32; W8A8 per output channel, symmetric int8), with the
 dequantized float weights of the same values for the reference checkpoint."""
 
 from __future__ import annotations
@@ -106,12 +107,7 @@ def write_quantized(
         quantized[f"{module}.qzeros"] = qzeros
         quantized[f"{module}.scales"] = torch.from_numpy(scales)
         dequantized[name] = torch.from_numpy(deq.astype(np.float32))
-    for folder, weights in ((out, quantized), (reference, dequantized)):
-        folder.mkdir(parents=True, exist_ok=True)
-        for extra in float_folder.iterdir():
-            if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
-                shutil.copy(extra, folder / extra.name)
-        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    _write_folders(float_folder, out, reference, quantized, dequantized)
     config = json.loads((float_folder / "config.json").read_text())
     (reference / "config.json").write_text(json.dumps(config))
     config["quantization_config"] = (
@@ -122,3 +118,54 @@ def write_quantized(
               "zero_point": True, "version": "gemm"}
     )  # fmt: skip
     (out / "config.json").write_text(json.dumps(config))
+
+
+def _write_folders(
+    float_folder: Path,
+    out: Path,
+    reference: Path,
+    quantized: dict,
+    dequantized: dict,  # type: ignore[type-arg]
+) -> None:
+    """Both checkpoints, with the float folder's other files (tokenizer and the like)."""
+    for folder, weights in ((out, quantized), (reference, dequantized)):
+        folder.mkdir(parents=True, exist_ok=True)
+        for extra in float_folder.iterdir():
+            if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
+                shutil.copy(extra, folder / extra.name)
+        save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+W8A8_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "int-quantized",
+    "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel",
+                    "dynamic": False, "group_size": None},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                              "strategy": "token", "dynamic": True, "group_size": None},
+    }},
+}  # fmt: skip
+
+
+def write_w8a8(float_folder: Path, out: Path, reference: Path) -> None:
+    """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
+    int-quantized W8A8 form (`weight` int8 [out, in], `weight_scale` bfloat16 [out, 1]:
+    w = q * scale per output channel, q = round(w / scale), scale = max|w| / 127);
+    `reference`: the same model with the dequantized float32 weights."""
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
+            continue
+        scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).to(torch.bfloat16)
+        q = torch.round(w.float() / scale.float()).clamp(-127, 127)
+        quantized[name] = q.to(torch.int8)
+        quantized[f"{module}.weight_scale"] = scale
+        dequantized[name] = (q * scale.float()).float()
+    _write_folders(float_folder, out, reference, quantized, dequantized)
+    config = json.loads((float_folder / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}))

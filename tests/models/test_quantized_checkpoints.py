@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.quantized_checkpoints import write_quantized
+from helpers.quantized_checkpoints import write_quantized, write_w8a8
 from helpers.tiny_models import make_checkpoint
+from safetensors.torch import load_file, save_file
 
-from pyengine import LLM, SamplingParams
+from pyengine import _C, LLM, SamplingParams
+from pyengine.layers.int8_w8a8 import Int8W8A8Method
 from pyengine.layers.linear import LinearBase
 from pyengine.layers.weight_only_int import WeightOnlyIntMethod
 
@@ -129,3 +131,83 @@ def test_a_quantization_asked_for_must_be_the_checkpoints(
     with pytest.raises(ValueError, match="no quantization_config \\(float weights\\)"):
         LLM(str(tmp_path / "ref"), quantization="awq", **ENGINE)
     LLM(str(tmp_path / "q"), quantization="awq", **ENGINE).engine.shutdown()
+
+
+def w8a8_reference(checkpoint: Path, module: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ the checkpoint's int8 weights of `module` (q/k/v stacked for qkv_proj), as W8A8
+    computes it: x quantized per token, the products summed exactly, both scales."""
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    parts = ["q_proj", "k_proj", "v_proj"] if module.endswith("qkv_proj") else [module]
+    prefix = module.rpartition(".")[0] + "." if module.endswith("qkv_proj") else ""
+    q = torch.cat([tensors[f"{prefix}{p}.weight"] for p in parts]).double()
+    scale = torch.cat([tensors[f"{prefix}{p}.weight_scale"] for p in parts]).double()
+    sx = x.abs().amax(dim=1, keepdim=True).float() / 127
+    xq = torch.round(x / sx).clamp(-127, 127).double()
+    return (xq @ q.t()) * sx.double() * scale.t()
+
+
+@pytest.mark.parametrize("isa", [i for i in ("avx512", "generic") if _C.cpu_supports(i)])
+def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: str) -> None:
+    """compressed-tensors' int-quantized W8A8: the layers hold only their packed int8
+    weights; a layer's product is W8A8's exactly (to float32's rounding); the model's
+    logprobs stay within what 8-bit activations cost of the dequantized float model's."""
+    write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref")
+    _C.set_quantized_dense_isa(isa)
+    try:
+        llm = LLM(str(tmp_path / "q"), **ENGINE)
+        model = llm.engine.executor.driver_worker.model_runner.model
+        linear = [
+            m for m in model.modules() if isinstance(getattr(m, "method", None), Int8W8A8Method)
+        ]
+        assert len(linear) == 2 * 4
+        assert all(m.packed_int8 is not None and "weight" not in m._parameters for m in linear)
+        assert model.lm_head.packed.dtype == torch.float32  # left float (ignore: lm_head)
+        layer = model.layers[1].self_attn.qkv_proj
+        x = torch.randn(5, layer.input_size)
+        want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x)
+        torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6)
+        llm.engine.shutdown()
+        got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
+    finally:
+        _C.set_quantized_dense_isa("auto")
+    differences = [
+        abs(step[token].logprob - entry.logprob)
+        for (_, logprobs), (_, ref_logprobs) in zip(got, ref, strict=True)
+        for step, ref_step in zip(logprobs, ref_logprobs, strict=True)
+        for token, entry in ref_step.items()
+        if token in step
+    ]
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+    assert [t[:3] for t, _ in got] == [t[:3] for t, _ in ref]
+
+
+def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref")
+    config_path = tmp_path / "q" / "config.json"
+    config = json.loads(config_path.read_text())
+    scheme = config["quantization_config"]
+    group = scheme["config_groups"]["group_0"]
+    for change, message in (
+        ({"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+        ({"config_groups": {"group_0": {
+            **group, "weights": {**group["weights"], "strategy": "tensor"}}}},
+         r"weights \{'strategy': 'tensor'\} are not supported"),
+        ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore .* is not supported"),
+    ):  # fmt: skip
+        config_path.write_text(json.dumps({**config, "quantization_config": {**scheme, **change}}))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)
+    config_path.write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    for change, message in (
+        ({f"{name}.weight_scale": tensors[f"{name}.weight_scale"][:3]},
+         rf"weight {name}.weight_scale: shape \(3, 1\)"),
+        ({f"{name}.weight": tensors[f"{name}.weight"].float()},
+         rf"weight {name}.weight: torch.float32 values, the model expects torch.int8"),
+    ):  # fmt: skip
+        save_file({**tensors, **change}, str(tmp_path / "q" / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)

@@ -1,0 +1,280 @@
+// W8A8 int8 matmul (see pyengine/int8_dense.h): x quantized per row, then int32 sums of
+// int8 products, on AVX-512 VNNI (vpdpbusd: unsigned bytes of x times signed bytes of w,
+// 4 k at a time) or in portable loops; both end in the same float32 arithmetic, so they
+// agree bit for bit.
+#include "pyengine/int8_dense.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define PYENGINE_INT8_X86 1
+#endif
+
+#include "attention_checks.h"
+#include "quantized_panel.h"
+
+namespace pyengine {
+namespace {
+
+using detail::arg;
+
+constexpr int64_t kGroup = 4;          // k a byte group of a column holds
+constexpr int64_t kRowsPerTile = 8;    // rows of x a tile's sums cover
+constexpr int64_t kPanelsPerUnit = 2;  // panels a thread takes at a time
+constexpr int kUnsignedOffset = 128;   // x's bytes are xq + 128 (vpdpbusd's unsigned side)
+
+int64_t padded_k(int64_t k) { return (k + kGroup - 1) / kGroup * kGroup; }
+int64_t num_panels(int64_t n) { return (n + kInt8PanelWidth - 1) / kInt8PanelWidth; }
+int64_t panel_bytes(int64_t k) { return padded_k(k) * kInt8PanelWidth; }
+
+bool vnni_supported() {
+#ifdef PYENGINE_INT8_X86
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vnni");
+#else
+  return false;
+#endif
+}
+
+// The per-row scale and xq + 128 of x [m, k], rows kp apart (the padding k hold 128: 0).
+// Rounding is to nearest, ties to even, as numpy's rint.
+void quantize_rows(const TensorView& x, int64_t kp, std::vector<uint8_t>& xq,
+                   std::vector<float>& row_scale) {
+  const int64_t m = x.shape[0], k = x.shape[1];
+  xq.assign(static_cast<size_t>(m * kp), static_cast<uint8_t>(kUnsignedOffset));
+  row_scale.resize(static_cast<size_t>(m));
+  for (int64_t r = 0; r < m; ++r) {
+    const float* row = static_cast<const float*>(x.data) + r * x.strides[0];
+    float amax = 0.0f;
+    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+    const float s = amax / 127.0f;
+    row_scale[static_cast<size_t>(r)] = s;
+    if (s == 0.0f) continue;  // a zero row: every xq 0
+    uint8_t* out = xq.data() + r * kp;
+    for (int64_t i = 0; i < k; ++i) {
+      const float q = std::clamp(std::nearbyint(row[i] / s), -127.0f, 127.0f);
+      out[i] = static_cast<uint8_t>(static_cast<int>(q) + kUnsignedOffset);
+    }
+  }
+}
+
+// The weight's panels and its columns' sums of q.
+struct Packed {
+  const int8_t* panels;
+  const int32_t* column_sums;  // [num_panels * kInt8PanelWidth]
+  int64_t kp;
+
+  const int8_t* panel(int64_t p) const { return panels + p * kp * kInt8PanelWidth; }
+};
+
+// The one float32 ending of both builds: sx * scale[j] applied to the exact int32 sum.
+inline float finish(int32_t dot, float row_scale, float column_scale) {
+  return static_cast<float>(dot) * (row_scale * column_scale);
+}
+
+// Rows [r0, r0 + rows) times panels [p0, p0 + panels): sums[r][c] over the panels'
+// columns, in the portable build.
+void tile_generic(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, int64_t p0,
+                  int64_t panels, int32_t* sums) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* x = xq + r * kp;
+    for (int64_t p = 0; p < panels; ++p) {
+      const int8_t* panel = w.panel(p0 + p);
+      int32_t acc[kInt8PanelWidth] = {};
+      for (int64_t g = 0; g < kp / kGroup; ++g) {
+        const int8_t* group = panel + g * kInt8PanelWidth * kGroup;
+        for (int64_t c = 0; c < kInt8PanelWidth; ++c) {
+          for (int64_t j = 0; j < kGroup; ++j) {
+            acc[c] += (static_cast<int32_t>(x[g * kGroup + j]) - kUnsignedOffset) *
+                      group[c * kGroup + j];
+          }
+        }
+      }
+      std::memcpy(sums + (r * panels + p) * kInt8PanelWidth, acc, sizeof(acc));
+    }
+  }
+}
+
+#ifdef PYENGINE_INT8_X86
+#define PYENGINE_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+
+template <int kRows, int kPanels>
+PYENGINE_VNNI void tile_vnni(const uint8_t* xq, int64_t kp, const Packed& w, int64_t p0,
+                             int32_t* sums) {
+  __m512i acc[kRows][kPanels];
+  for (int r = 0; r < kRows; ++r) {
+    for (int p = 0; p < kPanels; ++p) acc[r][p] = _mm512_setzero_si512();
+  }
+  const int8_t* panel[kPanels];
+  for (int p = 0; p < kPanels; ++p) panel[p] = w.panel(p0 + p);
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    __m512i weights[kPanels];
+    for (int p = 0; p < kPanels; ++p) {
+      weights[p] = _mm512_loadu_si512(panel[p] + g * kInt8PanelWidth * kGroup);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four = 0;
+      std::memcpy(&four, xq + r * kp + g * kGroup, sizeof(four));
+      const __m512i x = _mm512_set1_epi32(four);
+      for (int p = 0; p < kPanels; ++p) acc[r][p] = _mm512_dpbusd_epi32(acc[r][p], x, weights[p]);
+    }
+  }
+  // Each sum counted x's offset 128 times the column's sum of q: taken back out.
+  for (int p = 0; p < kPanels; ++p) {
+    const __m512i offset = _mm512_mullo_epi32(
+        _mm512_set1_epi32(kUnsignedOffset),
+        _mm512_loadu_si512(w.column_sums + (p0 + p) * kInt8PanelWidth));
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_storeu_si512(sums + (r * kPanels + p) * kInt8PanelWidth,
+                          _mm512_sub_epi32(acc[r][p], offset));
+    }
+  }
+}
+
+template <int kPanels>
+void tile_vnni_rows(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, int64_t p0,
+                    int32_t* sums) {
+  static_assert(kRowsPerTile == 8);
+  switch (rows) {
+    case 1: return tile_vnni<1, kPanels>(xq, kp, w, p0, sums);
+    case 2: return tile_vnni<2, kPanels>(xq, kp, w, p0, sums);
+    case 3: return tile_vnni<3, kPanels>(xq, kp, w, p0, sums);
+    case 4: return tile_vnni<4, kPanels>(xq, kp, w, p0, sums);
+    case 5: return tile_vnni<5, kPanels>(xq, kp, w, p0, sums);
+    case 6: return tile_vnni<6, kPanels>(xq, kp, w, p0, sums);
+    case 7: return tile_vnni<7, kPanels>(xq, kp, w, p0, sums);
+    default: return tile_vnni<8, kPanels>(xq, kp, w, p0, sums);
+  }
+}
+#endif
+
+void run_tile(bool vnni, const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, int64_t p0,
+              int64_t panels, int32_t* sums) {
+#ifdef PYENGINE_INT8_X86
+  if (vnni) {
+    if (panels == 2) return tile_vnni_rows<2>(xq, kp, rows, w, p0, sums);
+    return tile_vnni_rows<1>(xq, kp, rows, w, p0, sums);
+  }
+#endif
+  (void)vnni;
+  tile_generic(xq, kp, rows, w, p0, panels, sums);
+}
+
+Packed check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n) {
+  detail::check_cpu(packed, op, "packed");
+  const int64_t size = packed_int8_weight_size(k, n);
+  if (packed.dtype != DType::kInt8 || packed.ndim != 1 || packed.strides[0] != 1 ||
+      packed.shape[0] != size) {
+    throw InvalidArgument(std::string(op) + ": packed must be a packed int8 [" +
+                          std::to_string(n) + ", " + std::to_string(k) + "] weight: int8 [" +
+                          std::to_string(size) + "] (pack_int8_weight), got " + packed.describe());
+  }
+  const auto* base = static_cast<const int8_t*>(packed.data);
+  const int64_t kp = padded_k(k);
+  return {base, reinterpret_cast<const int32_t*>(base + num_panels(n) * panel_bytes(k)), kp};
+}
+
+void check_vector(const char* op, const TensorView& t, const char* name, int64_t n) {
+  detail::check_cpu(t, op, name);
+  if (t.ndim != 1 || t.shape[0] != n || t.dtype != DType::kFloat32 || t.strides[0] != 1) {
+    throw InvalidArgument(arg(op, name) + " must be dense float32 [" + std::to_string(n) +
+                          "], got " + t.describe());
+  }
+}
+
+}  // namespace
+
+bool int8_dense_vnni() { return vnni_supported() && detail::quantized_avx512(); }
+
+int64_t packed_int8_weight_size(int64_t k, int64_t n) {
+  if (k < 0 || n < 0) {
+    throw InvalidArgument("packed_int8_weight_size: k and n must be >= 0, got " +
+                          std::to_string(k) + " and " + std::to_string(n));
+  }
+  // (the column sums: int32, 4 bytes each, after the panels)
+  return num_panels(n) * (panel_bytes(k) + kInt8PanelWidth * int64_t{sizeof(int32_t)});
+}
+
+void pack_int8_weight(const TensorView& packed, const TensorView& q) {
+  constexpr const char* op = "pack_int8_weight";
+  detail::check_rows(q, op, "q", 2, DType::kInt8);
+  const int64_t n = q.shape[0], k = q.shape[1];
+  detail::check_cpu(packed, op, "packed");
+  detail::check_dtype(packed, DType::kInt8, op, "packed");
+  const int64_t size = packed_int8_weight_size(k, n);
+  if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
+    throw InvalidArgument(detail::arg(op, "packed") + " must be dense int8 [" +
+                          std::to_string(size) + "], got " + packed.describe());
+  }
+  auto* dst = static_cast<int8_t*>(packed.data);
+  std::memset(dst, 0, static_cast<size_t>(size));
+  const int64_t panels_bytes = num_panels(n) * panel_bytes(k);
+  std::vector<int32_t> sums(static_cast<size_t>(num_panels(n) * kInt8PanelWidth), 0);
+  for (int64_t j = 0; j < n; ++j) {
+    const auto* row = static_cast<const int8_t*>(q.data) + j * q.strides[0];
+    int8_t* panel = dst + j / kInt8PanelWidth * panel_bytes(k);
+    const int64_t c = j % kInt8PanelWidth;
+    for (int64_t i = 0; i < k; ++i) {
+      panel[(i / kGroup * kInt8PanelWidth + c) * kGroup + i % kGroup] = row[i];
+      sums[static_cast<size_t>(j)] += row[i];
+    }
+  }
+  std::memcpy(dst + panels_bytes, sums.data(), sums.size() * sizeof(int32_t));
+}
+
+void int8_dense(const TensorView& out, const TensorView& x, const TensorView& packed,
+                const TensorView& scale, const TensorView& bias, int64_t n) {
+  constexpr const char* op = "int8_dense";
+  detail::check_rows(x, op, "x", 2, DType::kFloat32);
+  detail::check_rows(out, op, "out", 2, DType::kFloat32);
+  detail::check_writable(out, op, "out");
+  const int64_t m = x.shape[0], k = x.shape[1];
+  if (out.shape[0] != m || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(m) + ", " +
+                          std::to_string(n) + "], got " + out.describe());
+  }
+  const Packed w = check_packed(op, packed, k, n);
+  check_vector(op, scale, "scale", n);
+  const bool has_bias = bias.data != nullptr;
+  if (has_bias) check_vector(op, bias, "bias", n);
+  thread_local std::vector<uint8_t> xq;
+  thread_local std::vector<float> row_scale;
+  quantize_rows(x, w.kp, xq, row_scale);
+  const auto* s = static_cast<const float*>(scale.data);
+  const auto* b = static_cast<const float*>(bias.data);
+  auto* c = static_cast<float*>(out.data);
+  const int64_t ldc = out.strides[0];
+  const bool vnni = int8_dense_vnni();
+  const int64_t units = (num_panels(n) + kPanelsPerUnit - 1) / kPanelsPerUnit;
+  const uint8_t* xq_data = xq.data();
+  const float* sx = row_scale.data();
+#pragma omp parallel for schedule(guided, 2) if (units > 1 && m * k * n >= (1 << 16))
+  for (int64_t u = 0; u < units; ++u) {
+    const int64_t p0 = u * kPanelsPerUnit;
+    const int64_t panels = std::min(kPanelsPerUnit, num_panels(n) - p0);
+    int32_t sums[kRowsPerTile * kPanelsPerUnit * kInt8PanelWidth];
+    for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile) {
+      const int64_t rows = std::min(kRowsPerTile, m - r0);
+      run_tile(vnni, xq_data + r0 * w.kp, w.kp, rows, w, p0, panels, sums);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t p = 0; p < panels; ++p) {
+          const int64_t first = (p0 + p) * kInt8PanelWidth;
+          const int64_t width = std::min(kInt8PanelWidth, n - first);
+          const int32_t* dot = sums + (r * panels + p) * kInt8PanelWidth;
+          float* dst = c + (r0 + r) * ldc + first;
+          for (int64_t j = 0; j < width; ++j) {
+            const float value = finish(dot[j], sx[r0 + r], s[first + j]);
+            dst[j] = has_bias ? value + b[first + j] : value;
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace pyengine

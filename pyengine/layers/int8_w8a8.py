@@ -1,0 +1,84 @@
+"""compressed-tensors' W8A8 checkpoints: int8 weights with a float scale per output
+channel (`weight` int8 [out, in], `weight_scale` [out, 1]), and activations quantized to
+int8 per token as each step runs, symmetric: x ~ round(x / sx) * sx, sx = max|x| / 127.
+
+On the CPU in float32 the weight is packed once for pyengine's int8 matmul (ops.int8_dense:
+AVX-512 VNNI, or portable loops), which quantizes x, sums the int8 products in int32,
+exactly, and scales: out = sx * scale * sum. Elsewhere the same arithmetic runs in torch
+(the integers in float32, exact while the sums stay under 2^24; a test reference, not a
+fast path: CUDA's int8 tensor cores are still to come).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pyengine import _C, ops
+from pyengine.layers.linear_method import LinearMethod
+from pyengine.layers.placement import Placement
+from pyengine.layers.weight_only_int import part_rows
+from pyengine.utils import host_memory
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from pyengine.layers.linear import LinearBase
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(round(x / sx) as float32, sx [tokens, 1]): as ops.int8_dense quantizes."""
+    x = x.float()
+    scale = x.abs().amax(dim=1, keepdim=True) / 127
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    return torch.round(x / safe).clamp_(-127, 127), scale
+
+
+class Int8W8A8Method(LinearMethod):
+    weight_kinds = ("weight", "weight_scale")
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def create_weights(self, layer: LinearBase) -> None:
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        layer.weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.int8), requires_grad=False)
+        layer.register_buffer("weight_scale", torch.zeros(layer.output_size_per_partition))
+
+    def load_quantized(
+        self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
+    ) -> None:
+        """The `weight_scale` of stacked part `part`: [out, 1] (or [out]), this rank's rows."""
+        from pyengine.layers.linear import check_shape
+
+        full_out, start, length, local = part_rows(layer, part)
+        if tuple(loaded.shape) != (full_out,):
+            check_shape(name, loaded, (full_out, 1))
+        scale = materialize(loaded).float().reshape(-1)
+        if not torch.isfinite(scale).all() or bool((scale < 0).any()):
+            raise ValueError(f"weight {name}: scales must be finite and non-negative")
+        layer.weight_scale[local : local + length] = scale[start : start + length]
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.weight_scale = layer.weight_scale.to(self.placement.device)
+        layer.packed_int8 = None
+        if not self.placement.packs_weights:
+            layer.weight.data = layer.weight.data.to(self.placement.device)
+            return
+        q = layer.weight.data.contiguous()
+        n, k = q.shape
+        packed = host_memory.empty(_C.packed_int8_weight_size(k, n), torch.int8)
+        _C.pack_int8_weight(packed, q)
+        layer.packed_int8 = packed
+        del layer.weight  # the packed integers are the weight now
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed_int8 is not None and x.dtype == torch.float32 and x.is_cpu:
+            out = torch.empty(x.shape[0], layer.output_size_per_partition)
+            ops.int8_dense(out, x, layer.packed_int8, layer.weight_scale, bias, out.shape[1])
+            return out
+        xq, sx = quantize_per_token(x)
+        product = (xq @ layer.weight.float().t()) * (sx * layer.weight_scale)
+        if bias is not None:
+            product = product + bias.float()
+        return product.to(x.dtype)
