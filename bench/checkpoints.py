@@ -1,0 +1,65 @@
+"""Hugging Face folders of the default model for the benchmarks, made once from its GGUF
+file: its float32 weights (the Q4_1 file dequantized), and the same weights quantized to
+compressed-tensors' int-quantized W8A8 (int8 per output channel, symmetric; activations
+per token at run time). Each folder has the config.json and tokenizer.json pyengine reads.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from pyengine.config import ModelConfig
+from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+W8A8_SCHEME = {
+    "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
+                              "strategy": "token", "dynamic": True},
+    }},
+}  # fmt: skip
+
+
+def hf_config(c: ModelConfig) -> dict[str, object]:
+    return {
+        "architectures": [c.architecture], "model_type": "llama",
+        "vocab_size": c.vocab_size, "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size, "num_hidden_layers": c.num_layers,
+        "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads,
+        "head_dim": c.head_size, "max_position_embeddings": c.max_position_embeddings,
+        "rms_norm_eps": c.norm_eps, "rope_theta": c.rope_theta,
+        "tie_word_embeddings": c.tie_word_embeddings, "bos_token_id": c.bos_token_id,
+        "eos_token_id": list(c.eos_token_ids),
+    }  # fmt: skip
+
+
+def default_model_folders(cache: Path) -> dict[str, Path]:
+    """{"float32": folder, "w8a8": folder}, written under `cache` unless there already."""
+    folders = {"float32": cache / "smollm2-float32", "w8a8": cache / "smollm2-w8a8"}
+    if all((f / "model.safetensors").is_file() for f in folders.values()):
+        return folders
+    loaded = load_model(DEFAULT_MODEL, keep_block_quantized=False)
+    assert loaded.weights is not None and loaded.tokenizer is not None
+    weights = {name: loaded.weights[name].float().contiguous() for name in loaded.weights}
+    quantized = dict(weights)
+    for name, w in weights.items():
+        module, _, kind = name.rpartition(".")
+        if kind == "weight" and module.rpartition(".")[2] in LINEAR:
+            scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+            quantized[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+            quantized[f"{module}.weight_scale"] = scale
+    config = hf_config(loaded.config)
+    for (form, folder), tensors in zip(folders.items(), (weights, quantized), strict=True):
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+        scheme = {"quantization_config": W8A8_SCHEME} if form == "w8a8" else {}
+        (folder / "config.json").write_text(json.dumps({**config, **scheme}))
+        loaded.tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
+    return folders
