@@ -33,11 +33,14 @@ class QuantizationConfig:
                 f"{', '.join(QUANTIZATION_METHODS)})"
             )
         if self.method == "compressed-tensors":
-            if (self.bits, self.group_size, self.activation_bits) != (8, -1, 8):
+            w8a8 = (self.bits, self.group_size, self.activation_bits) == (8, -1, 8)
+            w4a16 = self.bits == 4 and self.activation_bits == 0
+            if not (w8a8 or w4a16) or not (self.group_size == -1 or self.group_size >= 8):
                 raise ValueError(
                     "compressed-tensors: int8 weights per channel with int8 activations per "
-                    f"token (W8A8) are supported, not {self.bits}-bit weights in groups of "
-                    f"{self.group_size} with {self.activation_bits or 'float'} activations"
+                    "token (W8A8), or 4-bit weights with float activations (W4A16), are "
+                    f"supported, not {self.bits}-bit weights in groups of {self.group_size} "
+                    f"with {self.activation_bits or 'float'} activations"
                 )
             return
         allowed_bits = (4, 8) if self.method == "gptq" else (4,)

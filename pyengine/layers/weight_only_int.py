@@ -1,4 +1,5 @@
-"""GPTQ and AWQ checkpoints: 4- or 8-bit integer weights in groups of input features,
+"""GPTQ, AWQ and compressed-tensors W4A16 checkpoints: 4- or 8-bit integer weights in
+groups of input features,
 each group with a scale and a zero point, read from their packed int32 forms and held
 in quantized form (the integers, one byte each, and the groups' scales and zeros).
 
@@ -11,6 +12,9 @@ The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
 - AWQ (AutoAWQ's GEMM): qweight int32 [in, out / 8], qzeros int32 [in / group, out / 8],
   both packed along the output in the order 0, 2, 4, 6, 1, 3, 5, 7; scales
   [in / group, out]; W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o]).
+- compressed-tensors pack-quantized (W4A16, symmetric): weight_packed int32 [out, in / 8],
+  packed along the input, lowest bits first, each q stored as q + 8; weight_scale [out,
+  in / group]; weight_shape [out, in]. W[o, i] = weight_scale[o, i // group] * q.
 
 Held per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
 the whole input (a row-parallel shard's inputs may fall in any group with activation
@@ -85,6 +89,8 @@ class WeightOnlyIntMethod(LinearMethod):
         self.q = quantization
         self.placement = placement
         kinds = ("qweight", "qzeros", "scales")
+        if quantization.method == "compressed-tensors":  # pack-quantized, symmetric
+            kinds = ("weight_packed", "weight_scale", "weight_shape")
         self.weight_kinds = (*kinds, "g_idx") if quantization.method == "gptq" else kinds
 
     def create_weights(self, layer: LinearBase) -> None:
@@ -93,7 +99,9 @@ class WeightOnlyIntMethod(LinearMethod):
         parts = len(getattr(layer, "output_sizes", [out]))
         layer.register_buffer("qweight", torch.zeros(out, local_in, dtype=torch.uint8))
         layer.register_buffer("scales", torch.zeros(out, groups))
-        layer.register_buffer("zeros", torch.zeros(out, groups))
+        # (compressed-tensors' symmetric integers are stored as q + 2^(bits - 1))
+        symmetric_zero = 1 << (self.q.bits - 1) if self.q.method == "compressed-tensors" else 0
+        layer.register_buffer("zeros", torch.full((out, groups), float(symmetric_zero)))
         # Each stacked part's group of every input of the shard (GPTQ's g_idx).
         first = getattr(layer, "input_start", 0)
         default = self._default_groups(layer)[first : first + local_in]
@@ -126,7 +134,20 @@ class WeightOnlyIntMethod(LinearMethod):
                 raise ValueError(f"weight {name}: groups outside [0, {groups})")
             layer.input_groups[part] = g[first_in : first_in + local_in]
             return
-        if kind == "scales":
+        if kind == "weight_shape":  # compressed-tensors: the unpacked weight's
+            if [int(v) for v in tensor.reshape(-1)] != [full_out, full_in]:
+                raise ValueError(
+                    f"weight {name}: {tensor.tolist()}, the model expects {[full_out, full_in]}"
+                )
+            return
+        if kind == "weight_scale":
+            check_shape(name, tensor, (full_out, groups))
+            value, target = tensor.float(), layer.scales
+        elif kind == "weight_packed":  # packed along the input, lowest bits first
+            check_shape(name, tensor, (full_out, full_in // per_word))
+            q = unpack_int32(tensor, bits, 1)[:, first_in : first_in + local_in]
+            value, target = q.to(torch.uint8), layer.qweight
+        elif kind == "scales":
             check_shape(name, tensor, (groups, full_out))
             value = tensor.t().float()
             target = layer.scales

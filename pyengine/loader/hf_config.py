@@ -174,39 +174,35 @@ def quantization_from_hf(raw: Any) -> QuantizationConfig:
 
 # compressed-tensors' W8A8: int8 weights, a scale per output channel, and int8
 # activations quantized per token as each step runs.
-_W8A8_WEIGHTS = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}
+# (each key's allowed values)
+_W8A8_WEIGHTS = {"num_bits": (8,), "type": ("int",), "symmetric": (True,), "strategy": ("channel",)}
 _W8A8_ACTIVATIONS = {
-    "num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True,
+    "num_bits": (8,), "type": ("int",), "symmetric": (True,), "strategy": ("token",),
+    "dynamic": (True,),
+}  # fmt: skip
+# W4A16: 4-bit symmetric weights per group or per channel, in input order (no actorder).
+_W4A16_WEIGHTS = {
+    "num_bits": (4,), "type": ("int",), "symmetric": (True,), "strategy": ("group", "channel"),
+    "actorder": (None, False), "dynamic": (False, None),
 }  # fmt: skip
 
 
 def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
     """llm-compressor's format: one scheme for every Linear layer (the head may be left
-    out), int-quantized W8A8; what else it can say is refused, by name."""
+    out), int-quantized W8A8 or pack-quantized W4A16; what else it can say is refused,
+    by name."""
     form = raw.get("format")
-    if form not in ("int-quantized", "naive-quantized"):
+    if form not in ("int-quantized", "naive-quantized", "pack-quantized"):
         raise ValueError(
-            f"compressed-tensors format {form!r} is not supported (int-quantized W8A8; "
-            "FP8 and pack-quantized W4A16 checkpoints are not yet)"
+            f"compressed-tensors format {form!r} is not supported (int-quantized W8A8, "
+            "pack-quantized W4A16; FP8 checkpoints are not yet)"
         )
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError("compressed-tensors: config_groups is missing")
-    for name, group in groups.items():
-        if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
-            raise ValueError(
-                f"compressed-tensors group {name!r}: only targets ['Linear'] are supported"
-            )
-        for part, wanted in (("weights", _W8A8_WEIGHTS), ("input_activations", _W8A8_ACTIVATIONS)):
-            scheme = group.get(part) or {}
-            odd = {
-                key: scheme.get(key) for key, value in wanted.items() if scheme.get(key) != value
-            }
-            if odd:
-                raise ValueError(
-                    f"compressed-tensors group {name!r}: {part} {odd} are not supported "
-                    f"(W8A8: {part} {wanted})"
-                )
+    configs = {_compressed_group(name, group, form) for name, group in groups.items()}
+    if len(configs) > 1:
+        raise ValueError("compressed-tensors: groups of different schemes are not supported")
     ignored = [i for i in raw.get("ignore") or [] if i != "lm_head"]
     if ignored:
         raise ValueError(
@@ -214,4 +210,34 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
         )
     if raw.get("kv_cache_scheme"):
         raise ValueError("compressed-tensors: a kv_cache_scheme is not supported")
-    return QuantizationConfig("compressed-tensors", 8, -1, activation_bits=8)
+    return configs.pop()
+
+
+def _compressed_group(name: str, group: Any, form: str) -> QuantizationConfig:
+    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+        raise ValueError(
+            f"compressed-tensors group {name!r}: only targets ['Linear'] are supported"
+        )
+    w4a16 = form == "pack-quantized"
+    weights = _W4A16_WEIGHTS if w4a16 else _W8A8_WEIGHTS
+    parts = (("weights", weights),) + (() if w4a16 else (("input_activations", _W8A8_ACTIVATIONS),))
+    for part, wanted in parts:
+        scheme = group.get(part) or {}
+        odd = {
+            key: scheme.get(key) for key, value in wanted.items() if scheme.get(key) not in value
+        }
+        if odd:
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {part} {odd} are not supported "
+                f"({'W4A16' if w4a16 else 'W8A8'}: {part} {wanted})"
+            )
+    if not w4a16:
+        return QuantizationConfig("compressed-tensors", 8, -1, activation_bits=8)
+    if group.get("input_activations"):
+        raise ValueError(
+            f"compressed-tensors group {name!r}: pack-quantized with quantized activations "
+            "is not supported"
+        )
+    scheme = group["weights"]
+    size = scheme.get("group_size") if scheme.get("strategy") == "group" else -1
+    return QuantizationConfig("compressed-tensors", 4, size)

@@ -169,3 +169,48 @@ def write_w8a8(float_folder: Path, out: Path, reference: Path) -> None:
     config = json.loads((float_folder / "config.json").read_text())
     (reference / "config.json").write_text(json.dumps(config))
     (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}))
+
+
+def w4a16_config(group_size: int) -> dict:  # type: ignore[type-arg]
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
+               "strategy": "group" if group_size > 0 else "channel",
+               "group_size": group_size if group_size > 0 else None, "actorder": None}  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": None}},
+    }  # fmt: skip
+
+
+def write_w4a16(float_folder: Path, out: Path, reference: Path, group_size: int) -> None:
+    """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
+    pack-quantized W4A16 form, packed by the compressed-tensors library itself
+    (`weight_packed` int32 [out, in / 8], `weight_scale` bfloat16 [out, groups],
+    `weight_shape`): q = round(w / scale) in [-8, 7], scale = max|w| / 7 per group
+    (group_size -1: per output channel); `reference`: the dequantized float32 weights."""
+    from compressed_tensors.compressors import pack_to_int32
+
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    quantized, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        module, _, kind = name.rpartition(".")
+        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
+            continue
+        rows, columns = w.shape
+        size = columns if group_size == -1 else group_size
+        grouped = w.float().reshape(rows, columns // size, size)
+        scale = (grouped.abs().amax(dim=2, keepdim=True) / 7).to(torch.bfloat16)
+        q = torch.round(grouped / scale.float()).clamp(-8, 7)
+        del quantized[name]
+        quantized[f"{module}.weight_packed"] = pack_to_int32(
+            q.reshape(rows, columns).to(torch.int8), 4
+        )
+        quantized[f"{module}.weight_scale"] = scale.reshape(rows, -1)
+        quantized[f"{module}.weight_shape"] = torch.tensor([rows, columns])
+        dequantized[name] = (q * scale.float()).reshape(rows, columns)
+    _write_folders(float_folder, out, reference, quantized, dequantized)
+    config = json.loads((float_folder / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(
+        json.dumps({**config, "quantization_config": w4a16_config(group_size)})
+    )

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.quantized_checkpoints import write_quantized, write_w8a8
+from helpers.quantized_checkpoints import write_quantized, write_w4a16, write_w8a8
 from helpers.tiny_models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -211,3 +211,55 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
         save_file({**tensors, **change}, str(tmp_path / "q" / "model.safetensors"))
         with pytest.raises(ValueError, match=message):
             LLM(str(tmp_path / "q"), **ENGINE)
+
+
+@pytest.mark.parametrize("group_size", [32, -1])
+def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
+    float_llama: Path, tmp_path: Path, group_size: int
+) -> None:
+    """compressed-tensors' pack-quantized W4A16, packed by its own library: held as 4-bit
+    blocks, the same weights bit for bit, so the same tokens and logprobs."""
+    pytest.importorskip("compressed_tensors")
+    write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", group_size)
+    llm = LLM(str(tmp_path / "q"), **ENGINE)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    linear = [
+        m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyIntMethod)
+    ]
+    assert len(linear) == 2 * 4
+    assert all(m.packed_blocks is not None and m.packed_blocks.dtype == torch.uint8 for m in linear)
+    llm.engine.shutdown()
+    got, want = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
+            for token, entry in ref_step.items():
+                assert abs(step[token].logprob - entry.logprob) < 1e-4
+
+
+def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("compressed_tensors")
+    write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", 32)
+    config_path = tmp_path / "q" / "config.json"
+    config = json.loads(config_path.read_text())
+    scheme = config["quantization_config"]
+    weights = scheme["config_groups"]["group_0"]["weights"]
+    for change, message in (
+        ({"num_bits": 2}, r"weights \{'num_bits': 2\} are not supported"),
+        ({"actorder": "group"}, r"weights \{'actorder': 'group'\} are not supported"),
+        ({"symmetric": False}, r"weights \{'symmetric': False\} are not supported"),
+    ):
+        group = {"targets": ["Linear"], "weights": {**weights, **change}}
+        config_path.write_text(json.dumps({**config, "quantization_config": {
+            **scheme, "config_groups": {"group_0": group}}}))  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)
+    config_path.write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    name = "model.layers.1.self_attn.o_proj"
+    save_file({**tensors, f"{name}.weight_shape": torch.tensor([7, 7])},
+              str(tmp_path / "q" / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"weight {name}.weight_shape: \[7, 7\], the model"):
+        LLM(str(tmp_path / "q"), **ENGINE)

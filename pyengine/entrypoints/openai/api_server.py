@@ -26,6 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pyengine.config import QUANTIZATION_METHODS
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -58,7 +59,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--tokenizer", default=d.tokenizer)
     parser.add_argument("--load-format", default=d.load_format)
     parser.add_argument(
-        "--quantization", "-q", choices=["gptq", "awq"], default=d.quantization,
+        "--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=d.quantization,
         help="the checkpoint's quantization (default: what its config.json says)",
     )  # fmt: skip
     parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
