@@ -51,7 +51,7 @@ from pyengine.loader.resolve import DEFAULT_MODEL, resolve_path
 
 from .checkpoints import default_model_folders
 from .common import print_table, report
-from .serve import RequestResult, start_server, stream_completion
+from .serve import RequestResult, start_server, stream_completion, wait_until_healthy
 from .throughput import read_bandwidth, single_decode_weight_bytes
 
 
@@ -93,18 +93,21 @@ def start_llama_server(
         "--no-webui", "--log-disable",
     ]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-                conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-                if b" 200 " in conn.recv(100):
-                    return server, port
-        except OSError:
-            pass
-        time.sleep(0.5)
-    server.kill()
-    raise RuntimeError("llama-server did not come up")
+    wait_until_healthy(server, port, 120, "llama-server")
+    return server, port
+
+
+def measured(
+    started: tuple[subprocess.Popen[bytes], int], prompt: list[int], args: argparse.Namespace
+) -> tuple[float, float]:
+    """(the server's resident MiB once loaded, its streamed decode tokens/s); then it
+    is stopped."""
+    server, port = started
+    try:
+        return resident_mib(server.pid), streamed_decode(port, prompt, args.output_len, args.rounds)
+    finally:
+        server.terminate()
+        server.wait(60)
 
 
 def decode_rate(result: RequestResult, output_len: int) -> float:
@@ -232,22 +235,11 @@ def main() -> None:
             print(f"{form}: no file (llama-quantize makes it: --llama-bin)")
             continue
         offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds)
-        server, port = start_server(str(path), context)
-        try:
-            ours_rss = resident_mib(server.pid)
-            ours = streamed_decode(port, prompt, args.output_len, args.rounds)
-        finally:
-            server.terminate()
-            server.wait(60)
+        ours_rss, ours = measured(start_server(str(path), context), prompt, args)
         theirs, theirs_rss = float("nan"), float("nan")
         if args.llama_bin is not None:
-            peer, peer_port = start_llama_server(args.llama_bin, path, context)
-            try:
-                theirs_rss = resident_mib(peer.pid)
-                theirs = streamed_decode(peer_port, prompt, args.output_len, args.rounds)
-            finally:
-                peer.terminate()
-                peer.wait(60)
+            peer = start_llama_server(args.llama_bin, path, context)
+            theirs_rss, theirs = measured(peer, prompt, args)
         bandwidth = max(bandwidth, read_bandwidth())
         bound = bandwidth / streamed
         key = form.lower()

@@ -139,17 +139,27 @@ def start_server(model: str, max_model_len: int) -> tuple[subprocess.Popen[bytes
         stdout=subprocess.DEVNULL,
         cwd=tempfile.gettempdir(),  # not the checkout: its pyengine/ has no compiled _C
     )
-    deadline = time.monotonic() + 300
+    wait_until_healthy(server, port, 300, "the server")
+    return server, port
+
+
+def wait_until_healthy(
+    server: subprocess.Popen[bytes], port: int, seconds: float, what: str
+) -> None:
+    """Until GET /health answers 200 (a server of pyengine's or llama.cpp's); kills the
+    server and raises if it does not within `seconds`."""
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
                 conn.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
                 if b" 200 " in conn.recv(100):
-                    return server, port
+                    return
         except OSError:
-            time.sleep(0.5)
+            pass
+        time.sleep(0.5)
     server.kill()
-    raise RuntimeError("the server did not come up")
+    raise RuntimeError(f"{what} did not come up")
 
 
 def percentiles(values: list[float]) -> list[str]:

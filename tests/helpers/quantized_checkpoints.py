@@ -81,12 +81,8 @@ def write_quantized(
     input gives them, unless not `shared_order`."""
     rng = np.random.default_rng(seed)
     orders: dict[tuple[str, str], np.ndarray] = {}
-    tensors = load_file(str(float_folder / "model.safetensors"))
-    quantized, dequantized = dict(tensors), dict(tensors)
-    for name, w in tensors.items():
-        module, _, kind = name.rpartition(".")
-        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
-            continue
+    quantized, dequantized, linear = _linear_weights(float_folder)
+    for name, module, w in linear:
         in_features = w.shape[1]
         groups = -(-in_features // group_size)
         layer, _, leaf = module.rpartition(".")
@@ -107,33 +103,45 @@ def write_quantized(
         quantized[f"{module}.qzeros"] = qzeros
         quantized[f"{module}.scales"] = torch.from_numpy(scales)
         dequantized[name] = torch.from_numpy(deq.astype(np.float32))
-    _write_folders(float_folder, out, reference, quantized, dequantized)
-    config = json.loads((float_folder / "config.json").read_text())
-    (reference / "config.json").write_text(json.dumps(config))
-    config["quantization_config"] = (
+    scheme = (
         {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act,
          "sym": False, "checkpoint_format": "gptq"}
         if method == "gptq"
         else {"quant_method": "awq", "bits": bits, "group_size": group_size,
               "zero_point": True, "version": "gemm"}
     )  # fmt: skip
-    (out / "config.json").write_text(json.dumps(config))
+    _write_folders(float_folder, out, reference, quantized, dequantized, scheme)
+
+
+def _linear_weights(float_folder: Path) -> tuple[dict, dict, list]:  # type: ignore[type-arg]
+    """(the quantized checkpoint's tensors, the reference's: both the float ones for now;
+    (name, module, weight) of every linear layer's weight)."""
+    tensors = load_file(str(float_folder / "model.safetensors"))
+    linear = [
+        (name, name.rpartition(".")[0], w)
+        for name, w in tensors.items()
+        if name.endswith(".weight") and name.rpartition(".")[0].rpartition(".")[2] in LINEAR
+    ]
+    return dict(tensors), dict(tensors), linear
 
 
 def _write_folders(
-    float_folder: Path,
-    out: Path,
-    reference: Path,
-    quantized: dict,
-    dequantized: dict,  # type: ignore[type-arg]
-) -> None:
-    """Both checkpoints, with the float folder's other files (tokenizer and the like)."""
+    float_folder: Path, out: Path, reference: Path, quantized: dict, dequantized: dict,  # type: ignore[type-arg]
+    quantization_config: dict,  # type: ignore[type-arg]
+) -> None:  # fmt: skip
+    """Both checkpoints, with the float folder's other files (tokenizer and the like);
+    `out`'s config.json with `quantization_config`."""
     for folder, weights in ((out, quantized), (reference, dequantized)):
         folder.mkdir(parents=True, exist_ok=True)
         for extra in float_folder.iterdir():
             if extra.name not in ("model.safetensors", "config.json") and extra.is_file():
                 shutil.copy(extra, folder / extra.name)
         save_file(weights, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((float_folder / "config.json").read_text())
+    (reference / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(
+        json.dumps({**config, "quantization_config": quantization_config})
+    )
 
 
 W8A8_CONFIG = {
@@ -154,21 +162,14 @@ def write_w8a8(float_folder: Path, out: Path, reference: Path) -> None:
     int-quantized W8A8 form (`weight` int8 [out, in], `weight_scale` bfloat16 [out, 1]:
     w = q * scale per output channel, q = round(w / scale), scale = max|w| / 127);
     `reference`: the same model with the dequantized float32 weights."""
-    tensors = load_file(str(float_folder / "model.safetensors"))
-    quantized, dequantized = dict(tensors), dict(tensors)
-    for name, w in tensors.items():
-        module, _, kind = name.rpartition(".")
-        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
-            continue
+    quantized, dequantized, linear = _linear_weights(float_folder)
+    for name, module, w in linear:
         scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).to(torch.bfloat16)
         q = torch.round(w.float() / scale.float()).clamp(-127, 127)
         quantized[name] = q.to(torch.int8)
         quantized[f"{module}.weight_scale"] = scale
         dequantized[name] = (q * scale.float()).float()
-    _write_folders(float_folder, out, reference, quantized, dequantized)
-    config = json.loads((float_folder / "config.json").read_text())
-    (reference / "config.json").write_text(json.dumps(config))
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": W8A8_CONFIG}))
+    _write_folders(float_folder, out, reference, quantized, dequantized, W8A8_CONFIG)
 
 
 def w4a16_config(group_size: int) -> dict:  # type: ignore[type-arg]
@@ -190,12 +191,8 @@ def write_w4a16(float_folder: Path, out: Path, reference: Path, group_size: int)
     (group_size -1: per output channel); `reference`: the dequantized float32 weights."""
     from compressed_tensors.compressors import pack_to_int32
 
-    tensors = load_file(str(float_folder / "model.safetensors"))
-    quantized, dequantized = dict(tensors), dict(tensors)
-    for name, w in tensors.items():
-        module, _, kind = name.rpartition(".")
-        if kind != "weight" or module.rpartition(".")[2] not in LINEAR:
-            continue
+    quantized, dequantized, linear = _linear_weights(float_folder)
+    for name, module, w in linear:
         rows, columns = w.shape
         size = columns if group_size == -1 else group_size
         grouped = w.float().reshape(rows, columns // size, size)
@@ -208,9 +205,4 @@ def write_w4a16(float_folder: Path, out: Path, reference: Path, group_size: int)
         quantized[f"{module}.weight_scale"] = scale.reshape(rows, -1)
         quantized[f"{module}.weight_shape"] = torch.tensor([rows, columns])
         dequantized[name] = (q * scale.float()).reshape(rows, columns)
-    _write_folders(float_folder, out, reference, quantized, dequantized)
-    config = json.loads((float_folder / "config.json").read_text())
-    (reference / "config.json").write_text(json.dumps(config))
-    (out / "config.json").write_text(
-        json.dumps({**config, "quantization_config": w4a16_config(group_size)})
-    )
+    _write_folders(float_folder, out, reference, quantized, dequantized, w4a16_config(group_size))

@@ -54,6 +54,15 @@ def outputs(model: Path, **engine_args: object) -> list:  # type: ignore[type-ar
         llm.engine.shutdown()
 
 
+def assert_same_outputs(got: list, want: list) -> None:  # type: ignore[type-arg]
+    """The same greedy tokens, and logprobs to float32's rounding of other sums."""
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
+        assert tokens == ref_tokens
+        for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
+            for token, entry in ref_step.items():
+                assert abs(step[token].logprob - entry.logprob) < 1e-4
+
+
 def model_layers(llm: LLM) -> list[tuple[LinearBase, LinearBase]]:
     """Each decoder layer's stacked layers (q/k/v, gate/up)."""
     model = llm.engine.executor.driver_worker.model_runner.model
@@ -82,12 +91,7 @@ def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
         else:
             assert m.packed_blocks is None and m.qweight.dtype == torch.uint8
     llm.engine.shutdown()
-    got, want = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
-        assert tokens == ref_tokens
-        for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
-            for token, entry in ref_step.items():
-                assert abs(step[token].logprob - entry.logprob) < 1e-4
+    assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
 
 def test_quantized_layers_shard_over_tensor_parallel_ranks(
@@ -229,12 +233,7 @@ def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
     assert len(linear) == 2 * 4
     assert all(m.packed_blocks is not None and m.packed_blocks.dtype == torch.uint8 for m in linear)
     llm.engine.shutdown()
-    got, want = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, want, strict=True):
-        assert tokens == ref_tokens
-        for step, ref_step in zip(logprobs, ref_logprobs, strict=True):
-            for token, entry in ref_step.items():
-                assert abs(step[token].logprob - entry.logprob) < 1e-4
+    assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
 
 def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
