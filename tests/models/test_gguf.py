@@ -178,10 +178,14 @@ def tiny_llama(tmp_path_factory) -> tuple[Path, dict[str, np.ndarray]]:  # type:
 
 
 def write_tiny_llama(
-    path: Path, rope_freqs: np.ndarray | None = None, rope_scaling_type: str | None = None
+    path: Path,
+    rope_freqs: np.ndarray | None = None,
+    rope_scaling_type: str | None = None,
+    tied: bool = False,
 ) -> dict[str, np.ndarray]:
     """A two-layer Llama GGUF, mostly Q8_0 (some 4-bit); its weights in Hugging Face's
-    layout."""
+    layout. `tied`: no output.weight, the head the embedding's, which is Q8_0 then (its
+    259 rows split unevenly over the ranks of a tensor-parallel group)."""
     rng = np.random.default_rng(5)
     hidden, heads, kv_heads, head_size, ffn, layers = 128, 4, 2, 32, 256, 2
     tokens = byte_level_vocab() + ["<|eot|>", "<|user|>", "<|assistant|>"]
@@ -219,9 +223,10 @@ def write_tiny_llama(
             writer.add_tensor(name, stored)
 
     normal = lambda *shape: (rng.standard_normal(shape) * 0.08).astype(np.float32)  # noqa: E731
-    add("token_embd.weight", "model.embed_tokens.weight", normal(vocab, hidden), False)
+    add("token_embd.weight", "model.embed_tokens.weight", normal(vocab, hidden), tied)
     add("output_norm.weight", "model.norm.weight", 1 + normal(hidden), False)
-    add("output.weight", "lm_head.weight", normal(vocab, hidden), True)
+    if not tied:
+        add("output.weight", "lm_head.weight", normal(vocab, hidden), True)
     for i in range(layers):
         p, h = f"blk.{i}.", f"model.layers.{i}."
         add(p + "attn_norm.weight", h + "input_layernorm.weight", 1 + normal(hidden), False)
@@ -300,6 +305,34 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert chat.prompt == "<|user|>hi\n<|assistant|>"
     assert chat.prompt_token_ids[0] == tokens_id(tokenizer, "<|user|>")
+
+
+def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> None:
+    """The embedding held only as the head's Q8_0 blocks, looked up there: the tokens of
+    transformers, at one rank, and split over tensor-parallel ranks (uneven vocabulary
+    shards) and pipeline stages (the last stage's head loads the embedding itself)."""
+    path = tmp_path / "tied.gguf"
+    write_tiny_llama(path, tied=True)
+    loaded = load_model(str(path))
+    assert loaded.config.tie_word_embeddings
+    reference = hf_model_from_weights(loaded.config, loaded.weights)
+    prompts = [[5, 6, 7, 8], list(range(30, 70))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    engine = dict(kv_cache_memory=32 * 2**20, max_model_len=128)
+    llm = LLM(str(path), **engine)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    assert model.embed_tokens.packed is model.lm_head.packed_blocks
+    assert "weight" not in model.embed_tokens._parameters
+    expected = [o.outputs[0].token_ids for o in llm.generate(
+        [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+    llm.engine.shutdown()
+    assert expected == [hf_greedy(reference, p, 8) for p in prompts]
+    for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
+        llm = LLM(str(path), **engine, **split)
+        got = [o.outputs[0].token_ids for o in llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
+        llm.engine.shutdown()
+        assert got == expected, split
 
 
 LLAMA3_ROPE = {
