@@ -140,6 +140,8 @@ def resolve_device(device: str) -> str:
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                 "float16": "float16", "half": "float16"}  # fmt: skip
+# vLLM's names of an fp8 KV cache (e4m3, a per-tensor scale of 1)
+_FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -157,12 +159,13 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
     (the kernels read it as float32); otherwise the model's dtype itself."""
     if kv_cache_dtype == "auto":
         return dtype
-    if kv_cache_dtype not in _DTYPE_NAMES:
+    names = {**_DTYPE_NAMES, **_FP8_NAMES}
+    if kv_cache_dtype not in names:
         raise ValueError(
-            f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16' or "
-            "'float16'"
+            f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16', "
+            "'float16' or 'fp8' (e4m3)"
         )
-    resolved = _DTYPE_NAMES[kv_cache_dtype]
+    resolved = names[kv_cache_dtype]
     if not kv_cache_dtype_supported(resolved, dtype, device):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "

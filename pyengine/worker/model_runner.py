@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pyengine import _C, ops
-from pyengine.config import EngineConfig
+from pyengine.config import CACHE_STORAGE, EngineConfig
 from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
@@ -103,8 +103,8 @@ class ModelRunner:
         self.num_layers = end - start
         tile = self.num_kv_heads * c.head_size * config.block_size  # per layer and block
         self.block_numel = 2 * self.num_layers * tile  # K and V of every layer
-        self.cache_dtype = getattr(torch, config.cache_dtype)
-        self.block_bytes = self.block_numel * (torch.finfo(self.cache_dtype).bits // 8)
+        self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
+        self.block_bytes = self.block_numel * int(self.cache_dtype.itemsize)
         min_blocks = -(-config.max_model_len // config.block_size)
         on_cpu = self.placement.device.type == "cpu"
         cpu_blocks = config.kv_cache_memory // self.block_bytes

@@ -88,14 +88,17 @@ inline void check_rows(const TensorView& t, const char* op, const char* name, in
   check_rows_on(t, Device{}, op, name, ndim, dtype);
 }
 
+// (A uint8 cache holds fp8 e4m3 bytes, on the CPU: float_convert.h's kFp8Cache.)
 inline bool is_cache_dtype(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
+         d == DType::kUInt8;
 }
 
 // The dtype that tensors going with `cache` (query and out, or new K/V) must have: the
 // cache's own, or, on the CPU, float32 over a float16/bfloat16 cache (kv_cache_dtype)
-// where `input` is float32.
+// where `input` is float32; always float32 over an fp8 cache.
 inline DType input_dtype_for(const TensorView& input, const TensorView& cache) {
+  if (cache.dtype == DType::kUInt8) return DType::kFloat32;
   const bool widened = cache.device.kind == DeviceKind::kCPU && input.dtype == DType::kFloat32 &&
                        cache.dtype != DType::kFloat32;
   return widened ? DType::kFloat32 : cache.dtype;
@@ -120,7 +123,11 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
     check_shape(*c, op, name, 4);
     if (!c->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
     if (!is_cache_dtype(c->dtype)) {
-      throw InvalidArgument(arg(op, name) + " must be float32, float16 or bfloat16, got " +
+      throw InvalidArgument(arg(op, name) + " must be float32, float16, bfloat16 or uint8 (fp8 " +
+                            "e4m3 bytes, CPU), got " + c->describe());
+    }
+    if (c->dtype == DType::kUInt8 && c->device.kind != DeviceKind::kCPU) {
+      throw InvalidArgument(arg(op, name) + ": fp8 caches run on the CPU only, got " +
                             c->describe());
     }
   }

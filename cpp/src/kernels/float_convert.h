@@ -2,8 +2,10 @@
 // typed loads/stores used by the CPU kernels. Internal to pyengine_core.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "pyengine/tensor_view.h"
 
@@ -61,13 +63,51 @@ inline uint16_t float_to_fp16(float f) {
   return static_cast<uint16_t>(sign | ((abs - 0x38000000u + rounding) >> 13));
 }
 
-// Element i of a float32 / float16 / bfloat16 array as float.
+// A KV cache of fp8 e4m3 (OCP's E4M3FN: 1 sign, 4 exponent bits of bias 7, 3 mantissa
+// bits; no infinities, 0x7F/0xFF NaN) is stored as uint8: kFp8Cache is its dtype here.
+inline constexpr DType kFp8Cache = DType::kUInt8;
+
+// e4m3's bits, moved into a float16's (exponent bias 15: the value / 256), exactly: a
+// subnormal e4m3 lands on a float16 subnormal of the same mantissa.
+inline uint16_t fp8_e4m3_to_half_bits(uint8_t b) {
+  return static_cast<uint16_t>(((b & 0x7Fu) << 7) | ((b & 0x80u) << 8));
+}
+
+inline float fp8_e4m3_to_float(uint8_t b) {
+  if ((b & 0x7Fu) == 0x7Fu) return std::numeric_limits<float>::quiet_NaN();
+  return fp16_to_float(fp8_e4m3_to_half_bits(b)) * 256.0f;
+}
+
+// To nearest, ties to even; beyond the largest finite value (448) saturated to it, as
+// vLLM's fp8 caches store; NaN stays NaN.
+inline uint8_t float_to_fp8_e4m3(float f) {
+  const uint32_t bits = float_to_bits(f);
+  const auto sign = static_cast<uint8_t>((bits >> 24) & 0x80u);
+  const uint32_t abs = bits & 0x7FFFFFFFu;
+  if (abs > 0x7F800000u) return static_cast<uint8_t>(sign | 0x7Fu);
+  if (abs >= 0x43E00000u) return static_cast<uint8_t>(sign | 0x7Eu);  // >= 448
+  if (abs < 0x3C800000u) {  // under 2^-6: a subnormal step of 2^-9, ties to even
+    const float scaled = bits_to_float(abs) * 512.0f;
+    auto q = static_cast<uint32_t>(scaled);
+    const float rest = scaled - static_cast<float>(q);
+    if (rest > 0.5f || (rest == 0.5f && (q & 1u) != 0)) ++q;
+    return static_cast<uint8_t>(sign | q);  // q = 8 is the smallest normal, 0x08
+  }
+  const uint32_t rounding = 0x7FFFFu + ((abs >> 20) & 1u);
+  const uint32_t rounded = (abs + rounding) >> 20;  // exponent and 3 mantissa bits
+  const uint32_t value = rounded - ((127u - 7u) << 3);
+  return static_cast<uint8_t>(sign | std::min<uint32_t>(value, 0x7Eu));
+}
+
+// Element i of a float32 / float16 / bfloat16 / fp8 e4m3 array as float.
 template <DType kDType>
 inline float load(const void* base, int64_t i) {
   if constexpr (kDType == DType::kFloat32) {
     return static_cast<const float*>(base)[i];
   } else if constexpr (kDType == DType::kFloat16) {
     return fp16_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else if constexpr (kDType == kFp8Cache) {
+    return fp8_e4m3_to_float(static_cast<const uint8_t*>(base)[i]);
   } else {
     return bf16_to_float(static_cast<const uint16_t*>(base)[i]);
   }
@@ -79,6 +119,8 @@ inline void store(void* base, int64_t i, float value) {
     static_cast<float*>(base)[i] = value;
   } else if constexpr (kDType == DType::kFloat16) {
     static_cast<uint16_t*>(base)[i] = float_to_fp16(value);
+  } else if constexpr (kDType == kFp8Cache) {
+    static_cast<uint8_t*>(base)[i] = float_to_fp8_e4m3(value);
   } else {
     static_cast<uint16_t*>(base)[i] = float_to_bf16(value);
   }

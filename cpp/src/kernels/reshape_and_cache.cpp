@@ -62,13 +62,15 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 
   const auto element = static_cast<int64_t>(key_cache.element_size());
   const auto row_bytes = static_cast<size_t>(head_size * element);
-  const bool converts = input_dtype != key_cache.dtype;  // float32 into a 16-bit cache
-  const bool to_bfloat16 = key_cache.dtype == DType::kBFloat16;
-  // One float32 element of `in` into element `index` of the 16-bit cache `out`.
-  const auto convert = [to_bfloat16](const char* in, int64_t in_index, char* out, int64_t index) {
+  const bool converts = input_dtype != key_cache.dtype;  // float32 into a narrower cache
+  const DType cache_dtype = key_cache.dtype;
+  // One float32 element of `in` into element `index` of the 16-bit or fp8 cache `out`.
+  const auto convert = [cache_dtype](const char* in, int64_t in_index, char* out, int64_t index) {
     const float x = detail::load<DType::kFloat32>(in, in_index);
-    if (to_bfloat16) {
+    if (cache_dtype == DType::kBFloat16) {
       detail::store<DType::kBFloat16>(out, index, x);
+    } else if (cache_dtype == detail::kFp8Cache) {
+      detail::store<detail::kFp8Cache>(out, index, x);
     } else {
       detail::store<DType::kFloat16>(out, index, x);
     }
