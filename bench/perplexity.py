@@ -7,7 +7,8 @@ KV cache: pyengine multiplies the Q4_1 blocks bit for bit as those float32 weigh
 the reference row is also the Q4_1 row. The other GGUF files are made from the Q4_1 one
 by llama.cpp's llama-quantize (as bench/quantized.py makes them: --llama-bin, --cache):
 their losses add to Q4_1's own, which no file here can show (the float weights the Q4_1
-file was made from are not shipped).
+file was made from are not shipped). W8A8 is the reference's float32 weights in
+compressed-tensors' int8 form (bench/checkpoints.py), activations quantized per token.
 
 The text is scored in windows of --window tokens (the first token of each unscored):
 perplexity = exp(mean negative log-likelihood), from prompt logprobs. With --llama-bin,
@@ -32,6 +33,7 @@ from pathlib import Path
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import DEFAULT_MODEL, resolve_path
 
+from .checkpoints import default_model_folders
 from .common import BENCH, print_table, report
 from .quantized import quantized_file
 
@@ -88,6 +90,7 @@ def main() -> None:
         ("Q5_1 (from Q4_1)", quantized_file(source, "Q5_1", args.llama_bin, args.cache), {}),
         ("Q4_0 (from Q4_1)", quantized_file(source, "Q4_0", args.llama_bin, args.cache), {}),
         ("Q4_K_S (from Q4_1)", quantized_file(source, "Q4_K_S", args.llama_bin, args.cache), {}),
+        ("W8A8 int8 (from the float32 weights)", default_model_folders(args.cache)["w8a8"], {}),
     ]
     reference = llama_reference = None
     rows, figures = [], {}
@@ -104,7 +107,7 @@ def main() -> None:
         figures[f"{key}_perplexity"] = round(value, 4)
         figures[f"{key}_change_vs_reference"] = round(change, 5)
         theirs = "-"
-        if args.llama_bin is not None and not engine:
+        if args.llama_bin is not None and not engine and path.suffix == ".gguf":
             peer = llama_perplexity(args.llama_bin, path, args.window)
             llama_reference = llama_reference or peer
             figures[f"{key}_llamacpp_change"] = round(peer / llama_reference - 1, 5)
