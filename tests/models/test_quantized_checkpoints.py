@@ -262,3 +262,19 @@ def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
               str(tmp_path / "q" / "model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match=rf"weight {name}.weight_shape: \[7, 7\], the model"):
         LLM(str(tmp_path / "q"), **ENGINE)
+
+
+def test_compressed_tensors_layers_shard_over_tensor_parallel_ranks(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    """W4A16 over two ranks: one rank's tokens. W8A8: each rank of a row-parallel layer
+    quantizes its own slice of x (as vLLM's do), so only close to one rank's."""
+    pytest.importorskip("compressed_tensors")
+    write_w4a16(float_llama, tmp_path / "w4", tmp_path / "ref4", 32)
+    one, two = outputs(tmp_path / "w4"), outputs(tmp_path / "w4", tensor_parallel_size=2)
+    assert [t for t, _ in two] == [t for t, _ in one]
+    write_w8a8(float_llama, tmp_path / "w8", tmp_path / "ref8")
+    one, two = outputs(tmp_path / "w8"), outputs(tmp_path / "w8", tensor_parallel_size=2)
+    for (_, logprobs), (_, ref_logprobs) in zip(two, one, strict=True):
+        for token, entry in ref_logprobs[0].items():
+            assert abs(logprobs[0][token].logprob - entry.logprob) < 0.1
