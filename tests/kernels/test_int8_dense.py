@@ -1,7 +1,8 @@
-"""int8_dense (W8A8) in each build this CPU runs (AVX-512 VNNI, portable): x quantized per
-row as numpy rounds (ties to even), the int8 products summed exactly, both scales
-applied: against a float64 reference of the same quantization, and bit for bit the same
-in every build; clear errors for what it cannot take."""
+"""int8_dense (W8A8) in each build this CPU runs (AVX-512 VNNI, AVX2, portable): x
+quantized per row as numpy rounds (ties to even), the int8 products summed exactly, both
+scales applied: against a float64 reference of the same quantization, and bit for bit the
+same in every build (a weight with a -128, which AVX2's sign trick cannot take, runs the
+portable loops there); clear errors for what it cannot take."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from pyengine import _C, ops
 
-ISAS = [isa for isa in ("generic", "avx512") if _C.cpu_supports(isa)]
+ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
 
 
 def packed(q: torch.Tensor) -> torch.Tensor:
@@ -43,8 +44,12 @@ def run(isa: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: t
     [(1, 64, 16), (1, 576, 100), (3, 5, 17), (8, 1536, 48), (9, 577, 33), (130, 96, 1000)],
 )
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_int8_dense_is_the_w8a8_product(m: int, k: int, n: int, with_bias: bool) -> None:
-    q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+@pytest.mark.parametrize("lowest", [-127, -128])
+def test_int8_dense_is_the_w8a8_product(
+    m: int, k: int, n: int, with_bias: bool, lowest: int
+) -> None:
+    q = torch.randint(lowest, 128, (n, k), dtype=torch.int8)
+    q[0, 0] = lowest
     scale = torch.rand(n) * 0.02
     bias = torch.randn(n) if with_bias else None
     x = torch.randn(m, k) * torch.rand(m, 1) * 4

@@ -150,7 +150,7 @@ def w8a8_reference(checkpoint: Path, module: str, x: torch.Tensor) -> torch.Tens
     return (xq @ q.t()) * sx.double() * scale.t()
 
 
-@pytest.mark.parametrize("isa", [i for i in ("avx512", "generic") if _C.cpu_supports(i)])
+@pytest.mark.parametrize("isa", [i for i in ("avx512", "avx2", "generic") if _C.cpu_supports(i)])
 def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: str) -> None:
     """compressed-tensors' int-quantized W8A8: the layers hold only their packed int8
     weights; a layer's product is W8A8's exactly (to float32's rounding); the model's

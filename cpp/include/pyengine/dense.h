@@ -32,10 +32,11 @@ void pack_weight(const TensorView& packed, const TensorView& w_t);
 // so the product is exactly the float32 one over the widened weight.
 inline constexpr int64_t kQuantBlock = 32;
 
-// Which build widens quantized panels: AVX-512 (which also multiplies a decode step's
-// few rows with the weights widened in registers) where the CPU has it (kAuto), or the
-// portable one (kGeneric), for tests and benchmarks. Throws InvalidArgument for what this
-// CPU cannot run, and for kAvx2 (no such build).
+// Which builds the quantized kernels run, for tests and benchmarks: the widest this CPU
+// has (kAuto); kAvx512: the AVX-512 widening (which also multiplies a decode step's few
+// rows in registers) and int8 products on VNNI where the CPU has it; kAvx2: int8 products
+// on AVX2, the portable widening; kGeneric: the portable builds of both. Throws
+// InvalidArgument for what this CPU cannot run.
 void set_quantized_dense_isa(CpuIsa isa);
 CpuIsa quantized_dense_isa();
 

@@ -7,7 +7,8 @@
 // [kInt8PanelWidth][4] bytes (four consecutive k of a column together), so that one
 // AVX-512 VNNI vpdpbusd multiplies 4 k of 16 columns by 4 bytes of x at once; after the
 // panels come each column's sum of q (int32), which turns x's offset to unsigned bytes
-// (xq + 128) back into the signed product.
+// (xq + 128) back into the signed product, and a flag: whether any q is -128 (which the
+// AVX2 build cannot take; such a weight runs the portable loops there).
 #pragma once
 
 #include <cstdint>
@@ -32,7 +33,7 @@ void int8_dense(const TensorView& out, const TensorView& x, const TensorView& pa
                 const TensorView& scale, const TensorView& bias, int64_t n);
 
 // Whether int8_dense uses AVX-512 VNNI: on CPUs with it, unless the quantized kernels
-// are pinned to the portable build (set_quantized_dense_isa).
+// are pinned to another build (set_quantized_dense_isa: avx2, generic).
 bool int8_dense_vnni();
 
 }  // namespace pyengine

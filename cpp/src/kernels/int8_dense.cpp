@@ -1,7 +1,7 @@
 // W8A8 int8 matmul (see pyengine/int8_dense.h): x quantized per row, then int32 sums of
 // int8 products, on AVX-512 VNNI (vpdpbusd: unsigned bytes of x times signed bytes of w,
-// 4 k at a time) or in portable loops; both end in the same float32 arithmetic, so they
-// agree bit for bit.
+// 4 k at a time), on AVX2 (vpmaddubsw) or in portable loops; all end in the same float32
+// arithmetic, so they agree bit for bit.
 #include "pyengine/int8_dense.h"
 
 #include <algorithm>
@@ -16,6 +16,7 @@
 #endif
 
 #include "attention_checks.h"
+#include "pyengine/dense.h"
 #include "quantized_panel.h"
 #include "vector_clones.h"
 
@@ -69,11 +70,12 @@ void quantize_rows(const TensorView& x, int64_t kp, std::vector<uint8_t>& xq,
   for (int64_t r = 0; r < m; ++r) scales[r] = quantize_row(data + r * x.strides[0], k, out + r * kp);
 }
 
-// The weight's panels and its columns' sums of q.
+// The weight's panels, its columns' sums of q, and whether any q is -128.
 struct Packed {
   const int8_t* panels;
   const int32_t* column_sums;  // [num_panels * kInt8PanelWidth]
   int64_t kp;
+  bool has_minus_128;  // (the AVX2 build's sign trick cannot negate it)
 
   const int8_t* panel(int64_t p) const { return panels + p * kp * kInt8PanelWidth; }
 };
@@ -107,6 +109,58 @@ void tile_generic(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, 
 }
 
 #ifdef PYENGINE_INT8_X86
+#define PYENGINE_INT8_AVX2 __attribute__((target("avx2")))
+
+// AVX2 has no vpdpbusd: vpmaddubsw multiplies unsigned by signed bytes into saturating
+// int16 pairs, so x's sign moves onto w (|xq| times w * sign(xq): pairs of at most
+// 2 * 127 * 127, no saturation), and vpmaddwd by ones sums the pairs into int32. A panel's
+// 16 columns are two vectors of 8 columns x 4 k.
+template <int kRows>
+PYENGINE_INT8_AVX2 void tile_avx2(const uint8_t* xq, int64_t kp, const int8_t* panel,
+                                  int32_t* sums, int64_t sums_stride) {
+  __m256i acc[kRows][2];
+  for (int r = 0; r < kRows; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < kp / kGroup; ++g) {
+    const __m256i w0 =
+        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(panel + g * kInt8PanelWidth * kGroup));
+    const __m256i w1 = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(panel + g * kInt8PanelWidth * kGroup + 32));
+    for (int r = 0; r < kRows; ++r) {
+      int32_t four = 0;
+      std::memcpy(&four, xq + r * kp + g * kGroup, sizeof(four));
+      const __m256i x = _mm256_xor_si256(_mm256_set1_epi32(four), offset);  // xq, signed
+      const __m256i magnitude = _mm256_abs_epi8(x);
+      const __m256i p0 = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w0, x));
+      const __m256i p1 = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(w1, x));
+      acc[r][0] = _mm256_add_epi32(acc[r][0], _mm256_madd_epi16(p0, ones));
+      acc[r][1] = _mm256_add_epi32(acc[r][1], _mm256_madd_epi16(p1, ones));
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + r * sums_stride), acc[r][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(sums + r * sums_stride + 8), acc[r][1]);
+  }
+}
+
+void tile_avx2_rows(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, int64_t p0,
+                    int64_t panels, int32_t* sums) {
+  for (int64_t p = 0; p < panels; ++p) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const uint8_t* x = xq + r0 * kp;
+      int32_t* out = sums + (r0 * panels + p) * kInt8PanelWidth;
+      const int64_t stride = panels * kInt8PanelWidth;
+      switch (std::min<int64_t>(4, rows - r0)) {
+        case 1: tile_avx2<1>(x, kp, w.panel(p0 + p), out, stride); break;
+        case 2: tile_avx2<2>(x, kp, w.panel(p0 + p), out, stride); break;
+        case 3: tile_avx2<3>(x, kp, w.panel(p0 + p), out, stride); break;
+        default: tile_avx2<4>(x, kp, w.panel(p0 + p), out, stride); break;
+      }
+    }
+  }
+}
+
 #define PYENGINE_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
 
 template <int kRows, int kPanels>
@@ -159,15 +213,27 @@ void tile_vnni_rows(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w
 }
 #endif
 
-void run_tile(bool vnni, const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w, int64_t p0,
-              int64_t panels, int32_t* sums) {
+enum class Build { kGeneric, kAvx2, kVnni };
+
+// The build for this weight: as pinned (set_quantized_dense_isa), VNNI where the CPU has
+// it, else AVX2 unless a q is -128.
+Build pick_build(const Packed& w) {
+  const CpuIsa isa = quantized_dense_isa();
+  if (isa == CpuIsa::kAvx512 && vnni_supported()) return Build::kVnni;
+  if ((isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2) && !w.has_minus_128) return Build::kAvx2;
+  return Build::kGeneric;
+}
+
+void run_tile(Build build, const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w,
+              int64_t p0, int64_t panels, int32_t* sums) {
 #ifdef PYENGINE_INT8_X86
-  if (vnni) {
+  if (build == Build::kVnni) {
     if (panels == 2) return tile_vnni_rows<2>(xq, kp, rows, w, p0, sums);
     return tile_vnni_rows<1>(xq, kp, rows, w, p0, sums);
   }
+  if (build == Build::kAvx2) return tile_avx2_rows(xq, kp, rows, w, p0, panels, sums);
 #endif
-  (void)vnni;
+  (void)build;
   tile_generic(xq, kp, rows, w, p0, panels, sums);
 }
 
@@ -182,7 +248,8 @@ Packed check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
   }
   const auto* base = static_cast<const int8_t*>(packed.data);
   const int64_t kp = padded_k(k);
-  return {base, reinterpret_cast<const int32_t*>(base + num_panels(n) * panel_bytes(k)), kp};
+  const auto* sums = reinterpret_cast<const int32_t*>(base + num_panels(n) * panel_bytes(k));
+  return {base, sums, kp, sums[num_panels(n) * kInt8PanelWidth] != 0};
 }
 
 void check_vector(const char* op, const TensorView& t, const char* name, int64_t n) {
@@ -202,8 +269,9 @@ int64_t packed_int8_weight_size(int64_t k, int64_t n) {
     throw InvalidArgument("packed_int8_weight_size: k and n must be >= 0, got " +
                           std::to_string(k) + " and " + std::to_string(n));
   }
-  // (the column sums: int32, 4 bytes each, after the panels)
-  return num_panels(n) * (panel_bytes(k) + kInt8PanelWidth * int64_t{sizeof(int32_t)});
+  // (after the panels: the column sums, int32, then an int32 flag: whether a q is -128)
+  return num_panels(n) * (panel_bytes(k) + kInt8PanelWidth * int64_t{sizeof(int32_t)}) +
+         int64_t{sizeof(int32_t)};
 }
 
 void pack_int8_weight(const TensorView& packed, const TensorView& q) {
@@ -220,7 +288,8 @@ void pack_int8_weight(const TensorView& packed, const TensorView& q) {
   auto* dst = static_cast<int8_t*>(packed.data);
   std::memset(dst, 0, static_cast<size_t>(size));
   const int64_t panels_bytes = num_panels(n) * panel_bytes(k);
-  std::vector<int32_t> sums(static_cast<size_t>(num_panels(n) * kInt8PanelWidth), 0);
+  std::vector<int32_t> sums(static_cast<size_t>(num_panels(n) * kInt8PanelWidth + 1), 0);
+  int32_t& has_minus_128 = sums.back();
   for (int64_t j = 0; j < n; ++j) {
     const auto* row = static_cast<const int8_t*>(q.data) + j * q.strides[0];
     int8_t* panel = dst + j / kInt8PanelWidth * panel_bytes(k);
@@ -228,6 +297,7 @@ void pack_int8_weight(const TensorView& packed, const TensorView& q) {
     for (int64_t i = 0; i < k; ++i) {
       panel[(i / kGroup * kInt8PanelWidth + c) * kGroup + i % kGroup] = row[i];
       sums[static_cast<size_t>(j)] += row[i];
+      has_minus_128 |= row[i] == -128 ? 1 : 0;
     }
   }
   std::memcpy(dst + panels_bytes, sums.data(), sums.size() * sizeof(int32_t));
@@ -255,7 +325,7 @@ void int8_dense(const TensorView& out, const TensorView& x, const TensorView& pa
   const auto* b = static_cast<const float*>(bias.data);
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
-  const bool vnni = int8_dense_vnni();
+  const Build build = pick_build(w);
   const int64_t units = (num_panels(n) + kPanelsPerUnit - 1) / kPanelsPerUnit;
   const uint8_t* xq_data = xq.data();
   const float* sx = row_scale.data();
@@ -266,7 +336,7 @@ void int8_dense(const TensorView& out, const TensorView& x, const TensorView& pa
     int32_t sums[kRowsPerTile * kPanelsPerUnit * kInt8PanelWidth];
     for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile) {
       const int64_t rows = std::min(kRowsPerTile, m - r0);
-      run_tile(vnni, xq_data + r0 * w.kp, w.kp, rows, w, p0, panels, sums);
+      run_tile(build, xq_data + r0 * w.kp, w.kp, rows, w, p0, panels, sums);
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t p = 0; p < panels; ++p) {
           const int64_t first = (p0 + p) * kInt8PanelWidth;

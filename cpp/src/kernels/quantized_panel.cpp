@@ -297,34 +297,42 @@ bool avx512_supported() {
 #endif
 }
 
-std::atomic<bool>& avx512_in_use() {
-  static std::atomic<bool> in_use{avx512_supported()};
+bool avx2_supported() {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  return __builtin_cpu_supports("avx2");
+#else
+  return false;
+#endif
+}
+
+CpuIsa widest_quantized_isa() {
+  if (avx512_supported()) return CpuIsa::kAvx512;
+  return avx2_supported() ? CpuIsa::kAvx2 : CpuIsa::kGeneric;
+}
+
+std::atomic<CpuIsa>& isa_in_use() {
+  static std::atomic<CpuIsa> in_use{widest_quantized_isa()};
   return in_use;
 }
 
 }  // namespace
 
 void set_quantized_dense_isa(CpuIsa isa) {
-  if (isa == CpuIsa::kAvx2) {
-    throw InvalidArgument(
-        "set_quantized_dense_isa: the quantized widening has an AVX-512 build and a portable "
-        "one ('generic'), no AVX2 one");
+  if ((isa == CpuIsa::kAvx512 && !avx512_supported()) || (isa == CpuIsa::kAvx2 && !avx2_supported())) {
+    throw InvalidArgument("set_quantized_dense_isa: this CPU cannot run that build");
   }
-  if (isa == CpuIsa::kAvx512 && !avx512_supported()) {
-    throw InvalidArgument("set_quantized_dense_isa: this CPU has no AVX-512 (avx512f, avx512bw)");
-  }
-  avx512_in_use().store(isa == CpuIsa::kAuto ? avx512_supported() : isa == CpuIsa::kAvx512);
+  isa_in_use().store(isa == CpuIsa::kAuto ? widest_quantized_isa() : isa);
 }
 
-CpuIsa quantized_dense_isa() {
-  return avx512_in_use().load() ? CpuIsa::kAvx512 : CpuIsa::kGeneric;
-}
+CpuIsa quantized_dense_isa() { return isa_in_use().load(); }
 
 namespace detail {
 
 // (q * scale is exact, pack_quantized_weight checks: a multiply-add rounds as the
 // product, then the sum.)
-bool quantized_avx512() { return avx512_in_use().load(std::memory_order_relaxed); }
+bool quantized_avx512() {
+  return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
+}
 
 void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))

@@ -58,7 +58,7 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst);
 inline constexpr int kRegisterRows = 4;
 
 // Whether quantized panels are widened with AVX-512 (and few rows multiplied in
-// registers): on CPUs with it, unless pinned to the portable build.
+// registers): on CPUs with it, unless pinned to another build (set_quantized_dense_isa).
 bool quantized_avx512();
 
 // c [rows][kPanelWidth] = a [rows, k] (lda apart) @ the quantized panel at `panel`, for
