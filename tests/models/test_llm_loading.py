@@ -63,8 +63,8 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         LLM(str(tmp_path), load_format="dummy", max_model_len=4096)
     with pytest.raises(ValueError, match="dtype 'float64': expected 'auto', 'float32'"):
         LLM(str(tmp_path), load_format="dummy", dtype="float64")
-    with pytest.raises(ValueError, match="kv_cache_dtype 'fp8': expected 'auto', 'float32'"):
-        LLM(str(tmp_path), load_format="dummy", kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="kv_cache_dtype 'int4': expected 'auto', 'float32'"):
+        LLM(str(tmp_path), load_format="dummy", kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="needs float32 weights on the CPU"):
         LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", kv_cache_dtype="float16")
     with pytest.raises(ValueError, match="device 'tpu': expected 'auto', 'cpu', 'cuda'"):
