@@ -76,8 +76,10 @@ void check_int_array(const TensorView& t, const Device& device, const char* name
   if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be contiguous");
 }
 
-// Split-K: a tile whose context is split runs as parts of at least this many tokens.
-constexpr int64_t kMinSplitTokens = 256;
+// Split-K: a tile whose context is split runs as parts of at least this many tokens. (A
+// single request's decode has as many tiles as kv heads, three for the default model: at
+// 256 its contexts of a few hundred tokens stayed whole, two threads taking them 2:1.)
+constexpr int64_t kMinSplitTokens = 64;
 
 int max_threads() {
 #ifdef _OPENMP
