@@ -32,10 +32,14 @@ class QuantizationConfig:
                 f"quantization {self.method!r} is not supported (supported: "
                 f"{', '.join(QUANTIZATION_METHODS)})"
             )
+        if not is_int(self.group_size) or not (self.group_size == -1 or self.group_size >= 8):
+            raise ValueError(
+                f"{self.method} group_size must be -1 or at least 8, got {self.group_size!r}"
+            )
         if self.method == "compressed-tensors":
             w8a8 = (self.bits, self.group_size, self.activation_bits) == (8, -1, 8)
             w4a16 = self.bits == 4 and self.activation_bits == 0
-            if not (w8a8 or w4a16) or not (self.group_size == -1 or self.group_size >= 8):
+            if not (w8a8 or w4a16):
                 raise ValueError(
                     "compressed-tensors: int8 weights per channel with int8 activations per "
                     "token (W8A8), or 4-bit weights with float activations (W4A16), are "
@@ -48,10 +52,6 @@ class QuantizationConfig:
             raise ValueError(
                 f"{self.method} with {self.bits!r}-bit weights is not supported (bits: "
                 f"{', '.join(map(str, allowed_bits))})"
-            )
-        if not is_int(self.group_size) or not (self.group_size == -1 or self.group_size >= 8):
-            raise ValueError(
-                f"{self.method} group_size must be -1 or at least 8, got {self.group_size!r}"
             )
         if self.method == "awq" and self.desc_act:
             raise ValueError("awq checkpoints have no activation-order groups (desc_act)")

@@ -38,7 +38,8 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     load_format: str = "auto"
-    # "gptq" or "awq"; None: the checkpoint's quantization_config says (or float weights)
+    # "gptq", "awq" or "compressed-tensors"; None: the checkpoint's quantization_config
+    # says (or float weights)
     quantization: str | None = None
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
@@ -140,8 +141,9 @@ def resolve_device(device: str) -> str:
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                 "float16": "float16", "half": "float16"}  # fmt: skip
-# vLLM's names of an fp8 KV cache (e4m3, a per-tensor scale of 1)
-_FP8_NAMES = {"fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+# kv_cache_dtype's names: the dtypes', and vLLM's of an fp8 cache (e4m3, a per-tensor
+# scale of 1)
+_KV_CACHE_DTYPE_NAMES = {**_DTYPE_NAMES, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -159,13 +161,12 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
     (the kernels read it as float32); otherwise the model's dtype itself."""
     if kv_cache_dtype == "auto":
         return dtype
-    names = {**_DTYPE_NAMES, **_FP8_NAMES}
-    if kv_cache_dtype not in names:
+    if kv_cache_dtype not in _KV_CACHE_DTYPE_NAMES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16', "
             "'float16' or 'fp8' (e4m3)"
         )
-    resolved = names[kv_cache_dtype]
+    resolved = _KV_CACHE_DTYPE_NAMES[kv_cache_dtype]
     if not kv_cache_dtype_supported(resolved, dtype, device):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "

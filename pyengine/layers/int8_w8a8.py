@@ -3,7 +3,7 @@ channel (`weight` int8 [out, in], `weight_scale` [out, 1]), and activations quan
 int8 per token as each step runs, symmetric: x ~ round(x / sx) * sx, sx = max|x| / 127.
 
 On the CPU in float32 the weight is packed once for pyengine's int8 matmul (ops.int8_dense:
-AVX-512 VNNI, or portable loops), which quantizes x, sums the int8 products in int32,
+AVX-512 VNNI, AVX2 or portable loops), which quantizes x, sums the int8 products in int32,
 exactly, and scales: out = sx * scale * sum. Elsewhere the same arithmetic runs in torch
 (the integers in float32, exact while the sums stay under 2^24; a test reference, not a
 fast path: CUDA's int8 tensor cores are still to come).
@@ -61,7 +61,6 @@ class Int8W8A8Method(LinearMethod):
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         layer.weight_scale = layer.weight_scale.to(self.placement.device)
-        layer.packed_int8 = None
         if not self.placement.packs_weights:
             layer.weight.data = layer.weight.data.to(self.placement.device)
             return

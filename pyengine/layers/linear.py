@@ -106,6 +106,12 @@ class LinearBase(nn.Module):
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
 
+    def block_weights(self) -> int:
+        """Weights held only as GGUF blocks, which no parameter counts."""
+        if not self.method.keeps_blocks:
+            return 0
+        return self.output_size_per_partition * self.input_size_per_partition
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Every step calls each linear layer: past nn.Module's call machinery (its hook
         # checks and two frames), which these layers do not use.
@@ -337,10 +343,7 @@ def process_weights_after_loading(model: nn.Module, placement: Placement) -> int
 def _weight_count(model: nn.Module) -> int:
     count = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     for module in model.modules():
-        if getattr(module, "tied_to", None) is not None:
-            continue  # its weight is the embedding's, counted there
-        if isinstance(module, LinearBase) and module.method.keeps_blocks:
-            count += module.output_size_per_partition * module.input_size_per_partition
-        elif getattr(module, "keeps_blocks", False):  # an embedding held as blocks
-            count += int(getattr(module, "rows")) * int(getattr(module, "embedding_size"))  # noqa: B009
+        block_weights = getattr(module, "block_weights", None)
+        if callable(block_weights):
+            count += int(block_weights())
     return count

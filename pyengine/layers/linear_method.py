@@ -196,7 +196,8 @@ class SplitBF16Method(PackedPanelsMethod):
 
 
 class GGUFBlockMethod(PackedPanelsMethod):
-    """A GGUF Q4_0/Q4_1/Q8_0 weight kept only in its block form, which every step
+    """A GGUF weight of a type with a block form (layers/block_quantized.py) kept only in
+    it, which every step
     multiplies from: few rows stream a fifth of float32's bytes, and for many the
     widening of each chunk into L1 is shared by all the rows' tiles. No float copy of
     the weight is ever made."""
@@ -228,7 +229,8 @@ class LinearMethods:
     placement: Placement = Placement()
     # Checkpoint weight names that came with a GGUF block form.
     block_quantized: frozenset[str] = frozenset()
-    # A GPTQ/AWQ checkpoint's: its layers' weights (all but the head) are integers.
+    # A quantized checkpoint's (GPTQ, AWQ, compressed-tensors): its layers' weights (all
+    # but the head) are integers.
     quantization: QuantizationConfig | None = None
 
     def choose(self, checkpoint_names: Sequence[str], many_rows: bool = True) -> LinearMethod:

@@ -67,6 +67,10 @@ class VocabParallelEmbedding(nn.Module):
             self.packed = pack_block_quantized(self.blocks)
             self.blocks = None
 
+    def block_weights(self) -> int:
+        """Weights held only as GGUF blocks, which no parameter counts."""
+        return self.rows * self.embedding_size if self.keeps_blocks else 0
+
     def look_up_in(self, packed: torch.Tensor) -> None:
         """From now on, rows come from `packed` (a tied head's panels of this table)."""
         self.packed = packed
@@ -113,6 +117,10 @@ class ParallelLMHead(LinearBase):
     @property
     def keeps_blocks(self) -> bool:
         return self.method.keeps_blocks
+
+    def block_weights(self) -> int:
+        # Tied, its weights are the embedding's, counted there.
+        return 0 if self.tied_to is not None else super().block_weights()
 
     def weight_loader(self, name: str, loaded: CheckpointTensor) -> None:
         _load_vocab_rows(name, self.weight, loaded, self.vocab_size, self.start)

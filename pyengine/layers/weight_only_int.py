@@ -1,7 +1,6 @@
 """GPTQ, AWQ and compressed-tensors W4A16 checkpoints: 4- or 8-bit integer weights in
-groups of input features,
-each group with a scale and a zero point, read from their packed int32 forms and held
-in quantized form (the integers, one byte each, and the groups' scales and zeros).
+groups of input features, each group with a scale and a zero point, read from their
+packed int32 forms and held in quantized form only.
 
 The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
 - GPTQ (AutoGPTQ, GPTQModel): qweight int32 [in / (32 / bits), out], packed along the
@@ -16,7 +15,7 @@ The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
   packed along the input, lowest bits first, each q stored as q + 8; weight_scale [out,
   in / group]; weight_shape [out, in]. W[o, i] = weight_scale[o, i // group] * q.
 
-Held per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
+Loaded per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
 the whole input (a row-parallel shard's inputs may fall in any group with activation
 order), and each stacked part's input groups.
 
@@ -27,7 +26,8 @@ inputs are sorted by group (x's columns are then taken in that order): w = s (q 
 is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
 exact in float32, so the weights are the same bits. The blocks are then the layer's only
 form. Otherwise (a row-parallel shard with activation order, groups smaller than a
-block, CUDA) the integers are kept and the shard is dequantized in torch each step.
+block, stacked parts in orders of their own, CUDA) the integers are kept and the shard
+is dequantized in torch each step.
 """
 
 from __future__ import annotations

@@ -170,12 +170,12 @@ class GGUFFile:
         return values.astype(np.float32).reshape(self.tensors[name].shape)  # a writable copy
 
     def has_block_form(self, name: str) -> bool:
-        """Whether tensor `name` is a 2-D Q4_0, Q4_1 or Q8_0 one."""
+        """Whether tensor `name` is 2-D, of a type with a block form (block_quantized.py)."""
         info = self.tensors[name]
         return len(info.shape) == 2 and is_block_quantized(info.ggml_type)
 
     def block_quantized(self, name: str) -> BlockQuantized | None:
-        """A 2-D tensor `name` in its block form where it is Q4_0, Q4_1 or Q8_0, else None."""
+        """Tensor `name` in its block form where it has one (has_block_form), else None."""
         if not self.has_block_form(name):
             return None
         return from_gguf_blocks(self._raw(name)[1], self.tensors[name].ggml_type)

@@ -142,7 +142,8 @@ def _ids(value: Any) -> tuple[int, ...]:
 
 def quantization_from_hf(raw: Any) -> QuantizationConfig:
     """A config.json's `quantization_config` (GPTQ as AutoGPTQ / GPTQModel write it, AWQ
-    as AutoAWQ's GEMM format); ValueError naming what is not supported."""
+    as AutoAWQ's GEMM format, compressed-tensors as llm-compressor does); ValueError
+    naming what is not supported."""
     method = raw.get("quant_method") if isinstance(raw, dict) else None
     if method not in QUANTIZATION_METHODS:
         raise ValueError(

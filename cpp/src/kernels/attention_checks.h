@@ -89,6 +89,26 @@ inline void check_rows(const TensorView& t, const char* op, const char* name, in
 }
 
 // (A uint8 cache holds fp8 e4m3 bytes, on the CPU: float_convert.h's kFp8Cache.)
+// x and out float32 rows, out [m, n] for x [m, k] (a matmul's operands).
+inline void check_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
+  check_rows(x, op, "x", 2, DType::kFloat32);
+  check_rows(out, op, "out", 2, DType::kFloat32);
+  check_writable(out, op, "out");
+  if (out.shape[0] != x.shape[0] || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(x.shape[0]) + ", " +
+                          std::to_string(n) + "], got " + out.describe());
+  }
+}
+
+// A dense float32 [n] on the CPU (a bias, a scale per output).
+inline void check_vector(const TensorView& t, const char* op, const char* name, int64_t n) {
+  check_cpu(t, op, name);
+  if (t.ndim != 1 || t.shape[0] != n || t.dtype != DType::kFloat32 || t.strides[0] != 1) {
+    throw InvalidArgument(arg(op, name) + " must be dense float32 [" + std::to_string(n) +
+                          "], got " + t.describe());
+  }
+}
+
 inline bool is_cache_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
          d == DType::kUInt8;

@@ -23,6 +23,7 @@ namespace {
 
 using detail::arg;
 using detail::check_rows;
+using detail::check_x_out;
 
 constexpr int kRows = 8;
 constexpr int kLanes = 16;
@@ -285,17 +286,6 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
   return {static_cast<const uint8_t*>(packed.data), bits, panel_bytes};
 }
 
-// x and out float32 rows, out [m, n] for x [m, k].
-void check_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
-  check_rows(x, op, "x", 2, DType::kFloat32);
-  check_rows(out, op, "out", 2, DType::kFloat32);
-  detail::check_writable(out, op, "out");
-  if (out.shape[0] != x.shape[0] || out.shape[1] != n) {
-    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(x.shape[0]) + ", " +
-                          std::to_string(n) + "], got " + out.describe());
-  }
-}
-
 // Columns [first, first + width) of w_t [k, n] as one panel at dst, zero-padded.
 void pack_panel(float* dst, const TensorView& w_t, int64_t first, int64_t width) {
   const auto* src = static_cast<const float*>(w_t.data);
@@ -397,12 +387,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
   const bool split = packed.dtype == DType::kBFloat16;
   const Panels panels = split ? Panels{} : check_packed(op, packed, k, n, false, "pack_weight");
   const bool has_bias = bias.data != nullptr;
-  if (has_bias) detail::check_cpu(bias, op, "bias");
-  if (has_bias && (bias.ndim != 1 || bias.shape[0] != n || bias.dtype != DType::kFloat32 ||
-                   bias.strides[0] != 1)) {
-    throw InvalidArgument(arg(op, "bias") + " must be dense float32 [" + std::to_string(n) +
-                          "], got " + bias.describe());
-  }
+  if (has_bias) detail::check_vector(bias, op, "bias", n);
   const auto* b = static_cast<const float*>(bias.data);
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
@@ -511,8 +496,7 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
       std::memcpy(&offset, block + (kPanelWidth + column) * sizeof(float), sizeof(float));
       const uint8_t* ints = block + detail::kQuantParamBytes;
       for (int64_t i = 0; i < kQuantBlock; ++i) {
-        const int q = panels.bits == 8 ? static_cast<int8_t>(ints[i * kPanelWidth + column])
-                                       : ints[i / 2 * kPanelWidth + column] >> (i % 2 * 4) & 15;
+        const int q = detail::quantized_value(ints, i, column, panels.bits);
         // q * scale is exact (pack_quantized_weight checks), so this rounds as the
         // widening's multiply-add.
         row[b * kQuantBlock + i] = static_cast<float>(q) * scale + offset;

@@ -252,14 +252,6 @@ Packed check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
   return {base, sums, kp, sums[num_panels(n) * kInt8PanelWidth] != 0};
 }
 
-void check_vector(const char* op, const TensorView& t, const char* name, int64_t n) {
-  detail::check_cpu(t, op, name);
-  if (t.ndim != 1 || t.shape[0] != n || t.dtype != DType::kFloat32 || t.strides[0] != 1) {
-    throw InvalidArgument(arg(op, name) + " must be dense float32 [" + std::to_string(n) +
-                          "], got " + t.describe());
-  }
-}
-
 }  // namespace
 
 bool int8_dense_vnni() { return vnni_supported() && detail::quantized_avx512(); }
@@ -282,7 +274,7 @@ void pack_int8_weight(const TensorView& packed, const TensorView& q) {
   detail::check_dtype(packed, DType::kInt8, op, "packed");
   const int64_t size = packed_int8_weight_size(k, n);
   if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
-    throw InvalidArgument(detail::arg(op, "packed") + " must be dense int8 [" +
+    throw InvalidArgument(arg(op, "packed") + " must be dense int8 [" +
                           std::to_string(size) + "], got " + packed.describe());
   }
   auto* dst = static_cast<int8_t*>(packed.data);
@@ -306,18 +298,12 @@ void pack_int8_weight(const TensorView& packed, const TensorView& q) {
 void int8_dense(const TensorView& out, const TensorView& x, const TensorView& packed,
                 const TensorView& scale, const TensorView& bias, int64_t n) {
   constexpr const char* op = "int8_dense";
-  detail::check_rows(x, op, "x", 2, DType::kFloat32);
-  detail::check_rows(out, op, "out", 2, DType::kFloat32);
-  detail::check_writable(out, op, "out");
+  detail::check_x_out(op, out, x, n);
   const int64_t m = x.shape[0], k = x.shape[1];
-  if (out.shape[0] != m || out.shape[1] != n) {
-    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(m) + ", " +
-                          std::to_string(n) + "], got " + out.describe());
-  }
   const Packed w = check_packed(op, packed, k, n);
-  check_vector(op, scale, "scale", n);
+  detail::check_vector(scale, op, "scale", n);
   const bool has_bias = bias.data != nullptr;
-  if (has_bias) check_vector(op, bias, "bias", n);
+  if (has_bias) detail::check_vector(bias, op, "bias", n);
   thread_local std::vector<uint8_t> xq;
   thread_local std::vector<float> row_scale;
   quantize_rows(x, w.kp, xq, row_scale);

@@ -184,8 +184,7 @@ void widen_block_generic(const uint8_t* block, int bits, float* out) {
   const uint8_t* ints = block + kQuantParamBytes;
   for (int64_t i = 0; i < kQuantBlock; ++i) {
     for (int64_t j = 0; j < kPanelWidth; ++j) {
-      const int q = bits == 8 ? static_cast<int8_t>(ints[i * kPanelWidth + j])
-                              : ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15;
+      const int q = detail::quantized_value(ints, i, j, bits);
       out[i * kPanelWidth + j] = static_cast<float>(q) * scale[j] + offset[j];
     }
   }
@@ -297,17 +296,9 @@ bool avx512_supported() {
 #endif
 }
 
-bool avx2_supported() {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
-#endif
-}
-
 CpuIsa widest_quantized_isa() {
   if (avx512_supported()) return CpuIsa::kAvx512;
-  return avx2_supported() ? CpuIsa::kAvx2 : CpuIsa::kGeneric;
+  return cpu_supports(CpuIsa::kAvx2) ? CpuIsa::kAvx2 : CpuIsa::kGeneric;
 }
 
 std::atomic<CpuIsa>& isa_in_use() {
@@ -318,7 +309,7 @@ std::atomic<CpuIsa>& isa_in_use() {
 }  // namespace
 
 void set_quantized_dense_isa(CpuIsa isa) {
-  if ((isa == CpuIsa::kAvx512 && !avx512_supported()) || (isa == CpuIsa::kAvx2 && !avx2_supported())) {
+  if ((isa == CpuIsa::kAvx512 && !avx512_supported()) || (isa == CpuIsa::kAvx2 && !cpu_supports(CpuIsa::kAvx2))) {
     throw InvalidArgument("set_quantized_dense_isa: this CPU cannot run that build");
   }
   isa_in_use().store(isa == CpuIsa::kAuto ? widest_quantized_isa() : isa);

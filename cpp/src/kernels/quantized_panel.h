@@ -49,6 +49,12 @@ constexpr int64_t quantized_block_bytes(int bits) {
   return kQuantParamBytes + kQuantBlock * kPanelWidth * bits / 8;
 }
 
+// q of row i (within the block), column j, of a block's integers at `ints`.
+inline int quantized_value(const uint8_t* ints, int64_t i, int64_t j, int bits) {
+  return bits == 8 ? static_cast<int8_t>(ints[i * kPanelWidth + j])
+                   : ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15;
+}
+
 // The float32 panel [k, kPanelWidth] of the quantized panel at src: q * scale + offset,
 // rounded once (q * scale is exact).
 void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst);
