@@ -1,7 +1,9 @@
 """Hugging Face folders of the default model for the benchmarks, made once from its GGUF
 file: its float32 weights (the Q4_1 file dequantized), and the same weights quantized to
 compressed-tensors' int-quantized W8A8 (int8 per output channel, symmetric; activations
-per token at run time). Each folder has the config.json and tokenizer.json pyengine reads.
+per token at run time), and to its float-quantized FP8 (e4m3 per output channel; e4m3
+activations per token at run time). Each folder has the config.json and tokenizer.json
+pyengine reads.
 """
 
 from __future__ import annotations
@@ -25,6 +27,30 @@ W8A8_SCHEME = {
                               "strategy": "token", "dynamic": True},
     }},
 }  # fmt: skip
+FP8_SCHEME = {
+    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+    "config_groups": {"group_0": {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
+        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                              "strategy": "token", "dynamic": True},
+    }},
+}  # fmt: skip
+
+
+def int8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8, scale [out, 1]): w ~ q * scale, scale = max|w| / 127 per output channel."""
+    scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
+    return torch.round(w / scale).clamp(-127, 127).to(torch.int8), scale
+
+
+def fp8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q e4m3, scale [out, 1]): w ~ q * scale, scale = max|w| / 448 per output channel."""
+    scale = (w.abs().amax(dim=1, keepdim=True) / 448).clamp_min(1e-12)
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+QUANTIZED_FORMS = {"w8a8": (int8_channels, W8A8_SCHEME), "fp8": (fp8_channels, FP8_SCHEME)}
 
 
 def hf_config(c: ModelConfig) -> dict[str, object]:
@@ -41,25 +67,26 @@ def hf_config(c: ModelConfig) -> dict[str, object]:
 
 
 def default_model_folders(cache: Path) -> dict[str, Path]:
-    """{"float32": folder, "w8a8": folder}, written under `cache` unless there already."""
-    folders = {"float32": cache / "smollm2-float32", "w8a8": cache / "smollm2-w8a8"}
+    """{"float32": folder, "w8a8": folder, "fp8": folder}, written under `cache` unless
+    there already."""
+    folders = {form: cache / f"smollm2-{form}" for form in ("float32", *QUANTIZED_FORMS)}
     if all((f / "model.safetensors").is_file() for f in folders.values()):
         return folders
     loaded = load_model(DEFAULT_MODEL, keep_block_quantized=False)
     assert loaded.weights is not None and loaded.tokenizer is not None
     weights = {name: loaded.weights[name].float().contiguous() for name in loaded.weights}
-    quantized = dict(weights)
-    for name, w in weights.items():
-        module, _, kind = name.rpartition(".")
-        if kind == "weight" and module.rpartition(".")[2] in LINEAR:
-            scale = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-12)
-            quantized[name] = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
-            quantized[f"{module}.weight_scale"] = scale
     config = hf_config(loaded.config)
-    for (form, folder), tensors in zip(folders.items(), (weights, quantized), strict=True):
+    for form, folder in folders.items():
+        tensors, scheme = dict(weights), {}
+        if form in QUANTIZED_FORMS:
+            quantize, quantization_config = QUANTIZED_FORMS[form]
+            scheme = {"quantization_config": quantization_config}
+            for name, w in weights.items():
+                module, _, kind = name.rpartition(".")
+                if kind == "weight" and module.rpartition(".")[2] in LINEAR:
+                    tensors[name], tensors[f"{module}.weight_scale"] = quantize(w)
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
-        scheme = {"quantization_config": W8A8_SCHEME} if form == "w8a8" else {}
         (folder / "config.json").write_text(json.dumps({**config, **scheme}))
         loaded.tokenizer.tokenizer.save(str(folder / "tokenizer.json"))
     return folders

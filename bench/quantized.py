@@ -20,7 +20,8 @@ Batched: the workload of bench/throughput.py (32 prompts of 64-512 random tokens
 greedy tokens each, all at once) on the default model's weights in each form: float32
 (the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
 bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
-int8 form) and the Q4_1 file's 4-bit blocks; with each one's resident weight bytes.
+int8 form), FP8 (in its e4m3 form) and the Q4_1 file's 4-bit blocks; with each one's
+resident weight bytes.
 
 The last line printed is one JSON object, also written to bench/results/quantized.json.
 
@@ -182,6 +183,7 @@ def batched_table(source: Path, cache: Path, seed: int) -> tuple[str, dict[str, 
         ("float32", folders["float32"], {}),
         ("bfloat16", folders["float32"], {"dtype": "bfloat16"}),
         ("W8A8 int8", folders["w8a8"], {}),
+        ("FP8 e4m3 W8A8", folders["fp8"], {}),
         ("Q4_1 (4-bit blocks)", source, {}),
     ]
     rows, figures, reference = [], {}, None

@@ -16,7 +16,10 @@ class QuantizationConfig:
     """A quantized checkpoint's scheme (its config.json's `quantization_config`):
     `bits`-bit weights in groups of `group_size` input features (-1: one group per
     output channel), each group with a scale (and, for GPTQ/AWQ, a zero point); with
-    `activation_bits`, activations quantized too, per token, as each step runs (W8A8)."""
+    `activation_bits`, activations quantized too, per token, as each step runs (W8A8), or
+    by a scale of the checkpoint's (`static_activations`). `weight_type` "float": fp8
+    e4m3 weights and activations (compressed-tensors' FP8), a scale per channel or
+    tensor."""
 
     method: str  # "gptq", "awq" or "compressed-tensors"
     bits: int
@@ -25,6 +28,8 @@ class QuantizationConfig:
     # GPTQ's original format stores each zero point less 1 ("gptq"); "gptq_v2" does not.
     zero_offset: int = 0
     activation_bits: int = 0  # 0: float activations (weight-only)
+    weight_type: str = "int"  # or "float": fp8 e4m3
+    static_activations: bool = False  # a per-tensor input_scale instead of per token
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:
@@ -36,6 +41,17 @@ class QuantizationConfig:
             raise ValueError(
                 f"{self.method} group_size must be -1 or at least 8, got {self.group_size!r}"
             )
+        if self.weight_type not in ("int", "float"):
+            raise ValueError(f"weight_type must be 'int' or 'float', got {self.weight_type!r}")
+        if self.weight_type == "float":
+            if (self.method, self.bits, self.group_size) != ("compressed-tensors", 8, -1) or (
+                self.activation_bits not in (0, 8)
+            ):
+                raise ValueError(
+                    "float weights are compressed-tensors' FP8 (8-bit e4m3 per channel or "
+                    f"tensor), not {self.method} {self.bits}-bit in groups of {self.group_size}"
+                )
+            return
         if self.method == "compressed-tensors":
             w8a8 = (self.bits, self.group_size, self.activation_bits) == (8, -1, 8)
             w4a16 = self.bits == 4 and self.activation_bits == 0
@@ -62,6 +78,13 @@ class QuantizationConfig:
         return 32 // self.bits
 
     def describe(self) -> str:
+        if self.weight_type == "float":
+            activations = (
+                "float activations" if not self.activation_bits
+                else "e4m3 activations per " + ("tensor (static)" if self.static_activations
+                                               else "token")
+            )  # fmt: skip
+            return f"{self.method} FP8 e4m3 weights per channel, {activations}"
         if self.activation_bits:
             return f"{self.method} W{self.bits}A{self.activation_bits} int, per channel and token"
         return f"{self.method} {self.bits}-bit, groups of {self.group_size}"

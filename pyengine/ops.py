@@ -53,7 +53,7 @@ _SCHEMAS = {
     "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
     # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight, float32; or
-    # pack_quantized_weight, uint8/int8) + bias
+    # pack_quantized_weight, uint8/int8/float8_e4m3fn) + bias
     "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",
     # out [m, n] = silu(x @ gate) * (x @ up), gate/up packed by pack_gate_up_weight (or
     # pack_quantized_weight with gate_up)
@@ -65,6 +65,8 @@ _SCHEMAS = {
     # out [m, n] = x [m, k] (int8-quantized per row) @ a packed int8 weight * scale + bias
     "int8_dense": "int8_dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, "
     "Tensor? bias, int n) -> ()",
+    # out = x rounded to fp8 e4m3 per row (scale None: max|row| / 448) or by scale [1]
+    "quantize_fp8_rows": "quantize_fp8_rows(Tensor(a!) out, Tensor x, Tensor? scale) -> ()",
 }
 
 
@@ -90,6 +92,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
+    "quantize_fp8_rows": _C.quantize_fp8_rows,
 }
 
 
@@ -175,3 +178,4 @@ dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
 int8_dense = _eager_cpu_direct("int8_dense")
+quantize_fp8_rows = _eager_cpu_direct("quantize_fp8_rows")

@@ -16,10 +16,11 @@ DType to_dtype(const dlpack::DataType& t, const std::string& name) {
     if (t.code == 0 && t.bits == 64) return DType::kInt64;
     if (t.code == 0 && t.bits == 8) return DType::kInt8;
     if (t.code == 1 && t.bits == 8) return DType::kUInt8;
+    if (t.code == 10 && t.bits == 8) return DType::kFloat8E4M3;  // kDLFloat8_e4m3fn
   }
   throw py::type_error(name + " has an unsupported dtype (DLPack code " + std::to_string(t.code) +
                        ", " + std::to_string(t.bits) + " bits, " + std::to_string(t.lanes) +
-                       " lanes); supported: float32, float16, bfloat16, int32, int64, int8, uint8");
+                       " lanes); supported: float32, float16, bfloat16, int32, int64, int8, uint8, float8_e4m3fn");
 }
 
 Device to_device(const dlpack::Device& d, const std::string& name) {

@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/dense.h"
+#include "pyengine/fp8_quantize.h"
 #include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
 
@@ -149,6 +150,21 @@ void bind_layer_ops(py::module_& m) {
       "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times scale "
       "[n] and x's row scales, + bias (or None).");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
+  m.def(
+      "quantize_fp8_rows",
+      [](const py::handle& out, const py::handle& x, const py::handle& scale) {
+        const DLPackView o(out, "quantize_fp8_rows: out"), in(x, "quantize_fp8_rows: x");
+        if (scale.is_none()) {
+          py::gil_scoped_release release;
+          quantize_fp8_rows(o.view(), in.view(), TensorView{});
+          return;
+        }
+        const DLPackView s(scale, "quantize_fp8_rows: scale");
+        py::gil_scoped_release release;
+        quantize_fp8_rows(o.view(), in.view(), s.view());
+      },
+      py::arg("out"), py::arg("x"), py::arg("scale"),
+      "out = e4m3(x / s) * s: s max|row| / 448 per row (scale None) or scale [1].");
   m.def("release_thread_pool", &release_thread_pool,
         "Frees the calling thread's OpenMP workers (before another thread runs the kernels).");
   m.def(

@@ -65,7 +65,8 @@ class LinearBase(nn.Module):
     zeros: torch.Tensor
     input_groups: torch.Tensor
     input_order: torch.Tensor | None  # the inputs' order of its blocks (activation order)
-    weight_scale: torch.Tensor  # a W8A8 method's, per output channel
+    weight_scale: torch.Tensor  # a W8A8 or FP8 method's, per output channel
+    input_scale: torch.Tensor | None  # an FP8 method's static activation scale
 
     def __init__(
         self,
@@ -132,10 +133,14 @@ def check_shape(
 
 def copy_checked(name: str, into: torch.Tensor, value: CheckpointTensor) -> None:
     """Checks the shape, then reads `value` (only its region, where it is a LazySlice);
-    integers go only into integers (an int8 checkpoint's weight), never cast."""
+    integers go only into integers (an int8 checkpoint's weight), fp8 only into fp8 (an
+    FP8 checkpoint's, which means nothing without its scale), never cast."""
     check_shape(name, value, tuple(into.shape))
     tensor = materialize(value)
-    if into.dtype.is_floating_point != tensor.dtype.is_floating_point:
+    fp8 = torch.float8_e4m3fn
+    if (into.dtype.is_floating_point != tensor.dtype.is_floating_point) or (
+        (into.dtype == fp8) != (tensor.dtype == fp8)
+    ):
         raise ValueError(f"weight {name}: {tensor.dtype} values, the model expects {into.dtype}")
     into.copy_(tensor)
 

@@ -18,6 +18,8 @@ The forms today:
 - WeightOnlyIntMethod (layers/weight_only_int.py): a GPTQ or AWQ checkpoint's integers.
 - Int8W8A8Method (layers/int8_w8a8.py): a compressed-tensors W8A8 checkpoint's int8
   weights, multiplied by activations quantized per token.
+- Fp8Method (layers/fp8_w8a8.py): a compressed-tensors FP8 checkpoint's e4m3 weights,
+  as panels of fp8 codes, and e4m3 activations.
 """
 
 from __future__ import annotations
@@ -238,6 +240,10 @@ class LinearMethods:
         many_rows: whether it multiplies every token of a step (the head sees only the
         sampled rows: it keeps no split form, and stays float in a quantized checkpoint)."""
         if self.quantization is not None and many_rows:
+            if self.quantization.weight_type == "float":
+                from pyengine.layers.fp8_w8a8 import Fp8Method
+
+                return Fp8Method(self.quantization, self.placement)
             if self.quantization.activation_bits:
                 from pyengine.layers.int8_w8a8 import Int8W8A8Method
 

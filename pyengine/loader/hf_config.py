@@ -181,6 +181,17 @@ _W8A8_ACTIVATIONS = {
     "num_bits": (8,), "type": ("int",), "symmetric": (True,), "strategy": ("token",),
     "dynamic": (True,),
 }  # fmt: skip
+# FP8: e4m3 weights with a scale per channel or per tensor, e4m3 activations quantized
+# per token as each step runs (dynamic) or by the checkpoint's input_scale per tensor
+# (static), or float activations (no input_activations).
+_FP8_WEIGHTS = {
+    "num_bits": (8,), "type": ("float",), "symmetric": (True,), "strategy": ("channel", "tensor"),
+    "dynamic": (False, None),
+}  # fmt: skip
+_FP8_ACTIVATIONS = {
+    "num_bits": (8,), "type": ("float",), "symmetric": (True,), "strategy": ("token", "tensor"),
+    "dynamic": (True, False),
+}  # fmt: skip
 # W4A16: 4-bit symmetric weights per group or per channel, in input order (no actorder).
 _W4A16_WEIGHTS = {
     "num_bits": (4,), "type": ("int",), "symmetric": (True,), "strategy": ("group", "channel"),
@@ -190,13 +201,13 @@ _W4A16_WEIGHTS = {
 
 def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
     """llm-compressor's format: one scheme for every Linear layer (the head may be left
-    out), int-quantized W8A8 or pack-quantized W4A16; what else it can say is refused,
-    by name."""
+    out), int-quantized W8A8, float-quantized FP8 or pack-quantized W4A16; what else it
+    can say is refused, by name."""
     form = raw.get("format")
-    if form not in ("int-quantized", "naive-quantized", "pack-quantized"):
+    if form not in ("int-quantized", "float-quantized", "naive-quantized", "pack-quantized"):
         raise ValueError(
             f"compressed-tensors format {form!r} is not supported (int-quantized W8A8, "
-            "pack-quantized W4A16; FP8 checkpoints are not yet)"
+            "float-quantized FP8, pack-quantized W4A16)"
         )
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or not groups:
@@ -220,18 +231,20 @@ def _compressed_group(name: str, group: Any, form: str) -> QuantizationConfig:
             f"compressed-tensors group {name!r}: only targets ['Linear'] are supported"
         )
     w4a16 = form == "pack-quantized"
+    fp8 = not w4a16 and (group.get("weights") or {}).get("type") == "float"
+    if form in ("int-quantized", "float-quantized") and fp8 != (form == "float-quantized"):
+        wanted = "float weights (FP8)" if form == "float-quantized" else "int weights (W8A8)"
+        raise ValueError(
+            f"compressed-tensors format {form!r} is for {wanted}, group {name!r} has "
+            f"{'float' if fp8 else 'int'} ones"
+        )
+    if fp8:
+        return _fp8_group(name, group)
     weights = _W4A16_WEIGHTS if w4a16 else _W8A8_WEIGHTS
-    parts = (("weights", weights),) + (() if w4a16 else (("input_activations", _W8A8_ACTIVATIONS),))
-    for part, wanted in parts:
-        scheme = group.get(part) or {}
-        odd = {
-            key: scheme.get(key) for key, value in wanted.items() if scheme.get(key) not in value
-        }
-        if odd:
-            raise ValueError(
-                f"compressed-tensors group {name!r}: {part} {odd} are not supported "
-                f"({'W4A16' if w4a16 else 'W8A8'}: {part} {wanted})"
-            )
+    parts = [("weights", group.get("weights"), weights)]
+    if not w4a16:
+        parts.append(("input_activations", group.get("input_activations"), _W8A8_ACTIVATIONS))
+    _check_scheme(name, parts, "W4A16" if w4a16 else "W8A8")
     if not w4a16:
         return QuantizationConfig("compressed-tensors", 8, -1, activation_bits=8)
     if group.get("input_activations"):
@@ -242,3 +255,38 @@ def _compressed_group(name: str, group: Any, form: str) -> QuantizationConfig:
     scheme = group["weights"]
     size = scheme.get("group_size") if scheme.get("strategy") == "group" else -1
     return QuantizationConfig("compressed-tensors", 4, size)
+
+
+def _fp8_group(name: str, group: dict[str, Any]) -> QuantizationConfig:
+    activations = group.get("input_activations")
+    parts = [("weights", group.get("weights"), _FP8_WEIGHTS)]
+    if activations:
+        parts.append(("input_activations", activations, _FP8_ACTIVATIONS))
+    _check_scheme(name, parts, "FP8")
+    if not activations:
+        return QuantizationConfig("compressed-tensors", 8, -1, weight_type="float")
+    static = activations.get("strategy") == "tensor"
+    if static == bool(activations.get("dynamic")):
+        raise ValueError(
+            f"compressed-tensors group {name!r}: FP8 activations are dynamic per token or "
+            f"static per tensor, not {activations.get('strategy')!r} with dynamic "
+            f"{activations.get('dynamic')!r}"
+        )
+    return QuantizationConfig(
+        "compressed-tensors", 8, -1, activation_bits=8, weight_type="float",
+        static_activations=static,
+    )  # fmt: skip
+
+
+def _check_scheme(name: str, parts: Any, scheme_name: str) -> None:
+    """Each (part, its scheme, each key's allowed values): ValueError naming the odd keys."""
+    for part, scheme, wanted in parts:
+        scheme = scheme or {}
+        odd = {
+            key: scheme.get(key) for key, value in wanted.items() if scheme.get(key) not in value
+        }
+        if odd:
+            raise ValueError(
+                f"compressed-tensors group {name!r}: {part} {odd} are not supported "
+                f"({scheme_name}: {part} {wanted})"
+            )

@@ -209,8 +209,13 @@ def load_safetensors(folder: Path, quantized: bool = False) -> LazyWeights:
                 raise ValueError(f"{path}: tensor {key} is in another file too")
             packed = quantized and (
                 key.endswith(QUANTIZED_INTEGER_TENSORS)
-                or (dtype == "I8" and key.endswith(".weight"))  # W8A8's int8 weights
+                or (dtype in ("I8", "F8_E4M3") and key.endswith(".weight"))  # W8A8's, FP8's
             )
+            if dtype.startswith("F8") and not packed:
+                raise ValueError(
+                    f"{path}: tensor {key} is {dtype}: fp8 weights come with scales, in a "
+                    "quantized checkpoint's linear layers (compressed-tensors FP8) only"
+                )
             if not dtype.startswith(("F", "BF")) and not packed:
                 kind = _INTEGER_DTYPES.get(dtype, dtype)
                 raise ValueError(

@@ -48,7 +48,8 @@ def weight_forms(model: Any) -> str:
             continue  # not a linear layer
         blocks, packed = getattr(module, "packed_blocks", None), getattr(module, "packed", None)
         if blocks is not None:
-            form = f"{4 if blocks.dtype == torch.uint8 else 8}-bit blocks"
+            bits = {torch.uint8: "4-bit", torch.int8: "8-bit", torch.float8_e4m3fn: "fp8"}
+            form = f"{bits[blocks.dtype]} blocks"
         elif getattr(module, "packed_int8", None) is not None:
             form = "int8 W8A8"
         elif isinstance(packed, torch.Tensor):

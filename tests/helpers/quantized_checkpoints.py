@@ -206,3 +206,61 @@ def write_w4a16(float_folder: Path, out: Path, reference: Path, group_size: int)
         quantized[f"{module}.weight_shape"] = torch.tensor([rows, columns])
         dequantized[name] = (q * scale.float()).reshape(rows, columns)
     _write_folders(float_folder, out, reference, quantized, dequantized, w4a16_config(group_size))
+
+
+def fp8_config(strategy: str, activations: str | None) -> dict:  # type: ignore[type-arg]
+    """compressed-tensors' float-quantized FP8 scheme: weights per `strategy` ("channel"
+    or "tensor"); activations "token" (dynamic), "tensor" (static) or None (float)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
+               "dynamic": False, "group_size": None}  # fmt: skip
+    inputs = activations and {
+        "num_bits": 8, "type": "float", "symmetric": True, "strategy": activations,
+        "dynamic": activations == "token", "group_size": None,
+    }  # fmt: skip
+    return {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "quantization_status": "compressed", "ignore": ["lm_head"], "kv_cache_scheme": None,
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": inputs}},
+    }  # fmt: skip
+
+
+# Static activation scales as a calibration gives them (max|x| / 448 over the test's
+# prompts on the tiny llama, rounded up); those of the parts of a layer that read one
+# input differ, so that a reader must take their largest.
+_STATIC_INPUT_SCALE = {"q_proj": 0.0100, "k_proj": 0.0110, "v_proj": 0.0105, "o_proj": 0.0060,
+                       "gate_proj": 0.0100, "up_proj": 0.0105, "down_proj": 0.0160}  # fmt: skip
+
+
+def write_fp8(
+    float_folder: Path, out: Path, reference: Path, strategy: str, activations: str | None
+) -> None:
+    """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
+    float-quantized FP8 form, compressed by the compressed-tensors library itself
+    (`weight` float8_e4m3fn [out, in], `weight_scale` max|w| / 448 per output channel
+    (bfloat16 [out, 1]) or per tensor (float32 [1]), and with static activations an
+    `input_scale` [1]); `reference`: the same model with the dequantized float32 weights
+    (e4m3 * scale, as the library decompresses them)."""
+    from compressed_tensors.compressors import FloatQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    group = fp8_config(strategy, activations)["config_groups"]["group_0"]
+    scheme = QuantizationScheme(**group)
+    quantized, dequantized, linear = _linear_weights(float_folder)
+    for name, module, w in linear:
+        if strategy == "channel":
+            scale = (w.float().abs().amax(dim=1, keepdim=True) / 448).to(torch.bfloat16)
+        else:
+            scale = (w.float().abs().amax() / 448).reshape(1)
+        compressed = FloatQuantizationCompressor.compress(
+            {"weight": w.float(), "weight_scale": scale}, scheme
+        )
+        quantized[name] = compressed["weight"]
+        quantized[f"{module}.weight_scale"] = scale
+        if activations == "tensor":
+            leaf = module.rpartition(".")[2]
+            quantized[f"{module}.input_scale"] = torch.tensor([_STATIC_INPUT_SCALE[leaf]])
+        dequantized[name] = compressed["weight"].float() * scale.float()
+    _write_folders(
+        float_folder, out, reference, quantized, dequantized, fp8_config(strategy, activations)
+    )

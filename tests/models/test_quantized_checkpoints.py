@@ -12,11 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.quantized_checkpoints import write_quantized, write_w4a16, write_w8a8
+from helpers.quantized_checkpoints import write_fp8, write_quantized, write_w4a16, write_w8a8
 from helpers.tiny_models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pyengine import _C, LLM, SamplingParams
+from pyengine.layers.fp8_w8a8 import FP8, Fp8Method
 from pyengine.layers.int8_w8a8 import Int8W8A8Method
 from pyengine.layers.linear import LinearBase
 from pyengine.layers.weight_only_int import WeightOnlyIntMethod
@@ -174,6 +175,12 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
         got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
     finally:
         _C.set_quantized_dense_isa("auto")
+    assert_close_logprobs(got, ref)
+
+
+def assert_close_logprobs(got: list, ref: list) -> None:  # type: ignore[type-arg]
+    """Within what 8-bit integer activations cost: each logprob of the reference's top 5
+    by a little, the first tokens the same."""
     differences = [
         abs(step[token].logprob - entry.logprob)
         for (_, logprobs), (_, ref_logprobs) in zip(got, ref, strict=True)
@@ -185,6 +192,19 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     assert [t[:3] for t, _ in got] == [t[:3] for t, _ in ref]
 
 
+def same_context_differences(got: list, ref: list) -> list[float]:  # type: ignore[type-arg]
+    """|logprob - the reference's| of its top 5, at each step whose tokens so far agree."""
+    differences = []
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, ref, strict=True):
+        for i, (step, ref_step) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
+            if tokens[:i] != ref_tokens[:i]:
+                break
+            differences += [
+                abs(step[t].logprob - e.logprob) for t, e in ref_step.items() if t in step
+            ]
+    return differences
+
+
 def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
     float_llama: Path, tmp_path: Path
 ) -> None:
@@ -194,7 +214,8 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
     scheme = config["quantization_config"]
     group = scheme["config_groups"]["group_0"]
     for change, message in (
-        ({"format": "float-quantized"}, "format 'float-quantized' is not supported"),
+        ({"format": "float-quantized"}, "format 'float-quantized' is for float weights"),
+        ({"format": "fp4-pack-quantized"}, "format 'fp4-pack-quantized' is not supported"),
         ({"config_groups": {"group_0": {
             **group, "weights": {**group["weights"], "strategy": "tensor"}}}},
          r"weights \{'strategy': 'tensor'\} are not supported"),
@@ -278,3 +299,113 @@ def test_compressed_tensors_layers_shard_over_tensor_parallel_ranks(
     for (_, logprobs), (_, ref_logprobs) in zip(two, one, strict=True):
         for token, entry in ref_logprobs[0].items():
             assert abs(logprobs[0][token].logprob - entry.logprob) < 0.1
+
+
+# (weights' scale per, activations' quantization: per token, per tensor (static), none)
+FP8_CASES = {
+    "channel-dynamic": ("channel", "token"),
+    "tensor-static": ("tensor", "tensor"),
+    "channel-weight-only": ("channel", None),
+}
+
+
+def fp8_reference(checkpoint: Path, module: str, x: torch.Tensor) -> torch.Tensor:
+    """x @ the checkpoint's e4m3 weights of `module` (q/k/v stacked for qkv_proj) in
+    float64: x rounded to e4m3 by its row's scale, or by the parts' largest input_scale."""
+    tensors = load_file(str(checkpoint / "model.safetensors"))
+    parts = ["q_proj", "k_proj", "v_proj"] if module.endswith("qkv_proj") else [module]
+    prefix = module.rpartition(".")[0] + "." if module.endswith("qkv_proj") else ""
+    names = [f"{prefix}{p}" for p in parts]
+    w = torch.cat([
+        tensors[f"{n}.weight"].double() * tensors[f"{n}.weight_scale"].double().reshape(-1, 1)
+        for n in names
+    ])  # fmt: skip
+    if f"{names[0]}.input_scale" in tensors:
+        sx = torch.stack([tensors[f"{n}.input_scale"].reshape(()) for n in names]).max()
+    else:
+        sx = x.abs().amax(dim=1, keepdim=True) / 448
+    xq = (x / sx).clamp(-448, 448).to(FP8).double() * sx.double()
+    return xq @ w.t()
+
+
+@pytest.mark.parametrize("case", list(FP8_CASES))
+def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case: str) -> None:
+    """compressed-tensors' float-quantized FP8, compressed by its own library: the layers
+    hold only their fp8 panels; a layer's product is FP8's (to float32's rounding); the
+    model's outputs are the dequantized float model's (weight-only: exactly) or within
+    what e4m3 activations cost."""
+    pytest.importorskip("compressed_tensors")
+    strategy, activations = FP8_CASES[case]
+    write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", strategy, activations)
+    llm = LLM(str(tmp_path / "q"), **ENGINE)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    linear = [m for m in model.modules() if isinstance(getattr(m, "method", None), Fp8Method)]
+    assert len(linear) == 2 * 4
+    assert all(m.packed_blocks.dtype == FP8 and "weight" not in m._parameters for m in linear)
+    layer = model.layers[1].self_attn.qkv_proj
+    x = torch.randn(5, layer.input_size)
+    if activations is None:
+        want = x.double() @ fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj",
+                                          torch.eye(layer.input_size))  # fmt: skip
+    else:
+        want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x)
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6)
+    llm.engine.shutdown()
+    got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
+    if activations is None:
+        assert_same_outputs(got, ref)
+    else:  # e4m3's 3 mantissa bits cost more than int8 per token does
+        differences = same_context_differences(got, ref)
+        assert len(differences) >= 3 * 5
+        assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
+    if case == "channel-dynamic":  # and each rank of a row-parallel layer quantizes its x
+        differences = same_context_differences(outputs(tmp_path / "q", tensor_parallel_size=2), got)
+        assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
+
+
+def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("compressed_tensors")
+    write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "tensor", "tensor")
+    config_path = tmp_path / "q" / "config.json"
+    config = json.loads(config_path.read_text())
+    scheme = config["quantization_config"]
+    group = scheme["config_groups"]["group_0"]
+    inputs = group["input_activations"]
+    for change, message in (
+        ({"weights": {**group["weights"], "strategy": "block"}},
+         r"weights \{'strategy': 'block'\} are not supported"),
+        ({"input_activations": {**inputs, "dynamic": True}},
+         "FP8 activations are dynamic per token or static per tensor"),
+        ({"input_activations": {**inputs, "num_bits": 4}},
+         r"input_activations \{'num_bits': 4\} are not supported"),
+    ):  # fmt: skip
+        changed = {**scheme, "config_groups": {"group_0": {**group, **change}}}
+        config_path.write_text(json.dumps({**config, "quantization_config": changed}))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)
+    config_path.write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    nan_weight = tensors[f"{name}.weight"].clone()
+    nan_weight.view(torch.uint8)[2, 5] = 0x7F
+    without_input_scale = {k: v for k, v in tensors.items() if k != f"{name}.input_scale"}
+    for weights, message in (
+        ({**tensors, f"{name}.weight_scale": torch.ones(3)}, rf"weight {name}.weight_scale"),
+        ({**tensors, f"{name}.weight_scale": torch.zeros(1)}, "scales must be finite and positive"),
+        ({**tensors, f"{name}.weight": tensors[f"{name}.weight"].float()},
+         rf"weight {name}.weight: torch.float32 values, the model expects torch.float8_e4m3fn"),
+        ({**tensors, f"{name}.weight": nan_weight}, "holds NaN"),
+        (without_input_scale, rf"lacks 1 weights, e.g. \['{name}.input_scale'\]"),
+    ):  # fmt: skip
+        save_file(weights, str(tmp_path / "q" / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)
+    # fp8 tensors outside a quantized checkpoint mean nothing without their scales
+    reference = load_file(str(tmp_path / "ref" / "model.safetensors"))
+    weight = "model.layers.0.self_attn.o_proj.weight"
+    save_file({**reference, weight: reference[weight].to(FP8)},
+              str(tmp_path / "ref" / "model.safetensors"))  # fmt: skip
+    with pytest.raises(ValueError, match=rf"tensor {weight} is F8_E4M3: fp8 weights come"):
+        LLM(str(tmp_path / "ref"), **ENGINE)

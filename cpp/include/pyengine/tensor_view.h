@@ -9,7 +9,10 @@
 
 namespace pyengine {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kInt8 };
+// kFloat8E4M3: OCP's E4M3FN (torch.float8_e4m3fn), the weights of FP8 checkpoints.
+enum class DType : uint8_t {
+  kFloat32, kFloat16, kBFloat16, kInt32, kInt64, kUInt8, kInt8, kFloat8E4M3
+};
 enum class DeviceKind : uint8_t { kCPU, kCUDA };
 
 struct Device {

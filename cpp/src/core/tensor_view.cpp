@@ -13,6 +13,7 @@ size_t dtype_size(DType dtype) {
     case DType::kInt64: return 8;
     case DType::kUInt8: return 1;
     case DType::kInt8: return 1;
+    case DType::kFloat8E4M3: return 1;
   }
   throw std::logic_error("dtype_size: unknown dtype");
 }
@@ -26,6 +27,7 @@ std::string dtype_name(DType dtype) {
     case DType::kInt64: return "int64";
     case DType::kUInt8: return "uint8";
     case DType::kInt8: return "int8";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
   }
   throw std::logic_error("dtype_name: unknown dtype");
 }

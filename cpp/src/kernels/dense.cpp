@@ -160,7 +160,7 @@ Rows8 tile_rows(const TensorView& x) {
 // A packed weight's panels, float32 or block-quantized (quantized_panel.h).
 struct Panels {
   const uint8_t* data;
-  int bits;  // 32: float32 panels
+  detail::QuantCode code;  // kNone: float32 panels
   int64_t panel_bytes;
 
   const uint8_t* panel(int64_t p) const { return data + p * panel_bytes; }
@@ -187,10 +187,10 @@ int64_t tile_scratch_floats(int64_t rows) {
 template <class Sink>
 void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
-  const bool quantized = w.bits != 32;
+  const bool quantized = w.code != detail::QuantCode::kNone;
   if (quantized && m1 - m0 <= detail::kRegisterRows && detail::quantized_avx512()) {
     detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0),
-                                    w.panel(p), x.k, w.bits, sums);
+                                    w.panel(p), x.k, w.code, sums);
     sink(m0, m1 - m0, static_cast<const float*>(sums));
     return;
   }
@@ -202,8 +202,8 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
     const int64_t depth = std::min(step, x.k - i0);
     const float* panel = reinterpret_cast<const float*>(w.panel(p));
     if (quantized) {
-      const uint8_t* src = w.panel(p) + i0 / kQuantBlock * detail::quantized_block_bytes(w.bits);
-      detail::widen_quantized_panel(src, depth, w.bits, chunk.data());
+      const uint8_t* src = w.panel(p) + i0 / kQuantBlock * detail::quantized_block_bytes(w.code);
+      detail::widen_quantized_panel(src, depth, w.code, chunk.data());
       panel = chunk.data();
     }
     for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
@@ -266,8 +266,9 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
 Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n, bool pairs,
                     const char* how) {
   detail::check_cpu(packed, op, "packed");
-  const bool quantized = detail::quantized_bits(packed.dtype) != 0;
-  const int bits = quantized ? detail::quantized_bits(packed.dtype) : 32;
+  const detail::QuantCode code = detail::quant_code(packed.dtype);
+  const bool quantized = code != detail::QuantCode::kNone;
+  const int bits = quantized ? detail::quantized_bits(code) : 32;
   if (quantized && k % kQuantBlock != 0) {
     throw InvalidArgument(std::string(op) + ": a quantized weight needs k (x's columns) a " +
                           "multiple of " + std::to_string(kQuantBlock) + ", got " +
@@ -279,11 +280,12 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
       !(quantized || packed.dtype == DType::kFloat32)) {
     throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
                           ", " + std::to_string(pairs ? 2 * n : n) + "] weight: float32 (" + how +
-                          ") or uint8/int8 (pack_quantized_weight), got " + packed.describe());
+                          ") or uint8/int8/float8_e4m3fn (pack_quantized_weight), got " +
+                          packed.describe());
   }
   const int64_t panel_bytes = quantized ? packed_quantized_weight_size(k, kPanelWidth, bits)
                                         : k * kPanelWidth * int64_t{sizeof(float)};
-  return {static_cast<const uint8_t*>(packed.data), bits, panel_bytes};
+  return {static_cast<const uint8_t*>(packed.data), code, panel_bytes};
 }
 
 // Columns [first, first + width) of w_t [k, n] as one panel at dst, zero-padded.
@@ -483,12 +485,12 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
     const int64_t v = id[r * ids.strides[0]], column = v % kPanelWidth;
     const uint8_t* panel = panels.panel(v / kPanelWidth);
     float* row = dst + r * out.strides[0];
-    if (panels.bits == 32) {
+    if (panels.code == detail::QuantCode::kNone) {
       const auto* w = reinterpret_cast<const float*>(panel);
       for (int64_t i = 0; i < k; ++i) row[i] = w[i * kPanelWidth + column];
       continue;
     }
-    const int64_t block_bytes = detail::quantized_block_bytes(panels.bits);
+    const int64_t block_bytes = detail::quantized_block_bytes(panels.code);
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = panel + b * block_bytes;
       float scale = 0.0f, offset = 0.0f;
@@ -496,10 +498,10 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
       std::memcpy(&offset, block + (kPanelWidth + column) * sizeof(float), sizeof(float));
       const uint8_t* ints = block + detail::kQuantParamBytes;
       for (int64_t i = 0; i < kQuantBlock; ++i) {
-        const int q = detail::quantized_value(ints, i, column, panels.bits);
-        // q * scale is exact (pack_quantized_weight checks), so this rounds as the
-        // widening's multiply-add.
-        row[b * kQuantBlock + i] = static_cast<float>(q) * scale + offset;
+        const float q = detail::quantized_value(ints, i, column, panels.code);
+        // q * scale is exact, or the offset zero (pack_quantized_weight checks), so this
+        // rounds as the widening's multiply-add.
+        row[b * kQuantBlock + i] = q * scale + offset;
       }
     }
   }

@@ -18,6 +18,7 @@ namespace pyengine {
 namespace {
 
 using detail::kQuantParamBytes;
+using detail::QuantCode;
 using detail::quantized_block_bytes;
 
 constexpr int kLanes = 16;
@@ -26,12 +27,13 @@ constexpr int64_t kPrefetchBlocks = 4;
 void check_quantized_args(const char* op, const TensorView& packed, const TensorView& q_t,
                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   detail::check_cpu(packed, op, "packed");
-  const int bits = detail::quantized_bits(packed.dtype);
-  if (bits == 0) {
+  const QuantCode code = detail::quant_code(packed.dtype);
+  if (code == QuantCode::kNone) {
     throw InvalidArgument(detail::arg(op, "packed") +
-                          " must be uint8 (4-bit weights) or int8 (8-bit), got " +
+                          " must be uint8 (4-bit weights), int8 (8-bit) or float8_e4m3fn, got " +
                           packed.describe());
   }
+  const int bits = detail::quantized_bits(code);
   detail::check_rows(q_t, op, "q_t", 2, packed.dtype);
   const int64_t k = q_t.shape[0], n = q_t.shape[1];
   if (k % kQuantBlock != 0) {
@@ -53,10 +55,18 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
   }
   // A scale of at most 24 - (q's bits) significant bits times q is exact in float32 (q 4
   // bits, or an int8: 7, 128 being a power of two), so any rounding of q * scale + offset
-  // (a multiply-add, or the product, then the sum) is one.
+  // (a multiply-add, or the product, then the sum) is one. fp8 weights take any scale
+  // and no offset: q * scale + 0 rounds once however it is computed.
   const int scale_bits = bits == 4 ? 20 : 17;
   const uint32_t low_mantissa = (uint32_t{1} << (24 - scale_bits)) - 1;
-  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+  for (int64_t b = 0; code == QuantCode::kFp8 && b < k / kQuantBlock; ++b) {
+    const auto* row = static_cast<const float*>(offset_t.data) + b * offset_t.strides[0];
+    if (std::any_of(row, row + n, [](float o) { return o != 0.0f; })) {
+      throw InvalidArgument(std::string(op) + ": fp8 weights take no offset: offset_t must " +
+                            "be zero, block row " + std::to_string(b) + " is not");
+    }
+  }
+  for (int64_t b = 0; code != QuantCode::kFp8 && b < k / kQuantBlock; ++b) {
     const auto* row = static_cast<const float*>(scale_t.data) + b * scale_t.strides[0];
     if (std::any_of(row, row + n, [&](float s) {
           return (std::bit_cast<uint32_t>(s) & low_mantissa) != 0;
@@ -74,6 +84,15 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
     throw InvalidArgument(detail::arg(op, "packed") + " must be dense [" + std::to_string(size) +
                           "], got " + packed.describe());
   }
+  if (code == QuantCode::kFp8) {
+    for (int64_t i = 0; i < k; ++i) {
+      const auto* row = static_cast<const uint8_t*>(q_t.data) + i * q_t.strides[0];
+      if (std::any_of(row, row + n, [](uint8_t q) { return (q & 0x7F) == 0x7F; })) {
+        throw InvalidArgument(std::string(op) + ": fp8 q_t row " + std::to_string(i) +
+                              " holds a NaN");
+      }
+    }
+  }
   if (bits == 4) {
     for (int64_t i = 0; i < k; ++i) {
       const auto* row = static_cast<const uint8_t*>(q_t.data) + i * q_t.strides[0];
@@ -88,12 +107,14 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
 // Columns [first, first + width) of q_t/scale_t/offset_t as one quantized panel at dst;
 // the columns past width are zero (so they widen to zero).
 void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView& scale_t,
-                          const TensorView& offset_t, int64_t first, int64_t width, int bits) {
+                          const TensorView& offset_t, int64_t first, int64_t width,
+                          QuantCode code) {
   const auto* q = static_cast<const uint8_t*>(q_t.data);
   const int64_t k = q_t.shape[0];
+  const int bits = detail::quantized_bits(code);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
-    uint8_t* block = dst + b * quantized_block_bytes(bits);
-    std::memset(block, 0, static_cast<size_t>(quantized_block_bytes(bits)));
+    uint8_t* block = dst + b * quantized_block_bytes(code);
+    std::memset(block, 0, static_cast<size_t>(quantized_block_bytes(code)));
     auto* params = reinterpret_cast<float*>(block);
     for (int64_t j = 0; j < width; ++j) {
       params[j] = static_cast<const float*>(scale_t.data)[b * scale_t.strides[0] + first + j];
@@ -125,42 +146,69 @@ int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits) {
     throw InvalidArgument("packed_quantized_weight_size: k must be a multiple of " +
                           std::to_string(kQuantBlock) + ", got " + std::to_string(k));
   }
-  return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) * quantized_block_bytes(bits);
+  const QuantCode code = bits == 4 ? QuantCode::kNibble : QuantCode::kInt8;  // (fp8: as int8)
+  return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) * quantized_block_bytes(code);
 }
 
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up);
-  const int bits = detail::quantized_bits(packed.dtype);
+  const QuantCode code = detail::quant_code(packed.dtype);
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
-  const int64_t panel_bytes = packed_quantized_weight_size(k, kPanelWidth, bits);
+  const int64_t panel_bytes =
+      packed_quantized_weight_size(k, kPanelWidth, detail::quantized_bits(code));
   auto* dst = static_cast<uint8_t*>(packed.data);
   detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
-    pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, bits);
+    pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, code);
   });
 }
 
 namespace {
 
-// One row of 16 columns: q * scale + offset, from 16 int8 / the 16 nibbles of a row pair.
+// Rows of 16 columns: q * scale + offset, from 16 int8, 16 fp8 bytes, or the 16 nibbles
+// of a row pair.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define PYENGINE_WIDEN_AVX512 __attribute__((target("avx512f,avx512bw")))
 // GCC 12 takes the intrinsics' undefined pass-through vectors for uninitialized reads.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, int bits, float* out) {
+
+// The 16 weights of one row at src, times scale, plus offset: rounded once. An fp8 byte
+// becomes the float16 of its value / 256 (fp8_e4m3_to_half_bits), so its scale comes
+// times 256 (`scale` of widen_scale), which changes no product.
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX512 inline __m512 widen_row(const uint8_t* src, __m512 scale, __m512 offset) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  if constexpr (kCode == QuantCode::kFp8) {
+    const __m256i b = _mm256_cvtepu8_epi16(q);
+    const __m256i half =
+        _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
+                        _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
+    return _mm512_fmadd_ps(_mm512_cvtph_ps(half), scale, offset);
+  } else {
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, offset);
+  }
+}
+
+// A block's scale vector as widen_row takes it.
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX512 inline __m512 widen_scale(const uint8_t* block, int v) {
+  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + v * kLanes);
+  return kCode == QuantCode::kFp8 ? _mm512_mul_ps(scale, _mm512_set1_ps(256.0f)) : scale;
+}
+
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) {
   const uint8_t* ints = block + kQuantParamBytes;
   for (int v = 0; v < kPanelWidth / kLanes; ++v) {
-    const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + v * kLanes);
+    const __m512 scale = widen_scale<kCode>(block, v);
     const __m512 offset =
         _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kPanelWidth + v * kLanes);
     float* dst = out + v * kLanes;
     const uint8_t* src = ints + v * kLanes;
-    if (bits == 8) {
+    if constexpr (kCode != QuantCode::kNibble) {
       for (int64_t i = 0; i < kQuantBlock; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * kPanelWidth));
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
-        _mm512_storeu_ps(dst + i * kPanelWidth, _mm512_fmadd_ps(w, scale, offset));
+        _mm512_storeu_ps(dst + i * kPanelWidth, widen_row<kCode>(src + i * kPanelWidth, scale, offset));
       }
     } else {
       const __m512i low_bits = _mm512_set1_epi32(15);
@@ -178,14 +226,13 @@ PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, int bits, fl
 #pragma GCC diagnostic pop
 #endif
 
-void widen_block_generic(const uint8_t* block, int bits, float* out) {
+void widen_block_generic(const uint8_t* block, QuantCode code, float* out) {
   const auto* scale = reinterpret_cast<const float*>(block);
   const float* offset = scale + kPanelWidth;
   const uint8_t* ints = block + kQuantParamBytes;
   for (int64_t i = 0; i < kQuantBlock; ++i) {
     for (int64_t j = 0; j < kPanelWidth; ++j) {
-      const int q = detail::quantized_value(ints, i, j, bits);
-      out[i * kPanelWidth + j] = static_cast<float>(q) * scale[j] + offset[j];
+      out[i * kPanelWidth + j] = detail::quantized_value(ints, i, j, code) * scale[j] + offset[j];
     }
   }
 }
@@ -218,11 +265,11 @@ PYENGINE_WIDEN_AVX512 inline void add_products(__m512 (&acc)[kRows][3], __m512 (
   }
 }
 
-template <int kRows, int kBits>
+template <int kRows, QuantCode kCode>
 PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, const uint8_t* panel,
                                                 int64_t k, float* c) {
   static_assert(kPanelWidth == 3 * kLanes);
-  const int64_t block_bytes = quantized_block_bytes(kBits);
+  const int64_t block_bytes = quantized_block_bytes(kCode);
   __m512 acc[kRows][3], odd[3];
   for (int v = 0; v < 3; ++v) {
     odd[v] = _mm512_setzero_ps();
@@ -234,18 +281,16 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
     prefetch_ahead(block, block_bytes);
     __m512 scale[3], offset[3];
     for (int v = 0; v < 3; ++v) {
-      scale[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + v * kLanes);
+      scale[v] = widen_scale<kCode>(block, v);
       offset[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kPanelWidth + v * kLanes);
     }
     const uint8_t* ints = block + kQuantParamBytes;
     const float* x = a + b * kQuantBlock;
-    if constexpr (kBits == 8) {
+    if constexpr (kCode != QuantCode::kNibble) {
       for (int i = 0; i < kQuantBlock; ++i) {
         __m512 w[3];
         for (int v = 0; v < 3; ++v) {
-          const __m128i q =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + i * kPanelWidth + v * kLanes));
-          w[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale[v], offset[v]);
+          w[v] = widen_row<kCode>(ints + i * kPanelWidth + v * kLanes, scale[v], offset[v]);
         }
         add_products<kRows>(acc, odd, x + i, lda, i % 2 == 1, w);
       }
@@ -275,15 +320,15 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
 }
 #pragma GCC diagnostic pop
 
-template <int kBits>
+template <QuantCode kCode>
 void multiply_rows_avx512(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
                           float* c) {
   static_assert(detail::kRegisterRows == 4);
   switch (rows) {
-    case 1: return multiply_rows_avx512<1, kBits>(a, lda, panel, k, c);
-    case 2: return multiply_rows_avx512<2, kBits>(a, lda, panel, k, c);
-    case 3: return multiply_rows_avx512<3, kBits>(a, lda, panel, k, c);
-    default: return multiply_rows_avx512<4, kBits>(a, lda, panel, k, c);
+    case 1: return multiply_rows_avx512<1, kCode>(a, lda, panel, k, c);
+    case 2: return multiply_rows_avx512<2, kCode>(a, lda, panel, k, c);
+    case 3: return multiply_rows_avx512<3, kCode>(a, lda, panel, k, c);
+    default: return multiply_rows_avx512<4, kCode>(a, lda, panel, k, c);
   }
 }
 #endif
@@ -325,27 +370,37 @@ bool quantized_avx512() {
   return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
 }
 
-void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst) {
+void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float* dst) {
+  const int64_t block_bytes = quantized_block_bytes(code);
+  const auto widen_all = [&](auto&& widen_block) {
+    for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+      const uint8_t* block = src + b * block_bytes;
+      prefetch_ahead(block, block_bytes);
+      widen_block(block, dst + b * kQuantBlock * kPanelWidth);
+    }
+  };
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  const auto widen_block = quantized_avx512() ? widen_block_avx512 : widen_block_generic;
-#else
-  const auto widen_block = widen_block_generic;
-#endif
-  const int64_t block_bytes = quantized_block_bytes(bits);
-  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
-    const uint8_t* block = src + b * block_bytes;
-    prefetch_ahead(block, block_bytes);
-    widen_block(block, bits, dst + b * kQuantBlock * kPanelWidth);
+  if (quantized_avx512()) {
+    switch (code) {
+      case QuantCode::kNibble: return widen_all(widen_block_avx512<QuantCode::kNibble>);
+      case QuantCode::kFp8: return widen_all(widen_block_avx512<QuantCode::kFp8>);
+      default: return widen_all(widen_block_avx512<QuantCode::kInt8>);
+    }
   }
+#endif
+  widen_all([code](const uint8_t* block, float* out) { widen_block_generic(block, code, out); });
 }
 
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
-                             int64_t k, int bits, float* c) {
+                             int64_t k, QuantCode code, float* c) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (bits == 8) return multiply_rows_avx512<8>(a, lda, rows, panel, k, c);
-  return multiply_rows_avx512<4>(a, lda, rows, panel, k, c);
+  switch (code) {
+    case QuantCode::kNibble: return multiply_rows_avx512<QuantCode::kNibble>(a, lda, rows, panel, k, c);
+    case QuantCode::kFp8: return multiply_rows_avx512<QuantCode::kFp8>(a, lda, rows, panel, k, c);
+    default: return multiply_rows_avx512<QuantCode::kInt8>(a, lda, rows, panel, k, c);
+  }
 #else
-  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)bits, (void)c;
+  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)code, (void)c;
   throw InvalidArgument("multiply_quantized_rows: built without AVX-512");
 #endif
 }

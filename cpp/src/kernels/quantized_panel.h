@@ -7,6 +7,7 @@
 //     8-bit: one int8 a weight, row after row;
 //     4-bit: rows in pairs, one byte a column: row 2i in the low nibble, 2i + 1 in the
 //            high one (unsigned, 0..15),
+//     fp8:   one e4m3 byte a weight, row after row (as 8-bit),
 // so that widening one row of 16 columns is a 16-byte load, a widening conversion and a
 // multiply-add.
 #pragma once
@@ -14,6 +15,7 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "float_convert.h"
 #include "pyengine/dense.h"
 #include "pyengine/tensor_view.h"
 
@@ -38,26 +40,41 @@ void for_each_packed_panel(int64_t n, bool gate_up, F&& f) {
   }
 }
 
-// Bits a weight of a quantized panel buffer of this dtype: uint8 4, int8 8, else 0 (not
-// quantized: float32 panels).
-constexpr int quantized_bits(DType packed) {
-  return packed == DType::kUInt8 ? 4 : packed == DType::kInt8 ? 8 : 0;
+// How a quantized panel codes its weights, from its buffer's dtype: uint8 4-bit nibbles,
+// int8 integers, float8_e4m3fn fp8 values (an FP8 checkpoint's; its offsets are zero);
+// kNone: not quantized (float32 panels).
+enum class QuantCode : uint8_t { kNone, kNibble, kInt8, kFp8 };
+
+constexpr QuantCode quant_code(DType packed) {
+  switch (packed) {
+    case DType::kUInt8: return QuantCode::kNibble;
+    case DType::kInt8: return QuantCode::kInt8;
+    case DType::kFloat8E4M3: return QuantCode::kFp8;
+    default: return QuantCode::kNone;
+  }
 }
 
-// Bytes of one block of one panel (4 or 8 bits a weight).
-constexpr int64_t quantized_block_bytes(int bits) {
-  return kQuantParamBytes + kQuantBlock * kPanelWidth * bits / 8;
+// Bits a weight of a quantized panel: 4 or 8.
+constexpr int quantized_bits(QuantCode code) { return code == QuantCode::kNibble ? 4 : 8; }
+
+// Bytes of one block of one panel.
+constexpr int64_t quantized_block_bytes(QuantCode code) {
+  return kQuantParamBytes + kQuantBlock * kPanelWidth * quantized_bits(code) / 8;
 }
 
-// q of row i (within the block), column j, of a block's integers at `ints`.
-inline int quantized_value(const uint8_t* ints, int64_t i, int64_t j, int bits) {
-  return bits == 8 ? static_cast<int8_t>(ints[i * kPanelWidth + j])
-                   : ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15;
+// q of row i (within the block), column j, of a block's weights at `ints`, as float
+// (exactly: a small integer, or an fp8 value).
+inline float quantized_value(const uint8_t* ints, int64_t i, int64_t j, QuantCode code) {
+  switch (code) {
+    case QuantCode::kInt8: return static_cast<int8_t>(ints[i * kPanelWidth + j]);
+    case QuantCode::kFp8: return fp8_e4m3_to_float(ints[i * kPanelWidth + j]);
+    default: return static_cast<float>(ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15);
+  }
 }
 
 // The float32 panel [k, kPanelWidth] of the quantized panel at src: q * scale + offset,
-// rounded once (q * scale is exact).
-void widen_quantized_panel(const uint8_t* src, int64_t k, int bits, float* dst);
+// rounded once (q * scale is exact, or the offset zero).
+void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float* dst);
 
 // Rows a decode step multiplies with the weights widened in registers, not through a
 // widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
@@ -72,6 +89,6 @@ bool quantized_avx512();
 // widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
-                             int64_t k, int bits, float* c);
+                             int64_t k, QuantCode code, float* c);
 
 }  // namespace pyengine::detail

@@ -1,0 +1,141 @@
+"""compressed-tensors' FP8 checkpoints: e4m3 weights (`weight` float8_e4m3fn [out, in])
+with a float scale per output channel or per tensor (`weight_scale` [out, 1] or [1]),
+w = e4m3 * scale; activations quantized to e4m3 too, per token as each step runs
+(dynamic: sx = max|x| / 448) or by the checkpoint's `input_scale` (static, per tensor),
+x ~ e4m3(x / sx) * sx; or, with no input_activations, left float.
+
+On the CPU in float32 the weight is held only as pyengine's quantized panels with fp8
+codes (one byte a weight and a float32 scale per block of 32: ops.dense widens them in
+registers, w = e4m3 * scale rounded once, as torch dequantizes them), and the
+activations go through ops.quantize_fp8_rows before each product. Elsewhere the same
+arithmetic runs in torch over the e4m3 weight (a reference, not a fast path: CUDA's
+FP8 GEMM is still to come).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pyengine import _C, ops
+from pyengine.config import QuantizationConfig
+from pyengine.layers.block_quantized import BLOCK
+from pyengine.layers.linear_method import LinearMethod, packed_for
+from pyengine.layers.placement import Placement
+from pyengine.layers.weight_only_int import part_rows
+from pyengine.utils import host_memory
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from pyengine.layers.linear import LinearBase
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """e4m3(x / sx) * sx in float32 (sx max|row| / 448, or static_scale): as
+    ops.quantize_fp8_rows rounds."""
+    x = x.float()
+    if static_scale is not None:
+        scale = static_scale.reshape(1, 1).float()
+    else:
+        scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    safe = torch.where(scale == 0, torch.ones_like(scale), scale)
+    quantized = (x / safe).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
+    return torch.where(scale == 0, torch.zeros_like(x), quantized)
+
+
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """weight e4m3 [out, in] with scale [out] as fp8 panels for ops.dense (gate_up: [gate;
+    up] for dense_silu_and_mul)."""
+    out_features, in_features = weight.shape
+    n = out_features // 2 if gate_up else out_features
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8)
+    packed = host_memory.empty(size, FP8)
+    scale_t = scale.float().reshape(1, -1).expand(in_features // BLOCK, -1).contiguous()
+    _C.pack_quantized_weight(
+        packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up
+    )
+    return packed
+
+
+class Fp8Method(LinearMethod):
+    def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
+        self.placement = placement
+        self.quantizes_activations = quantization.activation_bits == 8
+        static = quantization.static_activations
+        self.weight_kinds = ("weight", "weight_scale", *(("input_scale",) if static else ()))
+
+    def create_weights(self, layer: LinearBase) -> None:
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        layer.weight = torch.nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
+        layer.register_buffer("weight_scale", torch.zeros(shape[0]))
+        layer.input_scale = None
+
+    def load_quantized(
+        self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
+    ) -> None:
+        """`weight_scale` of stacked part `part` ([out, 1], [out], or one for the tensor:
+        [1] or []; this rank's rows), or its `input_scale` (one; the parts of a fused
+        layer share their input, so the largest scale serves them all, as vLLM takes it)."""
+        from pyengine.layers.linear import check_shape
+
+        full_out, start, length, local = part_rows(layer, part)
+        scale = materialize(loaded).float().reshape(-1)
+        if not torch.isfinite(scale).all() or bool((scale <= 0).any()):
+            raise ValueError(f"weight {name}: scales must be finite and positive")
+        if kind == "input_scale":
+            if scale.numel() != 1:
+                raise ValueError(
+                    f"weight {name}: a static input_scale is one value, got {tuple(loaded.shape)}"
+                )
+            current = layer.input_scale
+            layer.input_scale = scale if current is None else torch.maximum(current, scale)
+            return
+        if scale.numel() == 1:
+            scale = scale.expand(full_out)
+        elif tuple(loaded.shape) != (full_out,):
+            check_shape(name, loaded, (full_out, 1))
+        layer.weight_scale[local : local + length] = scale[start : start + length]
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        if bool(torch.isnan(layer.weight.data.float()).any()):
+            raise ValueError(f"an FP8 weight {tuple(layer.weight.shape)} holds NaN")
+        packs = self.placement.packs_weights and layer.input_size_per_partition % BLOCK == 0
+        if not packs:
+            layer.weight.data = layer.weight.data.to(self.placement.device)
+            layer.weight_scale = layer.weight_scale.to(self.placement.device)
+            return
+        layer.packed_blocks = pack_fp8(layer.weight.data, layer.weight_scale, layer.gate_up)
+        del layer.weight  # the fp8 panels are the weight now
+
+    def _activations(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if not self.quantizes_activations:
+            return x
+        if x.is_cpu and x.dtype == torch.float32:
+            out = torch.empty_like(x)
+            ops.quantize_fp8_rows(out, x, layer.input_scale)
+            return out
+        return quantize_fp8(x, layer.input_scale).to(x.dtype)
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.packed_blocks is not None and x.dtype == torch.float32:
+            if layer.gate_up:
+                raise ValueError("paired [gate; up] fp8 panels multiply only with silu_and_mul")
+            out = torch.empty(x.shape[0], layer.output_size_per_partition)
+            x = self._activations(layer, x)
+            ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1])
+            return out
+        weight = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]
+        return F.linear(self._activations(layer, x), weight, bias)
+
+    def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+        if layer.packed_blocks is None or x.dtype != torch.float32:
+            return super().apply_silu_and_mul(layer, x)
+        n = layer.output_size_per_partition // 2
+        out = torch.empty(x.shape[0], n)
+        ops.dense_silu_and_mul(out, self._activations(layer, x), layer.packed_blocks, n)
+        return out
