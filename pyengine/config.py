@@ -188,12 +188,16 @@ def default_kv_cache_memory() -> int:
 
 # A cache dtype's torch storage: fp8 e4m3's bytes go as uint8 (the kernels' kFp8Cache).
 CACHE_STORAGE = {"fp8_e4m3": "uint8"}
+# Bytes an int8 cache's head dims are longer by: each token's float32 scale per kv head
+# (cpp/src/kernels/float_convert.h, kInt8ScaleBytes).
+INT8_SCALE_BYTES = 4
 
 
 def kv_cache_dtype_supported(kv_cache_dtype: str, dtype: str, device: str) -> bool:
-    """A KV cache in the model's dtype anywhere; a 16-bit or fp8 (e4m3) one under float32
-    weights on the CPU, whose kernels read it as float32."""
-    narrower = ("bfloat16", "float16", "fp8_e4m3")
+    """A KV cache in the model's dtype anywhere; a 16-bit, fp8 (e4m3) or int8 (a scale per
+    token and head) one under float32 weights on the CPU, whose kernels read it as
+    float32."""
+    narrower = ("bfloat16", "float16", "fp8_e4m3", "int8")
     return kv_cache_dtype == dtype or (
         device == "cpu" and dtype == "float32" and kv_cache_dtype in narrower
     )
@@ -271,7 +275,7 @@ class EngineConfig:
     seed: int
     device: str  # "cpu" or "cuda[:N]"
     dtype: str  # of the weights and activations
-    kv_cache_dtype: str | None  # None: dtype; else float16/bfloat16/fp8_e4m3 under float32 (CPU)
+    kv_cache_dtype: str | None  # None: dtype; else 16-bit, fp8_e4m3 or int8 under float32 (CPU)
     gpu_memory_utilization: float  # on CUDA: the share of the device's memory to use
     enforce_eager: bool  # on CUDA: no CUDA graphs for decode steps
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for

@@ -141,9 +141,11 @@ def resolve_device(device: str) -> str:
 
 _DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                 "float16": "float16", "half": "float16"}  # fmt: skip
-# kv_cache_dtype's names: the dtypes', and vLLM's of an fp8 cache (e4m3, a per-tensor
-# scale of 1)
-_KV_CACHE_DTYPE_NAMES = {**_DTYPE_NAMES, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3"}
+# kv_cache_dtype's names: the dtypes', vLLM's of an fp8 cache (e4m3, a per-tensor scale
+# of 1), and int8 (a scale per token and kv head)
+_KV_CACHE_DTYPE_NAMES = {
+    **_DTYPE_NAMES, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"
+}  # fmt: skip
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
@@ -164,7 +166,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
     if kv_cache_dtype not in _KV_CACHE_DTYPE_NAMES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16', "
-            "'float16' or 'fp8' (e4m3)"
+            "'float16', 'fp8' (e4m3) or 'int8'"
         )
     resolved = _KV_CACHE_DTYPE_NAMES[kv_cache_dtype]
     if not kv_cache_dtype_supported(resolved, dtype, device):

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pyengine import _C, ops
-from pyengine.config import CACHE_STORAGE, EngineConfig
+from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, EngineConfig
 from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
@@ -102,9 +102,13 @@ class ModelRunner:
         _, self.num_kv_heads = self.tp.kv_head_shard(c.num_kv_heads)
         start, end = self.pp.layer_range(c.num_layers)
         self.num_layers = end - start
-        tile = self.num_kv_heads * c.head_size * config.block_size  # per layer and block
-        self.block_numel = 2 * self.num_layers * tile  # K and V of every layer
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
+        # An int8 cache's head dims hold each token's scale too.
+        self.cache_head_size = c.head_size + (
+            INT8_SCALE_BYTES if self.cache_dtype == torch.int8 else 0
+        )
+        tile = self.num_kv_heads * self.cache_head_size * config.block_size  # a layer's, a block
+        self.block_numel = 2 * self.num_layers * tile  # K and V of every layer
         self.block_bytes = self.block_numel * int(self.cache_dtype.itemsize)
         min_blocks = -(-config.max_model_len // config.block_size)
         on_cpu = self.placement.device.type == "cpu"
@@ -195,17 +199,18 @@ class ModelRunner:
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads,
-        head, block] (transposed), values [blocks, kv_heads, block, head]."""
-        c = self.model.config
+        head, block] (transposed), values [blocks, kv_heads, block, head] (an int8 cache's
+        head dims longer by the scales)."""
         pool = allocate_kv_pool(
             num_blocks * self.block_numel, self.cache_dtype, self.placement.device
         )
         halves = pool.view(self.num_layers, 2, -1)
         shape = (num_blocks, self.num_kv_heads)
+        head = self.cache_head_size
         return [
             (
-                halves[i, 0].view(*shape, c.head_size, self.block_size),
-                halves[i, 1].view(*shape, self.block_size, c.head_size),
+                halves[i, 0].view(*shape, head, self.block_size),
+                halves[i, 1].view(*shape, self.block_size, head),
             )
             for i in range(self.num_layers)
         ]

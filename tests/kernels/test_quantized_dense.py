@@ -158,7 +158,7 @@ def test_quantized_packing_errors() -> None:
         _C.packed_quantized_weight_size(64, 50, 5)
     with pytest.raises(ValueError, match="k must be a multiple of 32"):
         _C.packed_quantized_weight_size(40, 50, 4)
-    with pytest.raises(ValueError, match="must be uint8 .4-bit weights. or int8"):
+    with pytest.raises(ValueError, match="must be uint8 .4-bit weights., int8 .8-bit. or float8"):
         _C.pack_quantized_weight(torch.empty(packed.numel()), q, scale, offset)
     with pytest.raises(ValueError, match="q_t must be int8"):
         _C.pack_quantized_weight(packed.view(torch.int8), q, scale, offset)

@@ -29,7 +29,9 @@ void pack_weight(const TensorView& packed, const TensorView& w_t);
 // result rounds once. Packed, a panel takes 0.75 (4-bit) or
 // 1.25 (8-bit) bytes a weight instead of 4, so a decode step streams a fifth of the
 // bytes; each panel is widened to float32 in the thread's cache before the tiles use it,
-// so the product is exactly the float32 one over the widened weight.
+// so the product is exactly the float32 one over the widened weight. FP8 checkpoints'
+// weights take the same form with e4m3 codes (a float8_e4m3fn buffer): any scale, no
+// offset, w = e4m3 * scale rounded once, as torch dequantizes them.
 inline constexpr int64_t kQuantBlock = 32;
 
 // Which builds the quantized kernels run, for tests and benchmarks: the widest this CPU
@@ -44,10 +46,11 @@ CpuIsa quantized_dense_isa();
 // kQuantBlock).
 int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits);
 
-// Packs q_t [k, n] (uint8 0..15 for 4 bits, int8 for 8), scale_t and offset_t (float32
-// [k / kQuantBlock, n]; the scales of few significant bits, as above) into `packed`: uint8 (4-bit) or
-// int8 (8-bit) [size], size packed_quantized_weight_size(k, n, bits), or twice that of n / 2 with
-// gate_up (q_t [k, 2 * n]: gate columns, then up, paired as pack_gate_up_weight pairs them).
+// Packs q_t [k, n] (uint8 0..15 for 4 bits; int8, or float8_e4m3fn without NaN, for 8),
+// scale_t and offset_t (float32 [k / kQuantBlock, n]; the scales of few significant bits,
+// as above; fp8: any scale, offsets zero) into `packed` of q_t's dtype [size], size
+// packed_quantized_weight_size(k, n, bits), or twice that of n / 2 with gate_up (q_t
+// [k, 2 * n]: gate columns, then up, paired as pack_gate_up_weight pairs them).
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up);
 
@@ -66,7 +69,7 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
 
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
-// uint8/int8 (pack_quantized_weight) or bfloat16 (pack_split_weight, where
+// uint8/int8/float8_e4m3fn (pack_quantized_weight) or bfloat16 (pack_split_weight, where
 // split_gemm_supported()).
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
            const TensorView& bias, int64_t n);

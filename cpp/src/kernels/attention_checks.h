@@ -3,6 +3,7 @@
 
 #include <string>
 
+#include "float_convert.h"
 #include "pyengine/errors.h"
 #include "pyengine/tensor_view.h"
 
@@ -111,21 +112,22 @@ inline void check_vector(const TensorView& t, const char* op, const char* name, 
 
 inline bool is_cache_dtype(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
-         d == DType::kUInt8;
+         d == kFp8Cache || d == kInt8Cache;
 }
 
 // The dtype that tensors going with `cache` (query and out, or new K/V) must have: the
 // cache's own, or, on the CPU, float32 over a float16/bfloat16 cache (kv_cache_dtype)
-// where `input` is float32; always float32 over an fp8 cache.
+// where `input` is float32; always float32 over an fp8 or int8 cache.
 inline DType input_dtype_for(const TensorView& input, const TensorView& cache) {
-  if (cache.dtype == DType::kUInt8) return DType::kFloat32;
+  if (cache.dtype == kFp8Cache || cache.dtype == kInt8Cache) return DType::kFloat32;
   const bool widened = cache.device.kind == DeviceKind::kCPU && input.dtype == DType::kFloat32 &&
                        cache.dtype != DType::kFloat32;
   return widened ? DType::kFloat32 : cache.dtype;
 }
 
 // The shape of a KV cache pair, from value_cache [num_blocks, num_kv_heads, block_size,
-// head_size]; key_cache must be [num_blocks, num_kv_heads, head_size, block_size].
+// head_size]; key_cache must be [num_blocks, num_kv_heads, head_size, block_size]. (An
+// int8 pair's head dims are kInt8ScaleBytes longer: head_size is the values'.)
 struct CacheShape {
   int64_t num_blocks, num_kv_heads, block_size, head_size;
 };
@@ -143,16 +145,22 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
     check_shape(*c, op, name, 4);
     if (!c->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
     if (!is_cache_dtype(c->dtype)) {
-      throw InvalidArgument(arg(op, name) + " must be float32, float16, bfloat16 or uint8 (fp8 " +
-                            "e4m3 bytes, CPU), got " + c->describe());
+      throw InvalidArgument(arg(op, name) + " must be float32, float16, bfloat16, uint8 (fp8 " +
+                            "e4m3 bytes, CPU) or int8 (with scales, CPU), got " + c->describe());
     }
-    if (c->dtype == DType::kUInt8 && c->device.kind != DeviceKind::kCPU) {
-      throw InvalidArgument(arg(op, name) + ": fp8 caches run on the CPU only, got " +
+    if ((c->dtype == kFp8Cache || c->dtype == kInt8Cache) && c->device.kind != DeviceKind::kCPU) {
+      throw InvalidArgument(arg(op, name) + ": fp8 and int8 caches run on the CPU only, got " +
                             c->describe());
     }
   }
+  const int64_t pad = value_cache.dtype == kInt8Cache ? kInt8ScaleBytes : 0;
   const CacheShape shape{value_cache.shape[0], value_cache.shape[1], value_cache.shape[2],
-                         value_cache.shape[3]};
+                         value_cache.shape[3] - pad};
+  if (shape.head_size <= 0) {
+    throw InvalidArgument(arg(op, "value_cache") + ": an int8 cache's rows hold head_size " +
+                          "values and a float32 scale, [..., block_size, head_size + 4], got " +
+                          value_cache.describe());
+  }
   if (shape.block_size <= 0 || (shape.block_size & (shape.block_size - 1)) != 0) {
     throw InvalidArgument(arg(op, "value_cache") +
                           ": block_size (dim 2) must be a power of two, got " +
@@ -165,7 +173,7 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
   }
   const auto& k = key_cache.shape;
   if (key_cache.dtype != value_cache.dtype || k[0] != shape.num_blocks ||
-      k[1] != shape.num_kv_heads || k[2] != shape.head_size || k[3] != shape.block_size) {
+      k[1] != shape.num_kv_heads || k[2] != shape.head_size + pad || k[3] != shape.block_size) {
     throw InvalidArgument(std::string(op) + ": key_cache " + key_cache.describe() +
                           " must be value_cache " + value_cache.describe() +
                           " with its last two dims swapped ([num_blocks, num_kv_heads, "

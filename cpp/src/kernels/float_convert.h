@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -66,6 +67,27 @@ inline uint16_t float_to_fp16(float f) {
 // A KV cache of fp8 e4m3 (OCP's E4M3FN: 1 sign, 4 exponent bits of bias 7, 3 mantissa
 // bits; no infinities, 0x7F/0xFF NaN) is stored as uint8: kFp8Cache is its dtype here.
 inline constexpr DType kFp8Cache = DType::kUInt8;
+
+// An int8 KV cache (CPU) keeps a float32 scale per token and kv head beside its values:
+// each token's head_size values are round(x / s) with s = max|x| / 127. Its caches'
+// head dims are kInt8ScaleBytes longer: keys [blocks, heads, head_size + 4, block_size],
+// the last 4 rows of a tile the block's block_size scales (float32, in token order);
+// values [blocks, heads, block_size, head_size + 4], each token's row ending in its scale.
+inline constexpr DType kInt8Cache = DType::kInt8;
+inline constexpr int64_t kInt8ScaleBytes = 4;
+
+// The scale of an int8 cache row: max|x| / 127 (0 for a row of zeros).
+inline float int8_row_scale(const float* x, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return amax / 127.0f;
+}
+
+// x / scale rounded to nearest (ties to even) as int8; 0 where scale is 0.
+inline int8_t int8_quantize(float x, float scale) {
+  if (scale == 0.0f) return 0;
+  return static_cast<int8_t>(std::clamp(std::nearbyint(x / scale), -127.0f, 127.0f));
+}
 
 // e4m3's bits, moved into a float16's (exponent bias 15: the value / 256), exactly: a
 // subnormal e4m3 lands on a float16 subnormal of the same mantissa.

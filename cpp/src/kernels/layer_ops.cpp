@@ -35,7 +35,7 @@ struct Rows {
 };
 
 void check_float_dtype(const TensorView& t, const char* op, const char* name) {
-  if (!detail::is_cache_dtype(t.dtype)) {
+  if (t.dtype != DType::kFloat32 && t.dtype != DType::kFloat16 && t.dtype != DType::kBFloat16) {
     throw InvalidArgument(arg(op, name) + " must be float32, float16 or bfloat16, got " +
                           t.describe());
   }

@@ -172,6 +172,7 @@ namespace {
 // GCC 12 takes the intrinsics' undefined pass-through vectors for uninitialized reads.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // The 16 weights of one row at src, times scale, plus offset: rounded once. An fp8 byte
 // becomes the float16 of its value / 256 (fp8_e4m3_to_half_bits), so its scale comes
@@ -247,6 +248,7 @@ inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 // acc (+)= x * w for kRows rows, x[r] at a[r * lda]; one row alternates two chains.
 template <int kRows>

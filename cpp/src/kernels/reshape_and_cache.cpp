@@ -75,7 +75,9 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
       detail::store<DType::kFloat16>(out, index, x);
     }
   };
-  const int64_t head_stride = block_size * head_size;  // elements, within a block
+  const bool int8_cache = cache_dtype == detail::kInt8Cache;
+  const int64_t pad = int8_cache ? detail::kInt8ScaleBytes : 0;  // (float_convert.h)
+  const int64_t head_stride = block_size * (head_size + pad);  // elements, within a block
   const int64_t block_stride = num_kv_heads * head_stride;
   auto* key_out = static_cast<char*>(key_cache.data);
   auto* value_out = static_cast<char*>(value_cache.data);
@@ -117,6 +119,26 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     const int64_t offset = slot % block_size;
     for (int64_t h = 0; h < num_kv_heads; ++h) {
       const int64_t tile = block * block_stride + h * head_stride;  // elements
+      if (int8_cache) {
+        for (int64_t j = 0; j < length; ++j) {
+          const auto* k_row = reinterpret_cast<const float*>(key_in) +
+                              (first + j) * key.strides[0] + h * key.strides[1];
+          const auto* v_row = reinterpret_cast<const float*>(value_in) +
+                              (first + j) * value.strides[0] + h * value.strides[1];
+          const int64_t column = offset + j;
+          const float k_scale = detail::int8_row_scale(k_row, head_size);
+          const float v_scale = detail::int8_row_scale(v_row, head_size);
+          auto* k_tile = reinterpret_cast<int8_t*>(key_out) + tile;
+          auto* v_out = reinterpret_cast<int8_t*>(value_out) + tile + column * (head_size + pad);
+          for (int64_t i = 0; i < head_size; ++i) {
+            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_scale);
+            v_out[i] = detail::int8_quantize(v_row[i], v_scale);
+          }
+          std::memcpy(k_tile + head_size * block_size + column * pad, &k_scale, sizeof k_scale);
+          std::memcpy(v_out + head_size, &v_scale, sizeof v_scale);
+        }
+        continue;
+      }
       if (converts) {
         for (int64_t j = 0; j < length; ++j) {
           const int64_t k_row = (first + j) * key.strides[0] + h * key.strides[1];

@@ -1,0 +1,121 @@
+"""int8 KV caches with a scale per token and kv head, on the CPU: reshape_and_cache
+writes q = round(x / s), s = max|x| / 127, and s beside each token's values (the head
+dims 4 bytes longer); paged_attention over them matches attention over the dequantized
+values q * s in float64, in every build of the kernel and for a decode's few rows as for
+a prefill's many; the engine runs with kv_cache_dtype="int8" close to the float32 cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers.tiny_models import make_checkpoint
+
+from pyengine import _C, LLM, SamplingParams, ops
+from pyengine.config import INT8_SCALE_BYTES
+
+ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
+KV_HEADS, HEADS, HEAD_SIZE, BLOCK, BLOCKS = 2, 8, 64, 16, 48
+PADDED = HEAD_SIZE + INT8_SCALE_BYTES
+
+
+def int8_caches(block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    key = torch.zeros(BLOCKS, KV_HEADS, PADDED, block, dtype=torch.int8)
+    value = torch.zeros(BLOCKS, KV_HEADS, block, PADDED, dtype=torch.int8)
+    return key, value
+
+
+def dequantized(x: torch.Tensor) -> torch.Tensor:
+    """The reference: each [token, head] row as round(x / s) * s in float64."""
+    scale = x.abs().amax(dim=-1, keepdim=True) / 127
+    q = torch.where(scale == 0, 0.0, torch.round(x / torch.where(scale == 0, 1.0, scale)))
+    return q.clamp(-127, 127).double() * scale.double()
+
+
+def test_reshape_and_cache_writes_each_rows_int8_and_scale() -> None:
+    tokens = 37
+    key = torch.randn(tokens, KV_HEADS, HEAD_SIZE) * torch.logspace(-4, 3, HEAD_SIZE)
+    value = torch.randn(tokens, KV_HEADS, HEAD_SIZE) * 2
+    value[3, 1] = 0.0  # a zero row: scale 0, values 0
+    slots = torch.randperm(BLOCKS * BLOCK)[:tokens]
+    k8, v8 = int8_caches()
+    ops.reshape_and_cache(key, value, k8, v8, slots)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    key_q = k8[blocks, :, :HEAD_SIZE, offsets].float()  # [tokens, heads, d]
+    # a key tile's last 4 rows: its tokens' float32 scales, in order
+    key_scale = k8[:, :, HEAD_SIZE:, :].reshape(BLOCKS, KV_HEADS, -1).view(torch.float32)
+    value_q = v8[blocks, :, offsets, :HEAD_SIZE].float()
+    value_scale = v8[:, :, :, HEAD_SIZE:].contiguous().view(torch.float32)
+    for q, scales, x in (
+        (key_q, key_scale[blocks, :, offsets], key),
+        (value_q, value_scale[blocks, :, offsets, 0], value),
+    ):
+        want_scale = x.abs().amax(dim=-1) / 127
+        assert torch.equal(scales, want_scale)
+        safe = torch.where(want_scale == 0, 1.0, want_scale)[..., None]
+        assert torch.equal(q, torch.round(x / safe).clamp(-127, 127))
+    assert (value_q[3, 1] == 0).all()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize(
+    ("context", "queries", "block"), [(1, 1, 16), (100, 1, 16), (333, 1, 16), (77, 77, 16),
+                                      (200, 30, 16), (90, 1, 8), (150, 40, 32)]
+)  # fmt: skip
+def test_attention_over_int8_is_attention_over_its_dequantized_values(
+    isa: str, context: int, queries: int, block: int
+) -> None:
+    key = torch.randn(context, KV_HEADS, HEAD_SIZE) * torch.rand(context, KV_HEADS, 1) * 3
+    value = torch.randn(context, KV_HEADS, HEAD_SIZE)
+    table = torch.randperm(BLOCKS)[: -(-context // block)].to(torch.int32)
+    slots = table.long()[torch.arange(context) // block] * block + torch.arange(context) % block
+    k8, v8 = int8_caches(block)
+    ops.reshape_and_cache(key, value, k8, v8, slots)
+    query = torch.randn(queries, HEADS, HEAD_SIZE)
+    args = (table[None], torch.tensor([context], dtype=torch.int32),
+            torch.tensor([0, queries], dtype=torch.int32), HEAD_SIZE**-0.5)  # fmt: skip
+    _C.set_attention_isa(isa)
+    try:
+        out = torch.empty_like(query)
+        ops.paged_attention(out, query, k8, v8, *args)
+    finally:
+        _C.set_attention_isa("auto")
+    k, v = (dequantized(w).repeat_interleave(HEADS // KV_HEADS, dim=1) for w in (key, value))
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * HEAD_SIZE**-0.5
+    visible = torch.arange(context)[None, :] <= (context - queries + torch.arange(queries))[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    torch.testing.assert_close(out.double(), torch.einsum("hqk,khd->qhd", weights, v),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
+def test_int8_caches_are_checked() -> None:
+    k8, v8 = int8_caches()
+    query = torch.randn(1, HEADS, HEAD_SIZE)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 0.125)  # fmt: skip
+    with pytest.raises(ValueError, match="query must be float32"):
+        ops.paged_attention(query.half(), query.half(), k8, v8, *args)
+    with pytest.raises(ValueError, match="key must be float32"):
+        ops.reshape_and_cache(query.half(), query.half(), k8, v8, torch.zeros(1, dtype=torch.long))
+    unpadded = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK, dtype=torch.int8)
+    with pytest.raises(ValueError, match="key_cache .* must be value_cache"):
+        ops.paged_attention(query, query, unpadded, v8, *args)
+
+
+def test_the_engine_runs_an_int8_cache_where_weights_are_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    make_checkpoint("llama", tmp_path)
+    prompts = [{"prompt_token_ids": list(range(10, 70))}, {"prompt_token_ids": [3, 4, 5]}]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    runs = {}
+    for kv in ("auto", "int8"):
+        llm = LLM(str(tmp_path), kv_cache_dtype=kv, max_model_len=128, kv_cache_memory=2**22)
+        runs[kv] = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.engine.executor.driver_worker.model_runner
+        assert runner.cache_dtype == (torch.int8 if kv == "int8" else torch.float32)
+        key_cache, value_cache = runner.caches[0]
+        head = runner.model.config.head_size + (INT8_SCALE_BYTES if kv == "int8" else 0)
+        assert key_cache.shape[2] == value_cache.shape[3] == head
+        llm.engine.shutdown()
+    for int8, full in zip(runs["int8"], runs["auto"], strict=True):
+        first = int8.outputs[0].logprobs[0]
+        for token, entry in full.outputs[0].logprobs[0].items():
+            assert abs(first[token].logprob - entry.logprob) < 0.05
