@@ -87,6 +87,7 @@ def main() -> None:
         ("Q4_1, bfloat16 KV cache", source, {"kv_cache_dtype": "bfloat16"}),
         ("Q4_1, float16 KV cache", source, {"kv_cache_dtype": "float16"}),
         ("Q4_1, fp8 e4m3 KV cache", source, {"kv_cache_dtype": "fp8"}),
+        ("Q4_1, int8 KV cache (per token and head)", source, {"kv_cache_dtype": "int8"}),
         ("Q8_0 (from Q4_1)", quantized_file(source, "Q8_0", args.llama_bin, args.cache), {}),
         ("Q5_1 (from Q4_1)", quantized_file(source, "Q5_1", args.llama_bin, args.cache), {}),
         ("Q4_0 (from Q4_1)", quantized_file(source, "Q4_0", args.llama_bin, args.cache), {}),

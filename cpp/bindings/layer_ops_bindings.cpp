@@ -71,7 +71,8 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for dense.");
   m.def("packed_quantized_weight_size", &packed_quantized_weight_size, py::arg("k"), py::arg("n"),
-        py::arg("bits"), "Bytes of a block-quantized [k, n] weight, 4 or 8 bits.");
+        py::arg("bits"), py::arg("group_rows") = kQuantBlock,
+        "Bytes of a block-quantized [k, n] weight, 4 or 8 bits, groups of 32 (or 16) rows.");
   m.def(
       "pack_quantized_weight",
       [](const py::handle& packed, const py::handle& q_t, const py::handle& scale_t,

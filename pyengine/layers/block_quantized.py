@@ -10,13 +10,15 @@ Every 32 weights along a row share a float32 scale and offset, w = q * scale + o
     Q8_0: w = d * int8             = int8 * d + (-0.0)
     Q4_K: w = (d * sc) * nibble - dmin * mn, sc and mn 6-bit, one pair per 32 of the 256
     Q5_K: the same with 5-bit q                                (as 8-bit)
+    Q6_K: w = (d * sc) * (q6 - 32), sc an int8 per 16 weights  (as 8-bit, groups of 16)
 With d a float16 (11 significant bits) times an integer of at most 6 bits, a scale has at
 most 17, and q * scale is exact in float32 (q of 4 bits, or 5 bits in an int8), so
 q * scale + offset rounds exactly once, as the `gguf` package's float32 dequantization
-does: the same float32 weights, bit for bit, but for the zeros of a negative scale (8 d -
-8 d is +0 where d * 0 is -0). No sum tells those apart: the matmul's sums start at +0,
-and adding a zero of either sign to them changes nothing. (Q6_K and the 2- and 3-bit
-K-quants keep 16-weight groups; they load as float weights.)
+does (Q6_K has no offset: its d * sc, 18 bits, times q rounds once either way): the same
+float32 weights, bit for bit, but for the zeros of a negative scale (8 d - 8 d is +0
+where d * 0 is -0). No sum tells those apart: the matmul's sums start at +0, and adding
+a zero of either sign to them changes nothing. (The 2- and 3-bit K-quants load as float
+weights.)
 """
 
 from __future__ import annotations
@@ -26,23 +28,29 @@ from dataclasses import dataclass
 
 import numpy as np
 
-BLOCK = 32  # weights sharing a scale (along a row)
+BLOCK = 32  # weights of a block (along a row): the matmul's unit of k
+HALF_BLOCK = 16  # an 8-bit block's groups may be its halves (Q6_K's)
 
 # The GGML type numbers of the gguf format.
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K = 2, 3, 6, 7, 8, 12, 13
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
 
 
 @dataclass(frozen=True)
 class BlockQuantized:
-    """A [rows, cols] weight as q * scale + offset, a block of BLOCK columns per scale."""
+    """A [rows, cols] weight as q * scale + offset, a group of `group` columns (a block of
+    BLOCK, or, 8-bit, its halves) per scale."""
 
     q: np.ndarray  # [rows, cols]: uint8 0..15 (4 bits) or int8 (8 bits)
-    scale: np.ndarray  # float32 [rows, cols // BLOCK], float16 values
-    offset: np.ndarray  # float32 [rows, cols // BLOCK]
+    scale: np.ndarray  # float32 [rows, cols // group], float16 values
+    offset: np.ndarray  # float32 [rows, cols // group]
 
     @property
     def bits(self) -> int:
         return 4 if self.q.dtype == np.uint8 else 8
+
+    @property
+    def group(self) -> int:
+        return int(self.q.shape[1] // max(self.scale.shape[1], 1)) if self.q.shape[1] else BLOCK
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -51,8 +59,8 @@ class BlockQuantized:
 
     def dequantize(self) -> np.ndarray:
         """The float32 weight (rounded as the packed kernel widens it)."""
-        scale = np.repeat(self.scale, BLOCK, axis=1)
-        offset = np.repeat(self.offset, BLOCK, axis=1)
+        scale = np.repeat(self.scale, self.group, axis=1)
+        offset = np.repeat(self.offset, self.group, axis=1)
         weight: np.ndarray = (self.q.astype(np.float32) * scale + offset).astype(np.float32)
         return weight
 
@@ -70,8 +78,8 @@ class BlockQuantized:
             raise ValueError(
                 f"columns [{start}, {stop}) of a block-quantized weight split its blocks of {BLOCK}"
             )
-        blocks = slice(start // BLOCK, stop // BLOCK)
-        return BlockQuantized(self.q[:, start:stop], self.scale[:, blocks], self.offset[:, blocks])
+        groups = slice(start // self.group, stop // self.group)
+        return BlockQuantized(self.q[:, start:stop], self.scale[:, groups], self.offset[:, groups])
 
     def with_bits(self, bits: int) -> BlockQuantized:
         """As 8-bit (int8 holds every 4-bit value); 4 bits only from 4 bits."""
@@ -81,12 +89,22 @@ class BlockQuantized:
             raise ValueError(f"an {self.bits}-bit weight does not fit in {bits} bits")
         return BlockQuantized(self.q.astype(np.int8), self.scale, self.offset)
 
+    def with_group(self, group: int) -> BlockQuantized:
+        """In groups of `group` (a divisor of its own): each scale and offset repeated."""
+        if group == self.group:
+            return self
+        times = self.group // group
+        return BlockQuantized(
+            self.q, np.repeat(self.scale, times, axis=1), np.repeat(self.offset, times, axis=1)
+        )
+
     @staticmethod
     def stack(parts: Sequence[BlockQuantized]) -> BlockQuantized:
         """Rows of each part after the last's (a fused q/k/v or gate/up weight); 8-bit if
-        any part is."""
+        any part is, in the smallest groups of any."""
         bits = max(p.bits for p in parts)
-        parts = [p.with_bits(bits) for p in parts]
+        group = min(p.group for p in parts)
+        parts = [p.with_bits(bits).with_group(group) for p in parts]
         return BlockQuantized(
             np.concatenate([p.q for p in parts]),
             np.concatenate([p.scale for p in parts]),
@@ -171,6 +189,23 @@ def _q4_k(blocks: np.ndarray) -> Parts:
     return _k_low_nibbles(blocks[..., 16:144]), scale, offset
 
 
+def _q6_k(blocks: np.ndarray) -> Parts:
+    """128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales, float16 d. Each
+    half of 128 weights takes 64 nibble bytes and 32 pair bytes: weights l, l + 32, l + 64
+    and l + 96 (l < 32) are byte l's low nibble, byte l + 32's low, byte l's high, byte
+    l + 32's high, with bit pairs 0, 1, 2, 3 of pair byte l on top."""
+    halves = []
+    for h in range(2):
+        low = blocks[..., 64 * h : 64 * h + 64]
+        pairs = blocks[..., 128 + 32 * h : 160 + 32 * h]
+        nibbles = (low[..., :32] & 15, low[..., 32:] & 15, low[..., :32] >> 4, low[..., 32:] >> 4)
+        halves += [n | (((pairs >> (2 * i)) & 3) << 4) for i, n in enumerate(nibbles)]
+    q = np.concatenate(halves, axis=-1).astype(np.int8) - 32
+    d = _float16(blocks[..., 208:210])
+    scale = d[..., None] * blocks[..., 192:208].view(np.int8).astype(np.float32)
+    return q.astype(np.int8), scale, np.full_like(scale, -0.0)
+
+
 def _q5_k(blocks: np.ndarray) -> Parts:
     scale, offset = _k_scales(blocks)
     qh = blocks[..., 16:48]  # group g's fifth bits: bit g of each of the 32 bytes
@@ -184,6 +219,7 @@ _LAYOUTS = {
     _Q5_0: _Layout(32, 22, _q5_0), _Q5_1: _Layout(32, 24, _q5_1),
     _Q8_0: _Layout(32, 34, _q8_0),
     _Q4_K: _Layout(256, 144, _q4_k), _Q5_K: _Layout(256, 176, _q5_k),
+    _Q6_K: _Layout(256, 210, _q6_k),
 }  # fmt: skip
 
 

@@ -77,7 +77,9 @@ def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch
     """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
     out_features, in_features = blocks.shape
     n = out_features // 2 if gate_up else out_features
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, blocks.bits)
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(
+        in_features, n, blocks.bits, blocks.group
+    )
     packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
     q_t, scale_t, offset_t = (
         torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)

@@ -1,5 +1,5 @@
-"""Q4_K and Q5_K blocks of a float matrix, written by the layout llama.cpp documents
-(ggml-common.h), for tests: the `gguf` package reads them but cannot write them.
+"""Q4_K, Q5_K and Q6_K blocks of a float matrix, written by the layout llama.cpp
+documents (ggml-common.h), for tests: the `gguf` package reads them but cannot write them.
 
 A block holds 256 weights of a row in 8 groups of 32: float16 d and dmin, then 12 bytes
 of 6-bit (scale, min) pairs, w = d * sc * q - dmin * mn. Bytes 0-3 hold groups 0-3's sc
@@ -8,6 +8,12 @@ in their low 6 bits, bytes 4-7 their mn; groups 4-7 keep their low 4 bits in byt
 128 bytes of q: 4 runs of 32 bytes, each 32 groups' worth of low nibbles (group 2r) then
 high nibbles (group 2r + 1). Q5_K adds 32 bytes of fifth bits before them: bit g of byte
 l is the fifth bit of weight l of group g.
+
+A Q6_K block holds 256 weights in 16 groups of 16, w = d * sc * (q - 32), q 6-bit: 128
+bytes of low nibbles, 64 of high bit pairs, 16 int8 sc, then float16 d. In each half of
+128 weights, weight l (l < 32) is the low nibble of byte l, l + 32 that of byte l + 32,
+l + 64 and l + 96 their high nibbles; pair byte l holds their top bits, 2 each, in that
+order from the lowest.
 """
 
 from __future__ import annotations
@@ -59,4 +65,25 @@ def quantize_k(w: np.ndarray, bits: int) -> np.ndarray:
             (fifth << np.arange(8, dtype=np.uint8)[None, :, None]).sum(axis=1).astype(np.uint8)
         )
     parts.append(_nibble_runs(q))
+    return np.concatenate(parts, axis=1).reshape(rows, -1)
+
+
+def quantize_q6_k(w: np.ndarray) -> np.ndarray:
+    """w float32 [rows, cols] (cols a multiple of 256) -> uint8 [rows, cols / 256 * 210]."""
+    rows, cols = w.shape
+    groups = w.astype(np.float32).reshape(-1, 16, 16)  # [blocks, group, weight]
+    step = np.abs(groups).max(axis=-1) / 31  # q - 32 in [-31, 31]
+    d = (step.max(axis=-1) / 127).astype(np.float16)
+    safe = lambda v: np.where(v == 0, 1, v.astype(np.float32))  # noqa: E731
+    sc = np.clip(np.rint(step / safe(d)[:, None]), -128, 127).astype(np.int8)
+    scale = d.astype(np.float32)[:, None] * sc
+    q = np.clip(np.rint(groups / safe(scale)[..., None]) + 32, 0, 63).astype(np.uint8)
+    q = q.reshape(-1, 2, 4, 32)  # [blocks, half, quarter, l]
+    low = q & 15
+    nibbles = np.concatenate(
+        [low[:, :, 0] | (low[:, :, 2] << 4), low[:, :, 1] | (low[:, :, 3] << 4)], axis=-1
+    )  # [blocks, half, 64]
+    pairs = sum((q[:, :, i] >> 4) << (2 * i) for i in range(4)).astype(np.uint8)
+    parts = [nibbles.reshape(-1, 128), pairs.reshape(-1, 64), sc.view(np.uint8),
+             d.view(np.uint8).reshape(-1, 2)]  # fmt: skip
     return np.concatenate(parts, axis=1).reshape(rows, -1)

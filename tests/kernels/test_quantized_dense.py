@@ -18,7 +18,12 @@ from pyengine.layers.linear_method import pack_block_quantized
 
 def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:
     """Fresh random blocks: float16 scales; offsets as Q4_1 (float16), Q4_0 (-8 scale) or
-    Q8_0 (-0.0) store them."""
+    Q8_0 (-0.0) store them; Q6_K's: a float16 times an int8 per 16 weights, no offset."""
+    if form == "q6_k":
+        d = (torch.rand(rows, 1) * 0.01).half().float()
+        scale = d * torch.randint(-128, 128, (rows, cols // 16)).float()
+        q = torch.randint(-32, 32, (rows, cols), dtype=torch.int8)
+        return BlockQuantized(q.numpy(), scale.numpy(), torch.full_like(scale, -0.0).numpy())
     scale = (torch.randn(rows, cols // BLOCK) * 0.05).half().float()
     if bits == 4:
         q = torch.randint(0, 16, (rows, cols), dtype=torch.uint8)
@@ -32,7 +37,7 @@ def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:
     return BlockQuantized(q.numpy(), scale.numpy(), offset.numpy())
 
 
-FORMS = [(4, "q4_1"), (4, "q4_0"), (8, "q8_0")]
+FORMS = [(4, "q4_1"), (4, "q4_0"), (8, "q8_0"), (8, "q6_k")]
 ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
 
 
@@ -139,6 +144,16 @@ def test_stacked_blocks_of_mixed_bits_are_8_bit() -> None:
     assert whole.bits == 8 and whole.shape == (16, 64)
     assert (whole.dequantize()[:10] == a.dequantize()).all()
     assert (whole.dequantize()[10:] == b.dequantize()).all()
+    # with Q6_K's parts (q/k with v, as Q4_K_M files mix them): groups of 16 for all
+    c = random_blocks(5, 64, 8, "q6_k")
+    whole = BlockQuantized.stack([a, c])
+    assert whole.group == 16 and whole.scale.shape == (15, 4)
+    assert (whole.dequantize()[:10] == a.dequantize()).all()
+    assert (whole.dequantize()[10:] == c.dequantize()).all()
+    x, got, want = torch.randn(3, 64), torch.empty(3, 15), torch.empty(3, 15)
+    ops.dense(got, x, pack_block_quantized(whole), None, 15)
+    ops.dense(want, x, float_packed(torch.from_numpy(whole.dequantize())), None, 15)
+    assert torch.equal(got, want)
 
 
 def test_empty_operands() -> None:
@@ -172,16 +187,20 @@ def test_quantized_packing_errors() -> None:
         bad = q.clone()
         bad[3, 7] = 16
         _C.pack_quantized_weight(packed, bad, scale, offset)
-    with pytest.raises(ValueError, match="at most 20 significant bits for 4-bit q"):
-        _C.pack_quantized_weight(packed, q, scale + 1e-6, offset)
-    # 20 bits do for 4-bit q (a K-quant's float16 times a 6-bit integer has at most 17),
-    # 18 not for 8-bit
+    # Where an offset is not zero, q * scale must be exact: 20 bits do for 4-bit q (a
+    # K-quant's float16 times a 6-bit integer has at most 17), 18 not for 8-bit. Without
+    # an offset any scale does (one rounding either way).
+    with_offset = offset.clone()
+    with_offset[1, 3] = 0.5
+    with pytest.raises(ValueError, match="at most 20 significant bits for 4-bit q with an offset"):
+        _C.pack_quantized_weight(packed, q, scale + 1e-6, with_offset)
+    _C.pack_quantized_weight(packed, q, scale + 1e-6, offset)
     twenty = torch.full((2, 50), 1 + 2.0**-19)
-    _C.pack_quantized_weight(packed, q, twenty, offset)
+    _C.pack_quantized_weight(packed, q, twenty, with_offset)
     packed8 = torch.empty(_C.packed_quantized_weight_size(64, 50, 8), dtype=torch.int8)
     with pytest.raises(ValueError, match="at most 17 significant bits for 8-bit q"):
         _C.pack_quantized_weight(
-            packed8, q.view(torch.int8), torch.full((2, 50), 1 + 2.0**-17), offset
+            packed8, q.view(torch.int8), torch.full((2, 50), 1 + 2.0**-17), with_offset
         )
     with pytest.raises(ValueError, match=r"packed must be dense \["):
         _C.pack_quantized_weight(packed[:-1], q, scale, offset)

@@ -15,7 +15,7 @@ gguf = pytest.importorskip("gguf")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from helpers.hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
-from helpers.k_quants import quantize_k  # noqa: E402
+from helpers.k_quants import quantize_k, quantize_q6_k  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import inverse_frequencies  # noqa: E402
@@ -24,12 +24,13 @@ from pyengine.loader.resolve import load_model  # noqa: E402
 
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # by the gguf package
 # The types with a block form, and their bits a weight in it.
-BLOCK_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q8_0: 8}
+BLOCK_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q6_K: 8,
+              Q.Q8_0: 8}  # fmt: skip
 # The tiny Llama's matrices that are not Q8_0 (K-quants need rows of 256: down's only).
 OTHER_TYPES = {
     "blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_output.weight": Q.Q5_1,
     "blk.0.ffn_down.weight": Q.Q4_K, "blk.1.attn_k.weight": Q.Q4_1,
-    "blk.1.ffn_up.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q5_K,
+    "blk.1.ffn_up.weight": Q.Q4_0, "blk.1.ffn_down.weight": Q.Q6_K,
 }  # fmt: skip
 FOUR_BIT_HF = ("layers.0.mlp.down_proj", "layers.1.self_attn.k_proj", "layers.1.mlp.up_proj")
 FIVE_BIT_HF = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj")
@@ -50,6 +51,8 @@ def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def quantize_any(w: np.ndarray, qtype: Q) -> np.ndarray:
+    if qtype == Q.Q6_K:
+        return quantize_q6_k(w)
     if qtype in (Q.Q4_K, Q.Q5_K):
         return quantize_k(w, 4 if qtype == Q.Q4_K else 5)
     return quantize(w, qtype)
@@ -70,6 +73,10 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         raw = k_quant_blocks(qtype, 4, rng)
         raw_of[qtype.name] = (raw, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
+    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):  # and written from weights, by the layout
+        raw = quantize_any(original, qtype)
+        raw_of[qtype.name + "_written"] = (raw, qtype)
+        writer.add_tensor(qtype.name + "_written", raw, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -83,7 +90,7 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         assert loaded.shape == (4, 256)
         np.testing.assert_array_equal(loaded, dequantize(raw, qtype))
         assert np.isfinite(loaded).all()
-        if qtype in QUANTIZABLE:
+        if qtype in QUANTIZABLE or name.endswith("_written"):
             assert np.abs(loaded - original).max() < 0.5  # 4 bits of a unit normal
         if qtype in BLOCK_BITS:
             # The block form that the CPU matmul keeps widens to the same float32, bit
@@ -288,7 +295,8 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     reference = hf_model_from_weights(loaded.config, loaded.weights)
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
     # Every step multiplies from the block forms: q/k/v and gate/up fused from 4- and
-    # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q5_K in layer 1.
+    # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q6_K in layer 1 (8-bit,
+    # a scale per 16 inputs).
     model = llm.engine.executor.driver_worker.model_runner.model
     assert model.layers[1].self_attn.qkv_proj.packed_blocks.dtype == torch.int8
     assert model.layers[1].mlp.gate_up_proj.packed_blocks.dtype == torch.int8

@@ -21,17 +21,18 @@ int64_t packed_weight_size(int64_t k, int64_t n);
 // [packed_weight_size(k, n)]); columns past n in the last panel are zero.
 void pack_weight(const TensorView& packed, const TensorView& w_t);
 
-// Block-quantized weights, the form of GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K: along
-// k, every kQuantBlock rows of a column share a scale and an offset, w[i][j] = q[i][j] *
-// scale[i / kQuantBlock][j] + offset[i / kQuantBlock][j] with q a small integer and the
-// scales of few significant bits (at most 20 for 4-bit q, 17 for 8-bit; GGUF's are a
+// Block-quantized weights, the form of GGUF's Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K:
+// along k, every kQuantBlock rows of a column share a scale and an offset (every 16, in
+// an int8 weight of Q6_K's groups), w[i][j] = q[i][j] * scale[i / kQuantBlock][j] +
+// offset[i / kQuantBlock][j] with q a small integer and, where the offset is not zero,
+// the scales of few significant bits (at most 20 for 4-bit q, 17 for 8-bit; GGUF's are a
 // float16 times a 6-bit integer at most), so that the product is exact and the float32
-// result rounds once. Packed, a panel takes 0.75 (4-bit) or
-// 1.25 (8-bit) bytes a weight instead of 4, so a decode step streams a fifth of the
-// bytes; each panel is widened to float32 in the thread's cache before the tiles use it,
-// so the product is exactly the float32 one over the widened weight. FP8 checkpoints'
-// weights take the same form with e4m3 codes (a float8_e4m3fn buffer): any scale, no
-// offset, w = e4m3 * scale rounded once, as torch dequantizes them.
+// result rounds once. Packed, a panel takes 0.75 (4-bit) or 1.25 (8-bit; 1.5 with groups
+// of 16) bytes a weight instead of 4, so a decode step streams a fifth of the bytes; each
+// panel is widened to float32 in the thread's cache before the tiles use it, so the
+// product is exactly the float32 one over the widened weight. FP8 checkpoints' weights
+// take the same form with e4m3 codes (a float8_e4m3fn buffer): any scale, no offset,
+// w = e4m3 * scale rounded once, as torch dequantizes them.
 inline constexpr int64_t kQuantBlock = 32;
 
 // Which builds the quantized kernels run, for tests and benchmarks: the widest this CPU
@@ -43,14 +44,17 @@ void set_quantized_dense_isa(CpuIsa isa);
 CpuIsa quantized_dense_isa();
 
 // Bytes a packed quantized [k, n] weight takes, bits 4 or 8 (k a multiple of
-// kQuantBlock).
-int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits);
+// kQuantBlock), each group_rows rows of a column sharing a scale and offset: 32, or, for
+// 8 bits, 16 (Q6_K's groups: a block's halves have a scale and offset each).
+int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits,
+                                     int64_t group_rows = kQuantBlock);
 
 // Packs q_t [k, n] (uint8 0..15 for 4 bits; int8, or float8_e4m3fn without NaN, for 8),
-// scale_t and offset_t (float32 [k / kQuantBlock, n]; the scales of few significant bits,
-// as above; fp8: any scale, offsets zero) into `packed` of q_t's dtype [size], size
-// packed_quantized_weight_size(k, n, bits), or twice that of n / 2 with gate_up (q_t
-// [k, 2 * n]: gate columns, then up, paired as pack_gate_up_weight pairs them).
+// scale_t and offset_t (float32 [k / group_rows, n], group_rows 32 or, int8, 16; the
+// scales of few significant bits where an offset is not zero, as above; fp8: any scale,
+// offsets zero) into `packed` of q_t's dtype [size], size packed_quantized_weight_size(k,
+// n, bits, group_rows), or twice that of n / 2 with gate_up (q_t [k, 2 * n]: gate
+// columns, then up, paired as pack_gate_up_weight pairs them).
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up);
 

@@ -266,15 +266,21 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
 Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n, bool pairs,
                     const char* how) {
   detail::check_cpu(packed, op, "packed");
-  const detail::QuantCode code = detail::quant_code(packed.dtype);
+  detail::QuantCode code = detail::quant_code(packed.dtype);
   const bool quantized = code != detail::QuantCode::kNone;
-  const int bits = quantized ? detail::quantized_bits(code) : 32;
   if (quantized && k % kQuantBlock != 0) {
     throw InvalidArgument(std::string(op) + ": a quantized weight needs k (x's columns) a " +
                           "multiple of " + std::to_string(kQuantBlock) + ", got " +
                           std::to_string(k));
   }
-  const int64_t size = (pairs ? 2 : 1) * (quantized ? packed_quantized_weight_size(k, n, bits)
+  if (quantized && packed.ndim == 1) {  // (an int8 buffer's size tells its groups)
+    const detail::QuantCode sized =
+        detail::quantized_panel_code(packed.dtype, packed.shape[0] / (pairs ? 2 : 1), k, n);
+    if (sized != detail::QuantCode::kNone) code = sized;
+  }
+  const int bits = quantized ? detail::quantized_bits(code) : 32;
+  const int64_t rows = detail::quantized_group_rows(code);
+  const int64_t size = (pairs ? 2 : 1) * (quantized ? packed_quantized_weight_size(k, n, bits, rows)
                                                     : packed_weight_size(k, n));
   if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size ||
       !(quantized || packed.dtype == DType::kFloat32)) {
@@ -283,8 +289,9 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
                           ") or uint8/int8/float8_e4m3fn (pack_quantized_weight), got " +
                           packed.describe());
   }
-  const int64_t panel_bytes = quantized ? packed_quantized_weight_size(k, kPanelWidth, bits)
-                                        : k * kPanelWidth * int64_t{sizeof(float)};
+  const int64_t panel_bytes = quantized
+                                  ? packed_quantized_weight_size(k, kPanelWidth, bits, rows)
+                                  : k * kPanelWidth * int64_t{sizeof(float)};
   return {static_cast<const uint8_t*>(packed.data), code, panel_bytes};
 }
 
@@ -493,15 +500,13 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
     const int64_t block_bytes = detail::quantized_block_bytes(panels.code);
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = panel + b * block_bytes;
-      float scale = 0.0f, offset = 0.0f;
-      std::memcpy(&scale, block + column * sizeof(float), sizeof(float));
-      std::memcpy(&offset, block + (kPanelWidth + column) * sizeof(float), sizeof(float));
-      const uint8_t* ints = block + detail::kQuantParamBytes;
+      const uint8_t* ints = block + detail::quantized_param_bytes(panels.code);
       for (int64_t i = 0; i < kQuantBlock; ++i) {
+        const float* params = detail::quantized_params(block, i, panels.code) + column;
         const float q = detail::quantized_value(ints, i, column, panels.code);
         // q * scale is exact, or the offset zero (pack_quantized_weight checks), so this
         // rounds as the widening's multiply-add.
-        row[b * kQuantBlock + i] = q * scale + offset;
+        row[b * kQuantBlock + i] = q * params[0] + params[kPanelWidth];
       }
     }
   }

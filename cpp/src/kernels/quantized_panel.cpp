@@ -17,25 +17,33 @@
 namespace pyengine {
 namespace {
 
-using detail::kQuantParamBytes;
 using detail::QuantCode;
 using detail::quantized_block_bytes;
 
 constexpr int kLanes = 16;
 constexpr int64_t kPrefetchBlocks = 4;
 
+// The code of pack_quantized_weight's operands: the packed dtype's, kInt8Halves where
+// an int8 weight's scales are per 16 rows (scale_t [k / 16, n]).
+QuantCode operand_code(const TensorView& packed, const TensorView& q_t, const TensorView& scale_t) {
+  const QuantCode code = detail::quant_code(packed.dtype);
+  const bool halves = code == QuantCode::kInt8 && q_t.ndim == 2 && scale_t.ndim == 2 &&
+                      scale_t.shape[0] == q_t.shape[0] / (kQuantBlock / 2);
+  return halves ? QuantCode::kInt8Halves : code;
+}
+
 void check_quantized_args(const char* op, const TensorView& packed, const TensorView& q_t,
                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   detail::check_cpu(packed, op, "packed");
-  const QuantCode code = detail::quant_code(packed.dtype);
-  if (code == QuantCode::kNone) {
+  if (detail::quant_code(packed.dtype) == QuantCode::kNone) {
     throw InvalidArgument(detail::arg(op, "packed") +
                           " must be uint8 (4-bit weights), int8 (8-bit) or float8_e4m3fn, got " +
                           packed.describe());
   }
-  const int bits = detail::quantized_bits(code);
   detail::check_rows(q_t, op, "q_t", 2, packed.dtype);
-  const int64_t k = q_t.shape[0], n = q_t.shape[1];
+  const QuantCode code = operand_code(packed, q_t, scale_t);
+  const int bits = detail::quantized_bits(code);
+  const int64_t k = q_t.shape[0], n = q_t.shape[1], rows = detail::quantized_group_rows(code);
   if (k % kQuantBlock != 0) {
     throw InvalidArgument(std::string(op) + ": k (q_t's rows) must be a multiple of " +
                           std::to_string(kQuantBlock) + ", got " + q_t.describe());
@@ -46,40 +54,40 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
   }
   for (const auto& [t, name] : {std::pair{&scale_t, "scale_t"}, std::pair{&offset_t, "offset_t"}}) {
     detail::check_rows(*t, op, name, 2, DType::kFloat32);
-    if (t->shape[0] != k / kQuantBlock || t->shape[1] != n) {
-      throw InvalidArgument(detail::arg(op, name) + " must be [" + std::to_string(k / kQuantBlock) +
-                            ", " + std::to_string(n) + "] (a block of " +
-                            std::to_string(kQuantBlock) + " rows of q_t each), got " +
+    if (t->shape[0] != k / rows || t->shape[1] != n) {
+      throw InvalidArgument(detail::arg(op, name) + " must be [" + std::to_string(k / rows) +
+                            ", " + std::to_string(n) + "] (a group of " + std::to_string(rows) +
+                            " rows of q_t each; int8 weights may have groups of 16), got " +
                             t->describe());
     }
   }
-  // A scale of at most 24 - (q's bits) significant bits times q is exact in float32 (q 4
-  // bits, or an int8: 7, 128 being a power of two), so any rounding of q * scale + offset
-  // (a multiply-add, or the product, then the sum) is one. fp8 weights take any scale
-  // and no offset: q * scale + 0 rounds once however it is computed.
+  // Where an offset is not zero, q * scale must be exact in float32, so that any rounding
+  // of q * scale + offset (a multiply-add, or the product, then the sum) is one: a scale
+  // of at most 24 - (q's bits) significant bits (q 4 bits, or an int8: 7, 128 being a
+  // power of two). A zero offset leaves one rounding however it is computed. fp8 weights
+  // take no offset.
   const int scale_bits = bits == 4 ? 20 : 17;
   const uint32_t low_mantissa = (uint32_t{1} << (24 - scale_bits)) - 1;
-  for (int64_t b = 0; code == QuantCode::kFp8 && b < k / kQuantBlock; ++b) {
-    const auto* row = static_cast<const float*>(offset_t.data) + b * offset_t.strides[0];
-    if (std::any_of(row, row + n, [](float o) { return o != 0.0f; })) {
-      throw InvalidArgument(std::string(op) + ": fp8 weights take no offset: offset_t must " +
-                            "be zero, block row " + std::to_string(b) + " is not");
+  for (int64_t g = 0; g < k / rows; ++g) {
+    const auto* scale = static_cast<const float*>(scale_t.data) + g * scale_t.strides[0];
+    const auto* offset = static_cast<const float*>(offset_t.data) + g * offset_t.strides[0];
+    for (int64_t j = 0; j < n; ++j) {
+      if (offset[j] == 0.0f) continue;
+      if (code == QuantCode::kFp8) {
+        throw InvalidArgument(std::string(op) + ": fp8 weights take no offset: offset_t must " +
+                              "be zero, group row " + std::to_string(g) + " is not");
+      }
+      if ((std::bit_cast<uint32_t>(scale[j]) & low_mantissa) != 0) {
+        throw InvalidArgument(std::string(op) + ": scale_t must have at most " +
+                              std::to_string(scale_bits) + " significant bits for " +
+                              std::to_string(bits) + "-bit q with an offset (a float16's 11 " +
+                              "times a 6-bit integer fit), so that q * scale is exact; group " +
+                              "row " + std::to_string(g) + " has more");
+      }
     }
   }
-  for (int64_t b = 0; code != QuantCode::kFp8 && b < k / kQuantBlock; ++b) {
-    const auto* row = static_cast<const float*>(scale_t.data) + b * scale_t.strides[0];
-    if (std::any_of(row, row + n, [&](float s) {
-          return (std::bit_cast<uint32_t>(s) & low_mantissa) != 0;
-        })) {
-      throw InvalidArgument(std::string(op) + ": scale_t must have at most " +
-                            std::to_string(scale_bits) + " significant bits for " +
-                            std::to_string(bits) + "-bit q (a float16's 11 times a 6-bit " +
-                            "integer fit), so that q * scale is exact; block row " +
-                            std::to_string(b) + " has more");
-    }
-  }
-  const int64_t size = gate_up ? 2 * packed_quantized_weight_size(k, n / 2, bits)
-                               : packed_quantized_weight_size(k, n, bits);
+  const int64_t size = gate_up ? 2 * packed_quantized_weight_size(k, n / 2, bits, rows)
+                               : packed_quantized_weight_size(k, n, bits, rows);
   if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
     throw InvalidArgument(detail::arg(op, "packed") + " must be dense [" + std::to_string(size) +
                           "], got " + packed.describe());
@@ -110,18 +118,21 @@ void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView&
                           const TensorView& offset_t, int64_t first, int64_t width,
                           QuantCode code) {
   const auto* q = static_cast<const uint8_t*>(q_t.data);
-  const int64_t k = q_t.shape[0];
+  const int64_t k = q_t.shape[0], rows = detail::quantized_group_rows(code);
   const int bits = detail::quantized_bits(code);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     uint8_t* block = dst + b * quantized_block_bytes(code);
     std::memset(block, 0, static_cast<size_t>(quantized_block_bytes(code)));
-    auto* params = reinterpret_cast<float*>(block);
-    for (int64_t j = 0; j < width; ++j) {
-      params[j] = static_cast<const float*>(scale_t.data)[b * scale_t.strides[0] + first + j];
-      params[kPanelWidth + j] =
-          static_cast<const float*>(offset_t.data)[b * offset_t.strides[0] + first + j];
+    for (int64_t g = 0; g < kQuantBlock / rows; ++g) {
+      auto* params = reinterpret_cast<float*>(block) + g * 2 * kPanelWidth;
+      const int64_t group = b * (kQuantBlock / rows) + g;
+      for (int64_t j = 0; j < width; ++j) {
+        params[j] = static_cast<const float*>(scale_t.data)[group * scale_t.strides[0] + first + j];
+        params[kPanelWidth + j] =
+            static_cast<const float*>(offset_t.data)[group * offset_t.strides[0] + first + j];
+      }
     }
-    uint8_t* ints = block + kQuantParamBytes;
+    uint8_t* ints = block + detail::quantized_param_bytes(code);
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       const uint8_t* row = q + (b * kQuantBlock + i) * q_t.strides[0] + first;
       for (int64_t j = 0; j < width; ++j) {
@@ -137,26 +148,32 @@ void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView&
 
 }  // namespace
 
-int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits) {
+int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits, int64_t group_rows) {
   if (bits != 4 && bits != 8) {
     throw InvalidArgument("packed_quantized_weight_size: bits must be 4 or 8, got " +
                           std::to_string(bits));
+  }
+  if (group_rows != kQuantBlock && !(bits == 8 && group_rows == kQuantBlock / 2)) {
+    throw InvalidArgument("packed_quantized_weight_size: group_rows must be 32 (or 16 for " +
+                          std::string("8 bits), got ") + std::to_string(group_rows));
   }
   if (k % kQuantBlock != 0) {
     throw InvalidArgument("packed_quantized_weight_size: k must be a multiple of " +
                           std::to_string(kQuantBlock) + ", got " + std::to_string(k));
   }
-  const QuantCode code = bits == 4 ? QuantCode::kNibble : QuantCode::kInt8;  // (fp8: as int8)
+  const QuantCode code = bits == 4                     ? QuantCode::kNibble
+                         : group_rows == kQuantBlock ? QuantCode::kInt8  // (fp8: as int8)
+                                                     : QuantCode::kInt8Halves;
   return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) * quantized_block_bytes(code);
 }
 
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
                            const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
   check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up);
-  const QuantCode code = detail::quant_code(packed.dtype);
+  const QuantCode code = operand_code(packed, q_t, scale_t);
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
-  const int64_t panel_bytes =
-      packed_quantized_weight_size(k, kPanelWidth, detail::quantized_bits(code));
+  const int64_t panel_bytes = packed_quantized_weight_size(
+      k, kPanelWidth, detail::quantized_bits(code), detail::quantized_group_rows(code));
   auto* dst = static_cast<uint8_t*>(packed.data);
   detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
     pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, code);
@@ -191,24 +208,29 @@ PYENGINE_WIDEN_AVX512 inline __m512 widen_row(const uint8_t* src, __m512 scale, 
   }
 }
 
-// A block's scale vector as widen_row takes it.
+// The scale and offset vectors of row i's group, columns [v * 16, v * 16 + 16), as
+// widen_row takes them.
 template <QuantCode kCode>
-PYENGINE_WIDEN_AVX512 inline __m512 widen_scale(const uint8_t* block, int v) {
-  const __m512 scale = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + v * kLanes);
-  return kCode == QuantCode::kFp8 ? _mm512_mul_ps(scale, _mm512_set1_ps(256.0f)) : scale;
+PYENGINE_WIDEN_AVX512 inline void load_params(const uint8_t* block, int64_t i, int v,
+                                              __m512& scale, __m512& offset) {
+  const float* params = detail::quantized_params(block, i, kCode) + v * kLanes;
+  scale = _mm512_loadu_ps(params);
+  if constexpr (kCode == QuantCode::kFp8) scale = _mm512_mul_ps(scale, _mm512_set1_ps(256.0f));
+  offset = _mm512_loadu_ps(params + kPanelWidth);
 }
 
 template <QuantCode kCode>
 PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) {
-  const uint8_t* ints = block + kQuantParamBytes;
+  constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
   for (int v = 0; v < kPanelWidth / kLanes; ++v) {
-    const __m512 scale = widen_scale<kCode>(block, v);
-    const __m512 offset =
-        _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kPanelWidth + v * kLanes);
+    __m512 scale, offset;
+    load_params<kCode>(block, 0, v, scale, offset);
     float* dst = out + v * kLanes;
     const uint8_t* src = ints + v * kLanes;
     if constexpr (kCode != QuantCode::kNibble) {
       for (int64_t i = 0; i < kQuantBlock; ++i) {
+        if (i > 0 && i % kGroupRows == 0) load_params<kCode>(block, i, v, scale, offset);
         _mm512_storeu_ps(dst + i * kPanelWidth, widen_row<kCode>(src + i * kPanelWidth, scale, offset));
       }
     } else {
@@ -228,10 +250,10 @@ PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) 
 #endif
 
 void widen_block_generic(const uint8_t* block, QuantCode code, float* out) {
-  const auto* scale = reinterpret_cast<const float*>(block);
-  const float* offset = scale + kPanelWidth;
-  const uint8_t* ints = block + kQuantParamBytes;
+  const uint8_t* ints = block + detail::quantized_param_bytes(code);
   for (int64_t i = 0; i < kQuantBlock; ++i) {
+    const float* scale = detail::quantized_params(block, i, code);
+    const float* offset = scale + kPanelWidth;
     for (int64_t j = 0; j < kPanelWidth; ++j) {
       out[i * kPanelWidth + j] = detail::quantized_value(ints, i, j, code) * scale[j] + offset[j];
     }
@@ -282,14 +304,14 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
     const uint8_t* block = panel + b * block_bytes;
     prefetch_ahead(block, block_bytes);
     __m512 scale[3], offset[3];
-    for (int v = 0; v < 3; ++v) {
-      scale[v] = widen_scale<kCode>(block, v);
-      offset[v] = _mm512_loadu_ps(reinterpret_cast<const float*>(block) + kPanelWidth + v * kLanes);
-    }
-    const uint8_t* ints = block + kQuantParamBytes;
+    for (int v = 0; v < 3; ++v) load_params<kCode>(block, 0, v, scale[v], offset[v]);
+    const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
     const float* x = a + b * kQuantBlock;
     if constexpr (kCode != QuantCode::kNibble) {
       for (int i = 0; i < kQuantBlock; ++i) {
+        if (i > 0 && i % detail::quantized_group_rows(kCode) == 0) {
+          for (int v = 0; v < 3; ++v) load_params<kCode>(block, i, v, scale[v], offset[v]);
+        }
         __m512 w[3];
         for (int v = 0; v < 3; ++v) {
           w[v] = widen_row<kCode>(ints + i * kPanelWidth + v * kLanes, scale[v], offset[v]);
@@ -386,6 +408,7 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float*
     switch (code) {
       case QuantCode::kNibble: return widen_all(widen_block_avx512<QuantCode::kNibble>);
       case QuantCode::kFp8: return widen_all(widen_block_avx512<QuantCode::kFp8>);
+      case QuantCode::kInt8Halves: return widen_all(widen_block_avx512<QuantCode::kInt8Halves>);
       default: return widen_all(widen_block_avx512<QuantCode::kInt8>);
     }
   }
@@ -399,6 +422,8 @@ void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_
   switch (code) {
     case QuantCode::kNibble: return multiply_rows_avx512<QuantCode::kNibble>(a, lda, rows, panel, k, c);
     case QuantCode::kFp8: return multiply_rows_avx512<QuantCode::kFp8>(a, lda, rows, panel, k, c);
+    case QuantCode::kInt8Halves:
+      return multiply_rows_avx512<QuantCode::kInt8Halves>(a, lda, rows, panel, k, c);
     default: return multiply_rows_avx512<QuantCode::kInt8>(a, lda, rows, panel, k, c);
   }
 #else
@@ -409,3 +434,17 @@ void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_
 
 }  // namespace detail
 }  // namespace pyengine
+
+namespace pyengine::detail {
+
+QuantCode quantized_panel_code(DType dtype, int64_t bytes, int64_t k, int64_t n) {
+  const QuantCode code = quant_code(dtype);
+  if (code == QuantCode::kNone || k % kQuantBlock != 0) return QuantCode::kNone;
+  if (bytes == packed_quantized_weight_size(k, n, quantized_bits(code))) return code;
+  if (code == QuantCode::kInt8 && bytes == packed_quantized_weight_size(k, n, 8, kQuantBlock / 2)) {
+    return QuantCode::kInt8Halves;
+  }
+  return QuantCode::kNone;
+}
+
+}  // namespace pyengine::detail

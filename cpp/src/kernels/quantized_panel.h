@@ -2,7 +2,8 @@
 // and its widening to the float32 panel the tiles read. Internal to pyengine_core.
 //
 // A panel of kPanelWidth columns over k rows is k / kQuantBlock blocks, each
-//   scale  [kPanelWidth] float32, offset [kPanelWidth] float32,
+//   scale  [kPanelWidth] float32, offset [kPanelWidth] float32 (twice, the first 16 rows'
+//          then the last 16's, where a block's halves are groups of their own: Q6_K's),
 //   then the block's kQuantBlock rows of kPanelWidth integers:
 //     8-bit: one int8 a weight, row after row;
 //     4-bit: rows in pairs, one byte a column: row 2i in the low nibble, 2i + 1 in the
@@ -42,8 +43,9 @@ void for_each_packed_panel(int64_t n, bool gate_up, F&& f) {
 
 // How a quantized panel codes its weights, from its buffer's dtype: uint8 4-bit nibbles,
 // int8 integers, float8_e4m3fn fp8 values (an FP8 checkpoint's; its offsets are zero);
-// kNone: not quantized (float32 panels).
-enum class QuantCode : uint8_t { kNone, kNibble, kInt8, kFp8 };
+// kNone: not quantized (float32 panels). kInt8Halves: int8 integers whose blocks' halves
+// have a scale and offset each (an int8 buffer of that size: quantized_panel_code).
+enum class QuantCode : uint8_t { kNone, kNibble, kInt8, kFp8, kInt8Halves };
 
 constexpr QuantCode quant_code(DType packed) {
   switch (packed) {
@@ -57,16 +59,34 @@ constexpr QuantCode quant_code(DType packed) {
 // Bits a weight of a quantized panel: 4 or 8.
 constexpr int quantized_bits(QuantCode code) { return code == QuantCode::kNibble ? 4 : 8; }
 
-// Bytes of one block of one panel.
+// Rows of a block that share a scale and offset: 32, or 16 (kInt8Halves).
+constexpr int64_t quantized_group_rows(QuantCode code) {
+  return code == QuantCode::kInt8Halves ? kQuantBlock / 2 : kQuantBlock;
+}
+
+// Bytes of one block's scales and offsets, and of the whole block, of one panel.
+constexpr int64_t quantized_param_bytes(QuantCode code) {
+  return kQuantBlock / quantized_group_rows(code) * kQuantParamBytes;
+}
 constexpr int64_t quantized_block_bytes(QuantCode code) {
-  return kQuantParamBytes + kQuantBlock * kPanelWidth * quantized_bits(code) / 8;
+  return quantized_param_bytes(code) + kQuantBlock * kPanelWidth * quantized_bits(code) / 8;
+}
+
+// The code of a quantized buffer of `dtype` and `bytes` for a [k, n] weight: an int8 one
+// of halves' size holds kInt8Halves (kNone: no quantized weight of that size).
+QuantCode quantized_panel_code(DType dtype, int64_t bytes, int64_t k, int64_t n);
+
+// The scale (offset: + kPanelWidth) of row i of a block at `block`, column 0.
+inline const float* quantized_params(const uint8_t* block, int64_t i, QuantCode code) {
+  return reinterpret_cast<const float*>(block) + i / quantized_group_rows(code) * 2 * kPanelWidth;
 }
 
 // q of row i (within the block), column j, of a block's weights at `ints`, as float
 // (exactly: a small integer, or an fp8 value).
 inline float quantized_value(const uint8_t* ints, int64_t i, int64_t j, QuantCode code) {
   switch (code) {
-    case QuantCode::kInt8: return static_cast<int8_t>(ints[i * kPanelWidth + j]);
+    case QuantCode::kInt8:
+    case QuantCode::kInt8Halves: return static_cast<int8_t>(ints[i * kPanelWidth + j]);
     case QuantCode::kFp8: return fp8_e4m3_to_float(ints[i * kPanelWidth + j]);
     default: return static_cast<float>(ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15);
   }
