@@ -21,13 +21,17 @@ greedy tokens each, all at once) on the default model's weights in each form: fl
 (the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
 bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
 int8 form), FP8 (in its e4m3 form) and the Q4_1 file's 4-bit blocks; with each one's
-resident weight bytes.
+resident weight bytes. With --openvino-python and --openvino-model, the same prompts run
+on OpenVINO GenAI in the same sitting (bench/openvino_peer.py, in that Python: the
+float32 folder exported by optimum-intel, OpenVINO's defaults: on a CPU with
+AVX512-BF16, bfloat16 inference and an 8-bit KV cache).
 
 The last line printed is one JSON object, also written to bench/results/quantized.json.
 
     python -m bench.quantized --llama-bin DIR [--formats Q4_0,Q4_1,Q8_0] [--rounds 2]
                               [--prompt-len 128] [--output-len 256] [--cache DIR]
                               [--no-single] [--no-batched]
+                              [--openvino-python PY --openvino-model DIR]
 
 (from the repository root; bench/__init__.py says how with a plain install)
 """
@@ -37,6 +41,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import json
 import os
 import socket
 import subprocess
@@ -175,7 +180,22 @@ def batched_throughput(
     return len(prompts) * output_len / best, weight_bytes
 
 
-def batched_table(source: Path, cache: Path, seed: int) -> tuple[str, dict[str, object]]:
+def openvino_throughput(
+    python: Path, model: Path, prompts: list[list[int]], output_len: int
+) -> dict[str, object]:
+    """bench/openvino_peer.py's figures, run by `python` (which has openvino-genai)."""
+    job = {"model": str(model), "prompts": prompts, "output_len": output_len, "rounds": 2}
+    run = subprocess.run(
+        [str(python), str(Path(__file__).with_name("openvino_peer.py"))],
+        input=json.dumps(job), capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    figures: dict[str, object] = json.loads(run.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def batched_table(
+    source: Path, cache: Path, seed: int, openvino: tuple[Path, Path] | None
+) -> tuple[str, dict[str, object]]:
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(100, 49_000, n).tolist() for n in rng.integers(64, 513, 32)]
     folders = default_model_folders(cache)
@@ -202,6 +222,20 @@ def batched_table(source: Path, cache: Path, seed: int) -> tuple[str, dict[str, 
         rows.append(
             (name, f"{rate:.1f}", f"{rate / reference:.2f}x", f"{weight_bytes / 2**20:.0f}")
         )
+    if openvino is not None and reference is not None:
+        peer = openvino_throughput(*openvino, prompts, 128)
+        theirs = float(peer["generated_tok_s"])  # type: ignore[arg-type]
+        figures["batched_openvino_generated_tok_s"] = round(theirs, 1)
+        figures["batched_openvino_rss_mib"] = round(float(peer["rss_mib"]))  # type: ignore[arg-type]
+        for key in ("float32", "bfloat16", "w8a8", "fp8"):
+            ours = figures.get(f"batched_{key}_generated_tok_s")
+            if isinstance(ours, float):
+                figures[f"speedup_vs_openvino_batched_{key}"] = round(ours / theirs, 2)
+        rows.append((
+            f"OpenVINO GenAI {peer['openvino_genai']} (its default: {peer['inference_precision']}"
+            f", {peer['kv_cache_precision']} KV cache)", f"{theirs:.1f}",
+            f"{theirs / reference:.2f}x", "-",
+        ))  # fmt: skip
     print(
         f"\n# Batched offline: 32 prompts of 64-512 tokens, 128 output tokens each, "
         f"{torch.get_num_threads()} threads, best of 2\n"
@@ -223,6 +257,12 @@ def main() -> None:
     )
     parser.add_argument("--no-single", action="store_true", help="skip the single stream")
     parser.add_argument("--no-batched", action="store_true", help="skip the batched runs")
+    parser.add_argument(
+        "--openvino-python", type=Path, help="a Python with openvino-genai (the batched peer)"
+    )
+    parser.add_argument(
+        "--openvino-model", type=Path, help="the default model exported by optimum-cli"
+    )
     args = parser.parse_args()
 
     source = resolve_path(DEFAULT_MODEL)
@@ -278,7 +318,10 @@ def main() -> None:
             "MiB: the server's resident memory with the model loaded"
         )
     if not args.no_batched:
-        table, batched = batched_table(source, args.cache, args.seed)
+        openvino = None
+        if args.openvino_python is not None:
+            openvino = (args.openvino_python, args.openvino_model)
+        table, batched = batched_table(source, args.cache, args.seed, openvino)
         tables.append(table)
         figures.update(batched)
     report("quantized", figures, tables=tables)
