@@ -40,7 +40,7 @@ def main() -> None:
     config.ignore_eos = True
     config.do_sample = False
     prompts = [ov.Tensor(np.array([p], dtype=np.int64)) for p in job["prompts"]]
-    pipe.generate(prompts[:2], [config] * 2)  # warm-up
+    pipe.generate(prompts[:2], [config] * len(prompts[:2]))  # warm-up
     best = float("inf")
     for _ in range(job["rounds"]):
         start = time.perf_counter()
@@ -51,8 +51,8 @@ def main() -> None:
     core = ov.Core()
     print(json.dumps({
         "generated_tok_s": len(prompts) * job["output_len"] / best,
-        "inference_precision": str(core.get_property("CPU", "INFERENCE_PRECISION_HINT")),
-        "kv_cache_precision": str(core.get_property("CPU", "KV_CACHE_PRECISION")),
+        "inference_precision": core.get_property("CPU", "INFERENCE_PRECISION_HINT").get_type_name(),
+        "kv_cache_precision": core.get_property("CPU", "KV_CACHE_PRECISION").get_type_name(),
         "rss_mib": resident_mib(),
         "openvino_genai": genai.__version__,
     }))  # fmt: skip
