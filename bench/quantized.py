@@ -232,7 +232,8 @@ def batched_table(
             if isinstance(ours, float):
                 figures[f"speedup_vs_openvino_batched_{key}"] = round(ours / theirs, 2)
         rows.append((
-            f"OpenVINO GenAI {peer['openvino_genai']} (its default: {peer['inference_precision']}"
+            f"OpenVINO GenAI {str(peer['openvino_genai']).split('-')[0]} (its default: "
+            f"{peer['inference_precision']}"
             f", {peer['kv_cache_precision']} KV cache)", f"{theirs:.1f}",
             f"{theirs / reference:.2f}x", "-",
         ))  # fmt: skip

@@ -67,6 +67,10 @@ _SCHEMAS = {
     "Tensor? bias, int n) -> ()",
     # out = x rounded to fp8 e4m3 per row (scale None: max|row| / 448) or by scale [1]
     "quantize_fp8_rows": "quantize_fp8_rows(Tensor(a!) out, Tensor x, Tensor? scale) -> ()",
+    # out [m, n] = x [m, k] (16-bit, CUDA) @ (q * scale + offset)^T + bias, q reordered by
+    # pack_block_gemm_weight
+    "block_gemm": "block_gemm(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, "
+    "Tensor offset, Tensor? bias, int bits, int group) -> ()",
 }
 
 
@@ -93,6 +97,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "quantize_fp8_rows": _C.quantize_fp8_rows,
+    "block_gemm": _C.block_gemm,
 }
 
 
@@ -106,6 +111,7 @@ _CUDA_KERNELS = (
     "fused_add_rms_norm",
     "rotary_embedding",
     "silu_and_mul",
+    "block_gemm",
 )
 
 
@@ -179,3 +185,4 @@ dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
 int8_dense = _eager_cpu_direct("int8_dense")
 quantize_fp8_rows = _eager_cpu_direct("quantize_fp8_rows")
+block_gemm = torch.ops.pyengine.block_gemm  # (CUDA only: on its stream)

@@ -214,6 +214,38 @@ def prefill_step_rows(
     return rows, total
 
 
+def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ...]], dict]:  # type: ignore[type-arg]
+    """ops.block_gemm on a 4096 x 4096 weight of 4-bit blocks (a Llama-3-8B projection)
+    against torch's matmul over the same weight dequantized to `dtype` (cuBLAS), for a
+    decode's few rows and a prefill's many; GB/s of the quantized bytes it streams."""
+    from pyengine.layers.block_quantized import BlockQuantized
+    from pyengine.layers.cuda_blocks import CudaBlockForm
+
+    n = k = 4096
+    gen = torch.Generator().manual_seed(0)
+    scale = torch.rand(n, k // 32, generator=gen) * 0.01
+    blocks = BlockQuantized(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=gen).numpy(),
+        scale.numpy(), (-8 * scale).numpy(),
+    )  # fmt: skip
+    form = CudaBlockForm(blocks, torch.device("cuda"))
+    dense = torch.from_numpy(blocks.dequantize()).to("cuda", dtype)
+    quantized_bytes = n * k // 2 + 2 * scale.numel() * 4
+    rows, figures = [], {}
+    for m in (1, 16, 64, 512):
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        out = torch.empty(m, n, device="cuda", dtype=dtype)
+        ours = cuda_time(lambda x=x, out=out: ops.block_gemm(
+            out, x, form.packed, form.scale, form.offset, None, 4, 32))  # fmt: skip
+        theirs = cuda_time(lambda x=x: x @ dense.t())
+        rows.append((f"{m} rows", f"{ours * 1e6:.1f}", f"{quantized_bytes / ours / 1e9:.0f}",
+                     f"{quantized_bytes / ours / copy:.0%}", f"{theirs * 1e6:.1f}",
+                     f"{theirs / ours:.2f}x"))  # fmt: skip
+        figures[f"block_gemm_m{m}_us"] = round(ours * 1e6, 1)
+        figures[f"speedup_vs_torch_block_gemm_m{m}"] = round(theirs / ours, 2)
+    return rows, figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -309,6 +341,13 @@ def main() -> None:
           f"kernels alone: {step * 1e3:.0f} ms")  # fmt: skip
     tables.append(print_table(("op (all layers)", "ms", "share"), step_rows))
     figures["prefill_step_kernels_ms"] = round(step * 1e3, 1)
+    gemm_rows, gemm_figures = block_gemm_rows(dtype, copy)
+    print()
+    print("4-bit block GEMM (PYENGINE_CUDA_BLOCK_GEMM), 4096 x 4096, against torch's matmul")
+    print("over the same weight dequantized (GB/s: of the 4-bit bytes and scales):")
+    gemm_columns = ("x rows", "us", "GB/s", "of copy", "torch us", "speedup vs torch")
+    tables.append(print_table(gemm_columns, gemm_rows))
+    figures.update(gemm_figures)
     report("gpu_kernels", figures, tables=tables, device=device)
 
 

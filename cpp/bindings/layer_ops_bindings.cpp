@@ -3,6 +3,7 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/dense.h"
+#include "pyengine/block_gemm.h"
 #include "pyengine/fp8_quantize.h"
 #include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
@@ -151,6 +152,40 @@ void bind_layer_ops(py::module_& m) {
       "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times scale "
       "[n] and x's row scales, + bias (or None).");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
+  m.def("packed_block_gemm_size", &packed_block_gemm_size, py::arg("k"), py::arg("n"),
+        py::arg("bits"), "Bytes of a [n, k] weight's integers for block_gemm.");
+  m.def(
+      "pack_block_gemm_weight",
+      [](const py::handle& packed, const py::handle& q, int bits) {
+        const DLPackView p(packed, "pack_block_gemm_weight: packed");
+        const DLPackView w(q, "pack_block_gemm_weight: q");
+        py::gil_scoped_release release;
+        pack_block_gemm_weight(p.view(), w.view(), bits);
+      },
+      py::arg("packed"), py::arg("q"), py::arg("bits"),
+      "Reorders q [n, k] (uint8 0..15 or int8) for block_gemm.");
+  m.def(
+      "block_gemm",
+      [](const py::handle& out, const py::handle& x, const py::handle& packed,
+         const py::handle& scale, const py::handle& offset, const py::handle& bias, int bits,
+         int64_t group, uintptr_t stream) {
+        const DLPackView o(out, "block_gemm: out"), in(x, "block_gemm: x");
+        const DLPackView p(packed, "block_gemm: packed"), s(scale, "block_gemm: scale");
+        const DLPackView f(offset, "block_gemm: offset");
+        if (bias.is_none()) {
+          py::gil_scoped_release release;
+          block_gemm(o.view(), in.view(), p.view(), s.view(), f.view(), TensorView{}, bits, group,
+                     as_stream(stream));
+          return;
+        }
+        const DLPackView b(bias, "block_gemm: bias");
+        py::gil_scoped_release release;
+        block_gemm(o.view(), in.view(), p.view(), s.view(), f.view(), b.view(), bits, group,
+                   as_stream(stream));
+      },
+      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"),
+      py::arg("bias"), py::arg("bits"), py::arg("group"), py::arg("stream") = 0,
+      "out [m, n] = x [m, k] @ (q * scale + offset)^T + bias on CUDA (16-bit x).");
   m.def(
       "quantize_fp8_rows",
       [](const py::handle& out, const py::handle& x, const py::handle& scale) {

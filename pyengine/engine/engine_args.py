@@ -59,10 +59,10 @@ class EngineArgs:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         parallel = self.parallel_config()
-        packs_weights = Placement(torch.device(device), getattr(torch, dtype)).packs_weights
+        keeps_blocks = Placement(torch.device(device), getattr(torch, dtype)).keeps_gguf_blocks
         # With workers of their own, each reads its shards itself: here the config only.
         loaded = load_model(
-            self.model, self.tokenizer, self.load_format, keep_block_quantized=packs_weights,
+            self.model, self.tokenizer, self.load_format, keep_block_quantized=keeps_blocks,
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
@@ -30,6 +30,9 @@ from pyengine.layers.linear_method import LinearMethods
 from pyengine.layers.placement import Placement
 from pyengine.utils import host_memory
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+if TYPE_CHECKING:
+    from pyengine.layers.cuda_blocks import CudaBlockForm
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,7 @@ class LinearBase(nn.Module):
         self.packed_split: torch.Tensor | None = None
         self.packed_blocks: torch.Tensor | None = None
         self.packed_int8: torch.Tensor | None = None  # a W8A8 method's (layers/int8_w8a8.py)
+        self.cuda_blocks: CudaBlockForm | None = None  # on CUDA (layers/cuda_blocks.py)
         self.block_parts: list[tuple[int, BlockQuantized]] = []
         self.method = ctx.linear_methods.choose(checkpoint_names, many_rows)
         self.method.create_weights(self)

@@ -20,6 +20,8 @@ The forms today:
   weights, multiplied by activations quantized per token.
 - Fp8Method (layers/fp8_w8a8.py): a compressed-tensors FP8 checkpoint's e4m3 weights,
   as panels of fp8 codes, and e4m3 activations.
+- CudaBlockMethod (layers/cuda_blocks.py): GGUF blocks on CUDA, for ops.block_gemm
+  (PYENGINE_CUDA_BLOCK_GEMM=1).
 """
 
 from __future__ import annotations
@@ -253,9 +255,14 @@ class LinearMethods:
             from pyengine.layers.weight_only_int import WeightOnlyIntMethod
 
             return WeightOnlyIntMethod(self.quantization, self.placement)
-        if not self.placement.packs_weights:
-            return TorchLinearMethod(self.placement)
         names = list(checkpoint_names)
-        if names and all(name in self.block_quantized for name in names):
+        has_blocks = bool(names) and all(name in self.block_quantized for name in names)
+        if not self.placement.packs_weights:
+            if has_blocks and self.placement.keeps_gguf_blocks:
+                from pyengine.layers.cuda_blocks import CudaBlockMethod
+
+                return CudaBlockMethod(self.placement)
+            return TorchLinearMethod(self.placement)
+        if has_blocks:
             return GGUFBlockMethod()  # every part has a block form
         return SplitBF16Method() if many_rows and split_gemm_enabled() else PackedPanelsMethod()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,3 +19,15 @@ class Placement:
     @property
     def packs_weights(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32
+
+    @property
+    def keeps_gguf_blocks(self) -> bool:
+        """Whether GGUF matrices stay in block form: on the CPU in float32 (ops.dense), and
+        on CUDA in 16 bits where PYENGINE_CUDA_BLOCK_GEMM=1 (ops.block_gemm: not yet run on
+        a GPU, so not the default there); elsewhere they are dequantized at load."""
+        cuda_blocks = (
+            self.device.type == "cuda"
+            and self.dtype in (torch.float16, torch.bfloat16)
+            and os.environ.get("PYENGINE_CUDA_BLOCK_GEMM") == "1"
+        )
+        return self.packs_weights or cuda_blocks

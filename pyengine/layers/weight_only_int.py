@@ -13,7 +13,8 @@ The checkpoint layouts (W is the [out, in] weight, q its integers, g a group):
   [in / group, out]; W[o, i] = scales[i // group, o] * (q[i, o] - zero[i // group, o]).
 - compressed-tensors pack-quantized (W4A16, symmetric): weight_packed int32 [out, in / 8],
   packed along the input, lowest bits first, each q stored as q + 8; weight_scale [out,
-  in / group]; weight_shape [out, in]. W[o, i] = weight_scale[o, i // group] * q.
+  in / group]; weight_shape [out, in]. W[o, i] = weight_scale[o, i // group] * q, or,
+  with actorder "group", weight_scale[o, weight_g_idx[i]] * q.
 
 Loaded per rank as q uint8 [out, in] of its shard, scales and zeros [out, groups] over
 the whole input (a row-parallel shard's inputs may fall in any group with activation
@@ -88,9 +89,11 @@ class WeightOnlyIntMethod(LinearMethod):
     def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
         self.q = quantization
         self.placement = placement
-        kinds = ("qweight", "qzeros", "scales")
+        kinds: tuple[str, ...] = ("qweight", "qzeros", "scales")
         if quantization.method == "compressed-tensors":  # pack-quantized, symmetric
             kinds = ("weight_packed", "weight_scale", "weight_shape")
+            if quantization.desc_act:
+                kinds = (*kinds, "weight_g_idx")  # its activation order's groups
         self.weight_kinds = (*kinds, "g_idx") if quantization.method == "gptq" else kinds
 
     def create_weights(self, layer: LinearBase) -> None:
@@ -127,7 +130,7 @@ class WeightOnlyIntMethod(LinearMethod):
         first_in, local_in = getattr(layer, "input_start", 0), layer.input_size_per_partition
         bits, per_word = self.q.bits, self.q.pack_factor
         awq = self.q.method == "awq"
-        if kind == "g_idx":
+        if kind in ("g_idx", "weight_g_idx"):
             check_shape(name, tensor, (full_in,))
             g = tensor.to(torch.int64)
             if int(g.min()) < 0 or int(g.max()) >= groups:

@@ -192,10 +192,12 @@ _FP8_ACTIVATIONS = {
     "num_bits": (8,), "type": ("float",), "symmetric": (True,), "strategy": ("token", "tensor"),
     "dynamic": (True, False),
 }  # fmt: skip
-# W4A16: 4-bit symmetric weights per group or per channel, in input order (no actorder).
+# W4A16: 4-bit symmetric weights per group or per channel; with actorder "group" (or
+# true) the groups are in activation order, a `weight_g_idx` per input; "weight" (or
+# "static") orders only the quantization, the groups stay contiguous.
 _W4A16_WEIGHTS = {
     "num_bits": (4,), "type": ("int",), "symmetric": (True,), "strategy": ("group", "channel"),
-    "actorder": (None, False), "dynamic": (False, None),
+    "actorder": (None, False, True, "group", "weight", "static"), "dynamic": (False, None),
 }  # fmt: skip
 
 
@@ -253,8 +255,15 @@ def _compressed_group(name: str, group: Any, form: str) -> QuantizationConfig:
             "is not supported"
         )
     scheme = group["weights"]
-    size = scheme.get("group_size") if scheme.get("strategy") == "group" else -1
-    return QuantizationConfig("compressed-tensors", 4, size)
+    grouped = scheme.get("strategy") == "group"
+    size = scheme.get("group_size") if grouped else -1
+    activation_order = scheme.get("actorder") in (True, "group")
+    if activation_order and not grouped:
+        raise ValueError(
+            f"compressed-tensors group {name!r}: actorder {scheme.get('actorder')!r} orders "
+            "groups, and strategy 'channel' has none"
+        )
+    return QuantizationConfig("compressed-tensors", 4, size, desc_act=activation_order)
 
 
 def _fp8_group(name: str, group: dict[str, Any]) -> QuantizationConfig:

@@ -229,8 +229,16 @@ def load_safetensors(folder: Path, quantized: bool = False) -> LazyWeights:
 
 
 # A quantized checkpoint's integer tensors (GPTQ's and AWQ's packed weights and zero
-# points, GPTQ's input groups, compressed-tensors' packed weights and their shapes).
-QUANTIZED_INTEGER_TENSORS = (".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_shape")
+# points, GPTQ's input groups, compressed-tensors' packed weights, their shapes and input
+# groups).
+QUANTIZED_INTEGER_TENSORS = (
+    ".qweight",
+    ".qzeros",
+    ".g_idx",
+    ".weight_packed",
+    ".weight_shape",
+    ".weight_g_idx",
+)
 # safetensors' header dtypes that are not floating point, as torch names them
 _INTEGER_DTYPES = {"BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8",
                    "I16": "torch.int16", "U16": "torch.uint16", "I32": "torch.int32",

@@ -36,6 +36,8 @@ def resident_bytes(model: Any) -> int:
             value = getattr(module, attr, None)
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
+        if (cuda_blocks := getattr(module, "cuda_blocks", None)) is not None:
+            tensors += [cuda_blocks.packed, cuda_blocks.scale, cuda_blocks.offset]
     unique = {id(t): t for t in tensors}.values()
     return sum(t.numel() * t.element_size() for t in unique)
 
@@ -50,6 +52,8 @@ def weight_forms(model: Any) -> str:
         if blocks is not None:
             bits = {torch.uint8: "4-bit", torch.int8: "8-bit", torch.float8_e4m3fn: "fp8"}
             form = f"{bits[blocks.dtype]} blocks"
+        elif (cuda_blocks := getattr(module, "cuda_blocks", None)) is not None:
+            form = f"{cuda_blocks.bits}-bit CUDA blocks"
         elif getattr(module, "packed_int8", None) is not None:
             form = "int8 W8A8"
         elif isinstance(packed, torch.Tensor):

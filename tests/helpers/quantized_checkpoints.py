@@ -172,10 +172,12 @@ def write_w8a8(float_folder: Path, out: Path, reference: Path) -> None:
     _write_folders(float_folder, out, reference, quantized, dequantized, W8A8_CONFIG)
 
 
-def w4a16_config(group_size: int) -> dict:  # type: ignore[type-arg]
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
-               "strategy": "group" if group_size > 0 else "channel",
-               "group_size": group_size if group_size > 0 else None, "actorder": None}  # fmt: skip
+def w4a16_config(group_size: int, actorder: str | None = None) -> dict:  # type: ignore[type-arg]
+    weights = {
+        "num_bits": 4, "type": "int", "symmetric": True, "dynamic": False,
+        "strategy": "group" if group_size > 0 else "channel",
+        "group_size": group_size if group_size > 0 else None, "actorder": actorder,
+    }  # fmt: skip
     return {
         "quant_method": "compressed-tensors", "format": "pack-quantized", "ignore": ["lm_head"],
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
@@ -183,29 +185,47 @@ def w4a16_config(group_size: int) -> dict:  # type: ignore[type-arg]
     }  # fmt: skip
 
 
-def write_w4a16(float_folder: Path, out: Path, reference: Path, group_size: int) -> None:
+def write_w4a16(
+    float_folder: Path, out: Path, reference: Path, group_size: int,
+    actorder: str | None = None, seed: int = 0,
+) -> None:  # fmt: skip
     """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
     pack-quantized W4A16 form, packed by the compressed-tensors library itself
     (`weight_packed` int32 [out, in / 8], `weight_scale` bfloat16 [out, groups],
     `weight_shape`): q = round(w / scale) in [-8, 7], scale = max|w| / 7 per group
-    (group_size -1: per output channel); `reference`: the dequantized float32 weights."""
+    (group_size -1: per output channel); with actorder "group", the groups are of inputs
+    in a random activation order (shared by the weights of one input), given by
+    `weight_g_idx` (int32 [in]); `reference`: the dequantized float32 weights."""
     from compressed_tensors.compressors import pack_to_int32
 
+    rng = np.random.default_rng(seed)
+    orders: dict[tuple[str, str], np.ndarray] = {}
     quantized, dequantized, linear = _linear_weights(float_folder)
     for name, module, w in linear:
         rows, columns = w.shape
         size = columns if group_size == -1 else group_size
-        grouped = w.float().reshape(rows, columns // size, size)
-        scale = (grouped.abs().amax(dim=2, keepdim=True) / 7).to(torch.bfloat16)
-        q = torch.round(grouped / scale.float()).clamp(-8, 7)
-        del quantized[name]
-        quantized[f"{module}.weight_packed"] = pack_to_int32(
-            q.reshape(rows, columns).to(torch.int8), 4
+        layer, _, leaf = module.rpartition(".")
+        key = (layer, _SAME_INPUT.get(leaf, leaf))
+        if key not in orders:
+            orders[key] = rng.permutation(columns) if actorder == "group" else np.arange(columns)
+        group_of = np.empty(columns, dtype=np.int64)
+        group_of[orders[key]] = np.arange(columns) // size
+        groups = torch.from_numpy(group_of)
+        amax = torch.zeros(rows, columns // size).scatter_reduce_(
+            1, groups.expand(rows, -1), w.float().abs(), "amax"
         )
-        quantized[f"{module}.weight_scale"] = scale.reshape(rows, -1)
+        scale = (amax / 7).to(torch.bfloat16)
+        q = torch.round(w.float() / scale.float()[:, groups]).clamp(-8, 7)
+        del quantized[name]
+        quantized[f"{module}.weight_packed"] = pack_to_int32(q.to(torch.int8), 4)
+        quantized[f"{module}.weight_scale"] = scale
         quantized[f"{module}.weight_shape"] = torch.tensor([rows, columns])
-        dequantized[name] = (q * scale.float()).reshape(rows, columns)
-    _write_folders(float_folder, out, reference, quantized, dequantized, w4a16_config(group_size))
+        if actorder == "group":
+            quantized[f"{module}.weight_g_idx"] = groups.to(torch.int32)
+        dequantized[name] = q * scale.float()[:, groups]
+    _write_folders(
+        float_folder, out, reference, quantized, dequantized, w4a16_config(group_size, actorder)
+    )
 
 
 def fp8_config(strategy: str, activations: str | None) -> dict:  # type: ignore[type-arg]

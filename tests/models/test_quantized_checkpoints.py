@@ -238,14 +238,17 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
             LLM(str(tmp_path / "q"), **ENGINE)
 
 
-@pytest.mark.parametrize("group_size", [32, -1])
+@pytest.mark.parametrize(
+    ("group_size", "actorder"), [(32, None), (-1, None), (32, "group"), (64, "weight")]
+)
 def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
-    float_llama: Path, tmp_path: Path, group_size: int
+    float_llama: Path, tmp_path: Path, group_size: int, actorder: str | None
 ) -> None:
-    """compressed-tensors' pack-quantized W4A16, packed by its own library: held as 4-bit
-    blocks, the same weights bit for bit, so the same tokens and logprobs."""
+    """compressed-tensors' pack-quantized W4A16, packed by its own library (groups in
+    activation order too): held as 4-bit blocks, the same weights bit for bit, so the
+    same tokens and logprobs."""
     pytest.importorskip("compressed_tensors")
-    write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", group_size)
+    write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", group_size, actorder)
     llm = LLM(str(tmp_path / "q"), **ENGINE)
     model = llm.engine.executor.driver_worker.model_runner.model
     linear = [
@@ -268,7 +271,11 @@ def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
     weights = scheme["config_groups"]["group_0"]["weights"]
     for change, message in (
         ({"num_bits": 2}, r"weights \{'num_bits': 2\} are not supported"),
-        ({"actorder": "group"}, r"weights \{'actorder': 'group'\} are not supported"),
+        ({"actorder": "dynamic"}, r"weights \{'actorder': 'dynamic'\} are not supported"),
+        (
+            {"actorder": "group", "strategy": "channel", "group_size": None},
+            "orders groups, and strategy 'channel' has none",
+        ),
         ({"symmetric": False}, r"weights \{'symmetric': False\} are not supported"),
     ):
         group = {"targets": ["Linear"], "weights": {**weights, **change}}

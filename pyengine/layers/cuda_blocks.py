@@ -1,0 +1,68 @@
+"""GGUF block-quantized matrices on CUDA (PYENGINE_CUDA_BLOCK_GEMM=1): held as their
+integers (0.5 or 1 byte a weight, reordered at load for the kernel's warps) with a
+float32 scale and offset per group, and multiplied by ops.block_gemm, which widens each
+weight in registers to the 16-bit type (exactly the weight a dequantization at load
+gives) for the tensor cores. Off by default until bench/gpu/run.sh has run it on a GPU:
+otherwise the blocks are dequantized at load (TorchLinearMethod)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from pyengine import _C, ops
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.linear_method import LinearMethod
+from pyengine.layers.placement import Placement
+
+if TYPE_CHECKING:
+    from pyengine.layers.linear import LinearBase
+
+
+class CudaBlockForm:
+    """A [n, k] weight's block form on the device, as ops.block_gemm takes it."""
+
+    def __init__(self, blocks: BlockQuantized, device: torch.device) -> None:
+        n, k = blocks.shape
+        self.bits, self.group = blocks.bits, blocks.group
+        q = torch.from_numpy(blocks.q).contiguous()
+        packed = torch.empty(_C.packed_block_gemm_size(k, n, self.bits), dtype=torch.uint8)
+        _C.pack_block_gemm_weight(packed, q, self.bits)
+        self.packed = packed.to(device)
+        self.scale = torch.from_numpy(blocks.scale).float().contiguous().to(device)
+        self.offset = torch.from_numpy(blocks.offset).float().contiguous().to(device)
+
+
+class CudaBlockMethod(LinearMethod):
+    keeps_blocks = True
+
+    def __init__(self, placement: Placement) -> None:
+        self.placement = placement
+
+    def create_weights(self, layer: LinearBase) -> None:
+        del layer  # the blocks arrive through load_blocks
+
+    def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
+        layer.block_parts.append((start, blocks))
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        parts = sorted(layer.block_parts, key=lambda part: part[0])
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        whole = BlockQuantized.stack([blocks for _, blocks in parts]) if parts else None
+        if whole is None or whole.shape != shape:
+            raise ValueError(
+                f"block-quantized weight for a {shape} weight got {whole and whole.shape}"
+            )
+        layer.cuda_blocks = CudaBlockForm(whole, self.placement.device)
+        layer.block_parts.clear()
+
+    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        form = layer.cuda_blocks
+        assert form is not None
+        out = torch.empty(
+            x.shape[0], layer.output_size_per_partition, dtype=x.dtype, device=x.device
+        )
+        ops.block_gemm(out, x, form.packed, form.scale, form.offset,
+                       None if bias is None else bias.float(), form.bits, form.group)  # fmt: skip
+        return out
