@@ -18,24 +18,21 @@ from pyengine.config import ModelConfig
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-W8A8_SCHEME = {
-    "quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "int", "symmetric": True,
-                              "strategy": "token", "dynamic": True},
-    }},
-}  # fmt: skip
-FP8_SCHEME = {
-    "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-    "config_groups": {"group_0": {
-        "targets": ["Linear"],
-        "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel"},
-        "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
-                              "strategy": "token", "dynamic": True},
-    }},
-}  # fmt: skip
+
+
+def w8a8_scheme(value_type: str) -> dict[str, object]:
+    """compressed-tensors' 8-bit weights per channel and activations per token (dynamic):
+    value_type "int" (int-quantized W8A8) or "float" (float-quantized FP8)."""
+    eight_bits = {"num_bits": 8, "type": value_type, "symmetric": True}
+    return {
+        "quant_method": "compressed-tensors", "ignore": ["lm_head"],
+        "format": "int-quantized" if value_type == "int" else "float-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {**eight_bits, "strategy": "channel"},
+            "input_activations": {**eight_bits, "strategy": "token", "dynamic": True},
+        }},
+    }  # fmt: skip
 
 
 def int8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +47,10 @@ def fp8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
-QUANTIZED_FORMS = {"w8a8": (int8_channels, W8A8_SCHEME), "fp8": (fp8_channels, FP8_SCHEME)}
+QUANTIZED_FORMS = {
+    "w8a8": (int8_channels, w8a8_scheme("int")),
+    "fp8": (fp8_channels, w8a8_scheme("float")),
+}
 
 
 def hf_config(c: ModelConfig) -> dict[str, object]:

@@ -13,7 +13,7 @@ import torch
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.linear_method import LinearMethod
+from pyengine.layers.linear_method import BlockPartsMethod
 from pyengine.layers.placement import Placement
 
 if TYPE_CHECKING:
@@ -34,28 +34,12 @@ class CudaBlockForm:
         self.offset = torch.from_numpy(blocks.offset).float().contiguous().to(device)
 
 
-class CudaBlockMethod(LinearMethod):
-    keeps_blocks = True
-
+class CudaBlockMethod(BlockPartsMethod):
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
 
-    def create_weights(self, layer: LinearBase) -> None:
-        del layer  # the blocks arrive through load_blocks
-
-    def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
-        layer.block_parts.append((start, blocks))
-
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        parts = sorted(layer.block_parts, key=lambda part: part[0])
-        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
-        whole = BlockQuantized.stack([blocks for _, blocks in parts]) if parts else None
-        if whole is None or whole.shape != shape:
-            raise ValueError(
-                f"block-quantized weight for a {shape} weight got {whole and whole.shape}"
-            )
-        layer.cuda_blocks = CudaBlockForm(whole, self.placement.device)
-        layer.block_parts.clear()
+        layer.cuda_blocks = CudaBlockForm(self.stacked_blocks(layer), self.placement.device)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         form = layer.cuda_blocks

@@ -201,12 +201,9 @@ class SplitBF16Method(PackedPanelsMethod):
         layer.packed_split = pack_split(w_t, layer.gate_up)
 
 
-class GGUFBlockMethod(PackedPanelsMethod):
-    """A GGUF weight of a type with a block form (layers/block_quantized.py) kept only in
-    it, which every step
-    multiplies from: few rows stream a fifth of float32's bytes, and for many the
-    widening of each chunk into L1 is shared by all the rows' tiles. No float copy of
-    the weight is ever made."""
+class BlockPartsMethod(LinearMethod):
+    """A method that keeps a GGUF weight's block form: the parts arrive through
+    load_blocks (no float weight is made), and `stacked_blocks` joins them once loaded."""
 
     keeps_blocks = True
 
@@ -216,7 +213,9 @@ class GGUFBlockMethod(PackedPanelsMethod):
     def load_blocks(self, layer: LinearBase, start: int, blocks: BlockQuantized) -> None:
         layer.block_parts.append((start, blocks))
 
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
+    @staticmethod
+    def stacked_blocks(layer: LinearBase) -> BlockQuantized:
+        """The layer's parts in row order as one [out, in] block form (then let go)."""
         parts = sorted(layer.block_parts, key=lambda part: part[0])
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
         if not parts:
@@ -224,8 +223,18 @@ class GGUFBlockMethod(PackedPanelsMethod):
         whole = BlockQuantized.stack([blocks for _, blocks in parts])
         if whole.shape != shape:
             raise ValueError(f"block-quantized weight {whole.shape} for a {shape} weight")
-        layer.packed_blocks = pack_block_quantized(whole, layer.gate_up)
         layer.block_parts.clear()
+        return whole
+
+
+class GGUFBlockMethod(BlockPartsMethod, PackedPanelsMethod):
+    """A GGUF weight of a type with a block form (layers/block_quantized.py) kept only in
+    it, which every step multiplies from: few rows stream a fifth of float32's bytes, and
+    for many the widening of each chunk into L1 is shared by all the rows' tiles. No float
+    copy of the weight is ever made."""
+
+    def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.packed_blocks = pack_block_quantized(self.stacked_blocks(layer), layer.gate_up)
 
 
 @dataclass(frozen=True)

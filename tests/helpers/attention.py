@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -126,3 +127,17 @@ def check_output(
     assert not np.isnan(got).any(), "an output element was not written"
     error = np.abs(got - expected).max() / np.abs(expected).max()
     assert error < tolerance, f"relative error {error:.2e}"
+
+
+def causal_attention(query: Any, keys: Any, values: Any) -> Any:
+    """One request's attention in float64 (torch): query [q, heads, d] the last q tokens
+    of keys/values [context, kv_heads, d], query i seeing keys up to context - q + i."""
+    import torch
+
+    queries, heads, d = query.shape
+    context, kv_heads, _ = keys.shape
+    k, v = (w.double().repeat_interleave(heads // kv_heads, dim=1) for w in (keys, values))
+    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * d**-0.5
+    visible = torch.arange(context)[None, :] <= (context - queries + torch.arange(queries))[:, None]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return torch.einsum("hqk,khd->qhd", weights, v)

@@ -2,15 +2,17 @@
 rounding of each value (ties to even, saturated at 448, NaN kept), and paged_attention
 over them is bit for bit paged_attention over a float32 cache of the widened values, in
 every build of the kernel; against float64 too. The engine runs with kv_cache_dtype="fp8"
-close to the float32 cache; the other devices and dtypes refuse it."""
+(and "int8") close to the float32 cache; the other devices and dtypes refuse them."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from helpers.attention import causal_attention
 from helpers.tiny_models import make_checkpoint
 
 from pyengine import _C, LLM, SamplingParams, ops
+from pyengine.config import INT8_SCALE_BYTES
 from pyengine.engine.engine_args import resolve_kv_cache_dtype
 
 ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
@@ -67,12 +69,7 @@ def test_attention_over_fp8_is_attention_over_its_values(
     finally:
         _C.set_attention_isa("auto")
     assert torch.equal(out8, outf)
-    # float64, causal: query i sees keys up to context - queries + i
-    k, v = (w.double().repeat_interleave(HEADS // KV_HEADS, dim=1) for w in widened)
-    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * HEAD_SIZE**-0.5
-    visible = torch.arange(context)[None, :] <= (context - queries + torch.arange(queries))[:, None]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    torch.testing.assert_close(out8.double(), torch.einsum("hqk,khd->qhd", weights, v),
+    torch.testing.assert_close(out8.double(), causal_attention(query, *widened),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
@@ -87,23 +84,37 @@ def test_fp8_caches_take_float32_queries_only() -> None:
         ops.reshape_and_cache(query.half(), query.half(), k8, v8, torch.zeros(1, dtype=torch.long))
 
 
-def test_the_engine_runs_an_fp8_cache_where_weights_are_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize(
+    ("kv", "storage", "padding", "tolerance"),
+    # e4m3: 3 mantissa bits; int8: a scale per token and head, 4 bytes beside its values
+    [("fp8", torch.uint8, 0, 0.1), ("int8", torch.int8, INT8_SCALE_BYTES, 0.05)],
+)
+def test_the_engine_runs_a_narrow_cache_where_weights_are_float32(  # type: ignore[no-untyped-def]
+    tmp_path, kv: str, storage: torch.dtype, padding: int, tolerance: float
+) -> None:
     make_checkpoint("llama", tmp_path)
     prompts = [{"prompt_token_ids": list(range(10, 70))}, {"prompt_token_ids": [3, 4, 5]}]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     runs = {}
-    for kv in ("auto", "fp8"):
-        llm = LLM(str(tmp_path), kv_cache_dtype=kv, max_model_len=128, kv_cache_memory=2**22)
-        runs[kv] = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.engine.executor.driver_worker.model_runner.cache_dtype == (
-            torch.uint8 if kv == "fp8" else torch.float32
-        )
+    for cache in ("auto", kv):
+        llm = LLM(str(tmp_path), kv_cache_dtype=cache, max_model_len=128, kv_cache_memory=2**22)
+        runs[cache] = llm.generate(prompts, params, use_tqdm=False)
+        runner = llm.engine.executor.driver_worker.model_runner
+        assert runner.cache_dtype == (storage if cache == kv else torch.float32)
+        key_cache, value_cache = runner.caches[0]
+        head = runner.model.config.head_size + (padding if cache == kv else 0)
+        assert key_cache.shape[2] == value_cache.shape[3] == head
         llm.engine.shutdown()
-    for fp8, full in zip(runs["fp8"], runs["auto"], strict=True):
-        first = fp8.outputs[0].logprobs[0]
+    for narrow, full in zip(runs[kv], runs["auto"], strict=True):
+        first = narrow.outputs[0].logprobs[0]
         for token, entry in full.outputs[0].logprobs[0].items():
-            assert abs(first[token].logprob - entry.logprob) < 0.1  # e4m3: 3 mantissa bits
+            assert abs(first[token].logprob - entry.logprob) < tolerance
+
+
+def test_narrow_caches_need_float32_weights_on_the_cpu() -> None:
     assert resolve_kv_cache_dtype("fp8_e4m3", "float32", "cpu") == "fp8_e4m3"
-    for dtype, device in (("bfloat16", "cpu"), ("bfloat16", "cuda")):
-        with pytest.raises(ValueError, match="needs float32 weights on the CPU"):
-            resolve_kv_cache_dtype("fp8", dtype, device)
+    assert resolve_kv_cache_dtype("int8", "float32", "cpu") == "int8"
+    for kv in ("fp8", "int8"):
+        for dtype, device in (("bfloat16", "cpu"), ("bfloat16", "cuda")):
+            with pytest.raises(ValueError, match="needs float32 weights on the CPU"):
+                resolve_kv_cache_dtype(kv, dtype, device)

@@ -2,15 +2,15 @@
 writes q = round(x / s), s = max|x| / 127, and s beside each token's values (the head
 dims 4 bytes longer); paged_attention over them matches attention over the dequantized
 values q * s in float64, in every build of the kernel and for a decode's few rows as for
-a prefill's many; the engine runs with kv_cache_dtype="int8" close to the float32 cache."""
+a prefill's many. (The engine's run with kv_cache_dtype="int8": test_fp8_cache.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers.tiny_models import make_checkpoint
+from helpers.attention import causal_attention
 
-from pyengine import _C, LLM, SamplingParams, ops
+from pyengine import _C, ops
 from pyengine.config import INT8_SCALE_BYTES
 
 ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
@@ -79,12 +79,8 @@ def test_attention_over_int8_is_attention_over_its_dequantized_values(
         ops.paged_attention(out, query, k8, v8, *args)
     finally:
         _C.set_attention_isa("auto")
-    k, v = (dequantized(w).repeat_interleave(HEADS // KV_HEADS, dim=1) for w in (key, value))
-    scores = torch.einsum("qhd,khd->hqk", query.double(), k) * HEAD_SIZE**-0.5
-    visible = torch.arange(context)[None, :] <= (context - queries + torch.arange(queries))[:, None]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-    torch.testing.assert_close(out.double(), torch.einsum("hqk,khd->qhd", weights, v),
-                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    want = causal_attention(query, dequantized(key), dequantized(value))
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_int8_caches_are_checked() -> None:
@@ -99,23 +95,3 @@ def test_int8_caches_are_checked() -> None:
     unpadded = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK, dtype=torch.int8)
     with pytest.raises(ValueError, match="key_cache .* must be value_cache"):
         ops.paged_attention(query, query, unpadded, v8, *args)
-
-
-def test_the_engine_runs_an_int8_cache_where_weights_are_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    make_checkpoint("llama", tmp_path)
-    prompts = [{"prompt_token_ids": list(range(10, 70))}, {"prompt_token_ids": [3, 4, 5]}]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
-    runs = {}
-    for kv in ("auto", "int8"):
-        llm = LLM(str(tmp_path), kv_cache_dtype=kv, max_model_len=128, kv_cache_memory=2**22)
-        runs[kv] = llm.generate(prompts, params, use_tqdm=False)
-        runner = llm.engine.executor.driver_worker.model_runner
-        assert runner.cache_dtype == (torch.int8 if kv == "int8" else torch.float32)
-        key_cache, value_cache = runner.caches[0]
-        head = runner.model.config.head_size + (INT8_SCALE_BYTES if kv == "int8" else 0)
-        assert key_cache.shape[2] == value_cache.shape[3] == head
-        llm.engine.shutdown()
-    for int8, full in zip(runs["int8"], runs["auto"], strict=True):
-        first = int8.outputs[0].logprobs[0]
-        for token, entry in full.outputs[0].logprobs[0].items():
-            assert abs(first[token].logprob - entry.logprob) < 0.05
