@@ -106,6 +106,12 @@ HEADLINES = (
         "x",
     ),
     Headline(
+        "quantized",
+        "CPU batched generated tokens/s, INT8 W8A8 weights, against OpenVINO GenAI's default",
+        figure("speedup_vs_openvino_batched_w8a8"),
+        "x",
+    ),
+    Headline(
         "perplexity",
         "Q8_0 weights: perplexity change against the float32 reference",
         lambda f: (
