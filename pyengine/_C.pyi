@@ -119,7 +119,14 @@ def built_with_cuda() -> bool: ...
 def copy_blocks(caches: Sequence[Any], block_mapping: Any, stream: int = 0) -> None: ...
 def swap_blocks(src: Any, dst: Any, block_mapping: Any, stream: int = 0) -> None: ...
 def reshape_and_cache(
-    key: Any, value: Any, key_cache: Any, value_cache: Any, slot_mapping: Any, stream: int = 0
+    key: Any,
+    value: Any,
+    key_cache: Any,
+    value_cache: Any,
+    slot_mapping: Any,
+    k_scale: float = 0.0,
+    v_scale: float = 0.0,
+    stream: int = 0,
 ) -> None: ...
 def paged_attention(
     out: Any,

@@ -33,8 +33,9 @@ from pyengine import _C
 
 _SCHEMAS = {
     # key, value: [num_tokens, num_kv_heads, head_size]; slot_mapping: int64 [num_tokens]
+    # k_scale/v_scale: an int8 cache's static per-tensor scales (0: a scale per token)
     "reshape_and_cache": "reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
-    "Tensor(b!) value_cache, Tensor slot_mapping) -> ()",
+    "Tensor(b!) value_cache, Tensor slot_mapping, float k_scale=0.0, float v_scale=0.0) -> ()",
     # out, query: [num_tokens, num_heads, head_size]; block_tables int32 [num_reqs, max];
     # seq_lens int32 [num_reqs]; query_start_loc int32 [num_reqs + 1]
     "paged_attention": "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "

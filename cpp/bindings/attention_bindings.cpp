@@ -60,18 +60,20 @@ void bind_attention(py::module_& m) {
   m.def(
       "reshape_and_cache",
       [](const py::handle& key, const py::handle& value, const py::handle& key_cache,
-         const py::handle& value_cache, const py::handle& slot_mapping, uintptr_t stream) {
+         const py::handle& value_cache, const py::handle& slot_mapping, float k_scale,
+         float v_scale, uintptr_t stream) {
         const DLPackView k(key, "reshape_and_cache: key");
         const DLPackView v(value, "reshape_and_cache: value");
         const DLPackView kc(key_cache, "reshape_and_cache: key_cache");
         const DLPackView vc(value_cache, "reshape_and_cache: value_cache");
         const DLPackView slots(slot_mapping, "reshape_and_cache: slot_mapping");
         py::gil_scoped_release release;
-        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view(),
+        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view(), k_scale, v_scale,
                           as_stream(stream));
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
-      py::arg("slot_mapping"), py::arg("stream") = 0,
+      py::arg("slot_mapping"), py::arg("k_scale") = 0.0f, py::arg("v_scale") = 0.0f,
+      py::arg("stream") = 0,
       R"doc(Writes new tokens' K and V into their cache slots (slot -1: skip).
 
 key, value:    [num_tokens, num_kv_heads, head_size]

@@ -39,6 +39,9 @@ class PagedAttention:
         self.head_size = head_size
         self.scale = head_size**-0.5
         self.sliding_window = sliding_window
+        # A checkpoint's static per-tensor K and V scales, which an int8 cache takes (0:
+        # a scale per token and head; other caches need none).
+        self.k_scale = self.v_scale = 0.0
 
     def __call__(
         self,
@@ -49,7 +52,11 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = cache
-        ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        if key_cache.dtype == torch.int8 and self.k_scale > 0:
+            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
+                                  self.k_scale, self.v_scale)  # fmt: skip
+        else:
+            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
         out = torch.empty_like(query)
         ops.paged_attention(
             out,

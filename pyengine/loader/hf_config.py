@@ -4,6 +4,7 @@ cannot run with."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pyengine.config import QUANTIZATION_METHODS, ModelConfig, QuantizationConfig
@@ -222,9 +223,14 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
         raise ValueError(
             f"compressed-tensors: ignore {ignored} is not supported (only lm_head may stay float)"
         )
-    if raw.get("kv_cache_scheme"):
-        raise ValueError("compressed-tensors: a kv_cache_scheme is not supported")
-    return configs.pop()
+    config = configs.pop()
+    kv = raw.get("kv_cache_scheme")
+    if kv:
+        wanted = {"num_bits": (8,), "type": ("int",), "symmetric": (True,), "strategy": ("tensor",),
+                  "dynamic": (False, None)}  # fmt: skip
+        _check_scheme("kv_cache_scheme", [("kv_cache_scheme", kv, wanted)], "int8 KV cache")
+        config = dataclasses.replace(config, kv_cache_int8=True)
+    return config
 
 
 def _compressed_group(name: str, group: Any, form: str) -> QuantizationConfig:

@@ -49,6 +49,18 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
         )
+        # A compressed-tensors int8 kv_cache_scheme's per-tensor scales (checkpoint tensors
+        # self_attn.k_scale and v_scale), for an int8 KV cache.
+        self.kv_scales = (
+            torch.zeros(2) if c.quantization is not None and c.quantization.kv_cache_int8 else None
+        )
+
+    def process_weights_after_loading(self) -> None:
+        if self.kv_scales is not None:
+            if not bool((self.kv_scales > 0).all()) or not bool(self.kv_scales.isfinite().all()):
+                raise ValueError(f"k_scale and v_scale must be finite and positive, got "
+                                 f"{self.kv_scales.tolist()}")  # fmt: skip
+            self.attn.k_scale, self.attn.v_scale = (float(s) for s in self.kv_scales)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -236,4 +248,7 @@ class LlamaForCausalLM(nn.Module):
             if attn.q_norm is not None and attn.k_norm is not None:
                 router.plain(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
                 router.plain(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+            if attn.kv_scales is not None:
+                router.scalar(f"{p}.self_attn.k_scale", attn.kv_scales[0:1])
+                router.scalar(f"{p}.self_attn.v_scale", attn.kv_scales[1:2])
         return router

@@ -22,7 +22,7 @@ from pyengine.layers.linear import (
     copy_checked,
 )
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from pyengine.utils.lazy_weights import CheckpointTensor, LazyWeights
+from pyengine.utils.lazy_weights import CheckpointTensor, LazyWeights, materialize
 
 # A checkpoint name and tensor as the model's routes know them, or None: not a weight.
 Normalize = Callable[[str, CheckpointTensor], "tuple[str, CheckpointTensor] | None"]
@@ -99,6 +99,16 @@ class WeightRouter:
             copy_checked(name, parameter.data, tensor)
 
         self._routes[name] = _Route(load, shape=tuple(parameter.shape))
+
+    def scalar(self, name: str, into: torch.Tensor) -> None:
+        """A one-value tensor (a per-tensor scale), stored as [] or [1], into `into` [1]."""
+
+        def load(tensor: CheckpointTensor) -> None:
+            if tuple(tensor.shape) not in ((), (1,)):
+                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, one value expected")
+            into.copy_(materialize(tensor).reshape(1))
+
+        self._routes[name] = _Route(load, shape=(1,))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         """The whole shape of every checkpoint tensor the model loads (on this stage)."""

@@ -157,19 +157,35 @@ W8A8_CONFIG = {
 }  # fmt: skip
 
 
-def write_w8a8(float_folder: Path, out: Path, reference: Path) -> None:
+# An int8 kv_cache_scheme: static K and V scales per attention layer.
+KV_INT8_SCHEME = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
+                  "dynamic": False}  # fmt: skip
+
+
+def write_w8a8(
+    float_folder: Path, out: Path, reference: Path, kv_scales: tuple[float, float] | None = None
+) -> None:
     """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
     int-quantized W8A8 form (`weight` int8 [out, in], `weight_scale` bfloat16 [out, 1]:
     w = q * scale per output channel, q = round(w / scale), scale = max|w| / 127);
-    `reference`: the same model with the dequantized float32 weights."""
+    with kv_scales, an int8 kv_cache_scheme and each layer's `self_attn.k_scale` and
+    `v_scale` (layer i's times 1 + i / 10, a scalar and a [1] alike); `reference`: the
+    same model with the dequantized float32 weights."""
     quantized, dequantized, linear = _linear_weights(float_folder)
+    layers = sorted({name.split(".")[2] for name, _, _ in linear}, key=int)
+    for i, layer in enumerate(layers if kv_scales else []):
+        assert kv_scales is not None
+        k, v = (s * (1 + i / 10) for s in kv_scales)
+        quantized[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k)
+        quantized[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor([v])
     for name, module, w in linear:
         scale = (w.float().abs().amax(dim=1, keepdim=True) / 127).to(torch.bfloat16)
         q = torch.round(w.float() / scale.float()).clamp(-127, 127)
         quantized[name] = q.to(torch.int8)
         quantized[f"{module}.weight_scale"] = scale
         dequantized[name] = (q * scale.float()).float()
-    _write_folders(float_folder, out, reference, quantized, dequantized, W8A8_CONFIG)
+    config = {**W8A8_CONFIG, "kv_cache_scheme": KV_INT8_SCHEME if kv_scales else None}
+    _write_folders(float_folder, out, reference, quantized, dequantized, config)
 
 
 def w4a16_config(group_size: int, actorder: str | None = None) -> dict:  # type: ignore[type-arg]

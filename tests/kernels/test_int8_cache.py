@@ -2,7 +2,8 @@
 writes q = round(x / s), s = max|x| / 127, and s beside each token's values (the head
 dims 4 bytes longer); paged_attention over them matches attention over the dequantized
 values q * s in float64, in every build of the kernel and for a decode's few rows as for
-a prefill's many. (The engine's run with kv_cache_dtype="int8": test_fp8_cache.py.)"""
+a prefill's many; static per-tensor scales (a checkpoint's) replace the rows' own. (The
+engine's run with kv_cache_dtype="int8": test_fp8_cache.py.)"""
 
 from __future__ import annotations
 
@@ -54,6 +55,31 @@ def test_reshape_and_cache_writes_each_rows_int8_and_scale() -> None:
         safe = torch.where(want_scale == 0, 1.0, want_scale)[..., None]
         assert torch.equal(q, torch.round(x / safe).clamp(-127, 127))
     assert (value_q[3, 1] == 0).all()
+
+
+def test_static_scales_replace_each_rows_own() -> None:
+    """A checkpoint's per-tensor k_scale/v_scale: q = round(x / s) clamped to +-127, s
+    beside every token."""
+    tokens = 20
+    key, value = torch.randn(tokens, KV_HEADS, HEAD_SIZE), torch.randn(tokens, KV_HEADS, HEAD_SIZE)
+    slots = torch.randperm(BLOCKS * BLOCK)[:tokens]
+    k8, v8 = int8_caches()
+    ops.reshape_and_cache(key, value, k8, v8, slots, 0.01, 0.5)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    key_scale = k8[:, :, HEAD_SIZE:, :].reshape(BLOCKS, KV_HEADS, -1).view(torch.float32)
+    value_scale = v8[:, :, :, HEAD_SIZE:].contiguous().view(torch.float32)
+    assert bool((key_scale[blocks, :, offsets] == 0.01).all())
+    assert bool((value_scale[blocks, :, offsets, 0] == 0.5).all())
+    key_q = k8[blocks, :, :HEAD_SIZE, offsets].float()
+    assert torch.equal(key_q, torch.round(key / 0.01).clamp(-127, 127))  # |k| > 1.27 clamps
+    value_q = v8[blocks, :, offsets, :HEAD_SIZE].float()
+    assert torch.equal(value_q, torch.round(value / 0.5).clamp(-127, 127))
+    with pytest.raises(ValueError, match="k_scale must be finite and >= 0"):
+        ops.reshape_and_cache(key, value, k8, v8, slots, -1.0, 0.5)
+    kf = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK)
+    vf = torch.zeros(BLOCKS, KV_HEADS, BLOCK, HEAD_SIZE)
+    with pytest.raises(ValueError, match="static scales are for int8 caches"):
+        ops.reshape_and_cache(key, value, kf, vf, slots, 0.01, 0.5)
 
 
 @pytest.mark.parametrize("isa", ISAS)

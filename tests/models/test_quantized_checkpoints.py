@@ -416,3 +416,58 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
               str(tmp_path / "ref" / "model.safetensors"))  # fmt: skip
     with pytest.raises(ValueError, match=rf"tensor {weight} is F8_E4M3: fp8 weights come"):
         LLM(str(tmp_path / "ref"), **ENGINE)
+
+
+def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    """compressed-tensors' int8 kv_cache_scheme: with kv_cache_dtype="int8" each layer's
+    K and V are written by its k_scale and v_scale (the scale beside every token is the
+    checkpoint's), and the model stays close to its float cache; a float cache needs no
+    scales; what the scheme cannot be is refused."""
+    write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref", kv_scales=(0.03, 0.02))
+    llm = LLM(str(tmp_path / "q"), kv_cache_dtype="int8", **ENGINE)
+    runner = llm.engine.executor.driver_worker.model_runner
+    attn = runner.model.layers[1].self_attn.attn
+    assert (attn.k_scale, attn.v_scale) == pytest.approx((0.033, 0.022))
+    got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    key_cache, value_cache = runner.caches[1]
+    d = runner.model.config.head_size
+    k_scales = key_cache[:, :, d:, :].reshape(key_cache.shape[0], key_cache.shape[1], -1)
+    v_scales = value_cache[:, :, :, d:].contiguous()
+    written_k = k_scales.view(torch.float32).flatten()
+    written_v = v_scales.view(torch.float32).flatten()
+    for written, want in ((written_k, attn.k_scale), (written_v, attn.v_scale)):
+        slots = written[written != 0]  # every token's, in each kv head, none other
+        tokens = sum(map(len, PROMPTS)) + (GREEDY.max_tokens - 1) * len(PROMPTS)
+        assert len(slots) == tokens * runner.num_kv_heads
+        assert bool((slots == want).all())
+    llm.engine.shutdown()
+    full = outputs(tmp_path / "q")  # a float32 cache: the scales go unused
+    differences = same_context_differences(
+        [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in got], full
+    )
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+    config_path = tmp_path / "q" / "config.json"
+    config = json.loads(config_path.read_text())
+    scheme = config["quantization_config"]
+    for change, message in (
+        ({"type": "float"}, r"kv_cache_scheme \{'type': 'float'\} are not supported"),
+        ({"strategy": "head"}, r"kv_cache_scheme \{'strategy': 'head'\} are not supported"),
+    ):
+        kv = {**scheme["kv_cache_scheme"], **change}
+        config_path.write_text(json.dumps({**config, "quantization_config": {
+            **scheme, "kv_cache_scheme": kv}}))  # fmt: skip
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)
+    config_path.write_text(json.dumps(config))
+    tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
+    name = "model.layers.0.self_attn.k_scale"
+    for weights, message in (
+        ({k: v for k, v in tensors.items() if k != name}, rf"lacks 1 weights, e.g. \['{name}'\]"),
+        ({**tensors, name: torch.tensor([-1.0])}, "k_scale and v_scale must be finite and posi"),
+        ({**tensors, name: torch.ones(2)}, rf"weight {name}: shape \(2,\), one value expected"),
+    ):  # fmt: skip
+        save_file(weights, str(tmp_path / "q" / "model.safetensors"))
+        with pytest.raises(ValueError, match=message):
+            LLM(str(tmp_path / "q"), **ENGINE)

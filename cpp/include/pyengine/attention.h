@@ -43,9 +43,13 @@ bool cpu_supports(CpuIsa isa);
 // the CPU, or all on one CUDA device where pyengine was built with CUDA (run on
 // `stream`, a cudaStream_t; nullptr: the default stream); there, slots are not read back
 // to be checked, and one outside the cache is skipped.
+// An int8 cache (CPU; its head dims 4 bytes longer, a float32 scale beside each token's
+// values) takes each row as round(x / s), s = max|row| / 127, or, with k_scale/v_scale
+// > 0, by those static per-tensor scales (a checkpoint's kv_cache_scheme), clamped to
+// [-127, 127]; other caches take no scales.
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       void* stream = nullptr);
+                       float k_scale = 0.0f, float v_scale = 0.0f, void* stream = nullptr);
 
 struct AttentionOptions {
   float scale = 1.0f;        // usually 1 / sqrt(head_size)

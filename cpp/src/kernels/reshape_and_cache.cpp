@@ -1,3 +1,4 @@
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <utility>
@@ -16,11 +17,21 @@ using detail::arg;
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
-                       void* stream) {
+                       float k_scale, float v_scale, void* stream) {
   constexpr const char* op = "reshape_and_cache";
   const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
       detail::check_caches(key_cache, value_cache, op, &device);
+  for (const auto& [scale, name] : {std::pair{k_scale, "k_scale"}, std::pair{v_scale, "v_scale"}}) {
+    if (!(scale >= 0.0f) || !std::isfinite(scale)) {
+      throw InvalidArgument(arg(op, name) + " must be finite and >= 0 (0: a scale per token), " +
+                            "got " + std::to_string(scale));
+    }
+    if (scale > 0.0f && key_cache.dtype != detail::kInt8Cache) {
+      throw InvalidArgument(arg(op, name) + ": static scales are for int8 caches, got " +
+                            key_cache.describe());
+    }
+  }
   const DType input_dtype = detail::input_dtype_for(key, key_cache);
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     detail::check_device(*t, device, op, name);
@@ -126,16 +137,16 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
           const auto* v_row = reinterpret_cast<const float*>(value_in) +
                               (first + j) * value.strides[0] + h * value.strides[1];
           const int64_t column = offset + j;
-          const float k_scale = detail::int8_row_scale(k_row, head_size);
-          const float v_scale = detail::int8_row_scale(v_row, head_size);
+          const float k_row_scale = k_scale > 0.0f ? k_scale : detail::int8_row_scale(k_row, head_size);
+          const float v_row_scale = v_scale > 0.0f ? v_scale : detail::int8_row_scale(v_row, head_size);
           auto* k_tile = reinterpret_cast<int8_t*>(key_out) + tile;
           auto* v_out = reinterpret_cast<int8_t*>(value_out) + tile + column * (head_size + pad);
           for (int64_t i = 0; i < head_size; ++i) {
-            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_scale);
-            v_out[i] = detail::int8_quantize(v_row[i], v_scale);
+            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_row_scale);
+            v_out[i] = detail::int8_quantize(v_row[i], v_row_scale);
           }
-          std::memcpy(k_tile + head_size * block_size + column * pad, &k_scale, sizeof k_scale);
-          std::memcpy(v_out + head_size, &v_scale, sizeof v_scale);
+          std::memcpy(k_tile + head_size * block_size + column * pad, &k_row_scale, sizeof(float));
+          std::memcpy(v_out + head_size, &v_row_scale, sizeof(float));
         }
         continue;
       }
