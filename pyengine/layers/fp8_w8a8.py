@@ -7,13 +7,15 @@ x ~ e4m3(x / sx) * sx; or, with no input_activations, left float.
 On the CPU in float32 the weight is held only as pyengine's quantized panels with fp8
 codes (one byte a weight and a float32 scale per block of 32: ops.dense widens them in
 registers, w = e4m3 * scale rounded once, as torch dequantizes them), and the
-activations go through ops.quantize_fp8_rows before each product. Elsewhere the same
-arithmetic runs in torch over the e4m3 weight (a reference, not a fast path: CUDA's
-FP8 GEMM is still to come).
+activations go through ops.quantize_fp8_rows before each product. Elsewhere (CUDA,
+16-bit models) the e4m3 weight is multiplied by torch._scaled_mm, e4m3 by e4m3 with a
+scale per row of x and per channel of w, where the device has it (CUDA from sm_89; the
+CPU through oneDNN), else dequantized in torch each step.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -35,17 +37,39 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
 
-def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
-    """e4m3(x / sx) * sx in float32 (sx max|row| / 448, or static_scale): as
-    ops.quantize_fp8_rows rounds."""
+def fp8_rows(
+    x: torch.Tensor, static_scale: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(e4m3(x / sx) as float8_e4m3fn, sx float32 [rows, 1]): sx max|row| / 448, or
+    static_scale; a row of zeros has sx 0."""
     x = x.float()
     if static_scale is not None:
-        scale = static_scale.reshape(1, 1).float()
+        scale = static_scale.reshape(1, 1).float().expand(x.shape[0], 1)
     else:
         scale = x.abs().amax(dim=1, keepdim=True) / FP8_MAX
     safe = torch.where(scale == 0, torch.ones_like(scale), scale)
-    quantized = (x / safe).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale
-    return torch.where(scale == 0, torch.zeros_like(x), quantized)
+    return (x / safe).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale.contiguous()
+
+
+def quantize_fp8(x: torch.Tensor, static_scale: torch.Tensor | None) -> torch.Tensor:
+    """e4m3(x / sx) * sx in float32 (sx max|row| / 448, or static_scale): as
+    ops.quantize_fp8_rows rounds."""
+    quantized, scale = fp8_rows(x, static_scale)
+    return quantized.float() * scale
+
+
+@functools.cache
+def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._scaled_mm multiplies e4m3 operands with a scale per row of x and
+    per column of w into `dtype` on `device` (CUDA from sm_89 with rowwise scales; the
+    CPU through oneDNN)."""
+    try:
+        a = torch.zeros(16, 16, device=device, dtype=FP8)
+        scale = torch.ones(16, 1, device=device)
+        torch._scaled_mm(a, a.t(), scale_a=scale, scale_b=scale.t(), out_dtype=dtype)
+    except (RuntimeError, NotImplementedError, TypeError):
+        return False
+    return True
 
 
 def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.Tensor:
@@ -68,6 +92,7 @@ class Fp8Method(LinearMethod):
         self.quantizes_activations = quantization.activation_bits == 8
         static = quantization.static_activations
         self.weight_kinds = ("weight", "weight_scale", *(("input_scale",) if static else ()))
+        self.scaled_mm = False  # the product through torch._scaled_mm (not on packed panels)
 
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
@@ -108,6 +133,11 @@ class Fp8Method(LinearMethod):
         if not packs:
             layer.weight.data = layer.weight.data.to(self.placement.device)
             layer.weight_scale = layer.weight_scale.to(self.placement.device)
+            n, k = layer.weight.shape
+            self.scaled_mm = (
+                self.quantizes_activations and n % 16 == 0 and k % 16 == 0
+                and scaled_mm_supported(self.placement.device, self.placement.dtype)
+            )  # fmt: skip
             return
         layer.packed_blocks = pack_fp8(layer.weight.data, layer.weight_scale, layer.gate_up)
         del layer.weight  # the fp8 panels are the weight now
@@ -129,6 +159,13 @@ class Fp8Method(LinearMethod):
             x = self._activations(layer, x)
             ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1])
             return out
+        if self.scaled_mm:  # e4m3 products on the device's own FP8 GEMM
+            xq, sx = fp8_rows(x, layer.input_scale)
+            out = torch._scaled_mm(
+                xq, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale[None, :],
+                out_dtype=x.dtype,
+            )  # fmt: skip
+            return out if bias is None else out + bias
         weight = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]
         return F.linear(self._activations(layer, x), weight, bias)
 

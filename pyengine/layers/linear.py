@@ -345,7 +345,10 @@ def process_weights_after_loading(model: nn.Module, placement: Placement) -> int
             if callable(process):
                 process()
         for parameter in model.parameters():
-            parameter.data = parameter.data.to(placement.device, placement.dtype)
+            # (a quantized weight kept as a parameter, int8 or fp8, keeps its dtype)
+            keeps = not parameter.dtype.is_floating_point or parameter.dtype.itemsize == 1
+            dtype = parameter.dtype if keeps else placement.dtype
+            parameter.data = parameter.data.to(placement.device, dtype)
     return count
 
 

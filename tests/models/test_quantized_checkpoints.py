@@ -176,6 +176,10 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     finally:
         _C.set_quantized_dense_isa("auto")
     assert_close_logprobs(got, ref)
+    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)  # torch's arithmetic there
+    model = llm.engine.executor.driver_worker.model_runner.model
+    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8  # not widened
+    llm.engine.shutdown()
 
 
 def assert_close_logprobs(got: list, ref: list) -> None:  # type: ignore[type-arg]
@@ -368,6 +372,30 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
     if case == "channel-dynamic":  # and each rank of a row-parallel layer quantizes its x
         differences = same_context_differences(outputs(tmp_path / "q", tensor_parallel_size=2), got)
         assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
+
+
+def test_fp8_in_16_bits_multiplies_through_scaled_mm(float_llama: Path, tmp_path: Path) -> None:
+    """A 16-bit FP8 model (CUDA's placement; here the CPU in bfloat16) multiplies e4m3 by
+    e4m3 in torch._scaled_mm, scales per token and channel: FP8's product to bfloat16's
+    rounding, and close to the float32 FP8 model's outputs."""
+    pytest.importorskip("compressed_tensors")
+    from pyengine.layers.fp8_w8a8 import scaled_mm_supported
+
+    if not scaled_mm_supported(torch.device("cpu"), torch.bfloat16):
+        pytest.skip("this torch has no CPU torch._scaled_mm")
+    write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "channel", "token")
+    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    layer = model.layers[1].self_attn.qkv_proj
+    assert isinstance(layer.method, Fp8Method) and layer.method.scaled_mm
+    assert layer.weight.dtype == FP8 and layer.packed_blocks is None
+    x = torch.randn(5, layer.input_size).bfloat16()
+    want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
+    torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)
+    llm.engine.shutdown()
+    got = outputs(tmp_path / "q", dtype="bfloat16")
+    differences = same_context_differences(got, outputs(tmp_path / "q"))
+    assert max(differences) < 0.5 and sum(differences) / len(differences) < 0.15
 
 
 def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
