@@ -243,6 +243,19 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
                      f"{theirs / ours:.2f}x"))  # fmt: skip
         figures[f"block_gemm_m{m}_us"] = round(ours * 1e6, 1)
         figures[f"speedup_vs_torch_block_gemm_m{m}"] = round(theirs / ours, 2)
+    # FP8 W8A8's product (layers/fp8_w8a8.py): e4m3 x e4m3, scales per row and column
+    fp8_weight = (dense / dense.abs().amax()).to(torch.float8_e4m3fn)
+    for m in (16, 512):
+        xq = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
+        sx, sw = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        x = torch.randn(m, k, device="cuda", dtype=dtype)
+        ours = cuda_time(lambda xq=xq, sx=sx, sw=sw: torch._scaled_mm(
+            xq, fp8_weight.t(), scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16))  # fmt: skip
+        theirs = cuda_time(lambda x=x: x @ dense.t())
+        rows.append((f"FP8 _scaled_mm, {m} rows", f"{ours * 1e6:.1f}",
+                     f"{n * k / ours / 1e9:.0f}", f"{n * k / ours / copy:.0%}",
+                     f"{theirs * 1e6:.1f}", f"{theirs / ours:.2f}x"))  # fmt: skip
+        figures[f"speedup_vs_torch_fp8_scaled_mm_m{m}"] = round(theirs / ours, 2)
     return rows, figures
 
 
@@ -343,8 +356,8 @@ def main() -> None:
     figures["prefill_step_kernels_ms"] = round(step * 1e3, 1)
     gemm_rows, gemm_figures = block_gemm_rows(dtype, copy)
     print()
-    print("4-bit block GEMM (PYENGINE_CUDA_BLOCK_GEMM), 4096 x 4096, against torch's matmul")
-    print("over the same weight dequantized (GB/s: of the 4-bit bytes and scales):")
+    print("4-bit block GEMM (PYENGINE_CUDA_BLOCK_GEMM) and FP8's _scaled_mm, 4096 x 4096,")
+    print("against torch's matmul over the 16-bit weight (GB/s: of the quantized bytes):")
     gemm_columns = ("x rows", "us", "GB/s", "of copy", "torch us", "speedup vs torch")
     tables.append(print_table(gemm_columns, gemm_rows))
     figures.update(gemm_figures)
