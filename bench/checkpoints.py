@@ -1,16 +1,19 @@
 """Hugging Face folders of the default model for the benchmarks, made once from its GGUF
 file: its float32 weights (the Q4_1 file dequantized), and the same weights quantized to
 compressed-tensors' int-quantized W8A8 (int8 per output channel, symmetric; activations
-per token at run time), and to its float-quantized FP8 (e4m3 per output channel; e4m3
-activations per token at run time). Each folder has the config.json and tokenizer.json
-pyengine reads.
+per token at run time), to its float-quantized FP8 (e4m3 per output channel; e4m3
+activations per token at run time), and to GPTQ's and AWQ's 4-bit formats (groups of
+64, rounded to nearest: their layouts, not their searches). Each folder has the
+config.json and tokenizer.json pyengine reads.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors.torch import save_file
 
@@ -47,9 +50,80 @@ def fp8_channels(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale
 
 
+def int4_groups(w: torch.Tensor, group: int = 64) -> tuple[torch.Tensor, ...]:
+    """Round-to-nearest 4-bit, asymmetric, per `group` inputs (not GPTQ's or AWQ's own
+    search; their formats only): (q [out, in] 0..15, scale [out, groups] float16 values,
+    zero [out, groups] 1..15: GPTQ's stored zero less 1 must not wrap) with w ~ scale *
+    (q - zero)."""
+    out, inputs = w.shape
+    grouped = w.reshape(out, inputs // group, group)
+    low, high = grouped.amin(-1).clamp(max=0), grouped.amax(-1).clamp(min=0)
+    scale = ((high - low) / 14).clamp_min(1e-8).half().float()
+    zero = torch.round(-low / scale).clamp(1, 15)
+    q = torch.round(grouped / scale[..., None] + zero[..., None]).clamp(0, 15)
+    return q.reshape(out, inputs).long(), scale, zero.long()
+
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the column of each nibble of AutoAWQ's int32
+
+
+def pack_int32(values: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """values [rows, 8 m] (0..15) as int32 [rows, m]: nibble k of a word holds column
+    order[k] of its 8."""
+    words = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
+    for k, column in enumerate(order):
+        words |= (values[:, column::8] & 15) << (4 * k)
+    return torch.from_numpy((words.numpy() & 0xFFFFFFFF).astype(np.uint32).view(np.int32))
+
+
+def gptq_tensors(w: torch.Tensor, module: str) -> dict[str, torch.Tensor]:
+    """AutoGPTQ's format: qweight [in / 8, out] packed along the input, qzeros [groups,
+    out / 8] (zeros less 1) along the output, scales [groups, out], g_idx [in]."""
+    q, scale, zero = int4_groups(w)
+    return {
+        f"{module}.qweight": pack_int32(q).t().contiguous(),
+        f"{module}.qzeros": pack_int32((zero - 1).t().contiguous()),
+        f"{module}.scales": scale.t().contiguous().half(),
+        f"{module}.g_idx": (torch.arange(w.shape[1]) // 64).int(),
+    }
+
+
+def awq_tensors(w: torch.Tensor, module: str) -> dict[str, torch.Tensor]:
+    """AutoAWQ's GEMM format: qweight [in, out / 8] and qzeros [groups, out / 8] packed
+    along the output in AWQ_ORDER, scales [groups, out]."""
+    q, scale, zero = int4_groups(w)
+    return {
+        f"{module}.qweight": pack_int32(q.t().contiguous(), AWQ_ORDER),
+        f"{module}.qzeros": pack_int32(zero.t().contiguous(), AWQ_ORDER),
+        f"{module}.scales": scale.t().contiguous().half(),
+    }
+
+
+GPTQ_SCHEME = {"quant_method": "gptq", "bits": 4, "group_size": 64, "desc_act": False,
+               "sym": False, "checkpoint_format": "gptq"}  # fmt: skip
+AWQ_SCHEME = {"quant_method": "awq", "bits": 4, "group_size": 64, "zero_point": True,
+              "version": "gemm"}  # fmt: skip
+
+
+def channel_tensors(
+    quantize: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+) -> Callable[[torch.Tensor, str], dict[str, torch.Tensor]]:
+    """compressed-tensors' 8-bit forms: `weight` and its `weight_scale`."""
+
+    def tensors(w: torch.Tensor, module: str) -> dict[str, torch.Tensor]:
+        q, scale = quantize(w)
+        return {f"{module}.weight": q, f"{module}.weight_scale": scale}
+
+    return tensors
+
+
+# Each quantized folder: the tensors that replace a linear layer's weight, and the
+# config's quantization_config.
 QUANTIZED_FORMS = {
-    "w8a8": (int8_channels, w8a8_scheme("int")),
-    "fp8": (fp8_channels, w8a8_scheme("float")),
+    "w8a8": (channel_tensors(int8_channels), w8a8_scheme("int")),
+    "fp8": (channel_tensors(fp8_channels), w8a8_scheme("float")),
+    "gptq": (gptq_tensors, GPTQ_SCHEME),
+    "awq": (awq_tensors, AWQ_SCHEME),
 }
 
 
@@ -67,24 +141,26 @@ def hf_config(c: ModelConfig) -> dict[str, object]:
 
 
 def default_model_folders(cache: Path) -> dict[str, Path]:
-    """{"float32": folder, "w8a8": folder, "fp8": folder}, written under `cache` unless
-    there already."""
+    """{"float32": folder, and one for each of QUANTIZED_FORMS}, each written under
+    `cache` unless there already."""
     folders = {form: cache / f"smollm2-{form}" for form in ("float32", *QUANTIZED_FORMS)}
-    if all((f / "model.safetensors").is_file() for f in folders.values()):
+    missing = {f: p for f, p in folders.items() if not (p / "model.safetensors").is_file()}
+    if not missing:
         return folders
     loaded = load_model(DEFAULT_MODEL, keep_block_quantized=False)
     assert loaded.weights is not None and loaded.tokenizer is not None
     weights = {name: loaded.weights[name].float().contiguous() for name in loaded.weights}
     config = hf_config(loaded.config)
-    for form, folder in folders.items():
+    for form, folder in missing.items():
         tensors, scheme = dict(weights), {}
         if form in QUANTIZED_FORMS:
-            quantize, quantization_config = QUANTIZED_FORMS[form]
+            quantized_tensors, quantization_config = QUANTIZED_FORMS[form]
             scheme = {"quantization_config": quantization_config}
             for name, w in weights.items():
                 module, _, kind = name.rpartition(".")
                 if kind == "weight" and module.rpartition(".")[2] in LINEAR:
-                    tensors[name], tensors[f"{module}.weight_scale"] = quantize(w)
+                    del tensors[name]
+                    tensors.update(quantized_tensors(w, module))
         folder.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
         (folder / "config.json").write_text(json.dumps({**config, **scheme}))

@@ -9,7 +9,8 @@ by llama.cpp's llama-quantize (as bench/quantized.py makes them: --llama-bin, --
 their losses add to Q4_1's own, which no file here can show (the float weights the Q4_1
 file was made from are not shipped). W8A8 is the reference's float32 weights in
 compressed-tensors' int8 form (bench/checkpoints.py), activations quantized per token;
-FP8 the same in its e4m3 form, activations e4m3 per token.
+FP8 the same in its e4m3 form, activations e4m3 per token; GPTQ and AWQ the same weights
+in their 4-bit formats, groups of 64, rounded to nearest (not their own searches).
 
 The text is scored in windows of --window tokens (the first token of each unscored):
 perplexity = exp(mean negative log-likelihood), from prompt logprobs. With --llama-bin,
@@ -94,6 +95,16 @@ def main() -> None:
         ("Q4_K_S (from Q4_1)", quantized_file(source, "Q4_K_S", args.llama_bin, args.cache), {}),
         ("W8A8 int8 (from the float32 weights)", default_model_folders(args.cache)["w8a8"], {}),
         ("FP8 e4m3 W8A8 (from the float32 weights)", default_model_folders(args.cache)["fp8"], {}),
+        (
+            "GPTQ 4-bit g64 (round to nearest, from the float32 weights)",
+            default_model_folders(args.cache)["gptq"],
+            {},
+        ),
+        (
+            "AWQ 4-bit g64 (round to nearest, from the float32 weights)",
+            default_model_folders(args.cache)["awq"],
+            {},
+        ),
     ]
     reference = llama_reference = None
     rows, figures = [], {}
