@@ -302,9 +302,11 @@ def test_compressed_tensors_layers_shard_over_tensor_parallel_ranks(
     """W4A16 over two ranks: one rank's tokens. W8A8: each rank of a row-parallel layer
     quantizes its own slice of x (as vLLM's do), so only close to one rank's."""
     pytest.importorskip("compressed_tensors")
-    write_w4a16(float_llama, tmp_path / "w4", tmp_path / "ref4", 32)
-    one, two = outputs(tmp_path / "w4"), outputs(tmp_path / "w4", tensor_parallel_size=2)
-    assert [t for t, _ in two] == [t for t, _ in one]
+    for actorder in (None, "group"):  # (activation order: row-parallel shards dequantize)
+        folder = tmp_path / f"w4-{actorder}"
+        write_w4a16(float_llama, folder, tmp_path / "ref4", 32, actorder)
+        one, two = outputs(folder), outputs(folder, tensor_parallel_size=2)
+        assert [t for t, _ in two] == [t for t, _ in one]
     write_w8a8(float_llama, tmp_path / "w8", tmp_path / "ref8")
     one, two = outputs(tmp_path / "w8"), outputs(tmp_path / "w8", tensor_parallel_size=2)
     for (_, logprobs), (_, ref_logprobs) in zip(two, one, strict=True):
@@ -369,7 +371,7 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
         differences = same_context_differences(got, ref)
         assert len(differences) >= 3 * 5
         assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
-    if case == "channel-dynamic":  # and each rank of a row-parallel layer quantizes its x
+    if activations is not None:  # and each rank of a row-parallel layer quantizes its x
         differences = same_context_differences(outputs(tmp_path / "q", tensor_parallel_size=2), got)
         assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
 
