@@ -256,6 +256,14 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
                      f"{n * k / ours / 1e9:.0f}", f"{n * k / ours / copy:.0%}",
                      f"{theirs * 1e6:.1f}", f"{theirs / ours:.2f}x"))  # fmt: skip
         figures[f"speedup_vs_torch_fp8_scaled_mm_m{m}"] = round(theirs / ours, 2)
+        # INT8 W8A8's (layers/int8_w8a8.py): int8 x int8 into int32 on the tensor cores
+        xi = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
+        wi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
+        ours = cuda_time(lambda xi=xi, wi=wi: torch._int_mm(xi, wi.t()))
+        rows.append((f"INT8 _int_mm, {m} rows", f"{ours * 1e6:.1f}",
+                     f"{n * k / ours / 1e9:.0f}", f"{n * k / ours / copy:.0%}",
+                     f"{theirs * 1e6:.1f}", f"{theirs / ours:.2f}x"))  # fmt: skip
+        figures[f"speedup_vs_torch_int8_int_mm_m{m}"] = round(theirs / ours, 2)
     return rows, figures
 
 
@@ -356,7 +364,8 @@ def main() -> None:
     figures["prefill_step_kernels_ms"] = round(step * 1e3, 1)
     gemm_rows, gemm_figures = block_gemm_rows(dtype, copy)
     print()
-    print("4-bit block GEMM (PYENGINE_CUDA_BLOCK_GEMM) and FP8's _scaled_mm, 4096 x 4096,")
+    print("4-bit block GEMM (PYENGINE_CUDA_BLOCK_GEMM), FP8's _scaled_mm and INT8's _int_mm,")
+    print("4096 x 4096,")
     print("against torch's matmul over the 16-bit weight (GB/s: of the quantized bytes):")
     gemm_columns = ("x rows", "us", "GB/s", "of copy", "torch us", "speedup vs torch")
     tables.append(print_table(gemm_columns, gemm_rows))

@@ -4,16 +4,19 @@ int8 per token as each step runs, symmetric: x ~ round(x / sx) * sx, sx = max|x|
 
 On the CPU in float32 the weight is packed once for pyengine's int8 matmul (ops.int8_dense:
 AVX-512 VNNI, AVX2 or portable loops), which quantizes x, sums the int8 products in int32,
-exactly, and scales: out = sx * scale * sum. Elsewhere the same arithmetic runs in torch
-(the integers in float32, exact while the sums stay under 2^24; a test reference, not a
-fast path: CUDA's int8 tensor cores are still to come).
+exactly, and scales: out = sx * scale * sum. Elsewhere (CUDA, 16-bit models) the same
+arithmetic runs through torch._int_mm where the device has it (CUDA's int8 tensor cores,
+the CPU's oneDNN), else in torch over the integers in float32 (exact while the sums stay
+under 2^24).
 """
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 
 from pyengine import _C, ops
 from pyengine.layers.linear_method import LinearMethod
@@ -34,11 +37,28 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.round(x / safe).clamp_(-127, 127), scale
 
 
+@functools.cache
+def int_mm_supported(device: torch.device) -> bool:
+    """Whether torch._int_mm multiplies int8 by int8 into exact int32 sums on `device`
+    (CUDA's int8 tensor cores through cuBLASLt, for more than 16 rows and k, n multiples
+    of 8; the CPU's oneDNN)."""
+    try:
+        a = torch.zeros(32, 32, device=device, dtype=torch.int8)
+        torch._int_mm(a, a.t())
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
+INT_MM_MIN_ROWS = 17  # (cuBLASLt's int8 GEMM takes more than 16 rows: fewer are padded)
+
+
 class Int8W8A8Method(LinearMethod):
     weight_kinds = ("weight", "weight_scale")
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
+        self.int_mm = False  # the product through torch._int_mm (not on packed panels)
 
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
@@ -63,6 +83,8 @@ class Int8W8A8Method(LinearMethod):
         layer.weight_scale = layer.weight_scale.to(self.placement.device)
         if not self.placement.packs_weights:
             layer.weight.data = layer.weight.data.to(self.placement.device)
+            n, k = layer.weight.shape
+            self.int_mm = n % 8 == 0 and k % 8 == 0 and int_mm_supported(self.placement.device)
             return
         q = layer.weight.data.contiguous()
         n, k = q.shape
@@ -77,7 +99,14 @@ class Int8W8A8Method(LinearMethod):
             ops.int8_dense(out, x, layer.packed_int8, layer.weight_scale, bias, out.shape[1])
             return out
         xq, sx = quantize_per_token(x)
-        product = (xq @ layer.weight.float().t()) * (sx * layer.weight_scale)
+        if self.int_mm:  # int8 products summed exactly in int32
+            rows = xq.shape[0]
+            if x.is_cuda and rows < INT_MM_MIN_ROWS:
+                xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - rows))
+            sums = torch._int_mm(xq.to(torch.int8), layer.weight.t())[:rows]
+            product = sums.float() * (sx * layer.weight_scale)
+        else:
+            product = (xq @ layer.weight.float().t()) * (sx * layer.weight_scale)
         if bias is not None:
             product = product + bias.float()
         return product.to(x.dtype)

@@ -176,9 +176,17 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     finally:
         _C.set_quantized_dense_isa("auto")
     assert_close_logprobs(got, ref)
-    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)  # torch's arithmetic there
-    model = llm.engine.executor.driver_worker.model_runner.model
-    assert model.layers[0].self_attn.qkv_proj.weight.dtype == torch.int8  # not widened
+    # In 16 bits (CUDA's placement; here the CPU in bfloat16): int8 x int8 in
+    # torch._int_mm where the device has it, the same exact sums.
+    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
+    assert layer.weight.dtype == torch.int8  # not widened
+    from pyengine.layers.int8_w8a8 import int_mm_supported
+
+    assert layer.method.int_mm == int_mm_supported(torch.device("cpu"))
+    x = torch.randn(5, layer.input_size).bfloat16()
+    want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
+    torch.testing.assert_close(layer(x).double(), want, rtol=1e-2, atol=1e-2)
     llm.engine.shutdown()
 
 
