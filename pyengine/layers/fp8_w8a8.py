@@ -133,6 +133,8 @@ class Fp8Method(LinearMethod):
         if not packs:
             layer.weight.data = layer.weight.data.to(self.placement.device)
             layer.weight_scale = layer.weight_scale.to(self.placement.device)
+            if layer.input_scale is not None:
+                layer.input_scale = layer.input_scale.to(self.placement.device)
             n, k = layer.weight.shape
             self.scaled_mm = (
                 self.quantizes_activations and n % 16 == 0 and k % 16 == 0
@@ -166,7 +168,8 @@ class Fp8Method(LinearMethod):
                 out_dtype=x.dtype,
             )  # fmt: skip
             return out if bias is None else out + bias
-        weight = layer.weight.to(x.dtype) * layer.weight_scale.to(x.dtype)[:, None]
+        # (e4m3 * scale rounded once, in float32, as the CPU panels widen it)
+        weight = (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype)
         return F.linear(self._activations(layer, x), weight, bias)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

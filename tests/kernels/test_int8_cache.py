@@ -55,10 +55,15 @@ def test_reshape_and_cache_writes_each_rows_int8_and_scale() -> None:
         safe = torch.where(want_scale == 0, 1.0, want_scale)[..., None]
         assert torch.equal(q, torch.round(x / safe).clamp(-127, 127))
     assert (value_q[3, 1] == 0).all()
+    # A NaN (a broken model's) is stored as 0, its row's other values as they are.
+    key[5, 0, 7] = float("nan")
+    ops.reshape_and_cache(key, value, k8, v8, slots)
+    row = k8[blocks[5], 0, :HEAD_SIZE, offsets[5]].float()
+    assert row[7] == 0 and torch.equal(row[:7], key_q[5, 0, :7])
 
 
 def test_static_scales_replace_each_rows_own() -> None:
-    """A checkpoint's per-tensor k_scale/v_scale: q = round(x / s) clamped to +-127, s
+    """A checkpoint's per-tensor k_scale/v_scale: q = round(x / s) clamped to [-128, 127], s
     beside every token."""
     tokens = 20
     key, value = torch.randn(tokens, KV_HEADS, HEAD_SIZE), torch.randn(tokens, KV_HEADS, HEAD_SIZE)
@@ -71,9 +76,10 @@ def test_static_scales_replace_each_rows_own() -> None:
     assert bool((key_scale[blocks, :, offsets] == 0.01).all())
     assert bool((value_scale[blocks, :, offsets, 0] == 0.5).all())
     key_q = k8[blocks, :, :HEAD_SIZE, offsets].float()
-    assert torch.equal(key_q, torch.round(key / 0.01).clamp(-127, 127))  # |k| > 1.27 clamps
+    # (a checkpoint's scale: compressed-tensors' int8 range, [-128, 127]; |k| > 1.27 clamps)
+    assert torch.equal(key_q, torch.round(key / 0.01).clamp(-128, 127))
     value_q = v8[blocks, :, offsets, :HEAD_SIZE].float()
-    assert torch.equal(value_q, torch.round(value / 0.5).clamp(-127, 127))
+    assert torch.equal(value_q, torch.round(value / 0.5).clamp(-128, 127))
     with pytest.raises(ValueError, match="k_scale must be finite and >= 0"):
         ops.reshape_and_cache(key, value, k8, v8, slots, -1.0, 0.5)
     kf = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK)

@@ -156,7 +156,7 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
   const int64_t pad = value_cache.dtype == kInt8Cache ? kInt8ScaleBytes : 0;
   const CacheShape shape{value_cache.shape[0], value_cache.shape[1], value_cache.shape[2],
                          value_cache.shape[3] - pad};
-  if (shape.head_size <= 0) {
+  if (pad > 0 && shape.head_size <= 0) {
     throw InvalidArgument(arg(op, "value_cache") + ": an int8 cache's rows hold head_size " +
                           "values and a float32 scale, [..., block_size, head_size + 4], got " +
                           value_cache.describe());

@@ -108,6 +108,11 @@ void block_gemm(const TensorView& out, const TensorView& x, const TensorView& pa
     throw InvalidArgument(std::string(op) + ": out must have x's " + std::to_string(m) +
                           " rows, got " + out.describe());
   }
+  // (the launch's grid: 16 rows a block in y, at most 65535 blocks; int sizes)
+  if (m > int64_t{65535} * 16 || n > (int64_t{1} << 30) || k > (int64_t{1} << 30)) {
+    throw InvalidArgument(std::string(op) + ": at most 1048560 rows and 2^30 columns, got x " +
+                          x.describe() + ", out " + out.describe());
+  }
   if (group != 32 && !(bits == 8 && group == 16)) {
     throw InvalidArgument(std::string(op) + ": group must be 32 (or 16 at 8 bits), got " +
                           std::to_string(group));

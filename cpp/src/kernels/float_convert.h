@@ -83,10 +83,14 @@ inline float int8_row_scale(const float* x, int64_t n) {
   return amax / 127.0f;
 }
 
-// x / scale rounded to nearest (ties to even) as int8; 0 where scale is 0.
-inline int8_t int8_quantize(float x, float scale) {
+// x / scale rounded to nearest (ties to even) as int8, clamped to [lowest, 127]: -127
+// for a row's own symmetric scale, -128 for a checkpoint's (compressed-tensors' int8
+// range); 0 where scale is 0 or x / scale is NaN (a non-finite K or V).
+inline int8_t int8_quantize(float x, float scale, float lowest = -127.0f) {
   if (scale == 0.0f) return 0;
-  return static_cast<int8_t>(std::clamp(std::nearbyint(x / scale), -127.0f, 127.0f));
+  const float q = std::nearbyint(x / scale);
+  if (std::isnan(q)) return 0;
+  return static_cast<int8_t>(std::clamp(q, lowest, 127.0f));
 }
 
 // e4m3's bits, moved into a float16's (exponent bias 15: the value / 256), exactly: a

@@ -87,6 +87,9 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     }
   };
   const bool int8_cache = cache_dtype == detail::kInt8Cache;
+  // (a checkpoint's static scale was computed for compressed-tensors' [-128, 127])
+  const float k_lowest = k_scale > 0.0f ? -128.0f : -127.0f;
+  const float v_lowest = v_scale > 0.0f ? -128.0f : -127.0f;
   const int64_t pad = int8_cache ? detail::kInt8ScaleBytes : 0;  // (float_convert.h)
   const int64_t head_stride = block_size * (head_size + pad);  // elements, within a block
   const int64_t block_stride = num_kv_heads * head_stride;
@@ -142,8 +145,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
           auto* k_tile = reinterpret_cast<int8_t*>(key_out) + tile;
           auto* v_out = reinterpret_cast<int8_t*>(value_out) + tile + column * (head_size + pad);
           for (int64_t i = 0; i < head_size; ++i) {
-            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_row_scale);
-            v_out[i] = detail::int8_quantize(v_row[i], v_row_scale);
+            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_row_scale, k_lowest);
+            v_out[i] = detail::int8_quantize(v_row[i], v_row_scale, v_lowest);
           }
           std::memcpy(k_tile + head_size * block_size + column * pad, &k_row_scale, sizeof(float));
           std::memcpy(v_out + head_size, &v_row_scale, sizeof(float));
