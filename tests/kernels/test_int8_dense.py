@@ -67,6 +67,13 @@ def test_a_zero_row_and_no_rows() -> None:
         out = run(isa, torch.zeros(2, 64), packed(q), torch.ones(20), None)
         assert torch.equal(out, torch.zeros(2, 20))
         assert run(isa, torch.zeros(0, 64), packed(q), torch.ones(20), None).shape == (0, 20)
+        # A NaN (a broken model's) makes its row's outputs NaN, the other rows as they are.
+        x = torch.randn(2, 64)
+        x[1, 5] = float("nan")
+        out = run(isa, x, packed(q), torch.ones(20), None)
+        assert bool(out[1].isnan().all()) and torch.equal(
+            out[0], run(isa, x[:1], packed(q), torch.ones(20), None)[0]
+        )
 
 
 def test_int8_dense_errors() -> None:

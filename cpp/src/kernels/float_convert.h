@@ -76,12 +76,16 @@ inline constexpr DType kFp8Cache = DType::kUInt8;
 inline constexpr DType kInt8Cache = DType::kInt8;
 inline constexpr int64_t kInt8ScaleBytes = 4;
 
-// The scale of an int8 cache row: max|x| / 127 (0 for a row of zeros).
-inline float int8_row_scale(const float* x, int64_t n) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
-  return amax / 127.0f;
+// max |x[i]|, by the bits: a non-negative float's order is its bits' as an integer, and
+// an integer maximum vectorizes where a float one (NaN's order) does not. A NaN wins.
+inline float max_abs(const float* x, int64_t n) {
+  uint32_t top = 0;
+  for (int64_t i = 0; i < n; ++i) top = std::max(top, float_to_bits(x[i]) & 0x7FFFFFFFu);
+  return bits_to_float(top);
 }
+
+// The scale of an int8 cache row: max|x| / 127 (0 for a row of zeros).
+inline float int8_row_scale(const float* x, int64_t n) { return max_abs(x, n) / 127.0f; }
 
 // x / scale rounded to nearest (ties to even) as int8, clamped to [lowest, 127]: -127
 // for a row's own symmetric scale, -128 for a checkpoint's (compressed-tensors' int8

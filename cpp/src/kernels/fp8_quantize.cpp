@@ -27,10 +27,8 @@ inline float round_to_e4m3(float v) {
   return detail::bits_to_float(rounded | sign);
 }
 
-PYENGINE_VECTOR_CLONES float max_abs(const float* x, int64_t k) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(x[i]));
-  return amax;
+PYENGINE_VECTOR_CLONES float row_max_abs(const float* x, int64_t k) {
+  return detail::max_abs(x, k);
 }
 
 PYENGINE_VECTOR_CLONES void quantize_row(const float* x, int64_t k, float s, float* out) {
@@ -61,10 +59,10 @@ void quantize_fp8_rows(const TensorView& out, const TensorView& x, const TensorV
   const int64_t m = x.shape[0], k = x.shape[1];
   const auto* src = static_cast<const float*>(x.data);
   auto* dst = static_cast<float*>(out.data);
-#pragma omp parallel for if (m * k >= (1 << 16))
+#pragma omp parallel for if (m * k >= (1 << 14))
   for (int64_t r = 0; r < m; ++r) {
     const float* row = src + r * x.strides[0];
-    const float s = static_scale >= 0.0f ? static_scale : max_abs(row, k) / kFp8Max;
+    const float s = static_scale >= 0.0f ? static_scale : row_max_abs(row, k) / kFp8Max;
     quantize_row(row, k, s, dst + r * out.strides[0]);
   }
 }

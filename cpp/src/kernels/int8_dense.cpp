@@ -16,6 +16,7 @@
 #endif
 
 #include "attention_checks.h"
+#include "float_convert.h"
 #include "pyengine/dense.h"
 #include "quantized_panel.h"
 #include "vector_clones.h"
@@ -46,10 +47,8 @@ bool vnni_supported() {
 // One row's scale, and its xq + 128 into `out` (k of them). Rounding is to nearest, ties
 // to even, as numpy's rint.
 PYENGINE_VECTOR_CLONES float quantize_row(const float* row, int64_t k, uint8_t* out) {
-  float amax = 0.0f;
-  for (int64_t i = 0; i < k; ++i) amax = std::max(amax, std::fabs(row[i]));
-  const float s = amax / 127.0f;
-  if (s == 0.0f) return s;  // a zero row: every xq 0
+  const float s = detail::max_abs(row, k) / 127.0f;
+  if (!(s > 0.0f)) return s;  // a zero row: every xq 0 (a NaN one: NaN sums)
   for (int64_t i = 0; i < k; ++i) {
     const float q = std::clamp(std::nearbyint(row[i] / s), -127.0f, 127.0f);
     out[i] = static_cast<uint8_t>(static_cast<int>(q) + kUnsignedOffset);
@@ -66,7 +65,7 @@ void quantize_rows(const TensorView& x, int64_t kp, std::vector<uint8_t>& xq,
   const auto* data = static_cast<const float*>(x.data);
   uint8_t* out = xq.data();
   float* scales = row_scale.data();
-#pragma omp parallel for if (m * k >= (1 << 16))
+#pragma omp parallel for if (m * k >= (1 << 14))
   for (int64_t r = 0; r < m; ++r) scales[r] = quantize_row(data + r * x.strides[0], k, out + r * kp);
 }
 
