@@ -141,3 +141,19 @@ def causal_attention(query: Any, keys: Any, values: Any) -> Any:
     visible = torch.arange(context)[None, :] <= (context - queries + torch.arange(queries))[:, None]
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     return torch.einsum("hqk,khd->qhd", weights, v)
+
+
+def check_float32_inputs_only(key_cache: Any, value_cache: Any, heads: int, head_size: int) -> None:
+    """A cache the kernels read as float32 (fp8, int8) refuses 16-bit queries and K/V."""
+    import torch
+
+    from pyengine import ops
+
+    query = torch.randn(1, heads, head_size)
+    args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+            torch.tensor([0, 1], dtype=torch.int32), 0.125)  # fmt: skip
+    with pytest.raises(ValueError, match="query must be float32"):
+        ops.paged_attention(query.half(), query.half(), key_cache, value_cache, *args)
+    with pytest.raises(ValueError, match="key must be float32"):
+        ops.reshape_and_cache(query.half(), query.half(), key_cache, value_cache,
+                              torch.zeros(1, dtype=torch.long))  # fmt: skip

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.attention import causal_attention
+from helpers.attention import causal_attention, check_float32_inputs_only
 from helpers.tiny_models import make_checkpoint
 
 from pyengine import _C, LLM, SamplingParams, ops
@@ -74,14 +74,7 @@ def test_attention_over_fp8_is_attention_over_its_values(
 
 
 def test_fp8_caches_take_float32_queries_only() -> None:
-    k8, v8 = caches(torch.uint8)
-    query = torch.randn(1, HEADS, HEAD_SIZE)
-    args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-            torch.tensor([0, 1], dtype=torch.int32), 0.125)  # fmt: skip
-    with pytest.raises(ValueError, match="query must be float32"):
-        ops.paged_attention(query.half(), query.half(), k8, v8, *args)
-    with pytest.raises(ValueError, match="key must be float32"):
-        ops.reshape_and_cache(query.half(), query.half(), k8, v8, torch.zeros(1, dtype=torch.long))
+    check_float32_inputs_only(*caches(torch.uint8), HEADS, HEAD_SIZE)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.attention import causal_attention
+from helpers.attention import causal_attention, check_float32_inputs_only
 
 from pyengine import _C, ops
 from pyengine.config import INT8_SCALE_BYTES
@@ -117,13 +117,10 @@ def test_attention_over_int8_is_attention_over_its_dequantized_values(
 
 def test_int8_caches_are_checked() -> None:
     k8, v8 = int8_caches()
+    check_float32_inputs_only(k8, v8, HEADS, HEAD_SIZE)
     query = torch.randn(1, HEADS, HEAD_SIZE)
     args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
             torch.tensor([0, 1], dtype=torch.int32), 0.125)  # fmt: skip
-    with pytest.raises(ValueError, match="query must be float32"):
-        ops.paged_attention(query.half(), query.half(), k8, v8, *args)
-    with pytest.raises(ValueError, match="key must be float32"):
-        ops.reshape_and_cache(query.half(), query.half(), k8, v8, torch.zeros(1, dtype=torch.long))
     unpadded = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK, dtype=torch.int8)
     with pytest.raises(ValueError, match="key_cache .* must be value_cache"):
         ops.paged_attention(query, query, unpadded, v8, *args)

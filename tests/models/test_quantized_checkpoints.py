@@ -70,6 +70,27 @@ def model_layers(llm: LLM) -> list[tuple[LinearBase, LinearBase]]:
     return [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in model.layers]
 
 
+def refuses_quantization(folder: Path, quantization_config: dict, message: str) -> None:  # type: ignore[type-arg]
+    """Loading `folder` with this quantization_config in its config.json fails with
+    `message`; the config is put back after."""
+    config_path = folder / "config.json"
+    original = config_path.read_text()
+    config = json.loads(original)
+    config_path.write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    try:
+        with pytest.raises(ValueError, match=message):
+            LLM(str(folder), **ENGINE)
+    finally:
+        config_path.write_text(original)
+
+
+def refuses_weights(folder: Path, tensors: dict, message: str) -> None:  # type: ignore[type-arg]
+    """Loading `folder` with these tensors as its weights fails with `message`."""
+    save_file(tensors, str(folder / "model.safetensors"))
+    with pytest.raises(ValueError, match=message):
+        LLM(str(folder), **ENGINE)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
     float_llama: Path, tmp_path: Path, case: str
@@ -108,8 +129,7 @@ def test_bad_quantized_checkpoints_are_refused_naming_the_problem(
     float_llama: Path, tmp_path: Path
 ) -> None:
     write_quantized(float_llama, tmp_path / "q", tmp_path / "ref", "gptq", 4, 32)
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
     for change, message in (
         ({"bits": 3}, "gptq with 3-bit weights is not supported"),
         # The checkpoint's groups of 32 against the config's 64: the first tensor that
@@ -121,10 +141,7 @@ def test_bad_quantized_checkpoints_are_refused_naming_the_problem(
         ({"quant_method": "fp8"}, "quantized checkpoints \\(fp8\\) are not supported"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
     ):
-        config_path.write_text(json.dumps({**config, "quantization_config": {
-            **config["quantization_config"], **change}}))  # fmt: skip
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
+        refuses_quantization(tmp_path / "q", {**config["quantization_config"], **change}, message)
 
 
 def test_a_quantization_asked_for_must_be_the_checkpoints(
@@ -221,8 +238,7 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
     float_llama: Path, tmp_path: Path
 ) -> None:
     write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref")
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
     scheme = config["quantization_config"]
     group = scheme["config_groups"]["group_0"]
     for change, message in (
@@ -233,10 +249,7 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
          r"weights \{'strategy': 'tensor'\} are not supported"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "ignore .* is not supported"),
     ):  # fmt: skip
-        config_path.write_text(json.dumps({**config, "quantization_config": {**scheme, **change}}))
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
-    config_path.write_text(json.dumps(config))
+        refuses_quantization(tmp_path / "q", {**scheme, **change}, message)
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj"
     for change, message in (
@@ -245,9 +258,7 @@ def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(
         ({f"{name}.weight": tensors[f"{name}.weight"].float()},
          rf"weight {name}.weight: torch.float32 values, the model expects torch.int8"),
     ):  # fmt: skip
-        save_file({**tensors, **change}, str(tmp_path / "q" / "model.safetensors"))
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
+        refuses_weights(tmp_path / "q", {**tensors, **change}, message)
 
 
 @pytest.mark.parametrize(
@@ -277,8 +288,7 @@ def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
 ) -> None:
     pytest.importorskip("compressed_tensors")
     write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", 32)
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
     scheme = config["quantization_config"]
     weights = scheme["config_groups"]["group_0"]["weights"]
     for change, message in (
@@ -291,17 +301,15 @@ def test_bad_w4a16_checkpoints_are_refused_naming_the_problem(
         ({"symmetric": False}, r"weights \{'symmetric': False\} are not supported"),
     ):
         group = {"targets": ["Linear"], "weights": {**weights, **change}}
-        config_path.write_text(json.dumps({**config, "quantization_config": {
-            **scheme, "config_groups": {"group_0": group}}}))  # fmt: skip
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
-    config_path.write_text(json.dumps(config))
+        refuses_quantization(
+            tmp_path / "q", {**scheme, "config_groups": {"group_0": group}}, message
+        )
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     name = "model.layers.1.self_attn.o_proj"
-    save_file({**tensors, f"{name}.weight_shape": torch.tensor([7, 7])},
-              str(tmp_path / "q" / "model.safetensors"))  # fmt: skip
-    with pytest.raises(ValueError, match=rf"weight {name}.weight_shape: \[7, 7\], the model"):
-        LLM(str(tmp_path / "q"), **ENGINE)
+    refuses_weights(
+        tmp_path / "q", {**tensors, f"{name}.weight_shape": torch.tensor([7, 7])},
+        rf"weight {name}.weight_shape: \[7, 7\], the model",
+    )  # fmt: skip
 
 
 def test_compressed_tensors_layers_shard_over_tensor_parallel_ranks(
@@ -413,8 +421,7 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
 ) -> None:
     pytest.importorskip("compressed_tensors")
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "tensor", "tensor")
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
     scheme = config["quantization_config"]
     group = scheme["config_groups"]["group_0"]
     inputs = group["input_activations"]
@@ -427,10 +434,7 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
          r"input_activations \{'num_bits': 4\} are not supported"),
     ):  # fmt: skip
         changed = {**scheme, "config_groups": {"group_0": {**group, **change}}}
-        config_path.write_text(json.dumps({**config, "quantization_config": changed}))
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
-    config_path.write_text(json.dumps(config))
+        refuses_quantization(tmp_path / "q", changed, message)
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     name = "model.layers.0.mlp.down_proj"
     nan_weight = tensors[f"{name}.weight"].clone()
@@ -444,16 +448,14 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
         ({**tensors, f"{name}.weight": nan_weight}, "holds NaN"),
         (without_input_scale, rf"lacks 1 weights, e.g. \['{name}.input_scale'\]"),
     ):  # fmt: skip
-        save_file(weights, str(tmp_path / "q" / "model.safetensors"))
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
+        refuses_weights(tmp_path / "q", weights, message)
     # fp8 tensors outside a quantized checkpoint mean nothing without their scales
     reference = load_file(str(tmp_path / "ref" / "model.safetensors"))
     weight = "model.layers.0.self_attn.o_proj.weight"
-    save_file({**reference, weight: reference[weight].to(FP8)},
-              str(tmp_path / "ref" / "model.safetensors"))  # fmt: skip
-    with pytest.raises(ValueError, match=rf"tensor {weight} is F8_E4M3: fp8 weights come"):
-        LLM(str(tmp_path / "ref"), **ENGINE)
+    refuses_weights(
+        tmp_path / "ref", {**reference, weight: reference[weight].to(FP8)},
+        rf"tensor {weight} is F8_E4M3: fp8 weights come",
+    )  # fmt: skip
 
 
 def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
@@ -486,19 +488,14 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in got], full
     )
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
-    config_path = tmp_path / "q" / "config.json"
-    config = json.loads(config_path.read_text())
+    config = json.loads((tmp_path / "q" / "config.json").read_text())
     scheme = config["quantization_config"]
     for change, message in (
         ({"type": "float"}, r"kv_cache_scheme \{'type': 'float'\} are not supported"),
         ({"strategy": "head"}, r"kv_cache_scheme \{'strategy': 'head'\} are not supported"),
     ):
         kv = {**scheme["kv_cache_scheme"], **change}
-        config_path.write_text(json.dumps({**config, "quantization_config": {
-            **scheme, "kv_cache_scheme": kv}}))  # fmt: skip
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
-    config_path.write_text(json.dumps(config))
+        refuses_quantization(tmp_path / "q", {**scheme, "kv_cache_scheme": kv}, message)
     tensors = load_file(str(tmp_path / "q" / "model.safetensors"))
     name = "model.layers.0.self_attn.k_scale"
     for weights, message in (
@@ -506,6 +503,4 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
         ({**tensors, name: torch.tensor([-1.0])}, "k_scale and v_scale must be finite and posi"),
         ({**tensors, name: torch.ones(2)}, rf"weight {name}: shape \(2,\), one value expected"),
     ):  # fmt: skip
-        save_file(weights, str(tmp_path / "q" / "model.safetensors"))
-        with pytest.raises(ValueError, match=message):
-            LLM(str(tmp_path / "q"), **ENGINE)
+        refuses_weights(tmp_path / "q", weights, message)
