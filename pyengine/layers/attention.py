@@ -52,11 +52,11 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = cache
-        if key_cache.dtype == torch.int8 and self.k_scale > 0:
-            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping,
-                                  self.k_scale, self.v_scale)  # fmt: skip
-        else:
-            ops.reshape_and_cache(key, value, key_cache, value_cache, meta.slot_mapping)
+        int8 = key_cache.dtype == torch.int8
+        ops.reshape_and_cache(
+            key, value, key_cache, value_cache, meta.slot_mapping,
+            self.k_scale if int8 else 0.0, self.v_scale if int8 else 0.0,
+        )  # fmt: skip
         out = torch.empty_like(query)
         ops.paged_attention(
             out,

@@ -24,11 +24,11 @@ import torch.nn.functional as F
 from pyengine import _C, ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK
+from pyengine.layers.int8_w8a8 import checked_scales, load_channel_scales
 from pyengine.layers.linear_method import LinearMethod, packed_for
 from pyengine.layers.placement import Placement
-from pyengine.layers.weight_only_int import part_rows
 from pyengine.utils import host_memory
-from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
     from pyengine.layers.linear import LinearBase
@@ -106,25 +106,16 @@ class Fp8Method(LinearMethod):
         """`weight_scale` of stacked part `part` ([out, 1], [out], or one for the tensor:
         [1] or []; this rank's rows), or its `input_scale` (one; the parts of a fused
         layer share their input, so the largest scale serves them all, as vLLM takes it)."""
-        from pyengine.layers.linear import check_shape
-
-        full_out, start, length, local = part_rows(layer, part)
-        scale = materialize(loaded).float().reshape(-1)
-        if not torch.isfinite(scale).all() or bool((scale <= 0).any()):
-            raise ValueError(f"weight {name}: scales must be finite and positive")
-        if kind == "input_scale":
-            if scale.numel() != 1:
-                raise ValueError(
-                    f"weight {name}: a static input_scale is one value, got {tuple(loaded.shape)}"
-                )
-            current = layer.input_scale
-            layer.input_scale = scale if current is None else torch.maximum(current, scale)
+        if kind != "input_scale":
+            load_channel_scales(layer, name, loaded, part, per_tensor=True, positive=True)
             return
-        if scale.numel() == 1:
-            scale = scale.expand(full_out)
-        elif tuple(loaded.shape) != (full_out,):
-            check_shape(name, loaded, (full_out, 1))
-        layer.weight_scale[local : local + length] = scale[start : start + length]
+        scale = checked_scales(name, loaded, positive=True)
+        if scale.numel() != 1:
+            raise ValueError(
+                f"weight {name}: a static input_scale is one value, got {tuple(loaded.shape)}"
+            )
+        current = layer.input_scale
+        layer.input_scale = scale if current is None else torch.maximum(current, scale)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if bool(torch.isnan(layer.weight.data.float()).any()):

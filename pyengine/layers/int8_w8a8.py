@@ -13,6 +13,7 @@ under 2^24).
 from __future__ import annotations
 
 import functools
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,6 +54,36 @@ def int_mm_supported(device: torch.device) -> bool:
 INT_MM_MIN_ROWS = 17  # (cuBLASLt's int8 GEMM takes more than 16 rows: fewer are padded)
 
 
+def checked_scales(name: str, loaded: CheckpointTensor, positive: bool) -> torch.Tensor:
+    """A checkpoint's scales as float32 [n]; ValueError naming the tensor where one is not
+    finite, or (positive) not above 0, or else below 0."""
+    scale = materialize(loaded).float().reshape(-1)
+    low = bool((scale <= 0).any()) if positive else bool((scale < 0).any())
+    if not torch.isfinite(scale).all() or low:
+        raise ValueError(
+            f"weight {name}: scales must be finite and {'positive' if positive else 'non-negative'}"
+        )
+    return scale
+
+
+def load_channel_scales(
+    layer: LinearBase, name: str, loaded: CheckpointTensor, part: int, per_tensor: bool,
+    positive: bool,
+) -> None:  # fmt: skip
+    """`weight_scale` of stacked part `part`, [out, 1] or [out] (per_tensor: or one value
+    for the part, [1] or []), into this rank's rows of layer.weight_scale."""
+    from pyengine.layers.linear import check_shape
+
+    full_out, start, length, local = part_rows(layer, part)
+    one_value = per_tensor and math.prod(loaded.shape) == 1
+    if not one_value and tuple(loaded.shape) != (full_out,):
+        check_shape(name, loaded, (full_out, 1))
+    scale = checked_scales(name, loaded, positive)
+    if scale.numel() == 1:
+        scale = scale.expand(full_out)
+    layer.weight_scale[local : local + length] = scale[start : start + length]
+
+
 class Int8W8A8Method(LinearMethod):
     weight_kinds = ("weight", "weight_scale")
 
@@ -69,15 +100,7 @@ class Int8W8A8Method(LinearMethod):
         self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
     ) -> None:
         """The `weight_scale` of stacked part `part`: [out, 1] (or [out]), this rank's rows."""
-        from pyengine.layers.linear import check_shape
-
-        full_out, start, length, local = part_rows(layer, part)
-        if tuple(loaded.shape) != (full_out,):
-            check_shape(name, loaded, (full_out, 1))
-        scale = materialize(loaded).float().reshape(-1)
-        if not torch.isfinite(scale).all() or bool((scale < 0).any()):
-            raise ValueError(f"weight {name}: scales must be finite and non-negative")
-        layer.weight_scale[local : local + length] = scale[start : start + length]
+        load_channel_scales(layer, name, loaded, part, per_tensor=False, positive=False)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         layer.weight_scale = layer.weight_scale.to(self.placement.device)

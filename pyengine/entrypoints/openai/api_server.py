@@ -66,7 +66,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,
-        help="auto: the model's dtype; bfloat16, float16 or fp8 (e4m3) under float32 weights (CPU)",
+        help="auto: the model's dtype; bfloat16, float16, fp8 (e4m3) or int8 under float32 "
+        "weights (CPU)",
     )
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
