@@ -1,29 +1,12 @@
 #include <vector>
 
+#include "dense_view.h"
 #include "harness.h"
 #include "pyengine/cache_ops.h"
 #include "pyengine/errors.h"
 
 using namespace pyengine;
-
-namespace {
-
-// A dense view of `data` as [dims...].
-TensorView view(void* data, DType dtype, std::vector<int64_t> dims) {
-  TensorView v;
-  v.data = data;
-  v.dtype = dtype;
-  v.ndim = static_cast<int>(dims.size());
-  int64_t stride = 1;
-  for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[static_cast<size_t>(d)] = dims[static_cast<size_t>(d)];
-    v.strides[static_cast<size_t>(d)] = stride;
-    stride *= dims[static_cast<size_t>(d)];
-  }
-  return v;
-}
-
-}  // namespace
+using pyengine::testing::view;
 
 TEST(copies_whole_blocks_in_every_cache) {
   // Two caches of 4 blocks x [2, 3].

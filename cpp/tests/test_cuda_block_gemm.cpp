@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "block_gemm.cuh"
+#include "dense_view.h"
 #include "harness.h"
 #include "pyengine/block_gemm.h"
 #include "pyengine/errors.h"
@@ -24,26 +25,12 @@ using pyengine::TensorView;
 using pyengine::cuda::from_float;
 using pyengine::cuda::to_float;
 using pyengine::emulation::launch;
+using pyengine::testing::view;
 namespace bg = pyengine::cuda::block_gemm_kernels;
 
 std::mt19937& rng() {
   static std::mt19937 generator(20261201);
   return generator;
-}
-
-TensorView view(void* data, DType dtype, std::initializer_list<int64_t> shape) {
-  TensorView v;
-  v.data = data;
-  v.dtype = dtype;
-  v.ndim = static_cast<int>(shape.size());
-  int64_t stride = 1;
-  std::vector<int64_t> dims(shape);
-  for (int d = v.ndim - 1; d >= 0; --d) {
-    v.shape[d] = dims[d];
-    v.strides[d] = stride;
-    stride *= dims[d];
-  }
-  return v;
 }
 
 template <typename T>
@@ -124,10 +111,12 @@ TEST(pack_block_gemm_weight_checks_its_operands) {
   const TensorView p = view(packed.data(), DType::kUInt8, {static_cast<int64_t>(packed.size())});
   pyengine::pack_block_gemm_weight(p, view(q.data(), DType::kUInt8, {8, 32}), 4);
   q[40] = 16;
-  CHECK_THROWS(pyengine::InvalidArgument, pyengine::pack_block_gemm_weight(p, view(q.data(), DType::kUInt8, {8, 32}), 4));
+  CHECK_THROWS(pyengine::InvalidArgument,
+               pyengine::pack_block_gemm_weight(p, view(q.data(), DType::kUInt8, {8, 32}), 4));
   CHECK_THROWS(pyengine::InvalidArgument, pyengine::packed_block_gemm_size(40, 8, 4));
   CHECK_THROWS(pyengine::InvalidArgument, pyengine::packed_block_gemm_size(32, 8, 5));
-  CHECK_THROWS(pyengine::InvalidArgument, pyengine::pack_block_gemm_weight(p, view(q.data(), DType::kInt8, {8, 32}), 4));
+  CHECK_THROWS(pyengine::InvalidArgument,
+               pyengine::pack_block_gemm_weight(p, view(q.data(), DType::kInt8, {8, 32}), 4));
 }
 
 }  // namespace
