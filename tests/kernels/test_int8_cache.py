@@ -118,7 +118,7 @@ def test_attention_over_int8_is_attention_over_its_dequantized_values(
 def test_int8_caches_are_checked() -> None:
     k8, v8 = int8_caches()
     check_float32_inputs_only(k8, v8, HEADS, HEAD_SIZE)
-    query = torch.randn(1, HEADS, HEAD_SIZE)
+    query = torch.zeros(1, HEADS, HEAD_SIZE)  # (a shape error: its values do not matter)
     args = (torch.zeros(1, 1, dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
             torch.tensor([0, 1], dtype=torch.int32), 0.125)  # fmt: skip
     unpadded = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK, dtype=torch.int8)
