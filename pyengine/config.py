@@ -264,6 +264,10 @@ class ParallelConfig:
             )
 
 
+# How block-quantized CPU layers take a decode step's activations (EngineArgs says).
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
+
+
 @dataclass
 class EngineConfig:
     """The engine's limits, resolved: EngineArgs (which holds every default) makes it."""
@@ -283,6 +287,7 @@ class EngineConfig:
     enforce_eager: bool  # on CUDA: no CUDA graphs for decode steps
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for
     parallel: ParallelConfig
+    quantized_activations: str = "float32"  # one of QUANTIZED_ACTIVATIONS (EngineArgs says)
 
     @property
     def cache_dtype(self) -> str:
@@ -300,6 +305,7 @@ class EngineConfig:
             or kv_cache_dtype_supported(self.kv_cache_dtype, self.dtype, self.device),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "max_logprobs": self.max_logprobs >= 0,
+            "quantized_activations": self.quantized_activations in QUANTIZED_ACTIVATIONS,
         }
         for name, ok in checks.items():
             if not ok:

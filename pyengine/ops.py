@@ -54,12 +54,14 @@ _SCHEMAS = {
     "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
     # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight, float32; or
-    # pack_quantized_weight, uint8/int8/float8_e4m3fn) + bias
-    "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n) -> ()",
+    # pack_quantized_weight, uint8/int8/float8_e4m3fn) + bias; int8_activations: a decode
+    # step's rows quantized to int8 per block of 32 for a 4-bit/int8 block weight
+    "dense": "dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor? bias, int n, "
+    "bool int8_activations=False) -> ()",
     # out [m, n] = silu(x @ gate) * (x @ up), gate/up packed by pack_gate_up_weight (or
     # pack_quantized_weight with gate_up)
     "dense_silu_and_mul": "dense_silu_and_mul(Tensor(a!) out, Tensor x, Tensor packed, "
-    "int n) -> ()",
+    "int n, bool int8_activations=False) -> ()",
     # out [t, k] = columns ids (int64 [t]) of a packed [k, n] weight: an embedding lookup
     # in a head's packed form
     "packed_columns": "packed_columns(Tensor(a!) out, Tensor packed, Tensor ids, int n) -> ()",

@@ -108,20 +108,23 @@ void bind_layer_ops(py::module_& m) {
   m.def(
       "dense",
       [](const py::handle& out, const py::handle& x, const py::handle& packed,
-         const py::handle& bias, int64_t n) {
+         const py::handle& bias, int64_t n, bool int8_activations) {
         const DLPackView o(out, "dense: out"), in(x, "dense: x");
         const DLPackView p(packed, "dense: packed");
         if (bias.is_none()) {
           py::gil_scoped_release release;
-          dense(o.view(), in.view(), p.view(), TensorView{}, n);
+          dense(o.view(), in.view(), p.view(), TensorView{}, n, int8_activations);
           return;
         }
         const DLPackView b(bias, "dense: bias");
         py::gil_scoped_release release;
-        dense(o.view(), in.view(), p.view(), b.view(), n);
+        dense(o.view(), in.view(), p.view(), b.view(), n, int8_activations);
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
-      "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m.");
+      py::arg("int8_activations") = false,
+      "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m; "
+      "int8_activations: a decode step's rows quantized to int8 per block of 32 for a "
+      "block-quantized weight.");
   m.def("packed_int8_weight_size", &packed_int8_weight_size, py::arg("k"), py::arg("n"),
         "Bytes of a packed int8 [n, k] weight (pack_int8_weight).");
   m.def(
@@ -226,14 +229,16 @@ void bind_layer_ops(py::module_& m) {
       "Packs w_t [k, 2n] (gate columns, then up) for dense_silu_and_mul.");
   m.def(
       "dense_silu_and_mul",
-      [](const py::handle& out, const py::handle& x, const py::handle& packed, int64_t n) {
+      [](const py::handle& out, const py::handle& x, const py::handle& packed, int64_t n,
+         bool int8_activations) {
         const DLPackView o(out, "dense_silu_and_mul: out");
         const DLPackView in(x, "dense_silu_and_mul: x");
         const DLPackView p(packed, "dense_silu_and_mul: packed");
         py::gil_scoped_release release;
-        dense_silu_and_mul(o.view(), in.view(), p.view(), n);
+        dense_silu_and_mul(o.view(), in.view(), p.view(), n, int8_activations);
       },
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"),
+      py::arg("int8_activations") = false,
       "out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight.");
 }
 

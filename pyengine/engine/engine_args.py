@@ -8,6 +8,7 @@ import torch
 
 from pyengine import built_with_cuda
 from pyengine.config import (
+    QUANTIZED_ACTIVATIONS,
     EngineConfig,
     ParallelConfig,
     QuantizationConfig,
@@ -41,6 +42,12 @@ class EngineArgs:
     # "gptq", "awq" or "compressed-tensors"; None: the checkpoint's quantization_config
     # says (or float weights)
     quantization: str | None = None
+    # How block-quantized layers (GGUF's, GPTQ/AWQ's) on the CPU take a decode step's
+    # activations: "float32", the dequantized weights' exact float32 product (greedy
+    # tokens those of transformers on them); "int8", quantized per block of 32 and
+    # multiplied in integers, as llama.cpp (and vLLM's GGUF kernels) do: several times
+    # fewer instructions, at the cost of the activations' rounding to 8 bits.
+    quantized_activations: str = "float32"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
 
     # Ranks per pipeline stage, and stages; their product is the number of workers.
@@ -56,6 +63,11 @@ class EngineArgs:
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(
+                f"quantized_activations {self.quantized_activations!r}: expected one of "
+                f"{', '.join(map(repr, QUANTIZED_ACTIVATIONS))}"
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         parallel = self.parallel_config()
@@ -96,6 +108,7 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
             parallel=parallel,
+            quantized_activations=self.quantized_activations,
         )
         return LLMEngine(loaded, config)
 

@@ -43,10 +43,13 @@ class LayerContext:
     tp: TensorParallelGroup = field(default_factory=TensorParallelGroup)
     pp: PipelineStage = field(default_factory=PipelineStage)
     methods: LinearMethods | None = None  # None: LinearMethods(placement)
+    quantized_activations: str = "float32"  # (EngineArgs.quantized_activations)
 
     @property
     def linear_methods(self) -> LinearMethods:
-        return self.methods or LinearMethods(self.placement)
+        return self.methods or LinearMethods(
+            self.placement, quantized_activations=self.quantized_activations
+        )
 
 
 class AdapterHook(Protocol):

@@ -169,6 +169,10 @@ class PackedPanelsMethod(LinearMethod):
     built on this one add their forms from the same transposed weight; `packed_for`
     picks among the forms a layer has, row count by row count."""
 
+    # Whether a decode step's rows are quantized to int8 for block-quantized panels
+    # (ops.dense's int8_activations; float32 panels ignore it).
+    int8_activations = False
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         w_t = layer.weight.data.t().contiguous().float()
         self.pack(layer, w_t)
@@ -184,14 +188,14 @@ class PackedPanelsMethod(LinearMethod):
                 "adapter on it needs a method whose product it can join (TorchLinearMethod)"
             )
         out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
-        ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1])
+        ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1], self.int8_activations)
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         # One op over pairs of panels: the [tokens, 2 n] product never goes to memory.
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        ops.dense_silu_and_mul(out, x, packed_for(layer, x.shape[0]), n)
+        ops.dense_silu_and_mul(out, x, packed_for(layer, x.shape[0]), n, self.int8_activations)
         return out
 
 
@@ -233,6 +237,9 @@ class GGUFBlockMethod(BlockPartsMethod, PackedPanelsMethod):
     for many the widening of each chunk into L1 is shared by all the rows' tiles. No float
     copy of the weight is ever made."""
 
+    def __init__(self, int8_activations: bool) -> None:
+        self.int8_activations = int8_activations
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         layer.packed_blocks = pack_block_quantized(self.stacked_blocks(layer), layer.gate_up)
 
@@ -247,6 +254,8 @@ class LinearMethods:
     # A quantized checkpoint's (GPTQ, AWQ, compressed-tensors): its layers' weights (all
     # but the head) are integers.
     quantization: QuantizationConfig | None = None
+    # EngineArgs.quantized_activations: which block-quantized layers take int8 rows.
+    quantized_activations: str = "float32"
 
     def choose(self, checkpoint_names: Sequence[str], many_rows: bool = True) -> LinearMethod:
         """The method of a layer made of `checkpoint_names` (its parts, in order);
@@ -263,7 +272,9 @@ class LinearMethods:
                 return Int8W8A8Method(self.placement)
             from pyengine.layers.weight_only_int import WeightOnlyIntMethod
 
-            return WeightOnlyIntMethod(self.quantization, self.placement)
+            return WeightOnlyIntMethod(
+                self.quantization, self.placement, self.quantized_activations == "int8"
+            )
         names = list(checkpoint_names)
         has_blocks = bool(names) and all(name in self.block_quantized for name in names)
         if not self.placement.packs_weights:
@@ -273,5 +284,6 @@ class LinearMethods:
                 return CudaBlockMethod(self.placement)
             return TorchLinearMethod(self.placement)
         if has_blocks:
-            return GGUFBlockMethod()  # every part has a block form
+            # every part has a block form
+            return GGUFBlockMethod(self.quantized_activations == "int8")
         return SplitBF16Method() if many_rows and split_gemm_enabled() else PackedPanelsMethod()

@@ -86,9 +86,12 @@ def num_groups(in_features: int, group_size: int) -> int:
 
 
 class WeightOnlyIntMethod(LinearMethod):
-    def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
+    def __init__(
+        self, quantization: QuantizationConfig, placement: Placement, int8_activations: bool
+    ) -> None:
         self.q = quantization
         self.placement = placement
+        self.int8_activations = int8_activations  # (for its block form: ops.dense's)
         kinds: tuple[str, ...] = ("qweight", "qzeros", "scales")
         if quantization.method == "compressed-tensors":  # pack-quantized, symmetric
             kinds = ("weight_packed", "weight_scale", "weight_shape")
@@ -253,7 +256,7 @@ class WeightOnlyIntMethod(LinearMethod):
             raise ValueError("paired [gate; up] blocks multiply only fused with silu_and_mul")
         packed, x = self._blocks_for(layer, x)
         out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
-        ops.dense(out, x, packed, bias, out.shape[1])
+        ops.dense(out, x, packed, bias, out.shape[1], self.int8_activations)
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
@@ -262,5 +265,5 @@ class WeightOnlyIntMethod(LinearMethod):
         packed, x = self._blocks_for(layer, x)
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        ops.dense_silu_and_mul(out, x, packed, n)
+        ops.dense_silu_and_mul(out, x, packed, n, self.int8_activations)
         return out

@@ -38,8 +38,9 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerCo
         raise ValueError(f"{loaded.source}: loaded without its weights (read_weights=False)")
     placement = ctx.placement
     methods = LinearMethods(
-        placement, frozenset(loaded.block_quantized), loaded.config.quantization
-    )
+        placement, frozenset(loaded.block_quantized), loaded.config.quantization,
+        ctx.quantized_activations,
+    )  # fmt: skip
     ctx = replace(ctx, methods=methods)
     with torch.device(placement.device):  # the parameters are made (and loaded) there
         model = model_class(loaded.config.architecture)(loaded.config, max_positions, ctx)

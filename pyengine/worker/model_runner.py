@@ -126,7 +126,8 @@ class ModelRunner:
             )
         self.model = build_model(
             loaded, config.max_model_len, config.seed,
-            LayerContext(self.placement, self.tp, self.pp),
+            LayerContext(self.placement, self.tp, self.pp,
+                         quantized_activations=config.quantized_activations),
         )  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)

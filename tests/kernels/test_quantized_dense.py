@@ -1,13 +1,16 @@
-"""dense and dense_silu_and_mul over block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0
+"""dense and dense_silu_and_mul over block-quantized weights (GGUF's Q4_0/Q4_1/Q8_0/Q6_K
 form), in each build of the widening this CPU runs (AVX-512, with its multiply of a
 decode step's rows in registers, and the portable one): bit for bit the float32 matmul
-over the widened weight, which is the weight the loader dequantizes; and clear errors for
-what cannot be packed."""
+over the widened weight, which is the weight the loader dequantizes; with
+int8_activations, a decode step's rows quantized to int8 per block and multiplied in
+integers (VNNI, or the portable build: the same bits), against a float64 reference of
+that arithmetic; and clear errors for what cannot be packed."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 import torch
 
@@ -104,6 +107,87 @@ def test_gated_dense_of_blocks_is_the_float32_one(
     ops.dense_silu_and_mul(got, x, pack_block_quantized(blocks, gate_up=True), n)
     ops.dense_silu_and_mul(want, x, float_packed(w, gate_up=True), n)
     assert torch.equal(got, want)
+
+
+def int8_rows_reference(x: torch.Tensor, blocks: BlockQuantized) -> torch.Tensor:
+    """x's rows quantized per block of 32 as the kernel does (d = max|x| / 127 and
+    round(x / d) in float32, ties to even), then, per group of the weight, the exact
+    integer sum of q * xq times scale * d, plus offset times the sum of x: in float64."""
+    xs = x.numpy()
+    rows, k = xs.shape
+    blocks_x = xs.reshape(rows, k // BLOCK, BLOCK)
+    d = (np.abs(blocks_x).max(axis=2) / np.float32(127)).astype(np.float32)
+    safe = np.where(d > 0, d, np.float32(1))[..., None]
+    xq = np.clip(np.rint(blocks_x / safe), -127, 127).astype(np.int64).reshape(rows, k)
+    group = blocks.group
+    q = blocks.q.astype(np.int64)  # [n, k]
+    scale_d = blocks.scale.astype(np.float32)[None] * np.repeat(d, BLOCK // group, axis=1)[:, None]
+    dots = np.einsum("rgi,ngi->rng", xq.reshape(rows, -1, group), q.reshape(len(q), -1, group))
+    x_sums = xs.astype(np.float64).reshape(rows, -1, group).sum(axis=2)  # [rows, groups]
+    out = (dots * scale_d.astype(np.float32).astype(np.float64)).sum(axis=2)
+    out += (blocks.offset.astype(np.float64)[None] * x_sums[:, None]).sum(axis=2)
+    return torch.from_numpy(out)
+
+
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 50), (1, 1536, 60), (2, 576, 49),
+                                           (3, 96, 100), (4, 1536, 97)])  # fmt: skip
+def test_int8_activations_multiply_in_integers(
+    bits: int, form: str, m: int, k: int, n: int
+) -> None:
+    blocks = random_blocks(n, k, bits, form)
+    x = torch.randn(m, k)
+    if k > BLOCK:
+        x[0, :BLOCK] = 0.0  # a block of zeros: d 0
+    got = torch.empty(m, n)
+    ops.dense(got, x, pack_block_quantized(blocks), None, n, int8_activations=True)
+    want = int8_rows_reference(x, blocks)
+    terms = int8_rows_reference(x.abs(), BlockQuantized(
+        np.abs(blocks.q.astype(np.int16)).astype(blocks.q.dtype), np.abs(blocks.scale),
+        np.abs(blocks.offset)))  # fmt: skip
+    error = (got.double() - want).abs()
+    assert (error <= 1e-5 * terms + 1e-30).all(), error.max()
+    # and not the float product: x's rounding to 8 bits shows
+    exact = x.double() @ torch.from_numpy(blocks.dequantize()).double().t()
+    assert (got.double() - exact).abs().max() > 100 * error.max()
+
+
+@pytest.mark.parametrize(("bits", "form"), FORMS)
+def test_int8_activations_are_the_same_bits_in_every_build(bits: int, form: str) -> None:
+    blocks = random_blocks(100, 576, bits, form)
+    x = torch.randn(3, 576)
+    packed, gate_up = pack_block_quantized(blocks), pack_block_quantized(blocks, gate_up=True)
+    results = []
+    for isa in ISAS:
+        _C.set_quantized_dense_isa(isa)
+        out, gated = torch.empty(3, 100), torch.empty(3, 50)
+        ops.dense(out, x, packed, None, 100, int8_activations=True)
+        ops.dense_silu_and_mul(gated, x, gate_up, 50, int8_activations=True)
+        results.append((out, gated))
+    for out, gated in results[1:]:
+        assert torch.equal(out, results[0][0]) and torch.equal(gated, results[0][1])
+    product = torch.empty(3, 100)
+    ops.dense(product, x, packed, None, 100, int8_activations=True)
+    want = torch.empty(3, 50)
+    ops.silu_and_mul(want, torch.cat([product[:, :50], product[:, 50:]], dim=1))
+    assert torch.equal(results[0][1], want)
+
+
+def test_int8_activations_leave_many_rows_and_fp8_weights_float() -> None:
+    """A prefill's rows (more than 4) and fp8 weights take the widened float product."""
+    blocks = random_blocks(60, 96, 4, "q4_1")
+    x = torch.randn(5, 96)
+    got, want = torch.empty(5, 60), torch.empty(5, 60)
+    ops.dense(got, x, pack_block_quantized(blocks), None, 60, int8_activations=True)
+    ops.dense(want, x, float_packed(torch.from_numpy(blocks.dequantize())), None, 60)
+    assert torch.equal(got, want)
+    w = torch.randn(60, 96).to(torch.float8_e4m3fn)
+    scale = torch.rand(3, 60) + 0.5
+    packed = torch.empty(_C.packed_quantized_weight_size(96, 60, 8), dtype=torch.float8_e4m3fn)
+    _C.pack_quantized_weight(packed, w.t().contiguous(), scale, torch.zeros(3, 60), False)
+    ops.dense(got[:1], x[:1], packed, None, 60, int8_activations=True)
+    ops.dense(want[:1], x[:1], packed, None, 60)
+    assert torch.equal(got[:1], want[:1])
 
 
 @pytest.mark.parametrize(("bits", "form"), [*FORMS, (32, "float32")])

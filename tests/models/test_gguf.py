@@ -16,6 +16,7 @@ from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
 from helpers.hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 from helpers.k_quants import quantize_k, quantize_q6_k  # noqa: E402
+from helpers.logprobs import same_context_differences  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import inverse_frequencies  # noqa: E402
@@ -313,6 +314,32 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     chat = llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0]
     assert chat.prompt == "<|user|>hi\n<|assistant|>"
     assert chat.prompt_token_ids[0] == tokens_id(tokenizer, "<|user|>")
+
+
+def decode_logprobs(path: Path, **engine: object) -> list[tuple[list[int], list]]:  # type: ignore[type-arg]
+    """Greedy tokens and each step's top-5 logprobs of two prompts."""
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20, **engine)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    try:
+        result = llm.generate([[5, 6, 7, 8], list(range(30, 70))], params, use_tqdm=False)
+        return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in result]
+    finally:
+        llm.engine.shutdown()
+
+
+def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: ignore[no-untyped-def]
+    """With quantized_activations="int8", a decode step's rows go to the GGUF blocks
+    quantized to int8 per block (llama.cpp's arithmetic): each step's logprobs stay within
+    what 8-bit activations cost of the float32 product's (the default), at every step
+    whose tokens so far agree, and they are not the float32 product's."""
+    path, _ = tiny_llama
+    got, ref = decode_logprobs(path, quantized_activations="int8"), decode_logprobs(path)
+    differences = same_context_differences(got, ref)
+    assert len(differences) >= 20
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+    assert max(differences) > 1e-6
+    with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
+        LLM(str(path), kv_cache_memory=32 * 2**20, quantized_activations="int4")
 
 
 def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.logprobs import same_context_differences
 from helpers.quantized_checkpoints import write_fp8, write_quantized, write_w4a16, write_w8a8
 from helpers.tiny_models import make_checkpoint
 from safetensors.torch import load_file, save_file
@@ -125,6 +126,23 @@ def test_quantized_layers_shard_over_tensor_parallel_ranks(
     assert [t for t, _ in two] == [t for t, _ in one]
 
 
+@pytest.mark.parametrize("case", ["gptq-4bit-g64-desc-act", "gptq-8bit-g32", "awq-4bit-g32"])
+def test_quantized_blocks_take_int8_rows_when_asked(
+    float_llama: Path, tmp_path: Path, case: str
+) -> None:
+    """quantized_activations="int8": a decode step's rows quantized to int8 per block of
+    32 for the layers' block forms; each step's logprobs within what 8-bit activations
+    cost of the float32 product's, at every step whose tokens so far agree."""
+    method, bits, group_size, desc_act, shared = CASES[case]
+    write_quantized(float_llama, tmp_path / "q", tmp_path / "ref", method, bits, group_size,
+                    desc_act, shared_order=shared)  # fmt: skip
+    got = outputs(tmp_path / "q", quantized_activations="int8")
+    differences = same_context_differences(got, outputs(tmp_path / "q"))
+    assert len(differences) >= 20
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+    assert max(differences) > 1e-6  # (not the float32 product)
+
+
 def test_bad_quantized_checkpoints_are_refused_naming_the_problem(
     float_llama: Path, tmp_path: Path
 ) -> None:
@@ -219,19 +237,6 @@ def assert_close_logprobs(got: list, ref: list) -> None:  # type: ignore[type-ar
     ]
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
     assert [t[:3] for t, _ in got] == [t[:3] for t, _ in ref]
-
-
-def same_context_differences(got: list, ref: list) -> list[float]:  # type: ignore[type-arg]
-    """|logprob - the reference's| of its top 5, at each step whose tokens so far agree."""
-    differences = []
-    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(got, ref, strict=True):
-        for i, (step, ref_step) in enumerate(zip(logprobs, ref_logprobs, strict=True)):
-            if tokens[:i] != ref_tokens[:i]:
-                break
-            differences += [
-                abs(step[t].logprob - e.logprob) for t, e in ref_step.items() if t in step
-            ]
-    return differences
 
 
 def test_bad_w8a8_checkpoints_are_refused_naming_the_problem(

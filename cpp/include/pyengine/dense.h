@@ -74,9 +74,14 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
 // uint8/int8/float8_e4m3fn (pack_quantized_weight) or bfloat16 (pack_split_weight, where
-// split_gemm_supported()).
+// split_gemm_supported()). int8_activations: with a 4-bit or int8 block-quantized
+// weight, a decode step's few rows of x (up to 4) are quantized to int8 per block of
+// kQuantBlock (d = max|x| / 127, as llama.cpp's q8_0) and multiplied in integers (AVX-512
+// VNNI where the CPU has it; the same results in every build): about a fifth of the
+// float widening's instructions, and no longer the float32 product of the widened weight
+// (that of x's rounding to 8 bits).
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
-           const TensorView& bias, int64_t n);
+           const TensorView& bias, int64_t n, bool int8_activations = false);
 
 // Packs w_t [k, 2n], gate columns then up columns (an MLP's fused gate/up projection), for
 // dense_silu_and_mul into `packed` (float32 [2 * packed_weight_size(k, n)]): each
@@ -87,9 +92,9 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 // product never leaves the thread's cache, and the activation rounds exactly as
 // silu_and_mul's. x and out float32 with a dense last dim; packed float32
 // (pack_gate_up_weight), uint8/int8 (pack_quantized_weight with gate_up) or bfloat16
-// (pack_split_weight with gate_up).
+// (pack_split_weight with gate_up). int8_activations: as dense's.
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
-                        int64_t n);
+                        int64_t n, bool int8_activations = false);
 
 // Frees the calling thread's OpenMP worker threads (the kernels' thread pool). For a
 // thread that hands the kernels over to another: the OpenMP runtime spins its idle

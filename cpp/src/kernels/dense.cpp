@@ -140,6 +140,7 @@ struct Rows8 {
   int64_t m;
   int64_t k;
   const float* padded_tail;  // rows m / 8 * 8 .. m, then zeros (when there are 2-7)
+  const detail::Int8Rows* int8 = nullptr;  // the rows quantized, where they multiply so
 };
 
 Rows8 tile_rows(const TensorView& x) {
@@ -166,6 +167,19 @@ struct Panels {
   const uint8_t* panel(int64_t p) const { return data + p * panel_bytes; }
 };
 
+// x as the tiles read it, with its rows quantized to int8 where `int8_activations` asks
+// for it and the weight takes them: a decode step's few rows times an integer code.
+Rows8 multiplied_rows(const TensorView& x, const Panels& w, bool int8_activations) {
+  Rows8 rows = tile_rows(x);
+  if (int8_activations && detail::int8_rows_multiply(w.code) && rows.m > 0 &&
+      rows.m <= detail::kRegisterRows) {
+    thread_local detail::Int8Rows quantized;
+    quantized.quantize(rows.a, rows.lda, rows.m, rows.k);
+    rows.int8 = &quantized;
+  }
+  return rows;
+}
+
 // Rows of a quantized panel widened at a time: 12 KiB of float32, in L1, beside the
 // tiles' slices of x, while every tile of the block passes over them. (Widening a whole
 // panel, 110-300 KiB, went through L2 and cost as much as the bytes it saved. Against
@@ -188,6 +202,11 @@ template <class Sink>
 void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
   const bool quantized = w.code != detail::QuantCode::kNone;
+  if (x.int8 != nullptr) {
+    detail::multiply_int8_rows(*x.int8, m0, static_cast<int>(m1 - m0), w.panel(p), w.code, sums);
+    sink(m0, m1 - m0, static_cast<const float*>(sums));
+    return;
+  }
   if (quantized && m1 - m0 <= detail::kRegisterRows && detail::quantized_avx512()) {
     detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0),
                                     w.panel(p), x.k, w.code, sums);
@@ -389,7 +408,7 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
 }
 
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
-           const TensorView& bias, int64_t n) {
+           const TensorView& bias, int64_t n, bool int8_activations) {
   constexpr const char* op = "dense";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
@@ -405,7 +424,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
                             check_split(op, packed, k, n, false), n, b);
     return;
   }
-  const Rows8 rows8 = tile_rows(x);
+  const Rows8 rows8 = multiplied_rows(x, panels, int8_activations);
   for_blocks_and_units(rows8, (n + kPanelWidth - 1) / kPanelWidth, kPanelWidth,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
@@ -424,7 +443,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
 }
 
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
-                        int64_t n) {
+                        int64_t n, bool int8_activations) {
   constexpr const char* op = "dense_silu_and_mul";
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
@@ -436,7 +455,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
     return;
   }
   const Panels panels = check_packed(op, packed, k, n, true, "pack_gate_up_weight");
-  const Rows8 rows8 = tile_rows(x);
+  const Rows8 rows8 = multiplied_rows(x, panels, int8_activations);
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
   // weights stream in memory order, as in dense.
   for_blocks_and_units(

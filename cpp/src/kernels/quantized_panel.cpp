@@ -122,7 +122,12 @@ void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView&
   const int bits = detail::quantized_bits(code);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     uint8_t* block = dst + b * quantized_block_bytes(code);
-    std::memset(block, 0, static_cast<size_t>(quantized_block_bytes(code)));
+    const int64_t param_bytes = detail::quantized_param_bytes(code);
+    std::memset(block, 0, static_cast<size_t>(param_bytes));
+    uint8_t* ints = block + param_bytes;
+    // (the columns past width: q 0, whose biased byte is 128)
+    std::memset(ints, detail::quantized_biased(code) ? 128 : 0,
+                static_cast<size_t>(quantized_block_bytes(code) - param_bytes));
     for (int64_t g = 0; g < kQuantBlock / rows; ++g) {
       auto* params = reinterpret_cast<float*>(block) + g * 2 * kPanelWidth;
       const int64_t group = b * (kQuantBlock / rows) + g;
@@ -132,14 +137,14 @@ void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView&
             static_cast<const float*>(offset_t.data)[group * offset_t.strides[0] + first + j];
       }
     }
-    uint8_t* ints = block + detail::quantized_param_bytes(code);
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       const uint8_t* row = q + (b * kQuantBlock + i) * q_t.strides[0] + first;
       for (int64_t j = 0; j < width; ++j) {
-        if (bits == 8) {
-          ints[i * kPanelWidth + j] = row[j];
+        uint8_t& byte = ints[detail::quantized_byte(i, j, code)];
+        if (bits == 4) {
+          byte |= static_cast<uint8_t>(row[j] << detail::quantized_nibble_shift(i));
         } else {
-          ints[i / 2 * kPanelWidth + j] |= static_cast<uint8_t>(row[j] << (i % 2 * 4));
+          byte = detail::quantized_biased(code) ? static_cast<uint8_t>(row[j] ^ 0x80) : row[j];
         }
       }
     }
@@ -191,25 +196,38 @@ namespace {
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 
-// The 16 weights of one row at src, times scale, plus offset: rounded once. An fp8 byte
+// q of row b (of the lane rows) of the 16 columns whose lanes are w (a biased int8
+// code's with its bias already flipped off: w ^ 0x80 bytes), as float. An fp8 byte
 // becomes the float16 of its value / 256 (fp8_e4m3_to_half_bits), so its scale comes
-// times 256 (`scale` of widen_scale), which changes no product.
+// times 256 (`scale` of load_params), which changes no product.
+// (Called in loops over the rows that unroll, so that the shifts are immediates.)
 template <QuantCode kCode>
-PYENGINE_WIDEN_AVX512 inline __m512 widen_row(const uint8_t* src, __m512 scale, __m512 offset) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  if constexpr (kCode == QuantCode::kFp8) {
-    const __m256i b = _mm256_cvtepu8_epi16(q);
+PYENGINE_WIDEN_AVX512 inline __m512 lane_q(__m512i w, int row) {
+  if constexpr (kCode == QuantCode::kNibble) {
+    const unsigned shift = 8 * (row % 4) + 4 * (row / 4);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(w, shift), _mm512_set1_epi32(15)));
+  } else if constexpr (kCode == QuantCode::kFp8) {
+    const __m256i b = _mm512_cvtepi32_epi16(
+        _mm512_and_si512(_mm512_srli_epi32(w, 8 * row), _mm512_set1_epi32(0xFF)));
     const __m256i half =
         _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7F)), 7),
                         _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8));
-    return _mm512_fmadd_ps(_mm512_cvtph_ps(half), scale, offset);
-  } else {
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale, offset);
+    return _mm512_cvtph_ps(half);
+  } else {  // (sign-extended from the row's byte)
+    return _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(w, 24 - 8 * row), 24));
   }
 }
 
+// The lanes of 16 columns of a group at src, as lane_q takes them.
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX512 inline __m512i load_lanes(const uint8_t* src) {
+  const __m512i w = _mm512_loadu_si512(src);
+  if constexpr (detail::quantized_biased(kCode)) return _mm512_xor_si512(w, _mm512_set1_epi8(-128));
+  return w;
+}
+
 // The scale and offset vectors of row i's group, columns [v * 16, v * 16 + 16), as
-// widen_row takes them.
+// lane_q's widenings take them.
 template <QuantCode kCode>
 PYENGINE_WIDEN_AVX512 inline void load_params(const uint8_t* block, int64_t i, int v,
                                               __m512& scale, __m512& offset) {
@@ -222,26 +240,17 @@ PYENGINE_WIDEN_AVX512 inline void load_params(const uint8_t* block, int64_t i, i
 template <QuantCode kCode>
 PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) {
   constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
   const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
   for (int v = 0; v < kPanelWidth / kLanes; ++v) {
     __m512 scale, offset;
-    load_params<kCode>(block, 0, v, scale, offset);
-    float* dst = out + v * kLanes;
-    const uint8_t* src = ints + v * kLanes;
-    if constexpr (kCode != QuantCode::kNibble) {
-      for (int64_t i = 0; i < kQuantBlock; ++i) {
-        if (i > 0 && i % kGroupRows == 0) load_params<kCode>(block, i, v, scale, offset);
-        _mm512_storeu_ps(dst + i * kPanelWidth, widen_row<kCode>(src + i * kPanelWidth, scale, offset));
-      }
-    } else {
-      const __m512i low_bits = _mm512_set1_epi32(15);
-      for (int64_t i = 0; i < kQuantBlock / 2; ++i) {
-        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i * kPanelWidth));
-        const __m512i pair = _mm512_cvtepu8_epi32(q);
-        const __m512 low = _mm512_cvtepi32_ps(_mm512_and_si512(pair, low_bits));
-        const __m512 high = _mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 4));
-        _mm512_storeu_ps(dst + 2 * i * kPanelWidth, _mm512_fmadd_ps(low, scale, offset));
-        _mm512_storeu_ps(dst + (2 * i + 1) * kPanelWidth, _mm512_fmadd_ps(high, scale, offset));
+    for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
+      if (i0 % kGroupRows == 0) load_params<kCode>(block, i0, v, scale, offset);
+      const __m512i w = load_lanes<kCode>(ints + (i0 / kLaneRows * kPanelWidth + v * kLanes) * 4);
+      float* dst = out + i0 * kPanelWidth + v * kLanes;
+#pragma GCC unroll 8
+      for (int b = 0; b < kLaneRows; ++b) {
+        _mm512_storeu_ps(dst + b * kPanelWidth, _mm512_fmadd_ps(lane_q<kCode>(w, b), scale, offset));
       }
     }
   }
@@ -299,39 +308,29 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
     odd[v] = _mm512_setzero_ps();
     for (int r = 0; r < kRows; ++r) acc[r][v] = _mm512_setzero_ps();
   }
-  const __m512i low_bits = _mm512_set1_epi32(15);
+  constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     const uint8_t* block = panel + b * block_bytes;
     prefetch_ahead(block, block_bytes);
     __m512 scale[3], offset[3];
-    for (int v = 0; v < 3; ++v) load_params<kCode>(block, 0, v, scale[v], offset[v]);
     const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
     const float* x = a + b * kQuantBlock;
-    if constexpr (kCode != QuantCode::kNibble) {
-      for (int i = 0; i < kQuantBlock; ++i) {
-        if (i > 0 && i % detail::quantized_group_rows(kCode) == 0) {
-          for (int v = 0; v < 3; ++v) load_params<kCode>(block, i, v, scale[v], offset[v]);
-        }
+    for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
+      if (i0 % kGroupRows == 0) {
+        for (int v = 0; v < 3; ++v) load_params<kCode>(block, i0, v, scale[v], offset[v]);
+      }
+      __m512i lanes[3];
+      for (int v = 0; v < 3; ++v) {
+        lanes[v] = load_lanes<kCode>(ints + (i0 / kLaneRows * kPanelWidth + v * kLanes) * 4);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < kLaneRows; ++r) {
         __m512 w[3];
         for (int v = 0; v < 3; ++v) {
-          w[v] = widen_row<kCode>(ints + i * kPanelWidth + v * kLanes, scale[v], offset[v]);
+          w[v] = _mm512_fmadd_ps(lane_q<kCode>(lanes[v], r), scale[v], offset[v]);
         }
-        add_products<kRows>(acc, odd, x + i, lda, i % 2 == 1, w);
-      }
-    } else {
-      for (int i = 0; i < kQuantBlock / 2; ++i) {
-        __m512 low[3], high[3];
-        for (int v = 0; v < 3; ++v) {
-          const __m128i q =
-              _mm_loadu_si128(reinterpret_cast<const __m128i*>(ints + i * kPanelWidth + v * kLanes));
-          const __m512i pair = _mm512_cvtepu8_epi32(q);
-          low[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(pair, low_bits)), scale[v],
-                                   offset[v]);
-          high[v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(pair, 4)), scale[v],
-                                    offset[v]);
-        }
-        add_products<kRows>(acc, odd, x + 2 * i, lda, false, low);
-        add_products<kRows>(acc, odd, x + 2 * i + 1, lda, true, high);
+        add_products<kRows>(acc, odd, x + i0 + r, lda, r % 2 == 1, w);
       }
     }
   }

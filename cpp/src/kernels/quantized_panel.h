@@ -4,17 +4,19 @@
 // A panel of kPanelWidth columns over k rows is k / kQuantBlock blocks, each
 //   scale  [kPanelWidth] float32, offset [kPanelWidth] float32 (twice, the first 16 rows'
 //          then the last 16's, where a block's halves are groups of their own: Q6_K's),
-//   then the block's kQuantBlock rows of kPanelWidth integers:
-//     8-bit: one int8 a weight, row after row;
-//     4-bit: rows in pairs, one byte a column: row 2i in the low nibble, 2i + 1 in the
-//            high one (unsigned, 0..15),
-//     fp8:   one e4m3 byte a weight, row after row (as 8-bit),
-// so that widening one row of 16 columns is a 16-byte load, a widening conversion and a
-// multiply-add.
+//   then the block's kQuantBlock rows of integers, in groups of rows a 4-byte lane holds:
+//   each group is kPanelWidth lanes, a column's 4 bytes each, so that one 64-byte load is
+//   16 columns of a group, the operand of an int8 dot product (vpdpbusd: 4 bytes of a
+//   lane times 4 bytes of x) and, shifted, of the widening to float:
+//     8-bit: groups of 4 rows, a byte a row: q + 128 (unsigned: vpdpbusd's unsigned
+//            side), or an fp8 weight's e4m3 code itself;
+//     4-bit: groups of 8 rows: byte b holds row b in its low nibble and row b + 4 in
+//            its high one (unsigned, 0..15).
 #pragma once
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "float_convert.h"
 #include "pyengine/dense.h"
@@ -81,14 +83,30 @@ inline const float* quantized_params(const uint8_t* block, int64_t i, QuantCode 
   return reinterpret_cast<const float*>(block) + i / quantized_group_rows(code) * 2 * kPanelWidth;
 }
 
-// q of row i (within the block), column j, of a block's weights at `ints`, as float
+// Rows of a block a 4-byte lane of its integers holds: 8 nibbles, or 4 bytes.
+constexpr int quantized_lane_rows(QuantCode code) { return code == QuantCode::kNibble ? 8 : 4; }
+
+// Whether the code's bytes are integers stored plus 128.
+constexpr bool quantized_biased(QuantCode code) {
+  return code == QuantCode::kInt8 || code == QuantCode::kInt8Halves;
+}
+
+// The byte of row i (within the block), column j, of a block's integers, and the shift
+// of its nibble (4-bit).
+inline int64_t quantized_byte(int64_t i, int64_t j, QuantCode code) {
+  return (i / quantized_lane_rows(code) * kPanelWidth + j) * 4 + i % 4;
+}
+inline int quantized_nibble_shift(int64_t i) { return static_cast<int>(i % 8 / 4 * 4); }
+
+// q of row i (within the block), column j, of a block's integers at `ints`, as float
 // (exactly: a small integer, or an fp8 value).
 inline float quantized_value(const uint8_t* ints, int64_t i, int64_t j, QuantCode code) {
+  const uint8_t byte = ints[quantized_byte(i, j, code)];
   switch (code) {
     case QuantCode::kInt8:
-    case QuantCode::kInt8Halves: return static_cast<int8_t>(ints[i * kPanelWidth + j]);
-    case QuantCode::kFp8: return fp8_e4m3_to_float(ints[i * kPanelWidth + j]);
-    default: return static_cast<float>(ints[i / 2 * kPanelWidth + j] >> (i % 2 * 4) & 15);
+    case QuantCode::kInt8Halves: return static_cast<float>(static_cast<int>(byte) - 128);
+    case QuantCode::kFp8: return fp8_e4m3_to_float(byte);
+    default: return static_cast<float>(byte >> quantized_nibble_shift(i) & 15);
   }
 }
 
@@ -110,5 +128,33 @@ bool quantized_avx512();
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
                              int64_t k, QuantCode code, float* c);
+
+// A decode step's rows of x, quantized for integer products with quantized panels (as
+// llama.cpp's q8_0 activations): each block of kQuantBlock values of a row as
+// xq = round(x / d), d = max|x| / 127, with the sums a panel's offsets and its unsigned
+// int8 bytes need. Quantized once a call, read by every thread.
+struct Int8Rows {
+  std::vector<int8_t> q;         // [rows, k]
+  std::vector<float> scale;      // [rows, k / kQuantBlock]: d (0 for a block of zeros)
+  std::vector<float> sum;        // [rows, k / 16]: the sum of x over each 16 values
+  std::vector<int32_t> int_sum;  // [rows, k / 16]: the sum of xq over each 16
+  int64_t k = 0;
+
+  // rows of a (lda apart) of k values, k a multiple of kQuantBlock.
+  void quantize(const float* a, int64_t lda, int64_t rows, int64_t k);
+};
+
+// Whether a panel of `code` multiplies by Int8Rows (not fp8's).
+constexpr bool int8_rows_multiply(QuantCode code) {
+  return code == QuantCode::kNibble || quantized_biased(code);
+}
+
+// c [rows][kPanelWidth] = rows [r0, r0 + rows) of x times the quantized panel at `panel`
+// (of x.k rows), 1 <= rows <= kRegisterRows, code one int8_rows_multiply takes: per group
+// of a panel, the exact int32 sum of q * xq, then sum = fma(sum_q_xq, scale * d, sum) and
+// sum = fma(offset, sum of x, sum), in float32, the same in every build (VNNI's and the
+// portable one).
+void multiply_int8_rows(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
+                        QuantCode code, float* c);
 
 }  // namespace pyengine::detail

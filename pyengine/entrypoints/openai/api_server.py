@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pyengine.config import QUANTIZATION_METHODS
+from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -69,6 +69,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="auto: the model's dtype; bfloat16, float16, fp8 (e4m3) or int8 under float32 "
         "weights (CPU)",
     )
+    parser.add_argument(
+        "--quantized-activations", choices=list(QUANTIZED_ACTIVATIONS),
+        default=d.quantized_activations,
+        help="a decode step's activations for block-quantized CPU layers (GGUF, GPTQ/AWQ): "
+        "float32 (the dequantized weights' exact product) or int8 (per block of 32, as "
+        "llama.cpp: faster)",
+    )  # fmt: skip
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
         "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"

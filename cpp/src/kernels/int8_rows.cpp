@@ -1,0 +1,223 @@
+// A decode step's rows of x quantized to int8 per block and multiplied by block-quantized
+// panels in integers (see quantized_panel.h): on AVX-512 VNNI, vpdpbusd takes a lane's 4
+// unsigned weight bytes (nibbles, or int8 + 128) times 4 of x's bytes at once, where the
+// float widening takes one weight per multiply-add; the portable build sums the same
+// integers. Both end in the same float32 operations, so they agree bit for bit.
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define PYENGINE_INT8_ROWS_X86 1
+#endif
+
+#include "attention_checks.h"
+#include "float_convert.h"
+#include "pyengine/int8_dense.h"
+#include "quantized_panel.h"
+
+namespace pyengine::detail {
+namespace {
+
+constexpr int64_t kHalf = kQuantBlock / 2;  // the groups of the sums of x
+constexpr int kLanes = 16;
+constexpr int kVectors = static_cast<int>(kPanelWidth / kLanes);
+
+// One block's xq and d; a block of zeros (or holding a NaN) keeps xq 0 and d 0 (NaN).
+void quantize_block(const float* x, int8_t* q, float& scale) {
+  const float d = max_abs(x, kQuantBlock) / 127.0f;
+  scale = d;
+  if (!(d > 0.0f)) {
+    std::memset(q, 0, kQuantBlock);
+    return;
+  }
+  for (int64_t i = 0; i < kQuantBlock; ++i) {
+    q[i] = static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(x[i] / d))));
+  }
+}
+
+// The int32 sum of q * xq over rows [i0, i0 + count) of a block's integers, column j.
+int32_t column_dot(const uint8_t* ints, const int8_t* xq, int64_t i0, int64_t count, int64_t j,
+                   QuantCode code) {
+  int32_t dot = 0;
+  for (int64_t i = i0; i < i0 + count; ++i) {
+    dot += static_cast<int32_t>(quantized_value(ints, i, j, code)) * xq[i];
+  }
+  return dot;
+}
+
+void multiply_portable(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
+                       QuantCode code, float* c) {
+  const int64_t group_rows = quantized_group_rows(code), block_bytes = quantized_block_bytes(code);
+  const int64_t blocks = x.k / kQuantBlock;
+  for (int r = 0; r < rows; ++r) {
+    const int8_t* xq = x.q.data() + (r0 + r) * x.k;
+    const float* d = x.scale.data() + (r0 + r) * blocks;
+    const float* sums = x.sum.data() + (r0 + r) * (x.k / kHalf);
+    for (int64_t j = 0; j < kPanelWidth; ++j) {
+      float sum = 0.0f;
+      for (int64_t b = 0; b < blocks; ++b) {
+        const uint8_t* block = panel + b * block_bytes;
+        const uint8_t* ints = block + quantized_param_bytes(code);
+        for (int64_t i0 = 0; i0 < kQuantBlock; i0 += group_rows) {
+          const float* params = quantized_params(block, i0, code);
+          const int32_t dot = column_dot(ints, xq + b * kQuantBlock, i0, group_rows, j, code);
+          const float* half = sums + (b * kQuantBlock + i0) / kHalf;
+          const float x_sum = group_rows == kHalf ? half[0] : half[0] + half[1];
+          sum = std::fma(static_cast<float>(dot), params[j] * d[b], sum);
+          sum = std::fma(params[kPanelWidth + j], x_sum, sum);
+        }
+      }
+      c[r * kPanelWidth + j] = sum;
+    }
+  }
+}
+
+#ifdef PYENGINE_INT8_ROWS_X86
+#define PYENGINE_INT8_ROWS_VNNI __attribute__((target("avx512f,avx512bw,avx512vnni")))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+
+// The 4 bytes of xq at p in every lane.
+PYENGINE_INT8_ROWS_VNNI inline __m512i broadcast4(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm512_set1_epi32(word);
+}
+
+template <int kRows, QuantCode kCode>
+PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const uint8_t* panel,
+                                           float* c) {
+  constexpr int64_t kGroupRows = quantized_group_rows(kCode);
+  constexpr int64_t kLaneRows = quantized_lane_rows(kCode);
+  constexpr int64_t kBlockBytes = quantized_block_bytes(kCode);
+  const int64_t blocks = x.k / kQuantBlock;
+  const __m512i low_nibbles = _mm512_set1_epi8(15);
+  const int8_t* xq[kRows];
+  const float* d[kRows];
+  const float* sums[kRows];
+  const int32_t* int_sums[kRows];
+  for (int r = 0; r < kRows; ++r) {
+    xq[r] = x.q.data() + (r0 + r) * x.k;
+    d[r] = x.scale.data() + (r0 + r) * blocks;
+    sums[r] = x.sum.data() + (r0 + r) * (x.k / kHalf);
+    int_sums[r] = x.int_sum.data() + (r0 + r) * (x.k / kHalf);
+  }
+  __m512 sum[kRows][kVectors];
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) sum[r][v] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* block = panel + b * kBlockBytes;
+    // (read once, in order: asked for a few blocks ahead, as the widening does)
+    for (int64_t line = 0; line < kBlockBytes; line += 64) {
+      __builtin_prefetch(block + 4 * kBlockBytes + line, 0, 1);
+    }
+    const uint8_t* ints = block + quantized_param_bytes(kCode);
+    for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kGroupRows) {
+      __m512i dot[kRows][kVectors];
+      for (int r = 0; r < kRows; ++r) {
+        for (int v = 0; v < kVectors; ++v) dot[r][v] = _mm512_setzero_si512();
+      }
+      for (int64_t i = i0; i < i0 + kGroupRows; i += kLaneRows) {
+        for (int v = 0; v < kVectors; ++v) {
+          const __m512i w = _mm512_loadu_si512(ints + (i / kLaneRows * kPanelWidth + v * kLanes) * 4);
+          if constexpr (kCode == QuantCode::kNibble) {
+            const __m512i low = _mm512_and_si512(w, low_nibbles);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(w, 4), low_nibbles);
+            for (int r = 0; r < kRows; ++r) {
+              const int8_t* q = xq[r] + b * kQuantBlock + i;
+              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], low, broadcast4(q));
+              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], high, broadcast4(q + 4));
+            }
+          } else {
+            for (int r = 0; r < kRows; ++r) {
+              dot[r][v] = _mm512_dpbusd_epi32(dot[r][v], w, broadcast4(xq[r] + b * kQuantBlock + i));
+            }
+          }
+        }
+      }
+      const float* params = quantized_params(block, i0, kCode);
+      for (int r = 0; r < kRows; ++r) {
+        const int64_t h = (b * kQuantBlock + i0) / kHalf;
+        const float x_sum = kGroupRows == kHalf ? sums[r][h] : sums[r][h] + sums[r][h + 1];
+        const __m512 scale_d = _mm512_set1_ps(d[r][b]), x_sums = _mm512_set1_ps(x_sum);
+        // (q + 128 times xq: less 128 times the sum of xq)
+        const int32_t bias =
+            kCode == QuantCode::kNibble
+                ? 0
+                : 128 * (kGroupRows == kHalf ? int_sums[r][h] : int_sums[r][h] + int_sums[r][h + 1]);
+        for (int v = 0; v < kVectors; ++v) {
+          const __m512i exact = _mm512_sub_epi32(dot[r][v], _mm512_set1_epi32(bias));
+          const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(params + v * kLanes), scale_d);
+          sum[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, sum[r][v]);
+          sum[r][v] =
+              _mm512_fmadd_ps(_mm512_loadu_ps(params + kPanelWidth + v * kLanes), x_sums, sum[r][v]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) _mm512_storeu_ps(c + r * kPanelWidth + v * kLanes, sum[r][v]);
+  }
+}
+#pragma GCC diagnostic pop
+
+template <QuantCode kCode>
+void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel, float* c) {
+  static_assert(kRegisterRows == 4);
+  switch (rows) {
+    case 1: return multiply_vnni<1, kCode>(x, r0, panel, c);
+    case 2: return multiply_vnni<2, kCode>(x, r0, panel, c);
+    case 3: return multiply_vnni<3, kCode>(x, r0, panel, c);
+    default: return multiply_vnni<4, kCode>(x, r0, panel, c);
+  }
+}
+#endif
+
+}  // namespace
+
+void Int8Rows::quantize(const float* a, int64_t lda, int64_t rows, int64_t k_) {
+  k = k_;
+  const int64_t blocks = k / kQuantBlock;
+  q.resize(static_cast<size_t>(rows * k));
+  scale.resize(static_cast<size_t>(rows * blocks));
+  sum.resize(static_cast<size_t>(rows * k / kHalf));
+  int_sum.resize(static_cast<size_t>(rows * k / kHalf));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t b = 0; b < blocks; ++b) {
+      quantize_block(a + r * lda + b * kQuantBlock, q.data() + r * k + b * kQuantBlock,
+                     scale[static_cast<size_t>(r * blocks + b)]);
+    }
+    for (int64_t h = 0; h < k / kHalf; ++h) {
+      const float* values = a + r * lda + h * kHalf;
+      const int8_t* ints = q.data() + r * k + h * kHalf;
+      float total = 0.0f;
+      int32_t int_total = 0;
+      for (int64_t i = 0; i < kHalf; ++i) {
+        total += values[i];
+        int_total += ints[i];
+      }
+      sum[static_cast<size_t>(r * (k / kHalf) + h)] = total;
+      int_sum[static_cast<size_t>(r * (k / kHalf) + h)] = int_total;
+    }
+  }
+}
+
+void multiply_int8_rows(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
+                        QuantCode code, float* c) {
+#ifdef PYENGINE_INT8_ROWS_X86
+  if (int8_dense_vnni()) {
+    switch (code) {
+      case QuantCode::kNibble: return multiply_vnni<QuantCode::kNibble>(x, r0, rows, panel, c);
+      case QuantCode::kInt8Halves:
+        return multiply_vnni<QuantCode::kInt8Halves>(x, r0, rows, panel, c);
+      default: return multiply_vnni<QuantCode::kInt8>(x, r0, rows, panel, c);
+    }
+  }
+#endif
+  multiply_portable(x, r0, rows, panel, code, c);
+}
+
+}  // namespace pyengine::detail
