@@ -4,7 +4,10 @@ float32, the same run.
 
 One request (a prompt of 128 random token ids, 256 greedy output tokens, ignore_eos) is
 streamed through each engine's OpenAI server (/v1/completions over bare HTTP, as
-bench/serve.py sends them), and run offline through LLM.generate. Decode tokens/s are
+bench/serve.py sends them), and run offline through LLM.generate. pyengine runs twice:
+with quantized_activations="int8" (a decode step's activations quantized per block of 32
+and multiplied in integers: llama.cpp's own arithmetic) and with its default "float32"
+(the dequantized weights' exact product). Decode tokens/s are
 those after the first token: (tokens - 1) / (last token's time - first token's).
 Reported beside them: the bound that memory bandwidth (measured here, best of the run)
 puts on a decode step that reads every quantized weight byte once, and each server's
@@ -137,11 +140,13 @@ def streamed_decode(port: int, prompt: list[int], output_len: int, rounds: int) 
     )
 
 
-def offline_decode(model: Path, prompt: list[int], output_len: int, rounds: int) -> tuple[
-    float, int
-]:  # fmt: skip
+def offline_decode(
+    model: Path, prompt: list[int], output_len: int, rounds: int, activations: str
+) -> tuple[float, int]:
     """(best decode tokens/s of LLM.generate, the weight bytes a decode step streams)."""
-    llm = LLM(str(model), max_model_len=len(prompt) + output_len + 16)
+    llm = LLM(
+        str(model), max_model_len=len(prompt) + output_len + 16, quantized_activations=activations
+    )
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8), use_tqdm=False)
     best = 0.0
@@ -277,8 +282,11 @@ def main() -> None:
         if path is None:
             print(f"{form}: no file (llama-quantize makes it: --llama-bin)")
             continue
-        offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds)
-        ours_rss, ours = measured(start_server(str(path), context), prompt, args)
+        offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds, "int8")
+        int8_rss, int8 = measured(
+            start_server(str(path), context, "--quantized-activations", "int8"), prompt, args
+        )
+        _, exact = measured(start_server(str(path), context), prompt, args)
         theirs, theirs_rss = float("nan"), float("nan")
         if args.llama_bin is not None:
             peer = start_llama_server(args.llama_bin, path, context)
@@ -288,18 +296,20 @@ def main() -> None:
         key = form.lower()
         figures.update({
             f"{key}_llamacpp_server_tok_s": round(theirs, 1),
-            f"{key}_pyengine_server_tok_s": round(ours, 1),
-            f"{key}_pyengine_offline_tok_s": round(offline, 1),
-            f"speedup_vs_llamacpp_{key}_server": round(ours / theirs, 2),
+            f"{key}_pyengine_int8_server_tok_s": round(int8, 1),
+            f"speedup_vs_llamacpp_{key}_server_int8": round(int8 / theirs, 2),
+            f"{key}_pyengine_server_tok_s": round(exact, 1),
+            f"speedup_vs_llamacpp_{key}_server": round(exact / theirs, 2),
+            f"{key}_pyengine_int8_offline_tok_s": round(offline, 1),
             f"{key}_streamed_weight_mb": round(streamed / 1e6, 1),
             f"{key}_bandwidth_bound_tok_s": round(bound, 1),
-            f"{key}_pyengine_server_rss_mib": round(ours_rss),
+            f"{key}_pyengine_server_rss_mib": round(int8_rss),
             f"{key}_llamacpp_server_rss_mib": round(theirs_rss),
         })  # fmt: skip
         rows.append((
-            form, f"{theirs:.1f}", f"{ours:.1f}", f"{ours / theirs:.2f}x", f"{offline:.1f}",
-            f"{bound:.0f} ({streamed / 1e6:.0f} MB)", f"{theirs_rss:.0f}", f"{ours_rss:.0f}",
-            f"{ours_rss / theirs_rss:.2f}x",
+            form, f"{theirs:.1f}", f"{int8:.1f}", f"{int8 / theirs:.2f}x", f"{exact:.1f}",
+            f"{exact / theirs:.2f}x", f"{offline:.1f}", f"{bound:.0f} ({streamed / 1e6:.0f} MB)",
+            f"{theirs_rss:.0f}", f"{int8_rss:.0f}", f"{int8_rss / theirs_rss:.2f}x",
         ))  # fmt: skip
     figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
     tables = []
@@ -310,7 +320,8 @@ def main() -> None:
             f"{args.rounds}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
         )
         tables.append(print_table(
-            ("format", "llama.cpp tok/s", "pyengine tok/s", "speedup", "pyengine offline tok/s",
+            ("format", "llama.cpp tok/s", "pyengine int8 act. tok/s", "speedup",
+             "pyengine float32 act. tok/s", "speedup", "pyengine int8 offline tok/s",
              "bandwidth bound tok/s (bytes)", "llama.cpp MiB", "pyengine MiB", "memory ratio"),
             rows,
         ))  # fmt: skip

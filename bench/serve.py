@@ -118,7 +118,11 @@ async def run_load(
     return results, time.perf_counter() - start
 
 
-def start_server(model: str, max_model_len: int) -> tuple[subprocess.Popen[bytes], int]:
+def start_server(
+    model: str, max_model_len: int, *options: str
+) -> tuple[subprocess.Popen[bytes], int]:
+    """`pyengine serve` of `model` (more command-line options: `options`) on a free port,
+    once healthy."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = int(s.getsockname()[1])
@@ -135,6 +139,7 @@ def start_server(model: str, max_model_len: int) -> tuple[subprocess.Popen[bytes
             str(max_model_len),
             "--uvicorn-log-level",
             "warning",
+            *options,
         ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         cwd=tempfile.gettempdir(),  # not the checkout: its pyengine/ has no compiled _C

@@ -1,9 +1,12 @@
 #include <pybind11/pybind11.h>
 
+#include <string>
+
 #include "bindings.h"
 #include "dlpack.h"
 #include "pyengine/dense.h"
 #include "pyengine/block_gemm.h"
+#include "pyengine/errors.h"
 #include "pyengine/fp8_quantize.h"
 #include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
@@ -11,6 +14,25 @@
 namespace py = pybind11;
 
 namespace pyengine::bindings {
+namespace {
+
+QuantParams quant_params(const std::string& name) {
+  if (name == "float32") return QuantParams::kFloat32;
+  if (name == "float16") return QuantParams::kFloat16;
+  if (name == "scale_float16") return QuantParams::kScaleFloat16;
+  throw InvalidArgument("params must be 'float32', 'float16' or 'scale_float16', got '" + name +
+                        "'");
+}
+
+const char* quant_params_name(QuantParams params) {
+  switch (params) {
+    case QuantParams::kFloat32: return "float32";
+    case QuantParams::kFloat16: return "float16";
+    default: return "scale_float16";
+  }
+}
+
+}  // namespace
 
 void bind_layer_ops(py::module_& m) {
   m.def(
@@ -71,22 +93,40 @@ void bind_layer_ops(py::module_& m) {
         pack_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("w_t"), "Packs w_t [k, n] into panels for dense.");
-  m.def("packed_quantized_weight_size", &packed_quantized_weight_size, py::arg("k"), py::arg("n"),
-        py::arg("bits"), py::arg("group_rows") = kQuantBlock,
-        "Bytes of a block-quantized [k, n] weight, 4 or 8 bits, groups of 32 (or 16) rows.");
+  m.def(
+      "packed_quantized_weight_size",
+      [](int64_t k, int64_t n, int bits, int64_t group_rows, const std::string& params) {
+        return packed_quantized_weight_size(k, n, bits, group_rows, quant_params(params));
+      },
+      py::arg("k"), py::arg("n"), py::arg("bits"), py::arg("group_rows") = kQuantBlock,
+      py::arg("params") = "float32",
+      "Bytes of a block-quantized [k, n] weight, 4 or 8 bits, groups of 32 (or 16) rows, "
+      "scales and offsets stored as params (float32, float16 or scale_float16).");
+  m.def(
+      "narrowest_quant_params",
+      [](const py::handle& q_t, const py::handle& scale_t, const py::handle& offset_t) {
+        const DLPackView q(q_t, "narrowest_quant_params: q_t");
+        const DLPackView s(scale_t, "narrowest_quant_params: scale_t");
+        const DLPackView o(offset_t, "narrowest_quant_params: offset_t");
+        return quant_params_name(narrowest_quant_params(q.view(), s.view(), o.view()));
+      },
+      py::arg("q_t"), py::arg("scale_t"), py::arg("offset_t"),
+      "The narrowest params (float32, float16, scale_float16) that hold scale_t and "
+      "offset_t exactly, for pack_quantized_weight.");
   m.def(
       "pack_quantized_weight",
       [](const py::handle& packed, const py::handle& q_t, const py::handle& scale_t,
-         const py::handle& offset_t, bool gate_up) {
+         const py::handle& offset_t, bool gate_up, const std::string& params) {
         const DLPackView p(packed, "pack_quantized_weight: packed");
         const DLPackView q(q_t, "pack_quantized_weight: q_t");
         const DLPackView s(scale_t, "pack_quantized_weight: scale_t");
         const DLPackView o(offset_t, "pack_quantized_weight: offset_t");
+        const QuantParams form = quant_params(params);
         py::gil_scoped_release release;
-        pack_quantized_weight(p.view(), q.view(), s.view(), o.view(), gate_up);
+        pack_quantized_weight(p.view(), q.view(), s.view(), o.view(), gate_up, form);
       },
       py::arg("packed"), py::arg("q_t"), py::arg("scale_t"), py::arg("offset_t"),
-      py::arg("gate_up") = false,
+      py::arg("gate_up") = false, py::arg("params") = "float32",
       "Packs q_t [k, n] (uint8 0..15: 4-bit; int8: 8-bit), scale_t and offset_t [k / 32, n] "
       "(w = q * scale + offset a block of 32 rows) for dense (gate_up: for "
       "dense_silu_and_mul).");

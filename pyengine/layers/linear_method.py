@@ -76,17 +76,20 @@ def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
 
 
 def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
-    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
+    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul),
+    their scales and offsets in float16 where that holds them exactly (GGUF's legacy
+    types store them so)."""
     out_features, in_features = blocks.shape
     n = out_features // 2 if gate_up else out_features
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(
-        in_features, n, blocks.bits, blocks.group
-    )
-    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
     q_t, scale_t, offset_t = (
         torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
     )
-    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up)
+    params = _C.narrowest_quant_params(q_t, scale_t, offset_t)
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(
+        in_features, n, blocks.bits, blocks.group, params
+    )
+    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
+    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up, params)
     return packed
 
 

@@ -296,3 +296,49 @@ def test_quantized_packing_errors() -> None:
         ops.dense(torch.empty(2, 50), torch.randn(2, 96), packed, None, 50)
     with pytest.raises(ValueError, match="packed must be a packed"):  # 8-bit size, 4-bit data
         ops.dense(torch.empty(2, 50), torch.randn(2, 64), packed.view(torch.int8), None, 50)
+
+
+@pytest.mark.parametrize(
+    ("bits", "form", "params", "bytes_a_weight"),
+    [(4, "q4_1", "float16", 0.625), (4, "q4_0", "float16", 0.625),
+     (8, "q8_0", "scale_float16", 1.0625), (8, "q6_k", "float32", 1.5)],
+)  # fmt: skip
+def test_float16_parameters_where_they_hold_the_blocks_exactly(
+    bits: int, form: str, params: str, bytes_a_weight: float
+) -> None:
+    """GGUF's legacy types' scales (and offsets) are float16s: packed as such, a weight
+    takes an eighth of a byte less (Q8_0's zero offsets, none at all); K-quants' are not."""
+    blocks = random_blocks(96, 256, bits, form)
+    packed = pack_block_quantized(blocks)
+    assert packed.numel() == 2 * 256 * 48 * bytes_a_weight  # (96 columns: two panels)
+    x = torch.randn(3, 256)
+    got, want = torch.empty(3, 96), torch.empty(3, 96)
+    ops.dense(got, x, packed, None, 96)
+    ops.dense(want, x, float_packed(torch.from_numpy(blocks.dequantize())), None, 96)
+    assert torch.equal(got, want)
+    q_t, scale_t, offset_t = (
+        torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
+    )
+    assert _C.narrowest_quant_params(q_t, scale_t, offset_t) == params
+
+
+def test_narrower_parameters_than_the_blocks_need_are_refused() -> None:
+    q = torch.randint(0, 16, (64, 50), dtype=torch.uint8)
+    scale, offset = torch.full((2, 50), 0.25), torch.full((2, 50), -2.0)
+    assert _C.narrowest_quant_params(q, scale, offset) == "float16"
+    assert _C.narrowest_quant_params(q, scale, offset * 0) == "scale_float16"
+    assert _C.narrowest_quant_params(q, scale + 2.0**-20, offset) == "float32"
+    assert _C.narrowest_quant_params(q, scale, offset + 2.0**-20) == "float32"
+    size = _C.packed_quantized_weight_size(64, 50, 4, 32, "scale_float16")
+    packed = torch.empty(size, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="offset_t holds a value that its parameters"):
+        _C.pack_quantized_weight(packed, q, scale, offset, False, "scale_float16")
+    packed = torch.empty(
+        _C.packed_quantized_weight_size(64, 50, 4, 32, "float16"), dtype=torch.uint8
+    )
+    with pytest.raises(ValueError, match="scale_t holds a value that is not a float16"):
+        _C.pack_quantized_weight(packed, q, scale + 2.0**-20, offset, False, "float16")
+    with pytest.raises(ValueError, match="params must be 'float32', 'float16' or 'scale_float16'"):
+        _C.packed_quantized_weight_size(64, 50, 4, 32, "bfloat16")
+    with pytest.raises(ValueError, match="groups of 16 rows take float32 params"):
+        _C.packed_quantized_weight_size(64, 50, 8, 16, "float16")

@@ -43,20 +43,35 @@ inline constexpr int64_t kQuantBlock = 32;
 void set_quantized_dense_isa(CpuIsa isa);
 CpuIsa quantized_dense_isa();
 
+// How a packed quantized weight stores its scales and offsets: float32; float16 (half
+// the bytes), where every scale and offset is a float16 exactly (GGUF's Q4_0, Q4_1, Q5_0,
+// Q5_1 and Q8_0 store theirs so); float16 scales alone, where every offset is zero too.
+// Groups of 16 rows and fp8 weights take float32 only.
+enum class QuantParams : uint8_t { kFloat32, kFloat16, kScaleFloat16 };
+
+// The narrowest QuantParams that holds scale_t and offset_t exactly, for q_t (as
+// pack_quantized_weight takes them).
+QuantParams narrowest_quant_params(const TensorView& q_t, const TensorView& scale_t,
+                                   const TensorView& offset_t);
+
 // Bytes a packed quantized [k, n] weight takes, bits 4 or 8 (k a multiple of
 // kQuantBlock), each group_rows rows of a column sharing a scale and offset: 32, or, for
-// 8 bits, 16 (Q6_K's groups: a block's halves have a scale and offset each).
+// 8 bits, 16 (Q6_K's groups: a block's halves have a scale and offset each), stored as
+// `params`.
 int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits,
-                                     int64_t group_rows = kQuantBlock);
+                                     int64_t group_rows = kQuantBlock,
+                                     QuantParams params = QuantParams::kFloat32);
 
 // Packs q_t [k, n] (uint8 0..15 for 4 bits; int8, or float8_e4m3fn without NaN, for 8),
 // scale_t and offset_t (float32 [k / group_rows, n], group_rows 32 or, int8, 16; the
 // scales of few significant bits where an offset is not zero, as above; fp8: any scale,
 // offsets zero) into `packed` of q_t's dtype [size], size packed_quantized_weight_size(k,
 // n, bits, group_rows), or twice that of n / 2 with gate_up (q_t [k, 2 * n]: gate
-// columns, then up, paired as pack_gate_up_weight pairs them).
+// columns, then up, paired as pack_gate_up_weight pairs them), its scales and offsets
+// stored as `params` (which must hold them exactly).
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
-                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up);
+                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up,
+                           QuantParams params = QuantParams::kFloat32);
 
 // Split-bfloat16 weights, for many rows (a prefill) on CPUs with AMX: each weight split
 // exactly into three bfloat16s, of whose products with x's (split alike) the six that

@@ -158,10 +158,12 @@ Rows8 tile_rows(const TensorView& x) {
   return {a, lda, m, k, tail.data()};
 }
 
+int64_t n_panels(int64_t n) { return (n + kPanelWidth - 1) / kPanelWidth; }
+
 // A packed weight's panels, float32 or block-quantized (quantized_panel.h).
 struct Panels {
   const uint8_t* data;
-  detail::QuantCode code;  // kNone: float32 panels
+  detail::QuantForm form;  // code kNone: float32 panels
   int64_t panel_bytes;
 
   const uint8_t* panel(int64_t p) const { return data + p * panel_bytes; }
@@ -171,7 +173,7 @@ struct Panels {
 // for it and the weight takes them: a decode step's few rows times an integer code.
 Rows8 multiplied_rows(const TensorView& x, const Panels& w, bool int8_activations) {
   Rows8 rows = tile_rows(x);
-  if (int8_activations && detail::int8_rows_multiply(w.code) && rows.m > 0 &&
+  if (int8_activations && detail::int8_rows_multiply(w.form.code) && rows.m > 0 &&
       rows.m <= detail::kRegisterRows) {
     thread_local detail::Int8Rows quantized;
     quantized.quantize(rows.a, rows.lda, rows.m, rows.k);
@@ -201,15 +203,15 @@ int64_t tile_scratch_floats(int64_t rows) {
 template <class Sink>
 void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
-  const bool quantized = w.code != detail::QuantCode::kNone;
+  const bool quantized = w.form.code != detail::QuantCode::kNone;
   if (x.int8 != nullptr) {
-    detail::multiply_int8_rows(*x.int8, m0, static_cast<int>(m1 - m0), w.panel(p), w.code, sums);
+    detail::multiply_int8_rows(*x.int8, m0, static_cast<int>(m1 - m0), w.panel(p), w.form, sums);
     sink(m0, m1 - m0, static_cast<const float*>(sums));
     return;
   }
   if (quantized && m1 - m0 <= detail::kRegisterRows && detail::quantized_avx512()) {
     detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0),
-                                    w.panel(p), x.k, w.code, sums);
+                                    w.panel(p), x.k, w.form, sums);
     sink(m0, m1 - m0, static_cast<const float*>(sums));
     return;
   }
@@ -221,8 +223,8 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
     const int64_t depth = std::min(step, x.k - i0);
     const float* panel = reinterpret_cast<const float*>(w.panel(p));
     if (quantized) {
-      const uint8_t* src = w.panel(p) + i0 / kQuantBlock * detail::quantized_block_bytes(w.code);
-      detail::widen_quantized_panel(src, depth, w.code, chunk.data());
+      const uint8_t* src = w.panel(p) + i0 / kQuantBlock * detail::quantized_block_bytes(w.form);
+      detail::widen_quantized_panel(src, depth, w.form, chunk.data());
       panel = chunk.data();
     }
     for (int64_t r0 = m0; r0 < m1; r0 += kRows) {
@@ -285,22 +287,21 @@ void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_column
 Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t n, bool pairs,
                     const char* how) {
   detail::check_cpu(packed, op, "packed");
-  detail::QuantCode code = detail::quant_code(packed.dtype);
-  const bool quantized = code != detail::QuantCode::kNone;
+  detail::QuantForm form{detail::quant_code(packed.dtype)};
+  const bool quantized = form.code != detail::QuantCode::kNone;
   if (quantized && k % kQuantBlock != 0) {
     throw InvalidArgument(std::string(op) + ": a quantized weight needs k (x's columns) a " +
                           "multiple of " + std::to_string(kQuantBlock) + ", got " +
                           std::to_string(k));
   }
-  if (quantized && packed.ndim == 1) {  // (an int8 buffer's size tells its groups)
-    const detail::QuantCode sized =
-        detail::quantized_panel_code(packed.dtype, packed.shape[0] / (pairs ? 2 : 1), k, n);
-    if (sized != detail::QuantCode::kNone) code = sized;
+  if (quantized && packed.ndim == 1) {  // (a buffer's size tells its groups and params)
+    const detail::QuantForm sized =
+        detail::quantized_panel_form(packed.dtype, packed.shape[0] / (pairs ? 2 : 1), k, n);
+    if (sized.code != detail::QuantCode::kNone) form = sized;
   }
-  const int bits = quantized ? detail::quantized_bits(code) : 32;
-  const int64_t rows = detail::quantized_group_rows(code);
-  const int64_t size = (pairs ? 2 : 1) * (quantized ? packed_quantized_weight_size(k, n, bits, rows)
-                                                    : packed_weight_size(k, n));
+  const int64_t size =
+      (pairs ? 2 : 1) * (quantized ? n_panels(n) * (k / kQuantBlock) * detail::quantized_block_bytes(form)
+                                   : packed_weight_size(k, n));
   if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size ||
       !(quantized || packed.dtype == DType::kFloat32)) {
     throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
@@ -308,10 +309,9 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
                           ") or uint8/int8/float8_e4m3fn (pack_quantized_weight), got " +
                           packed.describe());
   }
-  const int64_t panel_bytes = quantized
-                                  ? packed_quantized_weight_size(k, kPanelWidth, bits, rows)
-                                  : k * kPanelWidth * int64_t{sizeof(float)};
-  return {static_cast<const uint8_t*>(packed.data), code, panel_bytes};
+  const int64_t panel_bytes = quantized ? (k / kQuantBlock) * detail::quantized_block_bytes(form)
+                                        : k * kPanelWidth * int64_t{sizeof(float)};
+  return {static_cast<const uint8_t*>(packed.data), form, panel_bytes};
 }
 
 // Columns [first, first + width) of w_t [k, n] as one panel at dst, zero-padded.
@@ -511,21 +511,22 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
     const int64_t v = id[r * ids.strides[0]], column = v % kPanelWidth;
     const uint8_t* panel = panels.panel(v / kPanelWidth);
     float* row = dst + r * out.strides[0];
-    if (panels.code == detail::QuantCode::kNone) {
+    if (panels.form.code == detail::QuantCode::kNone) {
       const auto* w = reinterpret_cast<const float*>(panel);
       for (int64_t i = 0; i < k; ++i) row[i] = w[i * kPanelWidth + column];
       continue;
     }
-    const int64_t block_bytes = detail::quantized_block_bytes(panels.code);
+    const detail::QuantForm form = panels.form;
+    const int64_t block_bytes = detail::quantized_block_bytes(form);
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = panel + b * block_bytes;
-      const uint8_t* ints = block + detail::quantized_param_bytes(panels.code);
+      const uint8_t* ints = block + detail::quantized_param_bytes(form);
       for (int64_t i = 0; i < kQuantBlock; ++i) {
-        const float* params = detail::quantized_params(block, i, panels.code) + column;
-        const float q = detail::quantized_value(ints, i, column, panels.code);
+        const float q = detail::quantized_value(ints, i, column, form.code);
         // q * scale is exact, or the offset zero (pack_quantized_weight checks), so this
         // rounds as the widening's multiply-add.
-        row[b * kQuantBlock + i] = q * params[0] + params[kPanelWidth];
+        row[b * kQuantBlock + i] = q * detail::quantized_scale(block, i, column, form) +
+                                   detail::quantized_offset(block, i, column, form);
       }
     }
   }

@@ -47,8 +47,10 @@ int32_t column_dot(const uint8_t* ints, const int8_t* xq, int64_t i0, int64_t co
 }
 
 void multiply_portable(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
-                       QuantCode code, float* c) {
-  const int64_t group_rows = quantized_group_rows(code), block_bytes = quantized_block_bytes(code);
+                       QuantForm form, float* c) {
+  const QuantCode code = form.code;
+  const int64_t group_rows = quantized_group_rows(code), block_bytes = quantized_block_bytes(form);
+  const bool offsets = form.params != QuantParams::kScaleFloat16;
   const int64_t blocks = x.k / kQuantBlock;
   for (int r = 0; r < rows; ++r) {
     const int8_t* xq = x.q.data() + (r0 + r) * x.k;
@@ -58,14 +60,13 @@ void multiply_portable(const Int8Rows& x, int64_t r0, int rows, const uint8_t* p
       float sum = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = panel + b * block_bytes;
-        const uint8_t* ints = block + quantized_param_bytes(code);
+        const uint8_t* ints = block + quantized_param_bytes(form);
         for (int64_t i0 = 0; i0 < kQuantBlock; i0 += group_rows) {
-          const float* params = quantized_params(block, i0, code);
           const int32_t dot = column_dot(ints, xq + b * kQuantBlock, i0, group_rows, j, code);
           const float* half = sums + (b * kQuantBlock + i0) / kHalf;
           const float x_sum = group_rows == kHalf ? half[0] : half[0] + half[1];
-          sum = std::fma(static_cast<float>(dot), params[j] * d[b], sum);
-          sum = std::fma(params[kPanelWidth + j], x_sum, sum);
+          sum = std::fma(static_cast<float>(dot), quantized_scale(block, i0, j, form) * d[b], sum);
+          if (offsets) sum = std::fma(quantized_offset(block, i0, j, form), x_sum, sum);
         }
       }
       c[r * kPanelWidth + j] = sum;
@@ -88,10 +89,12 @@ PYENGINE_INT8_ROWS_VNNI inline __m512i broadcast4(const int8_t* p) {
 
 template <int kRows, QuantCode kCode>
 PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const uint8_t* panel,
-                                           float* c) {
+                                           QuantParams params, float* c) {
   constexpr int64_t kGroupRows = quantized_group_rows(kCode);
   constexpr int64_t kLaneRows = quantized_lane_rows(kCode);
-  constexpr int64_t kBlockBytes = quantized_block_bytes(kCode);
+  const QuantForm form{kCode, params};
+  const int64_t block_bytes = quantized_block_bytes(form);
+  const bool offsets = params != QuantParams::kScaleFloat16;
   const int64_t blocks = x.k / kQuantBlock;
   const __m512i low_nibbles = _mm512_set1_epi8(15);
   const int8_t* xq[kRows];
@@ -109,12 +112,12 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
     for (int v = 0; v < kVectors; ++v) sum[r][v] = _mm512_setzero_ps();
   }
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* block = panel + b * kBlockBytes;
+    const uint8_t* block = panel + b * block_bytes;
     // (read once, in order: asked for a few blocks ahead, as the widening does)
-    for (int64_t line = 0; line < kBlockBytes; line += 64) {
-      __builtin_prefetch(block + 4 * kBlockBytes + line, 0, 1);
+    for (int64_t line = 0; line < block_bytes; line += 64) {
+      __builtin_prefetch(block + 4 * block_bytes + line, 0, 1);
     }
-    const uint8_t* ints = block + quantized_param_bytes(kCode);
+    const uint8_t* ints = block + quantized_param_bytes(form);
     for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kGroupRows) {
       __m512i dot[kRows][kVectors];
       for (int r = 0; r < kRows; ++r) {
@@ -138,7 +141,8 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
           }
         }
       }
-      const float* params = quantized_params(block, i0, kCode);
+      __m512 scales[kVectors], offset[kVectors];
+      for (int v = 0; v < kVectors; ++v) load_quantized_params(block, i0, v, form, scales[v], offset[v]);
       for (int r = 0; r < kRows; ++r) {
         const int64_t h = (b * kQuantBlock + i0) / kHalf;
         const float x_sum = kGroupRows == kHalf ? sums[r][h] : sums[r][h] + sums[r][h + 1];
@@ -150,10 +154,9 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
                 : 128 * (kGroupRows == kHalf ? int_sums[r][h] : int_sums[r][h] + int_sums[r][h + 1]);
         for (int v = 0; v < kVectors; ++v) {
           const __m512i exact = _mm512_sub_epi32(dot[r][v], _mm512_set1_epi32(bias));
-          const __m512 scale = _mm512_mul_ps(_mm512_loadu_ps(params + v * kLanes), scale_d);
+          const __m512 scale = _mm512_mul_ps(scales[v], scale_d);
           sum[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, sum[r][v]);
-          sum[r][v] =
-              _mm512_fmadd_ps(_mm512_loadu_ps(params + kPanelWidth + v * kLanes), x_sums, sum[r][v]);
+          if (offsets) sum[r][v] = _mm512_fmadd_ps(offset[v], x_sums, sum[r][v]);
         }
       }
     }
@@ -165,13 +168,14 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
 #pragma GCC diagnostic pop
 
 template <QuantCode kCode>
-void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel, float* c) {
+void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
+                   QuantParams params, float* c) {
   static_assert(kRegisterRows == 4);
   switch (rows) {
-    case 1: return multiply_vnni<1, kCode>(x, r0, panel, c);
-    case 2: return multiply_vnni<2, kCode>(x, r0, panel, c);
-    case 3: return multiply_vnni<3, kCode>(x, r0, panel, c);
-    default: return multiply_vnni<4, kCode>(x, r0, panel, c);
+    case 1: return multiply_vnni<1, kCode>(x, r0, panel, params, c);
+    case 2: return multiply_vnni<2, kCode>(x, r0, panel, params, c);
+    case 3: return multiply_vnni<3, kCode>(x, r0, panel, params, c);
+    default: return multiply_vnni<4, kCode>(x, r0, panel, params, c);
   }
 }
 #endif
@@ -206,18 +210,20 @@ void Int8Rows::quantize(const float* a, int64_t lda, int64_t rows, int64_t k_) {
 }
 
 void multiply_int8_rows(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
-                        QuantCode code, float* c) {
+                        QuantForm form, float* c) {
 #ifdef PYENGINE_INT8_ROWS_X86
   if (int8_dense_vnni()) {
-    switch (code) {
-      case QuantCode::kNibble: return multiply_vnni<QuantCode::kNibble>(x, r0, rows, panel, c);
+    const QuantParams params = form.params;
+    switch (form.code) {
+      case QuantCode::kNibble:
+        return multiply_vnni<QuantCode::kNibble>(x, r0, rows, panel, params, c);
       case QuantCode::kInt8Halves:
-        return multiply_vnni<QuantCode::kInt8Halves>(x, r0, rows, panel, c);
-      default: return multiply_vnni<QuantCode::kInt8>(x, r0, rows, panel, c);
+        return multiply_vnni<QuantCode::kInt8Halves>(x, r0, rows, panel, params, c);
+      default: return multiply_vnni<QuantCode::kInt8>(x, r0, rows, panel, params, c);
     }
   }
 #endif
-  multiply_portable(x, r0, rows, panel, code, c);
+  multiply_portable(x, r0, rows, panel, form, c);
 }
 
 }  // namespace pyengine::detail

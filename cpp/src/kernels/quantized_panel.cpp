@@ -18,6 +18,7 @@ namespace pyengine {
 namespace {
 
 using detail::QuantCode;
+using detail::QuantForm;
 using detail::quantized_block_bytes;
 
 constexpr int kLanes = 16;
@@ -32,8 +33,23 @@ QuantCode operand_code(const TensorView& packed, const TensorView& q_t, const Te
   return halves ? QuantCode::kInt8Halves : code;
 }
 
+// Whether every value of a float32 [rows, n] view is a float16 exactly (or, zero_only,
+// zero).
+bool all_values(const TensorView& t, bool zero_only) {
+  for (int64_t g = 0; g < t.shape[0]; ++g) {
+    const auto* row = static_cast<const float*>(t.data) + g * t.strides[0];
+    for (int64_t j = 0; j < t.shape[1]; ++j) {
+      if (zero_only ? row[j] != 0.0f : detail::fp16_to_float(detail::float_to_fp16(row[j])) != row[j]) {
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
 void check_quantized_args(const char* op, const TensorView& packed, const TensorView& q_t,
-                          const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
+                          const TensorView& scale_t, const TensorView& offset_t, bool gate_up,
+                          QuantParams params) {
   detail::check_cpu(packed, op, "packed");
   if (detail::quant_code(packed.dtype) == QuantCode::kNone) {
     throw InvalidArgument(detail::arg(op, "packed") +
@@ -86,8 +102,22 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
       }
     }
   }
-  const int64_t size = gate_up ? 2 * packed_quantized_weight_size(k, n / 2, bits, rows)
-                               : packed_quantized_weight_size(k, n, bits, rows);
+  if (params != QuantParams::kFloat32 &&
+      (code == QuantCode::kFp8 || code == QuantCode::kInt8Halves)) {
+    throw InvalidArgument(std::string(op) + ": fp8 weights and groups of 16 rows take float32 " +
+                          "scales and offsets only");
+  }
+  if (params != QuantParams::kFloat32 && !all_values(scale_t, false)) {
+    throw InvalidArgument(std::string(op) + ": float16 parameters, and scale_t holds a value " +
+                          "that is not a float16 (narrowest_quant_params says which fit)");
+  }
+  if ((params == QuantParams::kFloat16 && !all_values(offset_t, false)) ||
+      (params == QuantParams::kScaleFloat16 && !all_values(offset_t, true))) {
+    throw InvalidArgument(std::string(op) + ": offset_t holds a value that its parameters " +
+                          "(float16 offsets, or none) cannot (narrowest_quant_params says which fit)");
+  }
+  const int64_t size = gate_up ? 2 * packed_quantized_weight_size(k, n / 2, bits, rows, params)
+                               : packed_quantized_weight_size(k, n, bits, rows, params);
   if (packed.ndim != 1 || packed.shape[0] != size || packed.strides[0] != 1) {
     throw InvalidArgument(detail::arg(op, "packed") + " must be dense [" + std::to_string(size) +
                           "], got " + packed.describe());
@@ -114,28 +144,44 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
 
 // Columns [first, first + width) of q_t/scale_t/offset_t as one quantized panel at dst;
 // the columns past width are zero (so they widen to zero).
+// One group's scales and offsets of a panel, at `params`, as `form` stores them.
+void pack_group_params(uint8_t* params, const float* scale, const float* offset, int64_t width,
+                       QuantParams form) {
+  for (int64_t j = 0; j < width; ++j) {
+    if (form == QuantParams::kFloat32) {
+      reinterpret_cast<float*>(params)[j] = scale[j];
+      reinterpret_cast<float*>(params)[kPanelWidth + j] = offset[j];
+    } else {
+      reinterpret_cast<uint16_t*>(params)[j] = detail::float_to_fp16(scale[j]);
+      if (form == QuantParams::kFloat16) {
+        reinterpret_cast<uint16_t*>(params)[kPanelWidth + j] = detail::float_to_fp16(offset[j]);
+      }
+    }
+  }
+}
+
 void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView& scale_t,
                           const TensorView& offset_t, int64_t first, int64_t width,
-                          QuantCode code) {
+                          QuantForm form) {
+  const QuantCode code = form.code;
   const auto* q = static_cast<const uint8_t*>(q_t.data);
   const int64_t k = q_t.shape[0], rows = detail::quantized_group_rows(code);
   const int bits = detail::quantized_bits(code);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
-    uint8_t* block = dst + b * quantized_block_bytes(code);
-    const int64_t param_bytes = detail::quantized_param_bytes(code);
+    uint8_t* block = dst + b * quantized_block_bytes(form);
+    const int64_t param_bytes = detail::quantized_param_bytes(form);
     std::memset(block, 0, static_cast<size_t>(param_bytes));
     uint8_t* ints = block + param_bytes;
     // (the columns past width: q 0, whose biased byte is 128)
     std::memset(ints, detail::quantized_biased(code) ? 128 : 0,
-                static_cast<size_t>(quantized_block_bytes(code) - param_bytes));
+                static_cast<size_t>(quantized_block_bytes(form) - param_bytes));
     for (int64_t g = 0; g < kQuantBlock / rows; ++g) {
-      auto* params = reinterpret_cast<float*>(block) + g * 2 * kPanelWidth;
       const int64_t group = b * (kQuantBlock / rows) + g;
-      for (int64_t j = 0; j < width; ++j) {
-        params[j] = static_cast<const float*>(scale_t.data)[group * scale_t.strides[0] + first + j];
-        params[kPanelWidth + j] =
-            static_cast<const float*>(offset_t.data)[group * offset_t.strides[0] + first + j];
-      }
+      pack_group_params(
+          block + g * detail::quantized_group_param_bytes(form.params),
+          static_cast<const float*>(scale_t.data) + group * scale_t.strides[0] + first,
+          static_cast<const float*>(offset_t.data) + group * offset_t.strides[0] + first, width,
+          form.params);
     }
     for (int64_t i = 0; i < kQuantBlock; ++i) {
       const uint8_t* row = q + (b * kQuantBlock + i) * q_t.strides[0] + first;
@@ -153,7 +199,22 @@ void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView&
 
 }  // namespace
 
-int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits, int64_t group_rows) {
+QuantParams narrowest_quant_params(const TensorView& q_t, const TensorView& scale_t,
+                                   const TensorView& offset_t) {
+  constexpr const char* op = "narrowest_quant_params";
+  for (const auto& [t, name] : {std::pair{&scale_t, "scale_t"}, std::pair{&offset_t, "offset_t"}}) {
+    detail::check_rows(*t, op, name, 2, DType::kFloat32);
+  }
+  const bool halves = q_t.ndim == 2 && scale_t.shape[0] != q_t.shape[0] / kQuantBlock;
+  if (q_t.dtype == DType::kFloat8E4M3 || halves || !all_values(scale_t, false)) {
+    return QuantParams::kFloat32;
+  }
+  if (all_values(offset_t, true)) return QuantParams::kScaleFloat16;
+  return all_values(offset_t, false) ? QuantParams::kFloat16 : QuantParams::kFloat32;
+}
+
+int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits, int64_t group_rows,
+                                     QuantParams params) {
   if (bits != 4 && bits != 8) {
     throw InvalidArgument("packed_quantized_weight_size: bits must be 4 or 8, got " +
                           std::to_string(bits));
@@ -166,22 +227,26 @@ int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits, int64_t gro
     throw InvalidArgument("packed_quantized_weight_size: k must be a multiple of " +
                           std::to_string(kQuantBlock) + ", got " + std::to_string(k));
   }
+  if (group_rows != kQuantBlock && params != QuantParams::kFloat32) {
+    throw InvalidArgument("packed_quantized_weight_size: groups of 16 rows take float32 params");
+  }
   const QuantCode code = bits == 4                     ? QuantCode::kNibble
                          : group_rows == kQuantBlock ? QuantCode::kInt8  // (fp8: as int8)
                                                      : QuantCode::kInt8Halves;
-  return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) * quantized_block_bytes(code);
+  return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) *
+         quantized_block_bytes(QuantForm{code, params});
 }
 
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
-                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up) {
-  check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up);
-  const QuantCode code = operand_code(packed, q_t, scale_t);
+                           const TensorView& scale_t, const TensorView& offset_t, bool gate_up,
+                           QuantParams params) {
+  check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up, params);
+  const QuantForm form{operand_code(packed, q_t, scale_t), params};
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
-  const int64_t panel_bytes = packed_quantized_weight_size(
-      k, kPanelWidth, detail::quantized_bits(code), detail::quantized_group_rows(code));
+  const int64_t panel_bytes = (k / kQuantBlock) * quantized_block_bytes(form);
   auto* dst = static_cast<uint8_t*>(packed.data);
   detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
-    pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, code);
+    pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, form);
   });
 }
 
@@ -230,22 +295,20 @@ PYENGINE_WIDEN_AVX512 inline __m512i load_lanes(const uint8_t* src) {
 // lane_q's widenings take them.
 template <QuantCode kCode>
 PYENGINE_WIDEN_AVX512 inline void load_params(const uint8_t* block, int64_t i, int v,
-                                              __m512& scale, __m512& offset) {
-  const float* params = detail::quantized_params(block, i, kCode) + v * kLanes;
-  scale = _mm512_loadu_ps(params);
+                                              QuantParams params, __m512& scale, __m512& offset) {
+  detail::load_quantized_params(block, i, v, QuantForm{kCode, params}, scale, offset);
   if constexpr (kCode == QuantCode::kFp8) scale = _mm512_mul_ps(scale, _mm512_set1_ps(256.0f));
-  offset = _mm512_loadu_ps(params + kPanelWidth);
 }
 
 template <QuantCode kCode>
-PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) {
+PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, QuantParams params, float* out) {
   constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
   constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
-  const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
+  const uint8_t* ints = block + detail::quantized_param_bytes(QuantForm{kCode, params});
   for (int v = 0; v < kPanelWidth / kLanes; ++v) {
     __m512 scale, offset;
     for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
-      if (i0 % kGroupRows == 0) load_params<kCode>(block, i0, v, scale, offset);
+      if (i0 % kGroupRows == 0) load_params<kCode>(block, i0, v, params, scale, offset);
       const __m512i w = load_lanes<kCode>(ints + (i0 / kLaneRows * kPanelWidth + v * kLanes) * 4);
       float* dst = out + i0 * kPanelWidth + v * kLanes;
 #pragma GCC unroll 8
@@ -258,13 +321,13 @@ PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, float* out) 
 #pragma GCC diagnostic pop
 #endif
 
-void widen_block_generic(const uint8_t* block, QuantCode code, float* out) {
-  const uint8_t* ints = block + detail::quantized_param_bytes(code);
+void widen_block_generic(const uint8_t* block, QuantForm form, float* out) {
+  const uint8_t* ints = block + detail::quantized_param_bytes(form);
   for (int64_t i = 0; i < kQuantBlock; ++i) {
-    const float* scale = detail::quantized_params(block, i, code);
-    const float* offset = scale + kPanelWidth;
     for (int64_t j = 0; j < kPanelWidth; ++j) {
-      out[i * kPanelWidth + j] = detail::quantized_value(ints, i, j, code) * scale[j] + offset[j];
+      out[i * kPanelWidth + j] = detail::quantized_value(ints, i, j, form.code) *
+                                     detail::quantized_scale(block, i, j, form) +
+                                 detail::quantized_offset(block, i, j, form);
     }
   }
 }
@@ -300,9 +363,10 @@ PYENGINE_WIDEN_AVX512 inline void add_products(__m512 (&acc)[kRows][3], __m512 (
 
 template <int kRows, QuantCode kCode>
 PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, const uint8_t* panel,
-                                                int64_t k, float* c) {
+                                                int64_t k, QuantParams params, float* c) {
   static_assert(kPanelWidth == 3 * kLanes);
-  const int64_t block_bytes = quantized_block_bytes(kCode);
+  const QuantForm form{kCode, params};
+  const int64_t block_bytes = quantized_block_bytes(form);
   __m512 acc[kRows][3], odd[3];
   for (int v = 0; v < 3; ++v) {
     odd[v] = _mm512_setzero_ps();
@@ -314,11 +378,11 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
     const uint8_t* block = panel + b * block_bytes;
     prefetch_ahead(block, block_bytes);
     __m512 scale[3], offset[3];
-    const uint8_t* ints = block + detail::quantized_param_bytes(kCode);
+    const uint8_t* ints = block + detail::quantized_param_bytes(form);
     const float* x = a + b * kQuantBlock;
     for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
       if (i0 % kGroupRows == 0) {
-        for (int v = 0; v < 3; ++v) load_params<kCode>(block, i0, v, scale[v], offset[v]);
+        for (int v = 0; v < 3; ++v) load_params<kCode>(block, i0, v, params, scale[v], offset[v]);
       }
       __m512i lanes[3];
       for (int v = 0; v < 3; ++v) {
@@ -345,13 +409,13 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
 
 template <QuantCode kCode>
 void multiply_rows_avx512(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
-                          float* c) {
+                          QuantParams params, float* c) {
   static_assert(detail::kRegisterRows == 4);
   switch (rows) {
-    case 1: return multiply_rows_avx512<1, kCode>(a, lda, panel, k, c);
-    case 2: return multiply_rows_avx512<2, kCode>(a, lda, panel, k, c);
-    case 3: return multiply_rows_avx512<3, kCode>(a, lda, panel, k, c);
-    default: return multiply_rows_avx512<4, kCode>(a, lda, panel, k, c);
+    case 1: return multiply_rows_avx512<1, kCode>(a, lda, panel, k, params, c);
+    case 2: return multiply_rows_avx512<2, kCode>(a, lda, panel, k, params, c);
+    case 3: return multiply_rows_avx512<3, kCode>(a, lda, panel, k, params, c);
+    default: return multiply_rows_avx512<4, kCode>(a, lda, panel, k, params, c);
   }
 }
 #endif
@@ -393,18 +457,18 @@ bool quantized_avx512() {
   return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
 }
 
-void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float* dst) {
-  const int64_t block_bytes = quantized_block_bytes(code);
+void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst) {
+  const int64_t block_bytes = quantized_block_bytes(form);
   const auto widen_all = [&](auto&& widen_block) {
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = src + b * block_bytes;
       prefetch_ahead(block, block_bytes);
-      widen_block(block, dst + b * kQuantBlock * kPanelWidth);
+      widen_block(block, form.params, dst + b * kQuantBlock * kPanelWidth);
     }
   };
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   if (quantized_avx512()) {
-    switch (code) {
+    switch (form.code) {
       case QuantCode::kNibble: return widen_all(widen_block_avx512<QuantCode::kNibble>);
       case QuantCode::kFp8: return widen_all(widen_block_avx512<QuantCode::kFp8>);
       case QuantCode::kInt8Halves: return widen_all(widen_block_avx512<QuantCode::kInt8Halves>);
@@ -412,21 +476,26 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float*
     }
   }
 #endif
-  widen_all([code](const uint8_t* block, float* out) { widen_block_generic(block, code, out); });
+  widen_all([form](const uint8_t* block, QuantParams, float* out) {
+    widen_block_generic(block, form, out);
+  });
 }
 
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
-                             int64_t k, QuantCode code, float* c) {
+                             int64_t k, QuantForm form, float* c) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  switch (code) {
-    case QuantCode::kNibble: return multiply_rows_avx512<QuantCode::kNibble>(a, lda, rows, panel, k, c);
-    case QuantCode::kFp8: return multiply_rows_avx512<QuantCode::kFp8>(a, lda, rows, panel, k, c);
+  const QuantParams params = form.params;
+  switch (form.code) {
+    case QuantCode::kNibble:
+      return multiply_rows_avx512<QuantCode::kNibble>(a, lda, rows, panel, k, params, c);
+    case QuantCode::kFp8:
+      return multiply_rows_avx512<QuantCode::kFp8>(a, lda, rows, panel, k, params, c);
     case QuantCode::kInt8Halves:
-      return multiply_rows_avx512<QuantCode::kInt8Halves>(a, lda, rows, panel, k, c);
-    default: return multiply_rows_avx512<QuantCode::kInt8>(a, lda, rows, panel, k, c);
+      return multiply_rows_avx512<QuantCode::kInt8Halves>(a, lda, rows, panel, k, params, c);
+    default: return multiply_rows_avx512<QuantCode::kInt8>(a, lda, rows, panel, k, params, c);
   }
 #else
-  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)code, (void)c;
+  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)form, (void)c;
   throw InvalidArgument("multiply_quantized_rows: built without AVX-512");
 #endif
 }
@@ -436,14 +505,21 @@ void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_
 
 namespace pyengine::detail {
 
-QuantCode quantized_panel_code(DType dtype, int64_t bytes, int64_t k, int64_t n) {
+QuantForm quantized_panel_form(DType dtype, int64_t bytes, int64_t k, int64_t n) {
   const QuantCode code = quant_code(dtype);
-  if (code == QuantCode::kNone || k % kQuantBlock != 0) return QuantCode::kNone;
-  if (bytes == packed_quantized_weight_size(k, n, quantized_bits(code))) return code;
-  if (code == QuantCode::kInt8 && bytes == packed_quantized_weight_size(k, n, 8, kQuantBlock / 2)) {
-    return QuantCode::kInt8Halves;
+  if (code == QuantCode::kNone || k % kQuantBlock != 0) return {};
+  const int bits = quantized_bits(code);
+  for (const QuantParams params :
+       {QuantParams::kFloat32, QuantParams::kFloat16, QuantParams::kScaleFloat16}) {
+    if (code == QuantCode::kFp8 && params != QuantParams::kFloat32) break;
+    if (bytes == packed_quantized_weight_size(k, n, bits, kQuantBlock, params)) {
+      return {code, params};
+    }
   }
-  return QuantCode::kNone;
+  if (code == QuantCode::kInt8 && bytes == packed_quantized_weight_size(k, n, 8, kQuantBlock / 2)) {
+    return {QuantCode::kInt8Halves, QuantParams::kFloat32};
+  }
+  return {};
 }
 
 }  // namespace pyengine::detail

@@ -2,8 +2,10 @@
 // and its widening to the float32 panel the tiles read. Internal to pyengine_core.
 //
 // A panel of kPanelWidth columns over k rows is k / kQuantBlock blocks, each
-//   scale  [kPanelWidth] float32, offset [kPanelWidth] float32 (twice, the first 16 rows'
-//          then the last 16's, where a block's halves are groups of their own: Q6_K's),
+//   scale  [kPanelWidth], offset [kPanelWidth] (twice, the first 16 rows' then the last
+//          16's, where a block's halves are groups of their own: Q6_K's), float32, or
+//          float16 where every one is a float16 exactly (the legacy GGUF types': half
+//          the bytes), or float16 scales alone where every offset is zero (QuantParams),
 //   then the block's kQuantBlock rows of integers, in groups of rows a 4-byte lane holds:
 //   each group is kPanelWidth lanes, a column's 4 bytes each, so that one 64-byte load is
 //   16 columns of a group, the operand of an int8 dot product (vpdpbusd: 4 bytes of a
@@ -18,13 +20,15 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
 #include "float_convert.h"
 #include "pyengine/dense.h"
 #include "pyengine/tensor_view.h"
 
 namespace pyengine::detail {
-
-inline constexpr int64_t kQuantParamBytes = 2 * kPanelWidth * sizeof(float);
 
 // Calls f(slot, first_column, width) for each panel of a packed weight of n columns, slot
 // being its place in the buffer: panel p at slot p, or, for a gate/up pair (`gate_up`:
@@ -66,22 +70,76 @@ constexpr int64_t quantized_group_rows(QuantCode code) {
   return code == QuantCode::kInt8Halves ? kQuantBlock / 2 : kQuantBlock;
 }
 
+// (pyengine::QuantParams: halves' groups and fp8 weights take float32 ones only, so that
+// a buffer's size tells its form, quantized_panel_form.)
+using pyengine::QuantParams;
+
+// A quantized panel's code and parameters.
+struct QuantForm {
+  QuantCode code = QuantCode::kNone;
+  QuantParams params = QuantParams::kFloat32;
+};
+
+// Bytes of one group's scales and offsets of a panel.
+constexpr int64_t quantized_group_param_bytes(QuantParams params) {
+  switch (params) {
+    case QuantParams::kFloat32: return 2 * kPanelWidth * 4;
+    case QuantParams::kFloat16: return 2 * kPanelWidth * 2;
+    default: return kPanelWidth * 2;
+  }
+}
+
 // Bytes of one block's scales and offsets, and of the whole block, of one panel.
-constexpr int64_t quantized_param_bytes(QuantCode code) {
-  return kQuantBlock / quantized_group_rows(code) * kQuantParamBytes;
+constexpr int64_t quantized_param_bytes(QuantForm form) {
+  return kQuantBlock / quantized_group_rows(form.code) * quantized_group_param_bytes(form.params);
 }
-constexpr int64_t quantized_block_bytes(QuantCode code) {
-  return quantized_param_bytes(code) + kQuantBlock * kPanelWidth * quantized_bits(code) / 8;
+constexpr int64_t quantized_block_bytes(QuantForm form) {
+  return quantized_param_bytes(form) + kQuantBlock * kPanelWidth * quantized_bits(form.code) / 8;
 }
 
-// The code of a quantized buffer of `dtype` and `bytes` for a [k, n] weight: an int8 one
-// of halves' size holds kInt8Halves (kNone: no quantized weight of that size).
-QuantCode quantized_panel_code(DType dtype, int64_t bytes, int64_t k, int64_t n);
+// The form of a quantized buffer of `dtype` and `bytes` for a [k, n] weight, by its size
+// (code kNone: no quantized weight of that size).
+QuantForm quantized_panel_form(DType dtype, int64_t bytes, int64_t k, int64_t n);
 
-// The scale (offset: + kPanelWidth) of row i of a block at `block`, column 0.
-inline const float* quantized_params(const uint8_t* block, int64_t i, QuantCode code) {
-  return reinterpret_cast<const float*>(block) + i / quantized_group_rows(code) * 2 * kPanelWidth;
+// The scale and offset of row i (within the block), column j, of a block at `block`.
+inline const uint8_t* quantized_group_params(const uint8_t* block, int64_t i, QuantForm form) {
+  return block + i / quantized_group_rows(form.code) * quantized_group_param_bytes(form.params);
 }
+inline float quantized_scale(const uint8_t* block, int64_t i, int64_t j, QuantForm form) {
+  const uint8_t* params = quantized_group_params(block, i, form);
+  if (form.params == QuantParams::kFloat32) return reinterpret_cast<const float*>(params)[j];
+  return fp16_to_float(reinterpret_cast<const uint16_t*>(params)[j]);
+}
+// (-0.0 where offsets are not stored: q * scale + -0.0 is q * scale, zeros' signs too)
+inline float quantized_offset(const uint8_t* block, int64_t i, int64_t j, QuantForm form) {
+  const uint8_t* params = quantized_group_params(block, i, form);
+  switch (form.params) {
+    case QuantParams::kFloat32: return reinterpret_cast<const float*>(params)[kPanelWidth + j];
+    case QuantParams::kFloat16:
+      return fp16_to_float(reinterpret_cast<const uint16_t*>(params)[kPanelWidth + j]);
+    default: return -0.0f;
+  }
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The scales and offsets of row i's group, columns [16 v, 16 v + 16), as vectors (offsets
+// -0.0 where none are stored, as quantized_offset).
+__attribute__((target("avx512f,avx512bw"))) inline void load_quantized_params(
+    const uint8_t* block, int64_t i, int v, QuantForm form, __m512& scale, __m512& offset) {
+  const uint8_t* params = quantized_group_params(block, i, form);
+  if (form.params == QuantParams::kFloat32) {
+    scale = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + 16 * v);
+    offset = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kPanelWidth + 16 * v);
+    return;
+  }
+  const auto* halves = reinterpret_cast<const uint16_t*>(params);
+  scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(halves + 16 * v)));
+  offset = form.params == QuantParams::kFloat16
+               ? _mm512_cvtph_ps(_mm256_loadu_si256(
+                     reinterpret_cast<const __m256i*>(halves + kPanelWidth + 16 * v)))
+               : _mm512_set1_ps(-0.0f);
+}
+#endif
 
 // Rows of a block a 4-byte lane of its integers holds: 8 nibbles, or 4 bytes.
 constexpr int quantized_lane_rows(QuantCode code) { return code == QuantCode::kNibble ? 8 : 4; }
@@ -112,7 +170,7 @@ inline float quantized_value(const uint8_t* ints, int64_t i, int64_t j, QuantCod
 
 // The float32 panel [k, kPanelWidth] of the quantized panel at src: q * scale + offset,
 // rounded once (q * scale is exact, or the offset zero).
-void widen_quantized_panel(const uint8_t* src, int64_t k, QuantCode code, float* dst);
+void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst);
 
 // Rows a decode step multiplies with the weights widened in registers, not through a
 // widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
@@ -127,7 +185,7 @@ bool quantized_avx512();
 // widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
-                             int64_t k, QuantCode code, float* c);
+                             int64_t k, QuantForm form, float* c);
 
 // A decode step's rows of x, quantized for integer products with quantized panels (as
 // llama.cpp's q8_0 activations): each block of kQuantBlock values of a row as
@@ -152,9 +210,9 @@ constexpr bool int8_rows_multiply(QuantCode code) {
 // c [rows][kPanelWidth] = rows [r0, r0 + rows) of x times the quantized panel at `panel`
 // (of x.k rows), 1 <= rows <= kRegisterRows, code one int8_rows_multiply takes: per group
 // of a panel, the exact int32 sum of q * xq, then sum = fma(sum_q_xq, scale * d, sum) and
-// sum = fma(offset, sum of x, sum), in float32, the same in every build (VNNI's and the
-// portable one).
+// sum = fma(offset, sum of x, sum) (where offsets are stored), in float32, the same in
+// every build (VNNI's and the portable one).
 void multiply_int8_rows(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
-                        QuantCode code, float* c);
+                        QuantForm form, float* c);
 
 }  // namespace pyengine::detail
