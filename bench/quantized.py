@@ -5,9 +5,10 @@ float32, the same run.
 One request (a prompt of 128 random token ids, 256 greedy output tokens, ignore_eos) is
 streamed through each engine's OpenAI server (/v1/completions over bare HTTP, as
 bench/serve.py sends them), and run offline through LLM.generate. pyengine runs twice:
-with quantized_activations="int8" (a decode step's activations quantized per block of 32
-and multiplied in integers: llama.cpp's own arithmetic) and with its default "float32"
-(the dequantized weights' exact product). Decode tokens/s are
+with llama.cpp's own arithmetic (quantized_activations="int8": activations quantized
+per block of 32 and multiplied in integers; kv_cache_dtype="float16", llama.cpp's
+default KV cache) and with its defaults (float32 activations and KV cache: the
+dequantized weights' exact product). Decode tokens/s are
 those after the first token: (tokens - 1) / (last token's time - first token's).
 Reported beside them: the bound that memory bandwidth (measured here, best of the run)
 puts on a decode step that reads every quantized weight byte once, and each server's
@@ -23,8 +24,9 @@ Batched: the workload of bench/throughput.py (32 prompts of 64-512 random tokens
 greedy tokens each, all at once) on the default model's weights in each form: float32
 (the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
 bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
-int8 form), FP8 (in its e4m3 form) and the Q4_1 file's 4-bit blocks; with each one's
-resident weight bytes. With --openvino-python and --openvino-model, the same prompts run
+int8 form), FP8 (in its e4m3 form) and the Q4_1 file's 4-bit blocks (with float32
+activations, and with int8 ones); with each one's resident weight bytes. With
+--openvino-python and --openvino-model, the same prompts run
 on OpenVINO GenAI in the same sitting (bench/openvino_peer.py, in that Python: the
 float32 folder exported by optimum-intel, OpenVINO's defaults: on a CPU with
 AVX512-BF16, bfloat16 inference and an 8-bit KV cache).
@@ -62,6 +64,10 @@ from .checkpoints import default_model_folders
 from .common import print_table, report
 from .serve import RequestResult, start_server, stream_completion, wait_until_healthy
 from .throughput import read_bandwidth, single_decode_weight_bytes
+
+# pyengine's options for llama.cpp's own arithmetic: activations quantized to int8 per
+# block of 32 (its q8_0), a float16 KV cache (its default).
+LLAMA_CPP_ARITHMETIC = ("--quantized-activations", "int8", "--kv-cache-dtype", "float16")
 
 
 def quantized_file(source: Path, form: str, llama_bin: Path | None, cache: Path) -> Path | None:
@@ -140,13 +146,15 @@ def streamed_decode(port: int, prompt: list[int], output_len: int, rounds: int) 
     )
 
 
-def offline_decode(
-    model: Path, prompt: list[int], output_len: int, rounds: int, activations: str
-) -> tuple[float, int]:
-    """(best decode tokens/s of LLM.generate, the weight bytes a decode step streams)."""
+def offline_decode(model: Path, prompt: list[int], output_len: int, rounds: int) -> tuple[
+    float, int
+]:  # fmt: skip
+    """(best decode tokens/s of LLM.generate with llama.cpp's arithmetic, the weight bytes
+    a decode step streams)."""
     llm = LLM(
-        str(model), max_model_len=len(prompt) + output_len + 16, quantized_activations=activations
-    )
+        str(model), max_model_len=len(prompt) + output_len + 16, quantized_activations="int8",
+        kv_cache_dtype="float16",
+    )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8), use_tqdm=False)
     best = 0.0
@@ -210,6 +218,7 @@ def batched_table(
         ("W8A8 int8", folders["w8a8"], {}),
         ("FP8 e4m3 W8A8", folders["fp8"], {}),
         ("Q4_1 (4-bit blocks)", source, {}),
+        ("Q4_1-int8 (4-bit blocks, int8 activations)", source, {"quantized_activations": "int8"}),
     ]
     rows, figures, reference = [], {}, None
     for name, model, engine in runs:
@@ -219,7 +228,7 @@ def batched_table(
             print(f"{name}: {error}")
             continue
         reference = reference or rate
-        key = name.split(" ")[0].lower()
+        key = name.split(" ")[0].lower().replace("-", "_")
         figures[f"batched_{key}_generated_tok_s"] = round(rate, 1)
         figures[f"batched_{key}_weight_mib"] = round(weight_bytes / 2**20, 1)
         if key != "float32":
@@ -282,10 +291,9 @@ def main() -> None:
         if path is None:
             print(f"{form}: no file (llama-quantize makes it: --llama-bin)")
             continue
-        offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds, "int8")
-        int8_rss, int8 = measured(
-            start_server(str(path), context, "--quantized-activations", "int8"), prompt, args
-        )
+        offline, streamed = offline_decode(path, prompt, args.output_len, args.rounds)
+        server = start_server(str(path), context, *LLAMA_CPP_ARITHMETIC)
+        int8_rss, int8 = measured(server, prompt, args)
         _, exact = measured(start_server(str(path), context), prompt, args)
         theirs, theirs_rss = float("nan"), float("nan")
         if args.llama_bin is not None:
@@ -320,8 +328,8 @@ def main() -> None:
             f"{args.rounds}; read bandwidth {bandwidth / 1e9:.1f} GB/s\n"
         )
         tables.append(print_table(
-            ("format", "llama.cpp tok/s", "pyengine int8 act. tok/s", "speedup",
-             "pyengine float32 act. tok/s", "speedup", "pyengine int8 offline tok/s",
+            ("format", "llama.cpp tok/s", "pyengine, llama.cpp's arithmetic, tok/s", "speedup",
+             "pyengine, float32, tok/s", "speedup", "pyengine offline, llama.cpp's arithmetic",
              "bandwidth bound tok/s (bytes)", "llama.cpp MiB", "pyengine MiB", "memory ratio"),
             rows,
         ))  # fmt: skip

@@ -131,7 +131,8 @@ def int8_rows_reference(x: torch.Tensor, blocks: BlockQuantized) -> torch.Tensor
 
 @pytest.mark.parametrize(("bits", "form"), FORMS)
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 50), (1, 1536, 60), (2, 576, 49),
-                                           (3, 96, 100), (4, 1536, 97)])  # fmt: skip
+                                           (3, 96, 100), (4, 1536, 97), (7, 64, 48),
+                                           (130, 96, 50)])  # fmt: skip
 def test_int8_activations_multiply_in_integers(
     bits: int, form: str, m: int, k: int, n: int
 ) -> None:
@@ -153,41 +154,39 @@ def test_int8_activations_multiply_in_integers(
 
 
 @pytest.mark.parametrize(("bits", "form"), FORMS)
-def test_int8_activations_are_the_same_bits_in_every_build(bits: int, form: str) -> None:
+@pytest.mark.parametrize("m", [3, 9])
+def test_int8_activations_are_the_same_bits_in_every_build(bits: int, form: str, m: int) -> None:
     blocks = random_blocks(100, 576, bits, form)
-    x = torch.randn(3, 576)
+    x = torch.randn(m, 576)
     packed, gate_up = pack_block_quantized(blocks), pack_block_quantized(blocks, gate_up=True)
     results = []
     for isa in ISAS:
         _C.set_quantized_dense_isa(isa)
-        out, gated = torch.empty(3, 100), torch.empty(3, 50)
+        out, gated = torch.empty(m, 100), torch.empty(m, 50)
         ops.dense(out, x, packed, None, 100, int8_activations=True)
         ops.dense_silu_and_mul(gated, x, gate_up, 50, int8_activations=True)
         results.append((out, gated))
     for out, gated in results[1:]:
         assert torch.equal(out, results[0][0]) and torch.equal(gated, results[0][1])
-    product = torch.empty(3, 100)
+    product = torch.empty(m, 100)
     ops.dense(product, x, packed, None, 100, int8_activations=True)
-    want = torch.empty(3, 50)
+    want = torch.empty(m, 50)
     ops.silu_and_mul(want, torch.cat([product[:, :50], product[:, 50:]], dim=1))
     assert torch.equal(results[0][1], want)
 
 
-def test_int8_activations_leave_many_rows_and_fp8_weights_float() -> None:
-    """A prefill's rows (more than 4) and fp8 weights take the widened float product."""
-    blocks = random_blocks(60, 96, 4, "q4_1")
+def test_int8_activations_leave_fp8_weights_float() -> None:
+    """fp8 weights take the widened float product (int8 activations are for integers)."""
     x = torch.randn(5, 96)
     got, want = torch.empty(5, 60), torch.empty(5, 60)
-    ops.dense(got, x, pack_block_quantized(blocks), None, 60, int8_activations=True)
-    ops.dense(want, x, float_packed(torch.from_numpy(blocks.dequantize())), None, 60)
-    assert torch.equal(got, want)
     w = torch.randn(60, 96).to(torch.float8_e4m3fn)
     scale = torch.rand(3, 60) + 0.5
     packed = torch.empty(_C.packed_quantized_weight_size(96, 60, 8), dtype=torch.float8_e4m3fn)
     _C.pack_quantized_weight(packed, w.t().contiguous(), scale, torch.zeros(3, 60), False)
-    ops.dense(got[:1], x[:1], packed, None, 60, int8_activations=True)
-    ops.dense(want[:1], x[:1], packed, None, 60)
-    assert torch.equal(got[:1], want[:1])
+    for rows in (1, 5):
+        ops.dense(got[:rows], x[:rows], packed, None, 60, int8_activations=True)
+        ops.dense(want[:rows], x[:rows], packed, None, 60)
+        assert torch.equal(got[:rows], want[:rows])
 
 
 @pytest.mark.parametrize(("bits", "form"), [*FORMS, (32, "float32")])

@@ -170,11 +170,10 @@ struct Panels {
 };
 
 // x as the tiles read it, with its rows quantized to int8 where `int8_activations` asks
-// for it and the weight takes them: a decode step's few rows times an integer code.
+// for it and the weight's integers take them.
 Rows8 multiplied_rows(const TensorView& x, const Panels& w, bool int8_activations) {
   Rows8 rows = tile_rows(x);
-  if (int8_activations && detail::int8_rows_multiply(w.form.code) && rows.m > 0 &&
-      rows.m <= detail::kRegisterRows) {
+  if (int8_activations && detail::int8_rows_multiply(w.form.code) && rows.m > 0) {
     thread_local detail::Int8Rows quantized;
     quantized.quantize(rows.a, rows.lda, rows.m, rows.k);
     rows.int8 = &quantized;
@@ -204,9 +203,12 @@ template <class Sink>
 void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int64_t m1, float* sums,
                     Sink&& sink) {
   const bool quantized = w.form.code != detail::QuantCode::kNone;
-  if (x.int8 != nullptr) {
-    detail::multiply_int8_rows(*x.int8, m0, static_cast<int>(m1 - m0), w.panel(p), w.form, sums);
-    sink(m0, m1 - m0, static_cast<const float*>(sums));
+  if (x.int8 != nullptr) {  // (a few rows at a time, the panel staying in cache)
+    for (int64_t r0 = m0; r0 < m1; r0 += detail::kRegisterRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(detail::kRegisterRows, m1 - r0));
+      detail::multiply_int8_rows(*x.int8, r0, rows, w.panel(p), w.form, sums);
+      sink(r0, rows, static_cast<const float*>(sums));
+    }
     return;
   }
   if (quantized && m1 - m0 <= detail::kRegisterRows && detail::quantized_avx512()) {

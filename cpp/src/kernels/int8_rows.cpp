@@ -189,6 +189,7 @@ void Int8Rows::quantize(const float* a, int64_t lda, int64_t rows, int64_t k_) {
   scale.resize(static_cast<size_t>(rows * blocks));
   sum.resize(static_cast<size_t>(rows * k / kHalf));
   int_sum.resize(static_cast<size_t>(rows * k / kHalf));
+#pragma omp parallel for if (rows * k >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t b = 0; b < blocks; ++b) {
       quantize_block(a + r * lda + b * kQuantBlock, q.data() + r * k + b * kQuantBlock,
