@@ -10,7 +10,9 @@ their losses add to Q4_1's own, which no file here can show (the float weights t
 file was made from are not shipped). W8A8 is the reference's float32 weights in
 compressed-tensors' int8 form (bench/checkpoints.py), activations quantized per token;
 FP8 the same in its e4m3 form, activations e4m3 per token; GPTQ and AWQ the same weights
-in their 4-bit formats, groups of 64, rounded to nearest (not their own searches).
+in their 4-bit formats, groups of 64, rounded to nearest (not their own searches). The
+int8-activation row multiplies the Q4_1 blocks by activations quantized per block of 32
+(quantized_activations="int8", llama.cpp's q8_0 arithmetic).
 
 The text is scored in windows of --window tokens (the first token of each unscored):
 perplexity = exp(mean negative log-likelihood), from prompt logprobs. With --llama-bin,
@@ -89,6 +91,7 @@ def main() -> None:
         ("Q4_1, float16 KV cache", source, {"kv_cache_dtype": "float16"}),
         ("Q4_1, fp8 e4m3 KV cache", source, {"kv_cache_dtype": "fp8"}),
         ("Q4_1, int8 KV cache (per token and head)", source, {"kv_cache_dtype": "int8"}),
+        ("Q4_1, int8 activations (llama.cpp's q8_0)", source, {"quantized_activations": "int8"}),
         ("Q8_0 (from Q4_1)", quantized_file(source, "Q8_0", args.llama_bin, args.cache), {}),
         ("Q5_1 (from Q4_1)", quantized_file(source, "Q5_1", args.llama_bin, args.cache), {}),
         ("Q4_0 (from Q4_1)", quantized_file(source, "Q4_0", args.llama_bin, args.cache), {}),
@@ -116,8 +119,10 @@ def main() -> None:
         reference = reference or value
         change = value / reference - 1
         key = name.split(" (")[0].split(",")[0].lower().replace(" ", "_")
-        if engine:
+        if "kv_cache_dtype" in engine:
             key += "_kv_" + str(engine["kv_cache_dtype"])
+        if "quantized_activations" in engine:
+            key += "_act_" + str(engine["quantized_activations"])
         figures[f"{key}_perplexity"] = round(value, 4)
         figures[f"{key}_change_vs_reference"] = round(change, 5)
         theirs = "-"

@@ -1,8 +1,10 @@
-"""A matmul weight kept in a GGUF block form: the CPU matmul streams its 0.75 (4-bit) or
-1.25 (8-bit) bytes a weight instead of float32's 4, and widens each block to exactly the
-float32 values the `gguf` package dequantizes (cpp/include/pyengine/dense.h).
+"""A matmul weight kept in a GGUF block form: the CPU matmul streams its 0.625-0.75
+(4-bit) or 1.0625-1.5 (8-bit) bytes a weight instead of float32's 4, and widens each
+block to exactly the float32 values the `gguf` package dequantizes
+(cpp/include/pyengine/dense.h).
 
-Every 32 weights along a row share a float32 scale and offset, w = q * scale + offset:
+Every 32 weights along a row share a scale and offset, w = q * scale + offset (packed in
+float16 where every one is a float16, as the legacy types' are):
     Q4_0: w = d * (nibble - 8)     = nibble * d + (-8 d)
     Q4_1: w = d * nibble + m
     Q5_0: w = d * (q5 - 16)        = int8 * d + (-0.0)        (as 8-bit)

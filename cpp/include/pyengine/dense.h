@@ -27,8 +27,9 @@ void pack_weight(const TensorView& packed, const TensorView& w_t);
 // offset[i / kQuantBlock][j] with q a small integer and, where the offset is not zero,
 // the scales of few significant bits (at most 20 for 4-bit q, 17 for 8-bit; GGUF's are a
 // float16 times a 6-bit integer at most), so that the product is exact and the float32
-// result rounds once. Packed, a panel takes 0.75 (4-bit) or 1.25 (8-bit; 1.5 with groups
-// of 16) bytes a weight instead of 4, so a decode step streams a fifth of the bytes; each
+// result rounds once. Packed, a panel takes 0.625-0.75 (4-bit) or 1.0625-1.25 (8-bit;
+// 1.5 with groups of 16) bytes a weight instead of 4 (the scales and offsets in float16
+// where they are float16s: QuantParams), so a decode step streams a fifth of the bytes; each
 // panel is widened to float32 in the thread's cache before the tiles use it, so the
 // product is exactly the float32 one over the widened weight. FP8 checkpoints' weights
 // take the same form with e4m3 codes (a float8_e4m3fn buffer): any scale, no offset,
