@@ -175,6 +175,15 @@ def test_int8_activations_are_the_same_bits_in_every_build(bits: int, form: str,
     assert torch.equal(results[0][1], want)
 
 
+def test_int8_activations_of_a_non_finite_row_are_nan() -> None:
+    blocks = random_blocks(50, 96, 4, "q4_1")
+    x = torch.randn(3, 96)
+    x[0, 5], x[1, 70] = float("inf"), float("nan")
+    out = torch.empty(3, 50)
+    ops.dense(out, x, pack_block_quantized(blocks), None, 50, int8_activations=True)
+    assert out[:2].isnan().all() and out[2].isfinite().all()
+
+
 def test_int8_activations_leave_fp8_weights_float() -> None:
     """fp8 weights take the widened float product (int8 activations are for integers)."""
     x = torch.randn(5, 96)

@@ -23,16 +23,19 @@ constexpr int64_t kHalf = kQuantBlock / 2;  // the groups of the sums of x
 constexpr int kLanes = 16;
 constexpr int kVectors = static_cast<int>(kPanelWidth / kLanes);
 
-// One block's xq and d; a block of zeros (or holding a NaN) keeps xq 0 and d 0 (NaN).
+// One block's xq and d; a block of zeros, or holding a NaN or an infinity, keeps xq 0 and
+// d 0 (NaN, infinity: the sums then are NaN). (x / d is finite and within [-127, 127]
+// then; the clamp is a guard, in comparisons that vectorize.)
 void quantize_block(const float* x, int8_t* q, float& scale) {
   const float d = max_abs(x, kQuantBlock) / 127.0f;
   scale = d;
-  if (!(d > 0.0f)) {
+  if (!(d > 0.0f) || !std::isfinite(d)) {
     std::memset(q, 0, kQuantBlock);
     return;
   }
   for (int64_t i = 0; i < kQuantBlock; ++i) {
-    q[i] = static_cast<int8_t>(std::fmax(-127.0f, std::fmin(127.0f, std::nearbyint(x[i] / d))));
+    const float rounded = std::nearbyint(x[i] / d);
+    q[i] = static_cast<int8_t>(rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded);
   }
 }
 
