@@ -24,8 +24,9 @@ Batched: the workload of bench/throughput.py (32 prompts of 64-512 random tokens
 greedy tokens each, all at once) on the default model's weights in each form: float32
 (the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
 bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
-int8 form), FP8 (in its e4m3 form) and the Q4_1 file's 4-bit blocks (with float32
-activations, and with int8 ones); with each one's resident weight bytes. With
+int8 form; and with a float16 KV cache), FP8 (in its e4m3 form) and the Q4_1 file's
+4-bit blocks (with float32 activations, and with int8 ones and a float16 KV cache); with
+each one's resident weight bytes. With
 --openvino-python and --openvino-model, the same prompts run
 on OpenVINO GenAI in the same sitting (bench/openvino_peer.py, in that Python: the
 float32 folder exported by optimum-intel, OpenVINO's defaults: on a CPU with
@@ -212,23 +213,25 @@ def batched_table(
     rng = np.random.default_rng(seed)
     prompts = [rng.integers(100, 49_000, n).tolist() for n in rng.integers(64, 513, 32)]
     folders = default_model_folders(cache)
-    runs: list[tuple[str, Path, dict[str, object]]] = [
-        ("float32", folders["float32"], {}),
-        ("bfloat16", folders["float32"], {"dtype": "bfloat16"}),
-        ("W8A8 int8", folders["w8a8"], {}),
-        ("FP8 e4m3 W8A8", folders["fp8"], {}),
-        ("Q4_1 (4-bit blocks)", source, {}),
-        ("Q4_1-int8 (4-bit blocks, int8 activations)", source, {"quantized_activations": "int8"}),
-    ]
+    half_kv = {"kv_cache_dtype": "float16"}
+    runs: list[tuple[str, str, Path, dict[str, object]]] = [  # (row, figures' key, ...)
+        ("float32", "float32", folders["float32"], {}),
+        ("bfloat16", "bfloat16", folders["float32"], {"dtype": "bfloat16"}),
+        ("W8A8 int8", "w8a8", folders["w8a8"], {}),
+        ("W8A8 int8, float16 KV cache", "w8a8_kv_float16", folders["w8a8"], half_kv),
+        ("FP8 e4m3 W8A8", "fp8", folders["fp8"], {}),
+        ("Q4_1 (4-bit blocks)", "q4_1", source, {}),
+        ("Q4_1, int8 activations, float16 KV cache", "q4_1_int8", source,
+         {"quantized_activations": "int8", **half_kv}),
+    ]  # fmt: skip
     rows, figures, reference = [], {}, None
-    for name, model, engine in runs:
+    for name, key, model, engine in runs:
         try:
             rate, weight_bytes = batched_throughput(model, prompts, 128, **engine)
         except ValueError as error:  # a form this machine cannot run
             print(f"{name}: {error}")
             continue
         reference = reference or rate
-        key = name.split(" ")[0].lower().replace("-", "_")
         figures[f"batched_{key}_generated_tok_s"] = round(rate, 1)
         figures[f"batched_{key}_weight_mib"] = round(weight_bytes / 2**20, 1)
         if key != "float32":
@@ -241,7 +244,7 @@ def batched_table(
         theirs = float(peer["generated_tok_s"])  # type: ignore[arg-type]
         figures["batched_openvino_generated_tok_s"] = round(theirs, 1)
         figures["batched_openvino_rss_mib"] = round(float(peer["rss_mib"]))  # type: ignore[arg-type]
-        for key in ("float32", "bfloat16", "w8a8", "fp8"):
+        for key in ("float32", "bfloat16", "w8a8", "w8a8_kv_float16", "fp8", "q4_1_int8"):
             ours = figures.get(f"batched_{key}_generated_tok_s")
             if isinstance(ours, float):
                 figures[f"speedup_vs_openvino_batched_{key}"] = round(ours / theirs, 2)
