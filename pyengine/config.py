@@ -30,9 +30,10 @@ class QuantizationConfig:
     activation_bits: int = 0  # 0: float activations (weight-only)
     weight_type: str = "int"  # or "float": fp8 e4m3
     static_activations: bool = False  # a per-tensor input_scale instead of per token
-    # compressed-tensors' int8 kv_cache_scheme: a static k_scale and v_scale per layer,
-    # which an int8 KV cache (kv_cache_dtype="int8") takes instead of its per-token ones.
-    kv_cache_int8: bool = False
+    # compressed-tensors' kv_cache_scheme: a static k_scale and v_scale per layer, for the
+    # KV cache of that dtype: "int8" (kv_cache_dtype="int8" takes them instead of its
+    # per-token ones) or "fp8" (kv_cache_dtype="fp8" stores x / scale); None: no scheme.
+    kv_cache_scales: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in QUANTIZATION_METHODS:

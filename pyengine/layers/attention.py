@@ -39,9 +39,16 @@ class PagedAttention:
         self.head_size = head_size
         self.scale = head_size**-0.5
         self.sliding_window = sliding_window
-        # A checkpoint's static per-tensor K and V scales, which an int8 cache takes (0:
-        # a scale per token and head; other caches need none).
+        # A checkpoint's static per-tensor K and V scales (0: none), and the cache dtype
+        # that takes them: an int8 cache's instead of its scale per token and head; an
+        # fp8 cache stores x / scale (the scores then times k_scale, the output v_scale).
         self.k_scale = self.v_scale = 0.0
+        self.scaled_cache: torch.dtype | None = None
+
+    def static_scales(self, kind: str | None, k_scale: float, v_scale: float) -> None:
+        """A checkpoint's kv_cache_scheme scales, for its cache `kind` ("int8", "fp8")."""
+        self.k_scale, self.v_scale = k_scale, v_scale
+        self.scaled_cache = {"int8": torch.int8, "fp8": torch.uint8}.get(kind or "")
 
     def __call__(
         self,
@@ -52,11 +59,12 @@ class PagedAttention:
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         key_cache, value_cache = cache
-        int8 = key_cache.dtype == torch.int8
+        scaled = key_cache.dtype == self.scaled_cache
+        k_scale, v_scale = (self.k_scale, self.v_scale) if scaled else (0.0, 0.0)
         ops.reshape_and_cache(
-            key, value, key_cache, value_cache, meta.slot_mapping,
-            self.k_scale if int8 else 0.0, self.v_scale if int8 else 0.0,
-        )  # fmt: skip
+            key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale
+        )
+        fp8_scales = scaled and key_cache.dtype == torch.uint8  # (the CPU's fp8 cache)
         out = torch.empty_like(query)
         ops.paged_attention(
             out,
@@ -66,10 +74,10 @@ class PagedAttention:
             meta.block_tables,
             meta.seq_lens,
             meta.query_start_loc,
-            self.scale,
+            self.scale * k_scale if fp8_scales else self.scale,
             self.sliding_window,
             0.0,
             meta.max_seq_len,
             meta.max_query_len,
         )
-        return out
+        return out.mul_(v_scale) if fp8_scales else out

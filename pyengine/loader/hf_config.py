@@ -226,10 +226,11 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantizationConfig:
     config = configs.pop()
     kv = raw.get("kv_cache_scheme")
     if kv:
-        wanted = {"num_bits": (8,), "type": ("int",), "symmetric": (True,), "strategy": ("tensor",),
-                  "dynamic": (False, None)}  # fmt: skip
-        _check_scheme("kv_cache_scheme", [("kv_cache_scheme", kv, wanted)], "int8 KV cache")
-        config = dataclasses.replace(config, kv_cache_int8=True)
+        wanted = {"num_bits": (8,), "type": ("int", "float"), "symmetric": (True,),
+                  "strategy": ("tensor",), "dynamic": (False, None)}  # fmt: skip
+        _check_scheme("kv_cache_scheme", [("kv_cache_scheme", kv, wanted)], "8-bit KV cache")
+        kind = "int8" if kv.get("type") == "int" else "fp8"
+        config = dataclasses.replace(config, kv_cache_scales=kind)
     return config
 
 

@@ -49,18 +49,17 @@ class Attention(nn.Module):
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
         )
-        # A compressed-tensors int8 kv_cache_scheme's per-tensor scales (checkpoint tensors
-        # self_attn.k_scale and v_scale), for an int8 KV cache.
-        self.kv_scales = (
-            torch.zeros(2) if c.quantization is not None and c.quantization.kv_cache_int8 else None
-        )
+        # A compressed-tensors kv_cache_scheme's per-tensor scales (checkpoint tensors
+        # self_attn.k_scale and v_scale), for an int8 or fp8 KV cache.
+        self.scales_kind = c.quantization.kv_cache_scales if c.quantization is not None else None
+        self.kv_scales = torch.zeros(2) if self.scales_kind is not None else None
 
     def process_weights_after_loading(self) -> None:
         if self.kv_scales is not None:
             if not bool((self.kv_scales > 0).all()) or not bool(self.kv_scales.isfinite().all()):
                 raise ValueError(f"k_scale and v_scale must be finite and positive, got "
                                  f"{self.kv_scales.tolist()}")  # fmt: skip
-            self.attn.k_scale, self.attn.v_scale = (float(s) for s in self.kv_scales)
+            self.attn.static_scales(self.scales_kind, *(float(s) for s in self.kv_scales))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata

@@ -157,19 +157,26 @@ W8A8_CONFIG = {
 }  # fmt: skip
 
 
-# An int8 kv_cache_scheme: static K and V scales per attention layer.
-KV_INT8_SCHEME = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "tensor",
-                  "dynamic": False}  # fmt: skip
+# An int8 ("int") or fp8 ("float") kv_cache_scheme: static K and V scales per attention
+# layer.
+def kv_scheme(kv_type: str) -> dict:  # type: ignore[type-arg]
+    return {"num_bits": 8, "type": kv_type, "symmetric": True, "strategy": "tensor",
+            "dynamic": False}  # fmt: skip
 
 
 def write_w8a8(
-    float_folder: Path, out: Path, reference: Path, kv_scales: tuple[float, float] | None = None
+    float_folder: Path,
+    out: Path,
+    reference: Path,
+    kv_scales: tuple[float, float] | None = None,
+    kv_type: str = "int",
 ) -> None:
     """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
     int-quantized W8A8 form (`weight` int8 [out, in], `weight_scale` bfloat16 [out, 1]:
     w = q * scale per output channel, q = round(w / scale), scale = max|w| / 127);
-    with kv_scales, an int8 kv_cache_scheme and each layer's `self_attn.k_scale` and
-    `v_scale` (layer i's times 1 + i / 10, a scalar and a [1] alike); `reference`: the
+    with kv_scales, a kv_cache_scheme of kv_type (int8 "int", fp8 "float") and each
+    layer's `self_attn.k_scale` and `v_scale` (layer i's times 1 + i / 10, a scalar and a
+    [1] alike); `reference`: the
     same model with the dequantized float32 weights."""
     quantized, dequantized, linear = _linear_weights(float_folder)
     layers = sorted({name.split(".")[2] for name, _, _ in linear}, key=int)
@@ -184,7 +191,7 @@ def write_w8a8(
         quantized[name] = q.to(torch.int8)
         quantized[f"{module}.weight_scale"] = scale
         dequantized[name] = (q * scale.float()).float()
-    config = {**W8A8_CONFIG, "kv_cache_scheme": KV_INT8_SCHEME if kv_scales else None}
+    config = {**W8A8_CONFIG, "kv_cache_scheme": kv_scheme(kv_type) if kv_scales else None}
     _write_folders(float_folder, out, reference, quantized, dequantized, config)
 
 

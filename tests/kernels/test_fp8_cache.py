@@ -42,6 +42,20 @@ def test_reshape_and_cache_writes_torchs_e4m3() -> None:
     assert torch.equal(got_v, value.to(torch.float8_e4m3fn).float())
 
 
+def test_static_scales_divide_what_an_fp8_cache_stores() -> None:
+    """A checkpoint's k_scale/v_scale: e4m3(x / scale), rounded once as torch rounds."""
+    tokens = 21
+    key, value = torch.randn(tokens, KV_HEADS, HEAD_SIZE), torch.randn(tokens, KV_HEADS, HEAD_SIZE)
+    slots = torch.randperm(BLOCKS * BLOCK)[:tokens]
+    k8, v8 = caches(torch.uint8)
+    ops.reshape_and_cache(key, value, k8, v8, slots, 0.01, 0.3)
+    blocks, offsets = slots // BLOCK, slots % BLOCK
+    got_k = k8.view(torch.float8_e4m3fn)[blocks, :, :, offsets].float()
+    got_v = v8.view(torch.float8_e4m3fn)[blocks, :, offsets, :].float()
+    assert torch.equal(got_k, (key / 0.01).clamp(-448, 448).to(torch.float8_e4m3fn).float())
+    assert torch.equal(got_v, (value / 0.3).to(torch.float8_e4m3fn).float())
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize(("context", "queries"), [(1, 1), (100, 1), (333, 1), (77, 77), (200, 30)])
 def test_attention_over_fp8_is_attention_over_its_values(

@@ -84,7 +84,7 @@ def test_static_scales_replace_each_rows_own() -> None:
         ops.reshape_and_cache(key, value, k8, v8, slots, -1.0, 0.5)
     kf = torch.zeros(BLOCKS, KV_HEADS, HEAD_SIZE, BLOCK)
     vf = torch.zeros(BLOCKS, KV_HEADS, BLOCK, HEAD_SIZE)
-    with pytest.raises(ValueError, match="static scales are for int8 caches"):
+    with pytest.raises(ValueError, match="static scales are for int8 and fp8 caches"):
         ops.reshape_and_cache(key, value, kf, vf, slots, 0.01, 0.5)
 
 

@@ -496,7 +496,7 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
     config = json.loads((tmp_path / "q" / "config.json").read_text())
     scheme = config["quantization_config"]
     for change, message in (
-        ({"type": "float"}, r"kv_cache_scheme \{'type': 'float'\} are not supported"),
+        ({"num_bits": 4}, r"kv_cache_scheme \{'num_bits': 4\} are not supported"),
         ({"strategy": "head"}, r"kv_cache_scheme \{'strategy': 'head'\} are not supported"),
     ):
         kv = {**scheme["kv_cache_scheme"], **change}
@@ -509,3 +509,36 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
         ({**tensors, name: torch.ones(2)}, rf"weight {name}: shape \(2,\), one value expected"),
     ):  # fmt: skip
         refuses_weights(tmp_path / "q", weights, message)
+
+
+def test_an_fp8_kv_cache_takes_a_checkpoints_static_scales(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    """compressed-tensors' fp8 kv_cache_scheme: with kv_cache_dtype="fp8" each layer's K
+    and V are stored as e4m3(x / k_scale), e4m3(x / v_scale) (vLLM's fp8 cache with a
+    checkpoint's scales), the scores taken times k_scale and the output times v_scale;
+    the model stays close to its float cache. A float cache leaves the scales unused."""
+    k_scale, v_scale = 0.01, 0.008
+    write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref", (k_scale, v_scale), "float")
+    caches = []
+    for folder in ("q", "ref"):  # (the reference: the same weights, no scales)
+        llm = LLM(str(tmp_path / folder), kv_cache_dtype="fp8", **ENGINE)
+        runner = llm.engine.executor.driver_worker.model_runner
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # the prompts' K/V
+        caches.append([c.view(torch.float8_e4m3fn).float() for c in runner.caches[0]])
+        if folder == "q":
+            got = llm.generate(prompts, GREEDY, use_tqdm=False)
+            attn = runner.model.layers[0].self_attn.attn
+            assert attn.scaled_cache == torch.uint8
+            assert (attn.k_scale, attn.v_scale) == pytest.approx((k_scale, v_scale))
+            scaled = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in got]
+        llm.engine.shutdown()
+    # Layer 0's K and V of the prompts are nearly the same in both runs (its inputs are the
+    # embeddings; int8 activations here): stored divided by the scales here, as themselves
+    # there, each to e4m3's 3 bits.
+    for stored, plain, scale in zip(caches[0], caches[1], (k_scale, v_scale), strict=True):
+        assert stored.abs().max() > 20 * plain.abs().max()  # (the scaled range, not x's)
+        torch.testing.assert_close(stored * scale, plain, rtol=0.13, atol=0.05)
+    differences = same_context_differences(scaled, outputs(tmp_path / "q"))
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05

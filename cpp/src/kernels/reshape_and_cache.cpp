@@ -27,8 +27,9 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
       throw InvalidArgument(arg(op, name) + " must be finite and >= 0 (0: a scale per token), " +
                             "got " + std::to_string(scale));
     }
-    if (scale > 0.0f && key_cache.dtype != detail::kInt8Cache) {
-      throw InvalidArgument(arg(op, name) + ": static scales are for int8 caches, got " +
+    if (scale > 0.0f && key_cache.dtype != detail::kInt8Cache &&
+        key_cache.dtype != detail::kFp8Cache) {
+      throw InvalidArgument(arg(op, name) + ": static scales are for int8 and fp8 caches, got " +
                             key_cache.describe());
     }
   }
@@ -75,13 +76,17 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const auto row_bytes = static_cast<size_t>(head_size * element);
   const bool converts = input_dtype != key_cache.dtype;  // float32 into a narrower cache
   const DType cache_dtype = key_cache.dtype;
-  // One float32 element of `in` into element `index` of the 16-bit or fp8 cache `out`.
-  const auto convert = [cache_dtype](const char* in, int64_t in_index, char* out, int64_t index) {
+  // One float32 element of `in` into element `index` of the 16-bit or fp8 cache `out`
+  // (fp8 with a static scale: x / scale, as vLLM's fp8 caches take a checkpoint's).
+  const float k_divisor = k_scale > 0.0f ? k_scale : 1.0f;
+  const float v_divisor = v_scale > 0.0f ? v_scale : 1.0f;
+  const auto convert = [cache_dtype](const char* in, int64_t in_index, char* out, int64_t index,
+                                     float divisor) {
     const float x = detail::load<DType::kFloat32>(in, in_index);
     if (cache_dtype == DType::kBFloat16) {
       detail::store<DType::kBFloat16>(out, index, x);
     } else if (cache_dtype == detail::kFp8Cache) {
-      detail::store<detail::kFp8Cache>(out, index, x);
+      detail::store<detail::kFp8Cache>(out, index, x / divisor);
     } else {
       detail::store<DType::kFloat16>(out, index, x);
     }
@@ -158,8 +163,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
           const int64_t k_row = (first + j) * key.strides[0] + h * key.strides[1];
           const int64_t v_row = (first + j) * value.strides[0] + h * value.strides[1];
           for (int64_t i = 0; i < head_size; ++i) {
-            convert(value_in, v_row + i, value_out, tile + (offset + j) * head_size + i);
-            convert(key_in, k_row + i, key_out, tile + i * block_size + offset + j);
+            convert(value_in, v_row + i, value_out, tile + (offset + j) * head_size + i, v_divisor);
+            convert(key_in, k_row + i, key_out, tile + i * block_size + offset + j, k_divisor);
           }
         }
         continue;
