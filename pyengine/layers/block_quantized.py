@@ -13,14 +13,16 @@ float16 where every one is a float16, as the legacy types' are):
     Q4_K: w = (d * sc) * nibble - dmin * mn, sc and mn 6-bit, one pair per 32 of the 256
     Q5_K: the same with 5-bit q                                (as 8-bit)
     Q6_K: w = (d * sc) * (q6 - 32), sc an int8 per 16 weights  (as 8-bit, groups of 16)
+    Q3_K: w = (d * sc) * q3, q3 in -4..3, sc 6-bit less 32     (as 8-bit, groups of 16)
+    Q2_K: w = (d * sc) * q2 - dmin * m, sc and m 4-bit         (as 8-bit, groups of 16)
 With d a float16 (11 significant bits) times an integer of at most 6 bits, a scale has at
 most 17, and q * scale is exact in float32 (q of 4 bits, or 5 bits in an int8), so
 q * scale + offset rounds exactly once, as the `gguf` package's float32 dequantization
 does (Q6_K has no offset: its d * sc, 18 bits, times q rounds once either way): the same
 float32 weights, bit for bit, but for the zeros of a negative scale (8 d - 8 d is +0
 where d * 0 is -0). No sum tells those apart: the matmul's sums start at +0, and adding
-a zero of either sign to them changes nothing. (The 2- and 3-bit K-quants load as float
-weights.)
+a zero of either sign to them changes nothing. (The 2- and 3-bit K-quants take 1.5 bytes
+a weight here against their 0.33 and 0.43 in the file: a fifth of float32's still.)
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ BLOCK = 32  # weights of a block (along a row): the matmul's unit of k
 HALF_BLOCK = 16  # an 8-bit block's groups may be its halves (Q6_K's)
 
 # The GGML type numbers of the gguf format.
-_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0, _Q4_K, _Q5_K, _Q6_K = 2, 3, 6, 7, 8, 12, 13, 14
+_Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
+_Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 10, 11, 12, 13, 14
 
 
 @dataclass(frozen=True)
@@ -208,6 +211,43 @@ def _q6_k(blocks: np.ndarray) -> Parts:
     return q.astype(np.int8), scale, np.full_like(scale, -0.0)
 
 
+def _k_crumbs(qs: np.ndarray) -> np.ndarray:
+    """64 bytes as 256 2-bit values: 2 runs of 32 bytes, each 4 times its bytes' bit
+    pairs 0, 1, 2, 3 (weight 128 c + 32 s + l: pair s of byte 32 c + l)."""
+    runs = qs.reshape(*qs.shape[:-1], 2, 1, 32)
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+    crumbs: np.ndarray = ((runs >> shifts) & 3).reshape(*qs.shape[:-1], 256)
+    return crumbs
+
+
+def _q2_k(blocks: np.ndarray) -> Parts:
+    """16 bytes of (4-bit scale, 4-bit min) per 16 weights, 64 of 2-bit q, float16 d and
+    dmin: w = (d * sc) * q - dmin * m (as 8-bit, groups of 16)."""
+    sc, mn = blocks[..., :16] & 15, blocks[..., :16] >> 4
+    d, dmin = _float16(blocks[..., 80:82]), _float16(blocks[..., 82:84])
+    scale = d[..., None] * sc.astype(np.float32)
+    offset = -(dmin[..., None] * mn.astype(np.float32))
+    return _k_crumbs(blocks[..., 16:80]).astype(np.int8), scale, offset
+
+
+def _q3_k(blocks: np.ndarray) -> Parts:
+    """32 bytes of high bits (weight i: bit i // 32 of byte i % 32; a clear bit takes 4
+    off), 64 of low 2-bit q, 12 of 6-bit scales (scale j: the low or high nibble of byte
+    j % 8, j < 8 or not, with bit pair j // 4 of byte 8 + j % 4 on top; less 32), float16
+    d: w = (d * sc) * q, q in -4..3 (as 8-bit, groups of 16)."""
+    high = blocks[..., :32]
+    bits = (high[..., None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # [..., 8, 32]
+    cleared = 1 - bits.reshape(*high.shape[:-1], 256).astype(np.int8)
+    q = _k_crumbs(blocks[..., 32:96]).astype(np.int8) - 4 * cleared
+    packed = blocks[..., 96:108]
+    low = np.concatenate([packed[..., :8] & 15, packed[..., :8] >> 4], axis=-1)
+    pairs = (packed[..., 8:12, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [..., 4, 4]
+    top = np.swapaxes(pairs, -1, -2).reshape(*packed.shape[:-1], 16)  # j = 4 (j // 4) + j % 4
+    sc = (low | (top << 4)).astype(np.int8) - 32
+    scale = _float16(blocks[..., 108:110])[..., None] * sc.astype(np.float32)
+    return q.astype(np.int8), scale, np.full_like(scale, -0.0)
+
+
 def _q5_k(blocks: np.ndarray) -> Parts:
     scale, offset = _k_scales(blocks)
     qh = blocks[..., 16:48]  # group g's fifth bits: bit g of each of the 32 bytes
@@ -220,6 +260,7 @@ _LAYOUTS = {
     _Q4_0: _Layout(32, 18, _q4_0), _Q4_1: _Layout(32, 20, _q4_1),
     _Q5_0: _Layout(32, 22, _q5_0), _Q5_1: _Layout(32, 24, _q5_1),
     _Q8_0: _Layout(32, 34, _q8_0),
+    _Q2_K: _Layout(256, 84, _q2_k), _Q3_K: _Layout(256, 110, _q3_k),
     _Q4_K: _Layout(256, 144, _q4_k), _Q5_K: _Layout(256, 176, _q5_k),
     _Q6_K: _Layout(256, 210, _q6_k),
 }  # fmt: skip

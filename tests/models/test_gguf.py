@@ -26,7 +26,7 @@ from pyengine.loader.resolve import load_model  # noqa: E402
 QUANTIZABLE = [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1]  # by the gguf package
 # The types with a block form, and their bits a weight in it.
 BLOCK_BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 8, Q.Q5_1: 8, Q.Q5_K: 8, Q.Q6_K: 8,
-              Q.Q8_0: 8}  # fmt: skip
+              Q.Q8_0: 8, Q.Q2_K: 8, Q.Q3_K: 8}  # fmt: skip
 # The tiny Llama's matrices that are not Q8_0 (K-quants need rows of 256: down's only).
 OTHER_TYPES = {
     "blk.0.attn_q.weight": Q.Q5_0, "blk.0.attn_output.weight": Q.Q5_1,
@@ -37,16 +37,20 @@ FOUR_BIT_HF = ("layers.0.mlp.down_proj", "layers.1.self_attn.k_proj", "layers.1.
 FIVE_BIT_HF = ("layers.0.self_attn.q_proj", "layers.0.self_attn.o_proj", "layers.1.mlp.down_proj")
 
 
-def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks (gguf cannot quantize to them) with sane f16 scales."""
+def k_quant_blocks(qtype: Q, rows: int, rng: np.random.Generator, d: float = 0.01) -> np.ndarray:
+    """Random K-quant blocks (gguf cannot quantize to them), a row of 256 weights each,
+    with sane f16 scales."""
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, 256 // block * size), dtype=np.uint8)
     blocks = raw.reshape(rows, -1, size)
-    scale = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    scale = np.frombuffer(np.float16(d).tobytes(), np.uint8)
     if qtype in (Q.Q4_K, Q.Q5_K):  # d, dmin first
         blocks[:, :, 0:2] = scale
         blocks[:, :, 2:4] = scale
-    else:  # Q6_K: d last
+    elif qtype == Q.Q2_K:  # d, dmin last
+        blocks[:, :, -4:-2] = scale
+        blocks[:, :, -2:] = scale
+    else:  # Q3_K, Q6_K: d last
         blocks[:, :, -2:] = scale
     return raw
 
@@ -70,7 +74,7 @@ def test_every_tensor_type_loads_as_gguf_dequantizes_it(tmp_path: Path) -> None:
         raw = quantize(original, qtype)
         raw_of[qtype.name] = (raw, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
-    for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+    for qtype in (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K):
         raw = k_quant_blocks(qtype, 4, rng)
         raw_of[qtype.name] = (raw, qtype)
         writer.add_tensor(qtype.name, raw, raw_dtype=qtype)
@@ -190,10 +194,13 @@ def write_tiny_llama(
     rope_freqs: np.ndarray | None = None,
     rope_scaling_type: str | None = None,
     tied: bool = False,
+    other_types: dict[str, Q] = OTHER_TYPES,
 ) -> dict[str, np.ndarray]:
-    """A two-layer Llama GGUF, mostly Q8_0 (some 4-bit); its weights in Hugging Face's
-    layout. `tied`: no output.weight, the head the embedding's, which is Q8_0 then (its
-    259 rows split unevenly over the ranks of a tensor-parallel group)."""
+    """A two-layer Llama GGUF, mostly Q8_0 (the tensors of `other_types` of theirs); its
+    weights in Hugging Face's layout. `tied`: no output.weight, the head the embedding's,
+    which is Q8_0 then (its 259 rows split unevenly over the ranks of a tensor-parallel
+    group). The 2- and 3-bit K-quants (which nothing here quantizes to) are random
+    blocks, their weights what they dequantize to."""
     rng = np.random.default_rng(5)
     hidden, heads, kv_heads, head_size, ffn, layers = 128, 4, 2, 32, 256, 2
     tokens = byte_level_vocab() + ["<|eot|>", "<|user|>", "<|assistant|>"]
@@ -225,7 +232,12 @@ def write_tiny_llama(
         if quantized:
             # Mostly Q8_0; some of every other block type, so that fused q/k/v and
             # gate/up mix 4 and 8 bits.
-            qtype = OTHER_TYPES.get(name, Q.Q8_0)
+            qtype = other_types.get(name, Q.Q8_0)
+            if qtype in (Q.Q2_K, Q.Q3_K):  # (an unpermuted [rows, 256] weight: down's)
+                raw = k_quant_blocks(qtype, len(w), rng, d=0.002)
+                hf_layout[hf_name] = dequantize(raw, qtype).reshape(w.shape)
+                writer.add_tensor(name, raw, raw_dtype=qtype)
+                return
             writer.add_tensor(name, quantize_any(stored, qtype), raw_dtype=qtype)
         else:
             writer.add_tensor(name, stored)
@@ -340,6 +352,27 @@ def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: igno
     assert max(differences) > 1e-6
     with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
         LLM(str(path), kv_cache_memory=32 * 2**20, quantized_activations="int4")
+
+
+def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None:
+    """Q2_K and Q3_K matrices held as 8-bit blocks in groups of 16 (not float panels): the
+    tokens of transformers on the same file."""
+    path = tmp_path / "low-bits.gguf"
+    low = {"blk.0.ffn_down.weight": Q.Q2_K, "blk.1.ffn_down.weight": Q.Q3_K}
+    write_tiny_llama(path, other_types={**OTHER_TYPES, **low})
+    loaded = load_model(str(path))
+    reference = hf_model_from_weights(loaded.config, loaded.weights)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    model = llm.engine.executor.driver_worker.model_runner.model
+    for layer in model.layers:
+        blocks = layer.mlp.down_proj.packed_blocks
+        assert blocks is not None and blocks.dtype == torch.int8
+    prompts = [[5, 6, 7, 8], list(range(30, 70))]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, got, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 10)
+    llm.engine.shutdown()
 
 
 def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> None:
