@@ -30,6 +30,10 @@ class QuantizationConfig:
     activation_bits: int = 0  # 0: float activations (weight-only)
     weight_type: str = "int"  # or "float": fp8 e4m3
     static_activations: bool = False  # a per-tensor input_scale instead of per token
+    # FP8_BLOCK: a weight scale per block of [out, in] features (None: per channel or
+    # tensor), and dynamic activation scales per group of this many inputs (0: per token)
+    block_structure: tuple[int, int] | None = None
+    activation_group: int = 0
     # compressed-tensors' kv_cache_scheme: a static k_scale and v_scale per layer, for the
     # KV cache of that dtype: "int8" (kv_cache_dtype="int8" takes them instead of its
     # per-token ones) or "fp8" (kv_cache_dtype="fp8" stores x / scale); None: no scheme.
@@ -47,6 +51,18 @@ class QuantizationConfig:
             )
         if self.weight_type not in ("int", "float"):
             raise ValueError(f"weight_type must be 'int' or 'float', got {self.weight_type!r}")
+        if self.block_structure is not None and not (
+            self.weight_type == "float"
+            and len(self.block_structure) == 2
+            and all(is_int(b) and b >= 1 for b in self.block_structure)
+        ):
+            raise ValueError(
+                f"block_structure must be two positive sizes of an FP8 weight's blocks, got "
+                f"{self.block_structure!r}"
+            )
+        group = self.activation_group
+        if group and not (is_int(group) and group >= 1):
+            raise ValueError(f"activation_group must be positive, got {group!r}")
         if self.weight_type == "float":
             if (self.method, self.bits, self.group_size) != ("compressed-tensors", 8, -1) or (
                 self.activation_bits not in (0, 8)

@@ -1,8 +1,10 @@
 """compressed-tensors' FP8 checkpoints: e4m3 weights (`weight` float8_e4m3fn [out, in])
-with a float scale per output channel or per tensor (`weight_scale` [out, 1] or [1]),
+with a float scale per output channel or per tensor (`weight_scale` [out, 1] or [1]), or
+per block of [out, in] features (FP8_BLOCK: [ceil(out / bo), ceil(in / bi)]),
 w = e4m3 * scale; activations quantized to e4m3 too, per token as each step runs
-(dynamic: sx = max|x| / 448) or by the checkpoint's `input_scale` (static, per tensor),
-x ~ e4m3(x / sx) * sx; or, with no input_activations, left float.
+(dynamic: sx = max|x| / 448), per group of inputs of a token (FP8_BLOCK's), or by the
+checkpoint's `input_scale` (static, per tensor), x ~ e4m3(x / sx) * sx; or, with no
+input_activations, left float.
 
 On the CPU in float32 the weight is held only as pyengine's quantized panels with fp8
 codes (one byte a weight and a float32 scale per block of 32: ops.dense widens them in
@@ -72,24 +74,31 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    """weight e4m3 [out, in] with scale [out] as fp8 panels for ops.dense (gate_up: [gate;
-    up] for dense_silu_and_mul)."""
+def pack_fp8(weight: torch.Tensor, scale_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """weight e4m3 [out, in] with scale_t [in / 32, out] (a scale per block of 32 inputs
+    of each output) as fp8 panels for ops.dense (gate_up: [gate; up] for
+    dense_silu_and_mul)."""
     out_features, in_features = weight.shape
     n = out_features // 2 if gate_up else out_features
     size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8)
     packed = host_memory.empty(size, FP8)
-    scale_t = scale.float().reshape(1, -1).expand(in_features // BLOCK, -1).contiguous()
     _C.pack_quantized_weight(
         packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up
     )
     return packed
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
+    """x [rows, k] quantized to e4m3 per group of `group` inputs of a row (dynamic)."""
+    return quantize_fp8(x.reshape(-1, group), None).reshape(x.shape).to(x.dtype)
+
+
 class Fp8Method(LinearMethod):
     def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
         self.placement = placement
         self.quantizes_activations = quantization.activation_bits == 8
+        self.block = quantization.block_structure  # (out, in) features a scale, or None
+        self.activation_group = quantization.activation_group
         static = quantization.static_activations
         self.weight_kinds = ("weight", "weight_scale", *(("input_scale",) if static else ()))
         self.scaled_mm = False  # the product through torch._scaled_mm (not on packed panels)
@@ -97,8 +106,17 @@ class Fp8Method(LinearMethod):
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
         layer.weight = torch.nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
-        layer.register_buffer("weight_scale", torch.zeros(shape[0]))
+        # Per block: each of this rank's output rows, its scales over the whole input.
+        columns = () if self.block is None else (-(-layer.input_size // self.block[1]),)
+        layer.register_buffer("weight_scale", torch.zeros(shape[0], *columns))
         layer.input_scale = None
+        group = self.activation_group
+        start = getattr(layer, "input_start", 0)  # (a row-parallel shard's first input)
+        if group and (shape[1] % group or start % group):
+            raise ValueError(
+                f"FP8 activations in groups of {group} inputs, and a layer shard takes "
+                f"inputs [{start}, {start + shape[1]}): not whole groups"
+            )
 
     def load_quantized(
         self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
@@ -106,6 +124,9 @@ class Fp8Method(LinearMethod):
         """`weight_scale` of stacked part `part` ([out, 1], [out], or one for the tensor:
         [1] or []; this rank's rows), or its `input_scale` (one; the parts of a fused
         layer share their input, so the largest scale serves them all, as vLLM takes it)."""
+        if kind != "input_scale" and self.block is not None:
+            self._load_block_scales(layer, name, loaded, part)
+            return
         if kind != "input_scale":
             load_channel_scales(layer, name, loaded, part, per_tensor=True, positive=True)
             return
@@ -117,10 +138,41 @@ class Fp8Method(LinearMethod):
         current = layer.input_scale
         layer.input_scale = scale if current is None else torch.maximum(current, scale)
 
+    def _load_block_scales(
+        self, layer: LinearBase, name: str, loaded: CheckpointTensor, part: int
+    ) -> None:
+        """FP8_BLOCK's `weight_scale` [ceil(out / bo), ceil(in / bi)] of stacked part
+        `part`: each of this rank's rows of the part takes its block row's."""
+        from pyengine.layers.linear import check_shape
+        from pyengine.layers.weight_only_int import part_rows
+
+        assert self.block is not None
+        full_out, start, length, local = part_rows(layer, part)
+        rows_a_block = self.block[0]
+        check_shape(name, loaded, (-(-full_out // rows_a_block), layer.weight_scale.shape[1]))
+        scale = checked_scales(name, loaded, positive=True).reshape(loaded.shape)
+        rows = scale.repeat_interleave(rows_a_block, dim=0)[:full_out]
+        layer.weight_scale[local : local + length] = rows[start : start + length]
+
+    def _scales_by_input(self, layer: LinearBase) -> torch.Tensor:
+        """[out, in] of this rank: each weight's scale."""
+        if self.block is None:
+            return layer.weight_scale[:, None].expand(-1, layer.input_size_per_partition)
+        start = getattr(layer, "input_start", 0)
+        inputs = torch.arange(start, start + layer.input_size_per_partition)
+        return layer.weight_scale[:, inputs // self.block[1]]
+
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         if bool(torch.isnan(layer.weight.data.float()).any()):
             raise ValueError(f"an FP8 weight {tuple(layer.weight.shape)} holds NaN")
-        packs = self.placement.packs_weights and layer.input_size_per_partition % BLOCK == 0
+        # (blocks of 32 inputs must each lie in one of a block weight's scales)
+        start = getattr(layer, "input_start", 0)
+        within = self.block is None or (self.block[1] % BLOCK == 0 and start % BLOCK == 0)
+        packs = (
+            self.placement.packs_weights and layer.input_size_per_partition % BLOCK == 0 and within
+        )
+        if not packs and self.block is not None:  # dequantized each step: scales per weight
+            layer.weight_scale = self._scales_by_input(layer).contiguous()
         if not packs:
             layer.weight.data = layer.weight.data.to(self.placement.device)
             layer.weight_scale = layer.weight_scale.to(self.placement.device)
@@ -129,19 +181,25 @@ class Fp8Method(LinearMethod):
             n, k = layer.weight.shape
             self.scaled_mm = (
                 self.quantizes_activations and n % 16 == 0 and k % 16 == 0
+                and self.block is None and not self.activation_group
                 and scaled_mm_supported(self.placement.device, self.placement.dtype)
             )  # fmt: skip
             return
-        layer.packed_blocks = pack_fp8(layer.weight.data, layer.weight_scale, layer.gate_up)
+        scale_t = self._scales_by_input(layer)[:, ::BLOCK].t().float().contiguous()
+        layer.packed_blocks = pack_fp8(layer.weight.data, scale_t, layer.gate_up)
         del layer.weight  # the fp8 panels are the weight now
 
     def _activations(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         if not self.quantizes_activations:
             return x
+        group = self.activation_group
         if x.is_cpu and x.dtype == torch.float32:
             out = torch.empty_like(x)
-            ops.quantize_fp8_rows(out, x, layer.input_scale)
+            rows = (-1, group) if group else x.shape  # (groups quantize as rows of their own)
+            ops.quantize_fp8_rows(out.view(rows), x.contiguous().view(rows), layer.input_scale)
             return out
+        if group:
+            return quantize_groups(x, group)
         return quantize_fp8(x, layer.input_scale).to(x.dtype)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,7 +218,8 @@ class Fp8Method(LinearMethod):
             )  # fmt: skip
             return out if bias is None else out + bias
         # (e4m3 * scale rounded once, in float32, as the CPU panels widen it)
-        weight = (layer.weight.float() * layer.weight_scale[:, None]).to(x.dtype)
+        scale = layer.weight_scale if self.block is not None else layer.weight_scale[:, None]
+        weight = (layer.weight.float() * scale).to(x.dtype)
         return F.linear(self._activations(layer, x), weight, bias)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:

@@ -186,12 +186,12 @@ _W8A8_ACTIVATIONS = {
 # per token as each step runs (dynamic) or by the checkpoint's input_scale per tensor
 # (static), or float activations (no input_activations).
 _FP8_WEIGHTS = {
-    "num_bits": (8,), "type": ("float",), "symmetric": (True,), "strategy": ("channel", "tensor"),
-    "dynamic": (False, None),
+    "num_bits": (8,), "type": ("float",), "symmetric": (True,),
+    "strategy": ("channel", "tensor", "block"), "dynamic": (False, None),
 }  # fmt: skip
 _FP8_ACTIVATIONS = {
-    "num_bits": (8,), "type": ("float",), "symmetric": (True,), "strategy": ("token", "tensor"),
-    "dynamic": (True, False),
+    "num_bits": (8,), "type": ("float",), "symmetric": (True,),
+    "strategy": ("token", "tensor", "group"), "dynamic": (True, False),
 }  # fmt: skip
 # W4A16: 4-bit symmetric weights per group or per channel; with actorder "group" (or
 # true) the groups are in activation order, a `weight_g_idx` per input; "weight" (or
@@ -279,18 +279,36 @@ def _fp8_group(name: str, group: dict[str, Any]) -> QuantizationConfig:
     if activations:
         parts.append(("input_activations", activations, _FP8_ACTIVATIONS))
     _check_scheme(name, parts, "FP8")
+    block = None
+    if group["weights"].get("strategy") == "block":  # FP8_BLOCK
+        structure = group["weights"].get("block_structure")
+        if not (isinstance(structure, list) and len(structure) == 2):
+            raise ValueError(
+                f"compressed-tensors group {name!r}: block weights need a block_structure "
+                f"[out, in], got {structure!r}"
+            )
+        block = (structure[0], structure[1])
     if not activations:
-        return QuantizationConfig("compressed-tensors", 8, -1, weight_type="float")
-    static = activations.get("strategy") == "tensor"
+        return QuantizationConfig(
+            "compressed-tensors", 8, -1, weight_type="float", block_structure=block
+        )
+    strategy = activations.get("strategy")
+    static = strategy == "tensor"
     if static == bool(activations.get("dynamic")):
         raise ValueError(
             f"compressed-tensors group {name!r}: FP8 activations are dynamic per token or "
-            f"static per tensor, not {activations.get('strategy')!r} with dynamic "
+            f"group, or static per tensor, not {strategy!r} with dynamic "
             f"{activations.get('dynamic')!r}"
+        )
+    group_size = activations.get("group_size") if strategy == "group" else 0
+    if strategy == "group" and not (isinstance(group_size, int) and group_size > 0):
+        raise ValueError(
+            f"compressed-tensors group {name!r}: group activations need a group_size, got "
+            f"{group_size!r}"
         )
     return QuantizationConfig(
         "compressed-tensors", 8, -1, activation_bits=8, weight_type="float",
-        static_activations=static,
+        static_activations=static, block_structure=block, activation_group=group_size,
     )  # fmt: skip
 
 

@@ -251,14 +251,22 @@ def write_w4a16(
     )
 
 
+# FP8_BLOCK's blocks of [out, in] weights and groups of inputs for the tiny models (its
+# preset's 128 x 128 and 128 cover their matrices whole).
+FP8_BLOCK, FP8_GROUP = (32, 64), 64
+
+
 def fp8_config(strategy: str, activations: str | None) -> dict:  # type: ignore[type-arg]
-    """compressed-tensors' float-quantized FP8 scheme: weights per `strategy` ("channel"
-    or "tensor"); activations "token" (dynamic), "tensor" (static) or None (float)."""
+    """compressed-tensors' float-quantized FP8 scheme: weights per `strategy` ("channel",
+    "tensor" or "block": FP8_BLOCK); activations "token" (dynamic), "group" (dynamic, per
+    FP8_GROUP inputs), "tensor" (static) or None (float)."""
     weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy,
-               "dynamic": False, "group_size": None}  # fmt: skip
+               "dynamic": False, "group_size": None,
+               "block_structure": list(FP8_BLOCK) if strategy == "block" else None}  # fmt: skip
     inputs = activations and {
         "num_bits": 8, "type": "float", "symmetric": True, "strategy": activations,
-        "dynamic": activations == "token", "group_size": None,
+        "dynamic": activations in ("token", "group"),
+        "group_size": FP8_GROUP if activations == "group" else None,
     }  # fmt: skip
     return {
         "quant_method": "compressed-tensors", "format": "float-quantized",
@@ -275,13 +283,30 @@ _STATIC_INPUT_SCALE = {"q_proj": 0.0100, "k_proj": 0.0110, "v_proj": 0.0105, "o_
                        "gate_proj": 0.0100, "up_proj": 0.0105, "down_proj": 0.0160}  # fmt: skip
 
 
+def _block_amax(w: torch.Tensor) -> torch.Tensor:
+    """max|w| of each FP8_BLOCK block, [ceil(out / bo), ceil(in / bi)]."""
+    bo, bi = FP8_BLOCK
+    rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
+    return torch.tensor([[float(w[a * bo : (a + 1) * bo, b * bi : (b + 1) * bi].abs().max())
+                          for b in range(cols)] for a in range(rows)])  # fmt: skip
+
+
+def block_scales(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A weight_scale ([out, 1], [1], or FP8_BLOCK's per block) for each weight of `shape`."""
+    if scale.dim() < 2 or scale.shape[1] == 1:
+        return scale.reshape(-1, 1).expand(shape)
+    bo, bi = FP8_BLOCK
+    return scale.repeat_interleave(bo, 0)[: shape[0]].repeat_interleave(bi, 1)[:, : shape[1]]
+
+
 def write_fp8(
     float_folder: Path, out: Path, reference: Path, strategy: str, activations: str | None
 ) -> None:
     """`out`: float_folder's checkpoint with its linear layers in compressed-tensors'
     float-quantized FP8 form, compressed by the compressed-tensors library itself
     (`weight` float8_e4m3fn [out, in], `weight_scale` max|w| / 448 per output channel
-    (bfloat16 [out, 1]) or per tensor (float32 [1]), and with static activations an
+    (bfloat16 [out, 1]), per tensor (float32 [1]) or per FP8_BLOCK block (float32
+    [ceil(out / bo), ceil(in / bi)]), and with static activations an
     `input_scale` [1]); `reference`: the same model with the dequantized float32 weights
     (e4m3 * scale, as the library decompresses them)."""
     from compressed_tensors.compressors import FloatQuantizationCompressor
@@ -293,6 +318,8 @@ def write_fp8(
     for name, module, w in linear:
         if strategy == "channel":
             scale = (w.float().abs().amax(dim=1, keepdim=True) / 448).to(torch.bfloat16)
+        elif strategy == "block":
+            scale = _block_amax(w.float()) / 448
         else:
             scale = (w.float().abs().amax() / 448).reshape(1)
         compressed = FloatQuantizationCompressor.compress(
@@ -303,7 +330,7 @@ def write_fp8(
         if activations == "tensor":
             leaf = module.rpartition(".")[2]
             quantized[f"{module}.input_scale"] = torch.tensor([_STATIC_INPUT_SCALE[leaf]])
-        dequantized[name] = compressed["weight"].float() * scale.float()
+        dequantized[name] = compressed["weight"].float() * block_scales(scale.float(), w.shape)
     _write_folders(
         float_folder, out, reference, quantized, dequantized, fp8_config(strategy, activations)
     )

@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.logprobs import same_context_differences
-from helpers.quantized_checkpoints import write_fp8, write_quantized, write_w4a16, write_w8a8
+from helpers.quantized_checkpoints import (
+    FP8_GROUP,
+    block_scales,
+    write_fp8,
+    write_quantized,
+    write_w4a16,
+    write_w8a8,
+)
 from helpers.tiny_models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
@@ -340,22 +347,30 @@ FP8_CASES = {
     "channel-dynamic": ("channel", "token"),
     "tensor-static": ("tensor", "tensor"),
     "channel-weight-only": ("channel", None),
+    "block-group": ("block", "group"),  # FP8_BLOCK
 }
 
 
-def fp8_reference(checkpoint: Path, module: str, x: torch.Tensor) -> torch.Tensor:
+def fp8_reference(
+    checkpoint: Path, module: str, x: torch.Tensor, group_activations: bool = False
+) -> torch.Tensor:
     """x @ the checkpoint's e4m3 weights of `module` (q/k/v stacked for qkv_proj) in
-    float64: x rounded to e4m3 by its row's scale, or by the parts' largest input_scale."""
+    float64: x rounded to e4m3 by its row's scale (group_activations: each FP8_GROUP
+    inputs' own), or by the parts' largest input_scale."""
     tensors = load_file(str(checkpoint / "model.safetensors"))
     parts = ["q_proj", "k_proj", "v_proj"] if module.endswith("qkv_proj") else [module]
     prefix = module.rpartition(".")[0] + "." if module.endswith("qkv_proj") else ""
     names = [f"{prefix}{p}" for p in parts]
     w = torch.cat([
-        tensors[f"{n}.weight"].double() * tensors[f"{n}.weight_scale"].double().reshape(-1, 1)
+        tensors[f"{n}.weight"].double()
+        * block_scales(tensors[f"{n}.weight_scale"].double(), tensors[f"{n}.weight"].shape)
         for n in names
     ])  # fmt: skip
     if f"{names[0]}.input_scale" in tensors:
         sx = torch.stack([tensors[f"{n}.input_scale"].reshape(()) for n in names]).max()
+    elif tensors[f"{names[0]}.weight_scale"].dim() == 2 and group_activations:
+        groups = x.reshape(x.shape[0], -1, FP8_GROUP)
+        sx = (groups.abs().amax(dim=2, keepdim=True) / 448).expand(groups.shape).reshape(x.shape)
     else:
         sx = x.abs().amax(dim=1, keepdim=True) / 448
     xq = (x / sx).clamp(-448, 448).to(FP8).double() * sx.double()
@@ -382,7 +397,9 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
         want = x.double() @ fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj",
                                           torch.eye(layer.input_size))  # fmt: skip
     else:
-        want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x)
+        want = fp8_reference(
+            tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x, activations == "group"
+        )
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6)
     llm.engine.shutdown()
     got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
@@ -431,10 +448,16 @@ def test_bad_fp8_checkpoints_are_refused_naming_the_problem(
     group = scheme["config_groups"]["group_0"]
     inputs = group["input_activations"]
     for change, message in (
+        ({"weights": {**group["weights"], "strategy": "group"}},
+         r"weights \{'strategy': 'group'\} are not supported"),
         ({"weights": {**group["weights"], "strategy": "block"}},
-         r"weights \{'strategy': 'block'\} are not supported"),
+         r"block weights need a block_structure \[out, in\], got None"),
+        ({"weights": {**group["weights"], "strategy": "block", "block_structure": [0, 128]}},
+         r"block_structure must be two positive sizes"),
+        ({"input_activations": {**inputs, "strategy": "group", "dynamic": True}},
+         "group activations need a group_size, got None"),
         ({"input_activations": {**inputs, "dynamic": True}},
-         "FP8 activations are dynamic per token or static per tensor"),
+         "FP8 activations are dynamic per token or group, or static per tensor"),
         ({"input_activations": {**inputs, "num_bits": 4}},
          r"input_activations \{'num_bits': 4\} are not supported"),
     ):  # fmt: skip
@@ -542,3 +565,20 @@ def test_an_fp8_kv_cache_takes_a_checkpoints_static_scales(
         torch.testing.assert_close(stored * scale, plain, rtol=0.13, atol=0.05)
     differences = same_context_differences(scaled, outputs(tmp_path / "q"))
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+
+
+def test_fp8_block_weights_in_16_bits_are_dequantized_each_step(
+    float_llama: Path, tmp_path: Path
+) -> None:
+    """FP8_BLOCK on a 16-bit placement (no _scaled_mm for block scales): the e4m3 weight
+    kept, each weight's block scale applied as a step runs; x quantized per group."""
+    pytest.importorskip("compressed_tensors")
+    write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "block", "group")
+    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
+    assert layer.weight.dtype == FP8 and not layer.method.scaled_mm
+    assert layer.weight_scale.shape == layer.weight.shape  # (a scale a weight)
+    x = torch.randn(5, layer.input_size).bfloat16()
+    want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float(), True)
+    torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)
+    llm.engine.shutdown()
