@@ -74,14 +74,17 @@ def scaled_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return True
 
 
-def pack_fp8(weight: torch.Tensor, scale_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
-    """weight e4m3 [out, in] with scale_t [in / 32, out] (a scale per block of 32 inputs
-    of each output) as fp8 panels for ops.dense (gate_up: [gate; up] for
-    dense_silu_and_mul)."""
+def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """weight e4m3 [out, in] with scale [out] (a channel's) or [out, in] (each weight's,
+    the same over each block of 32 inputs: FP8_BLOCK's) as fp8 panels for ops.dense
+    (gate_up: [gate; up] for dense_silu_and_mul)."""
     out_features, in_features = weight.shape
     n = out_features // 2 if gate_up else out_features
     size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8)
     packed = host_memory.empty(size, FP8)
+    if scale.dim() == 1:
+        scale = scale[:, None].expand(-1, in_features)
+    scale_t = scale[:, ::BLOCK].t().float().contiguous()  # [in / 32, out]
     _C.pack_quantized_weight(
         packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up
     )
@@ -185,8 +188,9 @@ class Fp8Method(LinearMethod):
                 and scaled_mm_supported(self.placement.device, self.placement.dtype)
             )  # fmt: skip
             return
-        scale_t = self._scales_by_input(layer)[:, ::BLOCK].t().float().contiguous()
-        layer.packed_blocks = pack_fp8(layer.weight.data, scale_t, layer.gate_up)
+        layer.packed_blocks = pack_fp8(
+            layer.weight.data, self._scales_by_input(layer), layer.gate_up
+        )
         del layer.weight  # the fp8 panels are the weight now
 
     def _activations(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
