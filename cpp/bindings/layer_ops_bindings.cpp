@@ -20,14 +20,16 @@ QuantParams quant_params(const std::string& name) {
   if (name == "float32") return QuantParams::kFloat32;
   if (name == "float16") return QuantParams::kFloat16;
   if (name == "scale_float16") return QuantParams::kScaleFloat16;
-  throw InvalidArgument("params must be 'float32', 'float16' or 'scale_float16', got '" + name +
-                        "'");
+  if (name == "scale_float32") return QuantParams::kScaleFloat32;
+  throw InvalidArgument("params must be 'float32', 'float16', 'scale_float16' or "
+                        "'scale_float32', got '" + name + "'");
 }
 
 const char* quant_params_name(QuantParams params) {
   switch (params) {
     case QuantParams::kFloat32: return "float32";
     case QuantParams::kFloat16: return "float16";
+    case QuantParams::kScaleFloat32: return "scale_float32";
     default: return "scale_float16";
   }
 }

@@ -7,8 +7,8 @@ checkpoint's `input_scale` (static, per tensor), x ~ e4m3(x / sx) * sx; or, with
 input_activations, left float.
 
 On the CPU in float32 the weight is held only as pyengine's quantized panels with fp8
-codes (one byte a weight and a float32 scale per block of 32: ops.dense widens them in
-registers, w = e4m3 * scale rounded once, as torch dequantizes them), and the
+codes (one byte a weight and a float32 scale per block of 32, no offsets: ops.dense
+widens them in registers, w = e4m3 * scale rounded once, as torch dequantizes them), and the
 activations go through ops.quantize_fp8_rows before each product. Elsewhere (CUDA,
 16-bit models) the e4m3 weight is multiplied by torch._scaled_mm, e4m3 by e4m3 with a
 scale per row of x and per channel of w, where the device has it (CUDA from sm_89; the
@@ -80,13 +80,15 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.
     (gate_up: [gate; up] for dense_silu_and_mul)."""
     out_features, in_features = weight.shape
     n = out_features // 2 if gate_up else out_features
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8)
-    packed = host_memory.empty(size, FP8)
     if scale.dim() == 1:
         scale = scale[:, None].expand(-1, in_features)
     scale_t = scale[:, ::BLOCK].t().float().contiguous()  # [in / 32, out]
+    # (no offsets: float32 scales alone, 1.125 bytes a weight)
+    params = "scale_float32"
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8, 32, params)
+    packed = host_memory.empty(size, FP8)
     _C.pack_quantized_weight(
-        packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up
+        packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up, params
     )
     return packed
 

@@ -82,7 +82,9 @@ def test_dense_of_fp8_panels_is_the_float32_dense_of_the_dequantized_weight(
     w = q.float() * scale[:, None]  # as torch (and compressed-tensors) dequantize
     x, bias = torch.randn(m, k), torch.randn(n)
     packed = pack_fp8(q, scale, gate_up=False)
-    assert packed.dtype == FP8 and packed.numel() == _C.packed_quantized_weight_size(k, n, 8)
+    # (no offsets: float32 scales alone, 1.125 bytes a weight)
+    size = _C.packed_quantized_weight_size(k, n, 8, 32, "scale_float32")
+    assert packed.dtype == FP8 and packed.numel() == size == -(-n // 48) * 48 * k * 1.125
     got, want = torch.empty(m, n), torch.empty(m, n)
     ops.dense(got, x, packed, bias, n)
     panels = torch.empty(_C.packed_weight_size(k, n))
@@ -116,7 +118,14 @@ def test_fp8_packing_errors() -> None:
     q = torch.randn(k, n).to(FP8)
     scale, offset = torch.rand(2, n), torch.zeros(2, n)
     packed = torch.empty(_C.packed_quantized_weight_size(k, n, 8), dtype=FP8)
-    _C.pack_quantized_weight(packed, q, scale, offset)
+    _C.pack_quantized_weight(packed, q, scale, offset)  # (with its zero offsets stored too)
+    x, got, want = torch.randn(2, k), torch.empty(2, n), torch.empty(2, n)
+    ops.dense(got, x, packed, None, n)
+    each_weight = scale.repeat_interleave(32, dim=0).t()  # [n, k]: its group's scale
+    scale_only = pack_fp8(q.t().contiguous(), each_weight, gate_up=False)
+    assert scale_only.numel() < packed.numel()
+    ops.dense(want, x, scale_only, None, n)
+    assert torch.equal(got, want)
     with pytest.raises(ValueError, match="fp8 weights take no offset"):
         _C.pack_quantized_weight(packed, q, scale, torch.full((2, n), 0.5))
     with_nan = q.clone()

@@ -346,7 +346,12 @@ def test_narrower_parameters_than_the_blocks_need_are_refused() -> None:
     )
     with pytest.raises(ValueError, match="scale_t holds a value that is not a float16"):
         _C.pack_quantized_weight(packed, q, scale + 2.0**-20, offset, False, "float16")
-    with pytest.raises(ValueError, match="params must be 'float32', 'float16' or 'scale_float16'"):
+    with pytest.raises(ValueError, match="params must be 'float32', 'float16', 'scale_float16' or"):
         _C.packed_quantized_weight_size(64, 50, 4, 32, "bfloat16")
     with pytest.raises(ValueError, match="groups of 16 rows take float32 params"):
         _C.packed_quantized_weight_size(64, 50, 8, 16, "float16")
+    size = _C.packed_quantized_weight_size(64, 50, 4, 32, "scale_float32")
+    with pytest.raises(ValueError, match="only they take float32 scales alone"):
+        _C.pack_quantized_weight(
+            torch.empty(size, dtype=torch.uint8), q, scale, offset * 0, False, "scale_float32"
+        )

@@ -46,9 +46,10 @@ CpuIsa quantized_dense_isa();
 
 // How a packed quantized weight stores its scales and offsets: float32; float16 (half
 // the bytes), where every scale and offset is a float16 exactly (GGUF's Q4_0, Q4_1, Q5_0,
-// Q5_1 and Q8_0 store theirs so); float16 scales alone, where every offset is zero too.
-// Groups of 16 rows and fp8 weights take float32 only.
-enum class QuantParams : uint8_t { kFloat32, kFloat16, kScaleFloat16 };
+// Q5_1 and Q8_0 store theirs so); float16 scales alone, where every offset is zero too;
+// float32 scales alone, for fp8 weights (whose offsets are zero). Groups of 16 rows take
+// float32 only, fp8 weights float32 or float32 scales alone.
+enum class QuantParams : uint8_t { kFloat32, kFloat16, kScaleFloat16, kScaleFloat32 };
 
 // The narrowest QuantParams that holds scale_t and offset_t exactly, for q_t (as
 // pack_quantized_weight takes them).

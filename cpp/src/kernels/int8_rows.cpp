@@ -53,7 +53,7 @@ void multiply_portable(const Int8Rows& x, int64_t r0, int rows, const uint8_t* p
                        QuantForm form, float* c) {
   const QuantCode code = form.code;
   const int64_t group_rows = quantized_group_rows(code), block_bytes = quantized_block_bytes(form);
-  const bool offsets = form.params != QuantParams::kScaleFloat16;
+  const bool offsets = quantized_offsets_stored(form.params);
   const int64_t blocks = x.k / kQuantBlock;
   for (int r = 0; r < rows; ++r) {
     const int8_t* xq = x.q.data() + (r0 + r) * x.k;
@@ -97,7 +97,7 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
   constexpr int64_t kLaneRows = quantized_lane_rows(kCode);
   const QuantForm form{kCode, params};
   const int64_t block_bytes = quantized_block_bytes(form);
-  const bool offsets = params != QuantParams::kScaleFloat16;
+  const bool offsets = quantized_offsets_stored(params);
   const int64_t blocks = x.k / kQuantBlock;
   const __m512i low_nibbles = _mm512_set1_epi8(15);
   const int8_t* xq[kRows];

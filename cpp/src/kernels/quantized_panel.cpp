@@ -102,17 +102,21 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
       }
     }
   }
-  if (params != QuantParams::kFloat32 &&
-      (code == QuantCode::kFp8 || code == QuantCode::kInt8Halves)) {
-    throw InvalidArgument(std::string(op) + ": fp8 weights and groups of 16 rows take float32 " +
-                          "scales and offsets only");
+  const bool fp8_params =
+      params == QuantParams::kFloat32 || params == QuantParams::kScaleFloat32;
+  if ((code == QuantCode::kFp8 && !fp8_params) ||
+      (code == QuantCode::kInt8Halves && params != QuantParams::kFloat32) ||
+      (code != QuantCode::kFp8 && params == QuantParams::kScaleFloat32)) {
+    throw InvalidArgument(std::string(op) + ": groups of 16 rows take float32 scales and " +
+                          "offsets only, fp8 weights float32 ones or float32 scales alone, " +
+                          "and only they take float32 scales alone");
   }
-  if (params != QuantParams::kFloat32 && !all_values(scale_t, false)) {
+  if (!detail::quantized_float32_scales(params) && !all_values(scale_t, false)) {
     throw InvalidArgument(std::string(op) + ": float16 parameters, and scale_t holds a value " +
                           "that is not a float16 (narrowest_quant_params says which fit)");
   }
   if ((params == QuantParams::kFloat16 && !all_values(offset_t, false)) ||
-      (params == QuantParams::kScaleFloat16 && !all_values(offset_t, true))) {
+      (!detail::quantized_offsets_stored(params) && !all_values(offset_t, true))) {
     throw InvalidArgument(std::string(op) + ": offset_t holds a value that its parameters " +
                           "(float16 offsets, or none) cannot (narrowest_quant_params says which fit)");
   }
@@ -148,9 +152,11 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
 void pack_group_params(uint8_t* params, const float* scale, const float* offset, int64_t width,
                        QuantParams form) {
   for (int64_t j = 0; j < width; ++j) {
-    if (form == QuantParams::kFloat32) {
+    if (detail::quantized_float32_scales(form)) {
       reinterpret_cast<float*>(params)[j] = scale[j];
-      reinterpret_cast<float*>(params)[kPanelWidth + j] = offset[j];
+      if (form == QuantParams::kFloat32) {
+        reinterpret_cast<float*>(params)[kPanelWidth + j] = offset[j];
+      }
     } else {
       reinterpret_cast<uint16_t*>(params)[j] = detail::float_to_fp16(scale[j]);
       if (form == QuantParams::kFloat16) {
@@ -206,9 +212,10 @@ QuantParams narrowest_quant_params(const TensorView& q_t, const TensorView& scal
     detail::check_rows(*t, op, name, 2, DType::kFloat32);
   }
   const bool halves = q_t.ndim == 2 && scale_t.shape[0] != q_t.shape[0] / kQuantBlock;
-  if (q_t.dtype == DType::kFloat8E4M3 || halves || !all_values(scale_t, false)) {
-    return QuantParams::kFloat32;
+  if (q_t.dtype == DType::kFloat8E4M3) {
+    return all_values(offset_t, true) ? QuantParams::kScaleFloat32 : QuantParams::kFloat32;
   }
+  if (halves || !all_values(scale_t, false)) return QuantParams::kFloat32;
   if (all_values(offset_t, true)) return QuantParams::kScaleFloat16;
   return all_values(offset_t, false) ? QuantParams::kFloat16 : QuantParams::kFloat32;
 }
@@ -509,9 +516,11 @@ QuantForm quantized_panel_form(DType dtype, int64_t bytes, int64_t k, int64_t n)
   const QuantCode code = quant_code(dtype);
   if (code == QuantCode::kNone || k % kQuantBlock != 0) return {};
   const int bits = quantized_bits(code);
-  for (const QuantParams params :
-       {QuantParams::kFloat32, QuantParams::kFloat16, QuantParams::kScaleFloat16}) {
-    if (code == QuantCode::kFp8 && params != QuantParams::kFloat32) break;
+  for (const QuantParams params : {QuantParams::kFloat32, QuantParams::kFloat16,
+                                   QuantParams::kScaleFloat16, QuantParams::kScaleFloat32}) {
+    // (fp8: float32 scales, with offsets or not; the others: no float32 scales alone)
+    const bool fp8 = code == QuantCode::kFp8;
+    if (fp8 ? !quantized_float32_scales(params) : params == QuantParams::kScaleFloat32) continue;
     if (bytes == packed_quantized_weight_size(k, n, bits, kQuantBlock, params)) {
       return {code, params};
     }

@@ -85,8 +85,17 @@ constexpr int64_t quantized_group_param_bytes(QuantParams params) {
   switch (params) {
     case QuantParams::kFloat32: return 2 * kPanelWidth * 4;
     case QuantParams::kFloat16: return 2 * kPanelWidth * 2;
+    case QuantParams::kScaleFloat32: return kPanelWidth * 4;
     default: return kPanelWidth * 2;
   }
+}
+
+// Whether the scales are float32s, and whether offsets are stored at all.
+constexpr bool quantized_float32_scales(QuantParams params) {
+  return params == QuantParams::kFloat32 || params == QuantParams::kScaleFloat32;
+}
+constexpr bool quantized_offsets_stored(QuantParams params) {
+  return params == QuantParams::kFloat32 || params == QuantParams::kFloat16;
 }
 
 // Bytes of one block's scales and offsets, and of the whole block, of one panel.
@@ -107,7 +116,7 @@ inline const uint8_t* quantized_group_params(const uint8_t* block, int64_t i, Qu
 }
 inline float quantized_scale(const uint8_t* block, int64_t i, int64_t j, QuantForm form) {
   const uint8_t* params = quantized_group_params(block, i, form);
-  if (form.params == QuantParams::kFloat32) return reinterpret_cast<const float*>(params)[j];
+  if (quantized_float32_scales(form.params)) return reinterpret_cast<const float*>(params)[j];
   return fp16_to_float(reinterpret_cast<const uint16_t*>(params)[j]);
 }
 // (-0.0 where offsets are not stored: q * scale + -0.0 is q * scale, zeros' signs too)
@@ -127,9 +136,11 @@ inline float quantized_offset(const uint8_t* block, int64_t i, int64_t j, QuantF
 __attribute__((target("avx512f,avx512bw"))) inline void load_quantized_params(
     const uint8_t* block, int64_t i, int v, QuantForm form, __m512& scale, __m512& offset) {
   const uint8_t* params = quantized_group_params(block, i, form);
-  if (form.params == QuantParams::kFloat32) {
+  if (quantized_float32_scales(form.params)) {
     scale = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + 16 * v);
-    offset = _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kPanelWidth + 16 * v);
+    offset = form.params == QuantParams::kFloat32
+                 ? _mm512_loadu_ps(reinterpret_cast<const float*>(params) + kPanelWidth + 16 * v)
+                 : _mm512_set1_ps(-0.0f);
     return;
   }
   const auto* halves = reinterpret_cast<const uint16_t*>(params);
