@@ -23,13 +23,12 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pyengine import _C, ops
+from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK
 from pyengine.layers.int8_w8a8 import checked_scales, load_channel_scales
-from pyengine.layers.linear_method import LinearMethod, packed_for
+from pyengine.layers.linear_method import LinearMethod, pack_quantized, packed_for
 from pyengine.layers.placement import Placement
-from pyengine.utils import host_memory
 from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
@@ -78,19 +77,11 @@ def pack_fp8(weight: torch.Tensor, scale: torch.Tensor, gate_up: bool) -> torch.
     """weight e4m3 [out, in] with scale [out] (a channel's) or [out, in] (each weight's,
     the same over each block of 32 inputs: FP8_BLOCK's) as fp8 panels for ops.dense
     (gate_up: [gate; up] for dense_silu_and_mul)."""
-    out_features, in_features = weight.shape
-    n = out_features // 2 if gate_up else out_features
     if scale.dim() == 1:
-        scale = scale[:, None].expand(-1, in_features)
+        scale = scale[:, None].expand(-1, weight.shape[1])
     scale_t = scale[:, ::BLOCK].t().float().contiguous()  # [in / 32, out]
     # (no offsets: float32 scales alone, 1.125 bytes a weight)
-    params = "scale_float32"
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(in_features, n, 8, 32, params)
-    packed = host_memory.empty(size, FP8)
-    _C.pack_quantized_weight(
-        packed, weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up, params
-    )
-    return packed
+    return pack_quantized(weight.t().contiguous(), scale_t, torch.zeros_like(scale_t), gate_up)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:

@@ -75,22 +75,31 @@ def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
     return packed
 
 
-def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
-    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul),
-    their scales and offsets in float16 where that holds them exactly (GGUF's legacy
-    types store them so)."""
-    out_features, in_features = blocks.shape
+def pack_quantized(
+    q_t: torch.Tensor, scale_t: torch.Tensor, offset_t: torch.Tensor, gate_up: bool
+) -> torch.Tensor:
+    """q_t [in, out] (uint8 nibbles, int8 or float8_e4m3fn) with its scale_t and offset_t
+    ([in / group, out]) packed for ops.dense (gate_up: [gate | up] columns, for
+    dense_silu_and_mul), the scales and offsets in the narrowest form that holds them
+    exactly (float16 for GGUF's legacy types; fp8's without their zero offsets)."""
+    in_features, out_features = q_t.shape
     n = out_features // 2 if gate_up else out_features
+    bits = 4 if q_t.dtype == torch.uint8 else 8
+    params = _C.narrowest_quant_params(q_t, scale_t, offset_t)
+    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(
+        in_features, n, bits, in_features // scale_t.shape[0], params
+    )
+    packed = host_memory.empty(size, q_t.dtype)
+    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up, params)
+    return packed
+
+
+def pack_block_quantized(blocks: BlockQuantized, gate_up: bool = False) -> torch.Tensor:
+    """blocks [out, in] packed for ops.dense (gate_up: [gate; up] for dense_silu_and_mul)."""
     q_t, scale_t, offset_t = (
         torch.from_numpy(np.ascontiguousarray(a.T)) for a in (blocks.q, blocks.scale, blocks.offset)
     )
-    params = _C.narrowest_quant_params(q_t, scale_t, offset_t)
-    size = (2 if gate_up else 1) * _C.packed_quantized_weight_size(
-        in_features, n, blocks.bits, blocks.group, params
-    )
-    packed = host_memory.empty(size, torch.uint8 if blocks.bits == 4 else torch.int8)
-    _C.pack_quantized_weight(packed, q_t, scale_t, offset_t, gate_up, params)
-    return packed
+    return pack_quantized(q_t, scale_t, offset_t, gate_up)
 
 
 def packed_for(layer: LinearBase, rows: int) -> torch.Tensor:

@@ -301,9 +301,11 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
         detail::quantized_panel_form(packed.dtype, packed.shape[0] / (pairs ? 2 : 1), k, n);
     if (sized.code != detail::QuantCode::kNone) form = sized;
   }
+  const int64_t panel_bytes = quantized ? detail::quantized_panel_bytes(form, k)
+                                        : k * kPanelWidth * int64_t{sizeof(float)};
+  // (elements: a quantized buffer's are bytes)
   const int64_t size =
-      (pairs ? 2 : 1) * (quantized ? n_panels(n) * (k / kQuantBlock) * detail::quantized_block_bytes(form)
-                                   : packed_weight_size(k, n));
+      (pairs ? 2 : 1) * (quantized ? n_panels(n) * panel_bytes : packed_weight_size(k, n));
   if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size ||
       !(quantized || packed.dtype == DType::kFloat32)) {
     throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
@@ -311,8 +313,6 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
                           ") or uint8/int8/float8_e4m3fn (pack_quantized_weight), got " +
                           packed.describe());
   }
-  const int64_t panel_bytes = quantized ? (k / kQuantBlock) * detail::quantized_block_bytes(form)
-                                        : k * kPanelWidth * int64_t{sizeof(float)};
   return {static_cast<const uint8_t*>(packed.data), form, panel_bytes};
 }
 
@@ -382,7 +382,7 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
 }
 
 int64_t packed_weight_size(int64_t k, int64_t n) {
-  return (n + kPanelWidth - 1) / kPanelWidth * kPanelWidth * k;
+  return n_panels(n) * kPanelWidth * k;
 }
 
 void pack_weight(const TensorView& packed, const TensorView& w_t) {
@@ -427,7 +427,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
     return;
   }
   const Rows8 rows8 = multiplied_rows(x, panels, int8_activations);
-  for_blocks_and_units(rows8, (n + kPanelWidth - 1) / kPanelWidth, kPanelWidth,
+  for_blocks_and_units(rows8, n_panels(n), kPanelWidth,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
                          const int64_t width = std::min(kPanelWidth, n - first);
@@ -461,7 +461,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
   // weights stream in memory order, as in dense.
   for_blocks_and_units(
-      rows8, (n + kPanelWidth - 1) / kPanelWidth, 2 * kPanelWidth,
+      rows8, n_panels(n), 2 * kPanelWidth,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
         float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
         multiply_panel(rows8, panels, 2 * p, m0, m1, scratch,

@@ -102,11 +102,7 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
       }
     }
   }
-  const bool fp8_params =
-      params == QuantParams::kFloat32 || params == QuantParams::kScaleFloat32;
-  if ((code == QuantCode::kFp8 && !fp8_params) ||
-      (code == QuantCode::kInt8Halves && params != QuantParams::kFloat32) ||
-      (code != QuantCode::kFp8 && params == QuantParams::kScaleFloat32)) {
+  if (!detail::quantized_params_allowed(code, params)) {
     throw InvalidArgument(std::string(op) + ": groups of 16 rows take float32 scales and " +
                           "offsets only, fp8 weights float32 ones or float32 scales alone, " +
                           "and only they take float32 scales alone");
@@ -146,8 +142,6 @@ void check_quantized_args(const char* op, const TensorView& packed, const Tensor
   }
 }
 
-// Columns [first, first + width) of q_t/scale_t/offset_t as one quantized panel at dst;
-// the columns past width are zero (so they widen to zero).
 // One group's scales and offsets of a panel, at `params`, as `form` stores them.
 void pack_group_params(uint8_t* params, const float* scale, const float* offset, int64_t width,
                        QuantParams form) {
@@ -166,6 +160,8 @@ void pack_group_params(uint8_t* params, const float* scale, const float* offset,
   }
 }
 
+// Columns [first, first + width) of q_t/scale_t/offset_t as one quantized panel at dst;
+// the columns past width are zero (so they widen to zero).
 void pack_quantized_panel(uint8_t* dst, const TensorView& q_t, const TensorView& scale_t,
                           const TensorView& offset_t, int64_t first, int64_t width,
                           QuantForm form) {
@@ -240,8 +236,7 @@ int64_t packed_quantized_weight_size(int64_t k, int64_t n, int bits, int64_t gro
   const QuantCode code = bits == 4                     ? QuantCode::kNibble
                          : group_rows == kQuantBlock ? QuantCode::kInt8  // (fp8: as int8)
                                                      : QuantCode::kInt8Halves;
-  return (n + kPanelWidth - 1) / kPanelWidth * (k / kQuantBlock) *
-         quantized_block_bytes(QuantForm{code, params});
+  return (n + kPanelWidth - 1) / kPanelWidth * detail::quantized_panel_bytes({code, params}, k);
 }
 
 void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
@@ -250,7 +245,7 @@ void pack_quantized_weight(const TensorView& packed, const TensorView& q_t,
   check_quantized_args("pack_quantized_weight", packed, q_t, scale_t, offset_t, gate_up, params);
   const QuantForm form{operand_code(packed, q_t, scale_t), params};
   const int64_t k = q_t.shape[0], n = gate_up ? q_t.shape[1] / 2 : q_t.shape[1];
-  const int64_t panel_bytes = (k / kQuantBlock) * quantized_block_bytes(form);
+  const int64_t panel_bytes = detail::quantized_panel_bytes(form, k);
   auto* dst = static_cast<uint8_t*>(packed.data);
   detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
     pack_quantized_panel(dst + slot * panel_bytes, q_t, scale_t, offset_t, first, width, form);
@@ -518,9 +513,7 @@ QuantForm quantized_panel_form(DType dtype, int64_t bytes, int64_t k, int64_t n)
   const int bits = quantized_bits(code);
   for (const QuantParams params : {QuantParams::kFloat32, QuantParams::kFloat16,
                                    QuantParams::kScaleFloat16, QuantParams::kScaleFloat32}) {
-    // (fp8: float32 scales, with offsets or not; the others: no float32 scales alone)
-    const bool fp8 = code == QuantCode::kFp8;
-    if (fp8 ? !quantized_float32_scales(params) : params == QuantParams::kScaleFloat32) continue;
+    if (!quantized_params_allowed(code, params)) continue;
     if (bytes == packed_quantized_weight_size(k, n, bits, kQuantBlock, params)) {
       return {code, params};
     }

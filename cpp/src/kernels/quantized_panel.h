@@ -5,7 +5,8 @@
 //   scale  [kPanelWidth], offset [kPanelWidth] (twice, the first 16 rows' then the last
 //          16's, where a block's halves are groups of their own: Q6_K's), float32, or
 //          float16 where every one is a float16 exactly (the legacy GGUF types': half
-//          the bytes), or float16 scales alone where every offset is zero (QuantParams),
+//          the bytes), or float16 scales alone where every offset is zero, or float32
+//          scales alone (fp8 weights') (QuantParams),
 //   then the block's kQuantBlock rows of integers, in groups of rows a 4-byte lane holds:
 //   each group is kPanelWidth lanes, a column's 4 bytes each, so that one 64-byte load is
 //   16 columns of a group, the operand of an int8 dot product (vpdpbusd: 4 bytes of a
@@ -70,8 +71,6 @@ constexpr int64_t quantized_group_rows(QuantCode code) {
   return code == QuantCode::kInt8Halves ? kQuantBlock / 2 : kQuantBlock;
 }
 
-// (pyengine::QuantParams: halves' groups and fp8 weights take float32 ones only, so that
-// a buffer's size tells its form, quantized_panel_form.)
 using pyengine::QuantParams;
 
 // A quantized panel's code and parameters.
@@ -98,12 +97,25 @@ constexpr bool quantized_offsets_stored(QuantParams params) {
   return params == QuantParams::kFloat32 || params == QuantParams::kFloat16;
 }
 
-// Bytes of one block's scales and offsets, and of the whole block, of one panel.
+// The params a code takes: halves' groups float32 only; fp8 weights float32 ones or
+// float32 scales alone, and only they the latter. So a buffer's dtype and size tell its
+// form apart (quantized_panel_form).
+constexpr bool quantized_params_allowed(QuantCode code, QuantParams params) {
+  if (code == QuantCode::kInt8Halves) return params == QuantParams::kFloat32;
+  if (code == QuantCode::kFp8) return quantized_float32_scales(params);
+  return params != QuantParams::kScaleFloat32;
+}
+
+// Bytes of one block's scales and offsets, of the whole block, and of a panel over k
+// rows, of one panel.
 constexpr int64_t quantized_param_bytes(QuantForm form) {
   return kQuantBlock / quantized_group_rows(form.code) * quantized_group_param_bytes(form.params);
 }
 constexpr int64_t quantized_block_bytes(QuantForm form) {
   return quantized_param_bytes(form) + kQuantBlock * kPanelWidth * quantized_bits(form.code) / 8;
+}
+constexpr int64_t quantized_panel_bytes(QuantForm form, int64_t k) {
+  return k / kQuantBlock * quantized_block_bytes(form);
 }
 
 // The form of a quantized buffer of `dtype` and `bytes` for a [k, n] weight, by its size
