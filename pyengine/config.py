@@ -301,7 +301,7 @@ class EngineConfig:
     dtype: str  # of the weights and activations
     kv_cache_dtype: str | None  # None: dtype; else 16-bit, fp8_e4m3 or int8 under float32 (CPU)
     gpu_memory_utilization: float  # on CUDA: the share of the device's memory to use
-    enforce_eager: bool  # on CUDA: no CUDA graphs for decode steps
+    enforce_eager: bool  # decode steps eagerly: no CUDA graphs, no recorded CPU steps
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for
     parallel: ParallelConfig
     quantized_activations: str = "float32"  # one of QUANTIZED_ACTIVATIONS (EngineArgs says)

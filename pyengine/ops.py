@@ -26,6 +26,7 @@ Example::
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -53,6 +54,10 @@ _SCHEMAS = {
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
     "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
+    # out = a + b (the CPU's: the residual stream's last sum)
+    "add": "add(Tensor(a!) out, Tensor a, Tensor b) -> ()",
+    # out [t, hidden] = weight [vocab, hidden] rows ids (int32/int64 [t]) (the CPU's)
+    "embedding": "embedding(Tensor(a!) out, Tensor weight, Tensor ids) -> ()",
     # out [m, n] = x [m, k] @ a panel-packed [k, n] weight (pack_weight, float32; or
     # pack_quantized_weight, uint8/int8/float8_e4m3fn) + bias; int8_activations: a decode
     # step's rows quantized to int8 per block of 32 for a 4-bit/int8 block weight
@@ -95,6 +100,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "fused_add_rms_norm": _C.fused_add_rms_norm,
     "rotary_embedding": _C.rotary_embedding,
     "silu_and_mul": _C.silu_and_mul,
+    "add": _C.add,
+    "embedding": _C.embedding,
     "dense": _C.dense,
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "packed_columns": _C.packed_columns,
@@ -153,20 +160,47 @@ def _register() -> torch.library.Library:
 _LIBRARY = _register()  # the registrations live as long as this object
 
 
+# Where the CPU kernel calls are being recorded (recording()), if anywhere.
+_program: _C.KernelProgram | None = None
+
+
+@contextmanager
+def recording(program: _C.KernelProgram) -> Iterator[None]:
+    """Within it, each eager CPU call of the kernels below runs and is appended to
+    `program`, its arguments converted once (and its tensors kept alive), for
+    program.run() to replay the same calls on the same memory without Python. What the
+    code between them computes with torch is not recorded: a caller checks a replay
+    against an eager run (see worker/cpu_graphs.py)."""
+    global _program
+    if _program is not None:
+        raise RuntimeError("a KernelProgram is being recorded already")
+    _program = program
+    try:
+        yield
+    finally:
+        _program = None
+
+
 def _eager_cpu_direct(name: str) -> Callable[..., None]:
     """torch.ops.pyengine.<name>, except that a call in eager mode whose first argument
     is a CPU tensor goes straight to the CPU kernel that the op would run: torch's
     dispatcher costs microseconds a call, at hundreds of calls a decode step (the same
-    logits either way). Tensors on any other device keep the op (CUDA: its
-    stream, graph capture; meta: the fake kernel), and so do torch.compile's tracing and
-    fake tensors."""
+    logits either way); while recording(), it is also recorded. Tensors on any other
+    device keep the op (CUDA: its stream, graph capture; meta: the fake kernel), and so
+    do torch.compile's tracing and fake tensors."""
     op = getattr(torch.ops.pyengine, name)
     kernel = _KERNELS[name]
+    prepare = getattr(_C, f"prepare_{name}")
 
     def call(*args: object, **kwargs: object) -> None:
         first = args[0] if args else None
         if type(first) is torch.Tensor and first.is_cpu and not torch.compiler.is_compiling():
-            kernel(*args, **kwargs)
+            if _program is None:
+                kernel(*args, **kwargs)
+            else:
+                prepared = prepare(*args, **kwargs)
+                prepared()
+                _program.append(prepared)
         else:
             op(*args, **kwargs)
 
@@ -183,6 +217,8 @@ rms_norm = _eager_cpu_direct("rms_norm")
 fused_add_rms_norm = _eager_cpu_direct("fused_add_rms_norm")
 rotary_embedding = _eager_cpu_direct("rotary_embedding")
 silu_and_mul = _eager_cpu_direct("silu_and_mul")
+add = _eager_cpu_direct("add")
+embedding = _eager_cpu_direct("embedding")
 dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")

@@ -6,6 +6,7 @@
 
 #include "bindings.h"
 #include "dlpack.h"
+#include "kernel_call.h"
 #include "pyengine/attention.h"
 #include "pyengine/dense.h"
 
@@ -33,6 +34,42 @@ const char* isa_name(CpuIsa isa) {
   return "generic";
 }
 
+
+KernelCall prepare_reshape_and_cache(const py::handle& key, const py::handle& value,
+                                     const py::handle& key_cache, const py::handle& value_cache,
+                                     const py::handle& slot_mapping, float k_scale, float v_scale,
+                                     uintptr_t stream) {
+  auto k = shared_view(key, "reshape_and_cache: key");
+  auto v = shared_view(value, "reshape_and_cache: value");
+  auto kc = shared_view(key_cache, "reshape_and_cache: key_cache");
+  auto vc = shared_view(value_cache, "reshape_and_cache: value_cache");
+  auto slots = shared_view(slot_mapping, "reshape_and_cache: slot_mapping");
+  return {[=] {
+    reshape_and_cache(k->view(), v->view(), kc->view(), vc->view(), slots->view(), k_scale,
+                      v_scale, as_stream(stream));
+  }};
+}
+
+KernelCall prepare_paged_attention(const py::handle& out, const py::handle& query,
+                                   const py::handle& key_cache, const py::handle& value_cache,
+                                   const py::handle& block_tables, const py::handle& seq_lens,
+                                   const py::handle& query_start_loc, float scale,
+                                   int sliding_window, float logit_soft_cap, int64_t max_seq_len,
+                                   int64_t max_query_len, uintptr_t stream) {
+  auto o = shared_view(out, "paged_attention: out");
+  auto q = shared_view(query, "paged_attention: query");
+  auto kc = shared_view(key_cache, "paged_attention: key_cache");
+  auto vc = shared_view(value_cache, "paged_attention: value_cache");
+  auto tables = shared_view(block_tables, "paged_attention: block_tables");
+  auto lens = shared_view(seq_lens, "paged_attention: seq_lens");
+  auto qsl = shared_view(query_start_loc, "paged_attention: query_start_loc");
+  const AttentionOptions options{scale, sliding_window, logit_soft_cap, max_seq_len, max_query_len};
+  return {[=] {
+    paged_attention(o->view(), q->view(), kc->view(), vc->view(), tables->view(), lens->view(),
+                    qsl->view(), options, as_stream(stream));
+  }};
+}
+
 }  // namespace
 
 void bind_attention(py::module_& m) {
@@ -57,21 +94,9 @@ void bind_attention(py::module_& m) {
       "attention_head_sizes",
       [] { return std::vector<int>(kSupportedHeadSizes.begin(), kSupportedHeadSizes.end()); },
       "The head sizes paged_attention runs (on every device).");
-  m.def(
-      "reshape_and_cache",
-      [](const py::handle& key, const py::handle& value, const py::handle& key_cache,
-         const py::handle& value_cache, const py::handle& slot_mapping, float k_scale,
-         float v_scale, uintptr_t stream) {
-        const DLPackView k(key, "reshape_and_cache: key");
-        const DLPackView v(value, "reshape_and_cache: value");
-        const DLPackView kc(key_cache, "reshape_and_cache: key_cache");
-        const DLPackView vc(value_cache, "reshape_and_cache: value_cache");
-        const DLPackView slots(slot_mapping, "reshape_and_cache: slot_mapping");
-        py::gil_scoped_release release;
-        reshape_and_cache(k.view(), v.view(), kc.view(), vc.view(), slots.view(), k_scale, v_scale,
-                          as_stream(stream));
-      },
-      py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"),
+  def_kernel(
+      m, "reshape_and_cache", &prepare_reshape_and_cache, py::arg("key"), py::arg("value"),
+      py::arg("key_cache"), py::arg("value_cache"),
       py::arg("slot_mapping"), py::arg("k_scale") = 0.0f, py::arg("v_scale") = 0.0f,
       py::arg("stream") = 0,
       R"doc(Writes new tokens' K and V into their cache slots (slot -1: skip).
@@ -82,26 +107,9 @@ value_cache:   [num_blocks, num_kv_heads, block_size, head_size], the same dtype
 slot_mapping:  int64 [num_tokens], block * block_size + offset
 stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 
-  m.def(
-      "paged_attention",
-      [](const py::handle& out, const py::handle& query, const py::handle& key_cache,
-         const py::handle& value_cache, const py::handle& block_tables, const py::handle& seq_lens,
-         const py::handle& query_start_loc, float scale, int sliding_window, float logit_soft_cap,
-         int64_t max_seq_len, int64_t max_query_len, uintptr_t stream) {
-        const DLPackView o(out, "paged_attention: out");
-        const DLPackView q(query, "paged_attention: query");
-        const DLPackView kc(key_cache, "paged_attention: key_cache");
-        const DLPackView vc(value_cache, "paged_attention: value_cache");
-        const DLPackView tables(block_tables, "paged_attention: block_tables");
-        const DLPackView lens(seq_lens, "paged_attention: seq_lens");
-        const DLPackView qsl(query_start_loc, "paged_attention: query_start_loc");
-        py::gil_scoped_release release;
-        paged_attention(
-            o.view(), q.view(), kc.view(), vc.view(), tables.view(), lens.view(), qsl.view(),
-            AttentionOptions{scale, sliding_window, logit_soft_cap, max_seq_len, max_query_len},
-            as_stream(stream));
-      },
-      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"),
+  def_kernel(
+      m, "paged_attention", &prepare_paged_attention, py::arg("out"), py::arg("query"),
+      py::arg("key_cache"), py::arg("value_cache"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
       py::arg("sliding_window") = 0, py::arg("logit_soft_cap") = 0.0f, py::arg("max_seq_len") = 0,
       py::arg("max_query_len") = 0, py::arg("stream") = 0,

@@ -19,5 +19,6 @@ void bind_cache_ops(pybind11::module_& m);
 void bind_scheduler(pybind11::module_& m);
 void bind_attention(pybind11::module_& m);
 void bind_layer_ops(pybind11::module_& m);
+void bind_kernel_program(pybind11::module_& m);
 
 }  // namespace pyengine::bindings

@@ -4,6 +4,7 @@
 
 #include "bindings.h"
 #include "dlpack.h"
+#include "kernel_call.h"
 #include "pyengine/dense.h"
 #include "pyengine/block_gemm.h"
 #include "pyengine/errors.h"
@@ -34,57 +35,113 @@ const char* quant_params_name(QuantParams params) {
   }
 }
 
+
+// The kernels of a forward pass, each as its call with the arguments converted.
+KernelCall prepare_rms_norm(const py::handle& out, const py::handle& x, const py::handle& weight,
+                            float eps, uintptr_t stream) {
+  auto o = shared_view(out, "rms_norm: out"), in = shared_view(x, "rms_norm: x");
+  auto w = shared_view(weight, "rms_norm: weight");
+  return {[=] { rms_norm(o->view(), in->view(), w->view(), eps, as_stream(stream)); }};
+}
+
+KernelCall prepare_fused_add_rms_norm(const py::handle& x, const py::handle& residual,
+                                      const py::handle& weight, float eps, uintptr_t stream) {
+  auto in = shared_view(x, "fused_add_rms_norm: x");
+  auto res = shared_view(residual, "fused_add_rms_norm: residual");
+  auto w = shared_view(weight, "fused_add_rms_norm: weight");
+  return {[=] { fused_add_rms_norm(in->view(), res->view(), w->view(), eps, as_stream(stream)); }};
+}
+
+KernelCall prepare_add(const py::handle& out, const py::handle& a, const py::handle& b) {
+  auto o = shared_view(out, "add: out"), x = shared_view(a, "add: a"), y = shared_view(b, "add: b");
+  return {[=] { add(o->view(), x->view(), y->view()); }};
+}
+
+KernelCall prepare_embedding(const py::handle& out, const py::handle& weight,
+                             const py::handle& ids) {
+  auto o = shared_view(out, "embedding: out"), w = shared_view(weight, "embedding: weight");
+  auto i = shared_view(ids, "embedding: ids");
+  return {[=] { embedding(o->view(), w->view(), i->view()); }};
+}
+
+KernelCall prepare_rotary_embedding(const py::handle& positions, const py::handle& query,
+                                    const py::handle& key, const py::handle& cos_sin_cache,
+                                    bool is_neox, uintptr_t stream) {
+  auto p = shared_view(positions, "rotary_embedding: positions");
+  auto q = shared_view(query, "rotary_embedding: query");
+  auto k = shared_view(key, "rotary_embedding: key");
+  auto cs = shared_view(cos_sin_cache, "rotary_embedding: cos_sin_cache");
+  return {[=] {
+    rotary_embedding(p->view(), q->view(), k->view(), cs->view(), is_neox, as_stream(stream));
+  }};
+}
+
+KernelCall prepare_silu_and_mul(const py::handle& out, const py::handle& x, uintptr_t stream) {
+  auto o = shared_view(out, "silu_and_mul: out"), in = shared_view(x, "silu_and_mul: x");
+  return {[=] { silu_and_mul(o->view(), in->view(), as_stream(stream)); }};
+}
+
+KernelCall prepare_dense(const py::handle& out, const py::handle& x, const py::handle& packed,
+                         const py::handle& bias, int64_t n, bool int8_activations) {
+  auto o = shared_view(out, "dense: out"), in = shared_view(x, "dense: x");
+  auto p = shared_view(packed, "dense: packed"), b = optional_view(bias, "dense: bias");
+  return {[=] { dense(o->view(), in->view(), p->view(), view_or_empty(b), n, int8_activations); }};
+}
+
+KernelCall prepare_dense_silu_and_mul(const py::handle& out, const py::handle& x,
+                                      const py::handle& packed, int64_t n, bool int8_activations) {
+  auto o = shared_view(out, "dense_silu_and_mul: out");
+  auto in = shared_view(x, "dense_silu_and_mul: x");
+  auto p = shared_view(packed, "dense_silu_and_mul: packed");
+  return {[=] { dense_silu_and_mul(o->view(), in->view(), p->view(), n, int8_activations); }};
+}
+
+KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const py::handle& packed,
+                              const py::handle& scale, const py::handle& bias, int64_t n) {
+  auto o = shared_view(out, "int8_dense: out"), in = shared_view(x, "int8_dense: x");
+  auto p = shared_view(packed, "int8_dense: packed"), s = shared_view(scale, "int8_dense: scale");
+  auto b = optional_view(bias, "int8_dense: bias");
+  return {[=] { int8_dense(o->view(), in->view(), p->view(), s->view(), view_or_empty(b), n); }};
+}
+
+KernelCall prepare_quantize_fp8_rows(const py::handle& out, const py::handle& x,
+                                     const py::handle& scale) {
+  auto o = shared_view(out, "quantize_fp8_rows: out"), in = shared_view(x, "quantize_fp8_rows: x");
+  auto s = optional_view(scale, "quantize_fp8_rows: scale");
+  return {[=] { quantize_fp8_rows(o->view(), in->view(), view_or_empty(s)); }};
+}
+
+KernelCall prepare_packed_columns(const py::handle& out, const py::handle& packed,
+                                  const py::handle& ids, int64_t n) {
+  auto o = shared_view(out, "packed_columns: out");
+  auto p = shared_view(packed, "packed_columns: packed");
+  auto i = shared_view(ids, "packed_columns: ids");
+  return {[=] { packed_columns(o->view(), p->view(), i->view(), n); }};
+}
+
 }  // namespace
 
 void bind_layer_ops(py::module_& m) {
-  m.def(
-      "rms_norm",
-      [](const py::handle& out, const py::handle& x, const py::handle& weight, float eps,
-         uintptr_t stream) {
-        const DLPackView o(out, "rms_norm: out"), in(x, "rms_norm: x"),
-            w(weight, "rms_norm: weight");
-        py::gil_scoped_release release;
-        rms_norm(o.view(), in.view(), w.view(), eps, as_stream(stream));
-      },
-      py::arg("out"), py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("stream") = 0,
-      "out = x / sqrt(mean(x^2) + eps) * weight per row; x, out [tokens, hidden].");
-  m.def(
-      "fused_add_rms_norm",
-      [](const py::handle& x, const py::handle& residual, const py::handle& weight, float eps,
-         uintptr_t stream) {
-        const DLPackView in(x, "fused_add_rms_norm: x");
-        const DLPackView res(residual, "fused_add_rms_norm: residual");
-        const DLPackView w(weight, "fused_add_rms_norm: weight");
-        py::gil_scoped_release release;
-        fused_add_rms_norm(in.view(), res.view(), w.view(), eps, as_stream(stream));
-      },
-      py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("stream") = 0,
-      "In place: residual += x, then x = rms_norm(residual) * weight.");
-  m.def(
-      "rotary_embedding",
-      [](const py::handle& positions, const py::handle& query, const py::handle& key,
-         const py::handle& cos_sin_cache, bool is_neox, uintptr_t stream) {
-        const DLPackView p(positions, "rotary_embedding: positions");
-        const DLPackView q(query, "rotary_embedding: query");
-        const DLPackView k(key, "rotary_embedding: key");
-        const DLPackView cs(cos_sin_cache, "rotary_embedding: cos_sin_cache");
-        py::gil_scoped_release release;
-        rotary_embedding(p.view(), q.view(), k.view(), cs.view(), is_neox, as_stream(stream));
-      },
-      py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"),
-      py::arg("is_neox") = true, py::arg("stream") = 0,
+  def_kernel(m, "rms_norm", &prepare_rms_norm, py::arg("out"), py::arg("x"), py::arg("weight"),
+             py::arg("eps"), py::arg("stream") = 0,
+             "out = x / sqrt(mean(x^2) + eps) * weight per row; x, out [tokens, hidden].");
+  def_kernel(m, "fused_add_rms_norm", &prepare_fused_add_rms_norm, py::arg("x"),
+             py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("stream") = 0,
+             "In place: residual += x, then x = rms_norm(residual) * weight.");
+  def_kernel(m, "add", &prepare_add, py::arg("out"), py::arg("a"), py::arg("b"),
+             "out = a + b, [tokens, hidden] each, on the CPU (the residual stream's sum).");
+  def_kernel(m, "embedding", &prepare_embedding, py::arg("out"), py::arg("weight"),
+             py::arg("ids"),
+             "out [tokens, hidden] = weight [vocab, hidden] rows ids (int32 or int64 [tokens]), "
+             "on the CPU.");
+  def_kernel(
+      m, "rotary_embedding", &prepare_rotary_embedding, py::arg("positions"), py::arg("query"),
+      py::arg("key"), py::arg("cos_sin_cache"), py::arg("is_neox") = true, py::arg("stream") = 0,
       "Rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] in place; "
       "cos_sin_cache float32 [max_positions, d] (cos | sin halves). is_neox: rotate-half "
       "pairs (i, i + d/2), else interleaved pairs (2i, 2i + 1) (GPT-J).");
-  m.def(
-      "silu_and_mul",
-      [](const py::handle& out, const py::handle& x, uintptr_t stream) {
-        const DLPackView o(out, "silu_and_mul: out"), in(x, "silu_and_mul: x");
-        py::gil_scoped_release release;
-        silu_and_mul(o.view(), in.view(), as_stream(stream));
-      },
-      py::arg("out"), py::arg("x"), py::arg("stream") = 0,
-      "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
+  def_kernel(m, "silu_and_mul", &prepare_silu_and_mul, py::arg("out"), py::arg("x"),
+             py::arg("stream") = 0, "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
   m.def("packed_weight_size", &packed_weight_size, py::arg("k"), py::arg("n"),
         "Floats of a panel-packed [k, n] weight.");
   m.def(
@@ -147,26 +204,11 @@ void bind_layer_ops(py::module_& m) {
       py::arg("packed"), py::arg("w_t"), py::arg("gate_up") = false,
       "Packs w_t [k, n] (gate_up: [k, 2n], gate columns then up) as split bfloat16s for "
       "dense / dense_silu_and_mul on AMX.");
-  m.def(
-      "dense",
-      [](const py::handle& out, const py::handle& x, const py::handle& packed,
-         const py::handle& bias, int64_t n, bool int8_activations) {
-        const DLPackView o(out, "dense: out"), in(x, "dense: x");
-        const DLPackView p(packed, "dense: packed");
-        if (bias.is_none()) {
-          py::gil_scoped_release release;
-          dense(o.view(), in.view(), p.view(), TensorView{}, n, int8_activations);
-          return;
-        }
-        const DLPackView b(bias, "dense: bias");
-        py::gil_scoped_release release;
-        dense(o.view(), in.view(), p.view(), b.view(), n, int8_activations);
-      },
-      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("bias"), py::arg("n"),
-      py::arg("int8_activations") = false,
-      "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m; "
-      "int8_activations: a decode step's rows quantized to int8 per block of 32 for a "
-      "block-quantized weight.");
+  def_kernel(m, "dense", &prepare_dense, py::arg("out"), py::arg("x"), py::arg("packed"),
+             py::arg("bias"), py::arg("n"), py::arg("int8_activations") = false,
+             "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m; "
+             "int8_activations: a decode step's rows quantized to int8 per block of 32 for a "
+             "block-quantized weight.");
   m.def("packed_int8_weight_size", &packed_int8_weight_size, py::arg("k"), py::arg("n"),
         "Bytes of a packed int8 [n, k] weight (pack_int8_weight).");
   m.def(
@@ -177,25 +219,10 @@ void bind_layer_ops(py::module_& m) {
         pack_int8_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("q"), "Packs q [n, k] (int8) for int8_dense.");
-  m.def(
-      "int8_dense",
-      [](const py::handle& out, const py::handle& x, const py::handle& packed,
-         const py::handle& scale, const py::handle& bias, int64_t n) {
-        const DLPackView o(out, "int8_dense: out"), in(x, "int8_dense: x");
-        const DLPackView p(packed, "int8_dense: packed"), s(scale, "int8_dense: scale");
-        if (bias.is_none()) {
-          py::gil_scoped_release release;
-          int8_dense(o.view(), in.view(), p.view(), s.view(), TensorView{}, n);
-          return;
-        }
-        const DLPackView b(bias, "int8_dense: bias");
-        py::gil_scoped_release release;
-        int8_dense(o.view(), in.view(), p.view(), s.view(), b.view(), n);
-      },
-      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("bias"),
-      py::arg("n"),
-      "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times scale "
-      "[n] and x's row scales, + bias (or None).");
+  def_kernel(m, "int8_dense", &prepare_int8_dense, py::arg("out"), py::arg("x"),
+             py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("n"),
+             "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times "
+             "scale [n] and x's row scales, + bias (or None).");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   m.def("packed_block_gemm_size", &packed_block_gemm_size, py::arg("k"), py::arg("n"),
         py::arg("bits"), "Bytes of a [n, k] weight's integers for block_gemm.");
@@ -231,34 +258,15 @@ void bind_layer_ops(py::module_& m) {
       py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("offset"),
       py::arg("bias"), py::arg("bits"), py::arg("group"), py::arg("stream") = 0,
       "out [m, n] = x [m, k] @ (q * scale + offset)^T + bias on CUDA (16-bit x).");
-  m.def(
-      "quantize_fp8_rows",
-      [](const py::handle& out, const py::handle& x, const py::handle& scale) {
-        const DLPackView o(out, "quantize_fp8_rows: out"), in(x, "quantize_fp8_rows: x");
-        if (scale.is_none()) {
-          py::gil_scoped_release release;
-          quantize_fp8_rows(o.view(), in.view(), TensorView{});
-          return;
-        }
-        const DLPackView s(scale, "quantize_fp8_rows: scale");
-        py::gil_scoped_release release;
-        quantize_fp8_rows(o.view(), in.view(), s.view());
-      },
-      py::arg("out"), py::arg("x"), py::arg("scale"),
-      "out = e4m3(x / s) * s: s max|row| / 448 per row (scale None) or scale [1].");
+  def_kernel(m, "quantize_fp8_rows", &prepare_quantize_fp8_rows, py::arg("out"), py::arg("x"),
+             py::arg("scale"),
+             "out = e4m3(x / s) * s: s max|row| / 448 per row (scale None) or scale [1].");
   m.def("release_thread_pool", &release_thread_pool,
         "Frees the calling thread's OpenMP workers (before another thread runs the kernels).");
-  m.def(
-      "packed_columns",
-      [](const py::handle& out, const py::handle& packed, const py::handle& ids, int64_t n) {
-        const DLPackView o(out, "packed_columns: out");
-        const DLPackView p(packed, "packed_columns: packed");
-        const DLPackView i(ids, "packed_columns: ids");
-        py::gil_scoped_release release;
-        packed_columns(o.view(), p.view(), i.view(), n);
-      },
-      py::arg("out"), py::arg("packed"), py::arg("ids"), py::arg("n"),
-      "out [t, k] = columns ids [t] of a packed [k, n] weight, widened to float32.");
+  def_kernel(m, "packed_columns", &prepare_packed_columns, py::arg("out"), py::arg("packed"),
+             py::arg("ids"), py::arg("n"),
+             "out [t, k] = columns ids (int32 or int64 [t]) of a packed [k, n] weight, "
+             "widened to float32.");
   m.def(
       "pack_gate_up_weight",
       [](const py::handle& packed, const py::handle& w_t) {
@@ -269,19 +277,9 @@ void bind_layer_ops(py::module_& m) {
       },
       py::arg("packed"), py::arg("w_t"),
       "Packs w_t [k, 2n] (gate columns, then up) for dense_silu_and_mul.");
-  m.def(
-      "dense_silu_and_mul",
-      [](const py::handle& out, const py::handle& x, const py::handle& packed, int64_t n,
-         bool int8_activations) {
-        const DLPackView o(out, "dense_silu_and_mul: out");
-        const DLPackView in(x, "dense_silu_and_mul: x");
-        const DLPackView p(packed, "dense_silu_and_mul: packed");
-        py::gil_scoped_release release;
-        dense_silu_and_mul(o.view(), in.view(), p.view(), n, int8_activations);
-      },
-      py::arg("out"), py::arg("x"), py::arg("packed"), py::arg("n"),
-      py::arg("int8_activations") = false,
-      "out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight.");
+  def_kernel(m, "dense_silu_and_mul", &prepare_dense_silu_and_mul, py::arg("out"), py::arg("x"),
+             py::arg("packed"), py::arg("n"), py::arg("int8_activations") = false,
+             "out [m, n] = silu(x @ gate) * (x @ up) over a pack_gate_up_weight weight.");
 }
 
 }  // namespace pyengine::bindings

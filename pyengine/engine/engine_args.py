@@ -56,7 +56,7 @@ class EngineArgs:
     # "uni", "mp" or "ray"; None: "uni" for one rank, else "mp" (a process per rank).
     distributed_executor_backend: str | None = None
 
-    enforce_eager: bool = False  # on CUDA: run decode steps eagerly, not as CUDA graphs
+    enforce_eager: bool = False  # decode steps eagerly, not as CUDA graphs or recorded CPU steps
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
     def create_engine(self) -> LLMEngine:

@@ -25,3 +25,13 @@ class RMSNorm(nn.Module):
     def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:
         """In place: residual += x; x = norm(residual)."""
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def stream_sum(residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """residual + h, the residual stream's last sum: on the CPU by a kernel (so that a
+    recorded decode step holds it), elsewhere by torch."""
+    if not residual.is_cpu:
+        return residual + h
+    out = torch.empty_like(h)
+    ops.add(out, residual, h)
+    return out

@@ -21,6 +21,9 @@ from pyengine.layers.linear import LayerContext, LinearBase, check_shape
 from pyengine.layers.linear_method import pack_block_quantized
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
+# The tables ops.embedding looks rows up in (torch's F.embedding the others').
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
 
 def _vocab_shard(vocab_size: int, ctx: LayerContext) -> tuple[int, int]:
     """(first token, rows a rank holds)."""
@@ -78,9 +81,13 @@ class VocabParallelEmbedding(nn.Module):
 
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
-            return F.embedding(ids, self.weight)
+            if not ids.is_cpu or self.weight.dtype not in _KERNEL_DTYPES:
+                return F.embedding(ids, self.weight)
+            rows = torch.empty(ids.shape[0], self.embedding_size, dtype=self.weight.dtype)
+            ops.embedding(rows, self.weight, ids)  # (a kernel: recorded decode steps hold it)
+            return rows
         out = torch.empty(ids.shape[0], self.embedding_size)
-        ops.packed_columns(out, self.packed, ids.to(torch.int64), self.rows)
+        ops.packed_columns(out, self.packed, ids, self.rows)
         return out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # int [num_tokens]

@@ -16,7 +16,7 @@ from pyengine.config import ModelConfig
 from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.layernorm import RMSNorm, stream_sum
 from pyengine.layers.linear import (
     LayerContext,
     MergedColumnParallelLinear,
@@ -189,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         assert residual is not None  # every stage has a layer
         if not self.stage.is_last:
             return {"hidden": h, "residual": residual}
-        return residual + h
+        return stream_sum(residual, h)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.norm is not None and self.lm_head is not None, "the last stage's"

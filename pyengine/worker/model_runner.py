@@ -20,6 +20,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.sample.sampler import Sampler, heaviest_rows
 from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
+from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_decode_steps
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
@@ -140,18 +141,22 @@ class ModelRunner:
             self.weight_bytes / 2**20,
             weight_forms(self.model),
         )
-        # On a GPU: the step's inputs in one copy; CUDA graphs read them in place.
+        # The step's inputs in one copy, which the decode graphs read in place (CUDA
+        # graphs on a GPU, recorded kernel calls on the CPU); without graphs on the CPU,
+        # the scheduler's buffers themselves.
         self.inputs: StepInputs | None = None
         self.capture_sizes: list[int] = []
         self.graph_bytes_expected = 0  # what the KV budget leaves the graphs
-        if not on_cpu:
+        # Captured for one rank alone: collectives and stage transfers run eagerly.
+        eager = config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
+        if not on_cpu or not eager:
             self.inputs = StepInputs(
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
                 min_blocks,
             )  # fmt: skip
-            # Captured for one rank alone: collectives and stage transfers run eagerly.
-            eager = config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
-            self.capture_sizes = [] if eager else capture_sizes(config.max_num_seqs)
+        if not eager:
+            sizes = cpu_capture_sizes if on_cpu else capture_sizes
+            self.capture_sizes = sizes(config.max_num_seqs)
         self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
         self.num_blocks = kv_bytes // self.block_bytes
@@ -165,7 +170,7 @@ class ModelRunner:
                 "max_num_seqs)"
             )
         self.caches_by_engine: list[list[KVCache]] = []
-        self.graphs: DecodeGraphs | None = None
+        self.graphs: DecodeGraphs | KernelGraphs | None = None
 
     @property
     def caches(self) -> list[KVCache]:
@@ -191,8 +196,14 @@ class ModelRunner:
              for k, v in pool]
             for i in range(num_virtual_engines)
         ]  # fmt: skip
+        if self.inputs is not None and self.capture_sizes and self.placement.device.type == "cpu":
+            self.graphs = record_decode_steps(
+                self.model, self.caches, self.inputs, self.capture_sizes
+            )
+            if self.graphs is None:  # eager steps read the scheduler's buffers themselves
+                self.inputs = None
         # Captured after the KV cache takes its budget, which left room for them.
-        if self.inputs is not None and self.capture_sizes:
+        elif self.inputs is not None and self.capture_sizes:
             self.graphs = DecodeGraphs(
                 self.model, self.caches, self.inputs, self.capture_sizes, self.split_context
             )

@@ -3,8 +3,8 @@ form), in each build of the widening this CPU runs (AVX-512, with its multiply o
 decode step's rows in registers, and the portable one): bit for bit the float32 matmul
 over the widened weight, which is the weight the loader dequantizes; with
 int8_activations, a decode step's rows quantized to int8 per block and multiplied in
-integers (VNNI, or the portable build: the same bits), against a float64 reference of
-that arithmetic; and clear errors for what cannot be packed."""
+integers (VNNI, AVX2's vpmaddubsw, or the portable build: the same bits), against a
+float64 reference of that arithmetic; and clear errors for what cannot be packed."""
 
 from __future__ import annotations
 
@@ -154,7 +154,7 @@ def test_int8_activations_multiply_in_integers(
 
 
 @pytest.mark.parametrize(("bits", "form"), FORMS)
-@pytest.mark.parametrize("m", [3, 9])
+@pytest.mark.parametrize("m", [1, 3, 9])
 def test_int8_activations_are_the_same_bits_in_every_build(bits: int, form: str, m: int) -> None:
     blocks = random_blocks(100, 576, bits, form)
     x = torch.randn(m, 576)
@@ -212,8 +212,11 @@ def test_packed_columns_are_the_weights_rows(bits: int, form: str, k: int, n: in
     assert torch.equal(out, w[ids])
     with pytest.raises(ValueError, match=r"ids\[1\] is -1, outside \[0, "):
         ops.packed_columns(out[:2], packed, torch.tensor([0, -1]), n)
-    with pytest.raises(ValueError, match="ids must be int64"):
-        ops.packed_columns(out[:2], packed, torch.tensor([0, 1], dtype=torch.int32), n)
+    narrow = torch.empty_like(out)
+    ops.packed_columns(narrow, packed, ids.to(torch.int32), n)  # (the step's own ids)
+    assert torch.equal(narrow, out)
+    with pytest.raises(ValueError, match="ids must be int32 or int64"):
+        ops.packed_columns(out[:2], packed, torch.tensor([0, 1], dtype=torch.int8), n)
 
 
 def test_widening_rounds_as_the_loader_dequantizes() -> None:

@@ -121,8 +121,8 @@ void release_thread_pool();
 
 // out [t, k] = columns ids [t] of a packed [k, n] weight (float32 panels or
 // block-quantized ones), widened to float32 exactly as dense widens them: an embedding
-// table kept only in the packed form of the head that multiplies by it. ids int64, each
-// in [0, n).
+// table kept only in the packed form of the head that multiplies by it. ids int32 or
+// int64, each in [0, n).
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
                     int64_t n);
 

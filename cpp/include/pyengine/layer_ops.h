@@ -24,6 +24,15 @@ void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weig
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         float eps, void* stream = nullptr);
 
+// out = a + b, elementwise: the residual stream's last sum (a kernel, so that a
+// KernelProgram records it). CPU only; a, b, out [num_tokens, hidden] alike.
+void add(const TensorView& out, const TensorView& a, const TensorView& b);
+
+// out[t] = weight[ids[t]], a token embedding's rows (a kernel, so that a KernelProgram
+// records it). CPU only; weight [vocab, hidden] and out [num_tokens, hidden] of one
+// dtype; ids int32 or int64 [num_tokens], each in [0, vocab).
+void embedding(const TensorView& out, const TensorView& weight, const TensorView& ids);
+
 // Rotary position embedding in place: for i < d/2 the pair (x[j], x[k]) becomes
 // (x[j] c - x[k] s, x[k] c + x[j] s) with c, s = cos_sin_cache[position][i],
 // cos_sin_cache[position][d/2 + i], where (j, k) = (i, i + d/2) in the rotate-half

@@ -493,16 +493,20 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
   check_rows(out, op, "out", 2, DType::kFloat32);
   detail::check_writable(out, op, "out");
   detail::check_cpu(ids, op, "ids");
-  detail::check_dtype(ids, DType::kInt64, op, "ids");
   const int64_t t = out.shape[0], k = out.shape[1];
-  if (ids.ndim != 1 || ids.shape[0] != t) {
-    throw InvalidArgument(arg(op, "ids") + " must be int64 [" + std::to_string(t) +
+  if ((ids.dtype != DType::kInt32 && ids.dtype != DType::kInt64) || ids.ndim != 1 ||
+      ids.shape[0] != t) {
+    throw InvalidArgument(arg(op, "ids") + " must be int32 or int64 [" + std::to_string(t) +
                           "] (a row of out each), got " + ids.describe());
   }
   const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
-  const auto* id = static_cast<const int64_t*>(ids.data);
+  const auto id = [&](int64_t r) -> int64_t {
+    const int64_t i = r * ids.strides[0];
+    return ids.dtype == DType::kInt32 ? static_cast<const int32_t*>(ids.data)[i]
+                                      : static_cast<const int64_t*>(ids.data)[i];
+  };
   for (int64_t r = 0; r < t; ++r) {
-    const int64_t v = id[r * ids.strides[0]];
+    const int64_t v = id(r);
     if (v < 0 || v >= n) {
       throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(r) + "] is " +
                             std::to_string(v) + ", outside [0, " + std::to_string(n) + ")");
@@ -510,7 +514,7 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
   }
   auto* dst = static_cast<float*>(out.data);
   for (int64_t r = 0; r < t; ++r) {
-    const int64_t v = id[r * ids.strides[0]], column = v % kPanelWidth;
+    const int64_t v = id(r), column = v % kPanelWidth;
     const uint8_t* panel = panels.panel(v / kPanelWidth);
     float* row = dst + r * out.strides[0];
     if (panels.form.code == detail::QuantCode::kNone) {

@@ -1,8 +1,9 @@
 // A decode step's rows of x quantized to int8 per block and multiplied by block-quantized
 // panels in integers (see quantized_panel.h): on AVX-512 VNNI, vpdpbusd takes a lane's 4
 // unsigned weight bytes (nibbles, or int8 + 128) times 4 of x's bytes at once, where the
-// float widening takes one weight per multiply-add; the portable build sums the same
-// integers. Both end in the same float32 operations, so they agree bit for bit.
+// float widening takes one weight per multiply-add; AVX2 sums the same products with
+// vpmaddubsw and vpmaddwd, the portable build one at a time. All end in the same float32
+// operations, so they agree bit for bit.
 #include <cmath>
 #include <cstring>
 
@@ -170,6 +171,119 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
 }
 #pragma GCC diagnostic pop
 
+#define PYENGINE_INT8_ROWS_AVX2 __attribute__((target("avx2,fma,f16c")))
+constexpr int kLanes8 = 8;  // an AVX2 vector's columns
+
+PYENGINE_INT8_ROWS_AVX2 inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// The scales and offsets of row i's group, columns [8 v, 8 v + 8) (offsets -0.0 where none
+// are stored), as load_quantized_params loads 16.
+PYENGINE_INT8_ROWS_AVX2 inline void load_params8(const uint8_t* block, int64_t i, int v,
+                                                 QuantForm form, __m256& scale, __m256& offset) {
+  const uint8_t* params = quantized_group_params(block, i, form);
+  if (quantized_float32_scales(form.params)) {
+    const auto* floats = reinterpret_cast<const float*>(params);
+    scale = _mm256_loadu_ps(floats + kLanes8 * v);
+    offset = form.params == QuantParams::kFloat32 ? _mm256_loadu_ps(floats + kPanelWidth + kLanes8 * v)
+                                                  : _mm256_set1_ps(-0.0f);
+    return;
+  }
+  const auto* halves = reinterpret_cast<const uint16_t*>(params);
+  scale = half8(halves + kLanes8 * v);
+  offset = form.params == QuantParams::kFloat16 ? half8(halves + kPanelWidth + kLanes8 * v)
+                                                : _mm256_set1_ps(-0.0f);
+}
+
+// Each lane's int32 sum of its 4 products: AVX2 has no vpdpbusd, and vpmaddubsw's int16
+// pairs of unsigned times signed bytes are exact only for small unsigned ones (nibbles:
+// at most 2 * 15 * 127); a byte goes as its two nibbles, the high one's sum times 16.
+PYENGINE_INT8_ROWS_AVX2 inline __m256i dot4_nibbles(__m256i w, __m256i x) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
+}
+PYENGINE_INT8_ROWS_AVX2 inline __m256i dot4_bytes(__m256i w, __m256i x) {
+  const __m256i nibble = _mm256_set1_epi8(15);
+  const __m256i low = _mm256_and_si256(w, nibble);
+  const __m256i high = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+  return _mm256_add_epi32(_mm256_slli_epi32(dot4_nibbles(high, x), 4), dot4_nibbles(low, x));
+}
+
+PYENGINE_INT8_ROWS_AVX2 inline __m256i broadcast4_avx2(const int8_t* p) {
+  int32_t word;
+  std::memcpy(&word, p, sizeof(word));
+  return _mm256_set1_epi32(word);
+}
+
+// multiply_vnni's sums and float operations, 8 columns at a time (a pass over the panel
+// each: the panel stays in L1 between them, and 16 registers hold a pass's sums).
+template <int kRows, QuantCode kCode>
+PYENGINE_INT8_ROWS_AVX2 void multiply_avx2(const Int8Rows& x, int64_t r0, const uint8_t* panel,
+                                           QuantParams params, float* c) {
+  constexpr int64_t kGroupRows = quantized_group_rows(kCode);
+  constexpr int64_t kLaneRows = quantized_lane_rows(kCode);
+  const QuantForm form{kCode, params};
+  const int64_t block_bytes = quantized_block_bytes(form);
+  const bool offsets = quantized_offsets_stored(params);
+  const int64_t blocks = x.k / kQuantBlock;
+  const __m256i low_nibbles = _mm256_set1_epi8(15);
+  for (int v = 0; v < static_cast<int>(kPanelWidth / kLanes8); ++v) {
+    __m256 sum[kRows];
+    for (int r = 0; r < kRows; ++r) sum[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* block = panel + b * block_bytes;
+      const uint8_t* ints = block + quantized_param_bytes(form);
+      for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kGroupRows) {
+        __m256i dot[kRows];
+        for (int r = 0; r < kRows; ++r) dot[r] = _mm256_setzero_si256();
+        for (int64_t i = i0; i < i0 + kGroupRows; i += kLaneRows) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              ints + (i / kLaneRows * kPanelWidth + v * kLanes8) * 4));
+          for (int r = 0; r < kRows; ++r) {
+            const int8_t* q = x.q.data() + (r0 + r) * x.k + b * kQuantBlock + i;
+            if constexpr (kCode == QuantCode::kNibble) {
+              const __m256i low = _mm256_and_si256(w, low_nibbles);
+              const __m256i high = _mm256_and_si256(_mm256_srli_epi32(w, 4), low_nibbles);
+              dot[r] = _mm256_add_epi32(dot[r], dot4_nibbles(low, broadcast4_avx2(q)));
+              dot[r] = _mm256_add_epi32(dot[r], dot4_nibbles(high, broadcast4_avx2(q + 4)));
+            } else {
+              dot[r] = _mm256_add_epi32(dot[r], dot4_bytes(w, broadcast4_avx2(q)));
+            }
+          }
+        }
+        __m256 scales, offset;
+        load_params8(block, i0, v, form, scales, offset);
+        for (int r = 0; r < kRows; ++r) {
+          const int64_t row = r0 + r, h = (b * kQuantBlock + i0) / kHalf, halves = x.k / kHalf;
+          const float* sums = x.sum.data() + row * halves;
+          const int32_t* int_sums = x.int_sum.data() + row * halves;
+          const float x_sum = kGroupRows == kHalf ? sums[h] : sums[h] + sums[h + 1];
+          const int32_t bias =
+              kCode == QuantCode::kNibble
+                  ? 0
+                  : 128 * (kGroupRows == kHalf ? int_sums[h] : int_sums[h] + int_sums[h + 1]);
+          const __m256i exact = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(bias));
+          const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[row * blocks + b]));
+          sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, sum[r]);
+          if (offsets) sum[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_sum), sum[r]);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) _mm256_storeu_ps(c + r * kPanelWidth + v * kLanes8, sum[r]);
+  }
+}
+
+template <QuantCode kCode>
+void multiply_avx2(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
+                   QuantParams params, float* c) {
+  switch (rows) {
+    case 1: return multiply_avx2<1, kCode>(x, r0, panel, params, c);
+    case 2: return multiply_avx2<2, kCode>(x, r0, panel, params, c);
+    case 3: return multiply_avx2<3, kCode>(x, r0, panel, params, c);
+    default: return multiply_avx2<4, kCode>(x, r0, panel, params, c);
+  }
+}
+
 template <QuantCode kCode>
 void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
                    QuantParams params, float* c) {
@@ -224,6 +338,16 @@ void multiply_int8_rows(const Int8Rows& x, int64_t r0, int rows, const uint8_t* 
       case QuantCode::kInt8Halves:
         return multiply_vnni<QuantCode::kInt8Halves>(x, r0, rows, panel, params, c);
       default: return multiply_vnni<QuantCode::kInt8>(x, r0, rows, panel, params, c);
+    }
+  }
+  if (quantized_dense_isa() != CpuIsa::kGeneric) {  // AVX2 (pinned, or AVX-512 without VNNI)
+    const QuantParams params = form.params;
+    switch (form.code) {
+      case QuantCode::kNibble:
+        return multiply_avx2<QuantCode::kNibble>(x, r0, rows, panel, params, c);
+      case QuantCode::kInt8Halves:
+        return multiply_avx2<QuantCode::kInt8Halves>(x, r0, rows, panel, params, c);
+      default: return multiply_avx2<QuantCode::kInt8>(x, r0, rows, panel, params, c);
     }
   }
 #endif

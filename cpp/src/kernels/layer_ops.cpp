@@ -183,6 +183,64 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   });
 }
 
+void add(const TensorView& out, const TensorView& a, const TensorView& b) {
+  constexpr const char* op = "add";
+  check_float_dtype(a, op, "a");
+  detail::check_cpu(a, op, "a");
+  check_rows_on(a, a.device, op, "a", 2, a.dtype);
+  check_rows_on(b, a.device, op, "b", 2, a.dtype);
+  check_rows_on(out, a.device, op, "out", 2, a.dtype);
+  detail::check_writable(out, op, "out");
+  if (b.shape[0] != a.shape[0] || b.shape[1] != a.shape[1] || out.shape[0] != a.shape[0] ||
+      out.shape[1] != a.shape[1]) {
+    throw InvalidArgument(std::string(op) + ": out " + out.describe() + ", a " + a.describe() +
+                          " and b " + b.describe() + " disagree in shape");
+  }
+  const int64_t rows = a.shape[0], n = a.shape[1];
+  dispatch(a.dtype, [&](auto d) {
+    constexpr DType kD = decltype(d)::value;
+    const Rows<kD> x{a.data, a.strides[0]}, y{b.data, b.strides[0]}, sum{out.data, out.strides[0]};
+#pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < n; ++i) sum.set(r, i, x.get(r, i) + y.get(r, i));
+    }
+  });
+}
+
+void embedding(const TensorView& out, const TensorView& weight, const TensorView& ids) {
+  constexpr const char* op = "embedding";
+  check_float_dtype(weight, op, "weight");
+  detail::check_cpu(weight, op, "weight");
+  check_rows_on(weight, weight.device, op, "weight", 2, weight.dtype);
+  check_rows_on(out, weight.device, op, "out", 2, weight.dtype);
+  detail::check_writable(out, op, "out");
+  detail::check_cpu(ids, op, "ids");
+  const int64_t tokens = out.shape[0], vocab = weight.shape[0], n = weight.shape[1];
+  if ((ids.dtype != DType::kInt32 && ids.dtype != DType::kInt64) || ids.ndim != 1 ||
+      ids.shape[0] != tokens || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": need ids int32 or int64 [tokens], out [tokens, " +
+                          std::to_string(n) + "], got ids " + ids.describe() + " and out " +
+                          out.describe());
+  }
+  const auto id = [&](int64_t t) -> int64_t {
+    const int64_t i = t * ids.strides[0];
+    return ids.dtype == DType::kInt32 ? static_cast<const int32_t*>(ids.data)[i]
+                                      : static_cast<const int64_t*>(ids.data)[i];
+  };
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (id(t) < 0 || id(t) >= vocab) {
+      throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(t) + "] is " +
+                            std::to_string(id(t)) + ", outside [0, " + std::to_string(vocab) + ")");
+    }
+  }
+  const auto element = static_cast<int64_t>(weight.element_size());
+  for (int64_t t = 0; t < tokens; ++t) {
+    std::memcpy(static_cast<char*>(out.data) + t * out.strides[0] * element,
+                static_cast<const char*>(weight.data) + id(t) * weight.strides[0] * element,
+                static_cast<size_t>(n * element));
+  }
+}
+
 void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView& key,
                       const TensorView& cos_sin_cache, bool is_neox, void* stream) {
   constexpr const char* op = "rotary_embedding";

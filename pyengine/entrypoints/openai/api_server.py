@@ -78,7 +78,9 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )  # fmt: skip
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
-        "--enforce-eager", action="store_true", help="on CUDA: no CUDA graphs for decode steps"
+        "--enforce-eager",
+        action="store_true",
+        help="decode steps eagerly: no CUDA graphs, no recorded CPU steps",
     )
     parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
     parser.add_argument(

@@ -1,0 +1,143 @@
+"""Decode steps replayed from recorded kernel calls on the CPU, as CUDA graphs are on a GPU.
+
+The model's forward for each batch size of a short ladder runs once while ops records
+its kernel calls (ops.recording: each call's arguments converted once, its tensors kept
+alive), and a decode step of up to that many requests fills the step inputs in place
+(StepInputs, padded as for CUDA graphs) and replays the calls in C++
+(KernelProgram.run): no Python, module calls, views or DLPack conversions between the
+kernels, which cost a small model's decode step as much as its kernels do.
+
+Only the pyengine kernels are recorded: a forward that computes anything with torch
+itself (GPT-2's layer norms, an untied float embedding) would replay stale values. So
+each program is checked once, replayed on other inputs than it was recorded on against
+an eager forward on those inputs; a model whose replay differs runs eagerly."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+
+from pyengine import _C, ops
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.worker.cuda_graphs import graph_size_for
+
+if TYPE_CHECKING:
+    from pyengine import StepBuffers
+    from pyengine.models.interface import CausalLM
+    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.worker.step_inputs import DeviceStep, StepInputs
+
+logger = logging.getLogger(__name__)
+
+# Batch sizes recorded, up to max_num_seqs: past a few rows a step's kernels outweigh the
+# Python between them, and each program keeps its own activations.
+CPU_CAPTURE_SIZES = (1, 2, 4, 8)
+
+
+def cpu_capture_sizes(max_num_seqs: int) -> list[int]:
+    return [s for s in CPU_CAPTURE_SIZES if s <= max_num_seqs]
+
+
+class UnrecordedForward(Exception):
+    """A model's forward computes outside the recorded kernels: it runs eagerly."""
+
+
+class KernelGraphs:
+    """The recorded decode step of each batch size in `sizes`, over `inputs`' buffer (the
+    first rows of each array, which every step's upload fills at the same addresses)."""
+
+    def __init__(
+        self, model: CausalLM, caches: list[KVCache], inputs: StepInputs, sizes: list[int]
+    ) -> None:
+        if not sizes or sizes != sorted(set(sizes)) or sizes[0] < 1:
+            raise ValueError(f"capture sizes must be distinct, ascending and positive: {sizes}")
+        if sizes[-1] > min(inputs.max_num_seqs, inputs.max_num_batched_tokens):
+            raise ValueError(f"a program of {sizes[-1]} rows is larger than the step inputs")
+        self.model, self.caches, self.inputs, self.sizes = model, caches, inputs, sizes
+        self.programs: dict[int, _C.KernelProgram] = {}
+        self.hidden: dict[int, torch.Tensor] = {}  # each program's output
+        for size in sizes:
+            program = _C.KernelProgram()
+            with ops.recording(program):
+                self.hidden[size] = self._forward(self.inputs.views(size, size, size))
+            self.programs[size] = program
+            self._check(size)
+
+    @torch.inference_mode()
+    def _forward(self, step: DeviceStep) -> torch.Tensor:
+        meta = AttentionMetadata(
+            slot_mapping=step.slot_mapping,
+            block_tables=step.block_tables,
+            seq_lens=step.seq_lens,
+            query_start_loc=step.query_start_loc,
+            max_query_len=1,
+        )
+        hidden = self.model(step.input_ids, step.positions, self.caches, meta)
+        assert isinstance(hidden, torch.Tensor)  # one whole model (no pipeline)
+        return hidden
+
+    def _check(self, size: int) -> None:
+        """Raises UnrecordedForward where the replay of `size` on other tokens and
+        positions than it was recorded on differs from an eager forward on them. Each row
+        writes its key into slot 1 of a block of its own and attends to it and to a zero
+        key at slot 0, so that its queries, keys and values all count; the rows go back
+        to the safe values after, and the blocks to zeros (a check at start, before any
+        request holds them)."""
+        step = self.inputs.views(size, size, size)
+        vocab = self.model.config.vocab_size
+        num_blocks, block_size = self.caches[0][1].shape[0], self.caches[0][1].shape[2]
+        rows = torch.arange(size)
+        blocks = rows % num_blocks
+        self._zero_blocks(blocks)
+        step.input_ids.copy_((rows + 1) * 7919 % vocab)
+        step.positions.fill_(1)
+        step.slot_mapping.copy_(blocks * block_size + 1)
+        step.seq_lens.fill_(2)
+        step.block_tables[:, 0] = blocks
+        try:
+            expected = self._forward(step).clone()
+            self.programs[size].run()
+            same = torch.equal(self.hidden[size], expected)
+        finally:
+            step.input_ids.zero_()
+            step.positions.zero_()
+            step.slot_mapping.fill_(-1)
+            step.seq_lens.fill_(1)
+            step.block_tables[:, 0] = 0
+            self._zero_blocks(blocks)  # as allocated
+        if not same:
+            raise UnrecordedForward(
+                f"the recorded decode step of {size} rows differs from the eager one: the "
+                "model computes outside pyengine's kernels"
+            )
+
+    def _zero_blocks(self, blocks: torch.Tensor) -> None:
+        for keys, values in self.caches:
+            keys[blocks] = 0
+            values[blocks] = 0
+
+    def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
+        """The program that runs the step in `b`, or None (see graph_size_for)."""
+        return graph_size_for(b, self.sizes)
+
+    def replay(self, size: int) -> torch.Tensor:
+        """Runs the program of `size` on what the last upload, padded to it, filled; its
+        hidden states [size, hidden]."""
+        self.programs[size].run()
+        return self.hidden[size]
+
+
+def record_decode_steps(
+    model: CausalLM, caches: list[KVCache], inputs: StepInputs, sizes: list[int]
+) -> KernelGraphs | None:
+    """The recorded decode steps, or None (logged) where the model's forward does not
+    replay."""
+    try:
+        graphs = KernelGraphs(model, caches, inputs, sizes)
+    except UnrecordedForward as e:
+        logger.info("decode steps run eagerly: %s", e)
+        return None
+    logger.info("recorded decode steps of %d batch sizes (1 to %d)", len(sizes), sizes[-1])
+    return graphs

@@ -1,0 +1,158 @@
+"""Recorded decode steps on the CPU (worker/cpu_graphs.py, ops.recording): a program
+replays its kernels on what its tensors hold now, keeps them alive, and a model's
+recorded steps give the eager steps' tokens and logprobs bit for bit; a model that
+computes outside the kernels is found out and runs eagerly."""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import _C, LLM, SamplingParams, ops
+from pyengine.worker.cpu_graphs import CPU_CAPTURE_SIZES, KernelGraphs, cpu_capture_sizes
+from tests.helpers.tiny_models import TINY_LLAMA, make_checkpoint
+
+
+def test_capture_sizes_stop_at_max_num_seqs() -> None:
+    assert cpu_capture_sizes(1) == [1]
+    assert cpu_capture_sizes(3) == [1, 2]
+    assert cpu_capture_sizes(256) == list(CPU_CAPTURE_SIZES)
+
+
+def test_a_program_replays_its_calls_on_what_its_tensors_hold_now() -> None:
+    rng = np.random.default_rng()
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    residual = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    weight = torch.rand(64) + 0.5
+    packed = torch.empty(_C.packed_weight_size(64, 40))
+    w_t = torch.randn(64, 40)
+    _C.pack_weight(packed, w_t)
+    first_residual = residual.clone()
+    program = _C.KernelProgram()
+    with ops.recording(program):
+        h = x.clone()
+        ops.fused_add_rms_norm(h, residual, weight, 1e-6)
+        out = torch.empty(3, 40)
+        ops.dense(out, h, packed, None, 40)
+        total = torch.empty(3, 40)
+        ops.add(total, out, out)
+    assert len(program) == 3  # (the clone is torch's)
+    h_ref = torch.nn.functional.rms_norm(x + first_residual, (64,), weight, 1e-6)
+    torch.testing.assert_close(total, 2 * (h_ref @ w_t), rtol=1e-5, atol=1e-5)
+    # New values in the recorded tensors: the replay computes from them.
+    del out  # the program keeps what it recorded alive
+    gc.collect()
+    x2 = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    h.copy_(x2)
+    before = residual.clone()
+    program.run()
+    expected = 2 * (torch.nn.functional.rms_norm(x2 + before, (64,), weight, 1e-6) @ w_t)
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(residual, x2 + before)
+
+
+def test_recording_does_not_nest_and_ends_with_its_block() -> None:
+    program = _C.KernelProgram()
+    inner = _C.KernelProgram()
+    with (
+        ops.recording(program),
+        pytest.raises(RuntimeError, match="being recorded"),
+        ops.recording(inner),
+    ):
+        pass
+    a = torch.randn(2, 8)
+    ops.add(torch.empty(2, 8), a, a)  # after the block: not recorded
+    assert len(program) == 0
+    with pytest.raises(ValueError, match="add"), ops.recording(program):
+        ops.add(torch.empty(2, 8), a, torch.randn(2, 4))  # a bad call is refused as eagerly
+    assert len(program) == 0
+
+
+def test_a_replayed_call_checks_its_inputs_again() -> None:
+    """A program's kernels check what their tensors hold at each run: a bad token id
+    written into a recorded input is a clear error, not a read out of bounds."""
+    weight, ids = torch.randn(10, 16), torch.tensor([1, 2], dtype=torch.int32)
+    program = _C.KernelProgram()
+    with ops.recording(program):
+        ops.embedding(torch.empty(2, 16), weight, ids)
+    ids[1] = 10
+    with pytest.raises(ValueError, match=r"ids\[1\] is 10, outside \[0, 10\)"):
+        program.run()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_add_and_embedding_match_torch(dtype: torch.dtype) -> None:
+    a, b = torch.randn(5, 33).to(dtype), torch.randn(5, 33).to(dtype)
+    out = torch.empty_like(a)
+    ops.add(out, a, b)
+    assert torch.equal(out, a + b)
+    table = torch.randn(50, 24).to(dtype)
+    for ids in (torch.tensor([3, 0, 49, 3]), torch.tensor([7, 7], dtype=torch.int32)):
+        rows = torch.empty(len(ids), 24, dtype=dtype)
+        ops.embedding(rows, table, ids)
+        assert torch.equal(rows, torch.nn.functional.embedding(ids, table))
+    with pytest.raises(ValueError, match="disagree in shape"):
+        ops.add(out, a, b[:4])
+    with pytest.raises(ValueError, match=r"ids\[0\] is -1"):
+        ops.embedding(torch.empty(1, 24, dtype=dtype), table, torch.tensor([-1]))
+
+
+def generate(
+    folder: Path, enforce_eager: bool, prompts: list[list[int]], **kwargs: object
+) -> tuple[list[tuple[object, object]], bool, list[tuple[int, int | None]]]:
+    llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, enforce_eager=enforce_eager,
+              **kwargs)  # fmt: skip
+    graphs = llm.engine.executor.driver_worker.model_runner.graphs
+    replays = []  # (requests, the program's size or None) of every step
+    if graphs is not None:
+        assert isinstance(graphs, KernelGraphs)
+        size_for = graphs.size_for
+
+        def counted(b):  # type: ignore[no-untyped-def]
+            size = size_for(b)
+            replays.append((len(b.seq_lens), size))
+            return size
+
+        graphs.size_for = counted  # type: ignore[method-assign]
+    # Requests that end at different steps: steps of 4, 3 (padded to 4), 2 and 1 rows.
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
+              for n in (12, 9, 6, 3)]  # fmt: skip
+    outputs = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+    del llm
+    return [(o.token_ids, o.logprobs) for o in outputs], graphs is not None, replays
+
+
+PROMPTS = [[5, 9, 2], list(range(30, 70)), [1], [200, 7, 7, 7, 9]]
+
+
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8"}])
+def test_recorded_steps_give_the_eager_tokens_and_logprobs(tmp_path: Path, options: dict) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    kwargs = {"load_format": "dummy", **options}
+    eager, eager_recorded, _ = generate(tmp_path, True, PROMPTS, **kwargs)
+    recorded, was_recorded, replays = generate(tmp_path, False, PROMPTS, **kwargs)
+    assert was_recorded and not eager_recorded
+    assert (4, 4) in replays, "no decode step of the 4 requests replayed"
+    assert {(3, 4), (2, 2), (1, 1)} <= set(replays), replays
+    assert recorded == eager
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
+def test_a_model_computing_outside_the_kernels_runs_eagerly(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """GPT-2's layer norms and position embeddings, Qwen3's per-head norms of q and k,
+    are torch's: a replay would read stale values, so the check finds it out (for
+    Qwen3's, only through attention over more than one key) and the steps run eagerly."""
+    pytest.importorskip("transformers")
+    make_checkpoint(kind, tmp_path)
+    with caplog.at_level(logging.INFO, logger="pyengine"):
+        _, was_recorded, _ = generate(tmp_path, False, PROMPTS)
+    assert not was_recorded
+    assert "differs from the eager one" in caplog.text
