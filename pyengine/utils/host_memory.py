@@ -34,11 +34,31 @@ def release_free_heap() -> None:
     Loading frees many tensors of a few MB, which glibc, its mmap threshold raised by the
     first such free, takes from the heap and keeps: up to a few hundred MB resident for
     nothing once the model is built."""
-    name = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(name) if name else None
-    trim = getattr(libc, "malloc_trim", None)
+    trim = getattr(_libc(), "malloc_trim", None)
     if trim is not None:
         trim(0)
+
+
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    return ctypes.CDLL(name, use_errno=True) if name else None
+
+
+def decommit(t: torch.Tensor) -> None:
+    """Gives the pages wholly within CPU tensor t's storage back to the OS (madvise
+    MADV_DONTNEED): private anonymous memory, such as huge_page_tensor's, then reads as
+    zeros again and is committed anew where it is next written. For memory whose values
+    may all be zeros; a no-op where madvise is unavailable."""
+    storage = t.untyped_storage()
+    start, end = storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    madvise = getattr(_libc(), "madvise", None)
+    if last <= first or madvise is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    if madvise(first, last - first, mmap.MADV_DONTNEED) != 0:
+        raise OSError(ctypes.get_errno(), "madvise(MADV_DONTNEED) failed")
 
 
 def huge_pages_available() -> bool:

@@ -21,6 +21,7 @@ import torch
 
 from pyengine import _C, ops
 from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.utils import host_memory
 from pyengine.worker.cuda_graphs import graph_size_for
 
 if TYPE_CHECKING:
@@ -64,6 +65,11 @@ class KernelGraphs:
                 self.hidden[size] = self._forward(self.inputs.views(size, size, size))
             self.programs[size] = program
             self._check(size)
+        # What the checks wrote committed a huge page of each layer's cache: back to the
+        # OS, as zeros (no request has written the cache yet).
+        pools = {t.untyped_storage().data_ptr(): t for pair in caches for t in pair}
+        for pool in pools.values():
+            host_memory.decommit(pool)
 
     @torch.inference_mode()
     def _forward(self, step: DeviceStep) -> torch.Tensor:
@@ -83,8 +89,8 @@ class KernelGraphs:
         positions than it was recorded on differs from an eager forward on them. Each row
         writes its key into slot 1 of a block of its own and attends to it and to a zero
         key at slot 0, so that its queries, keys and values all count; the rows go back
-        to the safe values after, and the blocks to zeros (a check at start, before any
-        request holds them)."""
+        to the safe values after (the blocks are zeroed at the end of __init__: a check
+        at start, before any request holds them)."""
         step = self.inputs.views(size, size, size)
         vocab = self.model.config.vocab_size
         num_blocks, block_size = self.caches[0][1].shape[0], self.caches[0][1].shape[2]
@@ -106,7 +112,6 @@ class KernelGraphs:
             step.slot_mapping.fill_(-1)
             step.seq_lens.fill_(1)
             step.block_tables[:, 0] = 0
-            self._zero_blocks(blocks)  # as allocated
         if not same:
             raise UnrecordedForward(
                 f"the recorded decode step of {size} rows differs from the eager one: the "
@@ -114,9 +119,11 @@ class KernelGraphs:
             )
 
     def _zero_blocks(self, blocks: torch.Tensor) -> None:
-        for keys, values in self.caches:
-            keys[blocks] = 0
-            values[blocks] = 0
+        # A block at a time, in place: an indexed assignment would touch the whole cache.
+        for block in set(blocks.tolist()):
+            for keys, values in self.caches:
+                keys[block].zero_()
+                values[block].zero_()
 
     def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
         """The program that runs the step in `b`, or None (see graph_size_for)."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from pyengine import _C, LLM, SamplingParams, ops
+from pyengine.utils import host_memory
 from pyengine.worker.cpu_graphs import CPU_CAPTURE_SIZES, KernelGraphs, cpu_capture_sizes
 from tests.helpers.tiny_models import TINY_LLAMA, make_checkpoint
 
@@ -156,3 +157,16 @@ def test_a_model_computing_outside_the_kernels_runs_eagerly(
         _, was_recorded, _ = generate(tmp_path, False, PROMPTS)
     assert not was_recorded
     assert "differs from the eager one" in caplog.text
+
+
+def test_the_checks_leave_the_kv_cache_zero_and_uncommitted(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    llm = LLM(str(tmp_path), load_format="dummy", max_model_len=256, max_num_seqs=8)
+    runner = llm.engine.executor.driver_worker.model_runner
+    assert runner.graphs is not None
+    assert all(not k.any() and not v.any() for k, v in runner.caches)
+    del llm, runner
+    pool = host_memory.huge_page_tensor(3 << 20, torch.float32)
+    pool[:: 1 << 18] = 1.0
+    host_memory.decommit(pool[5:])  # (the whole storage of any view)
+    assert not pool.any()
