@@ -59,17 +59,19 @@ class KernelGraphs:
         self.model, self.caches, self.inputs, self.sizes = model, caches, inputs, sizes
         self.programs: dict[int, _C.KernelProgram] = {}
         self.hidden: dict[int, torch.Tensor] = {}  # each program's output
-        for size in sizes:
-            program = _C.KernelProgram()
-            with ops.recording(program):
-                self.hidden[size] = self._forward(self.inputs.views(size, size, size))
-            self.programs[size] = program
-            self._check(size)
-        # What the checks wrote committed a huge page of each layer's cache: back to the
-        # OS, as zeros (no request has written the cache yet).
-        pools = {t.untyped_storage().data_ptr(): t for pair in caches for t in pair}
-        for pool in pools.values():
-            host_memory.decommit(pool)
+        try:
+            for size in sizes:
+                program = _C.KernelProgram()
+                with ops.recording(program):
+                    self.hidden[size] = self._forward(self.inputs.views(size, size, size))
+                self.programs[size] = program
+                self._check(size)
+        finally:
+            # What the checks wrote committed a huge page of each layer's cache: back to
+            # the OS, as zeros (no request has written the cache yet).
+            pools = {t.untyped_storage().data_ptr(): t for pair in caches for t in pair}
+            for pool in pools.values():
+                host_memory.decommit(pool)
 
     @torch.inference_mode()
     def _forward(self, step: DeviceStep) -> torch.Tensor:
