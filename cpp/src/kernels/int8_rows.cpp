@@ -16,6 +16,7 @@
 #include "float_convert.h"
 #include "pyengine/int8_dense.h"
 #include "quantized_panel.h"
+#include "vector_clones.h"
 
 namespace pyengine::detail {
 namespace {
@@ -27,7 +28,7 @@ constexpr int kVectors = static_cast<int>(kPanelWidth / kLanes);
 // One block's xq and d; a block of zeros, or holding a NaN or an infinity, keeps xq 0 and
 // d 0 (NaN, infinity: the sums then are NaN). (x / d is finite and within [-127, 127]
 // then; the clamp is a guard, in comparisons that vectorize.)
-void quantize_block(const float* x, int8_t* q, float& scale) {
+inline void quantize_block(const float* x, int8_t* q, float& scale) {
   const float d = max_abs(x, kQuantBlock) / 127.0f;
   scale = d;
   if (!(d > 0.0f) || !std::isfinite(d)) {
@@ -37,6 +38,28 @@ void quantize_block(const float* x, int8_t* q, float& scale) {
   for (int64_t i = 0; i < kQuantBlock; ++i) {
     const float rounded = std::nearbyint(x[i] / d);
     q[i] = static_cast<int8_t>(rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded);
+  }
+}
+
+// A row's blocks, and the float and int sums of each half block of x and xq: each float
+// sum in index order, as the portable multiply's reference has it, but a lane a half, so
+// that the loops vectorize (the same bits in every clone).
+PYENGINE_VECTOR_CLONES
+void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum,
+                  int32_t* int_sum) {
+  for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+    quantize_block(x + b * kQuantBlock, q + b * kQuantBlock, scale[b]);
+  }
+  const int64_t halves = k / kHalf;
+  for (int64_t h = 0; h < halves; ++h) {
+    sum[h] = 0.0f;
+    int_sum[h] = 0;
+  }
+  for (int64_t i = 0; i < kHalf; ++i) {
+    for (int64_t h = 0; h < halves; ++h) {
+      sum[h] += x[h * kHalf + i];
+      int_sum[h] += q[h * kHalf + i];
+    }
   }
 }
 
@@ -301,29 +324,15 @@ void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel
 
 void Int8Rows::quantize(const float* a, int64_t lda, int64_t rows, int64_t k_) {
   k = k_;
-  const int64_t blocks = k / kQuantBlock;
+  const int64_t blocks = k / kQuantBlock, halves = k / kHalf;
   q.resize(static_cast<size_t>(rows * k));
   scale.resize(static_cast<size_t>(rows * blocks));
-  sum.resize(static_cast<size_t>(rows * k / kHalf));
-  int_sum.resize(static_cast<size_t>(rows * k / kHalf));
+  sum.resize(static_cast<size_t>(rows * halves));
+  int_sum.resize(static_cast<size_t>(rows * halves));
 #pragma omp parallel for if (rows * k >= (1 << 16))
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      quantize_block(a + r * lda + b * kQuantBlock, q.data() + r * k + b * kQuantBlock,
-                     scale[static_cast<size_t>(r * blocks + b)]);
-    }
-    for (int64_t h = 0; h < k / kHalf; ++h) {
-      const float* values = a + r * lda + h * kHalf;
-      const int8_t* ints = q.data() + r * k + h * kHalf;
-      float total = 0.0f;
-      int32_t int_total = 0;
-      for (int64_t i = 0; i < kHalf; ++i) {
-        total += values[i];
-        int_total += ints[i];
-      }
-      sum[static_cast<size_t>(r * (k / kHalf) + h)] = total;
-      int_sum[static_cast<size_t>(r * (k / kHalf) + h)] = int_total;
-    }
+    quantize_row(a + r * lda, k, q.data() + r * k, scale.data() + r * blocks,
+                 sum.data() + r * halves, int_sum.data() + r * halves);
   }
 }
 
