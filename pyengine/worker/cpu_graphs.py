@@ -32,9 +32,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Batch sizes recorded, up to max_num_seqs: past a few rows a step's kernels outweigh the
-# Python between them, and each program keeps its own activations.
-CPU_CAPTURE_SIZES = (1, 2, 4, 8)
+# Batch sizes recorded, up to max_num_seqs (each program keeps its own activations).
+CPU_CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)
+# Up to this many rows a step streams its weights whatever its rows: padding is free.
+# Past it each row costs compute, and a program of `size` runs a step of n rows only
+# where its padding is at most a quarter of it.
+FREE_PADDING_ROWS = 8
 
 
 def cpu_capture_sizes(max_num_seqs: int) -> list[int]:
@@ -128,8 +131,12 @@ class KernelGraphs:
                 values[block].zero_()
 
     def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
-        """The program that runs the step in `b`, or None (see graph_size_for)."""
-        return graph_size_for(b, self.sizes)
+        """The program that runs the step in `b`, or None (see graph_size_for; and where
+        padding it would cost more compute than the Python it saves)."""
+        size = graph_size_for(b, self.sizes)
+        if size is None or size <= FREE_PADDING_ROWS:
+            return size
+        return size if 4 * (size - len(b.seq_lens)) <= size else None
 
     def replay(self, size: int) -> torch.Tensor:
         """Runs the program of `size` on what the last upload, padded to it, filled; its

@@ -9,6 +9,7 @@ import gc
 import json
 import logging
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +24,19 @@ from tests.helpers.tiny_models import TINY_LLAMA, make_checkpoint
 def test_capture_sizes_stop_at_max_num_seqs() -> None:
     assert cpu_capture_sizes(1) == [1]
     assert cpu_capture_sizes(3) == [1, 2]
+    assert cpu_capture_sizes(20) == [1, 2, 4, 8, 16]
     assert cpu_capture_sizes(256) == list(CPU_CAPTURE_SIZES)
+
+
+def test_past_a_few_rows_a_step_pads_a_quarter_of_its_program_at_most() -> None:
+    graphs = object.__new__(KernelGraphs)
+    graphs.sizes = [1, 2, 4, 8, 16, 32]
+    for n, size in ((1, 1), (3, 4), (5, 8), (9, None), (12, 16), (16, 16), (23, None),
+                    (24, 32), (32, 32), (33, None)):  # fmt: skip
+        rows = np.arange(n)
+        step = SimpleNamespace(seq_lens=rows, input_ids=rows,
+                               query_start_loc=np.arange(n + 1), logits_indices=rows)  # fmt: skip
+        assert graphs.size_for(step) == size, n  # type: ignore[arg-type]
 
 
 def test_a_program_replays_its_calls_on_what_its_tensors_hold_now() -> None:
