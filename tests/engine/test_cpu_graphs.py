@@ -18,6 +18,7 @@ import torch
 from pyengine import _C, LLM, SamplingParams, ops
 from pyengine.utils import host_memory
 from pyengine.worker.cpu_graphs import CPU_CAPTURE_SIZES, KernelGraphs, cpu_capture_sizes
+from tests.helpers.replays import count_replays
 from tests.helpers.tiny_models import TINY_LLAMA, make_checkpoint
 
 
@@ -123,17 +124,10 @@ def generate(
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, enforce_eager=enforce_eager,
               **kwargs)  # fmt: skip
     graphs = llm.engine.executor.driver_worker.model_runner.graphs
-    replays = []  # (requests, the program's size or None) of every step
+    replays: list[tuple[int, int | None]] = []
     if graphs is not None:
         assert isinstance(graphs, KernelGraphs)
-        size_for = graphs.size_for
-
-        def counted(b):  # type: ignore[no-untyped-def]
-            size = size_for(b)
-            replays.append((len(b.seq_lens), size))
-            return size
-
-        graphs.size_for = counted  # type: ignore[method-assign]
+        replays = count_replays(graphs)
     # Requests that end at different steps: steps of 4, 3 (padded to 4), 2 and 1 rows.
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=3)
               for n in (12, 9, 6, 3)]  # fmt: skip

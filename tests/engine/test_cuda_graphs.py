@@ -14,6 +14,7 @@ import torch
 
 from pyengine import LLM, SamplingParams, built_with_cuda
 from pyengine.worker.cuda_graphs import MAX_CAPTURED_BATCH, capture_sizes
+from tests.helpers.replays import count_replays
 
 on_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and built_with_cuda()),
@@ -63,16 +64,7 @@ def generate(folder: Path, enforce_eager: bool, prompts: list[list[int]]) -> lis
     )
     graphs = llm.engine.executor.driver_worker.model_runner.graphs
     assert (graphs is None) == enforce_eager
-    replays = []  # (requests, the graph's size or None) of every step
-    if graphs is not None:
-        size_for = graphs.size_for
-
-        def counted(b):  # type: ignore[no-untyped-def]
-            size = size_for(b)
-            replays.append((len(b.seq_lens), size))
-            return size
-
-        graphs.size_for = counted  # type: ignore[method-assign]
+    replays = count_replays(graphs) if graphs is not None else []
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     if graphs is not None:

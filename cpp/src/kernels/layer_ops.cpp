@@ -183,14 +183,24 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   });
 }
 
+namespace {
+
+// A CPU-only op's float rows `in` and the rows `out` it writes, of in's dtype.
+void check_cpu_rows(const char* op, const TensorView& in, const char* in_name,
+                    const TensorView& out) {
+  check_float_dtype(in, op, in_name);
+  detail::check_cpu(in, op, in_name);
+  check_rows_on(in, in.device, op, in_name, 2, in.dtype);
+  check_rows_on(out, in.device, op, "out", 2, in.dtype);
+  detail::check_writable(out, op, "out");
+}
+
+}  // namespace
+
 void add(const TensorView& out, const TensorView& a, const TensorView& b) {
   constexpr const char* op = "add";
-  check_float_dtype(a, op, "a");
-  detail::check_cpu(a, op, "a");
-  check_rows_on(a, a.device, op, "a", 2, a.dtype);
+  check_cpu_rows(op, a, "a", out);
   check_rows_on(b, a.device, op, "b", 2, a.dtype);
-  check_rows_on(out, a.device, op, "out", 2, a.dtype);
-  detail::check_writable(out, op, "out");
   if (b.shape[0] != a.shape[0] || b.shape[1] != a.shape[1] || out.shape[0] != a.shape[0] ||
       out.shape[1] != a.shape[1]) {
     throw InvalidArgument(std::string(op) + ": out " + out.describe() + ", a " + a.describe() +
@@ -209,11 +219,7 @@ void add(const TensorView& out, const TensorView& a, const TensorView& b) {
 
 void embedding(const TensorView& out, const TensorView& weight, const TensorView& ids) {
   constexpr const char* op = "embedding";
-  check_float_dtype(weight, op, "weight");
-  detail::check_cpu(weight, op, "weight");
-  check_rows_on(weight, weight.device, op, "weight", 2, weight.dtype);
-  check_rows_on(out, weight.device, op, "out", 2, weight.dtype);
-  detail::check_writable(out, op, "out");
+  check_cpu_rows(op, weight, "weight", out);
   detail::check_cpu(ids, op, "ids");
   const int64_t tokens = out.shape[0], vocab = weight.shape[0], n = weight.shape[1];
   if ((ids.dtype != DType::kInt32 && ids.dtype != DType::kInt64) || ids.ndim != 1 ||
