@@ -14,12 +14,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from helpers.replays import count_replays
+from helpers.tiny_models import TINY_LLAMA, make_checkpoint
 
 from pyengine import _C, LLM, SamplingParams, ops
 from pyengine.utils import host_memory
 from pyengine.worker.cpu_graphs import CPU_CAPTURE_SIZES, KernelGraphs, cpu_capture_sizes
-from tests.helpers.replays import count_replays
-from tests.helpers.tiny_models import TINY_LLAMA, make_checkpoint
 
 
 def test_capture_sizes_stop_at_max_num_seqs() -> None:

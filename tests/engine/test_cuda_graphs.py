@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.replays import count_replays
 
 from pyengine import LLM, SamplingParams, built_with_cuda
 from pyengine.worker.cuda_graphs import MAX_CAPTURED_BATCH, capture_sizes
-from tests.helpers.replays import count_replays
 
 on_gpu = pytest.mark.skipif(
     not (torch.cuda.is_available() and built_with_cuda()),
