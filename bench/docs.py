@@ -191,7 +191,9 @@ def format_value(value: Any, unit: str = "") -> str:
         return "-"
     if isinstance(value, bool):
         return "yes" if value else "no"
-    if isinstance(value, float):
+    if isinstance(value, float) and unit == "x" and abs(value) < 10:
+        text = f"{value:.2f}"  # (a ratio of 1.0 as 1.00x, as the tables print it)
+    elif isinstance(value, float):
         text = f"{value:,.3g}" if abs(value) < 100 else f"{value:,.0f}"
     elif isinstance(value, int):
         text = f"{value:,}"
