@@ -8,7 +8,7 @@ alive), and a decode step of up to that many requests fills the step inputs in p
 kernels, which cost a small model's decode step as much as its kernels do.
 
 Only the pyengine kernels are recorded: a forward that computes anything with torch
-itself (GPT-2's layer norms, an untied float embedding) would replay stale values. So
+itself (GPT-2's layer norms, Qwen3's per-head norms) would replay stale values. So
 each program is checked once, replayed on other inputs than it was recorded on against
 an eager forward on those inputs; a model whose replay differs runs eagerly."""
 
