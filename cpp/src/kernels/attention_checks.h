@@ -33,6 +33,25 @@ inline void check_dtype(const TensorView& t, DType dtype, const char* op, const 
   }
 }
 
+// Element i of a 1-d int32 or int64 view (token ids, positions), as int64.
+inline int64_t index_at(const TensorView& t, int64_t i) {
+  const int64_t at = i * t.strides[0];
+  return t.dtype == DType::kInt32 ? static_cast<const int32_t*>(t.data)[at]
+                                  : static_cast<const int64_t*>(t.data)[at];
+}
+
+// Every element of the 1-d int32/int64 view `ids` in [0, bound), or an error naming the
+// first that is not.
+inline void check_indices(const TensorView& ids, int64_t bound, const char* op, const char* name) {
+  for (int64_t i = 0; i < ids.shape[0]; ++i) {
+    const int64_t v = index_at(ids, i);
+    if (v < 0 || v >= bound) {
+      throw InvalidArgument(std::string(op) + ": " + name + "[" + std::to_string(i) + "] is " +
+                            std::to_string(v) + ", outside [0, " + std::to_string(bound) + ")");
+    }
+  }
+}
+
 // For ops with a CUDA build: whether their tensors (checked to agree) are on a CUDA
 // device, where that build runs them. Throws where pyengine was built without CUDA.
 inline bool on_cuda(const Device& device, const char* op) {

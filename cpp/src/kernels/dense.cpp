@@ -500,21 +500,10 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
                           "] (a row of out each), got " + ids.describe());
   }
   const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
-  const auto id = [&](int64_t r) -> int64_t {
-    const int64_t i = r * ids.strides[0];
-    return ids.dtype == DType::kInt32 ? static_cast<const int32_t*>(ids.data)[i]
-                                      : static_cast<const int64_t*>(ids.data)[i];
-  };
-  for (int64_t r = 0; r < t; ++r) {
-    const int64_t v = id(r);
-    if (v < 0 || v >= n) {
-      throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(r) + "] is " +
-                            std::to_string(v) + ", outside [0, " + std::to_string(n) + ")");
-    }
-  }
+  detail::check_indices(ids, n, op, "ids");
   auto* dst = static_cast<float*>(out.data);
   for (int64_t r = 0; r < t; ++r) {
-    const int64_t v = id(r), column = v % kPanelWidth;
+    const int64_t v = detail::index_at(ids, r), column = v % kPanelWidth;
     const uint8_t* panel = panels.panel(v / kPanelWidth);
     float* row = dst + r * out.strides[0];
     if (panels.form.code == detail::QuantCode::kNone) {

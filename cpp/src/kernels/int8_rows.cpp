@@ -63,6 +63,26 @@ void quantize_row(const float* x, int64_t k, int8_t* q, float* scale, float* sum
   }
 }
 
+// What each build's float epilogue takes for row `row`'s group of weight rows from i0 in
+// block b: x's scale d there, the sum of x over the group, and, for weights stored + 128,
+// 128 times the sum of xq (to take off the integer sum).
+struct GroupTerms {
+  float d;
+  float x_sum;
+  int32_t bias;
+};
+
+inline GroupTerms group_terms(const Int8Rows& x, int64_t row, int64_t b, int64_t i0,
+                              QuantCode code) {
+  const int64_t h = row * (x.k / kHalf) + (b * kQuantBlock + i0) / kHalf;
+  const bool two_halves = quantized_group_rows(code) != kHalf;
+  const auto at = [&](const auto& halves) {
+    return two_halves ? halves[h] + halves[h + 1] : halves[h];
+  };
+  return {x.scale[static_cast<size_t>(row * (x.k / kQuantBlock) + b)], at(x.sum),
+          quantized_biased(code) ? 128 * at(x.int_sum) : 0};
+}
+
 // The int32 sum of q * xq over rows [i0, i0 + count) of a block's integers, column j.
 int32_t column_dot(const uint8_t* ints, const int8_t* xq, int64_t i0, int64_t count, int64_t j,
                    QuantCode code) {
@@ -81,19 +101,17 @@ void multiply_portable(const Int8Rows& x, int64_t r0, int rows, const uint8_t* p
   const int64_t blocks = x.k / kQuantBlock;
   for (int r = 0; r < rows; ++r) {
     const int8_t* xq = x.q.data() + (r0 + r) * x.k;
-    const float* d = x.scale.data() + (r0 + r) * blocks;
-    const float* sums = x.sum.data() + (r0 + r) * (x.k / kHalf);
     for (int64_t j = 0; j < kPanelWidth; ++j) {
       float sum = 0.0f;
       for (int64_t b = 0; b < blocks; ++b) {
         const uint8_t* block = panel + b * block_bytes;
         const uint8_t* ints = block + quantized_param_bytes(form);
         for (int64_t i0 = 0; i0 < kQuantBlock; i0 += group_rows) {
+          // (quantized_value is q itself: no bias to take off)
           const int32_t dot = column_dot(ints, xq + b * kQuantBlock, i0, group_rows, j, code);
-          const float* half = sums + (b * kQuantBlock + i0) / kHalf;
-          const float x_sum = group_rows == kHalf ? half[0] : half[0] + half[1];
-          sum = std::fma(static_cast<float>(dot), quantized_scale(block, i0, j, form) * d[b], sum);
-          if (offsets) sum = std::fma(quantized_offset(block, i0, j, form), x_sum, sum);
+          const GroupTerms t = group_terms(x, r0 + r, b, i0, code);
+          sum = std::fma(static_cast<float>(dot), quantized_scale(block, i0, j, form) * t.d, sum);
+          if (offsets) sum = std::fma(quantized_offset(block, i0, j, form), t.x_sum, sum);
         }
       }
       c[r * kPanelWidth + j] = sum;
@@ -125,15 +143,7 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
   const int64_t blocks = x.k / kQuantBlock;
   const __m512i low_nibbles = _mm512_set1_epi8(15);
   const int8_t* xq[kRows];
-  const float* d[kRows];
-  const float* sums[kRows];
-  const int32_t* int_sums[kRows];
-  for (int r = 0; r < kRows; ++r) {
-    xq[r] = x.q.data() + (r0 + r) * x.k;
-    d[r] = x.scale.data() + (r0 + r) * blocks;
-    sums[r] = x.sum.data() + (r0 + r) * (x.k / kHalf);
-    int_sums[r] = x.int_sum.data() + (r0 + r) * (x.k / kHalf);
-  }
+  for (int r = 0; r < kRows; ++r) xq[r] = x.q.data() + (r0 + r) * x.k;
   __m512 sum[kRows][kVectors];
   for (int r = 0; r < kRows; ++r) {
     for (int v = 0; v < kVectors; ++v) sum[r][v] = _mm512_setzero_ps();
@@ -171,16 +181,10 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
       __m512 scales[kVectors], offset[kVectors];
       for (int v = 0; v < kVectors; ++v) load_quantized_params(block, i0, v, form, scales[v], offset[v]);
       for (int r = 0; r < kRows; ++r) {
-        const int64_t h = (b * kQuantBlock + i0) / kHalf;
-        const float x_sum = kGroupRows == kHalf ? sums[r][h] : sums[r][h] + sums[r][h + 1];
-        const __m512 scale_d = _mm512_set1_ps(d[r][b]), x_sums = _mm512_set1_ps(x_sum);
-        // (q + 128 times xq: less 128 times the sum of xq)
-        const int32_t bias =
-            kCode == QuantCode::kNibble
-                ? 0
-                : 128 * (kGroupRows == kHalf ? int_sums[r][h] : int_sums[r][h] + int_sums[r][h + 1]);
+        const GroupTerms t = group_terms(x, r0 + r, b, i0, kCode);
+        const __m512 scale_d = _mm512_set1_ps(t.d), x_sums = _mm512_set1_ps(t.x_sum);
         for (int v = 0; v < kVectors; ++v) {
-          const __m512i exact = _mm512_sub_epi32(dot[r][v], _mm512_set1_epi32(bias));
+          const __m512i exact = _mm512_sub_epi32(dot[r][v], _mm512_set1_epi32(t.bias));
           const __m512 scale = _mm512_mul_ps(scales[v], scale_d);
           sum[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(exact), scale, sum[r][v]);
           if (offsets) sum[r][v] = _mm512_fmadd_ps(offset[v], x_sums, sum[r][v]);
@@ -277,18 +281,11 @@ PYENGINE_INT8_ROWS_AVX2 void multiply_avx2(const Int8Rows& x, int64_t r0, const 
         __m256 scales, offset;
         load_params8(block, i0, v, form, scales, offset);
         for (int r = 0; r < kRows; ++r) {
-          const int64_t row = r0 + r, h = (b * kQuantBlock + i0) / kHalf, halves = x.k / kHalf;
-          const float* sums = x.sum.data() + row * halves;
-          const int32_t* int_sums = x.int_sum.data() + row * halves;
-          const float x_sum = kGroupRows == kHalf ? sums[h] : sums[h] + sums[h + 1];
-          const int32_t bias =
-              kCode == QuantCode::kNibble
-                  ? 0
-                  : 128 * (kGroupRows == kHalf ? int_sums[h] : int_sums[h] + int_sums[h + 1]);
-          const __m256i exact = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(bias));
-          const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale[row * blocks + b]));
+          const GroupTerms t = group_terms(x, r0 + r, b, i0, kCode);
+          const __m256i exact = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(t.bias));
+          const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(t.d));
           sum[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, sum[r]);
-          if (offsets) sum[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x_sum), sum[r]);
+          if (offsets) sum[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(t.x_sum), sum[r]);
         }
       }
     }

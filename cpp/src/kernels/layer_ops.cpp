@@ -228,21 +228,12 @@ void embedding(const TensorView& out, const TensorView& weight, const TensorView
                           std::to_string(n) + "], got ids " + ids.describe() + " and out " +
                           out.describe());
   }
-  const auto id = [&](int64_t t) -> int64_t {
-    const int64_t i = t * ids.strides[0];
-    return ids.dtype == DType::kInt32 ? static_cast<const int32_t*>(ids.data)[i]
-                                      : static_cast<const int64_t*>(ids.data)[i];
-  };
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (id(t) < 0 || id(t) >= vocab) {
-      throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(t) + "] is " +
-                            std::to_string(id(t)) + ", outside [0, " + std::to_string(vocab) + ")");
-    }
-  }
+  detail::check_indices(ids, vocab, op, "ids");
   const auto element = static_cast<int64_t>(weight.element_size());
   for (int64_t t = 0; t < tokens; ++t) {
+    const int64_t row = detail::index_at(ids, t);
     std::memcpy(static_cast<char*>(out.data) + t * out.strides[0] * element,
-                static_cast<const char*>(weight.data) + id(t) * weight.strides[0] * element,
+                static_cast<const char*>(weight.data) + row * weight.strides[0] * element,
                 static_cast<size_t>(n * element));
   }
 }
@@ -277,13 +268,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   }
   (void)stream;
   const int64_t max_positions = cos_sin_cache.shape[0];
-  const auto position = [&](int64_t t) -> int64_t {
-    const int64_t i = t * positions.strides[0];
-    return positions.dtype == DType::kInt32 ? static_cast<const int32_t*>(positions.data)[i]
-                                            : static_cast<const int64_t*>(positions.data)[i];
-  };
   for (int64_t t = 0; t < tokens; ++t) {
-    const int64_t p = position(t);
+    const int64_t p = detail::index_at(positions, t);
     if (p < 0 || p >= max_positions) {
       throw InvalidArgument(std::string(op) + ": positions[" + std::to_string(t) +
                             "] = " + std::to_string(p) + " is outside [0, " +
@@ -310,7 +296,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
     };
 #pragma omp parallel for schedule(static) if (tokens * query.shape[1] * d >= kParallelElements)
     for (int64_t t = 0; t < tokens; ++t) {
-      const float* cs = table + position(t) * cos_sin_cache.strides[0];
+      const float* cs = table + detail::index_at(positions, t) * cos_sin_cache.strides[0];
       rotate(query, t, cs);
       rotate(key, t, cs);
     }
