@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -39,6 +40,7 @@ def release_free_heap() -> None:
         trim(0)
 
 
+@functools.cache  # (find_library runs ldconfig)
 def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     return ctypes.CDLL(name, use_errno=True) if name else None

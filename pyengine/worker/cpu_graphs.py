@@ -92,16 +92,15 @@ class KernelGraphs:
     def _check(self, size: int) -> None:
         """Raises UnrecordedForward where the replay of `size` on other tokens and
         positions than it was recorded on differs from an eager forward on them. Each row
-        writes its key into slot 1 of a block of its own and attends to it and to a zero
-        key at slot 0, so that its queries, keys and values all count; the rows go back
-        to the safe values after (the blocks are zeroed at the end of __init__: a check
-        at start, before any request holds them)."""
+        writes its key into slot 1 of a block of its own and attends to it and to slot 0,
+        which no check writes (zeros, as allocated: a check at start, before any request
+        holds the blocks), so that its queries, keys and values all count; the rows go
+        back to the safe values after, the blocks to the OS at the end of __init__."""
         step = self.inputs.views(size, size, size)
         vocab = self.model.config.vocab_size
         num_blocks, block_size = self.caches[0][1].shape[0], self.caches[0][1].shape[2]
         rows = torch.arange(size)
         blocks = rows % num_blocks
-        self._zero_blocks(blocks)
         step.input_ids.copy_((rows + 1) * 7919 % vocab)
         step.positions.fill_(1)
         step.slot_mapping.copy_(blocks * block_size + 1)
@@ -122,13 +121,6 @@ class KernelGraphs:
                 f"the recorded decode step of {size} rows differs from the eager one: the "
                 "model computes outside pyengine's kernels"
             )
-
-    def _zero_blocks(self, blocks: torch.Tensor) -> None:
-        # A block at a time, in place: an indexed assignment would touch the whole cache.
-        for block in set(blocks.tolist()):
-            for keys, values in self.caches:
-                keys[block].zero_()
-                values[block].zero_()
 
     def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
         """The program that runs the step in `b`, or None (see graph_size_for; and where
