@@ -323,6 +323,83 @@ PYENGINE_WIDEN_AVX512 void widen_block_avx512(const uint8_t* block, QuantParams 
 #pragma GCC diagnostic pop
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same widenings at AVX2's width: 8 columns a vector, the same bits (each value
+// exact, then one multiply-add).
+#define PYENGINE_WIDEN_AVX2 __attribute__((target("avx2,fma,f16c")))
+constexpr int kLanes2 = 8;
+
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX2 inline __m256 lane_q_avx2(__m256i w, int row) {
+  if constexpr (kCode == QuantCode::kNibble) {
+    const int shift = 8 * (row % 4) + 4 * (row / 4);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(w, shift), _mm256_set1_epi32(15)));
+  } else if constexpr (kCode == QuantCode::kFp8) {
+    // (float16 bits of value / 256 in 32-bit lanes, packed to 16 bits: lanes 0-3 and 4-7
+    // of packus' two halves)
+    const __m256i b = _mm256_and_si256(_mm256_srli_epi32(w, 8 * row), _mm256_set1_epi32(0xFF));
+    const __m256i half =
+        _mm256_or_si256(_mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7F)), 7),
+                        _mm256_slli_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x80)), 8));
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(half, half), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(packed));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(w, 24 - 8 * row), 24));
+  }
+}
+
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX2 inline __m256i load_lanes_avx2(const uint8_t* src) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  if constexpr (detail::quantized_biased(kCode)) return _mm256_xor_si256(w, _mm256_set1_epi8(-128));
+  return w;
+}
+
+PYENGINE_WIDEN_AVX2 inline __m256 widen_halves_avx2(const uint16_t* h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+}
+
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX2 inline void load_params_avx2(const uint8_t* block, int64_t i, int v,
+                                                 QuantParams params, __m256& scale,
+                                                 __m256& offset) {
+  const uint8_t* group = detail::quantized_group_params(block, i, QuantForm{kCode, params});
+  if (detail::quantized_float32_scales(params)) {
+    const auto* floats = reinterpret_cast<const float*>(group);
+    scale = _mm256_loadu_ps(floats + kLanes2 * v);
+    offset = params == QuantParams::kFloat32 ? _mm256_loadu_ps(floats + kPanelWidth + kLanes2 * v)
+                                             : _mm256_set1_ps(-0.0f);
+  } else {
+    const auto* halves = reinterpret_cast<const uint16_t*>(group);
+    scale = widen_halves_avx2(halves + kLanes2 * v);
+    offset = params == QuantParams::kFloat16 ? widen_halves_avx2(halves + kPanelWidth + kLanes2 * v)
+                                             : _mm256_set1_ps(-0.0f);
+  }
+  if constexpr (kCode == QuantCode::kFp8) scale = _mm256_mul_ps(scale, _mm256_set1_ps(256.0f));
+}
+
+template <QuantCode kCode>
+PYENGINE_WIDEN_AVX2 void widen_block_avx2(const uint8_t* block, QuantParams params, float* out) {
+  constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
+  const uint8_t* ints = block + detail::quantized_param_bytes(QuantForm{kCode, params});
+  for (int v = 0; v < kPanelWidth / kLanes2; ++v) {
+    __m256 scale = _mm256_setzero_ps(), offset = scale;  // (set at i0 = 0)
+    for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
+      if (i0 % kGroupRows == 0) load_params_avx2<kCode>(block, i0, v, params, scale, offset);
+      const __m256i w =
+          load_lanes_avx2<kCode>(ints + (i0 / kLaneRows * kPanelWidth + v * kLanes2) * 4);
+      float* dst = out + i0 * kPanelWidth + v * kLanes2;
+#pragma GCC unroll 8
+      for (int b = 0; b < kLaneRows; ++b) {
+        _mm256_storeu_ps(dst + b * kPanelWidth,
+                         _mm256_fmadd_ps(lane_q_avx2<kCode>(w, b), scale, offset));
+      }
+    }
+  }
+}
+#endif
+
 void widen_block_generic(const uint8_t* block, QuantForm form, float* out) {
   const uint8_t* ints = block + detail::quantized_param_bytes(form);
   for (int64_t i = 0; i < kQuantBlock; ++i) {
@@ -475,6 +552,14 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
       case QuantCode::kFp8: return widen_all(widen_block_avx512<QuantCode::kFp8>);
       case QuantCode::kInt8Halves: return widen_all(widen_block_avx512<QuantCode::kInt8Halves>);
       default: return widen_all(widen_block_avx512<QuantCode::kInt8>);
+    }
+  }
+  if (isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx2) {
+    switch (form.code) {
+      case QuantCode::kNibble: return widen_all(widen_block_avx2<QuantCode::kNibble>);
+      case QuantCode::kFp8: return widen_all(widen_block_avx2<QuantCode::kFp8>);
+      case QuantCode::kInt8Halves: return widen_all(widen_block_avx2<QuantCode::kInt8Halves>);
+      default: return widen_all(widen_block_avx2<QuantCode::kInt8>);
     }
   }
 #endif
