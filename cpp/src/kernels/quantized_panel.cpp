@@ -400,13 +400,24 @@ PYENGINE_WIDEN_AVX2 void widen_block_avx2(const uint8_t* block, QuantParams para
 }
 #endif
 
-void widen_block_generic(const uint8_t* block, QuantForm form, float* out) {
+// The portable build: a group's scales and offsets looked up once, then loops over the
+// rows of a column group that the compiler vectorizes (SSE2, NEON).
+template <QuantCode kCode>
+void widen_block_portable(const uint8_t* block, QuantParams params, float* out) {
+  constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  const QuantForm form{kCode, params};
   const uint8_t* ints = block + detail::quantized_param_bytes(form);
-  for (int64_t i = 0; i < kQuantBlock; ++i) {
+  float scale[kPanelWidth], offset[kPanelWidth];
+  for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kGroupRows) {
     for (int64_t j = 0; j < kPanelWidth; ++j) {
-      out[i * kPanelWidth + j] = detail::quantized_value(ints, i, j, form.code) *
-                                     detail::quantized_scale(block, i, j, form) +
-                                 detail::quantized_offset(block, i, j, form);
+      scale[j] = detail::quantized_scale(block, i0, j, form);
+      offset[j] = detail::quantized_offset(block, i0, j, form);
+    }
+    for (int64_t i = i0; i < i0 + kGroupRows; ++i) {
+      float* row = out + i * kPanelWidth;
+      for (int64_t j = 0; j < kPanelWidth; ++j) {
+        row[j] = detail::quantized_value(ints, i, j, kCode) * scale[j] + offset[j];
+      }
     }
   }
 }
@@ -499,6 +510,92 @@ void multiply_rows_avx512(const float* a, int64_t lda, int rows, const uint8_t* 
 }
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The AVX2 build of multiply_rows: the panel in three passes of 16 columns (two vectors),
+// so that a pass's sums, weights, scales and offsets fit the 16 registers; each pass reads
+// one line of every lane group, the first one asking for the blocks ahead for all three.
+constexpr int kPassVectors = 2;
+
+template <int kRows>
+PYENGINE_WIDEN_AVX2 inline void add_products_avx2(__m256 (&acc)[kRows][kPassVectors],
+                                                  __m256 (&odd)[kPassVectors], const float* a,
+                                                  int64_t lda, bool second,
+                                                  const __m256 (&w)[kPassVectors]) {
+  for (int r = 0; r < kRows; ++r) {
+    const __m256 x = _mm256_set1_ps(a[r * lda]);
+    for (int v = 0; v < kPassVectors; ++v) {
+      if (kRows == 1 && second) {
+        odd[v] = _mm256_fmadd_ps(x, w[v], odd[v]);
+      } else {
+        acc[r][v] = _mm256_fmadd_ps(x, w[v], acc[r][v]);
+      }
+    }
+  }
+}
+
+template <int kRows, QuantCode kCode>
+PYENGINE_WIDEN_AVX2 void multiply_rows_avx2(const float* a, int64_t lda, const uint8_t* panel,
+                                            int64_t k, QuantParams params, float* c) {
+  const QuantForm form{kCode, params};
+  const int64_t block_bytes = quantized_block_bytes(form);
+  constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
+  for (int pass = 0; pass < kPanelWidth / (kPassVectors * kLanes2); ++pass) {
+    __m256 acc[kRows][kPassVectors], odd[kPassVectors];
+    for (int v = 0; v < kPassVectors; ++v) {
+      odd[v] = _mm256_setzero_ps();
+      for (int r = 0; r < kRows; ++r) acc[r][v] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < k / kQuantBlock; ++b) {
+      const uint8_t* block = panel + b * block_bytes;
+      if (pass == 0) prefetch_ahead(block, block_bytes);
+      __m256 scale[kPassVectors] = {}, offset[kPassVectors] = {};
+      const uint8_t* ints = block + detail::quantized_param_bytes(form);
+      const float* x = a + b * kQuantBlock;
+      for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
+        if (i0 % kGroupRows == 0) {
+          for (int v = 0; v < kPassVectors; ++v) {
+            load_params_avx2<kCode>(block, i0, pass * kPassVectors + v, params, scale[v],
+                                    offset[v]);
+          }
+        }
+        __m256i lanes[kPassVectors];
+        for (int v = 0; v < kPassVectors; ++v) {
+          const int64_t column = (pass * kPassVectors + v) * kLanes2;
+          lanes[v] = load_lanes_avx2<kCode>(ints + (i0 / kLaneRows * kPanelWidth + column) * 4);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < kLaneRows; ++r) {
+          __m256 w[kPassVectors];
+          for (int v = 0; v < kPassVectors; ++v) {
+            w[v] = _mm256_fmadd_ps(lane_q_avx2<kCode>(lanes[v], r), scale[v], offset[v]);
+          }
+          add_products_avx2<kRows>(acc, odd, x + i0 + r, lda, r % 2 == 1, w);
+        }
+      }
+    }
+    for (int r = 0; r < kRows; ++r) {
+      for (int v = 0; v < kPassVectors; ++v) {
+        const __m256 sum = kRows == 1 ? _mm256_add_ps(acc[0][v], odd[v]) : acc[r][v];
+        _mm256_storeu_ps(c + r * kPanelWidth + (pass * kPassVectors + v) * kLanes2, sum);
+      }
+    }
+  }
+}
+
+template <QuantCode kCode>
+void multiply_rows_avx2(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
+                        QuantParams params, float* c) {
+  static_assert(detail::kRegisterRows == 4);
+  switch (rows) {
+    case 1: return multiply_rows_avx2<1, kCode>(a, lda, panel, k, params, c);
+    case 2: return multiply_rows_avx2<2, kCode>(a, lda, panel, k, params, c);
+    case 3: return multiply_rows_avx2<3, kCode>(a, lda, panel, k, params, c);
+    default: return multiply_rows_avx2<4, kCode>(a, lda, panel, k, params, c);
+  }
+}
+#endif
+
 bool avx512_supported() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
@@ -536,6 +633,11 @@ bool quantized_avx512() {
   return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
 }
 
+bool quantized_register_rows() {
+  const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
+  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2;
+}
+
 void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst) {
   const int64_t block_bytes = quantized_block_bytes(form);
   const auto widen_all = [&](auto&& widen_block) {
@@ -563,27 +665,36 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
     }
   }
 #endif
-  widen_all([form](const uint8_t* block, QuantParams, float* out) {
-    widen_block_generic(block, form, out);
-  });
+  switch (form.code) {
+    case QuantCode::kNibble: return widen_all(widen_block_portable<QuantCode::kNibble>);
+    case QuantCode::kFp8: return widen_all(widen_block_portable<QuantCode::kFp8>);
+    case QuantCode::kInt8Halves: return widen_all(widen_block_portable<QuantCode::kInt8Halves>);
+    default: return widen_all(widen_block_portable<QuantCode::kInt8>);
+  }
 }
 
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
                              int64_t k, QuantForm form, float* c) {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   const QuantParams params = form.params;
+  const auto run = [&](auto avx512, auto avx2) {
+    return quantized_avx512() ? avx512(a, lda, rows, panel, k, params, c)
+                              : avx2(a, lda, rows, panel, k, params, c);
+  };
   switch (form.code) {
     case QuantCode::kNibble:
-      return multiply_rows_avx512<QuantCode::kNibble>(a, lda, rows, panel, k, params, c);
+      return run(multiply_rows_avx512<QuantCode::kNibble>, multiply_rows_avx2<QuantCode::kNibble>);
     case QuantCode::kFp8:
-      return multiply_rows_avx512<QuantCode::kFp8>(a, lda, rows, panel, k, params, c);
+      return run(multiply_rows_avx512<QuantCode::kFp8>, multiply_rows_avx2<QuantCode::kFp8>);
     case QuantCode::kInt8Halves:
-      return multiply_rows_avx512<QuantCode::kInt8Halves>(a, lda, rows, panel, k, params, c);
-    default: return multiply_rows_avx512<QuantCode::kInt8>(a, lda, rows, panel, k, params, c);
+      return run(multiply_rows_avx512<QuantCode::kInt8Halves>,
+                 multiply_rows_avx2<QuantCode::kInt8Halves>);
+    default:
+      return run(multiply_rows_avx512<QuantCode::kInt8>, multiply_rows_avx2<QuantCode::kInt8>);
   }
 #else
   (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)form, (void)c;
-  throw InvalidArgument("multiply_quantized_rows: built without AVX-512");
+  throw InvalidArgument("multiply_quantized_rows: built without AVX-512 or AVX2");
 #endif
 }
 

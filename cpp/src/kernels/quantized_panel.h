@@ -199,12 +199,16 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
 // widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
 inline constexpr int kRegisterRows = 4;
 
-// Whether quantized panels are widened with AVX-512 (and few rows multiplied in
-// registers): on CPUs with it, unless pinned to another build (set_quantized_dense_isa).
+// Whether quantized panels are widened with AVX-512: on CPUs with it, unless pinned to
+// another build (set_quantized_dense_isa).
 bool quantized_avx512();
 
+// Whether few rows are multiplied with the weights widened in registers
+// (multiply_quantized_rows): in the AVX-512 and AVX2 builds, not the portable one.
+bool quantized_register_rows();
+
 // c [rows][kPanelWidth] = a [rows, k] (lda apart) @ the quantized panel at `panel`, for
-// 1 <= rows <= kRegisterRows, each weight widened in registers exactly as
+// 1 <= rows <= kRegisterRows, where quantized_register_rows(), each weight widened in registers exactly as
 // widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
