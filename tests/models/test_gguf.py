@@ -18,7 +18,7 @@ from helpers.hf_reference import hf_greedy, hf_model_from_weights  # noqa: E402
 from helpers.k_quants import quantize_k, quantize_q6_k  # noqa: E402
 from helpers.logprobs import same_context_differences  # noqa: E402
 
-from pyengine import LLM, SamplingParams  # noqa: E402
+from pyengine import _C, LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import inverse_frequencies  # noqa: E402
 from pyengine.loader.gguf_file import GGUFError, GGUFFile  # noqa: E402
 from pyengine.loader.resolve import load_model  # noqa: E402
@@ -352,6 +352,23 @@ def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: igno
     assert max(differences) > 1e-6
     with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
         LLM(str(path), kv_cache_memory=32 * 2**20, quantized_activations="int4")
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_gguf_decode_is_the_same_in_every_build(tiny_llama, activations: str) -> None:  # type: ignore[no-untyped-def]
+    """The AVX2 and portable builds of the block products (the widening, the few-row
+    products in registers, the int8 rows) give the AVX-512 build's logprobs bit for bit,
+    prefill and decode steps alike."""
+    path, _ = tiny_llama
+    builds = [isa for isa in ("avx512", "avx2", "generic") if _C.cpu_supports(isa)]
+    results = []
+    try:
+        for isa in builds:
+            _C.set_quantized_dense_isa(isa)
+            results.append(decode_logprobs(path, quantized_activations=activations))
+    finally:
+        _C.set_quantized_dense_isa("auto")
+    assert all(result == results[0] for result in results[1:])
 
 
 def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None:
