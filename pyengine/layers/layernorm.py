@@ -15,11 +15,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2:
-            out = torch.empty_like(x)
+        # Per head (Qwen3's q/k norms: [tokens, heads, head_size]) by the kernel on the CPU,
+        # so that a recorded decode step holds them.
+        if x.dim() == 2 or (x.dim() == 3 and x.is_cpu):
+            out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
             ops.rms_norm(out, x, self.weight, self.eps)
             return out
-        variance = x.pow(2).mean(-1, keepdim=True)  # per head (Qwen3's q/k norm)
+        variance = x.pow(2).mean(-1, keepdim=True)
         return self.weight * (x * torch.rsqrt(variance + self.eps))
 
     def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:

@@ -1,7 +1,7 @@
 """Recorded decode steps on the CPU (worker/cpu_graphs.py, ops.recording): a program
 replays its kernels on what its tensors hold now, keeps them alive, and a model's
-recorded steps give the eager steps' tokens and logprobs bit for bit; a model that
-computes outside the kernels is found out and runs eagerly."""
+recorded steps give the eager steps' tokens and logprobs bit for bit (Qwen3's per-head
+norms included); a model that computes outside the kernels is found out and runs eagerly."""
 
 from __future__ import annotations
 
@@ -151,19 +151,28 @@ def test_recorded_steps_give_the_eager_tokens_and_logprobs(tmp_path: Path, optio
     assert recorded == eager
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "qwen3"])
 def test_a_model_computing_outside_the_kernels_runs_eagerly(
-    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """GPT-2's layer norms and position embeddings, Qwen3's per-head norms of q and k,
-    are torch's: a replay would read stale values, so the check finds it out (for
-    Qwen3's, only through attention over more than one key) and the steps run eagerly."""
+    """GPT-2's layer norms and position embeddings are torch's: a replay would read stale
+    values, so the check finds it out and the steps run eagerly."""
     pytest.importorskip("transformers")
-    make_checkpoint(kind, tmp_path)
+    make_checkpoint("gpt2", tmp_path)
     with caplog.at_level(logging.INFO, logger="pyengine"):
         _, was_recorded, _ = generate(tmp_path, False, PROMPTS)
     assert not was_recorded
     assert "differs from the eager one" in caplog.text
+
+
+def test_qwen3_per_head_norms_are_recorded(tmp_path: Path) -> None:
+    """Qwen3's q/k norms per head run as rms_norm over [tokens, heads, head_size] rows, so
+    its steps are recorded too, and give the eager steps' tokens and logprobs bit for bit."""
+    pytest.importorskip("transformers")
+    make_checkpoint("qwen3", tmp_path)
+    eager, _, _ = generate(tmp_path, True, PROMPTS)
+    recorded, was_recorded, replays = generate(tmp_path, False, PROMPTS)
+    assert was_recorded and (4, 4) in replays
+    assert recorded == eager
 
 
 def test_the_checks_leave_the_kv_cache_zero_and_uncommitted(tmp_path: Path) -> None:

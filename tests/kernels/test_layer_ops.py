@@ -31,6 +31,22 @@ def test_fused_add_rms_norm(dtype: torch.dtype) -> None:
     assert rel_error(x, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_each_head(dtype: torch.dtype) -> None:
+    """[tokens, heads, head_size] rows with dense heads (q's heads in a fused qkv output,
+    Qwen3's per-head norms): each head normed alone; other head layouts are refused."""
+    qkv = torch.randn(7, (6 + 2 * 2) * 64).to(dtype)
+    q = qkv[:, : 6 * 64].view(7, 6, 64)
+    weight = torch.rand(64).to(dtype) + 0.5
+    out = torch.full(q.shape, float("nan"), dtype=dtype)
+    ops.rms_norm(out, q, weight, 1e-6)
+    assert rel_error(out, rms_norm_reference(q, weight, 1e-6)) < TOLERANCE[dtype]
+    with pytest.raises(ValueError, match="must have dense heads"):
+        ops.rms_norm(out, qkv.view(7, 10, 64)[:, ::2][:, :6], weight, 1e-6)
+    with pytest.raises(ValueError, match="disagree in shape"):
+        ops.rms_norm(out[:, :5], q, weight, 1e-6)
+
+
 def test_rms_norm_rounds_like_torch_float32() -> None:
     # The model's greedy tokens equal transformers' only if the norm rounds as its ops do.
     x = torch.randn(64, 576)

@@ -15,7 +15,8 @@
 
 namespace pyengine {
 
-// out = x / sqrt(mean(x^2) + eps) * weight, per row.   x, out: [num_tokens, hidden]
+// out = x / sqrt(mean(x^2) + eps) * weight, per row.   x, out: [num_tokens, hidden], or on
+// the CPU [num_tokens, heads, head_size] with dense heads, a row a head (per-head norms)
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
               void* stream = nullptr);
 

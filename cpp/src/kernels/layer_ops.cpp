@@ -51,16 +51,25 @@ void dispatch(DType dtype, F&& f) {
   }
 }
 
+// x and other [rows, n], or (`heads`: on the CPU) [tokens, heads, n] with dense heads, a
+// row a head (Qwen3's q/k norms); weight [n].
 void check_norm_args(const char* op, const TensorView& x, const TensorView& other,
-                     const char* other_name, const TensorView& weight, float eps, bool writes_x) {
+                     const char* other_name, const TensorView& weight, float eps, bool writes_x,
+                     bool heads = false) {
   check_float_dtype(x, op, "x");
-  check_rows_on(x, x.device, op, "x", 2, x.dtype);
-  check_rows_on(other, x.device, op, other_name, 2, x.dtype);
+  if (x.ndim == 3 && heads && x.device.kind != DeviceKind::kCPU) {
+    throw InvalidArgument(std::string(op) + ": [tokens, heads, n] rows run on the CPU only, " +
+                          "got x " + x.describe());
+  }
+  const int ndim = heads && x.ndim == 3 ? 3 : 2;
+  check_rows_on(x, x.device, op, "x", ndim, x.dtype);
+  check_rows_on(other, x.device, op, other_name, ndim, x.dtype);
   check_rows_on(weight, x.device, op, "weight", 1, x.dtype);
   detail::check_writable(other, op, other_name);
   if (writes_x) detail::check_writable(x, op, "x");
-  if (other.shape[0] != x.shape[0] || other.shape[1] != x.shape[1] ||
-      weight.shape[0] != x.shape[1]) {
+  bool same = weight.shape[0] == x.shape[ndim - 1];
+  for (int d = 0; d < ndim; ++d) same = same && other.shape[d] == x.shape[d];
+  if (!same) {
     throw InvalidArgument(std::string(op) + ": x " + x.describe() + ", " + other_name + " " +
                           other.describe() + " and weight " + weight.describe() +
                           " disagree in shape");
@@ -88,14 +97,21 @@ void add_row(float* __restrict acc, const float* __restrict x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += x[i];
 }
 
-// Row r of a [rows, n] tensor as float32: the row itself for float32 tensors, else a copy
-// in `buffer` (written back by store_row).
+// The first element of row r of a [rows, n] view, or of a [tokens, heads, n] one with
+// dense heads (row r: token r / heads, head r % heads).
+int64_t row_start(const TensorView& t, int64_t r) {
+  if (t.ndim == 3) return r / t.shape[1] * t.strides[0] + r % t.shape[1] * t.shape[2];
+  return r * t.strides[0];
+}
+
+// Row r (row_start) as float32: the row itself for float32 tensors, else a copy in
+// `buffer` (written back by store_row).
 template <DType kD>
 float* load_row(const TensorView& t, int64_t r, int64_t n, float* buffer) {
   if constexpr (kD == DType::kFloat32) {
-    return static_cast<float*>(t.data) + r * t.strides[0];
+    return static_cast<float*>(t.data) + row_start(t, r);
   } else {
-    for (int64_t i = 0; i < n; ++i) buffer[i] = detail::load<kD>(t.data, r * t.strides[0] + i);
+    for (int64_t i = 0; i < n; ++i) buffer[i] = detail::load<kD>(t.data, row_start(t, r) + i);
     return buffer;
   }
 }
@@ -103,7 +119,7 @@ float* load_row(const TensorView& t, int64_t r, int64_t n, float* buffer) {
 template <DType kD>
 void store_row(const TensorView& t, int64_t r, int64_t n, const float* row) {
   if constexpr (kD != DType::kFloat32) {
-    for (int64_t i = 0; i < n; ++i) detail::store<kD>(t.data, r * t.strides[0] + i, row[i]);
+    for (int64_t i = 0; i < n; ++i) detail::store<kD>(t.data, row_start(t, r) + i, row[i]);
   } else {
     (void)t, (void)r, (void)n, (void)row;  // float32 rows were written in place
   }
@@ -140,20 +156,21 @@ void for_each_norm_row(const TensorView& weight, int64_t rows, int64_t n, Body&&
 
 void rms_norm(const TensorView& out, const TensorView& x, const TensorView& weight, float eps,
               void* stream) {
-  check_norm_args("rms_norm", x, out, "out", weight, eps, false);
+  check_norm_args("rms_norm", x, out, "out", weight, eps, false, true);
   if (on_cuda(x.device, "rms_norm")) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::rms_norm(out, x, weight, eps, stream);
 #endif
   }
   (void)stream;
-  const int64_t n = x.shape[1];
+  const int64_t n = x.shape[x.ndim - 1];
+  const int64_t rows = x.ndim == 3 ? x.shape[0] * x.shape[1] : x.shape[0];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
-    for_each_norm_row<kD>(weight, x.shape[0], n, [&](int64_t r, float* buffer, const float* w) {
+    for_each_norm_row<kD>(weight, rows, n, [&](int64_t r, float* buffer, const float* w) {
       const float* in = load_row<kD>(x, r, n, buffer);
       float* dst =
-          kD == DType::kFloat32 ? static_cast<float*>(out.data) + r * out.strides[0] : buffer + n;
+          kD == DType::kFloat32 ? static_cast<float*>(out.data) + row_start(out, r) : buffer + n;
       rms_norm_row(in, w, dst, n, eps);
       store_row<kD>(out, r, n, dst);
     });
