@@ -400,23 +400,46 @@ PYENGINE_WIDEN_AVX2 void widen_block_avx2(const uint8_t* block, QuantParams para
 }
 #endif
 
-// The portable build: a group's scales and offsets looked up once, then loops over the
-// rows of a column group that the compiler vectorizes (SSE2, NEON).
+// q of row b (of the lane rows) of a lane's 4 bytes, a biased code's bias flipped off
+// (lane ^ 0x80808080), as float.
+template <QuantCode kCode>
+inline float lane_value(uint32_t lane, int b) {
+  if constexpr (kCode == QuantCode::kNibble) {
+    return static_cast<float>(lane >> (8 * (b % 4) + 4 * (b / 4)) & 15);
+  } else if constexpr (kCode == QuantCode::kFp8) {
+    return detail::fp8_e4m3_to_float(static_cast<uint8_t>(lane >> 8 * b));
+  } else {  // (sign-extended from the row's byte)
+    return static_cast<float>(static_cast<int32_t>(lane << (24 - 8 * b)) >> 24);
+  }
+}
+
+// The portable build: a group's scales and offsets looked up once, then, a lane row at a
+// time, a loop over the panel's contiguous lanes that the compiler vectorizes (SSE2,
+// NEON): the shifts are constants once the rows' loop unrolls.
 template <QuantCode kCode>
 void widen_block_portable(const uint8_t* block, QuantParams params, float* out) {
   constexpr int64_t kGroupRows = detail::quantized_group_rows(kCode);
+  constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
   const QuantForm form{kCode, params};
   const uint8_t* ints = block + detail::quantized_param_bytes(form);
   float scale[kPanelWidth], offset[kPanelWidth];
-  for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kGroupRows) {
-    for (int64_t j = 0; j < kPanelWidth; ++j) {
-      scale[j] = detail::quantized_scale(block, i0, j, form);
-      offset[j] = detail::quantized_offset(block, i0, j, form);
-    }
-    for (int64_t i = i0; i < i0 + kGroupRows; ++i) {
-      float* row = out + i * kPanelWidth;
+  uint32_t lanes[kPanelWidth];
+  for (int64_t i0 = 0; i0 < kQuantBlock; i0 += kLaneRows) {
+    if (i0 % kGroupRows == 0) {
       for (int64_t j = 0; j < kPanelWidth; ++j) {
-        row[j] = detail::quantized_value(ints, i, j, kCode) * scale[j] + offset[j];
+        scale[j] = detail::quantized_scale(block, i0, j, form);
+        offset[j] = detail::quantized_offset(block, i0, j, form);
+      }
+    }
+    std::memcpy(lanes, ints + i0 / kLaneRows * kPanelWidth * 4, sizeof lanes);
+    if constexpr (detail::quantized_biased(kCode)) {
+      for (uint32_t& lane : lanes) lane ^= 0x80808080u;
+    }
+#pragma GCC unroll 8
+    for (int b = 0; b < kLaneRows; ++b) {
+      float* row = out + (i0 + b) * kPanelWidth;
+      for (int64_t j = 0; j < kPanelWidth; ++j) {
+        row[j] = lane_value<kCode>(lanes[j], b) * scale[j] + offset[j];
       }
     }
   }
