@@ -13,6 +13,7 @@
 #endif
 
 #include "attention_checks.h"
+#include "vector_clones.h"
 
 namespace pyengine {
 namespace {
@@ -22,7 +23,6 @@ using detail::QuantForm;
 using detail::quantized_block_bytes;
 
 constexpr int kLanes = 16;
-constexpr int64_t kPrefetchBlocks = 4;
 
 // The code of pack_quantized_weight's operands: the packed dtype's, kInt8Halves where
 // an int8 weight's scales are per 16 rows (scale_t [k / 16, n]).
@@ -400,19 +400,6 @@ PYENGINE_WIDEN_AVX2 void widen_block_avx2(const uint8_t* block, QuantParams para
 }
 #endif
 
-// q of row b (of the lane rows) of a lane's 4 bytes, a biased code's bias flipped off
-// (lane ^ 0x80808080), as float.
-template <QuantCode kCode>
-inline float lane_value(uint32_t lane, int b) {
-  if constexpr (kCode == QuantCode::kNibble) {
-    return static_cast<float>(lane >> (8 * (b % 4) + 4 * (b / 4)) & 15);
-  } else if constexpr (kCode == QuantCode::kFp8) {
-    return detail::fp8_e4m3_to_float(static_cast<uint8_t>(lane >> 8 * b));
-  } else {  // (sign-extended from the row's byte)
-    return static_cast<float>(static_cast<int32_t>(lane << (24 - 8 * b)) >> 24);
-  }
-}
-
 // The portable build: a group's scales and offsets looked up once, then, a lane row at a
 // time, a loop over the panel's contiguous lanes that the compiler vectorizes (SSE2,
 // NEON): the shifts are constants once the rows' loop unrolls.
@@ -439,18 +426,12 @@ void widen_block_portable(const uint8_t* block, QuantParams params, float* out) 
     for (int b = 0; b < kLaneRows; ++b) {
       float* row = out + (i0 + b) * kPanelWidth;
       for (int64_t j = 0; j < kPanelWidth; ++j) {
-        row[j] = lane_value<kCode>(lanes[j], b) * scale[j] + offset[j];
+        row[j] = detail::quantized_lane_value<kCode>(lanes[j], b) * scale[j] + offset[j];
       }
     }
   }
 }
 
-// The quantized rows of a block are read once, in order: ask for them kPrefetchBlocks
-// ahead (past the panel, into the thread's next one; prefetches never fault).
-inline void prefetch_ahead(const uint8_t* block, int64_t block_bytes) {
-  const uint8_t* ahead = block + kPrefetchBlocks * block_bytes;
-  for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 1);
-}
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC diagnostic push
@@ -489,7 +470,7 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
   constexpr int kLaneRows = detail::quantized_lane_rows(kCode);
   for (int64_t b = 0; b < k / kQuantBlock; ++b) {
     const uint8_t* block = panel + b * block_bytes;
-    prefetch_ahead(block, block_bytes);
+    detail::prefetch_quantized_ahead(block, block_bytes);
     __m512 scale[3], offset[3];
     const uint8_t* ints = block + detail::quantized_param_bytes(form);
     const float* x = a + b * kQuantBlock;
@@ -571,7 +552,7 @@ PYENGINE_WIDEN_AVX2 void multiply_rows_avx2(const float* a, int64_t lda, const u
     }
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = panel + b * block_bytes;
-      if (pass == 0) prefetch_ahead(block, block_bytes);
+      if (pass == 0) detail::prefetch_quantized_ahead(block, block_bytes);
       __m256 scale[kPassVectors] = {}, offset[kPassVectors] = {};
       const uint8_t* ints = block + detail::quantized_param_bytes(form);
       const float* x = a + b * kQuantBlock;
@@ -656,17 +637,13 @@ bool quantized_avx512() {
   return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
 }
 
-bool quantized_register_rows() {
-  const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
-  return isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2;
-}
 
 void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst) {
   const int64_t block_bytes = quantized_block_bytes(form);
   const auto widen_all = [&](auto&& widen_block) {
     for (int64_t b = 0; b < k / kQuantBlock; ++b) {
       const uint8_t* block = src + b * block_bytes;
-      prefetch_ahead(block, block_bytes);
+      detail::prefetch_quantized_ahead(block, block_bytes);
       widen_block(block, form.params, dst + b * kQuantBlock * kPanelWidth);
     }
   };
@@ -698,27 +675,30 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
 
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
                              int64_t k, QuantForm form, float* c) {
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
   const QuantParams params = form.params;
-  const auto run = [&](auto avx512, auto avx2) {
-    return quantized_avx512() ? avx512(a, lda, rows, panel, k, params, c)
-                              : avx2(a, lda, rows, panel, k, params, c);
-  };
-  switch (form.code) {
-    case QuantCode::kNibble:
-      return run(multiply_rows_avx512<QuantCode::kNibble>, multiply_rows_avx2<QuantCode::kNibble>);
-    case QuantCode::kFp8:
-      return run(multiply_rows_avx512<QuantCode::kFp8>, multiply_rows_avx2<QuantCode::kFp8>);
-    case QuantCode::kInt8Halves:
-      return run(multiply_rows_avx512<QuantCode::kInt8Halves>,
-                 multiply_rows_avx2<QuantCode::kInt8Halves>);
-    default:
-      return run(multiply_rows_avx512<QuantCode::kInt8>, multiply_rows_avx2<QuantCode::kInt8>);
-  }
+  const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
+  const auto run = [&](auto avx512, auto avx2, auto portable) {
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (isa == CpuIsa::kAvx512) return avx512(a, lda, rows, panel, k, params, c);
+    if (isa == CpuIsa::kAvx2) return avx2(a, lda, rows, panel, k, params, c);
 #else
-  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)form, (void)c;
-  throw InvalidArgument("multiply_quantized_rows: built without AVX-512 or AVX2");
+    (void)avx512, (void)avx2;
 #endif
+    return portable(a, lda, rows, panel, k, params, c);
+  };
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define PYENGINE_ROWS_BUILDS(code) \
+  multiply_rows_avx512<code>, multiply_rows_avx2<code>, detail::multiply_rows_portable<code>
+#else
+#define PYENGINE_ROWS_BUILDS(code) nullptr, nullptr, detail::multiply_rows_portable<code>
+#endif
+  switch (form.code) {
+    case QuantCode::kNibble: return run(PYENGINE_ROWS_BUILDS(QuantCode::kNibble));
+    case QuantCode::kFp8: return run(PYENGINE_ROWS_BUILDS(QuantCode::kFp8));
+    case QuantCode::kInt8Halves: return run(PYENGINE_ROWS_BUILDS(QuantCode::kInt8Halves));
+    default: return run(PYENGINE_ROWS_BUILDS(QuantCode::kInt8));
+  }
+#undef PYENGINE_ROWS_BUILDS
 }
 
 }  // namespace detail

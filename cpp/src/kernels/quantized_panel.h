@@ -191,6 +191,26 @@ inline float quantized_value(const uint8_t* ints, int64_t i, int64_t j, QuantCod
   }
 }
 
+// q of row b (of the lane rows) of a lane's 4 bytes, a biased code's bias flipped off
+// (lane ^ 0x80808080), as float: the portable builds' widening of one weight.
+template <QuantCode kCode>
+inline float quantized_lane_value(uint32_t lane, int b) {
+  if constexpr (kCode == QuantCode::kNibble) {
+    return static_cast<float>(lane >> (8 * (b % 4) + 4 * (b / 4)) & 15);
+  } else if constexpr (kCode == QuantCode::kFp8) {
+    return fp8_e4m3_to_float(static_cast<uint8_t>(lane >> 8 * b));
+  } else {  // (sign-extended from the row's byte)
+    return static_cast<float>(static_cast<int32_t>(lane << (24 - 8 * b)) >> 24);
+  }
+}
+
+// The quantized rows of a block are read once, in order: ask for them 4 blocks ahead
+// (past the panel, into the thread's next one; prefetches never fault).
+inline void prefetch_quantized_ahead(const uint8_t* block, int64_t block_bytes) {
+  const uint8_t* ahead = block + 4 * block_bytes;
+  for (int64_t line = 0; line < block_bytes; line += 64) __builtin_prefetch(ahead + line, 0, 1);
+}
+
 // The float32 panel [k, kPanelWidth] of the quantized panel at src: q * scale + offset,
 // rounded once (q * scale is exact, or the offset zero).
 void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst);
@@ -203,16 +223,18 @@ inline constexpr int kRegisterRows = 4;
 // another build (set_quantized_dense_isa).
 bool quantized_avx512();
 
-// Whether few rows are multiplied with the weights widened in registers
-// (multiply_quantized_rows): in the AVX-512 and AVX2 builds, not the portable one.
-bool quantized_register_rows();
-
 // c [rows][kPanelWidth] = a [rows, k] (lda apart) @ the quantized panel at `panel`, for
-// 1 <= rows <= kRegisterRows, where quantized_register_rows(), each weight widened in registers exactly as
+// 1 <= rows <= kRegisterRows, each weight widened in registers exactly as
 // widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
                              int64_t k, QuantForm form, float* c);
+
+// The portable build of multiply_quantized_rows (quantized_rows_portable.cpp), for
+// code's panels.
+template <QuantCode kCode>
+void multiply_rows_portable(const float* a, int64_t lda, int rows, const uint8_t* panel,
+                            int64_t k, QuantParams params, float* c);
 
 // A decode step's rows of x, quantized for integer products with quantized panels (as
 // llama.cpp's q8_0 activations): each block of kQuantBlock values of a row as
