@@ -201,28 +201,6 @@ PYENGINE_INT8_ROWS_VNNI void multiply_vnni(const Int8Rows& x, int64_t r0, const 
 #define PYENGINE_INT8_ROWS_AVX2 __attribute__((target("avx2,fma,f16c")))
 constexpr int kLanes8 = 8;  // an AVX2 vector's columns
 
-PYENGINE_INT8_ROWS_AVX2 inline __m256 half8(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-
-// The scales and offsets of row i's group, columns [8 v, 8 v + 8) (offsets -0.0 where none
-// are stored), as load_quantized_params loads 16.
-PYENGINE_INT8_ROWS_AVX2 inline void load_params8(const uint8_t* block, int64_t i, int v,
-                                                 QuantForm form, __m256& scale, __m256& offset) {
-  const uint8_t* params = quantized_group_params(block, i, form);
-  if (quantized_float32_scales(form.params)) {
-    const auto* floats = reinterpret_cast<const float*>(params);
-    scale = _mm256_loadu_ps(floats + kLanes8 * v);
-    offset = form.params == QuantParams::kFloat32 ? _mm256_loadu_ps(floats + kPanelWidth + kLanes8 * v)
-                                                  : _mm256_set1_ps(-0.0f);
-    return;
-  }
-  const auto* halves = reinterpret_cast<const uint16_t*>(params);
-  scale = half8(halves + kLanes8 * v);
-  offset = form.params == QuantParams::kFloat16 ? half8(halves + kPanelWidth + kLanes8 * v)
-                                                : _mm256_set1_ps(-0.0f);
-}
-
 // Each lane's int32 sum of its 4 products: AVX2 has no vpdpbusd, and vpmaddubsw's int16
 // pairs of unsigned times signed bytes are exact only for small unsigned ones (nibbles:
 // at most 2 * 15 * 127); a byte goes as its two nibbles, the high one's sum times 16.
@@ -279,7 +257,7 @@ PYENGINE_INT8_ROWS_AVX2 void multiply_avx2(const Int8Rows& x, int64_t r0, const 
           }
         }
         __m256 scales, offset;
-        load_params8(block, i0, v, form, scales, offset);
+        load_quantized_params8(block, i0, v, form, scales, offset);
         for (int r = 0; r < kRows; ++r) {
           const GroupTerms t = group_terms(x, r0 + r, b, i0, kCode);
           const __m256i exact = _mm256_sub_epi32(dot[r], _mm256_set1_epi32(t.bias));

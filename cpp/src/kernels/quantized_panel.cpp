@@ -355,26 +355,13 @@ PYENGINE_WIDEN_AVX2 inline __m256i load_lanes_avx2(const uint8_t* src) {
   return w;
 }
 
-PYENGINE_WIDEN_AVX2 inline __m256 widen_halves_avx2(const uint16_t* h) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
-}
-
+// The scale and offset vectors of row i's group, columns [v * 8, v * 8 + 8), as
+// lane_q_avx2's widenings take them.
 template <QuantCode kCode>
 PYENGINE_WIDEN_AVX2 inline void load_params_avx2(const uint8_t* block, int64_t i, int v,
                                                  QuantParams params, __m256& scale,
                                                  __m256& offset) {
-  const uint8_t* group = detail::quantized_group_params(block, i, QuantForm{kCode, params});
-  if (detail::quantized_float32_scales(params)) {
-    const auto* floats = reinterpret_cast<const float*>(group);
-    scale = _mm256_loadu_ps(floats + kLanes2 * v);
-    offset = params == QuantParams::kFloat32 ? _mm256_loadu_ps(floats + kPanelWidth + kLanes2 * v)
-                                             : _mm256_set1_ps(-0.0f);
-  } else {
-    const auto* halves = reinterpret_cast<const uint16_t*>(group);
-    scale = widen_halves_avx2(halves + kLanes2 * v);
-    offset = params == QuantParams::kFloat16 ? widen_halves_avx2(halves + kPanelWidth + kLanes2 * v)
-                                             : _mm256_set1_ps(-0.0f);
-  }
+  detail::load_quantized_params8(block, i, v, QuantForm{kCode, params}, scale, offset);
   if constexpr (kCode == QuantCode::kFp8) scale = _mm256_mul_ps(scale, _mm256_set1_ps(256.0f));
 }
 

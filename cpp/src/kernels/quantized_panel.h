@@ -164,6 +164,26 @@ __attribute__((target("avx512f,avx512bw"))) inline void load_quantized_params(
 }
 #endif
 
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// The same for columns [8 v, 8 v + 8), AVX2's width.
+__attribute__((target("avx2,fma,f16c"))) inline void load_quantized_params8(
+    const uint8_t* block, int64_t i, int v, QuantForm form, __m256& scale, __m256& offset) {
+  const uint8_t* params = quantized_group_params(block, i, form);
+  if (quantized_float32_scales(form.params)) {
+    const auto* floats = reinterpret_cast<const float*>(params) + 8 * v;
+    scale = _mm256_loadu_ps(floats);
+    offset = form.params == QuantParams::kFloat32 ? _mm256_loadu_ps(floats + kPanelWidth)
+                                                  : _mm256_set1_ps(-0.0f);
+    return;
+  }
+  const auto* halves = reinterpret_cast<const uint16_t*>(params) + 8 * v;
+  scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves)));
+  offset = form.params == QuantParams::kFloat16
+               ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(halves + kPanelWidth)))
+               : _mm256_set1_ps(-0.0f);
+}
+#endif
+
 // Rows of a block a 4-byte lane of its integers holds: 8 nibbles, or 4 bytes.
 constexpr int quantized_lane_rows(QuantCode code) { return code == QuantCode::kNibble ? 8 : 4; }
 
