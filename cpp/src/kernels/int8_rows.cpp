@@ -273,25 +273,18 @@ PYENGINE_INT8_ROWS_AVX2 void multiply_avx2(const Int8Rows& x, int64_t r0, const 
 
 template <QuantCode kCode>
 void multiply_avx2(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
-                   QuantParams params, float* c) {
-  switch (rows) {
-    case 1: return multiply_avx2<1, kCode>(x, r0, panel, params, c);
-    case 2: return multiply_avx2<2, kCode>(x, r0, panel, params, c);
-    case 3: return multiply_avx2<3, kCode>(x, r0, panel, params, c);
-    default: return multiply_avx2<4, kCode>(x, r0, panel, params, c);
-  }
+                  QuantParams params, float* c) {
+  with_register_rows(rows, [&](auto n) {
+    multiply_avx2<decltype(n)::value, kCode>(x, r0, panel, params, c);
+  });
 }
 
 template <QuantCode kCode>
 void multiply_vnni(const Int8Rows& x, int64_t r0, int rows, const uint8_t* panel,
-                   QuantParams params, float* c) {
-  static_assert(kRegisterRows == 4);
-  switch (rows) {
-    case 1: return multiply_vnni<1, kCode>(x, r0, panel, params, c);
-    case 2: return multiply_vnni<2, kCode>(x, r0, panel, params, c);
-    case 3: return multiply_vnni<3, kCode>(x, r0, panel, params, c);
-    default: return multiply_vnni<4, kCode>(x, r0, panel, params, c);
-  }
+                  QuantParams params, float* c) {
+  with_register_rows(rows, [&](auto n) {
+    multiply_vnni<decltype(n)::value, kCode>(x, r0, panel, params, c);
+  });
 }
 #endif
 

@@ -111,7 +111,8 @@ float* load_row(const TensorView& t, int64_t r, int64_t n, float* buffer) {
   if constexpr (kD == DType::kFloat32) {
     return static_cast<float*>(t.data) + row_start(t, r);
   } else {
-    for (int64_t i = 0; i < n; ++i) buffer[i] = detail::load<kD>(t.data, row_start(t, r) + i);
+    const int64_t start = row_start(t, r);
+    for (int64_t i = 0; i < n; ++i) buffer[i] = detail::load<kD>(t.data, start + i);
     return buffer;
   }
 }
@@ -119,7 +120,8 @@ float* load_row(const TensorView& t, int64_t r, int64_t n, float* buffer) {
 template <DType kD>
 void store_row(const TensorView& t, int64_t r, int64_t n, const float* row) {
   if constexpr (kD != DType::kFloat32) {
-    for (int64_t i = 0; i < n; ++i) detail::store<kD>(t.data, row_start(t, r) + i, row[i]);
+    const int64_t start = row_start(t, r);
+    for (int64_t i = 0; i < n; ++i) detail::store<kD>(t.data, start + i, row[i]);
   } else {
     (void)t, (void)r, (void)n, (void)row;  // float32 rows were written in place
   }

@@ -419,7 +419,6 @@ void widen_block_portable(const uint8_t* block, QuantParams params, float* out) 
   }
 }
 
-
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -488,17 +487,6 @@ PYENGINE_WIDEN_AVX512 void multiply_rows_avx512(const float* a, int64_t lda, con
 }
 #pragma GCC diagnostic pop
 
-template <QuantCode kCode>
-void multiply_rows_avx512(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
-                          QuantParams params, float* c) {
-  static_assert(detail::kRegisterRows == 4);
-  switch (rows) {
-    case 1: return multiply_rows_avx512<1, kCode>(a, lda, panel, k, params, c);
-    case 2: return multiply_rows_avx512<2, kCode>(a, lda, panel, k, params, c);
-    case 3: return multiply_rows_avx512<3, kCode>(a, lda, panel, k, params, c);
-    default: return multiply_rows_avx512<4, kCode>(a, lda, panel, k, params, c);
-  }
-}
 #endif
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -574,17 +562,6 @@ PYENGINE_WIDEN_AVX2 void multiply_rows_avx2(const float* a, int64_t lda, const u
   }
 }
 
-template <QuantCode kCode>
-void multiply_rows_avx2(const float* a, int64_t lda, int rows, const uint8_t* panel, int64_t k,
-                        QuantParams params, float* c) {
-  static_assert(detail::kRegisterRows == 4);
-  switch (rows) {
-    case 1: return multiply_rows_avx2<1, kCode>(a, lda, panel, k, params, c);
-    case 2: return multiply_rows_avx2<2, kCode>(a, lda, panel, k, params, c);
-    case 3: return multiply_rows_avx2<3, kCode>(a, lda, panel, k, params, c);
-    default: return multiply_rows_avx2<4, kCode>(a, lda, panel, k, params, c);
-  }
-}
 #endif
 
 bool avx512_supported() {
@@ -624,7 +601,6 @@ bool quantized_avx512() {
   return isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx512;
 }
 
-
 void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float* dst) {
   const int64_t block_bytes = quantized_block_bytes(form);
   const auto widen_all = [&](auto&& widen_block) {
@@ -634,58 +610,36 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
       widen_block(block, form.params, dst + b * kQuantBlock * kPanelWidth);
     }
   };
+  with_quant_code(form.code, [&](auto code) {
+    constexpr QuantCode kCode = decltype(code)::value;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  if (quantized_avx512()) {
-    switch (form.code) {
-      case QuantCode::kNibble: return widen_all(widen_block_avx512<QuantCode::kNibble>);
-      case QuantCode::kFp8: return widen_all(widen_block_avx512<QuantCode::kFp8>);
-      case QuantCode::kInt8Halves: return widen_all(widen_block_avx512<QuantCode::kInt8Halves>);
-      default: return widen_all(widen_block_avx512<QuantCode::kInt8>);
-    }
-  }
-  if (isa_in_use().load(std::memory_order_relaxed) == CpuIsa::kAvx2) {
-    switch (form.code) {
-      case QuantCode::kNibble: return widen_all(widen_block_avx2<QuantCode::kNibble>);
-      case QuantCode::kFp8: return widen_all(widen_block_avx2<QuantCode::kFp8>);
-      case QuantCode::kInt8Halves: return widen_all(widen_block_avx2<QuantCode::kInt8Halves>);
-      default: return widen_all(widen_block_avx2<QuantCode::kInt8>);
-    }
-  }
+    const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
+    if (isa == CpuIsa::kAvx512) return widen_all(widen_block_avx512<kCode>);
+    if (isa == CpuIsa::kAvx2) return widen_all(widen_block_avx2<kCode>);
 #endif
-  switch (form.code) {
-    case QuantCode::kNibble: return widen_all(widen_block_portable<QuantCode::kNibble>);
-    case QuantCode::kFp8: return widen_all(widen_block_portable<QuantCode::kFp8>);
-    case QuantCode::kInt8Halves: return widen_all(widen_block_portable<QuantCode::kInt8Halves>);
-    default: return widen_all(widen_block_portable<QuantCode::kInt8>);
-  }
+    widen_all(widen_block_portable<kCode>);
+  });
 }
 
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
                              int64_t k, QuantForm form, float* c) {
   const QuantParams params = form.params;
-  const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
-  const auto run = [&](auto avx512, auto avx2, auto portable) {
+  with_quant_code(form.code, [&](auto code) {
+    constexpr QuantCode kCode = decltype(code)::value;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    if (isa == CpuIsa::kAvx512) return avx512(a, lda, rows, panel, k, params, c);
-    if (isa == CpuIsa::kAvx2) return avx2(a, lda, rows, panel, k, params, c);
-#else
-    (void)avx512, (void)avx2;
+    const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
+    if (isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2) {
+      return with_register_rows(rows, [&](auto n) {
+        constexpr int kRows = decltype(n)::value;
+        if (isa == CpuIsa::kAvx512) {
+          return multiply_rows_avx512<kRows, kCode>(a, lda, panel, k, params, c);
+        }
+        multiply_rows_avx2<kRows, kCode>(a, lda, panel, k, params, c);
+      });
+    }
 #endif
-    return portable(a, lda, rows, panel, k, params, c);
-  };
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define PYENGINE_ROWS_BUILDS(code) \
-  multiply_rows_avx512<code>, multiply_rows_avx2<code>, detail::multiply_rows_portable<code>
-#else
-#define PYENGINE_ROWS_BUILDS(code) nullptr, nullptr, detail::multiply_rows_portable<code>
-#endif
-  switch (form.code) {
-    case QuantCode::kNibble: return run(PYENGINE_ROWS_BUILDS(QuantCode::kNibble));
-    case QuantCode::kFp8: return run(PYENGINE_ROWS_BUILDS(QuantCode::kFp8));
-    case QuantCode::kInt8Halves: return run(PYENGINE_ROWS_BUILDS(QuantCode::kInt8Halves));
-    default: return run(PYENGINE_ROWS_BUILDS(QuantCode::kInt8));
-  }
-#undef PYENGINE_ROWS_BUILDS
+    multiply_rows_portable<kCode>(a, lda, rows, panel, k, params, c);
+  });
 }
 
 }  // namespace detail

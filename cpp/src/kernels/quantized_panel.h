@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -238,6 +239,31 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
 // Rows a decode step multiplies with the weights widened in registers, not through a
 // widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
 inline constexpr int kRegisterRows = 4;
+
+// f(std::integral_constant<QuantCode, code>): a kernel built for each code, picked once.
+template <class F>
+decltype(auto) with_quant_code(QuantCode code, F&& f) {
+  switch (code) {
+    case QuantCode::kNibble: return f(std::integral_constant<QuantCode, QuantCode::kNibble>{});
+    case QuantCode::kFp8: return f(std::integral_constant<QuantCode, QuantCode::kFp8>{});
+    case QuantCode::kInt8Halves:
+      return f(std::integral_constant<QuantCode, QuantCode::kInt8Halves>{});
+    default: return f(std::integral_constant<QuantCode, QuantCode::kInt8>{});
+  }
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= kRegisterRows: the few-row
+// kernels, whose sums are registers of a compile-time count.
+template <class F>
+decltype(auto) with_register_rows(int rows, F&& f) {
+  static_assert(kRegisterRows == 4);
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    default: return f(std::integral_constant<int, 4>{});
+  }
+}
 
 // Whether quantized panels are widened with AVX-512: on CPUs with it, unless pinned to
 // another build (set_quantized_dense_isa).

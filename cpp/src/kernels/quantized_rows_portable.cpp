@@ -76,13 +76,9 @@ PYENGINE_VECTOR_CLONES void rows_portable(const float* a, int64_t lda, const uin
 template <QuantCode kCode>
 void multiply_rows_portable(const float* a, int64_t lda, int rows, const uint8_t* panel,
                             int64_t k, QuantParams params, float* c) {
-  static_assert(kRegisterRows == 4);
-  switch (rows) {
-    case 1: return rows_portable<1, kCode>(a, lda, panel, k, params, c);
-    case 2: return rows_portable<2, kCode>(a, lda, panel, k, params, c);
-    case 3: return rows_portable<3, kCode>(a, lda, panel, k, params, c);
-    default: return rows_portable<4, kCode>(a, lda, panel, k, params, c);
-  }
+  with_register_rows(rows, [&](auto n) {
+    rows_portable<decltype(n)::value, kCode>(a, lda, panel, k, params, c);
+  });
 }
 
 
