@@ -185,20 +185,9 @@ def build_app(
 
     app = FastAPI(title="pyengine", lifespan=lifespan)
 
-    @app.middleware("http")
-    async def authenticate(
-        request: Request, call_next: Callable[[Request], Awaitable[Response]]
-    ) -> Response:
-        if (
-            api_key is not None
-            and request.method != "OPTIONS"  # a browser's CORS preflight carries no key
-            and request.url.path.startswith("/v1")
-            and request.headers.get("authorization") != f"Bearer {api_key}"
-        ):
-            return error_response(APIError("invalid or missing API key", status=401))
-        return await call_next(request)
-
-    # After authenticate, so outside it: preflights are answered here (as vLLM's server).
+    if api_key is not None:
+        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    # After the key check, so outside it: preflights are answered here (as vLLM's server).
     app.add_middleware(
         CORSMiddleware,
         allow_origins=allowed_origins,
@@ -317,6 +306,28 @@ async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator
         logger.error("a stream ended by an engine failure: %s", error)
         yield sse(APIError(f"the engine failed: {error}", status=503).body())
         yield SSE_DONE
+
+
+class ApiKeyCheck:
+    """Refuses /v1 requests without `Authorization: Bearer <api_key>`. A plain ASGI
+    middleware: Starlette's BaseHTTPMiddleware would pass every chunk of a stream
+    through a task and a memory stream of its own, costing each streamed token."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if (
+            scope["type"] == "http"
+            and scope["method"] != "OPTIONS"  # a browser's CORS preflight carries no key
+            and scope["path"].startswith("/v1")
+            and dict(scope["headers"]).get(b"authorization") != self.expected
+        ):
+            response = error_response(APIError("invalid or missing API key", status=401))
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def error_response(error: APIError) -> Response:
