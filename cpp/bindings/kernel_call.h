@@ -6,6 +6,8 @@
 
 #include <pybind11/pybind11.h>
 
+#include <chrono>
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <string>
@@ -19,6 +21,7 @@ namespace pyengine::bindings {
 // The call holds its views, and so keeps its tensors alive (and at their addresses).
 struct KernelCall {
   std::function<void()> run;
+  std::string name;  // the kernel's (set by def_kernel's prepare_<name>)
 };
 
 // A view shared by the copies of a call (std::function copies what it captures).
@@ -44,6 +47,24 @@ class KernelProgram {
   }
   size_t size() const { return calls_.size(); }
 
+  // Runs the program `repeats` times; each call's name and mean seconds per run, in order.
+  std::vector<std::pair<std::string, double>> profile(int64_t repeats) const {
+    std::vector<double> seconds(calls_.size(), 0.0);
+    for (int64_t r = 0; r < repeats; ++r) {
+      for (size_t i = 0; i < calls_.size(); ++i) {
+        const auto start = std::chrono::steady_clock::now();
+        calls_[i].run();
+        seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      }
+    }
+    std::vector<std::pair<std::string, double>> out;
+    out.reserve(calls_.size());
+    for (size_t i = 0; i < calls_.size(); ++i) {
+      out.emplace_back(calls_[i].name, seconds[i] / static_cast<double>(repeats));
+    }
+    return out;
+  }
+
  private:
   std::vector<KernelCall> calls_;
 };
@@ -62,7 +83,14 @@ void def_kernel(pybind11::module_& m, const char* name, KernelCall (*prepare)(Ar
         call.run();
       },
       extra...);
-  m.def(("prepare_" + std::string(name)).c_str(), prepare, extra...);
+  m.def(
+      ("prepare_" + std::string(name)).c_str(),
+      [prepare, name](Args... args) {
+        KernelCall call = prepare(std::forward<Args>(args)...);
+        call.name = name;
+        return call;
+      },
+      extra...);
 }
 
 }  // namespace pyengine::bindings

@@ -72,6 +72,25 @@ def test_a_program_replays_its_calls_on_what_its_tensors_hold_now() -> None:
     torch.testing.assert_close(residual, x2 + before)
 
 
+def test_a_program_profiles_each_call_by_its_kernel_name() -> None:
+    a, b = torch.randn(4, 32), torch.randn(4, 32)
+    weight = torch.rand(32) + 0.5
+    total, normed = torch.empty(4, 32), torch.empty(4, 32)
+    program = _C.KernelProgram()
+    with ops.recording(program):
+        ops.add(total, a, b)
+        ops.rms_norm(normed, total, weight, 1e-6)
+    profile = program.profile(3)
+    assert [name for name, _ in profile] == ["add", "rms_norm"]
+    assert all(seconds > 0 for _, seconds in profile)
+    # The profiled runs are runs: they compute what run() does.
+    a.fill_(1.0)
+    program.profile(1)
+    torch.testing.assert_close(total, 1.0 + b)
+    with pytest.raises(ValueError, match="repeats must be at least 1, got 0"):
+        program.profile(0)
+
+
 def test_recording_does_not_nest_and_ends_with_its_block() -> None:
     program = _C.KernelProgram()
     inner = _C.KernelProgram()
