@@ -3,8 +3,9 @@ timed call by call (KernelProgram.profile), summed by kernel, against the step r
 whole (KernelProgram.run) and the memory-bandwidth bound of the weights it streams; and
 the LM head, which runs after the program.
 
-The difference between the whole replay and the sum of its calls is what no call holds
-(its std::function hops); OpenMP's fork, join and imbalance sit inside the calls. The
+Timing each call adds its clock reads and ends the overlap of one call's tail with the
+next one's start, so the sum of the calls can differ from the whole replay either way;
+OpenMP's fork, join and imbalance sit inside the calls. The
 step replays the inputs of the last decode of a real request, its context as long as
 that request's.
 
@@ -81,7 +82,8 @@ def main() -> None:
     print(
         f"\nsum of the calls {summed * 1e6:.0f} us; the step replayed whole {whole * 1e6:.0f} us; "
         f"the bound of its {streamed / 1e6:.0f} MB of weights at {bandwidth / 1e9:.1f} GB/s: "
-        f"{streamed / bandwidth * 1e6:.0f} us. The LM head, run eagerly after the program: "
+        f"{streamed / bandwidth * 1e6:.0f} us. The LM head, run eagerly after the program "
+        f"(best of several): "
         f"{head_seconds * 1e6:.0f} us (its {head_bytes / 1e6:.0f} MB: "
         f"{head_bytes / bandwidth * 1e6:.0f} us)"
     )

@@ -54,7 +54,8 @@ class KernelProgram {
       for (size_t i = 0; i < calls_.size(); ++i) {
         const auto start = std::chrono::steady_clock::now();
         calls_[i].run();
-        seconds[i] += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+        seconds[i] += took.count();
       }
     }
     std::vector<std::pair<std::string, double>> out;
