@@ -204,6 +204,23 @@ void bind_layer_ops(py::module_& m) {
       py::arg("packed"), py::arg("w_t"), py::arg("gate_up") = false,
       "Packs w_t [k, n] (gate_up: [k, 2n], gate columns then up) as split bfloat16s for "
       "dense / dense_silu_and_mul on AMX.");
+  m.def("packed_bf16_weight_size", &packed_bf16_weight_size, py::arg("k"), py::arg("n"),
+        "bfloat16s of a [k, n] weight's bfloat16 panels (twice it for a gate/up pair).");
+  m.def(
+      "pack_bf16_weight",
+      [](const py::handle& packed, const py::handle& w_t, bool gate_up) {
+        const DLPackView p(packed, "pack_bf16_weight: packed");
+        const DLPackView w(w_t, "pack_bf16_weight: w_t");
+        py::gil_scoped_release release;
+        pack_bf16_weight(p.view(), w.view(), gate_up);
+      },
+      py::arg("packed"), py::arg("w_t"), py::arg("gate_up") = false,
+      "Packs w_t [k, n] (float32; gate_up: [k, 2n], gate columns then up) as bfloat16 "
+      "panels, each weight rounded to the nearest bfloat16, for dense / dense_silu_and_mul "
+      "with bfloat16 x.");
+  m.def("bf16_dot_product", &bf16_dot_product,
+        "Whether bfloat16 panels multiply on AVX512-BF16 (the CPU has it and the quantized "
+        "kernels are not pinned to a narrower build), not widened in registers.");
   def_kernel(m, "dense", &prepare_dense, py::arg("out"), py::arg("x"), py::arg("packed"),
              py::arg("bias"), py::arg("n"), py::arg("int8_activations") = false,
              "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m; "

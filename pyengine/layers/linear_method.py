@@ -12,6 +12,8 @@ The forms today:
   weights, CUDA).
 - PackedPanelsMethod: float32 on the CPU, packed once into column panels for pyengine's
   own matmul (cpp/src/kernels/dense.cpp), which streams each weight byte once, in order.
+- BF16PanelsMethod: a bfloat16 model's weights on the CPU as bfloat16 panels for
+  pyengine's matmul (AVX512-BF16's dot products where the CPU has them).
 - SplitBF16Method: the panels, and for steps of many rows a split-bfloat16 form (six
   bfloat16 tile products on AMX, as accurate as float32).
 - GGUFBlockMethod: a GGUF Q4_0/Q4_1/Q8_0 weight's block form only, for every step.
@@ -72,6 +74,17 @@ def pack_split(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
     n = out_features // 2 if gate_up else out_features
     packed = host_memory.empty(_C.packed_split_weight_size(in_features, n, gate_up), torch.bfloat16)
     _C.pack_split_weight(packed, w_t, gate_up)
+    return packed
+
+
+def pack_bf16(w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
+    """w_t [in, out] (gate_up: [gate | up]) as bfloat16 panels, each weight rounded to
+    the nearest bfloat16."""
+    in_features, out_features = w_t.shape
+    n = out_features // 2 if gate_up else out_features
+    size = (2 if gate_up else 1) * _C.packed_bf16_weight_size(in_features, n)
+    packed = host_memory.empty(size, torch.bfloat16)
+    _C.pack_bf16_weight(packed, w_t.float(), gate_up)
     return packed
 
 
@@ -211,6 +224,21 @@ class PackedPanelsMethod(LinearMethod):
         return out
 
 
+class BF16PanelsMethod(PackedPanelsMethod):
+    """A bfloat16 model's weight on the CPU as bfloat16 panels: products of bfloat16s
+    summed in float32 and rounded once to bfloat16, as torch's bfloat16 matmul, in the
+    one pass over the weight of pyengine's own kernel (recorded into decode steps)."""
+
+    def create_weights(self, layer: LinearBase) -> None:
+        # (bfloat16 as loaded: no float32 copy of the model while it loads)
+        shape = (layer.output_size_per_partition, layer.input_size_per_partition)
+        weight = torch.empty(shape, dtype=torch.bfloat16)
+        layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
+        layer.packed = pack_bf16(w_t, layer.gate_up)
+
+
 class SplitBF16Method(PackedPanelsMethod):
     def pack(self, layer: LinearBase, w_t: torch.Tensor) -> None:
         super().pack(layer, w_t)
@@ -294,6 +322,8 @@ class LinearMethods:
                 from pyengine.layers.cuda_blocks import CudaBlockMethod
 
                 return CudaBlockMethod(self.placement)
+            if self.placement.packs_bf16_weights:
+                return BF16PanelsMethod()
             return TorchLinearMethod(self.placement)
         if has_blocks:
             # every part has a block form

@@ -10,8 +10,8 @@ import torch
 
 @dataclass(frozen=True)
 class Placement:
-    """Float32 on the CPU runs pyengine's own matmul over packed weights; anything else
-    runs torch's (cuBLAS on CUDA)."""
+    """Float32 and bfloat16 on the CPU run pyengine's own matmul over packed weights;
+    anything else runs torch's (cuBLAS on CUDA)."""
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     dtype: torch.dtype = torch.float32
@@ -19,6 +19,11 @@ class Placement:
     @property
     def packs_weights(self) -> bool:
         return self.device.type == "cpu" and self.dtype == torch.float32
+
+    @property
+    def packs_bf16_weights(self) -> bool:
+        """bfloat16 on the CPU runs pyengine's matmul over bfloat16 panels."""
+        return self.device.type == "cpu" and self.dtype == torch.bfloat16
 
     @property
     def keeps_gguf_blocks(self) -> bool:

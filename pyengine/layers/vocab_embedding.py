@@ -3,8 +3,8 @@ ceil(vocab / world_size) rows (the last rank's tail zero), looks up the tokens i
 and sums over the group; the head's logits are gathered and the padding cut.
 
 On the CPU an embedding may hold no table of its own: it looks its rows up in a packed
-form (ops.packed_columns), its GGUF blocks packed as a head's, or the float32 panels of
-the head tied to it, so that a tied model keeps one copy of the vocabulary."""
+form (ops.packed_columns), its GGUF blocks packed as a head's, or the float32 or bfloat16
+panels of the head tied to it, so that a tied model keeps one copy of the vocabulary."""
 
 from __future__ import annotations
 
@@ -86,7 +86,9 @@ class VocabParallelEmbedding(nn.Module):
             rows = torch.empty(ids.shape[0], self.embedding_size, dtype=self.weight.dtype)
             ops.embedding(rows, self.weight, ids)  # (a kernel: recorded decode steps hold it)
             return rows
-        out = torch.empty(ids.shape[0], self.embedding_size)
+        # (bfloat16 panels' rows are bfloat16s; every other form's widen to float32)
+        dtype = torch.bfloat16 if self.packed.dtype == torch.bfloat16 else torch.float32
+        out = torch.empty(ids.shape[0], self.embedding_size, dtype=dtype)
         ops.packed_columns(out, self.packed, ids, self.rows)
         return out
 
@@ -136,8 +138,8 @@ class ParallelLMHead(LinearBase):
         self.load_blocks(0, _vocab_blocks(blocks, self.start, self.output_size_per_partition))
 
     def process_weights_after_loading(self) -> None:
-        """Tied, one packed form serves both: the embedding's blocks, or this head's float32
-        panels, in which the embedding then looks its rows up."""
+        """Tied, one packed form serves both: the embedding's blocks, or this head's float32 or
+        bfloat16 panels, in which the embedding then looks its rows up."""
         embedding = self.tied_to
         if embedding is not None and embedding.keeps_blocks:
             self.packed_blocks = embedding.packed

@@ -58,7 +58,7 @@ def weight_forms(model: Any) -> str:
         elif getattr(module, "packed_int8", None) is not None:
             form = "int8 W8A8"
         elif isinstance(packed, torch.Tensor):
-            form = "float32 panels"
+            form = f"{str(packed.dtype).removeprefix('torch.')} panels"
         elif isinstance(getattr(module, "qweight", None), torch.Tensor):
             form = "integers"
         elif isinstance(weight := getattr(module, "weight", None), torch.Tensor):

@@ -158,7 +158,7 @@ def generate(
 PROMPTS = [[5, 9, 2], list(range(30, 70)), [1], [200, 7, 7, 7, 9]]
 
 
-@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8"}])
+@pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}])
 def test_recorded_steps_give_the_eager_tokens_and_logprobs(tmp_path: Path, options: dict) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     kwargs = {"load_format": "dummy", **options}

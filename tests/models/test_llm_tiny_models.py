@@ -13,6 +13,8 @@ from helpers.hf_reference import hf_greedy, prefill_logits
 from helpers.tiny_models import CONFIGS, make_checkpoint
 
 from pyengine import LLM, SamplingParams
+from pyengine.layers.linear_method import BF16PanelsMethod
+from pyengine.layers.vocab_embedding import ParallelLMHead
 
 transformers = pytest.importorskip("transformers")
 
@@ -65,8 +67,9 @@ def test_a_16_bit_kv_cache_under_float32_weights(checkpoint, kv_cache_dtype: str
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str) -> None:  # type: ignore[no-untyped-def]
-    """The path a GPU takes (torch's matmul, 16-bit weights, activations and KV cache),
-    run on the CPU: the logits stay within 16-bit rounding of float32 transformers'."""
+    """16-bit weights, activations and KV cache (float16: the path a GPU takes, torch's
+    matmul, run on the CPU; bfloat16: the CPU's bfloat16 panels): the logits stay within
+    16-bit rounding of float32 transformers'."""
     folder, model = checkpoint
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype=dtype)
     runner = llm.engine.executor.driver_worker.model_runner
@@ -77,3 +80,21 @@ def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str)
         theirs = model(torch.tensor([tokens])).logits[0]
     error = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     assert error < {"bfloat16": 0.03, "float16": 0.005}[dtype]  # about 2x what they give
+
+
+def test_bfloat16_weights_are_held_only_as_bfloat16_panels(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """dtype bfloat16 on the CPU: each linear layer's weight only as pyengine's bfloat16
+    panels (2 bytes a weight, no float copy), a tied embedding looking its rows up in the
+    head's panels."""
+    folder, _ = checkpoint
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype="bfloat16")
+    model = llm.engine.executor.driver_worker.model_runner.model
+    linear = [m for m in model.modules() if hasattr(m, "method")]
+    assert linear
+    for layer in linear:
+        assert isinstance(layer.method, BF16PanelsMethod)
+        assert layer.packed.dtype == torch.bfloat16 and "weight" not in layer._parameters
+    for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
+        if head.tied_to is not None:
+            assert head.tied_to.packed is head.packed and not hasattr(head.tied_to, "weight")
+    llm.engine.shutdown()

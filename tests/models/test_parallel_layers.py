@@ -25,6 +25,7 @@ from pyengine.layers.linear import (
     process_weights_after_loading,
 )
 from pyengine.layers.linear_method import (
+    BF16PanelsMethod,
     GGUFBlockMethod,
     LinearMethods,
     PackedPanelsMethod,
@@ -171,7 +172,11 @@ def test_methods_are_chosen_from_the_placement_and_the_checkpoint() -> None:
     cpu = LinearMethods(Placement(), frozenset({"a", "b"}))
     assert isinstance(cpu.choose(["a", "b"]), GGUFBlockMethod)  # every part has blocks
     assert type(cpu.choose(["a", "c"])) is PackedPanelsMethod  # one part lacks them
-    half = LinearMethods(Placement(dtype=torch.bfloat16), frozenset({"a"}))
+    # bfloat16 on the CPU: its own panels (GGUF blocks dequantized at load); float16:
+    # torch's matmul, as on CUDA
+    bf16 = LinearMethods(Placement(dtype=torch.bfloat16), frozenset({"a"}))
+    assert isinstance(bf16.choose(["a"]), BF16PanelsMethod)
+    half = LinearMethods(Placement(dtype=torch.float16), frozenset({"a"}))
     assert isinstance(half.choose(["a"]), TorchLinearMethod)
 
 
@@ -200,11 +205,13 @@ class LowRankDelta:
 
 
 @pytest.mark.parametrize(
-    "placement", [Placement(), Placement(dtype=torch.bfloat16)], ids=["packed", "torch"]
+    "placement",
+    [Placement(), Placement(dtype=torch.bfloat16), Placement(dtype=torch.float16)],
+    ids=["packed", "bf16_panels", "torch"],
 )
 def test_adapter_hook_adds_its_delta(placement: Placement) -> None:
     dtype = placement.dtype
-    # Small integers: every product and sum exact in bfloat16 too; only silu rounds.
+    # Small integers: every product and sum exact in 16 bits too; only silu rounds.
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
 
     def ints(*shape: int, bound: int = 2) -> torch.Tensor:
@@ -220,7 +227,7 @@ def test_adapter_hook_adds_its_delta(placement: Placement) -> None:
     torch.testing.assert_close(
         layer(x).double(), x.double() @ w.double().T + wide, rtol=tolerance, atol=tolerance
     )
-    if placement.packs_weights:  # [gate; up] panels are paired for the fused op only
+    if isinstance(gated.method, PackedPanelsMethod):  # paired for the fused op only
         with pytest.raises(ValueError, match="multiplies only fused with silu_and_mul"):
             gated.silu_and_mul(x)
         return

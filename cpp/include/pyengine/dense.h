@@ -88,10 +88,28 @@ int64_t packed_split_weight_size(int64_t k, int64_t n, bool gate_up);
 // [packed_split_weight_size(k, n, gate_up)], n the columns of one half with gate_up).
 void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gate_up);
 
+// bfloat16 weights for bfloat16 activations (a model in bfloat16 on the CPU): panels of
+// kPanelWidth columns, each ceil(k / 2) pairs of rows, a column's pair a 4-byte lane (the
+// operand of AVX512-BF16's vdpbf16ps; cpp/src/kernels/bf16_panel.h). The products of
+// bfloat16s are exact and summed in float32 (AVX512-BF16 where the CPU has it, the same
+// sums widened in registers elsewhere), the result rounded once to bfloat16: 2 bytes a
+// weight, and twice float32's multiply-adds an instruction.
+int64_t packed_bf16_weight_size(int64_t k, int64_t n);
+
+// Packs w_t [k, n] (float32, each rounded to the nearest bfloat16; gate_up: [k, 2n], gate
+// columns then up, paired as pack_gate_up_weight pairs them) into `packed` (bfloat16
+// [packed_bf16_weight_size(k, n)], twice that of n with gate_up).
+void pack_bf16_weight(const TensorView& packed, const TensorView& w_t, bool gate_up);
+
+// Whether bfloat16 panels multiply on AVX512-BF16: the CPU has it, and the quantized
+// kernels are not pinned to a narrower build (set_quantized_dense_isa).
+bool bf16_dot_product();
+
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
 // uint8/int8/float8_e4m3fn (pack_quantized_weight) or bfloat16 (pack_split_weight, where
-// split_gemm_supported()). int8_activations: with a 4-bit or int8 block-quantized
+// split_gemm_supported()); or x, out and bias bfloat16 with bfloat16 panels
+// (pack_bf16_weight: told from a split weight by its size). int8_activations: with a 4-bit or int8 block-quantized
 // weight, x's rows are quantized to int8 per block of kQuantBlock (d = max|x| / 127, as
 // llama.cpp's q8_0) and multiplied in integers (AVX-512 VNNI where the CPU has it; the
 // same results in every build): a fifth of the float widening's instructions for a
@@ -109,7 +127,10 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t);
 // product never leaves the thread's cache, and the activation rounds exactly as
 // silu_and_mul's. x and out float32 with a dense last dim; packed float32
 // (pack_gate_up_weight), uint8/int8 (pack_quantized_weight with gate_up) or bfloat16
-// (pack_split_weight with gate_up). int8_activations: as dense's.
+// (pack_split_weight with gate_up); or x and out bfloat16 with bfloat16 panels
+// (pack_bf16_weight with gate_up: the gate and up sums rounded to bfloat16 before the
+// activation, as an unfused product and silu_and_mul round them). int8_activations: as
+// dense's.
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                         int64_t n, bool int8_activations = false);
 
@@ -120,9 +141,9 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
 void release_thread_pool();
 
 // out [t, k] = columns ids [t] of a packed [k, n] weight (float32 panels or
-// block-quantized ones), widened to float32 exactly as dense widens them: an embedding
-// table kept only in the packed form of the head that multiplies by it. ids int32 or
-// int64, each in [0, n).
+// block-quantized ones), widened to float32 exactly as dense widens them (bfloat16
+// panels: out bfloat16, the weights themselves): an embedding table kept only in the
+// packed form of the head that multiplies by it. ids int32 or int64, each in [0, n).
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
                     int64_t n);
 

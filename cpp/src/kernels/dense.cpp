@@ -14,6 +14,7 @@
 
 #include "activation.h"
 #include "attention_checks.h"
+#include "bf16_panel.h"
 #include "quantized_panel.h"
 #include "split_bf16_gemm.h"
 #include "vector_clones.h"
@@ -266,18 +267,19 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
 // (Against the even static split, a run's decode matmuls took 9% less time, its prefill
 // matmuls 4% less: medians of 4 alternating runs in one process, same tokens.)
 template <class Body>
-void for_blocks_and_units(const Rows8& x, int64_t num_units, int64_t unit_columns, Body&& body) {
+void for_blocks_and_units(int64_t m, int64_t k, int64_t num_units, int64_t unit_columns,
+                          Body&& body) {
   const int64_t block_rows =
-      std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(x.k, 1) / kRows * kRows);
-#pragma omp parallel if (num_units > 1 &&                                                  \
-                             std::min(x.m, block_rows) * x.k * unit_columns * num_units >= \
+      std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(k, 1) / kRows * kRows);
+#pragma omp parallel if (num_units > 1 &&                                               \
+                             std::min(m, block_rows) * k * unit_columns * num_units >= \
                                      (1 << 16))
-  for (int64_t m0 = 0; m0 < x.m; m0 += block_rows) {
-    const int64_t m1 = std::min(x.m, m0 + block_rows);
+  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+    const int64_t m1 = std::min(m, m0 + block_rows);
 #pragma omp for schedule(guided, 2) nowait
     for (int64_t u = 0; u < num_units; ++u) {
       thread_local std::vector<float> scratch;  // the tiles' sums, then a unit's gates
-      const int64_t rows = std::min(x.m, block_rows);
+      const int64_t rows = std::min(m, block_rows);
       scratch.resize(static_cast<size_t>(tile_scratch_floats(rows) + rows * kPanelWidth));
       body(m0, m1, u, scratch.data());
     }
@@ -342,18 +344,150 @@ void check_pack_args(const char* op, const TensorView& packed, const TensorView&
 const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k, int64_t n,
                             bool gate_up) {
   detail::check_cpu(packed, op, "packed");
+  const int64_t size = packed_split_weight_size(k, n, gate_up);
+  if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size) {
+    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
+                          ", " + std::to_string(gate_up ? 2 * n : n) + "] weight: bfloat16 [" +
+                          std::to_string((gate_up ? 2 : 1) * packed_bf16_weight_size(k, n)) +
+                          "] panels (pack_bf16_weight), or split bfloat16 [" +
+                          std::to_string(size) + "] (pack_split_weight), got " + packed.describe());
+  }
   if (!detail::amx_usable()) {
     throw InvalidArgument(
         std::string(op) + ": a split-bfloat16 weight needs a CPU with AMX " +
         "(amx-bf16) that the OS lets this process use; see split_gemm_supported()");
   }
-  const int64_t size = packed_split_weight_size(k, n, gate_up);
-  if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size) {
-    throw InvalidArgument(std::string(op) + ": packed must be a split [" + std::to_string(k) +
-                          ", " + std::to_string(gate_up ? 2 * n : n) + "] weight: bfloat16 [" +
-                          std::to_string(size) + "] (pack_split_weight), got " + packed.describe());
-  }
   return static_cast<const uint16_t*>(packed.data);
+}
+
+// A bfloat16-panel weight (pack_bf16_weight) of k x n (`pairs`: gate/up pairs of n
+// columns each), or null where `packed` is no such buffer (a bfloat16 one of another
+// size is a split weight: it is never the panels' size).
+const uint16_t* bf16_panels(const TensorView& packed, int64_t k, int64_t n, bool pairs) {
+  const int64_t size = (pairs ? 2 : 1) * packed_bf16_weight_size(k, n);
+  if (packed.dtype != DType::kBFloat16 || packed.ndim != 1 || packed.strides[0] != 1 ||
+      packed.shape[0] != size) {
+    return nullptr;
+  }
+  detail::check_cpu(packed, "dense", "packed");
+  return static_cast<const uint16_t*>(packed.data);
+}
+
+// x [m, k] and out [m, n], bfloat16 rows, for bfloat16 panels.
+void check_bf16_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
+  check_rows(x, op, "x", 2, DType::kBFloat16);
+  check_rows(out, op, "out", 2, DType::kBFloat16);
+  detail::check_writable(out, op, "out");
+  if (out.shape[0] != x.shape[0] || out.shape[1] != n) {
+    throw InvalidArgument(std::string(op) + ": out must be [" + std::to_string(x.shape[0]) + ", " +
+                          std::to_string(n) + "], got " + out.describe());
+  }
+}
+
+// x's bfloat16 rows as the tiles read them, in pairs: x itself where k is even, else a
+// copy with a zero column past k (the panel's row past k is zero too).
+struct Bf16Rows {
+  const uint16_t* a;
+  int64_t lda;
+  int64_t m;
+  int64_t k;  // even
+};
+
+Bf16Rows bf16_rows(const TensorView& x) {
+  const auto* a = static_cast<const uint16_t*>(x.data);
+  const int64_t m = x.shape[0], k = x.shape[1];
+  if (k % 2 == 0) return {a, x.strides[0], m, k};
+  thread_local std::vector<uint16_t> padded;
+  padded.assign(static_cast<size_t>(m * (k + 1)), uint16_t{0});
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(padded.data() + r * (k + 1), a + r * x.strides[0],
+                static_cast<size_t>(k) * sizeof(uint16_t));
+  }
+  return {padded.data(), k + 1, m, k + 1};
+}
+
+// Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's.
+template <class Sink>
+void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, int64_t m1,
+                         float* sums, Sink&& sink) {
+  for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16TileRows) {
+    const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16TileRows, m1 - r0));
+    detail::multiply_bf16_rows(x.a + r0 * x.lda, x.lda, rows, panel, x.k, sums);
+    sink(r0, rows, static_cast<const float*>(sums));
+  }
+}
+
+void dense_bf16(const TensorView& out, const TensorView& x, const uint16_t* panels,
+                const TensorView& bias, int64_t n) {
+  check_bf16_x_out("dense", out, x, n);
+  const uint16_t* b = nullptr;
+  if (bias.data != nullptr) {
+    check_rows(bias, "dense", "bias", 1, DType::kBFloat16);
+    if (bias.shape[0] != n) {
+      throw InvalidArgument("dense: bias must be bfloat16 [" + std::to_string(n) + "], got " +
+                            bias.describe());
+    }
+    b = static_cast<const uint16_t*>(bias.data);
+  }
+  const Bf16Rows rows = bf16_rows(x);
+  const int64_t panel_size = detail::bf16_panel_size(rows.k);
+  auto* c = static_cast<uint16_t*>(out.data);
+  const int64_t ldc = out.strides[0];
+  for_blocks_and_units(rows.m, rows.k, n_panels(n), kPanelWidth,
+                       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
+                         const int64_t first = p * kPanelWidth;
+                         const int64_t width = std::min(kPanelWidth, n - first);
+                         multiply_bf16_panel(
+                             rows, panels + p * panel_size, m0, m1, scratch,
+                             [&](int64_t r0, int64_t tile_rows, const float* tile) {
+                               for (int64_t r = 0; r < tile_rows; ++r) {
+                                 detail::store_bf16_row(tile + r * kPanelWidth,
+                                                        b != nullptr ? b + first : nullptr,
+                                                        c + (r0 + r) * ldc + first, width);
+                               }
+                             });
+                       });
+}
+
+void dense_bf16_silu_and_mul(const TensorView& out, const TensorView& x, const uint16_t* panels,
+                             int64_t n) {
+  check_bf16_x_out("dense_silu_and_mul", out, x, n);
+  const Bf16Rows rows = bf16_rows(x);
+  const int64_t panel_size = detail::bf16_panel_size(rows.k);
+  auto* c = static_cast<uint16_t*>(out.data);
+  const int64_t ldc = out.strides[0];
+  for_blocks_and_units(
+      rows.m, rows.k, n_panels(n), 2 * kPanelWidth,
+      [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
+        float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
+        multiply_bf16_panel(rows, panels + 2 * p * panel_size, m0, m1, scratch,
+                            [&](int64_t r0, int64_t tile_rows, const float* tile) {
+                              std::memcpy(gates + (r0 - m0) * kPanelWidth, tile,
+                                          static_cast<size_t>(tile_rows * kPanelWidth) *
+                                              sizeof(float));
+                            });
+        const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
+        multiply_bf16_panel(rows, panels + (2 * p + 1) * panel_size, m0, m1, scratch,
+                            [&](int64_t r0, int64_t tile_rows, const float* tile) {
+                              for (int64_t r = 0; r < tile_rows; ++r) {
+                                detail::store_bf16_silu_and_mul_row(
+                                    gates + (r0 - m0 + r) * kPanelWidth, tile + r * kPanelWidth,
+                                    c + (r0 + r) * ldc + first, width);
+                              }
+                            });
+      });
+}
+
+// out [t, k] = columns ids of the bfloat16 panels, exactly (out and ids checked).
+void bf16_columns(const TensorView& out, const uint16_t* panels, const TensorView& ids) {
+  const int64_t k = out.shape[1], panel_size = detail::bf16_panel_size(k);
+  auto* dst = static_cast<uint16_t*>(out.data);
+  for (int64_t r = 0; r < out.shape[0]; ++r) {
+    const int64_t v = detail::index_at(ids, r), column = v % kPanelWidth;
+    const uint16_t* panel = panels + v / kPanelWidth * panel_size;
+    uint16_t* row = dst + r * out.strides[0];
+    for (int64_t i = 0; i < k; ++i) row[i] = panel[(i / 2 * kPanelWidth + column) * 2 + i % 2];
+  }
 }
 
 }  // namespace
@@ -379,6 +513,32 @@ void pack_split_weight(const TensorView& packed, const TensorView& w_t, bool gat
   check_pack_args(op, packed, w_t, packed_split_weight_size(k, n, gate_up), DType::kBFloat16);
   detail::pack_split_bf16(static_cast<uint16_t*>(packed.data), static_cast<const float*>(w_t.data),
                           w_t.strides[0], k, n, gate_up);
+}
+
+int64_t packed_bf16_weight_size(int64_t k, int64_t n) {
+  if (k < 0 || n < 0) {
+    throw InvalidArgument("packed_bf16_weight_size: k and n must be >= 0, got " +
+                          std::to_string(k) + " and " + std::to_string(n));
+  }
+  return n_panels(n) * detail::bf16_panel_size(k);
+}
+
+void pack_bf16_weight(const TensorView& packed, const TensorView& w_t, bool gate_up) {
+  constexpr const char* op = "pack_bf16_weight";
+  check_rows(w_t, op, "w_t", 2, DType::kFloat32);
+  if (gate_up && w_t.shape[1] % 2 != 0) {
+    throw InvalidArgument(std::string(op) + ": w_t must be [k, 2n] (gate columns, then up), got " +
+                          w_t.describe());
+  }
+  const int64_t k = w_t.shape[0], n = gate_up ? w_t.shape[1] / 2 : w_t.shape[1];
+  check_pack_args(op, packed, w_t, (gate_up ? 2 : 1) * packed_bf16_weight_size(k, n),
+                  DType::kBFloat16);
+  auto* dst = static_cast<uint16_t*>(packed.data);
+  const int64_t panel_size = detail::bf16_panel_size(k);
+  detail::for_each_packed_panel(n, gate_up, [&](int64_t slot, int64_t first, int64_t width) {
+    detail::pack_bf16_panel(dst + slot * panel_size, static_cast<const float*>(w_t.data),
+                            w_t.strides[0], k, first, width);
+  });
 }
 
 int64_t packed_weight_size(int64_t k, int64_t n) {
@@ -412,6 +572,12 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
            const TensorView& bias, int64_t n, bool int8_activations) {
   constexpr const char* op = "dense";
+  if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
+    if (const uint16_t* panels = bf16_panels(packed, x.shape[1], n, false)) {
+      return dense_bf16(out, x, panels, bias, n);
+    }
+    check_split(op, packed, x.shape[1], n, false);  // (of neither size: names both)
+  }
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
   const bool split = packed.dtype == DType::kBFloat16;
@@ -427,7 +593,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
     return;
   }
   const Rows8 rows8 = multiplied_rows(x, panels, int8_activations);
-  for_blocks_and_units(rows8, n_panels(n), kPanelWidth,
+  for_blocks_and_units(rows8.m, rows8.k, n_panels(n), kPanelWidth,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
                          const int64_t width = std::min(kPanelWidth, n - first);
@@ -447,6 +613,12 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                         int64_t n, bool int8_activations) {
   constexpr const char* op = "dense_silu_and_mul";
+  if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
+    if (const uint16_t* panels = bf16_panels(packed, x.shape[1], n, true)) {
+      return dense_bf16_silu_and_mul(out, x, panels, n);
+    }
+    check_split(op, packed, x.shape[1], n, true);  // (of neither size: names both)
+  }
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
   auto* c = static_cast<float*>(out.data);
@@ -461,7 +633,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
   // weights stream in memory order, as in dense.
   for_blocks_and_units(
-      rows8, n_panels(n), 2 * kPanelWidth,
+      rows8.m, rows8.k, n_panels(n), 2 * kPanelWidth,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
         float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
         multiply_panel(rows8, panels, 2 * p, m0, m1, scratch,
@@ -490,7 +662,8 @@ void release_thread_pool() {
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
                     int64_t n) {
   constexpr const char* op = "packed_columns";
-  check_rows(out, op, "out", 2, DType::kFloat32);
+  const uint16_t* bf16 = out.ndim == 2 ? bf16_panels(packed, out.shape[1], n, false) : nullptr;
+  check_rows(out, op, "out", 2, bf16 != nullptr ? DType::kBFloat16 : DType::kFloat32);
   detail::check_writable(out, op, "out");
   detail::check_cpu(ids, op, "ids");
   const int64_t t = out.shape[0], k = out.shape[1];
@@ -499,8 +672,9 @@ void packed_columns(const TensorView& out, const TensorView& packed, const Tenso
     throw InvalidArgument(arg(op, "ids") + " must be int32 or int64 [" + std::to_string(t) +
                           "] (a row of out each), got " + ids.describe());
   }
-  const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
   detail::check_indices(ids, n, op, "ids");
+  if (bf16 != nullptr) return bf16_columns(out, bf16, ids);
+  const Panels panels = check_packed(op, packed, k, n, false, "pack_weight");
   auto* dst = static_cast<float*>(out.data);
   for (int64_t r = 0; r < t; ++r) {
     const int64_t v = detail::index_at(ids, r), column = v % kPanelWidth;

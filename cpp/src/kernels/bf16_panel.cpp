@@ -1,0 +1,196 @@
+// The bfloat16 panels' products (see bf16_panel.h): vdpbf16ps where the CPU has
+// AVX512-BF16, else the same sums from bfloat16s widened in registers.
+#include "bf16_panel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#endif
+
+#include "activation.h"
+#include "float_convert.h"
+#include "quantized_panel.h"
+#include "vector_clones.h"
+
+namespace pyengine::detail {
+namespace {
+
+constexpr int kLanes = 16;
+constexpr int kVectors = kPanelWidth / kLanes;
+constexpr int64_t kPairElements = 2 * kPanelWidth;  // bfloat16s of one pair of rows
+
+// The pair of x's row at column 2p, as the 32 bits a lane holds.
+inline uint32_t pair_at(const uint16_t* row, int64_t p) {
+  uint32_t pair;
+  std::memcpy(&pair, row + 2 * p, sizeof pair);
+  return pair;
+}
+
+// f(std::integral_constant<int, rows>) for 1 <= rows <= kBf16TileRows.
+template <class F>
+void with_tile_rows(int rows, F&& f) {
+  static_assert(kBf16TileRows == 8);
+  switch (rows) {
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    case 6: return f(std::integral_constant<int, 6>{});
+    case 7: return f(std::integral_constant<int, 7>{});
+    default: return f(std::integral_constant<int, 8>{});
+  }
+}
+
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+using UnalignedBits =
+    uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(2), may_alias));
+using UnalignedVec =
+    float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
+
+// The portable build: each lane's pair widened to two floats (a bfloat16 is a float's
+// high half), the odd product added first, as vdpbf16ps adds them. (Products of
+// bfloat16s are exact: a fused multiply-add rounds as the separate add does.)
+template <int kRows>
+PYENGINE_VECTOR_CLONES void tile_portable(const uint16_t* a, int64_t lda, const uint16_t* panel,
+                                          int64_t pairs, float* c) {
+  Vec acc[kRows][kVectors] = {};
+  for (int64_t p = 0; p < pairs; ++p) {
+    const auto* lanes = reinterpret_cast<const UnalignedBits*>(panel + p * kPairElements);
+    Vec even[kVectors], odd[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      const Bits w = lanes[v];
+      even[v] = reinterpret_cast<Vec>(w << 16);
+      odd[v] = reinterpret_cast<Vec>(w & 0xFFFF0000u);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const uint32_t pair = pair_at(a + r * lda, p);
+      const float x_even = bits_to_float(pair << 16), x_odd = bits_to_float(pair & 0xFFFF0000u);
+      for (int v = 0; v < kVectors; ++v) {
+        acc[r][v] += x_odd * odd[v];
+        acc[r][v] += x_even * even[v];
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) {
+      reinterpret_cast<UnalignedVec*>(c + r * kPanelWidth)[v] = acc[r][v];
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define PYENGINE_BF16_DOT 1
+
+bool bf16_dot_supported() {
+  static const bool supported = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512bf16");
+  return supported;
+}
+
+// The panel's stream is read once by the block's first tile: asked for this many pairs
+// ahead (3 cache lines a pair), into L2.
+constexpr int64_t kPrefetchPairs = 24;
+
+// One row (a decode step's) keeps two sets of sums, even and odd pairs, so that the
+// dot products' latency is hidden; more rows are chains enough.
+template <int kRows>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_dot(const uint16_t* a,
+                                                                          int64_t lda,
+                                                                          const uint16_t* panel,
+                                                                          int64_t pairs, float* c) {
+  constexpr int kSets = kRows == 1 ? 2 : 1;
+  __m512 acc[kSets][kRows][kVectors];
+  for (auto& set : acc) {
+    for (auto& row : set) {
+      for (auto& v : row) v = _mm512_setzero_ps();
+    }
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint16_t* lanes = panel + p * kPairElements;
+    const uint16_t* ahead = lanes + kPrefetchPairs * kPairElements;
+    for (int line = 0; line < kVectors; ++line) __builtin_prefetch(ahead + 32 * line, 0, 1);
+    auto& sums = acc[p % kSets];
+    __m512bh w[kVectors];
+    for (int v = 0; v < kVectors; ++v) {
+      w[v] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(lanes + 32 * v));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const auto x = reinterpret_cast<__m512bh>(
+          _mm512_set1_epi32(static_cast<int32_t>(pair_at(a + r * lda, p))));
+      for (int v = 0; v < kVectors; ++v) sums[r][v] = _mm512_dpbf16_ps(sums[r][v], w[v], x);
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int v = 0; v < kVectors; ++v) {
+      __m512 sum = acc[0][r][v];
+      if constexpr (kSets == 2) sum = _mm512_add_ps(sum, acc[1][r][v]);
+      _mm512_storeu_ps(c + r * kPanelWidth + kLanes * v, sum);
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+void pack_bf16_panel(uint16_t* dst, const float* w_t, int64_t ldw, int64_t k, int64_t first,
+                     int64_t width) {
+  std::fill(dst, dst + bf16_panel_size(k), uint16_t{0});
+  for (int64_t i = 0; i < k; ++i) {
+    uint16_t* pair = dst + i / 2 * kPairElements + i % 2;
+    const float* row = w_t + i * ldw + first;
+    for (int64_t j = 0; j < width; ++j) pair[2 * j] = float_to_bf16(row[j]);
+  }
+}
+
+void multiply_bf16_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel, int64_t k,
+                        float* c) {
+  const int64_t pairs = k / 2;
+  const bool dot = bf16_dot_product();
+  (void)dot;  // (no AVX512-BF16 build on other compilers)
+  with_tile_rows(rows, [&](auto r) {
+    constexpr int kRows = decltype(r)::value;
+#ifdef PYENGINE_BF16_DOT
+    if (dot) return tile_bf16_dot<kRows>(a, lda, panel, pairs, c);
+#endif
+    tile_portable<kRows>(a, lda, panel, pairs, c);
+  });
+}
+
+PYENGINE_VECTOR_CLONES
+void store_bf16_row(const float* src, const uint16_t* bias, uint16_t* dst, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    dst[j] = float_to_bf16(bias != nullptr ? src[j] + bf16_to_float(bias[j]) : src[j]);
+  }
+}
+
+void store_bf16_silu_and_mul_row(const float* gate, const float* up, uint16_t* dst, int64_t n) {
+  thread_local std::vector<float> row;
+  row.resize(static_cast<size_t>(3 * n));
+  for (int64_t j = 0; j < n; ++j) {
+    row[static_cast<size_t>(j)] = bf16_to_float(float_to_bf16(gate[j]));
+    row[static_cast<size_t>(n + j)] = bf16_to_float(float_to_bf16(up[j]));
+  }
+  silu_and_mul_row(row.data(), row.data() + n, row.data() + 2 * n, n);
+  store_bf16_row(row.data() + 2 * n, nullptr, dst, n);
+}
+
+}  // namespace pyengine::detail
+
+namespace pyengine {
+
+bool bf16_dot_product() {
+#ifdef PYENGINE_BF16_DOT
+  return detail::quantized_avx512() && detail::bf16_dot_supported();
+#else
+  return false;
+#endif
+}
+
+}  // namespace pyengine
