@@ -12,19 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers.dense_isa import ISAS, pinned_dense_isa
 
 from pyengine import _C, ops
 
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
 # m, k, n: a decode step's rows, a tile's, odd k and n, many rows over several blocks
 SIZES = [(1, 64, 48), (2, 33, 50), (5, 96, 97), (8, 576, 144), (13, 577, 60), (300, 130, 49)]
 
 
 @pytest.fixture(params=ISAS, autouse=True)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    _C.set_quantized_dense_isa(request.param)
-    yield request.param
-    _C.set_quantized_dense_isa("auto")
+    yield from pinned_dense_isa(request.param)
 
 
 def bf16_packed(w_t: torch.Tensor, gate_up: bool = False) -> torch.Tensor:

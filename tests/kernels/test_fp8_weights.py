@@ -9,18 +9,15 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from helpers.dense_isa import ISAS, pinned_dense_isa
 
 from pyengine import _C, ops
 from pyengine.layers.fp8_w8a8 import FP8, pack_fp8, quantize_fp8
 
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
-
 
 @pytest.fixture(params=ISAS)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    _C.set_quantized_dense_isa(request.param)
-    yield request.param
-    _C.set_quantized_dense_isa("auto")
+    yield from pinned_dense_isa(request.param)
 
 
 def torch_e4m3(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.dense_isa import ISAS
 
 from pyengine import _C, ops
-
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
 
 
 def packed(q: torch.Tensor) -> torch.Tensor:

@@ -13,10 +13,17 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
+from helpers.dense_isa import ISAS, pinned_dense_isa
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
 from pyengine.layers.linear_method import pack_block_quantized
+
+
+@pytest.fixture(params=ISAS, autouse=True)
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Every test in each build of the widening this CPU can run."""
+    yield from pinned_dense_isa(request.param)
 
 
 def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:
@@ -41,15 +48,6 @@ def random_blocks(rows: int, cols: int, bits: int, form: str) -> BlockQuantized:
 
 
 FORMS = [(4, "q4_1"), (4, "q4_0"), (8, "q8_0"), (8, "q6_k")]
-ISAS = [isa for isa in ("generic", "avx2", "avx512") if _C.cpu_supports(isa)]
-
-
-@pytest.fixture(params=ISAS, autouse=True)
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """Every test in each build of the widening this CPU can run."""
-    _C.set_quantized_dense_isa(request.param)
-    yield request.param
-    _C.set_quantized_dense_isa("auto")
 
 
 def float_packed(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:

@@ -109,12 +109,13 @@ bool bf16_dot_product();
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
 // uint8/int8/float8_e4m3fn (pack_quantized_weight) or bfloat16 (pack_split_weight, where
 // split_gemm_supported()); or x, out and bias bfloat16 with bfloat16 panels
-// (pack_bf16_weight: told from a split weight by its size). int8_activations: with a 4-bit or int8 block-quantized
-// weight, x's rows are quantized to int8 per block of kQuantBlock (d = max|x| / 127, as
-// llama.cpp's q8_0) and multiplied in integers (AVX-512 VNNI where the CPU has it; the
-// same results in every build): a fifth of the float widening's instructions for a
-// decode step's few rows, a third of the float tiles' for many, and no longer the
-// float32 product of the widened weight (that of x's rounding to 8 bits).
+// (pack_bf16_weight: told from a split weight by its size). int8_activations: with a
+// 4-bit or int8 block-quantized weight, x's rows are quantized to int8 per block of
+// kQuantBlock (d = max|x| / 127, as llama.cpp's q8_0) and multiplied in integers
+// (AVX-512 VNNI where the CPU has it; the same results in every build): a fifth of the
+// float widening's instructions for a decode step's few rows, a third of the float
+// tiles' for many, and no longer the float32 product of the widened weight (that of x's
+// rounding to 8 bits).
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
            const TensorView& bias, int64_t n, bool int8_activations = false);
 

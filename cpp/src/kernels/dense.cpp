@@ -363,13 +363,14 @@ const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k,
 // A bfloat16-panel weight (pack_bf16_weight) of k x n (`pairs`: gate/up pairs of n
 // columns each), or null where `packed` is no such buffer (a bfloat16 one of another
 // size is a split weight: it is never the panels' size).
-const uint16_t* bf16_panels(const TensorView& packed, int64_t k, int64_t n, bool pairs) {
+const uint16_t* bf16_panels(const char* op, const TensorView& packed, int64_t k, int64_t n,
+                            bool pairs) {
   const int64_t size = (pairs ? 2 : 1) * packed_bf16_weight_size(k, n);
   if (packed.dtype != DType::kBFloat16 || packed.ndim != 1 || packed.strides[0] != 1 ||
       packed.shape[0] != size) {
     return nullptr;
   }
-  detail::check_cpu(packed, "dense", "packed");
+  detail::check_cpu(packed, op, "packed");
   return static_cast<const uint16_t*>(packed.data);
 }
 
@@ -573,7 +574,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
            const TensorView& bias, int64_t n, bool int8_activations) {
   constexpr const char* op = "dense";
   if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
-    if (const uint16_t* panels = bf16_panels(packed, x.shape[1], n, false)) {
+    if (const uint16_t* panels = bf16_panels(op, packed, x.shape[1], n, false)) {
       return dense_bf16(out, x, panels, bias, n);
     }
     check_split(op, packed, x.shape[1], n, false);  // (of neither size: names both)
@@ -614,7 +615,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
                         int64_t n, bool int8_activations) {
   constexpr const char* op = "dense_silu_and_mul";
   if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
-    if (const uint16_t* panels = bf16_panels(packed, x.shape[1], n, true)) {
+    if (const uint16_t* panels = bf16_panels(op, packed, x.shape[1], n, true)) {
       return dense_bf16_silu_and_mul(out, x, panels, n);
     }
     check_split(op, packed, x.shape[1], n, true);  // (of neither size: names both)
@@ -662,7 +663,7 @@ void release_thread_pool() {
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
                     int64_t n) {
   constexpr const char* op = "packed_columns";
-  const uint16_t* bf16 = out.ndim == 2 ? bf16_panels(packed, out.shape[1], n, false) : nullptr;
+  const uint16_t* bf16 = out.ndim == 2 ? bf16_panels(op, packed, out.shape[1], n, false) : nullptr;
   check_rows(out, op, "out", 2, bf16 != nullptr ? DType::kBFloat16 : DType::kFloat32);
   detail::check_writable(out, op, "out");
   detail::check_cpu(ids, op, "ids");
