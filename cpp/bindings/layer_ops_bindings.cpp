@@ -221,6 +221,12 @@ void bind_layer_ops(py::module_& m) {
   m.def("bf16_dot_product", &bf16_dot_product,
         "Whether bfloat16 panels multiply on AVX512-BF16 (the CPU has it and the quantized "
         "kernels are not pinned to a narrower build), not widened in registers.");
+  m.def("amx_tiles", &amx_tiles,
+        "Whether bfloat16 panels and int8 weights multiply blocks of 16 rows on AMX's tile "
+        "unit (the CPU has it, the kernels run their AVX-512 build, set_amx_tiles allows).");
+  m.def("set_amx_tiles", &set_amx_tiles, py::arg("enabled"),
+        "Lets (the default) or stops bfloat16 panels and int8 weights using AMX, for tests "
+        "and benchmarks; turning it on where AMX is not usable raises ValueError.");
   def_kernel(m, "dense", &prepare_dense, py::arg("out"), py::arg("x"), py::arg("packed"),
              py::arg("bias"), py::arg("n"), py::arg("int8_activations") = false,
              "out [m, n] = x [m, k] @ packed weight + bias (or None), for small m; "

@@ -1,8 +1,9 @@
 """dense, dense_silu_and_mul and packed_columns over bfloat16 panels (a bfloat16 model's
 weights on the CPU), in each build this CPU runs (AVX512-BF16's dot products where it
-has them, the bfloat16s widened in registers otherwise): against a float64 reference of
-the exact products of the bfloat16 operands, the float32 sum and one rounding to
-bfloat16; the builds' sums the same bits; the fused activation rounding as the unfused
+has them, the bfloat16s widened in registers otherwise, AMX's tile products for blocks
+of rows where it has them): against a float64 reference of the exact products of the
+bfloat16 operands, the float32 sum and one rounding to bfloat16; the vector builds' sums
+the same bits; the fused activation rounding as the unfused
 product and silu_and_mul do; clear errors for what does not fit."""
 
 from __future__ import annotations
@@ -12,15 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.dense_isa import ISAS, pinned_dense_isa
+from helpers.dense_isa import ISAS, TILE_ISAS, pin_dense_isa, pinned_dense_isa
 
 from pyengine import _C, ops
 
-# m, k, n: a decode step's rows, a tile's, odd k and n, many rows over several blocks
-SIZES = [(1, 64, 48), (2, 33, 50), (5, 96, 97), (8, 576, 144), (13, 577, 60), (300, 130, 49)]
+# m, k, n: a decode step's rows, a tile's, odd k and n, many rows over several blocks;
+# the tile unit's (k a multiple of 32, from 8 rows) whole and partial row tiles; a gate/up
+# pair of k 32, n 16: the size of a split weight (told apart by x's dtype)
+SIZES = [(1, 64, 48), (2, 33, 50), (5, 96, 97), (8, 576, 144), (13, 577, 60), (300, 130, 49),
+         (40, 64, 100), (17, 96, 48), (200, 160, 150), (3, 32, 16)]  # fmt: skip
 
 
-@pytest.fixture(params=ISAS, autouse=True)
+@pytest.fixture(params=TILE_ISAS, autouse=True)
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     yield from pinned_dense_isa(request.param)
 
@@ -69,8 +73,8 @@ def test_every_build_gives_the_same_bits(isa: str, m: int, k: int, n: int) -> No
     x = torch.randn(m, k).bfloat16()
     packed = bf16_packed(torch.randn(k, n))
     outs = []
-    for build in ISAS:
-        _C.set_quantized_dense_isa(build)
+    for build in ISAS:  # (AMX's tile products sum in an order of their own)
+        pin_dense_isa(build)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         ops.dense(out, x, packed, None, n)
         outs.append(out)
@@ -117,8 +121,9 @@ def test_bad_arguments_are_clear_errors() -> None:
     w_t = torch.randn(64, 48)
     packed = bf16_packed(w_t)
     x = torch.randn(3, 64)
-    with pytest.raises(ValueError, match="x must be .*bfloat16"):
-        ops.dense(torch.empty(3, 48), x, packed, None, 48)  # float32 x
+    # float32 x takes a bfloat16 buffer as a split weight, and says what panels take.
+    with pytest.raises(ValueError, match="float32 x.*pack_bf16_weight, take bfloat16 x"):
+        ops.dense(torch.empty(3, 48), x, packed, None, 48)
     with pytest.raises(ValueError, match="out must be .*bfloat16"):
         ops.dense(torch.empty(3, 48), x.bfloat16(), packed, None, 48)
     with pytest.raises(ValueError, match=r"bias must be bfloat16 \[48\]"):
@@ -127,7 +132,7 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="bias"):
         ops.dense(torch.empty(3, 48, dtype=torch.bfloat16), x.bfloat16(), packed,
                   torch.zeros(48), 48)  # fmt: skip
-    # A bfloat16 buffer of neither form's size names both.
+    # A bfloat16 buffer not the panels' size names both forms.
     with pytest.raises(ValueError, match="pack_bf16_weight.*pack_split_weight"):
         ops.dense(torch.empty(3, 48, dtype=torch.bfloat16), x.bfloat16(), packed[:-2], None, 48)
     with pytest.raises(ValueError, match="dense bfloat16"):
@@ -140,4 +145,5 @@ def test_bad_arguments_are_clear_errors() -> None:
 
 def test_the_dot_product_build_is_used_where_the_cpu_has_it(isa: str) -> None:
     has_bf16 = "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
-    assert _C.bf16_dot_product() == (isa == "avx512" and has_bf16)
+    assert _C.bf16_dot_product() == (isa in ("avx512", "amx") and has_bf16)
+    assert _C.amx_tiles() == (isa == "amx")

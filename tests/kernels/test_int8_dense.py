@@ -1,4 +1,4 @@
-"""int8_dense (W8A8) in each build this CPU runs (AVX-512 VNNI, AVX2, portable): x
+"""int8_dense (W8A8) in each build this CPU runs (AMX, AVX-512 VNNI, AVX2, portable): x
 quantized per row as numpy rounds (ties to even), the int8 products summed exactly, both
 scales applied: against a float64 reference of the same quantization, and bit for bit the
 same in every build (a weight with a -128, which AVX2's sign trick cannot take, runs the
@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from helpers.dense_isa import ISAS
+from helpers.dense_isa import TILE_ISAS, pin_dense_isa, unpin_dense_isa
 
 from pyengine import _C, ops
 
@@ -29,19 +29,21 @@ def reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch
 
 
 def run(isa: str, x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None):  # type: ignore[no-untyped-def]
-    _C.set_quantized_dense_isa(isa)
+    pin_dense_isa(isa)
     try:
         out = torch.empty(x.shape[0], scale.shape[0])
         ops.int8_dense(out, x, w, scale, bias, scale.shape[0])
         return out
     finally:
-        _C.set_quantized_dense_isa("auto")
+        unpin_dense_isa()
 
 
-@pytest.mark.parametrize(
-    ("m", "k", "n"),
-    [(1, 64, 16), (1, 576, 100), (3, 5, 17), (8, 1536, 48), (9, 577, 33), (130, 96, 1000)],
-)
+# (AMX: k a multiple of 64, from 8 rows; one and two row tiles, an odd panel count)
+SIZES = [(1, 64, 16), (1, 576, 100), (3, 5, 17), (8, 1536, 48), (9, 577, 33), (130, 96, 1000),
+         (17, 64, 16), (40, 128, 50), (100, 576, 100)]  # fmt: skip
+
+
+@pytest.mark.parametrize(("m", "k", "n"), SIZES)
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("lowest", [-127, -128])
 def test_int8_dense_is_the_w8a8_product(
@@ -54,7 +56,7 @@ def test_int8_dense_is_the_w8a8_product(
     x = torch.randn(m, k) * torch.rand(m, 1) * 4
     x[0, : k // 2] = 0  # a half-zero row
     want = reference(x, q, scale, bias)
-    results = [run(isa, x, packed(q), scale, bias) for isa in ISAS]
+    results = [run(isa, x, packed(q), scale, bias) for isa in TILE_ISAS]
     for got in results:
         np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
         assert torch.equal(got, results[0])
@@ -62,7 +64,7 @@ def test_int8_dense_is_the_w8a8_product(
 
 def test_a_zero_row_and_no_rows() -> None:
     q = torch.randint(-127, 128, (20, 64), dtype=torch.int8)
-    for isa in ISAS:
+    for isa in TILE_ISAS:
         out = run(isa, torch.zeros(2, 64), packed(q), torch.ones(20), None)
         assert torch.equal(out, torch.zeros(2, 20))
         assert run(isa, torch.zeros(0, 64), packed(q), torch.ones(20), None).shape == (0, 20)

@@ -105,11 +105,20 @@ void pack_bf16_weight(const TensorView& packed, const TensorView& w_t, bool gate
 // kernels are not pinned to a narrower build (set_quantized_dense_isa).
 bool bf16_dot_product();
 
+// Whether bfloat16 panels (k a multiple of 32) and int8 weights (int8_dense, k a multiple
+// of 64; with AMX-INT8) multiply blocks of 16 rows on AMX's tile unit: the CPU has AMX
+// and the OS lets this process use it, the quantized kernels run their AVX-512 build, and
+// set_amx_tiles(false) has not turned it off (for tests and benchmarks). The int8 sums
+// are the same integers; bfloat16's are summed in the tile unit's order.
+bool amx_tiles();
+// Throws InvalidArgument turning it on where AMX is not usable.
+void set_amx_tiles(bool enabled);
+
 // out [m, n] = x [m, k] @ (the packed weight of k x n) + bias [n] (optional: bias.data
 // null). x and out float32 with a dense last dim; packed float32 (pack_weight),
 // uint8/int8/float8_e4m3fn (pack_quantized_weight) or bfloat16 (pack_split_weight, where
 // split_gemm_supported()); or x, out and bias bfloat16 with bfloat16 panels
-// (pack_bf16_weight: told from a split weight by its size). int8_activations: with a
+// (pack_bf16_weight: told from a split weight by x's dtype). int8_activations: with a
 // 4-bit or int8 block-quantized weight, x's rows are quantized to int8 per block of
 // kQuantBlock (d = max|x| / 127, as llama.cpp's q8_0) and multiplied in integers
 // (AVX-512 VNNI where the CPU has it; the same results in every build): a fifth of the

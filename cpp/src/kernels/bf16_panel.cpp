@@ -12,6 +12,7 @@
 #endif
 
 #include "activation.h"
+#include "amx_tiles.h"
 #include "float_convert.h"
 #include "quantized_panel.h"
 #include "vector_clones.h"
@@ -137,7 +138,50 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_dot(const 
 }
 #endif
 
+constexpr int64_t kAmxPairs = kAmxTileBytes / 4;  // pairs of k rows of one tile product
+
+#ifdef PYENGINE_AMX
+// c [16][kPanelWidth] = a's 16 rows (lda apart) @ the panel: tiles 0-2 the sums of the
+// panel's three 16-column thirds, 3 x's 16 rows x 16 pairs, 4-6 the thirds' B tiles (16
+// pairs of the panel's lanes, a pair's lanes 192 bytes apart in the panel).
+PYENGINE_AMX_TARGET void tile_amx(const uint16_t* a, int64_t lda, const uint16_t* panel,
+                                  int64_t pairs, float* c) {
+  constexpr int64_t kPairBytes = kPairElements * 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  for (int64_t p = 0; p < pairs; p += kAmxPairs) {
+    const uint16_t* lanes = panel + p * kPairElements;
+    _tile_loadd(3, a + 2 * p, lda * 2);
+    _tile_loadd(4, lanes, kPairBytes);
+    _tile_loadd(5, lanes + 2 * kLanes, kPairBytes);
+    _tile_loadd(6, lanes + 4 * kLanes, kPairBytes);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  }
+  constexpr int64_t kRowBytes = kPanelWidth * 4;
+  _tile_stored(0, c, kRowBytes);
+  _tile_stored(1, c + kLanes, kRowBytes);
+  _tile_stored(2, c + 2 * kLanes, kRowBytes);
+}
+#endif
+
 }  // namespace
+
+bool bf16_amx_takes(int64_t k) { return k % (2 * kAmxPairs) == 0 && amx_tiles_enabled(); }
+
+void multiply_bf16_rows_amx(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel,
+                            int64_t k, float* c) {
+#ifdef PYENGINE_AMX
+  if (rows == kBf16AmxRows) return tile_amx(a, lda, panel, k / 2, c);
+  alignas(64) float sums[kBf16AmxRows * kPanelWidth];  // (c holds only `rows`)
+  tile_amx(a, lda, panel, k / 2, sums);
+  std::memcpy(c, sums, static_cast<size_t>(rows) * kPanelWidth * sizeof(float));
+#else
+  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)c;
+#endif
+}
 
 void pack_bf16_panel(uint16_t* dst, const float* w_t, int64_t ldw, int64_t k, int64_t first,
                      int64_t width) {

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "activation.h"
+#include "amx_tiles.h"
 #include "attention_checks.h"
 #include "bf16_panel.h"
 #include "quantized_panel.h"
@@ -265,12 +266,14 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
 // ahead into), shrinking towards the end, so that a thread the machine slows down for a
 // while (a shared host's vCPUs) does not leave the other waiting at the end of the call.
 // (Against the even static split, a run's decode matmuls took 9% less time, its prefill
-// matmuls 4% less: medians of 4 alternating runs in one process, same tokens.)
+// matmuls 4% less: medians of 4 alternating runs in one process, same tokens.) Blocks
+// start at multiples of 16 rows, where the tile unit's row tiles do.
 template <class Body>
 void for_blocks_and_units(int64_t m, int64_t k, int64_t num_units, int64_t unit_columns,
                           Body&& body) {
+  constexpr int64_t kStep = detail::kAmxTileRows;
   const int64_t block_rows =
-      std::max<int64_t>(kRows, kBlockFloats / std::max<int64_t>(k, 1) / kRows * kRows);
+      std::max<int64_t>(kStep, kBlockFloats / std::max<int64_t>(k, 1) / kStep * kStep);
 #pragma omp parallel if (num_units > 1 &&                                               \
                              std::min(m, block_rows) * k * unit_columns * num_units >= \
                                      (1 << 16))
@@ -346,11 +349,11 @@ const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k,
   detail::check_cpu(packed, op, "packed");
   const int64_t size = packed_split_weight_size(k, n, gate_up);
   if (packed.ndim != 1 || packed.strides[0] != 1 || packed.shape[0] != size) {
-    throw InvalidArgument(std::string(op) + ": packed must be a packed [" + std::to_string(k) +
-                          ", " + std::to_string(gate_up ? 2 * n : n) + "] weight: bfloat16 [" +
-                          std::to_string((gate_up ? 2 : 1) * packed_bf16_weight_size(k, n)) +
-                          "] panels (pack_bf16_weight), or split bfloat16 [" +
-                          std::to_string(size) + "] (pack_split_weight), got " + packed.describe());
+    throw InvalidArgument(std::string(op) + ": with float32 x, a bfloat16 packed must be a " +
+                          "split [" + std::to_string(k) + ", " +
+                          std::to_string(gate_up ? 2 * n : n) + "] weight: bfloat16 [" +
+                          std::to_string(size) + "] (pack_split_weight; bfloat16 panels, " +
+                          "pack_bf16_weight, take bfloat16 x), got " + packed.describe());
   }
   if (!detail::amx_usable()) {
     throw InvalidArgument(
@@ -361,16 +364,19 @@ const uint16_t* check_split(const char* op, const TensorView& packed, int64_t k,
 }
 
 // A bfloat16-panel weight (pack_bf16_weight) of k x n (`pairs`: gate/up pairs of n
-// columns each), or null where `packed` is no such buffer (a bfloat16 one of another
-// size is a split weight: it is never the panels' size).
+// columns each), checked: what a bfloat16 x (or out, for packed_columns) takes.
 const uint16_t* bf16_panels(const char* op, const TensorView& packed, int64_t k, int64_t n,
                             bool pairs) {
+  detail::check_cpu(packed, op, "packed");
   const int64_t size = (pairs ? 2 : 1) * packed_bf16_weight_size(k, n);
   if (packed.dtype != DType::kBFloat16 || packed.ndim != 1 || packed.strides[0] != 1 ||
       packed.shape[0] != size) {
-    return nullptr;
+    throw InvalidArgument(std::string(op) + ": with bfloat16 x, packed must be bfloat16 [" +
+                          std::to_string(size) + "] panels of a [" + std::to_string(k) + ", " +
+                          std::to_string(pairs ? 2 * n : n) + "] weight (pack_bf16_weight; " +
+                          "a split weight, pack_split_weight, takes float32 x), got " +
+                          packed.describe());
   }
-  detail::check_cpu(packed, op, "packed");
   return static_cast<const uint16_t*>(packed.data);
 }
 
@@ -386,31 +392,52 @@ void check_bf16_x_out(const char* op, const TensorView& out, const TensorView& x
 }
 
 // x's bfloat16 rows as the tiles read them, in pairs: x itself where k is even, else a
-// copy with a zero column past k (the panel's row past k is zero too).
+// copy with a zero column past k (the panel's row past k is zero too). On the tile unit
+// (amx), rows come 16 at a time: x itself where m is a multiple of 16, else a copy with
+// zero rows past m.
 struct Bf16Rows {
   const uint16_t* a;
   int64_t lda;
   int64_t m;
   int64_t k;  // even
+  bool amx;
 };
+
+// From this many rows on, bfloat16 panels multiply on the tile unit where it takes k.
+constexpr int64_t kBf16AmxMinRows = 8;
 
 Bf16Rows bf16_rows(const TensorView& x) {
   const auto* a = static_cast<const uint16_t*>(x.data);
   const int64_t m = x.shape[0], k = x.shape[1];
-  if (k % 2 == 0) return {a, x.strides[0], m, k};
+  const bool amx = m >= kBf16AmxMinRows && detail::bf16_amx_takes(k);
+  const int64_t m_pad = amx ? (m + detail::kBf16AmxRows - 1) / detail::kBf16AmxRows *
+                                  detail::kBf16AmxRows
+                            : m;
+  if (k % 2 == 0 && m_pad == m) return {a, x.strides[0], m, k, amx};
+  const int64_t lda = k + k % 2;
   thread_local std::vector<uint16_t> padded;
-  padded.assign(static_cast<size_t>(m * (k + 1)), uint16_t{0});
+  padded.assign(static_cast<size_t>(m_pad * lda), uint16_t{0});
   for (int64_t r = 0; r < m; ++r) {
-    std::memcpy(padded.data() + r * (k + 1), a + r * x.strides[0],
+    std::memcpy(padded.data() + r * lda, a + r * x.strides[0],
                 static_cast<size_t>(k) * sizeof(uint16_t));
   }
-  return {padded.data(), k + 1, m, k + 1};
+  return {padded.data(), lda, m, lda, amx};
 }
 
-// Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's.
+// Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's (16 rows at a time on
+// the tile unit).
 template <class Sink>
 void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, int64_t m1,
                          float* sums, Sink&& sink) {
+  if (x.amx) {
+    const detail::AmxTiles tiles;
+    for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16AmxRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16AmxRows, m1 - r0));
+      detail::multiply_bf16_rows_amx(x.a + r0 * x.lda, x.lda, rows, panel, x.k, sums);
+      sink(r0, rows, static_cast<const float*>(sums));
+    }
+    return;
+  }
   for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16TileRows) {
     const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16TileRows, m1 - r0));
     detail::multiply_bf16_rows(x.a + r0 * x.lda, x.lda, rows, panel, x.k, sums);
@@ -573,11 +600,8 @@ void pack_gate_up_weight(const TensorView& packed, const TensorView& w_t) {
 void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
            const TensorView& bias, int64_t n, bool int8_activations) {
   constexpr const char* op = "dense";
-  if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
-    if (const uint16_t* panels = bf16_panels(op, packed, x.shape[1], n, false)) {
-      return dense_bf16(out, x, panels, bias, n);
-    }
-    check_split(op, packed, x.shape[1], n, false);  // (of neither size: names both)
+  if (x.ndim == 2 && x.dtype == DType::kBFloat16) {
+    return dense_bf16(out, x, bf16_panels(op, packed, x.shape[1], n, false), bias, n);
   }
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
@@ -614,11 +638,8 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
 void dense_silu_and_mul(const TensorView& out, const TensorView& x, const TensorView& packed,
                         int64_t n, bool int8_activations) {
   constexpr const char* op = "dense_silu_and_mul";
-  if (x.ndim == 2 && packed.dtype == DType::kBFloat16) {
-    if (const uint16_t* panels = bf16_panels(op, packed, x.shape[1], n, true)) {
-      return dense_bf16_silu_and_mul(out, x, panels, n);
-    }
-    check_split(op, packed, x.shape[1], n, true);  // (of neither size: names both)
+  if (x.ndim == 2 && x.dtype == DType::kBFloat16) {
+    return dense_bf16_silu_and_mul(out, x, bf16_panels(op, packed, x.shape[1], n, true), n);
   }
   check_x_out(op, out, x, n);
   const int64_t k = x.shape[1];
@@ -663,8 +684,9 @@ void release_thread_pool() {
 void packed_columns(const TensorView& out, const TensorView& packed, const TensorView& ids,
                     int64_t n) {
   constexpr const char* op = "packed_columns";
-  const uint16_t* bf16 = out.ndim == 2 ? bf16_panels(op, packed, out.shape[1], n, false) : nullptr;
-  check_rows(out, op, "out", 2, bf16 != nullptr ? DType::kBFloat16 : DType::kFloat32);
+  const bool bf16_out = out.ndim == 2 && out.dtype == DType::kBFloat16;
+  const uint16_t* bf16 = bf16_out ? bf16_panels(op, packed, out.shape[1], n, false) : nullptr;
+  check_rows(out, op, "out", 2, bf16_out ? DType::kBFloat16 : DType::kFloat32);
   detail::check_writable(out, op, "out");
   detail::check_cpu(ids, op, "ids");
   const int64_t t = out.shape[0], k = out.shape[1];

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,7 @@
 #define PYENGINE_INT8_X86 1
 #endif
 
+#include "amx_tiles.h"
 #include "attention_checks.h"
 #include "float_convert.h"
 #include "pyengine/dense.h"
@@ -28,6 +30,8 @@ using detail::arg;
 
 constexpr int64_t kGroup = 4;          // k a byte group of a column holds
 constexpr int64_t kRowsPerTile = 8;    // rows of x a tile's sums cover
+constexpr int64_t kAmxRowsPerTile = 32;  // the same on AMX: two row tiles
+constexpr int64_t kAmxMinRows = 8;       // rows from which the tile unit takes them
 constexpr int64_t kPanelsPerUnit = 2;  // panels a thread takes at a time
 constexpr int kUnsignedOffset = 128;   // x's bytes are xq + 128 (vpdpbusd's unsigned side)
 
@@ -49,18 +53,21 @@ bool vnni_supported() {
 PYENGINE_VECTOR_CLONES float quantize_row(const float* row, int64_t k, uint8_t* out) {
   const float s = detail::max_abs(row, k) / 127.0f;
   if (!(s > 0.0f)) return s;  // a zero row: every xq 0 (a NaN one: NaN sums)
+  // (the clamp a guard, in comparisons that vectorize where std::clamp did not)
   for (int64_t i = 0; i < k; ++i) {
-    const float q = std::clamp(std::nearbyint(row[i] / s), -127.0f, 127.0f);
+    const float rounded = std::nearbyint(row[i] / s);
+    const float q = rounded > 127.0f ? 127.0f : rounded < -127.0f ? -127.0f : rounded;
     out[i] = static_cast<uint8_t>(static_cast<int>(q) + kUnsignedOffset);
   }
   return s;
 }
 
-// The per-row scale and xq + 128 of x [m, k], rows kp apart (the padding k hold 128: 0).
-void quantize_rows(const TensorView& x, int64_t kp, std::vector<uint8_t>& xq,
+// The per-row scale and xq + 128 of x [m, k], rows kp apart (the padding k, and the rows
+// up to m_pad, hold 128: 0).
+void quantize_rows(const TensorView& x, int64_t kp, int64_t m_pad, std::vector<uint8_t>& xq,
                    std::vector<float>& row_scale) {
   const int64_t m = x.shape[0], k = x.shape[1];
-  xq.assign(static_cast<size_t>(m * kp), static_cast<uint8_t>(kUnsignedOffset));
+  xq.assign(static_cast<size_t>(m_pad * kp), static_cast<uint8_t>(kUnsignedOffset));
   row_scale.resize(static_cast<size_t>(m));
   const auto* data = static_cast<const float*>(x.data);
   uint8_t* out = xq.data();
@@ -212,11 +219,97 @@ void tile_vnni_rows(const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w
 }
 #endif
 
-enum class Build { kGeneric, kAvx2, kVnni };
+#ifdef PYENGINE_AMX
+constexpr int64_t kAmxK = detail::kAmxTileBytes;  // k of one tile product (16 groups)
 
-// The build for this weight: as pinned (set_quantized_dense_isa), VNNI where the CPU has
-// it, else AVX2 unless a q is -128.
-Build pick_build(const Packed& w) {
+// Rows [0, 16 kRowTiles) of xq (kp apart, kp a multiple of kAmxK) times panels p0 and
+// p0 + 1 (panels 2) or p0 alone, on AMX: tiles 0-3 the sums (row tile r, panel p: tile
+// 2r + p), 4-5 x's row tiles, 6-7 the panels' B tiles (16 groups of a panel: 1 KiB in
+// one piece). tdpbusd multiplies x's unsigned bytes by w's signed ones as vpdpbusd does.
+template <int kRowTiles>
+PYENGINE_AMX_TARGET void tile_amx(const uint8_t* xq, int64_t kp, const Packed& w, int64_t p0,
+                                  int64_t panels, int32_t* sums) {
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (kRowTiles == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  const int8_t* first = w.panel(p0);
+  const int8_t* second = w.panel(p0 + panels - 1);  // (panels 1: its sums not stored)
+  const uint8_t* lower = xq + detail::kAmxTileRows * kp;
+  // Each tile is loaded for the next k right after the last product that reads it.
+  _tile_loadd(4, xq, kp);
+  _tile_loadd(6, first, kAmxK);
+  _tile_loadd(7, second, kAmxK);
+  if constexpr (kRowTiles == 2) _tile_loadd(5, lower, kp);
+  for (int64_t g = 0; g < kp; g += kAmxK) {
+    const int64_t next = g + kAmxK;
+    const bool more = next < kp;
+    _tile_dpbusd(0, 4, 6);
+    _tile_dpbusd(1, 4, 7);
+    if (more) _tile_loadd(4, xq + next, kp);
+    if constexpr (kRowTiles == 2) {
+      _tile_dpbusd(2, 5, 6);
+      if (more) _tile_loadd(6, first + next * kInt8PanelWidth, kAmxK);
+      _tile_dpbusd(3, 5, 7);
+      if (more) _tile_loadd(5, lower + next, kp);
+    } else if (more) {
+      _tile_loadd(6, first + next * kInt8PanelWidth, kAmxK);
+    }
+    if (more) _tile_loadd(7, second + next * kInt8PanelWidth, kAmxK);
+  }
+  const int64_t stride = panels * kInt8PanelWidth;  // sums [row][panels][16]
+  const int64_t down = detail::kAmxTileRows * stride;
+  _tile_stored(0, sums, stride * 4);
+  if (panels == 2) _tile_stored(1, sums + kInt8PanelWidth, stride * 4);
+  if constexpr (kRowTiles == 2) {
+    _tile_stored(2, sums + down, stride * 4);
+    if (panels == 2) _tile_stored(3, sums + down + kInt8PanelWidth, stride * 4);
+  }
+}
+
+// out's rows [0, rows), columns of panels [p0, p0 + panels) from tile_amx's sums: x's
+// offset 128 times each column's sum of q taken back out, then finish's arithmetic.
+PYENGINE_AMX_TARGET void store_amx_rows(const int32_t* sums, int64_t rows, const Packed& w,
+                                        int64_t p0, int64_t panels, int64_t n,
+                                        const float* row_scale, const float* scale,
+                                        const float* bias, float* out, int64_t ldc) {
+  for (int64_t p = 0; p < panels; ++p) {
+    const int64_t first = (p0 + p) * kInt8PanelWidth;
+    const auto live = static_cast<__mmask16>((1u << std::min(kInt8PanelWidth, n - first)) - 1);
+    const __m512i offset = _mm512_mullo_epi32(_mm512_set1_epi32(kUnsignedOffset),
+                                              _mm512_loadu_si512(w.column_sums + first));
+    const __m512 s = _mm512_maskz_loadu_ps(live, scale + first);
+    const __m512 b = bias != nullptr ? _mm512_maskz_loadu_ps(live, bias + first)
+                                     : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512i dot = _mm512_sub_epi32(
+          _mm512_loadu_si512(sums + (r * panels + p) * kInt8PanelWidth), offset);
+      // (row_scale * scale first, as finish multiplies; bias added after the rounding)
+      __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(dot),
+                                   _mm512_mul_ps(_mm512_set1_ps(row_scale[r]), s));
+      if (bias != nullptr) value = _mm512_add_ps(value, b);
+      _mm512_mask_storeu_ps(out + r * ldc + first, live, value);
+    }
+  }
+}
+#endif
+
+enum class Build { kGeneric, kAvx2, kVnni, kAmx };
+
+// The build for this weight and m rows: as pinned (set_quantized_dense_isa,
+// set_amx_tiles), AMX from kAmxMinRows rows where k is a multiple of its tiles', VNNI
+// where the CPU has it, else AVX2 unless a q is -128.
+Build pick_build(const Packed& w, int64_t m) {
+#ifdef PYENGINE_AMX
+  if (m >= kAmxMinRows && w.kp % kAmxK == 0 && detail::amx_int8_usable() &&
+      detail::amx_tiles_enabled()) {
+    return Build::kAmx;
+  }
+#else
+  (void)m;
+#endif
   const CpuIsa isa = quantized_dense_isa();
   if (isa == CpuIsa::kAvx512 && vnni_supported()) return Build::kVnni;
   if ((isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2) && !w.has_minus_128) return Build::kAvx2;
@@ -225,6 +318,12 @@ Build pick_build(const Packed& w) {
 
 void run_tile(Build build, const uint8_t* xq, int64_t kp, int64_t rows, const Packed& w,
               int64_t p0, int64_t panels, int32_t* sums) {
+#ifdef PYENGINE_AMX
+  if (build == Build::kAmx) {
+    if (rows > detail::kAmxTileRows) return tile_amx<2>(xq, kp, w, p0, panels, sums);
+    return tile_amx<1>(xq, kp, w, p0, panels, sums);
+  }
+#endif
 #ifdef PYENGINE_INT8_X86
   if (build == Build::kVnni) {
     if (panels == 2) return tile_vnni_rows<2>(xq, kp, rows, w, p0, sums);
@@ -303,34 +402,46 @@ void int8_dense(const TensorView& out, const TensorView& x, const TensorView& pa
   detail::check_vector(scale, op, "scale", n);
   const bool has_bias = bias.data != nullptr;
   if (has_bias) detail::check_vector(bias, op, "bias", n);
+  const Build build = pick_build(w, m);
+  const int64_t tile_rows = build == Build::kAmx ? kAmxRowsPerTile : kRowsPerTile;
   thread_local std::vector<uint8_t> xq;
   thread_local std::vector<float> row_scale;
-  quantize_rows(x, w.kp, xq, row_scale);
+  quantize_rows(x, w.kp, (m + tile_rows - 1) / tile_rows * tile_rows, xq, row_scale);
   const auto* s = static_cast<const float*>(scale.data);
   const auto* b = static_cast<const float*>(bias.data);
   auto* c = static_cast<float*>(out.data);
   const int64_t ldc = out.strides[0];
-  const Build build = pick_build(w);
   const int64_t units = (num_panels(n) + kPanelsPerUnit - 1) / kPanelsPerUnit;
   const uint8_t* xq_data = xq.data();
   const float* sx = row_scale.data();
-#pragma omp parallel for schedule(guided, 2) if (units > 1 && m * k * n >= (1 << 16))
-  for (int64_t u = 0; u < units; ++u) {
-    const int64_t p0 = u * kPanelsPerUnit;
-    const int64_t panels = std::min(kPanelsPerUnit, num_panels(n) - p0);
-    int32_t sums[kRowsPerTile * kPanelsPerUnit * kInt8PanelWidth];
-    for (int64_t r0 = 0; r0 < m; r0 += kRowsPerTile) {
-      const int64_t rows = std::min(kRowsPerTile, m - r0);
-      run_tile(build, xq_data + r0 * w.kp, w.kp, rows, w, p0, panels, sums);
-      for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t p = 0; p < panels; ++p) {
-          const int64_t first = (p0 + p) * kInt8PanelWidth;
-          const int64_t width = std::min(kInt8PanelWidth, n - first);
-          const int32_t* dot = sums + (r * panels + p) * kInt8PanelWidth;
-          float* dst = c + (r0 + r) * ldc + first;
-          for (int64_t j = 0; j < width; ++j) {
-            const float value = finish(dot[j], sx[r0 + r], s[first + j]);
-            dst[j] = has_bias ? value + b[first + j] : value;
+#pragma omp parallel if (units > 1 && m * k * n >= (1 << 16))
+  {
+    std::optional<detail::AmxTiles> tiles;
+    if (build == Build::kAmx) tiles.emplace();
+#pragma omp for schedule(guided, 2)
+    for (int64_t u = 0; u < units; ++u) {
+      const int64_t p0 = u * kPanelsPerUnit;
+      const int64_t panels = std::min(kPanelsPerUnit, num_panels(n) - p0);
+      int32_t sums[kAmxRowsPerTile * kPanelsPerUnit * kInt8PanelWidth];
+      for (int64_t r0 = 0; r0 < m; r0 += tile_rows) {
+        const int64_t rows = std::min(tile_rows, m - r0);
+        run_tile(build, xq_data + r0 * w.kp, w.kp, rows, w, p0, panels, sums);
+#ifdef PYENGINE_AMX
+        if (build == Build::kAmx) {
+          store_amx_rows(sums, rows, w, p0, panels, n, sx + r0, s, b, c + r0 * ldc, ldc);
+          continue;
+        }
+#endif
+        for (int64_t r = 0; r < rows; ++r) {
+          for (int64_t p = 0; p < panels; ++p) {
+            const int64_t first = (p0 + p) * kInt8PanelWidth;
+            const int64_t width = std::min(kInt8PanelWidth, n - first);
+            const int32_t* dot = sums + (r * panels + p) * kInt8PanelWidth;
+            float* dst = c + (r0 + r) * ldc + first;
+            for (int64_t j = 0; j < width; ++j) {
+              const float value = finish(dot[j], sx[r0 + r], s[first + j]);
+              dst[j] = has_bias ? value + b[first + j] : value;
+            }
           }
         }
       }

@@ -8,14 +8,8 @@
 #include <vector>
 
 #include "activation.h"
+#include "amx_tiles.h"
 #include "float_convert.h"
-
-#if defined(__x86_64__) && defined(__linux__) && (defined(__GNUC__) || defined(__clang__))
-#define PYENGINE_AMX 1
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace pyengine::detail {
 namespace {
@@ -37,7 +31,6 @@ struct SplitRows {
 };
 
 #ifdef PYENGINE_AMX
-#define PYENGINE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512bf16")))
 // GCC 12 takes the intrinsics' undefined pass-through vectors for uninitialized reads.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -60,30 +53,6 @@ PYENGINE_AMX_TARGET void split_row(const float* x, int64_t k, int64_t k_pad, uin
     }
   }
 }
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t bytes_per_row[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// Tiles 0-3 the output block's sums, 4-5 two row tiles of x, 6-7 the two halves' B
-// tiles: all 16 rows of 64 bytes.
-PYENGINE_AMX_TARGET void configure_tiles() {
-  TileConfig config;
-  for (int t = 0; t < 8; ++t) {
-    config.bytes_per_row[t] = 64;
-    config.rows[t] = kTileRows;
-  }
-  // GCC 12's _tile_loadconfig tells the compiler it reads only the first 8 bytes, which
-  // would let it drop the stores above: make them all visible first.
-  __asm__ volatile("" : : "r"(&config) : "memory");
-  _tile_loadconfig(&config);
-}
-
-PYENGINE_AMX_TARGET void release_tiles() { _tile_release(); }
 
 // c [32, 32] (rows 32 floats apart) = rows [r0, r0 + 32) of x times one unit.
 PYENGINE_AMX_TARGET void multiply_block(const SplitRows& a, int64_t r0, const uint16_t* unit,
@@ -213,7 +182,7 @@ void for_each_block(const SplitRows& a, const uint16_t* packed, int64_t units, S
                                kBlockRows * kBlockRows);
 #pragma omp parallel if (units > 1 && a.m_pad * a.k_pad * units >= (1 << 14))
   {
-    configure_tiles();
+    const AmxTiles tiles;
     alignas(64) float c[kBlockRows * kBlockRows];
     for (int64_t m0 = 0; m0 < a.m_pad; m0 += block_rows) {
       const int64_t m1 = std::min(a.m_pad, m0 + block_rows);
@@ -225,7 +194,6 @@ void for_each_block(const SplitRows& a, const uint16_t* packed, int64_t units, S
         }
       }
     }
-    release_tiles();
   }
 #else
   (void)a, (void)packed, (void)units, (void)sink;
@@ -233,25 +201,6 @@ void for_each_block(const SplitRows& a, const uint16_t* packed, int64_t units, S
 }
 
 }  // namespace
-
-bool amx_usable() {
-#ifdef PYENGINE_AMX
-  static const bool usable = [] {
-    unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
-    __asm__("cpuid" : "=a"(eax), "=b"(ebx), "=c"(ecx), "=d"(edx) : "a"(7), "c"(0));
-    const bool amx_bf16 = (edx >> 22 & 1) != 0, amx_tile = (edx >> 24 & 1) != 0;
-    const bool avx512_bf16 = __builtin_cpu_supports("avx512bf16") != 0;
-    if (!amx_bf16 || !amx_tile || !avx512_bf16) return false;
-    // Linux hands out the 8 KiB tile state only to processes that ask (arch_prctl
-    // ARCH_REQ_XCOMP_PERM for XTILEDATA, feature 18); the grant covers every thread.
-    constexpr int kReqXcompPerm = 0x1023, kXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return usable;
-#else
-  return false;
-#endif
-}
 
 void split_bf16_gemm(float* out, int64_t ldc, const float* x, int64_t ldx, int64_t m, int64_t k,
                      const uint16_t* packed, int64_t n, const float* bias) {

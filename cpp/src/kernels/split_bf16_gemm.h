@@ -37,10 +37,6 @@ inline int64_t split_unit_size(int64_t k) {
   return (k + kSplitBlock - 1) / kSplitBlock * 2 * kSplitParts * kSplitBlock * kSplitHalf;
 }
 
-// Whether this CPU has AMX with bfloat16 and the OS lets this process use it (asked for
-// once, on the first call).
-bool amx_usable();
-
 // out [m, n] = x @ w + bias (bias null: none), w packed as above (`units` of them), out
 // rows ldc apart.
 void split_bf16_gemm(float* out, int64_t ldc, const float* x, int64_t ldx, int64_t m, int64_t k,
