@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cstring>
 #include <type_traits>
-#include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #include <immintrin.h>
@@ -139,19 +138,32 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_dot(const 
 #endif
 
 constexpr int64_t kAmxPairs = kAmxTileBytes / 4;  // pairs of k rows of one tile product
+constexpr int64_t kAmxPrefetchSteps = 4;
 
 #ifdef PYENGINE_AMX
 // c [16][kPanelWidth] = a's 16 rows (lda apart) @ the panel: tiles 0-2 the sums of the
 // panel's three 16-column thirds, 3 x's 16 rows x 16 pairs, 4-6 the thirds' B tiles (16
 // pairs of the panel's lanes, a pair's lanes 192 bytes apart in the panel).
+// `first`: the block's first pass over the panel, which streams it from memory: its
+// lines are asked for kAmxPrefetchSteps tile products ahead.
+template <bool kFirst>
 PYENGINE_AMX_TARGET void tile_amx(const uint16_t* a, int64_t lda, const uint16_t* panel,
                                   int64_t pairs, float* c) {
   constexpr int64_t kPairBytes = kPairElements * 2;
+  constexpr int64_t kStepLines = kAmxPairs * kPairBytes / 64;
+  const auto* end = reinterpret_cast<const char*>(panel + pairs * kPairElements);
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
     const uint16_t* lanes = panel + p * kPairElements;
+    if constexpr (kFirst) {
+      const char* ahead = reinterpret_cast<const char*>(lanes) +
+                          kAmxPrefetchSteps * kAmxPairs * kPairBytes;
+      for (int64_t line = 0; line < kStepLines && ahead + 64 * line < end; ++line) {
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+    }
     _tile_loadd(3, a + 2 * p, lda * 2);
     _tile_loadd(4, lanes, kPairBytes);
     _tile_loadd(5, lanes + 2 * kLanes, kPairBytes);
@@ -172,14 +184,15 @@ PYENGINE_AMX_TARGET void tile_amx(const uint16_t* a, int64_t lda, const uint16_t
 bool bf16_amx_takes(int64_t k) { return k % (2 * kAmxPairs) == 0 && amx_tiles_enabled(); }
 
 void multiply_bf16_rows_amx(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel,
-                            int64_t k, float* c) {
+                            int64_t k, bool first, float* c) {
 #ifdef PYENGINE_AMX
-  if (rows == kBf16AmxRows) return tile_amx(a, lda, panel, k / 2, c);
+  const auto tile = first ? tile_amx<true> : tile_amx<false>;
+  if (rows == kBf16AmxRows) return tile(a, lda, panel, k / 2, c);
   alignas(64) float sums[kBf16AmxRows * kPanelWidth];  // (c holds only `rows`)
-  tile_amx(a, lda, panel, k / 2, sums);
+  tile(a, lda, panel, k / 2, sums);
   std::memcpy(c, sums, static_cast<size_t>(rows) * kPanelWidth * sizeof(float));
 #else
-  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)c;
+  (void)a, (void)lda, (void)rows, (void)panel, (void)k, (void)first, (void)c;
 #endif
 }
 
@@ -214,15 +227,21 @@ void store_bf16_row(const float* src, const uint16_t* bias, uint16_t* dst, int64
   }
 }
 
-void store_bf16_silu_and_mul_row(const float* gate, const float* up, uint16_t* dst, int64_t n) {
-  thread_local std::vector<float> row;
-  row.resize(static_cast<size_t>(3 * n));
-  for (int64_t j = 0; j < n; ++j) {
-    row[static_cast<size_t>(j)] = bf16_to_float(float_to_bf16(gate[j]));
-    row[static_cast<size_t>(n + j)] = bf16_to_float(float_to_bf16(up[j]));
+PYENGINE_VECTOR_CLONES
+void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t rows,
+                                  uint16_t* dst, int64_t ldd, int64_t n) {
+  // Whole rows of the panel (columns past n are zero sums) in one pass of silu_and_mul.
+  constexpr int64_t kMost = kBf16AmxRows * kPanelWidth;
+  float g[kMost], u[kMost], out[kMost];
+  const int64_t count = rows * kPanelWidth;
+  for (int64_t j = 0; j < count; ++j) {
+    g[j] = bf16_to_float(float_to_bf16(gate[j]));
+    u[j] = bf16_to_float(float_to_bf16(up[j]));
   }
-  silu_and_mul_row(row.data(), row.data() + n, row.data() + 2 * n, n);
-  store_bf16_row(row.data() + 2 * n, nullptr, dst, n);
+  silu_and_mul_row(g, u, out, count);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < n; ++j) dst[r * ldd + j] = float_to_bf16(out[r * kPanelWidth + j]);
+  }
 }
 
 }  // namespace pyengine::detail

@@ -44,15 +44,18 @@ bool bf16_amx_takes(int64_t k);
 // As multiply_bf16_rows, 1 <= rows <= kBf16AmxRows, on AMX (tdpbf16ps: its own order
 // of the sums), reading kBf16AmxRows rows of a whatever `rows` (the ones past it padding
 // the caller owns); the calling thread's tiles configured (AmxTiles), bf16_amx_takes(k).
+// `first`: the first rows over this panel, which stream it from memory (prefetched).
 void multiply_bf16_rows_amx(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel,
-                            int64_t k, float* c);
+                            int64_t k, bool first, float* c);
 
 // dst[j] = bfloat16(src[j] + bias[j]) (bias null: none; a bfloat16 itself), j < n, each
 // rounded to nearest, ties to even, as torch rounds a float32 to bfloat16.
 void store_bf16_row(const float* src, const uint16_t* bias, uint16_t* dst, int64_t n);
 
-// dst[j] = bfloat16(silu(g) * u), g and u the bfloat16 roundings of gate[j] and up[j]:
-// what an unfused product rounded to bfloat16 and silu_and_mul over it give.
-void store_bf16_silu_and_mul_row(const float* gate, const float* up, uint16_t* dst, int64_t n);
+// dst[r][j] = bfloat16(silu(g) * u) (rows ldd apart), g and u the bfloat16 roundings of
+// gate[r][j] and up[r][j] (rows kPanelWidth apart, rows <= kBf16AmxRows, j < n <=
+// kPanelWidth): what an unfused product rounded to bfloat16 and silu_and_mul over it give.
+void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t rows,
+                                  uint16_t* dst, int64_t ldd, int64_t n);
 
 }  // namespace pyengine::detail

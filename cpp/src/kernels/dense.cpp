@@ -433,7 +433,7 @@ void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, i
     const detail::AmxTiles tiles;
     for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16AmxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16AmxRows, m1 - r0));
-      detail::multiply_bf16_rows_amx(x.a + r0 * x.lda, x.lda, rows, panel, x.k, sums);
+      detail::multiply_bf16_rows_amx(x.a + r0 * x.lda, x.lda, rows, panel, x.k, r0 == m0, sums);
       sink(r0, rows, static_cast<const float*>(sums));
     }
     return;
@@ -497,11 +497,9 @@ void dense_bf16_silu_and_mul(const TensorView& out, const TensorView& x, const u
         const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
         multiply_bf16_panel(rows, panels + (2 * p + 1) * panel_size, m0, m1, scratch,
                             [&](int64_t r0, int64_t tile_rows, const float* tile) {
-                              for (int64_t r = 0; r < tile_rows; ++r) {
-                                detail::store_bf16_silu_and_mul_row(
-                                    gates + (r0 - m0 + r) * kPanelWidth, tile + r * kPanelWidth,
-                                    c + (r0 + r) * ldc + first, width);
-                              }
+                              detail::store_bf16_silu_and_mul_rows(
+                                  gates + (r0 - m0) * kPanelWidth, tile, tile_rows,
+                                  c + r0 * ldc + first, ldc, width);
                             });
       });
 }
