@@ -227,6 +227,9 @@ void store_bf16_row(const float* src, const uint16_t* bias, uint16_t* dst, int64
   }
 }
 
+// (GCC 12 cannot see the loop below write all that silu_and_mul_row reads.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 PYENGINE_VECTOR_CLONES
 void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t rows,
                                   uint16_t* dst, int64_t ldd, int64_t n) {
@@ -243,6 +246,7 @@ void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t ro
     for (int64_t j = 0; j < n; ++j) dst[r * ldd + j] = float_to_bf16(out[r * kPanelWidth + j]);
   }
 }
+#pragma GCC diagnostic pop
 
 }  // namespace pyengine::detail
 
