@@ -24,7 +24,7 @@ Batched: the workload of bench/throughput.py (32 prompts of 64-512 random tokens
 greedy tokens each, all at once) on the default model's weights in each form: float32
 (the Q4_1 file dequantized, written as a Hugging Face folder: bench/checkpoints.py),
 bfloat16 (the same folder, dtype bfloat16), W8A8 (the same weights in compressed-tensors'
-int8 form; and with a float16 KV cache), FP8 (in its e4m3 form) and the Q4_1 file's
+int8 form; and with a float16 and an int8 KV cache), FP8 (in its e4m3 form) and the Q4_1 file's
 4-bit blocks (with float32 activations, and with int8 ones and a float16 KV cache); with
 each one's resident weight bytes. With
 --openvino-python and --openvino-model, the same prompts run
@@ -219,6 +219,7 @@ def batched_table(
         ("bfloat16", "bfloat16", folders["float32"], {"dtype": "bfloat16"}),
         ("W8A8 int8", "w8a8", folders["w8a8"], {}),
         ("W8A8 int8, float16 KV cache", "w8a8_kv_float16", folders["w8a8"], half_kv),
+        ("W8A8 int8, int8 KV cache", "w8a8_kv_int8", folders["w8a8"], {"kv_cache_dtype": "int8"}),
         ("FP8 e4m3 W8A8", "fp8", folders["fp8"], {}),
         ("Q4_1 (4-bit blocks)", "q4_1", source, {}),
         ("Q4_1, int8 activations, float16 KV cache", "q4_1_int8", source,
@@ -244,7 +245,8 @@ def batched_table(
         theirs = float(peer["generated_tok_s"])  # type: ignore[arg-type]
         figures["batched_openvino_generated_tok_s"] = round(theirs, 1)
         figures["batched_openvino_rss_mib"] = round(float(peer["rss_mib"]))  # type: ignore[arg-type]
-        for key in ("float32", "bfloat16", "w8a8", "w8a8_kv_float16", "fp8", "q4_1_int8"):
+        for key in ("float32", "bfloat16", "w8a8", "w8a8_kv_float16", "w8a8_kv_int8", "fp8",
+                    "q4_1_int8"):  # fmt: skip
             ours = figures.get(f"batched_{key}_generated_tok_s")
             if isinstance(ours, float):
                 figures[f"speedup_vs_openvino_batched_{key}"] = round(ours / theirs, 2)
