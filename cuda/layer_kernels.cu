@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <type_traits>
 
+#include "cache_8bit.cuh"
 #include "cuda_utils.h"
 #include "element_types.cuh"
 #include "layer_kernels.cuh"
@@ -77,25 +78,24 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
     using T = decltype(zero);
     // Heads lie d elements apart (the glue checks it); a thread's packs start at
     // multiples of W from the head (d / 2 + i0 rotate-half).
-    with_pack_width<T>(
-        {query.data, key.data}, {d / 2, query.strides[0], key.strides[0]}, [&](auto width) {
-          constexpr int W = decltype(width)::value;
-          const auto launch = [&](const auto* pos) {
-            rotary_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(pos)>>, W>
-                <<<static_cast<unsigned>(tokens),
-                   threads_for((num_heads + num_kv_heads) * d / 2 / W), 0,
-                   static_cast<cudaStream_t>(stream)>>>(
-                    pos, positions.strides[0], typed<T>(query), query.strides[0], num_heads,
-                    typed<T>(key), key.strides[0], num_kv_heads, d,
-                    static_cast<const float*>(cos_sin_cache.data), cos_sin_cache.strides[0],
-                    cos_sin_cache.shape[0], is_neox);
-          };
-          if (positions.dtype == DType::kInt32) {
-            launch(static_cast<const int32_t*>(positions.data));
-          } else {
-            launch(static_cast<const int64_t*>(positions.data));
-          }
-        });
+    with_pack_width<
+        T>({query.data, key.data}, {d / 2, query.strides[0], key.strides[0]}, [&](auto width) {
+      constexpr int W = decltype(width)::value;
+      const auto launch = [&](const auto* pos) {
+        rotary_kernel<T, std::remove_cv_t<std::remove_pointer_t<decltype(pos)>>, W>
+            <<<static_cast<unsigned>(tokens), threads_for((num_heads + num_kv_heads) * d / 2 / W),
+               0, static_cast<cudaStream_t>(stream)>>>(
+                pos, positions.strides[0], typed<T>(query), query.strides[0], num_heads,
+                typed<T>(key), key.strides[0], num_kv_heads, d,
+                static_cast<const float*>(cos_sin_cache.data), cos_sin_cache.strides[0],
+                cos_sin_cache.shape[0], is_neox);
+      };
+      if (positions.dtype == DType::kInt32) {
+        launch(static_cast<const int32_t*>(positions.data));
+      } else {
+        launch(static_cast<const int64_t*>(positions.data));
+      }
+    });
   });
   check_launch("rotary_embedding");
 }
@@ -119,15 +119,49 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
   check_launch("silu_and_mul");
 }
 
+namespace {
+
+// An 8-bit cache's write: a warp per (token, kv head).
+void reshape_and_cache_8bit(const TensorView& key, const TensorView& value,
+                            const TensorView& key_cache, const TensorView& value_cache,
+                            const TensorView& slot_mapping, float k_scale, float v_scale,
+                            void* stream) {
+  const int64_t tokens = key.shape[0];
+  const int num_kv_heads = static_cast<int>(value_cache.shape[1]);
+  const int block_size = static_cast<int>(value_cache.shape[2]);
+  const int head_size = static_cast<int>(key.shape[2]);
+  for_16bit_dtype(key.dtype, "reshape_and_cache", [&](auto zero) {
+    using T = decltype(zero);
+    for_8bit_cache(key_cache.dtype, "reshape_and_cache", [&](auto element) {
+      using C = decltype(element);
+      const dim3 grid(static_cast<unsigned>(tokens), static_cast<unsigned>(num_kv_heads));
+      reshape_and_cache_8bit_kernel<T, C><<<grid, kWarp, 0, static_cast<cudaStream_t>(stream)>>>(
+          typed<T>(key), key.strides[0], key.strides[1], typed<T>(value), value.strides[0],
+          value.strides[1], typed<C>(key_cache), typed<C>(value_cache),
+          static_cast<const int64_t*>(slot_mapping.data), slot_mapping.strides[0], num_kv_heads,
+          head_size, block_size, value_cache.shape[0] * static_cast<int64_t>(block_size), k_scale,
+          v_scale);
+    });
+  });
+}
+
+}  // namespace
+
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping,
-                       void* stream) {
+                       const TensorView& value_cache, const TensorView& slot_mapping, float k_scale,
+                       float v_scale, void* stream) {
   const int64_t tokens = key.shape[0];
   if (tokens == 0) return;
+  const DeviceGuard guard(key.device.index);
+  if (is_8bit_cache(key_cache.dtype)) {
+    reshape_and_cache_8bit(key, value, key_cache, value_cache, slot_mapping, k_scale, v_scale,
+                           stream);
+    check_launch("reshape_and_cache");
+    return;
+  }
   const int num_kv_heads = static_cast<int>(key_cache.shape[1]);
   const int head_size = static_cast<int>(key_cache.shape[2]);
   const int block_size = static_cast<int>(key_cache.shape[3]);
-  const DeviceGuard guard(key.device.index);
   for_dtype(key_cache.dtype, "reshape_and_cache", [&](auto zero) {
     using T = decltype(zero);
     with_pack_width<T>(

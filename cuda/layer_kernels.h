@@ -33,7 +33,11 @@ void silu_and_mul(const TensorView& out, const TensorView& x, void* stream);
 // Writes each token's key and value into its slot of the paged caches (slot_mapping
 // int64 [tokens], negative: skip).   key/value [tokens, kv_heads, d];
 // key_cache [blocks, kv_heads, d, block_size]; value_cache [blocks, kv_heads, block_size, d]
+// in key's dtype, or 8-bit under float16/bfloat16 K/V (cache_8bit.cuh: fp8 e4m3 as uint8,
+// with k_scale/v_scale > 0 its static divisors; int8, its head dims 4 longer for the
+// scale, static where k_scale/v_scale > 0).
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping, void* stream);
+                       const TensorView& value_cache, const TensorView& slot_mapping, float k_scale,
+                       float v_scale, void* stream);
 
 }  // namespace pyengine::cuda

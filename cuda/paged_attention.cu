@@ -1,7 +1,7 @@
 // CUDA paged attention (see paged_attention.h): the dispatch. float16 and bfloat16 of the
 // common head sizes run on tensor cores (flash_attention.cuh); everything else (float32,
-// other head sizes) on the scalar kernel (paged_attention.cuh), whose merge kernel also
-// merges the tensor-core kernel's split contexts.
+// other head sizes, 8-bit caches) on the scalar kernel (paged_attention.cuh), whose merge
+// kernel also merges the tensor-core kernel's split contexts.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -11,6 +11,7 @@
 #include <stdexcept>
 
 #include "attention_params.cuh"
+#include "cache_8bit.cuh"
 #include "cuda_utils.h"
 #include "element_types.cuh"
 #include "flash_attention.h"
@@ -28,11 +29,11 @@ using scalar_attention::kThreads;
 using scalar_attention::merge_kernel;
 using Params = AttentionParams;
 
-template <typename T, int kDimsPerLane>
+template <typename T, typename C, int kDimsPerLane>
 void launch(const Params& p, int64_t num_tokens, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(num_tokens), static_cast<unsigned>(p.num_heads),
                   static_cast<unsigned>(p.num_parts));
-  attention_kernel<T, kDimsPerLane><<<grid, kThreads, 0, stream>>>(p);
+  attention_kernel<T, C, kDimsPerLane><<<grid, kThreads, 0, stream>>>(p);
   check_cuda("paged_attention", cudaGetLastError(), "kernel launch");
 }
 
@@ -49,25 +50,27 @@ bool aligned(const void* data, uintptr_t bytes) {
 
 // Whether the tensor-core kernel takes this call: its shapes, and alignment for its
 // 16-byte cache loads and 4-byte query and output accesses.
-bool use_flash(const Params& p, const TensorView& query, const TensorView& out) {
-  return flash_attention_supports(query.dtype, p.head_size, p.block_size,
+bool use_flash(const Params& p, const TensorView& query, const TensorView& key_cache,
+               const TensorView& out) {
+  return !is_8bit_cache(key_cache.dtype) &&
+         flash_attention_supports(query.dtype, p.head_size, p.block_size,
                                   p.num_heads / p.num_kv_heads) &&
          aligned(p.key_cache, 16) && aligned(p.value_cache, 16) && aligned(query.data, 4) &&
          aligned(out.data, 4) && p.q_token_stride % 2 == 0 && p.q_head_stride % 2 == 0 &&
          p.o_token_stride % 2 == 0 && p.o_head_stride % 2 == 0;
 }
 
-// launch<T, lanes>() with the head dimension spread over 32 lanes: ceil(head_size / 32)
+// launch<T, C, lanes>() with the head dimension spread over 32 lanes: ceil(head_size / 32)
 // dims each (the glue admits 32, 64, 80, 96, 112, 128, 192 and 256).
-template <typename T>
+template <typename T, typename C>
 void launch_for_head_size(const Params& p, int64_t num_tokens, cudaStream_t stream) {
   switch ((p.head_size + kWarp - 1) / kWarp) {
-    case 1: return launch<T, 1>(p, num_tokens, stream);
-    case 2: return launch<T, 2>(p, num_tokens, stream);
-    case 3: return launch<T, 3>(p, num_tokens, stream);
-    case 4: return launch<T, 4>(p, num_tokens, stream);
-    case 6: return launch<T, 6>(p, num_tokens, stream);
-    case 8: return launch<T, 8>(p, num_tokens, stream);
+    case 1: return launch<T, C, 1>(p, num_tokens, stream);
+    case 2: return launch<T, C, 2>(p, num_tokens, stream);
+    case 3: return launch<T, C, 3>(p, num_tokens, stream);
+    case 4: return launch<T, C, 4>(p, num_tokens, stream);
+    case 6: return launch<T, C, 6>(p, num_tokens, stream);
+    case 8: return launch<T, C, 8>(p, num_tokens, stream);
     default: throw std::invalid_argument("paged_attention (CUDA): unsupported head size");
   }
 }
@@ -97,7 +100,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.num_reqs = static_cast<int>(seq_lens.shape[0]);
   p.num_heads = static_cast<int>(query.shape[1]);
   p.num_kv_heads = static_cast<int>(key_cache.shape[1]);
-  p.head_size = static_cast<int>(key_cache.shape[2]);
+  p.head_size = static_cast<int>(value_cache.shape[3]) -
+                (value_cache.dtype == DType::kInt8 ? kInt8ScaleBytes : 0);
   p.block_size = static_cast<int>(key_cache.shape[3]);
   p.scale = options.scale;
   p.sliding_window = options.sliding_window;
@@ -122,13 +126,21 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     partials.emplace("paged_attention", partial_bytes, s);
     p.partials = reinterpret_cast<float*>(partials->data());
   }
-  if (use_flash(p, query, out)) {
+  if (use_flash(p, query, key_cache, out)) {
     const int64_t max_query =
         options.max_query_len > 0 ? std::min(options.max_query_len, num_tokens) : num_tokens;
     flash_attention(p, query.dtype, max_query, s);
+  } else if (is_8bit_cache(key_cache.dtype)) {
+    for_16bit_dtype(query.dtype, "paged_attention", [&](auto zero) {
+      for_8bit_cache(key_cache.dtype, "paged_attention", [&](auto element) {
+        launch_for_head_size<decltype(zero), decltype(element)>(p, num_tokens, s);
+      });
+    });
   } else {
-    for_dtype(query.dtype, "paged_attention",
-              [&](auto zero) { launch_for_head_size<decltype(zero)>(p, num_tokens, s); });
+    for_dtype(query.dtype, "paged_attention", [&](auto zero) {
+      using T = decltype(zero);
+      launch_for_head_size<T, T>(p, num_tokens, s);
+    });
   }
   if (split) {
     for_dtype(query.dtype, "paged_attention",

@@ -7,7 +7,9 @@
 // Long contexts of few tokens (decode) are split: one partition per kPartitionKeys keys
 // of the longest context, each token's context shared evenly among them
 // (attention_params.cuh), each written as (max, sum, unnormalized output), which
-// merge_kernel merges ("v2"). Device code and plain C++ only, so that cpp/tests can run
+// merge_kernel merges ("v2"). The cache's elements C are the query's type T, or 8-bit
+// (cache_8bit.cuh: fp8 e4m3, or int8 whose key scale multiplies the score and whose value
+// scale the softmax weight). Device code and plain C++ only, so that cpp/tests can run
 // them on the host. Internal to cuda/.
 #pragma once
 
@@ -15,6 +17,7 @@
 #include <cstdint>
 
 #include "attention_params.cuh"
+#include "cache_8bit.cuh"
 #include "element_types.cuh"
 
 namespace pyengine::cuda::scalar_attention {
@@ -28,8 +31,9 @@ constexpr int64_t kSplitBelowPairs = 4096;
 
 using Params = AttentionParams;
 
-template <typename T, int kDimsPerLane>
+template <typename T, typename C, int kDimsPerLane>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
+  constexpr int kPad = kCachePad<C>;
   constexpr int kMaxDims = kDimsPerLane * kWarp;
   __shared__ float query[kMaxDims];
   __shared__ float warp_max_[kWarps], warp_sum_[kWarps];
@@ -50,10 +54,10 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   for (int i = threadIdx.x; i < d; i += kThreads) query[i] = to_float(q[i]) * p.scale;
   __syncthreads();
 
-  const T* keys = static_cast<const T*>(p.key_cache);
-  const T* values = static_cast<const T*>(p.value_cache);
+  const C* keys = static_cast<const C*>(p.key_cache);
+  const C* values = static_cast<const C*>(p.value_cache);
   const int32_t* table = p.block_tables + static_cast<int64_t>(r) * p.max_blocks;
-  const int64_t tile = static_cast<int64_t>(bs) * d;
+  const int64_t tile = static_cast<int64_t>(bs) * (d + kPad);
   const auto tile_base = [&](int64_t key) {  // the key's (block, kv head) tile
     const int64_t block = cache_block(p, table[key / bs]);
     return (block * p.num_kv_heads + kv_head) * tile;
@@ -64,24 +68,29 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   for (int64_t chunk = begin + warp * kWarp; chunk < end; chunk += kWarps * kWarp) {
     const int64_t key = chunk + lane;
     const bool visible = key < end;
-    float score = -INFINITY;
+    float score = -INFINITY, value_scale = 1.0f;
     int64_t value_row = 0;
     if (visible) {
       const int64_t base = tile_base(key), offset = key % bs;
-      const T* column = keys + base + offset;
+      const C* column = keys + base + offset;
       float dot = 0.0f;
       for (int i = 0; i < d; ++i) dot += query[i] * to_float(column[static_cast<int64_t>(i) * bs]);
+      value_row = base + offset * (d + kPad);
+      if constexpr (kPad > 0) {
+        dot *= scale_at(keys + base + static_cast<int64_t>(d) * bs + offset * kPad);
+        value_scale = scale_at(values + value_row + d);
+      }
       score = p.logit_soft_cap > 0 ? p.logit_soft_cap * tanhf(dot / p.logit_soft_cap) : dot;
-      value_row = base + offset * d;
     }
     const float new_max = fmaxf(running_max, warp_max(score));  // lane 0's key is visible
     const float correction = __expf(running_max - new_max);     // 0 on the first chunk
     const float weight = visible ? __expf(score - new_max) : 0.0f;
     running_sum = running_sum * correction + warp_sum(weight);
     for (int j = 0; j < kDimsPerLane; ++j) acc[j] *= correction;
+    const float scaled_weight = weight * value_scale;
     const int count = static_cast<int>(min(static_cast<int64_t>(kWarp), end - chunk));
     for (int k = 0; k < count; ++k) {
-      const float w = __shfl_sync(0xffffffffu, weight, k);
+      const float w = __shfl_sync(0xffffffffu, scaled_weight, k);
       const int64_t row = __shfl_sync(0xffffffffu, value_row, k);
       for (int j = 0; j < kDimsPerLane; ++j) {
         const int dim = j * kWarp + lane;

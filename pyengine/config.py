@@ -216,11 +216,13 @@ INT8_SCALE_BYTES = 4
 def kv_cache_dtype_supported(kv_cache_dtype: str, dtype: str, device: str) -> bool:
     """A KV cache in the model's dtype anywhere; a 16-bit, fp8 (e4m3) or int8 (a scale per
     token and head) one under float32 weights on the CPU, whose kernels read it as
-    float32."""
-    narrower = ("bfloat16", "float16", "fp8_e4m3", "int8")
-    return kv_cache_dtype == dtype or (
-        device == "cpu" and dtype == "float32" and kv_cache_dtype in narrower
-    )
+    float32; an fp8 or int8 one under 16-bit weights on CUDA."""
+    eight_bit = kv_cache_dtype in ("fp8_e4m3", "int8")
+    if kv_cache_dtype == dtype:
+        return True
+    if device == "cpu":
+        return dtype == "float32" and (eight_bit or kv_cache_dtype in ("bfloat16", "float16"))
+    return eight_bit and dtype in ("bfloat16", "float16")
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -299,7 +301,7 @@ class EngineConfig:
     seed: int
     device: str  # "cpu" or "cuda[:N]"
     dtype: str  # of the weights and activations
-    kv_cache_dtype: str | None  # None: dtype; else 16-bit, fp8_e4m3 or int8 under float32 (CPU)
+    kv_cache_dtype: str | None  # None: dtype; else as kv_cache_dtype_supported says
     gpu_memory_utilization: float  # on CUDA: the share of the device's memory to use
     enforce_eager: bool  # decode steps eagerly: no CUDA graphs, no recorded CPU steps
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for

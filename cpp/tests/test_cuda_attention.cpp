@@ -140,7 +140,7 @@ void run(AttentionParams p, Kernel kernel, int num_tokens, int max_query_len, in
   if (kernel == Kernel::kScalar) {
     const dim3 grid(num_tokens, p.num_heads, p.num_parts);
     launch(grid, scalar::kThreads,
-           [&] { scalar::attention_kernel<T, (D + kWarpLanes - 1) / kWarpLanes>(p); });
+           [&] { scalar::attention_kernel<T, T, (D + kWarpLanes - 1) / kWarpLanes>(p); });
   } else {
     const flash::Launch shape = flash::plan_launch(p, max_query_len, prefill_warps);
     const dim3 grid(shape.grid_x, shape.grid_y, shape.grid_z);

@@ -172,8 +172,9 @@ def resolve_dtype(dtype: str, device: str) -> str:
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
-    """ "auto" -> the model's dtype. A 16-bit cache under float32 weights only on the CPU
-    (the kernels read it as float32); otherwise the model's dtype itself."""
+    """ "auto" -> the model's dtype. Another cache dtype where kv_cache_dtype_supported
+    says: 16-bit, fp8 or int8 under float32 weights on the CPU, fp8 or int8 under 16-bit
+    weights on CUDA."""
     if kv_cache_dtype == "auto":
         return dtype
     if kv_cache_dtype not in _KV_CACHE_DTYPE_NAMES:
@@ -185,6 +186,7 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
     if not kv_cache_dtype_supported(resolved, dtype, device):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "
-            "dtype other than the model's needs float32 weights on the CPU"
+            "dtype other than the model's needs float32 weights on the CPU, or on CUDA "
+            "float16/bfloat16 weights and an fp8 or int8 cache"
         )
     return resolved

@@ -109,3 +109,25 @@ def test_sampling_runs_on_the_gpu_and_seeds_hold_in_a_batch(tmp_path) -> None:  
     del llm
     gc.collect()
     torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize(("kv", "storage"), [("fp8", torch.uint8), ("int8", torch.int8)])
+def test_an_8bit_cache_under_bfloat16_weights_on_the_gpu(loaded, kv: str, storage) -> None:  # type: ignore[no-untyped-def]
+    prompts = make_prompts(loaded.tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+    runs = {}
+    for cache in ("auto", kv):
+        llm = LLM("SmolLM2-135M-Instruct", kv_cache_dtype=cache, max_model_len=1024,
+                  gpu_memory_utilization=0.2)  # fmt: skip
+        assert llm.engine.executor.driver_worker.model_runner.cache_dtype == (
+            storage if cache == kv else torch.bfloat16
+        )
+        runs[cache] = llm.generate(prompts, params, use_tqdm=False)
+        llm.engine.shutdown()
+        gc.collect()
+        torch.cuda.empty_cache()
+    # The first token's logprobs: the 8-bit cache's against the bfloat16 one's.
+    for narrow, full in zip(runs[kv], runs["auto"], strict=True):
+        first = narrow.outputs[0].logprobs[0]
+        for token, entry in full.outputs[0].logprobs[0].items():
+            assert token in first and abs(first[token].logprob - entry.logprob) < 0.15

@@ -118,10 +118,14 @@ def test_the_engine_runs_a_narrow_cache_where_weights_are_float32(  # type: igno
             assert abs(first[token].logprob - entry.logprob) < tolerance
 
 
-def test_narrow_caches_need_float32_weights_on_the_cpu() -> None:
+def test_narrow_caches_need_float32_weights_on_the_cpu_and_16_bit_ones_on_cuda() -> None:
     assert resolve_kv_cache_dtype("fp8_e4m3", "float32", "cpu") == "fp8_e4m3"
     assert resolve_kv_cache_dtype("int8", "float32", "cpu") == "int8"
-    for kv in ("fp8", "int8"):
-        for dtype, device in (("bfloat16", "cpu"), ("bfloat16", "cuda")):
-            with pytest.raises(ValueError, match="needs float32 weights on the CPU"):
-                resolve_kv_cache_dtype(kv, dtype, device)
+    for device in ("cuda", "cuda:1"):
+        assert resolve_kv_cache_dtype("fp8", "bfloat16", device) == "fp8_e4m3"
+        assert resolve_kv_cache_dtype("int8", "float16", device) == "int8"
+    for kv, dtype, device in (("fp8", "bfloat16", "cpu"), ("int8", "bfloat16", "cpu"),
+                              ("fp8", "float32", "cuda"), ("int8", "float32", "cuda:0"),
+                              ("float16", "bfloat16", "cuda")):  # fmt: skip
+        with pytest.raises(ValueError, match="needs float32 weights on the CPU, or on CUDA"):
+            resolve_kv_cache_dtype(kv, dtype, device)

@@ -43,12 +43,13 @@ bool cpu_supports(CpuIsa isa);
 // the CPU, or all on one CUDA device where pyengine was built with CUDA (run on
 // `stream`, a cudaStream_t; nullptr: the default stream); there, slots are not read back
 // to be checked, and one outside the cache is skipped.
-// An int8 cache (CPU; its head dims 4 bytes longer, a float32 scale beside each token's
+// An int8 cache (its head dims 4 bytes longer, a float32 scale beside each token's
 // values) takes each row as round(x / s), s = max|row| / 127, or, with k_scale/v_scale
 // > 0, by those static per-tensor scales (a checkpoint's kv_cache_scheme), clamped to
-// [-127, 127]. An fp8 cache (CPU) takes x / k_scale and x / v_scale where they are > 0
+// [-127, 127]. An fp8 cache takes x / k_scale and x / v_scale where they are > 0
 // (a checkpoint's fp8 kv_cache_scheme; paged_attention is then given scale * k_scale,
-// and its output is times v_scale); other caches take no scales.
+// and its output is times v_scale); other caches take no scales. The 8-bit caches take
+// float32 K/V on the CPU, float16 or bfloat16 on CUDA (the same bytes from the same values).
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping,
                        float k_scale = 0.0f, float v_scale = 0.0f, void* stream = nullptr);

@@ -108,7 +108,7 @@ inline void check_rows(const TensorView& t, const char* op, const char* name, in
   check_rows_on(t, Device{}, op, name, ndim, dtype);
 }
 
-// (A uint8 cache holds fp8 e4m3 bytes, on the CPU: float_convert.h's kFp8Cache.)
+// (A uint8 cache holds fp8 e4m3 bytes: float_convert.h's kFp8Cache.)
 // x and out float32 rows, out [m, n] for x [m, k] (a matmul's operands).
 inline void check_x_out(const char* op, const TensorView& out, const TensorView& x, int64_t n) {
   check_rows(x, op, "x", 2, DType::kFloat32);
@@ -130,15 +130,24 @@ inline void check_vector(const TensorView& t, const char* op, const char* name, 
 }
 
 inline bool is_cache_dtype(DType d) {
-  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 ||
-         d == kFp8Cache || d == kInt8Cache;
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16 || d == kFp8Cache ||
+         d == kInt8Cache;
 }
 
-// The dtype that tensors going with `cache` (query and out, or new K/V) must have: the
-// cache's own, or, on the CPU, float32 over a float16/bfloat16 cache (kv_cache_dtype)
-// where `input` is float32; always float32 over an fp8 or int8 cache.
-inline DType input_dtype_for(const TensorView& input, const TensorView& cache) {
-  if (cache.dtype == kFp8Cache || cache.dtype == kInt8Cache) return DType::kFloat32;
+// The dtype that tensors going with `cache` (query and out, or new K/V; `input` is one,
+// `name`) must have: the cache's own, or, on the CPU, float32 over a float16/bfloat16
+// cache (kv_cache_dtype) where `input` is float32; over an fp8 or int8 cache float32 on
+// the CPU, float16 or bfloat16 (input's) on CUDA.
+inline DType input_dtype_for(const TensorView& input, const TensorView& cache, const char* op,
+                             const char* name) {
+  if (cache.dtype == kFp8Cache || cache.dtype == kInt8Cache) {
+    if (cache.device.kind == DeviceKind::kCPU) return DType::kFloat32;
+    if (input.dtype != DType::kFloat16 && input.dtype != DType::kBFloat16) {
+      throw InvalidArgument(arg(op, name) + ": over an fp8 or int8 cache on CUDA it must be " +
+                            "float16 or bfloat16, got " + input.describe());
+    }
+    return input.dtype;
+  }
   const bool widened = cache.device.kind == DeviceKind::kCPU && input.dtype == DType::kFloat32 &&
                        cache.dtype != DType::kFloat32;
   return widened ? DType::kFloat32 : cache.dtype;
@@ -165,11 +174,7 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
     if (!c->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
     if (!is_cache_dtype(c->dtype)) {
       throw InvalidArgument(arg(op, name) + " must be float32, float16, bfloat16, uint8 (fp8 " +
-                            "e4m3 bytes, CPU) or int8 (with scales, CPU), got " + c->describe());
-    }
-    if ((c->dtype == kFp8Cache || c->dtype == kInt8Cache) && c->device.kind != DeviceKind::kCPU) {
-      throw InvalidArgument(arg(op, name) + ": fp8 and int8 caches run on the CPU only, got " +
-                            c->describe());
+                            "e4m3 bytes) or int8 (with scales), got " + c->describe());
     }
   }
   const int64_t pad = value_cache.dtype == kInt8Cache ? kInt8ScaleBytes : 0;

@@ -176,7 +176,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     throw InvalidArgument(std::string(op) + ": head_size " + std::to_string(head_size) +
                           " is not supported (" + sizes + ")");
   }
-  const DType query_dtype = detail::input_dtype_for(query, key_cache);
+  const DType query_dtype = detail::input_dtype_for(query, key_cache, op, "query");
   for (const auto& [t, name] : {std::pair{&query, "query"}, std::pair{&out, "out"}}) {
     detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);

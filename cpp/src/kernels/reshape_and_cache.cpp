@@ -16,8 +16,8 @@ namespace pyengine {
 using detail::arg;
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping,
-                       float k_scale, float v_scale, void* stream) {
+                       const TensorView& value_cache, const TensorView& slot_mapping, float k_scale,
+                       float v_scale, void* stream) {
   constexpr const char* op = "reshape_and_cache";
   const Device& device = key_cache.device;
   const auto [num_blocks, num_kv_heads, block_size, head_size] =
@@ -33,7 +33,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
                             key_cache.describe());
     }
   }
-  const DType input_dtype = detail::input_dtype_for(key, key_cache);
+  const DType input_dtype = detail::input_dtype_for(key, key_cache, op, "key");
   for (const auto& [t, name] : {std::pair{&key, "key"}, std::pair{&value, "value"}}) {
     detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
@@ -56,7 +56,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   }
   if (detail::on_cuda(device, op)) {  // slots stay on the device: see layer_kernels.h
 #ifdef PYENGINE_WITH_CUDA
-    return cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, stream);
+    return cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
+                                   v_scale, stream);
 #endif
   }
   (void)stream;
@@ -96,7 +97,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   const float k_lowest = k_scale > 0.0f ? -128.0f : -127.0f;
   const float v_lowest = v_scale > 0.0f ? -128.0f : -127.0f;
   const int64_t pad = int8_cache ? detail::kInt8ScaleBytes : 0;  // (float_convert.h)
-  const int64_t head_stride = block_size * (head_size + pad);  // elements, within a block
+  const int64_t head_stride = block_size * (head_size + pad);    // elements, within a block
   const int64_t block_stride = num_kv_heads * head_stride;
   auto* key_out = static_cast<char*>(key_cache.data);
   auto* value_out = static_cast<char*>(value_cache.data);
@@ -145,12 +146,15 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
           const auto* v_row = reinterpret_cast<const float*>(value_in) +
                               (first + j) * value.strides[0] + h * value.strides[1];
           const int64_t column = offset + j;
-          const float k_row_scale = k_scale > 0.0f ? k_scale : detail::int8_row_scale(k_row, head_size);
-          const float v_row_scale = v_scale > 0.0f ? v_scale : detail::int8_row_scale(v_row, head_size);
+          const float k_row_scale =
+              k_scale > 0.0f ? k_scale : detail::int8_row_scale(k_row, head_size);
+          const float v_row_scale =
+              v_scale > 0.0f ? v_scale : detail::int8_row_scale(v_row, head_size);
           auto* k_tile = reinterpret_cast<int8_t*>(key_out) + tile;
           auto* v_out = reinterpret_cast<int8_t*>(value_out) + tile + column * (head_size + pad);
           for (int64_t i = 0; i < head_size; ++i) {
-            k_tile[i * block_size + column] = detail::int8_quantize(k_row[i], k_row_scale, k_lowest);
+            k_tile[i * block_size + column] =
+                detail::int8_quantize(k_row[i], k_row_scale, k_lowest);
             v_out[i] = detail::int8_quantize(v_row[i], v_row_scale, v_lowest);
           }
           std::memcpy(k_tile + head_size * block_size + column * pad, &k_row_scale, sizeof(float));
