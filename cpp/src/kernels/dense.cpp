@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -141,7 +142,7 @@ struct Rows8 {
   int64_t lda;
   int64_t m;
   int64_t k;
-  const float* padded_tail;  // rows m / 8 * 8 .. m, then zeros (when there are 2-7)
+  const float* padded_tail;                // rows m / 8 * 8 .. m, then zeros (when there are 2-7)
   const detail::Int8Rows* int8 = nullptr;  // the rows quantized, where they multiply so
 };
 
@@ -214,8 +215,8 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
     return;
   }
   if (quantized && m1 - m0 <= detail::kRegisterRows) {
-    detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0),
-                                    w.panel(p), x.k, w.form, sums);
+    detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0), w.panel(p),
+                                    x.k, w.form, sums);
     sink(m0, m1 - m0, static_cast<const float*>(sums));
     return;
   }
@@ -267,24 +268,28 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
 // while (a shared host's vCPUs) does not leave the other waiting at the end of the call.
 // (Against the even static split, a run's decode matmuls took 9% less time, its prefill
 // matmuls 4% less: medians of 4 alternating runs in one process, same tokens.) Blocks
-// start at multiples of 16 rows, where the tile unit's row tiles do.
+// start at multiples of 16 rows, where the tile unit's row tiles do. amx: each thread's
+// tiles configured once for the region (AmxTiles), for bodies that multiply on them.
 template <class Body>
-void for_blocks_and_units(int64_t m, int64_t k, int64_t num_units, int64_t unit_columns,
+void for_blocks_and_units(int64_t m, int64_t k, int64_t num_units, int64_t unit_columns, bool amx,
                           Body&& body) {
   constexpr int64_t kStep = detail::kAmxTileRows;
   const int64_t block_rows =
       std::max<int64_t>(kStep, kBlockFloats / std::max<int64_t>(k, 1) / kStep * kStep);
-#pragma omp parallel if (num_units > 1 &&                                               \
-                             std::min(m, block_rows) * k * unit_columns * num_units >= \
-                                     (1 << 16))
-  for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
-    const int64_t m1 = std::min(m, m0 + block_rows);
+#pragma omp parallel if (num_units > 1 && \
+                         std::min(m, block_rows) * k * unit_columns * num_units >= (1 << 16))
+  {
+    std::optional<detail::AmxTiles> tiles;
+    if (amx) tiles.emplace();
+    for (int64_t m0 = 0; m0 < m; m0 += block_rows) {
+      const int64_t m1 = std::min(m, m0 + block_rows);
 #pragma omp for schedule(guided, 2) nowait
-    for (int64_t u = 0; u < num_units; ++u) {
-      thread_local std::vector<float> scratch;  // the tiles' sums, then a unit's gates
-      const int64_t rows = std::min(m, block_rows);
-      scratch.resize(static_cast<size_t>(tile_scratch_floats(rows) + rows * kPanelWidth));
-      body(m0, m1, u, scratch.data());
+      for (int64_t u = 0; u < num_units; ++u) {
+        thread_local std::vector<float> scratch;  // the tiles' sums, then a unit's gates
+        const int64_t rows = std::min(m, block_rows);
+        scratch.resize(static_cast<size_t>(tile_scratch_floats(rows) + rows * kPanelWidth));
+        body(m0, m1, u, scratch.data());
+      }
     }
   }
 }
@@ -306,8 +311,8 @@ Panels check_packed(const char* op, const TensorView& packed, int64_t k, int64_t
         detail::quantized_panel_form(packed.dtype, packed.shape[0] / (pairs ? 2 : 1), k, n);
     if (sized.code != detail::QuantCode::kNone) form = sized;
   }
-  const int64_t panel_bytes = quantized ? detail::quantized_panel_bytes(form, k)
-                                        : k * kPanelWidth * int64_t{sizeof(float)};
+  const int64_t panel_bytes =
+      quantized ? detail::quantized_panel_bytes(form, k) : k * kPanelWidth * int64_t{sizeof(float)};
   // (elements: a quantized buffer's are bytes)
   const int64_t size =
       (pairs ? 2 : 1) * (quantized ? n_panels(n) * panel_bytes : packed_weight_size(k, n));
@@ -410,9 +415,8 @@ Bf16Rows bf16_rows(const TensorView& x) {
   const auto* a = static_cast<const uint16_t*>(x.data);
   const int64_t m = x.shape[0], k = x.shape[1];
   const bool amx = m >= kBf16AmxMinRows && detail::bf16_amx_takes(k);
-  const int64_t m_pad = amx ? (m + detail::kBf16AmxRows - 1) / detail::kBf16AmxRows *
-                                  detail::kBf16AmxRows
-                            : m;
+  const int64_t m_pad =
+      amx ? (m + detail::kBf16AmxRows - 1) / detail::kBf16AmxRows * detail::kBf16AmxRows : m;
   if (k % 2 == 0 && m_pad == m) return {a, x.strides[0], m, k, amx};
   const int64_t lda = k + k % 2;
   thread_local std::vector<uint16_t> padded;
@@ -425,12 +429,11 @@ Bf16Rows bf16_rows(const TensorView& x) {
 }
 
 // Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's (16 rows at a time on
-// the tile unit).
+// the tile unit, whose tiles for_blocks_and_units configured).
 template <class Sink>
 void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, int64_t m1,
                          float* sums, Sink&& sink) {
   if (x.amx) {
-    const detail::AmxTiles tiles;
     for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16AmxRows) {
       const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16AmxRows, m1 - r0));
       detail::multiply_bf16_rows_amx(x.a + r0 * x.lda, x.lda, rows, panel, x.k, r0 == m0, sums);
@@ -461,19 +464,19 @@ void dense_bf16(const TensorView& out, const TensorView& x, const uint16_t* pane
   const int64_t panel_size = detail::bf16_panel_size(rows.k);
   auto* c = static_cast<uint16_t*>(out.data);
   const int64_t ldc = out.strides[0];
-  for_blocks_and_units(rows.m, rows.k, n_panels(n), kPanelWidth,
+  for_blocks_and_units(rows.m, rows.k, n_panels(n), kPanelWidth, rows.amx,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
                          const int64_t width = std::min(kPanelWidth, n - first);
-                         multiply_bf16_panel(
-                             rows, panels + p * panel_size, m0, m1, scratch,
-                             [&](int64_t r0, int64_t tile_rows, const float* tile) {
-                               for (int64_t r = 0; r < tile_rows; ++r) {
-                                 detail::store_bf16_row(tile + r * kPanelWidth,
-                                                        b != nullptr ? b + first : nullptr,
-                                                        c + (r0 + r) * ldc + first, width);
-                               }
-                             });
+                         multiply_bf16_panel(rows, panels + p * panel_size, m0, m1, scratch,
+                                             [&](int64_t r0, int64_t tile_rows, const float* tile) {
+                                               for (int64_t r = 0; r < tile_rows; ++r) {
+                                                 detail::store_bf16_row(
+                                                     tile + r * kPanelWidth,
+                                                     b != nullptr ? b + first : nullptr,
+                                                     c + (r0 + r) * ldc + first, width);
+                                               }
+                                             });
                        });
 }
 
@@ -485,14 +488,14 @@ void dense_bf16_silu_and_mul(const TensorView& out, const TensorView& x, const u
   auto* c = static_cast<uint16_t*>(out.data);
   const int64_t ldc = out.strides[0];
   for_blocks_and_units(
-      rows.m, rows.k, n_panels(n), 2 * kPanelWidth,
+      rows.m, rows.k, n_panels(n), 2 * kPanelWidth, rows.amx,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
         float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
         multiply_bf16_panel(rows, panels + 2 * p * panel_size, m0, m1, scratch,
                             [&](int64_t r0, int64_t tile_rows, const float* tile) {
-                              std::memcpy(gates + (r0 - m0) * kPanelWidth, tile,
-                                          static_cast<size_t>(tile_rows * kPanelWidth) *
-                                              sizeof(float));
+                              std::memcpy(
+                                  gates + (r0 - m0) * kPanelWidth, tile,
+                                  static_cast<size_t>(tile_rows * kPanelWidth) * sizeof(float));
                             });
         const int64_t first = p * kPanelWidth, width = std::min(kPanelWidth, n - first);
         multiply_bf16_panel(rows, panels + (2 * p + 1) * panel_size, m0, m1, scratch,
@@ -567,9 +570,7 @@ void pack_bf16_weight(const TensorView& packed, const TensorView& w_t, bool gate
   });
 }
 
-int64_t packed_weight_size(int64_t k, int64_t n) {
-  return n_panels(n) * kPanelWidth * k;
-}
+int64_t packed_weight_size(int64_t k, int64_t n) { return n_panels(n) * kPanelWidth * k; }
 
 void pack_weight(const TensorView& packed, const TensorView& w_t) {
   check_pack_args("pack_weight", packed, w_t, packed_weight_size(w_t.shape[0], w_t.shape[1]));
@@ -616,7 +617,7 @@ void dense(const TensorView& out, const TensorView& x, const TensorView& packed,
     return;
   }
   const Rows8 rows8 = multiplied_rows(x, panels, int8_activations);
-  for_blocks_and_units(rows8.m, rows8.k, n_panels(n), kPanelWidth,
+  for_blocks_and_units(rows8.m, rows8.k, n_panels(n), kPanelWidth, false,
                        [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
                          const int64_t first = p * kPanelWidth;
                          const int64_t width = std::min(kPanelWidth, n - first);
@@ -653,7 +654,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
   // A pair's gate panel first, its tiles kept in scratch, then its up panel, so that the
   // weights stream in memory order, as in dense.
   for_blocks_and_units(
-      rows8.m, rows8.k, n_panels(n), 2 * kPanelWidth,
+      rows8.m, rows8.k, n_panels(n), 2 * kPanelWidth, false,
       [&](int64_t m0, int64_t m1, int64_t p, float* scratch) {
         float* gates = scratch + tile_scratch_floats(m1 - m0);  // [m1 - m0, kPanelWidth]
         multiply_panel(rows8, panels, 2 * p, m0, m1, scratch,
@@ -674,7 +675,7 @@ void dense_silu_and_mul(const TensorView& out, const TensorView& x, const Tensor
 }
 
 void release_thread_pool() {
-#ifdef _OPENMP  // (in GCC from 9, though its _OPENMP still says 4.5)
+#ifdef _OPENMP                             // (in GCC from 9, though its _OPENMP still says 4.5)
   omp_pause_resource_all(omp_pause_hard);  // the host's part: this thread's pool
 #endif
 }
