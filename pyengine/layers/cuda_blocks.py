@@ -1,4 +1,5 @@
-"""GGUF block-quantized matrices on CUDA (PYENGINE_CUDA_BLOCK_GEMM=1): held as their
+"""GGUF block-quantized matrices on CUDA (PYENGINE_CUDA_BLOCK_GEMM=1), and GPTQ/AWQ/W4A16
+ones whose groups hold whole blocks (layers/weight_only_int.py): held as their
 integers (0.5 or 1 byte a weight, reordered at load for the kernel's warps) with a
 float32 scale and offset per group, and multiplied by ops.block_gemm, which widens each
 weight in registers to the 16-bit type (exactly the weight a dequantization at load
@@ -42,11 +43,15 @@ class CudaBlockMethod(BlockPartsMethod):
         layer.cuda_blocks = CudaBlockForm(self.stacked_blocks(layer), self.placement.device)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        form = layer.cuda_blocks
-        assert form is not None
-        out = torch.empty(
-            x.shape[0], layer.output_size_per_partition, dtype=x.dtype, device=x.device
-        )
-        ops.block_gemm(out, x, form.packed, form.scale, form.offset,
-                       None if bias is None else bias.float(), form.bits, form.group)  # fmt: skip
-        return out
+        assert layer.cuda_blocks is not None
+        return cuda_block_product(layer.cuda_blocks, x, bias, layer.output_size_per_partition)
+
+
+def cuda_block_product(
+    form: CudaBlockForm, x: torch.Tensor, bias: torch.Tensor | None, n: int
+) -> torch.Tensor:
+    """x [tokens, k] @ the form's weight.T + bias -> [tokens, n], in x's dtype."""
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    ops.block_gemm(out, x, form.packed, form.scale, form.offset,
+                   None if bias is None else bias.float(), form.bits, form.group)  # fmt: skip
+    return out

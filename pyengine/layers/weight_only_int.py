@@ -26,9 +26,10 @@ inputs lies in one group, in the checkpoint's order or, with activation order, o
 inputs are sorted by group (x's columns are then taken in that order): w = s (q - z)
 is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
 exact in float32, so the weights are the same bits. The blocks are then the layer's only
-form. Otherwise (a row-parallel shard with activation order, groups smaller than a
-block, stacked parts in orders of their own, CUDA) the integers are kept and the shard
-is dequantized in torch each step.
+form. On CUDA in 16 bits with PYENGINE_CUDA_BLOCK_GEMM=1 the same blocks go to
+ops.block_gemm (layers/cuda_blocks.py), as a GGUF's do. Otherwise (a row-parallel shard
+with activation order, groups smaller than a block, stacked parts in orders of their own,
+CUDA by default) the integers are kept and the shard is dequantized in torch each step.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import torch.nn.functional as F
 from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
+from pyengine.layers.cuda_blocks import CudaBlockForm, cuda_block_product
 from pyengine.layers.linear_method import LinearMethod, pack_block_quantized
 from pyengine.layers.placement import Placement
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
@@ -174,21 +176,26 @@ class WeightOnlyIntMethod(LinearMethod):
         target[local : local + length] = value[start : start + length]
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        layer.input_order = None
+        # The blocks, where they take the weight: on the CPU in float32, and on CUDA in 16
+        # bits where PYENGINE_CUDA_BLOCK_GEMM=1 (ops.block_gemm, as a GGUF's).
+        cuda_blocks = not self.placement.packs_weights and self.placement.keeps_gguf_blocks
+        if self.placement.packs_weights or cuda_blocks:
+            order = self.block_order(layer.input_groups)
+            blocks = None if order is None else self.block_form(layer, order)
+            if order is not None and blocks is not None:
+                # The blocks are the weight now: its integers are not kept a second time.
+                if cuda_blocks:
+                    layer.cuda_blocks = CudaBlockForm(blocks, self.placement.device)
+                else:
+                    layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
+                in_order = torch.equal(order, torch.arange(len(order)))
+                layer.input_order = None if in_order else order.to(self.placement.device)
+                for attr in ("qweight", "scales", "zeros", "input_groups"):
+                    delattr(layer, attr)
+                return
         for attr in ("qweight", "scales", "zeros", "input_groups"):
             setattr(layer, attr, getattr(layer, attr).to(self.placement.device))
-        layer.input_order = None
-        if not self.placement.packs_weights:
-            return
-        order = self.block_order(layer.input_groups)
-        blocks = None if order is None else self.block_form(layer, order)
-        if order is None or blocks is None:
-            return
-        # The blocks are the weight now: its integers are not kept a second time.
-        layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
-        in_order = torch.equal(order, torch.arange(len(order)))
-        layer.input_order = None if in_order else order
-        for attr in ("qweight", "scales", "zeros", "input_groups"):
-            delattr(layer, attr)
 
     @staticmethod
     def block_order(groups: torch.Tensor) -> torch.Tensor | None:
@@ -250,6 +257,10 @@ class WeightOnlyIntMethod(LinearMethod):
         return layer.packed_blocks, x if order is None else x.index_select(1, order)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if layer.cuda_blocks is not None:
+            order = layer.input_order
+            x = x if order is None else x.index_select(1, order)
+            return cuda_block_product(layer.cuda_blocks, x, bias, layer.output_size_per_partition)
         if layer.packed_blocks is None or x.dtype != torch.float32:
             return F.linear(x, self.dequantize(layer, x.dtype), bias)
         if layer.gate_up:
@@ -260,7 +271,7 @@ class WeightOnlyIntMethod(LinearMethod):
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed_blocks is None or x.dtype != torch.float32:
+        if layer.cuda_blocks is not None or layer.packed_blocks is None or x.dtype != torch.float32:
             return super().apply_silu_and_mul(layer, x)
         packed, x = self._blocks_for(layer, x)
         n = layer.output_size_per_partition // 2

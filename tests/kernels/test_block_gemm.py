@@ -122,3 +122,36 @@ def test_a_gguf_model_on_cuda_blocks_gives_its_dequantized_tokens(
         runs.append([o.outputs[0].token_ids for o in out])
         llm.engine.shutdown()
     assert runs[0] == runs[1]
+
+
+@needs_cuda
+@pytest.mark.parametrize(
+    ("method", "bits", "group_size", "desc_act"),
+    [("gptq", 4, 32, False), ("gptq", 4, 64, True), ("gptq", 8, 32, False), ("awq", 4, 32, False)],
+)
+def test_gptq_and_awq_models_on_cuda_blocks_give_their_dequantized_tokens(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, method: str, bits: int, group_size: int,
+    desc_act: bool,
+) -> None:  # fmt: skip
+    from helpers.quantized_checkpoints import write_quantized
+    from helpers.tiny_models import make_checkpoint
+
+    make_checkpoint("llama", tmp_path / "float")
+    write_quantized(tmp_path / "float", tmp_path / "q", tmp_path / "ref", method, bits,
+                    group_size, desc_act)  # fmt: skip
+    prompts = [[5, 6, 7, 8], list(range(30, 70))]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PYENGINE_CUDA_BLOCK_GEMM", flag)
+        llm = LLM(str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_model_len=128,
+                  enforce_eager=True)  # fmt: skip
+        model = llm.engine.executor.driver_worker.model_runner.model
+        blocks = model.layers[0].mlp.down_proj.cuda_blocks
+        assert (blocks is not None) == (flag == "1")
+        if blocks is not None:  # the blocks are the weight: no integers kept beside them
+            assert not hasattr(model.layers[0].mlp.down_proj, "qweight")
+        out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in out])
+        llm.engine.shutdown()
+    assert runs[0] == runs[1]
