@@ -299,6 +299,7 @@ class Scheduler:
         enable_chunked_prefill: bool,
         long_prefill_token_threshold: int,
         policy: str,
+        max_loras: int,
     ) -> None: ...
     def add_request(
         self,

@@ -33,6 +33,7 @@ from pyengine._C import (
     swap_blocks,
     xxhash64,
 )
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import CompletionOutput, RequestOutput
 from pyengine.sampling_params import SamplingParams
 
@@ -40,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "LoRARequest",
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",

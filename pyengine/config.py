@@ -283,6 +283,33 @@ class ParallelConfig:
             )
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """Multi-LoRA (enable_lora): up to max_loras adapters on the model's device at once,
+    and in one step; up to max_cpu_loras kept in host memory, the least recently used
+    dropped first; ranks up to max_lora_rank."""
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # None: max_loras
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not is_int(value) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cpu = self.max_cpu_loras
+        if cpu is not None and (not is_int(cpu) or cpu < self.max_loras):
+            raise ValueError(
+                f"max_cpu_loras must be an integer of at least max_loras ({self.max_loras}), "
+                f"got {cpu!r}"
+            )
+
+    @property
+    def host_capacity(self) -> int:
+        return self.max_loras if self.max_cpu_loras is None else self.max_cpu_loras
+
+
 # How block-quantized CPU layers take a decode step's activations (EngineArgs says).
 QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
@@ -307,6 +334,7 @@ class EngineConfig:
     max_logprobs: int  # the most logprobs / prompt_logprobs a request may ask for
     parallel: ParallelConfig
     quantized_activations: str = "float32"  # one of QUANTIZED_ACTIVATIONS (EngineArgs says)
+    lora: LoRAConfig | None = None  # None: no adapters (enable_lora=False)
 
     @property
     def cache_dtype(self) -> str:

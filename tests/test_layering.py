@@ -16,6 +16,7 @@ LAYERS = [
     ("models", ["models"]),
     ("loader", ["loader"]),
     ("sample", ["sample"]),
+    ("lora", ["lora"]),
     ("worker", ["worker"]),
     ("executor", ["executor"]),
     ("engine", ["engine"]),

@@ -133,7 +133,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
                        int max_num_batched_tokens, int max_num_seqs, int max_model_len,
                        bool enable_chunked_prefill, int long_prefill_token_threshold,
-                       const std::string& policy) {
+                       const std::string& policy, int max_loras) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -141,6 +141,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.enable_chunked_prefill = enable_chunked_prefill;
              config.long_prefill_token_threshold = long_prefill_token_threshold;
              config.policy = parse_policy(policy);
+             config.max_loras = max_loras;
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
            }),
@@ -148,7 +149,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("max_num_batched_tokens"), py::arg("max_num_seqs"), py::arg("max_model_len"),
            py::arg("enable_chunked_prefill"), py::arg("long_prefill_token_threshold"),
-           py::arg("policy"))
+           py::arg("policy"), py::arg("max_loras"))
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -72,6 +72,7 @@ class EngineCoreOutput:
 class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
+        self.lora = config.lora is not None
         self.executor = executor
         num_engines = executor.max_steps_in_flight
         self.schedulers = [
@@ -85,6 +86,7 @@ class EngineCore:
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=0,  # not an engine argument yet: no cap
                 policy="fcfs",  # not an engine argument yet
+                max_loras=config.lora.max_loras if config.lora is not None else 0,
             )
             for _ in range(num_engines)
         ]
@@ -125,6 +127,7 @@ class EngineCore:
             stop_token_ids=request.stop_token_ids,
             ignore_eos=params.ignore_eos,
             n=params.n,
+            adapter_id=0 if request.lora_request is None else request.lora_request.lora_int_id,
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
         )
@@ -294,7 +297,16 @@ class EngineCore:
             finished_row_ids=finished,
             virtual_engine=engine,
         )
+        if self.lora:
+            step = self._with_adapters(step, row_ids)
         return step, sampled_row_ids, scored
+
+    def _with_adapters(self, step: SchedulerOutput, row_ids: list[str]) -> SchedulerOutput:
+        """The step with its rows' adapter ids, and its adapters."""
+        loras = [self._rows[r].request.lora_request for r in row_ids]
+        ids = np.array([0 if lr is None else lr.lora_int_id for lr in loras], dtype=np.int64)
+        adapters = {lr.lora_int_id: lr for lr in loras if lr is not None}
+        return replace(step, adapter_ids=ids, adapters=adapters)
 
     def _sampling_request(self, row_id: str) -> SamplingRequest:
         row = self._rows[row_id]

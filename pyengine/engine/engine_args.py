@@ -10,6 +10,7 @@ from pyengine import built_with_cuda
 from pyengine.config import (
     QUANTIZED_ACTIVATIONS,
     EngineConfig,
+    LoRAConfig,
     ParallelConfig,
     QuantizationConfig,
     default_kv_cache_memory,
@@ -57,6 +58,14 @@ class EngineArgs:
     distributed_executor_backend: str | None = None
 
     enforce_eager: bool = False  # decode steps eagerly, not as CUDA graphs or recorded CPU steps
+
+    # Multi-LoRA: requests name adapters (lora_request); up to max_loras of them on the
+    # device and in one step, ranks up to max_lora_rank, up to max_cpu_loras (None:
+    # max_loras) kept in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
     def create_engine(self) -> LLMEngine:
@@ -109,6 +118,9 @@ class EngineArgs:
             max_logprobs=self.max_logprobs,
             parallel=parallel,
             quantized_activations=self.quantized_activations,
+            lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+            if self.enable_lora
+            else None,
         )
         return LLMEngine(loaded, config)
 

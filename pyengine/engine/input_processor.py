@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pyengine.config import EngineConfig, ModelConfig
+from pyengine.lora.request import LoRARequest
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -52,6 +53,7 @@ class EngineRequest:
     stop_token_ids: list[int]  # the request's, and the model's other EOS ids
     blocked_token_ids: tuple[int, ...]  # while under min_tokens: EOS and stop tokens
     arrival_time: float
+    lora_request: LoRARequest | None = None  # its adapter (None: the base model)
 
 
 class InputProcessor:
@@ -109,6 +111,7 @@ class InputProcessor:
         prompt: str | None = None,
         arrival_time: float | None = None,
         existing: Container[str] = (),
+        lora_request: LoRARequest | None = None,
     ) -> EngineRequest:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
@@ -132,6 +135,7 @@ class InputProcessor:
             stop_token_ids=stop_ids,
             blocked_token_ids=blocked if params.min_tokens > 0 else (),
             arrival_time=time.time() if arrival_time is None else arrival_time,
+            lora_request=lora_request,
         )
 
     def _checked(

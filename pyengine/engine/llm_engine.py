@@ -12,6 +12,8 @@ from pyengine.engine.output_processor import OutputProcessor
 from pyengine.engine.stats import EngineStats
 from pyengine.executor import Executor, create_executor
 from pyengine.loader.resolve import LoadedModel
+from pyengine.lora.registry import AdapterRegistry
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
@@ -26,6 +28,7 @@ class LLMEngine:
         self.tokenizer: PyengineTokenizer | None = loaded.tokenizer
         self.executor = executor or create_executor(loaded, config)
         self.input_processor = InputProcessor(loaded.config, config, self.tokenizer)
+        self.adapters = AdapterRegistry(config.lora, loaded.config)
         self.core = EngineCore(config, self.executor)
         eos = loaded.config.eos_token_ids
         self.output_processor = OutputProcessor(self.tokenizer, eos[0] if eos else None)
@@ -52,11 +55,14 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         arrival_time: float | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queues a request; ValueError naming whatever the engine cannot run."""
+        """Queues a request (with lora_request: through that adapter); ValueError naming
+        whatever the engine cannot run."""
+        self.adapters.check(lora_request)
         request = self.input_processor.process(
             request_id, prompt_token_ids, params, prompt, arrival_time,
-            existing=self.output_processor.requests,
+            existing=self.output_processor.requests, lora_request=lora_request,
         )  # fmt: skip
         n = request.params.n
         row_ids = [request_id, *(Scheduler.sample_id(request_id, k) for k in range(1, n))]

@@ -8,6 +8,7 @@ from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.input_processor import Prompt
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
@@ -32,13 +33,18 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids":
-        ...}) to completion; outputs in input order."""
+        ...}) to completion, through lora_request's adapter (one for all, or one per
+        prompt; None: the base model); outputs in input order."""
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
-        encoded = [self.engine.input_processor.encode_prompt(p) for p in batch]  # all checked first
-        return self._run(encoded, params, use_tqdm)
+        loras = _per_prompt(lora_request, len(batch), LoRARequest, "LoRA requests")
+        for lora in dict.fromkeys(loras):  # all checked first
+            self.engine.adapters.check(lora)
+        encoded = [self.engine.input_processor.encode_prompt(p) for p in batch]
+        return self._run(encoded, params, use_tqdm, loras)
 
     def chat(
         self,
@@ -67,13 +73,17 @@ class LLM:
         encoded: list[tuple[str | None, list[int]]],
         params: list[SamplingParams],
         use_tqdm: bool,
+        loras: Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [str(next(self._ids)) for _ in encoded]
         added: list[str] = []
         try:
-            for request_id, (text, token_ids), p in zip(ids, encoded, params, strict=True):
-                engine.add_request(request_id, token_ids, p, prompt=text)
+            loras = loras or [None] * len(ids)
+            for request_id, (text, token_ids), p, lora in zip(
+                ids, encoded, params, loras, strict=True
+            ):
+                engine.add_request(request_id, token_ids, p, prompt=text, lora_request=lora)
                 added.append(request_id)
             done: dict[str, RequestOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:
@@ -103,12 +113,17 @@ def _params_per_prompt(
 ) -> list[SamplingParams]:
     if params is None:
         return [SamplingParams()] * count
-    if isinstance(params, SamplingParams):
-        return [params] * count
-    params = list(params)
-    if len(params) != count:
-        raise ValueError(f"{len(params)} sampling params for {count} prompts")
-    return params
+    return _per_prompt(params, count, SamplingParams, "sampling params")
+
+
+def _per_prompt(value: Any, count: int, kind: type, what: str) -> list[Any]:
+    """One `kind` (or None) for every prompt, or a list of one per prompt."""
+    if value is None or isinstance(value, kind):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"{len(values)} {what} for {count} prompts")
+    return values
 
 
 class _Progress:

@@ -44,6 +44,9 @@ class LayerContext:
     pp: PipelineStage = field(default_factory=PipelineStage)
     methods: LinearMethods | None = None  # None: LinearMethods(placement)
     quantized_activations: str = "float32"  # (EngineArgs.quantized_activations)
+    # Layers take adapters (LoRA): [gate; up] is multiplied as one product, the adapter's
+    # delta joined, then silu_and_mul, not through the fused op's paired panels.
+    adapters: bool = False
 
     @property
     def linear_methods(self) -> LinearMethods:
@@ -213,10 +216,14 @@ class ColumnParallelLinear(LinearBase):
         return self.tp.all_gather(out) if self.gather_output else out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of a [gate; up] layer, [tokens, output_size_per_partition / 2]."""
-        if self.adapter is None:
+        """silu(gate) * up of a [gate; up] layer, [tokens, output_size_per_partition / 2]:
+        fused where it is packed for it (gate_up), else the product, its adapter's delta
+        joined, then silu_and_mul."""
+        if self.adapter is None and self.gate_up:
             return self.method.apply_silu_and_mul(self, x)
-        product = self.adapter.add_delta(self, x, self.method.apply(self, x, None))
+        product = self.method.apply(self, x, None)
+        if self.adapter is not None:
+            product = self.adapter.add_delta(self, x, product)
         out = torch.empty(x.shape[0], product.shape[1] // 2, dtype=x.dtype, device=x.device)
         ops.silu_and_mul(out, product)
         return out

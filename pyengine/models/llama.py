@@ -82,7 +82,7 @@ class MLP(nn.Module):
         n = c.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             c.hidden_size, [n, n], False, ctx,
-            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"], gate_up=True,
+            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"], gate_up=not ctx.adapters,
         )  # fmt: skip
         self.down_proj = RowParallelLinear(
             n, c.hidden_size, False, ctx, [f"{prefix}.down_proj.weight"]

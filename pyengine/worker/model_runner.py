@@ -17,6 +17,7 @@ from pyengine.layers.linear import LayerContext
 from pyengine.layers.placement import Placement
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
+from pyengine.lora.manager import LoRAManager
 from pyengine.sample.sampler import Sampler, heaviest_rows
 from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
@@ -128,8 +129,13 @@ class ModelRunner:
         self.model = build_model(
             loaded, config.max_model_len, config.seed,
             LayerContext(self.placement, self.tp, self.pp,
-                         quantized_activations=config.quantized_activations),
+                         quantized_activations=config.quantized_activations,
+                         adapters=config.lora is not None),
         )  # fmt: skip
+        self.lora: LoRAManager | None = None
+        if config.lora is not None:
+            self.lora = LoRAManager(self.model, config.lora, c, self.placement.dtype,
+                                    self.placement.device)  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)
         if on_cpu:
@@ -147,8 +153,10 @@ class ModelRunner:
         self.inputs: StepInputs | None = None
         self.capture_sizes: list[int] = []
         self.graph_bytes_expected = 0  # what the KV budget leaves the graphs
-        # Captured for one rank alone: collectives and stage transfers run eagerly.
-        eager = config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
+        # Captured for one rank alone: collectives and stage transfers run eagerly; so do
+        # adapters, whose rows change from step to step.
+        eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
+                 or config.lora is not None)  # fmt: skip
         if not on_cpu or not eager:
             self.inputs = StepInputs(
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
@@ -325,6 +333,8 @@ class ModelRunner:
         if self.graphs is not None and not extra_rows:
             graph = self.graphs.size_for(b)
         step = self._step_tensors(b, graph)
+        if self.lora is not None and b.adapter_ids is not None:
+            self.lora.prepare(b.adapter_ids, b.adapters, b.query_start_loc)
         if self.graphs is not None and graph is not None:
             # Eagerly, for the real rows only: one [rows, vocab] buffer per graph would
             # hold gigabytes at a large vocabulary.

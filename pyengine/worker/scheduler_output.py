@@ -5,10 +5,11 @@ other machines take the same call as the in-process one."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams
 
@@ -56,6 +57,10 @@ class SchedulerOutput:
     # Whose scheduler planned it, and so whose range of KV blocks it reads: with a
     # pipeline, each of the steps in flight has its own (vLLM's virtual engines).
     virtual_engine: int
+    # With enable_lora: each request's adapter id (int64 [num_reqs], 0: the base model),
+    # and the step's adapters by id (what a worker loads them from).
+    adapter_ids: np.ndarray | None = None
+    adapters: dict[int, LoRARequest] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,7 @@ OPTIONS: dict[str, object] = {
     "enable_prefix_caching": True,
     "enable_chunked_prefill": True,
     "long_prefill_token_threshold": 0,
+    "max_loras": 0,
     "policy": "fcfs",
 }
 
@@ -284,6 +285,33 @@ def test_a_waiting_request_is_counted_once_in_prefix_cache_statistics() -> None:
     kv = d.s.kv_cache.stats()
     assert kv.prefix_cache_queries == 16
     assert kv.prefix_cache_hits == 4  # b reuses a's first block of 4
+
+
+def test_a_step_holds_at_most_max_loras_adapters_and_none_starves() -> None:
+    """max_loras=2: a request for a third adapter waits, and from then on only requests
+    without an adapter join, so that the running adapters drain and it starts."""
+    d = make(max_seqs=8, max_loras=2)
+    adapters = {"a1": 1, "a2": 2, "a3": 3, "base": 0, "a1-late": 1, "a2-late": 2}
+    limits = {r: Limits(max_tokens=6 if r != "a1" else 3) for r in adapters}
+    prompts = {r: [10 + i, 11, 12] for i, r in enumerate(adapters)}
+    for r, adapter in adapters.items():
+        d.add(r, prompts[r], limits[r], adapter_id=adapter)
+    steps: list[set[int]] = []
+    while d.s.has_unfinished_requests():
+        d.schedule()
+        ids = d.s.buffers.request_ids
+        steps.append({adapters[r] for r in ids} - {0})
+        first = len(steps) == 1
+        if first:  # a3 waits, and so does every later request with an adapter
+            assert set(ids) == {"a1", "a2", "base"}
+        d.finish_step()
+    assert all(len(step) <= 2 for step in steps)
+    assert 3 in set().union(*steps)  # a3 ran
+    for r in adapters:
+        assert (d.outputs[r], d.finished[r]) == run_alone(prompts[r], limits[r], 128)
+    assert d.s.kv_cache.num_free_blocks == 64
+    with pytest.raises(ValueError, match="max_loras must be non-negative"):
+        make(max_loras=-1)
 
 
 def test_the_binding_takes_every_argument() -> None:

@@ -32,6 +32,7 @@ def scheduler(budget: int = 48, max_seqs: int = 8) -> Scheduler:
         max_model_len=MAX_LEN,
         enable_chunked_prefill=True,
         long_prefill_token_threshold=0,
+        max_loras=0,
         policy="fcfs",
     )
 

@@ -43,6 +43,11 @@ struct SchedulerConfig {
   bool enable_chunked_prefill = false;
   int long_prefill_token_threshold = 0;  // > 0: one request's tokens per step at most
   SchedulingPolicy policy = SchedulingPolicy::kFCFS;
+  // > 0: the most distinct LoRA adapters (adapter_id != 0) among the running requests,
+  // and so in one step (0: no limit). A waiting request whose adapter would exceed it
+  // waits; from then on the step admits only requests without an adapter, so that the
+  // running adapters drain and it is never starved.
+  int max_loras = 0;
 };
 
 struct SchedulerStats {

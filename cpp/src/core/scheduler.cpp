@@ -17,6 +17,7 @@ const SchedulerConfig& checked(const SchedulerConfig& c) {
   check_argument(c.max_model_len > 0, "max_model_len must be positive");
   check_argument(c.long_prefill_token_threshold >= 0,
                  "long_prefill_token_threshold must be non-negative");
+  check_argument(c.max_loras >= 0, "max_loras must be non-negative");
   check_argument(c.enable_chunked_prefill || c.max_num_batched_tokens >= c.max_model_len,
                  "without chunked prefill, max_num_batched_tokens must be at least "
                  "max_model_len (a long prompt could never be scheduled)");
@@ -254,8 +255,28 @@ int Scheduler::schedule() {
   // Then waiting requests in policy order, unless this step had to preempt. A request
   // with samples still to fork brings their sequences along.
   int num_seqs = num_running_seqs();
-  while (!preempted && budget > 0 && !waiting_.empty()) {
-    Request* r = waiting_.begin()->second;
+  std::vector<int64_t> adapters;  // the running requests' (max_loras > 0)
+  if (config_.max_loras > 0) {
+    for (const Request* r : running_) {
+      const int64_t a = r->params.adapter_id;
+      if (a != 0 && std::find(adapters.begin(), adapters.end(), a) == adapters.end()) {
+        adapters.push_back(a);
+      }
+    }
+  }
+  bool adapter_waits = false;  // a request waits for an adapter slot: admit no other adapter
+  for (auto it = waiting_.begin(); !preempted && budget > 0 && it != waiting_.end();) {
+    Request* r = it->second;
+    const int64_t adapter = r->params.adapter_id;
+    const bool new_adapter = config_.max_loras > 0 && adapter != 0 &&
+                             std::find(adapters.begin(), adapters.end(), adapter) == adapters.end();
+    if (adapter != 0 && config_.max_loras > 0 &&
+        (adapter_waits ||
+         (new_adapter && static_cast<int>(adapters.size()) == config_.max_loras))) {
+      adapter_waits = true;
+      ++it;
+      continue;
+    }
     const int seqs = r->forked ? 1 : 1 + static_cast<int>(r->sample_ids.size());
     if (num_seqs + seqs > config_.max_num_seqs) break;
     if (!kv_.has_request(r->id)) {
@@ -267,7 +288,8 @@ int Scheduler::schedule() {
     if (!config_.enable_chunked_prefill && n > budget) break;
     n = std::min(n, budget);
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
-    waiting_.erase(waiting_.begin());
+    it = waiting_.erase(it);
+    if (new_adapter) adapters.push_back(adapter);
     r->status = RequestStatus::kRunning;
     r->num_computed_tokens = hit.num_computed_tokens + n;
     running_.push_back(r);

@@ -1,0 +1,156 @@
+"""A PEFT LoRA adapter read from its folder and checked against the base model.
+
+adapter_config.json gives r, lora_alpha, use_rslora and target_modules;
+adapter_model.safetensors holds, for each adapted projection of decoder layer i,
+`base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight` [r, in] and
+`lora_B.weight` [out, r]. The delta of a projection is x @ A.T @ B.T * scale, scale =
+lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), applied last, as PEFT does. An adapter is
+held on the host in float32.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pyengine.config import ModelConfig
+from pyengine.lora.request import LoRARequest
+
+# The projections an adapter may target, as PEFT names them in llama-style models.
+ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
+_KEY = re.compile(
+    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+)
+
+
+def projection_shape(config: ModelConfig, module: str) -> tuple[int, int]:
+    """(out, in) of a decoder layer's projection."""
+    q, kv = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
+    hidden, inner = config.hidden_size, config.intermediate_size
+    return {
+        "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
+        "o_proj": (hidden, q), "gate_proj": (inner, hidden), "up_proj": (inner, hidden),
+        "down_proj": (hidden, inner),
+    }[module]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LoRAWeights:
+    """One projection's delta before the adapter's scale: x @ a.T @ b.T."""
+
+    a: torch.Tensor  # float32 [rank, in]
+    b: torch.Tensor  # float32 [out, rank]
+
+
+@dataclass(frozen=True)
+class LoRAAdapter:
+    request: LoRARequest
+    rank: int
+    scale: float  # lora_alpha / rank, or / sqrt(rank) (rsLoRA)
+    # (decoder layer, module) -> its delta; modules the adapter leaves out have none.
+    weights: dict[tuple[int, str], LoRAWeights]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.a.nbytes + w.b.nbytes for w in self.weights.values())
+
+
+def _config(folder: Path, name: str) -> dict[str, object]:
+    path = folder / "adapter_config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"LoRA adapter {name!r}: {path} does not exist") from None
+    except (OSError, ValueError) as error:
+        raise ValueError(f"LoRA adapter {name!r}: {path} is not a JSON file: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {name!r}: {path} must hold an object")
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"LoRA adapter {name!r}: peft_type {peft_type!r} is not LORA")
+    for flag, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
+        if config.get(flag):
+            raise ValueError(f"LoRA adapter {name!r}: {why} is not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(f"LoRA adapter {name!r}: bias {config.get('bias')!r} is not supported")
+    return config
+
+
+def _scale(config: dict[str, object], rank: int, name: str) -> float:
+    alpha = config.get("lora_alpha", rank)
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or alpha <= 0:
+        raise ValueError(f"LoRA adapter {name!r}: lora_alpha must be a positive number")
+    return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
+
+
+def _tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / "adapter_model.safetensors"
+    if not path.is_file():
+        raise ValueError(f"LoRA adapter {name!r}: {path} does not exist")
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as error:
+        raise ValueError(f"LoRA adapter {name!r}: {path} is corrupt: {error}") from None
+
+
+def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """The adapter of `request`, checked against the base model `model`: ValueError naming
+    the adapter and the problem (missing or corrupt files, a rank above max_lora_rank,
+    a module the model lacks, shapes of another base model)."""
+    name, folder = request.lora_name, Path(request.lora_path)
+    config = _config(folder, name)
+    rank = config.get("r")
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"LoRA adapter {name!r}: r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise ValueError(
+            f"LoRA adapter {name!r}: rank {rank} exceeds max_lora_rank {max_lora_rank}"
+        )
+    scale = _scale(config, rank, name)
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    for key, tensor in _tensors(folder, name).items():
+        match = _KEY.fullmatch(key)
+        if match is None:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key} is not a LoRA pair of a decoder "
+                f"layer's projection ({', '.join(TARGET_MODULES)})"
+            )
+        layer, module, side = int(match[1]), match[2], match[3]
+        if module not in TARGET_MODULES:
+            raise ValueError(
+                f"LoRA adapter {name!r}: target module {module} (tensor {key}) is not one "
+                f"of the model's projections ({', '.join(TARGET_MODULES)})"
+            )
+        if layer >= model.num_layers:
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key} is for layer {layer}; the model has "
+                f"{model.num_layers}"
+            )
+        pairs.setdefault((layer, module), {})[side] = tensor
+    weights = {}
+    for (layer, module), pair in sorted(pairs.items()):
+        where = f"layers.{layer}.{module}"
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B")
+        out, inp = projection_shape(model, module)
+        a, b = pair["A"], pair["B"]
+        if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
+            raise ValueError(
+                f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B "
+                f"{tuple(b.shape)}; this base model takes [{rank}, {inp}] and [{out}, {rank}] "
+                "(an adapter of another base model?)"
+            )
+        weights[(layer, module)] = LoRAWeights(a.float().contiguous(), b.float().contiguous())
+    if not weights:
+        raise ValueError(f"LoRA adapter {name!r}: it holds no LoRA weights")
+    return LoRAAdapter(request, rank, scale, weights)

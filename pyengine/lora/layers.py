@@ -1,0 +1,115 @@
+"""Batched LoRA in the linear layers: each adapted layer holds max_loras slots of (A, B)
+on the model's device, and adds to the base product, computed once for the whole step,
+each token row's delta through its adapter's slot: the step's rows grouped by slot
+(Punica's SGMV: a shrink x @ A.T to the rank, then an expand @ B.T, per group), rows
+without an adapter left as they are.
+
+A layer's slots follow its tensor-parallel shard: a column-parallel layer (q/k/v,
+gate/up) holds the rows of B of its output shard and all of A; a row-parallel one (o,
+down) the columns of A of its input shard and all of B, its partial deltas summed with
+the partial products by the all-reduce that follows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from pyengine.lora.adapter import LoRAAdapter
+
+
+@dataclass
+class LoRABatch:
+    """The step's token rows of each resident adapter, shared by every layer's hook."""
+
+    # (slot, its rows as an int64 tensor on the device, or None: every row of the step)
+    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+
+    def set_rows(self, token_slots: np.ndarray, device: torch.device) -> None:
+        """token_slots: int [tokens], each row's slot (-1: no adapter)."""
+        self.groups = []
+        slots = np.unique(token_slots)
+        for slot in slots[slots >= 0]:
+            if len(slots) == 1:
+                self.groups.append((int(slot), None))
+                continue
+            rows = np.flatnonzero(token_slots == slot)
+            self.groups.append((int(slot), torch.from_numpy(rows).to(device)))
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A stacked part of the layer's output: its module, where its rows sit in the
+    layer's output shard, and which rows (column-parallel) or columns (row-parallel) of
+    the full projection the shard holds."""
+
+    module: str
+    out_offset: int
+    out_length: int
+    shard: slice  # of B's rows (column-parallel) or A's columns (row-parallel)
+
+
+class LoRASlots:
+    """A linear layer's adapter hook (layers/linear.py's AdapterHook)."""
+
+    def __init__(
+        self,
+        layer_index: int,
+        parts: list[_Part],
+        row_parallel: bool,
+        in_features: int,
+        batch: LoRABatch,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.layer_index, self.parts, self.row_parallel = layer_index, parts, row_parallel
+        self.batch, self.rank = batch, max_rank
+        # A of every part stacked: one shrink for all parts of a group.
+        self.a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype,
+                             device=device)  # fmt: skip
+        self.b = [
+            torch.zeros(max_loras, p.out_length, max_rank, dtype=dtype, device=device)
+            for p in parts
+        ]
+        self.scale = [0.0] * max_loras
+
+    def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Slot `slot` takes `adapter`'s weights for this layer (zeros where it leaves a
+        part out, and past its rank), or zeros (None)."""
+        self.a[slot].zero_()
+        for b in self.b:
+            b[slot].zero_()
+        self.scale[slot] = 0.0 if adapter is None else adapter.scale
+        if adapter is None:
+            return
+        r = adapter.rank
+        for p, part in enumerate(self.parts):
+            weights = adapter.weights.get((self.layer_index, part.module))
+            if weights is None:
+                continue
+            a, b = weights.a, weights.b
+            if self.row_parallel:
+                a = a[:, part.shard]
+            else:
+                b = b[part.shard]
+            rows = slice(p * self.rank, p * self.rank + r)
+            self.a[slot, rows].copy_(a)
+            self.b[p][slot, :, :r].copy_(b)
+
+    def add_delta(self, layer: object, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        for slot, rows in self.batch.groups:
+            xs = x if rows is None else x.index_select(0, rows)
+            shrunk = xs @ self.a[slot].t()  # [rows, parts * rank]
+            for p, part in enumerate(self.parts):
+                expanded = shrunk[:, p * self.rank : (p + 1) * self.rank] @ self.b[p][slot].t()
+                expanded *= self.scale[slot]
+                target = out[:, part.out_offset : part.out_offset + part.out_length]
+                if rows is None:
+                    target += expanded
+                else:
+                    target.index_add_(0, rows, expanded)
+        return out

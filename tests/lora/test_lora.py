@@ -1,0 +1,182 @@
+"""Multi-LoRA against transformers + peft on the same weights: adapters made here with peft
+on tiny llama-family checkpoints (random A and B, so that every delta matters), each
+adapter's greedy float32 tokens equal peft's; a batch mixing adapters and the base model
+gives every request its tokens alone; more adapters in flight than max_loras all finish,
+swapped through the slots; two adapters never share prefix-cache blocks; bad adapters are
+clear errors and the engine keeps serving."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from helpers.hf_reference import hf_greedy
+from helpers.tiny_models import make_checkpoint
+
+from pyengine import LLM, LoRARequest, SamplingParams
+
+peft = pytest.importorskip("peft")
+
+PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
+NEW_TOKENS = 10
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ENGINE = dict(max_model_len=128, kv_cache_memory=2**22, enable_lora=True)
+ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_adapter(
+    base: torch.nn.Module, folder: Path, seed: int, rank: int = 8, modules: list[str] = ALL_MODULES,
+    rslora: bool = False,
+) -> torch.nn.Module:  # fmt: skip
+    """A peft LoRA adapter of `base` with random A and B (peft's init_lora_weights=False
+    leaves B random too), saved to folder; the peft model."""
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules,
+                             init_lora_weights=False, use_rslora=rslora)  # fmt: skip
+    model = peft.get_peft_model(base, config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """A tiny llama, four adapters of it (one of q/v only, one rsLoRA of rank 16), and
+    peft's greedy tokens for each."""
+    root = tmp_path_factory.mktemp("lora")
+    make_checkpoint("llama", root / "base")
+    specs = {
+        "a": (1, 8, ALL_MODULES, False),
+        "b": (2, 4, ["q_proj", "v_proj"], False),
+        "c": (3, 16, ALL_MODULES, True),
+        "d": (4, 8, ["gate_proj", "down_proj"], False),
+    }
+    expected: dict[str, list[list[int]]] = {}
+    requests: dict[str, LoRARequest] = {}
+    for name, (seed, rank, modules, rslora) in specs.items():
+        base = make_checkpoint("llama", root / "scratch")  # a fresh copy of the same weights
+        model = make_adapter(base, root / name, seed, rank, modules, rslora).eval()
+        expected[name] = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
+        requests[name] = LoRARequest(name, seed, str(root / name))
+    base = make_checkpoint("llama", root / "scratch").eval()
+    expected["base"] = [hf_greedy(base, p, NEW_TOKENS) for p in PROMPTS]
+    return {"root": root, "expected": expected, "requests": requests}
+
+
+def tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def test_each_adapter_gives_peft_greedy_tokens(family: dict) -> None:  # type: ignore[type-arg]
+    llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for name, request in family["requests"].items():
+        got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=request))
+        assert got == family["expected"][name], name
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == family["expected"]["base"]
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    llm.engine.shutdown()
+
+
+def test_a_batch_mixing_four_adapters_and_the_base_model(family: dict) -> None:  # type: ignore[type-arg]
+    llm = LLM(str(family["root"] / "base"), max_loras=4, **ENGINE)
+    names = ["a", "b", "base", "c", "d"]
+    prompts, loras, want = [], [], []
+    for i, name in enumerate(names * 2):
+        p = PROMPTS[i % len(PROMPTS)]
+        prompts.append({"prompt_token_ids": p})
+        loras.append(family["requests"].get(name))
+        want.append(family["expected"][name][i % len(PROMPTS)])
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
+    llm.engine.shutdown()
+
+
+def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None:  # type: ignore[type-arg]
+    llm = LLM(str(family["root"] / "base"), max_loras=1, max_cpu_loras=2, **ENGINE)
+    names = ["a", "b", "c", "d", "a", "base"]
+    loras = [family["requests"].get(n) for n in names]
+    prompts = [{"prompt_token_ids": PROMPTS[2]}] * len(names)
+    want = [family["expected"][n][2] for n in names]
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
+    lora = llm.engine.executor.driver_worker.model_runner.lora
+    assert lora is not None and lora.stats.swapped_in >= 4 and lora.stats.evicted >= 2
+    assert len(lora.host) <= 2
+    llm.engine.shutdown()
+
+
+def test_adapters_never_share_prefix_cache_blocks(family: dict) -> None:  # type: ignore[type-arg]
+    llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE)
+    prompt = [{"prompt_token_ids": list(range(30, 94))}]  # four blocks of 16
+    scheduler = llm.engine.scheduler
+    a, b = family["requests"]["a"], family["requests"]["b"]
+
+    def hits(lora: LoRARequest | None) -> int:
+        before = scheduler.kv_cache.stats().prefix_cache_hits
+        llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=lora)
+        return scheduler.kv_cache.stats().prefix_cache_hits - before
+
+    assert hits(a) == 0
+    assert hits(b) == 0  # the same prompt through another adapter: no hit
+    assert hits(None) == 0
+    assert hits(a) > 0  # the same adapter: its blocks
+    llm.engine.shutdown()
+
+
+def write_bad(
+    folder: Path,
+    source: Path,
+    config: dict | None = None,
+    tensors: bytes | None = None,  # type: ignore[type-arg]
+) -> None:
+    folder.mkdir()
+    base_config = json.loads((source / "adapter_config.json").read_text())
+    (folder / "adapter_config.json").write_text(json.dumps({**base_config, **(config or {})}))
+    data = (source / "adapter_model.safetensors").read_bytes() if tensors is None else tensors
+    (folder / "adapter_model.safetensors").write_bytes(data)
+
+
+def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
+    family: dict,
+    tmp_path: Path,  # type: ignore[type-arg]
+) -> None:
+    root, good = family["root"], family["requests"]["a"]
+    llm = LLM(str(root / "base"), max_loras=1, max_lora_rank=8, **ENGINE)
+    prompt = [{"prompt_token_ids": PROMPTS[0]}]
+    write_bad(tmp_path / "corrupt", root / "a", tensors=b"not a safetensors file")
+    write_bad(tmp_path / "dora", root / "a", {"use_dora": True})
+    other = tmp_path / "other-base"
+    smaller = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                       num_hidden_layers=2, num_attention_heads=4,
+                                       num_key_value_heads=2, head_dim=16)  # fmt: skip
+    make_adapter(transformers.LlamaForCausalLM(smaller), other, 5)
+    cases = {
+        "rank 16 exceeds max_lora_rank 8": LoRARequest("c", 3, str(root / "c")),
+        "does not exist": LoRARequest("missing", 9, str(tmp_path / "missing")),
+        "is corrupt": LoRARequest("corrupt", 10, str(tmp_path / "corrupt")),
+        "DoRA is not supported": LoRARequest("dora", 11, str(tmp_path / "dora")),
+        "another base model": LoRARequest("other", 12, str(other)),
+        "lora_int_id 1 is adapter 'a'": LoRARequest("a-again", 1, str(root / "b")),
+    }
+    llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)  # id 1 known
+    for message, request in cases.items():
+        with pytest.raises(ValueError, match=message):
+            llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=request)
+    assert tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)) == [
+        family["expected"]["a"][0]
+    ]
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    llm.engine.shutdown()
+    plain = LLM(str(root / "base"), max_model_len=128, kv_cache_memory=2**22)
+    with pytest.raises(ValueError, match="start it with enable_lora=True"):
+        plain.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)
+    plain.engine.shutdown()
+    with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
+        LoRARequest("x", 0, "/tmp")
+    with pytest.raises(ValueError, match="max_loras must be a positive integer"):
+        LLM(str(root / "base"), max_loras=0, **ENGINE)
