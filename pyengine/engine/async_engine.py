@@ -23,6 +23,7 @@ from typing import Any
 from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.engine.stats import EngineStats
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams
 
@@ -169,11 +170,14 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> RequestStream:
-        """Queues a request; a bad one raises ValueError here. Iterate the returned
-        stream for its updates; close it to abort the request (a client gone)."""
+        """Queues a request (through lora_request's adapter); a bad one raises ValueError
+        here. Iterate the returned stream for its updates; close it to abort the request
+        (a client gone)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        command = _Command("add", request_id, (prompt_token_ids, params, prompt, stream))
+        args = (prompt_token_ids, params, prompt, stream, lora_request)
+        command = _Command("add", request_id, args)
         try:
             await asyncio.wrap_future(self._submit(command).done)
         except asyncio.CancelledError:
@@ -257,10 +261,13 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt: str | None,
         stream: _Stream,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        self.engine.add_request(
+            request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request
+        )
         hold_back = 0 if not params.stop_strings else max(map(len, params.stop_strings)) - 1
         n = params.n
         stream.sent = _Sent([0] * n, [0] * n, [False] * n, hold_back)

@@ -11,62 +11,15 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 import transformers
-from helpers.hf_reference import hf_greedy
-from helpers.tiny_models import make_checkpoint
+from helpers.lora import NEW_TOKENS, PROMPTS, make_adapter
 
 from pyengine import LLM, LoRARequest, SamplingParams
 
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 
-PROMPTS = [[1, 2, 3, 4, 5], [9, 8, 7], list(range(20, 60))]
-NEW_TOKENS = 10
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 ENGINE = dict(max_model_len=128, kv_cache_memory=2**22, enable_lora=True)
-ALL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def make_adapter(
-    base: torch.nn.Module, folder: Path, seed: int, rank: int = 8, modules: list[str] = ALL_MODULES,
-    rslora: bool = False,
-) -> torch.nn.Module:  # fmt: skip
-    """A peft LoRA adapter of `base` with random A and B (peft's init_lora_weights=False
-    leaves B random too), saved to folder; the peft model."""
-    torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=modules,
-                             init_lora_weights=False, use_rslora=rslora)  # fmt: skip
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="module")
-def family(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
-    """A tiny llama, four adapters of it (one of q/v only, one rsLoRA of rank 16), and
-    peft's greedy tokens for each."""
-    root = tmp_path_factory.mktemp("lora")
-    make_checkpoint("llama", root / "base")
-    specs = {
-        "a": (1, 8, ALL_MODULES, False),
-        "b": (2, 4, ["q_proj", "v_proj"], False),
-        "c": (3, 16, ALL_MODULES, True),
-        "d": (4, 8, ["gate_proj", "down_proj"], False),
-    }
-    expected: dict[str, list[list[int]]] = {}
-    requests: dict[str, LoRARequest] = {}
-    for name, (seed, rank, modules, rslora) in specs.items():
-        base = make_checkpoint("llama", root / "scratch")  # a fresh copy of the same weights
-        model = make_adapter(base, root / name, seed, rank, modules, rslora).eval()
-        expected[name] = [hf_greedy(model, p, NEW_TOKENS) for p in PROMPTS]
-        requests[name] = LoRARequest(name, seed, str(root / name))
-    base = make_checkpoint("llama", root / "scratch").eval()
-    expected["base"] = [hf_greedy(base, p, NEW_TOKENS) for p in PROMPTS]
-    return {"root": root, "expected": expected, "requests": requests}
 
 
 def tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]

@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -35,8 +36,11 @@ from pyengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
+from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_modules
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
@@ -46,6 +50,13 @@ from pyengine.loader.resolve import DEFAULT_MODEL
 logger = logging.getLogger("pyengine")
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+
+
+def runtime_lora_updating() -> bool:
+    """Whether /v1/load_lora_adapter and /v1/unload_lora_adapter are served (as vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING): PYENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 or true."""
+    value = os.environ.get("PYENGINE_ALLOW_RUNTIME_LORA_UPDATING", "")
+    return value.lower() in ("1", "true")
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -121,6 +132,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default=d.max_logprobs,
         help="the most logprobs (top_logprobs) a request may ask for",
     )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="requests may name LoRA adapters (docs/lora.md)"
+    )
+    parser.add_argument(
+        "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+        help="LoRA adapters (PEFT folders) served under these model names",
+    )  # fmt: skip
+    parser.add_argument("--max-loras", type=int, default=d.max_loras)
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
         "--allowed-origins",
@@ -163,16 +184,17 @@ def read_chat_template(value: str | None) -> str | None:
 
 def build_app(
     engine: AsyncLLMEngine,
-    served_model_names: list[str],
+    served: ServedModels,
     api_key: str | None = None,
     chat_template: str | None = None,
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
     allowed_origins: Sequence[str] = ("*",),
 ) -> FastAPI:
-    """The app over `engine`, which it starts and stops with its lifespan."""
-    completions = CompletionServing(engine, served_model_names, chat_template)
-    chat = ChatServing(engine, served_model_names, chat_template)
+    """The app over `engine`, which it starts and stops with its lifespan; `served` the
+    names requests may give, the base model's and the adapters'."""
+    completions = CompletionServing(engine, served, chat_template)
+    chat = ChatServing(engine, served, chat_template)
     chat.trust_request_chat_template = trust_request_chat_template
     created = int(time.time())
 
@@ -229,22 +251,45 @@ def build_app(
         return {"version": __version__}
 
     def model_card(name: str) -> dict[str, Any]:
-        return {
+        _, adapter = served.resolve(name)
+        card = {
             "id": name,
             "object": "model",
             "created": created,
             "owned_by": "pyengine",
             "max_model_len": engine.config.max_model_len,
+            "root": served.base_name if adapter is None else adapter.lora_path,
+            "parent": None if adapter is None else served.base_name,
         }
+        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card(name) for name in served_model_names]}
+        names = [*served.base_names, *served.adapters]
+        return {"object": "list", "data": [model_card(name) for name in names]}
 
     @app.get("/v1/models/{name:path}")
     async def model(name: str) -> dict[str, Any]:
-        completions.check_model(name)
         return model_card(name)
+
+    if runtime_lora_updating() and engine.config.lora is not None:
+
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
+            request = served.new_adapter(body.lora_name, body.lora_path)
+            try:
+                await asyncio.to_thread(engine.engine.adapters.check, request)
+            except ValueError as error:
+                raise APIError(str(error), param="lora_path") from None
+            served.add(request)
+            logger.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
+            return {"status": "ok", "lora_name": body.lora_name}
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> dict[str, str]:
+            served.remove(body.lora_name)  # new requests no longer find it
+            logger.info("unloaded LoRA adapter %s", body.lora_name)
+            return {"status": "ok", "lora_name": body.lora_name}
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
@@ -375,11 +420,19 @@ def serve(ns: argparse.Namespace) -> None:
         llm_engine.config.max_model_len,
     )
     names = ns.served_model_name or [ns.model]
+    served = ServedModels(names)
+    if ns.lora_modules and not ns.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for name, path in parse_lora_modules(ns.lora_modules):
+        adapter = served.new_adapter(name, path)
+        llm_engine.adapters.check(adapter)  # a bad adapter stops the server from starting
+        served.add(adapter)
+        logger.info("LoRA adapter %s from %s", name, path)
     metrics = EngineMetrics(names[0])
     engine = AsyncLLMEngine(llm_engine, on_step=metrics.on_step)
     app = build_app(
         engine,
-        names,
+        served,
         ns.api_key,
         chat_template,
         metrics,

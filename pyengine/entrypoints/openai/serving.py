@@ -15,6 +15,8 @@ from starlette.requests import Request
 from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from pyengine.engine.input_processor import check_token_ids
 from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.served_models import ServedModels
+from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
@@ -72,20 +74,19 @@ class PromptResult:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str], chat_template: str | None
+        self, engine: AsyncLLMEngine, served: ServedModels, chat_template: str | None
     ) -> None:
         self.engine = engine
-        self.served_model_names = served_model_names
+        self.served = served
         self.chat_template = chat_template
 
-    @property
-    def model_name(self) -> str:
-        return self.served_model_names[0]
-
     def check_model(self, model: str | None) -> str:
-        if model is None or model in self.served_model_names:
-            return self.model_name
-        raise APIError(f"The model `{model}` does not exist.", status=404, param="model")
+        """The name a response reports for `model`; 404 where nothing is served by it."""
+        name, _ = self.served.resolve(model)
+        return name
+
+    def adapter(self, model: str | None) -> LoRARequest | None:
+        return self.served.resolve(model)[1]
 
     @property
     def tokenizer(self) -> PyengineTokenizer:
@@ -126,15 +127,19 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         prompt_param: str = "prompt",
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestStream]:
-        """Queues every prompt; if one is refused, none stays queued."""
+        """Queues every prompt (through lora_request's adapter); if one is refused, none
+        stays queued."""
         for prompt in prompts:
             self.check_length(prompt, params, prompt_param)
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, token_ids, params, text))
+                streams.append(
+                    await self.engine.add_request(rid, token_ids, params, text, lora_request)
+                )
         except ValueError as error:
             close_all(streams)
             raise APIError(str(error)) from None

@@ -105,7 +105,9 @@ class ChatServing(OpenAIServing):
             **request.chat_template_kwargs,
         )
         request_id = random_id("chatcmpl")
-        streams = await self.start([prompt], params, request_id, "messages")
+        streams = await self.start(
+            [prompt], params, request_id, "messages", self.adapter(request.model)
+        )
         if request.stream:
             return self._stream(request, model, request_id, prompt, streams), streams
         (result,) = await self.collect([prompt], streams, params.n)

@@ -86,7 +86,9 @@ class CompletionServing(OpenAIServing):
         params = request.to_sampling_params()
         prompts = self.prompts(request)
         request_id = random_id("cmpl")
-        streams = await self.start(prompts, params, request_id)
+        streams = await self.start(
+            prompts, params, request_id, lora_request=self.adapter(request.model)
+        )
         if request.stream:
             return self._stream(request, model, request_id, prompts, streams), streams
         results = await self.collect(prompts, streams, params.n)

@@ -1,0 +1,120 @@
+"""Adapters through the OpenAI-compatible server, driven by the official openai client:
+the request's `model` chooses the base model or an adapter (--lora-modules), each
+answering as the offline LLM with that adapter; /v1/models lists the adapters with their
+parent; an unknown model is a 404; with PYENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters
+load and unload at run time, a bad one refused while the server keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+from helpers.lora import write_random_adapter
+from helpers.server import API_KEY, Server
+
+from pyengine import LLM, LoRARequest, SamplingParams
+from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+
+MAX_MODEL_LEN, KV_CACHE_BYTES = 512, 64 * 2**20
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("adapters")
+    config = load_model(DEFAULT_MODEL, read_weights=False).config
+    folders = {name: root / name for name in ("sql", "chat", "late")}
+    for seed, folder in enumerate(folders.values()):
+        write_random_adapter(config, folder, seed)
+    return folders
+
+
+@pytest.fixture(scope="module")
+def server(adapters: dict[str, Path]) -> Iterator[Server]:
+    extra = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
+             "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}"]  # fmt: skip
+    s = Server(DEFAULT_MODEL, MAX_MODEL_LEN, KV_CACHE_BYTES, extra,
+               env={"PYENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"})  # fmt: skip
+    try:
+        yield s
+    finally:
+        if s.process.poll() is None:
+            assert s.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(adapters: dict[str, Path]) -> Iterator[tuple[LLM, dict[str, LoRARequest]]]:
+    llm = LLM(DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES,
+              enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
+    requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
+    yield llm, requests
+    llm.engine.shutdown()
+
+
+def offline_text(offline: tuple[LLM, dict[str, LoRARequest]], name: str | None) -> str:
+    llm, requests = offline
+    params = SamplingParams(temperature=0, max_tokens=12)
+    lora = None if name is None else requests[name]
+    return llm.generate([PROMPT], params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+
+
+def completion(client: openai.OpenAI, model: str) -> str:
+    got = client.completions.create(model=model, prompt=PROMPT, max_tokens=12, temperature=0)
+    assert got.model == model
+    return got.choices[0].text
+
+
+def test_the_model_field_chooses_the_adapter(client: openai.OpenAI, offline) -> None:  # type: ignore[no-untyped-def]
+    cards = {m.id: m for m in client.models.list()}
+    assert list(cards) == [DEFAULT_MODEL, "sql", "chat"]
+    assert cards["sql"].parent == DEFAULT_MODEL and cards[DEFAULT_MODEL].parent is None  # type: ignore[attr-defined]
+    texts = {name: completion(client, name) for name in (DEFAULT_MODEL, "sql", "chat")}
+    assert texts[DEFAULT_MODEL] == offline_text(offline, None)
+    assert texts["sql"] == offline_text(offline, "sql")
+    assert texts["chat"] == offline_text(offline, "chat")
+    assert len(set(texts.values())) == 3  # each adapter changes the answer
+    with pytest.raises(openai.NotFoundError, match="The model `nope` does not exist"):
+        completion(client, "nope")
+
+
+def test_a_streamed_chat_through_an_adapter(client: openai.OpenAI) -> None:
+    messages = [{"role": "user", "content": "Say hello."}]
+    whole = client.chat.completions.create(model="chat", messages=messages, max_tokens=10,
+                                           temperature=0)  # fmt: skip
+    stream = client.chat.completions.create(model="chat", messages=messages, max_tokens=10,
+                                            temperature=0, stream=True)  # fmt: skip
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    assert text == whole.choices[0].message.content and whole.model == "chat"
+
+
+def test_adapters_load_and_unload_at_run_time(
+    server: Server,
+    client: openai.OpenAI,
+    adapters: dict[str, Path],
+    offline,
+    tmp_path: Path,  # type: ignore[no-untyped-def]
+) -> None:
+    body = f'{{"lora_name": "late", "lora_path": "{adapters["late"]}"}}'
+    status, answer = server.request("POST", "/v1/load_lora_adapter", body)
+    assert status == 200, answer
+    assert completion(client, "late") == offline_text(offline, "late")
+    assert "late" in [m.id for m in client.models.list()]
+    status, answer = server.request("POST", "/v1/load_lora_adapter", body)
+    assert status == 400 and "already served" in answer["error"]["message"]
+    bad = f'{{"lora_name": "bad", "lora_path": "{tmp_path / "missing"}"}}'
+    status, answer = server.request("POST", "/v1/load_lora_adapter", bad)
+    assert status == 400 and "does not exist" in answer["error"]["message"]
+    status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "late"}')
+    assert status == 200
+    with pytest.raises(openai.NotFoundError):
+        completion(client, "late")
+    status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "late"}')
+    assert status == 404
+    assert completion(client, "sql") == offline_text(offline, "sql")  # still serving
