@@ -5,12 +5,13 @@
 #include "bindings.h"
 #include "dlpack.h"
 #include "kernel_call.h"
-#include "pyengine/dense.h"
 #include "pyengine/block_gemm.h"
+#include "pyengine/dense.h"
 #include "pyengine/errors.h"
 #include "pyengine/fp8_quantize.h"
 #include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
+#include "pyengine/lora.h"
 
 namespace py = pybind11;
 
@@ -22,8 +23,10 @@ QuantParams quant_params(const std::string& name) {
   if (name == "float16") return QuantParams::kFloat16;
   if (name == "scale_float16") return QuantParams::kScaleFloat16;
   if (name == "scale_float32") return QuantParams::kScaleFloat32;
-  throw InvalidArgument("params must be 'float32', 'float16', 'scale_float16' or "
-                        "'scale_float32', got '" + name + "'");
+  throw InvalidArgument(
+      "params must be 'float32', 'float16', 'scale_float16' or "
+      "'scale_float32', got '" +
+      name + "'");
 }
 
 const char* quant_params_name(QuantParams params) {
@@ -34,7 +37,6 @@ const char* quant_params_name(QuantParams params) {
     default: return "scale_float16";
   }
 }
-
 
 // The kernels of a forward pass, each as its call with the arguments converted.
 KernelCall prepare_rms_norm(const py::handle& out, const py::handle& x, const py::handle& weight,
@@ -104,6 +106,18 @@ KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const 
   return {[=] { int8_dense(o->view(), in->view(), p->view(), s->view(), view_or_empty(b), n); }};
 }
 
+KernelCall prepare_lora_add(const py::handle& out, const py::handle& x, const py::handle& a,
+                            const py::handle& b, const py::handle& slots, const py::handle& scale,
+                            const py::handle& part_columns) {
+  auto o = shared_view(out, "lora_add: out"), in = shared_view(x, "lora_add: x");
+  auto va = shared_view(a, "lora_add: a"), vb = shared_view(b, "lora_add: b");
+  auto vs = shared_view(slots, "lora_add: slots"), sc = shared_view(scale, "lora_add: scale");
+  auto pc = shared_view(part_columns, "lora_add: part_columns");
+  return {[=] {
+    lora_add(o->view(), in->view(), va->view(), vb->view(), vs->view(), sc->view(), pc->view());
+  }};
+}
+
 KernelCall prepare_quantize_fp8_rows(const py::handle& out, const py::handle& x,
                                      const py::handle& scale) {
   auto o = shared_view(out, "quantize_fp8_rows: out"), in = shared_view(x, "quantize_fp8_rows: x");
@@ -130,16 +144,15 @@ void bind_layer_ops(py::module_& m) {
              "In place: residual += x, then x = rms_norm(residual) * weight.");
   def_kernel(m, "add", &prepare_add, py::arg("out"), py::arg("a"), py::arg("b"),
              "out = a + b, [tokens, hidden] each, on the CPU (the residual stream's sum).");
-  def_kernel(m, "embedding", &prepare_embedding, py::arg("out"), py::arg("weight"),
-             py::arg("ids"),
+  def_kernel(m, "embedding", &prepare_embedding, py::arg("out"), py::arg("weight"), py::arg("ids"),
              "out [tokens, hidden] = weight [vocab, hidden] rows ids (int32 or int64 [tokens]), "
              "on the CPU.");
-  def_kernel(
-      m, "rotary_embedding", &prepare_rotary_embedding, py::arg("positions"), py::arg("query"),
-      py::arg("key"), py::arg("cos_sin_cache"), py::arg("is_neox") = true, py::arg("stream") = 0,
-      "Rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] in place; "
-      "cos_sin_cache float32 [max_positions, d] (cos | sin halves). is_neox: rotate-half "
-      "pairs (i, i + d/2), else interleaved pairs (2i, 2i + 1) (GPT-J).");
+  def_kernel(m, "rotary_embedding", &prepare_rotary_embedding, py::arg("positions"),
+             py::arg("query"), py::arg("key"), py::arg("cos_sin_cache"), py::arg("is_neox") = true,
+             py::arg("stream") = 0,
+             "Rotary embedding of query [tokens, heads, d] and key [tokens, kv_heads, d] in place; "
+             "cos_sin_cache float32 [max_positions, d] (cos | sin halves). is_neox: rotate-half "
+             "pairs (i, i + d/2), else interleaved pairs (2i, 2i + 1) (GPT-J).");
   def_kernel(m, "silu_and_mul", &prepare_silu_and_mul, py::arg("out"), py::arg("x"),
              py::arg("stream") = 0, "out [tokens, n] = silu(x[:, :n]) * x[:, n:].");
   m.def("packed_weight_size", &packed_weight_size, py::arg("k"), py::arg("n"),
@@ -242,11 +255,15 @@ void bind_layer_ops(py::module_& m) {
         pack_int8_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("q"), "Packs q [n, k] (int8) for int8_dense.");
-  def_kernel(m, "int8_dense", &prepare_int8_dense, py::arg("out"), py::arg("x"),
-             py::arg("packed"), py::arg("scale"), py::arg("bias"), py::arg("n"),
+  def_kernel(m, "int8_dense", &prepare_int8_dense, py::arg("out"), py::arg("x"), py::arg("packed"),
+             py::arg("scale"), py::arg("bias"), py::arg("n"),
              "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times "
              "scale [n] and x's row scales, + bias (or None).");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
+  def_kernel(m, "lora_add", &prepare_lora_add, py::arg("out"), py::arg("x"), py::arg("a"),
+             py::arg("b"), py::arg("slots"), py::arg("scale"), py::arg("part_columns"),
+             "out [t, n] += each row's LoRA delta: scale[s] * (x[t] @ a[s].T) @ b[s] over its "
+             "part's ranks, s = slots[t] (-1: none); see cpp/include/pyengine/lora.h.");
   m.def("packed_block_gemm_size", &packed_block_gemm_size, py::arg("k"), py::arg("n"),
         py::arg("bits"), "Bytes of a [n, k] weight's integers for block_gemm.");
   m.def(

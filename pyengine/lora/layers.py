@@ -1,8 +1,9 @@
 """Batched LoRA in the linear layers: each adapted layer holds max_loras slots of (A, B)
 on the model's device, and adds to the base product, computed once for the whole step,
-each token row's delta through its adapter's slot: the step's rows grouped by slot
-(Punica's SGMV: a shrink x @ A.T to the rank, then an expand @ B.T, per group), rows
-without an adapter left as they are.
+each token row's delta through its adapter's slot: on the CPU one call of ops.lora_add
+(C++: the rows of a slot together, a shrink x @ A.T to the rank, then an expand @ B.T,
+Punica's SGMV), elsewhere the same per adapter in torch; rows without an adapter are
+left as they are.
 
 A layer's slots follow its tensor-parallel shard: a column-parallel layer (q/k/v,
 gate/up) holds the rows of B of its output shard and all of A; a row-parallel one (o,
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pyengine import ops
 from pyengine.lora.adapter import LoRAAdapter
 
 
@@ -26,11 +28,13 @@ class LoRABatch:
 
     # (slot, its rows as an int64 tensor on the device, or None: every row of the step)
     groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
+    slots: torch.Tensor | None = None  # int32 [tokens], each row's slot (-1: none)
 
     def set_rows(self, token_slots: np.ndarray, device: torch.device) -> None:
         """token_slots: int [tokens], each row's slot (-1: no adapter)."""
         self.groups = []
         slots = np.unique(token_slots)
+        self.slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
         for slot in slots[slots >= 0]:
             if len(slots) == 1:
                 self.groups.append((int(slot), None))
@@ -52,7 +56,10 @@ class _Part:
 
 
 class LoRASlots:
-    """A linear layer's adapter hook (layers/linear.py's AdapterHook)."""
+    """A linear layer's adapter hook (layers/linear.py's AdapterHook). Its parts' A are
+    stacked, [slots, parts * rank, in]; so are their B transposed, [slots, parts * rank,
+    out], part p's rank rows over its own columns: one call of ops.lora_add (the CPU's
+    kernel) adds a step's deltas, or, elsewhere, a shrink and an expand per adapter."""
 
     def __init__(
         self,
@@ -68,21 +75,20 @@ class LoRASlots:
     ) -> None:
         self.layer_index, self.parts, self.row_parallel = layer_index, parts, row_parallel
         self.batch, self.rank = batch, max_rank
-        # A of every part stacked: one shrink for all parts of a group.
-        self.a = torch.zeros(max_loras, len(parts) * max_rank, in_features, dtype=dtype,
-                             device=device)  # fmt: skip
-        self.b = [
-            torch.zeros(max_loras, p.out_length, max_rank, dtype=dtype, device=device)
-            for p in parts
-        ]
-        self.scale = [0.0] * max_loras
+        ranks, out = len(parts) * max_rank, sum(p.out_length for p in parts)
+        self.a = torch.zeros(max_loras, ranks, in_features, dtype=dtype, device=device)
+        self.b_t = torch.zeros(max_loras, ranks, out, dtype=dtype, device=device)
+        self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        columns = [0, *np.cumsum([p.out_length for p in parts]).tolist()]
+        self.part_columns = torch.tensor(columns, dtype=torch.int64, device=device)
+        # The CPU's kernel takes float32 and bfloat16; other dtypes and devices use torch.
+        self.kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Slot `slot` takes `adapter`'s weights for this layer (zeros where it leaves a
         part out, and past its rank), or zeros (None)."""
         self.a[slot].zero_()
-        for b in self.b:
-            b[slot].zero_()
+        self.b_t[slot].zero_()
         self.scale[slot] = 0.0 if adapter is None else adapter.scale
         if adapter is None:
             return
@@ -96,20 +102,29 @@ class LoRASlots:
                 a = a[:, part.shard]
             else:
                 b = b[part.shard]
-            rows = slice(p * self.rank, p * self.rank + r)
-            self.a[slot, rows].copy_(a)
-            self.b[p][slot, :, :r].copy_(b)
+            ranks = slice(p * self.rank, p * self.rank + r)
+            self.a[slot, ranks].copy_(a)
+            columns = slice(part.out_offset, part.out_offset + part.out_length)
+            self.b_t[slot, ranks, columns].copy_(b.t())
 
     def add_delta(self, layer: object, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if not self.batch.groups:
+            return out
+        if self.kernel:
+            assert self.batch.slots is not None
+            ops.lora_add(out, x, self.a, self.b_t, self.batch.slots, self.scale,
+                         self.part_columns)  # fmt: skip
+            return out
         for slot, rows in self.batch.groups:
             xs = x if rows is None else x.index_select(0, rows)
             shrunk = xs @ self.a[slot].t()  # [rows, parts * rank]
             for p, part in enumerate(self.parts):
-                expanded = shrunk[:, p * self.rank : (p + 1) * self.rank] @ self.b[p][slot].t()
+                ranks = slice(p * self.rank, (p + 1) * self.rank)
+                columns = slice(part.out_offset, part.out_offset + part.out_length)
+                expanded = shrunk[:, ranks] @ self.b_t[slot, ranks, columns]
                 expanded *= self.scale[slot]
-                target = out[:, part.out_offset : part.out_offset + part.out_length]
                 if rows is None:
-                    target += expanded
+                    out[:, columns] += expanded
                 else:
-                    target.index_add_(0, rows, expanded)
+                    out[:, columns].index_add_(0, rows, expanded)
         return out

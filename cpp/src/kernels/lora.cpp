@@ -1,0 +1,241 @@
+// Batched LoRA on the CPU (see pyengine/lora.h). The rows with an adapter are ordered by
+// slot and taken kTileRows at a time within a slot: a shrink reads each A row once for
+// the tile's rows, an expand each B row once; OpenMP over the tiles.
+#include "pyengine/lora.h"
+
+#include <algorithm>
+#include <cstdint>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "attention_checks.h"
+#include "float_convert.h"
+#include "vector_clones.h"
+
+namespace pyengine {
+namespace {
+
+using detail::arg;
+
+constexpr int kTileRows = 4;
+constexpr int kLanes = 16;  // independent partial sums: a vector's lanes
+
+template <DType kDType>
+inline float element(const void* base, int64_t i) {
+  return detail::load<kDType>(base, i);
+}
+
+// dots[j] = x_j . w over k, for the tile's rows (float32 sums, kLanes of them a row).
+template <DType kDType>
+[[gnu::always_inline]] inline void tile_dots(const void* const* xs, int rows, const void* w,
+                                             int64_t k, float* dots) {
+  for (int j = 0; j < rows; ++j) {
+    float lanes[kLanes] = {};
+    int64_t i = 0;
+    for (; i + kLanes <= k; i += kLanes) {
+      for (int l = 0; l < kLanes; ++l) {
+        lanes[l] += element<kDType>(xs[j], i + l) * element<kDType>(w, i + l);
+      }
+    }
+    float sum = 0.0f;
+    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+    for (; i < k; ++i) sum += element<kDType>(xs[j], i) * element<kDType>(w, i);
+    dots[j] = sum;
+  }
+}
+
+// delta[c] += coefficient * w[c] over the columns [first, last).
+template <DType kDType>
+[[gnu::always_inline]] inline void axpy(float* delta, float coefficient, const void* w,
+                                        int64_t first, int64_t last) {
+  for (int64_t c = first; c < last; ++c) delta[c] += coefficient * element<kDType>(w, c);
+}
+
+// out[c] += delta[c] * scale, rounded once to out's dtype.
+template <DType kDType>
+[[gnu::always_inline]] inline void add_scaled(void* out, const float* delta, float scale,
+                                              int64_t n) {
+  for (int64_t c = 0; c < n; ++c) {
+    detail::store<kDType>(out, c, element<kDType>(out, c) + delta[c] * scale);
+  }
+}
+
+// Each loop built per vector width (vector_clones.h), for each element type.
+#define PYENGINE_LORA_LOOPS(kDType, suffix)                                                      \
+  PYENGINE_VECTOR_CLONES void tile_dots_##suffix(const void* const* xs, int rows, const void* w, \
+                                                 int64_t k, float* dots) {                       \
+    tile_dots<kDType>(xs, rows, w, k, dots);                                                     \
+  }                                                                                              \
+  PYENGINE_VECTOR_CLONES void axpy_##suffix(float* delta, float coefficient, const void* w,      \
+                                            int64_t first, int64_t last) {                       \
+    axpy<kDType>(delta, coefficient, w, first, last);                                            \
+  }                                                                                              \
+  PYENGINE_VECTOR_CLONES void add_scaled_##suffix(void* out, const float* delta, float scale,    \
+                                                  int64_t n) {                                   \
+    add_scaled<kDType>(out, delta, scale, n);                                                    \
+  }
+PYENGINE_LORA_LOOPS(DType::kFloat32, f32)
+PYENGINE_LORA_LOOPS(DType::kBFloat16, bf16)
+#undef PYENGINE_LORA_LOOPS
+
+template <DType kDType>
+struct Loops {
+  static constexpr auto dots = tile_dots_f32;
+  static constexpr auto add = axpy_f32;
+  static constexpr auto finish = add_scaled_f32;
+};
+template <>
+struct Loops<DType::kBFloat16> {
+  static constexpr auto dots = tile_dots_bf16;
+  static constexpr auto add = axpy_bf16;
+  static constexpr auto finish = add_scaled_bf16;
+};
+
+struct Args {
+  char* out;
+  const char* x;
+  const char* a;
+  const char* b;
+  int64_t out_stride, x_stride;  // elements
+  int64_t n, k, ranks, num_parts;
+  const int32_t* slots;
+  const float* scale;
+  const int64_t* part_columns;
+};
+
+template <DType kDType>
+void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
+              std::vector<float>& shrunk, std::vector<float>& delta) {
+  constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
+  const void* xs[kTileRows];
+  for (int j = 0; j < count; ++j) xs[j] = p.x + rows[j] * p.x_stride * kSize;
+  shrunk.resize(static_cast<size_t>(p.ranks * kTileRows));
+  delta.assign(static_cast<size_t>(p.n * count), 0.0f);
+  const char* a = p.a + slot * p.ranks * p.k * kSize;
+  const char* b = p.b + slot * p.ranks * p.n * kSize;
+  for (int64_t r = 0; r < p.ranks; ++r) {
+    Loops<kDType>::dots(xs, count, a + r * p.k * kSize, p.k, shrunk.data() + r * kTileRows);
+  }
+  const int64_t rank = p.ranks / p.num_parts;
+  for (int64_t part = 0; part < p.num_parts; ++part) {
+    const int64_t first = p.part_columns[part], last = p.part_columns[part + 1];
+    for (int64_t r = part * rank; r < (part + 1) * rank; ++r) {
+      for (int j = 0; j < count; ++j) {
+        Loops<kDType>::add(delta.data() + j * p.n, shrunk[static_cast<size_t>(r * kTileRows + j)],
+                           b + r * p.n * kSize, first, last);
+      }
+    }
+  }
+  for (int j = 0; j < count; ++j) {
+    Loops<kDType>::finish(p.out + rows[j] * p.out_stride * kSize, delta.data() + j * p.n,
+                          p.scale[slot], p.n);
+  }
+}
+
+void check(const TensorView& out, const TensorView& x, const TensorView& a, const TensorView& b,
+           const TensorView& slots, const TensorView& scale, const TensorView& part_columns) {
+  constexpr const char* op = "lora_add";
+  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
+    throw InvalidArgument(arg(op, "out") + " must be float32 or bfloat16, got " + out.describe());
+  }
+  detail::check_rows(out, op, "out", 2, out.dtype);
+  detail::check_writable(out, op, "out");
+  detail::check_rows(x, op, "x", 2, out.dtype);
+  for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
+    detail::check_cpu(*t, op, name);
+    detail::check_shape(*t, op, name, 3);
+    detail::check_dtype(*t, out.dtype, op, name);
+    if (!t->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
+  }
+  const int64_t tokens = out.shape[0], n = out.shape[1], k = x.shape[1];
+  const int64_t num_slots = a.shape[0], ranks = a.shape[1];
+  if (x.shape[0] != tokens) {
+    throw InvalidArgument(std::string(op) + ": x " + x.describe() + " and out " + out.describe() +
+                          " differ in tokens");
+  }
+  if (a.shape[2] != k) {
+    throw InvalidArgument(arg(op, "a") + " must be [slots, ranks, " + std::to_string(k) +
+                          "] (x's columns), got " + a.describe());
+  }
+  if (b.shape[0] != num_slots || b.shape[1] != ranks || b.shape[2] != n) {
+    throw InvalidArgument(arg(op, "b") + " must be [" + std::to_string(num_slots) + ", " +
+                          std::to_string(ranks) + ", " + std::to_string(n) + "] (a's slots and " +
+                          "ranks, out's columns), got " + b.describe());
+  }
+  detail::check_rows(slots, op, "slots", 1, DType::kInt32);
+  if (slots.shape[0] != tokens) {
+    throw InvalidArgument(arg(op, "slots") + " must be int32 [" + std::to_string(tokens) +
+                          "], got " + slots.describe());
+  }
+  detail::check_vector(scale, op, "scale", num_slots);
+  detail::check_rows(part_columns, op, "part_columns", 1, DType::kInt64);
+  const int64_t parts = part_columns.shape[0] - 1;
+  const auto* columns = static_cast<const int64_t*>(part_columns.data);
+  bool ascending = parts >= 1 && columns[0] == 0 && columns[parts] == n;
+  for (int64_t p = 0; ascending && p < parts; ++p) ascending = columns[p] <= columns[p + 1];
+  if (!ascending || ranks % parts != 0) {
+    throw InvalidArgument(arg(op, "part_columns") + " must be int64 [num_parts + 1] from 0, " +
+                          "ascending, to " + std::to_string(n) + ", num_parts dividing ranks (" +
+                          std::to_string(ranks) + "), got " + part_columns.describe());
+  }
+  const auto* s = static_cast<const int32_t*>(slots.data);
+  for (int64_t t = 0; t < tokens; ++t) {
+    if (s[t] < -1 || s[t] >= num_slots) {
+      throw InvalidArgument(std::string(op) + ": slots[" + std::to_string(t) + "] is " +
+                            std::to_string(s[t]) + ", outside [-1, " + std::to_string(num_slots) +
+                            ")");
+    }
+  }
+}
+
+}  // namespace
+
+void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, const TensorView& b,
+              const TensorView& slots, const TensorView& scale, const TensorView& part_columns) {
+  check(out, x, a, b, slots, scale, part_columns);
+  const auto* s = static_cast<const int32_t*>(slots.data);
+  std::vector<int32_t> rows;  // with an adapter, by slot, in token order within one
+  for (int32_t t = 0; t < static_cast<int32_t>(out.shape[0]); ++t) {
+    if (s[t] >= 0) rows.push_back(t);
+  }
+  std::stable_sort(rows.begin(), rows.end(), [s](int32_t u, int32_t v) { return s[u] < s[v]; });
+  std::vector<std::pair<int64_t, int>> tiles;  // (first of rows, count)
+  for (size_t i = 0; i < rows.size();) {
+    size_t end = i + 1;
+    while (end < rows.size() && end - i < kTileRows && s[rows[end]] == s[rows[i]]) ++end;
+    tiles.emplace_back(static_cast<int64_t>(i), static_cast<int>(end - i));
+    i = end;
+  }
+  const Args p{static_cast<char*>(out.data),
+               static_cast<const char*>(x.data),
+               static_cast<const char*>(a.data),
+               static_cast<const char*>(b.data),
+               out.strides[0],
+               x.strides[0],
+               out.shape[1],
+               x.shape[1],
+               a.shape[1],
+               part_columns.shape[0] - 1,
+               s,
+               static_cast<const float*>(scale.data),
+               static_cast<const int64_t*>(part_columns.data)};
+  const auto num_tiles = static_cast<int64_t>(tiles.size());
+  const bool bf16 = out.dtype == DType::kBFloat16;
+#pragma omp parallel if (num_tiles > 1 && num_tiles * p.ranks * (p.k + p.n) >= (1 << 16))
+  {
+    thread_local std::vector<float> shrunk, delta;
+#pragma omp for schedule(dynamic)
+    for (int64_t i = 0; i < num_tiles; ++i) {
+      const auto [first, count] = tiles[static_cast<size_t>(i)];
+      const int32_t* tile = rows.data() + first;
+      if (bf16) {
+        run_tile<DType::kBFloat16>(p, tile, count, s[tile[0]], shrunk, delta);
+      } else {
+        run_tile<DType::kFloat32>(p, tile, count, s[tile[0]], shrunk, delta);
+      }
+    }
+  }
+}
+
+}  // namespace pyengine
