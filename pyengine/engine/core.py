@@ -301,6 +301,19 @@ class EngineCore:
             step = self._with_adapters(step, row_ids)
         return step, sampled_row_ids, scored
 
+    def adapter_states(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """The adapters (names, sorted) of the running requests, and of the waiting ones."""
+        running: set[str] = set()
+        waiting: set[str] = set()
+        for row_id, row in self._rows.items():
+            lora = row.request.lora_request
+            scheduler = self.schedulers[self._engine_of[row.request.request_id]]
+            if lora is None or not scheduler.has_request(row_id):
+                continue
+            state = scheduler.status(row_id)
+            (running if state == "running" else waiting).add(lora.lora_name)
+        return tuple(sorted(running)), tuple(sorted(waiting))
+
     def _with_adapters(self, step: SchedulerOutput, row_ids: list[str]) -> SchedulerOutput:
         """The step with its rows' adapter ids, and its adapters."""
         loras = [self._rows[r].request.lora_request for r in row_ids]

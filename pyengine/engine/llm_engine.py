@@ -4,6 +4,8 @@ the tokens), outputs through the output processor."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from pyengine import Scheduler
 from pyengine.config import EngineConfig
 from pyengine.engine.core import EngineCore
@@ -98,4 +100,9 @@ class LLMEngine:
         self.output_processor.collect([])
 
     def stats(self) -> EngineStats:
-        return EngineStats.of([s.stats() for s in self.core.schedulers])
+        stats = EngineStats.of([s.stats() for s in self.core.schedulers])
+        if self.config.lora is None:
+            return stats
+        running, waiting = self.core.adapter_states()
+        return replace(stats, running_loras=running, waiting_loras=waiting,
+                       max_loras=self.config.lora.max_loras)  # fmt: skip

@@ -15,6 +15,11 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
     kv_cache_usage: float = 0.0
+    # With enable_lora: the adapters of the running and of the waiting requests (names,
+    # sorted), and max_loras (vLLM's lora_requests_info).
+    running_loras: tuple[str, ...] = ()
+    waiting_loras: tuple[str, ...] = ()
+    max_loras: int = 0
 
     @classmethod
     def of(cls, stats: list[SchedulerStats]) -> EngineStats:

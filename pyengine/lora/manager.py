@@ -6,6 +6,7 @@ used slot the step does not need, and each token row is told its slot."""
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -16,6 +17,8 @@ from pyengine.config import LoRAConfig, ModelConfig
 from pyengine.lora.adapter import LoRAAdapter, load_adapter
 from pyengine.lora.layers import LoRABatch, LoRASlots, _Part
 from pyengine.lora.request import LoRARequest
+
+logger = logging.getLogger("pyengine")
 
 
 @dataclass
@@ -93,6 +96,11 @@ class LoRAManager:
             return held
         adapter = load_adapter(request, self.model_config, self.config.max_lora_rank)
         self.stats.loaded += 1
+        logger.info(
+            "LoRA adapter %s (id %d): rank %d, %d projections, %.1f MiB, from %s",
+            request.lora_name, request.lora_int_id, adapter.rank, len(adapter.weights),
+            adapter.nbytes / 2**20, request.lora_path,
+        )  # fmt: skip
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.config.host_capacity:
             self.host.popitem(last=False)
@@ -136,6 +144,7 @@ class LoRAManager:
             self.slots[slot] = adapter_id
             slot_of[adapter_id] = slot
             self.stats.swapped_in += 1
+            logger.debug("LoRA adapter %s into slot %d", adapter.request.lora_name, slot)
         for slot in slot_of.values():
             self.slot_used[slot] = self.steps
         row_slots = np.array([slot_of.get(int(a), -1) for a in adapter_ids], dtype=np.int64)

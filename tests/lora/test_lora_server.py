@@ -84,6 +84,13 @@ def test_the_model_field_chooses_the_adapter(client: openai.OpenAI, offline) -> 
         completion(client, "nope")
 
 
+def test_metrics_name_the_adapters(server: Server, client: openai.OpenAI) -> None:
+    completion(client, "sql")
+    status, text = server.request("GET", "/metrics")
+    assert status == 200
+    assert 'pyengine:lora_requests_info{max_lora="2",running_lora_adapters="' in text
+
+
 def test_a_streamed_chat_through_an_adapter(client: openai.OpenAI) -> None:
     messages = [{"role": "user", "content": "Say hello."}]
     whole = client.chat.completions.create(model="chat", messages=messages, max_tokens=10,

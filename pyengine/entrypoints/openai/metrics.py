@@ -3,6 +3,8 @@ thread after every step; each server has its own registry."""
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pyengine.engine.stats import EngineStats
@@ -45,6 +47,13 @@ class EngineMetrics:
             "time_per_output_token_seconds", "Mean time per token after the first.", _TOKEN_BUCKETS
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        # As vLLM's: one series, its labels the adapters running and waiting, its value
+        # the time they were read.
+        self.lora_info = Gauge(
+            "pyengine:lora_requests_info", "LoRA adapters of the running and waiting requests.",
+            ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+            registry=self.registry,
+        )  # fmt: skip
         self._model = model_name
         self._preemptions_seen = 0
         for metric in (self.running, self.waiting, self.kv_usage, self.hit_rate):
@@ -63,6 +72,10 @@ class EngineMetrics:
             self._preemptions_seen = stats.num_preemptions
         if generated:
             self.generation_tokens.labels(m).inc(generated)
+        if stats.max_loras:
+            self.lora_info.clear()
+            self.lora_info.labels(",".join(stats.running_loras), ",".join(stats.waiting_loras),
+                                  str(stats.max_loras)).set(time.time())  # fmt: skip
         for out in finished:
             self._record_finished(out)
 
