@@ -127,6 +127,7 @@ _CUDA_KERNELS = (
     "rotary_embedding",
     "silu_and_mul",
     "block_gemm",
+    "lora_add",
 )
 
 

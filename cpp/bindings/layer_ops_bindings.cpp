@@ -108,13 +108,14 @@ KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const 
 
 KernelCall prepare_lora_add(const py::handle& out, const py::handle& x, const py::handle& a,
                             const py::handle& b, const py::handle& slots, const py::handle& scale,
-                            const py::handle& part_columns) {
+                            const py::handle& part_columns, uintptr_t stream) {
   auto o = shared_view(out, "lora_add: out"), in = shared_view(x, "lora_add: x");
   auto va = shared_view(a, "lora_add: a"), vb = shared_view(b, "lora_add: b");
   auto vs = shared_view(slots, "lora_add: slots"), sc = shared_view(scale, "lora_add: scale");
   auto pc = shared_view(part_columns, "lora_add: part_columns");
   return {[=] {
-    lora_add(o->view(), in->view(), va->view(), vb->view(), vs->view(), sc->view(), pc->view());
+    lora_add(o->view(), in->view(), va->view(), vb->view(), vs->view(), sc->view(), pc->view(),
+             as_stream(stream));
   }};
 }
 
@@ -262,6 +263,7 @@ void bind_layer_ops(py::module_& m) {
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   def_kernel(m, "lora_add", &prepare_lora_add, py::arg("out"), py::arg("x"), py::arg("a"),
              py::arg("b"), py::arg("slots"), py::arg("scale"), py::arg("part_columns"),
+             py::arg("stream") = 0,
              "out [t, n] += each row's LoRA delta: scale[s] * (x[t] @ a[s].T) @ b[s] over its "
              "part's ranks, s = slots[t] (-1: none); see cpp/include/pyengine/lora.h.");
   m.def("packed_block_gemm_size", &packed_block_gemm_size, py::arg("k"), py::arg("n"),

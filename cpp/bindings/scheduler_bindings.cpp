@@ -149,7 +149,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("max_num_batched_tokens"), py::arg("max_num_seqs"), py::arg("max_model_len"),
            py::arg("enable_chunked_prefill"), py::arg("long_prefill_token_threshold"),
-           py::arg("policy"), py::arg("max_loras"))
+           // (but max_loras: 0, no adapter budget, where a tool schedules without LoRA)
+           py::arg("policy"), py::arg("max_loras") = 0)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

@@ -13,6 +13,7 @@ the partial products by the all-reduce that follows.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -80,9 +81,12 @@ class LoRASlots:
         self.b_t = torch.zeros(max_loras, ranks, out, dtype=dtype, device=device)
         self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
         columns = [0, *np.cumsum([p.out_length for p in parts]).tolist()]
-        self.part_columns = torch.tensor(columns, dtype=torch.int64, device=device)
-        # The CPU's kernel takes float32 and bfloat16; other dtypes and devices use torch.
-        self.kernel = device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+        self.part_columns = torch.tensor(columns, dtype=torch.int64)  # (on the CPU, always)
+        # ops.lora_add: on the CPU in float32 and bfloat16; on CUDA with
+        # PYENGINE_CUDA_LORA_KERNEL=1, until bench/gpu/run.sh has run it on a GPU; else torch.
+        self.kernel = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)) or (
+            device.type == "cuda" and os.environ.get("PYENGINE_CUDA_LORA_KERNEL") == "1"
+        )
 
     def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
         """Slot `slot` takes `adapter`'s weights for this layer (zeros where it leaves a

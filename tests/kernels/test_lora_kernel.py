@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine import ops
+from pyengine import built_with_cuda, ops
 
 
 def case(
@@ -81,3 +81,18 @@ def test_lora_add_refuses_bad_arguments_by_name() -> None:
         with pytest.raises(ValueError, match=message):
             ops.lora_add(*args)
     assert torch.equal(out, before)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_lora_add_on_the_gpu(dtype: torch.dtype) -> None:
+    args = case(37, 576, [576, 192, 192], 16, 4, torch.float32)
+    args = tuple(t.to(dtype) if t.is_floating_point() and t.ndim > 1 else t for t in args)
+    want = reference(*args)
+    on_gpu = [t if i == 6 else t.cuda() for i, t in enumerate(args)]  # part_columns: CPU
+    ops.lora_add(*on_gpu)
+    tolerance = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(on_gpu[0].cpu().double(), want, rtol=tolerance, atol=tolerance)

@@ -11,10 +11,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from helpers.lora import NEW_TOKENS, PROMPTS, make_adapter
 
-from pyengine import LLM, LoRARequest, SamplingParams
+from pyengine import LLM, LoRARequest, SamplingParams, built_with_cuda
 
 pytest.importorskip("peft")
 
@@ -133,3 +134,24 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
         LoRARequest("x", 0, "/tmp")
     with pytest.raises(ValueError, match="max_loras must be a positive integer"):
         LLM(str(root / "base"), max_loras=0, **ENGINE)
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+def test_adapters_on_the_gpu_with_and_without_its_kernel(
+    family: dict,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[type-arg]
+) -> None:
+    """float32 on the GPU: peft's tokens, through torch's products and through the CUDA
+    kernel (PYENGINE_CUDA_LORA_KERNEL=1)."""
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    loras = [family["requests"][n] for n in ("a", "b", "c")]
+    for flag in ("0", "1"):
+        monkeypatch.setenv("PYENGINE_CUDA_LORA_KERNEL", flag)
+        llm = LLM(str(family["root"] / "base"), device="cuda", dtype="float32", max_loras=3,
+                  max_model_len=128, enable_lora=True)  # fmt: skip
+        got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        assert got == [family["expected"][n][i] for i, n in enumerate(("a", "b", "c"))], flag
+        llm.engine.shutdown()

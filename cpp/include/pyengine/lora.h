@@ -25,8 +25,12 @@ namespace pyengine {
 //                 divides ranks
 // Arithmetic in float32: a row's delta summed over the ranks, times its scale, then
 // added to out (rounded once to bfloat16 for a bfloat16 out). Throws InvalidArgument
-// naming the argument, before writing anything.
+// naming the argument, before writing anything. All tensors on the CPU, or all but
+// part_columns (on the CPU) on one CUDA device where pyengine was built with CUDA (also
+// float16; on `stream`, a cudaStream_t; slots are not read back to be checked there, one
+// outside the slots counting as none).
 void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, const TensorView& b,
-              const TensorView& slots, const TensorView& scale, const TensorView& part_columns);
+              const TensorView& slots, const TensorView& scale, const TensorView& part_columns,
+              void* stream = nullptr);
 
 }  // namespace pyengine

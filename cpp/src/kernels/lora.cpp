@@ -12,6 +12,9 @@
 #include "attention_checks.h"
 #include "float_convert.h"
 #include "vector_clones.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "lora.h"
+#endif
 
 namespace pyengine {
 namespace {
@@ -136,14 +139,18 @@ void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
 void check(const TensorView& out, const TensorView& x, const TensorView& a, const TensorView& b,
            const TensorView& slots, const TensorView& scale, const TensorView& part_columns) {
   constexpr const char* op = "lora_add";
-  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
-    throw InvalidArgument(arg(op, "out") + " must be float32 or bfloat16, got " + out.describe());
+  const Device& device = out.device;
+  const bool cuda = device.kind == DeviceKind::kCUDA;
+  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16 &&
+      !(cuda && out.dtype == DType::kFloat16)) {
+    throw InvalidArgument(arg(op, "out") + " must be float32 or bfloat16 (or, on CUDA, " +
+                          "float16), got " + out.describe());
   }
-  detail::check_rows(out, op, "out", 2, out.dtype);
+  detail::check_rows_on(out, device, op, "out", 2, out.dtype);
   detail::check_writable(out, op, "out");
-  detail::check_rows(x, op, "x", 2, out.dtype);
+  detail::check_rows_on(x, device, op, "x", 2, out.dtype);
   for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
-    detail::check_cpu(*t, op, name);
+    detail::check_device(*t, device, op, name);
     detail::check_shape(*t, op, name, 3);
     detail::check_dtype(*t, out.dtype, op, name);
     if (!t->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
@@ -163,13 +170,18 @@ void check(const TensorView& out, const TensorView& x, const TensorView& a, cons
                           std::to_string(ranks) + ", " + std::to_string(n) + "] (a's slots and " +
                           "ranks, out's columns), got " + b.describe());
   }
-  detail::check_rows(slots, op, "slots", 1, DType::kInt32);
+  detail::check_rows_on(slots, device, op, "slots", 1, DType::kInt32);
   if (slots.shape[0] != tokens) {
     throw InvalidArgument(arg(op, "slots") + " must be int32 [" + std::to_string(tokens) +
                           "], got " + slots.describe());
   }
-  detail::check_vector(scale, op, "scale", num_slots);
-  detail::check_rows(part_columns, op, "part_columns", 1, DType::kInt64);
+  detail::check_device(scale, device, op, "scale");
+  if (scale.ndim != 1 || scale.shape[0] != num_slots || scale.dtype != DType::kFloat32 ||
+      (num_slots > 1 && scale.strides[0] != 1)) {
+    throw InvalidArgument(arg(op, "scale") + " must be dense float32 [" +
+                          std::to_string(num_slots) + "], got " + scale.describe());
+  }
+  detail::check_rows(part_columns, op, "part_columns", 1, DType::kInt64);  // (on the CPU)
   const int64_t parts = part_columns.shape[0] - 1;
   const auto* columns = static_cast<const int64_t*>(part_columns.data);
   bool ascending = parts >= 1 && columns[0] == 0 && columns[parts] == n;
@@ -179,6 +191,15 @@ void check(const TensorView& out, const TensorView& x, const TensorView& a, cons
                           "ascending, to " + std::to_string(n) + ", num_parts dividing ranks (" +
                           std::to_string(ranks) + "), got " + part_columns.describe());
   }
+#ifdef PYENGINE_WITH_CUDA
+  if (cuda && (parts > cuda::kLoRAMaxParts || ranks > cuda::kLoRAMaxRanks)) {
+    throw InvalidArgument(std::string(op) + " (CUDA): at most " +
+                          std::to_string(cuda::kLoRAMaxParts) + " parts and " +
+                          std::to_string(cuda::kLoRAMaxRanks) + " ranks, got " +
+                          std::to_string(parts) + " and " + std::to_string(ranks));
+  }
+#endif
+  if (cuda) return;  // (slots stay on the device: see cuda/lora.h)
   const auto* s = static_cast<const int32_t*>(slots.data);
   for (int64_t t = 0; t < tokens; ++t) {
     if (s[t] < -1 || s[t] >= num_slots) {
@@ -192,8 +213,15 @@ void check(const TensorView& out, const TensorView& x, const TensorView& a, cons
 }  // namespace
 
 void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, const TensorView& b,
-              const TensorView& slots, const TensorView& scale, const TensorView& part_columns) {
+              const TensorView& slots, const TensorView& scale, const TensorView& part_columns,
+              void* stream) {
   check(out, x, a, b, slots, scale, part_columns);
+  if (detail::on_cuda(out.device, "lora_add")) {
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::lora_add(out, x, a, b, slots, scale, part_columns, stream);
+#endif
+  }
+  (void)stream;
   const auto* s = static_cast<const int32_t*>(slots.data);
   std::vector<int32_t> rows;  // with an adapter, by slot, in token order within one
   for (int32_t t = 0; t < static_cast<int32_t>(out.shape[0]); ++t) {
