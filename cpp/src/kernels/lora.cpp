@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -29,54 +30,107 @@ inline float element(const void* base, int64_t i) {
   return detail::load<kDType>(base, i);
 }
 
-// dots[j] = x_j . w over k, for the tile's rows (float32 sums, kLanes of them a row).
+constexpr int kRankBlock = 4;  // ranks a shrink step takes together
+
+// kLanes floats as one GCC vector: in each clone (vector_clones.h) the widest registers
+// that clone has, one zmm or two ymm.
+using Vec = float __attribute__((vector_size(kLanes * 4)));
+using Halves = uint16_t __attribute__((vector_size(kLanes * 2)));
+using Words = uint32_t __attribute__((vector_size(kLanes * 4)));
+
+// (v by reference: a returned vector wider than the default clone's registers would
+// change the ABI)
 template <DType kDType>
-[[gnu::always_inline]] inline void tile_dots(const void* const* xs, int rows, const void* w,
-                                             int64_t k, float* dots) {
-  for (int j = 0; j < rows; ++j) {
-    float lanes[kLanes] = {};
-    int64_t i = 0;
-    for (; i + kLanes <= k; i += kLanes) {
-      for (int l = 0; l < kLanes; ++l) {
-        lanes[l] += element<kDType>(xs[j], i + l) * element<kDType>(w, i + l);
-      }
-    }
-    float sum = 0.0f;
-    for (int l = 0; l < kLanes; ++l) sum += lanes[l];
-    for (; i < k; ++i) sum += element<kDType>(xs[j], i) * element<kDType>(w, i);
-    dots[j] = sum;
+[[gnu::always_inline]] inline void load_vec(Vec& v, const void* base, int64_t i) {
+  if constexpr (kDType == DType::kFloat32) {
+    std::memcpy(&v, static_cast<const float*>(base) + i, sizeof v);
+  } else {  // bfloat16: the float's upper half
+    Halves h;
+    std::memcpy(&h, static_cast<const uint16_t*>(base) + i, sizeof h);
+    const Words w = __builtin_convertvector(h, Words) << 16;
+    std::memcpy(&v, &w, sizeof v);
   }
 }
 
-// delta[c] += coefficient * w[c] over the columns [first, last).
+// shrunk[r][j] = x_j . a_r over k for ranks [r0, r0 + kRankBlock) and the tile's rows:
+// each step of kLanes inputs loads kRankBlock A and kTileRows x vectors for their 16
+// vector products (float32 sums, kLanes of them, added up at the end). Rows past the
+// tile's are zeros.
 template <DType kDType>
-[[gnu::always_inline]] inline void axpy(float* delta, float coefficient, const void* w,
-                                        int64_t first, int64_t last) {
-  for (int64_t c = first; c < last; ++c) delta[c] += coefficient * element<kDType>(w, c);
+[[gnu::always_inline]] inline void shrink_block(const void* const* xs, const void* a, int64_t r0,
+                                                int64_t k, float* shrunk) {
+  Vec sums[kRankBlock][kTileRows] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= k; i += kLanes) {
+    Vec x[kTileRows];
+    for (int j = 0; j < kTileRows; ++j) load_vec<kDType>(x[j], xs[j], i);
+    for (int r = 0; r < kRankBlock; ++r) {
+      Vec w;
+      load_vec<kDType>(w, a, (r0 + r) * k + i);
+      for (int j = 0; j < kTileRows; ++j) sums[r][j] += x[j] * w;
+    }
+  }
+  for (int r = 0; r < kRankBlock; ++r) {
+    for (int j = 0; j < kTileRows; ++j) {
+      float sum = 0.0f;
+      for (int l = 0; l < kLanes; ++l) sum += sums[r][j][l];
+      for (int64_t t = i; t < k; ++t) {
+        sum += element<kDType>(xs[j], t) * element<kDType>(a, (r0 + r) * k + t);
+      }
+      shrunk[(r0 + r) * kTileRows + j] = sum;
+    }
+  }
 }
 
-// out[c] += delta[c] * scale, rounded once to out's dtype.
+// out_j[c] += scale * sum over ranks [r0, r1) of shrunk[r][j] * b[r][c], for the columns
+// [c0, c1) and the tile's `rows`: kLanes columns at a time, their sums in registers, each
+// B vector loaded once for the tile's rows; each out rounded once.
 template <DType kDType>
-[[gnu::always_inline]] inline void add_scaled(void* out, const float* delta, float scale,
-                                              int64_t n) {
-  for (int64_t c = 0; c < n; ++c) {
-    detail::store<kDType>(out, c, element<kDType>(out, c) + delta[c] * scale);
+[[gnu::always_inline]] inline void expand(const float* shrunk, int rows, const void* b, int64_t n,
+                                          int64_t r0, int64_t r1, int64_t c0, int64_t c1,
+                                          float scale, void* const* outs) {
+  int64_t c = c0;
+  for (; c + kLanes <= c1; c += kLanes) {
+    Vec sums[kTileRows] = {};
+    for (int64_t r = r0; r < r1; ++r) {
+      Vec w;
+      load_vec<kDType>(w, b, r * n + c);
+      for (int j = 0; j < kTileRows; ++j) sums[j] += shrunk[r * kTileRows + j] * w;
+    }
+    for (int j = 0; j < rows; ++j) {
+      if constexpr (kDType == DType::kFloat32) {
+        Vec out;
+        load_vec<kDType>(out, outs[j], c);
+        out += sums[j] * scale;
+        std::memcpy(static_cast<float*>(outs[j]) + c, &out, sizeof out);
+      } else {
+        for (int l = 0; l < kLanes; ++l) {
+          const float x = element<kDType>(outs[j], c + l);
+          detail::store<kDType>(outs[j], c + l, x + sums[j][l] * scale);
+        }
+      }
+    }
+  }
+  for (; c < c1; ++c) {  // the last columns, one at a time
+    for (int j = 0; j < rows; ++j) {
+      float sum = 0.0f;
+      for (int64_t r = r0; r < r1; ++r)
+        sum += shrunk[r * kTileRows + j] * element<kDType>(b, r * n + c);
+      detail::store<kDType>(outs[j], c, element<kDType>(outs[j], c) + sum * scale);
+    }
   }
 }
 
 // Each loop built per vector width (vector_clones.h), for each element type.
-#define PYENGINE_LORA_LOOPS(kDType, suffix)                                                      \
-  PYENGINE_VECTOR_CLONES void tile_dots_##suffix(const void* const* xs, int rows, const void* w, \
-                                                 int64_t k, float* dots) {                       \
-    tile_dots<kDType>(xs, rows, w, k, dots);                                                     \
-  }                                                                                              \
-  PYENGINE_VECTOR_CLONES void axpy_##suffix(float* delta, float coefficient, const void* w,      \
-                                            int64_t first, int64_t last) {                       \
-    axpy<kDType>(delta, coefficient, w, first, last);                                            \
-  }                                                                                              \
-  PYENGINE_VECTOR_CLONES void add_scaled_##suffix(void* out, const float* delta, float scale,    \
-                                                  int64_t n) {                                   \
-    add_scaled<kDType>(out, delta, scale, n);                                                    \
+#define PYENGINE_LORA_LOOPS(kDType, suffix)                                                     \
+  PYENGINE_VECTOR_CLONES void shrink_##suffix(const void* const* xs, const void* a, int64_t r0, \
+                                              int64_t k, float* shrunk) {                       \
+    shrink_block<kDType>(xs, a, r0, k, shrunk);                                                 \
+  }                                                                                             \
+  PYENGINE_VECTOR_CLONES void expand_##suffix(const float* shrunk, int rows, const void* b,     \
+                                              int64_t n, int64_t r0, int64_t r1, int64_t c0,    \
+                                              int64_t c1, float scale, void* const* outs) {     \
+    expand<kDType>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);                            \
   }
 PYENGINE_LORA_LOOPS(DType::kFloat32, f32)
 PYENGINE_LORA_LOOPS(DType::kBFloat16, bf16)
@@ -84,15 +138,13 @@ PYENGINE_LORA_LOOPS(DType::kBFloat16, bf16)
 
 template <DType kDType>
 struct Loops {
-  static constexpr auto dots = tile_dots_f32;
-  static constexpr auto add = axpy_f32;
-  static constexpr auto finish = add_scaled_f32;
+  static constexpr auto shrink = shrink_f32;
+  static constexpr auto expand = expand_f32;
 };
 template <>
 struct Loops<DType::kBFloat16> {
-  static constexpr auto dots = tile_dots_bf16;
-  static constexpr auto add = axpy_bf16;
-  static constexpr auto finish = add_scaled_bf16;
+  static constexpr auto shrink = shrink_bf16;
+  static constexpr auto expand = expand_bf16;
 };
 
 struct Args {
@@ -109,30 +161,35 @@ struct Args {
 
 template <DType kDType>
 void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
-              std::vector<float>& shrunk, std::vector<float>& delta) {
+              std::vector<float>& shrunk, std::vector<char>& zeros) {
   constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
+  zeros.assign(static_cast<size_t>(p.k * kSize), 0);  // x of the tile's absent rows
   const void* xs[kTileRows];
-  for (int j = 0; j < count; ++j) xs[j] = p.x + rows[j] * p.x_stride * kSize;
-  shrunk.resize(static_cast<size_t>(p.ranks * kTileRows));
-  delta.assign(static_cast<size_t>(p.n * count), 0.0f);
+  void* outs[kTileRows];
+  for (int j = 0; j < kTileRows; ++j) {
+    xs[j] = j < count ? p.x + rows[j] * p.x_stride * kSize : zeros.data();
+    outs[j] = j < count ? p.out + rows[j] * p.out_stride * kSize : nullptr;
+  }
+  shrunk.assign(static_cast<size_t>((p.ranks + kRankBlock) * kTileRows), 0.0f);
   const char* a = p.a + slot * p.ranks * p.k * kSize;
   const char* b = p.b + slot * p.ranks * p.n * kSize;
-  for (int64_t r = 0; r < p.ranks; ++r) {
-    Loops<kDType>::dots(xs, count, a + r * p.k * kSize, p.k, shrunk.data() + r * kTileRows);
+  // (ranks past the last whole block: a block reading past them would leave A)
+  int64_t r = 0;
+  for (; r + kRankBlock <= p.ranks; r += kRankBlock)
+    Loops<kDType>::shrink(xs, a, r, p.k, shrunk.data());
+  for (; r < p.ranks; ++r) {
+    for (int j = 0; j < kTileRows; ++j) {
+      float sum = 0.0f;
+      for (int64_t i = 0; i < p.k; ++i) {
+        sum += element<kDType>(xs[j], i) * element<kDType>(a, r * p.k + i);
+      }
+      shrunk[static_cast<size_t>(r * kTileRows + j)] = sum;
+    }
   }
   const int64_t rank = p.ranks / p.num_parts;
   for (int64_t part = 0; part < p.num_parts; ++part) {
-    const int64_t first = p.part_columns[part], last = p.part_columns[part + 1];
-    for (int64_t r = part * rank; r < (part + 1) * rank; ++r) {
-      for (int j = 0; j < count; ++j) {
-        Loops<kDType>::add(delta.data() + j * p.n, shrunk[static_cast<size_t>(r * kTileRows + j)],
-                           b + r * p.n * kSize, first, last);
-      }
-    }
-  }
-  for (int j = 0; j < count; ++j) {
-    Loops<kDType>::finish(p.out + rows[j] * p.out_stride * kSize, delta.data() + j * p.n,
-                          p.scale[slot], p.n);
+    Loops<kDType>::expand(shrunk.data(), count, b, p.n, part * rank, (part + 1) * rank,
+                          p.part_columns[part], p.part_columns[part + 1], p.scale[slot], outs);
   }
 }
 
@@ -252,15 +309,16 @@ void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, c
   const bool bf16 = out.dtype == DType::kBFloat16;
 #pragma omp parallel if (num_tiles > 1 && num_tiles * p.ranks * (p.k + p.n) >= (1 << 16))
   {
-    thread_local std::vector<float> shrunk, delta;
+    thread_local std::vector<float> shrunk;
+    thread_local std::vector<char> zeros;
 #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < num_tiles; ++i) {
       const auto [first, count] = tiles[static_cast<size_t>(i)];
       const int32_t* tile = rows.data() + first;
       if (bf16) {
-        run_tile<DType::kBFloat16>(p, tile, count, s[tile[0]], shrunk, delta);
+        run_tile<DType::kBFloat16>(p, tile, count, s[tile[0]], shrunk, zeros);
       } else {
-        run_tile<DType::kFloat32>(p, tile, count, s[tile[0]], shrunk, delta);
+        run_tile<DType::kFloat32>(p, tile, count, s[tile[0]], shrunk, zeros);
       }
     }
   }
