@@ -14,7 +14,7 @@ the partial products by the all-reduce that follows.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,19 +23,29 @@ from pyengine import ops
 from pyengine.lora.adapter import LoRAAdapter
 
 
-@dataclass
 class LoRABatch:
-    """The step's token rows of each resident adapter, shared by every layer's hook."""
+    """The step's token rows of each resident adapter, shared by every layer's hook: each
+    row's slot in the first rows of one buffer (which a recorded decode step's kernel
+    calls read in place, as the step inputs), and the rows of each slot (torch's path)."""
 
-    # (slot, its rows as an int64 tensor on the device, or None: every row of the step)
-    groups: list[tuple[int, torch.Tensor | None]] = field(default_factory=list)
-    slots: torch.Tensor | None = None  # int32 [tokens], each row's slot (-1: none)
+    def __init__(self, max_tokens: int, device: torch.device) -> None:
+        self.buffer = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
+        self.slots = self.buffer[:0]  # int32 [tokens], each row's slot (-1: none)
+        # (slot, its rows as an int64 tensor on the device, or None: every row)
+        self.groups: list[tuple[int, torch.Tensor | None]] = []
+
+    def slots_for(self, tokens: int) -> torch.Tensor:
+        return self.slots if self.slots.shape[0] == tokens else self.buffer[:tokens]
 
     def set_rows(self, token_slots: np.ndarray, device: torch.device) -> None:
-        """token_slots: int [tokens], each row's slot (-1: no adapter)."""
+        """token_slots: int [tokens], each row's slot (-1: no adapter); the buffer's rows
+        past them, which a recorded step of more rows reads, none."""
         self.groups = []
         slots = np.unique(token_slots)
-        self.slots = torch.from_numpy(token_slots.astype(np.int32)).to(device)
+        n = len(token_slots)
+        self.buffer[:n].copy_(torch.from_numpy(token_slots.astype(np.int32)))
+        self.buffer[n:].fill_(-1)
+        self.slots = self.buffer[:n]
         for slot in slots[slots >= 0]:
             if len(slots) == 1:
                 self.groups.append((int(slot), None))
@@ -112,12 +122,9 @@ class LoRASlots:
             self.b_t[slot, ranks, columns].copy_(b.t())
 
     def add_delta(self, layer: object, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if not self.batch.groups:
-            return out
-        if self.kernel:
-            assert self.batch.slots is not None
-            ops.lora_add(out, x, self.a, self.b_t, self.batch.slots, self.scale,
-                         self.part_columns)  # fmt: skip
+        if self.kernel:  # (called whatever the step's adapters: a recorded step replays it)
+            slots = self.batch.slots_for(x.shape[0])
+            ops.lora_add(out, x, self.a, self.b_t, slots, self.scale, self.part_columns)
             return out
         for slot, rows in self.batch.groups:
             xs = x if rows is None else x.index_select(0, rows)

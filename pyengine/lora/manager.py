@@ -51,9 +51,11 @@ class LoRAManager:
         model_config: ModelConfig,
         dtype: torch.dtype,
         device: torch.device,
+        max_tokens: int,
     ) -> None:
+        """max_tokens: the most token rows of a step (max_num_batched_tokens)."""
         self.config, self.model_config, self.device = config, model_config, device
-        self.batch = LoRABatch()
+        self.batch = LoRABatch(max_tokens, device)
         self.layers: list[LoRASlots] = []
         # (a pipeline stage's other layers are placeholders: indices stay the model's)
         decoders = [

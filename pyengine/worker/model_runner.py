@@ -134,8 +134,10 @@ class ModelRunner:
         )  # fmt: skip
         self.lora: LoRAManager | None = None
         if config.lora is not None:
-            self.lora = LoRAManager(self.model, config.lora, c, self.placement.dtype,
-                                    self.placement.device)  # fmt: skip
+            self.lora = LoRAManager(
+                self.model, config.lora, c, self.placement.dtype, self.placement.device,
+                config.max_num_batched_tokens,
+            )  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)
         if on_cpu:
@@ -154,9 +156,13 @@ class ModelRunner:
         self.capture_sizes: list[int] = []
         self.graph_bytes_expected = 0  # what the KV budget leaves the graphs
         # Captured for one rank alone: collectives and stage transfers run eagerly; so do
-        # adapters, whose rows change from step to step.
+        # adapters but through ops.lora_add on the CPU (a recorded step's call reads each
+        # row's slot in place, as it reads the step inputs).
+        adapters_replay = self.lora is None or (
+            on_cpu and all(slots.kernel for slots in self.lora.layers)
+        )
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
-                 or config.lora is not None)  # fmt: skip
+                 or not adapters_replay)  # fmt: skip
         if not on_cpu or not eager:
             self.inputs = StepInputs(
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
