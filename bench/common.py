@@ -8,6 +8,7 @@ docs/benchmarks.md.
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -152,3 +153,14 @@ def report(
     print(f"(figures written to {path})")
     print(json.dumps(figures))
     return path
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The options of bench/throughput.py's workload (random prompts of --min-len to
+    --max-len tokens, --output-len greedy tokens each), which the CPU benchmarks share."""
+    parser.add_argument("--num-prompts", type=int, default=32)
+    parser.add_argument("--min-len", type=int, default=64)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--seed", type=int, default=0)
+    return parser

@@ -45,7 +45,7 @@ import numpy as np
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import DEFAULT_MODEL
 
-from .common import print_table, report
+from .common import add_workload_arguments, print_table, report
 
 # Llama-shaped, about the default model's size (~120M parameters, tied embeddings),
 # heads divisible by 2.
@@ -171,12 +171,7 @@ def estimate_rows() -> list[tuple[str, ...]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--seed", type=int, default=0)
+    parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--rounds", type=int, default=1, help="best of this many, each row")
     parser.add_argument("--no-default-model", action="store_true")
     args = parser.parse_args()

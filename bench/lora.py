@@ -31,7 +31,7 @@ from pyengine import LLM, LoRARequest, SamplingParams
 from pyengine.lora.adapter import TARGET_MODULES
 
 from .checkpoints import default_model_folders
-from .common import print_table, report
+from .common import add_workload_arguments, print_table, report
 
 _PARENT = {m: "self_attn" if m in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
            for m in TARGET_MODULES}  # fmt: skip
@@ -74,15 +74,10 @@ def write_merged(source: Path, adapter: Path, folder: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
+    parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--adapters", type=int, default=8)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="best of this many, each run")
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache", type=Path, default=Path("/tmp/pyengine-bench-gguf"))
     args = parser.parse_args()
 

@@ -29,7 +29,7 @@ from pyengine import LLM, SamplingParams
 from pyengine.layers.linear import LinearBase
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
-from .common import print_table, report
+from .common import add_workload_arguments, print_table, report
 
 
 def matmul_ceiling() -> float:
@@ -111,12 +111,8 @@ def run_hf(hf: torch.nn.Module, prompts: list[list[int]], output_len: int, batch
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=DEFAULT_MODEL)
-    parser.add_argument("--num-prompts", type=int, default=32)
-    parser.add_argument("--min-len", type=int, default=64)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
+    add_workload_arguments(parser)
     parser.add_argument("--hf-batch", type=int, default=32)
-    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=2, help="best of this many, each engine")
     parser.add_argument("--no-hf", action="store_true", help="skip transformers")
     parser.add_argument(

@@ -19,6 +19,7 @@
 #include "cache_8bit.cuh"
 #include "dense_view.h"
 #include "harness.h"
+#include "normal_values.h"
 #include "paged_attention.cuh"
 #include "pyengine/attention.h"
 
@@ -79,10 +80,7 @@ void write_on_cuda(const std::vector<T>& key, const std::vector<T>& value,
 
 template <typename T>
 std::vector<T> random_rows(size_t n, float scale) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<T> rows(n);
-  for (T& x : rows) x = from_float<T>(normal(rng()));
-  return rows;
+  return pyengine::testing::normal_values<T>(rng(), n, scale);
 }
 
 template <typename T, typename C>

@@ -12,6 +12,7 @@
 
 #include "harness.h"
 #include "lora_kernels.cuh"
+#include "normal_values.h"
 
 namespace {
 
@@ -27,10 +28,7 @@ std::mt19937& rng() {
 
 template <typename T>
 std::vector<T> random_values(size_t n, float scale) {
-  std::normal_distribution<float> normal(0.0f, scale);
-  std::vector<T> v(n);
-  for (T& x : v) x = from_float<T>(normal(rng()));
-  return v;
+  return pyengine::testing::normal_values<T>(rng(), n, scale);
 }
 
 template <typename T>
