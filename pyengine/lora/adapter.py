@@ -120,6 +120,11 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _tensors(folder, name).items():
         match = _KEY.fullmatch(key)
+        if match is None and ("embed_tokens" in key or "lm_head" in key):
+            raise ValueError(
+                f"LoRA adapter {name!r}: tensor {key} adapts the embedding or the LM head, "
+                "which pyengine's adapters do not yet (only the decoder layers' projections)"
+            )
         if match is None:
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key} is not a LoRA pair of a decoder "

@@ -14,6 +14,7 @@ import pytest
 import torch
 import transformers
 from helpers.lora import NEW_TOKENS, PROMPTS, make_adapter
+from helpers.tiny_models import make_checkpoint
 
 from pyengine import LLM, LoRARequest, SamplingParams, built_with_cuda
 
@@ -114,12 +115,16 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=16)  # fmt: skip
     make_adapter(transformers.LlamaForCausalLM(smaller), other, 5)
+    head = tmp_path / "lm-head"
+    make_adapter(make_checkpoint("llama", tmp_path / "copy"), head, 6,
+                 modules=["q_proj", "lm_head"])  # fmt: skip
     cases = {
         "rank 16 exceeds max_lora_rank 8": LoRARequest("c", 3, str(root / "c")),
         "does not exist": LoRARequest("missing", 9, str(tmp_path / "missing")),
         "is corrupt": LoRARequest("corrupt", 10, str(tmp_path / "corrupt")),
         "DoRA is not supported": LoRARequest("dora", 11, str(tmp_path / "dora")),
         "another base model": LoRARequest("other", 12, str(other)),
+        "adapts the embedding or the LM head": LoRARequest("head", 13, str(head)),
         "lora_int_id 1 is adapter 'a'": LoRARequest("a-again", 1, str(root / "b")),
     }
     llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)  # id 1 known
