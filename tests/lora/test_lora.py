@@ -70,6 +70,19 @@ def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
+                         ids=["tp2", "pp2"])  # fmt: skip
+def test_adapters_shard_with_the_layers(family: dict, split: dict) -> None:  # type: ignore[type-arg]
+    """Two ranks (a process each): column-parallel layers hold their rows of B, row-parallel
+    ones their columns of A, a pipeline stage its layers' slots; the same tokens."""
+    llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE, **split)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    loras = [family["requests"]["a"], family["requests"]["c"], None]
+    want = [family["expected"][n][i] for i, n in enumerate(("a", "c", "base"))]
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
+    llm.engine.shutdown()
+
+
 def test_adapters_never_share_prefix_cache_blocks(family: dict) -> None:  # type: ignore[type-arg]
     llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE)
     prompt = [{"prompt_token_ids": list(range(30, 94))}]  # four blocks of 16
