@@ -109,15 +109,6 @@ class LoRAManager:
             self.stats.evicted += 1
         return adapter
 
-    def remove(self, lora_int_id: int) -> None:
-        """Forgets an adapter (unloaded): its slot and host copy."""
-        self.host.pop(lora_int_id, None)
-        for slot, held in enumerate(self.slots):
-            if held == lora_int_id:
-                self.slots[slot] = None
-                for layer in self.layers:
-                    layer.load(slot, None)
-
     def prepare(
         self,
         adapter_ids: np.ndarray,

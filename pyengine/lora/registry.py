@@ -35,6 +35,3 @@ class AdapterRegistry:
             )
         load_adapter(request, self.model_config, self.config.max_lora_rank)
         self.known[request.lora_int_id] = request
-
-    def forget(self, lora_int_id: int) -> None:
-        self.known.pop(lora_int_id, None)
