@@ -31,27 +31,33 @@ class LoRABatch:
     def __init__(self, max_tokens: int, device: torch.device) -> None:
         self.buffer = torch.full((max_tokens,), -1, dtype=torch.int32, device=device)
         self.slots = self.buffer[:0]  # int32 [tokens], each row's slot (-1: none)
-        # (slot, its rows as an int64 tensor on the device, or None: every row)
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
+        self._token_slots = np.zeros(0, dtype=np.int64)
+        self._groups: list[tuple[int, torch.Tensor | None]] | None = []
 
     def slots_for(self, tokens: int) -> torch.Tensor:
         return self.slots if self.slots.shape[0] == tokens else self.buffer[:tokens]
 
-    def set_rows(self, token_slots: np.ndarray, device: torch.device) -> None:
+    def set_rows(self, token_slots: np.ndarray) -> None:
         """token_slots: int [tokens], each row's slot (-1: no adapter); the buffer's rows
         past them, which a recorded step of more rows reads, none."""
-        self.groups = []
-        slots = np.unique(token_slots)
         n = len(token_slots)
         self.buffer[:n].copy_(torch.from_numpy(token_slots.astype(np.int32)))
         self.buffer[n:].fill_(-1)
         self.slots = self.buffer[:n]
-        for slot in slots[slots >= 0]:
-            if len(slots) == 1:
-                self.groups.append((int(slot), None))
-                continue
-            rows = np.flatnonzero(token_slots == slot)
-            self.groups.append((int(slot), torch.from_numpy(rows).to(device)))
+        self._token_slots, self._groups = token_slots, None
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor | None]]:
+        """(slot, its rows as an int64 tensor on the device, or None: every row) of each
+        resident adapter in the step: made on first use (only torch's path reads them)."""
+        if self._groups is None:
+            slots = np.unique(self._token_slots)
+            self._groups = []
+            for slot in slots[slots >= 0]:
+                rows = None if len(slots) == 1 else np.flatnonzero(self._token_slots == slot)
+                on_device = None if rows is None else torch.from_numpy(rows).to(self.buffer.device)
+                self._groups.append((int(slot), on_device))
+        return self._groups
 
 
 @dataclass(frozen=True)
@@ -98,14 +104,12 @@ class LoRASlots:
             device.type == "cuda" and os.environ.get("PYENGINE_CUDA_LORA_KERNEL") == "1"
         )
 
-    def load(self, slot: int, adapter: LoRAAdapter | None) -> None:
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
         """Slot `slot` takes `adapter`'s weights for this layer (zeros where it leaves a
-        part out, and past its rank), or zeros (None)."""
+        part out, and past its rank)."""
         self.a[slot].zero_()
         self.b_t[slot].zero_()
-        self.scale[slot] = 0.0 if adapter is None else adapter.scale
-        if adapter is None:
-            return
+        self.scale[slot] = adapter.scale
         r = adapter.rank
         for p, part in enumerate(self.parts):
             weights = adapter.weights.get((self.layer_index, part.module))

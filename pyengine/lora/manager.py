@@ -54,7 +54,7 @@ class LoRAManager:
         max_tokens: int,
     ) -> None:
         """max_tokens: the most token rows of a step (max_num_batched_tokens)."""
-        self.config, self.model_config, self.device = config, model_config, device
+        self.config, self.model_config = config, model_config
         self.batch = LoRABatch(max_tokens, device)
         self.layers: list[LoRASlots] = []
         # (a pipeline stage's other layers are placeholders: indices stay the model's)
@@ -142,8 +142,4 @@ class LoRAManager:
             self.slot_used[slot] = self.steps
         row_slots = np.array([slot_of.get(int(a), -1) for a in adapter_ids], dtype=np.int64)
         token_slots = np.repeat(row_slots, np.diff(query_start_loc))
-        self.batch.set_rows(token_slots, self.device)
-
-    @property
-    def resident(self) -> list[int]:
-        return [a for a in self.slots if a is not None]
+        self.batch.set_rows(token_slots)

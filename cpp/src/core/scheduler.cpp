@@ -268,11 +268,11 @@ int Scheduler::schedule() {
   for (auto it = waiting_.begin(); !preempted && budget > 0 && it != waiting_.end();) {
     Request* r = it->second;
     const int64_t adapter = r->params.adapter_id;
-    const bool new_adapter = config_.max_loras > 0 && adapter != 0 &&
-                             std::find(adapters.begin(), adapters.end(), adapter) == adapters.end();
-    if (adapter != 0 && config_.max_loras > 0 &&
-        (adapter_waits ||
-         (new_adapter && static_cast<int>(adapters.size()) == config_.max_loras))) {
+    const bool budgeted = config_.max_loras > 0 && adapter != 0;
+    const bool new_adapter =
+        budgeted && std::find(adapters.begin(), adapters.end(), adapter) == adapters.end();
+    if (budgeted && (adapter_waits ||
+                     (new_adapter && static_cast<int>(adapters.size()) == config_.max_loras))) {
       adapter_waits = true;
       ++it;
       continue;

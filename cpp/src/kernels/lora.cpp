@@ -154,7 +154,6 @@ struct Args {
   const char* b;
   int64_t out_stride, x_stride;  // elements
   int64_t n, k, ranks, num_parts;
-  const int32_t* slots;
   const float* scale;
   const int64_t* part_columns;
 };
@@ -163,7 +162,7 @@ template <DType kDType>
 void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
               std::vector<float>& shrunk, std::vector<char>& zeros) {
   constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
-  zeros.assign(static_cast<size_t>(p.k * kSize), 0);  // x of the tile's absent rows
+  if (count < kTileRows) zeros.assign(static_cast<size_t>(p.k * kSize), 0);  // absent rows' x
   const void* xs[kTileRows];
   void* outs[kTileRows];
   for (int j = 0; j < kTileRows; ++j) {
@@ -302,7 +301,6 @@ void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, c
                x.shape[1],
                a.shape[1],
                part_columns.shape[0] - 1,
-               s,
                static_cast<const float*>(scale.data),
                static_cast<const int64_t*>(part_columns.data)};
   const auto num_tiles = static_cast<int64_t>(tiles.size());

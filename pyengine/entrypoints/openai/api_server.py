@@ -252,7 +252,7 @@ def build_app(
 
     def model_card(name: str) -> dict[str, Any]:
         _, adapter = served.resolve(name)
-        card = {
+        return {
             "id": name,
             "object": "model",
             "created": created,
@@ -261,7 +261,6 @@ def build_app(
             "root": served.base_name if adapter is None else adapter.lora_path,
             "parent": None if adapter is None else served.base_name,
         }
-        return card
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
