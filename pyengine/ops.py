@@ -77,6 +77,10 @@ _SCHEMAS = {
     # (-1: none), a [slots, ranks, k], b [slots, ranks, n], part_columns int64 [parts + 1]
     "lora_add": "lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor slots, "
     "Tensor scale, Tensor part_columns) -> ()",
+    # out [t, n] += each row's embedding LoRA delta: a [slots, vocab, ranks] (A
+    # transposed), b [slots, ranks, n], looked up by ids [t]
+    "lora_embedding_add": "lora_embedding_add(Tensor(a!) out, Tensor ids, Tensor a, Tensor b, "
+    "Tensor slots, Tensor scale) -> ()",
     # out = x rounded to fp8 e4m3 per row (scale None: max|row| / 448) or by scale [1]
     "quantize_fp8_rows": "quantize_fp8_rows(Tensor(a!) out, Tensor x, Tensor? scale) -> ()",
     # out [m, n] = x [m, k] (16-bit, CUDA) @ (q * scale + offset)^T + bias, q reordered by
@@ -111,6 +115,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "lora_add": _C.lora_add,
+    "lora_embedding_add": _C.lora_embedding_add,
     "quantize_fp8_rows": _C.quantize_fp8_rows,
     "block_gemm": _C.block_gemm,
 }
@@ -230,5 +235,6 @@ dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
 int8_dense = _eager_cpu_direct("int8_dense")
 lora_add = _eager_cpu_direct("lora_add")
+lora_embedding_add = _eager_cpu_direct("lora_embedding_add")
 quantize_fp8_rows = _eager_cpu_direct("quantize_fp8_rows")
 block_gemm = torch.ops.pyengine.block_gemm  # (CUDA only: on its stream)

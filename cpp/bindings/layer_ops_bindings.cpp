@@ -119,6 +119,19 @@ KernelCall prepare_lora_add(const py::handle& out, const py::handle& x, const py
   }};
 }
 
+KernelCall prepare_lora_embedding_add(const py::handle& out, const py::handle& ids,
+                                      const py::handle& a, const py::handle& b,
+                                      const py::handle& slots, const py::handle& scale) {
+  auto o = shared_view(out, "lora_embedding_add: out"),
+       i = shared_view(ids, "lora_embedding_add: ids");
+  auto va = shared_view(a, "lora_embedding_add: a"), vb = shared_view(b, "lora_embedding_add: b");
+  auto vs = shared_view(slots, "lora_embedding_add: slots");
+  auto sc = shared_view(scale, "lora_embedding_add: scale");
+  return {[=] {
+    lora_embedding_add(o->view(), i->view(), va->view(), vb->view(), vs->view(), sc->view());
+  }};
+}
+
 KernelCall prepare_quantize_fp8_rows(const py::handle& out, const py::handle& x,
                                      const py::handle& scale) {
   auto o = shared_view(out, "quantize_fp8_rows: out"), in = shared_view(x, "quantize_fp8_rows: x");
@@ -266,6 +279,10 @@ void bind_layer_ops(py::module_& m) {
              py::arg("stream") = 0,
              "out [t, n] += each row's LoRA delta: scale[s] * (x[t] @ a[s].T) @ b[s] over its "
              "part's ranks, s = slots[t] (-1: none); see cpp/include/pyengine/lora.h.");
+  def_kernel(m, "lora_embedding_add", &prepare_lora_embedding_add, py::arg("out"), py::arg("ids"),
+             py::arg("a"), py::arg("b"), py::arg("slots"), py::arg("scale"),
+             "out [t, n] += each row's embedding LoRA delta: scale[s] * a[s, ids[t]] @ b[s], "
+             "s = slots[t] (-1: none); see cpp/include/pyengine/lora.h.");
   m.def("packed_block_gemm_size", &packed_block_gemm_size, py::arg("k"), py::arg("n"),
         py::arg("bits"), "Bytes of a [n, k] weight's integers for block_gemm.");
   m.def(

@@ -9,6 +9,7 @@ panels of the head tied to it, so that a tied model keeps one copy of the vocabu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,6 +24,14 @@ from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 # The tables ops.embedding looks rows up in (torch's F.embedding the others').
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class EmbeddingAdapterHook(Protocol):
+    """Adds a per-row delta to looked-up rows (LoRA: each row's adapter)."""
+
+    def add_delta(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [tokens, embedding_size], the rows of ids [tokens], + their delta."""
+        ...
 
 
 def _vocab_shard(vocab_size: int, ctx: LayerContext) -> tuple[int, int]:
@@ -53,6 +62,7 @@ class VocabParallelEmbedding(nn.Module):
         self.blocks: BlockQuantized | None = None
         # The packed [embedding_size, rows] form the rows are looked up in, if any.
         self.packed: torch.Tensor | None = None
+        self.adapter: EmbeddingAdapterHook | None = None
         if not self.keeps_blocks:
             # In the model's dtype: the checkpoint's rows are converted as they are copied.
             weight = torch.empty(self.rows, embedding_size, dtype=ctx.placement.dtype)
@@ -79,6 +89,14 @@ class VocabParallelEmbedding(nn.Module):
         self.packed = packed
         del self.weight
 
+    @property
+    def row_dtype(self) -> torch.dtype:
+        """The dtype of the rows it looks up (after process_weights_after_loading)."""
+        if self.packed is None:
+            return self.weight.dtype
+        # (bfloat16 panels' rows are bfloat16s; every other form's widen to float32)
+        return torch.bfloat16 if self.packed.dtype == torch.bfloat16 else torch.float32
+
     def _rows(self, ids: torch.Tensor) -> torch.Tensor:
         if self.packed is None:
             if not ids.is_cpu or self.weight.dtype not in _KERNEL_DTYPES:
@@ -86,19 +104,19 @@ class VocabParallelEmbedding(nn.Module):
             rows = torch.empty(ids.shape[0], self.embedding_size, dtype=self.weight.dtype)
             ops.embedding(rows, self.weight, ids)  # (a kernel: recorded decode steps hold it)
             return rows
-        # (bfloat16 panels' rows are bfloat16s; every other form's widen to float32)
-        dtype = torch.bfloat16 if self.packed.dtype == torch.bfloat16 else torch.float32
-        out = torch.empty(ids.shape[0], self.embedding_size, dtype=dtype)
+        out = torch.empty(ids.shape[0], self.embedding_size, dtype=self.row_dtype)
         ops.packed_columns(out, self.packed, ids, self.rows)
         return out
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # int [num_tokens]
         if self.tp.world_size == 1:
-            return self._rows(input_ids)
-        local = input_ids - self.start
-        outside = (local < 0) | (local >= self.rows)
-        h = self._rows(local.masked_fill(outside, 0))
-        return self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
+            h = self._rows(input_ids)
+        else:
+            local = input_ids - self.start
+            outside = (local < 0) | (local >= self.rows)
+            h = self._rows(local.masked_fill(outside, 0))
+            h = self.tp.all_reduce(h.masked_fill_(outside[:, None], 0))
+        return h if self.adapter is None else self.adapter.add_delta(input_ids, h)
 
 
 class ParallelLMHead(LinearBase):

@@ -4,8 +4,12 @@ adapter_config.json gives r, lora_alpha, use_rslora and target_modules;
 adapter_model.safetensors holds, for each adapted projection of decoder layer i,
 `base_model.model.model.layers.{i}.{self_attn|mlp}.{module}.lora_A.weight` [r, in] and
 `lora_B.weight` [out, r]. The delta of a projection is x @ A.T @ B.T * scale, scale =
-lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), applied last, as PEFT does. An adapter is
-held on the host in float32.
+lora_alpha / r (rsLoRA: lora_alpha / sqrt(r)), applied last, as PEFT does. The
+embedding's pair is `model.embed_tokens.lora_embedding_A` [r, vocab] and `_B` [hidden,
+r] (x one-hot: A's column of the token), the LM head's `lm_head.lora_A.weight` [r,
+hidden] and `lora_B.weight` [vocab, r]; beside them PEFT saves the frozen tables
+themselves (`base_layer.weight`), which must be the base model's shape and are not read
+(the model's own serve). An adapter is held on the host in float32.
 """
 
 from __future__ import annotations
@@ -25,19 +29,26 @@ from pyengine.lora.request import LoRARequest
 ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 TARGET_MODULES = ATTENTION_MODULES + MLP_MODULES
-_KEY = re.compile(
-    r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight"
+# The model's own modules, outside the decoder layers: their deltas' layer index.
+VOCAB_MODULES = ("embed_tokens", "lm_head")
+MODEL_LAYER = -1
+_PREFIX = r"(?:base_model\.model\.)?"
+_KEY = re.compile(_PREFIX + r"model\.layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+_VOCAB_KEY = re.compile(
+    _PREFIX + r"(?:model\.(embed_tokens)\.lora_embedding_([AB])|(lm_head)\.lora_([AB])\.weight)"
 )
+_FROZEN_TABLE = re.compile(_PREFIX + r"(?:model\.embed_tokens|lm_head)\.base_layer\.weight")
 
 
 def projection_shape(config: ModelConfig, module: str) -> tuple[int, int]:
-    """(out, in) of a decoder layer's projection."""
+    """(out, in) of a decoder layer's projection, or of the embedding (in: the
+    vocabulary, one-hot) or the LM head."""
     q, kv = config.num_heads * config.head_size, config.num_kv_heads * config.head_size
-    hidden, inner = config.hidden_size, config.intermediate_size
+    hidden, inner, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     return {
         "q_proj": (q, hidden), "k_proj": (kv, hidden), "v_proj": (kv, hidden),
         "o_proj": (hidden, q), "gate_proj": (inner, hidden), "up_proj": (inner, hidden),
-        "down_proj": (hidden, inner),
+        "down_proj": (hidden, inner), "embed_tokens": (hidden, vocab), "lm_head": (vocab, hidden),
     }[module]  # fmt: skip
 
 
@@ -54,8 +65,13 @@ class LoRAAdapter:
     request: LoRARequest
     rank: int
     scale: float  # lora_alpha / rank, or / sqrt(rank) (rsLoRA)
-    # (decoder layer, module) -> its delta; modules the adapter leaves out have none.
+    # (decoder layer, module) -> its delta, the embedding's and the LM head's at
+    # (MODEL_LAYER, module); modules the adapter leaves out have none.
     weights: dict[tuple[int, str], LoRAWeights]
+
+    def adapts(self, module: str) -> bool:
+        """Whether it holds a delta of the model-level `module` (VOCAB_MODULES)."""
+        return (MODEL_LAYER, module) in self.weights
 
     @property
     def nbytes(self) -> int:
@@ -78,6 +94,9 @@ def _config(folder: Path, name: str) -> dict[str, object]:
     for flag, why in (("use_dora", "DoRA"), ("fan_in_fan_out", "fan_in_fan_out weights")):
         if config.get(flag):
             raise ValueError(f"LoRA adapter {name!r}: {why} is not supported")
+    for pattern in ("rank_pattern", "alpha_pattern"):
+        if config.get(pattern):
+            raise ValueError(f"LoRA adapter {name!r}: per-module {pattern} is not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"LoRA adapter {name!r}: bias {config.get('bias')!r} is not supported")
     return config
@@ -119,23 +138,10 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
     scale = _scale(config, rank, name)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in _tensors(folder, name).items():
-        match = _KEY.fullmatch(key)
-        if match is None and ("embed_tokens" in key or "lm_head" in key):
-            raise ValueError(
-                f"LoRA adapter {name!r}: tensor {key} adapts the embedding or the LM head, "
-                "which pyengine's adapters do not yet (only the decoder layers' projections)"
-            )
-        if match is None:
-            raise ValueError(
-                f"LoRA adapter {name!r}: tensor {key} is not a LoRA pair of a decoder "
-                f"layer's projection ({', '.join(TARGET_MODULES)})"
-            )
-        layer, module, side = int(match[1]), match[2], match[3]
-        if module not in TARGET_MODULES:
-            raise ValueError(
-                f"LoRA adapter {name!r}: target module {module} (tensor {key}) is not one "
-                f"of the model's projections ({', '.join(TARGET_MODULES)})"
-            )
+        if _FROZEN_TABLE.fullmatch(key):
+            _check_frozen_table(key, tensor, model, name)
+            continue
+        layer, module, side = _parse_key(key, name)
         if layer >= model.num_layers:
             raise ValueError(
                 f"LoRA adapter {name!r}: tensor {key} is for layer {layer}; the model has "
@@ -144,7 +150,7 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
         pairs.setdefault((layer, module), {})[side] = tensor
     weights = {}
     for (layer, module), pair in sorted(pairs.items()):
-        where = f"layers.{layer}.{module}"
+        where = module if layer == MODEL_LAYER else f"layers.{layer}.{module}"
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B")
         out, inp = projection_shape(model, module)
@@ -159,3 +165,35 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
     if not weights:
         raise ValueError(f"LoRA adapter {name!r}: it holds no LoRA weights")
     return LoRAAdapter(request, rank, scale, weights)
+
+
+def _parse_key(key: str, name: str) -> tuple[int, str, str]:
+    """(layer, module, "A" or "B") of a LoRA tensor's name; layer MODEL_LAYER for the
+    embedding's and the LM head's."""
+    vocab = _VOCAB_KEY.fullmatch(key)
+    if vocab is not None:
+        module, side = (vocab[1], vocab[2]) if vocab[1] else (vocab[3], vocab[4])
+        return MODEL_LAYER, module, side
+    match = _KEY.fullmatch(key)
+    if match is None:
+        raise ValueError(
+            f"LoRA adapter {name!r}: tensor {key} is not a LoRA pair of a decoder layer's "
+            f"projection ({', '.join(TARGET_MODULES)}), the embedding or the LM head"
+        )
+    if match[2] not in TARGET_MODULES:
+        raise ValueError(
+            f"LoRA adapter {name!r}: target module {match[2]} (tensor {key}) is not one "
+            f"of the model's projections ({', '.join(TARGET_MODULES)})"
+        )
+    return int(match[1]), match[2], match[3]
+
+
+def _check_frozen_table(key: str, tensor: torch.Tensor, model: ModelConfig, name: str) -> None:
+    """PEFT's copy of the frozen embedding or head: the base model's shape (a resized
+    vocabulary, new tokens trained in, is another model's)."""
+    want = (model.vocab_size, model.hidden_size)
+    if tuple(tensor.shape) != want:
+        raise ValueError(
+            f"LoRA adapter {name!r}: tensor {key} is {list(tensor.shape)}; this base model's "
+            f"is {list(want)} (an adapter with a resized vocabulary is not supported)"
+        )

@@ -8,7 +8,9 @@ left as they are.
 A layer's slots follow its tensor-parallel shard: a column-parallel layer (q/k/v,
 gate/up) holds the rows of B of its output shard and all of A; a row-parallel one (o,
 down) the columns of A of its input shard and all of B, its partial deltas summed with
-the partial products by the all-reduce that follows.
+the partial products by the all-reduce that follows. The LM head is a column-parallel
+layer over the vocabulary (its own rows: the sampled ones); the embedding adds its delta
+to the looked-up rows after they are summed over the ranks, each holding all of it.
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 from pyengine import ops
-from pyengine.lora.adapter import LoRAAdapter
+from pyengine.lora.adapter import MODEL_LAYER, LoRAAdapter
 
 
 class LoRABatch:
@@ -36,6 +39,9 @@ class LoRABatch:
 
     def slots_for(self, tokens: int) -> torch.Tensor:
         return self.slots if self.slots.shape[0] == tokens else self.buffer[:tokens]
+
+    def clear(self) -> None:
+        self.set_rows(np.zeros(0, dtype=np.int64))
 
     def set_rows(self, token_slots: np.ndarray) -> None:
         """token_slots: int [tokens], each row's slot (-1: no adapter); the buffer's rows
@@ -100,7 +106,7 @@ class LoRASlots:
         self.part_columns = torch.tensor(columns, dtype=torch.int64)  # (on the CPU, always)
         # ops.lora_add: on the CPU in float32 and bfloat16; on CUDA with
         # PYENGINE_CUDA_LORA_KERNEL=1, until bench/gpu/run.sh has run it on a GPU; else torch.
-        self.kernel = (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)) or (
+        self.kernel = _cpu_kernel(dtype, device) or (
             device.type == "cuda" and os.environ.get("PYENGINE_CUDA_LORA_KERNEL") == "1"
         )
 
@@ -122,7 +128,8 @@ class LoRASlots:
                 b = b[part.shard]
             ranks = slice(p * self.rank, p * self.rank + r)
             self.a[slot, ranks].copy_(a)
-            columns = slice(part.out_offset, part.out_offset + part.out_length)
+            # (the LM head's last shard may pass the vocabulary: those columns stay zero)
+            columns = slice(part.out_offset, part.out_offset + b.shape[0])
             self.b_t[slot, ranks, columns].copy_(b.t())
 
     def add_delta(self, layer: object, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -143,3 +150,54 @@ class LoRASlots:
                 else:
                     out[:, columns].index_add_(0, rows, expanded)
         return out
+
+
+class LoRAEmbeddingSlots:
+    """The embedding's adapter hook (layers/vocab_embedding.py): each slot's A transposed,
+    [slots, vocab, rank], and B transposed, [slots, rank, hidden]; a row's delta is its
+    token's row of A times B, on the CPU one call of ops.lora_embedding_add."""
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int,
+        batch: LoRABatch,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.batch = batch
+        self.a_t = torch.zeros(max_loras, vocab_size, max_rank, dtype=dtype, device=device)
+        self.b_t = torch.zeros(max_loras, max_rank, hidden_size, dtype=dtype, device=device)
+        self.scale = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self.kernel = _cpu_kernel(dtype, device)
+
+    def load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self.a_t[slot].zero_()
+        self.b_t[slot].zero_()
+        self.scale[slot] = adapter.scale
+        weights = adapter.weights.get((MODEL_LAYER, "embed_tokens"))
+        if weights is not None:
+            self.a_t[slot, :, : adapter.rank].copy_(weights.a.t())
+            self.b_t[slot, : adapter.rank].copy_(weights.b.t())
+
+    def add_delta(self, ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out [tokens, hidden], the rows of ids [tokens], + their delta (in place)."""
+        if self.kernel:  # (called whatever the step's adapters: a recorded step replays it)
+            slots = self.batch.slots_for(ids.shape[0])
+            ops.lora_embedding_add(out, ids, self.a_t, self.b_t, slots, self.scale)
+            return out
+        for slot, rows in self.batch.groups:
+            picked = ids if rows is None else ids.index_select(0, rows)
+            delta = (F.embedding(picked, self.a_t[slot]) @ self.b_t[slot]) * self.scale[slot]
+            if rows is None:
+                out += delta.to(out.dtype)
+            else:
+                out.index_add_(0, rows, delta.to(out.dtype))
+        return out
+
+
+def _cpu_kernel(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the CPU's kernels (ops.lora_add, ops.lora_embedding_add) take the tables."""
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)

@@ -2,7 +2,10 @@
 and up to max_cpu_loras adapters read into host memory, each dropped least recently
 used first. Before a step, every adapter the step's requests name is made resident (the
 scheduler puts at most max_loras distinct ones in a step), evicting the least recently
-used slot the step does not need, and each token row is told its slot."""
+used slot the step does not need, and each token row is told its slot. The embedding
+and the LM head have their own rows' slots, -1 where a row's adapter leaves them out:
+the embedding's the step's token rows, the head's the rows it scores
+(select_logit_rows)."""
 
 from __future__ import annotations
 
@@ -14,8 +17,8 @@ import numpy as np
 import torch
 
 from pyengine.config import LoRAConfig, ModelConfig
-from pyengine.lora.adapter import LoRAAdapter, load_adapter
-from pyengine.lora.layers import LoRABatch, LoRASlots, _Part
+from pyengine.lora.adapter import MODEL_LAYER, LoRAAdapter, load_adapter
+from pyengine.lora.layers import LoRABatch, LoRAEmbeddingSlots, LoRASlots, _Part
 from pyengine.lora.request import LoRARequest
 
 logger = logging.getLogger("pyengine")
@@ -52,8 +55,10 @@ class LoRAManager:
         dtype: torch.dtype,
         device: torch.device,
         max_tokens: int,
+        max_logit_rows: int,
     ) -> None:
-        """max_tokens: the most token rows of a step (max_num_batched_tokens)."""
+        """max_tokens: the most token rows of a step (max_num_batched_tokens);
+        max_logit_rows: the most the LM head scores at once (max_num_seqs)."""
         self.config, self.model_config = config, model_config
         self.batch = LoRABatch(max_tokens, device)
         self.layers: list[LoRASlots] = []
@@ -84,11 +89,41 @@ class LoRAManager:
                 )  # fmt: skip
                 layer.adapter = slots
                 self.layers.append(slots)
+        # (the first pipeline stage's embedding, the last's head)
+        self.embedding: LoRAEmbeddingSlots | None = None
+        self.embedding_batch = LoRABatch(max_tokens, device)
+        embed_tokens = getattr(model, "embed_tokens", None)
+        if embed_tokens is not None:
+            self.embedding = LoRAEmbeddingSlots(
+                model_config.vocab_size, model_config.hidden_size, self.embedding_batch,
+                config.max_loras, config.max_lora_rank, embed_tokens.row_dtype, device,
+            )  # fmt: skip
+            embed_tokens.adapter = self.embedding
+        self.head: LoRASlots | None = None
+        self.head_batch = LoRABatch(max_logit_rows, device)
+        lm_head = getattr(model, "lm_head", None)
+        if lm_head is not None:
+            rows = lm_head.output_size_per_partition
+            part = _Part("lm_head", 0, rows, slice(lm_head.start, lm_head.start + rows))
+            self.head = LoRASlots(
+                MODEL_LAYER, [part], False, lm_head.input_size_per_partition, self.head_batch,
+                config.max_loras, config.max_lora_rank, dtype, device,
+            )  # fmt: skip
+            lm_head.adapter = self.head
+        self._head_slots = np.zeros(0, dtype=np.int64)  # each token row's, for the head
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # least recently used first
         self.slots: list[int | None] = [None] * config.max_loras  # adapter id per slot
+        self.slot_adapters: list[LoRAAdapter | None] = [None] * config.max_loras
         self.slot_used: list[int] = [0] * config.max_loras  # the step it last ran in
         self.steps = 0
         self.stats = LoRAStats()
+
+    @property
+    def replays_in_place(self) -> bool:
+        """Whether every hook a recorded step runs is a kernel reading its rows' slots in
+        place (the CPU's), so that recorded decode steps may hold adapters."""
+        hooks = [*self.layers, *([self.embedding] if self.embedding is not None else [])]
+        return all(hook.kernel for hook in hooks)
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """`request`'s adapter, read from its folder unless held in host memory."""
@@ -132,9 +167,9 @@ class LoRAManager:
             adapter = self.adapter(requests[adapter_id])
             free = [s for s in range(len(self.slots)) if s not in slot_of.values()]
             slot = min(free, key=lambda s: (self.slots[s] is not None, self.slot_used[s]))
-            for layer in self.layers:
+            for layer in self._hooks():
                 layer.load(slot, adapter)
-            self.slots[slot] = adapter_id
+            self.slots[slot], self.slot_adapters[slot] = adapter_id, adapter
             slot_of[adapter_id] = slot
             self.stats.swapped_in += 1
             logger.debug("LoRA adapter %s into slot %d", adapter.request.lora_name, slot)
@@ -143,3 +178,21 @@ class LoRAManager:
         row_slots = np.array([slot_of.get(int(a), -1) for a in adapter_ids], dtype=np.int64)
         token_slots = np.repeat(row_slots, np.diff(query_start_loc))
         self.batch.set_rows(token_slots)
+        self.embedding_batch.set_rows(self._slots_adapting(token_slots, "embed_tokens"))
+        self._head_slots = self._slots_adapting(token_slots, "lm_head")
+        self.head_batch.clear()
+
+    def select_logit_rows(self, token_rows: np.ndarray) -> None:
+        """The LM head's next rows are these token rows of the step (int [rows])."""
+        if self.head is not None:
+            self.head_batch.set_rows(self._head_slots[token_rows])
+
+    def _slots_adapting(self, token_slots: np.ndarray, module: str) -> np.ndarray:
+        """token_slots, -1 where the slot's adapter has no delta of `module`."""
+        adapts = [a is not None and a.adapts(module) for a in self.slot_adapters]
+        keep = np.array([*adapts, False])  # (index -1: no adapter)
+        return np.where(keep[token_slots], token_slots, -1)
+
+    def _hooks(self) -> list[LoRASlots | LoRAEmbeddingSlots]:
+        extra = [h for h in (self.embedding, self.head) if h is not None]
+        return [*self.layers, *extra]

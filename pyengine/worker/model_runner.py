@@ -136,7 +136,7 @@ class ModelRunner:
         if config.lora is not None:
             self.lora = LoRAManager(
                 self.model, config.lora, c, self.placement.dtype, self.placement.device,
-                config.max_num_batched_tokens,
+                config.max_num_batched_tokens, config.max_num_seqs,
             )  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)
@@ -158,9 +158,7 @@ class ModelRunner:
         # Captured for one rank alone: collectives and stage transfers run eagerly; so do
         # adapters but through ops.lora_add on the CPU (a recorded step's call reads each
         # row's slot in place, as it reads the step inputs).
-        adapters_replay = self.lora is None or (
-            on_cpu and all(slots.kernel for slots in self.lora.layers)
-        )
+        adapters_replay = self.lora is None or (on_cpu and self.lora.replays_in_place)
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
                  or not adapters_replay)  # fmt: skip
         if not on_cpu or not eager:
@@ -341,6 +339,7 @@ class ModelRunner:
         step = self._step_tensors(b, graph)
         if self.lora is not None and b.adapter_ids is not None:
             self.lora.prepare(b.adapter_ids, b.adapters, b.query_start_loc)
+            self.lora.select_logit_rows(b.logits_indices)
         if self.graphs is not None and graph is not None:
             # Eagerly, for the real rows only: one [rows, vocab] buffer per graph would
             # hold gigabytes at a large vocabulary.
@@ -368,8 +367,11 @@ class ModelRunner:
         return self.model.compute_logits(hidden[step.logits_indices.long()]), extra
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [rows, vocab] of final hidden states [rows, hidden] from `execute`."""
+    def logits(self, hidden: torch.Tensor, token_rows: list[int]) -> torch.Tensor:
+        """Logits [rows, vocab] of final hidden states [rows, hidden] from `execute`, of
+        these token rows of its step (whose adapters score them)."""
+        if self.lora is not None:
+            self.lora.select_logit_rows(np.asarray(token_rows, dtype=np.int64))
         return self.model.compute_logits(hidden)
 
     def _step_tensors(self, b: SchedulerOutput, graph: int | None) -> DeviceStep:

@@ -115,7 +115,7 @@ class Worker:
         chunk = self.config.max_num_seqs
         for start in range(0, len(rows), chunk):
             part = rows[start : start + chunk]
-            logits = self.model_runner.logits(hidden[start : start + chunk])
+            logits = self.model_runner.logits(hidden[start : start + chunk], [r.row for r in part])
             logprobs = torch.log_softmax(logits.float(), dim=-1)
             tokens, ks = [r.token_id for r in part], [r.num_logprobs for r in part]
             entries += gather_logprobs(logprobs, tokens, ks)

@@ -1,8 +1,9 @@
-"""ops.lora_add, the CPU's batched LoRA (cpp/include/pyengine/lora.h), against float64
-torch on fresh random inputs: rows of several slots interleaved with rows of none, one
-part and stacked parts (q/k/v's uneven columns), odd sizes, float32 and bfloat16 (each
-delta rounded once into the bfloat16 product); rows without an adapter left bit for bit;
-bad arguments refused by name, before anything is written."""
+"""ops.lora_add and ops.lora_embedding_add, the CPU's batched LoRA
+(cpp/include/pyengine/lora.h), against float64 torch on fresh random inputs: rows of
+several slots interleaved with rows of none, one part and stacked parts (q/k/v's uneven
+columns), odd sizes, float32 and bfloat16 (each delta rounded once into the bfloat16
+product); rows without an adapter left bit for bit; bad arguments refused by name,
+before anything is written."""
 
 from __future__ import annotations
 
@@ -80,6 +81,66 @@ def test_lora_add_refuses_bad_arguments_by_name() -> None:
     for message, args in bad.items():
         with pytest.raises(ValueError, match=message):
             ops.lora_add(*args)
+    assert torch.equal(out, before)
+
+
+def embedding_case(
+    tokens: int, vocab: int, n: int, rank: int, slots: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    out = torch.randn(tokens, n).to(dtype)
+    ids = torch.randint(0, vocab, (tokens,))
+    a_t = torch.randn(slots, vocab, rank).to(dtype)
+    b_t = (torch.randn(slots, rank, n) / rank**0.5).to(dtype)
+    token_slots = torch.randint(-1, slots, (tokens,), dtype=torch.int32)
+    return out, ids, a_t, b_t, token_slots, torch.rand(slots) + 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("tokens", "vocab", "n", "rank", "slots"),
+    [(1, 50, 64, 8, 1), (37, 1000, 576, 16, 4), (9, 7, 17, 1, 3), (64, 300, 100, 64, 2)],
+)
+def test_lora_embedding_add_is_each_tokens_delta(
+    dtype: torch.dtype, tokens: int, vocab: int, n: int, rank: int, slots: int
+) -> None:
+    out, ids, a_t, b_t, token_slots, scale = embedding_case(tokens, vocab, n, rank, slots, dtype)
+    before = out.clone()
+    want = out.double().clone()
+    for t, s in enumerate(token_slots.tolist()):
+        if s >= 0:  # the one-hot row's shrink is A's column of the token
+            want[t] += scale[s].double() * a_t[s, ids[t]].double() @ b_t[s].double()
+    ops.lora_embedding_add(out, ids, a_t, b_t, token_slots, scale)
+    none = token_slots < 0
+    assert torch.equal(out[none], before[none])
+    if dtype == torch.float32:
+        torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
+    else:
+        torch.testing.assert_close(out.double(), want, rtol=8e-3, atol=2e-2)
+
+
+def test_lora_embedding_add_refuses_bad_arguments_by_name() -> None:
+    out, ids, a_t, b_t, token_slots, scale = embedding_case(5, 40, 24, 4, 2, torch.float32)
+    before = out.clone()
+    good = (out, ids, a_t, b_t, token_slots, scale)
+
+    def with_(index: int, value: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(value if i == index else arg for i, arg in enumerate(good))
+
+    bad = {
+        "lora_embedding_add: ids\\[2\\] is 40, outside \\[0, 40\\)": with_(
+            1, torch.tensor([0, 1, 40, 2, 3])
+        ),
+        "lora_embedding_add: slots\\[0\\] is 2": with_(
+            4, torch.tensor([2, 0, 0, 0, 0], dtype=torch.int32)
+        ),
+        "lora_embedding_add: b must be \\[2, 4, 24\\]": with_(3, b_t[:, :3].contiguous()),
+        "lora_embedding_add: ids must be int32 or int64 \\[5\\]": with_(1, ids[:4]),
+        "lora_embedding_add: a must be float32": with_(2, a_t.half()),
+        "lora_embedding_add: scale must be dense float32 \\[2\\]": with_(5, scale[:1]),
+    }
+    for message, args in bad.items():
+        with pytest.raises(ValueError, match=message):
+            ops.lora_embedding_add(*args)
     assert torch.equal(out, before)
 
 

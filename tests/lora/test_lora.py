@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 from helpers.lora import NEW_TOKENS, PROMPTS, make_adapter
-from helpers.tiny_models import make_checkpoint
+from safetensors.torch import load_file, save
 
 from pyengine import LLM, LoRARequest, SamplingParams, built_with_cuda
 
@@ -57,6 +57,55 @@ def test_a_batch_mixing_four_adapters_and_the_base_model(family: dict, enforce_e
     llm.engine.shutdown()
 
 
+@pytest.mark.parametrize("path", ["recorded", "eager", "torch"])
+def test_embedding_and_head_adapters_mix_with_the_others(
+    family: dict,
+    path: str,
+    monkeypatch: pytest.MonkeyPatch,  # type: ignore[type-arg]
+) -> None:
+    """Adapters of the embedding and the LM head (e, f) beside one of the layers only (a)
+    and the base model: each row's embedding and logits through its own adapter, in
+    recorded steps, eager ones, and through torch's products (a GPU's path)."""
+    if path == "torch":
+        monkeypatch.setattr("pyengine.lora.layers._cpu_kernel", lambda dtype, device: False)
+    eager = path != "recorded"
+    llm = LLM(str(family["root"] / "base"), max_loras=3, enforce_eager=eager, **ENGINE)
+    lora = llm.engine.executor.driver_worker.model_runner.lora
+    assert lora is not None and lora.replays_in_place == (path != "torch")
+    names = ["e", "a", "base", "f"]
+    prompts, loras, want = [], [], []
+    for i, name in enumerate(names * 2):
+        prompts.append({"prompt_token_ids": PROMPTS[i % len(PROMPTS)]})
+        loras.append(family["requests"].get(name))
+        want.append(family["expected"][name][i % len(PROMPTS)])
+    assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
+    llm.engine.shutdown()
+
+
+def test_prompt_logprobs_through_a_head_adapter(family: dict) -> None:  # type: ignore[type-arg]
+    """Prompt logprobs are scored a few rows at a time (max_num_seqs), each slice
+    through its rows' adapters: peft's log-softmax at every position."""
+    llm = LLM(str(family["root"] / "base"), max_loras=2, max_num_seqs=4, **ENGINE)
+    prompt = PROMPTS[2]
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=1)
+    loras = [family["requests"]["e"], family["requests"]["f"]]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False,
+                           lora_request=loras)  # fmt: skip
+    for output, name in zip(outputs, ("e", "f"), strict=True):
+        with torch.inference_mode():
+            logits = family["peft"][name](torch.tensor([prompt])).logits[0]
+        want = torch.log_softmax(logits.double(), dim=-1)
+        scores = output.prompt_logprobs
+        assert scores is not None and scores[0] is None
+        for position in range(1, len(prompt)):
+            entry = scores[position]
+            assert entry is not None
+            token = prompt[position]
+            expected = float(want[position - 1, token])
+            assert entry[token].logprob == pytest.approx(expected, abs=1e-4), (name, position)
+    llm.engine.shutdown()
+
+
 def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None:  # type: ignore[type-arg]
     llm = LLM(str(family["root"] / "base"), max_loras=1, max_cpu_loras=2, **ENGINE)
     names = ["a", "b", "c", "d", "a", "base"]
@@ -73,12 +122,14 @@ def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
                          ids=["tp2", "pp2"])  # fmt: skip
 def test_adapters_shard_with_the_layers(family: dict, split: dict) -> None:  # type: ignore[type-arg]
-    """Two ranks (a process each): column-parallel layers hold their rows of B, row-parallel
-    ones their columns of A, a pipeline stage its layers' slots; the same tokens."""
-    llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE, **split)
-    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    loras = [family["requests"]["a"], family["requests"]["c"], None]
-    want = [family["expected"][n][i] for i, n in enumerate(("a", "c", "base"))]
+    """Two ranks (a process each): column-parallel layers hold their rows of B (the LM
+    head its vocabulary's), row-parallel ones their columns of A, a pipeline stage its
+    layers' slots (the first the embedding's, the last the head's); the same tokens."""
+    llm = LLM(str(family["root"] / "base"), max_loras=3, **ENGINE, **split)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS] * 2
+    names = ("e", "c", "base", "a", "f", "e")
+    loras = [family["requests"].get(n) for n in names]
+    want = [family["expected"][n][i % len(PROMPTS)] for i, n in enumerate(names)]
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
     llm.engine.shutdown()
 
@@ -128,16 +179,23 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
                                        num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, head_dim=16)  # fmt: skip
     make_adapter(transformers.LlamaForCausalLM(smaller), other, 5)
-    head = tmp_path / "lm-head"
-    make_adapter(make_checkpoint("llama", tmp_path / "copy"), head, 6,
-                 modules=["q_proj", "lm_head"])  # fmt: skip
+    tables = load_file(str(root / "e" / "adapter_model.safetensors"))
+    frozen = "base_model.model.model.embed_tokens.base_layer.weight"
+    tables[frozen] = torch.cat([tables[frozen], torch.zeros(8, tables[frozen].shape[1])])
+    write_bad(tmp_path / "resized", root / "e", tensors=save(tables))
+    write_bad(tmp_path / "pattern", root / "a", {"rank_pattern": {"q_proj": 4}})
     cases = {
         "rank 16 exceeds max_lora_rank 8": LoRARequest("c", 3, str(root / "c")),
         "does not exist": LoRARequest("missing", 9, str(tmp_path / "missing")),
         "is corrupt": LoRARequest("corrupt", 10, str(tmp_path / "corrupt")),
         "DoRA is not supported": LoRARequest("dora", 11, str(tmp_path / "dora")),
         "another base model": LoRARequest("other", 12, str(other)),
-        "adapts the embedding or the LM head": LoRARequest("head", 13, str(head)),
+        "resized vocabulary is not supported": LoRARequest(
+            "resized", 13, str(tmp_path / "resized")
+        ),
+        "per-module rank_pattern is not supported": LoRARequest(
+            "pattern", 14, str(tmp_path / "pattern")
+        ),
         "lora_int_id 1 is adapter 'a'": LoRARequest("a-again", 1, str(root / "b")),
     }
     llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)  # id 1 known

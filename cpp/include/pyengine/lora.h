@@ -33,4 +33,15 @@ void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, c
               const TensorView& slots, const TensorView& scale, const TensorView& part_columns,
               void* stream = nullptr);
 
+// The embedding's delta, a one-hot row's: out[t, c] += scale[s] * sum_r a[s, ids[t], r] *
+// b[s, r, c] for every row t whose slot s = slots[t] >= 0.
+//   out:   [tokens, n] float32 or bfloat16, rows dense (the looked-up rows, in place)
+//   ids:   int32 or int64 [tokens], each in [0, vocab)
+//   a:     [num_slots, vocab, ranks] of out's dtype, dense: A transposed
+//   b:     [num_slots, ranks, n] of out's dtype, dense: B transposed
+//   slots: int32 [tokens]; scale: float32 [num_slots]
+// As lora_add's arithmetic and errors; on the CPU only (a GPU adds it with torch).
+void lora_embedding_add(const TensorView& out, const TensorView& ids, const TensorView& a,
+                        const TensorView& b, const TensorView& slots, const TensorView& scale);
+
 }  // namespace pyengine

@@ -147,6 +147,62 @@ struct Loops<DType::kBFloat16> {
   static constexpr auto expand = expand_bf16;
 };
 
+// The token rows of each slot in `slots` (int32 [tokens], -1: none) in tiles of at most
+// kTileRows rows of one slot: the rows ordered by slot, token order within one.
+struct SlotTiles {
+  std::vector<int32_t> rows;
+  std::vector<std::pair<int64_t, int>> tiles;  // (first of rows, count)
+
+  SlotTiles(const int32_t* s, int64_t tokens) {
+    for (int32_t t = 0; t < static_cast<int32_t>(tokens); ++t) {
+      if (s[t] >= 0) rows.push_back(t);
+    }
+    std::stable_sort(rows.begin(), rows.end(), [s](int32_t u, int32_t v) { return s[u] < s[v]; });
+    for (size_t i = 0; i < rows.size();) {
+      size_t end = i + 1;
+      while (end < rows.size() && end - i < kTileRows && s[rows[end]] == s[rows[i]]) ++end;
+      tiles.emplace_back(static_cast<int64_t>(i), static_cast<int>(end - i));
+      i = end;
+    }
+  }
+
+  // run(tile's rows, count, shrunk) for each tile, over OpenMP's threads where the
+  // tiles' `work_per_tile` (multiply-adds) is worth it; shrunk: the thread's scratch.
+  template <typename Run>
+  void for_each(int64_t work_per_tile, const Run& run) const {
+    const auto num_tiles = static_cast<int64_t>(tiles.size());
+#pragma omp parallel if (num_tiles > 1 && num_tiles * work_per_tile >= (1 << 16))
+    {
+      thread_local std::vector<float> shrunk;
+#pragma omp for schedule(dynamic)
+      for (int64_t i = 0; i < num_tiles; ++i) {
+        const auto [first, count] = tiles[static_cast<size_t>(i)];
+        run(rows.data() + first, count, shrunk);
+      }
+    }
+  }
+};
+
+// Each row's out, or nullptr past the tile's rows.
+template <DType kDType>
+void tile_outs(char* out, int64_t stride, const int32_t* rows, int count, void** outs) {
+  constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
+  for (int j = 0; j < kTileRows; ++j)
+    outs[j] = j < count ? out + rows[j] * stride * kSize : nullptr;
+}
+
+// slots int32 [tokens] on the CPU, each in [-1, num_slots).
+void check_slot_values(const TensorView& slots, int64_t num_slots, const char* op) {
+  const auto* s = static_cast<const int32_t*>(slots.data);
+  for (int64_t t = 0; t < slots.shape[0]; ++t) {
+    if (s[t] < -1 || s[t] >= num_slots) {
+      throw InvalidArgument(std::string(op) + ": slots[" + std::to_string(t) + "] is " +
+                            std::to_string(s[t]) + ", outside [-1, " + std::to_string(num_slots) +
+                            ")");
+    }
+  }
+}
+
 struct Args {
   char* out;
   const char* x;
@@ -164,11 +220,10 @@ void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
   constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
   if (count < kTileRows) zeros.assign(static_cast<size_t>(p.k * kSize), 0);  // absent rows' x
   const void* xs[kTileRows];
-  void* outs[kTileRows];
-  for (int j = 0; j < kTileRows; ++j) {
+  for (int j = 0; j < kTileRows; ++j)
     xs[j] = j < count ? p.x + rows[j] * p.x_stride * kSize : zeros.data();
-    outs[j] = j < count ? p.out + rows[j] * p.out_stride * kSize : nullptr;
-  }
+  void* outs[kTileRows];
+  tile_outs<kDType>(p.out, p.out_stride, rows, count, outs);
   shrunk.assign(static_cast<size_t>((p.ranks + kRankBlock) * kTileRows), 0.0f);
   const char* a = p.a + slot * p.ranks * p.k * kSize;
   const char* b = p.b + slot * p.ranks * p.n * kSize;
@@ -256,14 +311,73 @@ void check(const TensorView& out, const TensorView& x, const TensorView& a, cons
   }
 #endif
   if (cuda) return;  // (slots stay on the device: see cuda/lora.h)
-  const auto* s = static_cast<const int32_t*>(slots.data);
-  for (int64_t t = 0; t < tokens; ++t) {
-    if (s[t] < -1 || s[t] >= num_slots) {
-      throw InvalidArgument(std::string(op) + ": slots[" + std::to_string(t) + "] is " +
-                            std::to_string(s[t]) + ", outside [-1, " + std::to_string(num_slots) +
-                            ")");
+  check_slot_values(slots, num_slots, op);
+}
+
+struct EmbeddingArgs {
+  char* out;
+  const TensorView* ids;
+  const char* a;
+  const char* b;
+  int64_t out_stride, n, vocab, ranks;
+  const float* scale;
+};
+
+// The shrink of a one-hot row is a lookup: A's row of the token, for each of the tile's.
+template <DType kDType>
+void run_embedding_tile(const EmbeddingArgs& p, const int32_t* rows, int count, int32_t slot,
+                        std::vector<float>& shrunk) {
+  constexpr int64_t kSize = kDType == DType::kFloat32 ? 4 : 2;
+  shrunk.assign(static_cast<size_t>(p.ranks * kTileRows), 0.0f);
+  const char* a = p.a + slot * p.vocab * p.ranks * kSize;
+  for (int j = 0; j < count; ++j) {
+    const int64_t id = detail::index_at(*p.ids, rows[j]);
+    for (int64_t r = 0; r < p.ranks; ++r) {
+      shrunk[static_cast<size_t>(r * kTileRows + j)] = element<kDType>(a, id * p.ranks + r);
     }
   }
+  void* outs[kTileRows];
+  tile_outs<kDType>(p.out, p.out_stride, rows, count, outs);
+  Loops<kDType>::expand(shrunk.data(), count, p.b + slot * p.ranks * p.n * kSize, p.n, 0, p.ranks,
+                        0, p.n, p.scale[slot], outs);
+}
+
+void check_embedding(const TensorView& out, const TensorView& ids, const TensorView& a,
+                     const TensorView& b, const TensorView& slots, const TensorView& scale) {
+  constexpr const char* op = "lora_embedding_add";
+  detail::check_cpu(out, op, "out");
+  if (out.dtype != DType::kFloat32 && out.dtype != DType::kBFloat16) {
+    throw InvalidArgument(arg(op, "out") + " must be float32 or bfloat16, got " + out.describe());
+  }
+  detail::check_rows(out, op, "out", 2, out.dtype);
+  detail::check_writable(out, op, "out");
+  for (const auto& [t, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
+    detail::check_cpu(*t, op, name);
+    detail::check_shape(*t, op, name, 3);
+    detail::check_dtype(*t, out.dtype, op, name);
+    if (!t->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
+  }
+  const int64_t tokens = out.shape[0], n = out.shape[1];
+  const int64_t num_slots = a.shape[0], vocab = a.shape[1], ranks = a.shape[2];
+  if (b.shape[0] != num_slots || b.shape[1] != ranks || b.shape[2] != n) {
+    throw InvalidArgument(arg(op, "b") + " must be [" + std::to_string(num_slots) + ", " +
+                          std::to_string(ranks) + ", " + std::to_string(n) + "] (a's slots and " +
+                          "ranks, out's columns), got " + b.describe());
+  }
+  detail::check_cpu(ids, op, "ids");
+  if ((ids.dtype != DType::kInt32 && ids.dtype != DType::kInt64) || ids.ndim != 1 ||
+      ids.shape[0] != tokens) {
+    throw InvalidArgument(arg(op, "ids") + " must be int32 or int64 [" + std::to_string(tokens) +
+                          "], got " + ids.describe());
+  }
+  detail::check_indices(ids, vocab, op, "ids");
+  detail::check_rows(slots, op, "slots", 1, DType::kInt32);
+  if (slots.shape[0] != tokens) {
+    throw InvalidArgument(arg(op, "slots") + " must be int32 [" + std::to_string(tokens) +
+                          "], got " + slots.describe());
+  }
+  detail::check_vector(scale, op, "scale", num_slots);
+  check_slot_values(slots, num_slots, op);
 }
 
 }  // namespace
@@ -279,18 +393,7 @@ void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, c
   }
   (void)stream;
   const auto* s = static_cast<const int32_t*>(slots.data);
-  std::vector<int32_t> rows;  // with an adapter, by slot, in token order within one
-  for (int32_t t = 0; t < static_cast<int32_t>(out.shape[0]); ++t) {
-    if (s[t] >= 0) rows.push_back(t);
-  }
-  std::stable_sort(rows.begin(), rows.end(), [s](int32_t u, int32_t v) { return s[u] < s[v]; });
-  std::vector<std::pair<int64_t, int>> tiles;  // (first of rows, count)
-  for (size_t i = 0; i < rows.size();) {
-    size_t end = i + 1;
-    while (end < rows.size() && end - i < kTileRows && s[rows[end]] == s[rows[i]]) ++end;
-    tiles.emplace_back(static_cast<int64_t>(i), static_cast<int>(end - i));
-    i = end;
-  }
+  const SlotTiles tiles(s, out.shape[0]);
   const Args p{static_cast<char*>(out.data),
                static_cast<const char*>(x.data),
                static_cast<const char*>(a.data),
@@ -303,23 +406,39 @@ void lora_add(const TensorView& out, const TensorView& x, const TensorView& a, c
                part_columns.shape[0] - 1,
                static_cast<const float*>(scale.data),
                static_cast<const int64_t*>(part_columns.data)};
-  const auto num_tiles = static_cast<int64_t>(tiles.size());
   const bool bf16 = out.dtype == DType::kBFloat16;
-#pragma omp parallel if (num_tiles > 1 && num_tiles * p.ranks * (p.k + p.n) >= (1 << 16))
-  {
-    thread_local std::vector<float> shrunk;
+  tiles.for_each(p.ranks * (p.k + p.n), [&](const int32_t* rows, int count, auto& shrunk) {
     thread_local std::vector<char> zeros;
-#pragma omp for schedule(dynamic)
-    for (int64_t i = 0; i < num_tiles; ++i) {
-      const auto [first, count] = tiles[static_cast<size_t>(i)];
-      const int32_t* tile = rows.data() + first;
-      if (bf16) {
-        run_tile<DType::kBFloat16>(p, tile, count, s[tile[0]], shrunk, zeros);
-      } else {
-        run_tile<DType::kFloat32>(p, tile, count, s[tile[0]], shrunk, zeros);
-      }
+    if (bf16) {
+      run_tile<DType::kBFloat16>(p, rows, count, s[rows[0]], shrunk, zeros);
+    } else {
+      run_tile<DType::kFloat32>(p, rows, count, s[rows[0]], shrunk, zeros);
     }
-  }
+  });
+}
+
+void lora_embedding_add(const TensorView& out, const TensorView& ids, const TensorView& a,
+                        const TensorView& b, const TensorView& slots, const TensorView& scale) {
+  check_embedding(out, ids, a, b, slots, scale);
+  const auto* s = static_cast<const int32_t*>(slots.data);
+  const SlotTiles tiles(s, out.shape[0]);
+  const EmbeddingArgs p{static_cast<char*>(out.data),
+                        &ids,
+                        static_cast<const char*>(a.data),
+                        static_cast<const char*>(b.data),
+                        out.strides[0],
+                        out.shape[1],
+                        a.shape[1],
+                        a.shape[2],
+                        static_cast<const float*>(scale.data)};
+  const bool bf16 = out.dtype == DType::kBFloat16;
+  tiles.for_each(p.ranks * p.n, [&](const int32_t* rows, int count, auto& shrunk) {
+    if (bf16) {
+      run_embedding_tile<DType::kBFloat16>(p, rows, count, s[rows[0]], shrunk);
+    } else {
+      run_embedding_tile<DType::kFloat32>(p, rows, count, s[rows[0]], shrunk);
+    }
+  });
 }
 
 }  // namespace pyengine
