@@ -122,8 +122,8 @@ class LoRAManager:
     def replays_in_place(self) -> bool:
         """Whether every hook a recorded step runs is a kernel reading its rows' slots in
         place (the CPU's), so that recorded decode steps may hold adapters."""
-        hooks = [*self.layers, *([self.embedding] if self.embedding is not None else [])]
-        return all(hook.kernel for hook in hooks)
+        embedding = self.embedding is None or self.embedding.kernel
+        return embedding and all(hook.kernel for hook in self.layers)
 
     def adapter(self, request: LoRARequest) -> LoRAAdapter:
         """`request`'s adapter, read from its folder unless held in host memory."""

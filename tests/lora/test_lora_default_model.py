@@ -1,6 +1,8 @@
 """Two peft adapters of the default model (SmolLM2-135M-Instruct, its GGUF weights held as
-blocks), random A and B over every projection: greedy float32 tokens equal transformers +
-peft's on the same weights, both adapters and the base model in one batch."""
+blocks, the head tied to the embedding), random A and B over every projection (the
+second also over the embedding and the LM head): greedy float32 tokens equal
+transformers + peft's on the same weights, both adapters and the base model in one
+batch."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from helpers.hf_reference import hf_greedy, hf_model_from_weights
-from helpers.lora import make_adapter
+from helpers.lora import ALL_MODULES, make_adapter
 from helpers.smollm2 import make_prompts
 
 from pyengine import LLM, LoRARequest, SamplingParams
@@ -28,9 +30,10 @@ def test_default_model_adapters_give_peft_greedy_tokens(tmp_path: Path) -> None:
     loaded = load_model("SmolLM2-135M-Instruct")
     prompts = make_prompts(loaded.tokenizer)[:2]
     expected, requests = {}, {}
+    modules = {"first": ALL_MODULES, "second": [*ALL_MODULES, "embed_tokens", "lm_head"]}
     for seed, name in enumerate(("first", "second"), start=1):
         base = hf_model_from_weights(loaded.config, loaded.weights)
-        model = make_adapter(base, tmp_path / name, seed, rank=8).eval()
+        model = make_adapter(base, tmp_path / name, seed, 8, modules[name]).eval()
         expected[name] = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
         requests[name] = LoRARequest(name, seed, str(tmp_path / name))
     base = hf_model_from_weights(loaded.config, loaded.weights)
