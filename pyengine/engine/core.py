@@ -102,6 +102,7 @@ class EngineCore:
         self._unscheduled: set[str] = set()  # requests whose first step is still to come
         self._prompt_logprobs: dict[str, set[int]] = {}  # request -> positions scored
         self._sampled_rows: set[str] = set()  # rows that need sampling requests
+        self._adapter_rows: set[str] = set()  # the rows through an adapter (metrics)
 
     @property
     def scheduler(self) -> Scheduler:
@@ -137,6 +138,8 @@ class EngineCore:
             self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only)
             if not argmax_only or params.min_tokens > 0:
                 self._sampled_rows.add(row_id)
+            if request.lora_request is not None:
+                self._adapter_rows.add(row_id)
         self._engine_of[request_id] = engine
         self._live_rows[request_id] = len(row_ids)
         self._unscheduled.add(request_id)
@@ -247,6 +250,7 @@ class EngineCore:
             return
         self._finished_row_ids.append(row_id)
         self._sampled_rows.discard(row_id)
+        self._adapter_rows.discard(row_id)
         request_id = row.request.request_id
         self._live_rows[request_id] -= 1
         if not self._live_rows[request_id]:  # the request's last row
@@ -305,10 +309,11 @@ class EngineCore:
         """The adapters (names, sorted) of the running requests, and of the waiting ones."""
         running: set[str] = set()
         waiting: set[str] = set()
-        for row_id, row in self._rows.items():
-            lora = row.request.lora_request
-            scheduler = self.schedulers[self._engine_of[row.request.request_id]]
-            if lora is None or not scheduler.has_request(row_id):
+        for row_id in self._adapter_rows:
+            request = self._rows[row_id].request
+            lora = request.lora_request
+            scheduler = self.schedulers[self._engine_of[request.request_id]]
+            if lora is None or not scheduler.has_request(row_id):  # (None: never, for mypy)
                 continue
             state = scheduler.status(row_id)
             (running if state == "running" else waiting).add(lora.lora_name)

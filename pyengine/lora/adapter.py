@@ -109,23 +109,51 @@ def _scale(config: dict[str, object], rank: int, name: str) -> float:
     return float(alpha) / (math.sqrt(rank) if config.get("use_rslora") else rank)
 
 
-def _tensors(folder: Path, name: str) -> dict[str, torch.Tensor]:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+class _Tensors:
+    """adapter_model.safetensors, opened: its header read (names, shapes), each tensor's
+    data only when asked for."""
 
-    path = folder / "adapter_model.safetensors"
-    if not path.is_file():
-        raise ValueError(f"LoRA adapter {name!r}: {path} does not exist")
-    try:
-        return load_file(str(path))
-    except (SafetensorError, OSError, ValueError) as error:
-        raise ValueError(f"LoRA adapter {name!r}: {path} is corrupt: {error}") from None
+    def __init__(self, folder: Path, name: str) -> None:
+        from safetensors import SafetensorError, safe_open
+
+        self.path, self.name = folder / "adapter_model.safetensors", name
+        if not self.path.is_file():
+            raise ValueError(f"LoRA adapter {name!r}: {self.path} does not exist")
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                names = f.keys()  # noqa: SIM118 (a safe_open is not iterable)
+                self.shapes = {key: tuple(f.get_slice(key).get_shape()) for key in names}
+        except (SafetensorError, OSError, ValueError) as error:
+            raise self.corrupt(error) from None
+
+    def corrupt(self, error: Exception) -> ValueError:
+        return ValueError(f"LoRA adapter {self.name!r}: {self.path} is corrupt: {error}")
+
+    def read(self, keys: list[str]) -> dict[str, torch.Tensor]:
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            with safe_open(str(self.path), framework="pt") as f:
+                return {key: f.get_tensor(key) for key in keys}
+        except (SafetensorError, OSError, ValueError) as error:
+            raise self.corrupt(error) from None
 
 
-def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
-    """The adapter of `request`, checked against the base model `model`: ValueError naming
-    the adapter and the problem (missing or corrupt files, a rank above max_lora_rank,
-    a module the model lacks, shapes of another base model)."""
+@dataclass(frozen=True)
+class _Layout:
+    """An adapter's checked form: its rank, scale, and the names of each delta's pair."""
+
+    rank: int
+    scale: float
+    pairs: dict[tuple[int, str], tuple[str, str]]  # (layer, module) -> (A's, B's)
+    tensors: _Tensors
+
+
+def check_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -> _Layout:
+    """`request`'s adapter checked against the base model `model` from its config and
+    the tensors' names and shapes (no weights read): ValueError naming the adapter and
+    the problem (missing or corrupt files, a rank above max_lora_rank, a module the
+    model lacks, shapes of another base model)."""
     name, folder = request.lora_name, Path(request.lora_path)
     config = _config(folder, name)
     rank = config.get("r")
@@ -136,10 +164,11 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
             f"LoRA adapter {name!r}: rank {rank} exceeds max_lora_rank {max_lora_rank}"
         )
     scale = _scale(config, rank, name)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    for key, tensor in _tensors(folder, name).items():
+    tensors = _Tensors(folder, name)
+    sides: dict[tuple[int, str], dict[str, str]] = {}
+    for key, shape in tensors.shapes.items():
         if _FROZEN_TABLE.fullmatch(key):
-            _check_frozen_table(key, tensor, model, name)
+            _check_frozen_table(key, shape, model, name)
             continue
         layer, module, side = _parse_key(key, name)
         if layer >= model.num_layers:
@@ -147,24 +176,35 @@ def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -
                 f"LoRA adapter {name!r}: tensor {key} is for layer {layer}; the model has "
                 f"{model.num_layers}"
             )
-        pairs.setdefault((layer, module), {})[side] = tensor
-    weights = {}
-    for (layer, module), pair in sorted(pairs.items()):
+        sides.setdefault((layer, module), {})[side] = key
+    pairs = {}
+    for (layer, module), pair in sorted(sides.items()):
         where = module if layer == MODEL_LAYER else f"layers.{layer}.{module}"
         if set(pair) != {"A", "B"}:
             raise ValueError(f"LoRA adapter {name!r}: {where} lacks its lora_A or lora_B")
         out, inp = projection_shape(model, module)
-        a, b = pair["A"], pair["B"]
-        if tuple(a.shape) != (rank, inp) or tuple(b.shape) != (out, rank):
+        a, b = tensors.shapes[pair["A"]], tensors.shapes[pair["B"]]
+        if a != (rank, inp) or b != (out, rank):
             raise ValueError(
-                f"LoRA adapter {name!r}: {where} has lora_A {tuple(a.shape)} and lora_B "
-                f"{tuple(b.shape)}; this base model takes [{rank}, {inp}] and [{out}, {rank}] "
-                "(an adapter of another base model?)"
+                f"LoRA adapter {name!r}: {where} has lora_A {a} and lora_B {b}; this base "
+                f"model takes [{rank}, {inp}] and [{out}, {rank}] (an adapter of another "
+                "base model?)"
             )
-        weights[(layer, module)] = LoRAWeights(a.float().contiguous(), b.float().contiguous())
-    if not weights:
+        pairs[(layer, module)] = (pair["A"], pair["B"])
+    if not pairs:
         raise ValueError(f"LoRA adapter {name!r}: it holds no LoRA weights")
-    return LoRAAdapter(request, rank, scale, weights)
+    return _Layout(rank, scale, pairs, tensors)
+
+
+def load_adapter(request: LoRARequest, model: ModelConfig, max_lora_rank: int) -> LoRAAdapter:
+    """`request`'s adapter, checked as check_adapter checks it, its weights read."""
+    layout = check_adapter(request, model, max_lora_rank)
+    read = layout.tensors.read([key for pair in layout.pairs.values() for key in pair])
+    weights = {
+        where: LoRAWeights(read[a].float().contiguous(), read[b].float().contiguous())
+        for where, (a, b) in layout.pairs.items()
+    }
+    return LoRAAdapter(request, layout.rank, layout.scale, weights)
 
 
 def _parse_key(key: str, name: str) -> tuple[int, str, str]:
@@ -188,12 +228,12 @@ def _parse_key(key: str, name: str) -> tuple[int, str, str]:
     return int(match[1]), match[2], match[3]
 
 
-def _check_frozen_table(key: str, tensor: torch.Tensor, model: ModelConfig, name: str) -> None:
+def _check_frozen_table(key: str, shape: tuple[int, ...], model: ModelConfig, name: str) -> None:
     """PEFT's copy of the frozen embedding or head: the base model's shape (a resized
     vocabulary, new tokens trained in, is another model's)."""
     want = (model.vocab_size, model.hidden_size)
-    if tuple(tensor.shape) != want:
+    if shape != want:
         raise ValueError(
-            f"LoRA adapter {name!r}: tensor {key} is {list(tensor.shape)}; this base model's "
+            f"LoRA adapter {name!r}: tensor {key} is {list(shape)}; this base model's "
             f"is {list(want)} (an adapter with a resized vocabulary is not supported)"
         )

@@ -4,7 +4,7 @@ so that a bad adapter is a clear error at add_request, never a failed step."""
 from __future__ import annotations
 
 from pyengine.config import LoRAConfig, ModelConfig
-from pyengine.lora.adapter import load_adapter
+from pyengine.lora.adapter import check_adapter
 from pyengine.lora.request import LoRARequest
 
 
@@ -15,7 +15,8 @@ class AdapterRegistry:
 
     def check(self, request: LoRARequest | None) -> None:
         """ValueError naming the problem where `request` cannot run: LoRA not enabled, an
-        id already another adapter's, or the adapter's own (load_adapter)."""
+        id already another adapter's, or the adapter's own (check_adapter: its config and
+        tensors' shapes, its weights left for the worker to read)."""
         if request is None:
             return
         if not isinstance(request, LoRARequest):
@@ -33,5 +34,5 @@ class AdapterRegistry:
                 f"lora_int_id {request.lora_int_id} is adapter {known.lora_name!r} "
                 f"({known.lora_path}); {request.lora_name!r} needs an id of its own"
             )
-        load_adapter(request, self.model_config, self.config.max_lora_rank)
+        check_adapter(request, self.model_config, self.config.max_lora_rank)
         self.known[request.lora_int_id] = request

@@ -1,7 +1,7 @@
 // Small-m GEMM over panel-packed weights (see pyengine/dense.h). One micro-kernel:
 // 8 rows x 48 columns (24 accumulators of 16 floats, as GCC vector extensions, which the
-// AVX2 and generic clones split into narrower registers), over the whole k; threads take
-// panels.
+// AVX2 and generic clones split into narrower registers, and take in passes of 2 rows),
+// over the whole k; threads take panels.
 #include "pyengine/dense.h"
 
 #include <algorithm>
@@ -29,13 +29,33 @@ using detail::check_rows;
 using detail::check_x_out;
 
 constexpr int kRows = 8;
-constexpr int kLanes = 16;
-constexpr int kVectors = kPanelWidth / kLanes;
 constexpr int64_t kPrefetchRows = 24;
 constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of them
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using UnalignedVec =
-    float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
+// A zmm's floats, and a ymm's: the loops below are built for either, run in the one the
+// CPU has (wide_vectors). GCC lowers a vector twice a clone's register width through the
+// stack, element by element: AVX2 ran the 16-float build at a twentieth of its speed.
+using Vec16 = float __attribute__((vector_size(64)));
+using Vec8 = float __attribute__((vector_size(32)));
+template <class V>
+constexpr int kVectorsOf = kPanelWidth / static_cast<int>(sizeof(V) / sizeof(float));
+
+template <class V>
+[[gnu::always_inline]] inline V load_vec(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+template <class V>
+[[gnu::always_inline]] inline void store_vec(float* p, const V& v) {
+  std::memcpy(p, &v, sizeof v);
+}
+constexpr int lanes_of(int64_t bytes) { return static_cast<int>(bytes / sizeof(float)); }
+
+// Whether the 16-float builds run: AVX-512's 32 registers hold an 8-row tile's 24 sums;
+// narrower CPUs take 8-float vectors, a tile in passes of 2 rows (12 sums in AVX2's 16
+// registers), the same products in the same order (the same bits). Follows
+// set_quantized_dense_isa's pin.
+bool wide_vectors() { return quantized_dense_isa() == CpuIsa::kAvx512; }
 
 // What a tile asks memory for as it goes: `per_step` cache lines per k step, in order
 // from `start`, into L2. The first tile of a block asks for its own panel some rows
@@ -57,42 +77,51 @@ Fetch fetch_plan(int64_t index, int64_t num_tiles, const float* panel, int64_t k
   return {panel + k * kPanelWidth + (index - 1) * share, per_step};
 }
 
-// c[r][0, 48) (+)= sum over i < k of a[r][i] * panel[i][0, 48), for 8 rows of a (lda
-// apart), adding to c's sums where kAccumulate, while asking for kPerStep lines of `fetch`
-// per k step (fetch_plan). (Into L2: each weight byte is used once per step, by the few
-// tiles of one block; L1 holds their working set.) The sums' loops are unrolled early, so
-// that the compiler keeps the sums in registers: with a runtime `accumulate` and the
-// loops left to it, they went through a stack copy on the way in and out of every tile
-// call; a quantized chunk's 128-row tiles paid most.
-template <int kPerStep, bool kAccumulate>
+// c[r][0, 48) (+)= sum over i < k of a[r][i] * panel[i][0, 48), for kGroup rows of a
+// (lda apart), in vectors V, adding to c's sums where kAccumulate, while asking for
+// kPerStep lines of `fetch` per k step (fetch_plan). (Into L2: each weight byte is used
+// once per step, by the few tiles of one block; L1 holds their working set.) The sums'
+// loops are unrolled early, so that the compiler keeps the sums in registers: with a
+// runtime `accumulate` and the loops left to it, they went through a stack copy on the
+// way in and out of every tile call; a quantized chunk's 128-row tiles paid most.
+template <int kPerStep, bool kAccumulate, class V, int kGroup>
 PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel, int64_t k,
                                  float* c, const float* fetch) {
-  Vec acc[kRows][kVectors];
+  constexpr int kV = kVectorsOf<V>, kL = lanes_of(sizeof(V));
+  V acc[kGroup][kV];
 #pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) {
-#pragma GCC unroll 3
-    for (int v = 0; v < kVectors; ++v) {
-      acc[r][v] =
-          kAccumulate ? reinterpret_cast<const UnalignedVec*>(c + r * kPanelWidth)[v] : Vec{};
+  for (int r = 0; r < kGroup; ++r) {
+#pragma GCC unroll 6
+    for (int v = 0; v < kV; ++v) {
+      acc[r][v] = kAccumulate ? load_vec<V>(c + r * kPanelWidth + v * kL) : V{};
     }
   }
   for (int64_t i = 0; i < k; ++i) {
     for (int j = 0; j < kPerStep; ++j) __builtin_prefetch(fetch + (i * kPerStep + j) * 16, 0, 1);
-    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
-    const Vec b0 = row[0], b1 = row[1], b2 = row[2];
-    for (int r = 0; r < kRows; ++r) {
+    V b[kV];
+#pragma GCC unroll 6
+    for (int v = 0; v < kV; ++v) b[v] = load_vec<V>(panel + i * kPanelWidth + v * kL);
+#pragma GCC unroll 8
+    for (int r = 0; r < kGroup; ++r) {
       const float x = a[r * lda + i];
-      acc[r][0] += x * b0;
-      acc[r][1] += x * b1;
-      acc[r][2] += x * b2;
+#pragma GCC unroll 6
+      for (int v = 0; v < kV; ++v) acc[r][v] += x * b[v];
     }
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < kRows; ++r) {
-#pragma GCC unroll 3
-    for (int v = 0; v < kVectors; ++v) {
-      reinterpret_cast<UnalignedVec*>(c + r * kPanelWidth)[v] = acc[r][v];
-    }
+  for (int r = 0; r < kGroup; ++r) {
+#pragma GCC unroll 6
+    for (int v = 0; v < kV; ++v) store_vec(c + r * kPanelWidth + v * kL, acc[r][v]);
+  }
+}
+
+template <int kPerStep, bool kAccumulate>
+void grouped_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
+                  const float* fetch) {
+  if (wide_vectors()) return tile<kPerStep, kAccumulate, Vec16, kRows>(a, lda, panel, k, c, fetch);
+  tile<kPerStep, kAccumulate, Vec8, 2>(a, lda, panel, k, c, fetch);
+  for (int r = 2; r < kRows; r += 2) {  // (the first pass alone asks for the next panel)
+    tile<0, kAccumulate, Vec8, 2>(a + r * lda, lda, panel, k, c + r * kPanelWidth, nullptr);
   }
 }
 
@@ -100,39 +129,45 @@ PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel
 // reads ahead.)
 void run_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c, bool accumulate,
               const Fetch& fetch) {
-  if (accumulate) return tile<0, true>(a, lda, panel, k, c, nullptr);
+  if (accumulate) return grouped_tile<0, true>(a, lda, panel, k, c, nullptr);
   switch (fetch.per_step) {
-    case 0: return tile<0, false>(a, lda, panel, k, c, fetch.start);
-    case 1: return tile<1, false>(a, lda, panel, k, c, fetch.start);
-    case 2: return tile<2, false>(a, lda, panel, k, c, fetch.start);
-    default: return tile<3, false>(a, lda, panel, k, c, fetch.start);
+    case 0: return grouped_tile<0, false>(a, lda, panel, k, c, fetch.start);
+    case 1: return grouped_tile<1, false>(a, lda, panel, k, c, fetch.start);
+    case 2: return grouped_tile<2, false>(a, lda, panel, k, c, fetch.start);
+    default: return grouped_tile<3, false>(a, lda, panel, k, c, fetch.start);
   }
 }
 
-// The same for one row (a single request's decode): six chains hide the multiply-add
-// latency, and no compute goes to padding rows.
-PYENGINE_VECTOR_CLONES
-void row_tile(const float* a, const float* panel, int64_t k, float* c, bool accumulate) {
-  Vec even[kVectors] = {}, odd[kVectors] = {};
+// The same for one row (a single request's decode): two chains per vector hide the
+// multiply-add latency, and no compute goes to padding rows.
+template <class V>
+PYENGINE_VECTOR_CLONES void row_tile_of(const float* a, const float* panel, int64_t k, float* c,
+                                        bool accumulate) {
+  constexpr int kV = kVectorsOf<V>, kL = lanes_of(sizeof(V));
+  V even[kV] = {}, odd[kV] = {};
   if (accumulate) {
-    for (int v = 0; v < kVectors; ++v) even[v] = reinterpret_cast<const UnalignedVec*>(c)[v];
+    for (int v = 0; v < kV; ++v) even[v] = load_vec<V>(c + v * kL);
   }
   int64_t i = 0;
   for (; i + 1 < k; i += 2) {
-    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
+    const float* row = panel + i * kPanelWidth;
     const float x0 = a[i], x1 = a[i + 1];
-    for (int v = 0; v < kVectors; ++v) {
-      even[v] += x0 * row[v];
-      odd[v] += x1 * row[kVectors + v];
+#pragma GCC unroll 6
+    for (int v = 0; v < kV; ++v) {
+      even[v] += x0 * load_vec<V>(row + v * kL);
+      odd[v] += x1 * load_vec<V>(row + kPanelWidth + v * kL);
     }
   }
   if (i < k) {
-    const auto* row = reinterpret_cast<const UnalignedVec*>(panel + i * kPanelWidth);
-    for (int v = 0; v < kVectors; ++v) even[v] += a[i] * row[v];
+    const float* row = panel + i * kPanelWidth;
+    for (int v = 0; v < kV; ++v) even[v] += a[i] * load_vec<V>(row + v * kL);
   }
-  for (int v = 0; v < kVectors; ++v) {
-    reinterpret_cast<UnalignedVec*>(c)[v] = even[v] + odd[v];
-  }
+  for (int v = 0; v < kV; ++v) store_vec(c + v * kL, even[v] + odd[v]);
+}
+
+void row_tile(const float* a, const float* panel, int64_t k, float* c, bool accumulate) {
+  if (wide_vectors()) return row_tile_of<Vec16>(a, panel, k, c, accumulate);
+  row_tile_of<Vec8>(a, panel, k, c, accumulate);
 }
 
 // x [m, k] as the tiles read it: full tiles of 8 rows from x itself, a last tile of 2-7
