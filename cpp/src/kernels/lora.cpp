@@ -12,6 +12,7 @@
 
 #include "attention_checks.h"
 #include "float_convert.h"
+#include "pyengine/dense.h"
 #include "vector_clones.h"
 #ifdef PYENGINE_WITH_CUDA
 #include "lora.h"
@@ -23,57 +24,73 @@ namespace {
 using detail::arg;
 
 constexpr int kTileRows = 4;
-constexpr int kLanes = 16;  // independent partial sums: a vector's lanes
 
 template <DType kDType>
 inline float element(const void* base, int64_t i) {
   return detail::load<kDType>(base, i);
 }
 
-constexpr int kRankBlock = 4;  // ranks a shrink step takes together
+constexpr int kRankBlock = 4;  // the most ranks a shrink step takes together
 
-// kLanes floats as one GCC vector: in each clone (vector_clones.h) the widest registers
-// that clone has, one zmm or two ymm.
-using Vec = float __attribute__((vector_size(kLanes * 4)));
-using Halves = uint16_t __attribute__((vector_size(kLanes * 2)));
-using Words = uint32_t __attribute__((vector_size(kLanes * 4)));
+// kL floats as one GCC vector, its lanes independent partial sums: 16 (a zmm) where the
+// CPU has AVX-512, else 8 (a ymm; GCC lowers a vector wider than a clone's registers
+// through the stack, element by element). Each loop is built for both.
+template <int kL>
+struct Lanes;
+template <>
+struct Lanes<16> {
+  using Vec = float __attribute__((vector_size(64)));
+  using Halves = uint16_t __attribute__((vector_size(32)));
+  using Words = uint32_t __attribute__((vector_size(64)));
+  static constexpr int kRanks = 4;  // ranks a shrink step takes: 16 sums of 4 x 4
+};
+template <>
+struct Lanes<8> {
+  using Vec = float __attribute__((vector_size(32)));
+  using Halves = uint16_t __attribute__((vector_size(16)));
+  using Words = uint32_t __attribute__((vector_size(32)));
+  static constexpr int kRanks = 2;  // 8 sums, beside 4 x vectors, in AVX2's 16 registers
+};
+
+bool wide_lanes() { return quantized_dense_isa() == CpuIsa::kAvx512; }
 
 // (v by reference: a returned vector wider than the default clone's registers would
 // change the ABI)
-template <DType kDType>
+template <DType kDType, int kL, class Vec = typename Lanes<kL>::Vec>
 [[gnu::always_inline]] inline void load_vec(Vec& v, const void* base, int64_t i) {
   if constexpr (kDType == DType::kFloat32) {
     std::memcpy(&v, static_cast<const float*>(base) + i, sizeof v);
   } else {  // bfloat16: the float's upper half
-    Halves h;
+    typename Lanes<kL>::Halves h;
     std::memcpy(&h, static_cast<const uint16_t*>(base) + i, sizeof h);
-    const Words w = __builtin_convertvector(h, Words) << 16;
+    const auto w = __builtin_convertvector(h, typename Lanes<kL>::Words) << 16;
     std::memcpy(&v, &w, sizeof v);
   }
 }
 
-// shrunk[r][j] = x_j . a_r over k for ranks [r0, r0 + kRankBlock) and the tile's rows:
-// each step of kLanes inputs loads kRankBlock A and kTileRows x vectors for their 16
-// vector products (float32 sums, kLanes of them, added up at the end). Rows past the
-// tile's are zeros.
-template <DType kDType>
+// shrunk[r][j] = x_j . a_r over k for ranks [r0, r0 + kR) and the tile's rows: each
+// step of kL inputs loads kR A and kTileRows x vectors for their vector products
+// (float32 sums, kL of them, added up at the end). Rows past the tile's are zeros.
+template <DType kDType, int kL>
 [[gnu::always_inline]] inline void shrink_block(const void* const* xs, const void* a, int64_t r0,
                                                 int64_t k, float* shrunk) {
-  Vec sums[kRankBlock][kTileRows] = {};
+  using Vec = typename Lanes<kL>::Vec;
+  constexpr int kR = Lanes<kL>::kRanks;
+  Vec sums[kR][kTileRows] = {};
   int64_t i = 0;
-  for (; i + kLanes <= k; i += kLanes) {
+  for (; i + kL <= k; i += kL) {
     Vec x[kTileRows];
-    for (int j = 0; j < kTileRows; ++j) load_vec<kDType>(x[j], xs[j], i);
-    for (int r = 0; r < kRankBlock; ++r) {
+    for (int j = 0; j < kTileRows; ++j) load_vec<kDType, kL>(x[j], xs[j], i);
+    for (int r = 0; r < kR; ++r) {
       Vec w;
-      load_vec<kDType>(w, a, (r0 + r) * k + i);
+      load_vec<kDType, kL>(w, a, (r0 + r) * k + i);
       for (int j = 0; j < kTileRows; ++j) sums[r][j] += x[j] * w;
     }
   }
-  for (int r = 0; r < kRankBlock; ++r) {
+  for (int r = 0; r < kR; ++r) {
     for (int j = 0; j < kTileRows; ++j) {
       float sum = 0.0f;
-      for (int l = 0; l < kLanes; ++l) sum += sums[r][j][l];
+      for (int l = 0; l < kL; ++l) sum += sums[r][j][l];
       for (int64_t t = i; t < k; ++t) {
         sum += element<kDType>(xs[j], t) * element<kDType>(a, (r0 + r) * k + t);
       }
@@ -83,28 +100,29 @@ template <DType kDType>
 }
 
 // out_j[c] += scale * sum over ranks [r0, r1) of shrunk[r][j] * b[r][c], for the columns
-// [c0, c1) and the tile's `rows`: kLanes columns at a time, their sums in registers, each
+// [c0, c1) and the tile's `rows`: kL columns at a time, their sums in registers, each
 // B vector loaded once for the tile's rows; each out rounded once.
-template <DType kDType>
+template <DType kDType, int kL>
 [[gnu::always_inline]] inline void expand(const float* shrunk, int rows, const void* b, int64_t n,
                                           int64_t r0, int64_t r1, int64_t c0, int64_t c1,
                                           float scale, void* const* outs) {
+  using Vec = typename Lanes<kL>::Vec;
   int64_t c = c0;
-  for (; c + kLanes <= c1; c += kLanes) {
+  for (; c + kL <= c1; c += kL) {
     Vec sums[kTileRows] = {};
     for (int64_t r = r0; r < r1; ++r) {
       Vec w;
-      load_vec<kDType>(w, b, r * n + c);
+      load_vec<kDType, kL>(w, b, r * n + c);
       for (int j = 0; j < kTileRows; ++j) sums[j] += shrunk[r * kTileRows + j] * w;
     }
     for (int j = 0; j < rows; ++j) {
       if constexpr (kDType == DType::kFloat32) {
         Vec out;
-        load_vec<kDType>(out, outs[j], c);
+        load_vec<kDType, kL>(out, outs[j], c);
         out += sums[j] * scale;
         std::memcpy(static_cast<float*>(outs[j]) + c, &out, sizeof out);
       } else {
-        for (int l = 0; l < kLanes; ++l) {
+        for (int l = 0; l < kL; ++l) {
           const float x = element<kDType>(outs[j], c + l);
           detail::store<kDType>(outs[j], c + l, x + sums[j][l] * scale);
         }
@@ -121,30 +139,36 @@ template <DType kDType>
   }
 }
 
-// Each loop built per vector width (vector_clones.h), for each element type.
-#define PYENGINE_LORA_LOOPS(kDType, suffix)                                                     \
-  PYENGINE_VECTOR_CLONES void shrink_##suffix(const void* const* xs, const void* a, int64_t r0, \
-                                              int64_t k, float* shrunk) {                       \
-    shrink_block<kDType>(xs, a, r0, k, shrunk);                                                 \
-  }                                                                                             \
-  PYENGINE_VECTOR_CLONES void expand_##suffix(const float* shrunk, int rows, const void* b,     \
-                                              int64_t n, int64_t r0, int64_t r1, int64_t c0,    \
-                                              int64_t c1, float scale, void* const* outs) {     \
-    expand<kDType>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);                            \
-  }
-PYENGINE_LORA_LOOPS(DType::kFloat32, f32)
-PYENGINE_LORA_LOOPS(DType::kBFloat16, bf16)
-#undef PYENGINE_LORA_LOOPS
+// Each loop built per vector width (vector_clones.h), for each element type and lane
+// count. The shrink takes the ranks [0, ranks) in whole blocks, and returns how many.
+template <DType kDType, int kL>
+PYENGINE_VECTOR_CLONES int64_t shrink_loop(const void* const* xs, const void* a, int64_t ranks,
+                                           int64_t k, float* shrunk) {
+  constexpr int kR = Lanes<kL>::kRanks;
+  int64_t r = 0;
+  for (; r + kR <= ranks; r += kR) shrink_block<kDType, kL>(xs, a, r, k, shrunk);
+  return r;
+}
+template <DType kDType, int kL>
+PYENGINE_VECTOR_CLONES void expand_loop(const float* shrunk, int rows, const void* b, int64_t n,
+                                        int64_t r0, int64_t r1, int64_t c0, int64_t c1, float scale,
+                                        void* const* outs) {
+  expand<kDType, kL>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);
+}
 
 template <DType kDType>
 struct Loops {
-  static constexpr auto shrink = shrink_f32;
-  static constexpr auto expand = expand_f32;
-};
-template <>
-struct Loops<DType::kBFloat16> {
-  static constexpr auto shrink = shrink_bf16;
-  static constexpr auto expand = expand_bf16;
+  static int64_t shrink(const void* const* xs, const void* a, int64_t ranks, int64_t k,
+                        float* shrunk) {
+    return wide_lanes() ? shrink_loop<kDType, 16>(xs, a, ranks, k, shrunk)
+                        : shrink_loop<kDType, 8>(xs, a, ranks, k, shrunk);
+  }
+  static void expand(const float* shrunk, int rows, const void* b, int64_t n, int64_t r0,
+                     int64_t r1, int64_t c0, int64_t c1, float scale, void* const* outs) {
+    if (wide_lanes())
+      return expand_loop<kDType, 16>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);
+    expand_loop<kDType, 8>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);
+  }
 };
 
 // The token rows of each slot in `slots` (int32 [tokens], -1: none) in tiles of at most
@@ -228,9 +252,7 @@ void run_tile(const Args& p, const int32_t* rows, int count, int32_t slot,
   const char* a = p.a + slot * p.ranks * p.k * kSize;
   const char* b = p.b + slot * p.ranks * p.n * kSize;
   // (ranks past the last whole block: a block reading past them would leave A)
-  int64_t r = 0;
-  for (; r + kRankBlock <= p.ranks; r += kRankBlock)
-    Loops<kDType>::shrink(xs, a, r, p.k, shrunk.data());
+  int64_t r = Loops<kDType>::shrink(xs, a, p.ranks, p.k, shrunk.data());
   for (; r < p.ranks; ++r) {
     for (int j = 0; j < kTileRows; ++j) {
       float sum = 0.0f;
