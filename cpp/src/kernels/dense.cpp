@@ -53,9 +53,16 @@ constexpr int lanes_of(int64_t bytes) { return static_cast<int>(bytes / sizeof(f
 
 // Whether the 16-float builds run: AVX-512's 32 registers hold an 8-row tile's 24 sums;
 // narrower CPUs take 8-float vectors, a tile in passes of 2 rows (12 sums in AVX2's 16
-// registers), the same products in the same order (the same bits). Follows
-// set_quantized_dense_isa's pin.
-bool wide_vectors() { return quantized_dense_isa() == CpuIsa::kAvx512; }
+// registers). By the CPU, not set_quantized_dense_isa's pin: the AVX-512 clone has no
+// FMA for 8 floats (no AVX512VL), so 8-float vectors there would round twice.
+bool wide_vectors() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return false;
+#endif
+}
 
 // What a tile asks memory for as it goes: `per_step` cache lines per k step, in order
 // from `start`, into L2. The first tile of a block asks for its own panel some rows

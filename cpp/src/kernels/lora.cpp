@@ -12,7 +12,6 @@
 
 #include "attention_checks.h"
 #include "float_convert.h"
-#include "pyengine/dense.h"
 #include "vector_clones.h"
 #ifdef PYENGINE_WITH_CUDA
 #include "lora.h"
@@ -52,7 +51,16 @@ struct Lanes<8> {
   static constexpr int kRanks = 2;  // 8 sums, beside 4 x vectors, in AVX2's 16 registers
 };
 
-bool wide_lanes() { return quantized_dense_isa() == CpuIsa::kAvx512; }
+// By the CPU (see dense.cpp's wide_vectors: the AVX-512 clone rounds 8-float
+// multiply-adds twice).
+bool wide_lanes() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return false;
+#endif
+}
 
 // (v by reference: a returned vector wider than the default clone's registers would
 // change the ABI)
