@@ -46,41 +46,66 @@ void with_tile_rows(int rows, F&& f) {
   }
 }
 
-using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
-using Bits = uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t))));
-using UnalignedBits =
-    uint32_t __attribute__((vector_size(kLanes * sizeof(uint32_t)), aligned(2), may_alias));
-using UnalignedVec =
-    float __attribute__((vector_size(kLanes * sizeof(float)), aligned(4), may_alias));
+// 16 floats (a zmm) where the CPU has AVX-512, else 8 (a ymm): GCC lowers a vector wider
+// than a clone's registers through the stack, element by element.
+using Vec16 = float __attribute__((vector_size(64)));
+using Bits16 = uint32_t __attribute__((vector_size(64)));
+using Vec8 = float __attribute__((vector_size(32)));
+using Bits8 = uint32_t __attribute__((vector_size(32)));
+
+bool wide_vectors() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool wide = __builtin_cpu_supports("avx512f");
+  return wide;
+#else
+  return false;
+#endif
+}
 
 // The portable build: each lane's pair widened to two floats (a bfloat16 is a float's
 // high half), the odd product added first, as vdpbf16ps adds them. (Products of
-// bfloat16s are exact: a fused multiply-add rounds as the separate add does.)
-template <int kRows>
-PYENGINE_VECTOR_CLONES void tile_portable(const uint16_t* a, int64_t lda, const uint16_t* panel,
-                                          int64_t pairs, float* c) {
-  Vec acc[kRows][kVectors] = {};
+// bfloat16s are exact: a fused multiply-add rounds as the separate add does, and every
+// vector width gives the same bits.)
+template <class V, class B, int kRows>
+PYENGINE_VECTOR_CLONES void tile_portable_of(const uint16_t* a, int64_t lda, const uint16_t* panel,
+                                             int64_t pairs, float* c) {
+  constexpr int kL = static_cast<int>(sizeof(V) / sizeof(float)), kV = kPanelWidth / kL;
+  V acc[kRows][kV] = {};
   for (int64_t p = 0; p < pairs; ++p) {
-    const auto* lanes = reinterpret_cast<const UnalignedBits*>(panel + p * kPairElements);
-    Vec even[kVectors], odd[kVectors];
-    for (int v = 0; v < kVectors; ++v) {
-      const Bits w = lanes[v];
-      even[v] = reinterpret_cast<Vec>(w << 16);
-      odd[v] = reinterpret_cast<Vec>(w & 0xFFFF0000u);
-    }
+    const uint16_t* lanes = panel + p * kPairElements;
+    float x_even[kRows], x_odd[kRows];
     for (int r = 0; r < kRows; ++r) {
       const uint32_t pair = pair_at(a + r * lda, p);
-      const float x_even = bits_to_float(pair << 16), x_odd = bits_to_float(pair & 0xFFFF0000u);
-      for (int v = 0; v < kVectors; ++v) {
-        acc[r][v] += x_odd * odd[v];
-        acc[r][v] += x_even * even[v];
+      x_even[r] = bits_to_float(pair << 16);
+      x_odd[r] = bits_to_float(pair & 0xFFFF0000u);
+    }
+#pragma GCC unroll 6
+    for (int v = 0; v < kV; ++v) {
+      B w;
+      std::memcpy(&w, lanes + 2 * kL * v, sizeof w);
+      const V even = reinterpret_cast<V>(w << 16), odd = reinterpret_cast<V>(w & 0xFFFF0000u);
+      for (int r = 0; r < kRows; ++r) {
+        acc[r][v] += x_odd[r] * odd;
+        acc[r][v] += x_even[r] * even;
       }
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kVectors; ++v) {
-      reinterpret_cast<UnalignedVec*>(c + r * kPanelWidth)[v] = acc[r][v];
-    }
+    for (int v = 0; v < kV; ++v) std::memcpy(c + r * kPanelWidth + v * kL, &acc[r][v], sizeof(V));
+  }
+}
+
+// kRows rows at once in 16-float vectors; in 8-float ones, passes of 2 rows (12 sums in
+// AVX2's 16 registers).
+template <int kRows>
+void tile_portable(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t pairs, float* c) {
+  if (wide_vectors()) return tile_portable_of<Vec16, Bits16, kRows>(a, lda, panel, pairs, c);
+  for (int r = 0; r + 1 < kRows; r += 2) {
+    tile_portable_of<Vec8, Bits8, 2>(a + r * lda, lda, panel, pairs, c + r * kPanelWidth);
+  }
+  if constexpr (kRows % 2 == 1) {
+    tile_portable_of<Vec8, Bits8, 1>(a + (kRows - 1) * lda, lda, panel, pairs,
+                                     c + (kRows - 1) * kPanelWidth);
   }
 }
 
@@ -158,8 +183,8 @@ PYENGINE_AMX_TARGET void tile_amx(const uint16_t* a, int64_t lda, const uint16_t
   for (int64_t p = 0; p < pairs; p += kAmxPairs) {
     const uint16_t* lanes = panel + p * kPairElements;
     if constexpr (kFirst) {
-      const char* ahead = reinterpret_cast<const char*>(lanes) +
-                          kAmxPrefetchSteps * kAmxPairs * kPairBytes;
+      const char* ahead =
+          reinterpret_cast<const char*>(lanes) + kAmxPrefetchSteps * kAmxPairs * kPairBytes;
       for (int64_t line = 0; line < kStepLines && ahead + 64 * line < end; ++line) {
         _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
       }
@@ -231,8 +256,8 @@ void store_bf16_row(const float* src, const uint16_t* bias, uint16_t* dst, int64
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 PYENGINE_VECTOR_CLONES
-void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t rows,
-                                  uint16_t* dst, int64_t ldd, int64_t n) {
+void store_bf16_silu_and_mul_rows(const float* gate, const float* up, int64_t rows, uint16_t* dst,
+                                  int64_t ldd, int64_t n) {
   // Whole rows of the panel (columns past n are zero sums) in one pass of silu_and_mul.
   constexpr int64_t kMost = kBf16AmxRows * kPanelWidth;
   float g[kMost], u[kMost], out[kMost];
