@@ -94,6 +94,11 @@ schedule() overwrites them. Rows of block_tables past a request's blocks are sta
                                const auto& b = self.cast<const StepBuffers&>();
                                return view(b.is_sampling, {b.num_reqs}, self).attr("view")("bool");
                              })
+      .def_property_readonly("num_draft_tokens",
+                             [](py::object self) {
+                               const auto& b = self.cast<const StepBuffers&>();
+                               return view(b.num_draft_tokens, {b.num_reqs}, self);
+                             })
       .def_readonly("request_ids", &StepBuffers::request_ids)
       .def_readonly("block_copies", &StepBuffers::block_copies);
 }
@@ -108,9 +113,19 @@ void bind_step_results(py::module_& m) {
                                const auto& r = self.cast<const StepResults&>();
                                return view(r.new_token_ids, {r.num_reqs}, self);
                              })
-      .def_property_readonly("finish_reasons", [](py::object self) {
+      .def_property_readonly("finish_reasons",
+                             [](py::object self) {
+                               const auto& r = self.cast<const StepResults&>();
+                               return view(r.finish_reasons, {r.num_reqs}, self);
+                             })
+      .def_property_readonly("token_offsets",
+                             [](py::object self) {
+                               const auto& r = self.cast<const StepResults&>();
+                               return view(r.token_offsets, {r.num_reqs + 1}, self);
+                             })
+      .def_property_readonly("tokens", [](py::object self) {
         const auto& r = self.cast<const StepResults&>();
-        return view(r.finish_reasons, {r.num_reqs}, self);
+        return view(r.tokens, {r.token_offsets[static_cast<size_t>(r.num_reqs)]}, self);
       });
 }
 
@@ -191,12 +206,24 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                              py::return_value_policy::reference_internal)
       .def(
           "update",
-          [](Scheduler& s, const py::handle& sampled) {
+          [](Scheduler& s, const py::handle& sampled, const py::handle& counts) {
             const TokenIds tokens(sampled, "sampled_token_ids");
-            return s.update(tokens.span());
+            if (counts.is_none()) return s.update(tokens.span());
+            const TokenIds per_row(counts, "num_tokens_per_row");
+            return s.update(tokens.span(), per_row.span());
           },
-          py::arg("sampled_token_ids"),
-          "Applies the step's sampled tokens; returns how many requests finished.")
+          py::arg("sampled_token_ids"), py::arg("num_tokens_per_row") = py::none(),
+          "Applies the step's sampled tokens (one per logits row; or, with "
+          "num_tokens_per_row, each row's accepted drafts and one token more); returns how "
+          "many requests finished.")
+      .def(
+          "set_draft_tokens",
+          [](Scheduler& s, const std::string& id, const py::handle& drafts) {
+            const TokenIds tokens(drafts, "draft_token_ids");
+            s.set_draft_tokens(id, tokens.span());
+          },
+          py::arg("request_id"), py::arg("draft_token_ids"),
+          "Proposes tokens to follow a request's (speculative decoding) for the next step.")
       .def_property_readonly("results", &Scheduler::results,
                              py::return_value_policy::reference_internal)
       .def(

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
-from helpers.fake_model import FakeModel, Limits, run_alone
+from helpers.fake_model import FakeModel, Limits, next_token, run_alone
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
@@ -519,3 +519,48 @@ def run_workload(
     assert d.s.kv_cache.num_free_blocks == num_blocks
     assert d.s.kv_cache.stats().num_used_blocks == 0
     return d
+
+
+def test_draft_tokens_verified_greedily_give_the_tokens_of_no_speculation() -> None:
+    """Speculative decoding through the scheduler: each step proposes up to 4 draft tokens
+    per decoding request, right or wrong at random; the fake model reads every row's
+    context back through the KV cache (the drafts' lookahead slots included) and keeps the
+    drafts that match its own tokens. Every request ends with the tokens it makes alone, in
+    fewer steps than tokens, under preemption (a small cache) and with prefix caching
+    (shared prompts), and no block is left."""
+    rng = np.random.default_rng()
+    for num_blocks in (64, 24):
+        d = make(num_blocks=num_blocks, budget=24)
+        limits = {f"r{i}": Limits(max_tokens=int(rng.integers(1, 30))) for i in range(6)}
+        shared = rng.integers(0, 50, 9).tolist()
+        prompts = {r: shared + rng.integers(0, 50, int(rng.integers(1, 20))).tolist()
+                   for r in limits}  # fmt: skip
+        for r in limits:
+            d.add(r, prompts[r], limits[r])
+        steps = 0
+        while d.s.has_unfinished_requests():
+            for r, tokens in d.tokens.items():
+                if r in d.finished or not d.s.has_request(r):
+                    continue
+                drafts, context = [], list(tokens)
+                for _ in range(int(rng.integers(0, 5))):
+                    right = next_token(context)
+                    drafts.append(right if rng.random() < 0.7 else (right + 1) % 1000)
+                    context.append(drafts[-1])
+                d.s.set_draft_tokens(r, drafts)
+            d.schedule()
+            tokens, counts = d.model.step_with_drafts(d.s, d.tokens)
+            d.s.update(tokens, counts)
+            results = d.s.results
+            offsets = results.token_offsets.tolist()
+            for row, r in enumerate(d.s.buffers.request_ids):
+                new = results.tokens[offsets[row] : offsets[row + 1]].tolist()
+                d.tokens[r] += new
+                d.outputs[r] += new
+                if results.finish_reasons[row]:
+                    d.finished[r] = ("", "stop", "length", "abort")[results.finish_reasons[row]]
+            steps += 1
+        for r in limits:
+            assert (d.outputs[r], d.finished[r]) == run_alone(prompts[r], limits[r], 128), r
+        assert steps < sum(len(out) for out in d.outputs.values())
+        assert d.s.kv_cache.num_free_blocks == num_blocks

@@ -66,15 +66,7 @@ class FakeModel:
     def step(self, scheduler: Scheduler, tokens_of: dict[str, list[int]]) -> np.ndarray:
         """Runs one scheduled step; `tokens_of` holds every request's known tokens."""
         b = scheduler.buffers
-        for src, dst in b.block_copies:
-            for offset in range(self.block_size):
-                value = self.slots.get(src * self.block_size + offset)
-                if value is not None:
-                    self.slots[dst * self.block_size + offset] = value
-        for token, position, slot in zip(
-            b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), strict=True
-        ):
-            self.slots[slot] = (token, position)
+        self.write(scheduler)
         sampled = []
         for row in np.flatnonzero(b.is_sampling):
             request_id = b.request_ids[row]
@@ -85,6 +77,48 @@ class FakeModel:
             assert len(context) == len(tokens_of[request_id])
             sampled.append(next_token(context, sample_index(request_id)))
         return np.array(sampled, dtype=np.int32)
+
+    def step_with_drafts(
+        self, scheduler: Scheduler, tokens_of: dict[str, list[int]]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Runs one scheduled step that may verify draft tokens, greedily: each sampling
+        row's context read back (its known tokens, then its drafts) and its new tokens,
+        the drafts that match the model's own next tokens and one token more; (the rows'
+        new tokens, flat, and their counts)."""
+        b = scheduler.buffers
+        self.write(scheduler)
+        tokens, counts = [], []
+        for row, request_id in enumerate(b.request_ids):
+            if not b.is_sampling[row]:
+                counts.append(0)
+                continue
+            drafts_in = int(b.num_draft_tokens[row])
+            end = int(b.query_start_loc[row + 1])
+            drafts = b.input_ids[end - drafts_in : end].tolist()
+            known = tokens_of[request_id]
+            context = self.read_context(b.block_tables[row], int(b.seq_lens[row]))
+            assert context == known + drafts, f"{request_id}: the KV cache holds another context"
+            new: list[int] = []
+            for j in range(drafts_in + 1):
+                new.append(next_token(known + drafts[:j], sample_index(request_id)))
+                if j == drafts_in or drafts[j] != new[-1]:
+                    break
+            tokens += new
+            counts.append(len(new))
+        return np.array(tokens, dtype=np.int32), np.array(counts, dtype=np.int32)
+
+    def write(self, scheduler: Scheduler) -> None:
+        """The step's block copies, then its tokens at their slots."""
+        b = scheduler.buffers
+        for src, dst in b.block_copies:
+            for offset in range(self.block_size):
+                value = self.slots.get(src * self.block_size + offset)
+                if value is not None:
+                    self.slots[dst * self.block_size + offset] = value
+        for token, position, slot in zip(
+            b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), strict=True
+        ):
+            self.slots[slot] = (token, position)
 
     def read_context(self, block_table: np.ndarray, seq_len: int) -> list[int]:
         context = []

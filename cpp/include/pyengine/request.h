@@ -50,6 +50,10 @@ struct Request {
   std::vector<std::string> sample_ids;  // sample 0 of n > 1: ids of samples 1..n-1
   bool forked = false;                  // sample 0: its samples have been forked
   uint64_t fork_step = 0;               // the step it was forked in (samples too)
+  // Speculative decoding: tokens proposed to follow it (set_draft_tokens), and how many
+  // of them the scheduled step verifies.
+  std::vector<TokenId> draft_token_ids;
+  int num_scheduled_drafts = 0;
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

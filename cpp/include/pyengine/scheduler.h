@@ -8,6 +8,10 @@
 //   (the model runs; the sampler picks one token per buffers().logits_indices row)
 //   update(sampled)     appends them, applies the stop conditions, frees finished
 //                       requests and reports per request the new token and finish reason.
+// Speculative decoding: set_draft_tokens(id, drafts) before schedule() proposes tokens to
+// follow a decoding request; the step computes them after its last token (their KV in
+// lookahead slots) and samples a row for each, and update(tokens, counts) takes each
+// row's accepted drafts and one token more. A rejected draft's slot is taken back.
 // Running requests are served first (a decode token, or the next chunk of a prompt),
 // then waiting requests in policy order. When the KV cache runs out, the running
 // request that comes last in policy order is preempted: its blocks are freed and it
@@ -97,6 +101,20 @@ class Scheduler {
   // a length mismatch or a negative token id; InvalidState if there was no schedule()
   // since the last update().
   int update(std::span<const TokenId> sampled_token_ids);
+  // The same for a step that may have scheduled draft tokens: row i's new tokens are the
+  // next num_tokens_per_row[i] of `tokens` (0 for a row that does not sample, 1 to
+  // 1 + its draft tokens for one that does), every one before its last the draft token at
+  // that place (an accepted draft), applied one at a time until a stop condition. The
+  // slots of rejected drafts are taken back. Throws InvalidArgument, changing nothing,
+  // on any count or token that breaks this, or a negative token id.
+  int update(std::span<const TokenId> tokens, std::span<const int32_t> num_tokens_per_row);
+
+  // Proposes `drafts` to follow request `id`'s tokens (speculative decoding), replacing
+  // any earlier proposal. The next schedule() takes as many as fit (the step's token
+  // budget, the KV cache, max_model_len and max_tokens) if the request then decodes; a
+  // proposal is used by one schedule() at most. Throws UnknownRequest, InvalidArgument
+  // on a negative token id.
+  void set_draft_tokens(const std::string& id, std::span<const TokenId> drafts);
   const StepResults& results() const { return results_; }
 
   // The id of sample k (1 <= k < n) of request `id`.
@@ -130,6 +148,11 @@ class Scheduler {
   // (rows without tokens that sample from sample 0's logits).
   void fork_samples(Request& r, std::vector<std::pair<Request*, int>>& scheduled);
   void write_step(const std::vector<std::pair<Request*, int>>& scheduled);
+  // The draft tokens a decoding request's step can take: its proposal, cut to the token
+  // budget left after its own token, max_model_len and max_tokens.
+  int drafts_that_fit(const Request& r, int budget) const;
+  // Appends row i's new tokens (update), stopping at a stop condition.
+  FinishReason append_tokens(Request& r, std::span<const TokenId> tokens, size_t row);
   FinishReason stop_reason(const Request& r, TokenId token) const;
 
   SchedulerConfig config_;
@@ -141,6 +164,7 @@ class Scheduler {
   StepResults results_;
   std::vector<Request*> step_requests_;             // rows of the last schedule(), until update()
   std::vector<FinishReason> step_removed_reasons_;  // of rows removed during the step
+  std::vector<int32_t> one_token_rows_;             // update(sampled)'s counts
   bool step_pending_ = false;
   uint64_t next_arrival_seq_ = 0;
   uint64_t step_index_ = 0;  // schedule() calls, from 1

@@ -33,21 +33,28 @@ struct StepBuffers {
   std::vector<int32_t> seq_lens;              // [max_num_seqs] context length after this step
   std::vector<int32_t> block_tables;          // [max_num_seqs, max_blocks_per_request]; entries
                                               // past a request's blocks are stale
-  std::vector<int32_t> logits_indices;        // [max_num_seqs] token rows that need a next token
-  std::vector<int32_t> num_scheduled_tokens;  // [max_num_seqs]
+  std::vector<int32_t> logits_indices;        // [max_num_batched_tokens + max_num_seqs] token
+                                              // rows that need a next token (a request's
+                                              // last, then one per draft token)
+  std::vector<int32_t> num_scheduled_tokens;  // [max_num_seqs] draft tokens included
   std::vector<uint8_t> is_sampling;           // [max_num_seqs]
+  std::vector<int32_t> num_draft_tokens;      // [max_num_seqs] scheduled after its last token
   std::vector<std::string> request_ids;       // [num_reqs] this step's requests, in row order
   std::vector<std::pair<BlockId, BlockId>> block_copies;  // copy-on-write, run before the step
 };
 
 // What update() reports, row by row in the order of StepBuffers::request_ids.
 struct StepResults {
-  explicit StepResults(int max_num_seqs);
+  StepResults(int max_num_seqs, int max_num_batched_tokens);
 
   int num_reqs = 0;
   int num_finished = 0;
-  std::vector<int32_t> new_token_ids;   // [max_num_seqs] kNoToken: nothing sampled
+  std::vector<int32_t> new_token_ids;   // [max_num_seqs] the first new token; kNoToken: none
   std::vector<uint8_t> finish_reasons;  // [max_num_seqs] a FinishReason
+  // Every row's new tokens (more than one where draft tokens were accepted): row i's are
+  // tokens[token_offsets[i] .. token_offsets[i + 1]).
+  std::vector<int32_t> token_offsets;  // [max_num_seqs + 1]
+  std::vector<TokenId> tokens;         // [max_num_batched_tokens + max_num_seqs]
 };
 
 }  // namespace pyengine

@@ -31,7 +31,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_conf
       kv_(kv_config),
       buffers_(config.max_num_batched_tokens, config.max_num_seqs,
                ceil_div(config.max_model_len, kv_config.block_size)),
-      results_(config.max_num_seqs) {
+      results_(config.max_num_seqs, config.max_num_batched_tokens) {
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
   step_requests_.reserve(static_cast<size_t>(config.max_num_seqs));
 }
@@ -175,9 +175,10 @@ Request* Scheduler::preempt_last_running(std::vector<std::pair<Request*, int>>& 
   if (row != scheduled.end()) {
     // Its blocks were cached as if this step's tokens would be computed: they won't.
     kv_.rollback(victim->id, victim->num_computed_tokens - row->second);
-    budget += row->second;
+    budget += row->second + victim->num_scheduled_drafts;
     scheduled.erase(row);
   }
+  victim->num_scheduled_drafts = 0;
   kv_.free(victim->id);
   victim->num_computed_tokens = 0;
   ++victim->num_preemptions;
@@ -212,6 +213,7 @@ void Scheduler::fork_samples(Request& r, std::vector<std::pair<Request*, int>>& 
     sample.num_computed_tokens = r.num_computed_tokens;
     sample.status = RequestStatus::kRunning;
     sample.fork_step = step_index_;
+    sample.num_scheduled_drafts = 0;
     running_.push_back(&sample);
     scheduled.emplace_back(&sample, 0);  // right after r: it samples from r's logits
   }
@@ -225,7 +227,9 @@ int Scheduler::schedule() {
   scheduled.reserve(running_.size() + waiting_.size());
   bool preempted = false;
 
-  // Running requests first: a decode token each, or their prompt's next chunk.
+  // Running requests first: a decode token each (and the draft tokens proposed to follow
+  // it), or their prompt's next chunk.
+  for (Request* r : running_) r->num_scheduled_drafts = 0;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
     const int n = std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget);
@@ -233,8 +237,12 @@ int Scheduler::schedule() {
       ++i;
       continue;
     }
-    bool allocated = false;
-    while (!(allocated = kv_.allocate_slots(r->kv_handle, n).has_value())) {
+    const bool decoding = n == 1 && r->num_computed_tokens == r->num_tokens() - 1;
+    int drafts = decoding ? drafts_that_fit(*r, budget) : 0;
+    // (no room for the drafts' slots: the step goes without them before anyone is preempted)
+    if (drafts > 0 && !kv_.allocate_slots(r->kv_handle, n, drafts).has_value()) drafts = 0;
+    bool allocated = drafts > 0;
+    while (!allocated && !(allocated = kv_.allocate_slots(r->kv_handle, n).has_value())) {
       const auto position =
           static_cast<size_t>(std::find(running_.begin(), running_.end(), r) - running_.begin());
       Request* victim = preempt_last_running(scheduled, budget);
@@ -246,10 +254,15 @@ int Scheduler::schedule() {
     // running_ come before it in policy order, and may fit in the blocks it freed.
     if (!allocated) continue;
     r->num_computed_tokens += n;
+    r->num_scheduled_drafts = drafts;
     scheduled.emplace_back(r, n);
-    budget -= n;
+    budget -= n + drafts;
     fork_samples(*r, scheduled);
     ++i;
+  }
+  // A proposal serves one step: what it did not schedule is dropped.
+  for (Request* r : running_) {
+    r->draft_token_ids.resize(static_cast<size_t>(r->num_scheduled_drafts));
   }
 
   // Then waiting requests in policy order, unless this step had to preempt. A request
@@ -291,6 +304,8 @@ int Scheduler::schedule() {
     it = waiting_.erase(it);
     if (new_adapter) adapters.push_back(adapter);
     r->status = RequestStatus::kRunning;
+    r->draft_token_ids.clear();  // (a prefill proposes nothing)
+    r->num_scheduled_drafts = 0;
     r->num_computed_tokens = hit.num_computed_tokens + n;
     running_.push_back(r);
     num_seqs += seqs;
@@ -319,27 +334,35 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     const auto& [r, n] = scheduled[i];
     const std::span<const BlockId> table = kv_.block_table(r->kv_handle);
     const int first = r->num_computed_tokens - n;
-    for (int p = first; p < r->num_computed_tokens; ++p) {
+    const int drafts = r->num_scheduled_drafts;  // (their slots follow the known tokens')
+    for (int p = first; p < r->num_computed_tokens + drafts; ++p) {
       const auto t = static_cast<size_t>(b.num_tokens++);
-      b.input_ids[t] = r->token_ids[static_cast<size_t>(p)];
+      b.input_ids[t] = p < r->num_computed_tokens
+                           ? r->token_ids[static_cast<size_t>(p)]
+                           : r->draft_token_ids[static_cast<size_t>(p - r->num_computed_tokens)];
       b.positions[t] = p;
       b.slot_mapping[t] =
           static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) * block_size +
           p % block_size;
     }
     b.query_start_loc[i + 1] = b.num_tokens;
-    b.seq_lens[i] = r->num_computed_tokens;
+    b.seq_lens[i] = r->num_computed_tokens + drafts;
     std::copy(table.begin(), table.end(),
               b.block_tables.begin() + static_cast<ptrdiff_t>(i) * b.max_blocks_per_request);
-    b.num_scheduled_tokens[i] = n;
+    b.num_scheduled_tokens[i] = n + drafts;
+    b.num_draft_tokens[i] = drafts;
     const bool sampling = r->num_computed_tokens == r->num_tokens();
     b.is_sampling[i] = sampling ? 1 : 0;
-    if (sampling) b.logits_indices[static_cast<size_t>(b.num_sampled++)] = b.num_tokens - 1;
+    // The last token's row, then each draft's: a row for every token the step may accept.
+    for (int j = drafts; sampling && j >= 0; --j) {
+      b.logits_indices[static_cast<size_t>(b.num_sampled++)] = b.num_tokens - 1 - j;
+    }
     b.request_ids[i] = r->id;
     step_requests_.push_back(r);
     // A decode step computes only the last sampled token.
     (first == r->num_tokens() - 1 && r->num_output_tokens() > 0 ? last_decode_tokens_
-                                                                : last_prefill_tokens_) += n;
+                                                                : last_prefill_tokens_) +=
+        n + drafts;
     // A sample forked this step has no tokens: its logits row is sample 0's last one,
     // which precedes it (b.num_tokens - 1 above already points there).
   }
@@ -363,6 +386,25 @@ FinishReason Scheduler::stop_reason(const Request& r, TokenId token) const {
   return FinishReason::kNone;
 }
 
+int Scheduler::drafts_that_fit(const Request& r, int budget) const {
+  const int proposed = static_cast<int>(r.draft_token_ids.size());
+  // (every token it may accept within max_model_len and max_tokens, its last one's too)
+  const int by_length = config_.max_model_len - r.num_tokens() - 1;
+  const int by_max_tokens = r.params.max_tokens - r.num_output_tokens() - 1;
+  return std::max(0, std::min({proposed, budget - 1, by_length, by_max_tokens}));
+}
+
+void Scheduler::set_draft_tokens(const std::string& id, std::span<const TokenId> drafts) {
+  const auto it = requests_.find(id);
+  if (it == requests_.end()) throw UnknownRequest(id);
+  for (const TokenId t : drafts) {
+    if (t < 0) {
+      throw InvalidArgument("set_draft_tokens: token id " + std::to_string(t) + " is negative");
+    }
+  }
+  it->second->draft_token_ids.assign(drafts.begin(), drafts.end());
+}
+
 int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
   if (!step_pending_) throw InvalidState("update: no step was scheduled since the last update");
   const StepBuffers& b = buffers_;
@@ -371,33 +413,89 @@ int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
                           " sampled token ids (one per logits_indices row), got " +
                           std::to_string(sampled_token_ids.size()));
   }
-  for (const TokenId t : sampled_token_ids) {
+  one_token_rows_.assign(static_cast<size_t>(b.num_reqs), 0);
+  for (size_t i = 0; i < static_cast<size_t>(b.num_reqs); ++i) {
+    if (b.num_draft_tokens[i] > 0) {
+      throw InvalidArgument(
+          "update: the step scheduled draft tokens; give each row's count of new tokens "
+          "(update(tokens, num_tokens_per_row))");
+    }
+    one_token_rows_[i] = b.is_sampling[i];
+  }
+  return update(sampled_token_ids, one_token_rows_);
+}
+
+int Scheduler::update(std::span<const TokenId> tokens,
+                      std::span<const int32_t> num_tokens_per_row) {
+  if (!step_pending_) throw InvalidState("update: no step was scheduled since the last update");
+  const StepBuffers& b = buffers_;
+  const auto num_reqs = static_cast<size_t>(b.num_reqs);
+  if (num_tokens_per_row.size() != num_reqs) {
+    throw InvalidArgument("update: expected " + std::to_string(num_reqs) +
+                          " token counts (one per row), got " +
+                          std::to_string(num_tokens_per_row.size()));
+  }
+  size_t total = 0;
+  for (size_t i = 0; i < num_reqs; ++i) {
+    const int count = num_tokens_per_row[i], drafts = b.num_draft_tokens[i];
+    const int least = b.is_sampling[i] != 0 ? 1 : 0, most = b.is_sampling[i] != 0 ? 1 + drafts : 0;
+    if (count < least || count > most) {
+      throw InvalidArgument("update: row " + std::to_string(i) + " takes " + std::to_string(least) +
+                            " to " + std::to_string(most) + " new tokens, got " +
+                            std::to_string(count));
+    }
+    const Request* r = step_requests_[i];
+    for (int j = 0; r != nullptr && j + 1 < count && total + j < tokens.size(); ++j) {
+      if (tokens[total + static_cast<size_t>(j)] != r->draft_token_ids[static_cast<size_t>(j)]) {
+        throw InvalidArgument("update: row " + std::to_string(i) + "'s new token " +
+                              std::to_string(j) + " is not its draft token there (only the " +
+                              "last of a row's tokens may differ from its drafts)");
+      }
+    }
+    total += static_cast<size_t>(count);
+  }
+  if (total != tokens.size()) {
+    throw InvalidArgument("update: the rows' counts add up to " + std::to_string(total) +
+                          " tokens, got " + std::to_string(tokens.size()));
+  }
+  for (const TokenId t : tokens) {
     if (t < 0) throw InvalidArgument("update: token id " + std::to_string(t) + " is negative");
   }
   step_pending_ = false;
   results_.num_reqs = b.num_reqs;
   results_.num_finished = 0;
-  size_t next_sample = 0;
-  for (size_t i = 0; i < static_cast<size_t>(b.num_reqs); ++i) {
+  size_t next = 0;
+  int32_t written = 0;
+  for (size_t i = 0; i < num_reqs; ++i) {
+    results_.token_offsets[i] = written;
     results_.new_token_ids[i] = kNoToken;
     results_.finish_reasons[i] = static_cast<uint8_t>(FinishReason::kNone);
-    const bool sampling = b.is_sampling[i] != 0;
-    const TokenId token = sampling ? sampled_token_ids[next_sample++] : kNoToken;
+    const auto row = tokens.subspan(next, static_cast<size_t>(num_tokens_per_row[i]));
+    next += row.size();
     Request* r = step_requests_[i];
     if (r == nullptr) {  // aborted or finished by Python during the step
       results_.finish_reasons[i] = static_cast<uint8_t>(step_removed_reasons_[i]);
       continue;
     }
-    if (!sampling) continue;
-    r->token_ids.push_back(token);
-    kv_.append_token_ids(r->kv_handle, std::span<const TokenId>(&token, 1));
-    results_.new_token_ids[i] = token;
-    const FinishReason reason = stop_reason(*r, token);
+    const int before = r->num_tokens();
+    const FinishReason reason = append_tokens(*r, row, i);
+    const int appended = r->num_tokens() - before;
+    written += appended;
+    r->draft_token_ids.clear();
+    if (reason == FinishReason::kNone && appended > 1) {
+      // The accepted drafts' KV was computed in their lookahead slots: now known tokens.
+      if (!kv_.allocate_slots(r->kv_handle, appended - 1).has_value()) {
+        throw InvalidState("update: the accepted draft tokens' slots were not held");
+      }
+      r->num_computed_tokens += appended - 1;
+    }
+    r->num_scheduled_drafts = 0;
     if (reason == FinishReason::kNone) continue;
     results_.finish_reasons[i] = static_cast<uint8_t>(reason);
     r->status = RequestStatus::kFinished;
     ++results_.num_finished;
   }
+  results_.token_offsets[num_reqs] = written;
   if (results_.num_finished > 0) {
     std::erase_if(running_, [](const Request* r) { return r->status == RequestStatus::kFinished; });
     for (Request* r : step_requests_) {
@@ -410,6 +508,19 @@ int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
   }
   step_requests_.clear();
   return results_.num_finished;
+}
+
+FinishReason Scheduler::append_tokens(Request& r, std::span<const TokenId> tokens, size_t row) {
+  auto at = static_cast<size_t>(results_.token_offsets[row]);
+  for (const TokenId token : tokens) {
+    r.token_ids.push_back(token);
+    kv_.append_token_ids(r.kv_handle, std::span<const TokenId>(&token, 1));
+    results_.tokens[at++] = token;
+    if (results_.new_token_ids[row] == kNoToken) results_.new_token_ids[row] = token;
+    const FinishReason reason = stop_reason(r, token);
+    if (reason != FinishReason::kNone) return reason;
+  }
+  return FinishReason::kNone;
 }
 
 SchedulerStats Scheduler::stats() const {

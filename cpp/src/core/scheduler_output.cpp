@@ -22,14 +22,18 @@ StepBuffers::StepBuffers(int max_num_batched_tokens, int max_num_seqs, int max_b
       query_start_loc(static_cast<size_t>(max_num_seqs) + 1),
       seq_lens(static_cast<size_t>(max_num_seqs)),
       block_tables(static_cast<size_t>(max_num_seqs) * static_cast<size_t>(max_blocks)),
-      logits_indices(static_cast<size_t>(max_num_seqs)),
+      logits_indices(static_cast<size_t>(max_num_batched_tokens) +
+                     static_cast<size_t>(max_num_seqs)),
       num_scheduled_tokens(static_cast<size_t>(max_num_seqs)),
-      is_sampling(static_cast<size_t>(max_num_seqs)) {
+      is_sampling(static_cast<size_t>(max_num_seqs)),
+      num_draft_tokens(static_cast<size_t>(max_num_seqs)) {
   request_ids.reserve(static_cast<size_t>(max_num_seqs));
 }
 
-StepResults::StepResults(int max_num_seqs)
+StepResults::StepResults(int max_num_seqs, int max_num_batched_tokens)
     : new_token_ids(static_cast<size_t>(max_num_seqs), kNoToken),
-      finish_reasons(static_cast<size_t>(max_num_seqs), 0) {}
+      finish_reasons(static_cast<size_t>(max_num_seqs), 0),
+      token_offsets(static_cast<size_t>(max_num_seqs) + 1, 0),
+      tokens(static_cast<size_t>(max_num_batched_tokens) + static_cast<size_t>(max_num_seqs)) {}
 
 }  // namespace pyengine

@@ -39,11 +39,11 @@ using Vec8 = float __attribute__((vector_size(32)));
 template <class V>
 constexpr int kVectorsOf = kPanelWidth / static_cast<int>(sizeof(V) / sizeof(float));
 
+// (v by reference: a returned vector wider than the default clone's registers would
+// change the ABI)
 template <class V>
-[[gnu::always_inline]] inline V load_vec(const float* p) {
-  V v;
+[[gnu::always_inline]] inline void load_vec(V& v, const float* p) {
   std::memcpy(&v, p, sizeof v);
-  return v;
 }
 template <class V>
 [[gnu::always_inline]] inline void store_vec(float* p, const V& v) {
@@ -100,14 +100,15 @@ PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel
   for (int r = 0; r < kGroup; ++r) {
 #pragma GCC unroll 6
     for (int v = 0; v < kV; ++v) {
-      acc[r][v] = kAccumulate ? load_vec<V>(c + r * kPanelWidth + v * kL) : V{};
+      acc[r][v] = V{};
+      if constexpr (kAccumulate) load_vec(acc[r][v], c + r * kPanelWidth + v * kL);
     }
   }
   for (int64_t i = 0; i < k; ++i) {
     for (int j = 0; j < kPerStep; ++j) __builtin_prefetch(fetch + (i * kPerStep + j) * 16, 0, 1);
     V b[kV];
 #pragma GCC unroll 6
-    for (int v = 0; v < kV; ++v) b[v] = load_vec<V>(panel + i * kPanelWidth + v * kL);
+    for (int v = 0; v < kV; ++v) load_vec(b[v], panel + i * kPanelWidth + v * kL);
 #pragma GCC unroll 8
     for (int r = 0; r < kGroup; ++r) {
       const float x = a[r * lda + i];
@@ -153,7 +154,7 @@ PYENGINE_VECTOR_CLONES void row_tile_of(const float* a, const float* panel, int6
   constexpr int kV = kVectorsOf<V>, kL = lanes_of(sizeof(V));
   V even[kV] = {}, odd[kV] = {};
   if (accumulate) {
-    for (int v = 0; v < kV; ++v) even[v] = load_vec<V>(c + v * kL);
+    for (int v = 0; v < kV; ++v) load_vec(even[v], c + v * kL);
   }
   int64_t i = 0;
   for (; i + 1 < k; i += 2) {
@@ -161,13 +162,20 @@ PYENGINE_VECTOR_CLONES void row_tile_of(const float* a, const float* panel, int6
     const float x0 = a[i], x1 = a[i + 1];
 #pragma GCC unroll 6
     for (int v = 0; v < kV; ++v) {
-      even[v] += x0 * load_vec<V>(row + v * kL);
-      odd[v] += x1 * load_vec<V>(row + kPanelWidth + v * kL);
+      V w0, w1;
+      load_vec(w0, row + v * kL);
+      load_vec(w1, row + kPanelWidth + v * kL);
+      even[v] += x0 * w0;
+      odd[v] += x1 * w1;
     }
   }
   if (i < k) {
     const float* row = panel + i * kPanelWidth;
-    for (int v = 0; v < kV; ++v) even[v] += a[i] * load_vec<V>(row + v * kL);
+    for (int v = 0; v < kV; ++v) {
+      V w;
+      load_vec(w, row + v * kL);
+      even[v] += a[i] * w;
+    }
   }
   for (int v = 0; v < kV; ++v) store_vec(c + v * kL, even[v] + odd[v]);
 }
