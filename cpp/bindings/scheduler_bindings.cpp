@@ -224,6 +224,14 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           },
           py::arg("request_id"), py::arg("draft_token_ids"),
           "Proposes tokens to follow a request's (speculative decoding) for the next step.")
+      .def(
+          "propose_ngram_drafts",
+          [](Scheduler& s, int min_n, int max_n, int max_draft) {
+            return s.propose_ngram_drafts(NgramConfig{min_n, max_n, max_draft});
+          },
+          py::arg("prompt_lookup_min"), py::arg("prompt_lookup_max"),
+          py::arg("num_speculative_tokens"),
+          "Proposes prompt-lookup drafts to every decoding request; returns how many got one.")
       .def_property_readonly("results", &Scheduler::results,
                              py::return_value_policy::reference_internal)
       .def(
@@ -280,6 +288,16 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
 void bind_scheduler(py::module_& m) {
   bind_step_buffers(m);
   bind_step_results(m);
+  m.def(
+      "propose_ngram",
+      [](const py::handle& tokens, int min_n, int max_n, int max_draft) {
+        const TokenIds ids(tokens, "token_ids");
+        return propose_ngram(ids.span(), NgramConfig{min_n, max_n, max_draft});
+      },
+      py::arg("token_ids"), py::arg("prompt_lookup_min"), py::arg("prompt_lookup_max"),
+      py::arg("num_speculative_tokens"),
+      "Prompt lookup: the tokens that followed the most recent earlier occurrence of the "
+      "longest suffix (prompt_lookup_max down to prompt_lookup_min tokens) of token_ids.");
   bind_stats(m);
   bind_scheduler_class(m);
 }

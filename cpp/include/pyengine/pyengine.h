@@ -12,6 +12,7 @@
 #include "pyengine/errors.h"
 #include "pyengine/kv_cache_manager.h"
 #include "pyengine/layer_ops.h"
+#include "pyengine/ngram_proposer.h"
 #include "pyengine/prefix_hash.h"
 #include "pyengine/request.h"
 #include "pyengine/scheduler.h"

@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "pyengine/kv_cache_manager.h"
+#include "pyengine/ngram_proposer.h"
 #include "pyengine/request.h"
 #include "pyengine/scheduler_output.h"
 
@@ -115,6 +116,9 @@ class Scheduler {
   // proposal is used by one schedule() at most. Throws UnknownRequest, InvalidArgument
   // on a negative token id.
   void set_draft_tokens(const std::string& id, std::span<const TokenId> drafts);
+  // Proposes to every running request that decodes the prompt-lookup tokens of its own
+  // tokens (propose_ngram), as set_draft_tokens would; returns how many got a proposal.
+  int propose_ngram_drafts(const NgramConfig& config);
   const StepResults& results() const { return results_; }
 
   // The id of sample k (1 <= k < n) of request `id`.

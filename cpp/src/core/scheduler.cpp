@@ -405,6 +405,17 @@ void Scheduler::set_draft_tokens(const std::string& id, std::span<const TokenId>
   it->second->draft_token_ids.assign(drafts.begin(), drafts.end());
 }
 
+int Scheduler::propose_ngram_drafts(const NgramConfig& config) {
+  check_ngram_config(config);
+  int proposed = 0;
+  for (Request* r : running_) {
+    if (r->num_computed_tokens != r->num_tokens() - 1) continue;  // (a prefill's chunks)
+    r->draft_token_ids = propose_ngram(r->token_ids, config);
+    proposed += r->draft_token_ids.empty() ? 0 : 1;
+  }
+  return proposed;
+}
+
 int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
   if (!step_pending_) throw InvalidState("update: no step was scheduled since the last update");
   const StepBuffers& b = buffers_;
