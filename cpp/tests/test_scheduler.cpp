@@ -1,30 +1,19 @@
-#include <numeric>
 #include <vector>
 
 #include "harness.h"
 #include "pyengine/errors.h"
 #include "pyengine/scheduler.h"
+#include "scheduler_testing.h"
 
 using namespace pyengine;
 
 namespace {
 
 Scheduler make(int num_blocks = 32, int budget = 16) {
-  SchedulerConfig config;
-  config.max_num_batched_tokens = budget;
-  config.max_num_seqs = 4;
-  config.max_model_len = 64;
-  config.enable_chunked_prefill = true;
-  config.long_prefill_token_threshold = 0;
-  config.policy = SchedulingPolicy::kFCFS;
-  return Scheduler(config, KVCacheConfig{num_blocks, 4, true});
+  return testing::make_scheduler(num_blocks, budget);
 }
 
-std::vector<TokenId> iota_tokens(int n) {
-  std::vector<TokenId> tokens(static_cast<size_t>(n));
-  std::iota(tokens.begin(), tokens.end(), 1);
-  return tokens;
-}
+using testing::iota_tokens;
 
 // Runs to the end, sampling token 7 everywhere; returns the number of steps.
 int run(Scheduler& s) {

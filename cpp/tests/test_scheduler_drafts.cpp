@@ -2,33 +2,22 @@
 // scheduled after its token in lookahead slots, each with a logits row; update takes the
 // accepted drafts and one token more, the rejected drafts' slots taken back; every bad
 // count or token refused, changing nothing; no block leaked.
-#include <numeric>
 #include <vector>
 
 #include "harness.h"
 #include "pyengine/errors.h"
 #include "pyengine/scheduler.h"
+#include "scheduler_testing.h"
 
 using namespace pyengine;
 
 namespace {
 
 Scheduler make(int budget = 16, int max_model_len = 64, int num_blocks = 32) {
-  SchedulerConfig config;
-  config.max_num_batched_tokens = budget;
-  config.max_num_seqs = 4;
-  config.max_model_len = max_model_len;
-  config.enable_chunked_prefill = true;
-  config.long_prefill_token_threshold = 0;
-  config.policy = SchedulingPolicy::kFCFS;
-  return Scheduler(config, KVCacheConfig{num_blocks, 4, true});
+  return testing::make_scheduler(num_blocks, budget, max_model_len);
 }
 
-std::vector<TokenId> iota_tokens(int n) {
-  std::vector<TokenId> tokens(static_cast<size_t>(n));
-  std::iota(tokens.begin(), tokens.end(), 1);
-  return tokens;
-}
+using testing::iota_tokens;
 
 // Prefills a request of `prompt` tokens and samples `first`: it decodes from then on.
 void start(Scheduler& s, const std::string& id, int prompt, const RequestParams& params,

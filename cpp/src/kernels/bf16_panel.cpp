@@ -53,15 +53,6 @@ using Bits16 = uint32_t __attribute__((vector_size(64)));
 using Vec8 = float __attribute__((vector_size(32)));
 using Bits8 = uint32_t __attribute__((vector_size(32)));
 
-bool wide_vectors() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
-#else
-  return false;
-#endif
-}
-
 // The portable build: each lane's pair widened to two floats (a bfloat16 is a float's
 // high half), the odd product added first, as vdpbf16ps adds them. (Products of
 // bfloat16s are exact: a fused multiply-add rounds as the separate add does, and every

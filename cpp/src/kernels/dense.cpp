@@ -31,9 +31,10 @@ using detail::check_x_out;
 constexpr int kRows = 8;
 constexpr int64_t kPrefetchRows = 24;
 constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of them
-// A zmm's floats, and a ymm's: the loops below are built for either, run in the one the
-// CPU has (wide_vectors). GCC lowers a vector twice a clone's register width through the
-// stack, element by element: AVX2 ran the 16-float build at a twentieth of its speed.
+// A zmm's floats, and a ymm's: the loops below are built for either and run in the one
+// the CPU holds in its registers (detail::wide_vectors); an 8-row tile's 24 sums of 16
+// fill AVX-512's 32 registers, and 8-float tiles go in passes of 2 rows (12 sums in
+// AVX2's 16), the same products in the same order.
 using Vec16 = float __attribute__((vector_size(64)));
 using Vec8 = float __attribute__((vector_size(32)));
 template <class V>
@@ -50,19 +51,6 @@ template <class V>
   std::memcpy(p, &v, sizeof v);
 }
 constexpr int lanes_of(int64_t bytes) { return static_cast<int>(bytes / sizeof(float)); }
-
-// Whether the 16-float builds run: AVX-512's 32 registers hold an 8-row tile's 24 sums;
-// narrower CPUs take 8-float vectors, a tile in passes of 2 rows (12 sums in AVX2's 16
-// registers). By the CPU, not set_quantized_dense_isa's pin: the AVX-512 clone has no
-// FMA for 8 floats (no AVX512VL), so 8-float vectors there would round twice.
-bool wide_vectors() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
-#else
-  return false;
-#endif
-}
 
 // What a tile asks memory for as it goes: `per_step` cache lines per k step, in order
 // from `start`, into L2. The first tile of a block asks for its own panel some rows
@@ -126,7 +114,8 @@ PYENGINE_VECTOR_CLONES void tile(const float* a, int64_t lda, const float* panel
 template <int kPerStep, bool kAccumulate>
 void grouped_tile(const float* a, int64_t lda, const float* panel, int64_t k, float* c,
                   const float* fetch) {
-  if (wide_vectors()) return tile<kPerStep, kAccumulate, Vec16, kRows>(a, lda, panel, k, c, fetch);
+  if (detail::wide_vectors())
+    return tile<kPerStep, kAccumulate, Vec16, kRows>(a, lda, panel, k, c, fetch);
   tile<kPerStep, kAccumulate, Vec8, 2>(a, lda, panel, k, c, fetch);
   for (int r = 2; r < kRows; r += 2) {  // (the first pass alone asks for the next panel)
     tile<0, kAccumulate, Vec8, 2>(a + r * lda, lda, panel, k, c + r * kPanelWidth, nullptr);
@@ -181,7 +170,7 @@ PYENGINE_VECTOR_CLONES void row_tile_of(const float* a, const float* panel, int6
 }
 
 void row_tile(const float* a, const float* panel, int64_t k, float* c, bool accumulate) {
-  if (wide_vectors()) return row_tile_of<Vec16>(a, panel, k, c, accumulate);
+  if (detail::wide_vectors()) return row_tile_of<Vec16>(a, panel, k, c, accumulate);
   row_tile_of<Vec8>(a, panel, k, c, accumulate);
 }
 

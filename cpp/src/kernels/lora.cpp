@@ -51,17 +51,6 @@ struct Lanes<8> {
   static constexpr int kRanks = 2;  // 8 sums, beside 4 x vectors, in AVX2's 16 registers
 };
 
-// By the CPU (see dense.cpp's wide_vectors: the AVX-512 clone rounds 8-float
-// multiply-adds twice).
-bool wide_lanes() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool wide = __builtin_cpu_supports("avx512f");
-  return wide;
-#else
-  return false;
-#endif
-}
-
 // (v by reference: a returned vector wider than the default clone's registers would
 // change the ABI)
 template <DType kDType, int kL, class Vec = typename Lanes<kL>::Vec>
@@ -168,12 +157,12 @@ template <DType kDType>
 struct Loops {
   static int64_t shrink(const void* const* xs, const void* a, int64_t ranks, int64_t k,
                         float* shrunk) {
-    return wide_lanes() ? shrink_loop<kDType, 16>(xs, a, ranks, k, shrunk)
-                        : shrink_loop<kDType, 8>(xs, a, ranks, k, shrunk);
+    return detail::wide_vectors() ? shrink_loop<kDType, 16>(xs, a, ranks, k, shrunk)
+                                  : shrink_loop<kDType, 8>(xs, a, ranks, k, shrunk);
   }
   static void expand(const float* shrunk, int rows, const void* b, int64_t n, int64_t r0,
                      int64_t r1, int64_t c0, int64_t c1, float scale, void* const* outs) {
-    if (wide_lanes())
+    if (detail::wide_vectors())
       return expand_loop<kDType, 16>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);
     expand_loop<kDType, 8>(shrunk, rows, b, n, r0, r1, c0, c1, scale, outs);
   }
