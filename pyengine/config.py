@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyengine.sampling_params import is_int, is_real
+from pyengine.spec_decode.config import SpeculativeConfig
 
 QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors")
 
@@ -335,6 +336,7 @@ class EngineConfig:
     parallel: ParallelConfig
     quantized_activations: str = "float32"  # one of QUANTIZED_ACTIVATIONS (EngineArgs says)
     lora: LoRAConfig | None = None  # None: no adapters (enable_lora=False)
+    speculative: SpeculativeConfig | None = None  # None: no speculative decoding
 
     @property
     def cache_dtype(self) -> str:

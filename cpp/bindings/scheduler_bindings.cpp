@@ -171,7 +171,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,
              int min_tokens, std::optional<TokenId> eos_token_id,
              const std::vector<TokenId>& stop_token_ids, bool ignore_eos, int n, int priority,
-             double arrival_time, std::string cache_salt, int64_t adapter_id) {
+             double arrival_time, std::string cache_salt, int64_t adapter_id, bool speculate) {
             const TokenIds tokens(prompt, "prompt_token_ids");
             RequestParams params;
             params.max_tokens = max_tokens;
@@ -187,13 +187,14 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
             params.arrival_time = arrival_time;
             params.cache_salt = std::move(cache_salt);
             params.adapter_id = adapter_id;
+            params.speculate = speculate;
             s.add_request(id, tokens.span(), params);
           },
           py::arg("request_id"), py::arg("prompt_token_ids"), py::arg("max_tokens") = 16,
           py::arg("min_tokens") = 0, py::arg("eos_token_id") = py::none(),
           py::arg("stop_token_ids") = std::vector<TokenId>{}, py::arg("ignore_eos") = false,
           py::arg("n") = 1, py::arg("priority") = 0, py::arg("arrival_time") = 0.0,
-          py::arg("cache_salt") = "", py::arg("adapter_id") = 0)
+          py::arg("cache_salt") = "", py::arg("adapter_id") = 0, py::arg("speculate") = false)
       .def("abort_request", &Scheduler::abort_request, py::arg("request_id"))
       .def(
           "finish_request",

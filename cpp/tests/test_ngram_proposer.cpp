@@ -43,7 +43,7 @@ TEST(bad_configs_are_refused) {
   CHECK_THROWS(InvalidArgument, propose({1, 2}, 1, 2, 0));
 }
 
-TEST(the_scheduler_proposes_to_decoding_requests_only) {
+TEST(the_scheduler_proposes_to_decoding_requests_that_speculate) {
   SchedulerConfig config;
   config.max_num_batched_tokens = 8;
   config.max_num_seqs = 4;
@@ -53,6 +53,7 @@ TEST(the_scheduler_proposes_to_decoding_requests_only) {
   Scheduler s(config, KVCacheConfig{32, 4, true});
   RequestParams params;
   params.max_tokens = 8;
+  params.speculate = true;
   s.add_request("a", std::vector<TokenId>{3, 4, 5, 3}, params);
   s.schedule();
   const TokenId first[] = {4};  // tokens 3 4 5 3 4: "3 4" was followed by 5 3
@@ -63,6 +64,13 @@ TEST(the_scheduler_proposes_to_decoding_requests_only) {
   CHECK_EQ(s.buffers().num_draft_tokens[0], 2);
   CHECK_EQ(s.buffers().input_ids[1], 5);
   CHECK_EQ(s.buffers().input_ids[2], 3);
+  // A request added without `speculate` (its tokens sampled) gets no proposal.
+  Scheduler plain(config, KVCacheConfig{32, 4, true});
+  params.speculate = false;
+  plain.add_request("c", std::vector<TokenId>{3, 4, 5, 3}, params);
+  plain.schedule();
+  plain.update(first);
+  CHECK_EQ(plain.propose_ngram_drafts(NgramConfig{1, 2, 2}), 0);
 }
 
 TEST_MAIN()

@@ -24,6 +24,7 @@ from pyengine.engine.input_processor import EngineRequest
 from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
+from pyengine.spec_decode.verify import SpecDecodeStats, accept_greedy
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
     PromptLogprobRow,
@@ -56,6 +57,10 @@ class _InFlight:
     scored: list[tuple[str, int]]  # (request id, prompt position) per prompt-logprob row
     cached: dict[str, int]  # as EngineCoreOutput.num_cached_tokens
     num_sampled: int
+    # Speculative decoding: each row's draft tokens (empty where none), and which rows
+    # sample; None where the step verifies none.
+    drafts: list[np.ndarray] | None = None
+    is_sampling: np.ndarray | None = None
 
 
 @dataclass
@@ -73,6 +78,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, executor: Executor) -> None:
         self.config = config
         self.lora = config.lora is not None
+        self.speculative = config.speculative
+        self.spec_stats = SpecDecodeStats()
         self.executor = executor
         num_engines = executor.max_steps_in_flight
         self.schedulers = [
@@ -119,6 +126,7 @@ class EngineCore:
             for e in self._engine_of.values():
                 load[e] += 1
             engine = load.index(min(load))
+        argmax_only = plain_greedy(params) and params.logprobs is None
         self.schedulers[engine].add_request(
             request_id,
             request.prompt_array,
@@ -131,8 +139,9 @@ class EngineCore:
             adapter_id=0 if request.lora_request is None else request.lora_request.lora_int_id,
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
+            # Drafts are verified greedily: proposals for the rows whose tokens are argmaxes.
+            speculate=self.speculative is not None and argmax_only and params.min_tokens == 0,
         )
-        argmax_only = plain_greedy(params) and params.logprobs is None
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
             self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only)
@@ -184,7 +193,14 @@ class EngineCore:
                     self._fail(self._in_flight.popleft())
             raise
         scheduler = self.schedulers[flight.virtual_engine]
-        scheduler.update(np.asarray(out.sampled_token_ids, dtype=np.int32))
+        sampled = np.asarray(out.sampled_token_ids, dtype=np.int32)
+        if flight.drafts is None:
+            scheduler.update(sampled)
+        else:
+            assert flight.is_sampling is not None
+            tokens, counts = accept_greedy(sampled, flight.is_sampling, flight.drafts)
+            scheduler.update(tokens, counts)
+            self.spec_stats.record(flight.drafts, counts)
         prompt_logprobs = [
             (request_id, position, logprobs)
             for (request_id, position), logprobs in zip(
@@ -193,7 +209,7 @@ class EngineCore:
         ]
         for request_id, position, _ in prompt_logprobs:
             self._prompt_logprobs[request_id].add(position)
-        updates += self._updates(flight.virtual_engine)
+        updates += self._updates(flight.virtual_engine, flight.drafts is not None)
         return EngineCoreOutput(
             updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs
         )
@@ -202,6 +218,11 @@ class EngineCore:
         """Scheduler `engine` plans a step and the executor takes it; what the scheduler
         reports when it has nothing to run (aborted rows) is returned."""
         scheduler = self.schedulers[engine]
+        spec = self.speculative
+        if spec is not None:
+            scheduler.propose_ngram_drafts(
+                spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
+            )
         if scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             scheduler.update(np.zeros(0, dtype=np.int32))
             return self._updates(engine)
@@ -210,6 +231,12 @@ class EngineCore:
         cached = self._first_steps(b, row_ids) if self._unscheduled else {}
         num_sampled = int(np.count_nonzero(b.is_sampling))
         flight = _InFlight(engine, row_ids, [], [], cached, num_sampled)
+        num_drafts = b.num_draft_tokens
+        if num_drafts.any():
+            ends = b.query_start_loc[1:]
+            pairs = zip(ends.tolist(), num_drafts.tolist(), strict=True)
+            flight.drafts = [b.input_ids[end - d : end].copy() for end, d in pairs]
+            flight.is_sampling = b.is_sampling.copy()
         try:
             step, flight.sampled_row_ids, flight.scored = self._scheduler_output(b, row_ids, engine)
             self.executor.submit(step)
@@ -224,10 +251,19 @@ class EngineCore:
         rows = [r for r in flight.row_ids if r in self._rows]
         self.failed_request_ids |= {self._rows[r].request.request_id for r in rows}
         self.finish_rows(rows, "abort")
-        self.schedulers[flight.virtual_engine].update(np.zeros(flight.num_sampled, np.int32))
+        scheduler = self.schedulers[flight.virtual_engine]
+        if flight.is_sampling is None:
+            scheduler.update(np.zeros(flight.num_sampled, np.int32))
+        else:  # (a token for each sampling row: the rows are aborted, their tokens unread)
+            scheduler.update(
+                np.zeros(flight.num_sampled, np.int32), flight.is_sampling.astype(np.int32)
+            )
 
-    def _updates(self, engine: int = 0) -> list[RowUpdate]:
-        updates = self.schedulers[engine].outputs()
+    def _updates(self, engine: int = 0, several: bool = False) -> list[RowUpdate]:
+        """The last update()'s rows, a RowUpdate per new token (several: a row may have
+        more than one, its accepted drafts), the finish reason with the last."""
+        scheduler = self.schedulers[engine]
+        updates = several_tokens(scheduler) if several else scheduler.outputs()
         for row_id, token, reason in updates:
             row = self._rows.get(row_id)
             if row is None:
@@ -274,7 +310,10 @@ class EngineCore:
     ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
         """The step as the executor takes it, the sampled rows' ids, and the (request,
         prompt position) of each prompt-logprob row."""
-        sampled_row_ids = [row_ids[i] for i in np.flatnonzero(b.is_sampling)]
+        # (a row with draft tokens has a logits row for each, and one more)
+        rows_each = 1 + b.num_draft_tokens
+        sampled_row_ids = [row_ids[i] for i in np.flatnonzero(b.is_sampling)
+                           for _ in range(int(rows_each[i]))]  # fmt: skip
         sampling = None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(r) for r in sampled_row_ids]
@@ -355,3 +394,22 @@ class EngineCore:
                 if target < prompt_len and target not in scored:
                     wanted.append((row_id, target, row))
         return wanted
+
+
+_REASONS = ("", "stop", "length", "abort")  # FinishReason's values, as outputs() names them
+
+
+def several_tokens(scheduler: Scheduler) -> list[RowUpdate]:
+    """Scheduler.outputs() where a row may have several new tokens: a RowUpdate for each,
+    the row's finish reason (if any) with its last."""
+    b, results = scheduler.buffers, scheduler.results
+    offsets, tokens = results.token_offsets.tolist(), results.tokens.tolist()
+    reasons = results.finish_reasons.tolist()
+    updates: list[RowUpdate] = []
+    for row, row_id in enumerate(b.request_ids[: results.num_reqs]):
+        new = tokens[offsets[row] : offsets[row + 1]]
+        reason = _REASONS[reasons[row]] or None
+        updates += [(row_id, token, None) for token in new[:-1]]
+        if new or reason is not None:
+            updates.append((row_id, new[-1] if new else None, reason))
+    return updates

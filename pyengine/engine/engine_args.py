@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from pyengine.config import (
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.spec_decode.config import SpeculativeConfig
 
 
 @dataclass
@@ -66,9 +68,13 @@ class EngineArgs:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # Speculative decoding, in vLLM's form: {"method": "ngram", "num_speculative_tokens":
+    # k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (docs/speculative.md).
+    speculative_config: Mapping[str, object] | SpeculativeConfig | None = None
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
     def create_engine(self) -> LLMEngine:
+        speculative = SpeculativeConfig.parse(self.speculative_config)  # (before any loading)
         device = resolve_device(self.device)
         dtype = resolve_dtype(self.dtype, device)
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
@@ -121,6 +127,7 @@ class EngineArgs:
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
             if self.enable_lora
             else None,
+            speculative=speculative,
         )
         return LLMEngine(loaded, config)
 

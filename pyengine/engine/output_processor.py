@@ -124,7 +124,8 @@ class OutputProcessor:
         for row_id, token, reason in out.updates:
             state, sample = self.by_row_id[row_id]
             progressed[state.request.request_id] = state
-            if token is not None:
+            # (a row's accepted drafts come as several updates: none past a stop string)
+            if token is not None and not sample.finished:
                 self._append(state, sample, token, logprobs_of.get(row_id), now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)

@@ -162,9 +162,11 @@ class ModelRunner:
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
                  or not adapters_replay)  # fmt: skip
         if not on_cpu or not eager:
+            spec = config.speculative
             self.inputs = StepInputs(
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
                 min_blocks,
+                config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
             )  # fmt: skip
         if not eager:
             sizes = cpu_capture_sizes if on_cpu else capture_sizes

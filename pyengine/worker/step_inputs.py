@@ -48,8 +48,15 @@ class StepInputs:
     """
 
     def __init__(
-        self, device: torch.device, max_num_batched_tokens: int, max_num_seqs: int, max_blocks: int
+        self,
+        device: torch.device,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+        max_blocks: int,
+        max_num_sampled: int | None = None,
     ) -> None:
+        """max_num_sampled: the most logits rows of a step (None: max_num_seqs, one a
+        request; with draft tokens, one for each of them too)."""
         if min(max_num_batched_tokens, max_num_seqs, max_blocks) < 1:
             raise ValueError(
                 "StepInputs needs positive capacities, got max_num_batched_tokens="
@@ -60,13 +67,14 @@ class StepInputs:
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs, self.max_blocks = max_num_seqs, max_blocks
+        self.max_num_sampled = max_num_seqs if max_num_sampled is None else max_num_sampled
         self.sizes = {  # in int32 words
             "slot_mapping": 2 * max_num_batched_tokens,  # first: 8-byte aligned
             "input_ids": max_num_batched_tokens,
             "positions": max_num_batched_tokens,
             "query_start_loc": max_num_seqs + 1,
             "seq_lens": max_num_seqs,
-            "logits_indices": max_num_seqs,
+            "logits_indices": self.max_num_sampled,
             "block_tables": max_num_seqs * max_blocks,
         }
         self.offsets: dict[str, int] = {}
@@ -156,7 +164,7 @@ class StepInputs:
         if not (
             0 <= num_tokens <= self.max_num_batched_tokens
             and 0 <= num_reqs <= self.max_num_seqs
-            and 0 <= num_sampled <= self.max_num_seqs
+            and 0 <= num_sampled <= self.max_num_sampled
         ):
             raise ValueError(
                 f"views of {num_tokens} tokens, {num_reqs} requests and {num_sampled} "

@@ -116,8 +116,9 @@ class Scheduler {
   // proposal is used by one schedule() at most. Throws UnknownRequest, InvalidArgument
   // on a negative token id.
   void set_draft_tokens(const std::string& id, std::span<const TokenId> drafts);
-  // Proposes to every running request that decodes the prompt-lookup tokens of its own
-  // tokens (propose_ngram), as set_draft_tokens would; returns how many got a proposal.
+  // Proposes to every running request that decodes, and was added with
+  // params.speculate, the prompt-lookup tokens of its own tokens (propose_ngram), as
+  // set_draft_tokens would; returns how many got a proposal.
   int propose_ngram_drafts(const NgramConfig& config);
   const StepResults& results() const { return results_; }
 

@@ -409,7 +409,8 @@ int Scheduler::propose_ngram_drafts(const NgramConfig& config) {
   check_ngram_config(config);
   int proposed = 0;
   for (Request* r : running_) {
-    if (r->num_computed_tokens != r->num_tokens() - 1) continue;  // (a prefill's chunks)
+    // (not a prefill's chunks; not a request whose tokens are sampled)
+    if (!r->params.speculate || r->num_computed_tokens != r->num_tokens() - 1) continue;
     r->draft_token_ids = propose_ngram(r->token_ids, config);
     proposed += r->draft_token_ids.empty() ? 0 : 1;
   }

@@ -1,0 +1,66 @@
+"""speculative_config, in vLLM's JSON form: {"method": ..., "num_speculative_tokens": k,
+...}. Checked at start: an unknown method or key, or a count out of range, is a clear
+error."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pyengine.sampling_params import is_int
+
+METHODS = ("ngram",)
+PLANNED = ("suffix", "draft_model")  # named by the issue, not built yet
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
+    prompt_lookup_max: int = 4  # ngram: the longest, tried first
+
+    def __post_init__(self) -> None:
+        if self.method in PLANNED:
+            raise ValueError(f"speculative_config: method {self.method!r} is not available yet")
+        if self.method not in METHODS:
+            raise ValueError(
+                f"speculative_config: unknown method {self.method!r} (one of {', '.join(METHODS)})"
+            )
+        k = self.num_speculative_tokens
+        if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(
+                "speculative_config: num_speculative_tokens must be an integer in "
+                f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}"
+            )
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if not (is_int(low) and is_int(high) and 1 <= low <= high):
+            raise ValueError(
+                "speculative_config: prompt_lookup_min and prompt_lookup_max must be "
+                f"integers with 1 <= prompt_lookup_min <= prompt_lookup_max, got {low!r} "
+                f"and {high!r}"
+            )
+
+    @classmethod
+    def parse(
+        cls, raw: Mapping[str, object] | SpeculativeConfig | None
+    ) -> SpeculativeConfig | None:
+        """The config of a speculative_config mapping (or one already made; None: none)."""
+        if raw is None or isinstance(raw, SpeculativeConfig):
+            return raw
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"speculative_config must be a mapping, got {type(raw).__name__}")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(
+                f"speculative_config: unknown keys {unknown} (known: {', '.join(sorted(known))})"
+            )
+        if "method" not in raw or "num_speculative_tokens" not in raw:
+            raise ValueError("speculative_config needs method and num_speculative_tokens")
+        fields = dict(raw)
+        low = fields.get("prompt_lookup_min")
+        if "prompt_lookup_max" not in fields and is_int(low):  # (as long a window at least)
+            fields["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)  # type: ignore[call-overload]
+        return cls(**fields)  # type: ignore[arg-type]

@@ -1,0 +1,126 @@
+"""Speculative decoding with prompt-lookup (n-gram) drafts, verified greedily: float32
+greedy tokens identical to no speculation on a tiny llama and on the default model, with
+prefix caching, chunked prefill, n > 1, forced preemption, stop tokens and mixed sampled
+requests; drafts accepted; no block left; bad configurations refused at start."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from helpers.tiny_models import make_checkpoint
+
+from pyengine import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("spec") / "llama"
+    make_checkpoint("llama", folder)
+    return folder
+
+
+def repeating_prompts(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
+    """Prompts that repeat a span (as a rewrite's or an edit's input does): tiny random
+    models then repeat too, so that prompt lookup proposes and is often right."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for i in range(count):
+        span = rng.integers(0, 256, int(rng.integers(5, 15))).tolist()
+        prompts.append({"prompt_token_ids": (span * 6)[: 20 + 3 * i]})
+    return prompts
+
+
+def tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def run(folder: Path, prompts: list, params: object, **engine: object) -> tuple[list, LLM]:  # type: ignore[type-arg]
+    options = {"max_model_len": 256, "kv_cache_memory": 2**22, **engine}
+    llm = LLM(str(folder), **options)  # type: ignore[arg-type]
+    return llm.generate(prompts, params, use_tqdm=False), llm  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [{}, {"enable_prefix_caching": False}, {"max_num_batched_tokens": 24},
+     {"kv_cache_memory": 2**18}, {"enforce_eager": True}],
+    ids=["default", "no-prefix-cache", "chunked", "preempted", "eager"],
+)  # fmt: skip
+def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict) -> None:  # type: ignore[type-arg]
+    prompts = repeating_prompts(6)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    plain, _ = run(tiny, prompts, params, **engine)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=NGRAM, **engine)
+    assert tokens(spec_out) == tokens(plain)
+    stats = llm.engine.core.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+    assert 1 < stats.mean_accepted_length <= 5
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    if "kv_cache_memory" in engine:
+        assert llm.engine.scheduler.stats().num_preemptions > 0
+
+
+def test_stop_tokens_n_and_sampled_requests_beside_speculation(tiny: Path) -> None:
+    """A stop token among the accepted drafts ends the request there; n > 1 greedy samples
+    and seeded sampled requests (which get no drafts) run in the same steps unchanged."""
+    prompts = repeating_prompts(4, seed=1)
+    plain_out, _ = run(
+        tiny, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
+    stop = tokens(plain_out)[0][12]
+    params = [
+        SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2),
+        SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+    ]
+    plain, _ = run(tiny, prompts, params)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=NGRAM)
+    for a, b in zip(plain, spec_out, strict=True):
+        assert [list(s.token_ids) for s in a.outputs] == [list(s.token_ids) for s in b.outputs]
+        assert [s.finish_reason for s in a.outputs] == [s.finish_reason for s in b.outputs]
+    assert tokens(spec_out)[0][-1] == stop
+    assert llm.engine.core.spec_stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize(
+    ("config", "message"),
+    [({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be"),
+     ({"method": "ngram", "num_speculative_tokens": 99}, "num_speculative_tokens must be"),
+     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 3,
+       "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
+     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
+     ({"num_speculative_tokens": 2}, "needs method"),
+     ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet")],
+)  # fmt: skip
+def test_bad_configs_are_refused_at_start(tiny: Path, config: dict, message: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny), max_model_len=64, kv_cache_memory=2**20, speculative_config=config)
+
+
+@pytest.mark.slow
+def test_the_default_model_rewriting_its_prompt() -> None:
+    """SmolLM2 asked to repeat a given text (its output repeats the prompt): the same
+    greedy tokens with prompt lookup, most drafts accepted."""
+    from helpers.smollm2 import TEXT
+
+    from pyengine.loader.resolve import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    texts = [f"Repeat this text exactly.\n\n{TEXT * k}\n\nThe text again:\n\n" for k in (1, 2)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(max_model_len=512)
+    want = tokens(plain.generate(texts, params, use_tqdm=False))
+    spec = LLM(max_model_len=512, speculative_config=NGRAM)
+    assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
+    stats = spec.engine.core.spec_stats
+    assert stats.acceptance_rate > 0.3, stats
+    assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
