@@ -34,6 +34,7 @@ ORDER = (
     "perplexity",
     "distributed",
     "lora",
+    "speculative",
     "serve",
     "gpu_kernels",
     "gpu_kernels_attention",

@@ -1,0 +1,144 @@
+"""Speculative decoding against none, in one run, on the default model (SmolLM2-135M-
+Instruct, its GGUF weights): tokens/s of
+
+- an input-grounded workload (each request asks the model to repeat a given passage of
+  bench/data/perplexity_text.md, so that its output repeats long spans of its prompt),
+  one request at a time (single stream) and 8 at once;
+- the random-token workload of bench/throughput.py at batch 32, where proposals are
+  rarely right: speculation must not make it much slower;
+
+with prompt-lookup (n-gram) drafts, greedy, the same tokens either way (checked). A table
+of acceptance (drafts accepted of those proposed) and mean accepted length (tokens a
+verifying row gains a step) per workload. Targets: at least 2x single-stream tokens/s on
+the input-grounded workload; on the random one no more than 5% slower.
+
+The last line printed is one JSON object, also written to bench/results/speculative.json.
+
+    python -m bench.speculative [--passages 4] [--output-len 128] [--rounds 2]
+                                [--num-speculative-tokens 4] [--random-prompts 32]
+
+(from the repository root; bench/__init__.py says how with a plain install)
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pyengine import LLM, SamplingParams
+
+from .common import print_table, report
+
+TEXT = Path(__file__).resolve().parent / "data" / "perplexity_text.md"
+
+
+def grounded_prompts(count: int) -> list[str]:
+    """Requests to repeat a passage (a paragraph or list of the text) exactly."""
+    blocks = [b.strip() for b in TEXT.read_text().split("\n\n") if len(b.split()) >= 40]
+    return [f"Repeat the following text exactly.\n\n{blocks[i % len(blocks)]}\n\nThe text:\n\n"
+            for i in range(count)]  # fmt: skip
+
+
+def timed(llm: LLM, prompts: list, params: SamplingParams, batch: int) -> tuple[float, list]:  # type: ignore[type-arg]
+    """Seconds to generate for `prompts`, `batch` at a time, and their tokens."""
+    start = time.perf_counter()
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += llm.generate(prompts[i : i + batch], params, use_tqdm=False)
+    return time.perf_counter() - start, [list(o.outputs[0].token_ids) for o in out]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--passages", type=int, default=8, help="input-grounded requests")
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--random-prompts", type=int, default=32)
+    parser.add_argument("--random-output-len", type=int, default=64)
+    parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=2, help="best of this many, each run")
+    args = parser.parse_args()
+
+    spec_config = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens}
+    engine = {"max_model_len": 1024, "seed": 0}
+    llms = {"none": LLM(**engine), "ngram": LLM(**engine, speculative_config=spec_config)}  # type: ignore[arg-type]
+    grounded = grounded_prompts(args.passages)
+    rng = np.random.default_rng(0)
+    random_prompts = [{"prompt_token_ids": rng.integers(100, 49_000, int(n)).tolist()}
+                      for n in rng.integers(64, 257, args.random_prompts)]  # fmt: skip
+    grounded_params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    random_params = SamplingParams(temperature=0, max_tokens=args.random_output_len,
+                                   ignore_eos=True)  # fmt: skip
+    workloads = {
+        "input-grounded, single stream": (
+            grounded[: max(2, args.passages // 2)],
+            grounded_params,
+            1,
+        ),
+        "input-grounded, 8 at once": (grounded, grounded_params, 8),
+        "random tokens, batch 32": (random_prompts, random_params, 32),
+    }
+    for llm in llms.values():  # warm up
+        llm.generate(grounded[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+
+    best = {(w, m): float("inf") for w in workloads for m in llms}
+    acceptance: dict[str, tuple[float, float]] = {}
+    generated: dict[str, int] = {}
+    for _ in range(args.rounds):  # the runs alternate: the machine is shared
+        for w, (prompts, params, batch) in workloads.items():
+            results = {}
+            for m, llm in llms.items():
+                llm.engine.scheduler.kv_cache.reset_prefix_cache()
+                before = _stats(llm)
+                seconds, results[m] = timed(llm, prompts, params, batch)
+                best[(w, m)] = min(best[(w, m)], seconds)
+                if m == "ngram":
+                    acceptance[w] = _acceptance(before, _stats(llm))
+            assert results["ngram"] == results["none"], f"{w}: speculation changed the tokens"
+            generated[w] = sum(len(t) for t in results["none"])
+    for llm in llms.values():
+        llm.engine.shutdown()
+
+    rows = []
+    for w in workloads:
+        rate = {m: generated[w] / best[(w, m)] for m in llms}
+        rate_of_accepted, length = acceptance[w]
+        rows.append((w, f"{rate['none']:.1f}", f"{rate['ngram']:.1f}",
+                     f"{rate['ngram'] / rate['none']:.2f}x", f"{rate_of_accepted:.0%}",
+                     f"{length:.2f}"))  # fmt: skip
+    print(
+        f"# Speculative decoding (prompt lookup, {args.num_speculative_tokens} drafts at most, "
+        f"greedy): SmolLM2-135M-Instruct, {torch.get_num_threads()} threads, best of "
+        f"{args.rounds}\n"
+    )
+    table = print_table(("workload", "none tok/s", "ngram tok/s", "speedup", "acceptance",
+                         "mean accepted length"), rows)  # fmt: skip
+    keys = {"input-grounded, single stream": "single_stream", "input-grounded, 8 at once":
+            "concurrency_8", "random tokens, batch 32": "random_batch_32"}  # fmt: skip
+    figures: dict[str, float] = {}
+    for w, key in keys.items():
+        figures[f"speedup_vs_no_speculation_{key}"] = round(
+            best[(w, "none")] / best[(w, "ngram")], 3
+        )
+        figures[f"acceptance_rate_{key}"] = round(acceptance[w][0], 3)
+        figures[f"mean_accepted_length_{key}"] = round(acceptance[w][1], 3)
+    report("speculative", figures, tables=[table])
+
+
+def _stats(llm: LLM) -> tuple[int, int, int]:
+    s = llm.engine.core.spec_stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def _acceptance(before: tuple[int, int, int], after: tuple[int, int, int]) -> tuple[float, float]:
+    """(drafts accepted of those proposed, mean tokens a verifying row gained) between two
+    readings of the stats."""
+    drafts, proposed, accepted = (a - b for a, b in zip(after, before, strict=True))
+    return (accepted / proposed if proposed else 0.0, 1 + accepted / drafts if drafts else 0.0)
+
+
+if __name__ == "__main__":
+    main()
