@@ -10,7 +10,10 @@ import pyengine
 
 # Lowest first: a module may import its own layer and those before it.
 LAYERS = [
-    ("base", ["_C", "ops", "config", "outputs", "sampling_params", "tokenizer", "utils"]),
+    (
+        "base",
+        ["_C", "ops", "config", "outputs", "sampling_params", "spec_decode", "tokenizer", "utils"],
+    ),
     ("distributed", ["distributed"]),
     ("layers", ["layers"]),
     ("models", ["models"]),
