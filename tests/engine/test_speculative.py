@@ -5,6 +5,7 @@ requests; drafts accepted; no block left; bad configurations refused at start.""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -124,3 +125,19 @@ def test_the_default_model_rewriting_its_prompt() -> None:
     stats = spec.engine.core.spec_stats
     assert stats.acceptance_rate > 0.3, stats
     assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
+
+
+def test_the_server_takes_a_speculative_config_as_json() -> None:
+    import argparse
+
+    from pyengine.entrypoints.openai.api_server import add_server_arguments, engine_args
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="m")  # (as main() and `pyengine serve` add it)
+    add_server_arguments(parser)
+    ns = parser.parse_args(["--speculative-config", json.dumps(NGRAM)])
+    assert engine_args(ns).speculative_config == NGRAM
+    assert engine_args(parser.parse_args([])).speculative_config is None
+    for bad in ("{not json", "[1, 2]"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--speculative-config", bad])

@@ -142,6 +142,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--max-loras", type=int, default=d.max_loras)
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
     parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
+    parser.add_argument(
+        "--speculative-config", type=json_object, default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(docs/speculative.md)",
+    )  # fmt: skip
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
         "--allowed-origins",
@@ -164,6 +169,17 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="seconds Ctrl-C waits for in-flight requests before aborting them",
     )
     return parser
+
+
+def json_object(text: str) -> dict[str, object]:
+    """A command-line option's JSON object (argparse reports the error by name)."""
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"not JSON: {error}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
