@@ -242,16 +242,22 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
             const StepResults& r = s.results();
             py::list out;
             for (size_t i = 0; i < static_cast<size_t>(r.num_reqs); ++i) {
-              const TokenId t = r.new_token_ids[i];
+              const auto first = static_cast<size_t>(r.token_offsets[i]);
+              const auto end = static_cast<size_t>(r.token_offsets[i + 1]);
               const uint8_t reason = r.finish_reasons[i];
-              if (t == kNoToken && reason == 0) continue;
-              out.append(py::make_tuple(b.request_ids[i],
-                                        t == kNoToken ? py::object(py::none()) : py::int_(t),
-                                        reason_or_none(reason)));
+              for (size_t t = first; t + 1 < end; ++t) {  // accepted drafts: no reason yet
+                out.append(py::make_tuple(b.request_ids[i], r.tokens[t], py::none()));
+              }
+              if (first == end && reason == 0) continue;
+              out.append(py::make_tuple(
+                  b.request_ids[i],
+                  first == end ? py::object(py::none()) : py::int_(r.tokens[end - 1]),
+                  reason_or_none(reason)));
             }
             return out;
           },
-          "(request_id, new_token_id or None, finish_reason or None) of the last update().")
+          "(request_id, new_token_id or None, finish_reason or None) of the last update(), "
+          "one per new token (a row's accepted drafts, then its last token with the reason).")
       .def("has_request", &Scheduler::has_request, py::arg("request_id"))
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def(

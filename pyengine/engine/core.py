@@ -209,7 +209,7 @@ class EngineCore:
         ]
         for request_id, position, _ in prompt_logprobs:
             self._prompt_logprobs[request_id].add(position)
-        updates += self._updates(flight.virtual_engine, flight.drafts is not None)
+        updates += self._updates(flight.virtual_engine)
         return EngineCoreOutput(
             updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs
         )
@@ -259,11 +259,10 @@ class EngineCore:
                 np.zeros(flight.num_sampled, np.int32), flight.is_sampling.astype(np.int32)
             )
 
-    def _updates(self, engine: int = 0, several: bool = False) -> list[RowUpdate]:
-        """The last update()'s rows, a RowUpdate per new token (several: a row may have
-        more than one, its accepted drafts), the finish reason with the last."""
-        scheduler = self.schedulers[engine]
-        updates = several_tokens(scheduler) if several else scheduler.outputs()
+    def _updates(self, engine: int = 0) -> list[RowUpdate]:
+        """The last update()'s rows, a RowUpdate per new token (a row's accepted drafts
+        first), its finish reason with the last."""
+        updates = self.schedulers[engine].outputs()
         for row_id, token, reason in updates:
             row = self._rows.get(row_id)
             if row is None:
@@ -394,22 +393,3 @@ class EngineCore:
                 if target < prompt_len and target not in scored:
                     wanted.append((row_id, target, row))
         return wanted
-
-
-_REASONS = ("", "stop", "length", "abort")  # FinishReason's values, as outputs() names them
-
-
-def several_tokens(scheduler: Scheduler) -> list[RowUpdate]:
-    """Scheduler.outputs() where a row may have several new tokens: a RowUpdate for each,
-    the row's finish reason (if any) with its last."""
-    b, results = scheduler.buffers, scheduler.results
-    offsets, tokens = results.token_offsets.tolist(), results.tokens.tolist()
-    reasons = results.finish_reasons.tolist()
-    updates: list[RowUpdate] = []
-    for row, row_id in enumerate(b.request_ids[: results.num_reqs]):
-        new = tokens[offsets[row] : offsets[row + 1]]
-        reason = _REASONS[reasons[row]] or None
-        updates += [(row_id, token, None) for token in new[:-1]]
-        if new or reason is not None:
-            updates.append((row_id, new[-1] if new else None, reason))
-    return updates

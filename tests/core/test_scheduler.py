@@ -56,6 +56,10 @@ class Driver:
     def finish_step(self) -> None:
         sampled = self.model.step(self.s, self.tokens)
         self.s.update(sampled)
+        self.take_outputs()
+
+    def take_outputs(self) -> None:
+        """The last update()'s new tokens (several a row where drafts were accepted)."""
         for request_id, token, reason in self.s.outputs():
             if token is not None:
                 self.tokens[request_id].append(token)
@@ -551,14 +555,7 @@ def test_draft_tokens_verified_greedily_give_the_tokens_of_no_speculation() -> N
             d.schedule()
             tokens, counts = d.model.step_with_drafts(d.s, d.tokens)
             d.s.update(tokens, counts)
-            results = d.s.results
-            offsets = results.token_offsets.tolist()
-            for row, r in enumerate(d.s.buffers.request_ids):
-                new = results.tokens[offsets[row] : offsets[row + 1]].tolist()
-                d.tokens[r] += new
-                d.outputs[r] += new
-                if results.finish_reasons[row]:
-                    d.finished[r] = ("", "stop", "length", "abort")[results.finish_reasons[row]]
+            d.take_outputs()
             steps += 1
         for r in limits:
             assert (d.outputs[r], d.finished[r]) == run_alone(prompts[r], limits[r], 128), r
