@@ -58,7 +58,7 @@ class LoRAManager:
         max_logit_rows: int,
     ) -> None:
         """max_tokens: the most token rows of a step (max_num_batched_tokens);
-        max_logit_rows: the most the LM head scores at once (max_num_seqs)."""
+        max_logit_rows: the most the LM head scores at once (a step's logits rows)."""
         self.config, self.model_config = config, model_config
         self.batch = LoRABatch(max_tokens, device)
         self.layers: list[LoRASlots] = []

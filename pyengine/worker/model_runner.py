@@ -133,10 +133,13 @@ class ModelRunner:
                          adapters=config.lora is not None),
         )  # fmt: skip
         self.lora: LoRAManager | None = None
+        # The most logits rows of a step: one a request, and one a draft token.
+        spec = config.speculative
+        max_logit_rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0))
         if config.lora is not None:
             self.lora = LoRAManager(
                 self.model, config.lora, c, self.placement.dtype, self.placement.device,
-                config.max_num_batched_tokens, config.max_num_seqs,
+                config.max_num_batched_tokens, max_logit_rows,
             )  # fmt: skip
         self.min_blocks = min_blocks
         self.weight_bytes = resident_bytes(self.model)
@@ -162,11 +165,9 @@ class ModelRunner:
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
                  or not adapters_replay)  # fmt: skip
         if not on_cpu or not eager:
-            spec = config.speculative
             self.inputs = StepInputs(
                 self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
-                min_blocks,
-                config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec else 0)),
+                min_blocks, max_logit_rows,
             )  # fmt: skip
         if not eager:
             sizes = cpu_capture_sizes if on_cpu else capture_sizes

@@ -141,3 +141,23 @@ def test_the_server_takes_a_speculative_config_as_json() -> None:
     for bad in ("{not json", "[1, 2]"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--speculative-config", bad])
+
+
+def test_lora_adapters_beside_speculation(tiny: Path, tmp_path: Path) -> None:
+    """With adapters on, the LM head's adapter slots take every logits row of a step that
+    verifies drafts (more rows than requests): the same tokens as without speculation."""
+    from helpers.lora import write_random_adapter
+
+    from pyengine import LoRARequest
+    from pyengine.loader.resolve import load_model
+
+    write_random_adapter(load_model(str(tiny)).config, tmp_path / "adapter", seed=3)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    prompts = repeating_prompts(4, seed=2)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    engine = {"enable_lora": True, "max_num_seqs": 4}
+    outputs = {}
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": NGRAM})):
+        llm = LLM(str(tiny), max_model_len=256, kv_cache_memory=2**22, **engine, **extra)  # type: ignore[arg-type]
+        outputs[name] = tokens(llm.generate(prompts, params, use_tqdm=False, lora_request=lora))
+    assert outputs["spec"] == outputs["plain"]
