@@ -68,6 +68,9 @@ def float_packed(w: torch.Tensor, gate_up: bool = False) -> torch.Tensor:
         (2, 576, 49),
         (3, 96, 100),
         (4, 1536, 97),
+        (5, 192, 60),  # AVX-512's register rows: a token and 4 or 5 drafts
+        (6, 576, 97),
+        (7, 96, 50),
         (8, 576, 49),
         (21, 160, 97),
         (130, 64, 60),
@@ -90,7 +93,8 @@ def test_dense_of_blocks_is_the_float32_dense_of_the_widened_weight(
 
 @pytest.mark.parametrize(("bits", "form"), FORMS)
 @pytest.mark.parametrize(
-    ("m", "k", "n"), [(1, 64, 40), (2, 576, 60), (4, 96, 49), (5, 192, 100), (16, 576, 70)]
+    ("m", "k", "n"),
+    [(1, 64, 40), (2, 576, 60), (4, 96, 49), (5, 192, 100), (6, 96, 60), (16, 576, 70)],
 )
 def test_gated_dense_of_blocks_is_the_float32_one(
     bits: int, form: str, m: int, k: int, n: int

@@ -253,7 +253,7 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
     }
     return;
   }
-  if (quantized && m1 - m0 <= detail::kRegisterRows) {
+  if (quantized && m1 - m0 <= detail::quantized_register_rows()) {
     detail::multiply_quantized_rows(x.a + m0 * x.lda, x.lda, static_cast<int>(m1 - m0), w.panel(p),
                                     x.k, w.form, sums);
     sink(m0, m1 - m0, static_cast<const float*>(sums));

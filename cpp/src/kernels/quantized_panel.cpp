@@ -629,12 +629,13 @@ void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     const CpuIsa isa = isa_in_use().load(std::memory_order_relaxed);
     if (isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx2) {
+      if (isa == CpuIsa::kAvx512) {
+        return with_register_rows<kWideRegisterRows>(rows, [&](auto n) {
+          multiply_rows_avx512<decltype(n)::value, kCode>(a, lda, panel, k, params, c);
+        });
+      }
       return with_register_rows(rows, [&](auto n) {
-        constexpr int kRows = decltype(n)::value;
-        if (isa == CpuIsa::kAvx512) {
-          return multiply_rows_avx512<kRows, kCode>(a, lda, panel, k, params, c);
-        }
-        multiply_rows_avx2<kRows, kCode>(a, lda, panel, k, params, c);
+        multiply_rows_avx2<decltype(n)::value, kCode>(a, lda, panel, k, params, c);
       });
     }
 #endif

@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -238,7 +239,10 @@ void widen_quantized_panel(const uint8_t* src, int64_t k, QuantForm form, float*
 
 // Rows a decode step multiplies with the weights widened in registers, not through a
 // widened chunk in L1 (whose stores and loads cost a few rows as much as the products).
+// AVX-512's 32 registers hold the sums of kWideRegisterRows (a verifying step's token and
+// its drafts), the other builds' of kRegisterRows.
 inline constexpr int kRegisterRows = 4;
+inline constexpr int kWideRegisterRows = 6;
 
 // f(std::integral_constant<QuantCode, code>): a kernel built for each code, picked once.
 template <class F>
@@ -252,16 +256,16 @@ decltype(auto) with_quant_code(QuantCode code, F&& f) {
   }
 }
 
-// f(std::integral_constant<int, rows>) for 1 <= rows <= kRegisterRows: the few-row
+// f(std::integral_constant<int, rows>) for 1 <= rows <= kMax (larger: kMax): the few-row
 // kernels, whose sums are registers of a compile-time count.
-template <class F>
+template <int kMax = kRegisterRows, class F>
 decltype(auto) with_register_rows(int rows, F&& f) {
-  static_assert(kRegisterRows == 4);
-  switch (rows) {
-    case 1: return f(std::integral_constant<int, 1>{});
-    case 2: return f(std::integral_constant<int, 2>{});
-    case 3: return f(std::integral_constant<int, 3>{});
-    default: return f(std::integral_constant<int, 4>{});
+  static_assert(kMax >= 1);
+  if constexpr (kMax == 1) {
+    return f(std::integral_constant<int, 1>{});
+  } else {
+    if (rows >= kMax) return f(std::integral_constant<int, kMax>{});
+    return with_register_rows<kMax - 1>(rows, std::forward<F>(f));
   }
 }
 
@@ -269,8 +273,13 @@ decltype(auto) with_register_rows(int rows, F&& f) {
 // another build (set_quantized_dense_isa).
 bool quantized_avx512();
 
+// The most rows multiply_quantized_rows takes in the build in use.
+inline int quantized_register_rows() {
+  return quantized_avx512() ? kWideRegisterRows : kRegisterRows;
+}
+
 // c [rows][kPanelWidth] = a [rows, k] (lda apart) @ the quantized panel at `panel`, for
-// 1 <= rows <= kRegisterRows, each weight widened in registers exactly as
+// 1 <= rows <= quantized_register_rows(), each weight widened in registers exactly as
 // widen_quantized_panel widens it, and the sums in the order of dense's float32 tiles
 // (one row: the even and the odd k in two chains), so the result is theirs bit for bit.
 void multiply_quantized_rows(const float* a, int64_t lda, int rows, const uint8_t* panel,
