@@ -310,6 +310,7 @@ class Scheduler:
         long_prefill_token_threshold: int,
         policy: str,
         max_loras: int = 0,
+        draft_row_cost: float = 0.0,
     ) -> None: ...
     def add_request(
         self,
@@ -356,3 +357,4 @@ class Scheduler:
 def propose_ngram(
     token_ids: TokenIds, prompt_lookup_min: int, prompt_lookup_max: int, num_speculative_tokens: int
 ) -> list[int]: ...
+def draft_budget(rate: float, available: int, row_cost: float) -> int: ...

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "bindings.h"
+#include "pyengine/draft_budget.h"
 #include "pyengine/scheduler.h"
 #include "token_ids.h"
 
@@ -148,7 +149,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
                        int max_num_batched_tokens, int max_num_seqs, int max_model_len,
                        bool enable_chunked_prefill, int long_prefill_token_threshold,
-                       const std::string& policy, int max_loras) {
+                       const std::string& policy, int max_loras, double draft_row_cost) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -157,6 +158,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.long_prefill_token_threshold = long_prefill_token_threshold;
              config.policy = parse_policy(policy);
              config.max_loras = max_loras;
+             config.draft_row_cost = draft_row_cost;
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
            }),
@@ -164,8 +166,9 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("max_num_batched_tokens"), py::arg("max_num_seqs"), py::arg("max_model_len"),
            py::arg("enable_chunked_prefill"), py::arg("long_prefill_token_threshold"),
-           // (but max_loras: 0, no adapter budget, where a tool schedules without LoRA)
-           py::arg("policy"), py::arg("max_loras") = 0)
+           // (but max_loras: 0, no adapter budget, where a tool schedules without LoRA;
+           // draft_row_cost: 0, every draft that fits)
+           py::arg("policy"), py::arg("max_loras") = 0, py::arg("draft_row_cost") = 0.0)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,
@@ -305,6 +308,10 @@ void bind_scheduler(py::module_& m) {
       py::arg("num_speculative_tokens"),
       "Prompt lookup: the tokens that followed the most recent earlier occurrence of the "
       "longest suffix (prompt_lookup_max down to prompt_lookup_min tokens) of token_ids.");
+  m.def("draft_budget", &draft_budget, py::arg("rate"), py::arg("available"),
+        py::arg("row_cost"),
+        "How many of `available` drafts a request verifies at an acceptance `rate`, where "
+        "a token row costs row_cost of a one-token step (see draft_budget.h).");
   bind_stats(m);
   bind_scheduler_class(m);
 }

@@ -80,6 +80,11 @@ class EngineCore:
         self.lora = config.lora is not None
         self.speculative = config.speculative
         self.spec_stats = SpecDecodeStats()
+        device = config.device.split(":")[0]
+        spec = self.speculative
+        self._drafting_batch = 0 if spec is None else spec.drafting_batch_size(
+            config.max_num_seqs, device
+        )  # fmt: skip
         self.executor = executor
         num_engines = executor.max_steps_in_flight
         self.schedulers = [
@@ -94,6 +99,7 @@ class EngineCore:
                 long_prefill_token_threshold=0,  # not an engine argument yet: no cap
                 policy="fcfs",  # not an engine argument yet
                 max_loras=config.lora.max_loras if config.lora is not None else 0,
+                draft_row_cost=0.0 if spec is None else spec.draft_row_cost(device),
             )
             for _ in range(num_engines)
         ]
@@ -219,7 +225,8 @@ class EngineCore:
         reports when it has nothing to run (aborted rows) is returned."""
         scheduler = self.schedulers[engine]
         spec = self.speculative
-        if spec is not None:
+        # (no drafts for a batch that is compute-bound already)
+        if spec is not None and scheduler.stats().num_running <= self._drafting_batch:
             scheduler.propose_ngram_drafts(
                 spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
             )

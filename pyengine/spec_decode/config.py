@@ -12,6 +12,13 @@ from pyengine.sampling_params import is_int
 METHODS = ("ngram",)
 PLANNED = ("suffix", "draft_model")  # named by the issue, not built yet
 MAX_SPECULATIVE_TOKENS = 16
+# The most running requests a step proposes drafts for, by device: on the CPU each token
+# row of a step costs compute already at a few requests, on a GPU only past dozens.
+DEFAULT_DRAFTING_BATCH = {"cpu": 4, "cuda": 32}
+# What one more token row costs a step, against a step of one request's one token: a
+# request verifies only as many drafts as its acceptance pays for (_C.draft_budget). On
+# the CPU a row is its share of the multiply-adds; a GPU's small steps are launch-bound.
+DRAFT_ROW_COST = {"cpu": 0.2, "cuda": 0.02}
 
 
 @dataclass(frozen=True)
@@ -20,6 +27,9 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: the longest, tried first
+    # No drafts in a step of more running requests than this (vLLM's name); None: the
+    # device's default (DEFAULT_DRAFTING_BATCH), where a larger step is compute-bound.
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.method in PLANNED:
@@ -41,6 +51,23 @@ class SpeculativeConfig:
                 f"integers with 1 <= prompt_lookup_min <= prompt_lookup_max, got {low!r} "
                 f"and {high!r}"
             )
+        limit = self.disable_by_batch_size
+        if limit is not None and (not is_int(limit) or limit < 1):
+            raise ValueError(
+                "speculative_config: disable_by_batch_size must be a positive integer, "
+                f"got {limit!r}"
+            )
+
+    def drafting_batch_size(self, max_num_seqs: int, device: str = "cpu") -> int:
+        """The most running requests of a step that proposes drafts."""
+        limit = self.disable_by_batch_size
+        if limit is None:
+            limit = DEFAULT_DRAFTING_BATCH.get(device, DEFAULT_DRAFTING_BATCH["cuda"])
+        return min(limit, max_num_seqs)
+
+    @staticmethod
+    def draft_row_cost(device: str = "cpu") -> float:
+        return DRAFT_ROW_COST.get(device, DRAFT_ROW_COST["cuda"])
 
     @classmethod
     def parse(
@@ -51,7 +78,8 @@ class SpeculativeConfig:
             return raw
         if not isinstance(raw, Mapping):
             raise ValueError(f"speculative_config must be a mapping, got {type(raw).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                 "disable_by_batch_size"}  # fmt: skip
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(

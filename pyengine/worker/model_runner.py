@@ -164,14 +164,24 @@ class ModelRunner:
         adapters_replay = self.lora is None or (on_cpu and self.lora.replays_in_place)
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
                  or not adapters_replay)  # fmt: skip
-        if not on_cpu or not eager:
-            self.inputs = StepInputs(
-                self.placement.device, config.max_num_batched_tokens, config.max_num_seqs,
-                min_blocks, max_logit_rows,
-            )  # fmt: skip
+        # On the CPU, steps that verify drafts replay too: up to 1 + k tokens a request.
+        self.max_query_len = 1 + spec.num_speculative_tokens if spec and on_cpu else 1
         if not eager:
-            sizes = cpu_capture_sizes if on_cpu else capture_sizes
-            self.capture_sizes = sizes(config.max_num_seqs)
+            if on_cpu:
+                verify_tokens = 0 if spec is None else min(
+                    config.max_num_batched_tokens,
+                    spec.drafting_batch_size(config.max_num_seqs) * self.max_query_len,
+                )  # fmt: skip
+                self.capture_sizes = cpu_capture_sizes(config.max_num_seqs, verify_tokens)
+            else:
+                self.capture_sizes = capture_sizes(config.max_num_seqs)
+        if not on_cpu or not eager:
+            # (a program of n tokens has n request rows)
+            rows = max(config.max_num_seqs, *self.capture_sizes, 1)
+            self.inputs = StepInputs(
+                self.placement.device, config.max_num_batched_tokens, rows, min_blocks,
+                max_logit_rows,
+            )  # fmt: skip
         self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
         self.num_blocks = kv_bytes // self.block_bytes
@@ -213,7 +223,7 @@ class ModelRunner:
         ]  # fmt: skip
         if self.inputs is not None and self.capture_sizes and self.placement.device.type == "cpu":
             self.graphs = record_decode_steps(
-                self.model, self.caches, self.inputs, self.capture_sizes
+                self.model, self.caches, self.inputs, self.capture_sizes, self.max_query_len
             )
             if self.graphs is None:  # eager steps read the scheduler's buffers themselves
                 self.inputs = None
@@ -344,9 +354,10 @@ class ModelRunner:
             self.lora.prepare(b.adapter_ids, b.adapters, b.query_start_loc)
             self.lora.select_logit_rows(b.logits_indices)
         if self.graphs is not None and graph is not None:
-            # Eagerly, for the real rows only: one [rows, vocab] buffer per graph would
+            # Eagerly, for the sampled rows only: one [rows, vocab] buffer per graph would
             # hold gigabytes at a large vocabulary.
-            return self.model.compute_logits(self.graphs.replay(graph)[: len(b.seq_lens)]), None
+            hidden = self.graphs.replay(graph)[: len(b.input_ids)]
+            return self.model.compute_logits(hidden[step.logits_indices.long()]), None
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,

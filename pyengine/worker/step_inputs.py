@@ -91,9 +91,7 @@ class StepInputs:
             {name: self._field(host.numpy(), name) for name in self.sizes} for host in self._hosts
         ]
         for f in self._fields:
-            f["slot_mapping"][:] = -1
-            f["seq_lens"][:] = 1
-            f["query_start_loc"][:] = np.arange(max_num_seqs + 1)
+            self._make_safe(f)
         self.buffer = self._hosts[0].to(device, copy=True)
         # Recorded after each copy from a host buffer (on the stream of the device buffer,
         # which runs it): an upload waits for its host buffer's last copy before
@@ -111,9 +109,10 @@ class StepInputs:
         return field
 
     def upload(self, b: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
-        """Copies the step in `b` to the device; its views. A decode step (one token per
-        request) padded to `padded_reqs` rows leaves the rows past its own at their safe
-        values, for a graph of that size to read."""
+        """Copies the step in `b` to the device; its views. A step padded to `padded_reqs`
+        rows (a graph's or program's size) has as many tokens as rows: the padding rows
+        past its own take one token each while its tokens are fewer than the rows, zero
+        after (a decode step's padding: one token a row), all at their safe values."""
         num_reqs, num_tokens = len(b.seq_lens), len(b.input_ids)
         block_tables = np.asarray(b.block_tables)
         if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_seqs:
@@ -128,10 +127,11 @@ class StepInputs:
                 f"{self.max_blocks} blocks per request"
             )
         rows = max(num_reqs, padded_reqs)
-        if rows > self.max_num_seqs or (padded_reqs > num_reqs and num_tokens != num_reqs):
+        if rows > self.max_num_seqs or (padded_reqs > num_reqs and num_tokens > padded_reqs):
             raise ValueError(
                 f"cannot pad a step of {num_tokens} tokens and {num_reqs} requests to "
-                f"{padded_reqs} rows: only decode steps pad, up to {self.max_num_seqs} rows"
+                f"{padded_reqs} rows: a padded step has as many tokens as rows, up to "
+                f"{self.max_num_seqs}"
             )
         turn, self._turn = self._turn, 1 - self._turn
         copied = self._copied[turn]
@@ -145,18 +145,33 @@ class StepInputs:
         f["seq_lens"][:num_reqs] = b.seq_lens
         f["logits_indices"][: len(b.logits_indices)] = b.logits_indices
         f["block_tables"][:num_reqs, : block_tables.shape[1]] = block_tables
-        if rows > num_reqs:  # a graph's padding rows
-            f["input_ids"][num_reqs:rows] = 0
-            f["positions"][num_reqs:rows] = 0
-            f["slot_mapping"][num_reqs:rows] = -1
+        tokens = num_tokens
+        if rows > num_reqs:  # padding rows, and the padding tokens they hold
+            tokens = rows
+            f["input_ids"][num_tokens:tokens] = 0
+            f["positions"][num_tokens:tokens] = 0
+            f["slot_mapping"][num_tokens:tokens] = -1
             f["seq_lens"][num_reqs:rows] = 1
-            f["query_start_loc"][num_reqs + 1 : rows + 1] = np.arange(num_reqs + 1, rows + 1)
+            holding = np.minimum(np.arange(1, rows - num_reqs + 1), tokens - num_tokens)
+            f["query_start_loc"][num_reqs + 1 : rows + 1] = num_tokens + holding
         end = self.offsets["block_tables"] + rows * self.max_blocks
         self.buffer[:end].copy_(self._hosts[turn][:end], non_blocking=True)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self.device))
-        padding = rows - num_reqs  # decode: as many tokens as requests
-        return self.views(num_tokens + padding, rows, len(b.logits_indices))
+        return self.views(tokens, rows, len(b.logits_indices))
+
+    def reset(self) -> None:
+        """Every row back to its safe value (after a check that filled them)."""
+        for f in self._fields:
+            self._make_safe(f)
+        self.buffer.copy_(self._hosts[0])
+
+    def _make_safe(self, f: dict[str, np.ndarray]) -> None:
+        for field in f.values():
+            field[...] = 0
+        f["slot_mapping"][:] = -1
+        f["seq_lens"][:] = 1
+        f["query_start_loc"][:] = np.arange(self.max_num_seqs + 1)
 
     def views(self, num_tokens: int, num_reqs: int, num_sampled: int) -> DeviceStep:
         """The device buffer's first rows of each array (what the last upload filled, or

@@ -31,13 +31,34 @@ def test_capture_sizes_stop_at_max_num_seqs() -> None:
 
 def test_past_a_few_rows_a_step_pads_a_quarter_of_its_program_at_most() -> None:
     graphs = object.__new__(KernelGraphs)
-    graphs.sizes = [1, 2, 4, 8, 16, 32]
+    graphs.sizes, graphs.max_query_len = [1, 2, 4, 8, 16, 32], 1
     for n, size in ((1, 1), (3, 4), (5, 8), (9, None), (12, 16), (16, 16), (23, None),
                     (24, 32), (32, 32), (33, None)):  # fmt: skip
         rows = np.arange(n)
         step = SimpleNamespace(seq_lens=rows, input_ids=rows,
                                query_start_loc=np.arange(n + 1), logits_indices=rows)  # fmt: skip
         assert graphs.size_for(step) == size, n  # type: ignore[arg-type]
+
+
+def test_a_verifying_step_runs_the_program_of_its_tokens() -> None:
+    """With drafts, a step of requests of 1 to max_query_len tokens each (a token and its
+    drafts) runs the smallest program that holds its tokens; a longer request (a prefill
+    chunk) runs eagerly."""
+    graphs = object.__new__(KernelGraphs)
+    graphs.sizes, graphs.max_query_len = cpu_capture_sizes(8, 20), 5
+    assert graphs.sizes == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20]
+
+    def step(query_lens: list[int]) -> SimpleNamespace:
+        n, tokens = len(query_lens), sum(query_lens)
+        return SimpleNamespace(seq_lens=np.ones(n), input_ids=np.zeros(tokens),
+                               query_start_loc=np.concatenate([[0], np.cumsum(query_lens)]),
+                               logits_indices=np.arange(tokens))  # fmt: skip
+
+    assert graphs.size_for(step([5])) == 5  # type: ignore[arg-type]
+    assert graphs.size_for(step([3, 1, 5])) == 10  # type: ignore[arg-type]
+    assert graphs.size_for(step([5, 5, 5, 4])) == 20  # type: ignore[arg-type]
+    assert graphs.size_for(step([6])) is None  # type: ignore[arg-type]
+    assert graphs.size_for(step([5] * 5)) is None  # type: ignore[arg-type]
 
 
 def test_a_program_replays_its_calls_on_what_its_tensors_hold_now() -> None:

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers.replays import count_replays
 from helpers.tiny_models import make_checkpoint
 
 from pyengine import LLM, SamplingParams
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4}
+# (drafts at every batch size these tests run: the CPU's default stops at 4 requests)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,35 @@ def test_stop_tokens_n_and_sampled_requests_beside_speculation(tiny: Path) -> No
     assert llm.engine.core.spec_stats.num_accepted_tokens > 0
 
 
+def test_verifying_steps_replay_as_decode_steps_do(tiny: Path) -> None:
+    """On the CPU a step that verifies drafts runs a recorded program of its tokens (the
+    same tokens as eager steps, the test above)."""
+    prompts = repeating_prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    llm = LLM(str(tiny), max_model_len=256, kv_cache_memory=2**22, speculative_config=NGRAM)
+    graphs = llm.engine.executor.driver_worker.model_runner.graphs
+    assert graphs is not None and graphs.max_query_len == 5
+    replays = count_replays(graphs)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert llm.engine.core.spec_stats.num_drafts > 0
+    decoding = [(n, size) for n, size in replays[1:] if n == 3]  # (after the prefill)
+    assert decoding and all(size is not None for _, size in decoding)
+    assert any(size is not None and size > 3 for _, size in decoding)  # with drafts
+
+
+def test_no_drafts_past_the_batch_size_that_disables_them(tiny: Path) -> None:
+    """disable_by_batch_size: a step of more running requests proposes nothing; fewer
+    do, with the same tokens either way."""
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    config = {**NGRAM, "disable_by_batch_size": 2}
+    plain, _ = run(tiny, repeating_prompts(3), params)
+    three, llm = run(tiny, repeating_prompts(3), params, speculative_config=config)
+    assert tokens(three) == tokens(plain)
+    assert llm.engine.core.spec_stats.num_drafts == 0
+    llm.generate(repeating_prompts(2), params, use_tqdm=False)
+    assert llm.engine.core.spec_stats.num_drafts > 0
+
+
 @pytest.mark.parametrize(
     ("config", "message"),
     [({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
@@ -97,7 +128,9 @@ def test_stop_tokens_n_and_sampled_requests_beside_speculation(tiny: Path) -> No
        "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
      ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
      ({"num_speculative_tokens": 2}, "needs method"),
-     ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet")],
+     ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
+     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
+      "disable_by_batch_size must be a positive integer")],
 )  # fmt: skip
 def test_bad_configs_are_refused_at_start(tiny: Path, config: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):

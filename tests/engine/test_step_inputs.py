@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -96,6 +98,29 @@ def test_a_padded_decode_step_leaves_safe_rows_after_a_prefill_dirtied_them() ->
             assert torch.equal(getattr(again, name), getattr(step, name)), name
 
 
+def test_a_verifying_step_pads_to_as_many_tokens_as_rows() -> None:
+    """A step of 2 requests and 5 tokens (a token and drafts) padded to a program of 8:
+    padding rows of one token each until the tokens are 8, then of none."""
+    staged = inputs()
+    b = SimpleNamespace(
+        input_ids=np.arange(1, 6, dtype=np.int32),
+        positions=np.array([4, 5, 6, 9, 10], dtype=np.int32),
+        slot_mapping=np.array([4, 5, 6, 9, 10], dtype=np.int64),
+        query_start_loc=np.array([0, 3, 5], dtype=np.int32),
+        seq_lens=np.array([7, 11], dtype=np.int32),
+        logits_indices=np.arange(5, dtype=np.int32),
+        block_tables=np.zeros((2, 2), dtype=np.int32),
+    )
+    step = staged.upload(b, padded_reqs=8)  # type: ignore[arg-type]
+    assert step.input_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
+    assert step.slot_mapping.tolist() == [4, 5, 6, 9, 10, -1, -1, -1]
+    assert step.query_start_loc.tolist() == [0, 3, 5, 6, 7, 8, 8, 8, 8]
+    assert step.seq_lens.tolist() == [7, 11] + [1] * 6
+    staged.reset()
+    assert staged.views(8, 8, 8).query_start_loc.tolist() == list(range(9))
+    assert staged.views(8, 8, 8).slot_mapping.tolist() == [-1] * 8
+
+
 def test_fresh_buffers_hold_safe_values_for_graph_capture() -> None:
     step = inputs().views(8, 8, 8)
     assert step.slot_mapping.tolist() == [-1] * 8
@@ -122,11 +147,11 @@ def test_bad_sizes_are_clear_errors() -> None:
     s.schedule()
     with pytest.raises(ValueError, match="larger than the inputs' capacity"):
         inputs(budget=16).upload(s.buffers)
-    with pytest.raises(ValueError, match="only decode steps pad"):
+    with pytest.raises(ValueError, match="as many tokens as rows"):
         inputs().upload(s.buffers, padded_reqs=4)
     s.update(np.array([7], dtype=np.int32))
     s.schedule()
-    with pytest.raises(ValueError, match="only decode steps pad, up to 8 rows"):
+    with pytest.raises(ValueError, match="as many tokens as rows, up to 8"):
         inputs().upload(s.buffers, padded_reqs=9)
     wide = StepInputs(torch.device("cpu"), 48, 8, MAX_BLOCKS - 1)
     with pytest.raises(ValueError, match="block tables of shape"):

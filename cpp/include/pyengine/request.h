@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "pyengine/draft_budget.h"
 #include "pyengine/kv_cache_manager.h"
 #include "pyengine/prefix_hash.h"
 
@@ -55,6 +56,7 @@ struct Request {
   // of them the scheduled step verifies.
   std::vector<TokenId> draft_token_ids;
   int num_scheduled_drafts = 0;
+  DraftAcceptance draft_acceptance;  // of its verified drafts, which sets how many
 
   int num_tokens() const { return static_cast<int>(token_ids.size()); }
   int num_output_tokens() const { return num_tokens() - num_prompt_tokens; }

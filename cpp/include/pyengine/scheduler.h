@@ -53,6 +53,10 @@ struct SchedulerConfig {
   // waits; from then on the step admits only requests without an adapter, so that the
   // running adapters drain and it is never starved.
   int max_loras = 0;
+  // Speculative decoding: one more token row's cost in a step, against a step of one
+  // token; each request verifies as many of its drafts as pay for it (draft_budget; 0:
+  // all that fit).
+  double draft_row_cost = 0.0;
 };
 
 struct SchedulerStats {

@@ -18,6 +18,7 @@ const SchedulerConfig& checked(const SchedulerConfig& c) {
   check_argument(c.long_prefill_token_threshold >= 0,
                  "long_prefill_token_threshold must be non-negative");
   check_argument(c.max_loras >= 0, "max_loras must be non-negative");
+  check_argument(c.draft_row_cost >= 0.0, "draft_row_cost must be non-negative");
   check_argument(c.enable_chunked_prefill || c.max_num_batched_tokens >= c.max_model_len,
                  "without chunked prefill, max_num_batched_tokens must be at least "
                  "max_model_len (a long prompt could never be scheduled)");
@@ -239,6 +240,9 @@ int Scheduler::schedule() {
     }
     const bool decoding = n == 1 && r->num_computed_tokens == r->num_tokens() - 1;
     int drafts = decoding ? drafts_that_fit(*r, budget) : 0;
+    if (decoding && drafts == 0 && !r->draft_token_ids.empty()) {
+      r->draft_acceptance.idle();  // proposed, but verifies none this step
+    }
     // (no room for the drafts' slots: the step goes without them before anyone is preempted)
     if (drafts > 0 && !kv_.allocate_slots(r->kv_handle, n, drafts).has_value()) drafts = 0;
     bool allocated = drafts > 0;
@@ -391,7 +395,8 @@ int Scheduler::drafts_that_fit(const Request& r, int budget) const {
   // (every token it may accept within max_model_len and max_tokens, its last one's too)
   const int by_length = config_.max_model_len - r.num_tokens() - 1;
   const int by_max_tokens = r.params.max_tokens - r.num_output_tokens() - 1;
-  return std::max(0, std::min({proposed, budget - 1, by_length, by_max_tokens}));
+  const int fit = std::max(0, std::min({proposed, budget - 1, by_length, by_max_tokens}));
+  return draft_budget(r.draft_acceptance.rate(), fit, config_.draft_row_cost);
 }
 
 void Scheduler::set_draft_tokens(const std::string& id, std::span<const TokenId> drafts) {
@@ -488,6 +493,9 @@ int Scheduler::update(std::span<const TokenId> tokens,
     if (r == nullptr) {  // aborted or finished by Python during the step
       results_.finish_reasons[i] = static_cast<uint8_t>(step_removed_reasons_[i]);
       continue;
+    }
+    if (r->num_scheduled_drafts > 0 && !row.empty()) {
+      r->draft_acceptance.record(r->num_scheduled_drafts, static_cast<int>(row.size()) - 1);
     }
     const int before = r->num_tokens();
     const FinishReason reason = append_tokens(*r, row, i);
