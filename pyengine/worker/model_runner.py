@@ -356,8 +356,8 @@ class ModelRunner:
         if self.graphs is not None and graph is not None:
             # Eagerly, for the sampled rows only: one [rows, vocab] buffer per graph would
             # hold gigabytes at a large vocabulary.
-            hidden = self.graphs.replay(graph)[: len(b.input_ids)]
-            return self.model.compute_logits(hidden[step.logits_indices.long()]), None
+            replayed = self.graphs.replay(graph)[: len(b.input_ids)]
+            return self.model.compute_logits(replayed[step.logits_indices.long()]), None
         meta = AttentionMetadata(
             slot_mapping=step.slot_mapping,
             block_tables=step.block_tables,
