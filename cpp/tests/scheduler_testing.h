@@ -9,7 +9,8 @@
 
 namespace pyengine::testing {
 
-inline Scheduler make_scheduler(int num_blocks, int budget, int max_model_len = 64) {
+// Up to 4 requests, chunked prefill, FCFS.
+inline SchedulerConfig scheduler_config(int budget, int max_model_len = 64) {
   SchedulerConfig config;
   config.max_num_batched_tokens = budget;
   config.max_num_seqs = 4;
@@ -17,7 +18,11 @@ inline Scheduler make_scheduler(int num_blocks, int budget, int max_model_len = 
   config.enable_chunked_prefill = true;
   config.long_prefill_token_threshold = 0;
   config.policy = SchedulingPolicy::kFCFS;
-  return Scheduler(config, KVCacheConfig{num_blocks, 4, true});
+  return config;
+}
+
+inline Scheduler make_scheduler(int num_blocks, int budget, int max_model_len = 64) {
+  return Scheduler(scheduler_config(budget, max_model_len), KVCacheConfig{num_blocks, 4, true});
 }
 
 inline std::vector<TokenId> iota_tokens(int n) {

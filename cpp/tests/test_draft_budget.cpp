@@ -75,11 +75,7 @@ TEST(the_estimate_follows_verifications_and_drifts_back_when_idle) {
 }
 
 TEST(a_request_whose_drafts_fail_is_given_fewer_then_none_then_tried_again) {
-  SchedulerConfig config;
-  config.max_num_batched_tokens = 32;
-  config.max_num_seqs = 4;
-  config.max_model_len = 256;
-  config.enable_chunked_prefill = true;
+  SchedulerConfig config = testing::scheduler_config(32, 256);
   config.draft_row_cost = 0.2;
   Scheduler s(config, KVCacheConfig{128, 4, true});
   RequestParams params;
@@ -111,10 +107,7 @@ TEST(a_request_whose_drafts_fail_is_given_fewer_then_none_then_tried_again) {
 }
 
 TEST(a_negative_row_cost_is_refused) {
-  SchedulerConfig config;
-  config.max_num_batched_tokens = 32;
-  config.max_num_seqs = 4;
-  config.max_model_len = 32;
+  SchedulerConfig config = testing::scheduler_config(32, 32);
   config.draft_row_cost = -1.0;
   CHECK_THROWS(InvalidArgument, Scheduler(config, KVCacheConfig{16, 4, true}));
 }

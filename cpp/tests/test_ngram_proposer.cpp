@@ -6,6 +6,7 @@
 #include "pyengine/errors.h"
 #include "pyengine/ngram_proposer.h"
 #include "pyengine/scheduler.h"
+#include "scheduler_testing.h"
 
 using namespace pyengine;
 
@@ -44,13 +45,7 @@ TEST(bad_configs_are_refused) {
 }
 
 TEST(the_scheduler_proposes_to_decoding_requests_that_speculate) {
-  SchedulerConfig config;
-  config.max_num_batched_tokens = 8;
-  config.max_num_seqs = 4;
-  config.max_model_len = 64;
-  config.enable_chunked_prefill = true;
-  config.policy = SchedulingPolicy::kFCFS;
-  Scheduler s(config, KVCacheConfig{32, 4, true});
+  Scheduler s = testing::make_scheduler(32, 8);
   RequestParams params;
   params.max_tokens = 8;
   params.speculate = true;
@@ -65,7 +60,7 @@ TEST(the_scheduler_proposes_to_decoding_requests_that_speculate) {
   CHECK_EQ(s.buffers().input_ids[1], 5);
   CHECK_EQ(s.buffers().input_ids[2], 3);
   // A request added without `speculate` (its tokens sampled) gets no proposal.
-  Scheduler plain(config, KVCacheConfig{32, 4, true});
+  Scheduler plain = testing::make_scheduler(32, 8);
   params.speculate = false;
   plain.add_request("c", std::vector<TokenId>{3, 4, 5, 3}, params);
   plain.schedule();
