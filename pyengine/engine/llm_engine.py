@@ -101,6 +101,13 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         stats = EngineStats.of([s.stats() for s in self.core.schedulers])
+        if self.core.speculative is not None:
+            spec = self.core.spec_stats
+            stats = replace(
+                stats, spec_num_drafts=spec.num_drafts, spec_num_draft_tokens=spec.num_draft_tokens,
+                spec_num_accepted_tokens=spec.num_accepted_tokens,
+                spec_accepted_per_position=tuple(spec.accepted_per_position),
+            )  # fmt: skip
         if self.config.lora is None:
             return stats
         running, waiting = self.core.adapter_states()

@@ -20,6 +20,12 @@ class EngineStats:
     running_loras: tuple[str, ...] = ()
     waiting_loras: tuple[str, ...] = ()
     max_loras: int = 0
+    # With speculative decoding, since the engine started (vLLM's spec_decode_* counters):
+    # rows that verified drafts, draft tokens, those accepted, and accepted per position.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, stats: list[SchedulerStats]) -> EngineStats:

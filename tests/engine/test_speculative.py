@@ -62,6 +62,10 @@ def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict) -> 
     stats = llm.engine.core.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert 1 < stats.mean_accepted_length <= 5
+    totals = llm.engine.stats()  # what /metrics exports (spec_decode_*)
+    assert (totals.spec_num_drafts, totals.spec_num_accepted_tokens) == (
+        stats.num_drafts, stats.num_accepted_tokens)  # fmt: skip
+    assert sum(totals.spec_accepted_per_position) == stats.num_accepted_tokens
     assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
     if "kv_cache_memory" in engine:
         assert llm.engine.scheduler.stats().num_preemptions > 0

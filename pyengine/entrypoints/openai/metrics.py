@@ -54,8 +54,17 @@ class EngineMetrics:
             ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
             registry=self.registry,
         )  # fmt: skip
+        self.spec_drafts = counter("spec_decode_num_drafts", "Rows that verified draft tokens.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of a row's drafts.", ("position",),
+        )  # fmt: skip
         self._model = model_name
         self._preemptions_seen = 0
+        self._spec_seen: tuple[int, int, int] = (0, 0, 0)
+        self._spec_per_pos_seen: list[int] = []
         for metric in (self.running, self.waiting, self.kv_usage, self.hit_rate):
             metric.labels(model_name).set(0)  # exported from the start
         for counter_ in (self.preemptions, self.prompt_tokens, self.generation_tokens):
@@ -72,12 +81,30 @@ class EngineMetrics:
             self._preemptions_seen = stats.num_preemptions
         if generated:
             self.generation_tokens.labels(m).inc(generated)
+        self._count_speculation(stats)
         if stats.max_loras:
             self.lora_info.clear()
             self.lora_info.labels(",".join(stats.running_loras), ",".join(stats.waiting_loras),
                                   str(stats.max_loras)).set(time.time())  # fmt: skip
         for out in finished:
             self._record_finished(out)
+
+    def _count_speculation(self, stats: EngineStats) -> None:
+        """The engine's speculative-decoding totals, as increments since the last step."""
+        m = self._model
+        totals = (stats.spec_num_drafts, stats.spec_num_draft_tokens,
+                  stats.spec_num_accepted_tokens)  # fmt: skip
+        counters = (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted)
+        for counter_, total, seen in zip(counters, totals, self._spec_seen, strict=True):
+            if total > seen:
+                counter_.labels(m).inc(total - seen)
+        self._spec_seen = totals
+        per_pos = stats.spec_accepted_per_position
+        for j, total in enumerate(per_pos):
+            seen = self._spec_per_pos_seen[j] if j < len(self._spec_per_pos_seen) else 0
+            if total > seen:
+                self.spec_accepted_per_pos.labels(m, str(j)).inc(total - seen)
+        self._spec_per_pos_seen = list(per_pos)
 
     def _record_finished(self, out: RequestOutput) -> None:
         m, t = self._model, out.metrics
