@@ -125,9 +125,8 @@ class KernelGraphs:
         per_request = min(self.max_query_len, self.inputs.max_blocks * block_size - 1)
         blocks_each = -(-(per_request + 1) // block_size)
         tokens = size - 1 if size > 1 else 1
-        lens = [per_request] * (tokens // per_request) + [tokens % per_request] * (
-            tokens % per_request > 0
-        )
+        full, rest = divmod(tokens, per_request)
+        lens = [per_request] * full + ([rest] if rest else [])
         tables = np.zeros((len(lens), self.inputs.max_blocks), dtype=np.int32)
         tables[:, :blocks_each] = (
             np.arange(len(lens))[:, None] * blocks_each + np.arange(blocks_each)

@@ -170,7 +170,7 @@ class ModelRunner:
             if on_cpu:
                 verify_tokens = 0 if spec is None else min(
                     config.max_num_batched_tokens,
-                    spec.drafting_batch_size(config.max_num_seqs) * self.max_query_len,
+                    spec.drafting_batch_size(config.max_num_seqs, "cpu") * self.max_query_len,
                 )  # fmt: skip
                 self.capture_sizes = cpu_capture_sizes(config.max_num_seqs, verify_tokens)
             else:
