@@ -35,6 +35,10 @@ class RequestMetrics:
     arrival_time: float
     first_token_time: float | None = None
     finished_time: float | None = None
+    # Speculative decoding, over the request's samples: draft tokens its steps verified,
+    # and of them those accepted (vLLM's spec_decode_* counts, per request).
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 @dataclass

@@ -24,7 +24,7 @@ from pyengine.engine.input_processor import EngineRequest
 from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
-from pyengine.spec_decode.verify import SpecDecodeStats, accept_greedy
+from pyengine.spec_decode.verify import SpecDecodeStats, accept_drafts
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
     PromptLogprobRow,
@@ -72,6 +72,8 @@ class EngineCoreOutput:
     num_cached_tokens: dict[str, int]
     # (request id, prompt position, its logprobs)
     prompt_logprobs: list[tuple[str, int, PositionLogprobs]]
+    # row id -> (draft tokens it verified, of them accepted), for the rows that verified
+    drafts: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -145,8 +147,9 @@ class EngineCore:
             adapter_id=0 if request.lora_request is None else request.lora_request.lora_int_id,
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
             cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
-            # Drafts are verified greedily: proposals for the rows whose tokens are argmaxes.
-            speculate=self.speculative is not None and argmax_only and params.min_tokens == 0,
+            # Greedy rows keep the drafts their argmax gives, sampled rows those their
+            # draws give (accept_drafts): every request speculates.
+            speculate=self.speculative is not None,
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
@@ -200,13 +203,19 @@ class EngineCore:
             raise
         scheduler = self.schedulers[flight.virtual_engine]
         sampled = np.asarray(out.sampled_token_ids, dtype=np.int32)
+        verified: dict[str, tuple[int, int]] = {}
         if flight.drafts is None:
             scheduler.update(sampled)
         else:
             assert flight.is_sampling is not None
-            tokens, counts = accept_greedy(sampled, flight.is_sampling, flight.drafts)
+            tokens, counts = accept_drafts(sampled, flight.is_sampling, flight.drafts)
             scheduler.update(tokens, counts)
             self.spec_stats.record(flight.drafts, counts)
+            verified = {
+                flight.row_ids[i]: (len(flight.drafts[i]), int(counts[i]) - 1)
+                for i in np.flatnonzero(counts)
+                if len(flight.drafts[i])
+            }
         prompt_logprobs = [
             (request_id, position, logprobs)
             for (request_id, position), logprobs in zip(
@@ -217,7 +226,7 @@ class EngineCore:
             self._prompt_logprobs[request_id].add(position)
         updates += self._updates(flight.virtual_engine)
         return EngineCoreOutput(
-            updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs
+            updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs, verified
         )
 
     def _submit(self, engine: int) -> list[RowUpdate]:
@@ -245,7 +254,9 @@ class EngineCore:
             flight.drafts = [b.input_ids[end - d : end].copy() for end, d in pairs]
             flight.is_sampling = b.is_sampling.copy()
         try:
-            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(b, row_ids, engine)
+            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(
+                b, row_ids, engine, flight.drafts
+            )
             self.executor.submit(step)
         except BaseException:
             self._fail(flight)
@@ -312,17 +323,26 @@ class EngineCore:
         return cached
 
     def _scheduler_output(
-        self, b: StepBuffers, row_ids: list[str], engine: int
+        self,
+        b: StepBuffers,
+        row_ids: list[str],
+        engine: int,
+        drafts: list[np.ndarray] | None = None,
     ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
-        """The step as the executor takes it, the sampled rows' ids, and the (request,
-        prompt position) of each prompt-logprob row."""
-        # (a row with draft tokens has a logits row for each, and one more)
+        """The step as the executor takes it, the sampled rows' ids (one per logits row),
+        and the (request, prompt position) of each prompt-logprob row."""
+        # (a row with draft tokens has a logits row for each, and one more: the j-th
+        # follows its drafts before j)
         rows_each = 1 + b.num_draft_tokens
-        sampled_row_ids = [row_ids[i] for i in np.flatnonzero(b.is_sampling)
-                           for _ in range(int(rows_each[i]))]  # fmt: skip
+        places = [(row_ids[i], int(i), j) for i in np.flatnonzero(b.is_sampling)
+                  for j in range(int(rows_each[i]))]  # fmt: skip
+        sampled_row_ids = [row_id for row_id, _, _ in places]
         sampling = None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
-            sampling = [self._sampling_request(r) for r in sampled_row_ids]
+            sampling = [
+                self._sampling_request(row_id, () if drafts is None else drafts[i][:j])
+                for row_id, i, j in places
+            ]
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -371,15 +391,23 @@ class EngineCore:
         adapters = {lr.lora_int_id: lr for lr in loras if lr is not None}
         return replace(step, adapter_ids=ids, adapters=adapters)
 
-    def _sampling_request(self, row_id: str) -> SamplingRequest:
+    def _sampling_request(
+        self, row_id: str, drafts_before: np.ndarray | tuple[()] = ()
+    ) -> SamplingRequest:
+        """How to choose a logits row's token: for a row after some of its request's
+        drafts, as if they were its tokens already (penalties count them, min_tokens
+        too), which they are if it is kept."""
         row = self._rows[row_id]
         request = row.request
-        under_min = len(row.output_token_ids) < request.params.min_tokens
+        output: list[int] = row.output_token_ids
+        if len(drafts_before):
+            output = output + [int(t) for t in drafts_before]
+        under_min = len(output) < request.params.min_tokens
         return SamplingRequest(
             row_id,
             request.params,
             request.prompt_array,
-            row.output_token_ids,
+            output,
             row.seed,
             request.blocked_token_ids if under_min else (),
         )

@@ -5,6 +5,7 @@ hands out RequestOutputs that are snapshots: no later step changes one."""
 from __future__ import annotations
 
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from pyengine.engine.core import EngineCoreOutput
@@ -111,14 +112,20 @@ class OutputProcessor:
         for request_id, position, logprobs in out.prompt_logprobs:
             self._decode_logprobs(logprobs)
             self.requests[request_id].prompt_logprobs[position] = logprobs
-        logprobs_of: dict[str, PositionLogprobs] = {}
+        # Per row, its logits rows' logprobs in order: a row that verified drafts has one
+        # for each of its new tokens (its accepted drafts, then one more), then unused.
+        logprobs_of: dict[str, deque[PositionLogprobs]] = {}
         runner = out.runner_output
         if runner is not None and runner.logprobs is not None:
-            logprobs_of = {
-                row_id: lp
-                for row_id, lp in zip(out.sampled_row_ids, runner.logprobs, strict=True)
-                if lp is not None
-            }
+            for row_id, lp in zip(out.sampled_row_ids, runner.logprobs, strict=True):
+                if lp is not None:
+                    logprobs_of.setdefault(row_id, deque()).append(lp)
+        for row_id, (proposed, accepted) in out.drafts.items():
+            if row_id not in self.by_row_id:  # (aborted during its step)
+                continue
+            metrics = self.by_row_id[row_id][0].metrics
+            metrics.num_draft_tokens += proposed
+            metrics.num_accepted_tokens += accepted
         now = time.time()
         progressed: dict[str, RequestState] = {}
         for row_id, token, reason in out.updates:
@@ -126,7 +133,8 @@ class OutputProcessor:
             progressed[state.request.request_id] = state
             # (a row's accepted drafts come as several updates: none past a stop string)
             if token is not None and not sample.finished:
-                self._append(state, sample, token, logprobs_of.get(row_id), now)
+                entries = logprobs_of.get(row_id)
+                self._append(state, sample, token, entries.popleft() if entries else None, now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
         return self.collect([] if finished_only else list(progressed.values()))

@@ -43,27 +43,33 @@ class SpecDecodeStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def accept_greedy(
-    sampled: np.ndarray, is_sampling: np.ndarray, drafts: list[np.ndarray]
+def accept_drafts(
+    chosen: np.ndarray, is_sampling: np.ndarray, drafts: list[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's new tokens under greedy decoding: the target's argmax at its last token
-    and after each draft (sampled: int32, one per logits row, a row's 1 + its drafts in
-    turn), kept while the drafts equal them, and one more, the target's own (so the tokens
-    are exactly those of no speculation). Returns the tokens, flat, and each row's count
-    (0 for a row that does not sample), as Scheduler.update takes them."""
+    """Each row's new tokens: the target's own token at its last token and after each
+    draft (chosen: int32, one per logits row, a row's 1 + its drafts in turn), kept while
+    the drafts equal them, and one more. Returns the tokens, flat, and each row's count
+    (0 for a row that does not sample), as Scheduler.update takes them.
+
+    Each logits row's token is the sampler's: the argmax for greedy rows, so the tokens
+    are exactly those of no speculation; for sampled rows a draw from the target's
+    processed distribution at that place. For drafts proposed with certainty (one-hot q,
+    every proposer here) that is rejection sampling exactly: the draft x is kept with
+    probability p(x), and otherwise the token drawn is one of p without x, normalized
+    (spec_decode/rejection.py has the rule for any q)."""
     tokens: list[np.ndarray] = []
     counts = np.zeros(len(is_sampling), dtype=np.int32)
     at = 0
     for row in np.flatnonzero(is_sampling):
         proposed = drafts[row]
         k = len(proposed)
-        target = sampled[at : at + k + 1]
+        target = chosen[at : at + k + 1]
         at += k + 1
         mismatch = np.flatnonzero(proposed != target[:k])
         accepted = int(mismatch[0]) if len(mismatch) else k
         tokens.append(target[: accepted + 1])
         counts[row] = accepted + 1
-    if at != len(sampled):
-        raise ValueError(f"accept_greedy: {len(sampled)} sampled tokens for {at} logits rows")
+    if at != len(chosen):
+        raise ValueError(f"accept_drafts: {len(chosen)} chosen tokens for {at} logits rows")
     flat = np.concatenate(tokens) if tokens else np.zeros(0, dtype=np.int32)
     return flat.astype(np.int32, copy=False), counts

@@ -1,7 +1,9 @@
-"""Speculative decoding with prompt-lookup (n-gram) drafts, verified greedily: float32
-greedy tokens identical to no speculation on a tiny llama and on the default model, with
-prefix caching, chunked prefill, n > 1, forced preemption, stop tokens and mixed sampled
-requests; drafts accepted; no block left; bad configurations refused at start."""
+"""Speculative decoding with prompt-lookup (n-gram) drafts: float32 greedy tokens
+identical to no speculation on a tiny llama and on the default model, with prefix
+caching, chunked prefill, n > 1, forced preemption, stop tokens, logprobs, penalties and
+min_tokens; sampled tokens that follow the target's distribution (a chi-square bound on
+a tiny vocabulary); drafts accepted; no block left; bad configurations refused at
+start."""
 
 from __future__ import annotations
 
@@ -71,10 +73,11 @@ def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict) -> 
         assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
-def test_stop_tokens_n_and_sampled_requests_beside_speculation(tiny: Path) -> None:
-    """A stop token among the accepted drafts ends the request there; n > 1 greedy samples
-    and seeded sampled requests (which get no drafts) run in the same steps unchanged."""
-    prompts = repeating_prompts(4, seed=1)
+def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path) -> None:
+    """A stop token among the accepted drafts ends the request there; n > 1 samples,
+    logprobs, penalties and min_tokens (whose logits rows after a draft count it as an
+    output token) keep the tokens of no speculation, every request verifying drafts."""
+    prompts = repeating_prompts(6, seed=1)
     plain_out, _ = run(
         tiny, prompts[:1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     )
@@ -82,16 +85,41 @@ def test_stop_tokens_n_and_sampled_requests_beside_speculation(tiny: Path) -> No
     params = [
         SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[stop]),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, n=2),
-        SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True),
         SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
-    ]
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, frequency_penalty=0.4,
+                       presence_penalty=0.2),
+        SamplingParams(temperature=0, max_tokens=30, min_tokens=20, stop_token_ids=[stop]),
+    ]  # fmt: skip
     plain, _ = run(tiny, prompts, params)
     spec_out, llm = run(tiny, prompts, params, speculative_config=NGRAM)
     for a, b in zip(plain, spec_out, strict=True):
         assert [list(s.token_ids) for s in a.outputs] == [list(s.token_ids) for s in b.outputs]
         assert [s.finish_reason for s in a.outputs] == [s.finish_reason for s in b.outputs]
+        assert b.metrics.num_draft_tokens > 0, b.request_id
     assert tokens(spec_out)[0][-1] == stop
+    want, got = plain[2].outputs[0], spec_out[2].outputs[0]
+    assert want.logprobs is not None and got.logprobs is not None
+    assert len(got.logprobs) == len(got.token_ids)
+    for a, b in zip(want.logprobs, got.logprobs, strict=True):  # (a step's rows round apart)
+        assert a.keys() == b.keys()
+        assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
+    assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
+    stats = llm.engine.core.spec_stats
+    assert sum(o.metrics.num_accepted_tokens for o in spec_out) == stats.num_accepted_tokens
+    assert sum(o.metrics.num_draft_tokens for o in spec_out) == stats.num_draft_tokens
+
+
+def test_seeded_sampled_requests_speculate_and_repeat(tiny: Path) -> None:
+    """Sampled requests verify drafts too (by their draws, accept_drafts); a seeded one
+    gives the same tokens run again, alone or in another batch."""
+    prompts = repeating_prompts(3, seed=4)
+    params = SamplingParams(temperature=0.3, top_k=20, seed=11, max_tokens=30, ignore_eos=True)
+    first, llm = run(tiny, prompts, params, speculative_config=NGRAM)
     assert llm.engine.core.spec_stats.num_accepted_tokens > 0
+    again, _ = run(tiny, prompts, params, speculative_config=NGRAM)
+    assert tokens(again) == tokens(first)
+    assert all(o.metrics.num_draft_tokens > 0 for o in first)
 
 
 def test_verifying_steps_replay_as_decode_steps_do(tiny: Path) -> None:

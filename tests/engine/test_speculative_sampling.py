@@ -1,0 +1,133 @@
+"""Sampling under speculative decoding follows the target's distribution: on a tiny Llama
+of 8 tokens, the empirical joint distribution of a request's first three sampled tokens
+with prompt-lookup drafts (some accepted, some rejected and resampled, up to two a step,
+the third token often a verifying step's own) matches the exact one transformers
+computes on the same weights, within a chi-square bound; and so does the same engine
+without speculation."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 8
+TEMPERATURE, TOP_K, PRESENCE = 0.9, 6, 0.5
+SAMPLES = 20_000
+
+
+@pytest.fixture(scope="module")
+def small_vocab(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[Path, torch.nn.Module, list[int]]:
+    """The model's folder, the model, and a prompt: its own greedy continuation of one
+    token, which a tiny model soon repeats, so that prompt lookup proposes what it
+    samples often (and often not)."""
+    torch.manual_seed(1)
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+        max_position_embeddings=64, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # peaked enough that drafts are often right, and often not
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.25)
+    folder = tmp_path_factory.mktemp("small-vocab")
+    model.save_pretrained(folder)
+    with torch.no_grad():
+        greedy = model.generate(torch.tensor([[1]]), max_new_tokens=11, do_sample=False)
+    return folder, model, greedy[0].tolist()
+
+
+def processed(logits: torch.Tensor, outputs: tuple[int, ...]) -> np.ndarray:
+    """The sampler's distribution, in float64: presence penalty on the output tokens,
+    temperature, then the top-k."""
+    x = logits.double().clone()
+    for t in set(outputs):
+        x[t] -= PRESENCE
+    x = x / TEMPERATURE
+    kth = x.topk(TOP_K).values[-1]
+    x[x < kth] = -math.inf
+    return torch.softmax(x, dim=-1).numpy()
+
+
+def exact_joint(model: torch.nn.Module, prompt: list[int]) -> np.ndarray:
+    """P(y1, y2, y3) [VOCAB, VOCAB, VOCAB]: every two-token continuation in one batch."""
+    pairs = list(itertools.product(range(VOCAB), repeat=2))
+    ids = torch.tensor([prompt + list(pair) for pair in pairs])
+    with torch.no_grad():
+        logits = model(ids).logits[:, -3:]  # predicting y1, y2 and y3
+    joint = np.zeros((VOCAB,) * 3)
+    for row, (a, b) in enumerate(pairs):
+        first = processed(logits[row, 0], ())[a]
+        second = processed(logits[row, 1], (a,))[b]
+        joint[a, b] = first * second * processed(logits[row, 2], (a, b))
+    return joint
+
+
+def chi_square_bound(degrees: int, z: float = 4.265) -> float:
+    """The chi-square quantile exceeded by chance with probability 1e-5 (z: the normal's)
+    by Wilson and Hilferty's approximation."""
+    c = 2 / (9 * degrees)
+    return degrees * (1 - c + z * math.sqrt(c)) ** 3
+
+
+def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    """The statistic and its degrees of freedom, cells expecting under 5 pooled."""
+    expected = probs.ravel() * counts.sum()
+    small = expected < 5
+    observed = np.append(counts.ravel()[~small], counts.ravel()[small].sum())
+    expected = np.append(expected[~small], expected[small].sum())
+    keep = expected > 0
+    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
+    return stat, int(keep.sum()) - 1
+
+
+def sampled_joint(
+    folder: Path,
+    prompt: list[int],
+    speculative_config: dict | None,  # type: ignore[type-arg]
+) -> tuple[np.ndarray, LLM]:
+    llm = LLM(
+        str(folder), max_model_len=64, kv_cache_memory=2**24, max_num_seqs=256, seed=7,
+        speculative_config=speculative_config,
+    )  # fmt: skip
+    params = SamplingParams(
+        n=100, temperature=TEMPERATURE, top_k=TOP_K, presence_penalty=PRESENCE,
+        max_tokens=4, ignore_eos=True,  # (the first step after the prompt verifies 2)
+    )  # fmt: skip
+    prompts = [{"prompt_token_ids": prompt}] * (SAMPLES // params.n)
+    counts = np.zeros((VOCAB,) * 3, dtype=np.int64)
+    for output in llm.generate(prompts, params, use_tqdm=False):
+        for sample in output.outputs:
+            counts[tuple(sample.token_ids[:3])] += 1
+    return counts, llm
+
+
+@pytest.mark.parametrize("speculative", [True, False], ids=["ngram", "none"])
+def test_sampled_tokens_follow_the_targets_distribution(
+    small_vocab: tuple[Path, torch.nn.Module, list[int]], speculative: bool
+) -> None:
+    folder, model, prompt = small_vocab
+    config = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 256}
+    counts, llm = sampled_joint(folder, prompt, config if speculative else None)
+    assert counts.sum() == SAMPLES
+    stat, degrees = chi_square(counts, exact_joint(model, prompt))
+    assert degrees > 50  # (the joint is spread: most cells are tested on their own)
+    assert stat < chi_square_bound(degrees), (stat, degrees)
+    stats = llm.engine.core.spec_stats
+    if speculative:  # drafts verified, kept and rejected, at the first place and the second
+        assert stats.num_drafts > SAMPLES // 2
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+        assert stats.accepted_per_position[1] > 0
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
