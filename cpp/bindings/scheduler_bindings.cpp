@@ -7,6 +7,7 @@
 
 #include "bindings.h"
 #include "pyengine/draft_budget.h"
+#include "pyengine/errors.h"
 #include "pyengine/scheduler.h"
 #include "token_ids.h"
 
@@ -236,6 +237,28 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           py::arg("prompt_lookup_min"), py::arg("prompt_lookup_max"),
           py::arg("num_speculative_tokens"),
           "Proposes prompt-lookup drafts to every decoding request; returns how many got one.")
+      .def(
+          "enable_suffix_drafts",
+          [](Scheduler& s, int max_tree_depth, int max_cached_requests, double max_spec_factor,
+             double min_token_prob, int max_draft) {
+            s.enable_suffix_drafts(SuffixConfig{max_tree_depth, max_cached_requests,
+                                                max_spec_factor, min_token_prob, max_draft});
+          },
+          py::arg("max_tree_depth"), py::arg("max_cached_requests"), py::arg("max_spec_factor"),
+          py::arg("min_token_prob"), py::arg("num_speculative_tokens"),
+          "Suffix decoding: a suffix tree per request and one of earlier requests' outputs.")
+      .def("propose_suffix_drafts", &Scheduler::propose_suffix_drafts,
+           "Proposes suffix-tree drafts to every decoding request; returns how many got one.")
+      .def(
+          "suffix_tree_sizes",
+          [](const Scheduler& s) {
+            const SuffixProposer* p = s.suffix_proposer();
+            if (p == nullptr) throw InvalidState("suffix_tree_sizes: suffix decoding is off");
+            return py::dict(py::arg("request_trees") = p->num_request_trees(),
+                            py::arg("cached_outputs") = p->num_cached_outputs(),
+                            py::arg("global_nodes") = p->num_global_nodes());
+          },
+          "The suffix proposer's trees: per-request ones, cached outputs, global nodes.")
       .def_property_readonly("results", &Scheduler::results,
                              py::return_value_policy::reference_internal)
       .def(
@@ -308,8 +331,7 @@ void bind_scheduler(py::module_& m) {
       py::arg("num_speculative_tokens"),
       "Prompt lookup: the tokens that followed the most recent earlier occurrence of the "
       "longest suffix (prompt_lookup_max down to prompt_lookup_min tokens) of token_ids.");
-  m.def("draft_budget", &draft_budget, py::arg("rate"), py::arg("available"),
-        py::arg("row_cost"),
+  m.def("draft_budget", &draft_budget, py::arg("rate"), py::arg("available"), py::arg("row_cost"),
         "How many of `available` drafts a request verifies at an acceptance `rate`, where "
         "a token row costs row_cost of a one-token step (see draft_budget.h).");
   bind_stats(m);

@@ -105,6 +105,15 @@ class EngineCore:
             )
             for _ in range(num_engines)
         ]
+        if spec is not None and spec.method == "suffix":
+            for scheduler in self.schedulers:
+                scheduler.enable_suffix_drafts(
+                    spec.suffix_decoding_max_tree_depth,
+                    spec.suffix_decoding_max_cached_requests,
+                    spec.suffix_decoding_max_spec_factor,
+                    spec.suffix_decoding_min_token_prob,
+                    spec.num_speculative_tokens,
+                )
         self._engine_of: dict[str, int] = {}  # request id -> its scheduler
         self._in_flight: deque[_InFlight] = deque()
         self._next_engine = 0  # the scheduler to fill first, in turn
@@ -236,9 +245,12 @@ class EngineCore:
         spec = self.speculative
         # (no drafts for a batch that is compute-bound already)
         if spec is not None and scheduler.stats().num_running <= self._drafting_batch:
-            scheduler.propose_ngram_drafts(
-                spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
-            )
+            if spec.method == "suffix":
+                scheduler.propose_suffix_drafts()
+            else:
+                scheduler.propose_ngram_drafts(
+                    spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
+                )
         if scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             scheduler.update(np.zeros(0, dtype=np.int32))
             return self._updates(engine)

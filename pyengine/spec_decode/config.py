@@ -5,13 +5,14 @@ error."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from pyengine.sampling_params import is_int
+from pyengine.sampling_params import is_int, is_real
 
-METHODS = ("ngram",)
-PLANNED = ("suffix", "draft_model")  # named by the issue, not built yet
+METHODS = ("ngram", "suffix")
+PLANNED = ("draft_model",)  # named by the issue, not built yet
 MAX_SPECULATIVE_TOKENS = 16
+MAX_SUFFIX_TREE_DEPTH = 64  # SuffixTree::kMaxDepth
 # The most running requests a step proposes drafts for, by device: on the CPU each token
 # row of a step costs compute already at a few requests, on a GPU only past dozens.
 DEFAULT_DRAFTING_BATCH = {"cpu": 4, "cuda": 32}
@@ -27,6 +28,13 @@ class SpeculativeConfig:
     num_speculative_tokens: int
     prompt_lookup_min: int = 1  # ngram: the shortest suffix looked up
     prompt_lookup_max: int = 4  # ngram: the longest, tried first
+    # suffix (vLLM's keys and defaults; cpp/include/pyengine/suffix_proposer.h): the
+    # longest run a suffix tree holds, earlier requests' outputs kept, a proposal's length
+    # against its match's, the least estimated chance of a proposal's tokens.
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
     # No drafts in a step of more running requests than this (vLLM's name); None: the
     # device's default (DEFAULT_DRAFTING_BATCH), where a larger step is compute-bound.
     disable_by_batch_size: int | None = None
@@ -51,11 +59,38 @@ class SpeculativeConfig:
                 f"integers with 1 <= prompt_lookup_min <= prompt_lookup_max, got {low!r} "
                 f"and {high!r}"
             )
+        self._check_suffix()
         limit = self.disable_by_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(
                 "speculative_config: disable_by_batch_size must be a positive integer, "
                 f"got {limit!r}"
+            )
+
+    def _check_suffix(self) -> None:
+        depth = self.suffix_decoding_max_tree_depth
+        if not is_int(depth) or not 1 <= depth <= MAX_SUFFIX_TREE_DEPTH:
+            raise ValueError(
+                "speculative_config: suffix_decoding_max_tree_depth must be an integer in "
+                f"[1, {MAX_SUFFIX_TREE_DEPTH}], got {depth!r}"
+            )
+        cached = self.suffix_decoding_max_cached_requests
+        if not is_int(cached) or cached < 0:
+            raise ValueError(
+                "speculative_config: suffix_decoding_max_cached_requests must be a "
+                f"non-negative integer, got {cached!r}"
+            )
+        factor = self.suffix_decoding_max_spec_factor
+        if not is_real(factor) or not factor > 0:
+            raise ValueError(
+                "speculative_config: suffix_decoding_max_spec_factor must be a number above "
+                f"0, got {factor!r}"
+            )
+        chance = self.suffix_decoding_min_token_prob
+        if not is_real(chance) or not 0 <= chance <= 1:
+            raise ValueError(
+                "speculative_config: suffix_decoding_min_token_prob must be a number in "
+                f"[0, 1], got {chance!r}"
             )
 
     def drafting_batch_size(self, max_num_seqs: int, device: str = "cpu") -> int:
@@ -78,8 +113,7 @@ class SpeculativeConfig:
             return raw
         if not isinstance(raw, Mapping):
             raise ValueError(f"speculative_config must be a mapping, got {type(raw).__name__}")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                 "disable_by_batch_size"}  # fmt: skip
+        known = {f.name for f in fields(cls)}
         unknown = sorted(set(raw) - known)
         if unknown:
             raise ValueError(
@@ -87,8 +121,8 @@ class SpeculativeConfig:
             )
         if "method" not in raw or "num_speculative_tokens" not in raw:
             raise ValueError("speculative_config needs method and num_speculative_tokens")
-        fields = dict(raw)
-        low = fields.get("prompt_lookup_min")
-        if "prompt_lookup_max" not in fields and is_int(low):  # (as long a window at least)
-            fields["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)  # type: ignore[call-overload]
-        return cls(**fields)  # type: ignore[arg-type]
+        given = dict(raw)
+        low = given.get("prompt_lookup_min")
+        if "prompt_lookup_max" not in given and is_int(low):  # (as long a window at least)
+            given["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)  # type: ignore[call-overload]
+        return cls(**given)  # type: ignore[arg-type]

@@ -19,6 +19,8 @@ from pyengine import LLM, SamplingParams
 
 # (drafts at every batch size these tests run: the CPU's default stops at 4 requests)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
+SUFFIX = {**NGRAM, "method": "suffix"}
+METHODS = pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +57,12 @@ def run(folder: Path, prompts: list, params: object, **engine: object) -> tuple[
      {"kv_cache_memory": 2**18}, {"enforce_eager": True}],
     ids=["default", "no-prefix-cache", "chunked", "preempted", "eager"],
 )  # fmt: skip
-def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict) -> None:  # type: ignore[type-arg]
+@METHODS
+def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict, method: dict) -> None:  # type: ignore[type-arg]
     prompts = repeating_prompts(6)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain, _ = run(tiny, prompts, params, **engine)
-    spec_out, llm = run(tiny, prompts, params, speculative_config=NGRAM, **engine)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=method, **engine)
     assert tokens(spec_out) == tokens(plain)
     stats = llm.engine.core.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
@@ -73,7 +76,8 @@ def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict) -> 
         assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
-def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path) -> None:
+@METHODS
+def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path, method: dict) -> None:  # type: ignore[type-arg]
     """A stop token among the accepted drafts ends the request there; n > 1 samples,
     logprobs, penalties and min_tokens (whose logits rows after a draft count it as an
     output token) keep the tokens of no speculation, every request verifying drafts."""
@@ -92,7 +96,7 @@ def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path) -> N
         SamplingParams(temperature=0, max_tokens=30, min_tokens=20, stop_token_ids=[stop]),
     ]  # fmt: skip
     plain, _ = run(tiny, prompts, params)
-    spec_out, llm = run(tiny, prompts, params, speculative_config=NGRAM)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=method)
     for a, b in zip(plain, spec_out, strict=True):
         assert [list(s.token_ids) for s in a.outputs] == [list(s.token_ids) for s in b.outputs]
         assert [s.finish_reason for s in a.outputs] == [s.finish_reason for s in b.outputs]
@@ -120,6 +124,25 @@ def test_seeded_sampled_requests_speculate_and_repeat(tiny: Path) -> None:
     again, _ = run(tiny, prompts, params, speculative_config=NGRAM)
     assert tokens(again) == tokens(first)
     assert all(o.metrics.num_draft_tokens > 0 for o in first)
+
+
+def test_suffix_decoding_proposes_earlier_outputs(tiny: Path) -> None:
+    """A prompt that never repeats itself gives its own tree little to propose; asked
+    again, the global tree holds the first answer, and proposes it. The global tree keeps
+    at most suffix_decoding_max_cached_requests outputs; no request's tree outlives it."""
+    rng = np.random.default_rng(3)
+    prompt = {"prompt_token_ids": rng.permutation(256)[:40].tolist()}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    config = {**SUFFIX, "suffix_decoding_max_cached_requests": 3}
+    first, llm = run(tiny, [prompt], params, speculative_config=config)
+    before = llm.engine.core.spec_stats.num_accepted_tokens
+    again = llm.generate([prompt], params, use_tqdm=False)
+    assert tokens(again) == tokens(first)
+    accepted = again[0].metrics.num_accepted_tokens
+    assert accepted > before and accepted >= 30, (accepted, before)
+    llm.generate(repeating_prompts(5), params, use_tqdm=False)
+    sizes = llm.engine.scheduler.suffix_tree_sizes()
+    assert sizes["cached_outputs"] == 3 and sizes["request_trees"] == 0, sizes
 
 
 def test_verifying_steps_replay_as_decode_steps_do(tiny: Path) -> None:
@@ -161,6 +184,14 @@ def test_no_drafts_past_the_batch_size_that_disables_them(tiny: Path) -> None:
      ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
      ({"num_speculative_tokens": 2}, "needs method"),
      ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
+     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0},
+      "suffix_decoding_max_tree_depth must be"),
+     ({"method": "suffix", "num_speculative_tokens": 2,
+       "suffix_decoding_max_cached_requests": -1}, "max_cached_requests must be"),
+     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_spec_factor": 0},
+      "max_spec_factor must be"),
+     ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_min_token_prob": 2},
+      "min_token_prob must be"),
      ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0},
       "disable_by_batch_size must be a positive integer")],
 )  # fmt: skip
@@ -172,7 +203,7 @@ def test_bad_configs_are_refused_at_start(tiny: Path, config: dict, message: str
 @pytest.mark.slow
 def test_the_default_model_rewriting_its_prompt() -> None:
     """SmolLM2 asked to repeat a given text (its output repeats the prompt): the same
-    greedy tokens with prompt lookup, most drafts accepted."""
+    greedy tokens with prompt lookup and with suffix decoding, most drafts accepted."""
     from helpers.smollm2 import TEXT
 
     from pyengine.loader.resolve import default_model_path
@@ -185,11 +216,12 @@ def test_the_default_model_rewriting_its_prompt() -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = LLM(max_model_len=512)
     want = tokens(plain.generate(texts, params, use_tqdm=False))
-    spec = LLM(max_model_len=512, speculative_config=NGRAM)
-    assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
-    stats = spec.engine.core.spec_stats
-    assert stats.acceptance_rate > 0.3, stats
-    assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
+    for method in (NGRAM, SUFFIX):
+        spec = LLM(max_model_len=512, speculative_config=method)
+        assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
+        stats = spec.engine.core.spec_stats
+        assert stats.acceptance_rate > 0.3, (method, stats)
+        assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
 
 
 def test_the_server_takes_a_speculative_config_as_json() -> None:

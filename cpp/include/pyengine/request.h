@@ -26,7 +26,7 @@ struct RequestParams {
   double arrival_time = 0.0;  // seconds; ties keep submission order
   std::string cache_salt;
   int64_t adapter_id = 0;
-  bool speculate = false;  // propose_ngram_drafts proposes to it (its tokens are argmaxes)
+  bool speculate = false;  // propose_*_drafts propose to it
 };
 
 // kForkPending: sample k > 0 of a request with n > 1, waiting for its parent's prompt

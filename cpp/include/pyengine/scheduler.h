@@ -32,6 +32,7 @@
 #include "pyengine/ngram_proposer.h"
 #include "pyengine/request.h"
 #include "pyengine/scheduler_output.h"
+#include "pyengine/suffix_proposer.h"
 
 namespace pyengine {
 
@@ -124,6 +125,15 @@ class Scheduler {
   // params.speculate, the prompt-lookup tokens of its own tokens (propose_ngram), as
   // set_draft_tokens would; returns how many got a proposal.
   int propose_ngram_drafts(const NgramConfig& config);
+  // Suffix decoding: from now on the scheduler keeps a SuffixProposer, to which every
+  // request added with params.speculate gives its output when it ends (an abort gives
+  // none). Throws InvalidArgument on a bad config (check_suffix_config), InvalidState
+  // once enabled.
+  void enable_suffix_drafts(const SuffixConfig& config);
+  // As propose_ngram_drafts, with the SuffixProposer's proposals. Throws InvalidState
+  // unless enable_suffix_drafts() ran.
+  int propose_suffix_drafts();
+  const SuffixProposer* suffix_proposer() const { return suffix_.get(); }
   const StepResults& results() const { return results_; }
 
   // The id of sample k (1 <= k < n) of request `id`.
@@ -145,6 +155,11 @@ class Scheduler {
   WaitingKey waiting_key(const Request& r) const;
   void enqueue_waiting(Request& r);
   void remove(const std::string& id, FinishReason reason);
+  // A request about to be destroyed: the suffix proposer takes its output (not an
+  // aborted one's) and drops its tree.
+  void retire(const Request& r, FinishReason reason);
+  // The running requests that decode and take proposals (params.speculate).
+  std::vector<Request*> drafting_requests() const;
   // Frees the running request that comes last in policy order and returns it. If it
   // was already scheduled this step, its row leaves `scheduled`, its tokens go back to
   // `budget`, and the prefix-cache entries made for them are taken back first.
@@ -168,7 +183,8 @@ class Scheduler {
   KVCacheManager kv_;
   std::unordered_map<std::string, std::unique_ptr<Request>> requests_;
   std::map<WaitingKey, Request*> waiting_;
-  std::vector<Request*> running_;  // admission order
+  std::vector<Request*> running_;           // admission order
+  std::unique_ptr<SuffixProposer> suffix_;  // with enable_suffix_drafts
   StepBuffers buffers_;
   StepResults results_;
   std::vector<Request*> step_requests_;             // rows of the last schedule(), until update()

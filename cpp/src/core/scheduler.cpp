@@ -141,6 +141,7 @@ void Scheduler::remove(const std::string& id, FinishReason reason) {
   }
   const std::vector<std::string> unforked =
       r->forked ? std::vector<std::string>{} : std::move(r->sample_ids);
+  retire(*r, reason);
   requests_.erase(it);
   for (const std::string& sample : unforked) {
     const auto s = requests_.find(sample);
@@ -410,16 +411,48 @@ void Scheduler::set_draft_tokens(const std::string& id, std::span<const TokenId>
   it->second->draft_token_ids.assign(drafts.begin(), drafts.end());
 }
 
+std::vector<Request*> Scheduler::drafting_requests() const {
+  std::vector<Request*> drafting;
+  for (Request* r : running_) {
+    // (not a prefill's chunks)
+    if (r->params.speculate && r->num_computed_tokens == r->num_tokens() - 1) {
+      drafting.push_back(r);
+    }
+  }
+  return drafting;
+}
+
 int Scheduler::propose_ngram_drafts(const NgramConfig& config) {
   check_ngram_config(config);
   int proposed = 0;
-  for (Request* r : running_) {
-    // (not a prefill's chunks; not a request whose tokens are sampled)
-    if (!r->params.speculate || r->num_computed_tokens != r->num_tokens() - 1) continue;
+  for (Request* r : drafting_requests()) {
     r->draft_token_ids = propose_ngram(r->token_ids, config);
     proposed += r->draft_token_ids.empty() ? 0 : 1;
   }
   return proposed;
+}
+
+void Scheduler::enable_suffix_drafts(const SuffixConfig& config) {
+  if (suffix_) throw InvalidState("enable_suffix_drafts: suffix decoding is enabled already");
+  suffix_ = std::make_unique<SuffixProposer>(config);
+}
+
+int Scheduler::propose_suffix_drafts() {
+  if (!suffix_) throw InvalidState("propose_suffix_drafts: enable_suffix_drafts() first");
+  int proposed = 0;
+  for (Request* r : drafting_requests()) {
+    r->draft_token_ids = suffix_->propose(r->id, r->token_ids);
+    proposed += r->draft_token_ids.empty() ? 0 : 1;
+  }
+  return proposed;
+}
+
+void Scheduler::retire(const Request& r, FinishReason reason) {
+  if (!suffix_ || !r.params.speculate) return;
+  const std::span<const TokenId> tokens(r.token_ids);
+  const auto prompt = static_cast<size_t>(r.num_prompt_tokens);
+  suffix_->retire(r.id,
+                  reason == FinishReason::kAbort ? tokens.subspan(0, 0) : tokens.subspan(prompt));
 }
 
 int Scheduler::update(std::span<const TokenId> sampled_token_ids) {
@@ -520,7 +553,8 @@ int Scheduler::update(std::span<const TokenId> tokens,
     std::erase_if(running_, [](const Request* r) { return r->status == RequestStatus::kFinished; });
     for (Request* r : step_requests_) {
       if (r != nullptr && r->status == RequestStatus::kFinished) {
-        const std::string id = r->id;  // erase destroys *r
+        retire(*r, FinishReason::kStop);  // (any reason but an abort)
+        const std::string id = r->id;     // erase destroys *r
         kv_.free(id);
         requests_.erase(id);
       }
