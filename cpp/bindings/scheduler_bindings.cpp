@@ -247,6 +247,20 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           py::arg("max_tree_depth"), py::arg("max_cached_requests"), py::arg("max_spec_factor"),
           py::arg("min_token_prob"), py::arg("num_speculative_tokens"),
           "Suffix decoding: a suffix tree per request and one of earlier requests' outputs.")
+      .def("reset_suffix_cache", &Scheduler::reset_suffix_cache,
+           "Forgets the earlier requests' outputs suffix decoding holds.")
+      .def("reserve_draft_tokens", &Scheduler::reserve_draft_tokens,
+           py::arg("num_speculative_tokens"),
+           "Placeholder drafts for every decoding request, their tokens the step's own "
+           "(a draft model's): set_scheduled_drafts gives them before update.")
+      .def(
+          "set_scheduled_drafts",
+          [](Scheduler& s, const py::handle& drafts) {
+            const TokenIds tokens(drafts, "draft_token_ids");
+            s.set_scheduled_drafts(tokens.span());
+          },
+          py::arg("draft_token_ids"),
+          "The tokens of the scheduled step's drafts, row after row.")
       .def("propose_suffix_drafts", &Scheduler::propose_suffix_drafts,
            "Proposes suffix-tree drafts to every decoding request; returns how many got one.")
       .def(

@@ -192,6 +192,45 @@ TEST(bad_counts_and_tokens_change_nothing) {
   CHECK_THROWS(InvalidState, s.update(two, count_two));
 }
 
+TEST(placeholder_drafts_take_the_tokens_the_step_made) {
+  Scheduler s = make();
+  RequestParams params;
+  params.max_tokens = 10;
+  params.speculate = true;
+  start(s, "a", 5, params);  // tokens 1..5, 7
+  s.add_request("b", iota_tokens(3), params);
+  CHECK_EQ(s.schedule(), 2);  // a decodes (nothing reserved), b's prompt
+  const TokenId sampled[] = {6, 7};
+  s.update(sampled);  // a: 1..5, 7, 6; b: 1..3, 7
+  CHECK_EQ(s.reserve_draft_tokens(2), 2);
+  CHECK_THROWS(InvalidArgument, s.reserve_draft_tokens(0));
+  CHECK_THROWS(InvalidState, s.set_scheduled_drafts(std::vector<TokenId>{}));
+  CHECK_EQ(s.schedule(), 2);
+  const StepBuffers& b = s.buffers();
+  CHECK_EQ(b.num_draft_tokens[0] + b.num_draft_tokens[1], 4);
+  CHECK_EQ(b.input_ids[1], 0);  // a placeholder
+  // Wrong lengths and negative ids are refused, changing nothing.
+  CHECK_THROWS(InvalidArgument, s.set_scheduled_drafts(std::vector<TokenId>{1, 2, 3}));
+  CHECK_THROWS(InvalidArgument, s.set_scheduled_drafts(std::vector<TokenId>{1, 2, 3, -4}));
+  CHECK_EQ(b.input_ids[1], 0);
+  s.set_scheduled_drafts(std::vector<TokenId>{20, 21, 30, 31});
+  CHECK_EQ(b.input_ids[1], 20);
+  CHECK_EQ(b.input_ids[2], 21);
+  CHECK_EQ(b.input_ids[4], 30);
+  // The rows keep what their drafts now are: a's both and one more, b's first and another.
+  const TokenId tokens[] = {20, 21, 22, 30, 40};
+  const int32_t counts[] = {3, 2};
+  s.update(tokens, counts);
+  CHECK((tokens_of(s, "a") == std::vector<TokenId>{1, 2, 3, 4, 5, 7, 6, 20, 21, 22}));
+  CHECK((tokens_of(s, "b") == std::vector<TokenId>{1, 2, 3, 7, 30, 40}));
+  // A placeholder the step did not replace is not the token a row accepted.
+  CHECK_EQ(s.reserve_draft_tokens(1), 2);
+  s.schedule();
+  const TokenId unreplaced[] = {5, 6, 8, 9};
+  const int32_t two_each[] = {2, 2};
+  CHECK_THROWS(InvalidArgument, s.update(unreplaced, two_each));
+}
+
 TEST(a_long_run_of_proposals_leaks_no_block) {
   // Two requests decode 24 tokens each, 3 drafts a step, all or one of them accepted in
   // turn: fewer steps than tokens, and every block comes back.

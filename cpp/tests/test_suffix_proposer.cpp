@@ -192,6 +192,10 @@ TEST(the_global_tree_proposes_earlier_outputs_and_keeps_the_latest) {
   latest.add(Tokens{20, 21, 22});
   latest.add(Tokens{30, 31, 32});
   CHECK_EQ(proposer.num_global_nodes(), latest.num_nodes());
+  proposer.clear_outputs();
+  CHECK_EQ(proposer.num_cached_outputs(), size_t{0});
+  CHECK_EQ(proposer.num_global_nodes(), size_t{0});
+  CHECK(proposer.propose("e", Tokens{10, 11, 30}).empty());
 }
 
 TEST(bad_configs_are_refused) {

@@ -213,6 +213,11 @@ class EngineCore:
         scheduler = self.schedulers[flight.virtual_engine]
         sampled = np.asarray(out.sampled_token_ids, dtype=np.int32)
         verified: dict[str, tuple[int, int]] = {}
+        if out.draft_token_ids is not None and flight.drafts is not None:
+            made = np.asarray(out.draft_token_ids, dtype=np.int32)
+            scheduler.set_scheduled_drafts(made)
+            ends = np.cumsum([len(d) for d in flight.drafts])
+            flight.drafts = np.split(made, ends[:-1]) if len(ends) else []
         if flight.drafts is None:
             scheduler.update(sampled)
         else:
@@ -247,6 +252,8 @@ class EngineCore:
         if spec is not None and scheduler.stats().num_running <= self._drafting_batch:
             if spec.method == "suffix":
                 scheduler.propose_suffix_drafts()
+            elif spec.method == "draft_model":  # (the worker's draft model makes them)
+                scheduler.reserve_draft_tokens(spec.num_speculative_tokens)
             else:
                 scheduler.propose_ngram_drafts(
                     spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
@@ -266,9 +273,7 @@ class EngineCore:
             flight.drafts = [b.input_ids[end - d : end].copy() for end, d in pairs]
             flight.is_sampling = b.is_sampling.copy()
         try:
-            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(
-                b, row_ids, engine, flight.drafts
-            )
+            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(b, row_ids, engine)
             self.executor.submit(step)
         except BaseException:
             self._fail(flight)
@@ -339,7 +344,6 @@ class EngineCore:
         b: StepBuffers,
         row_ids: list[str],
         engine: int,
-        drafts: list[np.ndarray] | None = None,
     ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
         """The step as the executor takes it, the sampled rows' ids (one per logits row),
         and the (request, prompt position) of each prompt-logprob row."""
@@ -351,10 +355,7 @@ class EngineCore:
         sampled_row_ids = [row_id for row_id, _, _ in places]
         sampling = None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
-            sampling = [
-                self._sampling_request(row_id, () if drafts is None else drafts[i][:j])
-                for row_id, i, j in places
-            ]
+            sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -378,6 +379,8 @@ class EngineCore:
             finished_row_ids=finished,
             virtual_engine=engine,
         )
+        if self.speculative is not None and self.speculative.method == "draft_model":
+            step = replace(step, row_ids=row_ids, num_draft_tokens=b.num_draft_tokens.copy())
         if self.lora:
             step = self._with_adapters(step, row_ids)
         return step, sampled_row_ids, scored
@@ -403,25 +406,21 @@ class EngineCore:
         adapters = {lr.lora_int_id: lr for lr in loras if lr is not None}
         return replace(step, adapter_ids=ids, adapters=adapters)
 
-    def _sampling_request(
-        self, row_id: str, drafts_before: np.ndarray | tuple[()] = ()
-    ) -> SamplingRequest:
+    def _sampling_request(self, row_id: str, num_drafts_before: int = 0) -> SamplingRequest:
         """How to choose a logits row's token: for a row after some of its request's
-        drafts, as if they were its tokens already (penalties count them, min_tokens
-        too), which they are if it is kept."""
+        drafts, as if they were its tokens already (penalties count them, the worker
+        adding them; min_tokens too), which they are if it is kept."""
         row = self._rows[row_id]
         request = row.request
-        output: list[int] = row.output_token_ids
-        if len(drafts_before):
-            output = output + [int(t) for t in drafts_before]
-        under_min = len(output) < request.params.min_tokens
+        under_min = len(row.output_token_ids) + num_drafts_before < request.params.min_tokens
         return SamplingRequest(
             row_id,
             request.params,
             request.prompt_array,
-            output,
+            row.output_token_ids,
             row.seed,
             request.blocked_token_ids if under_min else (),
+            num_drafts_before,
         )
 
     def _prompt_logprob_rows(

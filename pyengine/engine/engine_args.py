@@ -20,7 +20,7 @@ from pyengine.config import (
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
-from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
 
 
 @dataclass
@@ -93,6 +93,8 @@ class EngineArgs:
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
+        if speculative is not None and speculative.method == "draft_model":
+            check_draft_model(speculative, parallel, loaded.config.vocab_size)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -135,6 +137,19 @@ class EngineArgs:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+
+
+def check_draft_model(spec: SpeculativeConfig, parallel: ParallelConfig, vocab_size: int) -> None:
+    """What a draft model needs, checked before the target's weights load: one worker,
+    and a separate draft's vocabulary the target's."""
+    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
+        raise ValueError(
+            "speculative_config: method draft_model runs with one worker "
+            "(tensor_parallel_size and pipeline_parallel_size 1)"
+        )
+    if spec.model is not None:
+        draft = load_model(spec.model, read_weights=False, read_tokenizer=False)
+        check_draft_vocabulary(spec.model, draft.config.vocab_size, vocab_size)
 
 
 def check_quantization(asked: str | None, found: QuantizationConfig | None, model: str) -> None:

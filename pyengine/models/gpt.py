@@ -163,6 +163,7 @@ class LearnedPositionDecoder(nn.Module):
         caches: list[KVCache],  # of this stage's layers
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        num_layers: int | None = None,  # only the first ones (a self-speculative draft)
     ) -> torch.Tensor | IntermediateTensors:
         if intermediate is None:
             assert self.embed_tokens is not None and self.embed_positions is not None
@@ -171,8 +172,8 @@ class LearnedPositionDecoder(nn.Module):
             )
         else:
             h = intermediate["hidden"]
-        layers = self.layers[self.start_layer : self.end_layer]
-        for layer, cache in zip(layers, caches, strict=True):
+        end = self.end_layer if num_layers is None else self.start_layer + num_layers
+        for layer, cache in zip(self.layers[self.start_layer : end], caches, strict=True):
             h = layer(h, cache, meta)
         return h if self.stage.is_last else {"hidden": h}
 

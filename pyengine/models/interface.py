@@ -38,9 +38,11 @@ class CausalLM(Protocol):
         caches: list[KVCache],  # per layer of this stage
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,  # from the previous stage
+        num_layers: int | None = None,  # only the stage's first ones, `caches` theirs
     ) -> torch.Tensor | IntermediateTensors:
         """Final hidden states [num_tokens, hidden_size] (before the final norm where
-        compute_logits applies it); before the last stage, what the next one takes."""
+        compute_logits applies it); before the last stage, what the next one takes. With
+        num_layers, the hidden states after those layers (a self-speculative draft)."""
         ...
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -173,18 +173,20 @@ class LlamaForCausalLM(nn.Module):
         caches: list[KVCache],  # of this stage's layers
         meta: AttentionMetadata,
         intermediate: IntermediateTensors | None = None,
+        num_layers: int | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         """Hidden states [num_tokens, hidden] before the final norm; before the last
         pipeline stage, the hidden states and the residual stream for the next stage
-        (which passes them as `intermediate`)."""
+        (which passes them as `intermediate`). num_layers: only the stage's first ones
+        run (a self-speculative draft), `caches` theirs."""
         residual: torch.Tensor | None = None
         if intermediate is None:
             assert self.embed_tokens is not None, "only the first stage embeds tokens"
             h: torch.Tensor = self.embed_tokens(input_ids)
         else:
             h, residual = intermediate["hidden"], intermediate["residual"]
-        layers = self.layers[self.start_layer : self.end_layer]
-        for layer, cache in zip(layers, caches, strict=True):
+        end = self.end_layer if num_layers is None else self.start_layer + num_layers
+        for layer, cache in zip(self.layers[self.start_layer : end], caches, strict=True):
             h, residual = layer(h, residual, positions, cache, meta)
         assert residual is not None  # every stage has a layer
         if not self.stage.is_last:

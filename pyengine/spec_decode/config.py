@@ -9,8 +9,7 @@ from dataclasses import dataclass, fields
 
 from pyengine.sampling_params import is_int, is_real
 
-METHODS = ("ngram", "suffix")
-PLANNED = ("draft_model",)  # named by the issue, not built yet
+METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_SUFFIX_TREE_DEPTH = 64  # SuffixTree::kMaxDepth
 # The most running requests a step proposes drafts for, by device: on the CPU each token
@@ -35,13 +34,16 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 10000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    # draft_model: a model with the target's vocabulary (a path, vLLM's key), or none and
+    # draft_layers: the target's own first layers, its final norm and head (a
+    # self-speculative draft that shares their KV cache).
+    model: str | None = None
+    draft_layers: int | None = None
     # No drafts in a step of more running requests than this (vLLM's name); None: the
     # device's default (DEFAULT_DRAFTING_BATCH), where a larger step is compute-bound.
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method in PLANNED:
-            raise ValueError(f"speculative_config: method {self.method!r} is not available yet")
         if self.method not in METHODS:
             raise ValueError(
                 f"speculative_config: unknown method {self.method!r} (one of {', '.join(METHODS)})"
@@ -60,6 +62,7 @@ class SpeculativeConfig:
                 f"and {high!r}"
             )
         self._check_suffix()
+        self._check_draft_model()
         limit = self.disable_by_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(
@@ -91,6 +94,26 @@ class SpeculativeConfig:
             raise ValueError(
                 "speculative_config: suffix_decoding_min_token_prob must be a number in "
                 f"[0, 1], got {chance!r}"
+            )
+
+    def _check_draft_model(self) -> None:
+        model, layers = self.model, self.draft_layers
+        if self.method != "draft_model":
+            if model is not None or layers is not None:
+                raise ValueError(
+                    "speculative_config: model and draft_layers are method draft_model's"
+                )
+            return
+        if (model is None) == (layers is None):
+            raise ValueError(
+                "speculative_config: method draft_model needs a draft, either model (a "
+                "path) or draft_layers (the target's first layers), not both"
+            )
+        if model is not None and (not isinstance(model, str) or not model):
+            raise ValueError(f"speculative_config: model must be a path, got {model!r}")
+        if layers is not None and (not is_int(layers) or layers < 1):
+            raise ValueError(
+                f"speculative_config: draft_layers must be a positive integer, got {layers!r}"
             )
 
     def drafting_batch_size(self, max_num_seqs: int, device: str = "cpu") -> int:
@@ -126,3 +149,11 @@ class SpeculativeConfig:
         if "prompt_lookup_max" not in given and is_int(low):  # (as long a window at least)
             given["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)  # type: ignore[call-overload]
         return cls(**given)  # type: ignore[arg-type]
+
+
+def check_draft_vocabulary(model: str, draft_vocab: int, target_vocab: int) -> None:
+    if draft_vocab != target_vocab:
+        raise ValueError(
+            f"speculative_config: the draft model {model} has a vocabulary of {draft_vocab} "
+            f"tokens, the target {target_vocab}: a draft needs the target's vocabulary"
+        )

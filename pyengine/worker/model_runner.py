@@ -81,6 +81,30 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
     return huge_page_tensor(numel, dtype)
 
 
+def allocate_caches(
+    num_blocks: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[KVCache]:
+    """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads, head,
+    block] (transposed), values [blocks, kv_heads, block, head] (an int8 cache's head
+    dims longer by the scales: head_size counts them)."""
+    numel = 2 * num_layers * num_kv_heads * head_size * block_size * num_blocks
+    halves = allocate_kv_pool(numel, dtype, device).view(num_layers, 2, -1)
+    shape = (num_blocks, num_kv_heads)
+    return [
+        (
+            halves[i, 0].view(*shape, head_size, block_size),
+            halves[i, 1].view(*shape, block_size, head_size),
+        )
+        for i in range(num_layers)
+    ]
+
+
 class ModelRunner:
     """Built in two steps: __init__ makes the model and measures how many KV blocks its
     memory holds (num_blocks); initialize_cache allocates the number the executor
@@ -239,22 +263,10 @@ class ModelRunner:
             )  # fmt: skip
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
-        """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads,
-        head, block] (transposed), values [blocks, kv_heads, block, head] (an int8 cache's
-        head dims longer by the scales)."""
-        pool = allocate_kv_pool(
-            num_blocks * self.block_numel, self.cache_dtype, self.placement.device
-        )
-        halves = pool.view(self.num_layers, 2, -1)
-        shape = (num_blocks, self.num_kv_heads)
-        head = self.cache_head_size
-        return [
-            (
-                halves[i, 0].view(*shape, head, self.block_size),
-                halves[i, 1].view(*shape, self.block_size, head),
-            )
-            for i in range(self.num_layers)
-        ]
+        return allocate_caches(
+            num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
+            self.block_size, self.cache_dtype, self.placement.device,
+        )  # fmt: skip
 
     @torch.inference_mode()
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:

@@ -25,6 +25,9 @@ class SamplingRequest:
     # A seeded row draws from its own generator, made from this on first sight.
     seed: int | None = None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
+    # The logits row follows this many of the request's drafts in the step: they count as
+    # its tokens (the step's input_ids before the row's token, included, hold them).
+    num_drafts_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -61,6 +64,10 @@ class SchedulerOutput:
     # and the step's adapters by id (what a worker loads them from).
     adapter_ids: np.ndarray | None = None
     adapters: dict[int, LoRARequest] = field(default_factory=dict)
+    # With a draft model: each request's id, and its drafts (int32 [num_reqs]), whose
+    # tokens in input_ids are placeholders the worker's draft model replaces.
+    row_ids: list[str] | None = None
+    num_draft_tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -69,3 +76,5 @@ class ModelRunnerOutput:
     # Per sampled row where its request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
     prompt_logprobs: list[PositionLogprobs]  # per PromptLogprobRow, in order
+    # With a draft model: the drafts it made in the step, row after row.
+    draft_token_ids: list[int] | None = None

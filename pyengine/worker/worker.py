@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 from pyengine.config import EngineConfig
@@ -16,6 +17,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Sampler, SamplingRow
+from pyengine.worker.draft_runner import DraftRunner
 from pyengine.worker.model_runner import ModelRunner
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
@@ -38,6 +40,10 @@ class Worker:
         self.pp = pp or PipelineStage()
         self.is_output_rank = self.pp.is_last and self.tp.rank == 0
         self.model_runner = ModelRunner(loaded, config, self.tp, self.pp)
+        spec = config.speculative
+        self.drafter: DraftRunner | None = None
+        if spec is not None and spec.method == "draft_model":
+            self.drafter = DraftRunner(spec, self.model_runner, config)
         self.sampler = Sampler(config.seed, config.device)
         # Seeded rows' generators, by row id, for as long as the row runs.
         self._generators: dict[str, torch.Generator] = {}
@@ -50,6 +56,8 @@ class Worker:
 
     def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
         self.model_runner.initialize_cache(num_blocks, num_virtual_engines)
+        if self.drafter is not None:
+            self.drafter.initialize_cache(num_blocks)
 
     def describe(self) -> dict[str, Any]:
         """This worker's layers, kv heads and memory: the weights (every form the linear
@@ -78,6 +86,11 @@ class Worker:
         """The step's tokens on the output rank; None on the others."""
         for row_id in step.finished_row_ids:
             self._generators.pop(row_id, None)
+            if self.drafter is not None:
+                self.drafter.forget(row_id)
+        drafts = None
+        if self.drafter is not None:  # (its drafts fill the step's placeholders)
+            step, drafts = self.drafter.propose(step)
         scored_rows = [r.row for r in step.prompt_logprob_rows]
         logits, hidden = self.model_runner.execute(step, scored_rows)
         if logits is None:  # a stage before the last: its output went on
@@ -88,22 +101,26 @@ class Worker:
         if step.sampling is None:
             sampled = self.sampler.argmax(logits)
         else:
-            sampled = self.sampler(logits, [self._row(r) for r in step.sampling])
-        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs)
+            rows = [
+                self._row(r, step.input_ids, int(t))
+                for r, t in zip(step.sampling, step.logits_indices, strict=True)
+            ]
+            sampled = self.sampler(logits, rows)
+        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
 
-    def _row(self, request: SamplingRequest) -> SamplingRow:
+    def _row(self, request: SamplingRequest, input_ids: np.ndarray, token: int) -> SamplingRow:
+        """The sampler's row for the logits of token row `token` of the step."""
         generator = None
         if request.seed is not None:
             generator = self._generators.get(request.row_id)
             if generator is None:  # on the host (see SamplingRow)
                 generator = torch.Generator().manual_seed(request.seed)
                 self._generators[request.row_id] = generator
+        output = request.output_token_ids
+        if j := request.num_drafts_before:  # (the row's token is its j-th draft)
+            output = [*output, *input_ids[token - j + 1 : token + 1].tolist()]
         return SamplingRow(
-            request.params,
-            request.prompt_token_ids,
-            request.output_token_ids,
-            generator,
-            request.blocked_token_ids,
+            request.params, request.prompt_token_ids, output, generator, request.blocked_token_ids
         )
 
     def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:

@@ -17,10 +17,13 @@ from helpers.tiny_models import make_checkpoint
 
 from pyengine import LLM, SamplingParams
 
+transformers = pytest.importorskip("transformers")
+
 # (drafts at every batch size these tests run: the CPU's default stops at 4 requests)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 64}
 SUFFIX = {**NGRAM, "method": "suffix"}
-METHODS = pytest.mark.parametrize("method", [NGRAM, SUFFIX], ids=["ngram", "suffix"])
+DRAFT = {**NGRAM, "method": "draft_model"}
+METHODS = pytest.mark.parametrize("method", ["ngram", "suffix", "draft_layers", "draft_model"])
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,16 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder = tmp_path_factory.mktemp("spec") / "llama"
     make_checkpoint("llama", folder)
     return folder
+
+
+def spec_config(method: str, draft: Path) -> dict:  # type: ignore[type-arg]
+    """The speculative_config of a method; draft_model's draft is the target itself (its
+    own cache kept in step with the target's: greedy, nearly every draft is right)."""
+    if method == "draft_layers":
+        return {**DRAFT, "draft_layers": 1}
+    if method == "draft_model":
+        return {**DRAFT, "model": str(draft)}
+    return {**NGRAM, "method": method}
 
 
 def repeating_prompts(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -58,11 +71,12 @@ def run(folder: Path, prompts: list, params: object, **engine: object) -> tuple[
     ids=["default", "no-prefix-cache", "chunked", "preempted", "eager"],
 )  # fmt: skip
 @METHODS
-def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict, method: dict) -> None:  # type: ignore[type-arg]
+def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict, method: str) -> None:  # type: ignore[type-arg]
     prompts = repeating_prompts(6)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     plain, _ = run(tiny, prompts, params, **engine)
-    spec_out, llm = run(tiny, prompts, params, speculative_config=method, **engine)
+    config = spec_config(method, tiny)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=config, **engine)
     assert tokens(spec_out) == tokens(plain)
     stats = llm.engine.core.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
@@ -71,13 +85,15 @@ def test_greedy_tokens_are_those_of_no_speculation(tiny: Path, engine: dict, met
     assert (totals.spec_num_drafts, totals.spec_num_accepted_tokens) == (
         stats.num_drafts, stats.num_accepted_tokens)  # fmt: skip
     assert sum(totals.spec_accepted_per_position) == stats.num_accepted_tokens
+    if method == "draft_model":  # (its own cache in step: the target's tokens, nearly all)
+        assert stats.acceptance_rate > 0.9, stats
     assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
     if "kv_cache_memory" in engine:
         assert llm.engine.scheduler.stats().num_preemptions > 0
 
 
 @METHODS
-def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path, method: dict) -> None:  # type: ignore[type-arg]
+def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path, method: str) -> None:
     """A stop token among the accepted drafts ends the request there; n > 1 samples,
     logprobs, penalties and min_tokens (whose logits rows after a draft count it as an
     output token) keep the tokens of no speculation, every request verifying drafts."""
@@ -96,7 +112,7 @@ def test_stop_tokens_n_logprobs_and_penalties_under_speculation(tiny: Path, meth
         SamplingParams(temperature=0, max_tokens=30, min_tokens=20, stop_token_ids=[stop]),
     ]  # fmt: skip
     plain, _ = run(tiny, prompts, params)
-    spec_out, llm = run(tiny, prompts, params, speculative_config=method)
+    spec_out, llm = run(tiny, prompts, params, speculative_config=spec_config(method, tiny))
     for a, b in zip(plain, spec_out, strict=True):
         assert [list(s.token_ids) for s in a.outputs] == [list(s.token_ids) for s in b.outputs]
         assert [s.finish_reason for s in a.outputs] == [s.finish_reason for s in b.outputs]
@@ -183,7 +199,15 @@ def test_no_drafts_past_the_batch_size_that_disables_them(tiny: Path) -> None:
        "prompt_lookup_max": 2}, "prompt_lookup_min <= prompt_lookup_max"),
      ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, "unknown keys"),
      ({"num_speculative_tokens": 2}, "needs method"),
-     ({"method": "draft_model", "num_speculative_tokens": 2}, "not available yet"),
+     ({"method": "draft_model", "num_speculative_tokens": 2}, "needs a draft"),
+     ({"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": 1, "model": "m"},
+      "needs a draft"),
+     ({"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": 2},
+      "fewer than the target's 2 layers"),
+     ({"method": "draft_model", "num_speculative_tokens": 2, "draft_layers": 0},
+      "draft_layers must be a positive integer"),
+     ({"method": "ngram", "num_speculative_tokens": 2, "draft_layers": 1},
+      "method draft_model's"),
      ({"method": "suffix", "num_speculative_tokens": 2, "suffix_decoding_max_tree_depth": 0},
       "suffix_decoding_max_tree_depth must be"),
      ({"method": "suffix", "num_speculative_tokens": 2,
@@ -198,6 +222,29 @@ def test_no_drafts_past_the_batch_size_that_disables_them(tiny: Path) -> None:
 def test_bad_configs_are_refused_at_start(tiny: Path, config: dict, message: str) -> None:  # type: ignore[type-arg]
     with pytest.raises(ValueError, match=message):
         LLM(str(tiny), max_model_len=64, kv_cache_memory=2**20, speculative_config=config)
+
+
+def test_a_draft_of_another_architecture_and_of_another_vocabulary(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """A Qwen2 draft with the Llama target's vocabulary: the target's tokens; a draft of
+    another vocabulary is refused at start, naming both."""
+    make_checkpoint("qwen2", tmp_path / "qwen2")
+    prompts = repeating_prompts(4, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    plain, _ = run(tiny, prompts, params)
+    config = {**DRAFT, "model": str(tmp_path / "qwen2")}
+    spec_out, llm = run(tiny, prompts, params, speculative_config=config)
+    assert tokens(spec_out) == tokens(plain)
+    assert llm.engine.core.spec_stats.num_drafts > 0
+    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    other = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=64,
+                                     num_hidden_layers=1, num_attention_heads=2,
+                                     num_key_value_heads=1, head_dim=32)  # fmt: skip
+    transformers.AutoModelForCausalLM.from_config(other).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 256"):
+        LLM(str(tiny), max_model_len=64, kv_cache_memory=2**20,
+            speculative_config={**DRAFT, "model": str(tmp_path / "other")})  # fmt: skip
 
 
 @pytest.mark.slow

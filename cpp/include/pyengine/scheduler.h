@@ -134,6 +134,21 @@ class Scheduler {
   // unless enable_suffix_drafts() ran.
   int propose_suffix_drafts();
   const SuffixProposer* suffix_proposer() const { return suffix_.get(); }
+  // Forgets the earlier requests' outputs the suffix proposer holds (as
+  // reset_prefix_cache forgets blocks: a benchmark's runs start alike). Throws
+  // InvalidState unless enable_suffix_drafts() ran.
+  void reset_suffix_cache();
+  // Drafts whose tokens the step itself makes (a draft model run before the target):
+  // every decoding request that speculates is proposed max_draft placeholder tokens (0),
+  // of which schedule() takes as many as fit; set_scheduled_drafts() then gives their
+  // tokens, before update(). Returns how many requests got placeholders. Throws
+  // InvalidArgument on max_draft < 1.
+  int reserve_draft_tokens(int max_draft);
+  // The tokens of the last schedule()'s drafts, row after row (buffers().num_draft_tokens
+  // of each): they replace the proposals, in the buffers' input_ids too. Throws
+  // InvalidState without a scheduled step, InvalidArgument, changing nothing, on a length
+  // other than the drafts' or a negative token id.
+  void set_scheduled_drafts(std::span<const TokenId> drafts);
   const StepResults& results() const { return results_; }
 
   // The id of sample k (1 <= k < n) of request `id`.

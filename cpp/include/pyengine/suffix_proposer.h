@@ -42,6 +42,8 @@ class SuffixProposer {
   // Request `id` ended: its tree goes, and where `output` is not empty it joins the
   // global tree (the oldest output leaving it past max_cached_requests).
   void retire(const std::string& id, std::span<const TokenId> output);
+  // Empties the global tree (what the requests running now index stays).
+  void clear_outputs();
 
   size_t num_request_trees() const { return requests_.size(); }
   size_t num_cached_outputs() const { return cached_.size(); }

@@ -447,6 +447,46 @@ int Scheduler::propose_suffix_drafts() {
   return proposed;
 }
 
+void Scheduler::reset_suffix_cache() {
+  if (!suffix_) throw InvalidState("reset_suffix_cache: suffix decoding is off");
+  suffix_->clear_outputs();
+}
+
+int Scheduler::reserve_draft_tokens(int max_draft) {
+  check_argument(max_draft >= 1, "reserve_draft_tokens: max_draft must be at least 1");
+  int proposed = 0;
+  for (Request* r : drafting_requests()) {
+    r->draft_token_ids.assign(static_cast<size_t>(max_draft), 0);
+    ++proposed;
+  }
+  return proposed;
+}
+
+void Scheduler::set_scheduled_drafts(std::span<const TokenId> drafts) {
+  if (!step_pending_) throw InvalidState("set_scheduled_drafts: no step is scheduled");
+  const auto num_reqs = static_cast<size_t>(buffers_.num_reqs);
+  size_t total = 0;
+  for (size_t i = 0; i < num_reqs; ++i) total += static_cast<size_t>(buffers_.num_draft_tokens[i]);
+  if (drafts.size() != total) {
+    throw InvalidArgument("set_scheduled_drafts: the step scheduled " + std::to_string(total) +
+                          " draft tokens, got " + std::to_string(drafts.size()));
+  }
+  for (const TokenId t : drafts) {
+    check_argument(t >= 0, "set_scheduled_drafts: a draft token id is negative");
+  }
+  size_t at = 0;
+  for (size_t i = 0; i < num_reqs; ++i) {
+    const auto d = static_cast<size_t>(buffers_.num_draft_tokens[i]);
+    const auto end = static_cast<size_t>(buffers_.query_start_loc[i + 1]);
+    Request* r = step_requests_[i];  // (null: removed during the step)
+    for (size_t j = 0; j < d; ++j) {
+      buffers_.input_ids[end - d + j] = drafts[at + j];
+      if (r != nullptr) r->draft_token_ids[j] = drafts[at + j];
+    }
+    at += d;
+  }
+}
+
 void Scheduler::retire(const Request& r, FinishReason reason) {
   if (!suffix_ || !r.params.speculate) return;
   const std::span<const TokenId> tokens(r.token_ids);

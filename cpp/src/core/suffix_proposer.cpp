@@ -56,4 +56,9 @@ void SuffixProposer::retire(const std::string& id, std::span<const TokenId> outp
   }
 }
 
+void SuffixProposer::clear_outputs() {
+  global_ = SuffixTree(config_.max_tree_depth);
+  cached_.clear();
+}
+
 }  // namespace pyengine

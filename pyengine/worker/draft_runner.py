@@ -1,0 +1,222 @@
+"""A draft model's proposals, made by the worker in the very step that verifies them
+(speculative decoding, method draft_model). Before the target runs, the draft reads each
+decoding request's last token and proposes its drafts one forward at a time, greedily;
+they replace the step's placeholders (Scheduler.reserve_draft_tokens) and the target
+verifies them as any drafts, so the tokens are the target's whatever the draft says.
+
+The draft's KV cache has the target's blocks, and each step's block tables and slots
+serve both. A separate draft model keeps its own cache in step with the target's by
+running every token the target computes (prompt chunks too), and the one draft token
+the target verified that the draft has not read (the last, where all were accepted) at
+the request's next step. The self-speculative draft (draft_layers) is the target's own
+first layers, whose KV the target writes anyway: it runs only each decoding request's
+last token and its drafts, in the target's cache (the target's step then writes the
+same KV there again).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import numpy as np
+import torch
+
+from pyengine import _C, ops
+from pyengine.config import EngineConfig
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.linear import LayerContext
+from pyengine.loader.model_loader import build_model
+from pyengine.loader.resolve import load_model
+from pyengine.sample.common import row_argmax
+from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pyengine.worker.model_runner import ModelRunner, allocate_caches, resident_bytes
+from pyengine.worker.scheduler_output import SchedulerOutput
+
+logger = logging.getLogger("pyengine")
+
+
+@dataclass
+class _Known:
+    """A request's KV in a separate draft's cache: positions [0, computed) are written,
+    and `pending` holds the tokens from `computed` on that the draft proposed (its last
+    draft), should the target keep them."""
+
+    computed: int
+    pending: list[int]
+
+
+@dataclass
+class _Rows:
+    """One forward of the draft: each row's tokens, positions and slots, flat."""
+
+    requests: list[int]  # the step's request index of each row
+    tokens: list[np.ndarray]
+    positions: list[np.ndarray]
+    slots: list[np.ndarray]
+
+
+class DraftRunner:
+    def __init__(self, spec: SpeculativeConfig, target: ModelRunner, config: EngineConfig) -> None:
+        self.target = target
+        self.placement = target.placement
+        self.block_size = config.block_size
+        target_config = target.model.config
+        self.num_layers: int | None = spec.draft_layers
+        if spec.draft_layers is not None:
+            if spec.draft_layers >= target_config.num_layers:
+                raise ValueError(
+                    f"speculative_config: draft_layers {spec.draft_layers} must be fewer than "
+                    f"the target's {target_config.num_layers} layers"
+                )
+            if config.lora is not None:  # (the adapters' rows are the target step's)
+                raise ValueError("speculative_config: draft_layers cannot run with enable_lora")
+            self.model = target.model
+            self.mirrors = False
+            logger.info("draft: the target's first %d layers", spec.draft_layers)
+        else:
+            assert spec.model is not None  # (SpeculativeConfig: one of the two)
+            loaded = load_model(
+                spec.model, read_tokenizer=False,
+                keep_block_quantized=self.placement.keeps_gguf_blocks,
+            )  # fmt: skip
+            check_draft_vocabulary(spec.model, loaded.config.vocab_size, target_config.vocab_size)
+            if loaded.config.head_size not in _C.attention_head_sizes():
+                raise ValueError(
+                    f"speculative_config: the draft's attention head size "
+                    f"{loaded.config.head_size} is not one paged attention runs"
+                )
+            context = LayerContext(
+                self.placement, quantized_activations=config.quantized_activations
+            )
+            self.model = build_model(loaded, config.max_model_len, config.seed, context)
+            self.mirrors = True
+            logger.info(
+                "draft: %s, %d layers, %.1f MiB", spec.model, loaded.config.num_layers,
+                resident_bytes(self.model) / 2**20,
+            )  # fmt: skip
+        self.caches: list[KVCache] = []
+        self._known: dict[str, _Known] = {}
+
+    def initialize_cache(self, num_blocks: int) -> None:
+        """The draft's KV cache: as many blocks as the target's (a separate draft's own
+        memory, besides the target's), or the target's first layers'."""
+        if not self.mirrors:
+            self.caches = self.target.caches[: self.num_layers]
+            return
+        c = self.model.config
+        self.caches = allocate_caches(
+            num_blocks, c.num_layers, c.num_kv_heads, c.head_size, self.block_size,
+            self.placement.dtype, self.placement.device,
+        )  # fmt: skip
+
+    def forget(self, row_id: str) -> None:
+        self._known.pop(row_id, None)
+
+    @torch.inference_mode()
+    def propose(self, step: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
+        """The step with its placeholders replaced by the draft's proposals, and those,
+        row after row."""
+        assert step.row_ids is not None and step.num_draft_tokens is not None
+        if self.mirrors and step.block_copies:
+            mapping = torch.tensor(step.block_copies, dtype=torch.int64)
+            ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
+        counts = step.num_draft_tokens.astype(np.int64)
+        starts = step.query_start_loc.astype(np.int64)
+        # (a decoding row: its last token at start, its drafts' slots after it)
+        last = starts[1:] - counts - 1
+        first = self._first_forward(step, counts)
+        proposals = np.zeros((len(counts), int(counts.max(initial=0))), dtype=np.int32)
+        proposing = [i for i in first.requests if counts[i] > 0]
+        if first.requests:  # (a separate draft's forward also keeps its cache in step)
+            ends = np.cumsum([len(t) for t in first.tokens]) - 1
+            wanted = [int(e) for e, i in zip(ends, first.requests, strict=True) if counts[i] > 0]
+            made = self._run(step, first, wanted)
+            if proposing:
+                proposals[proposing, 0] = made
+        for j in range(1, proposals.shape[1]):
+            rows = [i for i in proposing if counts[i] > j]
+            at = [int(last[i]) + j for i in rows]  # the token rows of draft j
+            one = _Rows(rows, [proposals[i, j - 1 : j] for i in rows],
+                        [step.positions[t : t + 1] for t in at],
+                        [step.slot_mapping[t : t + 1] for t in at])  # fmt: skip
+            proposals[rows, j] = self._run(step, one, list(range(len(rows))))
+        filled = step.input_ids.copy()
+        flat: list[int] = []
+        for i in proposing:
+            d = int(counts[i])
+            filled[last[i] + 1 : last[i] + 1 + d] = proposals[i, :d]
+            flat += proposals[i, :d].tolist()
+            if self.mirrors:  # (it wrote the KV of its last token and its drafts but the last)
+                position = int(step.positions[last[i]])
+                self._known[step.row_ids[i]] = _Known(position + d, [int(proposals[i, d - 1])])
+        return replace(step, input_ids=filled), flat
+
+    def _first_forward(self, step: SchedulerOutput, counts: np.ndarray) -> _Rows:
+        """The draft's first forward: each decoding request's last token (and, for a
+        separate draft, every token the target computes in the step, and what it has not
+        read yet before them)."""
+        rows = _Rows([], [], [], [])
+        starts = step.query_start_loc.astype(np.int64)
+        for i, row_id in enumerate(step.row_ids or []):
+            start, end = int(starts[i]), int(starts[i + 1] - counts[i])
+            if start == end:  # a sample forked in this step: it shares a computed prompt
+                if self.mirrors:
+                    self._known[row_id] = _Known(int(step.seq_lens[i]), [])
+                continue
+            if not self.mirrors:
+                if counts[i] > 0:
+                    rows.requests.append(i)
+                    rows.tokens.append(step.input_ids[end - 1 : end])
+                    rows.positions.append(step.positions[end - 1 : end])
+                    rows.slots.append(step.slot_mapping[end - 1 : end])
+                continue
+            tokens = step.input_ids[start:end]
+            positions = step.positions[start:end]
+            slots = step.slot_mapping[start:end]
+            known = self._known.get(row_id)
+            begin = int(positions[0])
+            if known is not None and known.computed < begin <= known.computed + len(known.pending):
+                missing = np.arange(known.computed, begin)  # (what it proposed, kept)
+                size = self.block_size
+                blocks = step.block_tables[i][missing // size].astype(np.int64)
+                pending = np.asarray(known.pending[: len(missing)], np.int32)
+                tokens = np.concatenate([pending, tokens])
+                positions = np.concatenate([missing.astype(positions.dtype), positions])
+                slots = np.concatenate([blocks * size + missing % size, slots])
+            rows.requests.append(i)
+            rows.tokens.append(tokens)
+            rows.positions.append(positions)
+            rows.slots.append(slots)
+            self._known[row_id] = _Known(int(positions[-1]) + 1, [])
+        return rows
+
+    def _run(self, step: SchedulerOutput, rows: _Rows, wanted: list[int]) -> np.ndarray:
+        """The draft's argmax at the flat token rows `wanted` of one forward over `rows`
+        (each request's context through its last token there)."""
+        device = self.placement.device
+        lengths = [len(t) for t in rows.tokens]
+        seq_lens = np.array([int(p[-1]) + 1 for p in rows.positions], dtype=np.int32)
+        meta = AttentionMetadata(
+            slot_mapping=_on(np.concatenate(rows.slots).astype(np.int64), device),
+            block_tables=_on(step.block_tables[rows.requests], device),
+            seq_lens=_on(seq_lens, device),
+            query_start_loc=_on(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), device),
+            max_seq_len=int(seq_lens.max()),
+            max_query_len=max(lengths),
+        )
+        input_ids = _on(np.concatenate(rows.tokens).astype(np.int32), device)
+        positions = _on(np.concatenate(rows.positions).astype(np.int32), device)
+        if self.num_layers is None:
+            hidden = self.model(input_ids, positions, self.caches, meta)
+        else:
+            hidden = self.model(input_ids, positions, self.caches, meta, None, self.num_layers)
+        assert isinstance(hidden, torch.Tensor)
+        if not wanted:
+            return np.zeros(0, dtype=np.int32)
+        logits = self.model.compute_logits(hidden[_on(np.asarray(wanted, np.int64), device)])
+        return row_argmax(logits).cpu().numpy().astype(np.int32)
+
+
+def _on(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(values)).to(device)
