@@ -337,6 +337,9 @@ class EngineConfig:
     quantized_activations: str = "float32"  # one of QUANTIZED_ACTIVATIONS (EngineArgs says)
     lora: LoRAConfig | None = None  # None: no adapters (enable_lora=False)
     speculative: SpeculativeConfig | None = None  # None: no speculative decoding
+    # A draft model's token, against a one-token step of the target (draft_token_cost):
+    # with the verifying row's cost, what a draft costs a step (the draft budget's).
+    draft_token_cost: float = 0.0
 
     @property
     def cache_dtype(self) -> str:

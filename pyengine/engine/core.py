@@ -101,7 +101,9 @@ class EngineCore:
                 long_prefill_token_threshold=0,  # not an engine argument yet: no cap
                 policy="fcfs",  # not an engine argument yet
                 max_loras=config.lora.max_loras if config.lora is not None else 0,
-                draft_row_cost=0.0 if spec is None else spec.draft_row_cost(device),
+                draft_row_cost=0.0
+                if spec is None
+                else spec.draft_row_cost(device) + config.draft_token_cost,
             )
             for _ in range(num_engines)
         ]

@@ -12,6 +12,7 @@ from pyengine.config import (
     QUANTIZED_ACTIVATIONS,
     EngineConfig,
     LoRAConfig,
+    ModelConfig,
     ParallelConfig,
     QuantizationConfig,
     default_kv_cache_memory,
@@ -20,7 +21,11 @@ from pyengine.config import (
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
-from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pyengine.spec_decode.config import (
+    SpeculativeConfig,
+    check_draft_vocabulary,
+    draft_token_cost,
+)
 
 
 @dataclass
@@ -93,8 +98,9 @@ class EngineArgs:
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
+        draft_cost = 0.0
         if speculative is not None and speculative.method == "draft_model":
-            check_draft_model(speculative, parallel, loaded.config.vocab_size)
+            draft_cost = check_draft_model(speculative, parallel, loaded.config)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -130,6 +136,7 @@ class EngineArgs:
             if self.enable_lora
             else None,
             speculative=speculative,
+            draft_token_cost=draft_cost,
         )
         return LLMEngine(loaded, config)
 
@@ -139,17 +146,22 @@ class EngineArgs:
         return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
 
 
-def check_draft_model(spec: SpeculativeConfig, parallel: ParallelConfig, vocab_size: int) -> None:
+def check_draft_model(
+    spec: SpeculativeConfig, parallel: ParallelConfig, target: ModelConfig
+) -> float:
     """What a draft model needs, checked before the target's weights load: one worker,
-    and a separate draft's vocabulary the target's."""
+    and a separate draft's vocabulary the target's. Returns what a draft token costs
+    the draft (draft_token_cost)."""
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
         raise ValueError(
             "speculative_config: method draft_model runs with one worker "
             "(tensor_parallel_size and pipeline_parallel_size 1)"
         )
-    if spec.model is not None:
-        draft = load_model(spec.model, read_weights=False, read_tokenizer=False)
-        check_draft_vocabulary(spec.model, draft.config.vocab_size, vocab_size)
+    if spec.model is None:
+        return draft_token_cost(target, target, spec.draft_layers)
+    draft = load_model(spec.model, read_weights=False, read_tokenizer=False)
+    check_draft_vocabulary(spec.model, draft.config.vocab_size, target.vocab_size)
+    return draft_token_cost(draft.config, target)
 
 
 def check_quantization(asked: str | None, found: QuantizationConfig | None, model: str) -> None:

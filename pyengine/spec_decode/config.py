@@ -6,8 +6,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 from pyengine.sampling_params import is_int, is_real
+
+if TYPE_CHECKING:
+    from pyengine.config import ModelConfig
 
 METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
@@ -157,3 +161,18 @@ def check_draft_vocabulary(model: str, draft_vocab: int, target_vocab: int) -> N
             f"speculative_config: the draft model {model} has a vocabulary of {draft_vocab} "
             f"tokens, the target {target_vocab}: a draft needs the target's vocabulary"
         )
+
+
+def draft_token_cost(draft: ModelConfig, target: ModelConfig, layers: int | None = None) -> float:
+    """What a draft model's token costs it, against a one-token step of the target: the
+    ratio of their multiply-adds a token (the layers' matrices and the LM head). layers:
+    the draft is the first `layers` of `draft`'s."""
+    return _token_macs(draft, layers) / _token_macs(target)
+
+
+def _token_macs(c: ModelConfig, layers: int | None = None) -> float:
+    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_size
+    mlp = (3 if c.hidden_act == "silu" else 2) * c.hidden_size * c.intermediate_size
+    return (c.num_layers if layers is None else layers) * (attention + mlp) + (
+        c.vocab_size * c.hidden_size
+    )

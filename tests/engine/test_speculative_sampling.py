@@ -30,23 +30,28 @@ def small_vocab(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> tuple[Path, torch.nn.Module, list[int]]:
     """The model's folder, the model, and a prompt: its own greedy continuation of one
-    token, which a tiny model soon repeats, so that prompt lookup proposes what it
-    samples often (and often not)."""
+    token (of at least 3 tokens), which a tiny model soon repeats, so that prompt lookup
+    proposes what it samples often (and often not)."""
     torch.manual_seed(1)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
         max_position_embeddings=64, tie_word_embeddings=False,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # peaked enough that drafts are often right, and often not
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.25)
+        for name, p in model.named_parameters():
+            if p.dim() == 2:  # (the layers after the first add less: its drafts are fair)
+                later = "layers." in name and not name.startswith("model.layers.0.")
+                small = later and name.endswith(("o_proj.weight", "down_proj.weight"))
+                p.normal_(0.0, 0.08 if small else 0.25)
     folder = tmp_path_factory.mktemp("small-vocab")
     model.save_pretrained(folder)
-    with torch.no_grad():
-        greedy = model.generate(torch.tensor([[1]]), max_new_tokens=11, do_sample=False)
+    for first in range(VOCAB):  # (one that does not repeat a single token)
+        with torch.no_grad():
+            greedy = model.generate(torch.tensor([[first]]), max_new_tokens=11, do_sample=False)
+        if len(set(greedy[0].tolist())) >= 3:
+            break
     return folder, model, greedy[0].tolist()
 
 
