@@ -7,8 +7,9 @@ Instruct, its GGUF weights): tokens/s of
 - the random-token workload of bench/throughput.py at batch 32, where proposals are
   rarely right: speculation must not make it much slower;
 
-with prompt-lookup (n-gram) drafts and with suffix decoding, greedy, the same tokens
-either way (checked); suffix decoding's tree of earlier outputs is emptied before each
+with prompt-lookup (n-gram) drafts, suffix decoding and a draft model (the target's
+first --draft-layers layers: SmolLM2 has no smaller sibling here), greedy, the same
+tokens either way (checked); suffix decoding's tree of earlier outputs is emptied before each
 timed run, so that it never holds the answers it is timed on. Decode
 tokens/s counts each request's tokens after its first over the time from each batch's
 last first token to its end (speculation speeds up decoding, not prefills); the
@@ -69,7 +70,7 @@ def timed(
     return time.perf_counter() - start, decoding, [list(o.outputs[0].token_ids) for o in out]
 
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_layers")
 
 
 def main() -> None:
@@ -79,6 +80,9 @@ def main() -> None:
     parser.add_argument("--random-prompts", type=int, default=32)
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--num-speculative-tokens", type=int, default=4)
+    parser.add_argument(
+        "--draft-layers", type=int, default=10, help="draft_model's draft: the first layers"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="best of this many, each run")
     args = parser.parse_args()
 
@@ -87,7 +91,10 @@ def main() -> None:
     def make(method: str) -> LLM:
         if method == "none":
             return LLM(**engine)  # type: ignore[arg-type]
-        config = {"method": method, "num_speculative_tokens": args.num_speculative_tokens}
+        k = args.num_speculative_tokens
+        config: dict[str, object] = {"method": method, "num_speculative_tokens": k}
+        if method == "draft_layers":
+            config = {**config, "method": "draft_model", "draft_layers": args.draft_layers}
         return LLM(**engine, speculative_config=config)  # type: ignore[arg-type]
 
     methods = ("none", *METHODS)
@@ -143,12 +150,14 @@ def main() -> None:
             none_decode = decoded[w] / best_decode[(w, "none")]
             decode = decoded[w] / best_decode[(w, m)]
             rate_of_accepted, length = acceptance[(w, m)]
-            rows.append((w, m, f"{none_decode:.1f}", f"{decode:.1f}",
+            label = f"draft_layers={args.draft_layers}" if m == "draft_layers" else m
+            rows.append((w, label, f"{none_decode:.1f}", f"{decode:.1f}",
                          f"{decode / none_decode:.2f}x",
                          f"{best[(w, 'none')] / best[(w, m)]:.2f}x", f"{rate_of_accepted:.0%}",
                          f"{length:.2f}"))  # fmt: skip
     print(
-        f"# Speculative decoding (prompt lookup and suffix decoding, "
+        f"# Speculative decoding (prompt lookup, suffix decoding, the target's first "
+        f"{args.draft_layers} layers as a draft model; "
         f"{args.num_speculative_tokens} drafts at most, greedy): SmolLM2-135M-Instruct, "
         f"{torch.get_num_threads()} threads, best of {args.rounds}\n"
     )
