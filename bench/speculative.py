@@ -1,8 +1,9 @@
 """Speculative decoding against none, in one run, on the default model (SmolLM2-135M-
 Instruct, its GGUF weights): tokens/s of
 
-- an input-grounded workload (each request asks the model to repeat a given passage of
-  bench/data/perplexity_text.md, so that its output repeats long spans of its prompt),
+- an input-grounded workload (each request asks the model, in its chat template, to
+  repeat a given passage of bench/data/perplexity_text.md, so that its output repeats
+  long spans of its prompt),
   one request at a time (single stream) and 8 at once;
 - the random-token workload of bench/throughput.py at batch 32, where proposals are
   rarely right: speculation must not make it much slower;
@@ -21,8 +22,9 @@ the random one no more than 5% slower.
 
 The last line printed is one JSON object, also written to bench/results/speculative.json.
 
-    python -m bench.speculative [--passages 4] [--output-len 128] [--rounds 2]
+    python -m bench.speculative [--passages 8] [--output-len 128] [--rounds 3]
                                 [--num-speculative-tokens 4] [--random-prompts 32]
+                                [--draft-layers 10]
 
 (from the repository root; bench/__init__.py says how with a plain install)
 """
@@ -37,17 +39,24 @@ import numpy as np
 import torch
 
 from pyengine import LLM, SamplingParams
+from pyengine.tokenizer import PyengineTokenizer
 
 from .common import print_table, report
 
 TEXT = Path(__file__).resolve().parent / "data" / "perplexity_text.md"
 
 
-def grounded_prompts(count: int) -> list[str]:
-    """Requests to repeat a passage (a paragraph or list of the text) exactly."""
+def grounded_prompts(count: int, tokenizer: PyengineTokenizer) -> list[str]:
+    """Requests to repeat a passage (a paragraph or list of the text) exactly, in the
+    Instruct model's chat template, as a chat client sends them."""
     blocks = [b.strip() for b in TEXT.read_text().split("\n\n") if len(b.split()) >= 40]
-    return [f"Repeat the following text exactly.\n\n{blocks[i % len(blocks)]}\n\nThe text:\n\n"
-            for i in range(count)]  # fmt: skip
+    return [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Repeat the following text exactly.\n\n{block}"}],
+            add_generation_prompt=True,
+        )
+        for block in (blocks[i % len(blocks)] for i in range(count))
+    ]
 
 
 def timed(
@@ -83,7 +92,7 @@ def main() -> None:
     parser.add_argument(
         "--draft-layers", type=int, default=10, help="draft_model's draft: the first layers"
     )
-    parser.add_argument("--rounds", type=int, default=2, help="best of this many, each run")
+    parser.add_argument("--rounds", type=int, default=3, help="best of this many, each run")
     args = parser.parse_args()
 
     engine = {"max_model_len": 1024, "seed": 0}
@@ -99,7 +108,7 @@ def main() -> None:
 
     methods = ("none", *METHODS)
     llms = {m: make(m) for m in methods}
-    grounded = grounded_prompts(args.passages)
+    grounded = grounded_prompts(args.passages, llms["none"].get_tokenizer())
     rng = np.random.default_rng(0)
     random_prompts = [{"prompt_token_ids": rng.integers(100, 49_000, int(n)).tolist()}
                       for n in rng.integers(64, 257, args.random_prompts)]  # fmt: skip

@@ -297,7 +297,8 @@ def test_a_draft_of_another_architecture_and_of_another_vocabulary(
 @pytest.mark.slow
 def test_the_default_model_rewriting_its_prompt() -> None:
     """SmolLM2 asked to repeat a given text (its output repeats the prompt): the same
-    greedy tokens with prompt lookup and with suffix decoding, most drafts accepted."""
+    greedy tokens with prompt lookup, suffix decoding (most drafts accepted) and the
+    target's first 10 layers as a draft model."""
     from helpers.smollm2 import TEXT
 
     from pyengine.loader.resolve import default_model_path
@@ -310,11 +311,12 @@ def test_the_default_model_rewriting_its_prompt() -> None:
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
     plain = LLM(max_model_len=512)
     want = tokens(plain.generate(texts, params, use_tqdm=False))
-    for method in (NGRAM, SUFFIX):
+    for method in (NGRAM, SUFFIX, {**DRAFT, "draft_layers": 10}):
         spec = LLM(max_model_len=512, speculative_config=method)
         assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
         stats = spec.engine.core.spec_stats
-        assert stats.acceptance_rate > 0.3, (method, stats)
+        if method["method"] != "draft_model":  # (early layers are poor drafts: few given)
+            assert stats.acceptance_rate > 0.3, (method, stats)
         assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
 
 
