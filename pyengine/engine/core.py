@@ -41,7 +41,7 @@ class _Row:
     """What the core keeps of a running row."""
 
     request: EngineRequest
-    seed: int | None  # its generator's seed where the request is seeded
+    seed: int | None  # its draws' seed where the request is seeded
     output_token_ids: list[int] = field(default_factory=list)
     # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
     argmax_only: bool = False
@@ -382,7 +382,7 @@ class EngineCore:
             virtual_engine=engine,
         )
         if self.speculative is not None and self.speculative.method == "draft_model":
-            step = replace(step, row_ids=row_ids, num_draft_tokens=b.num_draft_tokens.copy())
+            step = replace(step, num_draft_tokens=b.num_draft_tokens.copy())
         if self.lora:
             step = self._with_adapters(step, row_ids)
         return step, sampled_row_ids, scored

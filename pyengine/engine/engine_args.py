@@ -98,9 +98,6 @@ class EngineArgs:
             read_weights=parallel.distributed_executor_backend == "uni",
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
-        draft_cost = 0.0
-        if speculative is not None and speculative.method == "draft_model":
-            draft_cost = check_draft_model(speculative, parallel, loaded.config)
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -109,6 +106,9 @@ class EngineArgs:
             raise ValueError(
                 f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
             )
+        draft_cost = 0.0
+        if speculative is not None and speculative.method == "draft_model":
+            draft_cost = check_draft_model(speculative, parallel, loaded.config, max_model_len)
         batched = self.max_num_batched_tokens
         if batched is None:
             # A GPU's matmuls want big steps; a CPU's prefill step is seconds already.
@@ -147,11 +147,11 @@ class EngineArgs:
 
 
 def check_draft_model(
-    spec: SpeculativeConfig, parallel: ParallelConfig, target: ModelConfig
+    spec: SpeculativeConfig, parallel: ParallelConfig, target: ModelConfig, max_model_len: int
 ) -> float:
     """What a draft model needs, checked before the target's weights load: one worker,
-    and a separate draft's vocabulary the target's. Returns what a draft token costs
-    the draft (draft_token_cost)."""
+    and a separate draft of the target's vocabulary with max_model_len positions at
+    least. Returns what a draft token costs the draft (draft_token_cost)."""
     if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
         raise ValueError(
             "speculative_config: method draft_model runs with one worker "
@@ -161,6 +161,12 @@ def check_draft_model(
         return draft_token_cost(target, target, spec.draft_layers)
     draft = load_model(spec.model, read_weights=False, read_tokenizer=False)
     check_draft_vocabulary(spec.model, draft.config.vocab_size, target.vocab_size)
+    positions = draft.config.max_position_embeddings
+    if positions < max_model_len:
+        raise ValueError(
+            f"speculative_config: the draft model {spec.model} has {positions} positions, "
+            f"fewer than max_model_len {max_model_len}"
+        )
     return draft_token_cost(draft.config, target)
 
 

@@ -41,3 +41,22 @@ def row_argmax(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
         return torch.from_numpy(logits.detach().numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers that spreads every bit."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """A seeded request's uniform number in [0, 1) for its output token `index`: the
+    SplitMix64 sequence of the seed's key, at that place. A token's draw depends on its
+    place alone, so a seeded request samples the same tokens whether or not a step drew
+    rows for drafts before it."""
+    key = _mix64(seed & _MASK64)
+    return (_mix64((key + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64) >> 11) / 2.0**53

@@ -2,7 +2,7 @@
 token selection (temperature, top-k / top-p / min-p, seeded sampling), over the logits
 rows of one step, and the logprobs of what it chose. Every step is one batch
 of tensor ops on the logits' device (a GPU's logits never leave it but as token ids);
-only a seeded row draws its uniform number alone, from its own generator."""
+only a seeded row's uniform number is its own, a hash of its seed and its place."""
 
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ class SamplingRow:
     params: SamplingParams
     prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
     output_token_ids: Sequence[int]
-    # Seeded requests draw only from their own, a CPU generator wherever the logits are:
-    # one draw a step, a few microseconds on the host against a kernel launch and a copy
-    # on a GPU, and the same numbers on either.
-    generator: torch.Generator | None
+    # A seeded request's draw for its i-th output token is seeded_uniform(seed, i), on the
+    # host wherever the logits are: the same numbers on either, and the same token at each
+    # place however many rows a step drew before it (speculative decoding's drafts).
+    seed: int | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
 
 

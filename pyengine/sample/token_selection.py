@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from pyengine.sample.common import column, row_argmax
+from pyengine.sample.common import column, row_argmax, seeded_uniform
 
 if TYPE_CHECKING:
     from pyengine.sample.sampler import SamplingRow
@@ -24,7 +24,7 @@ class TokenSelector(Protocol):
 class RandomSampling:
     """Greedy rows take the argmax; the others draw by inverse CDF from the filtered,
     temperature-scaled distribution: unseeded rows from the sampler's generator on the
-    logits' device, seeded ones each from its own host generator."""
+    logits' device, seeded ones each its own number (seeded_uniform)."""
 
     def __init__(self, generator: torch.Generator) -> None:
         self.generator = generator
@@ -47,13 +47,14 @@ class RandomSampling:
         probs = torch.softmax(filtered, dim=-1)
         # Inverse CDF: the first token whose cumulative probability passes u ~ U[0, 1).
         u = torch.zeros(len(rows), 1, device=device)  # greedy rows draw nothing
-        shared = [i for i, r in enumerate(rows) if r.generator is None and not greedy[i]]
+        shared = [i for i, r in enumerate(rows) if r.seed is None and not greedy[i]]
         if shared:
             u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=device)
-        seeded = [i for i, r in enumerate(rows) if r.generator is not None and not greedy[i]]
-        if seeded:  # each from its own generator, on the host; one copy for them all
-            draws = torch.cat([torch.rand(1, generator=rows[i].generator) for i in seeded])
-            u[seeded] = draws.to(device)[:, None]
+        seeded = [i for i, r in enumerate(rows) if r.seed is not None and not greedy[i]]
+        if seeded:  # each its own, on the host; one copy for them all
+            draws = [seeded_uniform(rows[i].seed or 0, len(rows[i].output_token_ids))
+                     for i in seeded]  # fmt: skip
+            u[seeded] = torch.tensor(draws, dtype=torch.float64).float().to(device)[:, None]
         cdf = probs.cumsum(dim=-1)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)
         # u * total rounded up to the total would land past the last token kept.

@@ -6,12 +6,11 @@ verifies them as any drafts, so the tokens are the target's whatever the draft s
 
 The draft's KV cache has the target's blocks, and each step's block tables and slots
 serve both. A separate draft model keeps its own cache in step with the target's by
-running every token the target computes (prompt chunks too), and the one draft token
-the target verified that the draft has not read (the last, where all were accepted) at
-the request's next step. The self-speculative draft (draft_layers) is the target's own
-first layers, whose KV the target writes anyway: it runs only each decoding request's
-last token and its drafts, in the target's cache (the target's step then writes the
-same KV there again).
+running every token the target computes (prompt chunks too, and its own last draft,
+which it proposes but would not otherwise read). The self-speculative draft
+(draft_layers) is the target's own first layers, whose KV the target writes anyway: it
+runs only each decoding request's last token and its drafts, in the target's cache (the
+target's step then writes the same KV there again).
 """
 
 from __future__ import annotations
@@ -34,16 +33,6 @@ from pyengine.worker.model_runner import ModelRunner, allocate_caches, resident_
 from pyengine.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pyengine")
-
-
-@dataclass
-class _Known:
-    """A request's KV in a separate draft's cache: positions [0, computed) are written,
-    and `pending` holds the tokens from `computed` on that the draft proposed (its last
-    draft), should the target keep them."""
-
-    computed: int
-    pending: list[int]
 
 
 @dataclass
@@ -96,11 +85,23 @@ class DraftRunner:
                 resident_bytes(self.model) / 2**20,
             )  # fmt: skip
         self.caches: list[KVCache] = []
-        self._known: dict[str, _Known] = {}
+        # What the draft adds to the KV cache's budget: a block of its own cache beside
+        # each of the target's, and its weights on a GPU (the budget measured before them).
+        self.block_bytes = 0
+        self.weight_bytes = 0
+        if self.mirrors:
+            c = self.model.config
+            itemsize = self.placement.dtype.itemsize
+            self.block_bytes = (
+                2 * c.num_layers * c.num_kv_heads * c.head_size * itemsize * (self.block_size)
+            )
+            if self.placement.device.type != "cpu":
+                self.weight_bytes = resident_bytes(self.model)
 
     def initialize_cache(self, num_blocks: int) -> None:
-        """The draft's KV cache: as many blocks as the target's (a separate draft's own
-        memory, besides the target's), or the target's first layers'."""
+        """The draft's KV cache: as many blocks as the target's (a separate draft's own,
+        in the budget beside the target's: ModelRunner.share_kv_budget), or the target's
+        first layers'."""
         if not self.mirrors:
             self.caches = self.target.caches[: self.num_layers]
             return
@@ -110,21 +111,20 @@ class DraftRunner:
             self.placement.dtype, self.placement.device,
         )  # fmt: skip
 
-    def forget(self, row_id: str) -> None:
-        self._known.pop(row_id, None)
-
     @torch.inference_mode()
     def propose(self, step: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
         """The step with its placeholders replaced by the draft's proposals, and those,
         row after row."""
-        assert step.row_ids is not None and step.num_draft_tokens is not None
-        if self.mirrors and step.block_copies:
-            mapping = torch.tensor(step.block_copies, dtype=torch.int64)
-            ops.copy_blocks([k for k, _ in self.caches], [v for _, v in self.caches], mapping)
+        assert step.num_draft_tokens is not None
         counts = step.num_draft_tokens.astype(np.int64)
-        starts = step.query_start_loc.astype(np.int64)
-        # (a decoding row: its last token at start, its drafts' slots after it)
-        last = starts[1:] - counts - 1
+        if step.block_copies:  # (before the draft reads them)
+            caches = self.caches if self.mirrors else self.target.caches
+            mapping = torch.tensor(step.block_copies, dtype=torch.int64)
+            ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
+            if not self.mirrors:  # (done for the target: its caches are these)
+                step = replace(step, block_copies=[])
+        # (a decoding row: its last token before its drafts' places)
+        last = step.query_start_loc[1:].astype(np.int64) - counts - 1
         first = self._first_forward(step, counts)
         proposals = np.zeros((len(counts), int(counts.max(initial=0))), dtype=np.int32)
         proposing = [i for i in first.requests if counts[i] > 0]
@@ -134,61 +134,41 @@ class DraftRunner:
             made = self._run(step, first, wanted)
             if proposing:
                 proposals[proposing, 0] = made
-        for j in range(1, proposals.shape[1]):
-            rows = [i for i in proposing if counts[i] > j]
+        # Draft j at its place; a separate draft also reads its last, so that its cache
+        # holds every token the target verifies (the target's own cache holds them anyway).
+        for j in range(1, proposals.shape[1] + (1 if self.mirrors else 0)):
+            rows = [i for i in proposing if counts[i] >= j]
+            proposes = [k for k, i in enumerate(rows) if counts[i] > j]
             at = [int(last[i]) + j for i in rows]  # the token rows of draft j
             one = _Rows(rows, [proposals[i, j - 1 : j] for i in rows],
                         [step.positions[t : t + 1] for t in at],
                         [step.slot_mapping[t : t + 1] for t in at])  # fmt: skip
-            proposals[rows, j] = self._run(step, one, list(range(len(rows))))
+            made = self._run(step, one, proposes)
+            if proposes:
+                proposals[[rows[k] for k in proposes], j] = made
         filled = step.input_ids.copy()
         flat: list[int] = []
         for i in proposing:
             d = int(counts[i])
             filled[last[i] + 1 : last[i] + 1 + d] = proposals[i, :d]
             flat += proposals[i, :d].tolist()
-            if self.mirrors:  # (it wrote the KV of its last token and its drafts but the last)
-                position = int(step.positions[last[i]])
-                self._known[step.row_ids[i]] = _Known(position + d, [int(proposals[i, d - 1])])
         return replace(step, input_ids=filled), flat
 
     def _first_forward(self, step: SchedulerOutput, counts: np.ndarray) -> _Rows:
-        """The draft's first forward: each decoding request's last token (and, for a
-        separate draft, every token the target computes in the step, and what it has not
-        read yet before them)."""
+        """The draft's first forward: each decoding request's last token; for a separate
+        draft, every token the target computes in the step but its drafts."""
         rows = _Rows([], [], [], [])
         starts = step.query_start_loc.astype(np.int64)
-        for i, row_id in enumerate(step.row_ids or []):
+        for i in range(len(counts)):
             start, end = int(starts[i]), int(starts[i + 1] - counts[i])
-            if start == end:  # a sample forked in this step: it shares a computed prompt
-                if self.mirrors:
-                    self._known[row_id] = _Known(int(step.seq_lens[i]), [])
-                continue
+            if start == end or not (self.mirrors or counts[i] > 0):
+                continue  # (nothing to compute: a sample forked in this step)
             if not self.mirrors:
-                if counts[i] > 0:
-                    rows.requests.append(i)
-                    rows.tokens.append(step.input_ids[end - 1 : end])
-                    rows.positions.append(step.positions[end - 1 : end])
-                    rows.slots.append(step.slot_mapping[end - 1 : end])
-                continue
-            tokens = step.input_ids[start:end]
-            positions = step.positions[start:end]
-            slots = step.slot_mapping[start:end]
-            known = self._known.get(row_id)
-            begin = int(positions[0])
-            if known is not None and known.computed < begin <= known.computed + len(known.pending):
-                missing = np.arange(known.computed, begin)  # (what it proposed, kept)
-                size = self.block_size
-                blocks = step.block_tables[i][missing // size].astype(np.int64)
-                pending = np.asarray(known.pending[: len(missing)], np.int32)
-                tokens = np.concatenate([pending, tokens])
-                positions = np.concatenate([missing.astype(positions.dtype), positions])
-                slots = np.concatenate([blocks * size + missing % size, slots])
+                start = end - 1
             rows.requests.append(i)
-            rows.tokens.append(tokens)
-            rows.positions.append(positions)
-            rows.slots.append(slots)
-            self._known[row_id] = _Known(int(positions[-1]) + 1, [])
+            rows.tokens.append(step.input_ids[start:end])
+            rows.positions.append(step.positions[start:end])
+            rows.slots.append(step.slot_mapping[start:end])
         return rows
 
     def _run(self, step: SchedulerOutput, rows: _Rows, wanted: list[int]) -> np.ndarray:

@@ -221,6 +221,21 @@ class ModelRunner:
         self.caches_by_engine: list[list[KVCache]] = []
         self.graphs: DecodeGraphs | KernelGraphs | None = None
 
+    def share_kv_budget(self, draft_block_bytes: int, draft_weight_bytes: int) -> None:
+        """Leaves a draft model room in the KV cache's budget: its weights where they
+        took device memory after the budget was measured, and a block of its own cache
+        beside each of this runner's (the draft's cache has the same blocks)."""
+        budget = max(0, self.num_blocks * self.block_bytes - draft_weight_bytes)
+        self.num_blocks = budget // (self.block_bytes + draft_block_bytes)
+        if self.num_blocks < self.min_blocks:
+            raise ValueError(
+                f"the KV cache's budget ({budget} bytes after the draft model's weights), "
+                f"shared with the draft model's cache, holds {self.num_blocks} blocks of "
+                f"{self.block_size} tokens; one max_model_len request needs "
+                f"{self.min_blocks} (raise kv_cache_memory or gpu_memory_utilization, or "
+                "lower max_model_len)"
+            )
+
     @property
     def caches(self) -> list[KVCache]:
         """The KV cache of the first virtual engine (of the only one without a pipeline)."""

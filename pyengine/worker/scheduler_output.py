@@ -22,7 +22,7 @@ class SamplingRequest:
     params: SamplingParams
     prompt_token_ids: np.ndarray  # int32 [prompt_len], for the repetition penalty
     output_token_ids: Sequence[int]  # the tokens it has so far
-    # A seeded row draws from its own generator, made from this on first sight.
+    # A seeded row's draws are its own (sample/common.py seeded_uniform).
     seed: int | None = None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
     # The logits row follows this many of the request's drafts in the step: they count as
@@ -64,9 +64,8 @@ class SchedulerOutput:
     # and the step's adapters by id (what a worker loads them from).
     adapter_ids: np.ndarray | None = None
     adapters: dict[int, LoRARequest] = field(default_factory=dict)
-    # With a draft model: each request's id, and its drafts (int32 [num_reqs]), whose
-    # tokens in input_ids are placeholders the worker's draft model replaces.
-    row_ids: list[str] | None = None
+    # With a draft model: each request's drafts (int32 [num_reqs]), whose tokens in
+    # input_ids are placeholders the worker's draft model replaces.
     num_draft_tokens: np.ndarray | None = None
 
 

@@ -44,9 +44,8 @@ class Worker:
         self.drafter: DraftRunner | None = None
         if spec is not None and spec.method == "draft_model":
             self.drafter = DraftRunner(spec, self.model_runner, config)
+            self.model_runner.share_kv_budget(self.drafter.block_bytes, self.drafter.weight_bytes)
         self.sampler = Sampler(config.seed, config.device)
-        # Seeded rows' generators, by row id, for as long as the row runs.
-        self._generators: dict[str, torch.Generator] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -78,16 +77,11 @@ class Worker:
         steps."""
         device = self.model_runner.placement.device
         del self.model_runner
-        self._generators.clear()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's tokens on the output rank; None on the others."""
-        for row_id in step.finished_row_ids:
-            self._generators.pop(row_id, None)
-            if self.drafter is not None:
-                self.drafter.forget(row_id)
         drafts = None
         if self.drafter is not None:  # (its drafts fill the step's placeholders)
             step, drafts = self.drafter.propose(step)
@@ -108,20 +102,14 @@ class Worker:
             sampled = self.sampler(logits, rows)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
 
-    def _row(self, request: SamplingRequest, input_ids: np.ndarray, token: int) -> SamplingRow:
+    @staticmethod
+    def _row(request: SamplingRequest, input_ids: np.ndarray, token: int) -> SamplingRow:
         """The sampler's row for the logits of token row `token` of the step."""
-        generator = None
-        if request.seed is not None:
-            generator = self._generators.get(request.row_id)
-            if generator is None:  # on the host (see SamplingRow)
-                generator = torch.Generator().manual_seed(request.seed)
-                self._generators[request.row_id] = generator
         output = request.output_token_ids
         if j := request.num_drafts_before:  # (the row's token is its j-th draft)
             output = [*output, *input_ids[token - j + 1 : token + 1].tolist()]
-        return SamplingRow(
-            request.params, request.prompt_token_ids, output, generator, request.blocked_token_ids
-        )
+        return SamplingRow(request.params, request.prompt_token_ids, output, request.seed,
+                           request.blocked_token_ids)  # fmt: skip
 
     def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:
         """Prompt logprobs from the final hidden states of the scored rows, max_num_seqs

@@ -10,7 +10,7 @@ from helpers.hf_reference import prefill_logits
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import default_model_path
-from pyengine.sample.common import row_argmax
+from pyengine.sample.common import row_argmax, seeded_uniform
 from pyengine.sample.logits_processors import apply_penalties
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Sampler, SamplingRow, heaviest_rows, plain_greedy
@@ -288,11 +288,31 @@ def test_engine_serves_on_after_an_abort_empties_a_step(llm: LLM) -> None:
 
 
 def sampling_rows(params: list[SamplingParams], seeds: list[int | None]) -> list[SamplingRow]:
-    def generator(seed: int | None) -> torch.Generator | None:
-        return None if seed is None else torch.Generator().manual_seed(seed)
-
-    return [SamplingRow(p, [1, 2, 3], [4, 4], generator(s), (7,) if p.min_tokens else ())
+    return [SamplingRow(p, [1, 2, 3], [4, 4], s, (7,) if p.min_tokens else ())
             for p, s in zip(params, seeds, strict=True)]  # fmt: skip
+
+
+def test_seeded_draws_are_uniform_and_depend_on_the_place_alone() -> None:
+    """seeded_uniform: 20,000 numbers of consecutive places and seeds fill 20 equal bins
+    within a chi-square bound (19 degrees of freedom, exceeded by chance with probability
+    1e-4), seeds next to each other draw apart, and a seeded row's draw is that of its
+    place (its output tokens' count): the same token after any number of other draws."""
+    draws = np.array([seeded_uniform(seed, i) for seed in range(100) for i in range(200)])
+    assert ((draws >= 0) & (draws < 1)).all()
+    counts = np.bincount((draws * 20).astype(int), minlength=20)
+    expected = len(draws) / 20
+    assert ((counts - expected) ** 2 / expected).sum() < 49.3
+    pairs = np.array([[seeded_uniform(s, 3), seeded_uniform(s + 1, 3)] for s in range(2000)])
+    assert abs(np.corrcoef(pairs.T)[0, 1]) < 0.1
+    params = SamplingParams(temperature=1.0, seed=5)
+    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(8))
+    row = SamplingRow(params, [1], [2, 3, 4], 5)
+    first = Sampler(0)(logits, [row]).token_ids
+    sampler = Sampler(0)
+    for _ in range(3):  # (draws of other places, and of another seed, in between)
+        sampler(logits, [SamplingRow(params, [1], [2], 5), SamplingRow(params, [1], [2, 3], 9)])
+    assert sampler(logits, [row]).token_ids == first
+    assert [seeded_uniform(5, 3)] != [seeded_uniform(5, 2)]
 
 
 def test_a_batch_samples_each_row_as_it_would_alone() -> None:

@@ -86,6 +86,12 @@ def repeating_prompts(count: int, seed: int = 0) -> list[dict[str, list[int]]]:
     return prompts
 
 
+def replace_config(config: object, **changes: object) -> object:
+    """A transformers config with some fields changed."""
+    fields = {**config.to_dict(), **changes}  # type: ignore[attr-defined]
+    return type(config)(**fields)
+
+
 def tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]
     return [list(o.outputs[0].token_ids) for o in outputs]
 
@@ -112,8 +118,8 @@ def test_greedy_tokens_are_those_of_no_speculation(
     prompts = repeating_prompts(6)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     target, config = target_and_config(method, tiny, deep)
-    if "kv_cache_memory" in engine and target != tiny:  # (4 times the layers: as few blocks)
-        engine = {**engine, "kv_cache_memory": 4 * engine["kv_cache_memory"]}
+    if "kv_cache_memory" in engine and target != tiny:  # (4 times the layers, and a draft)
+        engine = {**engine, "kv_cache_memory": 5 * engine["kv_cache_memory"]}
     plain, _ = run(target, prompts, params, **engine)
     spec_out, llm = run(target, prompts, params, speculative_config=config, **engine)
     assert tokens(spec_out) == tokens(plain)
@@ -176,16 +182,25 @@ def test_stop_tokens_n_logprobs_and_penalties_under_speculation(
     assert sum(o.metrics.num_draft_tokens for o in spec_out) == stats.num_draft_tokens
 
 
-def test_seeded_sampled_requests_speculate_and_repeat(tiny: Path) -> None:
-    """Sampled requests verify drafts too (by their draws, accept_drafts); a seeded one
-    gives the same tokens run again, alone or in another batch."""
+@METHODS
+def test_seeded_sampled_requests_give_the_tokens_of_no_speculation(
+    tiny: Path, deep: tuple[Path, Path], method: str
+) -> None:
+    """Sampled requests verify drafts too (by their draws, accept_drafts). A seeded one
+    draws for each place its own number (seeded_uniform), however many rows a step drew:
+    its tokens are those of no speculation, in any batch."""
     prompts = repeating_prompts(3, seed=4)
-    params = SamplingParams(temperature=0.3, top_k=20, seed=11, max_tokens=30, ignore_eos=True)
-    first, llm = run(tiny, prompts, params, speculative_config=NGRAM)
+    target, config = target_and_config(method, tiny, deep)
+    params = [SamplingParams(temperature=t, top_k=20, seed=11 + i, max_tokens=30,
+                             ignore_eos=True, presence_penalty=0.2)
+              for i, t in enumerate((0.3, 0.8, 1.0))]  # fmt: skip
+    plain, _ = run(target, prompts, params)
+    spec_out, llm = run(target, prompts, params, speculative_config=config)
+    assert tokens(spec_out) == tokens(plain)
     assert llm.engine.core.spec_stats.num_accepted_tokens > 0
-    again, _ = run(tiny, prompts, params, speculative_config=NGRAM)
-    assert tokens(again) == tokens(first)
-    assert all(o.metrics.num_draft_tokens > 0 for o in first)
+    assert all(o.metrics.num_draft_tokens > 0 for o in spec_out)
+    alone, _ = run(target, prompts[1:2], params[1:2], speculative_config=config)
+    assert tokens(alone) == tokens(plain)[1:2]
 
 
 def test_suffix_decoding_proposes_earlier_outputs(tiny: Path) -> None:
@@ -274,7 +289,7 @@ def test_a_draft_of_another_architecture_and_of_another_vocabulary(
     deep: tuple[Path, Path], tmp_path: Path
 ) -> None:
     """A Qwen2 draft with the Llama target's vocabulary: the target's tokens; a draft of
-    another vocabulary is refused at start, naming both."""
+    another vocabulary, or of fewer positions than max_model_len, is refused at start."""
     target = deep[0]
     make_checkpoint("qwen2", tmp_path / "qwen2")
     prompts = repeating_prompts(4, seed=5)
@@ -292,6 +307,11 @@ def test_a_draft_of_another_architecture_and_of_another_vocabulary(
     with pytest.raises(ValueError, match="vocabulary of 300 tokens, the target 256"):
         LLM(str(target), max_model_len=64, kv_cache_memory=2**20,
             speculative_config={**DRAFT, "model": str(tmp_path / "other")})  # fmt: skip
+    short = replace_config(other, vocab_size=256, max_position_embeddings=32)
+    transformers.AutoModelForCausalLM.from_config(short).save_pretrained(tmp_path / "short")
+    with pytest.raises(ValueError, match="has 32 positions, fewer than max_model_len 64"):
+        LLM(str(target), max_model_len=64, kv_cache_memory=2**20,
+            speculative_config={**DRAFT, "model": str(tmp_path / "short")})  # fmt: skip
 
 
 @pytest.mark.slow
