@@ -35,7 +35,7 @@ from pyengine._C import (
 )
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import CompletionOutput, RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -45,6 +45,7 @@ __all__ = [
     "CompletionOutput",
     "RequestOutput",
     "SamplingParams",
+    "StructuredOutputsParams",
     "BlockPool",
     "ComputedBlocks",
     "KVCacheManager",

@@ -2,8 +2,59 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on a request's output (vLLM's): exactly one of a JSON schema (a dict
+    or its text), a regular expression, a list of choices, a grammar (Lark or GBNF/EBNF),
+    or any JSON object."""
+
+    json: dict | str | None = None  # type: ignore[type-arg]
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar")
+                 if getattr(self, name) is not None]  # fmt: skip
+        if self.json_object is True:
+            given.append("json_object")
+        elif self.json_object is not False:
+            raise ValueError("structured_outputs.json_object must be True or False")
+        if len(given) != 1:
+            raise ValueError(
+                "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                f"json_object, got {', '.join(given) or 'none'}"
+            )
+        if self.json is not None and not isinstance(self.json, dict | str):
+            raise ValueError("structured_outputs.json must be a JSON schema (a dict or its text)")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        choice = self.choice
+        if choice is not None and not (
+            isinstance(choice, list | tuple) and choice and all(isinstance(c, str) for c in choice)
+        ):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    def constraint(self) -> tuple[str, str]:
+        """(kind, text) as llguidance's grammar_from takes them, and the cache's key."""
+        if self.json is not None:
+            text = self.json if isinstance(self.json, str) else json.dumps(self.json)
+            return "json", text
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.choice is not None:
+            return "choice", json.dumps(list(self.choice))
+        if self.grammar is not None:
+            return "grammar", self.grammar
+        return "json", '{"type": "object"}'
 
 
 @dataclass
@@ -29,6 +80,8 @@ class SamplingParams:
     # Added to the logits of these token ids before sampling (OpenAI's: -100 bans a
     # token, 100 all but forces it).
     logit_bias: dict[int, float] | None = None
+    # A constraint on the output (JSON schema, regex, choice, grammar), vLLM's.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -73,6 +126,10 @@ class SamplingParams:
         checks.append(("logit_bias", bias is None or isinstance(bias, dict) and all(
             is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
             "a dict of token ids >= 0 to numbers in [-100, 100]"))  # fmt: skip
+        constraint = self.structured_outputs
+        checks.append(("structured_outputs", constraint is None
+                       or isinstance(constraint, StructuredOutputsParams),
+                       "a StructuredOutputsParams or None"))  # fmt: skip
         checks += [(name, isinstance(getattr(self, name), bool), "True or False")
                    for name in ("ignore_eos", "skip_special_tokens",
                                 "include_stop_str_in_output")]  # fmt: skip

@@ -21,6 +21,7 @@ import numpy as np
 from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
 from pyengine.engine.input_processor import EngineRequest
+from pyengine.engine.structured_output import GrammarCompiler, Matcher
 from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
@@ -45,6 +46,7 @@ class _Row:
     output_token_ids: list[int] = field(default_factory=list)
     # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
     argmax_only: bool = False
+    matcher: Matcher | None = None  # a structured output's, following its tokens
 
 
 @dataclass
@@ -77,8 +79,11 @@ class EngineCoreOutput:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, executor: Executor) -> None:
+    def __init__(
+        self, config: EngineConfig, executor: Executor, grammars: GrammarCompiler | None = None
+    ) -> None:
         self.config = config
+        self.grammars = grammars  # structured outputs' matchers
         self.lora = config.lora is not None
         self.speculative = config.speculative
         self.spec_stats = SpecDecodeStats()
@@ -145,7 +150,10 @@ class EngineCore:
             for e in self._engine_of.values():
                 load[e] += 1
             engine = load.index(min(load))
-        argmax_only = plain_greedy(params) and params.logprobs is None
+        constrained = params.structured_outputs
+        if constrained is not None and self.grammars is None:
+            raise ValueError("structured_outputs needs the model's tokenizer")
+        argmax_only = plain_greedy(params) and params.logprobs is None and constrained is None
         self.schedulers[engine].add_request(
             request_id,
             request.prompt_array,
@@ -160,11 +168,15 @@ class EngineCore:
             cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
             # Greedy rows keep the drafts their argmax gives, sampled rows those their
             # draws give (accept_drafts): every request speculates.
-            speculate=self.speculative is not None,
+            # (not yet a constrained request: its matcher would follow each draft)
+            speculate=self.speculative is not None and constrained is None,
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
-            self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only)
+            matcher = None
+            if constrained is not None and self.grammars is not None:
+                matcher = self.grammars.matcher(constrained)
+            self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only, matcher=matcher)
             if not argmax_only or params.min_tokens > 0:
                 self._sampled_rows.add(row_id)
             if request.lora_request is not None:
@@ -306,6 +318,8 @@ class EngineCore:
                 continue
             if token is not None:
                 row.output_token_ids.append(token)
+                if row.matcher is not None:
+                    row.matcher.accept(token)
                 if (
                     row.argmax_only
                     and row_id in self._sampled_rows
@@ -423,6 +437,7 @@ class EngineCore:
             row.seed,
             request.blocked_token_ids if under_min else (),
             num_drafts_before,
+            None if row.matcher is None else row.matcher.allowed(),
         )
 
     def _prompt_logprob_rows(

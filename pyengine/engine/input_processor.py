@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from pyengine.config import EngineConfig, ModelConfig
+from pyengine.engine.structured_output import GrammarCompiler
 from pyengine.lora.request import LoRARequest
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
@@ -68,6 +69,10 @@ class InputProcessor:
         self.model_config = model_config
         self.config = config
         self.tokenizer = tokenizer
+        # Structured outputs' grammars (compiled once each) and matchers.
+        self.grammars = (
+            None if tokenizer is None else GrammarCompiler(tokenizer, model_config.vocab_size)
+        )
 
     def encode(self, text: str, what: str = "prompt", add_special_tokens: bool = True) -> list[int]:
         """The text's token ids; ValueError naming `what`. A text too long for
@@ -116,6 +121,10 @@ class InputProcessor:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
         params = self._checked(request_id, prompt_token_ids, params, existing)
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs the model's tokenizer")
+            self.grammars.grammar(params.structured_outputs)  # (checked, and compiled once)
         eos, *more_eos = self.model_config.eos_token_ids or (None,)
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:

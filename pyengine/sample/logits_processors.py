@@ -88,10 +88,27 @@ def block_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits[column(blocked, torch.long, device)[j], t] = float("-inf")
 
 
+def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each structured output's row at -inf outside its allowed tokens (its
+    bitmask, unpacked on the logits' device; tokens past the mask's are not allowed)."""
+    masked = [i for i, r in enumerate(rows) if r.allowed_tokens is not None]
+    if not masked:
+        return
+    device, vocab = logits.device, logits.shape[-1]
+    words = torch.from_numpy(np.stack([rows[i].allowed_tokens for i in masked]))  # type: ignore[misc]
+    bits = torch.arange(32, dtype=torch.int32, device=device)
+    allowed = ((words.to(device)[:, :, None] >> bits) & 1).bool().reshape(len(masked), -1)
+    if allowed.shape[1] < vocab:
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+    index = column(masked, torch.long, device)
+    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+
+
 # The order vLLM applies them in: penalties see the model's logits, the bias and the
-# blocked tokens come after.
+# blocked tokens come after, a grammar's mask last.
 DEFAULT_LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (
     apply_penalties,
     apply_logit_bias,
     block_tokens,
+    mask_disallowed_tokens,
 )

@@ -32,6 +32,8 @@ class SamplingRow:
     # place however many rows a step drew before it (speculative decoding's drafts).
     seed: int | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
+    # A structured output's allowed tokens, a bitmask (SamplingRequest.allowed_tokens)
+    allowed_tokens: np.ndarray | None = None
 
 
 @dataclass
@@ -115,4 +117,4 @@ def plain_greedy(params: SamplingParams) -> bool:
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
-    return plain_greedy(row.params) and not row.blocked_token_ids
+    return plain_greedy(row.params) and not row.blocked_token_ids and row.allowed_tokens is None

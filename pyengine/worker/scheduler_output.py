@@ -28,6 +28,9 @@ class SamplingRequest:
     # The logits row follows this many of the request's drafts in the step: they count as
     # its tokens (the step's input_ids before the row's token, included, hold them).
     num_drafts_before: int = 0
+    # A structured output's tokens allowed next: a bitmask (int32 words, bit t % 32 of
+    # word t // 32 for token t); None: all.
+    allowed_tokens: np.ndarray | None = None
 
 
 @dataclass(frozen=True)

@@ -109,7 +109,7 @@ class Worker:
         if j := request.num_drafts_before:  # (the row's token is its j-th draft)
             output = [*output, *input_ids[token - j + 1 : token + 1].tolist()]
         return SamplingRow(request.params, request.prompt_token_ids, output, request.seed,
-                           request.blocked_token_ids)  # fmt: skip
+                           request.blocked_token_ids, request.allowed_tokens)  # fmt: skip
 
     def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:
         """Prompt logprobs from the final hidden states of the scored rows, max_num_seqs

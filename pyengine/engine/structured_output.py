@@ -1,0 +1,102 @@
+"""Structured output: a request's constraint (SamplingParams.structured_outputs: a JSON
+schema, a regex, choices, a grammar) compiled against the tokenizer's vocabulary, and a
+matcher per row that says, before each of its tokens, which tokens may come next (a
+bitmask) and follows the tokens the row keeps.
+
+The backend is llguidance (docs/architecture.md says why): its matchers compile a
+grammar lazily as they go, in microseconds a token, and roll back.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from pyengine.sampling_params import StructuredOutputsParams
+from pyengine.tokenizer import PyengineTokenizer
+
+
+class GrammarCompiler:
+    """Grammars of constraints (cached by their text) and their matchers, over one
+    tokenizer; `vocab_size` is the model's (its logits rows), at least the tokenizer's."""
+
+    def __init__(self, tokenizer: PyengineTokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        self._grammars: dict[tuple[str, str], str] = {}
+
+    @cached_property
+    def _llg(self) -> Any:
+        import llguidance  # (only an engine that constrains a request loads it)
+
+        return llguidance
+
+    @cached_property
+    def _vocabulary(self) -> Any:
+        """The tokenizer as llguidance reads it (made once, a fraction of a second)."""
+        return self._llg.LLTokenizer(
+            self.tokenizer.tokenizer.to_str(),
+            n_vocab=self.vocab_size,
+            eos_token=self.tokenizer.eos_token_id,
+        )
+
+    def grammar(self, params: StructuredOutputsParams) -> str:
+        """The constraint's grammar; ValueError naming the field where it is not valid
+        (an unknown schema keyword, a regex that does not parse, a grammar's error)."""
+        kind, text = params.constraint()
+        grammar = self._grammars.get((kind, text))
+        if grammar is not None:
+            return grammar
+        field = "json" if params.json_object else kind
+        source = text
+        if kind == "json":
+            source = self._compact_json(text, field)
+        try:
+            grammar = str(self._llg.grammar_from(kind, source))
+        except (ValueError, TypeError) as error:
+            raise ValueError(f"structured_outputs.{field} is not valid: {error}") from None
+        problem = self._llg.LLMatcher.validate_grammar(grammar, self._vocabulary)
+        if problem:
+            raise ValueError(f"structured_outputs.{field} is not valid: {problem}")
+        self._grammars[(kind, text)] = grammar
+        return grammar
+
+    @staticmethod
+    def _compact_json(schema_text: str, field: str) -> str:
+        """The schema, its JSON without free whitespace (unless it says otherwise): a small
+        model's greedy answer can otherwise run on in newlines and spaces for ever."""
+        try:
+            schema = json.loads(schema_text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"structured_outputs.{field} is not valid JSON: {error}") from None
+        if isinstance(schema, dict):
+            schema.setdefault("x-guidance", {"whitespace_flexible": False})
+        return json.dumps(schema)
+
+    def matcher(self, params: StructuredOutputsParams) -> Matcher:
+        return Matcher(self._llg.LLMatcher(self._vocabulary, self.grammar(params)))
+
+
+class Matcher:
+    """One row's place in its grammar."""
+
+    def __init__(self, matcher: Any) -> None:
+        self._matcher = matcher
+
+    def allowed(self) -> np.ndarray:
+        """The tokens that may come next: a bitmask, int32 words (bit t % 32 of word
+        t // 32 for token t)."""
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+
+    def accept(self, token: int) -> bool:
+        """Follows a kept token; False (the matcher unchanged) for one the grammar does
+        not allow."""
+        return bool(self._matcher.consume_token(token))
+
+    @property
+    def is_stopped(self) -> bool:
+        """The grammar is complete: only the end of sequence may follow."""
+        return bool(self._matcher.is_stopped())

@@ -1,0 +1,134 @@
+"""Structured outputs offline (SamplingParams.structured_outputs) on the default model:
+JSON schemas of every kind each answer parses as and validates against (jsonschema),
+greedy and sampled; regexes and choices that always hold; a grammar; constrained rows
+beside free ones unchanged; preemption; bad constraints refused naming the field."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from pyengine import LLM, SamplingParams, StructuredOutputsParams
+
+jsonschema = pytest.importorskip("jsonschema")
+
+pytestmark = pytest.mark.slow
+
+SHORT = {"type": "string", "maxLength": 12}
+SCHEMAS: list[dict] = [  # type: ignore[type-arg]
+    {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer"}},
+     "required": ["name", "age"], "additionalProperties": False},
+    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
+     "required": ["score"]},
+    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
+     "required": ["color"], "additionalProperties": False},
+    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9},
+     "minItems": 2, "maxItems": 4},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": SHORT, "maxItems": 3}},
+     "required": ["tags"], "additionalProperties": False},
+    {"type": "object", "properties": {"user": {"type": "object", "properties": {
+        "id": {"type": "integer"}, "email": SHORT}, "required": ["id", "email"],
+        "additionalProperties": False}}, "required": ["user"], "additionalProperties": False},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
+     "required": ["ok", "note"], "additionalProperties": False},
+    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5},
+     "unit": {"const": "kg"}}, "required": ["n", "unit"], "additionalProperties": False},
+    {"type": "object", "properties": {"city": SHORT, "zip": {"type": "string",
+     "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"], "additionalProperties": False},
+    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
+        "type": "object", "properties": {"sku": SHORT, "qty": {"type": "integer",
+        "minimum": 1, "maximum": 99}}, "required": ["sku", "qty"],
+        "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
+    {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"v": SHORT},
+               "required": ["v"], "additionalProperties": False}]},
+    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]},
+     "labels": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
+     "required": ["level", "labels"], "additionalProperties": False},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    from pyengine.loader.resolve import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return LLM(max_model_len=1024, max_num_seqs=16)
+
+
+def ask(llm: LLM, text: str, params: list[SamplingParams]) -> list:  # type: ignore[type-arg]
+    messages = [[{"role": "user", "content": text}]] * len(params)
+    return [o.outputs[0] for o in llm.chat(messages, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_every_answer_validates_against_its_schema(llm: LLM, temperature: float) -> None:
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=200,
+                       structured_outputs=StructuredOutputsParams(json=schema))
+        for i, schema in enumerate(SCHEMAS)
+    ]  # fmt: skip
+    outputs = ask(llm, "Answer with a JSON value that fits the task.", params)
+    for schema, out in zip(SCHEMAS, outputs, strict=True):
+        assert out.finish_reason == "stop", (schema, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+
+
+def test_regexes_choices_json_objects_and_grammars_hold(llm: LLM) -> None:
+    constraints = [
+        (StructuredOutputsParams(regex=r"\d{3}-\d{4}"), lambda t: re.fullmatch(r"\d{3}-\d{4}", t)),
+        (StructuredOutputsParams(regex=r"(yes|no), because [a-z ]{1,20}\."),
+         lambda t: re.fullmatch(r"(yes|no), because [a-z ]{1,20}\.", t)),
+        (StructuredOutputsParams(choice=["positive", "negative", "neutral"]),
+         lambda t: t in ("positive", "negative", "neutral")),
+        (StructuredOutputsParams(json_object=True), lambda t: isinstance(json.loads(t), dict)),
+        (StructuredOutputsParams(grammar='root ::= "(" [0-9] [0-9]? " + " [0-9] [0-9]? ")"'),
+         lambda t: re.fullmatch(r"\(\d{1,2} \+ \d{1,2}\)", t)),
+    ]  # fmt: skip
+    for temperature in (0.0, 1.0):
+        params = [SamplingParams(temperature=temperature, seed=3, max_tokens=120,
+                                 structured_outputs=c) for c, _ in constraints]  # fmt: skip
+        for (constraint, holds), out in zip(constraints, ask(llm, "Go.", params), strict=True):
+            assert out.finish_reason == "stop" and holds(out.text), (constraint, out.text)
+
+
+def test_free_rows_beside_constrained_ones_are_unchanged(llm: LLM) -> None:
+    free = SamplingParams(temperature=0, max_tokens=24)
+    alone = ask(llm, "Name a fruit.", [free])[0].token_ids
+    constrained = StructuredOutputsParams(json=SCHEMAS[0])
+    mixed = [free, SamplingParams(temperature=0, max_tokens=24, structured_outputs=constrained)]
+    assert ask(llm, "Name a fruit.", mixed)[0].token_ids == alone
+
+
+def test_a_preempted_constrained_request_still_validates() -> None:
+    tight = LLM(max_model_len=128, kv_cache_memory=2**23, max_num_seqs=8)
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=80,
+                             structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % 4]))
+              for i in range(8)]  # fmt: skip
+    outputs = ask(tight, "JSON please.", params)
+    assert tight.engine.scheduler.stats().num_preemptions > 0
+    for p, out in zip(params, outputs, strict=True):
+        assert p.structured_outputs is not None and isinstance(p.structured_outputs.json, dict)
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), p.structured_outputs.json)
+    assert tight.engine.scheduler.kv_cache.num_free_blocks == tight.engine.executor.num_blocks
+
+
+@pytest.mark.parametrize(
+    ("constraint", "message"),
+    [(lambda: StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json"),
+     (lambda: StructuredOutputsParams(regex="[a-"), "structured_outputs.regex"),
+     (lambda: StructuredOutputsParams(grammar="root ::= ("), "structured_outputs.grammar"),
+     (lambda: StructuredOutputsParams(json="{not json"), "structured_outputs.json"),
+     (lambda: StructuredOutputsParams(regex="a", choice=["b"]), "exactly one"),
+     (lambda: StructuredOutputsParams(), "exactly one"),
+     (lambda: StructuredOutputsParams(choice=[]), "non-empty list of strings")],
+)  # fmt: skip
+def test_bad_constraints_are_refused_naming_the_field(llm: LLM, constraint, message: str) -> None:  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match=message):
+        llm.generate(["x"], SamplingParams(structured_outputs=constraint()), use_tqdm=False)
+    assert not llm.engine.requests  # nothing entered the engine
