@@ -9,44 +9,13 @@ import json
 import re
 
 import pytest
+from helpers.schemas import SCHEMAS
 
 from pyengine import LLM, SamplingParams, StructuredOutputsParams
 
 jsonschema = pytest.importorskip("jsonschema")
 
 pytestmark = pytest.mark.slow
-
-SHORT = {"type": "string", "maxLength": 12}
-SCHEMAS: list[dict] = [  # type: ignore[type-arg]
-    {"type": "object", "properties": {"name": SHORT, "age": {"type": "integer"}},
-     "required": ["name", "age"], "additionalProperties": False},
-    {"type": "object", "properties": {"score": {"type": "number", "minimum": 0, "maximum": 1}},
-     "required": ["score"]},
-    {"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}},
-     "required": ["color"], "additionalProperties": False},
-    {"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 9},
-     "minItems": 2, "maxItems": 4},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": SHORT, "maxItems": 3}},
-     "required": ["tags"], "additionalProperties": False},
-    {"type": "object", "properties": {"user": {"type": "object", "properties": {
-        "id": {"type": "integer"}, "email": SHORT}, "required": ["id", "email"],
-        "additionalProperties": False}}, "required": ["user"], "additionalProperties": False},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": "null"}},
-     "required": ["ok", "note"], "additionalProperties": False},
-    {"type": "object", "properties": {"n": {"type": "integer", "minimum": -5, "maximum": 5},
-     "unit": {"const": "kg"}}, "required": ["n", "unit"], "additionalProperties": False},
-    {"type": "object", "properties": {"city": SHORT, "zip": {"type": "string",
-     "pattern": "^[0-9]{5}$"}}, "required": ["city", "zip"], "additionalProperties": False},
-    {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
-        "type": "object", "properties": {"sku": SHORT, "qty": {"type": "integer",
-        "minimum": 1, "maximum": 99}}, "required": ["sku", "qty"],
-        "additionalProperties": False}}}, "required": ["items"], "additionalProperties": False},
-    {"anyOf": [{"type": "integer"}, {"type": "object", "properties": {"v": SHORT},
-               "required": ["v"], "additionalProperties": False}]},
-    {"type": "object", "properties": {"level": {"type": "integer", "enum": [1, 2, 3]},
-     "labels": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3}},
-     "required": ["level", "labels"], "additionalProperties": False},
-]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -105,11 +74,15 @@ def test_free_rows_beside_constrained_ones_are_unchanged(llm: LLM) -> None:
 
 
 def test_a_preempted_constrained_request_still_validates() -> None:
-    tight = LLM(max_model_len=128, kv_cache_memory=2**23, max_num_seqs=8)
+    block = 30 * 2 * 3 * 64 * 16 * 4  # SmolLM2's K and V of 16 tokens, float32
+    tight = LLM(max_model_len=128, kv_cache_memory=9 * block, max_num_seqs=8)  # 144 tokens
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=80,
                              structured_outputs=StructuredOutputsParams(json=SCHEMAS[i % 4]))
               for i in range(8)]  # fmt: skip
-    outputs = ask(tight, "JSON please.", params)
+    # 15 tokens each, a block's but one: every answer needs a second block, and 8 blocks
+    # are all the others take
+    prompts = [{"prompt_token_ids": list(range(100 + 15 * i, 115 + 15 * i))} for i in range(8)]
+    outputs = [o.outputs[0] for o in tight.generate(prompts, params, use_tqdm=False)]
     assert tight.engine.scheduler.stats().num_preemptions > 0
     for p, out in zip(params, outputs, strict=True):
         assert p.structured_outputs is not None and isinstance(p.structured_outputs.json, dict)

@@ -8,6 +8,7 @@ import asyncio
 import http.client
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -483,3 +484,77 @@ def test_tokenize_messages_matches_the_chat_prompt(server: Server, offline: LLM)
     assert body["tokens"] == want
     both = {"prompt": "x", "messages": QUESTION}
     assert server.request("POST", "/tokenize", json.dumps(both))[0] == 400
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
+def test_response_format_json_schema_answers_validate(
+    client: openai.OpenAI, temperature: float
+) -> None:
+    """response_format json_schema on chat, for 20 schemas (nested objects, arrays, enums,
+    ranges, required fields, additionalProperties false): every answer parses and
+    validates (jsonschema)."""
+    jsonschema = pytest.importorskip("jsonschema")
+    from helpers.schemas import SCHEMAS
+
+    for i, schema in enumerate(SCHEMAS):
+        answer = client.chat.completions.create(
+            model=DEFAULT_MODEL,
+            messages=[{"role": "user", "content": "Answer with JSON that fits the task."}],
+            max_tokens=200, temperature=temperature, seed=i,
+            response_format={"type": "json_schema",
+                             "json_schema": {"name": f"s{i}", "schema": schema, "strict": True}},
+        )  # fmt: skip
+        choice = answer.choices[0]
+        assert choice.finish_reason == "stop", (schema, choice.message.content)
+        jsonschema.validate(json.loads(choice.message.content or ""), schema)
+
+
+def test_json_object_and_vllms_constraint_fields(client: openai.OpenAI) -> None:
+    """response_format json_object; vLLM's structured_outputs and guided_* fields on
+    completions and chat."""
+    chat = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=QUESTION, max_tokens=100, temperature=0,
+        response_format={"type": "json_object"},
+    )  # fmt: skip
+    assert isinstance(json.loads(chat.choices[0].message.content or ""), dict)
+    checks = [
+        ({"structured_outputs": {"regex": r"[A-Z][a-z]{2,8}"}},
+         lambda t: re.fullmatch(r"[A-Z][a-z]{2,8}", t)),
+        ({"structured_outputs": {"choice": ["Paris", "Lyon"]}}, lambda t: t in ("Paris", "Lyon")),
+        ({"guided_choice": ["yes", "no"]}, lambda t: t in ("yes", "no")),
+        ({"guided_regex": r"\d{2}"}, lambda t: re.fullmatch(r"\d{2}", t)),
+        ({"guided_json": {"type": "object", "properties": {"n": {"type": "integer"}},
+                          "required": ["n"], "additionalProperties": False}},
+         lambda t: isinstance(json.loads(t)["n"], int)),
+        ({"guided_grammar": 'root ::= "a" | "b"'}, lambda t: t in ("a", "b")),
+    ]  # fmt: skip
+    for extra, holds in checks:
+        done = client.completions.create(
+            model=DEFAULT_MODEL, prompt="The capital of France is", max_tokens=40,
+            temperature=0.7, seed=1, extra_body=extra,
+        )  # fmt: skip
+        assert done.choices[0].finish_reason == "stop" and holds(done.choices[0].text), extra
+
+
+@pytest.mark.parametrize(
+    ("body", "needle", "param"),
+    [({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+      "json_schema.schema", "response_format"),
+     ({"response_format": {"type": "xml"}}, "not one of text", "response_format"),
+     ({"response_format": {"type": "json_object"}, "guided_regex": "a"},
+      "give one structured output constraint", "guided_regex"),
+     ({"guided_json": {"type": "objectx"}}, "structured_outputs.json is not valid", None),
+     ({"guided_regex": "[a-"}, "structured_outputs.regex is not valid", None),
+     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one",
+      "structured_outputs")],
+)  # fmt: skip
+def test_bad_constraints_answer_400(
+    server: Server, body: dict[str, Any], needle: str, param: str | None
+) -> None:
+    got, error = server.request(
+        "POST", "/v1/chat/completions", json.dumps({"messages": QUESTION, **body})
+    )
+    assert got == 400 and needle in error["error"]["message"], error
+    assert error["error"]["param"] == param
+    ok, _ = server.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
+    assert ok == 200

@@ -8,7 +8,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class APIError(Exception):
@@ -86,6 +86,55 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
+    # older guided_* fields (one of them a request)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field gives it; APIError naming the
+        field where it is malformed, or where two fields give one."""
+        given: list[tuple[str, dict[str, Any]]] = []
+        fmt = self.response_format
+        if fmt is not None:
+            kind = fmt.get("type")
+            if kind == "json_object":
+                given.append(("response_format", {"json_object": True}))
+            elif kind == "json_schema":
+                spec = fmt.get("json_schema")
+                schema = spec.get("schema") if isinstance(spec, dict) else None
+                if not isinstance(schema, dict):
+                    raise APIError(
+                        "response_format json_schema needs json_schema.schema, a JSON schema "
+                        "object", param="response_format",
+                    )  # fmt: skip
+                given.append(("response_format", {"json": schema}))
+            elif kind not in (None, "text"):
+                raise APIError(
+                    f"response_format type {kind!r} is not one of text, json_object, "
+                    "json_schema", param="response_format",
+                )  # fmt: skip
+        if self.structured_outputs is not None:
+            given.append(("structured_outputs", dict(self.structured_outputs)))
+        guided = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                  "guided_grammar": "grammar"}  # fmt: skip
+        for name, key in guided.items():
+            if getattr(self, name) is not None:
+                given.append((name, {key: getattr(self, name)}))
+        if not given:
+            return None
+        if len(given) > 1:
+            names = ", ".join(name for name, _ in given)
+            raise APIError(f"give one structured output constraint, got {names}", param=given[1][0])
+        name, fields = given[0]
+        try:
+            return StructuredOutputsParams(**fields)
+        except (TypeError, ValueError) as error:
+            raise APIError(f"{name}: {error}", param=name) from None
 
     def sampling_params(
         self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
@@ -127,6 +176,7 @@ class _SamplingRequest(BaseModel):
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias,
+                structured_outputs=self.structured_outputs_params(),
                 **{k: v for k, v in optional.items() if v is not None},  # type: ignore[arg-type]
             )
         except ValueError as error:
@@ -198,7 +248,6 @@ class ChatCompletionRequest(_SamplingRequest):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extras
     chat_template: str | None = None
     add_generation_prompt: bool = True
@@ -209,8 +258,6 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError("messages must not be empty", param="messages")
         if self.tools:
             raise APIError("tools are not supported", param="tools")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise APIError("only response_format type 'text' is supported", param="response_format")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
