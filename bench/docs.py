@@ -35,6 +35,7 @@ ORDER = (
     "distributed",
     "lora",
     "speculative",
+    "structured",
     "serve",
     "gpu_kernels",
     "gpu_kernels_attention",

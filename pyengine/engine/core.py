@@ -372,6 +372,7 @@ class EngineCore:
         sampling = None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
+            sampling = self._with_allowed_tokens(sampling)
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -437,8 +438,19 @@ class EngineCore:
             row.seed,
             request.blocked_token_ids if under_min else (),
             num_drafts_before,
-            None if row.matcher is None else row.matcher.allowed(),
         )
+
+    def _with_allowed_tokens(self, sampling: list[SamplingRequest]) -> list[SamplingRequest]:
+        """The requests with their structured outputs' bitmasks, all computed at once."""
+        constrained = [i for i, r in enumerate(sampling)
+                       if self._rows[r.row_id].matcher is not None]  # fmt: skip
+        if not constrained or self.grammars is None:
+            return sampling
+        matchers = [self._rows[sampling[i].row_id].matcher for i in constrained]
+        masks = self.grammars.allowed([m for m in matchers if m is not None])
+        for k, i in enumerate(constrained):
+            sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
+        return sampling
 
     def _prompt_logprob_rows(
         self, b: StepBuffers, row_ids: list[str]

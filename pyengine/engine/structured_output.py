@@ -76,8 +76,31 @@ class GrammarCompiler:
             schema.setdefault("x-guidance", {"whitespace_flexible": False})
         return json.dumps(schema)
 
+    def forget_grammars(self) -> None:
+        """Empties the cache of compiled grammars (a benchmark's cold compiles)."""
+        self._grammars.clear()
+
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
         return Matcher(self._llg.LLMatcher(self._vocabulary, self.grammar(params)))
+
+    @cached_property
+    def _executor(self) -> Any:
+        return self._llg.LLExecutor()
+
+    @property
+    def mask_words(self) -> int:
+        return -(-self.vocab_size // 32)
+
+    def allowed(self, matchers: list[Matcher]) -> np.ndarray:
+        """The matchers' bitmasks (Matcher.allowed), int32 [len(matchers), mask_words],
+        computed in parallel threads that do not hold the interpreter."""
+        masks = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        if matchers:
+            self._executor.unsafe_compute_mask_ptr(
+                [(m.llg, i) for i, m in enumerate(matchers)], masks.ctypes.data,
+                self.mask_words * 4, len(matchers),
+            )  # fmt: skip
+        return masks
 
 
 class Matcher:
@@ -85,6 +108,11 @@ class Matcher:
 
     def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
+
+    @property
+    def llg(self) -> Any:
+        """The llguidance matcher (GrammarCompiler.allowed computes masks of several)."""
+        return self._matcher
 
     def allowed(self) -> np.ndarray:
         """The tokens that may come next: a bitmask, int32 words (bit t % 32 of word

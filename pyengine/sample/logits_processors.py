@@ -95,13 +95,17 @@ def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
     if not masked:
         return
     device, vocab = logits.device, logits.shape[-1]
-    words = torch.from_numpy(np.stack([rows[i].allowed_tokens for i in masked]))  # type: ignore[misc]
-    bits = torch.arange(32, dtype=torch.int32, device=device)
-    allowed = ((words.to(device)[:, :, None] >> bits) & 1).bool().reshape(len(masked), -1)
+    words = np.stack([rows[i].allowed_tokens for i in masked])  # type: ignore[misc]
+    # (bit t % 32 of word t // 32: little-endian words, little-endian bits)
+    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
     if allowed.shape[1] < vocab:
-        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]))
+        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    banned = torch.from_numpy(allowed).to(device) == 0
+    if len(masked) == len(rows):
+        logits.masked_fill_(banned, float("-inf"))
+        return
     index = column(masked, torch.long, device)
-    logits[index] = logits[index].masked_fill(~allowed[:, :vocab], float("-inf"))
+    logits[index] = logits[index].masked_fill(banned, float("-inf"))
 
 
 # The order vLLM applies them in: penalties see the model's logits, the bias and the

