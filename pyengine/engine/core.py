@@ -168,8 +168,10 @@ class EngineCore:
             cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
             # Greedy rows keep the drafts their argmax gives, sampled rows those their
             # draws give (accept_drafts): every request speculates.
-            # (not yet a constrained request: its matcher would follow each draft)
-            speculate=self.speculative is not None and constrained is None,
+            # (a constrained request's rows after drafts are masked from its drafts, which a
+            # draft model makes only in the step itself: not those)
+            speculate=self.speculative is not None
+            and (constrained is None or self.speculative.method != "draft_model"),
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
@@ -372,7 +374,7 @@ class EngineCore:
         sampling = None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
-            sampling = self._with_allowed_tokens(sampling)
+            sampling = self._with_allowed_tokens(sampling, b)
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -440,16 +442,35 @@ class EngineCore:
             num_drafts_before,
         )
 
-    def _with_allowed_tokens(self, sampling: list[SamplingRequest]) -> list[SamplingRequest]:
-        """The requests with their structured outputs' bitmasks, all computed at once."""
+    def _with_allowed_tokens(
+        self, sampling: list[SamplingRequest], b: StepBuffers
+    ) -> list[SamplingRequest]:
+        """The requests with their structured outputs' bitmasks: those of rows at a
+        request's own tokens all computed at once; a row after drafts 1..j masked from the
+        matcher after them (then taken back), or, past a draft the grammar refuses, as
+        the row before it (its token is then no draft: nothing after it is kept)."""
         constrained = [i for i, r in enumerate(sampling)
                        if self._rows[r.row_id].matcher is not None]  # fmt: skip
         if not constrained or self.grammars is None:
             return sampling
-        matchers = [self._rows[sampling[i].row_id].matcher for i in constrained]
-        masks = self.grammars.allowed([m for m in matchers if m is not None])
-        for k, i in enumerate(constrained):
+        first = [i for i in constrained if sampling[i].num_drafts_before == 0]
+        masks = self.grammars.allowed([self._rows[sampling[i].row_id].matcher for i in first])  # type: ignore[misc]
+        for k, i in enumerate(first):
             sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
+        tokens = b.logits_indices
+        for i in first:
+            matcher = self._rows[sampling[i].row_id].matcher
+            assert matcher is not None
+            followed, mask = 0, sampling[i].allowed_tokens
+            at = i + 1
+            while at < len(sampling) and sampling[at].num_drafts_before > 0:
+                draft = int(b.input_ids[tokens[at]])  # (the token at row `at` is a draft)
+                if followed == sampling[at].num_drafts_before - 1 and matcher.accept(draft):
+                    followed += 1
+                    mask = matcher.allowed()
+                sampling[at] = replace(sampling[at], allowed_tokens=mask)
+                at += 1
+            matcher.rollback(followed)
         return sampling
 
     def _prompt_logprob_rows(

@@ -81,7 +81,8 @@ class GrammarCompiler:
         self._grammars.clear()
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        return Matcher(self._llg.LLMatcher(self._vocabulary, self.grammar(params)))
+        matcher = self._llg.LLMatcher(self._vocabulary, self.grammar(params))
+        return Matcher(matcher, self.mask_words)
 
     @cached_property
     def _executor(self) -> Any:
@@ -106,8 +107,9 @@ class GrammarCompiler:
 class Matcher:
     """One row's place in its grammar."""
 
-    def __init__(self, matcher: Any) -> None:
+    def __init__(self, matcher: Any, mask_words: int) -> None:
         self._matcher = matcher
+        self.mask_words = mask_words
 
     @property
     def llg(self) -> Any:
@@ -117,12 +119,19 @@ class Matcher:
     def allowed(self) -> np.ndarray:
         """The tokens that may come next: a bitmask, int32 words (bit t % 32 of word
         t // 32 for token t)."""
-        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)
+        # (llguidance's own mask may hold a word more than the vocabulary needs)
+        return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)[: self.mask_words]
 
     def accept(self, token: int) -> bool:
         """Follows a kept token; False (the matcher unchanged) for one the grammar does
         not allow."""
-        return bool(self._matcher.consume_token(token))
+        # (consume_token would leave the matcher in its error state on a refused token)
+        return bool(self._matcher.try_consume_tokens([token]) == 1)
+
+    def rollback(self, num_tokens: int) -> None:
+        """Takes back the last num_tokens it followed (drafts masked ahead)."""
+        if num_tokens:
+            self._matcher.rollback(num_tokens)
 
     @property
     def is_stopped(self) -> bool:

@@ -86,6 +86,27 @@ def test_a_preempted_constrained_request_still_validates() -> None:
     assert tight.engine.scheduler.kv_cache.num_free_blocks == tight.engine.executor.num_blocks
 
 
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(method: str) -> None:
+    """A constrained row after drafts is masked from the matcher after them, taken back
+    after: greedy, the same tokens as without speculation; drafts accepted; each answer
+    validates (its JSON repeats itself, so prompt lookup has something to propose)."""
+    schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 12}
+    constrained = StructuredOutputsParams(json=schema)
+    pairs = StructuredOutputsParams(regex=r"(ab|cd){1,15}")
+    params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=constrained),
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=pairs)]  # fmt: skip
+    plain = default_llm(max_model_len=512)
+    spec = default_llm(max_model_len=512, speculative_config={
+        "method": method, "num_speculative_tokens": 4})  # fmt: skip
+    want = ask(plain, "Colors, as a JSON list.", params)
+    got = ask(spec, "Colors, as a JSON list.", params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert spec.engine.core.spec_stats.num_accepted_tokens > 0
+    jsonschema.validate(json.loads(got[0].text), schema)
+    assert re.fullmatch(r"(ab|cd){1,15}", got[1].text)
+
+
 @pytest.mark.parametrize(
     ("constraint", "message"),
     [(lambda: StructuredOutputsParams(json={"type": "objectx"}), "structured_outputs.json"),
