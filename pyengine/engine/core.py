@@ -358,10 +358,7 @@ class EngineCore:
         return cached
 
     def _scheduler_output(
-        self,
-        b: StepBuffers,
-        row_ids: list[str],
-        engine: int,
+        self, b: StepBuffers, row_ids: list[str], engine: int
     ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
         """The step as the executor takes it, the sampled rows' ids (one per logits row),
         and the (request, prompt position) of each prompt-logprob row."""

@@ -50,17 +50,15 @@ class GrammarCompiler:
         grammar = self._grammars.get((kind, text))
         if grammar is not None:
             return grammar
-        field = "json" if params.json_object else kind
-        source = text
-        if kind == "json":
-            source = self._compact_json(text, field)
+        # (kind is the field's name: json_object's constraint is a JSON schema)
+        source = self._compact_json(text, kind) if kind == "json" else text
         try:
             grammar = str(self._llg.grammar_from(kind, source))
         except (ValueError, TypeError) as error:
-            raise ValueError(f"structured_outputs.{field} is not valid: {error}") from None
+            raise ValueError(f"structured_outputs.{kind} is not valid: {error}") from None
         problem = self._llg.LLMatcher.validate_grammar(grammar, self._vocabulary)
         if problem:
-            raise ValueError(f"structured_outputs.{field} is not valid: {problem}")
+            raise ValueError(f"structured_outputs.{kind} is not valid: {problem}")
         self._grammars[(kind, text)] = grammar
         return grammar
 
@@ -132,8 +130,3 @@ class Matcher:
         """Takes back the last num_tokens it followed (drafts masked ahead)."""
         if num_tokens:
             self._matcher.rollback(num_tokens)
-
-    @property
-    def is_stopped(self) -> bool:
-        """The grammar is complete: only the end of sequence may follow."""
-        return bool(self._matcher.is_stopped())

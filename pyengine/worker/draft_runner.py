@@ -29,7 +29,12 @@ from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import load_model
 from pyengine.sample.common import row_argmax
 from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
-from pyengine.worker.model_runner import ModelRunner, allocate_caches, resident_bytes
+from pyengine.worker.model_runner import (
+    ModelRunner,
+    allocate_caches,
+    kv_block_numel,
+    resident_bytes,
+)
 from pyengine.worker.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("pyengine")
@@ -91,10 +96,8 @@ class DraftRunner:
         self.weight_bytes = 0
         if self.mirrors:
             c = self.model.config
-            itemsize = self.placement.dtype.itemsize
-            self.block_bytes = (
-                2 * c.num_layers * c.num_kv_heads * c.head_size * itemsize * (self.block_size)
-            )
+            numel = kv_block_numel(c.num_layers, c.num_kv_heads, c.head_size, self.block_size)
+            self.block_bytes = numel * self.placement.dtype.itemsize
             if self.placement.device.type != "cpu":
                 self.weight_bytes = resident_bytes(self.model)
 

@@ -81,6 +81,11 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
     return huge_page_tensor(numel, dtype)
 
 
+def kv_block_numel(num_layers: int, num_kv_heads: int, head_size: int, block_size: int) -> int:
+    """Elements of one KV block: the K and V of every layer, block_size tokens each."""
+    return 2 * num_layers * num_kv_heads * head_size * block_size
+
+
 def allocate_caches(
     num_blocks: int,
     num_layers: int,
@@ -93,7 +98,7 @@ def allocate_caches(
     """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads, head,
     block] (transposed), values [blocks, kv_heads, block, head] (an int8 cache's head
     dims longer by the scales: head_size counts them)."""
-    numel = 2 * num_layers * num_kv_heads * head_size * block_size * num_blocks
+    numel = kv_block_numel(num_layers, num_kv_heads, head_size, block_size) * num_blocks
     halves = allocate_kv_pool(numel, dtype, device).view(num_layers, 2, -1)
     shape = (num_blocks, num_kv_heads)
     return [
@@ -137,8 +142,9 @@ class ModelRunner:
         self.cache_head_size = c.head_size + (
             INT8_SCALE_BYTES if self.cache_dtype == torch.int8 else 0
         )
-        tile = self.num_kv_heads * self.cache_head_size * config.block_size  # a layer's, a block
-        self.block_numel = 2 * self.num_layers * tile  # K and V of every layer
+        self.block_numel = kv_block_numel(
+            self.num_layers, self.num_kv_heads, self.cache_head_size, config.block_size
+        )
         self.block_bytes = self.block_numel * int(self.cache_dtype.itemsize)
         min_blocks = -(-config.max_model_len // config.block_size)
         on_cpu = self.placement.device.type == "cpu"
