@@ -213,7 +213,11 @@ class OutputProcessor:
             out.stop_reason = last_token if last_token != self.eos_token_id else None
         if not text_done and self.tokenizer is not None:
             params = state.request.params
-            out.text = self.tokenizer.decode(out.token_ids, params.skip_special_tokens)
+            text_ids = out.token_ids
+            # A stop token's text is not the answer's (as vLLM), special or not.
+            if reason == "stop" and last_token is not None:
+                text_ids = text_ids if params.include_stop_str_in_output else text_ids[:-1]
+            out.text = self.tokenizer.decode(text_ids, params.skip_special_tokens)
         if all(s.finished for s in state.samples):
             state.done = True
             state.metrics.finished_time = time.time()

@@ -44,6 +44,7 @@ from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_m
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
 from pyengine.executor import ExecutorDeadError
 from pyengine.loader.resolve import DEFAULT_MODEL
 
@@ -160,6 +161,15 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="let requests bring their own chat_template (a program the server runs)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice", action="store_true",
+        help='"auto" tool choice: the model decides whether to call a tool, its calls found '
+        "in its text by --tool-call-parser",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+        help="the format the model writes its calls in (its chat template's)",
+    )  # fmt: skip
+    parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]
     )
     parser.add_argument(
@@ -206,12 +216,15 @@ def build_app(
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
     allowed_origins: Sequence[str] = ("*",),
+    auto_tool_parser: ToolParser | None = None,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
-    names requests may give, the base model's and the adapters'."""
+    names requests may give, the base model's and the adapters'; `auto_tool_parser` finds
+    the calls of "auto" tool choice (None: refused)."""
     completions = CompletionServing(engine, served, chat_template)
     chat = ChatServing(engine, served, chat_template)
     chat.trust_request_chat_template = trust_request_chat_template
+    chat.tool_parser = auto_tool_parser
     created = int(time.time())
 
     @asynccontextmanager
@@ -411,10 +424,19 @@ def validation_error(error: RequestValidationError) -> APIError:
     return APIError("; ".join(problems) or "invalid request", status=400, param=param)
 
 
+def auto_tool_parser(ns: argparse.Namespace) -> ToolParser | None:
+    if not ns.enable_auto_tool_choice:
+        return None
+    if ns.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser")
+    return tool_parser(ns.tool_call_parser)
+
+
 def serve(ns: argparse.Namespace) -> None:
     """Loads the model, logs what it holds, and serves until Ctrl-C."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
     chat_template = read_chat_template(ns.chat_template)
+    tool_calls = auto_tool_parser(ns)
     start = time.perf_counter()
     llm_engine = engine_args(ns).create_engine()
     c, executor = llm_engine.model_config, llm_engine.executor
@@ -453,7 +475,14 @@ def serve(ns: argparse.Namespace) -> None:
         metrics,
         ns.trust_request_chat_template,
         ns.allowed_origins,
+        tool_calls,
     )
+    template = chat_template or (llm_engine.tokenizer and llm_engine.tokenizer.chat_template)
+    if tool_calls is not None and "tools" not in (template or ""):
+        logger.warning(
+            "the chat template does not render tools: the model is not told of them "
+            "(give one that does with --chat-template)"
+        )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
     try:
         uvicorn.run(

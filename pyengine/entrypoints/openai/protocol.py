@@ -4,11 +4,15 @@ own clients send some by default; those that would change the output are refused
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+import json
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
+
+if TYPE_CHECKING:
+    from pyengine.entrypoints.openai.tool_calls import ToolChoice
 
 
 class APIError(Exception):
@@ -95,10 +99,15 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def structured_outputs_params(self) -> StructuredOutputsParams | None:
-        """The request's constraint, from whichever field gives it; APIError naming the
-        field where it is malformed, or where two fields give one."""
+    def structured_outputs_params(
+        self, tool_call: StructuredOutputsParams | None = None
+    ) -> StructuredOutputsParams | None:
+        """The request's constraint, from whichever field gives it (`tool_call`: a forced
+        tool call's); APIError naming the field where it is malformed, or where two fields
+        give one."""
         given: list[tuple[str, dict[str, Any]]] = []
+        if tool_call is not None:
+            given.append(("tool_choice", {"params": tool_call}))
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type")
@@ -131,13 +140,20 @@ class _SamplingRequest(BaseModel):
             names = ", ".join(name for name, _ in given)
             raise APIError(f"give one structured output constraint, got {names}", param=given[1][0])
         name, fields = given[0]
+        if "params" in fields:
+            return fields["params"]  # type: ignore[no-any-return]
         try:
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as error:
             raise APIError(f"{name}: {error}", param=name) from None
 
     def sampling_params(
-        self, max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None = None
+        self,
+        max_tokens: int | None,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
+        tool_call: StructuredOutputsParams | None = None,
+        skip_special_tokens: bool | None = None,
     ) -> SamplingParams:
         logit_bias = None
         if self.logit_bias:
@@ -171,12 +187,14 @@ class _SamplingRequest(BaseModel):
                 min_tokens=self.min_tokens,
                 ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids,
-                skip_special_tokens=self.skip_special_tokens,
+                skip_special_tokens=self.skip_special_tokens
+                if skip_special_tokens is None
+                else skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs,
                 logit_bias=logit_bias,
-                structured_outputs=self.structured_outputs_params(),
+                structured_outputs=self.structured_outputs_params(tool_call),
                 **{k: v for k, v in optional.items() if v is not None},  # type: ignore[arg-type]
             )
         except ValueError as error:
@@ -221,9 +239,12 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's result: the call it answers
 
-    def to_template(self) -> dict[str, Any]:
-        """As chat templates take it: content as one string."""
+    def to_template(self, index: int = 0) -> dict[str, Any]:
+        """As chat templates take it: content as one string, a call's arguments as an
+        object (as vLLM hands them: templates write them with tojson)."""
         content = self.content
         if isinstance(content, list):
             texts = []
@@ -238,7 +259,45 @@ class ChatMessage(BaseModel):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.role == "tool":
+            if not self.tool_call_id:
+                raise APIError(
+                    f"messages[{index}]: a tool message needs the tool_call_id it answers",
+                    param="messages",
+                )
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            if self.role != "assistant":
+                raise APIError(
+                    f"messages[{index}]: only assistant messages have tool_calls",
+                    param="messages",
+                )
+            message["tool_calls"] = [
+                _template_call(f"messages[{index}].tool_calls[{k}]", call)
+                for k, call in enumerate(self.tool_calls)
+            ]
         return message
+
+
+def _template_call(where: str, call: dict[str, Any]) -> dict[str, Any]:
+    """An earlier call (OpenAI's: arguments as JSON text) with its arguments as an object."""
+    function = call.get("function")
+    name = function.get("name") if isinstance(function, dict) else None
+    arguments = function.get("arguments", "{}") if isinstance(function, dict) else None
+    if not isinstance(name, str) or not isinstance(arguments, str | dict):
+        raise APIError(
+            f'{where} must be {{"type": "function", "function": {{"name": ..., "arguments": '
+            '...}}', param="messages",
+        )  # fmt: skip
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError as error:
+            raise APIError(
+                f"{where}.function.arguments is not JSON: {error}", param="messages"
+            ) from None
+    return {"id": call.get("id"), "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -247,17 +306,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     # vLLM's extras
     chat_template: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, tools: ToolChoice) -> SamplingParams:
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
-        if self.tools:
-            raise APIError("tools are not supported", param="tools")
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
@@ -270,7 +329,11 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             max_tokens = self.max_completion_tokens  # let the check name the problem
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        return self.sampling_params(max_tokens, logprobs)
+        # (parsers find calls by markers that are special tokens in some vocabularies)
+        return self.sampling_params(
+            max_tokens, logprobs, tool_call=tools.constraint(),
+            skip_special_tokens=False if tools.mode == "auto" else None,
+        )  # fmt: skip
 
 
 class TokenizeRequest(BaseModel):

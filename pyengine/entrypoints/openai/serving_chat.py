@@ -21,7 +21,10 @@ from pyengine.entrypoints.openai.serving import (
     sse,
     usage,
 )
+from pyengine.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, finish_reason
+from pyengine.entrypoints.openai.tool_parsers import ToolParser
 from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import StructuredOutputsParams
 
 
 def _logprob_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
@@ -32,6 +35,8 @@ class ChatServing(OpenAIServing):
     # A request's own chat_template is a program the server would run: refused unless the
     # server was started trusting them (vLLM's --trust-request-chat-template).
     trust_request_chat_template = False
+    # --enable-auto-tool-choice's parser (--tool-call-parser): None, no "auto" tool choice
+    tool_parser: ToolParser | None = None
 
     async def render(
         self,
@@ -61,7 +66,7 @@ class ChatServing(OpenAIServing):
     ) -> EncodedPrompt:
         try:
             text = self.tokenizer.apply_chat_template(
-                [m.to_template() for m in messages],
+                [m.to_template(i) for i, m in enumerate(messages)],
                 chat_template=chat_template or self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 **kwargs,
@@ -93,35 +98,59 @@ class ChatServing(OpenAIServing):
             content.append(entry)
         return {"content": content}
 
+    def tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
+        """The request's tools, checked: every function's parameters a schema the grammar
+        backend takes (an APIError naming `tools` where one is not)."""
+        tools = ToolChoice.of(
+            request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser
+        )
+        grammars = self.engine.input_processor.grammars
+        for name, schema in tools.parameters.items():
+            try:
+                if grammars is not None:
+                    grammars.grammar(StructuredOutputsParams(json=schema))
+            except ValueError as error:
+                message = str(error).replace("structured_outputs.json", "parameters")
+                raise APIError(f"tools: function {name!r}: {message}", param="tools") from None
+        return tools
+
     async def create(
         self, request: ChatCompletionRequest
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         model = self.check_model(request.model)
-        params = request.to_sampling_params()
+        tools = self.tool_choice(request)
+        params = request.to_sampling_params(tools)
+        template_kwargs = dict(request.chat_template_kwargs)
+        if tools.template_tools() is not None:
+            template_kwargs.setdefault("tools", tools.template_tools())
         prompt = await self.render(
             request.messages,
             request.chat_template,
             request.add_generation_prompt,
-            **request.chat_template_kwargs,
+            **template_kwargs,
         )
         request_id = random_id("chatcmpl")
         streams = await self.start(
             [prompt], params, request_id, "messages", self.adapter(request.model)
         )
         if request.stream:
-            return self._stream(request, model, request_id, prompt, streams), streams
+            return self._stream(request, tools, model, request_id, prompt, streams), streams
         (result,) = await self.collect([prompt], streams, params.n)
         choices = []
         for k, c in enumerate(result.choices):
             logprobs = None
             if request.logprobs:
                 logprobs = self.logprobs_json(c.token_ids, c.logprobs, request.top_logprobs or 0)
+            parsed = tools.parse(c.text, self.tool_parser)
+            message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
             choices.append(
                 {
                     "index": k,
-                    "message": {"role": "assistant", "content": c.text},
+                    "message": message,
                     "logprobs": logprobs,
-                    "finish_reason": c.finish_reason,
+                    "finish_reason": finish_reason(tools, parsed, c.finish_reason),
                     "stop_reason": c.stop_reason,
                 }
             )
@@ -133,12 +162,14 @@ class ChatServing(OpenAIServing):
     async def _stream(
         self,
         request: ChatCompletionRequest,
+        tools: ToolChoice,
         model: str,
         request_id: str,
         prompt: EncodedPrompt,
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:
         created = int(time.time())
+        answers = [ToolCallStream(tools, self.tool_parser) for _ in range(request.n)]
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             kind = "chat.completion.chunk"
@@ -165,15 +196,22 @@ class ChatServing(OpenAIServing):
                     logprobs = self.logprobs_json(
                         d.token_ids, d.logprobs, request.top_logprobs or 0
                     )
-                delta = {"content": d.text} if d.text or d.finish_reason is None else {}
-                choice = {
-                    "index": d.index,
-                    "delta": delta,
-                    "logprobs": logprobs,
-                    "finish_reason": d.finish_reason,
-                    "stop_reason": d.stop_reason,
-                }
-                yield chunk([choice])
+                answer = answers[d.index]
+                finished = d.finish_reason is not None
+                deltas = answer.deltas(d.text, finished)
+                if not deltas and (logprobs is not None or finished):
+                    deltas = [{}]  # (the logprobs, or the finish, still go out)
+                reason = answer.finish_reason(d.finish_reason) if finished else None
+                for k, delta in enumerate(deltas):
+                    last = k == len(deltas) - 1
+                    choice = {
+                        "index": d.index,
+                        "delta": delta,
+                        "logprobs": logprobs if k == 0 else None,
+                        "finish_reason": reason if last else None,
+                        "stop_reason": d.stop_reason if last else None,
+                    }
+                    yield chunk([choice])
         if request.include_usage:
             yield chunk([], usage=usage(len(prompt[1]), completion_tokens, cached))
         yield SSE_DONE

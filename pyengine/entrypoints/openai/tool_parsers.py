@@ -10,7 +10,8 @@ formats the chat templates of today's open models teach them.
 
 A parser that finds no call leaves the text as the content; a call that does not parse
 (truncated JSON, a non-literal argument) leaves the text as it is too, never a partial
-call.
+call. While a stream runs, `content_end` says how much of the text so far is surely
+content (no call can start in it), so that it can be sent before the answer ends.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class ParsedMessage:
 class ToolParser(Protocol):
     def parse(self, text: str) -> ParsedMessage: ...
 
+    def content_end(self, text: str) -> int:
+        """The length of the text's first part that is content whatever follows it."""
+        ...
+
 
 def _call(name: object, arguments: object) -> ToolCall | None:
     """A call of a name (a string) with arguments (a dict, or its JSON text)."""
@@ -65,8 +70,30 @@ def _unparsed(text: str) -> ParsedMessage:
     return ParsedMessage(text, [])
 
 
+def _partial_marker(text: str, marker: str) -> int:
+    """The length of the longest end of `text` that `marker` starts with."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def _whole_answer_call_end(text: str, openers: tuple[str, ...]) -> int:
+    """content_end for formats whose calls are the whole answer: none of it is surely
+    content while it is blank or starts as one of `openers` may."""
+    body = text.lstrip()
+    if not body or any(o.startswith(body[: len(o)]) for o in openers):
+        return 0
+    return len(text)
+
+
 class HermesToolParser:
+    START = "<tool_call>"
     BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def content_end(self, text: str) -> int:
+        start = text.find(self.START)
+        return start if start >= 0 else len(text) - _partial_marker(text, self.START)
 
     def parse(self, text: str) -> ParsedMessage:
         start = text.find("<tool_call>")
@@ -83,12 +110,15 @@ class HermesToolParser:
             if call is None:
                 return _unparsed(text)
             calls.append(call)
-        content = text[:start].strip()
-        return ParsedMessage(content or None, calls)
+        content = text[:start]  # (as streamed: up to the first block)
+        return ParsedMessage(content if content.strip() else None, calls)
 
 
 class Llama3JsonToolParser:
     TAG = "<|python_tag|>"
+
+    def content_end(self, text: str) -> int:
+        return _whole_answer_call_end(text, (self.TAG, "{"))
 
     def parse(self, text: str) -> ParsedMessage:
         body = text.strip().removeprefix(self.TAG).strip()
@@ -119,6 +149,9 @@ class Llama3JsonToolParser:
 
 
 class PythonicToolParser:
+    def content_end(self, text: str) -> int:
+        return _whole_answer_call_end(text, ("<|python_start|>", "["))
+
     def parse(self, text: str) -> ParsedMessage:
         body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
         body = body.strip()
