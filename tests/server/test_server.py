@@ -558,3 +558,24 @@ def test_bad_constraints_answer_400(
     assert error["error"]["param"] == param
     ok, _ = server.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}))
     assert ok == 200
+
+
+def test_auto_tool_choice_is_refused_without_a_parser(
+    server: Server, client: openai.OpenAI
+) -> None:
+    """tools on a server started without --enable-auto-tool-choice: "auto" (the default
+    with tools) is a 400 naming the flags; a named call still runs."""
+    tools = [{"type": "function", "function": {"name": "now"}}]
+    for choice in ({}, {"tool_choice": "auto"}):
+        got, error = server.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"messages": QUESTION, "tools": tools, **choice}),
+        )
+        assert got == 400 and error["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in error["error"]["message"]
+    forced = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=QUESTION, max_tokens=20, tools=tools,  # type: ignore[arg-type]
+        tool_choice={"type": "function", "function": {"name": "now"}},
+    )  # fmt: skip
+    assert forced.choices[0].message.tool_calls[0].function.name == "now"  # type: ignore[index]
