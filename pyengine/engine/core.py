@@ -14,6 +14,7 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -368,10 +369,10 @@ class EngineCore:
         places = [(row_ids[i], int(i), j) for i in np.flatnonzero(b.is_sampling)
                   for j in range(int(rows_each[i]))]  # fmt: skip
         sampled_row_ids = [row_id for row_id, _, _ in places]
-        sampling = None
+        sampling, masks_pending = None, None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
-            sampling = self._with_allowed_tokens(sampling, b)
+            sampling, masks_pending = self._with_allowed_tokens(sampling, b)
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -394,6 +395,7 @@ class EngineCore:
             prompt_logprob_rows=prompt_rows,
             finished_row_ids=finished,
             virtual_engine=engine,
+            masks_pending=masks_pending,
         )
         if self.speculative is not None and self.speculative.method == "draft_model":
             step = replace(step, num_draft_tokens=b.num_draft_tokens.copy())
@@ -441,19 +443,28 @@ class EngineCore:
 
     def _with_allowed_tokens(
         self, sampling: list[SamplingRequest], b: StepBuffers
-    ) -> list[SamplingRequest]:
+    ) -> tuple[list[SamplingRequest], Future[None] | None]:
         """The requests with their structured outputs' bitmasks: those of rows at a
-        request's own tokens all computed at once; a row after drafts 1..j masked from the
-        matcher after them (then taken back), or, past a draft the grammar refuses, as
-        the row before it (its token is then no draft: nothing after it is kept)."""
+        request's own tokens all computed at once (while the forward runs, where the
+        executor is in this process and no row follows drafts: the future says when); a
+        row after drafts 1..j masked from the matcher after them (then taken back), or,
+        past a draft the grammar refuses, as the row before it (its token is then no
+        draft: nothing after it is kept)."""
         constrained = [i for i, r in enumerate(sampling)
                        if self._rows[r.row_id].matcher is not None]  # fmt: skip
         if not constrained or self.grammars is None:
-            return sampling
+            return sampling, None
         first = [i for i in constrained if sampling[i].num_drafts_before == 0]
-        masks = self.grammars.allowed([self._rows[sampling[i].row_id].matcher for i in first])  # type: ignore[misc]
+        matchers = [self._rows[sampling[i].row_id].matcher for i in first]
+        pending = None
+        if self.executor.in_process and len(first) == len(constrained):
+            masks, pending = self.grammars.allowed_later(matchers)  # type: ignore[arg-type]
+        else:
+            masks = self.grammars.allowed(matchers)  # type: ignore[arg-type]
         for k, i in enumerate(first):
             sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
+        if pending is not None:
+            return sampling, pending
         tokens = b.logits_indices
         for i in first:
             matcher = self._rows[sampling[i].row_id].matcher
@@ -468,7 +479,7 @@ class EngineCore:
                 sampling[at] = replace(sampling[at], allowed_tokens=mask)
                 at += 1
             matcher.rollback(followed)
-        return sampling
+        return sampling, None
 
     def _prompt_logprob_rows(
         self, b: StepBuffers, row_ids: list[str]

@@ -10,6 +10,7 @@ grammar lazily as they go, in microseconds a token, and roll back.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
 
@@ -94,12 +95,26 @@ class GrammarCompiler:
         """The matchers' bitmasks (Matcher.allowed), int32 [len(matchers), mask_words],
         computed in parallel threads that do not hold the interpreter."""
         masks = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        self.fill_allowed(matchers, masks)
+        return masks
+
+    def fill_allowed(self, matchers: list[Matcher], masks: np.ndarray) -> None:
+        """allowed(), into `masks` (int32 [len(matchers), mask_words], C order)."""
         if matchers:
             self._executor.unsafe_compute_mask_ptr(
                 [(m.llg, i) for i, m in enumerate(matchers)], masks.ctypes.data,
                 self.mask_words * 4, len(matchers),
             )  # fmt: skip
-        return masks
+
+    def allowed_later(self, matchers: list[Matcher]) -> tuple[np.ndarray, Future[None]]:
+        """allowed()'s buffer at once, filled by a thread while the caller goes on (the
+        matchers must not move until the future is done)."""
+        masks = np.full((len(matchers), self.mask_words), -1, dtype=np.int32)
+        return masks, self._mask_thread.submit(self.fill_allowed, matchers, masks)
+
+    @cached_property
+    def _mask_thread(self) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(1, thread_name_prefix="pyengine-masks")
 
 
 class Matcher:

@@ -47,6 +47,10 @@ class Executor(ABC):
         that died is noticed); one that is gone ends the executor."""
         return self.is_alive
 
+    # Whether steps run in the engine's own process (a step may then carry what cannot
+    # be sent to another: SchedulerOutput.masks_pending).
+    in_process = False
+
     def submit(self, step: SchedulerOutput) -> None:
         """Starts `step`; collect() returns its tokens, in submission order. Here it runs
         at once (an executor whose workers run on their own overrides both)."""

@@ -10,6 +10,8 @@ from pyengine.worker.worker import Worker
 
 
 class UniProcExecutor(Executor):
+    in_process = True
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self._closed = False
         self.driver_worker = Worker(loaded, config)

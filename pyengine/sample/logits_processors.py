@@ -7,6 +7,7 @@ no row asks for it."""
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -96,16 +97,26 @@ def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
         return
     device, vocab = logits.device, logits.shape[-1]
     words = np.stack([rows[i].allowed_tokens for i in masked])  # type: ignore[misc]
-    # (bit t % 32 of word t // 32: little-endian words, little-endian bits)
-    allowed = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
-    if allowed.shape[1] < vocab:
-        allowed = np.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
-    banned = torch.from_numpy(allowed).to(device) == 0
+    # Each byte of the mask looks up its 8 tokens' additions (0 or -inf) in one gather:
+    # a few times faster than unpacking the bits and filling by a boolean mask.
+    mask_bytes = torch.from_numpy(words.view(np.uint8)).to(device).int()
+    bias = torch.nn.functional.embedding(mask_bytes, _byte_bias(device, logits.dtype))
+    bias = bias.view(len(masked), -1)[:, :vocab]
+    if bias.shape[1] < vocab:
+        bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
     if len(masked) == len(rows):
-        logits.masked_fill_(banned, float("-inf"))
+        logits.add_(bias)
         return
     index = column(masked, torch.long, device)
-    logits[index] = logits[index].masked_fill(banned, float("-inf"))
+    logits[index] = logits[index] + bias
+
+
+@functools.cache
+def _byte_bias(device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """[256, 8]: for a mask byte, what each of its 8 tokens' logits gets (bit b of the
+    byte, little-endian, is its b-th token): 0 where allowed, -inf where not."""
+    bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little")
+    return torch.from_numpy(np.where(bits == 1, 0.0, -np.inf)).to(device=device, dtype=dtype)
 
 
 # The order vLLM applies them in: penalties see the model's logits, the bias and the

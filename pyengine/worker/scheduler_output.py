@@ -5,6 +5,7 @@ other machines take the same call as the in-process one."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -70,6 +71,9 @@ class SchedulerOutput:
     # With a draft model: each request's drafts (int32 [num_reqs]), whose tokens in
     # input_ids are placeholders the worker's draft model replaces.
     num_draft_tokens: np.ndarray | None = None
+    # Structured outputs' masks still being computed into the rows' allowed_tokens while
+    # the forward runs (an in-process executor's steps only: it never crosses processes).
+    masks_pending: Future[None] | None = None
 
 
 @dataclass(frozen=True)

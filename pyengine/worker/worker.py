@@ -95,6 +95,8 @@ class Worker:
         if step.sampling is None:
             sampled = self.sampler.argmax(logits)
         else:
+            if step.masks_pending is not None:
+                step.masks_pending.result()
             rows = [
                 self._row(r, step.input_ids, int(t))
                 for r, t in zip(step.sampling, step.logits_indices, strict=True)

@@ -11,7 +11,7 @@ from helpers.smollm2 import default_llm
 
 from pyengine import LLM, SamplingParams
 from pyengine.sample.common import row_argmax, seeded_uniform
-from pyengine.sample.logits_processors import apply_penalties
+from pyengine.sample.logits_processors import apply_penalties, mask_disallowed_tokens
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Sampler, SamplingRow, heaviest_rows, plain_greedy
 from pyengine.sample.token_selection import filter_logits
@@ -455,3 +455,29 @@ def test_logit_bias_moves_each_row_as_asked() -> None:
     biased[top] -= 100
     assert chosen[1] == int(biased.argmax()) != top
     assert not plain_greedy(params[0])
+
+
+@pytest.mark.parametrize("vocab", [200, 224, 250])  # under, at and past the mask's tokens
+def test_a_bitmask_leaves_exactly_its_allowed_tokens(vocab: int) -> None:
+    """Each masked row keeps its logits where bit t % 32 of word t // 32 is set, -inf
+    elsewhere and past the mask; rows without a mask are unchanged."""
+    rng = np.random.default_rng(vocab)
+    words = rng.integers(-(2**31), 2**31, (3, 7), dtype=np.int64).astype(np.int32)
+    words[0, 1], words[2, 3] = -1, 0  # (whole words allowed and refused)
+    logits = torch.randn(5, vocab)
+    params = SamplingParams()
+    masked_rows = {0: words[0], 2: words[1], 3: words[2]}
+    rows = [SamplingRow(params, [], [], None, (), masked_rows.get(i)) for i in range(5)]
+    expected = logits.double().clone()
+    for i, mask in masked_rows.items():
+        bits = [(int(mask[t // 32]) >> (t % 32)) & 1 if t < 224 else 0 for t in range(vocab)]
+        expected[i, torch.tensor(bits) == 0] = float("-inf")
+    mask_disallowed_tokens(logits, rows)
+    assert torch.equal(logits.double(), expected)
+    every = [SamplingRow(params, [], [], None, (), words[i % 3]) for i in range(3)]
+    alone = torch.randn(3, vocab)
+    want = torch.stack([alone[i : i + 1].clone() for i in range(3)])
+    for i in range(3):
+        mask_disallowed_tokens(want[i], every[i : i + 1])
+    mask_disallowed_tokens(alone, every)  # (every row masked: in place at once)
+    assert torch.equal(alone, want.squeeze(1))
