@@ -56,13 +56,15 @@ using Bits8 = uint32_t __attribute__((vector_size(32)));
 // The portable build: each lane's pair widened to two floats (a bfloat16 is a float's
 // high half), the odd product added first, as vdpbf16ps adds them. (Products of
 // bfloat16s are exact: a fused multiply-add rounds as the separate add does, and every
-// vector width gives the same bits.)
-template <class V, class B, int kRows>
+// vector width gives the same bits.) kSets sums of alternate pairs, added at the end, as
+// the dot-product build keeps them for a tile of one row.
+template <class V, class B, int kRows, int kSets>
 PYENGINE_VECTOR_CLONES void tile_portable_of(const uint16_t* a, int64_t lda, const uint16_t* panel,
                                              int64_t pairs, float* c) {
   constexpr int kL = static_cast<int>(sizeof(V) / sizeof(float)), kV = kPanelWidth / kL;
-  V acc[kRows][kV] = {};
+  V sets[kSets][kRows][kV] = {};
   for (int64_t p = 0; p < pairs; ++p) {
+    auto& acc = sets[p % kSets];
     const uint16_t* lanes = panel + p * kPairElements;
     float x_even[kRows], x_odd[kRows];
     for (int r = 0; r < kRows; ++r) {
@@ -82,21 +84,33 @@ PYENGINE_VECTOR_CLONES void tile_portable_of(const uint16_t* a, int64_t lda, con
     }
   }
   for (int r = 0; r < kRows; ++r) {
-    for (int v = 0; v < kV; ++v) std::memcpy(c + r * kPanelWidth + v * kL, &acc[r][v], sizeof(V));
+    for (int v = 0; v < kV; ++v) {
+      V sum = sets[0][r][v];
+      if constexpr (kSets == 2) sum += sets[1][r][v];
+      std::memcpy(c + r * kPanelWidth + v * kL, &sum, sizeof(V));
+    }
   }
 }
+
+// A tile of one row (a decode step's) keeps two sets of sums, even and odd pairs, in
+// every build (the dot products' latency hidden), and so adds in one order everywhere.
+template <int kRows>
+constexpr int kTileSets = kRows == 1 ? 2 : 1;
 
 // kRows rows at once in 16-float vectors; in 8-float ones, passes of 2 rows (12 sums in
 // AVX2's 16 registers).
 template <int kRows>
 void tile_portable(const uint16_t* a, int64_t lda, const uint16_t* panel, int64_t pairs, float* c) {
-  if (wide_vectors()) return tile_portable_of<Vec16, Bits16, kRows>(a, lda, panel, pairs, c);
+  constexpr int kSets = kTileSets<kRows>;
+  if (wide_vectors()) {
+    return tile_portable_of<Vec16, Bits16, kRows, kSets>(a, lda, panel, pairs, c);
+  }
   for (int r = 0; r + 1 < kRows; r += 2) {
-    tile_portable_of<Vec8, Bits8, 2>(a + r * lda, lda, panel, pairs, c + r * kPanelWidth);
+    tile_portable_of<Vec8, Bits8, 2, kSets>(a + r * lda, lda, panel, pairs, c + r * kPanelWidth);
   }
   if constexpr (kRows % 2 == 1) {
-    tile_portable_of<Vec8, Bits8, 1>(a + (kRows - 1) * lda, lda, panel, pairs,
-                                     c + (kRows - 1) * kPanelWidth);
+    tile_portable_of<Vec8, Bits8, 1, kSets>(a + (kRows - 1) * lda, lda, panel, pairs,
+                                            c + (kRows - 1) * kPanelWidth);
   }
 }
 
@@ -114,14 +128,14 @@ bool bf16_dot_supported() {
 // ahead (3 cache lines a pair), into L2.
 constexpr int64_t kPrefetchPairs = 24;
 
-// One row (a decode step's) keeps two sets of sums, even and odd pairs, so that the
-// dot products' latency is hidden; more rows are chains enough.
+// One row (a decode step's) keeps two sets of sums (kTileSets), even and odd pairs, so
+// that the dot products' latency is hidden; more rows are chains enough.
 template <int kRows>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) void tile_bf16_dot(const uint16_t* a,
                                                                           int64_t lda,
                                                                           const uint16_t* panel,
                                                                           int64_t pairs, float* c) {
-  constexpr int kSets = kRows == 1 ? 2 : 1;
+  constexpr int kSets = kTileSets<kRows>;
   __m512 acc[kSets][kRows][kVectors];
   for (auto& set : acc) {
     for (auto& row : set) {
