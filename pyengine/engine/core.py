@@ -22,10 +22,11 @@ import numpy as np
 from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
 from pyengine.engine.input_processor import EngineRequest
-from pyengine.engine.structured_output import GrammarCompiler, Matcher
+from pyengine.engine.structured_output import GrammarCompiler, Matcher, StepGrammar
 from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
+from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.verify import SpecDecodeStats, accept_drafts
 from pyengine.worker.scheduler_output import (
     ModelRunnerOutput,
@@ -369,10 +370,10 @@ class EngineCore:
         places = [(row_ids[i], int(i), j) for i in np.flatnonzero(b.is_sampling)
                   for j in range(int(rows_each[i]))]  # fmt: skip
         sampled_row_ids = [row_id for row_id, _, _ in places]
-        sampling, masks_pending = None, None
+        sampling, masks_pending, grammar_check = None, None, None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
-            sampling, masks_pending = self._with_allowed_tokens(sampling, b)
+            sampling, masks_pending, grammar_check = self._with_allowed_tokens(sampling, b)
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -396,6 +397,7 @@ class EngineCore:
             finished_row_ids=finished,
             virtual_engine=engine,
             masks_pending=masks_pending,
+            grammar_check=grammar_check,
         )
         if self.speculative is not None and self.speculative.method == "draft_model":
             step = replace(step, num_draft_tokens=b.num_draft_tokens.copy())
@@ -443,28 +445,36 @@ class EngineCore:
 
     def _with_allowed_tokens(
         self, sampling: list[SamplingRequest], b: StepBuffers
-    ) -> tuple[list[SamplingRequest], Future[None] | None]:
+    ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
         """The requests with their structured outputs' bitmasks: those of rows at a
-        request's own tokens all computed at once (while the forward runs, where the
-        executor is in this process and no row follows drafts: the future says when); a
-        row after drafts 1..j masked from the matcher after them (then taken back), or,
-        past a draft the grammar refuses, as the row before it (its token is then no
-        draft: nothing after it is kept)."""
+        request's own tokens all computed at once; a row after drafts 1..j masked from
+        the matcher after them (then taken back), or, past a draft the grammar refuses,
+        as the row before it (its token is then no draft: nothing after it is kept).
+        Where the executor is in this process and no constrained row follows drafts,
+        greedy and temperature-only rows get masks only if the grammar refuses the token
+        drawn without one (the StepGrammar the sampler checks), and the others' are
+        computed while the forward runs (the future says when)."""
         constrained = [i for i, r in enumerate(sampling)
                        if self._rows[r.row_id].matcher is not None]  # fmt: skip
         if not constrained or self.grammars is None:
-            return sampling, None
+            return sampling, None, None
         first = [i for i in constrained if sampling[i].num_drafts_before == 0]
-        matchers = [self._rows[sampling[i].row_id].matcher for i in first]
-        pending = None
         if self.executor.in_process and len(first) == len(constrained):
-            masks, pending = self.grammars.allowed_later(matchers)  # type: ignore[arg-type]
-        else:
-            masks = self.grammars.allowed(matchers)  # type: ignore[arg-type]
+            checked = {i: self._rows[sampling[i].row_id].matcher for i in first
+                       if _draws_without_filters(sampling[i].params)}  # fmt: skip
+            masked = [i for i in first if i not in checked]
+            check = StepGrammar(self.grammars, checked) if checked else None  # type: ignore[arg-type]
+            pending = None
+            if masked:
+                matchers = [self._rows[sampling[i].row_id].matcher for i in masked]
+                masks, pending = self.grammars.allowed_later(matchers)  # type: ignore[arg-type]
+                for k, i in enumerate(masked):
+                    sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
+            return sampling, pending, check
+        matchers = [self._rows[sampling[i].row_id].matcher for i in first]
+        masks = self.grammars.allowed(matchers)  # type: ignore[arg-type]
         for k, i in enumerate(first):
             sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
-        if pending is not None:
-            return sampling, pending
         tokens = b.logits_indices
         for i in first:
             matcher = self._rows[sampling[i].row_id].matcher
@@ -479,7 +489,7 @@ class EngineCore:
                 sampling[at] = replace(sampling[at], allowed_tokens=mask)
                 at += 1
             matcher.rollback(followed)
-        return sampling, None
+        return sampling, None, None
 
     def _prompt_logprob_rows(
         self, b: StepBuffers, row_ids: list[str]
@@ -497,3 +507,10 @@ class EngineCore:
                 if target < prompt_len and target not in scored:
                     wanted.append((row_id, target, row))
         return wanted
+
+
+def _draws_without_filters(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax or a draw from the whole tempered distribution
+    (no top-k, top-p or min-p): drawing it unmasked, then again under the mask if the
+    grammar refuses it, is then the same as drawing under the mask."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)

@@ -135,6 +135,10 @@ class Matcher:
         # (llguidance's own mask may hold a word more than the vocabulary needs)
         return np.frombuffer(self._matcher.compute_bitmask(), dtype=np.int32)[: self.mask_words]
 
+    def allows(self, token: int) -> bool:
+        """Whether the grammar takes `token` next (the matcher does not move)."""
+        return bool(self._matcher.validate_tokens([token]) == 1)
+
     def accept(self, token: int) -> bool:
         """Follows a kept token; False (the matcher unchanged) for one the grammar does
         not allow."""
@@ -145,3 +149,19 @@ class Matcher:
         """Takes back the last num_tokens it followed (drafts masked ahead)."""
         if num_tokens:
             self._matcher.rollback(num_tokens)
+
+
+class StepGrammar:
+    """The sampler's GrammarCheck over the core's matchers of a step's rows (by their
+    index among the step's sampled rows): with an in-process executor, a row whose drawn
+    token its grammar allows never needs its mask made."""
+
+    def __init__(self, compiler: GrammarCompiler, matchers: dict[int, Matcher]) -> None:
+        self.compiler = compiler
+        self.matchers = matchers
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        return [i for i, m in self.matchers.items() if not m.allows(token_ids[i])]
+
+    def masks(self, rows: list[int]) -> np.ndarray:
+        return self.compiler.allowed([self.matchers[i] for i in rows])

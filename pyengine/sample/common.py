@@ -53,10 +53,12 @@ def _mix64(z: int) -> int:
     return z ^ (z >> 31)
 
 
-def seeded_uniform(seed: int, index: int) -> float:
+def seeded_uniform(seed: int, index: int, draw: int = 0) -> float:
     """A seeded request's uniform number in [0, 1) for its output token `index`: the
     SplitMix64 sequence of the seed's key, at that place. A token's draw depends on its
     place alone, so a seeded request samples the same tokens whether or not a step drew
-    rows for drafts before it."""
+    rows for drafts before it. `draw` 1 is the place's second number (a token drawn
+    again under a grammar's mask), as far along the sequence as no token comes."""
+    index += draw << 48
     key = _mix64(seed & _MASK64)
     return (_mix64((key + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64) >> 11) / 2.0**53

@@ -8,13 +8,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.common import row_argmax
-from pyengine.sample.logits_processors import DEFAULT_LOGITS_PROCESSORS, LogitsProcessor
+from pyengine.sample.logits_processors import (
+    DEFAULT_LOGITS_PROCESSORS,
+    LogitsProcessor,
+    mask_disallowed_tokens,
+)
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.token_selection import RandomSampling, TokenSelector
 from pyengine.sampling_params import SamplingParams
@@ -34,6 +39,26 @@ class SamplingRow:
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
     # A structured output's allowed tokens, a bitmask (SamplingRequest.allowed_tokens)
     allowed_tokens: np.ndarray | None = None
+    # 1: the row's token drawn again, under its grammar's mask (GrammarCheck): a seeded
+    # row then takes another number of its sequence than its first draw's.
+    draw: int = 0
+
+
+class GrammarCheck(Protocol):
+    """Rows of a step whose structured output's mask is made only where it is needed:
+    their tokens are drawn without it, and those the grammar refuses are drawn again
+    under their masks. A greedy row gets the argmax of its allowed tokens either way; a
+    sampled row (temperature alone: no top-k, top-p or min-p) keeps an allowed draw and
+    draws a refused one again, which is rejection sampling of the masked distribution."""
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        """Of the checked rows, those whose token (one per row of the step) the grammar
+        does not allow next."""
+        ...
+
+    def masks(self, rows: list[int]) -> np.ndarray:
+        """The rows' bitmasks (int32 [len(rows), words], as allowed_tokens)."""
+        ...
 
 
 @dataclass
@@ -58,13 +83,16 @@ class Sampler:
         self.processors = tuple(processors)
         self.select: TokenSelector = selector or RandomSampling(self.generator)
 
-    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> SamplerOutput:
-        """logits [rows, vocab] on the sampler's device, any float dtype."""
+    def __call__(
+        self, logits: torch.Tensor, rows: list[SamplingRow], check: GrammarCheck | None = None
+    ) -> SamplerOutput:
+        """logits [rows, vocab] on the sampler's device, any float dtype; `check`: rows
+        whose masks are made only for a token their grammar refuses."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        if all(_plain_greedy(r) for r in rows) and not want_logprobs:
+        if all(_plain_greedy(r) for r in rows) and not want_logprobs and check is None:
             return self.argmax(logits)
         logits = logits.float()
-        chosen = self._choose(logits.clone(), rows)
+        chosen = self._choose(logits.clone(), rows, check)
         if not want_logprobs:
             return SamplerOutput(chosen.tolist(), None)
         # Logprobs of the model's own distribution, before penalties and temperature.
@@ -84,11 +112,24 @@ class Sampler:
         """Rows of plain greedy requests that want no logprobs: one argmax on the device."""
         return SamplerOutput(row_argmax(logits).tolist(), None)
 
-    def _choose(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, rows: list[SamplingRow], check: GrammarCheck | None
+    ) -> torch.Tensor:
         """Token ids [rows] from float32 logits (modified in place)."""
         for process in self.processors:
             process(logits, rows)
-        return self.select(logits, rows)
+        chosen = self.select(logits, rows)
+        refused = [] if check is None else check.refused(chosen.tolist())
+        if refused:
+            assert check is not None
+            masks = check.masks(refused)
+            again = [replace(rows[i], allowed_tokens=masks[k], draw=1)
+                     for k, i in enumerate(refused)]  # fmt: skip
+            index = torch.tensor(refused, device=logits.device)
+            processed = logits[index]  # (the selector leaves the logits as they are)
+            mask_disallowed_tokens(processed, again)
+            chosen[index] = self.select(processed, again)
+        return chosen
 
 
 def heaviest_rows(num_rows: int, max_logprobs: int) -> list[SamplingRow]:

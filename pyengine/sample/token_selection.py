@@ -17,7 +17,8 @@ if TYPE_CHECKING:
 
 class TokenSelector(Protocol):
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Token ids [rows] (int64, on the logits' device) from float32 logits."""
+        """Token ids [rows] (int64, on the logits' device) from float32 logits, which it
+        leaves as they are (a row a grammar refuses is drawn again from them)."""
         ...
 
 
@@ -30,7 +31,7 @@ class RandomSampling:
         self.generator = generator
 
     def __call__(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Token ids [rows] from processed float32 logits (may modify them)."""
+        """Token ids [rows] from processed float32 logits (left as they are)."""
         device, vocab = logits.device, logits.shape[-1]
         greedy = [r.params.greedy for r in rows]
         if all(greedy):
@@ -52,8 +53,8 @@ class RandomSampling:
             u[shared] = torch.rand(len(shared), 1, generator=self.generator, device=device)
         seeded = [i for i, r in enumerate(rows) if r.seed is not None and not greedy[i]]
         if seeded:  # each its own, on the host; one copy for them all
-            draws = [seeded_uniform(rows[i].seed or 0, len(rows[i].output_token_ids))
-                     for i in seeded]  # fmt: skip
+            draws = [seeded_uniform(rows[i].seed or 0, len(rows[i].output_token_ids),
+                                    rows[i].draw) for i in seeded]  # fmt: skip
             u[seeded] = torch.tensor(draws, dtype=torch.float64).float().to(device)[:, None]
         cdf = probs.cumsum(dim=-1)
         drawn = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp_(max=vocab - 1)

@@ -7,12 +7,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pyengine.sample.sampler import GrammarCheck
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,8 @@ class SchedulerOutput:
     # Structured outputs' masks still being computed into the rows' allowed_tokens while
     # the forward runs (an in-process executor's steps only: it never crosses processes).
     masks_pending: Future[None] | None = None
+    # Rows whose masks are made only for a token their grammar refuses (in-process too).
+    grammar_check: GrammarCheck | None = None
 
 
 @dataclass(frozen=True)

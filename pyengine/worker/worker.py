@@ -101,7 +101,7 @@ class Worker:
                 self._row(r, step.input_ids, int(t))
                 for r, t in zip(step.sampling, step.logits_indices, strict=True)
             ]
-            sampled = self.sampler(logits, rows)
+            sampled = self.sampler(logits, rows, step.grammar_check)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
 
     @staticmethod

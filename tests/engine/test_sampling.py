@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers.chi_square import chi_square, chi_square_bound
 from helpers.hf_reference import prefill_logits
 from helpers.smollm2 import default_llm
 
@@ -481,3 +482,48 @@ def test_a_bitmask_leaves_exactly_its_allowed_tokens(vocab: int) -> None:
         mask_disallowed_tokens(want[i], every[i : i + 1])
     mask_disallowed_tokens(alone, every)  # (every row masked: in place at once)
     assert torch.equal(alone, want.squeeze(1))
+
+
+class OneGrammar:
+    """A GrammarCheck whose grammar allows the same tokens at every row it checks; it
+    counts the masks it makes."""
+
+    def __init__(self, allowed: list[int], vocab: int, rows: list[int]) -> None:
+        self.allowed, self.rows, self.masks_made = set(allowed), rows, 0
+        bits = np.zeros(-(-vocab // 32) * 32, dtype=np.uint8)
+        bits[allowed] = 1
+        self.words = np.packbits(bits, bitorder="little").view(np.int32)
+
+    def refused(self, token_ids: list[int]) -> list[int]:
+        return [i for i in self.rows if token_ids[i] not in self.allowed]
+
+    def masks(self, rows: list[int]) -> np.ndarray:
+        self.masks_made += len(rows)
+        return np.stack([self.words] * len(rows))
+
+
+def test_a_grammar_checked_after_the_draw_samples_the_masked_distribution() -> None:
+    """Rows drawn without their mask, and drawn again under it where the grammar refuses
+    the token (unseeded from the generator, seeded from their second number): the
+    tokens follow the masked distribution within a chi-square bound, and only refused
+    rows make masks; greedy rows get the argmax of the allowed tokens."""
+    logits = torch.tensor([2.0, 0.5, 1.5, 0.0, 1.0, -0.5, 0.8, 1.8])
+    allowed = [1, 4, 6, 7]
+    n = 20_000
+    sampled = SamplingParams(temperature=0.9)
+    probs = torch.softmax(logits.double() / 0.9, dim=-1).numpy()
+    masked = np.zeros_like(probs)
+    masked[allowed] = probs[allowed] / probs[allowed].sum()
+    for seeded in (False, True):
+        rows = [SamplingRow(sampled, [], [], i if seeded else None) for i in range(n)]
+        check = OneGrammar(allowed, 8, list(range(n)))
+        tokens = Sampler(seed=0)(logits.repeat(n, 1), rows, check).token_ids
+        assert set(tokens) <= set(allowed)
+        stat, degrees = chi_square(np.bincount(tokens, minlength=8), masked)
+        assert stat < chi_square_bound(degrees), (seeded, stat)
+        assert 0 < check.masks_made < n * (1 - probs[allowed].sum()) * 1.1
+    greedy = [SamplingRow(SamplingParams(temperature=0), [], [], None) for _ in range(2)]
+    both = torch.stack([logits, logits.flip(0)])  # argmax 0 (refused), then 7 (allowed)
+    check = OneGrammar(allowed, 8, [0, 1])
+    assert Sampler(seed=0)(both, greedy, check).token_ids == [7, 7]
+    assert check.masks_made == 1

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from helpers.chi_square import chi_square, chi_square_bound
 
 from pyengine import LLM, SamplingParams
 
@@ -79,24 +80,6 @@ def exact_joint(model: torch.nn.Module, prompt: list[int]) -> np.ndarray:
         second = processed(logits[row, 1], (a,))[b]
         joint[a, b] = first * second * processed(logits[row, 2], (a, b))
     return joint
-
-
-def chi_square_bound(degrees: int, z: float = 4.265) -> float:
-    """The chi-square quantile exceeded by chance with probability 1e-5 (z: the normal's)
-    by Wilson and Hilferty's approximation."""
-    c = 2 / (9 * degrees)
-    return degrees * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def chi_square(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
-    """The statistic and its degrees of freedom, cells expecting under 5 pooled."""
-    expected = probs.ravel() * counts.sum()
-    small = expected < 5
-    observed = np.append(counts.ravel()[~small], counts.ravel()[small].sum())
-    expected = np.append(expected[~small], expected[small].sum())
-    keep = expected > 0
-    stat = float((((observed - expected) ** 2)[keep] / expected[keep]).sum())
-    return stat, int(keep.sum()) - 1
 
 
 def sampled_joint(

@@ -12,8 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
+
+import openai
 
 from pyengine.loader.resolve import DEFAULT_MODEL
 
@@ -116,3 +118,18 @@ class Server:
     def stop(self) -> int:
         self.process.send_signal(signal.SIGINT)
         return self.process.wait(60)
+
+
+def serving(*args: Any, **kwargs: Any) -> Iterator[Server]:
+    """A module's server (a fixture's body: `yield from serving(...)`), which must stop
+    cleanly on Ctrl-C after its tests."""
+    s = Server(*args, **kwargs)
+    try:
+        yield s
+    finally:
+        if s.process.poll() is None:
+            assert s.stop() == 0
+
+
+def openai_client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)

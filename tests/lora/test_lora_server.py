@@ -12,7 +12,7 @@ from pathlib import Path
 import openai
 import pytest
 from helpers.lora import write_random_adapter
-from helpers.server import API_KEY, Server
+from helpers.server import Server, openai_client, serving
 
 from pyengine import LLM, LoRARequest, SamplingParams
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
@@ -35,18 +35,13 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def server(adapters: dict[str, Path]) -> Iterator[Server]:
     extra = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
              "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}"]  # fmt: skip
-    s = Server(DEFAULT_MODEL, MAX_MODEL_LEN, KV_CACHE_BYTES, extra,
-               env={"PYENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"})  # fmt: skip
-    try:
-        yield s
-    finally:
-        if s.process.poll() is None:
-            assert s.stop() == 0
+    yield from serving(DEFAULT_MODEL, MAX_MODEL_LEN, KV_CACHE_BYTES, extra,
+                       env={"PYENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"})  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

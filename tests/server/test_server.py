@@ -19,7 +19,7 @@ from typing import Any
 
 import openai
 import pytest
-from helpers.server import API_KEY, OUTSIDE_SOURCE_TREE, Server
+from helpers.server import API_KEY, OUTSIDE_SOURCE_TREE, Server, openai_client, serving
 
 from pyengine import LLM, SamplingParams
 from pyengine.loader.resolve import DEFAULT_MODEL
@@ -31,17 +31,12 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server()
-    try:
-        yield s
-    finally:
-        if s.process.poll() is None:
-            assert s.stop() == 0  # Ctrl-C shuts down cleanly
+    yield from serving()  # (Ctrl-C shuts it down cleanly)
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing import Any
 
 import openai
 import pytest
-from helpers.server import API_KEY, OUTSIDE_SOURCE_TREE, Server
+from helpers.server import OUTSIDE_SOURCE_TREE, Server, openai_client, serving
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from pyengine.loader.resolve import DEFAULT_MODEL
@@ -54,20 +54,15 @@ FORCED_HERMES_CALL = {
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    s = Server(
+    yield from serving(
         extra=["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
                "--tool-call-parser", "hermes"],
     )  # fmt: skip
-    try:
-        yield s
-    finally:
-        if s.process.poll() is None:
-            assert s.stop() == 0
 
 
 @pytest.fixture(scope="module")
 def client(server: Server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+    return openai_client(server)
 
 
 def ask(client: openai.OpenAI, tool_choice: Any, **kw: Any) -> Any:
