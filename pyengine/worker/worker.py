@@ -6,6 +6,7 @@ last stage (the output rank); the others return None."""
 
 from __future__ import annotations
 
+from concurrent.futures import wait
 from typing import Any
 
 import numpy as np
@@ -82,6 +83,13 @@ class Worker:
 
     def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         """The step's tokens on the output rank; None on the others."""
+        try:
+            return self._execute_model(step)
+        finally:
+            if step.masks_pending is not None:  # (a failed step's: its matchers stay put)
+                wait([step.masks_pending])
+
+    def _execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         drafts = None
         if self.drafter is not None:  # (its drafts fill the step's placeholders)
             step, drafts = self.drafter.propose(step)

@@ -158,6 +158,26 @@ def test_streamed_deltas_reassemble_to_the_same_call(client: openai.OpenAI) -> N
         assert reassembled(client, tool_choice, **kw) == want, tool_choice
 
 
+def test_required_calls_of_tools_with_definitions(client: openai.OpenAI) -> None:
+    """Schemas with $defs (as pydantic writes them): a forced list of calls refers to
+    each one's definitions, moved to the list's top."""
+    city = {"type": "object", "properties": {"name": SHORT}, "required": ["name"],
+            "additionalProperties": False}  # fmt: skip
+    trip = {"type": "object", "properties": {"start": {"$ref": "#/$defs/City"},
+            "end": {"$ref": "#/$defs/City"}}, "required": ["start", "end"],
+            "additionalProperties": False, "$defs": {"City": city}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "plan_trip", "parameters": trip}},
+             *TOOLS[1:2]]  # fmt: skip
+    answer = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=QUESTION, tools=tools, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=80, temperature=0,
+    ).choices[0]  # fmt: skip
+    assert answer.finish_reason == "tool_calls"
+    (call,) = answer.message.tool_calls
+    schema = {**trip} if call.function.name == "plan_trip" else SCHEMAS["get_time"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+
+
 def test_a_conversation_goes_on_after_a_tools_result(server: Server, client: openai.OpenAI) -> None:
     first = ask(client, named("get_weather")).choices[0].message
     call = first.tool_calls[0]
@@ -192,7 +212,10 @@ def test_a_conversation_goes_on_after_a_tools_result(server: Server, client: ope
        "tool_choice": "required"}, "tools[0].function.parameters must be a JSON schema", "tools"),
      ({"tools": [{"type": "function", "function": {"name": "f",
                                                    "parameters": {"type": "objectx"}}}]},
-      "tools: function 'f': parameters is not valid", "tools"),
+      "tools[0].function.parameters must be a JSON schema object: type 'objectx'", "tools"),
+     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+         "type": "object", "properties": {"a": {"type": "string", "pattern": "[a-"}}}}}],
+       "tool_choice": "required"}, "tools: the parameters' schema is not valid", "tools"),
      ({"tools": TOOLS, "tool_choice": named("send_email")}, "'send_email', which is not one",
       "tool_choice"),
      ({"tool_choice": "required"}, "needs tools", "tool_choice"),

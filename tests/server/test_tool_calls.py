@@ -67,6 +67,47 @@ def test_bad_tools_and_choices_name_the_field(
     assert needle in error.value.message and error.value.param == param
 
 
+def test_definitions_move_to_the_top_of_a_required_list() -> None:
+    city = {"type": "object", "properties": {"name": {"type": "string"}}}
+    ref = {"type": "object", "properties": {"to": {"$ref": "#/$defs/City"}},
+           "$defs": {"City": city}}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": n, "parameters": ref}}
+             for n in ("go", "fly")]  # fmt: skip
+    calls = choice("required", tools=tools).constraint().json  # type: ignore[union-attr]
+    assert calls["$defs"] == {"City": city}
+    for one in calls["items"]["anyOf"]:
+        assert "$defs" not in one["properties"]["parameters"]
+    other = {**ref, "$defs": {"City": {"type": "string"}}}
+    tools[1]["function"]["parameters"] = other
+    with pytest.raises(APIError, match="'fly' defines 'City' otherwise"):
+        choice("required", tools=tools).constraint()
+
+
+def test_no_parameters_and_one_call_without_parallel_calls() -> None:
+    for none in (None, {}):
+        tools = [{"type": "function", "function": {"name": "now", "parameters": none}}]
+        assert choice("required", tools=tools).parameters["now"] == {
+            "type": "object", "properties": {}}  # fmt: skip
+    text = HERMES_CALL + HERMES_CALL
+    assert len(choice("auto").parse(text, tool_parser("hermes")).tool_calls) == 2
+    one = choice("auto", parallel=False).parse(text, tool_parser("hermes"))
+    assert len(one.tool_calls) == 1
+
+
+@pytest.mark.parametrize(
+    ("parser", "text"),
+    [("hermes", "<tool_call>" + "[" * 5000), ("hermes", '<tool_call>{"name": "f", "arguments": '
+      + "1" * 5000 + "}"), ("llama3_json", '{"name": "f", "parameters": ' + "[" * 5000),
+     ("pythonic", "[" * 5000 + "]" * 5000), ("pythonic", "[f(x='\x00')]")],
+)  # fmt: skip
+def test_what_json_or_python_cannot_read_is_content(parser: str, text: str) -> None:
+    """Nesting past the recursion limit, an integer past JSON's digit limit, a NUL: the
+    text stays whole as the content, never an error."""
+    parsed = tool_parser(parser).parse(text)
+    assert parsed.tool_calls == [] and parsed.content == text
+    assert choice("required").parse("[" * 5000, None).content == "[" * 5000
+
+
 def test_earlier_calls_and_tool_results_reach_the_template() -> None:
     call = {"id": "c1", "type": "function",
             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}  # fmt: skip

@@ -329,10 +329,12 @@ class ChatCompletionRequest(_SamplingRequest):
         if self.max_completion_tokens is not None and self.max_completion_tokens < 1:
             max_tokens = self.max_completion_tokens  # let the check name the problem
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
-        # (parsers find calls by markers that are special tokens in some vocabularies)
+        # Parsers find calls by markers that are special tokens in some vocabularies (unless
+        # the request says otherwise).
+        keep_special = tools.mode == "auto" and "skip_special_tokens" not in self.model_fields_set
         return self.sampling_params(
             max_tokens, logprobs, tool_call=tools.constraint(),
-            skip_special_tokens=False if tools.mode == "auto" else None,
+            skip_special_tokens=False if keep_special else None,
         )  # fmt: skip
 
 

@@ -24,7 +24,6 @@ from pyengine.entrypoints.openai.serving import (
 from pyengine.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, finish_reason
 from pyengine.entrypoints.openai.tool_parsers import ToolParser
 from pyengine.outputs import PositionLogprobs
-from pyengine.sampling_params import StructuredOutputsParams
 
 
 def _logprob_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
@@ -99,19 +98,19 @@ class ChatServing(OpenAIServing):
         return {"content": content}
 
     def tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
-        """The request's tools, checked: every function's parameters a schema the grammar
-        backend takes (an APIError naming `tools` where one is not)."""
+        """The request's tools, checked; a forced call's grammar compiled (an APIError
+        naming `tools` where the backend does not take the functions' schemas)."""
         tools = ToolChoice.of(
             request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser
         )
+        constraint = tools.constraint()
         grammars = self.engine.input_processor.grammars
-        for name, schema in tools.parameters.items():
+        if constraint is not None and grammars is not None:
             try:
-                if grammars is not None:
-                    grammars.grammar(StructuredOutputsParams(json=schema))
+                grammars.grammar(constraint)
             except ValueError as error:
-                message = str(error).replace("structured_outputs.json", "parameters")
-                raise APIError(f"tools: function {name!r}: {message}", param="tools") from None
+                message = str(error).replace("structured_outputs.json", "the parameters' schema")
+                raise APIError(f"tools: {message}", param="tools") from None
         return tools
 
     async def create(

@@ -91,18 +91,30 @@ class ToolChoice:
             return StructuredOutputsParams(json=self.parameters[self.name])
         if self.mode != "required":
             return None
-        one_call = [
-            {
+        # Each schema's definitions move to the list's top, where its "#/$defs/..."
+        # references then point (as vLLM's): one name, one definition.
+        definitions: dict[str, Any] = {}
+        one_call = []
+        for name, schema in self.parameters.items():
+            own = {k: v for k, v in schema.items() if k not in ("$defs", "definitions")}
+            for key in ("$defs", "definitions"):
+                for defined, definition in (schema.get(key) or {}).items():
+                    if definitions.setdefault(defined, definition) != definition:
+                        raise APIError(
+                            f"tools: function {name!r} defines {defined!r} otherwise than "
+                            "another tool does", param="tools",
+                        )  # fmt: skip
+            one_call.append({
                 "type": "object",
-                "properties": {"name": {"const": name}, "parameters": schema},
+                "properties": {"name": {"const": name}, "parameters": own},
                 "required": ["name", "parameters"],
                 "additionalProperties": False,
-            }
-            for name, schema in self.parameters.items()
-        ]
+            })  # fmt: skip
         calls: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_call}}
         if not self.parallel:
             calls["maxItems"] = 1
+        if definitions:
+            calls["$defs"] = definitions
         return StructuredOutputsParams(json=calls)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
@@ -117,7 +129,10 @@ class ToolChoice:
         if self.mode == "required":
             return _parse_required(text)
         if self.mode == "auto" and parser is not None:
-            return parser.parse(text)
+            parsed = parser.parse(text)
+            if not self.parallel:  # (as vLLM: the first call)
+                return ParsedMessage(parsed.content, parsed.tool_calls[:1])
+            return parsed
         return ParsedMessage(text, [])
 
 
@@ -141,14 +156,39 @@ def _check_tools(tools: list[Any]) -> dict[str, dict[str, Any]]:
             )
         if name in parameters:
             raise APIError(f"{where}: two tools are named {name!r}", param="tools")
-        schema = function.get("parameters", _NO_PARAMETERS)
-        if not isinstance(schema, dict):
+        schema = function.get("parameters") or _NO_PARAMETERS  # (null and {}: none, as vLLM)
+        problem = _schema_problem(schema)
+        if problem:
             raise APIError(
-                f"{where}.function.parameters must be a JSON schema object, got "
-                f"{type(schema).__name__}", param="tools",
-            )  # fmt: skip
+                f"{where}.function.parameters must be a JSON schema object: {problem}",
+                param="tools",
+            )
         parameters[name] = schema
     return parameters
+
+
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """What makes `schema` no JSON schema, in the keywords every function's schema uses
+    (the grammar backend checks the rest where a forced call compiles it)."""
+    if not isinstance(schema, dict):
+        return f"got {type(schema).__name__}"
+    kind = schema.get("type")
+    kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
+    unknown = [k for k in kinds if not isinstance(k, str) or k not in _JSON_TYPES]
+    if unknown:
+        return f"type {unknown[0]!r} is not a JSON type"
+    properties = schema.get("properties", {})
+    if not isinstance(properties, dict) or not all(
+        isinstance(p, dict | bool) for p in properties.values()
+    ):
+        return "properties must map names to schemas"
+    required = schema.get("required", [])
+    if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+        return "required must be a list of names"
+    return None
 
 
 def _parse_required(text: str) -> ParsedMessage:
@@ -157,7 +197,7 @@ def _parse_required(text: str) -> ParsedMessage:
     try:
         calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                  for c in json.loads(text)]  # fmt: skip
-    except (json.JSONDecodeError, TypeError, KeyError):
+    except (ValueError, RecursionError, TypeError, KeyError):  # (ValueError: JSON's too)
         return ParsedMessage(text, [])
     return ParsedMessage(None, calls)
 

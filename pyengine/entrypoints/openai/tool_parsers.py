@@ -56,7 +56,7 @@ def _call(name: object, arguments: object) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except _NOT_JSON:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
@@ -64,6 +64,11 @@ def _call(name: object, arguments: object) -> ToolCall | None:
         return ToolCall(name, json.dumps(arguments, ensure_ascii=False))
     except (TypeError, ValueError):  # (a Python literal JSON has no form for: a set, bytes)
         return None
+
+
+# What json raises for text that is not JSON it can read: malformed, an integer past
+# its digit limit (a plain ValueError), nesting past the interpreter's recursion limit.
+_NOT_JSON = (ValueError, RecursionError)
 
 
 def _unparsed(text: str) -> ParsedMessage:
@@ -103,7 +108,7 @@ class HermesToolParser:
         for body in self.BLOCK.findall(text[start:]):
             try:
                 payload = json.loads(body)
-            except json.JSONDecodeError:
+            except _NOT_JSON:
                 return _unparsed(text)
             call = _call(payload.get("name"), payload.get("arguments", {})) if isinstance(
                 payload, dict) else None  # fmt: skip
@@ -130,7 +135,7 @@ class Llama3JsonToolParser:
         while at < len(body):
             try:
                 payload, end = decoder.raw_decode(body, at)
-            except json.JSONDecodeError:
+            except _NOT_JSON:
                 return _unparsed(text)
             if not isinstance(payload, dict):
                 return _unparsed(text)
@@ -159,7 +164,7 @@ class PythonicToolParser:
             return _unparsed(text)
         try:
             tree = ast.parse(body, mode="eval")
-        except SyntaxError:
+        except (SyntaxError, ValueError, RecursionError, MemoryError):  # (NUL, deep nesting)
             return _unparsed(text)
         if not isinstance(tree.body, ast.List) or not tree.body.elts:
             return _unparsed(text)
