@@ -171,9 +171,14 @@ class EngineCore:
             # Greedy rows keep the drafts their argmax gives, sampled rows those their
             # draws give (accept_drafts): every request speculates.
             # (a constrained request's rows after drafts are masked from its drafts, which a
-            # draft model makes only in the step itself: not those)
+            # draft model makes only in the step itself: there only an in-process worker
+            # can reach the matchers)
             speculate=self.speculative is not None
-            and (constrained is None or self.speculative.method != "draft_model"),
+            and (
+                constrained is None
+                or self.speculative.method != "draft_model"
+                or self.executor.in_process
+            ),
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
@@ -373,7 +378,10 @@ class EngineCore:
         sampling, masks_pending, grammar_check = None, None, None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
             sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
-            sampling, masks_pending, grammar_check = self._with_allowed_tokens(sampling, b)
+            requests = [i for _, i, _ in places]
+            sampling, masks_pending, grammar_check = self._with_allowed_tokens(
+                sampling, b, requests
+            )
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
@@ -444,33 +452,24 @@ class EngineCore:
         )
 
     def _with_allowed_tokens(
-        self, sampling: list[SamplingRequest], b: StepBuffers
+        self, sampling: list[SamplingRequest], b: StepBuffers, requests: list[int]
     ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
         """The requests with their structured outputs' bitmasks: those of rows at a
         request's own tokens all computed at once; a row after drafts 1..j masked from
         the matcher after them (then taken back), or, past a draft the grammar refuses,
         as the row before it (its token is then no draft: nothing after it is kept).
-        Where the executor is in this process and no constrained row follows drafts,
-        greedy and temperature-only rows get masks only if the grammar refuses the token
-        drawn without one (the StepGrammar the sampler checks), and the others' are
-        computed while the forward runs (the future says when)."""
+        Where the executor is in this process, the worker reaches the matchers
+        (StepGrammar): greedy and temperature-only rows get masks only if the grammar
+        refuses the token drawn without one, other rows after drafts are masked once the
+        drafts are in the step, and the rest's masks are computed while the forward runs
+        (the future says when)."""
         constrained = [i for i, r in enumerate(sampling)
                        if self._rows[r.row_id].matcher is not None]  # fmt: skip
         if not constrained or self.grammars is None:
             return sampling, None, None
+        if self.executor.in_process:
+            return self._with_step_grammar(sampling, constrained, requests)
         first = [i for i in constrained if sampling[i].num_drafts_before == 0]
-        if self.executor.in_process and len(first) == len(constrained):
-            checked = {i: self._rows[sampling[i].row_id].matcher for i in first
-                       if _draws_without_filters(sampling[i].params)}  # fmt: skip
-            masked = [i for i in first if i not in checked]
-            check = StepGrammar(self.grammars, checked) if checked else None  # type: ignore[arg-type]
-            pending = None
-            if masked:
-                matchers = [self._rows[sampling[i].row_id].matcher for i in masked]
-                masks, pending = self.grammars.allowed_later(matchers)  # type: ignore[arg-type]
-                for k, i in enumerate(masked):
-                    sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
-            return sampling, pending, check
         matchers = [self._rows[sampling[i].row_id].matcher for i in first]
         masks = self.grammars.allowed(matchers)  # type: ignore[arg-type]
         for k, i in enumerate(first):
@@ -490,6 +489,37 @@ class EngineCore:
                 at += 1
             matcher.rollback(followed)
         return sampling, None, None
+
+    def _with_step_grammar(
+        self, sampling: list[SamplingRequest], constrained: list[int], requests: list[int]
+    ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
+        assert self.grammars is not None
+        matchers: dict[int, Matcher] = {}
+        for i in constrained:
+            matcher = self._rows[sampling[i].row_id].matcher
+            assert matcher is not None
+            matchers[i] = matcher
+        checked = [i for i in constrained if _draws_without_filters(sampling[i].params)]
+        masked = [i for i in constrained if i not in set(checked)]
+        drafts_before = {i: sampling[i].num_drafts_before for i in constrained}
+        # A request with drafts: a draft model's proposals follow its matcher in the step.
+        drafting = {requests[i]: matchers[i] for i in constrained
+                    if not drafts_before[i] and drafts_before.get(i + 1)}  # fmt: skip
+        early = [i for i in masked if not drafts_before[i]]
+        pending = None
+        if early:
+            early_matchers = [matchers[i] for i in early]
+            if drafting:  # (the drafts' masks would race a thread on the same matchers)
+                masks = self.grammars.allowed(early_matchers)
+            else:
+                masks, pending = self.grammars.allowed_later(early_matchers)
+            for k, i in enumerate(early):
+                sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
+        masked_first = [i for i in masked if drafts_before[i]]
+        if not checked and not masked_first:
+            return sampling, pending, None
+        check = StepGrammar(self.grammars, matchers, checked, drafts_before, masked_first, drafting)
+        return sampling, pending, check
 
     def _prompt_logprob_rows(
         self, b: StepBuffers, row_ids: list[str]

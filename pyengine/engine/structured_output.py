@@ -137,7 +137,15 @@ class Matcher:
 
     def allows(self, token: int) -> bool:
         """Whether the grammar takes `token` next (the matcher does not move)."""
-        return bool(self._matcher.validate_tokens([token]) == 1)
+        return self.allows_all([token]) == 1
+
+    def allows_all(self, tokens: list[int]) -> int:
+        """How many of `tokens`, in order, the grammar takes (the matcher does not move)."""
+        return int(self._matcher.validate_tokens(tokens))
+
+    def follow(self, tokens: list[int]) -> int:
+        """Follows `tokens` while the grammar takes them; how many it followed."""
+        return int(self._matcher.try_consume_tokens(tokens)) if tokens else 0
 
     def accept(self, token: int) -> bool:
         """Follows a kept token; False (the matcher unchanged) for one the grammar does
@@ -152,16 +160,73 @@ class Matcher:
 
 
 class StepGrammar:
-    """The sampler's GrammarCheck over the core's matchers of a step's rows (by their
-    index among the step's sampled rows): with an in-process executor, a row whose drawn
-    token its grammar allows never needs its mask made."""
+    """A step's constrained rows (by their index among its sampled rows) over the core's
+    matchers, for an in-process executor's worker: the sampler's GrammarCheck of the
+    `checked` rows (a row whose drawn token its grammar allows never needs its mask
+    made), and the masks of `masked_first` rows, which follow drafts and are masked
+    before their draw once the drafts are in the step (a draft model makes them in the
+    step itself). A row after drafts 1..j is checked and masked from its matcher after
+    them, taken back after; past a draft the grammar refuses, its token is never kept
+    (the row before it cannot draw that draft), so it is not checked."""
 
-    def __init__(self, compiler: GrammarCompiler, matchers: dict[int, Matcher]) -> None:
+    def __init__(
+        self,
+        compiler: GrammarCompiler,
+        matchers: dict[int, Matcher],
+        checked: list[int],
+        drafts_before: dict[int, int],
+        masked_first: list[int],
+        drafting: dict[int, Matcher] | None = None,
+    ) -> None:
         self.compiler = compiler
         self.matchers = matchers
+        self.checked = checked
+        self.drafts_before = drafts_before
+        self.masked_first = masked_first
+        self.drafting = drafting or {}  # by the step's request index: drafted in the step
+        self._input_ids = np.zeros(0, dtype=np.int32)
+        self._token_rows = np.zeros(0, dtype=np.int32)
+
+    def reading(self, input_ids: np.ndarray, logits_indices: np.ndarray) -> StepGrammar:
+        """Itself, reading drafts from the step the worker runs (its drafts filled in)."""
+        self._input_ids, self._token_rows = input_ids, logits_indices
+        return self
+
+    def draft_mask(self, request: int, drafts: list[int]) -> np.ndarray | None:
+        """The tokens the step's `request`-th request may draft after `drafts` (None:
+        any, it is not constrained): a draft model proposes within its grammar."""
+        matcher = self.drafting.get(request)
+        if matcher is None:
+            return None
+        followed = matcher.follow(drafts)
+        mask = matcher.allowed()
+        matcher.rollback(followed)
+        return mask
+
+    def _drafts(self, i: int) -> list[int]:
+        j = self.drafts_before.get(i, 0)
+        if not j:
+            return []
+        t = int(self._token_rows[i])
+        return [int(d) for d in self._input_ids[t - j + 1 : t + 1]]
 
     def refused(self, token_ids: list[int]) -> list[int]:
-        return [i for i, m in self.matchers.items() if not m.allows(token_ids[i])]
+        refused = []
+        for i in self.checked:
+            drafts = self._drafts(i)
+            taken = self.matchers[i].allows_all([*drafts, token_ids[i]])
+            if taken == len(drafts):  # (fewer: a draft refused, the row's token unused)
+                refused.append(i)
+        return refused
 
     def masks(self, rows: list[int]) -> np.ndarray:
-        return self.compiler.allowed([self.matchers[i] for i in rows])
+        masks = np.empty((len(rows), self.compiler.mask_words), dtype=np.int32)
+        plain = [k for k, i in enumerate(rows) if not self.drafts_before.get(i)]
+        masks[plain] = self.compiler.allowed([self.matchers[rows[k]] for k in plain])
+        for k, i in enumerate(rows):  # (one at a time: rows of a request share a matcher)
+            if self.drafts_before.get(i):
+                matcher = self.matchers[i]
+                followed = matcher.follow(self._drafts(i))
+                masks[k] = matcher.allowed()
+                matcher.rollback(followed)
+        return masks

@@ -92,11 +92,17 @@ def block_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: each structured output's row at -inf outside its allowed tokens (its
     bitmask, unpacked on the logits' device; tokens past the mask's are not allowed)."""
-    masked = [i for i, r in enumerate(rows) if r.allowed_tokens is not None]
+    apply_token_bitmasks(logits, [r.allowed_tokens for r in rows])
+
+
+def apply_token_bitmasks(logits: torch.Tensor, masks: list[np.ndarray | None]) -> None:
+    """In place: each row with a bitmask (int32 words, bit t % 32 of word t // 32 for
+    token t) at -inf outside it (tokens past the mask's are not allowed)."""
+    masked = [i for i, mask in enumerate(masks) if mask is not None]
     if not masked:
         return
     device, vocab = logits.device, logits.shape[-1]
-    words = np.stack([rows[i].allowed_tokens for i in masked])  # type: ignore[misc]
+    words = np.stack([masks[i] for i in masked])  # type: ignore[misc]
     # Each byte of the mask looks up its 8 tokens' additions (0 or -inf) in one gather:
     # a few times faster than unpacking the bits and filling by a boolean mask.
     mask_bytes = torch.from_numpy(words.view(np.uint8)).to(device).int()
@@ -104,7 +110,7 @@ def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> Non
     bias = bias.view(len(masked), -1)[:, :vocab]
     if bias.shape[1] < vocab:
         bias = torch.nn.functional.pad(bias, (0, vocab - bias.shape[1]), value=float("-inf"))
-    if len(masked) == len(rows):
+    if len(masked) == len(masks):
         logits.add_(bias)
         return
     index = column(masked, torch.long, device)

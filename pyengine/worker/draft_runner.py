@@ -28,6 +28,7 @@ from pyengine.layers.linear import LayerContext
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import load_model
 from pyengine.sample.common import row_argmax
+from pyengine.sample.logits_processors import apply_token_bitmasks
 from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
 from pyengine.worker.model_runner import (
     ModelRunner,
@@ -35,7 +36,7 @@ from pyengine.worker.model_runner import (
     kv_block_numel,
     resident_bytes,
 )
-from pyengine.worker.scheduler_output import SchedulerOutput
+from pyengine.worker.scheduler_output import SchedulerOutput, StepGrammarCheck
 
 logger = logging.getLogger("pyengine")
 
@@ -115,9 +116,17 @@ class DraftRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def propose(self, step: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
+    def propose(
+        self, step: SchedulerOutput, grammar: StepGrammarCheck | None = None
+    ) -> tuple[SchedulerOutput, list[int]]:
         """The step with its placeholders replaced by the draft's proposals, and those,
-        row after row."""
+        row after row; a constrained request's within its grammar (`grammar`)."""
+
+        def masks(requests: list[int], drafted: int) -> list[np.ndarray | None] | None:
+            if grammar is None:
+                return None
+            return [grammar.draft_mask(i, proposals[i, :drafted].tolist()) for i in requests]
+
         assert step.num_draft_tokens is not None
         counts = step.num_draft_tokens.astype(np.int64)
         if step.block_copies:  # (before the draft reads them)
@@ -134,7 +143,7 @@ class DraftRunner:
         if first.requests:  # (a separate draft's forward also keeps its cache in step)
             ends = np.cumsum([len(t) for t in first.tokens]) - 1
             wanted = [int(e) for e, i in zip(ends, first.requests, strict=True) if counts[i] > 0]
-            made = self._run(step, first, wanted)
+            made = self._run(step, first, wanted, masks(proposing, 0))
             if proposing:
                 proposals[proposing, 0] = made
         # Draft j at its place; a separate draft also reads its last, so that its cache
@@ -146,7 +155,7 @@ class DraftRunner:
             one = _Rows(rows, [proposals[i, j - 1 : j] for i in rows],
                         [step.positions[t : t + 1] for t in at],
                         [step.slot_mapping[t : t + 1] for t in at])  # fmt: skip
-            made = self._run(step, one, proposes)
+            made = self._run(step, one, proposes, masks([rows[k] for k in proposes], j))
             if proposes:
                 proposals[[rows[k] for k in proposes], j] = made
         filled = step.input_ids.copy()
@@ -174,9 +183,16 @@ class DraftRunner:
             rows.slots.append(step.slot_mapping[start:end])
         return rows
 
-    def _run(self, step: SchedulerOutput, rows: _Rows, wanted: list[int]) -> np.ndarray:
+    def _run(
+        self,
+        step: SchedulerOutput,
+        rows: _Rows,
+        wanted: list[int],
+        masks: list[np.ndarray | None] | None = None,
+    ) -> np.ndarray:
         """The draft's argmax at the flat token rows `wanted` of one forward over `rows`
-        (each request's context through its last token there)."""
+        (each request's context through its last token there), among each row's allowed
+        tokens where `masks` gives them."""
         device = self.placement.device
         lengths = [len(t) for t in rows.tokens]
         seq_lens = np.array([int(p[-1]) + 1 for p in rows.positions], dtype=np.int32)
@@ -198,6 +214,8 @@ class DraftRunner:
         if not wanted:
             return np.zeros(0, dtype=np.int32)
         logits = self.model.compute_logits(hidden[_on(np.asarray(wanted, np.int64), device)])
+        if masks is not None:
+            apply_token_bitmasks(logits, masks)
         return row_argmax(logits).cpu().numpy().astype(np.int32)
 
 

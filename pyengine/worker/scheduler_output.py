@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -17,6 +17,25 @@ from pyengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from pyengine.sample.sampler import GrammarCheck
+
+
+class StepGrammarCheck(Protocol):
+    """A step's rows under grammars, for an in-process worker (the core's matchers): the
+    masks of `masked_first` rows, made once the step's drafts are in it, and the
+    sampler's GrammarCheck of the others."""
+
+    masked_first: list[int]  # (indices among the step's sampled rows)
+
+    def reading(self, input_ids: np.ndarray, logits_indices: np.ndarray) -> GrammarCheck:
+        """The check, reading the rows' drafts from the step the worker runs."""
+        ...
+
+    def masks(self, rows: list[int]) -> np.ndarray: ...
+
+    def draft_mask(self, request: int, drafts: list[int]) -> np.ndarray | None:
+        """The tokens the step's `request`-th request may draft after `drafts` (None:
+        any)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -79,7 +98,7 @@ class SchedulerOutput:
     # the forward runs (an in-process executor's steps only: it never crosses processes).
     masks_pending: Future[None] | None = None
     # Rows whose masks are made only for a token their grammar refuses (in-process too).
-    grammar_check: GrammarCheck | None = None
+    grammar_check: StepGrammarCheck | None = None
 
 
 @dataclass(frozen=True)

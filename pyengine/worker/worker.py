@@ -7,6 +7,7 @@ last stage (the output rank); the others return None."""
 from __future__ import annotations
 
 from concurrent.futures import wait
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -92,7 +93,7 @@ class Worker:
     def _execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
         drafts = None
         if self.drafter is not None:  # (its drafts fill the step's placeholders)
-            step, drafts = self.drafter.propose(step)
+            step, drafts = self.drafter.propose(step, step.grammar_check)
         scored_rows = [r.row for r in step.prompt_logprob_rows]
         logits, hidden = self.model_runner.execute(step, scored_rows)
         if logits is None:  # a stage before the last: its output went on
@@ -109,7 +110,13 @@ class Worker:
                 self._row(r, step.input_ids, int(t))
                 for r, t in zip(step.sampling, step.logits_indices, strict=True)
             ]
-            sampled = self.sampler(logits, rows, step.grammar_check)
+            check = None
+            if step.grammar_check is not None:  # (the drafts are in this step's input_ids)
+                check = step.grammar_check.reading(step.input_ids, step.logits_indices)
+                first = step.grammar_check.masked_first
+                for mask, i in zip(step.grammar_check.masks(first), first, strict=True):
+                    rows[i] = replace(rows[i], allowed_tokens=mask)
+            sampled = self.sampler(logits, rows, check)
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
 
     @staticmethod

@@ -13,6 +13,7 @@ from helpers.schemas import SCHEMAS
 from helpers.smollm2 import default_llm
 
 from pyengine import LLM, SamplingParams, StructuredOutputsParams
+from pyengine.spec_decode.config import SpeculativeConfig
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -86,24 +87,54 @@ def test_a_preempted_constrained_request_still_validates() -> None:
     assert tight.engine.scheduler.kv_cache.num_free_blocks == tight.engine.executor.num_blocks
 
 
-@pytest.mark.parametrize("method", ["ngram", "suffix"])
-def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(method: str) -> None:
-    """A constrained row after drafts is masked from the matcher after them, taken back
-    after: greedy, the same tokens as without speculation; drafts accepted; each answer
-    validates (its JSON repeats itself, so prompt lookup has something to propose)."""
+SPECULATION = {
+    "ngram": ({"method": "ngram", "num_speculative_tokens": 4}, {}),
+    "suffix": ({"method": "suffix", "num_speculative_tokens": 4}, {}),
+    # (the first 4 layers: drafts within the grammar, a few right)
+    "draft_layers": ({"method": "draft_model", "draft_layers": 4, "num_speculative_tokens": 3},
+                     {}),
+    # (a worker process: every row masked before its draw, in the core)
+    "ngram, worker process": ({"method": "ngram", "num_speculative_tokens": 4},
+                              {"distributed_executor_backend": "mp"}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SPECULATION))
+def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A constrained row after drafts is checked or masked from the matcher after them,
+    taken back after: greedy, the same tokens as without speculation, and seeded rows
+    (temperature alone, and with top-p) too where rows are masked alike; drafts
+    accepted; each answer validates (its JSON repeats itself, so prompt lookup has
+    something to propose; a draft model's drafts come in the step itself)."""
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "maxItems": 12}
     constrained = StructuredOutputsParams(json=schema)
     pairs = StructuredOutputsParams(regex=r"(ab|cd){1,15}")
     params = [SamplingParams(temperature=0, max_tokens=80, structured_outputs=constrained),
-              SamplingParams(temperature=0, max_tokens=40, structured_outputs=pairs)]  # fmt: skip
+              SamplingParams(temperature=0, max_tokens=40, structured_outputs=pairs),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=60,
+                             structured_outputs=constrained),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=60,
+                             structured_outputs=constrained)]  # fmt: skip
+    speculative_config, executor = SPECULATION[case]
+    # Drafts free: every step drafts (the budget would stop a poor draft model's soon).
+    monkeypatch.setattr(SpeculativeConfig, "draft_row_cost", staticmethod(lambda *_: 0.0))
     plain = default_llm(max_model_len=512)
-    spec = default_llm(max_model_len=512, speculative_config={
-        "method": method, "num_speculative_tokens": 4})  # fmt: skip
-    want = ask(plain, "Colors, as a JSON list.", params)
-    got = ask(spec, "Colors, as a JSON list.", params)
-    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    spec = default_llm(max_model_len=512, speculative_config=speculative_config, **executor)
+    try:
+        want = ask(plain, "Colors, as a JSON list.", params)
+        got = ask(spec, "Colors, as a JSON list.", params)
+    finally:
+        spec.engine.shutdown()
+    # (seeded rows drawn before or after their masks take other numbers: compared where
+    # both run in this process)
+    compared = 4 if not executor else 2
+    assert [o.token_ids for o in got[:compared]] == [o.token_ids for o in want[:compared]]
     assert spec.engine.core.spec_stats.num_accepted_tokens > 0
-    jsonschema.validate(json.loads(got[0].text), schema)
+    for out in (got[0], got[2], got[3]):
+        if out.finish_reason == "stop":
+            jsonschema.validate(json.loads(out.text), schema)
     assert re.fullmatch(r"(ab|cd){1,15}", got[1].text)
 
 
