@@ -315,6 +315,9 @@ class LoRAConfig:
 QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
 @dataclass
 class EngineConfig:
     """The engine's limits, resolved: EngineArgs (which holds every default) makes it."""
@@ -340,6 +343,9 @@ class EngineConfig:
     # A draft model's token, against a one-token step of the target (draft_token_cost):
     # with the verifying row's cost, what a draft costs a step (the draft budget's).
     draft_token_cost: float = 0.0
+    # "fcfs", or "priority": waiting requests by their priority (lower first), then
+    # arrival; preemption takes the last in that order
+    scheduling_policy: str = "fcfs"
 
     @property
     def cache_dtype(self) -> str:
@@ -357,6 +363,7 @@ class EngineConfig:
             or kv_cache_dtype_supported(self.kv_cache_dtype, self.dtype, self.device),
             "gpu_memory_utilization": 0 < self.gpu_memory_utilization <= 1,
             "max_logprobs": self.max_logprobs >= 0,
+            "scheduling_policy": self.scheduling_policy in SCHEDULING_POLICIES,
             "quantized_activations": self.quantized_activations in QUANTIZED_ACTIVATIONS,
         }
         for name, ok in checks.items():

@@ -171,12 +171,14 @@ class AsyncLLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Queues a request (through lora_request's adapter); a bad one raises ValueError
         here. Iterate the returned stream for its updates; close it to abort the request
         (a client gone)."""
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        args = (prompt_token_ids, params, prompt, stream, lora_request)
+        args = (prompt_token_ids, params, prompt, stream, lora_request, priority, cache_salt)
         command = _Command("add", request_id, args)
         try:
             await asyncio.wrap_future(self._submit(command).done)
@@ -262,12 +264,15 @@ class AsyncLLMEngine:
         prompt: str | None,
         stream: _Stream,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         self.engine.add_request(
-            request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request
-        )
+            request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request,
+            priority=priority, cache_salt=cache_salt,
+        )  # fmt: skip
         hold_back = 0 if not params.stop_strings else max(map(len, params.stop_strings)) - 1
         n = params.n
         stream.sent = _Sent([0] * n, [0] * n, [False] * n, hold_back)

@@ -106,7 +106,7 @@ class EngineCore:
                 max_model_len=config.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 long_prefill_token_threshold=0,  # not an engine argument yet: no cap
-                policy="fcfs",  # not an engine argument yet
+                policy=config.scheduling_policy,
                 max_loras=config.lora.max_loras if config.lora is not None else 0,
                 draft_row_cost=0.0
                 if spec is None
@@ -167,7 +167,10 @@ class EngineCore:
             n=params.n,
             adapter_id=0 if request.lora_request is None else request.lora_request.lora_int_id,
             # Prompt logprobs need every prompt position computed: no prefix-cache hits.
-            cache_salt="" if params.prompt_logprobs is None else f"prompt-logprobs:{uuid.uuid4()}",
+            cache_salt=request.cache_salt
+            if params.prompt_logprobs is None
+            else f"prompt-logprobs:{uuid.uuid4()}",
+            priority=request.priority,
             # Greedy rows keep the drafts their argmax gives, sampled rows those their
             # draws give (accept_drafts): every request speculates.
             # (a constrained request's rows after drafts are masked from its drafts, which a

@@ -57,6 +57,9 @@ class EngineArgs:
     # fewer instructions, at the cost of the activations' rounding to 8 bits.
     quantized_activations: str = "float32"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
+    # "fcfs" (arrival order), or "priority": a request's priority first (lower first, as
+    # vLLM), and preemption takes the lowest-priority running request first
+    scheduling_policy: str = "fcfs"
 
     # Ranks per pipeline stage, and stages; their product is the number of workers.
     tensor_parallel_size: int = 1
@@ -130,6 +133,7 @@ class EngineArgs:
             gpu_memory_utilization=self.gpu_memory_utilization,
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
+            scheduling_policy=self.scheduling_policy,
             parallel=parallel,
             quantized_activations=self.quantized_activations,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

@@ -55,6 +55,9 @@ class EngineRequest:
     blocked_token_ids: tuple[int, ...]  # while under min_tokens: EOS and stop tokens
     arrival_time: float
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
+    priority: int = 0  # with scheduling_policy "priority": lower first
+    # Prefix-cache blocks are shared only among requests of one salt (a tenant's).
+    cache_salt: str = ""
 
 
 class InputProcessor:
@@ -117,10 +120,21 @@ class InputProcessor:
         arrival_time: float | None = None,
         existing: Container[str] = (),
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> EngineRequest:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
         params = self._checked(request_id, prompt_token_ids, params, existing)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs scheduling_policy 'priority' (the engine "
+                f"schedules {self.config.scheduling_policy!r})"
+            )
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model's tokenizer")
@@ -145,6 +159,8 @@ class InputProcessor:
             blocked_token_ids=blocked if params.min_tokens > 0 else (),
             arrival_time=time.time() if arrival_time is None else arrival_time,
             lora_request=lora_request,
+            priority=priority,
+            cache_salt=cache_salt or "",
         )
 
     def _checked(

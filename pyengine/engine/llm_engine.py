@@ -58,13 +58,18 @@ class LLMEngine:
         prompt: str | None = None,
         arrival_time: float | None = None,
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> None:
-        """Queues a request (with lora_request: through that adapter); ValueError naming
-        whatever the engine cannot run."""
+        """Queues a request (with lora_request: through that adapter; with priority:
+        before higher values, under scheduling_policy "priority"; with cache_salt: sharing
+        prefix-cache blocks only with requests of that salt); ValueError naming whatever
+        the engine cannot run."""
         self.adapters.check(lora_request)
         request = self.input_processor.process(
             request_id, prompt_token_ids, params, prompt, arrival_time,
             existing=self.output_processor.requests, lora_request=lora_request,
+            priority=priority, cache_salt=cache_salt,
         )  # fmt: skip
         n = request.params.n
         row_ids = [request_id, *(Scheduler.sample_id(request_id, k) for k in range(1, n))]

@@ -34,17 +34,22 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Runs every prompt (text, token ids, or {"prompt": ...} / {"prompt_token_ids":
-        ...}) to completion, through lora_request's adapter (one for all, or one per
-        prompt; None: the base model); outputs in input order."""
+        ...}, either with a "cache_salt") to completion, through lora_request's adapter
+        (one for all, or one per prompt; None: the base model), with each prompt's
+        priority (scheduling_policy "priority": lower first); outputs in input order."""
         batch = _as_batch(prompts)
         params = _params_per_prompt(sampling_params, len(batch))
         loras = _per_prompt(lora_request, len(batch), LoRARequest, "LoRA requests")
+        if priority is not None and len(priority) != len(batch):
+            raise ValueError(f"{len(priority)} priorities for {len(batch)} prompts")
         for lora in dict.fromkeys(loras):  # all checked first
             self.engine.adapters.check(lora)
         encoded = [self.engine.input_processor.encode_prompt(p) for p in batch]
-        return self._run(encoded, params, use_tqdm, loras)
+        salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in batch]
+        return self._run(encoded, params, use_tqdm, loras, priority, salts)
 
     def chat(
         self,
@@ -74,16 +79,21 @@ class LLM:
         params: list[SamplingParams],
         use_tqdm: bool,
         loras: Sequence[LoRARequest | None] | None = None,
+        priority: Sequence[int] | None = None,
+        salts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         engine = self.engine
         ids = [str(next(self._ids)) for _ in encoded]
         added: list[str] = []
         try:
             loras = loras or [None] * len(ids)
-            for request_id, (text, token_ids), p, lora in zip(
-                ids, encoded, params, loras, strict=True
+            priority = priority or [0] * len(ids)
+            salts = salts or [None] * len(ids)
+            for request_id, (text, token_ids), p, lora, rank, salt in zip(
+                ids, encoded, params, loras, priority, salts, strict=True
             ):
-                engine.add_request(request_id, token_ids, p, prompt=text, lora_request=lora)
+                engine.add_request(request_id, token_ids, p, prompt=text, lora_request=lora,
+                                   priority=rank, cache_salt=salt)  # fmt: skip
                 added.append(request_id)
             done: dict[str, RequestOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:

@@ -574,3 +574,24 @@ def test_auto_tool_choice_is_refused_without_a_parser(
         tool_choice={"type": "function", "function": {"name": "now"}},
     )  # fmt: skip
     assert forced.choices[0].message.tool_calls[0].function.name == "now"  # type: ignore[index]
+
+
+def test_cache_salt_and_priority_fields(server: Server) -> None:
+    """A body's cache_salt keeps its prompt's prefix-cache blocks to requests of that
+    salt; a priority on a server scheduling "fcfs" is a 400 naming it."""
+    prompt = "Salted prefixes stay apart between tenants of one server. " * 5
+
+    def cached(**salt: str) -> int:
+        status, body = server.request(
+            "POST", "/v1/completions", json.dumps({"prompt": prompt, "max_tokens": 1, **salt})
+        )
+        assert status == 200, body
+        return int(body["usage"]["prompt_tokens_details"]["cached_tokens"])
+
+    assert cached(cache_salt="one") == 0 and cached(cache_salt="one") > 0
+    assert cached(cache_salt="two") == 0 and cached() == 0
+    for field, value in (("priority", 3), ("cache_salt", "")):
+        status, error = server.request(
+            "POST", "/v1/completions", json.dumps({"prompt": "x", "max_tokens": 1, field: value})
+        )
+        assert status == 400 and error["error"]["param"] == field, error

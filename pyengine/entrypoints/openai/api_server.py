@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import os
@@ -16,7 +18,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS
+from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -64,7 +66,18 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     d = EngineArgs()
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-key", default=None, help="clients must send it as a Bearer token")
+    parser.add_argument(
+        "--api-key", action="append", default=None,
+        help="clients must send one of these as a Bearer token (repeat it for several)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--api-key-file", default=None, help="a file of API keys, one a line (with --api-key's)"
+    )
+    parser.add_argument(
+        "--cache-salt-per-api-key", action="store_true",
+        help="each API key's requests share prefix-cache blocks only among themselves "
+        "(a salt of the key's replaces any cache_salt a request sends)",
+    )  # fmt: skip
     parser.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
     )
@@ -127,6 +140,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default=d.enable_chunked_prefill,
     )
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
+        help="fcfs: arrival order; priority: a request's priority first (lower first), "
+        "and preemption takes the lowest-priority running request first",
+    )  # fmt: skip
     parser.add_argument(
         "--max-logprobs",
         type=int,
@@ -211,12 +229,13 @@ def read_chat_template(value: str | None) -> str | None:
 def build_app(
     engine: AsyncLLMEngine,
     served: ServedModels,
-    api_key: str | None = None,
+    api_key: str | Sequence[str] | None = None,
     chat_template: str | None = None,
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
     allowed_origins: Sequence[str] = ("*",),
     auto_tool_parser: ToolParser | None = None,
+    cache_salt_per_api_key: bool = False,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
     names requests may give, the base model's and the adapters'; `auto_tool_parser` finds
@@ -236,8 +255,11 @@ def build_app(
 
     app = FastAPI(title="pyengine", lifespan=lifespan)
 
-    if api_key is not None:
-        app.add_middleware(ApiKeyCheck, api_key=api_key)
+    if api_key:
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        app.add_middleware(ApiKeyCheck, api_keys=keys, salt_per_key=cache_salt_per_api_key)
+    elif cache_salt_per_api_key:
+        raise ValueError("--cache-salt-per-api-key needs --api-key")
     # After the key check, so outside it: preflights are answered here (as vLLM's server).
     app.add_middleware(
         CORSMiddleware,
@@ -321,11 +343,11 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(body: CompletionRequest, raw: Request) -> Response:
-        return await answer(raw, completions.create(body))
+        return await answer(raw, completions.create(with_key_salt(body, raw)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> Response:
-        return await answer(raw, chat.create(body))
+        return await answer(raw, chat.create(with_key_salt(body, raw)))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -351,6 +373,15 @@ def build_app(
         return Response(content, media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+RequestBody = TypeVar("RequestBody", CompletionRequest, ChatCompletionRequest)
+
+
+def with_key_salt(body: RequestBody, raw: Request) -> RequestBody:
+    """The body, its cache_salt the API key's where the server binds salts to keys."""
+    salt = raw.scope.get(ApiKeyCheck.SALT)
+    return body if salt is None else body.model_copy(update={"cache_salt": salt})
 
 
 async def answer(raw: Request, work: Awaitable[Any]) -> Response:
@@ -382,24 +413,41 @@ async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator
 
 
 class ApiKeyCheck:
-    """Refuses /v1 requests without `Authorization: Bearer <api_key>`. A plain ASGI
+    """Refuses /v1 requests without `Authorization: Bearer <key>` of one of the keys,
+    compared in constant time (how long a refusal takes says nothing of a key); with
+    salt_per_key, a request's scope carries its key's cache salt (SALT). A plain ASGI
     middleware: Starlette's BaseHTTPMiddleware would pass every chunk of a stream
     through a task and a memory stream of its own, costing each streamed token."""
 
-    def __init__(self, app: Callable[..., Awaitable[None]], api_key: str) -> None:
+    SALT = "pyengine.cache_salt"
+
+    def __init__(
+        self, app: Callable[..., Awaitable[None]], api_keys: Sequence[str], salt_per_key: bool
+    ) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = [f"Bearer {key}".encode() for key in api_keys]
+        # (a salt no request can guess from another key's)
+        self.salts = [hashlib.sha256(b"pyengine-salt:" + key).hexdigest() for key in self.expected]
+        self.salt_per_key = salt_per_key
+
+    def key_index(self, header: bytes) -> int | None:
+        """Which key `header` gives (every key compared: the time is the same for all)."""
+        matches = [hmac.compare_digest(header, key) for key in self.expected]
+        return matches.index(True) if any(matches) else None
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if (
             scope["type"] == "http"
             and scope["method"] != "OPTIONS"  # a browser's CORS preflight carries no key
             and scope["path"].startswith("/v1")
-            and dict(scope["headers"]).get(b"authorization") != self.expected
         ):
-            response = error_response(APIError("invalid or missing API key", status=401))
-            await response(scope, receive, send)
-            return
+            index = self.key_index(dict(scope["headers"]).get(b"authorization", b""))
+            if index is None:
+                response = error_response(APIError("invalid or missing API key", status=401))
+                await response(scope, receive, send)
+                return
+            if self.salt_per_key:
+                scope = {**scope, self.SALT: self.salts[index]}
         await self.app(scope, receive, send)
 
 
@@ -422,6 +470,15 @@ def validation_error(error: RequestValidationError) -> APIError:
         param = param or (loc[0] if loc else None)
         problems.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
     return APIError("; ".join(problems) or "invalid request", status=400, param=param)
+
+
+def api_keys(ns: argparse.Namespace) -> list[str]:
+    """--api-key's keys, then --api-key-file's (one a line; blank lines skipped)."""
+    keys = list(ns.api_key or [])
+    if ns.api_key_file is not None:
+        lines = Path(ns.api_key_file).read_text().splitlines()
+        keys += [line.strip() for line in lines if line.strip()]
+    return keys
 
 
 def auto_tool_parser(ns: argparse.Namespace) -> ToolParser | None:
@@ -470,12 +527,13 @@ def serve(ns: argparse.Namespace) -> None:
     app = build_app(
         engine,
         served,
-        ns.api_key,
+        api_keys(ns),
         chat_template,
         metrics,
         ns.trust_request_chat_template,
         ns.allowed_origins,
         tool_calls,
+        ns.cache_salt_per_api_key,
     )
     template = chat_template or (llm_engine.tokenizer and llm_engine.tokenizer.chat_template)
     if tool_calls is not None and "tools" not in (template or ""):

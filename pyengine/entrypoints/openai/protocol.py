@@ -98,6 +98,10 @@ class _SamplingRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's: the request's place in line under --scheduling-policy priority (lower
+    # first), and the salt that keeps its prefix-cache blocks to requests of that salt
+    priority: int = 0
+    cache_salt: str | None = None
 
     def structured_outputs_params(
         self, tool_call: StructuredOutputsParams | None = None

@@ -128,9 +128,11 @@ class OpenAIServing:
         request_id: str,
         prompt_param: str = "prompt",
         lora_request: LoRARequest | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
     ) -> list[RequestStream]:
-        """Queues every prompt (through lora_request's adapter); if one is refused, none
-        stays queued."""
+        """Queues every prompt (through lora_request's adapter, with the request's
+        priority and cache salt); if one is refused, none stays queued."""
         for prompt in prompts:
             self.check_length(prompt, params, prompt_param)
         streams: list[RequestStream] = []
@@ -138,11 +140,15 @@ class OpenAIServing:
             for i, (text, token_ids) in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
                 streams.append(
-                    await self.engine.add_request(rid, token_ids, params, text, lora_request)
+                    await self.engine.add_request(
+                        rid, token_ids, params, text, lora_request, priority, cache_salt
+                    )
                 )
         except ValueError as error:
             close_all(streams)
-            raise APIError(str(error)) from None
+            message = str(error)
+            param = next((p for p in ("priority", "cache_salt") if message.startswith(p)), None)
+            raise APIError(message, param=param) from None
         except BaseException:
             close_all(streams)
             raise

@@ -130,8 +130,9 @@ class ChatServing(OpenAIServing):
         )
         request_id = random_id("chatcmpl")
         streams = await self.start(
-            [prompt], params, request_id, "messages", self.adapter(request.model)
-        )
+            [prompt], params, request_id, "messages", self.adapter(request.model),
+            request.priority, request.cache_salt,
+        )  # fmt: skip
         if request.stream:
             return self._stream(request, tools, model, request_id, prompt, streams), streams
         (result,) = await self.collect([prompt], streams, params.n)

@@ -87,8 +87,9 @@ class CompletionServing(OpenAIServing):
         prompts = self.prompts(request)
         request_id = random_id("cmpl")
         streams = await self.start(
-            prompts, params, request_id, lora_request=self.adapter(request.model)
-        )
+            prompts, params, request_id, lora_request=self.adapter(request.model),
+            priority=request.priority, cache_salt=request.cache_salt,
+        )  # fmt: skip
         if request.stream:
             return self._stream(request, model, request_id, prompts, streams), streams
         results = await self.collect(prompts, streams, params.n)
