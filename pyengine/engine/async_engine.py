@@ -89,6 +89,13 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._stream = stream
+        # Called once, at the first update or at close (a bound on waiting requests).
+        self.on_start: Callable[[], None] | None = None
+
+    def _started(self) -> None:
+        if self.on_start is not None:
+            on_start, self.on_start = self.on_start, None
+            on_start()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -97,6 +104,7 @@ class RequestStream:
         if self.finished:
             raise StopAsyncIteration
         update = await self._stream.updates.get()
+        self._started()
         if isinstance(update, BaseException):
             self.finished = True
             raise update
@@ -105,6 +113,7 @@ class RequestStream:
 
     def close(self) -> None:
         """Aborts the request unless it has finished."""
+        self._started()
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)

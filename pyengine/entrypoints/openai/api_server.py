@@ -32,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
 from pyengine.engine.engine_args import EngineArgs
+from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.metrics import EngineMetrics
 from pyengine.entrypoints.openai.protocol import (
     APIError,
@@ -141,6 +142,16 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
+        "--max-waiting-requests", type=positive_int, default=None,
+        help="requests that may wait for their first token; past it a new one is answered "
+        "429 with Retry-After (default: no bound)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-waiting-prompt-tokens", type=positive_int, default=None,
+        help="their prompt tokens, likewise (at least --max-model-len: a lone prompt always "
+        "fits)",
+    )  # fmt: skip
+    parser.add_argument(
         "--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
         help="fcfs: arrival order; priority: a request's priority first (lower first), "
         "and preemption takes the lowest-priority running request first",
@@ -199,6 +210,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     return parser
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def json_object(text: str) -> dict[str, object]:
     """A command-line option's JSON object (argparse reports the error by name)."""
     try:
@@ -236,12 +254,16 @@ def build_app(
     allowed_origins: Sequence[str] = ("*",),
     auto_tool_parser: ToolParser | None = None,
     cache_salt_per_api_key: bool = False,
+    waiting: WaitingBound | None = None,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
     names requests may give, the base model's and the adapters'; `auto_tool_parser` finds
     the calls of "auto" tool choice (None: refused)."""
-    completions = CompletionServing(engine, served, chat_template)
-    chat = ChatServing(engine, served, chat_template)
+    waiting = waiting or WaitingBound()
+    if metrics is not None:
+        metrics.watch(waiting)
+    completions = CompletionServing(engine, served, chat_template, waiting)
+    chat = ChatServing(engine, served, chat_template, waiting)
     chat.trust_request_chat_template = trust_request_chat_template
     chat.tool_parser = auto_tool_parser
     created = int(time.time())
@@ -455,8 +477,9 @@ def error_response(error: APIError) -> Response:
     # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
     # encode (an unpaired surrogate).
     return Response(
-        json.dumps(error.body()), status_code=error.status, media_type="application/json"
-    )
+        json.dumps(error.body()), status_code=error.status, media_type="application/json",
+        headers=error.headers,
+    )  # fmt: skip
 
 
 def validation_error(error: RequestValidationError) -> APIError:
@@ -513,6 +536,12 @@ def serve(ns: argparse.Namespace) -> None:
         llm_engine.config.cache_dtype,
         llm_engine.config.max_model_len,
     )
+    max_len, bound = llm_engine.config.max_model_len, ns.max_waiting_prompt_tokens
+    if bound is not None and bound < max_len:
+        raise ValueError(
+            f"--max-waiting-prompt-tokens {bound} is below max_model_len {max_len}: a "
+            "prompt that long could never be admitted"
+        )
     names = ns.served_model_name or [ns.model]
     served = ServedModels(names)
     if ns.lora_modules and not ns.enable_lora:
@@ -534,6 +563,7 @@ def serve(ns: argparse.Namespace) -> None:
         ns.allowed_origins,
         tool_calls,
         ns.cache_salt_per_api_key,
+        WaitingBound(ns.max_waiting_requests, ns.max_waiting_prompt_tokens),
     )
     template = chat_template or (llm_engine.tokenizer and llm_engine.tokenizer.chat_template)
     if tool_calls is not None and "tools" not in (template or ""):

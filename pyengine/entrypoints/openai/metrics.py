@@ -8,6 +8,7 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pyengine.engine.stats import EngineStats
+from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.outputs import RequestOutput
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -70,6 +71,26 @@ class EngineMetrics:
         for counter_ in (self.preemptions, self.prompt_tokens, self.generation_tokens):
             counter_.labels(model_name)
 
+    def watch(self, bound: WaitingBound) -> None:
+        """The server's bound on waiting work: its limits, what it holds, what it refused."""
+        m = self._model
+        values = {
+            "max_waiting_requests": ("The bound on requests waiting for a first token "
+                                     "(-1: none).", lambda: _or_none(bound.max_requests)),
+            "max_waiting_prompt_tokens": ("The bound on their prompt tokens (-1: none).",
+                                          lambda: _or_none(bound.max_prompt_tokens)),
+            "num_requests_admitted_waiting": ("Requests the server holds with no token yet.",
+                                              lambda: bound.requests),
+        }  # fmt: skip
+        for name, (doc, value) in values.items():
+            Gauge(f"pyengine:{name}", doc, ["model_name"], registry=self.registry).labels(
+                m).set_function(value)  # fmt: skip
+        refused = Counter(
+            "pyengine:request_refused", "Requests refused with 429: the server was overloaded.",
+            ["model_name"], registry=self.registry,
+        )  # fmt: skip
+        bound.on_refused = refused.labels(m).inc
+
     def on_step(self, stats: EngineStats, finished: list[RequestOutput], generated: int) -> None:
         m = self._model
         self.running.labels(m).set(stats.num_running)
@@ -122,3 +143,7 @@ class EngineMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _or_none(bound: int | None) -> float:
+    return -1.0 if bound is None else float(bound)

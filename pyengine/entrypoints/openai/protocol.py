@@ -18,11 +18,18 @@ if TYPE_CHECKING:
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.param = param
+        self.headers = headers or {}  # (429's Retry-After)
 
     @property
     def type(self) -> str:
@@ -30,6 +37,7 @@ class APIError(Exception):
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
+            429: "rate_limit_error",
             503: "service_unavailable",
         }.get(self.status, "internal_error")
 

@@ -14,6 +14,7 @@ from starlette.requests import Request
 
 from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from pyengine.engine.input_processor import check_token_ids
+from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.protocol import APIError
 from pyengine.entrypoints.openai.served_models import ServedModels
 from pyengine.lora.request import LoRARequest
@@ -74,11 +75,16 @@ class PromptResult:
 
 class OpenAIServing:
     def __init__(
-        self, engine: AsyncLLMEngine, served: ServedModels, chat_template: str | None
+        self,
+        engine: AsyncLLMEngine,
+        served: ServedModels,
+        chat_template: str | None,
+        waiting: WaitingBound | None = None,
     ) -> None:
         self.engine = engine
         self.served = served
         self.chat_template = chat_template
+        self.waiting = waiting or WaitingBound()  # (shared by the endpoints)
 
     def check_model(self, model: str | None) -> str:
         """The name a response reports for `model`; 404 where nothing is served by it."""
@@ -135,6 +141,7 @@ class OpenAIServing:
         priority and cache salt); if one is refused, none stays queued."""
         for prompt in prompts:
             self.check_length(prompt, params, prompt_param)
+        releases = self.waiting.admit([len(ids) for _, ids in prompts])
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
@@ -144,12 +151,17 @@ class OpenAIServing:
                         rid, token_ids, params, text, lora_request, priority, cache_salt
                     )
                 )
+                streams[-1].on_start = releases[i]
         except ValueError as error:
+            for release in releases:
+                release()
             close_all(streams)
             message = str(error)
             param = next((p for p in ("priority", "cache_salt") if message.startswith(p)), None)
             raise APIError(message, param=param) from None
         except BaseException:
+            for release in releases:
+                release()
             close_all(streams)
             raise
         return streams

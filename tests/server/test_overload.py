@@ -1,0 +1,96 @@
+"""A burst past the server's bound on waiting work (--max-waiting-requests): the excess
+is answered at once with 429, Retry-After and OpenAI's error shape; every admitted
+request completes; nothing hangs or stays held; the bound shows in /metrics."""
+
+from __future__ import annotations
+
+import http.client
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from helpers.server import API_KEY, Server, serving
+
+BOUND = 3
+MODEL = 'model_name="SmolLM2-135M-Instruct"'
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    yield from serving(extra=["--max-waiting-requests", str(BOUND), "--max-num-seqs", "1",
+                              "--max-waiting-prompt-tokens", "1024"])  # fmt: skip
+
+
+def complete(server: Server, prompt: str, max_tokens: int = 24) -> tuple[int, str | None, dict]:  # type: ignore[type-arg]
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    response = conn.getresponse()
+    answer = (response.status, response.getheader("Retry-After"), json.loads(response.read()))
+    conn.close()
+    return answer
+
+
+def test_a_burst_past_the_bound_is_told_to_retry(server: Server) -> None:
+    burst = 5 * BOUND
+    with ThreadPoolExecutor(burst) as pool:
+        answers = list(pool.map(lambda i: complete(server, f"Story {i}:"), range(burst)))
+    done = [body for status, _, body in answers if status == 200]
+    refused = [(after, body) for status, after, body in answers if status == 429]
+    assert len(done) + len(refused) == burst, [a[0] for a in answers]
+    assert len(done) >= BOUND and refused
+    assert all(len(body["choices"][0]["text"]) > 0 for body in done)
+    for after, body in refused:
+        assert after == "1"
+        error = body["error"]
+        assert error["type"] == "rate_limit_error" and error["code"] == 429
+        assert "overloaded" in error["message"] and f"at most {BOUND}" in error["message"]
+    m = server.idle_metrics()
+    assert m[f"request_refused_total{{{MODEL}}}"] == len(refused)
+    assert m[f"max_waiting_requests{{{MODEL}}}"] == BOUND
+    assert m[f"num_requests_admitted_waiting{{{MODEL}}}"] == 0
+    assert m[f"kv_cache_usage_perc{{{MODEL}}}"] == 0
+    assert complete(server, "After the burst:")[0] == 200  # serving as before
+
+
+def test_prompts_past_the_token_bound_are_refused(server: Server) -> None:
+    """One request runs (one row at a time); a long prompt waits behind it, and another
+    would pass the bound on waiting prompt tokens."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    running = {"prompt": "Go on:", "max_tokens": 300, "ignore_eos": True, "stream": True}
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(running), headers=headers)
+    stream = conn.getresponse()
+    assert stream.status == 200 and stream.fp.readline()  # (its first token: it runs)
+    long = "word " * 600
+    with ThreadPoolExecutor(1) as pool:
+        waiting = pool.submit(complete, server, long, 2)
+        refused = None
+        for _ in range(100):  # until the first is counted as waiting
+            status, after, body = complete(server, long, 2)
+            if status == 429:
+                refused = (after, body)
+                break
+        assert refused is not None and refused[0] == "1"
+        assert "prompt tokens would wait (at most 1024)" in refused[1]["error"]["message"]
+        while b"[DONE]" not in stream.fp.readline():  # (the running one to its end)
+            pass
+        conn.close()
+        assert waiting.result()[0] == 200
+    assert server.idle_metrics()[f"num_requests_admitted_waiting{{{MODEL}}}"] == 0
+
+
+def test_a_token_bound_below_max_model_len_stops_the_server() -> None:
+    import subprocess
+    import sys
+
+    from helpers.server import OUTSIDE_SOURCE_TREE
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pyengine.entrypoints.openai.api_server", "--max-model-len",
+         "512", "--max-waiting-prompt-tokens", "100"],
+        capture_output=True, text=True, cwd=OUTSIDE_SOURCE_TREE, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0 and "could never be admitted" in done.stderr
