@@ -1,6 +1,7 @@
 """A burst past the server's bound on waiting work (--max-waiting-requests): the excess
 is answered at once with 429, Retry-After and OpenAI's error shape; every admitted
-request completes; nothing hangs or stays held; the bound shows in /metrics."""
+request completes; nothing hangs or stays held; the bound shows in /metrics. Bodies
+past --max-request-body-bytes are refused with 413 before they are parsed."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ MODEL = 'model_name="SmolLM2-135M-Instruct"'
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
     yield from serving(extra=["--max-waiting-requests", str(BOUND), "--max-num-seqs", "1",
-                              "--max-waiting-prompt-tokens", "1024"])  # fmt: skip
+                              "--max-waiting-prompt-tokens", "1024",
+                              "--max-request-body-bytes", "20000"])  # fmt: skip
 
 
 def complete(server: Server, prompt: str, max_tokens: int = 24) -> tuple[int, str | None, dict]:  # type: ignore[type-arg]
@@ -94,3 +96,26 @@ def test_a_token_bound_below_max_model_len_stops_the_server() -> None:
         capture_output=True, text=True, cwd=OUTSIDE_SOURCE_TREE, timeout=120,
     )  # fmt: skip
     assert done.returncode != 0 and "could never be admitted" in done.stderr
+
+
+def test_a_body_past_the_limit_is_refused_before_parsing(server: Server) -> None:
+    def post(body: bytes, chunked: bool) -> tuple[int, dict]:  # type: ignore[type-arg]
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+        pieces = (body[i : i + 4096] for i in range(0, len(body), 4096))
+        conn.request("POST", "/v1/completions", body=pieces if chunked else body,
+                     headers=headers, encode_chunked=chunked)  # fmt: skip
+        response = conn.getresponse()
+        answer = response.status, json.loads(response.read())
+        conn.close()
+        return answer
+
+    def body(padding: int) -> bytes:
+        return json.dumps({"prompt": "Hi", "max_tokens": 1, "user": "x" * padding}).encode()
+
+    for chunked in (False, True):
+        status, error = post(body(30_000), chunked)
+        assert status == 413 and error["error"]["type"] == "request_too_large", error
+        assert "larger than 20000 bytes" in error["error"]["message"]
+        assert post(body(15_000), chunked)[0] == 200
+    assert post(b"{" * 25_000, False)[0] == 413  # (never parsed: no JSON error)

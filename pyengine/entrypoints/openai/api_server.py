@@ -54,6 +54,7 @@ from pyengine.loader.resolve import DEFAULT_MODEL
 logger = logging.getLogger("pyengine")
 
 CLIENT_CLOSED = 499  # nginx's status for a client that went away before the answer
+DEFAULT_MAX_BODY_BYTES = 32 * 2**20
 
 
 def runtime_lora_updating() -> bool:
@@ -141,6 +142,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         default=d.enable_chunked_prefill,
     )
     parser.add_argument("--seed", type=int, default=d.seed)
+    parser.add_argument(
+        "--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
+        help="a larger request body is refused (413) before it is parsed",
+    )  # fmt: skip
     parser.add_argument(
         "--max-waiting-requests", type=positive_int, default=None,
         help="requests that may wait for their first token; past it a new one is answered "
@@ -255,6 +260,7 @@ def build_app(
     auto_tool_parser: ToolParser | None = None,
     cache_salt_per_api_key: bool = False,
     waiting: WaitingBound | None = None,
+    max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
     names requests may give, the base model's and the adapters'; `auto_tool_parser` finds
@@ -289,6 +295,7 @@ def build_app(
         allow_methods=["*"],
         allow_headers=["*"],
     )
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)  # (outermost)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, error: StarletteHTTPException) -> Response:
@@ -434,6 +441,57 @@ async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator
         yield SSE_DONE
 
 
+class BodySizeLimit:
+    """Refuses a request body larger than max_bytes with 413, before anything parses it:
+    by its Content-Length, or, for a chunked body, once what arrived passes the limit."""
+
+    def __init__(self, app: Callable[..., Awaitable[None]], max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # (gone before its body came)
+                await self.app(scope, _replaying(message, receive), send)
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                await self._refuse(scope, receive, send)
+                return
+            if not message.get("more_body"):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        await self.app(scope, _replaying(whole, receive), send)
+
+    async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        error = APIError(f"the request body is larger than {self.max_bytes} bytes", status=413)
+        await error_response(error)(scope, receive, send)
+
+
+def _replaying(first: dict[str, Any], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
+    """A receive that gives `first`, then what `receive` gives (the disconnect)."""
+    given = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return first
+        return await receive()  # type: ignore[no-any-return]
+
+    return replay
+
+
 class ApiKeyCheck:
     """Refuses /v1 requests without `Authorization: Bearer <key>` of one of the keys,
     compared in constant time (how long a refusal takes says nothing of a key); with
@@ -564,6 +622,7 @@ def serve(ns: argparse.Namespace) -> None:
         tool_calls,
         ns.cache_salt_per_api_key,
         WaitingBound(ns.max_waiting_requests, ns.max_waiting_prompt_tokens),
+        ns.max_request_body_bytes,
     )
     template = chat_template or (llm_engine.tokenizer and llm_engine.tokenizer.chat_template)
     if tool_calls is not None and "tools" not in (template or ""):

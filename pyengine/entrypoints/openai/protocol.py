@@ -37,6 +37,7 @@ class APIError(Exception):
             400: "invalid_request_error",
             401: "authentication_error",
             404: "not_found_error",
+            413: "request_too_large",
             429: "rate_limit_error",
             503: "service_unavailable",
         }.get(self.status, "internal_error")
