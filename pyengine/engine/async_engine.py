@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -126,8 +127,13 @@ class AsyncLLMEngine:
         self,
         engine: LLMEngine,
         on_step: Callable[[EngineStats, list[RequestOutput], int], None] | None = None,
+        step_timeout: float | None = None,
     ) -> None:
         self.engine = engine
+        # A step running longer than this (seconds) is a hang: unhealthy, no new requests
+        # until it ends.
+        self.step_timeout = step_timeout
+        self._step_started: float | None = None  # (time.monotonic() of the running step)
         self.tokenizer = engine.tokenizer
         self.model_config = engine.model_config
         self.config = engine.config
@@ -161,8 +167,21 @@ class AsyncLLMEngine:
 
     def check_health(self) -> bool:
         """Running, with every worker there (a worker that died between steps is
-        noticed here, and ends the executor: the next step fails at once)."""
-        return self._thread.is_alive() and self.engine.executor.check_health()
+        noticed here, and ends the executor: the next step fails at once), and no step
+        running past step_timeout."""
+        return (
+            self._thread.is_alive()
+            and self.stalled_step() is None
+            and self.engine.executor.check_health()
+        )
+
+    def stalled_step(self) -> float | None:
+        """How long the step now running has run, where that is past step_timeout."""
+        started = self._step_started
+        if self.step_timeout is None or started is None:
+            return None
+        running = time.monotonic() - started
+        return running if running > self.step_timeout else None
 
     def stop(self, timeout: float = 30.0) -> None:
         """Aborts every request (their streams end with finish_reason "abort") and joins
@@ -184,8 +203,14 @@ class AsyncLLMEngine:
         cache_salt: str | None = None,
     ) -> RequestStream:
         """Queues a request (through lora_request's adapter); a bad one raises ValueError
-        here. Iterate the returned stream for its updates; close it to abort the request
-        (a client gone)."""
+        here, and EngineDeadError while a step hangs (past step_timeout). Iterate the
+        returned stream for its updates; close it to abort the request (a client gone)."""
+        stalled = self.stalled_step()
+        if stalled is not None:
+            raise EngineDeadError(
+                f"the engine's step has run for {stalled:.0f} s, past its timeout of "
+                f"{self.step_timeout:g} s: no new requests until it ends"
+            )
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         args = (prompt_token_ids, params, prompt, stream, lora_request, priority, cache_salt)
         command = _Command("add", request_id, args)
@@ -288,6 +313,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
 
     def _step(self) -> None:
+        self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
         except Exception:
@@ -303,6 +329,8 @@ class AsyncLLMEngine:
             outputs = []
         else:
             self._failed_before = False
+        finally:
+            self._step_started = None
         deliveries: list[tuple[_Stream, RequestUpdate]] = []
         finished: list[RequestOutput] = []
         generated = 0

@@ -46,3 +46,40 @@ def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(
         assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
+
+
+def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that runs past step_timeout: unhealthy, and new requests refused with
+    EngineDeadError while it runs; once it ends, healthy and serving again."""
+    from pyengine.engine.async_engine import EngineDeadError
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    args = EngineArgs(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256)
+    engine = AsyncLLMEngine(args.create_engine(), step_timeout=0.3)
+    step = engine.engine.step
+    stalls = [1.2]  # (the first step stalls, the others run as usual)
+    monkeypatch.setattr(
+        engine.engine, "step", lambda *a: time.sleep(stalls.pop() if stalls else 0) or step(*a)
+    )
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> tuple[bool, bool, int]:
+        stalled = await engine.add_request("stalled", [1, 2, 3], greedy)
+        await asyncio.sleep(0.6)  # past the timeout, inside the stall
+        healthy_during = engine.check_health()
+        with pytest.raises(EngineDeadError, match="past its timeout of 0.3 s"):
+            await engine.add_request("refused", [4, 5], greedy)
+        tokens = [t async for u in stalled for s in u.samples for t in s.token_ids]
+        later = await engine.add_request("later", [1, 2, 3], greedy)
+        more = [t async for u in later for s in u.samples for t in s.token_ids]
+        return healthy_during, engine.check_health(), len(tokens) + len(more)
+
+    engine.start()
+    try:
+        during, after, count = asyncio.run(run())
+        assert not during and after and count == 6
+        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    finally:
+        engine.stop()

@@ -143,6 +143,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
+        "--engine-step-timeout", type=float, default=None, metavar="SECONDS",
+        help="a step running longer is a hang: /health answers 503 and new requests 503 "
+        "until it ends (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help="a larger request body is refused (413) before it is parsed",
     )  # fmt: skip
@@ -610,7 +615,7 @@ def serve(ns: argparse.Namespace) -> None:
         served.add(adapter)
         logger.info("LoRA adapter %s from %s", name, path)
     metrics = EngineMetrics(names[0])
-    engine = AsyncLLMEngine(llm_engine, on_step=metrics.on_step)
+    engine = AsyncLLMEngine(llm_engine, metrics.on_step, ns.engine_step_timeout)
     app = build_app(
         engine,
         served,
