@@ -13,6 +13,7 @@ import hmac
 import json
 import logging
 import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -215,7 +216,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds Ctrl-C waits for in-flight requests before aborting them",
+        help="seconds Ctrl-C or SIGTERM waits for in-flight requests before aborting them",
     )
     return parser
 
@@ -636,6 +637,9 @@ def serve(ns: argparse.Namespace) -> None:
             "(give one that does with --chat-template)"
         )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
+    # uvicorn drains on SIGTERM (no new connections, the requests in flight finish within
+    # --shutdown-timeout), then raises the signal again: that is a drain done, exit 0.
+    signal.signal(signal.SIGTERM, lambda *_: logger.info("drained after SIGTERM"))
     try:
         uvicorn.run(
             app,

@@ -1,0 +1,70 @@
+"""SIGTERM drains the server: it takes no new connections, the streams in flight run to
+their end (within --shutdown-timeout), no KV block or request is left, and the process
+exits 0; a stream still running at the timeout ends with an error event."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from helpers.server import API_KEY, Server
+
+
+def stream(server: Server, i: int, max_tokens: int) -> tuple[str | None, str]:
+    """A streamed completion read to its end: its finish reason and its last event."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"prompt": f"Story {i}:", "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True}  # fmt: skip
+    headers = {"Content-Type": "application/json", "Authorization": f"Bearer {API_KEY}"}
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers=headers)
+    response = conn.getresponse()
+    assert response.status == 200
+    reason, last = None, ""
+    for line in response.read().decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            event = json.loads(line[6:])
+            last = line
+            for choice in event.get("choices", []):
+                reason = choice.get("finish_reason") or reason
+    conn.close()
+    return reason, last
+
+
+def refuses_new_connections(server: Server, within: float = 5.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            server.request("GET", "/health", auth=False)
+        except ConnectionRefusedError:
+            return True
+        except (OSError, http.client.HTTPException):
+            pass  # (a connection the listener took as it closed)
+        time.sleep(0.02)
+    return False
+
+
+def started(server: Server) -> int:
+    m = server.metrics()
+    return int(sum(v for k, v in m.items() if k.startswith("num_requests_running")))
+
+
+def test_sigterm_lets_the_streams_in_flight_finish() -> None:
+    server = Server(extra=["--max-num-seqs", "16", "--shutdown-timeout", "60"])
+    try:
+        with ThreadPoolExecutor(16) as pool:
+            streams = [pool.submit(stream, server, i, 120) for i in range(16)]
+            deadline = time.monotonic() + 60
+            while started(server) < 16 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            assert refuses_new_connections(server)  # (while the streams still run)
+            assert not all(s.done() for s in streams)
+            results = [s.result(timeout=120) for s in streams]
+        assert [reason for reason, _ in results] == ["length"] * 16
+        assert server.process.wait(60) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
