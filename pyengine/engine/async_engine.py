@@ -82,6 +82,10 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineStepError(RuntimeError):
+    """A step that ran the request failed: the request was aborted, the engine serves on."""
+
+
 class RequestStream:
     """One request's updates, in order, until the one that finishes it."""
 
@@ -316,7 +320,7 @@ class AsyncLLMEngine:
         self._step_started = time.monotonic()
         try:
             outputs = self.engine.step()
-        except Exception:
+        except Exception as error:
             # LLMEngine.step has already ended the step's requests; their aborts come
             # out of the next step, and the engine keeps serving the others. If that
             # step fails too, or the executor lost a worker, the engine itself is broken:
@@ -327,6 +331,7 @@ class AsyncLLMEngine:
             logger.exception("an engine step failed; its requests were aborted")
             self._failed_before = True
             outputs = []
+            self._fail_streams(self.engine.core.failed_request_ids, error)
         else:
             self._failed_before = False
         finally:
@@ -349,6 +354,17 @@ class AsyncLLMEngine:
             self._on_step(self.stats, finished, generated)
         for loop, batch in _by_loop(deliveries).items():
             _post(loop, _deliver, batch)
+
+    def _fail_streams(self, request_ids: set[str], error: Exception) -> None:
+        """The requests of a failed step end with the error, not as plain aborts."""
+        for request_id in request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                failure = EngineStepError(
+                    f"the engine step running request {request_id} failed: "
+                    f"{type(error).__name__}: {error}"
+                )
+                _post(stream.loop, stream.updates.put_nowait, failure)
 
     def _update_stats(self) -> None:
         # A snapshot, taken on the engine thread (the only one that reads the scheduler).

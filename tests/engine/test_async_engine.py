@@ -83,3 +83,42 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
         assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
+
+
+def test_a_failed_step_ends_its_requests_with_the_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step whose execution raises: its request's stream ends with EngineStepError
+    naming the cause, nothing is held, and the engine serves the next request."""
+    from pyengine.engine.async_engine import EngineStepError
+
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    args = EngineArgs(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256)
+    engine = AsyncLLMEngine(args.create_engine())
+    executor = engine.engine.executor
+    execute = executor.execute_model
+    faults = [RuntimeError("injected fault")]
+
+    def failing(step):  # type: ignore[no-untyped-def]
+        if faults:
+            raise faults.pop()
+        return execute(step)
+
+    monkeypatch.setattr(executor, "execute_model", failing)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run() -> int:
+        failed = await engine.add_request("failed", [1, 2, 3], greedy)
+        with pytest.raises(EngineStepError, match="request failed failed: RuntimeError: injected"):
+            async for _ in failed:
+                pass
+        later = await engine.add_request("later", [1, 2, 3], greedy)
+        return len([t async for u in later for s in u.samples for t in s.token_ids])
+
+    engine.start()
+    try:
+        assert asyncio.run(run()) == 3
+        assert engine.check_health()
+        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    finally:
+        engine.stop()

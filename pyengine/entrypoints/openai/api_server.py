@@ -31,7 +31,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
-from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -324,6 +324,10 @@ def build_app(
     @app.exception_handler(ExecutorDeadError)
     async def engine_dead(_: Request, error: Exception) -> Response:
         return error_response(APIError(str(error), status=503))
+
+    @app.exception_handler(EngineStepError)
+    async def step_failed(_: Request, error: Exception) -> Response:
+        return error_response(APIError(str(error), status=500))
 
     @app.get("/health")
     async def health() -> Response:
