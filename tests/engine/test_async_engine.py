@@ -15,15 +15,20 @@ from pyengine.engine.async_engine import AsyncLLMEngine
 from pyengine.engine.engine_args import EngineArgs
 
 
+def tiny_engine(folder: Path, step_timeout: float | None = None) -> AsyncLLMEngine:
+    """An AsyncLLMEngine (not started) of a tiny Llama with random weights."""
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA))
+    args = EngineArgs(str(folder), load_format="dummy", dtype="float32", max_model_len=256)
+    return AsyncLLMEngine(args.create_engine(), step_timeout=step_timeout)
+
+
 def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A caller that stops waiting for add_request (a client that disconnected) while the
     engine thread is inside a step: the request never runs, the one in flight finishes,
     and the engine takes new requests."""
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    args = EngineArgs(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256)
-    engine = AsyncLLMEngine(args.create_engine())
+    engine = tiny_engine(tmp_path)
     step = engine.engine.step
     monkeypatch.setattr(engine.engine, "step", lambda *a: time.sleep(0.2) or step(*a))
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -55,9 +60,7 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
     EngineDeadError while it runs; once it ends, healthy and serving again."""
     from pyengine.engine.async_engine import EngineDeadError
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    args = EngineArgs(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256)
-    engine = AsyncLLMEngine(args.create_engine(), step_timeout=0.3)
+    engine = tiny_engine(tmp_path, step_timeout=0.3)
     step = engine.engine.step
     stalls = [1.2]  # (the first step stalls, the others run as usual)
     monkeypatch.setattr(
@@ -92,9 +95,7 @@ def test_a_failed_step_ends_its_requests_with_the_error(
     naming the cause, nothing is held, and the engine serves the next request."""
     from pyengine.engine.async_engine import EngineStepError
 
-    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
-    args = EngineArgs(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256)
-    engine = AsyncLLMEngine(args.create_engine())
+    engine = tiny_engine(tmp_path)
     executor = engine.engine.executor
     execute = executor.execute_model
     faults = [RuntimeError("injected fault")]
