@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -69,14 +70,13 @@ def test_prompts_past_the_token_bound_are_refused(server: Server) -> None:
     long = "word " * 600
     with ThreadPoolExecutor(1) as pool:
         waiting = pool.submit(complete, server, long, 2)
-        refused = None
-        for _ in range(100):  # until the first is counted as waiting
-            status, after, body = complete(server, long, 2)
-            if status == 429:
-                refused = (after, body)
-                break
-        assert refused is not None and refused[0] == "1"
-        assert "prompt tokens would wait (at most 1024)" in refused[1]["error"]["message"]
+        admitted = f"num_requests_admitted_waiting{{{MODEL}}}"
+        deadline = time.monotonic() + 30
+        while server.metrics()[admitted] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)  # (until the long prompt waits behind the running one)
+        status, after, body = complete(server, long, 2)
+        assert status == 429 and after == "1"
+        assert "prompt tokens would wait (at most 1024)" in body["error"]["message"]
         while b"[DONE]" not in stream.fp.readline():  # (the running one to its end)
             pass
         conn.close()
