@@ -457,54 +457,31 @@ class EngineCore:
     def _with_allowed_tokens(
         self, sampling: list[SamplingRequest], b: StepBuffers, requests: list[int]
     ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
-        """The requests with their structured outputs' bitmasks: those of rows at a
-        request's own tokens all computed at once; a row after drafts 1..j masked from
-        the matcher after them (then taken back), or, past a draft the grammar refuses,
-        as the row before it (its token is then no draft: nothing after it is kept).
-        Where the executor is in this process, the worker reaches the matchers
-        (StepGrammar): greedy and temperature-only rows get masks only if the grammar
-        refuses the token drawn without one, other rows after drafts are masked once the
-        drafts are in the step, and the rest's masks are computed while the forward runs
-        (the future says when)."""
-        constrained = [i for i, r in enumerate(sampling)
-                       if self._rows[r.row_id].matcher is not None]  # fmt: skip
-        if not constrained or self.grammars is None:
-            return sampling, None, None
-        if self.executor.in_process:
-            return self._with_step_grammar(sampling, constrained, requests)
-        first = [i for i in constrained if sampling[i].num_drafts_before == 0]
-        matchers = [self._rows[sampling[i].row_id].matcher for i in first]
-        masks = self.grammars.allowed(matchers)  # type: ignore[arg-type]
-        for k, i in enumerate(first):
-            sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
-        tokens = b.logits_indices
-        for i in first:
-            matcher = self._rows[sampling[i].row_id].matcher
-            assert matcher is not None
-            followed, mask = 0, sampling[i].allowed_tokens
-            at = i + 1
-            while at < len(sampling) and sampling[at].num_drafts_before > 0:
-                draft = int(b.input_ids[tokens[at]])  # (the token at row `at` is a draft)
-                if followed == sampling[at].num_drafts_before - 1 and matcher.accept(draft):
-                    followed += 1
-                    mask = matcher.allowed()
-                sampling[at] = replace(sampling[at], allowed_tokens=mask)
-                at += 1
-            matcher.rollback(followed)
-        return sampling, None, None
-
-    def _with_step_grammar(
-        self, sampling: list[SamplingRequest], constrained: list[int], requests: list[int]
-    ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
-        assert self.grammars is not None
+        """The requests with their structured outputs' bitmasks (StepGrammar.masks: a
+        row after drafts 1..j masked from the matcher after them, then taken back; past a
+        draft the grammar refuses, as the row before it). With a worker process every
+        constrained row is masked here. Where the executor is in this process, the worker
+        reaches the matchers: greedy and temperature-only rows get masks only if the
+        grammar refuses the token drawn without one, other rows after drafts are masked
+        once the drafts are in the step, and the rest's masks are computed while the
+        forward runs (the future says when)."""
         matchers: dict[int, Matcher] = {}
-        for i in constrained:
-            matcher = self._rows[sampling[i].row_id].matcher
-            assert matcher is not None
-            matchers[i] = matcher
-        checked = [i for i in constrained if _draws_without_filters(sampling[i].params)]
-        masked = [i for i in constrained if i not in set(checked)]
+        for i, r in enumerate(sampling):
+            matcher = self._rows[r.row_id].matcher
+            if matcher is not None:
+                matchers[i] = matcher
+        if not matchers or self.grammars is None:
+            return sampling, None, None
+        constrained = list(matchers)
         drafts_before = {i: sampling[i].num_drafts_before for i in constrained}
+        if not self.executor.in_process:  # (the step's drafts are known: no draft model)
+            grammar = StepGrammar(self.grammars, matchers, [], drafts_before, [])
+            masks = grammar.reading(b.input_ids, b.logits_indices).masks(constrained)
+            for mask, i in zip(masks, constrained, strict=True):
+                sampling[i] = replace(sampling[i], allowed_tokens=mask)
+            return sampling, None, None
+        checked = [i for i in constrained if _draws_without_filters(sampling[i].params)]
+        masked = [i for i in constrained if not _draws_without_filters(sampling[i].params)]
         # A request with drafts: a draft model's proposals follow its matcher in the step.
         drafting = {requests[i]: matchers[i] for i in constrained
                     if not drafts_before[i] and drafts_before.get(i + 1)}  # fmt: skip

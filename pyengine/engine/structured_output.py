@@ -161,13 +161,14 @@ class Matcher:
 
 class StepGrammar:
     """A step's constrained rows (by their index among its sampled rows) over the core's
-    matchers, for an in-process executor's worker: the sampler's GrammarCheck of the
-    `checked` rows (a row whose drawn token its grammar allows never needs its mask
-    made), and the masks of `masked_first` rows, which follow drafts and are masked
-    before their draw once the drafts are in the step (a draft model makes them in the
-    step itself). A row after drafts 1..j is checked and masked from its matcher after
-    them, taken back after; past a draft the grammar refuses, its token is never kept
-    (the row before it cannot draw that draft), so it is not checked."""
+    matchers: their masks (the core's, for a worker process), and, for an in-process
+    executor's worker, the sampler's GrammarCheck of the `checked` rows (a row whose
+    drawn token its grammar allows never needs its mask made) and the masks of
+    `masked_first` rows, which follow drafts and are masked before their draw once the
+    drafts are in the step (a draft model makes them in the step itself). A row after
+    drafts 1..j is checked and masked from its matcher after them, taken back after;
+    past a draft the grammar refuses, its token is never kept (the row before it cannot
+    draw that draft), so it is not checked, and its mask is the row before it's."""
 
     def __init__(
         self,

@@ -121,6 +121,9 @@ def test_earlier_calls_and_tool_results_reach_the_template() -> None:
         (ChatMessage(role="user", content="x", tool_calls=[call]), "only assistant messages"),
         (ChatMessage(role="assistant", tool_calls=[{"function": {"name": "f", "arguments": "{"}}]),
          "messages[3].tool_calls[0].function.arguments is not JSON"),
+        (ChatMessage(role="assistant", tool_calls=[{"function": {"name": "f",
+                                                                 "arguments": "[" * 5000}}]),
+         "messages[3].tool_calls[0].function.arguments is not JSON"),
         (ChatMessage(role="assistant", tool_calls=[{"function": {"arguments": "{}"}}]),
          "messages[3].tool_calls[0] must be"),
     ]  # fmt: skip

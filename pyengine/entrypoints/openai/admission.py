@@ -21,7 +21,6 @@ class WaitingBound:
     max_prompt_tokens: int | None = None
     requests: int = 0  # admitted, no token out yet
     prompt_tokens: int = 0
-    refused: int = 0
     on_refused: Callable[[], None] | None = None  # (the metrics' counter)
 
     def admit(self, prompt_lengths: list[int]) -> list[Callable[[], None]]:
@@ -35,7 +34,6 @@ class WaitingBound:
         if self.max_prompt_tokens is not None and tokens > self.max_prompt_tokens:
             over.append(f"{tokens} prompt tokens would wait (at most {self.max_prompt_tokens})")
         if over:
-            self.refused += 1
             if self.on_refused is not None:
                 self.on_refused()
             raise APIError(

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from pyengine.entrypoints.openai.tool_parsers import NOT_JSON
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
@@ -118,9 +119,9 @@ class _SamplingRequest(BaseModel):
         """The request's constraint, from whichever field gives it (`tool_call`: a forced
         tool call's); APIError naming the field where it is malformed, or where two fields
         give one."""
-        given: list[tuple[str, dict[str, Any]]] = []
+        given: list[tuple[str, dict[str, Any] | StructuredOutputsParams]] = []
         if tool_call is not None:
-            given.append(("tool_choice", {"params": tool_call}))
+            given.append(("tool_choice", tool_call))
         fmt = self.response_format
         if fmt is not None:
             kind = fmt.get("type")
@@ -153,8 +154,8 @@ class _SamplingRequest(BaseModel):
             names = ", ".join(name for name, _ in given)
             raise APIError(f"give one structured output constraint, got {names}", param=given[1][0])
         name, fields = given[0]
-        if "params" in fields:
-            return fields["params"]  # type: ignore[no-any-return]
+        if isinstance(fields, StructuredOutputsParams):
+            return fields
         try:
             return StructuredOutputsParams(**fields)
         except (TypeError, ValueError) as error:
@@ -305,7 +306,7 @@ def _template_call(where: str, call: dict[str, Any]) -> dict[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError as error:
+        except NOT_JSON as error:
             raise APIError(
                 f"{where}.function.arguments is not JSON: {error}", param="messages"
             ) from None

@@ -18,7 +18,12 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pyengine.entrypoints.openai.protocol import APIError
-from pyengine.entrypoints.openai.tool_parsers import ParsedMessage, ToolCall, ToolParser
+from pyengine.entrypoints.openai.tool_parsers import (
+    NOT_JSON,
+    ParsedMessage,
+    ToolCall,
+    ToolParser,
+)
 from pyengine.sampling_params import StructuredOutputsParams
 
 Mode = Literal["none", "auto", "required", "named"]
@@ -197,7 +202,7 @@ def _parse_required(text: str) -> ParsedMessage:
     try:
         calls = [ToolCall(c["name"], json.dumps(c["parameters"], ensure_ascii=False))
                  for c in json.loads(text)]  # fmt: skip
-    except (ValueError, RecursionError, TypeError, KeyError):  # (ValueError: JSON's too)
+    except (*NOT_JSON, TypeError, KeyError):
         return ParsedMessage(text, [])
     return ParsedMessage(None, calls)
 
@@ -221,27 +226,33 @@ class ToolCallStream:
         self.text = ""
         self.sent = 0  # characters of the text sent as content (or as named arguments)
         self.named_call: ToolCall | None = None
+        self.parsed: ParsedMessage | None = None  # the whole answer's, once it ends
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
         """The deltas that `text` (the next piece of the answer) lets the stream send."""
         self.text += text
-        if self.choice.mode == "none":
-            return self._content(len(self.text))
-        if self.choice.mode == "named":
-            return self._named(text)
-        if self.choice.mode == "required":
-            return self._whole_calls() if finished else []
+        mode = self.choice.mode
         if finished:
-            parsed = self.choice.parse(self.text, self.parser)
-            end = len(parsed.content or "") if parsed.tool_calls else len(self.text)
-            return self._content(end) + _call_deltas(parsed.tool_calls)
+            self.parsed = self.choice.parse(self.text, self.parser)
+        if mode == "none":
+            return self._content(len(self.text))
+        if mode == "named":
+            return self._named(text)
+        if self.parsed is not None:
+            calls = self.parsed.tool_calls
+            end = len(self.parsed.content or "") if calls else len(self.text)
+            return self._content(end) + _call_deltas(calls)
+        if mode == "required":
+            return []
         end = len(self.text) if self.parser is None else self.parser.content_end(self.text)
         if not self.text[:end].strip():
             end = 0  # (blank content before a call is no content)
         return self._content(end)
 
     def finish_reason(self, reason: str | None) -> str | None:
-        return finish_reason(self.choice, self.choice.parse(self.text, self.parser), reason)
+        """The finish reason of the answer deltas() was told is whole."""
+        assert self.parsed is not None
+        return finish_reason(self.choice, self.parsed, reason)
 
     def _content(self, end: int) -> list[dict[str, Any]]:
         if end <= self.sent:
@@ -255,11 +266,6 @@ class ToolCallStream:
             self.named_call = ToolCall(self.choice.name, "")
             return [{"tool_calls": [_call_json(0, self.named_call, text)]}]
         return [{"tool_calls": [{"index": 0, "function": {"arguments": text}}]}] if text else []
-
-    def _whole_calls(self) -> list[dict[str, Any]]:
-        parsed = _parse_required(self.text)
-        return _call_deltas(parsed.tool_calls) if parsed.tool_calls else self._content(
-            len(self.text))  # fmt: skip
 
 
 def _call_json(index: int, call: ToolCall, arguments: str) -> dict[str, Any]:

@@ -56,7 +56,7 @@ def _call(name: object, arguments: object) -> ToolCall | None:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except _NOT_JSON:
+        except NOT_JSON:
             return None
     if not isinstance(name, str) or not name or not isinstance(arguments, dict):
         return None
@@ -68,7 +68,7 @@ def _call(name: object, arguments: object) -> ToolCall | None:
 
 # What json raises for text that is not JSON it can read: malformed, an integer past
 # its digit limit (a plain ValueError), nesting past the interpreter's recursion limit.
-_NOT_JSON = (ValueError, RecursionError)
+NOT_JSON = (ValueError, RecursionError)
 
 
 def _unparsed(text: str) -> ParsedMessage:
@@ -108,7 +108,7 @@ class HermesToolParser:
         for body in self.BLOCK.findall(text[start:]):
             try:
                 payload = json.loads(body)
-            except _NOT_JSON:
+            except NOT_JSON:
                 return _unparsed(text)
             call = _call(payload.get("name"), payload.get("arguments", {})) if isinstance(
                 payload, dict) else None  # fmt: skip
@@ -135,7 +135,7 @@ class Llama3JsonToolParser:
         while at < len(body):
             try:
                 payload, end = decoder.raw_decode(body, at)
-            except _NOT_JSON:
+            except NOT_JSON:
                 return _unparsed(text)
             if not isinstance(payload, dict):
                 return _unparsed(text)
