@@ -31,6 +31,13 @@ void bind_stats(py::module_& m) {
       .def_readonly("prefix_cache_hits", &KVCacheStats::prefix_cache_hits)
       .def_readonly("num_evictions", &KVCacheStats::num_evictions)
       .def_readonly("internal_waste_tokens", &KVCacheStats::internal_waste_tokens)
+      .def_readonly("num_host_blocks", &KVCacheStats::num_host_blocks)
+      .def_readonly("num_host_used_blocks", &KVCacheStats::num_host_used_blocks)
+      .def_readonly("num_host_cached_blocks", &KVCacheStats::num_host_cached_blocks)
+      .def_readonly("host_cache_hits", &KVCacheStats::host_cache_hits)
+      .def_readonly("num_blocks_offloaded", &KVCacheStats::num_blocks_offloaded)
+      .def_readonly("num_blocks_swapped_out", &KVCacheStats::num_blocks_swapped_out)
+      .def_readonly("num_swapped_requests", &KVCacheStats::num_swapped_requests)
       .def_property_readonly("prefix_cache_hit_rate",
                              [](const KVCacheStats& s) {
                                return s.prefix_cache_queries == 0
@@ -47,7 +54,17 @@ void bind_stats(py::module_& m) {
             << ", prefix_cache_queries=" << s.prefix_cache_queries
             << ", prefix_cache_hits=" << s.prefix_cache_hits
             << ", num_evictions=" << s.num_evictions
-            << ", internal_waste_tokens=" << s.internal_waste_tokens << ")";
+            << ", internal_waste_tokens=" << s.internal_waste_tokens;
+        if (s.num_host_blocks > 0) {
+          out << ", num_host_blocks=" << s.num_host_blocks
+              << ", num_host_used_blocks=" << s.num_host_used_blocks
+              << ", num_host_cached_blocks=" << s.num_host_cached_blocks
+              << ", host_cache_hits=" << s.host_cache_hits
+              << ", num_blocks_offloaded=" << s.num_blocks_offloaded
+              << ", num_blocks_swapped_out=" << s.num_blocks_swapped_out
+              << ", num_swapped_requests=" << s.num_swapped_requests;
+        }
+        out << ")";
         return out.str();
       });
 }
@@ -86,7 +103,9 @@ void bind_pool(py::module_& m) {
 void bind_manager(py::module_& m) {
   py::class_<ComputedBlocks>(m, "ComputedBlocks")
       .def_readonly("block_ids", &ComputedBlocks::block_ids)
+      .def_readonly("host_block_ids", &ComputedBlocks::host_block_ids)
       .def_readonly("num_computed_tokens", &ComputedBlocks::num_computed_tokens)
+      .def_readonly("num_host_tokens", &ComputedBlocks::num_host_tokens)
       .def("__repr__", [](const ComputedBlocks& c) {
         return "ComputedBlocks(num_blocks=" + std::to_string(c.block_ids.size()) +
                ", num_computed_tokens=" + std::to_string(c.num_computed_tokens) + ")";
@@ -95,11 +114,16 @@ void bind_manager(py::module_& m) {
   py::class_<KVCacheManager>(m, "KVCacheManager", R"doc(Paged KV-cache manager.
 
 Per-request block tables over a pool of num_blocks blocks of block_size tokens, with
-prefix caching (verified hits, LRU eviction) and copy-on-write for forked requests.)doc")
-      .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching) {
-             return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
+prefix caching (verified hits, LRU eviction), copy-on-write for forked requests and,
+with num_host_blocks > 0, a host tier that evicted cached blocks and swapped-out
+requests move to.)doc")
+      .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
+                       int num_host_blocks) {
+             return KVCacheManager(
+                 KVCacheConfig{num_blocks, block_size, enable_prefix_caching, num_host_blocks});
            }),
-           py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"))
+           py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
+           py::arg("num_host_blocks") = 0)
       .def_property_readonly("num_blocks",
                              [](const KVCacheManager& k) { return k.config().num_blocks; })
       .def_property_readonly("block_size", &KVCacheManager::block_size)
@@ -110,6 +134,9 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def_property_readonly("num_requests", &KVCacheManager::num_requests)
       .def_property_readonly("pool", &KVCacheManager::pool,
                              py::return_value_policy::reference_internal)
+      .def_property_readonly("host_pool", &KVCacheManager::host_pool,
+                             py::return_value_policy::reference_internal,
+                             "The host tier's pool, or None without one.")
       .def("has_request", &KVCacheManager::has_request, py::arg("request_id"))
       .def(
           "add_request",
@@ -149,6 +176,19 @@ prefix caching (verified hits, LRU eviction) and copy-on-write for forked reques
       .def("take_pending_copies", &KVCacheManager::take_pending_copies,
            "(src, dst) block copies that copy-on-write queued since the last call.")
       .def("reset_prefix_cache", &KVCacheManager::reset_prefix_cache)
+      .def("can_swap_out", &KVCacheManager::can_swap_out, py::arg("request_id"))
+      .def("swap_out", &KVCacheManager::swap_out, py::arg("request_id"),
+           "Copies a request's blocks to the host tier and frees its device blocks; its "
+           "next allocate_slots copies them back.")
+      .def("is_swapped", &KVCacheManager::is_swapped, py::arg("request_id"))
+      .def(
+          "take_pending_transfers",
+          [](KVCacheManager& k) {
+            KVTransfers t = k.take_pending_transfers();
+            return py::make_tuple(std::move(t.to_host), std::move(t.to_device));
+          },
+          "(to_host, to_device): the (src, dst) copies between the tiers queued since the "
+          "last call, to run in that order.")
       .def(
           "block_table",
           [](const KVCacheManager& k, const RequestId& id) { return to_list(k.block_table(id)); },

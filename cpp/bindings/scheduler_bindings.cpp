@@ -28,6 +28,12 @@ SchedulingPolicy parse_policy(const std::string& name) {
   throw py::value_error("policy must be 'fcfs' or 'priority', got '" + name + "'");
 }
 
+PreemptionMode parse_preemption_mode(const std::string& name) {
+  if (name == "recompute") return PreemptionMode::kRecompute;
+  if (name == "swap") return PreemptionMode::kSwap;
+  throw py::value_error("preemption_mode must be 'recompute' or 'swap', got '" + name + "'");
+}
+
 FinishReason parse_reason(const std::string& name) {
   if (name == "stop") return FinishReason::kStop;
   if (name == "length") return FinishReason::kLength;
@@ -102,6 +108,12 @@ schedule() overwrites them. Rows of block_tables past a request's blocks are sta
                                return view(b.num_draft_tokens, {b.num_reqs}, self);
                              })
       .def_readonly("request_ids", &StepBuffers::request_ids)
+      .def_property_readonly(
+          "kv_to_host", [](const StepBuffers& b) { return b.kv_transfers.to_host; },
+          "(device block, host block) copies, run first.")
+      .def_property_readonly(
+          "kv_to_device", [](const StepBuffers& b) { return b.kv_transfers.to_device; },
+          "(host block, device block) copies, run after kv_to_host.")
       .def_readonly("block_copies", &StepBuffers::block_copies);
 }
 
@@ -136,6 +148,7 @@ void bind_stats(py::module_& m) {
       .def_readonly("num_running", &SchedulerStats::num_running)
       .def_readonly("num_waiting", &SchedulerStats::num_waiting)
       .def_readonly("num_preemptions", &SchedulerStats::num_preemptions)
+      .def_readonly("num_swapped_preemptions", &SchedulerStats::num_swapped_preemptions)
       .def_readonly("num_scheduled_prefill_tokens", &SchedulerStats::num_scheduled_prefill_tokens)
       .def_readonly("num_scheduled_decode_tokens", &SchedulerStats::num_scheduled_decode_tokens)
       .def_readonly("prefix_cache_hit_rate", &SchedulerStats::prefix_cache_hit_rate)
@@ -150,7 +163,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
                        int max_num_batched_tokens, int max_num_seqs, int max_model_len,
                        bool enable_chunked_prefill, int long_prefill_token_threshold,
-                       const std::string& policy, int max_loras, double draft_row_cost) {
+                       const std::string& policy, int max_loras, double draft_row_cost,
+                       int num_host_blocks, const std::string& preemption_mode) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -160,8 +174,10 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.policy = parse_policy(policy);
              config.max_loras = max_loras;
              config.draft_row_cost = draft_row_cost;
+             config.preemption_mode = parse_preemption_mode(preemption_mode);
              return std::make_unique<Scheduler>(
-                 config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching});
+                 config,
+                 KVCacheConfig{num_blocks, block_size, enable_prefix_caching, num_host_blocks});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -169,7 +185,9 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("enable_chunked_prefill"), py::arg("long_prefill_token_threshold"),
            // (but max_loras: 0, no adapter budget, where a tool schedules without LoRA;
            // draft_row_cost: 0, every draft that fits)
-           py::arg("policy"), py::arg("max_loras") = 0, py::arg("draft_row_cost") = 0.0)
+           // num_host_blocks: 0, no host tier, and recompute preemption
+           py::arg("policy"), py::arg("max_loras") = 0, py::arg("draft_row_cost") = 0.0,
+           py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute")
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,
@@ -325,6 +343,13 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
             return s.request(id).num_computed_tokens;
           },
           py::arg("request_id"))
+      .def(
+          "num_host_cached_tokens",
+          [](const Scheduler& s, const std::string& id) {
+            return s.request(id).num_host_cached_tokens;
+          },
+          py::arg("request_id"),
+          "Of the prompt tokens its first step found cached, those the host tier held.")
       .def("stats", &Scheduler::stats)
       .def_property_readonly("kv_cache", &Scheduler::kv_cache,
                              py::return_value_policy::reference_internal);

@@ -4,7 +4,8 @@ A shadow model records, for every slot of every physical block, which prefix's K
 model runner would have written there (the tokens up to and including that position,
 and the extra keys). That gives the real correctness property: every computed position
 of every live request, whether computed by itself, taken from the prefix cache or
-shared through fork, holds the KV of exactly its own prefix. Around it: reference
+shared through fork, holds the KV of exactly its own prefix; with a host tier, the same
+holds of blocks brought back from it (prefix hits there, swapped-out requests). Around it: reference
 counts equal the number of tables holding a block, free blocks have count 0 and are
 in the free queue once, the hash index holds only cached blocks, a failed allocation
 changes nothing, and nothing leaks once every request is freed.
@@ -45,11 +46,19 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens: dict[str, list[int]] = {}
         self.extras: dict[str, tuple[int, str]] = {}
         self.slots: dict[int, dict[int, Slot]] = {}  # block -> offset -> what it holds
+        self.host_slots: dict[int, dict[int, Slot]] = {}  # the host tier's
 
-    @initialize(num_blocks=st.integers(1, 12), block_size=st.sampled_from([1, 2, 4]))
-    def make_manager(self, num_blocks: int, block_size: int) -> None:
+    @initialize(
+        num_blocks=st.integers(1, 12),
+        block_size=st.sampled_from([1, 2, 4]),
+        num_host_blocks=st.sampled_from([0, 0, 1, 4, 16]),
+    )
+    def make_manager(self, num_blocks: int, block_size: int, num_host_blocks: int) -> None:
         self.kv = KVCacheManager(
-            num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True
+            num_blocks=num_blocks,
+            block_size=block_size,
+            enable_prefix_caching=True,
+            num_host_blocks=num_host_blocks,
         )
         self.block_size = block_size
 
@@ -63,6 +72,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             s.num_free_blocks,
             s.num_cached_blocks,
             s.num_evictions,
+            s.num_host_used_blocks,
+            s.num_host_cached_blocks,
             tables,
             computed,
             self.kv.pool.free_blocks_in_order(),
@@ -77,12 +88,21 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     def run_step(self, request: str, first: int, end: int) -> None:
         """What the model runner does after a successful allocation: copy-on-write
-        copies first, then the KV of positions [first, end) is written."""
-        for src, dst in self.kv.take_pending_copies():
-            self.slots[dst] = dict(self.slots.get(src, {}))
+        copies (between the tiers, then copy-on-write) first, then the KV of positions
+        [first, end) is written."""
+        self.run_copies()
         for p in range(first, end):
             block, offset = self.slot_of(request, p)
             self.slots.setdefault(block, {})[offset] = self.expected(request, p)
+
+    def run_copies(self) -> None:
+        to_host, to_device = self.kv.take_pending_transfers()
+        for src, dst in to_host:
+            self.host_slots[dst] = dict(self.slots.get(src, {}))
+        for src, dst in to_device:
+            self.slots[dst] = dict(self.host_slots.get(src, {}))
+        for src, dst in self.kv.take_pending_copies():
+            self.slots[dst] = dict(self.slots.get(src, {}))
 
     def allocate(self, request: str, num_new: int, lookahead: int, computed: object = None) -> bool:
         before = self.snapshot()
@@ -96,6 +116,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             assert self.snapshot() == before, "a failed allocation changed the manager"
             return False
         assert self.kv.num_computed_tokens(request) == first + num_new
+        assert not self.kv.is_swapped(request)
         self.run_step(request, first, first + num_new)
         return True
 
@@ -115,13 +136,18 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.tokens[request] = list(prompt)
         self.extras[request] = extras
         hit = self.kv.get_computed_blocks(request)
-        assert hit.num_computed_tokens == len(hit.block_ids) * self.block_size
+        num_hit = len(hit.block_ids) + len(hit.host_block_ids)
+        assert hit.num_computed_tokens == num_hit * self.block_size
+        assert hit.num_host_tokens == len(hit.host_block_ids) * self.block_size
         assert hit.num_computed_tokens < len(prompt)
-        for i, block in enumerate(hit.block_ids):
+        host = self.kv.host_pool
+        hits = [(self.kv.pool, self.slots, b) for b in hit.block_ids]
+        hits += [(host, self.host_slots, b) for b in hit.host_block_ids]
+        for i, (pool, slots, block) in enumerate(hits):
             start = i * self.block_size
-            assert self.kv.pool.stored_tokens(block) == prompt[start : start + self.block_size]
+            assert pool.stored_tokens(block) == prompt[start : start + self.block_size]
             for offset in range(self.block_size):
-                assert self.slots[block][offset] == self.expected(request, start + offset), (
+                assert slots[block][offset] == self.expected(request, start + offset), (
                     "a prefix hit served KV computed for another prefix"
                 )
         remaining = len(prompt) - hit.num_computed_tokens
@@ -136,6 +162,8 @@ class KVCacheMachine(RuleBasedStateMachine):
             return
         known = len(self.tokens[request])
         computed = self.kv.num_computed_tokens(request)
+        if computed == known and self.kv.is_swapped(request):  # (no fork while out)
+            return
         if computed == known:
             token = data.draw(st.integers(0, 2), label="sampled")
             self.kv.append_token_ids(request, [token])
@@ -148,7 +176,7 @@ class KVCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.tokens) > 0)
     @rule(target=requests, request=requests)
     def fork(self, request: str) -> object:
-        if request not in self.tokens:
+        if request not in self.tokens or self.kv.is_swapped(request):
             return multiple()
         child = f"r{self.next_id}"
         self.next_id += 1
@@ -158,8 +186,10 @@ class KVCacheMachine(RuleBasedStateMachine):
     @rule(request=requests, tokens=st.tuples(st.integers(0, 2), st.integers(0, 2)))
     def fork_and_diverge(self, request: str, tokens: tuple[int, int]) -> None:
         """Parallel samples: fork, then parent and child each decode their own token."""
-        if request not in self.tokens or self.kv.num_computed_tokens(request) != len(
-            self.tokens[request]
+        if (
+            request not in self.tokens
+            or self.kv.is_swapped(request)
+            or self.kv.num_computed_tokens(request) != len(self.tokens[request])
         ):
             return
         child = f"r{self.next_id}"
@@ -172,6 +202,24 @@ class KVCacheMachine(RuleBasedStateMachine):
         self.kv.free(child)
         del self.tokens[child], self.extras[child]
 
+    @rule(request=requests, data=st.data())
+    def swap_out_and_in(self, request: str, data: st.DataObject) -> None:
+        """Preemption by swapping: out to the host tier, maybe other work, then back."""
+        if request not in self.tokens or not self.kv.block_table(request):
+            return
+        can = self.kv.can_swap_out(request)
+        host_free = self.kv.host_pool.num_free_blocks if self.kv.host_pool else 0
+        assert can == (host_free >= len(self.kv.block_table(request)))
+        if not can:
+            return
+        computed = self.kv.num_computed_tokens(request)
+        self.kv.swap_out(request)
+        self.run_copies()
+        assert self.kv.is_swapped(request) and not self.kv.block_table(request)
+        assert self.kv.num_computed_tokens(request) == computed
+        if data.draw(st.booleans(), label="back now"):
+            self.step(request, data)  # (it may not fit: then it stays out)
+
     @rule(request=consumes(requests))
     def free(self, request: str) -> None:
         if request not in self.tokens:
@@ -181,10 +229,11 @@ class KVCacheMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_prefix_cache(self) -> None:
-        idle = all(not self.kv.block_table(r) for r in self.tokens)
+        idle = all(not self.kv.block_table(r) and not self.kv.is_swapped(r) for r in self.tokens)
         assert self.kv.reset_prefix_cache() == idle
         if idle:
             assert self.kv.pool.num_cached_blocks == 0
+            assert self.kv.host_pool is None or self.kv.host_pool.num_cached_blocks == 0
 
     # ---- invariants ---------------------------------------------------------------
 
@@ -212,8 +261,24 @@ class KVCacheMachine(RuleBasedStateMachine):
                 assert pool.key(block) == (0, 0)
 
     @invariant()
+    def the_host_tier_holds_only_swapped_out_requests(self) -> None:
+        host = self.kv.host_pool
+        if host is None:
+            return
+        swapped = [r for r in self.tokens if self.kv.is_swapped(r)]
+        held = sum(host.ref_count(b) for b in range(host.num_blocks))
+        s = self.kv.stats()
+        assert held == s.num_host_used_blocks == host.num_blocks - host.num_free_blocks
+        assert s.num_swapped_requests == len(swapped)
+        for block in range(host.num_blocks):
+            if host.is_cached(block):
+                assert host.lookup(*host.key(block)) == block
+
+    @invariant()
     def every_request_sees_its_own_kv(self) -> None:
         for request in self.tokens:
+            if self.kv.is_swapped(request):
+                continue
             for p in range(self.kv.num_computed_tokens(request)):
                 block, offset = self.slot_of(request, p)
                 assert self.slots[block][offset] == self.expected(request, p)
@@ -224,6 +289,7 @@ class KVCacheMachine(RuleBasedStateMachine):
         for request in list(self.tokens):
             self.kv.free(request)
         assert self.kv.num_free_blocks == self.kv.pool.num_blocks, "blocks leaked"
+        assert self.kv.stats().num_host_used_blocks == 0, "host blocks leaked"
         assert self.kv.stats().internal_waste_tokens == 0
 
 

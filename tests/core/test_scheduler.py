@@ -432,8 +432,17 @@ def test_random_workloads_finish_exactly_as_alone(data: st.DataObject) -> None:
     policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
     threshold = data.draw(st.sampled_from([0, 0, 5]), label="long_prefill_token_threshold")
     plan = data.draw(st.lists(arrivals(), min_size=2, max_size=16), label="requests")
-    d = run_workload(block_size, num_blocks, budget, max_seqs, policy, threshold, plan)
-    event("preempted" if d.s.stats().num_preemptions > 0 else "no preemption")
+    # A host tier, small or large, that evicted prefixes and swapped-out requests move to.
+    num_host_blocks = data.draw(st.sampled_from([0, 0, 3, 12, 60]), label="num_host_blocks")
+    preemption_mode = "swap" if num_host_blocks and data.draw(st.booleans()) else "recompute"
+    d = run_workload(
+        block_size, num_blocks, budget, max_seqs, policy, threshold, plan,
+        num_host_blocks=num_host_blocks, preemption_mode=preemption_mode,
+    )  # fmt: skip
+    stats = d.s.stats()
+    event("preempted" if stats.num_preemptions > 0 else "no preemption")
+    event("swapped out" if stats.num_swapped_preemptions > 0 else "not swapped")
+    event("host-tier hits" if d.s.kv_cache.stats().host_cache_hits > 0 else "no host hit")
     event("parallel samples" if any(a.n > 1 for a in plan) else "one sample each")
 
 
@@ -459,6 +468,7 @@ def run_workload(
     policy: str,
     threshold: int,
     plan: list[Arrival],
+    **options: object,
 ) -> Driver:
     """Runs `plan` to the end, checking every step and every output against running alone."""
     d = make(
@@ -469,6 +479,7 @@ def run_workload(
         MAX_MODEL_LEN,
         policy=policy,
         long_prefill_token_threshold=threshold,
+        **options,
     )
     keys: dict[str, tuple[int, float, int]] = {}
     aborted: set[str] = set()
@@ -521,7 +532,8 @@ def run_workload(
             expected = run_alone(a.prompt, a.limits, MAX_MODEL_LEN, sample=k)
             assert (d.outputs[sample], d.finished[sample]) == expected, sample
     assert d.s.kv_cache.num_free_blocks == num_blocks
-    assert d.s.kv_cache.stats().num_used_blocks == 0
+    kv = d.s.kv_cache.stats()
+    assert kv.num_used_blocks == kv.num_host_used_blocks == kv.num_swapped_requests == 0
     return d
 
 

@@ -62,6 +62,7 @@ def run_alone(
 class FakeModel:
     block_size: int
     slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # slot -> (token, pos)
+    host_slots: dict[int, tuple[int, int]] = field(default_factory=dict)  # the host tier's
 
     def step(self, scheduler: Scheduler, tokens_of: dict[str, list[int]]) -> np.ndarray:
         """Runs one scheduled step; `tokens_of` holds every request's known tokens."""
@@ -108,17 +109,30 @@ class FakeModel:
         return np.array(tokens, dtype=np.int32), np.array(counts, dtype=np.int32)
 
     def write(self, scheduler: Scheduler) -> None:
-        """The step's block copies, then its tokens at their slots."""
+        """The step's copies between the tiers, its block copies, then its tokens at
+        their slots."""
         b = scheduler.buffers
-        for src, dst in b.block_copies:
-            for offset in range(self.block_size):
-                value = self.slots.get(src * self.block_size + offset)
-                if value is not None:
-                    self.slots[dst * self.block_size + offset] = value
+        self.copy(b.kv_to_host, self.slots, self.host_slots)
+        self.copy(b.kv_to_device, self.host_slots, self.slots)
+        self.copy(b.block_copies, self.slots, self.slots)
         for token, position, slot in zip(
             b.input_ids.tolist(), b.positions.tolist(), b.slot_mapping.tolist(), strict=True
         ):
             self.slots[slot] = (token, position)
+
+    def copy(
+        self,
+        pairs: list[tuple[int, int]],
+        source: dict[int, tuple[int, int]],
+        destination: dict[int, tuple[int, int]],
+    ) -> None:
+        for src, dst in pairs:
+            for offset in range(self.block_size):
+                value = source.get(src * self.block_size + offset)
+                if value is not None:
+                    destination[dst * self.block_size + offset] = value
+                else:  # (what the block held before is gone)
+                    destination.pop(dst * self.block_size + offset, None)
 
     def read_context(self, block_table: np.ndarray, seq_len: int) -> list[int]:
         context = []

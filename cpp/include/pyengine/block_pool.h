@@ -13,9 +13,12 @@
 // middle of the cached list in O(1); no operation here scans the pool.
 //
 // A cached block records how to verify a hit without trusting the hash: its token
-// ids, its parent (block id and generation; a block's generation changes whenever it
-// is evicted or its cache entry dropped) and, for a first block, the request's extra
-// keys. A hit is accepted only when all of these equal the request's.
+// ids, its parent's entry and, for a first block, the request's extra keys. A hit is
+// accepted only when all of these equal the request's. An entry is one cached
+// incarnation of a block's content, numbered once in the process: it ends when the
+// block is evicted or its cache entry dropped, and it keeps its number when another
+// tier (a host pool, itself a BlockPool) takes a copy of it, so that links between
+// parents and children verify across tiers.
 #pragma once
 
 #include <cstdint>
@@ -28,11 +31,10 @@
 
 namespace pyengine {
 
-// Identifies one cached incarnation of a block: a parent link stays valid only while
-// the parent block still holds the same cache entry.
+// Identifies one cache entry: a parent link stays valid only while some block, in any
+// tier, still holds the parent's entry.
 struct BlockLink {
-  BlockId block_id = kNoBlock;  // kNoBlock: the block is a request's first block
-  uint32_t generation = 0;
+  uint64_t entry = 0;  // 0: none (the block is a request's first block)
   friend bool operator==(const BlockLink&, const BlockLink&) = default;
 };
 
@@ -59,6 +61,8 @@ class BlockPool {
   // Drops a holder; at zero the block joins its free list: the head of the uncached one
   // (taken next), the tail of the cached one (evicted last).
   void release(BlockId block);
+  // The cached block the next allocate() evicts, if it evicts one.
+  std::optional<BlockId> next_eviction() const;
 
   // The cached block indexed under `key`, if any. Does not verify it.
   std::optional<BlockId> lookup(const BlockKey& key) const;
@@ -66,11 +70,12 @@ class BlockPool {
   // are compared for first blocks only; later blocks inherit them through the parent).
   bool verify(BlockId block, std::span<const TokenId> tokens, const BlockLink& parent,
               const BlockExtras& extras) const;
-  // Indexes in-use `block` under `key`. Returns false, changing nothing, when another
-  // block already holds `key`. A block's key is written once: caching a block that is
-  // already cached is an InvalidState unless it is the same key (then a no-op).
+  // Indexes in-use `block` under `key`, as a new entry, or as `entry` where the block
+  // holds a copy of that entry from another tier. Returns false, changing nothing, when
+  // another block already holds `key`. A block's key is written once: caching a block
+  // that is already cached is an InvalidState unless it is the same key (then a no-op).
   bool cache(BlockId block, const BlockKey& key, std::span<const TokenId> tokens,
-             const BlockLink& parent, const BlockExtras& extras);
+             const BlockLink& parent, const BlockExtras& extras, BlockLink entry = {});
   // Drops the cache entry of in-use `block` (its KV will not be computed after all).
   // Throws InvalidState unless it is cached and in use.
   void uncache(BlockId block);
@@ -87,7 +92,14 @@ class BlockPool {
   bool is_cached(BlockId block) const { return meta(block).is_cached; }
   bool is_free(BlockId block) const { return meta(block).list != FreeList::kNone; }
   BlockKey key(BlockId block) const { return meta(block).key; }
-  BlockLink link(BlockId block) const { return {block, meta(block).generation}; }
+  // A cached block's entry ({} when it is not cached), its parent's, and the extras
+  // of a first block.
+  BlockLink link(BlockId block) const { return {meta(block).entry}; }
+  BlockLink parent(BlockId block) const { return meta(block).parent; }
+  const BlockExtras& first_block_extras(BlockId block) const {
+    meta(block);
+    return first_block_extras_[static_cast<size_t>(block)];
+  }
   std::span<const TokenId> stored_tokens(BlockId block) const;
   // Free blocks in allocation order: uncached most recently freed first, then cached
   // least recently freed first.
@@ -99,7 +111,7 @@ class BlockPool {
   struct Meta {
     int32_t ref_count = 0;
     int32_t num_filled = 0;
-    uint32_t generation = 0;
+    uint64_t entry = 0;  // while cached
     bool is_cached = false;
     FreeList list = FreeList::kNone;
     BlockId prev = kNoBlock;  // free-list neighbours

@@ -16,6 +16,17 @@
 // allocate_slots lets a request write into a block that another table also holds, it
 // copies the block; the (src, dst) pairs wait in take_pending_copies() for the model
 // runner, which must run them (copy_blocks) before that step's forward pass.
+//
+// A host tier (num_host_blocks > 0): a second BlockPool whose blocks live in host
+// memory (or a file). A cached block that allocation evicts from the device pool is
+// copied there first, under the same entry, so a later request finds it: its prefix
+// hit continues in the host tier after the device's ends, and each such block is
+// copied back into a new device block. Preemption may swap a request out instead of
+// freeing it (swap_out): all its blocks are copied to host blocks it holds, and its
+// next allocate_slots copies them back. The copies wait in take_pending_transfers()
+// and must run before the step's forward pass, and before its copy-on-write pairs:
+// every device-to-host copy, then every host-to-device copy. (A block copied in by a
+// step is held by a request all through it, so no later copy of that step reads it.)
 #pragma once
 
 #include <cstdint>
@@ -47,12 +58,21 @@ struct KVCacheConfig {
   int num_blocks = 0;
   int block_size = 0;  // tokens per block, a power of two
   bool enable_prefix_caching = false;
+  int num_host_blocks = 0;  // > 0: a host tier of that many blocks
 };
 
-// The verified cached prefix of a request.
+// The verified cached prefix of a request: device blocks, then host-tier blocks.
 struct ComputedBlocks {
   std::vector<BlockId> block_ids;
-  int num_computed_tokens = 0;  // block_ids.size() * block_size
+  std::vector<BlockId> host_block_ids;  // the host tier's, after block_ids
+  int num_computed_tokens = 0;          // (both sizes) * block_size
+  int num_host_tokens = 0;              // host_block_ids.size() * block_size
+};
+
+// Block copies between the tiers, (source, destination) each, in the order to run.
+struct KVTransfers {
+  std::vector<std::pair<BlockId, BlockId>> to_host;    // device block -> host block
+  std::vector<std::pair<BlockId, BlockId>> to_device;  // host block -> device block
 };
 
 struct KVCacheStats {
@@ -65,6 +85,14 @@ struct KVCacheStats {
   int64_t prefix_cache_hits = 0;      // of those, tokens found cached
   int64_t num_evictions = 0;          // cached blocks reused for other content
   int64_t internal_waste_tokens = 0;  // slots of used blocks holding no token's KV
+  // The host tier (zeros without one).
+  int num_host_blocks = 0;
+  int num_host_used_blocks = 0;  // held by swapped-out requests or a pending copy
+  int num_host_cached_blocks = 0;
+  int64_t host_cache_hits = 0;           // of prefix_cache_hits, tokens the host tier held
+  int64_t num_blocks_offloaded = 0;      // evicted device blocks copied to the host tier
+  int64_t num_blocks_swapped_out = 0;    // preempted requests' blocks copied out
+  int num_swapped_requests = 0;          // requests swapped out now
 };
 
 class KVCacheManager {
@@ -128,8 +156,21 @@ class KVCacheManager {
   void fork(const RequestId& parent, const RequestId& child);
   // Block copies (src, dst) that copy-on-write queued since the last call.
   std::vector<std::pair<BlockId, BlockId>> take_pending_copies();
-  // Drops every cache entry; false (and nothing changed) while any block is in use.
+  // Drops every cache entry, in both tiers; false (and nothing changed) while any block
+  // is in use.
   bool reset_prefix_cache();
+
+  // Preemption by swapping (a host tier only): copies every block of a request to host
+  // blocks it holds and releases its device blocks; its tokens and num_computed_tokens
+  // stay, and its next allocate_slots (with no computed blocks) copies them back. Throws
+  // UnknownRequest, InvalidState unless can_swap_out.
+  bool can_swap_out(const RequestId& id) const;
+  void swap_out(const RequestId& id);
+  bool is_swapped(const RequestId& id) const { return !find(id).host_table.empty(); }
+  // The copies between the tiers queued since the last call; the host blocks they read
+  // or write are held until then.
+  KVTransfers take_pending_transfers();
+  const BlockPool* host_pool() const { return host_ ? &*host_ : nullptr; }
 
   std::span<const BlockId> block_table(const RequestId& id) const;
   std::span<const BlockId> block_table(RequestHandle handle) const;
@@ -142,6 +183,7 @@ class KVCacheManager {
   struct Request {
     std::vector<TokenId> token_ids;
     std::vector<BlockId> block_table;
+    std::vector<BlockId> host_table;   // swapped out: its blocks, in the host tier
     std::vector<BlockKey> block_keys;  // keys of the full blocks of token_ids
     int num_computed_tokens = 0;
     int num_cached_blocks = 0;  // leading entries of block_table in the prefix index
@@ -157,6 +199,7 @@ class KVCacheManager {
     int first_new_token = 0;
     int num_new_blocks = 0;
     int num_free_hits = 0;           // hit blocks that are free now and leave the free list
+    int num_copied_in = 0;           // device blocks for host hits and swapped-out blocks
     std::vector<int> copy_on_write;  // block-table indices to copy before writing
     bool fits = false;
   };
@@ -177,8 +220,16 @@ class KVCacheManager {
   // the slot goes back and nothing has changed.
   template <typename Fill>
   void register_request(const RequestId& id, Fill&& fill);
-  bool is_verified_hit(const Request& request, size_t block_index, BlockId block,
-                       const BlockLink& parent) const;
+  bool is_verified_hit(const BlockPool& pool, const Request& request, size_t block_index,
+                       BlockId block, const BlockLink& parent) const;
+  // A device block for a new use: before allocation evicts a cached block, the host
+  // tier takes a copy of it (offload).
+  BlockId take_block();
+  void offload(BlockId block);
+  // Host hit `host_block` as block `block_index` of `request`: copied into a new device
+  // block, cached there under the same entry.
+  BlockId copy_in_hit(Request& request, size_t block_index, BlockId host_block,
+                      const BlockLink& parent);
   Plan plan(const Request& request, int num_new_tokens, int num_lookahead,
             const ComputedBlocks* computed) const;
   std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
@@ -187,14 +238,21 @@ class KVCacheManager {
 
   KVCacheConfig config_;
   BlockPool pool_;
+  std::optional<BlockPool> host_;
   // Requests live in reused slots: a new request's vectors keep the capacity of the one
   // before it, so a steady stream of requests allocates almost nothing.
   std::unordered_map<RequestId, size_t> request_slots_;
   std::vector<Request> requests_;
   std::vector<size_t> free_slots_;
   std::vector<std::pair<BlockId, BlockId>> pending_copies_;
+  KVTransfers pending_transfers_;
+  std::vector<BlockId> held_host_blocks_;  // released by take_pending_transfers
   int64_t prefix_cache_queries_ = 0;
   int64_t prefix_cache_hits_ = 0;
+  int64_t host_cache_hits_ = 0;
+  int64_t num_blocks_offloaded_ = 0;
+  int64_t num_blocks_swapped_out_ = 0;
+  int num_swapped_requests_ = 0;
 };
 
 }  // namespace pyengine

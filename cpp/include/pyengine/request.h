@@ -45,6 +45,7 @@ struct Request {
   int num_computed_tokens = 0;  // tokens whose KV is computed or scheduled
   uint64_t arrival_seq = 0;     // submission order
   int num_preemptions = 0;
+  int num_host_cached_tokens = 0;  // of its first step's cached prompt tokens, the host tier's
   RequestStatus status = RequestStatus::kWaiting;
   RequestHandle kv_handle;              // while the KV-cache manager holds it
   std::string parent_id;                // of sample k > 0; empty for sample 0

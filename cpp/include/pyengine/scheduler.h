@@ -16,7 +16,10 @@
 // then waiting requests in policy order. When the KV cache runs out, the running
 // request that comes last in policy order is preempted: its blocks are freed and it
 // waits again, to recompute its prompt and generated tokens (with whatever the prefix
-// cache still holds), so that it finishes with exactly the tokens it would have.
+// cache still holds), so that it finishes with exactly the tokens it would have. With
+// PreemptionMode::kSwap (and a host tier) its blocks are swapped out to the host tier
+// instead, and copied back when it runs again; where the tier has no room, it is
+// recomputed.
 #pragma once
 
 #include <cstdint>
@@ -37,6 +40,7 @@
 namespace pyengine {
 
 enum class SchedulingPolicy : uint8_t { kFCFS, kPriority };
+enum class PreemptionMode : uint8_t { kRecompute, kSwap };
 
 // The caller sets every field: the engine's defaults live in one place, Python's
 // EngineArgs, and a C++ embedder chooses its own. The zeros below only keep a forgotten
@@ -49,6 +53,7 @@ struct SchedulerConfig {
   bool enable_chunked_prefill = false;
   int long_prefill_token_threshold = 0;  // > 0: one request's tokens per step at most
   SchedulingPolicy policy = SchedulingPolicy::kFCFS;
+  PreemptionMode preemption_mode = PreemptionMode::kRecompute;  // kSwap: a host tier
   // > 0: the most distinct LoRA adapters (adapter_id != 0) among the running requests,
   // and so in one step (0: no limit). A waiting request whose adapter would exceed it
   // waits; from then on the step admits only requests without an adapter, so that the
@@ -64,6 +69,7 @@ struct SchedulerStats {
   int num_running = 0;
   int num_waiting = 0;
   int64_t num_preemptions = 0;           // since construction
+  int64_t num_swapped_preemptions = 0;   // of those, swapped out rather than freed
   int num_scheduled_prefill_tokens = 0;  // last step
   int num_scheduled_decode_tokens = 0;   // last step
   double prefix_cache_hit_rate = 0.0;
@@ -72,8 +78,9 @@ struct SchedulerStats {
 
 class Scheduler {
  public:
-  // Throws InvalidArgument on non-positive limits, or when max_num_batched_tokens is
-  // below max_model_len without chunked prefill (a long prompt could never start).
+  // Throws InvalidArgument on non-positive limits, when max_num_batched_tokens is
+  // below max_model_len without chunked prefill (a long prompt could never start), or
+  // on swap preemption without a host tier.
   Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_config);
 
   const SchedulerConfig& config() const { return config_; }
@@ -209,6 +216,7 @@ class Scheduler {
   uint64_t next_arrival_seq_ = 0;
   uint64_t step_index_ = 0;  // schedule() calls, from 1
   int64_t num_preemptions_ = 0;
+  int64_t num_swapped_preemptions_ = 0;
   int last_prefill_tokens_ = 0;
   int last_decode_tokens_ = 0;
 };

@@ -40,7 +40,10 @@ struct StepBuffers {
   std::vector<uint8_t> is_sampling;           // [max_num_seqs]
   std::vector<int32_t> num_draft_tokens;      // [max_num_seqs] scheduled after its last token
   std::vector<std::string> request_ids;       // [num_reqs] this step's requests, in row order
-  std::vector<std::pair<BlockId, BlockId>> block_copies;  // copy-on-write, run before the step
+  // Run before the step, in this order: the copies between the KV tiers (all of
+  // to_host, then all of to_device), then copy-on-write.
+  KVTransfers kv_transfers;
+  std::vector<std::pair<BlockId, BlockId>> block_copies;  // copy-on-write
 };
 
 // What update() reports, row by row in the order of StepBuffers::request_ids.

@@ -1,6 +1,7 @@
 #include "pyengine/block_pool.h"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "pyengine/errors.h"
@@ -8,6 +9,13 @@
 namespace pyengine {
 
 namespace {
+
+// Entries are numbered for the whole process: a copy in another pool keeps its number,
+// and no two contents ever share one.
+uint64_t new_entry() {
+  static std::atomic<uint64_t> last{0};
+  return last.fetch_add(1, std::memory_order_relaxed) + 1;
+}
 
 int checked_num_blocks(int num_blocks) {
   check_argument(num_blocks > 0, "num_blocks must be positive");
@@ -88,11 +96,11 @@ BlockId BlockPool::pop_front(FreeList which) {
 void BlockPool::drop_cache_entry(BlockId block) {
   Meta& m = blocks_[static_cast<size_t>(block)];
   index_.erase(m.key);
-  if (m.parent.block_id == kNoBlock) first_block_extras_[static_cast<size_t>(block)] = {};
+  if (m.parent.entry == 0) first_block_extras_[static_cast<size_t>(block)] = {};
   m.is_cached = false;
   m.key = {};
   m.parent = {};
-  ++m.generation;  // children's links to this incarnation no longer verify
+  m.entry = 0;  // children verify against this entry only where another tier holds it
 }
 
 BlockId BlockPool::allocate() {
@@ -140,6 +148,11 @@ void BlockPool::release(BlockId block) {
   }
 }
 
+std::optional<BlockId> BlockPool::next_eviction() const {
+  if (uncached_free_.size > 0 || cached_free_.size == 0) return std::nullopt;
+  return cached_free_.head;
+}
+
 std::optional<BlockId> BlockPool::lookup(const BlockKey& key) const { return index_.find(key); }
 
 std::span<const TokenId> BlockPool::stored_tokens(BlockId block) const {
@@ -155,12 +168,12 @@ bool BlockPool::verify(BlockId block, std::span<const TokenId> tokens, const Blo
   if (tokens.size() != static_cast<size_t>(block_size_)) return false;
   const auto stored = stored_tokens(block);
   if (!std::equal(stored.begin(), stored.end(), tokens.begin())) return false;
-  if (parent.block_id != kNoBlock) return true;
+  if (parent.entry != 0) return true;
   return first_block_extras_[static_cast<size_t>(block)] == extras;
 }
 
 bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenId> tokens,
-                      const BlockLink& parent, const BlockExtras& extras) {
+                      const BlockLink& parent, const BlockExtras& extras, BlockLink entry) {
   const Meta& m = meta(block);
   check_argument(tokens.size() == static_cast<size_t>(block_size_),
                  "cache: a cached block must be full (block_size tokens)");
@@ -174,9 +187,10 @@ bool BlockPool::cache(BlockId block, const BlockKey& key, std::span<const TokenI
   w.is_cached = true;
   w.key = key;
   w.parent = parent;
+  w.entry = entry.entry != 0 ? entry.entry : new_entry();
   std::copy(tokens.begin(), tokens.end(),
             stored_tokens_.begin() + static_cast<ptrdiff_t>(block) * block_size_);
-  if (parent.block_id == kNoBlock) first_block_extras_[static_cast<size_t>(block)] = extras;
+  if (parent.entry == 0) first_block_extras_[static_cast<size_t>(block)] = extras;
   return true;
 }
 

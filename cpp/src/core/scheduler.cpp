@@ -11,7 +11,9 @@ namespace {
 
 int ceil_div(int64_t a, int64_t b) { return static_cast<int>((a + b - 1) / b); }
 
-const SchedulerConfig& checked(const SchedulerConfig& c) {
+const SchedulerConfig& checked(const SchedulerConfig& c, const KVCacheConfig& kv) {
+  check_argument(c.preemption_mode != PreemptionMode::kSwap || kv.num_host_blocks > 0,
+                 "swap preemption needs a host tier (num_host_blocks > 0)");
   check_argument(c.max_num_batched_tokens > 0, "max_num_batched_tokens must be positive");
   check_argument(c.max_num_seqs > 0, "max_num_seqs must be positive");
   check_argument(c.max_model_len > 0, "max_model_len must be positive");
@@ -28,7 +30,7 @@ const SchedulerConfig& checked(const SchedulerConfig& c) {
 }  // namespace
 
 Scheduler::Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_config)
-    : config_(checked(config)),
+    : config_(checked(config, kv_config)),
       kv_(kv_config),
       buffers_(config.max_num_batched_tokens, config.max_num_seqs,
                ceil_div(config.max_model_len, kv_config.block_size)),
@@ -181,8 +183,14 @@ Request* Scheduler::preempt_last_running(std::vector<std::pair<Request*, int>>& 
     scheduled.erase(row);
   }
   victim->num_scheduled_drafts = 0;
-  kv_.free(victim->id);
-  victim->num_computed_tokens = 0;
+  if (config_.preemption_mode == PreemptionMode::kSwap && kv_.can_swap_out(victim->id)) {
+    kv_.swap_out(victim->id);  // it keeps its computed tokens
+    victim->num_computed_tokens = kv_.num_computed_tokens(victim->id);
+    ++num_swapped_preemptions_;
+  } else {
+    kv_.free(victim->id);
+    victim->num_computed_tokens = 0;
+  }
   ++victim->num_preemptions;
   ++num_preemptions_;
   enqueue_waiting(*victim);
@@ -301,8 +309,11 @@ int Scheduler::schedule() {
       kv_.add_request(r->id, r->token_ids, BlockExtras{r->params.adapter_id, r->params.cache_salt});
       r->kv_handle = kv_.handle(r->id);
     }
-    ComputedBlocks hit = kv_.get_computed_blocks(r->id);
-    int n = capped_by_threshold(r->num_tokens() - hit.num_computed_tokens);
+    // A swapped-out request takes its own blocks back; any other looks up the cache.
+    const bool swapped = kv_.is_swapped(r->id);
+    ComputedBlocks hit = swapped ? ComputedBlocks{} : kv_.get_computed_blocks(r->id);
+    const int computed = swapped ? r->num_computed_tokens : hit.num_computed_tokens;
+    int n = capped_by_threshold(r->num_tokens() - computed);
     if (!config_.enable_chunked_prefill && n > budget) break;
     n = std::min(n, budget);
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
@@ -311,7 +322,8 @@ int Scheduler::schedule() {
     r->status = RequestStatus::kRunning;
     r->draft_token_ids.clear();  // (a prefill proposes nothing)
     r->num_scheduled_drafts = 0;
-    r->num_computed_tokens = hit.num_computed_tokens + n;
+    r->num_computed_tokens = computed + n;
+    if (r->num_preemptions == 0) r->num_host_cached_tokens = hit.num_host_tokens;
     running_.push_back(r);
     num_seqs += seqs;
     scheduled.emplace_back(r, n);
@@ -371,6 +383,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     // A sample forked this step has no tokens: its logits row is sample 0's last one,
     // which precedes it (b.num_tokens - 1 above already points there).
   }
+  b.kv_transfers = kv_.take_pending_transfers();
   b.block_copies = kv_.take_pending_copies();
 }
 
@@ -622,6 +635,7 @@ SchedulerStats Scheduler::stats() const {
   s.num_running = static_cast<int>(running_.size());
   s.num_waiting = static_cast<int>(waiting_.size());
   s.num_preemptions = num_preemptions_;
+  s.num_swapped_preemptions = num_swapped_preemptions_;
   s.num_scheduled_prefill_tokens = last_prefill_tokens_;
   s.num_scheduled_decode_tokens = last_decode_tokens_;
   const KVCacheStats kv = kv_.stats();

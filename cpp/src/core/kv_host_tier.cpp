@@ -1,0 +1,87 @@
+// KVCacheManager's host tier: offload on eviction, hits copied back in, swapping out.
+#include <string>
+#include <utility>
+
+#include "pyengine/errors.h"
+#include "pyengine/kv_cache_manager.h"
+
+namespace pyengine {
+
+BlockId KVCacheManager::take_block() {
+  if (host_) {
+    if (const auto evicted = pool_.next_eviction()) offload(*evicted);
+  }
+  return pool_.allocate();
+}
+
+void KVCacheManager::offload(BlockId block) {
+  const BlockKey key = pool_.key(block);
+  const BlockLink entry = pool_.link(block);
+  if (const auto held = host_->lookup(key)) {
+    if (host_->ref_count(*held) > 0) return;  // a copy this step makes or reads
+    host_->retain(*held);
+    if (host_->link(*held) == entry) {  // already there: it becomes the newest
+      host_->release(*held);
+      return;
+    }
+    // An older entry of the same content: the newer one replaces it (its children on
+    // the device link to the newer).
+    host_->uncache(*held);
+    host_->release(*held);
+  }
+  if (host_->num_free_blocks() == 0) return;  // every host block is held: dropped
+  const BlockId copy = host_->allocate();
+  host_->cache(copy, key, pool_.stored_tokens(block), pool_.parent(block),
+               pool_.first_block_extras(block), entry);
+  pending_transfers_.to_host.emplace_back(block, copy);
+  held_host_blocks_.push_back(copy);
+  ++num_blocks_offloaded_;
+}
+
+BlockId KVCacheManager::copy_in_hit(Request& request, size_t block_index, BlockId host_block,
+                                    const BlockLink& parent) {
+  const BlockId block = take_block();
+  pool_.set_num_filled(block, block_size());
+  // The key is in no device block (plan() checked), so caching it cannot fail.
+  pool_.cache(block, request.block_keys[block_index], block_tokens(request, block_index), parent,
+              request.extras, host_->link(host_block));
+  pending_transfers_.to_device.emplace_back(host_block, block);
+  held_host_blocks_.push_back(host_block);  // retained by the caller
+  return block;
+}
+
+bool KVCacheManager::can_swap_out(const RequestId& id) const {
+  const Request& request = find(id);
+  return host_ && !request.block_table.empty() && request.host_table.empty() &&
+         static_cast<size_t>(host_->num_free_blocks()) >= request.block_table.size();
+}
+
+void KVCacheManager::swap_out(const RequestId& id) {
+  if (!can_swap_out(id)) {
+    throw InvalidState("swap_out: request '" + id +
+                       "' has no blocks, is swapped out, or the host tier has too few free "
+                       "blocks");
+  }
+  Request& request = find(id);
+  for (const BlockId block : request.block_table) {
+    const BlockId copy = host_->allocate();
+    pending_transfers_.to_host.emplace_back(block, copy);
+    request.host_table.push_back(copy);
+  }
+  num_blocks_swapped_out_ += static_cast<int64_t>(request.block_table.size());
+  ++num_swapped_requests_;
+  // (released last block first, as free() does; cached ones stay cached)
+  for (auto b = request.block_table.rbegin(); b != request.block_table.rend(); ++b) {
+    pool_.release(*b);
+  }
+  request.block_table.clear();
+  request.num_cached_blocks = 0;
+}
+
+KVTransfers KVCacheManager::take_pending_transfers() {
+  for (const BlockId h : held_host_blocks_) host_->release(h);
+  held_host_blocks_.clear();
+  return std::exchange(pending_transfers_, {});
+}
+
+}  // namespace pyengine
