@@ -316,6 +316,7 @@ QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
 
 SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
 
 
 @dataclass
@@ -346,6 +347,11 @@ class EngineConfig:
     # "fcfs", or "priority": waiting requests by their priority (lower first), then
     # arrival; preemption takes the last in that order
     scheduling_policy: str = "fcfs"
+    # The KV cache's host tier, bytes per worker (0: none): prefix-cache blocks evicted
+    # from the device pool go there, and with preemption_mode "swap" preempted requests.
+    kv_offload_bytes: int = 0
+    kv_offload_dir: str | None = None  # on the CPU: the tier in a file in this folder
+    preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
 
     @property
     def cache_dtype(self) -> str:
@@ -365,12 +371,34 @@ class EngineConfig:
             "max_logprobs": self.max_logprobs >= 0,
             "scheduling_policy": self.scheduling_policy in SCHEDULING_POLICIES,
             "quantized_activations": self.quantized_activations in QUANTIZED_ACTIVATIONS,
+            "kv_offload_bytes": self.kv_offload_bytes >= 0,
+            "preemption_mode": self.preemption_mode in PREEMPTION_MODES,
         }
         for name, ok in checks.items():
             if not ok:
                 raise ValueError(f"{name}: invalid value {getattr(self, name)!r}")
+        self._check_host_tier()
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
                 f"max_model_len ({self.max_model_len}) without chunked prefill"
             )
+
+    def _check_host_tier(self) -> None:
+        if self.preemption_mode == "swap" and self.kv_offload_bytes == 0:
+            raise ValueError(
+                "preemption_mode 'swap' swaps requests out to the KV cache's host tier: set "
+                "kv_offload_gb too"
+            )
+        directory = self.kv_offload_dir
+        if directory is None:
+            return
+        if self.kv_offload_bytes == 0:
+            raise ValueError("kv_offload_dir holds the host tier: set kv_offload_gb (its size)")
+        if self.device != "cpu":
+            raise ValueError(
+                f"kv_offload_dir: the host tier lives in a file on the CPU only (device "
+                f"{self.device!r} keeps it in pinned memory)"
+            )
+        if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+            raise ValueError(f"kv_offload_dir {directory!r} is not a writable folder")

@@ -51,3 +51,4 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0
+    num_host_cached_tokens: int = 0  # of num_cached_tokens, those the KV host tier held

@@ -152,7 +152,11 @@ void bind_stats(py::module_& m) {
       .def_readonly("num_scheduled_prefill_tokens", &SchedulerStats::num_scheduled_prefill_tokens)
       .def_readonly("num_scheduled_decode_tokens", &SchedulerStats::num_scheduled_decode_tokens)
       .def_readonly("prefix_cache_hit_rate", &SchedulerStats::prefix_cache_hit_rate)
-      .def_readonly("kv_cache_usage", &SchedulerStats::kv_cache_usage);
+      .def_readonly("kv_cache_usage", &SchedulerStats::kv_cache_usage)
+      .def_readonly("prefix_cache_queries", &SchedulerStats::prefix_cache_queries)
+      .def_readonly("prefix_cache_hits", &SchedulerStats::prefix_cache_hits)
+      .def_readonly("prefix_cache_host_hits", &SchedulerStats::prefix_cache_host_hits)
+      .def_readonly("kv_host_usage", &SchedulerStats::kv_host_usage);
 }
 
 void bind_scheduler_class(py::module_& m) {

@@ -59,7 +59,7 @@ class _InFlight:
     row_ids: list[str]
     sampled_row_ids: list[str]
     scored: list[tuple[str, int]]  # (request id, prompt position) per prompt-logprob row
-    cached: dict[str, int]  # as EngineCoreOutput.num_cached_tokens
+    cached: dict[str, tuple[int, int]]  # as EngineCoreOutput.num_cached_tokens
     num_sampled: int
     # Speculative decoding: each row's draft tokens (empty where none), and which rows
     # sample; None where the step verifies none.
@@ -72,8 +72,9 @@ class EngineCoreOutput:
     updates: list[RowUpdate]
     sampled_row_ids: list[str]  # the rows that sampled, in the runner output's order
     runner_output: ModelRunnerOutput | None
-    # request id -> prompt tokens its first step found in the prefix cache
-    num_cached_tokens: dict[str, int]
+    # request id -> (prompt tokens its first step found in the prefix cache, of them those
+    # the KV host tier held)
+    num_cached_tokens: dict[str, tuple[int, int]]
     # (request id, prompt position, its logprobs)
     prompt_logprobs: list[tuple[str, int, PositionLogprobs]]
     # row id -> (draft tokens it verified, of them accepted), for the rows that verified
@@ -111,6 +112,8 @@ class EngineCore:
                 draft_row_cost=0.0
                 if spec is None
                 else spec.draft_row_cost(device) + config.draft_token_cost,
+                num_host_blocks=executor.num_host_blocks // num_engines,
+                preemption_mode=config.preemption_mode,
             )
             for _ in range(num_engines)
         ]
@@ -289,7 +292,7 @@ class EngineCore:
             return self._updates(engine)
         b = scheduler.buffers
         row_ids = b.request_ids  # a new list at every access: read once
-        cached = self._first_steps(b, row_ids) if self._unscheduled else {}
+        cached = self._first_steps(scheduler, row_ids) if self._unscheduled else {}
         num_sampled = int(np.count_nonzero(b.is_sampling))
         flight = _InFlight(engine, row_ids, [], [], cached, num_sampled)
         num_drafts = b.num_draft_tokens
@@ -357,14 +360,17 @@ class EngineCore:
             self._unscheduled.discard(request_id)
             self._prompt_logprobs.pop(request_id, None)
 
-    def _first_steps(self, b: StepBuffers, row_ids: list[str]) -> dict[str, int]:
-        """A request's first step starts after the prompt tokens the prefix cache held."""
+    def _first_steps(self, scheduler: Scheduler, row_ids: list[str]) -> dict[str, tuple[int, int]]:
+        """A request's first step starts after the prompt tokens the prefix cache held
+        (some of them, maybe, in the host tier)."""
+        b = scheduler.buffers
         positions, starts = b.positions, b.query_start_loc
         cached = {}
         for i, row_id in enumerate(row_ids):
             if row_id in self._unscheduled:  # sample 0's row: its id is the request's
                 self._unscheduled.discard(row_id)
-                cached[row_id] = int(positions[starts[i]])
+                host = scheduler.num_host_cached_tokens(row_id)
+                cached[row_id] = (int(positions[starts[i]]), host)
         return cached
 
     def _scheduler_output(
@@ -403,6 +409,8 @@ class EngineCore:
             block_tables=b.block_tables,
             logits_indices=b.logits_indices,
             block_copies=b.block_copies,
+            kv_to_host=b.kv_to_host,
+            kv_to_device=b.kv_to_device,
             sampling=sampling,
             prompt_logprob_rows=prompt_rows,
             finished_row_ids=finished,

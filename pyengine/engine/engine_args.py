@@ -21,6 +21,7 @@ from pyengine.config import (
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.sampling_params import is_real
 from pyengine.spec_decode.config import (
     SpeculativeConfig,
     check_draft_vocabulary,
@@ -60,6 +61,15 @@ class EngineArgs:
     # "fcfs" (arrival order), or "priority": a request's priority first (lower first, as
     # vLLM), and preemption takes the lowest-priority running request first
     scheduling_policy: str = "fcfs"
+    # A host-memory tier of the KV cache, GiB per worker (0: none; pinned memory on a
+    # GPU): prefix-cache blocks evicted from the device pool are copied there and brought
+    # back on a later hit instead of being recomputed.
+    kv_offload_gb: float = 0.0
+    # On the CPU: the tier in a file in this folder (a prefix cache larger than memory).
+    kv_offload_dir: str | None = None
+    # "recompute": a preempted request's blocks are freed, its tokens computed again;
+    # "swap" (with kv_offload_gb): its blocks are copied to the host tier and back.
+    preemption_mode: str = "recompute"
 
     # Ranks per pipeline stage, and stages; their product is the number of workers.
     tensor_parallel_size: int = 1
@@ -93,6 +103,13 @@ class EngineArgs:
             )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
+        if not is_real(self.kv_offload_gb) or not 0 <= self.kv_offload_gb < 2**20:
+            raise ValueError(f"kv_offload_gb must be a size in GiB, got {self.kv_offload_gb!r}")
+        if self.kv_offload_gb and speculative is not None and speculative.method == "draft_model":
+            raise ValueError(
+                "kv_offload_gb: the host tier does not hold a draft model's KV cache "
+                "(speculative method draft_model); use another method, or no tier"
+            )
         parallel = self.parallel_config()
         keeps_blocks = Placement(torch.device(device), getattr(torch, dtype)).keeps_gguf_blocks
         # With workers of their own, each reads its shards itself: here the config only.
@@ -134,6 +151,9 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             max_logprobs=self.max_logprobs,
             scheduling_policy=self.scheduling_policy,
+            kv_offload_bytes=int(self.kv_offload_gb * 2**30),
+            kv_offload_dir=self.kv_offload_dir,
+            preemption_mode=self.preemption_mode,
             parallel=parallel,
             quantized_activations=self.quantized_activations,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

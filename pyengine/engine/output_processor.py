@@ -32,6 +32,7 @@ class RequestState:
     samples: list[SampleState]
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
+    num_host_cached_tokens: int = 0  # of them, those the KV host tier held
     done: bool = False
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
 
@@ -47,6 +48,7 @@ class RequestState:
             finished=self.done,
             metrics=replace(self.metrics),
             num_cached_tokens=self.num_cached_tokens,
+            num_host_cached_tokens=self.num_host_cached_tokens,
             prompt_logprobs=self._prompt_logprobs(),
         )
 
@@ -107,8 +109,9 @@ class OutputProcessor:
     def process(self, out: EngineCoreOutput, finished_only: bool = False) -> list[RequestOutput]:
         """Outputs of the requests that progressed in the step (or only the finished ones),
         and of every request finished since the last call; those leave the engine."""
-        for request_id, cached in out.num_cached_tokens.items():
-            self.requests[request_id].num_cached_tokens = cached
+        for request_id, (cached, host) in out.num_cached_tokens.items():
+            state = self.requests[request_id]
+            state.num_cached_tokens, state.num_host_cached_tokens = cached, host
         for request_id, position, logprobs in out.prompt_logprobs:
             self._decode_logprobs(logprobs)
             self.requests[request_id].prompt_logprobs[position] = logprobs

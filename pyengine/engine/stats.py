@@ -15,6 +15,14 @@ class EngineStats:
     num_preemptions: int = 0
     prefix_cache_hit_rate: float = 0.0
     kv_cache_usage: float = 0.0
+    # Since the engine started: prompt tokens looked up in the prefix cache, found, and
+    # of those found in the KV host tier; preemptions that swapped out; and the host
+    # tier's share of blocks holding KV now.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_host_hits: int = 0
+    num_swapped_preemptions: int = 0
+    kv_host_usage: float = 0.0
     # With enable_lora: the adapters of the running and of the waiting requests (names,
     # sorted), and max_loras (vLLM's lora_requests_info).
     running_loras: tuple[str, ...] = ()
@@ -38,4 +46,9 @@ class EngineStats:
             num_preemptions=sum(s.num_preemptions for s in stats),
             prefix_cache_hit_rate=sum(s.prefix_cache_hit_rate for s in stats) / n,
             kv_cache_usage=sum(s.kv_cache_usage for s in stats) / n,
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in stats),
+            prefix_cache_host_hits=sum(s.prefix_cache_host_hits for s in stats),
+            num_swapped_preemptions=sum(s.num_swapped_preemptions for s in stats),
+            kv_host_usage=sum(s.kv_host_usage for s in stats) / n,
         )

@@ -25,6 +25,11 @@ class Executor(ABC):
         steps in flight)."""
 
     @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the KV cache's host tier every worker holds (0: none)."""
+        return 0
+
+    @property
     @abstractmethod
     def num_parameters(self) -> int:
         """Parameters of the model the workers run (all shards; a tied head once)."""

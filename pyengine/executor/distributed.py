@@ -57,7 +57,9 @@ class DistributedExecutor(Executor):
             descriptions = self._start(spec)
             self.ranks = sorted(descriptions, key=lambda d: d["rank"])
             self._num_blocks = min(int(d["num_blocks"]) for d in self.ranks)
-            self._call(("init_cache", self._num_blocks, self.max_steps_in_flight))
+            self._num_host_blocks = min(int(d["num_host_blocks"]) for d in self.ranks)
+            self._call(("init_cache", self._num_blocks, self.max_steps_in_flight,
+                        self._num_host_blocks))  # fmt: skip
         except BaseException:
             self._dead = self._dead or "a worker failed to start"
             self.shutdown()
@@ -93,6 +95,10 @@ class DistributedExecutor(Executor):
     @property
     def num_blocks(self) -> int:
         return self._num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self._num_host_blocks
 
     @property
     def num_parameters(self) -> int:

@@ -15,11 +15,16 @@ class UniProcExecutor(Executor):
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self._closed = False
         self.driver_worker = Worker(loaded, config)
-        self.driver_worker.initialize_cache(self.driver_worker.num_blocks)
+        worker = self.driver_worker
+        worker.initialize_cache(worker.num_blocks, num_host_blocks=worker.num_host_blocks)
 
     @property
     def num_blocks(self) -> int:
         return self.driver_worker.num_blocks
+
+    @property
+    def num_host_blocks(self) -> int:
+        return self.driver_worker.num_host_blocks
 
     @property
     def num_parameters(self) -> int:

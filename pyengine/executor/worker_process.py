@@ -71,7 +71,7 @@ class RankWorker:
         if kind == "execute":
             return self.worker.execute_model(command[1])
         if kind == "init_cache":
-            self.worker.initialize_cache(command[1], command[2])
+            self.worker.initialize_cache(*command[1:])
             return None
         if kind == "comm_stats":  # and reset them
             stats = {"tp": self.tp.comm, "pp": self.pp.comm}

@@ -23,6 +23,7 @@ from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_decode_steps
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
+from pyengine.worker.host_kv_tier import HostKVTier
 from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
@@ -95,11 +96,24 @@ def allocate_caches(
     dtype: torch.dtype,
     device: torch.device,
 ) -> list[KVCache]:
-    """Per layer, views of one new pool (allocate_kv_pool): keys [blocks, kv_heads, head,
-    block] (transposed), values [blocks, kv_heads, block, head] (an int8 cache's head
-    dims longer by the scales: head_size counts them)."""
+    """Per layer, views of one new pool (allocate_kv_pool), as kv_views lays them out."""
     numel = kv_block_numel(num_layers, num_kv_heads, head_size, block_size) * num_blocks
-    halves = allocate_kv_pool(numel, dtype, device).view(num_layers, 2, -1)
+    pool = allocate_kv_pool(numel, dtype, device)
+    return kv_views(pool, num_blocks, num_layers, num_kv_heads, head_size, block_size)
+
+
+def kv_views(
+    pool: torch.Tensor,
+    num_blocks: int,
+    num_layers: int,
+    num_kv_heads: int,
+    head_size: int,
+    block_size: int,
+) -> list[KVCache]:
+    """Per layer, views of `pool`: keys [blocks, kv_heads, head, block] (transposed),
+    values [blocks, kv_heads, block, head] (an int8 cache's head dims longer by the
+    scales: head_size counts them)."""
+    halves = pool.view(num_layers, 2, -1)
     shape = (num_blocks, num_kv_heads)
     return [
         (
@@ -226,6 +240,15 @@ class ModelRunner:
             )
         self.caches_by_engine: list[list[KVCache]] = []
         self.graphs: DecodeGraphs | KernelGraphs | None = None
+        # The host tier (kv_offload_gb): its blocks, allocated by initialize_cache.
+        self.num_host_blocks = config.kv_offload_bytes // self.block_bytes
+        if config.kv_offload_bytes and self.num_host_blocks == 0:
+            raise ValueError(
+                f"kv_offload_gb ({config.kv_offload_bytes} bytes) holds no KV block of "
+                f"{self.block_bytes} bytes"
+            )
+        self.kv_offload_dir = config.kv_offload_dir
+        self.host_tier: HostKVTier | None = None
 
     def share_kv_budget(self, draft_block_bytes: int, draft_weight_bytes: int) -> None:
         """Leaves a draft model room in the KV cache's budget: its weights where they
@@ -247,9 +270,17 @@ class ModelRunner:
         """The KV cache of the first virtual engine (of the only one without a pipeline)."""
         return self.caches_by_engine[0]
 
-    def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
+    def initialize_cache(
+        self, num_blocks: int, num_virtual_engines: int = 1, num_host_blocks: int = 0
+    ) -> None:
         """Allocates `num_blocks` blocks (at most num_blocks), an equal range of them for
-        each virtual engine, then captures the CUDA graphs in what the budget left."""
+        each virtual engine, and the host tier's num_host_blocks (at most
+        num_host_blocks), then captures the CUDA graphs in what the budget left."""
+        if not 0 <= num_host_blocks <= self.num_host_blocks:
+            raise ValueError(
+                f"{num_host_blocks} host KV blocks asked for; this rank holds "
+                f"{self.num_host_blocks}"
+            )
         if not 1 <= num_blocks <= self.num_blocks:
             raise ValueError(f"{num_blocks} KV blocks asked for; this rank holds {self.num_blocks}")
         per_engine = num_blocks // num_virtual_engines
@@ -260,7 +291,20 @@ class ModelRunner:
                 f"{self.min_blocks} (more KV cache memory, or a lower max_model_len)"
             )
         self.num_blocks = num_blocks
-        pool = self._allocate_caches(num_blocks)
+        # (the flat pool kept too: the host tier copies a block of every layer at once)
+        self.kv_pool = allocate_kv_pool(
+            self.block_numel * num_blocks, self.cache_dtype, self.placement.device
+        )
+        pool = kv_views(
+            self.kv_pool, num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
+            self.block_size,
+        )  # fmt: skip
+        self.host_tier = None
+        if num_host_blocks > 0:
+            self.host_tier = HostKVTier(
+                num_host_blocks, self.num_layers, self.block_bytes, self.placement.device,
+                self.kv_offload_dir,
+            )  # fmt: skip
         self.caches_by_engine = [
             [(k[i * per_engine : (i + 1) * per_engine], v[i * per_engine : (i + 1) * per_engine])
              for k, v in pool]
@@ -288,6 +332,25 @@ class ModelRunner:
             num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
             self.block_size, self.cache_dtype, self.placement.device,
         )  # fmt: skip
+
+    def _move_between_tiers(self, b: SchedulerOutput) -> None:
+        """The step's copies between the device cache and the host tier: out, then in."""
+        tier = self.host_tier
+        if tier is None:
+            raise RuntimeError("a step moves KV blocks to a host tier this worker does not have")
+        engines = len(self.caches_by_engine)
+        offsets = (
+            b.virtual_engine * (self.num_blocks // engines),
+            b.virtual_engine * (tier.num_blocks // engines),
+        )
+        # (the pool's bytes laid out as the tier's: layer, K or V, block, the rest)
+        device_blocks = self.kv_pool.view(torch.uint8).view(
+            *tier.blocks.shape[:2], self.num_blocks, -1
+        )
+        if b.kv_to_host:
+            tier.copy_out(device_blocks, b.kv_to_host, offsets)
+        if b.kv_to_device:
+            tier.copy_in(device_blocks, b.kv_to_device, offsets)
 
     @torch.inference_mode()
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
@@ -376,6 +439,8 @@ class ModelRunner:
         to score a slice at a time), both on the model's device. A stage before the
         last sends its output on and returns (None, None)."""
         caches = self.caches_by_engine[b.virtual_engine]
+        if b.kv_to_host or b.kv_to_device:
+            self._move_between_tiers(b)
         if b.block_copies:
             mapping = torch.tensor(b.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)

@@ -87,6 +87,10 @@ class SchedulerOutput:
     # Whose scheduler planned it, and so whose range of KV blocks it reads: with a
     # pipeline, each of the steps in flight has its own (vLLM's virtual engines).
     virtual_engine: int
+    # The KV host tier's copies, run before block_copies: (device, host) blocks out, then
+    # (host, device) blocks in.
+    kv_to_host: list[tuple[int, int]] = field(default_factory=list)
+    kv_to_device: list[tuple[int, int]] = field(default_factory=list)
     # With enable_lora: each request's adapter id (int64 [num_reqs], 0: the base model),
     # and the step's adapters by id (what a worker loads them from).
     adapter_ids: np.ndarray | None = None

@@ -55,8 +55,15 @@ class Worker:
         those it allocated)."""
         return self.model_runner.num_blocks
 
-    def initialize_cache(self, num_blocks: int, num_virtual_engines: int = 1) -> None:
-        self.model_runner.initialize_cache(num_blocks, num_virtual_engines)
+    @property
+    def num_host_blocks(self) -> int:
+        """Blocks of the KV cache's host tier this worker's kv_offload_gb holds."""
+        return self.model_runner.num_host_blocks
+
+    def initialize_cache(
+        self, num_blocks: int, num_virtual_engines: int = 1, num_host_blocks: int = 0
+    ) -> None:
+        self.model_runner.initialize_cache(num_blocks, num_virtual_engines, num_host_blocks)
         if self.drafter is not None:
             self.drafter.initialize_cache(num_blocks)
 
@@ -69,6 +76,7 @@ class Worker:
             "layers": (model.start_layer, model.end_layer),
             "kv_heads": runner.num_kv_heads,
             "num_blocks": runner.num_blocks,
+            "num_host_blocks": runner.num_host_blocks,
             "block_bytes": runner.block_bytes,
             "num_parameters": model.num_parameters,
             "weight_bytes": runner.weight_bytes,

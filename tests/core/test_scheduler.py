@@ -181,17 +181,29 @@ def test_chunked_prefill_of_a_prompt_ten_times_the_budget_beside_decodes() -> No
         assert d.outputs[r] == run_alone(prompt, Limits(max_tokens=30), 256)[0]
 
 
-def test_preemption_recomputes_and_loses_nothing() -> None:
+@pytest.mark.parametrize("swap", [False, True])
+def test_preemption_recomputes_or_swaps_and_loses_nothing(swap: bool) -> None:
     # 12 blocks of 4: three requests growing to 40 tokens cannot all stay.
-    d = make(num_blocks=12, budget=64, max_model_len=64)
+    tier = {"num_host_blocks": 24, "preemption_mode": "swap"} if swap else {}
+    d = make(num_blocks=12, budget=64, max_model_len=64, **tier)
     prompts = {f"r{i}": [i + 1] * 20 for i in range(3)}
     for r, prompt in prompts.items():
         d.add(r, prompt, Limits(max_tokens=20))
     d.run()
-    assert d.s.stats().num_preemptions > 0
+    stats = d.s.stats()
+    assert stats.num_preemptions > 0
+    assert stats.num_swapped_preemptions == (stats.num_preemptions if swap else 0)
     for r, prompt in prompts.items():
         assert d.outputs[r] == run_alone(prompt, Limits(max_tokens=20), 64)[0]
     assert d.s.kv_cache.num_free_blocks == 12
+    assert d.s.kv_cache.stats().num_host_used_blocks == 0
+
+
+def test_swap_preemption_needs_a_host_tier() -> None:
+    with pytest.raises(ValueError, match="swap preemption needs a host tier"):
+        make(preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode must be 'recompute' or 'swap'"):
+        make(num_host_blocks=4, preemption_mode="evict")
 
 
 def test_parallel_samples_share_the_prompt_and_diverge() -> None:

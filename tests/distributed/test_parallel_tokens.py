@@ -89,6 +89,15 @@ def test_preemption_under_a_pipeline_keeps_the_tokens(checkpoints: dict[str, Pat
     assert llm.engine.executor.num_blocks == 16
     assert got == expected
     assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
+    # Swapped out to a host tier instead (each stage's own, a range per scheduler): the
+    # same tokens, at TP=2 and PP=2 (a rank holds half the heads of one layer).
+    got, llm = run(model, prompts, pipeline_parallel_size=2, tensor_parallel_size=2,
+                   kv_cache_memory=memory // 2, kv_offload_gb=0.001, preemption_mode="swap",
+                   **small)  # fmt: skip
+    assert got == expected
+    assert llm.engine.stats().num_swapped_preemptions > 0, "meant to swap"
+    for scheduler in llm.engine.schedulers:
+        assert scheduler.kv_cache.stats().num_host_used_blocks == 0
 
 
 def test_a_split_the_model_does_not_allow_is_refused_at_start(checkpoints: dict[str, Path]) -> None:

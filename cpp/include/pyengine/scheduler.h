@@ -74,6 +74,12 @@ struct SchedulerStats {
   int num_scheduled_decode_tokens = 0;   // last step
   double prefix_cache_hit_rate = 0.0;
   double kv_cache_usage = 0.0;
+  // Prompt tokens looked up in the prefix cache, found, and found in the host tier, since
+  // construction; the host tier's share of blocks holding KV (cached or swapped out).
+  int64_t prefix_cache_queries = 0;
+  int64_t prefix_cache_hits = 0;
+  int64_t prefix_cache_host_hits = 0;
+  double kv_host_usage = 0.0;
 };
 
 class Scheduler {

@@ -42,9 +42,11 @@ BlockId KVCacheManager::copy_in_hit(Request& request, size_t block_index, BlockI
                                     const BlockLink& parent) {
   const BlockId block = take_block();
   pool_.set_num_filled(block, block_size());
-  // The key is in no device block (plan() checked), so caching it cannot fail.
-  pool_.cache(block, request.block_keys[block_index], block_tokens(request, block_index), parent,
-              request.extras, host_->link(host_block));
+  // plan() checked that no device block holds the key.
+  if (!pool_.cache(block, request.block_keys[block_index], block_tokens(request, block_index),
+                   parent, request.extras, host_->link(host_block))) {
+    throw InvalidState("copy_in_hit: a device block caches the key already");
+  }
   pending_transfers_.to_device.emplace_back(host_block, block);
   held_host_blocks_.push_back(host_block);  // retained by the caller
   return block;

@@ -383,7 +383,9 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     // A sample forked this step has no tokens: its logits row is sample 0's last one,
     // which precedes it (b.num_tokens - 1 above already points there).
   }
-  b.kv_transfers = kv_.take_pending_transfers();
+  // A step of no request is not run: its copies (a preemption's swap-out) wait for the
+  // next step's, ahead of them.
+  b.kv_transfers = scheduled.empty() ? KVTransfers{} : kv_.take_pending_transfers();
   b.block_copies = kv_.take_pending_copies();
 }
 
@@ -644,6 +646,13 @@ SchedulerStats Scheduler::stats() const {
                                 : static_cast<double>(kv.prefix_cache_hits) /
                                       static_cast<double>(kv.prefix_cache_queries);
   s.kv_cache_usage = kv.usage;
+  s.prefix_cache_queries = kv.prefix_cache_queries;
+  s.prefix_cache_hits = kv.prefix_cache_hits;
+  s.prefix_cache_host_hits = kv.host_cache_hits;
+  if (kv.num_host_blocks > 0) {
+    s.kv_host_usage = static_cast<double>(kv.num_host_cached_blocks + kv.num_host_used_blocks) /
+                      kv.num_host_blocks;
+  }
   return s;
 }
 

@@ -35,7 +35,20 @@ class EngineMetrics:
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled.")
         self.kv_usage = gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use.")
         self.hit_rate = gauge("prefix_cache_hit_rate", "Prefix-cache hits per block looked up.")
-        self.preemptions = counter("num_preemptions", "Requests preempted (recomputed).")
+        self.preemptions = counter("num_preemptions", "Requests preempted.")
+        self.swapped = counter(
+            "num_preemptions_swapped", "Of those, requests swapped out to the KV host tier."
+        )
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."
+        )
+        self.prefix_hits = counter(
+            "prefix_cache_hits", "Of those, tokens found cached, by the tier that held them "
+            "(device, or host: brought back from --kv-offload-gb).", ("tier",),
+        )  # fmt: skip
+        self.offload_usage = gauge(
+            "kv_offload_usage_perc", "Fraction of the KV host tier's blocks holding KV."
+        )
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = counter(
@@ -48,6 +61,10 @@ class EngineMetrics:
             "time_per_output_token_seconds", "Mean time per token after the first.", _TOKEN_BUCKETS
         )
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", _LATENCY_BUCKETS)
+        self.stalled = counter(
+            "stream_stalled", "Responses whose client took no data for the stall timeout: "
+            "their connections closed, their requests aborted.",
+        )  # fmt: skip
         # As vLLM's: one series, its labels the adapters running and waiting, its value
         # the time they were read.
         self.lora_info = Gauge(
@@ -63,13 +80,16 @@ class EngineMetrics:
             "Draft tokens accepted at each position of a row's drafts.", ("position",),
         )  # fmt: skip
         self._model = model_name
-        self._preemptions_seen = 0
+        self._totals_seen: dict[str, int] = {}  # engine totals already counted, by name
         self._spec_seen: tuple[int, int, int] = (0, 0, 0)
         self._spec_per_pos_seen: list[int] = []
         for metric in (self.running, self.waiting, self.kv_usage, self.hit_rate):
             metric.labels(model_name).set(0)  # exported from the start
-        for counter_ in (self.preemptions, self.prompt_tokens, self.generation_tokens):
+        for counter_ in (self.preemptions, self.prompt_tokens, self.generation_tokens,
+                         self.stalled, self.prefix_queries):  # fmt: skip
             counter_.labels(model_name)
+        for tier in ("device", "host"):
+            self.prefix_hits.labels(model_name, tier)
 
     def watch(self, bound: WaitingBound) -> None:
         """The server's bound on waiting work: its limits, what it holds, what it refused."""
@@ -91,15 +111,30 @@ class EngineMetrics:
         )  # fmt: skip
         bound.on_refused = refused.labels(m).inc
 
+    def count_stall(self) -> None:
+        """A client stopped reading (slow_clients.StallGuard); called on the event loop."""
+        self.stalled.labels(self._model).inc()
+
     def on_step(self, stats: EngineStats, finished: list[RequestOutput], generated: int) -> None:
         m = self._model
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(stats.num_waiting)
         self.kv_usage.labels(m).set(stats.kv_cache_usage)
         self.hit_rate.labels(m).set(stats.prefix_cache_hit_rate)
-        if stats.num_preemptions > self._preemptions_seen:
-            self.preemptions.labels(m).inc(stats.num_preemptions - self._preemptions_seen)
-            self._preemptions_seen = stats.num_preemptions
+        self.offload_usage.labels(m).set(stats.kv_host_usage)
+        host_hits = stats.prefix_cache_host_hits
+        totals = {
+            "preemptions": (self.preemptions.labels(m), stats.num_preemptions),
+            "swapped": (self.swapped.labels(m), stats.num_swapped_preemptions),
+            "queries": (self.prefix_queries.labels(m), stats.prefix_cache_queries),
+            "device": (self.prefix_hits.labels(m, "device"), stats.prefix_cache_hits - host_hits),
+            "host": (self.prefix_hits.labels(m, "host"), host_hits),
+        }
+        for name, (child, total) in totals.items():
+            seen = self._totals_seen.get(name, 0)
+            if total > seen:
+                child.inc(total - seen)
+                self._totals_seen[name] = total
         if generated:
             self.generation_tokens.labels(m).inc(generated)
         self._count_speculation(stats)
