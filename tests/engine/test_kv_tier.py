@@ -10,9 +10,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 from helpers.smollm2 import default_llm
 
 from pyengine import LLM, SamplingParams
+from pyengine.worker.host_kv_tier import HostKVTier
+from pyengine.worker.model_runner import kv_block_numel, kv_views
 
 # A device pool of 16 blocks of 4 tokens (one max_model_len request): four of these
 # prompts (9 blocks each) do not fit in it together, and three long answers at once must
@@ -137,3 +140,30 @@ def test_swap_preemption_gives_the_tokens_of_recompute(no_tier: LLM, tier_swap: 
 def test_a_bad_tier_is_refused_with_its_reason(engine: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         small_pool_llm(**engine)
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device"))],
+)  # fmt: skip
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_the_tier_moves_whole_blocks_of_every_layer(device: str, dtype: torch.dtype) -> None:
+    """Blocks out to the tier and back into other blocks, checked through the per-layer
+    views attention reads (keys transposed), for a second virtual engine's range."""
+    layers, heads, head_size, block_size, blocks, engines = 3, 2, 8, 4, 10, 2
+    numel = kv_block_numel(layers, heads, head_size, block_size) * blocks
+    pool = (torch.randn(numel) * 50).to(dtype).to(device)
+    views = kv_views(pool, blocks, layers, heads, head_size, block_size)
+    block_bytes = numel // blocks * pool.element_size()
+    tier = HostKVTier(6, layers, block_bytes, torch.device(device))
+    device_blocks = pool.view(torch.uint8).view(layers, 2, blocks, -1)
+    offsets = (blocks // engines, 6 // engines)  # engine 1: blocks 5..9, host blocks 3..5
+    before = [(k.clone(), v.clone()) for k, v in views]
+    tier.copy_out(device_blocks, [(0, 2), (3, 0)], offsets)
+    tier.copy_in(device_blocks, [(2, 1), (0, 4)], offsets)  # into engine 1's 1 and 4
+    for (k, v), (k0, v0) in zip(views, before, strict=True):
+        for cache, old in ((k, k0), (v, v0)):
+            assert torch.equal(cache[6], old[5]) and torch.equal(cache[9], old[8])
+            untouched = [b for b in range(blocks) if b not in (6, 9)]
+            assert torch.equal(cache[untouched], old[untouched])
