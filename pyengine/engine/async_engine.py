@@ -5,6 +5,8 @@ steps and runs steps while any request is unfinished; all requests share its con
 batch. Each step's news goes back to the event loop in one call, as a `RequestUpdate`
 per request that progressed: the text, tokens and logprobs added since the last update.
 Text that could still turn out to begin a stop string is held back until it cannot.
+A reader that falls behind (a client whose socket is full) holds one update, the steps'
+news merged into it, never one per step: the engine thread never waits for a reader.
 """
 
 from __future__ import annotations
@@ -65,9 +67,38 @@ class _Sent:
 
 @dataclass
 class _Stream:
+    """A request's updates that its reader has not taken: at most one, into which later
+    steps' updates are merged (as vLLM's RequestOutputCollector), so that a reader that
+    falls behind costs one update's memory, not one per step. `put`, `fail` and `take`
+    run on `loop`; `sent` belongs to the engine thread."""
+
     loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue[RequestUpdate | BaseException]
     sent: _Sent | None = None
+    _pending: RequestUpdate | None = field(default=None, init=False)
+    _error: BaseException | None = field(default=None, init=False)  # (after every update)
+    _ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
+
+    def put(self, update: RequestUpdate) -> None:
+        if self._pending is None:
+            self._pending = update
+            self._ready.set()
+        else:
+            _merge(self._pending, update)
+
+    def fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def take(self) -> RequestUpdate | BaseException:
+        """The updates since the last take, merged; the error once none is left."""
+        if self._pending is None and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        update, self._pending = self._pending, None
+        if update is not None:
+            return update
+        assert self._error is not None
+        return self._error
 
 
 @dataclass
@@ -108,7 +139,7 @@ class RequestStream:
     async def __anext__(self) -> RequestUpdate:
         if self.finished:
             raise StopAsyncIteration
-        update = await self._stream.updates.get()
+        update = await self._stream.take()
         self._started()
         if isinstance(update, BaseException):
             self.finished = True
@@ -215,7 +246,7 @@ class AsyncLLMEngine:
                 f"the engine's step has run for {stalled:.0f} s, past its timeout of "
                 f"{self.step_timeout:g} s: no new requests until it ends"
             )
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop())
         args = (prompt_token_ids, params, prompt, stream, lora_request, priority, cache_salt)
         command = _Command("add", request_id, args)
         try:
@@ -250,7 +281,7 @@ class AsyncLLMEngine:
             logger.exception("the engine loop failed")
             self._error = error
             for stream in self._streams.values():
-                _post(stream.loop, stream.updates.put_nowait, error)
+                _post(stream.loop, stream.fail, error)
             raise
         finally:
             self._refuse_queued_commands()
@@ -364,7 +395,7 @@ class AsyncLLMEngine:
                     f"the engine step running request {request_id} failed: "
                     f"{type(error).__name__}: {error}"
                 )
-                _post(stream.loop, stream.updates.put_nowait, failure)
+                _post(stream.loop, stream.fail, failure)
 
     def _update_stats(self) -> None:
         # A snapshot, taken on the engine thread (the only one that reads the scheduler).
@@ -435,4 +466,25 @@ def _by_loop(
 
 def _deliver(batch: list[tuple[_Stream, RequestUpdate]]) -> None:
     for stream, update in batch:
-        stream.updates.put_nowait(update)
+        stream.put(update)
+
+
+def _merge(into: RequestUpdate, later: RequestUpdate) -> None:
+    """Adds `later` to `into`, an update of the same request its reader has not taken:
+    each sample's text, tokens and logprobs appended, the rest as `later` has it."""
+    earlier = {s.index: s for s in into.samples}
+    for sample in later.samples:
+        mine = earlier.get(sample.index)
+        if mine is None:
+            into.samples.append(sample)
+            continue
+        mine.text += sample.text
+        mine.token_ids += sample.token_ids
+        if sample.logprobs is not None:
+            mine.logprobs = mine.logprobs if mine.logprobs is not None else []
+            mine.logprobs += sample.logprobs
+        mine.finish_reason, mine.stop_reason = sample.finish_reason, sample.stop_reason
+    into.finished = later.finished
+    into.num_cached_tokens = later.num_cached_tokens
+    if into.prompt_logprobs is None:  # (only the first update has them)
+        into.prompt_logprobs = later.prompt_logprobs

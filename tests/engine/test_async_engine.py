@@ -123,3 +123,47 @@ def test_a_failed_step_ends_its_requests_with_the_error(
         assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
+
+
+def test_a_reader_that_falls_behind_holds_one_merged_update(tmp_path: Path) -> None:
+    """A stream whose reader takes nothing while its request runs (a client whose socket
+    is full): the engine thread does not wait for it, and the stream holds one update,
+    every step's news merged into it: the texts, tokens and logprobs a reader that keeps
+    up gets, in the same order."""
+    from pyengine.engine.async_engine import RequestUpdate
+
+    engine = tiny_engine(tmp_path)
+    params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True,
+                            logprobs=1)  # fmt: skip
+
+    def joined(updates: list[RequestUpdate]) -> dict[int, tuple[str, list[int], int, str]]:
+        """Each sample's text, tokens, number of logprobs and finish reason."""
+        text: dict[int, str] = {}
+        tokens: dict[int, list[int]] = {}
+        logprobs: dict[int, int] = {}
+        reason: dict[int, str] = {}
+        for s in (s for update in updates for s in update.samples):
+            text[s.index] = text.get(s.index, "") + s.text
+            tokens[s.index] = tokens.get(s.index, []) + s.token_ids
+            logprobs[s.index] = logprobs.get(s.index, 0) + len(s.logprobs or [])
+            reason[s.index] = s.finish_reason or ""
+        return {k: (text[k], tokens[k], logprobs[k], reason[k]) for k in text}
+
+    async def run() -> tuple[list[RequestUpdate], list[RequestUpdate]]:
+        keeping_up = await engine.add_request("keeping-up", [1, 2, 3], params)
+        kept = [update async for update in keeping_up]
+        behind = await engine.add_request("behind", [1, 2, 3], params)
+        deadline = time.monotonic() + 30
+        while "behind" in engine.engine.requests and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)  # (it runs to its end, unread)
+        return kept, [update async for update in behind]
+
+    engine.start()
+    try:
+        kept, merged = asyncio.run(run())
+        assert len(kept) > 1 and len(merged) == 1 and merged[0].finished
+        assert joined(merged) == joined(kept)
+        assert [len(joined(kept)[k][1]) for k in (0, 1)] == [10, 10]
+        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    finally:
+        engine.stop()

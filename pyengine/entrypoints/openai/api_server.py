@@ -27,11 +27,16 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
 
 from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
-from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError, EngineStepError
+from pyengine.engine.async_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    EngineStepError,
+    RequestStream,
+)
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -48,6 +53,11 @@ from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_m
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.entrypoints.openai.slow_clients import (
+    DEFAULT_STALL_TIMEOUT,
+    REQUEST_IDS,
+    StallGuard,
+)
 from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
 from pyengine.executor import ExecutorDeadError
 from pyengine.loader.resolve import DEFAULT_MODEL
@@ -149,6 +159,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "until it ends (default: none)",
     )  # fmt: skip
     parser.add_argument(
+        "--stream-stall-timeout", type=positive_float, default=DEFAULT_STALL_TIMEOUT,
+        metavar="SECONDS",
+        help="a response whose client takes no data for this long (its connection's buffers "
+        "full) is ended: connection closed, requests aborted",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-request-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES,
         help="a larger request body is refused (413) before it is parsed",
     )  # fmt: skip
@@ -225,6 +241,13 @@ def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # (NaN too)
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
     return value
 
 
@@ -432,11 +455,25 @@ async def answer(raw: Request, work: Awaitable[Any]) -> Response:
     if isinstance(result, dict):
         return JSONResponse(result)
     events, streams = result
-    # The background task also covers a stream that never started (client already gone).
-    return StreamingResponse(
-        _ending_in_an_error_event(events), media_type="text/event-stream",
-        background=BackgroundTask(close_all, streams),
-    )  # fmt: skip
+    state = raw.scope.get("state")
+    if state is not None:  # (for the log line, should the client stall)
+        state[REQUEST_IDS] = [stream.request_id for stream in streams]
+    return EngineStreamResponse(events, streams)
+
+
+class EngineStreamResponse(StreamingResponse):
+    """A stream of SSE events from engine requests, which are aborted however it ends: a
+    client gone or stalled, a send that failed, or a stream that never started."""
+
+    def __init__(self, events: AsyncIterator[str], streams: list[RequestStream]) -> None:
+        super().__init__(_ending_in_an_error_event(events), media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            close_all(self.streams)  # (nothing to abort where they finished)
 
 
 async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
@@ -646,7 +683,7 @@ def serve(ns: argparse.Namespace) -> None:
     signal.signal(signal.SIGTERM, lambda *_: logger.info("drained after SIGTERM"))
     try:
         uvicorn.run(
-            app,
+            StallGuard(app, ns.stream_stall_timeout, metrics.count_stall),
             host=ns.host,
             port=ns.port,
             log_level=ns.uvicorn_log_level,
