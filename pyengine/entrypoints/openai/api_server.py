@@ -30,7 +30,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from pyengine.config import QUANTIZATION_METHODS, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
+from pyengine.config import (
+    PREEMPTION_MODES,
+    QUANTIZATION_METHODS,
+    QUANTIZED_ACTIVATIONS,
+    SCHEDULING_POLICIES,
+)
 from pyengine.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -139,6 +144,20 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--kv-cache-memory", type=int, default=d.kv_cache_memory, help="bytes (CPU)"
     )
+    parser.add_argument(
+        "--kv-offload-gb", type=float, default=d.kv_offload_gb, metavar="GIB",
+        help="a host-memory tier of the KV cache (per worker; pinned on a GPU): evicted "
+        "prefix-cache blocks wait there for a later hit (default: none)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-offload-dir", default=d.kv_offload_dir, metavar="DIR",
+        help="on the CPU: the host tier in a file in this folder (deleted at exit)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--preemption-mode", choices=list(PREEMPTION_MODES), default=d.preemption_mode,
+        help="recompute: a preempted request's KV is computed again; swap (with "
+        "--kv-offload-gb): copied to the host tier and back",
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
