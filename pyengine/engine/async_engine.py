@@ -103,7 +103,7 @@ class _Stream:
 
 @dataclass
 class _Command:
-    kind: str  # "add", "abort", "stop"
+    kind: str  # "add", "abort", "fail_all", "stop"
     request_id: str = ""
     args: tuple[Any, ...] = ()
     done: concurrent.futures.Future[None] = field(default_factory=concurrent.futures.Future)
@@ -262,6 +262,12 @@ class AsyncLLMEngine:
         if self._thread.is_alive():
             self._submit(_Command("abort", request_id))
 
+    async def fail_all(self, reason: str) -> None:
+        """Aborts every request; each stream ends with EngineDeadError(reason) (a shutdown
+        that could wait no longer), not as a plain abort."""
+        if self._thread.is_alive():
+            await asyncio.wrap_future(self._submit(_Command("fail_all", reason)).done)
+
     def _submit(self, command: _Command) -> _Command:
         if not self._thread.is_alive():
             raise EngineDeadError(f"the engine is not running ({self._error or 'stopped'})")
@@ -318,6 +324,11 @@ class AsyncLLMEngine:
             try:
                 if command.kind == "add":
                     self._add(command.request_id, *command.args)
+                elif command.kind == "fail_all":
+                    for request_id, stream in self._streams.items():
+                        self.engine.abort_request(request_id)
+                        _post(stream.loop, stream.fail, EngineDeadError(command.request_id))
+                    self._streams.clear()
                 else:
                     self.engine.abort_request(command.request_id)
             except Exception as error:

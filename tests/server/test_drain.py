@@ -1,6 +1,6 @@
-"""SIGTERM drains the server: it takes no new connections, the streams in flight run to
-their end (within --shutdown-timeout), no KV block or request is left, and the process
-exits 0; a stream still running at the timeout ends with an error event."""
+"""SIGTERM drains the server: new requests are answered 503 at once, the streams in
+flight run to their end (within --shutdown-timeout), and the process exits 0; a stream
+still running at the timeout ends with an error event."""
 
 from __future__ import annotations
 
@@ -33,15 +33,15 @@ def stream(server: Server, i: int, max_tokens: int) -> tuple[str | None, str]:
     return reason, last
 
 
-def refuses_new_connections(server: Server, within: float = 5.0) -> bool:
+def refuses_new_requests(server: Server, within: float = 5.0) -> bool:
+    """Whether a new request gets 503 (the drain's answer) within `within` seconds."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        try:
-            server.request("GET", "/health", auth=False)
-        except ConnectionRefusedError:
-            return True
-        except (OSError, http.client.HTTPException):
-            pass  # (a connection the listener took as it closed)
+        body_text = json.dumps({"prompt": "x", "max_tokens": 1})
+        status, body = server.request("POST", "/v1/completions", body_text)
+        if status == 503:
+            assert body["error"]["message"] == "the server is shutting down"
+            return server.request("GET", "/health", auth=False)[0] == 503
         time.sleep(0.02)
     return False
 
@@ -52,19 +52,39 @@ def started(server: Server) -> int:
 
 
 def test_sigterm_lets_the_streams_in_flight_finish() -> None:
-    server = Server(extra=["--max-num-seqs", "16", "--shutdown-timeout", "60"])
+    server = Server(extra=["--max-num-seqs", "16", "--shutdown-timeout", "120"])
     try:
         with ThreadPoolExecutor(16) as pool:
-            streams = [pool.submit(stream, server, i, 120) for i in range(16)]
+            streams = [pool.submit(stream, server, i, 60) for i in range(16)]
             deadline = time.monotonic() + 60
             while started(server) < 16 and time.monotonic() < deadline:
                 time.sleep(0.05)
             server.process.send_signal(signal.SIGTERM)
-            assert refuses_new_connections(server)  # (while the streams still run)
+            assert refuses_new_requests(server)  # (while the streams still run)
             assert not all(s.done() for s in streams)
             results = [s.result(timeout=120) for s in streams]
         assert [reason for reason, _ in results] == ["length"] * 16
         assert server.process.wait(60) == 0
+    finally:
+        if server.process.poll() is None:
+            server.process.kill()
+
+
+def test_streams_past_the_shutdown_timeout_end_with_an_error_event() -> None:
+    server = Server(extra=["--max-num-seqs", "4", "--shutdown-timeout", "1"])
+    try:
+        with ThreadPoolExecutor(4) as pool:
+            streams = [pool.submit(stream, server, i, 900) for i in range(4)]
+            deadline = time.monotonic() + 60
+            while started(server) < 4 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            server.process.send_signal(signal.SIGTERM)
+            results = [s.result(timeout=60) for s in streams]
+        for reason, last in results:
+            assert reason is None  # (cut, not finished)
+            error = json.loads(last[6:])["error"]
+            assert "the server shut down before the request finished" in error["message"]
+        assert server.process.wait(30) == 0
     finally:
         if server.process.poll() is None:
             server.process.kill()

@@ -44,6 +44,7 @@ from pyengine.engine.async_engine import (
 )
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.admission import WaitingBound
+from pyengine.entrypoints.openai.drain import DrainGate, DrainingServer
 from pyengine.entrypoints.openai.metrics import EngineMetrics
 from pyengine.entrypoints.openai.protocol import (
     APIError,
@@ -697,17 +698,16 @@ def serve(ns: argparse.Namespace) -> None:
             "(give one that does with --chat-template)"
         )
     logger.info("serving %s on http://%s:%d/v1", ", ".join(names), ns.host, ns.port)
-    # uvicorn drains on SIGTERM (no new connections, the requests in flight finish within
-    # --shutdown-timeout), then raises the signal again: that is a drain done, exit 0.
+    # The first SIGTERM drains (drain.py); uvicorn then raises the signal again: that is a
+    # drain done, exit 0.
     signal.signal(signal.SIGTERM, lambda *_: logger.info("drained after SIGTERM"))
+    gate = DrainGate(StallGuard(app, ns.stream_stall_timeout, metrics.count_stall))
+    config = uvicorn.Config(
+        gate, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level,
+        timeout_graceful_shutdown=5,  # (after the drain: connections left idle)
+    )  # fmt: skip
     try:
-        uvicorn.run(
-            StallGuard(app, ns.stream_stall_timeout, metrics.count_stall),
-            host=ns.host,
-            port=ns.port,
-            log_level=ns.uvicorn_log_level,
-            timeout_graceful_shutdown=int(ns.shutdown_timeout),
-        )
+        DrainingServer(config, gate, ns.shutdown_timeout, engine.fail_all).run()
     finally:
         llm_engine.shutdown()  # no worker process outlives the server
 
