@@ -708,6 +708,8 @@ def serve(ns: argparse.Namespace) -> None:
     )  # fmt: skip
     try:
         DrainingServer(config, gate, ns.shutdown_timeout, engine.fail_all).run()
+    except KeyboardInterrupt:
+        pass  # Ctrl-C's signal raised again once drained, as uvicorn.run takes it
     finally:
         llm_engine.shutdown()  # no worker process outlives the server
 
