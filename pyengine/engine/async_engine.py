@@ -192,6 +192,9 @@ class AsyncLLMEngine:
         # workers (the OpenMP runtime stops spinning them).
         _C.release_thread_pool()
         self._thread.start()
+        if self.step_timeout is not None:
+            threading.Thread(target=self._watch_steps, name="pyengine-step-watchdog",
+                             daemon=True).start()  # fmt: skip
         # An interpreter that exits with a step running would be torn down under it. (A
         # weak reference: the engine and its model go when their last user drops them.)
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -325,10 +328,11 @@ class AsyncLLMEngine:
                 if command.kind == "add":
                     self._add(command.request_id, *command.args)
                 elif command.kind == "fail_all":
-                    for request_id, stream in self._streams.items():
+                    for request_id in list(self._streams):
+                        stream = self._streams.pop(request_id, None)  # (as the watchdog)
                         self.engine.abort_request(request_id)
-                        _post(stream.loop, stream.fail, EngineDeadError(command.request_id))
-                    self._streams.clear()
+                        if stream is not None:
+                            _post(stream.loop, stream.fail, EngineDeadError(command.request_id))
                 else:
                     self.engine.abort_request(command.request_id)
             except Exception as error:
@@ -382,7 +386,9 @@ class AsyncLLMEngine:
         finished: list[RequestOutput] = []
         generated = 0
         for out in outputs:
-            stream = self._streams.get(out.request_id)
+            # (popped, not read then deleted: the watchdog may have taken it meanwhile)
+            pick = self._streams.pop if out.finished else self._streams.get
+            stream = pick(out.request_id, None)
             if stream is None:
                 continue
             update = _delta(out, stream)
@@ -390,12 +396,39 @@ class AsyncLLMEngine:
             deliveries.append((stream, update))
             if out.finished:
                 finished.append(out)
-                del self._streams[out.request_id]
         self._update_stats()
         if self._on_step is not None:
             self._on_step(self.stats, finished, generated)
         for loop, batch in _by_loop(deliveries).items():
             _post(loop, _deliver, batch)
+
+    def _watch_steps(self) -> None:
+        """On its own thread: a step that runs past step_timeout cannot be interrupted, so
+        every request ends now with EngineDeadError (each stream taken by one atomic pop,
+        as the engine thread takes them), and is aborted once the step returns."""
+        assert self.step_timeout is not None
+        failed_step: float | None = None  # (the start of the step already failed)
+        while self._thread.is_alive():
+            time.sleep(min(self.step_timeout / 4, 0.5))
+            started = self._step_started
+            if started is None or started == failed_step:
+                continue
+            running = time.monotonic() - started
+            if running <= self.step_timeout:
+                continue
+            failed_step = started
+            logger.error("an engine step has run %.1f s, past its timeout: its requests "
+                         "end with an error", running)  # fmt: skip
+            for request_id in list(self._streams):
+                stream = self._streams.pop(request_id, None)
+                if stream is None:
+                    continue
+                error = EngineDeadError(
+                    f"the engine's step has run for {running:.0f} s, past its timeout of "
+                    f"{self.step_timeout:g} s: request {request_id} ended"
+                )
+                _post(stream.loop, stream.fail, error)
+                self._commands.put(_Command("abort", request_id))
 
     def _fail_streams(self, request_ids: set[str], error: Exception) -> None:
         """The requests of a failed step end with the error, not as plain aborts."""

@@ -56,8 +56,9 @@ def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(
 def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A step that runs past step_timeout: unhealthy, and new requests refused with
-    EngineDeadError while it runs; once it ends, healthy and serving again."""
+    """A step that runs past step_timeout: unhealthy, new requests refused with
+    EngineDeadError, and its request ended with one, while it runs; once it ends, the
+    request is aborted, and the engine healthy and serving again."""
     from pyengine.engine.async_engine import EngineDeadError
 
     engine = tiny_engine(tmp_path, step_timeout=0.3)
@@ -74,15 +75,22 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
         healthy_during = engine.check_health()
         with pytest.raises(EngineDeadError, match="past its timeout of 0.3 s"):
             await engine.add_request("refused", [4, 5], greedy)
-        tokens = [t async for u in stalled for s in u.samples for t in s.token_ids]
+        with pytest.raises(EngineDeadError, match="request stalled ended"):
+            async for _ in stalled:
+                pass
+        assert time.monotonic() - start < 1.1  # (before the stalled step ended)
+        while engine.stalled_step() is not None:
+            await asyncio.sleep(0.05)
         later = await engine.add_request("later", [1, 2, 3], greedy)
         more = [t async for u in later for s in u.samples for t in s.token_ids]
-        return healthy_during, engine.check_health(), len(tokens) + len(more)
+        return healthy_during, engine.check_health(), len(more)
 
     engine.start()
     try:
+        start = time.monotonic()
         during, after, count = asyncio.run(run())
-        assert not during and after and count == 6
+        assert not during and after and count == 3
+        assert "stalled" not in engine.engine.requests
         assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()

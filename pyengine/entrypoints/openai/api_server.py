@@ -175,8 +175,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
         "--engine-step-timeout", type=float, default=None, metavar="SECONDS",
-        help="a step running longer is a hang: /health answers 503 and new requests 503 "
-        "until it ends (default: none)",
+        help="a step running longer is a hang: its requests end with an error, /health "
+        "and new requests answer 503 until it ends (default: none)",
     )  # fmt: skip
     parser.add_argument(
         "--stream-stall-timeout", type=positive_float, default=DEFAULT_STALL_TIMEOUT,
