@@ -2,31 +2,18 @@
 #include <vector>
 
 #include "harness.h"
+#include "kv_testing.h"
 #include "pyengine/errors.h"
 #include "pyengine/kv_cache_manager.h"
 
 using namespace pyengine;
+using pyengine::testing::iota_tokens;
+using pyengine::testing::start;
 
 namespace {
 
-std::vector<TokenId> iota_tokens(int n, TokenId first = 0) {
-  std::vector<TokenId> tokens(static_cast<size_t>(n));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
-
 KVCacheManager make(int num_blocks, int block_size = 4) {
   return KVCacheManager(KVCacheConfig{num_blocks, block_size, true});
-}
-
-// Adds a request and computes its whole prompt, taking any prefix hit.
-ComputedBlocks start(KVCacheManager& kv, const RequestId& id, const std::vector<TokenId>& prompt,
-                     BlockExtras extras = {}) {
-  kv.add_request(id, prompt, std::move(extras));
-  ComputedBlocks hit = kv.get_computed_blocks(id);
-  const int rest = static_cast<int>(prompt.size()) - hit.num_computed_tokens;
-  CHECK(kv.allocate_slots(id, rest, 0, &hit).has_value());
-  return hit;
 }
 
 }  // namespace

@@ -3,30 +3,18 @@
 #include <vector>
 
 #include "harness.h"
+#include "kv_testing.h"
 #include "pyengine/errors.h"
 #include "pyengine/kv_cache_manager.h"
 
 using namespace pyengine;
+using pyengine::testing::iota_tokens;
+using pyengine::testing::start;
 
 namespace {
 
-std::vector<TokenId> iota_tokens(int n, TokenId first = 0) {
-  std::vector<TokenId> tokens(static_cast<size_t>(n));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
-
 KVCacheManager with_host_tier(int num_blocks, int num_host_blocks) {
   return KVCacheManager(KVCacheConfig{num_blocks, 4, true, num_host_blocks});
-}
-
-ComputedBlocks start(KVCacheManager& kv, const RequestId& id, const std::vector<TokenId>& prompt,
-                     BlockExtras extras = {}) {
-  kv.add_request(id, prompt, std::move(extras));
-  ComputedBlocks hit = kv.get_computed_blocks(id);
-  const int rest = static_cast<int>(prompt.size()) - hit.num_computed_tokens;
-  CHECK(kv.allocate_slots(id, rest, 0, &hit).has_value());
-  return hit;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@ import http.client
 import json
 import signal
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from helpers.server import API_KEY, Server
@@ -51,40 +52,41 @@ def started(server: Server) -> int:
     return int(sum(v for k, v in m.items() if k.startswith("num_requests_running")))
 
 
-def test_sigterm_lets_the_streams_in_flight_finish() -> None:
-    server = Server(extra=["--max-num-seqs", "16", "--shutdown-timeout", "120"])
+def sigterm_during_streams(
+    server: Server, num_streams: int, max_tokens: int, while_draining: Callable[[], None]
+) -> list[tuple[str | None, str]]:
+    """Streams started (all running), then SIGTERM, then `while_draining()`; each
+    stream's finish reason and last event, and the process's exit code checked 0."""
     try:
-        with ThreadPoolExecutor(16) as pool:
-            streams = [pool.submit(stream, server, i, 60) for i in range(16)]
+        with ThreadPoolExecutor(num_streams) as pool:
+            streams = [pool.submit(stream, server, i, max_tokens) for i in range(num_streams)]
             deadline = time.monotonic() + 60
-            while started(server) < 16 and time.monotonic() < deadline:
+            while started(server) < num_streams and time.monotonic() < deadline:
                 time.sleep(0.05)
             server.process.send_signal(signal.SIGTERM)
-            assert refuses_new_requests(server)  # (while the streams still run)
+            while_draining()
             assert not all(s.done() for s in streams)
             results = [s.result(timeout=120) for s in streams]
-        assert [reason for reason, _ in results] == ["length"] * 16
         assert server.process.wait(60) == 0
+        return results
     finally:
         if server.process.poll() is None:
             server.process.kill()
+
+
+def test_sigterm_lets_the_streams_in_flight_finish() -> None:
+    server = Server(extra=["--max-num-seqs", "16", "--shutdown-timeout", "120"])
+
+    def new_requests_refused() -> None:
+        assert refuses_new_requests(server)  # (while the streams still run)
+
+    results = sigterm_during_streams(server, 16, 60, new_requests_refused)
+    assert [reason for reason, _ in results] == ["length"] * 16
 
 
 def test_streams_past_the_shutdown_timeout_end_with_an_error_event() -> None:
     server = Server(extra=["--max-num-seqs", "4", "--shutdown-timeout", "1"])
-    try:
-        with ThreadPoolExecutor(4) as pool:
-            streams = [pool.submit(stream, server, i, 900) for i in range(4)]
-            deadline = time.monotonic() + 60
-            while started(server) < 4 and time.monotonic() < deadline:
-                time.sleep(0.05)
-            server.process.send_signal(signal.SIGTERM)
-            results = [s.result(timeout=60) for s in streams]
-        for reason, last in results:
-            assert reason is None  # (cut, not finished)
-            error = json.loads(last[6:])["error"]
-            assert "the server shut down before the request finished" in error["message"]
-        assert server.process.wait(30) == 0
-    finally:
-        if server.process.poll() is None:
-            server.process.kill()
+    for reason, last in sigterm_during_streams(server, 4, 900, lambda: None):
+        assert reason is None  # (cut, not finished)
+        error = json.loads(last[6:])["error"]
+        assert "the server shut down before the request finished" in error["message"]
