@@ -37,6 +37,7 @@ ORDER = (
     "speculative",
     "structured",
     "serve",
+    "soak",
     "gpu_kernels",
     "gpu_kernels_attention",
     "gpu_throughput",
