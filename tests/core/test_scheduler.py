@@ -255,6 +255,25 @@ def test_priority_policy_runs_urgent_requests_first() -> None:
     assert set(d.finished) == {"late", "urgent"}
 
 
+@pytest.mark.parametrize(("policy", "victim"), [("priority", "b"), ("fcfs", "c")])
+def test_preemption_takes_the_last_running_request_in_policy_order(
+    policy: str, victim: str
+) -> None:
+    """Three requests outgrow 12 blocks of 4: the first preempted is the lowest
+    priority's (the highest value) under "priority", the latest arrival's under "fcfs"."""
+    d = make(num_blocks=12, budget=64, max_model_len=64, policy=policy)
+    for i, (request_id, priority) in enumerate([("a", 0), ("b", 9), ("c", 5)]):
+        d.add(request_id, [i + 1] * 12, Limits(max_tokens=20), priority=priority,
+              arrival_time=float(i))  # fmt: skip
+    while d.s.stats().num_preemptions == 0:
+        d.schedule()
+        d.finish_step()
+    statuses = {r: d.s.status(r) for r in "abc"}
+    assert statuses == {r: "waiting" if r == victim else "running" for r in "abc"}
+    d.run()
+    assert len(d.finished) == 3
+
+
 def test_abort_during_a_step() -> None:
     d = make()
     d.add("a", [1, 2, 3], Limits(max_tokens=5))
