@@ -68,6 +68,8 @@ def sigterm_during_streams(
             assert not all(s.done() for s in streams)
             results = [s.result(timeout=120) for s in streams]
         assert server.process.wait(60) == 0
+        log = server.process.stdout.read()  # type: ignore[union-attr]
+        assert "stopped: 0 requests unfinished, 0 KV blocks in use" in log, log
         return results
     finally:
         if server.process.poll() is None:

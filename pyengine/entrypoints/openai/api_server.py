@@ -43,6 +43,7 @@ from pyengine.engine.async_engine import (
     RequestStream,
 )
 from pyengine.engine.engine_args import EngineArgs
+from pyengine.engine.llm_engine import LLMEngine
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.drain import DrainGate, DrainingServer
 from pyengine.entrypoints.openai.metrics import EngineMetrics
@@ -711,7 +712,17 @@ def serve(ns: argparse.Namespace) -> None:
     except KeyboardInterrupt:
         pass  # Ctrl-C's signal raised again once drained, as uvicorn.run takes it
     finally:
+        if not engine.is_running:  # (else its thread still reads the scheduler)
+            log_what_is_left(llm_engine)
         llm_engine.shutdown()  # no worker process outlives the server
+
+
+def log_what_is_left(llm_engine: LLMEngine) -> None:
+    """At exit: the requests and KV blocks the engine still holds (none, where the
+    drain and the engine's stop went as they should)."""
+    used = sum(s.kv_cache.stats().num_used_blocks for s in llm_engine.core.schedulers)
+    unfinished = len(llm_engine.output_processor.requests)
+    logger.info("stopped: %d requests unfinished, %d KV blocks in use", unfinished, used)
 
 
 def main(argv: list[str] | None = None) -> None:
