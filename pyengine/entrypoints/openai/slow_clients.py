@@ -29,9 +29,10 @@ REQUEST_IDS = "pyengine.request_ids"
 
 
 class StallGuard:
-    """ASGI middleware, outermost (it needs the server's own `send`, which belongs to the
-    connection): closes the connection of a response whose send has waited `timeout`
-    seconds, logs it and calls `on_stalled` (the metrics' counter)."""
+    """ASGI middleware around the app (it needs the server's own `send`, which belongs to
+    the connection; drain.DrainGate, around it, passes that on): closes the connection
+    of a response whose send has waited `timeout` seconds, logs it and calls
+    `on_stalled` (the metrics' counter)."""
 
     def __init__(
         self, app: ASGIApp, timeout: float, on_stalled: Callable[[], None] | None = None
