@@ -269,7 +269,7 @@ class AsyncLLMEngine:
         """Aborts every request; each stream ends with EngineDeadError(reason) (a shutdown
         that could wait no longer), not as a plain abort."""
         if self._thread.is_alive():
-            await asyncio.wrap_future(self._submit(_Command("fail_all", reason)).done)
+            await asyncio.wrap_future(self._submit(_Command("fail_all", args=(reason,))).done)
 
     def _submit(self, command: _Command) -> _Command:
         if not self._thread.is_alive():
@@ -328,11 +328,7 @@ class AsyncLLMEngine:
                 if command.kind == "add":
                     self._add(command.request_id, *command.args)
                 elif command.kind == "fail_all":
-                    for request_id in list(self._streams):
-                        stream = self._streams.pop(request_id, None)  # (as the watchdog)
-                        self.engine.abort_request(request_id)
-                        if stream is not None:
-                            _post(stream.loop, stream.fail, EngineDeadError(command.request_id))
+                    self._fail_all(*command.args)
                 else:
                     self.engine.abort_request(command.request_id)
             except Exception as error:
@@ -419,16 +415,37 @@ class AsyncLLMEngine:
             failed_step = started
             logger.error("an engine step has run %.1f s, past its timeout: its requests "
                          "end with an error", running)  # fmt: skip
-            for request_id in list(self._streams):
-                stream = self._streams.pop(request_id, None)
-                if stream is None:
-                    continue
-                error = EngineDeadError(
-                    f"the engine's step has run for {running:.0f} s, past its timeout of "
-                    f"{self.step_timeout:g} s: request {request_id} ended"
-                )
-                _post(stream.loop, stream.fail, error)
-                self._commands.put(_Command("abort", request_id))
+            self._fail_hung_step(running)
+
+    def _fail_hung_step(self, running: float) -> None:
+        """(the watchdog's thread) Ends every stream; the engine thread aborts their
+        requests once the step returns."""
+
+        def hang(request_id: str) -> EngineDeadError:
+            return EngineDeadError(
+                f"the engine's step has run for {running:.0f} s, past its timeout of "
+                f"{self.step_timeout:g} s: request {request_id} ended"
+            )
+
+        for request_id in self._end_every_stream(hang):
+            self._commands.put(_Command("abort", request_id))
+
+    def _fail_all(self, reason: str) -> None:
+        """(the engine thread) Ends every stream with `reason`, aborting its request."""
+        for request_id in self._end_every_stream(lambda _: EngineDeadError(reason)):
+            self.engine.abort_request(request_id)
+
+    def _end_every_stream(self, error_of: Callable[[str], BaseException]) -> list[str]:
+        """Takes every stream, each by one atomic pop (the engine thread, the watchdog and
+        fail_all may race for one), ends it with error_of(its request id), and returns
+        the request ids it ended: the caller aborts them."""
+        ended = []
+        for request_id in list(self._streams):
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
+                _post(stream.loop, stream.fail, error_of(request_id))
+                ended.append(request_id)
+        return ended
 
     def _fail_streams(self, request_ids: set[str], error: Exception) -> None:
         """The requests of a failed step end with the error, not as plain aborts."""

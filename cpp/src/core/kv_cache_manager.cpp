@@ -335,7 +335,9 @@ void KVCacheManager::cache_full_blocks(Request& request) {
 
 void KVCacheManager::rollback(const RequestId& id, int num_computed_tokens) {
   Request& request = find(id);
-  if (!request.host_table.empty()) throw InvalidState("rollback: request '" + id + "' is swapped out");
+  if (!request.host_table.empty()) {
+    throw InvalidState("rollback: request '" + id + "' is swapped out");
+  }
   check_argument(num_computed_tokens >= 0 && num_computed_tokens <= request.num_computed_tokens,
                  "rollback: num_computed_tokens must be in [0, the request's current count]");
   const int size = block_size();

@@ -55,6 +55,7 @@ from pyengine.entrypoints.openai.protocol import (
     LoadLoRAAdapterRequest,
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
+    error_response,
 )
 from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_modules
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
@@ -597,15 +598,6 @@ class ApiKeyCheck:
             if self.salt_per_key:
                 scope = {**scope, self.SALT: self.salts[index]}
         await self.app(scope, receive, send)
-
-
-def error_response(error: APIError) -> Response:
-    # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
-    # encode (an unpaired surrogate).
-    return Response(
-        json.dumps(error.body()), status_code=error.status, media_type="application/json",
-        headers=error.headers,
-    )  # fmt: skip
 
 
 def validation_error(error: RequestValidationError) -> APIError:

@@ -6,7 +6,6 @@ exits. A second signal ends it at once, as uvicorn's own."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -15,9 +14,8 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
-from starlette.responses import Response
 
-from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.protocol import APIError, error_response
 
 logger = logging.getLogger(__name__)
 
@@ -40,12 +38,9 @@ class DrainGate:
             await self.app(scope, receive, send)
             return
         if self.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
-            body = APIError("the server is shutting down", status=503).body()
-            response = Response(
-                json.dumps(body), status_code=503, media_type="application/json",
-                headers={"Connection": "close"},
-            )  # fmt: skip
-            await response(scope, receive, send)
+            error = APIError("the server is shutting down", status=503,
+                             headers={"Connection": "close"})  # fmt: skip
+            await error_response(error)(scope, receive, send)
             return
         self.in_flight += 1
         try:

@@ -8,6 +8,7 @@ import json
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from starlette.responses import Response
 
 from pyengine.entrypoints.openai.tool_parsers import NOT_JSON
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -52,6 +53,16 @@ class APIError(Exception):
                 "code": self.status,
             }
         }
+
+
+def error_response(error: APIError) -> Response:
+    """The error as the HTTP response a client gets."""
+    # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
+    # encode (an unpaired surrogate).
+    return Response(
+        json.dumps(error.body()), status_code=error.status, media_type="application/json",
+        headers=error.headers,
+    )  # fmt: skip
 
 
 class StreamOptions(BaseModel):
