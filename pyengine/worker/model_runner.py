@@ -291,12 +291,11 @@ class ModelRunner:
                 f"{self.min_blocks} (more KV cache memory, or a lower max_model_len)"
             )
         self.num_blocks = num_blocks
-        # (the flat pool kept too: the host tier copies a block of every layer at once)
-        self.kv_pool = allocate_kv_pool(
+        flat = allocate_kv_pool(
             self.block_numel * num_blocks, self.cache_dtype, self.placement.device
         )
         pool = kv_views(
-            self.kv_pool, num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
+            flat, num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
             self.block_size,
         )  # fmt: skip
         self.host_tier = None
@@ -305,6 +304,11 @@ class ModelRunner:
                 num_host_blocks, self.num_layers, self.block_bytes, self.placement.device,
                 self.kv_offload_dir,
             )  # fmt: skip
+            # The pool's bytes laid out as the tier's (layer, K or V, block, the rest): it
+            # copies a block of every layer at once.
+            self.kv_pool_blocks = flat.view(torch.uint8).view(
+                *self.host_tier.blocks.shape[:2], num_blocks, -1
+            )
         self.caches_by_engine = [
             [(k[i * per_engine : (i + 1) * per_engine], v[i * per_engine : (i + 1) * per_engine])
              for k, v in pool]
@@ -343,14 +347,10 @@ class ModelRunner:
             b.virtual_engine * (self.num_blocks // engines),
             b.virtual_engine * (tier.num_blocks // engines),
         )
-        # (the pool's bytes laid out as the tier's: layer, K or V, block, the rest)
-        device_blocks = self.kv_pool.view(torch.uint8).view(
-            *tier.blocks.shape[:2], self.num_blocks, -1
-        )
         if b.kv_to_host:
-            tier.copy_out(device_blocks, b.kv_to_host, offsets)
+            tier.copy_out(self.kv_pool_blocks, b.kv_to_host, offsets)
         if b.kv_to_device:
-            tier.copy_in(device_blocks, b.kv_to_device, offsets)
+            tier.copy_in(self.kv_pool_blocks, b.kv_to_device, offsets)
 
     @torch.inference_mode()
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
