@@ -27,7 +27,7 @@ inputs are sorted by group (x's columns are then taken in that order): w = s (q 
 is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
 exact in float32, so the weights are the same bits. The blocks are then the layer's only
 form. On CUDA in 16 bits with PYENGINE_CUDA_BLOCK_GEMM=1 the same blocks go to
-ops.block_gemm (layers/cuda_blocks.py), as a GGUF's do. Otherwise (a row-parallel shard
+ops.block_gemm (cuda_blocks.py), as a GGUF's do. Otherwise (a row-parallel shard
 with activation order, groups smaller than a block, stacked parts in orders of their own,
 CUDA by default) the integers are kept and the shard is dequantized in torch each step.
 """
