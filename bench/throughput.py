@@ -27,6 +27,7 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.layers.linear import LinearBase
+from pyengine.layers.quantization.int8_w8a8 import Int8W8A8Method
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
 from .common import add_workload_arguments, print_table, report
@@ -79,7 +80,12 @@ def single_decode_weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     for layer in model.modules():
         if isinstance(layer, LinearBase):
-            packed = layer.packed_blocks if layer.packed_blocks is not None else layer.packed
+            # (a packed block form: GGUF's, GPTQ/AWQ's, FP8's; W8A8's int8 panels, as
+            # before the methods held their own forms, are not counted)
+            state = layer.method_state
+            int8 = isinstance(layer.method, Int8W8A8Method)
+            blocks = None if int8 else getattr(state, "packed", None)
+            packed = blocks if blocks is not None else layer.method.panels(layer)
             total += 0 if packed is None else packed.numel() * packed.element_size()
     return total
 

@@ -9,8 +9,6 @@ from typing import Any
 from pyengine.sampling_params import is_int, is_real
 from pyengine.spec_decode.config import SpeculativeConfig
 
-QUANTIZATION_METHODS = ("gptq", "awq", "compressed-tensors")
-
 
 @dataclass(frozen=True)
 class QuantizationConfig:
@@ -20,9 +18,12 @@ class QuantizationConfig:
     `activation_bits`, activations quantized too, per token, as each step runs (W8A8), or
     by a scale of the checkpoint's (`static_activations`). `weight_type` "float": fp8
     e4m3 weights and activations (compressed-tensors' FP8), a scale per channel or
-    tensor."""
+    tensor.
 
-    method: str  # "gptq", "awq" or "compressed-tensors"
+    A plain value: the method it names checks it when it is read from a checkpoint
+    (layers/quantization/registry.py, check_quantization_config)."""
+
+    method: str  # a registered method's name: "gptq", "awq" or "compressed-tensors"
     bits: int
     group_size: int
     desc_act: bool = False  # GPTQ: groups in activation order (a g_idx per input feature)
@@ -39,59 +40,6 @@ class QuantizationConfig:
     # KV cache of that dtype: "int8" (kv_cache_dtype="int8" takes them instead of its
     # per-token ones) or "fp8" (kv_cache_dtype="fp8" stores x / scale); None: no scheme.
     kv_cache_scales: str | None = None
-
-    def __post_init__(self) -> None:
-        if self.method not in QUANTIZATION_METHODS:
-            raise ValueError(
-                f"quantization {self.method!r} is not supported (supported: "
-                f"{', '.join(QUANTIZATION_METHODS)})"
-            )
-        if not is_int(self.group_size) or not (self.group_size == -1 or self.group_size >= 8):
-            raise ValueError(
-                f"{self.method} group_size must be -1 or at least 8, got {self.group_size!r}"
-            )
-        if self.weight_type not in ("int", "float"):
-            raise ValueError(f"weight_type must be 'int' or 'float', got {self.weight_type!r}")
-        if self.block_structure is not None and not (
-            self.weight_type == "float"
-            and len(self.block_structure) == 2
-            and all(is_int(b) and b >= 1 for b in self.block_structure)
-        ):
-            raise ValueError(
-                f"block_structure must be two positive sizes of an FP8 weight's blocks, got "
-                f"{self.block_structure!r}"
-            )
-        group = self.activation_group
-        if group and not (is_int(group) and group >= 1):
-            raise ValueError(f"activation_group must be positive, got {group!r}")
-        if self.weight_type == "float":
-            if (self.method, self.bits, self.group_size) != ("compressed-tensors", 8, -1) or (
-                self.activation_bits not in (0, 8)
-            ):
-                raise ValueError(
-                    "float weights are compressed-tensors' FP8 (8-bit e4m3 per channel or "
-                    f"tensor), not {self.method} {self.bits}-bit in groups of {self.group_size}"
-                )
-            return
-        if self.method == "compressed-tensors":
-            w8a8 = (self.bits, self.group_size, self.activation_bits) == (8, -1, 8)
-            w4a16 = self.bits == 4 and self.activation_bits == 0
-            if not (w8a8 or w4a16):
-                raise ValueError(
-                    "compressed-tensors: int8 weights per channel with int8 activations per "
-                    "token (W8A8), or 4-bit weights with float activations (W4A16), are "
-                    f"supported, not {self.bits}-bit weights in groups of {self.group_size} "
-                    f"with {self.activation_bits or 'float'} activations"
-                )
-            return
-        allowed_bits = (4, 8) if self.method == "gptq" else (4,)
-        if self.bits not in allowed_bits:
-            raise ValueError(
-                f"{self.method} with {self.bits!r}-bit weights is not supported (bits: "
-                f"{', '.join(map(str, allowed_bits))})"
-            )
-        if self.method == "awq" and self.desc_act:
-            raise ValueError("awq checkpoints have no activation-order groups (desc_act)")
 
     @property
     def pack_factor(self) -> int:

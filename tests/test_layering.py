@@ -1,5 +1,5 @@
 """The import picture of pyengine's Python layers (docs/architecture.md): no module imports
-one of a higher layer at module level, and there is no import cycle."""
+one of a higher layer, and there is no import cycle, counting imports inside functions."""
 
 from __future__ import annotations
 
@@ -34,20 +34,51 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def top_level_imports(path: Path) -> set[str]:
-    """pyengine modules `path` imports when it is imported (not inside functions, not
-    under TYPE_CHECKING)."""
+def _type_only(tree: ast.Module) -> set[int]:
+    """The nodes under `if TYPE_CHECKING:` (imports for annotations only)."""
+    inside: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            inside.update(id(child) for child in ast.walk(node))
+    return inside
+
+
+def _absolute(path: Path, node: ast.ImportFrom) -> str | None:
+    """The module a `from ... import` names, a relative one resolved from `path`."""
+    if not node.level:
+        return node.module
+    package = module_name(path).split(".")
+    if path.name != "__init__.py":
+        package = package[:-1]
+    package = package[: len(package) - (node.level - 1)]
+    return ".".join(package + ([node.module] if node.module else []))
+
+
+def _is_module(dotted: str) -> bool:
+    sub = ROOT.parent.joinpath(*dotted.split("."))
+    return sub.with_suffix(".py").exists() or sub.is_dir()
+
+
+def imports(path: Path) -> set[str]:
+    """pyengine modules `path` imports, at module level or inside functions (those under
+    TYPE_CHECKING aside): a function's import still makes the two modules depend on each
+    other, only later. `from package import module` counts as importing the module."""
     tree = ast.parse(path.read_text())
+    type_only = _type_only(tree)
     found: set[str] = set()
-    for node in tree.body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("pyengine"):
-            if node.module == "pyengine":  # from pyengine import _C, ops, Scheduler...
-                for alias in node.names:
-                    sub = ROOT / alias.name
-                    is_module = sub.with_suffix(".py").exists() or sub.is_dir()
-                    found.add(f"pyengine.{alias.name}" if is_module else "pyengine._C")
-            else:
-                found.add(node.module)
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            module = _absolute(path, node)
+            if not module or not module.startswith("pyengine"):
+                continue
+            for alias in node.names:
+                name = f"{module}.{alias.name}"
+                if _is_module(name):  # from pyengine import ops; from pyengine.layers import x
+                    found.add(name)
+                else:  # a name in the module (pyengine's own: the _C extension's)
+                    found.add("pyengine._C" if module == "pyengine" else module)
         elif isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("pyengine"))
     return found
@@ -59,7 +90,7 @@ def layer_of(module: str) -> int:
 
 def graph() -> dict[str, set[str]]:
     return {
-        module_name(path): top_level_imports(path)
+        module_name(path): imports(path)
         for path in ROOT.rglob("*.py")
         if module_name(path) != "pyengine"  # the package's facade re-exports the API
     }

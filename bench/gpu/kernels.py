@@ -219,7 +219,7 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
     against torch's matmul over the same weight dequantized to `dtype` (cuBLAS), for a
     decode's few rows and a prefill's many; GB/s of the quantized bytes it streams."""
     from pyengine.layers.block_quantized import BlockQuantized
-    from pyengine.layers.cuda_blocks import CudaBlockForm
+    from pyengine.layers.quantization.cuda_blocks import CudaBlockForm
 
     n = k = 4096
     gen = torch.Generator().manual_seed(0)
@@ -243,7 +243,7 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
                      f"{theirs / ours:.2f}x"))  # fmt: skip
         figures[f"block_gemm_m{m}_us"] = round(ours * 1e6, 1)
         figures[f"speedup_vs_torch_block_gemm_m{m}"] = round(theirs / ours, 2)
-    # FP8 W8A8's product (layers/fp8_w8a8.py): e4m3 x e4m3, scales per row and column
+    # FP8 W8A8's product (layers/quantization/fp8_w8a8.py): e4m3 x e4m3, scales per row and column
     fp8_weight = (dense / dense.abs().amax()).to(torch.float8_e4m3fn)
     for m in (16, 512):
         xq = torch.randn(m, k, device="cuda").to(torch.float8_e4m3fn)
@@ -256,7 +256,7 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
                      f"{n * k / ours / 1e9:.0f}", f"{n * k / ours / copy:.0%}",
                      f"{theirs * 1e6:.1f}", f"{theirs / ours:.2f}x"))  # fmt: skip
         figures[f"speedup_vs_torch_fp8_scaled_mm_m{m}"] = round(theirs / ours, 2)
-        # INT8 W8A8's (layers/int8_w8a8.py): int8 x int8 into int32 on the tensor cores
+        # INT8 W8A8's (layers/quantization/int8_w8a8.py): int8 x int8 into int32 on the tensor cores
         xi = torch.randint(-127, 128, (m, k), device="cuda", dtype=torch.int8)
         wi = torch.randint(-127, 128, (n, k), device="cuda", dtype=torch.int8)
         ours = cuda_time(lambda xi=xi, wi=wi: torch._int_mm(xi, wi.t()))

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -26,13 +26,12 @@ from torch import nn
 from pyengine import ops
 from pyengine.distributed import PipelineStage, TensorParallelGroup
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.linear_method import LinearMethods
 from pyengine.layers.placement import Placement
+from pyengine.layers.quantization.choose import LinearMethods
+from pyengine.layers.quantization.shards import check_shape as check_shape
+from pyengine.layers.quantization.shards import copy_checked as copy_checked
 from pyengine.utils import host_memory
-from pyengine.utils.lazy_weights import CheckpointTensor, materialize
-
-if TYPE_CHECKING:
-    from pyengine.layers.cuda_blocks import CudaBlockForm
+from pyengine.utils.lazy_weights import CheckpointTensor
 
 
 @dataclass(frozen=True)
@@ -68,14 +67,7 @@ class LinearBase(nn.Module):
     [output_size_per_partition, input_size_per_partition]."""
 
     weight: nn.Parameter  # the method's to create, and to remove once it has its forms
-    # A weight-only integer method's forms, as buffers (layers/weight_only_int.py).
-    qweight: torch.Tensor
-    scales: torch.Tensor
-    zeros: torch.Tensor
-    input_groups: torch.Tensor
-    input_order: torch.Tensor | None  # the inputs' order of its blocks (activation order)
-    weight_scale: torch.Tensor  # a W8A8 or FP8 method's, per output channel
-    input_scale: torch.Tensor | None  # an FP8 method's static activation scale
+    input_start = 0  # the first input feature of the shard (a row-parallel layer's)
 
     def __init__(
         self,
@@ -96,13 +88,9 @@ class LinearBase(nn.Module):
         self.tp = ctx.tp
         self.gate_up = gate_up  # [gate; up], applied as silu(gate) * up
         self.adapter: AdapterHook | None = None
-        # The method's forms (those it makes) and the block parts it is handed.
-        self.packed: torch.Tensor | None = None
-        self.packed_split: torch.Tensor | None = None
-        self.packed_blocks: torch.Tensor | None = None
-        self.packed_int8: torch.Tensor | None = None  # a W8A8 method's (layers/int8_w8a8.py)
-        self.cuda_blocks: CudaBlockForm | None = None  # on CUDA (layers/cuda_blocks.py)
-        self.block_parts: list[tuple[int, BlockQuantized]] = []
+        # What the method keeps of the weight besides the `weight` parameter (its forms,
+        # scales, the parts it is handed): its own object, which only it reads.
+        self.method_state: object = None
         self.method = ctx.linear_methods.choose(checkpoint_names, many_rows)
         self.method.create_weights(self)
         self.bias = (
@@ -123,6 +111,24 @@ class LinearBase(nn.Module):
             return 0
         return self.output_size_per_partition * self.input_size_per_partition
 
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the weight that are not parameters (its method's forms)."""
+        return self.method.held_tensors(self)
+
+    def weight_form(self) -> str | None:
+        """The form the weight is held in, in words (its method's)."""
+        return self.method.form(self)
+
+    def part_rows(self, part: int) -> tuple[int, int, int, int]:
+        """(output rows of stacked part `part` in the checkpoint, this rank's first and
+        count, where they go in the layer): here every output row, in one part."""
+        del part
+        return self.output_size, 0, self.output_size, 0
+
+    def part_bounds(self) -> list[slice]:
+        """The layer's rows of each stacked part."""
+        return [slice(0, self.output_size_per_partition)]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # Every step calls each linear layer: past nn.Module's call machinery (its hook
         # checks and two frames), which these layers do not use.
@@ -131,28 +137,6 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.method.apply(self, x, self.bias)
         return out if self.adapter is None else self.adapter.add_delta(self, x, out)
-
-
-def check_shape(
-    name: str, loaded: CheckpointTensor | BlockQuantized, expected: tuple[int, ...]
-) -> None:
-    """ValueError naming checkpoint tensor `name` where its shape is not `expected`."""
-    if tuple(loaded.shape) != expected:
-        raise ValueError(f"weight {name}: shape {tuple(loaded.shape)}, model expects {expected}")
-
-
-def copy_checked(name: str, into: torch.Tensor, value: CheckpointTensor) -> None:
-    """Checks the shape, then reads `value` (only its region, where it is a LazySlice);
-    integers go only into integers (an int8 checkpoint's weight), fp8 only into fp8 (an
-    FP8 checkpoint's, which means nothing without its scale), never cast."""
-    check_shape(name, value, tuple(into.shape))
-    tensor = materialize(value)
-    fp8 = torch.float8_e4m3fn
-    if (into.dtype.is_floating_point != tensor.dtype.is_floating_point) or (
-        (into.dtype == fp8) != (tensor.dtype == fp8)
-    ):
-        raise ValueError(f"weight {name}: {tensor.dtype} values, the model expects {into.dtype}")
-    into.copy_(tensor)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -188,6 +172,16 @@ class ColumnParallelLinear(LinearBase):
 
     def _part_slice(self, part: int, size: int, tp: TensorParallelGroup) -> tuple[int, int]:
         return tp.split(size, f"output size of part {part}")
+
+    def part_rows(self, part: int) -> tuple[int, int, int, int]:
+        start, length = self.shard_offsets[part]
+        return self.output_sizes[part], start, length, self.local_offsets[part]
+
+    def part_bounds(self) -> list[slice]:
+        return [
+            slice(offset, offset + length)
+            for offset, (_, length) in zip(self.local_offsets, self.shard_offsets, strict=True)
+        ]
 
     def weight_loader(self, name: str, kind: str, loaded: CheckpointTensor, part: int = 0) -> None:
         """Copies this rank's rows of checkpoint tensor `loaded` (part `part` of the

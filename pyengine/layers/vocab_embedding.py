@@ -18,8 +18,9 @@ from torch import nn
 
 from pyengine import ops
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.linear import LayerContext, LinearBase, check_shape
-from pyengine.layers.linear_method import pack_block_quantized
+from pyengine.layers.linear import LayerContext, LinearBase
+from pyengine.layers.quantization.packing import pack_block_quantized
+from pyengine.layers.quantization.shards import check_shape
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 # The tables ops.embedding looks rows up in (torch's F.embedding the others').
@@ -83,6 +84,10 @@ class VocabParallelEmbedding(nn.Module):
     def block_weights(self) -> int:
         """Weights held only as GGUF blocks, which no parameter counts."""
         return self.rows * self.embedding_size if self.keeps_blocks else 0
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The packed form the rows are looked up in, which is no parameter."""
+        return [] if self.packed is None else [self.packed]
 
     def look_up_in(self, packed: torch.Tensor) -> None:
         """From now on, rows come from `packed` (a tied head's panels of this table)."""
@@ -160,11 +165,13 @@ class ParallelLMHead(LinearBase):
         bfloat16 panels, in which the embedding then looks its rows up."""
         embedding = self.tied_to
         if embedding is not None and embedding.keeps_blocks:
-            self.packed_blocks = embedding.packed
+            assert embedding.packed is not None
+            self.method.share_blocks(self, embedding.packed)
             return
         super().process_weights_after_loading()
-        if embedding is not None and self.packed is not None and embedding.packed is None:
-            embedding.look_up_in(self.packed)
+        panels = self.method.panels(self)
+        if embedding is not None and panels is not None and embedding.packed is None:
+            embedding.look_up_in(panels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = super().forward(x)

@@ -10,7 +10,7 @@ from dataclasses import replace
 import torch
 
 from pyengine.layers.linear import LayerContext
-from pyengine.layers.linear_method import LinearMethods
+from pyengine.layers.quantization.choose import LinearMethods
 from pyengine.loader.resolve import LoadedModel
 from pyengine.models.interface import CausalLM
 from pyengine.models.registry import model_class

@@ -32,15 +32,12 @@ logger = logging.getLogger("pyengine")
 
 def resident_bytes(model: Any) -> int:
     """Bytes the model's weights hold: its parameters and buffers, and the forms its
-    linear methods made (each tensor once)."""
+    layers' methods made (held_tensors; each tensor once)."""
     tensors = list(model.parameters()) + list(model.buffers())
     for module in model.modules():
-        for attr in ("packed", "packed_split", "packed_blocks", "packed_int8"):
-            value = getattr(module, attr, None)
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-        if (cuda_blocks := getattr(module, "cuda_blocks", None)) is not None:
-            tensors += [cuda_blocks.packed, cuda_blocks.scale, cuda_blocks.offset]
+        held = getattr(module, "held_tensors", None)
+        if callable(held):
+            tensors += held()
     unique = {id(t): t for t in tensors}.values()
     return sum(t.numel() * t.element_size() for t in unique)
 
@@ -49,25 +46,12 @@ def weight_forms(model: Any) -> str:
     """How many linear layers hold each form: "210 4-bit blocks, 1 8-bit blocks"."""
     forms: dict[str, int] = {}
     for module in model.modules():
-        if not hasattr(module, "method"):
+        describe = getattr(module, "weight_form", None)
+        if not callable(describe):
             continue  # not a linear layer
-        blocks, packed = getattr(module, "packed_blocks", None), getattr(module, "packed", None)
-        if blocks is not None:
-            bits = {torch.uint8: "4-bit", torch.int8: "8-bit", torch.float8_e4m3fn: "fp8"}
-            form = f"{bits[blocks.dtype]} blocks"
-        elif (cuda_blocks := getattr(module, "cuda_blocks", None)) is not None:
-            form = f"{cuda_blocks.bits}-bit CUDA blocks"
-        elif getattr(module, "packed_int8", None) is not None:
-            form = "int8 W8A8"
-        elif isinstance(packed, torch.Tensor):
-            form = f"{str(packed.dtype).removeprefix('torch.')} panels"
-        elif isinstance(getattr(module, "qweight", None), torch.Tensor):
-            form = "integers"
-        elif isinstance(weight := getattr(module, "weight", None), torch.Tensor):
-            form = str(weight.dtype).removeprefix("torch.")
-        else:
-            continue
-        forms[form] = forms.get(form, 0) + 1
+        form = describe()
+        if form is not None:
+            forms[form] = forms.get(form, 0) + 1
     return ", ".join(f"{count} {form}" for form, count in forms.items()) or "no linear layers"
 
 

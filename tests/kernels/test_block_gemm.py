@@ -84,7 +84,7 @@ def test_cuda_keeps_gguf_blocks_where_asked(monkeypatch: pytest.MonkeyPatch) -> 
 def test_block_gemm_on_the_gpu(
     dtype: torch.dtype, bits: int, group: int, m: int, n: int, k: int
 ) -> None:
-    from pyengine.layers.cuda_blocks import CudaBlockForm
+    from pyengine.layers.quantization.cuda_blocks import CudaBlockForm
 
     low, high = (0, 16) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (n, k), dtype=torch.uint8 if bits == 4 else torch.int8)
@@ -117,7 +117,10 @@ def test_a_gguf_model_on_cuda_blocks_gives_its_dequantized_tokens(
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
         model = llm.engine.executor.driver_worker.model_runner.model
-        assert (model.layers[0].self_attn.qkv_proj.cuda_blocks is not None) == (flag == "1")
+        from pyengine.layers.quantization.cuda_blocks import CudaBlockForm
+
+        qkv = model.layers[0].self_attn.qkv_proj
+        assert isinstance(qkv.method_state, CudaBlockForm) == (flag == "1")
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
         llm.engine.shutdown()
@@ -147,10 +150,10 @@ def test_gptq_and_awq_models_on_cuda_blocks_give_their_dequantized_tokens(
         llm = LLM(str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
         model = llm.engine.executor.driver_worker.model_runner.model
-        blocks = model.layers[0].mlp.down_proj.cuda_blocks
-        assert (blocks is not None) == (flag == "1")
-        if blocks is not None:  # the blocks are the weight: no integers kept beside them
-            assert not hasattr(model.layers[0].mlp.down_proj, "qweight")
+        held = model.layers[0].mlp.down_proj.method_state
+        assert (held.cuda is not None) == (flag == "1")
+        if held.cuda is not None:  # the blocks are the weight: no integers kept beside them
+            assert held.qweight is None
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
         llm.engine.shutdown()

@@ -12,7 +12,7 @@ import torch
 from helpers.dense_isa import ISAS, pinned_dense_isa
 
 from pyengine import _C, ops
-from pyengine.layers.fp8_w8a8 import FP8, pack_fp8, quantize_fp8
+from pyengine.layers.quantization.fp8_w8a8 import FP8, pack_fp8, quantize_fp8
 
 
 @pytest.fixture(params=ISAS)

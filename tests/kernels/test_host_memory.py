@@ -150,10 +150,10 @@ def test_packed_model_weights_live_on_arena_chunks() -> None:
         model.proj.weight_loader("proj.weight", "weight", weight)
     process_weights_after_loading(model, Placement())
     proj, head = model.proj, model.head
-    assert proj.packed is not None and head.packed is not None
+    assert proj.method_state.panels is not None and head.method_state.panels is not None
     x = torch.randn(3, 32)
     torch.testing.assert_close(proj(x), x @ weight.T)
     torch.testing.assert_close(head(x), x @ embeddings.T)
     if host_memory.huge_pages_available():
-        gap = abs(head.packed.data_ptr() - proj.packed.data_ptr())
+        gap = abs(head.method_state.panels.data_ptr() - proj.method_state.panels.data_ptr())
         assert gap < HUGE_PAGE_BYTES  # cut from the same chunk

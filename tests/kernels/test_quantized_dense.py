@@ -17,7 +17,7 @@ from helpers.dense_isa import ISAS, pinned_dense_isa
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
-from pyengine.layers.linear_method import pack_block_quantized
+from pyengine.layers.quantization.packing import pack_block_quantized
 
 
 @pytest.fixture(params=ISAS, autouse=True)

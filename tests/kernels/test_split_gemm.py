@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import _C, ops
-from pyengine.layers import linear_method
 from pyengine.layers.linear import LayerContext, linear_from_weight
+from pyengine.layers.quantization import unquantized
 
 needs_amx = pytest.mark.skipif(
     not _C.split_gemm_supported(), reason="no AMX with bfloat16 on this CPU (or not allowed)"
@@ -99,7 +99,7 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
     weight, gate_up = torch.randn(96, 64), torch.randn(2 * 80, 64)
     dense = linear_from_weight(weight, LayerContext())
     gated = linear_from_weight(gate_up, LayerContext(), gate_up=True)
-    assert dense.packed_split is not None and gated.packed_split is not None
+    assert dense.method_state.split is not None and gated.method_state.split is not None
     calls: list[torch.dtype] = []
     for name in ("dense", "dense_silu_and_mul"):
         real = getattr(ops, name)
@@ -110,8 +110,8 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
             calls.append(packed.dtype)
             real(out, x, packed, *rest)
 
-        monkeypatch.setattr(linear_method.ops, name, record)
-    for rows, dtype in ((linear_method.SPLIT_MIN_ROWS, torch.bfloat16), (4, torch.float32)):
+        monkeypatch.setattr(unquantized.ops, name, record)
+    for rows, dtype in ((unquantized.SPLIT_MIN_ROWS, torch.bfloat16), (4, torch.float32)):
         calls.clear()
         x = torch.randn(rows, 64)
         y, z = dense(x), gated.silu_and_mul(x)
@@ -126,13 +126,13 @@ def test_layers_take_the_split_form_for_many_rows(monkeypatch: pytest.MonkeyPatc
 
 def test_split_form_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PYENGINE_SPLIT_GEMM", "0")
-    assert not linear_method.split_gemm_enabled()
-    assert linear_from_weight(torch.randn(8, 32), LayerContext()).packed_split is None
+    assert not unquantized.split_gemm_enabled()
+    assert linear_from_weight(torch.randn(8, 32), LayerContext()).method_state.split is None
 
 
 def test_head_keeps_no_split_form() -> None:
     head = linear_from_weight(torch.randn(8, 32), LayerContext(), many_rows=False)
-    assert head.packed_split is None
+    assert head.method_state.split is None
 
 
 @needs_amx

@@ -311,11 +311,11 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q6_K in layer 1 (8-bit,
     # a scale per 16 inputs).
     model = llm.engine.executor.driver_worker.model_runner.model
-    assert model.layers[1].self_attn.qkv_proj.packed_blocks.dtype == torch.int8
-    assert model.layers[1].mlp.gate_up_proj.packed_blocks.dtype == torch.int8
-    assert model.layers[0].mlp.down_proj.packed_blocks.dtype == torch.uint8
-    assert model.layers[1].mlp.down_proj.packed_blocks.dtype == torch.int8
-    assert model.lm_head.packed_blocks is not None
+    assert model.layers[1].self_attn.qkv_proj.method_state.packed.dtype == torch.int8
+    assert model.layers[1].mlp.gate_up_proj.method_state.packed.dtype == torch.int8
+    assert model.layers[0].mlp.down_proj.method_state.packed.dtype == torch.uint8
+    assert model.layers[1].mlp.down_proj.method_state.packed.dtype == torch.int8
+    assert model.lm_head.method_state.packed is not None
     tokenizer = llm.get_tokenizer()
     assert tokenizer.decode(tokenizer.encode("héllo, wörld")) == "héllo, wörld"
     prompts = ["hello there", "a longer prompt of some more bytes"]
@@ -382,7 +382,7 @@ def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
     model = llm.engine.executor.driver_worker.model_runner.model
     for layer in model.layers:
-        blocks = layer.mlp.down_proj.packed_blocks
+        blocks = layer.mlp.down_proj.method_state.packed
         assert blocks is not None and blocks.dtype == torch.int8
     prompts = [[5, 6, 7, 8], list(range(30, 70))]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -406,7 +406,7 @@ def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> N
     engine = dict(kv_cache_memory=32 * 2**20, max_model_len=128)
     llm = LLM(str(path), **engine)
     model = llm.engine.executor.driver_worker.model_runner.model
-    assert model.embed_tokens.packed is model.lm_head.packed_blocks
+    assert model.embed_tokens.packed is model.lm_head.method_state.packed
     assert "weight" not in model.embed_tokens._parameters
     expected = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip

@@ -13,7 +13,7 @@ from helpers.hf_reference import hf_greedy, prefill_logits
 from helpers.tiny_models import CONFIGS, make_checkpoint
 
 from pyengine import LLM, SamplingParams
-from pyengine.layers.linear_method import BF16PanelsMethod
+from pyengine.layers.quantization.unquantized import BF16PanelsMethod
 from pyengine.layers.vocab_embedding import ParallelLMHead
 
 transformers = pytest.importorskip("transformers")
@@ -93,8 +93,10 @@ def test_bfloat16_weights_are_held_only_as_bfloat16_panels(checkpoint) -> None: 
     assert linear
     for layer in linear:
         assert isinstance(layer.method, BF16PanelsMethod)
-        assert layer.packed.dtype == torch.bfloat16 and "weight" not in layer._parameters
+        assert layer.method_state.panels.dtype == torch.bfloat16
+        assert "weight" not in layer._parameters
     for head in (m for m in model.modules() if isinstance(m, ParallelLMHead)):
         if head.tied_to is not None:
-            assert head.tied_to.packed is head.packed and not hasattr(head.tied_to, "weight")
+            assert head.tied_to.packed is head.method_state.panels
+            assert not hasattr(head.tied_to, "weight")
     llm.engine.shutdown()

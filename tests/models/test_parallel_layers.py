@@ -24,16 +24,16 @@ from pyengine.layers.linear import (
     linear_from_weight,
     process_weights_after_loading,
 )
-from pyengine.layers.linear_method import (
+from pyengine.layers.placement import Placement
+from pyengine.layers.quantization import LinearMethods
+from pyengine.layers.quantization.gguf import GGUFBlockMethod
+from pyengine.layers.quantization.unquantized import (
     BF16PanelsMethod,
-    GGUFBlockMethod,
-    LinearMethods,
     PackedPanelsMethod,
     SplitBF16Method,
     TorchLinearMethod,
     split_gemm_enabled,
 )
-from pyengine.layers.placement import Placement
 from pyengine.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
 TORCH = Placement(dtype=torch.float64)  # torch's matmul, in float64: exact comparisons

@@ -25,10 +25,10 @@ from helpers.tiny_models import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 from pyengine import _C, LLM, SamplingParams
-from pyengine.layers.fp8_w8a8 import FP8, Fp8Method
-from pyengine.layers.int8_w8a8 import Int8W8A8Method
 from pyengine.layers.linear import LinearBase
-from pyengine.layers.weight_only_int import WeightOnlyIntMethod
+from pyengine.layers.quantization.fp8_w8a8 import FP8, Fp8Method
+from pyengine.layers.quantization.int8_w8a8 import Int8W8A8Method
+from pyengine.layers.quantization.weight_only_int import WeightOnlyIntMethod
 
 pytest.importorskip("transformers")
 
@@ -116,10 +116,10 @@ def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
     for m in linear:  # one quantized form each
         stacked = m in (m_ for layer in model_layers(llm) for m_ in layer)
         if group_size % 32 == 0 and (shared or not stacked):
-            assert m.packed_blocks is not None and not hasattr(m, "qweight")
-            assert (m.input_order is not None) == desc_act
+            assert m.method_state.packed is not None and m.method_state.qweight is None
+            assert (m.method_state.input_order is not None) == desc_act
         else:
-            assert m.packed_blocks is None and m.qweight.dtype == torch.uint8
+            assert m.method_state.packed is None and m.method_state.qweight.dtype == torch.uint8
     llm.engine.shutdown()
     assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
@@ -207,8 +207,11 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
             m for m in model.modules() if isinstance(getattr(m, "method", None), Int8W8A8Method)
         ]
         assert len(linear) == 2 * 4
-        assert all(m.packed_int8 is not None and "weight" not in m._parameters for m in linear)
-        assert model.lm_head.packed.dtype == torch.float32  # left float (ignore: lm_head)
+        assert all(
+            m.method_state.packed is not None and "weight" not in m._parameters for m in linear
+        )
+        # left float (ignore: lm_head)
+        assert model.lm_head.method_state.panels.dtype == torch.float32
         layer = model.layers[1].self_attn.qkv_proj
         x = torch.randn(5, layer.input_size)
         want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x)
@@ -223,9 +226,9 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
     layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == torch.int8  # not widened
-    from pyengine.layers.int8_w8a8 import int_mm_supported
+    from pyengine.layers.quantization.int8_w8a8 import int_mm_supported
 
-    assert layer.method.int_mm == int_mm_supported(torch.device("cpu"))
+    assert layer.method_state.int_mm == int_mm_supported(torch.device("cpu"))
     x = torch.randn(5, layer.input_size).bfloat16()
     want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-2, atol=1e-2)
@@ -290,7 +293,10 @@ def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
         m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyIntMethod)
     ]
     assert len(linear) == 2 * 4
-    assert all(m.packed_blocks is not None and m.packed_blocks.dtype == torch.uint8 for m in linear)
+    assert all(
+        m.method_state.packed is not None and m.method_state.packed.dtype == torch.uint8
+        for m in linear
+    )
     llm.engine.shutdown()
     assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
@@ -390,7 +396,7 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
     model = llm.engine.executor.driver_worker.model_runner.model
     linear = [m for m in model.modules() if isinstance(getattr(m, "method", None), Fp8Method)]
     assert len(linear) == 2 * 4
-    assert all(m.packed_blocks.dtype == FP8 and "weight" not in m._parameters for m in linear)
+    assert all(m.method_state.packed.dtype == FP8 and "weight" not in m._parameters for m in linear)
     layer = model.layers[1].self_attn.qkv_proj
     x = torch.randn(5, layer.input_size)
     if activations is None:
@@ -419,7 +425,7 @@ def test_fp8_in_16_bits_multiplies_through_scaled_mm(float_llama: Path, tmp_path
     e4m3 in torch._scaled_mm, scales per token and channel: FP8's product to bfloat16's
     rounding, and close to the float32 FP8 model's outputs."""
     pytest.importorskip("compressed_tensors")
-    from pyengine.layers.fp8_w8a8 import scaled_mm_supported
+    from pyengine.layers.quantization.fp8_w8a8 import scaled_mm_supported
 
     if not scaled_mm_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this torch has no CPU torch._scaled_mm")
@@ -427,8 +433,8 @@ def test_fp8_in_16_bits_multiplies_through_scaled_mm(float_llama: Path, tmp_path
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
     model = llm.engine.executor.driver_worker.model_runner.model
     layer = model.layers[1].self_attn.qkv_proj
-    assert isinstance(layer.method, Fp8Method) and layer.method.scaled_mm
-    assert layer.weight.dtype == FP8 and layer.packed_blocks is None
+    assert isinstance(layer.method, Fp8Method) and layer.method_state.scaled_mm
+    assert layer.weight.dtype == FP8 and layer.method_state.packed is None
     x = torch.randn(5, layer.input_size).bfloat16()
     want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
     torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)
@@ -576,8 +582,8 @@ def test_fp8_block_weights_in_16_bits_are_dequantized_each_step(
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "block", "group")
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
     layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
-    assert layer.weight.dtype == FP8 and not layer.method.scaled_mm
-    assert layer.weight_scale.shape == layer.weight.shape  # (a scale a weight)
+    assert layer.weight.dtype == FP8 and not layer.method_state.scaled_mm
+    assert layer.method_state.weight_scale.shape == layer.weight.shape  # (a scale a weight)
     x = torch.randn(5, layer.input_size).bfloat16()
     want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float(), True)
     torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)

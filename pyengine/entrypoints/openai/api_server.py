@@ -30,12 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
-from pyengine.config import (
-    PREEMPTION_MODES,
-    QUANTIZATION_METHODS,
-    QUANTIZED_ACTIVATIONS,
-    SCHEDULING_POLICIES,
-)
+from pyengine.config import PREEMPTION_MODES, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
 from pyengine.engine.async_engine import (
     AsyncLLMEngine,
     EngineDeadError,
@@ -68,6 +63,7 @@ from pyengine.entrypoints.openai.slow_clients import (
 )
 from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
 from pyengine.executor import ExecutorDeadError
+from pyengine.layers.quantization.registry import QUANTIZATION_METHODS
 from pyengine.loader.resolve import DEFAULT_MODEL
 
 logger = logging.getLogger("pyengine")

@@ -18,6 +18,7 @@ CPU through oneDNN), else dequantized in torch each step.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,9 +27,11 @@ import torch.nn.functional as F
 from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK
-from pyengine.layers.int8_w8a8 import checked_scales, load_channel_scales
-from pyengine.layers.linear_method import LinearMethod, pack_quantized, packed_for
 from pyengine.layers.placement import Placement
+from pyengine.layers.quantization.base import LinearMethod, state_of
+from pyengine.layers.quantization.int8_w8a8 import checked_scales, load_channel_scales
+from pyengine.layers.quantization.packing import blocks_form, pack_quantized
+from pyengine.layers.quantization.shards import check_shape
 from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
@@ -89,6 +92,19 @@ def quantize_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     return quantize_fp8(x.reshape(-1, group), None).reshape(x.shape).to(x.dtype)
 
 
+@dataclass
+class Fp8Weights:
+    """A layer's weight scales ([out], or per block: [out, input blocks]; per weight once
+    dequantized each step), its static activation scale (or None), its fp8 panels (on
+    the CPU in float32; else None, the weight kept as the layer's parameter), and whether
+    that parameter is multiplied through torch._scaled_mm."""
+
+    weight_scale: torch.Tensor
+    input_scale: torch.Tensor | None = None
+    packed: torch.Tensor | None = None
+    scaled_mm: bool = False
+
+
 class Fp8Method(LinearMethod):
     def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
         self.placement = placement
@@ -97,17 +113,15 @@ class Fp8Method(LinearMethod):
         self.activation_group = quantization.activation_group
         static = quantization.static_activations
         self.weight_kinds = ("weight", "weight_scale", *(("input_scale",) if static else ()))
-        self.scaled_mm = False  # the product through torch._scaled_mm (not on packed panels)
 
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
         layer.weight = torch.nn.Parameter(torch.empty(shape, dtype=FP8), requires_grad=False)
         # Per block: each of this rank's output rows, its scales over the whole input.
         columns = () if self.block is None else (-(-layer.input_size // self.block[1]),)
-        layer.register_buffer("weight_scale", torch.zeros(shape[0], *columns))
-        layer.input_scale = None
+        layer.method_state = Fp8Weights(torch.zeros(shape[0], *columns))
         group = self.activation_group
-        start = getattr(layer, "input_start", 0)  # (a row-parallel shard's first input)
+        start = layer.input_start  # (a row-parallel shard's first input)
         if group and (shape[1] % group or start % group):
             raise ValueError(
                 f"FP8 activations in groups of {group} inputs, and a layer shard takes "
@@ -120,109 +134,120 @@ class Fp8Method(LinearMethod):
         """`weight_scale` of stacked part `part` ([out, 1], [out], or one for the tensor:
         [1] or []; this rank's rows), or its `input_scale` (one; the parts of a fused
         layer share their input, so the largest scale serves them all, as vLLM takes it)."""
+        held = state_of(layer, Fp8Weights)
         if kind != "input_scale" and self.block is not None:
-            self._load_block_scales(layer, name, loaded, part)
+            self._load_block_scales(layer, held.weight_scale, name, loaded, part)
             return
         if kind != "input_scale":
-            load_channel_scales(layer, name, loaded, part, per_tensor=True, positive=True)
+            load_channel_scales(
+                layer, held.weight_scale, name, loaded, part, per_tensor=True, positive=True
+            )
             return
         scale = checked_scales(name, loaded, positive=True)
         if scale.numel() != 1:
             raise ValueError(
                 f"weight {name}: a static input_scale is one value, got {tuple(loaded.shape)}"
             )
-        current = layer.input_scale
-        layer.input_scale = scale if current is None else torch.maximum(current, scale)
+        current = held.input_scale
+        held.input_scale = scale if current is None else torch.maximum(current, scale)
 
     def _load_block_scales(
-        self, layer: LinearBase, name: str, loaded: CheckpointTensor, part: int
-    ) -> None:
+        self, layer: LinearBase, weight_scale: torch.Tensor, name: str,
+        loaded: CheckpointTensor, part: int,
+    ) -> None:  # fmt: skip
         """FP8_BLOCK's `weight_scale` [ceil(out / bo), ceil(in / bi)] of stacked part
         `part`: each of this rank's rows of the part takes its block row's."""
-        from pyengine.layers.linear import check_shape
-        from pyengine.layers.weight_only_int import part_rows
-
         assert self.block is not None
-        full_out, start, length, local = part_rows(layer, part)
+        full_out, start, length, local = layer.part_rows(part)
         rows_a_block = self.block[0]
-        check_shape(name, loaded, (-(-full_out // rows_a_block), layer.weight_scale.shape[1]))
+        check_shape(name, loaded, (-(-full_out // rows_a_block), weight_scale.shape[1]))
         scale = checked_scales(name, loaded, positive=True).reshape(loaded.shape)
         rows = scale.repeat_interleave(rows_a_block, dim=0)[:full_out]
-        layer.weight_scale[local : local + length] = rows[start : start + length]
+        weight_scale[local : local + length] = rows[start : start + length]
 
-    def _scales_by_input(self, layer: LinearBase) -> torch.Tensor:
+    def _scales_by_input(self, layer: LinearBase, weight_scale: torch.Tensor) -> torch.Tensor:
         """[out, in] of this rank: each weight's scale."""
         if self.block is None:
-            return layer.weight_scale[:, None].expand(-1, layer.input_size_per_partition)
-        start = getattr(layer, "input_start", 0)
+            return weight_scale[:, None].expand(-1, layer.input_size_per_partition)
+        start = layer.input_start
         inputs = torch.arange(start, start + layer.input_size_per_partition)
-        return layer.weight_scale[:, inputs // self.block[1]]
+        return weight_scale[:, inputs // self.block[1]]
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
+        held = state_of(layer, Fp8Weights)
         if bool(torch.isnan(layer.weight.data.float()).any()):
             raise ValueError(f"an FP8 weight {tuple(layer.weight.shape)} holds NaN")
         # (blocks of 32 inputs must each lie in one of a block weight's scales)
-        start = getattr(layer, "input_start", 0)
+        start = layer.input_start
         within = self.block is None or (self.block[1] % BLOCK == 0 and start % BLOCK == 0)
         packs = (
             self.placement.packs_weights and layer.input_size_per_partition % BLOCK == 0 and within
         )
         if not packs and self.block is not None:  # dequantized each step: scales per weight
-            layer.weight_scale = self._scales_by_input(layer).contiguous()
+            held.weight_scale = self._scales_by_input(layer, held.weight_scale).contiguous()
         if not packs:
             layer.weight.data = layer.weight.data.to(self.placement.device)
-            layer.weight_scale = layer.weight_scale.to(self.placement.device)
-            if layer.input_scale is not None:
-                layer.input_scale = layer.input_scale.to(self.placement.device)
+            held.weight_scale = held.weight_scale.to(self.placement.device)
+            if held.input_scale is not None:
+                held.input_scale = held.input_scale.to(self.placement.device)
             n, k = layer.weight.shape
-            self.scaled_mm = (
+            held.scaled_mm = (
                 self.quantizes_activations and n % 16 == 0 and k % 16 == 0
                 and self.block is None and not self.activation_group
                 and scaled_mm_supported(self.placement.device, self.placement.dtype)
             )  # fmt: skip
             return
-        layer.packed_blocks = pack_fp8(
-            layer.weight.data, self._scales_by_input(layer), layer.gate_up
-        )
+        scales = self._scales_by_input(layer, held.weight_scale)
+        held.packed = pack_fp8(layer.weight.data, scales, layer.gate_up)
         del layer.weight  # the fp8 panels are the weight now
 
-    def _activations(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
+    def _activations(self, held: Fp8Weights, x: torch.Tensor) -> torch.Tensor:
         if not self.quantizes_activations:
             return x
         group = self.activation_group
         if x.is_cpu and x.dtype == torch.float32:
             out = torch.empty_like(x)
             rows = (-1, group) if group else x.shape  # (groups quantize as rows of their own)
-            ops.quantize_fp8_rows(out.view(rows), x.contiguous().view(rows), layer.input_scale)
+            ops.quantize_fp8_rows(out.view(rows), x.contiguous().view(rows), held.input_scale)
             return out
         if group:
             return quantize_groups(x, group)
-        return quantize_fp8(x, layer.input_scale).to(x.dtype)
+        return quantize_fp8(x, held.input_scale).to(x.dtype)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed_blocks is not None and x.dtype == torch.float32:
+        held = state_of(layer, Fp8Weights)
+        if held.packed is not None and x.dtype == torch.float32:
             if layer.gate_up:
                 raise ValueError("paired [gate; up] fp8 panels multiply only with silu_and_mul")
             out = torch.empty(x.shape[0], layer.output_size_per_partition)
-            x = self._activations(layer, x)
-            ops.dense(out, x, packed_for(layer, x.shape[0]), bias, out.shape[1])
+            x = self._activations(held, x)
+            ops.dense(out, x, held.packed, bias, out.shape[1])
             return out
-        if self.scaled_mm:  # e4m3 products on the device's own FP8 GEMM
-            xq, sx = fp8_rows(x, layer.input_scale)
+        if held.scaled_mm:  # e4m3 products on the device's own FP8 GEMM
+            xq, sx = fp8_rows(x, held.input_scale)
             out = torch._scaled_mm(
-                xq, layer.weight.t(), scale_a=sx, scale_b=layer.weight_scale[None, :],
+                xq, layer.weight.t(), scale_a=sx, scale_b=held.weight_scale[None, :],
                 out_dtype=x.dtype,
             )  # fmt: skip
             return out if bias is None else out + bias
         # (e4m3 * scale rounded once, in float32, as the CPU panels widen it)
-        scale = layer.weight_scale if self.block is not None else layer.weight_scale[:, None]
+        scale = held.weight_scale if self.block is not None else held.weight_scale[:, None]
         weight = (layer.weight.float() * scale).to(x.dtype)
-        return F.linear(self._activations(layer, x), weight, bias)
+        return F.linear(self._activations(held, x), weight, bias)
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if layer.packed_blocks is None or x.dtype != torch.float32:
+        held = state_of(layer, Fp8Weights)
+        if held.packed is None or x.dtype != torch.float32:
             return super().apply_silu_and_mul(layer, x)
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n)
-        ops.dense_silu_and_mul(out, self._activations(layer, x), layer.packed_blocks, n)
+        ops.dense_silu_and_mul(out, self._activations(held, x), held.packed, n)
         return out
+
+    def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
+        held = state_of(layer, Fp8Weights)
+        return [held.weight_scale] + ([] if held.packed is None else [held.packed])
+
+    def form(self, layer: LinearBase) -> str | None:
+        held = state_of(layer, Fp8Weights)
+        return blocks_form(held.packed) if held.packed is not None else super().form(layer)

@@ -1,5 +1,5 @@
-"""GGUF block-quantized matrices on CUDA (PYENGINE_CUDA_BLOCK_GEMM=1), and GPTQ/AWQ/W4A16
-ones whose groups hold whole blocks (layers/weight_only_int.py): held as their
+"""GGUF block-quantized matrices on CUDA (PYENGINE_CUDA_BLOCK_GEMM=1, gguf.py), and
+GPTQ/AWQ/W4A16 ones whose groups hold whole blocks (weight_only_int.py): held as their
 integers (0.5 or 1 byte a weight, reordered at load for the kernel's warps) with a
 float32 scale and offset per group, and multiplied by ops.block_gemm, which widens each
 weight in registers to the 16-bit type (exactly the weight a dequantization at load
@@ -8,17 +8,10 @@ otherwise the blocks are dequantized at load (TorchLinearMethod)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.linear_method import BlockPartsMethod
-from pyengine.layers.placement import Placement
-
-if TYPE_CHECKING:
-    from pyengine.layers.linear import LinearBase
 
 
 class CudaBlockForm:
@@ -34,17 +27,11 @@ class CudaBlockForm:
         self.scale = torch.from_numpy(blocks.scale).float().contiguous().to(device)
         self.offset = torch.from_numpy(blocks.offset).float().contiguous().to(device)
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale, self.offset]
 
-class CudaBlockMethod(BlockPartsMethod):
-    def __init__(self, placement: Placement) -> None:
-        self.placement = placement
-
-    def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.cuda_blocks = CudaBlockForm(self.stacked_blocks(layer), self.placement.device)
-
-    def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        assert layer.cuda_blocks is not None
-        return cuda_block_product(layer.cuda_blocks, x, bias, layer.output_size_per_partition)
+    def describe(self) -> str:
+        return f"{self.bits}-bit CUDA blocks"
 
 
 def cuda_block_product(

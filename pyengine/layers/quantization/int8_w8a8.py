@@ -14,15 +14,16 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from pyengine import _C, ops
-from pyengine.layers.linear_method import LinearMethod
 from pyengine.layers.placement import Placement
-from pyengine.layers.weight_only_int import part_rows
+from pyengine.layers.quantization.base import LinearMethod, state_of
+from pyengine.layers.quantization.shards import check_shape
 from pyengine.utils import host_memory
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -67,21 +68,30 @@ def checked_scales(name: str, loaded: CheckpointTensor, positive: bool) -> torch
 
 
 def load_channel_scales(
-    layer: LinearBase, name: str, loaded: CheckpointTensor, part: int, per_tensor: bool,
-    positive: bool,
+    layer: LinearBase, weight_scale: torch.Tensor, name: str, loaded: CheckpointTensor,
+    part: int, per_tensor: bool, positive: bool,
 ) -> None:  # fmt: skip
     """`weight_scale` of stacked part `part`, [out, 1] or [out] (per_tensor: or one value
-    for the part, [1] or []), into this rank's rows of layer.weight_scale."""
-    from pyengine.layers.linear import check_shape
-
-    full_out, start, length, local = part_rows(layer, part)
+    for the part, [1] or []), into this rank's rows of `weight_scale` (the layer's)."""
+    full_out, start, length, local = layer.part_rows(part)
     one_value = per_tensor and math.prod(loaded.shape) == 1
     if not one_value and tuple(loaded.shape) != (full_out,):
         check_shape(name, loaded, (full_out, 1))
     scale = checked_scales(name, loaded, positive)
     if scale.numel() == 1:
         scale = scale.expand(full_out)
-    layer.weight_scale[local : local + length] = scale[start : start + length]
+    weight_scale[local : local + length] = scale[start : start + length]
+
+
+@dataclass
+class Int8Weights:
+    """A layer's scale per output channel, its int8 weight packed for ops.int8_dense (on
+    the CPU in float32; else None, the weight kept as the layer's parameter), and whether
+    that parameter is multiplied through torch._int_mm."""
+
+    weight_scale: torch.Tensor
+    packed: torch.Tensor | None = None
+    int_mm: bool = False
 
 
 class Int8W8A8Method(LinearMethod):
@@ -89,47 +99,57 @@ class Int8W8A8Method(LinearMethod):
 
     def __init__(self, placement: Placement) -> None:
         self.placement = placement
-        self.int_mm = False  # the product through torch._int_mm (not on packed panels)
 
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
         layer.weight = torch.nn.Parameter(torch.empty(shape, dtype=torch.int8), requires_grad=False)
-        layer.register_buffer("weight_scale", torch.zeros(layer.output_size_per_partition))
+        layer.method_state = Int8Weights(torch.zeros(layer.output_size_per_partition))
 
     def load_quantized(
         self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
     ) -> None:
         """The `weight_scale` of stacked part `part`: [out, 1] (or [out]), this rank's rows."""
-        load_channel_scales(layer, name, loaded, part, per_tensor=False, positive=False)
+        scale = state_of(layer, Int8Weights).weight_scale
+        load_channel_scales(layer, scale, name, loaded, part, per_tensor=False, positive=False)
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.weight_scale = layer.weight_scale.to(self.placement.device)
+        held = state_of(layer, Int8Weights)
+        held.weight_scale = held.weight_scale.to(self.placement.device)
         if not self.placement.packs_weights:
             layer.weight.data = layer.weight.data.to(self.placement.device)
             n, k = layer.weight.shape
-            self.int_mm = n % 8 == 0 and k % 8 == 0 and int_mm_supported(self.placement.device)
+            held.int_mm = n % 8 == 0 and k % 8 == 0 and int_mm_supported(self.placement.device)
             return
         q = layer.weight.data.contiguous()
         n, k = q.shape
         packed = host_memory.empty(_C.packed_int8_weight_size(k, n), torch.int8)
         _C.pack_int8_weight(packed, q)
-        layer.packed_int8 = packed
+        held.packed = packed
         del layer.weight  # the packed integers are the weight now
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.packed_int8 is not None and x.dtype == torch.float32 and x.is_cpu:
+        held = state_of(layer, Int8Weights)
+        if held.packed is not None and x.dtype == torch.float32 and x.is_cpu:
             out = torch.empty(x.shape[0], layer.output_size_per_partition)
-            ops.int8_dense(out, x, layer.packed_int8, layer.weight_scale, bias, out.shape[1])
+            ops.int8_dense(out, x, held.packed, held.weight_scale, bias, out.shape[1])
             return out
         xq, sx = quantize_per_token(x)
-        if self.int_mm:  # int8 products summed exactly in int32
+        if held.int_mm:  # int8 products summed exactly in int32
             rows = xq.shape[0]
             if x.is_cuda and rows < INT_MM_MIN_ROWS:
                 xq = F.pad(xq, (0, 0, 0, INT_MM_MIN_ROWS - rows))
             sums = torch._int_mm(xq.to(torch.int8), layer.weight.t())[:rows]
-            product = sums.float() * (sx * layer.weight_scale)
+            product = sums.float() * (sx * held.weight_scale)
         else:
-            product = (xq @ layer.weight.float().t()) * (sx * layer.weight_scale)
+            product = (xq @ layer.weight.float().t()) * (sx * held.weight_scale)
         if bias is not None:
             product = product + bias.float()
         return product.to(x.dtype)
+
+    def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
+        held = state_of(layer, Int8Weights)
+        return [held.weight_scale] + ([] if held.packed is None else [held.packed])
+
+    def form(self, layer: LinearBase) -> str | None:
+        packed = state_of(layer, Int8Weights).packed is not None
+        return "int8 W8A8" if packed else super().form(layer)

@@ -27,13 +27,14 @@ inputs are sorted by group (x's columns are then taken in that order): w = s (q 
 is q * s + (-s z) there (or, at 8 bits, (q - 128) * s + s (128 - z)), products that are
 exact in float32, so the weights are the same bits. The blocks are then the layer's only
 form. On CUDA in 16 bits with PYENGINE_CUDA_BLOCK_GEMM=1 the same blocks go to
-ops.block_gemm (layers/cuda_blocks.py), as a GGUF's do. Otherwise (a row-parallel shard
+ops.block_gemm (cuda_blocks.py), as a GGUF's do. Otherwise (a row-parallel shard
 with activation order, groups smaller than a block, stacked parts in orders of their own,
 CUDA by default) the integers are kept and the shard is dequantized in torch each step.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,9 +44,11 @@ import torch.nn.functional as F
 from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
-from pyengine.layers.cuda_blocks import CudaBlockForm, cuda_block_product
-from pyengine.layers.linear_method import LinearMethod, pack_block_quantized
 from pyengine.layers.placement import Placement
+from pyengine.layers.quantization.base import LinearMethod, state_of
+from pyengine.layers.quantization.cuda_blocks import CudaBlockForm, cuda_block_product
+from pyengine.layers.quantization.packing import blocks_form, pack_block_quantized
+from pyengine.layers.quantization.shards import check_shape
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 if TYPE_CHECKING:
@@ -72,19 +75,40 @@ def unpack_int32(
     return widened.movedim(-1, dim).to(torch.int16)
 
 
-def part_rows(layer: LinearBase, part: int) -> tuple[int, int, int, int]:
-    """(output rows of stacked part `part` in the checkpoint, this rank's first and count,
-    where they go in the layer)."""
-    from pyengine.layers.linear import ColumnParallelLinear
-
-    if not isinstance(layer, ColumnParallelLinear):  # row-parallel: every output row
-        return layer.output_size, 0, layer.output_size, 0
-    start, length = layer.shard_offsets[part]
-    return layer.output_sizes[part], start, length, layer.local_offsets[part]
+def check_int_bits(config: QuantizationConfig, allowed: tuple[int, ...]) -> None:
+    """ValueError where a GPTQ or AWQ checkpoint's weights are not of `allowed` bits."""
+    if config.bits not in allowed:
+        raise ValueError(
+            f"{config.method} with {config.bits!r}-bit weights is not supported (bits: "
+            f"{', '.join(map(str, allowed))})"
+        )
 
 
 def num_groups(in_features: int, group_size: int) -> int:
     return 1 if group_size == -1 else -(-in_features // group_size)
+
+
+@dataclass
+class IntWeights:
+    """A layer's integers as loaded: q uint8 [out, in] of the shard, scales and zeros
+    [out, groups] over the whole input, each stacked part's group of every input; once
+    processed, either still these (dequantized each step) or only their blocks (`packed`
+    on the CPU, `cuda` on CUDA), the shard's inputs taken in `input_order` (None: as
+    they come)."""
+
+    qweight: torch.Tensor | None
+    scales: torch.Tensor | None
+    zeros: torch.Tensor | None
+    input_groups: torch.Tensor | None
+    packed: torch.Tensor | None = None
+    cuda: CudaBlockForm | None = None
+    input_order: torch.Tensor | None = None
+
+    def integers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(qweight, scales, zeros, input_groups), where the layer keeps them."""
+        q, scales, zeros, groups = self.qweight, self.scales, self.zeros, self.input_groups
+        assert q is not None and scales is not None and zeros is not None and groups is not None
+        return q, scales, zeros, groups
 
 
 class WeightOnlyIntMethod(LinearMethod):
@@ -104,16 +128,17 @@ class WeightOnlyIntMethod(LinearMethod):
     def create_weights(self, layer: LinearBase) -> None:
         out, local_in = layer.output_size_per_partition, layer.input_size_per_partition
         groups = num_groups(layer.input_size, self.q.group_size)
-        parts = len(getattr(layer, "output_sizes", [out]))
-        layer.register_buffer("qweight", torch.zeros(out, local_in, dtype=torch.uint8))
-        layer.register_buffer("scales", torch.zeros(out, groups))
         # (compressed-tensors' symmetric integers are stored as q + 2^(bits - 1))
         symmetric_zero = 1 << (self.q.bits - 1) if self.q.method == "compressed-tensors" else 0
-        layer.register_buffer("zeros", torch.full((out, groups), float(symmetric_zero)))
         # Each stacked part's group of every input of the shard (GPTQ's g_idx).
-        first = getattr(layer, "input_start", 0)
+        first = layer.input_start
         default = self._default_groups(layer)[first : first + local_in]
-        layer.register_buffer("input_groups", default.repeat(parts, 1))
+        layer.method_state = IntWeights(
+            qweight=torch.zeros(out, local_in, dtype=torch.uint8),
+            scales=torch.zeros(out, groups),
+            zeros=torch.full((out, groups), float(symmetric_zero)),
+            input_groups=default.repeat(len(layer.part_bounds()), 1),
+        )
 
     def _default_groups(self, layer: LinearBase) -> torch.Tensor:
         full = layer.input_size
@@ -126,13 +151,12 @@ class WeightOnlyIntMethod(LinearMethod):
     ) -> None:
         """Checkpoint tensor `name` (kind qweight, qzeros, scales or g_idx) of stacked
         part `part`: this rank's rows (column-parallel) or inputs (row-parallel)."""
-        from pyengine.layers.linear import check_shape
-
+        qweight, scales, zeros, input_groups = state_of(layer, IntWeights).integers()
         tensor = materialize(loaded)
-        full_out, start, length, local = part_rows(layer, part)
+        full_out, start, length, local = layer.part_rows(part)
         full_in = layer.input_size
         groups = num_groups(full_in, self.q.group_size)
-        first_in, local_in = getattr(layer, "input_start", 0), layer.input_size_per_partition
+        first_in, local_in = layer.input_start, layer.input_size_per_partition
         bits, per_word = self.q.bits, self.q.pack_factor
         awq = self.q.method == "awq"
         if kind in ("g_idx", "weight_g_idx"):
@@ -140,7 +164,7 @@ class WeightOnlyIntMethod(LinearMethod):
             g = tensor.to(torch.int64)
             if int(g.min()) < 0 or int(g.max()) >= groups:
                 raise ValueError(f"weight {name}: groups outside [0, {groups})")
-            layer.input_groups[part] = g[first_in : first_in + local_in]
+            input_groups[part] = g[first_in : first_in + local_in]
             return
         if kind == "weight_shape":  # compressed-tensors: the unpacked weight's
             if [int(v) for v in tensor.reshape(-1)] != [full_out, full_in]:
@@ -150,21 +174,21 @@ class WeightOnlyIntMethod(LinearMethod):
             return
         if kind == "weight_scale":
             check_shape(name, tensor, (full_out, groups))
-            value, target = tensor.float(), layer.scales
+            value, target = tensor.float(), scales
         elif kind == "weight_packed":  # packed along the input, lowest bits first
             check_shape(name, tensor, (full_out, full_in // per_word))
             q = unpack_int32(tensor, bits, 1)[:, first_in : first_in + local_in]
-            value, target = q.to(torch.uint8), layer.qweight
+            value, target = q.to(torch.uint8), qweight
         elif kind == "scales":
             check_shape(name, tensor, (groups, full_out))
             value = tensor.t().float()
-            target = layer.scales
+            target = scales
         elif kind == "qzeros":
             packed_shape = (groups, full_out // per_word)
             check_shape(name, tensor, packed_shape)
             value = unpack_int32(tensor, bits, 1, AWQ_NIBBLE_OF_COLUMN if awq else ()).t().float()
             value = value + self.q.zero_offset
-            target = layer.zeros
+            target = zeros
         else:  # qweight
             packed_shape = (
                 (full_in, full_out // per_word) if awq else (full_in // per_word, full_out)
@@ -172,30 +196,32 @@ class WeightOnlyIntMethod(LinearMethod):
             check_shape(name, tensor, packed_shape)
             q = unpack_int32(tensor, bits, 1 if awq else 0, AWQ_NIBBLE_OF_COLUMN if awq else ())
             value = q.t()[:, first_in : first_in + local_in].to(torch.uint8)
-            target = layer.qweight
+            target = qweight
         target[local : local + length] = value[start : start + length]
 
     def process_weights_after_loading(self, layer: LinearBase) -> None:
-        layer.input_order = None
+        held = state_of(layer, IntWeights)
+        qweight, scales, zeros, input_groups = held.integers()
+        held.input_order = None
         # The blocks, where they take the weight: on the CPU in float32, and on CUDA in 16
         # bits where PYENGINE_CUDA_BLOCK_GEMM=1 (ops.block_gemm, as a GGUF's).
         cuda_blocks = not self.placement.packs_weights and self.placement.keeps_gguf_blocks
         if self.placement.packs_weights or cuda_blocks:
-            order = self.block_order(layer.input_groups)
-            blocks = None if order is None else self.block_form(layer, order)
+            order = self.block_order(input_groups)
+            blocks = None if order is None else self.block_form(held, order)
             if order is not None and blocks is not None:
                 # The blocks are the weight now: its integers are not kept a second time.
                 if cuda_blocks:
-                    layer.cuda_blocks = CudaBlockForm(blocks, self.placement.device)
+                    held.cuda = CudaBlockForm(blocks, self.placement.device)
                 else:
-                    layer.packed_blocks = pack_block_quantized(blocks, layer.gate_up)
+                    held.packed = pack_block_quantized(blocks, layer.gate_up)
                 in_order = torch.equal(order, torch.arange(len(order)))
-                layer.input_order = None if in_order else order.to(self.placement.device)
-                for attr in ("qweight", "scales", "zeros", "input_groups"):
-                    delattr(layer, attr)
+                held.input_order = None if in_order else order.to(self.placement.device)
+                held.qweight = held.scales = held.zeros = held.input_groups = None
                 return
-        for attr in ("qweight", "scales", "zeros", "input_groups"):
-            setattr(layer, attr, getattr(layer, attr).to(self.placement.device))
+        device = self.placement.device
+        held.qweight, held.scales = qweight.to(device), scales.to(device)
+        held.zeros, held.input_groups = zeros.to(device), input_groups.to(device)
 
     @staticmethod
     def block_order(groups: torch.Tensor) -> torch.Tensor | None:
@@ -212,14 +238,15 @@ class WeightOnlyIntMethod(LinearMethod):
             return None
         return order
 
-    def block_form(self, layer: LinearBase, order: torch.Tensor) -> BlockQuantized | None:
+    def block_form(self, held: IntWeights, order: torch.Tensor) -> BlockQuantized | None:
         """The shard, its inputs in `order`, as GGUF-style blocks of 32 inputs (q, scale,
         offset per block), or None where a scale has more than a float16's bits (then
         q * s would not be exact in float32)."""
-        q, scales, zeros = layer.qweight[:, order], layer.scales, layer.zeros
+        qweight, scales, zeros, input_groups = held.integers()
+        q = qweight[:, order]
         if not torch.equal(scales, scales.half().float()):
             return None
-        block_groups = layer.input_groups[0][order][::BLOCK]  # [blocks]
+        block_groups = input_groups[0][order][::BLOCK]  # [blocks]
         scale = scales[:, block_groups]
         zero = zeros[:, block_groups]
         if self.q.bits == 4:
@@ -230,51 +257,54 @@ class WeightOnlyIntMethod(LinearMethod):
             offset = scale * (128 - zero)
         return BlockQuantized(q_form, scale.numpy(), offset.numpy().astype(np.float32))
 
-    def _part_bounds(self, layer: LinearBase) -> list[slice]:
-        """The layer's rows of each stacked part."""
-        from pyengine.layers.linear import ColumnParallelLinear
-
-        if not isinstance(layer, ColumnParallelLinear):
-            return [slice(0, layer.output_size_per_partition)]
-        return [
-            slice(offset, offset + length)
-            for offset, (_, length) in zip(layer.local_offsets, layer.shard_offsets, strict=True)
-        ]
-
     def dequantize(self, layer: LinearBase, dtype: torch.dtype) -> torch.Tensor:
         """The shard's weight [out, in] in `dtype`."""
-        q, scales, zeros = layer.qweight, layer.scales, layer.zeros
+        q, scales, zeros, input_groups = state_of(layer, IntWeights).integers()
         weight = torch.empty(q.shape, dtype=dtype, device=q.device)
-        for part, rows in enumerate(self._part_bounds(layer)):
-            g = layer.input_groups[part]
+        for part, rows in enumerate(layer.part_bounds()):
+            g = input_groups[part]
             weight[rows] = ((q[rows].float() - zeros[rows][:, g]) * scales[rows][:, g]).to(dtype)
         return weight
 
-    def _blocks_for(self, layer: LinearBase, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the packed blocks, x's inputs in their order)."""
-        assert layer.packed_blocks is not None
-        order = layer.input_order
-        return layer.packed_blocks, x if order is None else x.index_select(1, order)
+    @staticmethod
+    def _in_order(held: IntWeights, x: torch.Tensor) -> torch.Tensor:
+        """x's inputs in the order of the layer's blocks."""
+        order = held.input_order
+        return x if order is None else x.index_select(1, order)
 
     def apply(self, layer: LinearBase, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if layer.cuda_blocks is not None:
-            order = layer.input_order
-            x = x if order is None else x.index_select(1, order)
-            return cuda_block_product(layer.cuda_blocks, x, bias, layer.output_size_per_partition)
-        if layer.packed_blocks is None or x.dtype != torch.float32:
+        held = state_of(layer, IntWeights)
+        if held.cuda is not None:
+            n = layer.output_size_per_partition
+            return cuda_block_product(held.cuda, self._in_order(held, x), bias, n)
+        if held.packed is None or x.dtype != torch.float32:
             return F.linear(x, self.dequantize(layer, x.dtype), bias)
         if layer.gate_up:
             raise ValueError("paired [gate; up] blocks multiply only fused with silu_and_mul")
-        packed, x = self._blocks_for(layer, x)
+        x = self._in_order(held, x)
         out = torch.empty(x.shape[0], layer.output_size_per_partition, dtype=x.dtype)
-        ops.dense(out, x, packed, bias, out.shape[1], self.int8_activations)
+        ops.dense(out, x, held.packed, bias, out.shape[1], self.int8_activations)
         return out
 
     def apply_silu_and_mul(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
-        if layer.cuda_blocks is not None or layer.packed_blocks is None or x.dtype != torch.float32:
+        held = state_of(layer, IntWeights)
+        if held.cuda is not None or held.packed is None or x.dtype != torch.float32:
             return super().apply_silu_and_mul(layer, x)
-        packed, x = self._blocks_for(layer, x)
+        x = self._in_order(held, x)
         n = layer.output_size_per_partition // 2
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
-        ops.dense_silu_and_mul(out, x, packed, n, self.int8_activations)
+        ops.dense_silu_and_mul(out, x, held.packed, n, self.int8_activations)
         return out
+
+    def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
+        held = state_of(layer, IntWeights)
+        tensors = [held.qweight, held.scales, held.zeros, held.input_groups, held.packed]
+        if held.cuda is not None:
+            tensors += held.cuda.tensors()
+        return [t for t in tensors if t is not None]
+
+    def form(self, layer: LinearBase) -> str | None:
+        held = state_of(layer, IntWeights)
+        if held.packed is not None:
+            return blocks_form(held.packed)
+        return held.cuda.describe() if held.cuda is not None else "integers"
