@@ -64,7 +64,7 @@ __device__ inline KeyRange partition_keys(int64_t first, int64_t end, int part, 
 }
 
 // A block-table entry as a block id, ids outside the cache read as block 0 (see
-// paged_attention.h): never out of bounds, whatever the table holds past a request's end.
+// paged_attention_launch.h): never out of bounds, whatever the table holds past a request's end.
 __device__ inline int32_t cache_block(const AttentionParams& p, int32_t entry) {
   return entry < 0 || entry >= p.num_blocks ? 0 : entry;
 }

@@ -1,4 +1,4 @@
-// Launcher of the block-quantized GEMM (see block_gemm.h; the kernel is in
+// Launcher of the block-quantized GEMM (see block_gemm_launch.h; the kernel is in
 // block_gemm.cuh): picks the element type and the weights' bits.
 #include <cuda_runtime.h>
 
@@ -6,10 +6,10 @@
 #include <stdexcept>
 #include <type_traits>
 
-#include "block_gemm.cuh"
-#include "block_gemm.h"
-#include "cuda_utils.h"
-#include "element_types.cuh"
+#include "cuda/block_gemm.cuh"
+#include "cuda/block_gemm_launch.h"
+#include "cuda/element_types.cuh"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 

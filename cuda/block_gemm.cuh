@@ -16,8 +16,8 @@
 
 #include <cstdint>
 
-#include "element_types.cuh"
-#include "mma_primitives.cuh"
+#include "cuda/element_types.cuh"
+#include "cuda/mma_primitives.cuh"
 
 namespace pyengine::cuda::block_gemm_kernels {
 

@@ -19,7 +19,7 @@
 #include <string>
 #include <type_traits>
 
-#include "element_types.cuh"
+#include "cuda/element_types.cuh"
 
 namespace pyengine::cuda {
 
@@ -79,7 +79,7 @@ __global__ void reshape_and_cache_8bit_kernel(
   const int64_t token = blockIdx.x;
   const int head = static_cast<int>(blockIdx.y), lane = static_cast<int>(threadIdx.x);
   const int64_t slot = slots[token * slot_stride];
-  if (slot < 0 || slot >= num_slots) return;  // see layer_kernels.h
+  if (slot < 0 || slot >= num_slots) return;  // see layer_kernels_launch.h
   const int64_t block = slot / block_size, offset = slot % block_size;
   const int64_t tile = (block * num_kv_heads + head) * block_size * (head_size + kPad);
   const T* k_row = key + token * key_token_stride + head * key_head_stride;

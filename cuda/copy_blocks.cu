@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "cache_kernels.h"
-#include "cuda_utils.h"
+#include "cuda/copy_blocks_launch.h"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 namespace {

@@ -10,9 +10,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "cuda_utils.h"
-#include "flash_attention.cuh"
-#include "flash_attention.h"
+#include "cuda/flash_attention.cuh"
+#include "cuda/flash_attention_launch.h"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 namespace {

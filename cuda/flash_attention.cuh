@@ -19,9 +19,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attention_params.cuh"
-#include "element_types.cuh"
-#include "mma_primitives.cuh"
+#include "cuda/attention_params.cuh"
+#include "cuda/element_types.cuh"
+#include "cuda/mma_primitives.cuh"
 
 namespace pyengine::cuda::flash {
 

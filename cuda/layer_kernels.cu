@@ -1,16 +1,16 @@
-// Launchers of the fused layers and the KV-cache write (see layer_kernels.h; the kernels
-// are in layer_kernels.cuh): each picks the kernel's element type and pack width.
+// Launchers of the fused layers and the KV-cache write (see layer_kernels_launch.h; the
+// kernels are in layer_kernels.cuh): each picks the kernel's element type and pack width.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 #include <stdexcept>
 #include <type_traits>
 
-#include "cache_8bit.cuh"
-#include "cuda_utils.h"
-#include "element_types.cuh"
-#include "layer_kernels.cuh"
-#include "layer_kernels.h"
+#include "cuda/cache_8bit.cuh"
+#include "cuda/element_types.cuh"
+#include "cuda/layer_kernels.cuh"
+#include "cuda/layer_kernels_launch.h"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 namespace {

@@ -12,7 +12,7 @@
 #include <initializer_list>
 #include <type_traits>
 
-#include "element_types.cuh"
+#include "cuda/element_types.cuh"
 
 namespace pyengine::cuda::layer_kernels {
 
@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                   bool is_neox) {
   const int64_t token = blockIdx.x;
   const int64_t position = positions[token * position_stride];
-  if (position < 0 || position >= max_positions) return;  // see layer_kernels.h
+  if (position < 0 || position >= max_positions) return;  // see layer_kernels_launch.h
   const float* cs = cos_sin + position * cos_sin_stride;
   const int half = d / 2;
   const int per_head = half / W;
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kMaxThreads)
                              int num_kv_heads, int head_size, int block_size, int64_t num_slots) {
   const int64_t token = blockIdx.x;
   const int64_t slot = slots[token * slot_stride];
-  if (slot < 0 || slot >= num_slots) return;  // see layer_kernels.h
+  if (slot < 0 || slot >= num_slots) return;  // see layer_kernels_launch.h
   const int64_t block = slot / block_size, offset = slot % block_size;
   const int64_t tile = static_cast<int64_t>(block_size) * head_size;
   const int per_head = head_size / W;

@@ -1,12 +1,12 @@
-// Launcher of the batched LoRA kernel (see lora.h; the kernel is in lora_kernels.cuh).
+// Launcher of the batched LoRA kernel (see lora_launch.h; the kernel is in lora_kernels.cuh).
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda_utils.h"
-#include "element_types.cuh"
-#include "lora.h"
-#include "lora_kernels.cuh"
+#include "cuda/element_types.cuh"
+#include "cuda/lora_kernels.cuh"
+#include "cuda/lora_launch.h"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 

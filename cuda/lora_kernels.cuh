@@ -10,8 +10,8 @@
 
 #include <cstdint>
 
-#include "element_types.cuh"
-#include "lora.h"
+#include "cuda/element_types.cuh"
+#include "cuda/lora_launch.h"
 
 namespace pyengine::cuda::lora_kernels {
 

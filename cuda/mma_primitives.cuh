@@ -10,7 +10,7 @@
 
 #include <cstdint>
 
-#include "element_types.cuh"
+#include "cuda/element_types.cuh"
 
 namespace pyengine::cuda {
 

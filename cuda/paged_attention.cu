@@ -1,4 +1,4 @@
-// CUDA paged attention (see paged_attention.h): the dispatch. float16 and bfloat16 of the
+// CUDA paged attention (see paged_attention_launch.h): the dispatch. float16 and bfloat16 of the
 // common head sizes run on tensor cores (flash_attention.cuh); everything else (float32,
 // other head sizes, 8-bit caches) on the scalar kernel (paged_attention.cuh), whose merge
 // kernel also merges the tensor-core kernel's split contexts.
@@ -10,13 +10,13 @@
 #include <optional>
 #include <stdexcept>
 
-#include "attention_params.cuh"
-#include "cache_8bit.cuh"
-#include "cuda_utils.h"
-#include "element_types.cuh"
-#include "flash_attention.h"
-#include "paged_attention.cuh"
-#include "paged_attention.h"
+#include "cuda/attention_params.cuh"
+#include "cuda/cache_8bit.cuh"
+#include "cuda/element_types.cuh"
+#include "cuda/flash_attention_launch.h"
+#include "cuda/paged_attention.cuh"
+#include "cuda/paged_attention_launch.h"
+#include "cuda/runtime_guards.h"
 
 namespace pyengine::cuda {
 namespace {

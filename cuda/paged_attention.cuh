@@ -16,9 +16,9 @@
 #include <cmath>
 #include <cstdint>
 
-#include "attention_params.cuh"
-#include "cache_8bit.cuh"
-#include "element_types.cuh"
+#include "cuda/attention_params.cuh"
+#include "cuda/cache_8bit.cuh"
+#include "cuda/element_types.cuh"
 
 namespace pyengine::cuda::scalar_attention {
 

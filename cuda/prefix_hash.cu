@@ -1,13 +1,13 @@
-// Content hashes of many full blocks at once on the GPU (see prefix_hash_kernels.h): a
+// Content hashes of many full blocks at once on the GPU (see prefix_hash_launch.h): a
 // thread per block runs xxHash64 over its block_size token ids, the same algorithm and
 // byte order as cpp/src/core/prefix_hash.cpp, so the results are bit-identical.
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "core/xxhash64_core.h"
-#include "cuda_utils.h"
-#include "prefix_hash_kernels.h"
+#include "cuda/prefix_hash_launch.h"
+#include "cuda/runtime_guards.h"
+#include "pyengine/xxhash64.h"
 
 namespace pyengine::cuda {
 namespace {

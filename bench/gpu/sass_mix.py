@@ -60,9 +60,12 @@ class Instruction:
 
 
 def compile_cubin(source: Path, arch: str, out: Path) -> str:
-    """ptxas's report of compiling flash_attention.cu into `out`."""
+    """ptxas's report of compiling flash_attention.cu into `out`. The folder above `source`
+    is on the include path, since cuda/ includes its headers by folder ("cuda/...");
+    `source` itself too, for trees older than that."""
     command = ["nvcc", "-std=c++17", "-O3", f"-arch={arch}", "-cubin", "-Xptxas", "-v",
-               "-I", str(source), "-I", str(ROOT / "cpp" / "include"),
+               "-I", str(source.resolve().parent), "-I", str(source),
+               "-I", str(ROOT / "cpp" / "include"),
                str(source / "flash_attention.cu"), "-o", str(out)]  # fmt: skip
     return subprocess.run(command, check=True, capture_output=True, text=True).stderr
 

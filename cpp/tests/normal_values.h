@@ -5,7 +5,7 @@
 #include <random>
 #include <vector>
 
-#include "element_types.cuh"
+#include "cuda/element_types.cuh"
 
 namespace pyengine::testing {
 

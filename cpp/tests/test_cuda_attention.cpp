@@ -16,9 +16,9 @@
 #include <string>
 #include <vector>
 
-#include "flash_attention.cuh"
+#include "cuda/flash_attention.cuh"
+#include "cuda/paged_attention.cuh"
 #include "harness.h"
-#include "paged_attention.cuh"
 
 namespace {
 

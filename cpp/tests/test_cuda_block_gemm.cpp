@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "block_gemm.cuh"
+#include "cuda/block_gemm.cuh"
 #include "dense_view.h"
 #include "harness.h"
 #include "pyengine/block_gemm.h"

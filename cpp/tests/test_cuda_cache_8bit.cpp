@@ -16,11 +16,11 @@
 #include <string>
 #include <vector>
 
-#include "cache_8bit.cuh"
+#include "cuda/cache_8bit.cuh"
+#include "cuda/paged_attention.cuh"
 #include "dense_view.h"
 #include "harness.h"
 #include "normal_values.h"
-#include "paged_attention.cuh"
 #include "pyengine/attention.h"
 
 namespace {

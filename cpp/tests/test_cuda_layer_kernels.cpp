@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/layer_kernels.cuh"
 #include "harness.h"
-#include "layer_kernels.cuh"
 
 namespace {
 

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
+#include "cuda/lora_kernels.cuh"
 #include "harness.h"
-#include "lora_kernels.cuh"
 #include "normal_values.h"
 
 namespace {

@@ -5,9 +5,9 @@
 #include <vector>
 
 #include "pyengine/errors.h"
-#include "xxhash64_core.h"
+#include "pyengine/xxhash64.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "prefix_hash_kernels.h"
+#include "cuda/prefix_hash_launch.h"
 #endif
 
 namespace pyengine {

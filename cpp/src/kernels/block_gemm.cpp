@@ -5,9 +5,9 @@
 #include <cstring>
 #include <string>
 
-#include "attention_checks.h"
+#include "tensor_checks.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "block_gemm.h"
+#include "cuda/block_gemm_launch.h"
 #endif
 
 namespace pyengine {

@@ -9,7 +9,7 @@
 #include "pyengine/errors.h"
 
 #ifdef PYENGINE_WITH_CUDA
-#include "cache_kernels.h"
+#include "cuda/copy_blocks_launch.h"
 #endif
 
 namespace pyengine {

@@ -15,10 +15,10 @@
 
 #include "activation.h"
 #include "amx_tiles.h"
-#include "attention_checks.h"
 #include "bf16_panel.h"
 #include "quantized_panel.h"
 #include "split_bf16_gemm.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 
 namespace pyengine {

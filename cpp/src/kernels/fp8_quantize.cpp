@@ -6,8 +6,8 @@
 #include <cmath>
 #include <string>
 
-#include "attention_checks.h"
 #include "float_convert.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 
 namespace pyengine {

@@ -17,10 +17,10 @@
 #endif
 
 #include "amx_tiles.h"
-#include "attention_checks.h"
 #include "float_convert.h"
 #include "pyengine/dense.h"
 #include "quantized_panel.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 
 namespace pyengine {

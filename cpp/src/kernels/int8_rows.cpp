@@ -12,10 +12,10 @@
 #define PYENGINE_INT8_ROWS_X86 1
 #endif
 
-#include "attention_checks.h"
 #include "float_convert.h"
 #include "pyengine/int8_dense.h"
 #include "quantized_panel.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 
 namespace pyengine::detail {

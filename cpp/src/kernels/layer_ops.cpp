@@ -9,11 +9,11 @@
 #include <vector>
 
 #include "activation.h"
-#include "attention_checks.h"
 #include "float_convert.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "layer_kernels.h"
+#include "cuda/layer_kernels_launch.h"
 #endif
 
 namespace pyengine {
@@ -280,7 +280,8 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
                           " and cos_sin_cache " + cos_sin_cache.describe() +
                           " disagree (need [tokens, heads, d], [tokens], [max_positions, d])");
   }
-  if (on_cuda(query.device, op)) {  // positions stay on the device: see layer_kernels.h
+  // The positions stay on the device: see cuda/layer_kernels_launch.h.
+  if (on_cuda(query.device, op)) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::rotary_embedding(positions, query, key, cos_sin_cache, is_neox, stream);
 #endif

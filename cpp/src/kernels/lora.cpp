@@ -10,11 +10,11 @@
 #include <string>
 #include <vector>
 
-#include "attention_checks.h"
 #include "float_convert.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "lora.h"
+#include "cuda/lora_launch.h"
 #endif
 
 namespace pyengine {
@@ -329,7 +329,7 @@ void check(const TensorView& out, const TensorView& x, const TensorView& a, cons
                           std::to_string(parts) + " and " + std::to_string(ranks));
   }
 #endif
-  if (cuda) return;  // (slots stay on the device: see cuda/lora.h)
+  if (cuda) return;  // (slots stay on the device: see cuda/lora_launch.h)
   check_slot_values(slots, num_slots, op);
 }
 

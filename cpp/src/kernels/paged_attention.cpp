@@ -15,11 +15,12 @@
 #include <omp.h>
 #endif
 
-#include "attention_checks.h"
+#include "kv_cache_checks.h"
 #include "paged_attention_kernel.h"
 #include "pyengine/attention.h"
+#include "tensor_checks.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "paged_attention.h"
+#include "cuda/paged_attention_launch.h"
 #endif
 
 namespace pyengine {
@@ -214,7 +215,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           ": scale must be finite, sliding_window >= 0 and logit_soft_cap "
                           "finite and >= 0");
   }
-  if (detail::on_cuda(device, op)) {  // the metadata stay on the device: see paged_attention.h
+  // The metadata stay on the device: see cuda/paged_attention_launch.h.
+  if (detail::on_cuda(device, op)) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::paged_attention(out, query, key_cache, value_cache, block_tables, seq_lens,
                                  query_start_loc, options, stream);

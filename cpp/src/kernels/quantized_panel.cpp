@@ -12,7 +12,7 @@
 #include <immintrin.h>
 #endif
 
-#include "attention_checks.h"
+#include "tensor_checks.h"
 #include "vector_clones.h"
 
 namespace pyengine {

@@ -4,11 +4,12 @@
 #include <utility>
 #include <vector>
 
-#include "attention_checks.h"
 #include "float_convert.h"
+#include "kv_cache_checks.h"
 #include "pyengine/attention.h"
+#include "tensor_checks.h"
 #ifdef PYENGINE_WITH_CUDA
-#include "layer_kernels.h"
+#include "cuda/layer_kernels_launch.h"
 #endif
 
 namespace pyengine {
@@ -54,7 +55,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
     throw InvalidArgument(std::string(op) + ": slot_mapping must be int64 [num_tokens], got " +
                           slot_mapping.describe());
   }
-  if (detail::on_cuda(device, op)) {  // slots stay on the device: see layer_kernels.h
+  // The slots stay on the device: see cuda/layer_kernels_launch.h.
+  if (detail::on_cuda(device, op)) {
 #ifdef PYENGINE_WITH_CUDA
     return cuda::reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, k_scale,
                                    v_scale, stream);

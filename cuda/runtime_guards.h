@@ -1,5 +1,6 @@
-// What every CUDA launcher needs: error checks, a device guard and stream-ordered scratch
-// memory. Internal to cuda/.
+// The guards every CUDA launcher puts around the CUDA runtime: a check of each call's
+// status, a scope that makes a device current, and stream-ordered scratch memory freed
+// however the scope is left. Internal to cuda/.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "attention_params.cuh"
+#include "cuda/attention_params.cuh"
 #include "pyengine/tensor_view.h"
 
 namespace pyengine::cuda {

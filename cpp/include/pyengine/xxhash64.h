@@ -1,6 +1,9 @@
-// The pieces of xxHash64 (Yann Collet's published algorithm) that the CPU hash
-// (prefix_hash.cpp) and the GPU one (cuda/prefix_hash.cu) share, so that both compute
-// the same bits. Internal to pyengine_core and cuda/.
+// The pieces of xxHash64 (Yann Collet's published algorithm): its primes, its round, its
+// merge and its avalanche. The CPU hash (cpp/src/core/prefix_hash.cpp) and the GPU one
+// (cuda/prefix_hash.cu) build on these same pieces, so that both compute the same bits.
+// The header is public because cuda/ reaches into cpp/ only through cpp/include; the whole
+// hash an embedder calls is pyengine::xxhash64 (pyengine/prefix_hash.h). Plain C++ that
+// nvcc also compiles for the device.
 #pragma once
 
 #include <cstdint>
