@@ -3,7 +3,8 @@
 Each model class names the Hugging Face architectures it runs (`hf_architectures`, as a
 config.json's `architectures` gives them) and the llama.cpp ones it loads from GGUF files
 (`gguf_architectures`), and reads its own config (see models/checkpoint_config.py).
-Adding an architecture is its module and one line here: its class in MODEL_CLASSES.
+Adding an architecture is its module and its registration here: the class imported and
+put in MODEL_CLASSES.
 """
 
 from __future__ import annotations
