@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pyengine.sampling_params import is_int, is_real
 from pyengine.spec_decode.config import SpeculativeConfig
@@ -59,10 +59,22 @@ class QuantizationConfig:
         return f"{self.method} {self.bits}-bit, groups of {self.group_size}"
 
 
+@dataclass(frozen=True)
+class FamilyConfig:
+    """A model family's own switches, which only its model class reads (such as Qwen3's
+    per-head q/k norm): each family subclasses it beside its model class, so that adding
+    one adds no field here. This base is a family with no switches."""
+
+
+_Family = TypeVar("_Family", bound=FamilyConfig)
+
+
 @dataclass
 class ModelConfig:
-    """What the model runner needs of a checkpoint's config (loader/hf_config.py reads
-    it from a config.json, loader/gguf_model.py from a GGUF's metadata)."""
+    """What the model runner needs of a checkpoint's config. The model class that runs
+    the architecture reads it (models/registry.py finds the class), from a config.json or
+    a GGUF file's metadata, with the values common to all (rope, special tokens) read
+    by the loader (loader/hf_config.py, loader/gguf_model.py)."""
 
     architecture: str
     vocab_size: int
@@ -77,16 +89,12 @@ class ModelConfig:
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # q/k/v projections have biases (Qwen2)
-    qk_norm: bool = False  # RMSNorm of q and k per head (Qwen3)
-    sliding_window: int = 0
+    sliding_window: int = 0  # attention sees this many last tokens (0: all of them)
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # OPT / GPT-2
-    hidden_act: str = "silu"
-    norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m)
-    position_offset: int = 0  # OPT's learned positions start at row 2
+    hidden_act: str = "silu"  # the MLP's activation ("silu": a gated MLP, as Llama's)
     quantization: QuantizationConfig | None = None  # None: float weights
+    family: FamilyConfig = FamilyConfig()  # the family's own switches (see FamilyConfig)
 
     def __post_init__(self) -> None:
         """Values a model cannot run with are refused when loaded, not at the first
@@ -110,6 +118,18 @@ class ModelConfig:
         if not is_int(self.sliding_window) or self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window!r}")
         _check_rope_scaling(self.rope_scaling)
+
+    def family_config(self, kind: type[_Family]) -> _Family:
+        """The family's switches, as the model class of that family reads them; a config
+        made without any (the base FamilyConfig) has the family's defaults."""
+        if isinstance(self.family, kind):
+            return self.family
+        if type(self.family) is FamilyConfig:
+            return kind()
+        raise TypeError(
+            f"the config of {self.architecture} carries {type(self.family).__name__}, "
+            f"not the {kind.__name__} its model reads"
+        )
 
 
 # rope_scaling types and the positive numbers each needs ("freq_divisors": a GGUF's

@@ -1,4 +1,5 @@
-"""A model from a GGUF file: its config, weights under Hugging Face names, tokenizer."""
+"""A model from a GGUF file: its config and its weights under Hugging Face names, as the
+model class of the file's architecture declares them (models/registry.py)."""
 
 from __future__ import annotations
 
@@ -13,39 +14,17 @@ import torch
 from pyengine.config import ModelConfig
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.loader.gguf_file import GGUFError, GGUFFile
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, GGUFMetadata
+from pyengine.models.registry import gguf_architecture
 from pyengine.utils.lazy_weights import LazyWeights
 
-_ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
-
-_GLOBAL_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
-    """The model's config from the file's metadata; whatever is missing or malformed there
-    is a GGUFError naming the file."""
+    """The model's config from the file's metadata, read by the model class of its
+    architecture; whatever is missing or malformed there is a GGUFError naming the
+    file."""
     try:
         return _config_from_gguf(g)
     except GGUFError:
@@ -56,42 +35,27 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
         raise GGUFError(f"{g.path}: {error}") from None
 
 
+def _architecture(g: GGUFFile) -> GGUFArchitecture:
+    try:
+        return gguf_architecture(str(g.fields.get("general.architecture", "")))
+    except ValueError as error:
+        raise GGUFError(f"{g.path}: {error}") from None
+
+
 def _config_from_gguf(g: GGUFFile) -> ModelConfig:
-    arch = str(g.fields.get("general.architecture", ""))
-    if arch not in _ARCHITECTURES:
-        raise GGUFError(
-            f"{g.path}: GGUF architecture {arch!r} is not supported ({', '.join(_ARCHITECTURES)})"
-        )
-
-    def field(key: str, default: Any = None) -> Any:
-        value = g.fields.get(f"{arch}.{key}", default)
-        if value is None:
-            raise GGUFError(f"{g.path}: metadata {arch}.{key} is missing")
-        return value
-
-    heads = int(field("attention.head_count"))
-    hidden = int(field("embedding_length"))
+    """What every llama.cpp architecture keeps alike (rope, special tokens) is read here;
+    the rest by the model class."""
+    arch = _architecture(g)
+    metadata = GGUFMetadata(g.fields, g.tensors.keys(), arch.name)
     eos = g.fields.get("tokenizer.ggml.eos_token_id")
-    return ModelConfig(
-        architecture=_ARCHITECTURES[arch],
-        vocab_size=int(g.fields.get(f"{arch}.vocab_size", len(g.fields["tokenizer.ggml.tokens"]))),
-        hidden_size=hidden,
-        intermediate_size=int(field("feed_forward_length")),
-        num_layers=int(field("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(field("attention.head_count_kv", heads)),
-        head_size=int(field("attention.key_length", hidden // heads)),
-        max_position_embeddings=int(field("context_length", 2048)),
-        norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-6)),
-        rope_theta=float(field("rope.freq_base", 10000.0)),
-        rope_scaling=_rope_scaling(g, arch),
-        tie_word_embeddings="output.weight" not in g.tensors,
-        attention_bias="blk.0.attn_q.bias" in g.tensors,
-        qk_norm="blk.0.attn_q_norm.weight" in g.tensors,
-        sliding_window=int(g.fields.get(f"{arch}.attention.sliding_window", 0) or 0),
+    common = CommonValues(
+        architecture=arch.hf_architecture,
+        rope_theta=float(metadata.field("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(g, arch.name),
         bos_token_id=g.fields.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=() if eos is None else (int(eos),),
     )
+    return arch.read_config(metadata, common)
 
 
 def _rope_scaling(g: GGUFFile, arch: str) -> dict[str, Any] | None:
@@ -118,8 +82,9 @@ def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
 def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyWeights:
     """Every tensor as float32, under its Hugging Face name, dequantized when read."""
     readers: dict[str, Callable[[], torch.Tensor]] = {}
+    arch = _architecture(g)
     for name in g.tensors:
-        hf_name, rope_heads = _hf_name(g, name, config)
+        hf_name, rope_heads = _hf_name(g, arch, name, config)
         if hf_name is not None:
             readers[hf_name] = functools.partial(_read_tensor, g, name, rope_heads)
     return LazyWeights(readers)
@@ -153,8 +118,9 @@ def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyBlocks:
     """The Q4_0/Q4_1/Q8_0 matrices in their block form, under their Hugging Face names (the
     same values as weights_from_gguf's, bit for bit)."""
     readers: dict[str, Callable[[], BlockQuantized]] = {}
+    arch = _architecture(g)
     for name in g.tensors:
-        hf_name, rope_heads = _hf_name(g, name, config)
+        hf_name, rope_heads = _hf_name(g, arch, name, config)
         if hf_name is not None and g.has_block_form(name):
             readers[hf_name] = functools.partial(_read_blocks, g, name, rope_heads)
     return LazyBlocks(readers)
@@ -168,18 +134,21 @@ def _read_blocks(g: GGUFFile, name: str, rope_heads: int) -> BlockQuantized:
     return blocks
 
 
-def _hf_name(g: GGUFFile, name: str, config: ModelConfig) -> tuple[str | None, int]:
+def _hf_name(
+    g: GGUFFile, arch: GGUFArchitecture, name: str, config: ModelConfig
+) -> tuple[str | None, int]:
     """(GGUF tensor `name`'s Hugging Face name, or None for a tensor not loaded; the heads
     whose rows llama.cpp permuted for its rope, or 0)."""
     m = _LAYER_TENSOR.fullmatch(name)
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name], 0
+    if name in arch.global_tensors:
+        return arch.global_tensors[name], 0
     if name == "rope_freqs.weight":
         return None, 0  # in the config's rope_scaling (_rope_scaling)
-    if not (m and m.group(2) in _LAYER_NAMES):
+    if not (m and m.group(2) in arch.layer_tensors):
         raise GGUFError(f"{g.path}: unexpected tensor {name}")
-    hf_name = f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
-    if g.fields.get("general.architecture") not in ("llama", "mistral"):
+    layer_name = arch.layer_tensors[m.group(2)]
+    hf_name = f"{arch.layer_prefix}.{m.group(1)}.{layer_name}.{m.group(3)}"
+    if not arch.rope_permuted:
         return hf_name, 0
     if m.group(2) == "attn_q":
         return hf_name, config.num_heads

@@ -1,2 +1,3 @@
 """Model architectures, written over the parallel layers and the paged attention layer;
-`registry.model_class` finds one by its Hugging Face architecture name."""
+each class reads its own config, and `registry.model_class` finds it by the Hugging Face
+architecture names it declares."""

@@ -1,16 +1,19 @@
 """Decoders with learned absolute positions, LayerNorm and biases everywhere: OPT and
-GPT-2. Same flat batch and paged attention as the Llama family; no rotary embedding."""
+GPT-2, each a subclass that reads its own config.json and names its own checkpoint
+tensors. Same flat batch and paged attention as the Llama family; no rotary embedding."""
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.config import ModelConfig
+from pyengine.config import FamilyConfig, ModelConfig
 from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
@@ -22,6 +25,12 @@ from pyengine.layers.linear import (
     process_weights_after_loading,
 )
 from pyengine.layers.vocab_embedding import VocabParallelEmbedding, stage_lm_head
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    head_size_of,
+    integer,
+)
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor
 
@@ -31,6 +40,14 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
 }
+
+
+@dataclass(frozen=True)
+class LearnedPositionConfig(FamilyConfig):
+    """Where OPT and GPT-2 differ in their layers."""
+
+    norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m)
+    position_offset: int = 0  # OPT's learned positions start at row 2
 
 
 def _parameter(*shape: int) -> nn.Parameter:
@@ -64,7 +81,7 @@ class _Layer(nn.Module):
         if c.hidden_act not in _ACTIVATIONS:
             raise ValueError(f"activation {c.hidden_act!r} is not supported")
         self.act = _ACTIVATIONS[c.hidden_act]
-        self.norm_before = c.norm_before
+        self.norm_before = c.family_config(LearnedPositionConfig).norm_before
         self.attn = PagedAttention(self.num_heads, self.num_heads, c.head_size)
 
     def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
@@ -86,12 +103,25 @@ class _Layer(nn.Module):
         return out
 
 
-# Checkpoint names outside the layers (prefixes stripped) -> what loads them.
+@dataclass(frozen=True)
+class _CheckpointNames:
+    """How an architecture's checkpoint names its tensors, against the internal names
+    that the router takes."""
+
+    prefixes: tuple[str, ...]  # taken off every name, in this order
+    # Modules outside the layers (prefixes taken off), and what loads them
+    outside: Mapping[str, str]
+    # A layer's module, and the internal module with its part of the fused q/k/v (None:
+    # the whole of it)
+    layer: Mapping[str, tuple[str, int | None]]
+    split_qkv: bool  # q, k and v as three tensors (OPT), not one (GPT-2)
+    conv1d: tuple[str, ...] = ()  # layer modules whose weights are stored [in, out]
+
+
 _OPT_GLOBAL = {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions",
                "final_layer_norm": "final_norm", "lm_head": "lm_head"}  # fmt: skip
 _GPT2_GLOBAL = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "final_norm",
                 "lm_head": "lm_head"}  # fmt: skip
-# Hugging Face layer module -> (internal module, part of the fused q/k/v or None).
 _OPT_LAYER = {
     "self_attn.q_proj": ("qkv", 0),
     "self_attn.k_proj": ("qkv", 1),
@@ -110,11 +140,16 @@ _GPT2_LAYER = {
     "mlp.c_fc": ("fc1", None),
     "mlp.c_proj": ("fc2", None),
 }
-_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # stored [in, out]
+_GPT2_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 
 
 class LearnedPositionDecoder(nn.Module):
+    """What OPT and GPT-2 share; each subclass says which architecture it runs, reads its
+    config and names its checkpoint's tensors (`checkpoint_names`)."""
+
     intermediate_names: tuple[str, ...] = ("hidden",)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()  # none from GGUF
+    checkpoint_names: ClassVar[_CheckpointNames]
 
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None):
         super().__init__()
@@ -135,8 +170,9 @@ class LearnedPositionDecoder(nn.Module):
         self.embed_tokens = (
             VocabParallelEmbedding(c.vocab_size, c.hidden_size, ctx) if first else None
         )
+        self.position_offset = c.family_config(LearnedPositionConfig).position_offset
         self.embed_positions = (
-            _parameter(c.max_position_embeddings + c.position_offset, c.hidden_size)
+            _parameter(c.max_position_embeddings + self.position_offset, c.hidden_size)
             if first
             else None
         )
@@ -149,7 +185,8 @@ class LearnedPositionDecoder(nn.Module):
             ]
         )
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
-        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if c.norm_before and last else None
+        norm_before = c.family_config(LearnedPositionConfig).norm_before
+        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if norm_before and last else None
         self.lm_head = stage_lm_head(
             c.vocab_size, c.hidden_size, ctx, ("embed_tokens", "lm_head"), self.embed_tokens,
             c.tie_word_embeddings,
@@ -168,7 +205,7 @@ class LearnedPositionDecoder(nn.Module):
         if intermediate is None:
             assert self.embed_tokens is not None and self.embed_positions is not None
             h: torch.Tensor = self.embed_tokens(input_ids) + F.embedding(
-                positions + self.config.position_offset, self.embed_positions
+                positions + self.position_offset, self.embed_positions
             )
         else:
             h = intermediate["hidden"]
@@ -213,7 +250,7 @@ class LearnedPositionDecoder(nn.Module):
         if self.final_norm is not None:
             router.plain("final_norm.weight", self.final_norm.weight)
             router.plain("final_norm.bias", self.final_norm.bias)
-        opt = self.config.architecture == "OPTForCausalLM"
+        split_qkv = self.checkpoint_names.split_qkv
         for i in range(self.start_layer, self.end_layer):
             layer = self.layers[i]
             assert isinstance(layer, _Layer)
@@ -222,7 +259,7 @@ class LearnedPositionDecoder(nn.Module):
                 for kind in ("weight", "bias"):
                     router.plain(f"{p}.{norm}.{kind}", getattr(getattr(layer, norm), kind))
             for kind in ("weight", "bias"):
-                if opt:
+                if split_qkv:
                     for part in range(3):
                         router.linear(f"{p}.qkv.{part}.{kind}", layer.qkv, kind, part)
                 else:
@@ -236,25 +273,84 @@ class LearnedPositionDecoder(nn.Module):
     ) -> tuple[str, CheckpointTensor] | None:
         """A checkpoint name as the router's (None: not a weight, as GPT-2's attn.bias
         buffers); GPT-2's Conv1D weights transposed to [out, in]."""
-        opt = self.config.architecture == "OPTForCausalLM"
-        name = (
-            name.removeprefix("model.").removeprefix("decoder.")
-            if opt
-            else name.removeprefix("transformer.")
-        )
+        names = self.checkpoint_names
+        for prefix in names.prefixes:
+            name = name.removeprefix(prefix)
         module, _, kind = name.rpartition(".")
-        outside = _OPT_GLOBAL if opt else _GPT2_GLOBAL
-        if module in outside:
-            return f"{outside[module]}.{kind}", tensor
+        if module in names.outside:
+            return f"{names.outside[module]}.{kind}", tensor
         m = re.fullmatch(r"(?:layers|h)\.(\d+)\.(.+)", module)
-        table = _OPT_LAYER if opt else _GPT2_LAYER
         if not m:
             return None
-        if m.group(2) not in table:
+        if m.group(2) not in names.layer:
             # A layer the model lacks is an error; other tensors are old buffers.
             return (f"layers.{m.group(1)}.{m.group(2)}.{kind}", tensor)
-        internal, part = table[m.group(2)]
-        if not opt and m.group(2) in _GPT2_CONV1D and kind == "weight":
+        internal, part = names.layer[m.group(2)]
+        if m.group(2) in names.conv1d and kind == "weight":
             tensor = tensor.t()
         suffix = "" if part is None else f".{part}"
         return f"layers.{m.group(1)}.{internal}{suffix}.{kind}", tensor
+
+
+class OPTForCausalLM(LearnedPositionDecoder):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("OPTForCausalLM",)
+    checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
+        ("model.", "decoder."), _OPT_GLOBAL, _OPT_LAYER, split_qkv=True
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        """OPT's config.json (transformers' OPTConfig names and defaults)."""
+        hidden, heads = integer(raw["hidden_size"]), integer(raw["num_attention_heads"])
+        if integer(raw.get("word_embed_proj_dim") or hidden) != hidden:
+            raise ValueError("OPT models with word_embed_proj_dim != hidden_size are not supported")
+        return ModelConfig(
+            architecture=common.architecture,
+            vocab_size=integer(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=integer(raw["ffn_dim"]),
+            num_layers=integer(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_size=head_size_of(hidden, heads),
+            max_position_embeddings=integer(raw.get("max_position_embeddings", 2048)),
+            norm_eps=1e-5,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            bos_token_id=common.bos_token_id,
+            eos_token_ids=common.eos_token_ids,
+            hidden_act=str(raw.get("activation_function", "relu")),
+            family=LearnedPositionConfig(
+                norm_before=bool(raw.get("do_layer_norm_before", True)), position_offset=2
+            ),
+        )
+
+
+class GPT2ForCausalLM(LearnedPositionDecoder):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("GPT2LMHeadModel",)
+    checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
+        ("transformer.",), _GPT2_GLOBAL, _GPT2_LAYER, split_qkv=False, conv1d=_GPT2_CONV1D
+    )
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        """GPT-2's config.json (transformers' GPT2Config names and defaults)."""
+        hidden, heads = integer(raw["n_embd"]), integer(raw["n_head"])
+        if raw.get("scale_attn_by_inverse_layer_idx") or not raw.get("scale_attn_weights", True):
+            raise ValueError("GPT-2 variants with other attention scaling are not supported")
+        return ModelConfig(
+            architecture=common.architecture,
+            vocab_size=integer(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=integer(raw.get("n_inner") or 4 * hidden),
+            num_layers=integer(raw["n_layer"]),
+            num_heads=heads,
+            num_kv_heads=heads,
+            head_size=head_size_of(hidden, heads),
+            max_position_embeddings=integer(raw.get("n_positions", 1024)),
+            norm_eps=float(raw.get("layer_norm_epsilon", 1e-5)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+            bos_token_id=common.bos_token_id,
+            eos_token_ids=common.eos_token_ids,
+            hidden_act=str(raw.get("activation_function", "gelu_new")),
+            family=LearnedPositionConfig(norm_before=True, position_offset=0),
+        )

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import nn
@@ -13,14 +13,20 @@ from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import LayerContext
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture
 from pyengine.models.weights import WeightRouter
 
 
 class CausalLM(Protocol):
     """A decoder over the paged KV cache. Built with `(config, max_positions, ctx)`:
     its parameters are made at the placement, each linear layer with the LinearMethod
-    ctx chooses for it."""
+    ctx chooses for it. The class names the architectures it runs and reads their
+    configs (models/registry.py finds it by those names)."""
 
+    # The Hugging Face architecture names it runs (a config.json's `architectures`)
+    hf_architectures: ClassVar[tuple[str, ...]]
+    # The llama.cpp architectures it loads from GGUF files (none: it loads no GGUF)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]]
     config: ModelConfig
     num_parameters: int  # set once the weights are in (a tied head counted once)
     # [start, end) of the layers this pipeline stage holds (all of them with one stage)
@@ -30,6 +36,14 @@ class CausalLM(Protocol):
     intermediate_names: tuple[str, ...]
 
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext) -> None: ...
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        """The ModelConfig of a config.json's object `raw`, whose architecture is one of
+        hf_architectures (common.architecture), with the common values put in; a
+        KeyError, TypeError or ValueError for what it cannot run with (the loader names
+        the file)."""
+        ...
 
     def __call__(
         self,

@@ -1,5 +1,6 @@
 """The Llama family (Llama 2/3, SmolLM2, Mistral) and Qwen2/Qwen3, which differ from it
-only in q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3).
+only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window
+(Mistral). The family reads its own config, from a config.json or a GGUF file.
 
 The step's tokens are one flat batch [num_tokens, hidden]: no padding, no per-request
 loop; attention goes through the paged KV cache. q/k/v and gate/up are each one matmul.
@@ -8,11 +9,13 @@ loop; attention goes through the paged KV cache. q/k/v and gate/up are each one 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from pyengine.config import ModelConfig
+from pyengine.config import FamilyConfig, ModelConfig
 from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
@@ -26,14 +29,150 @@ from pyengine.layers.linear import (
 )
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.layers.vocab_embedding import VocabParallelEmbedding, stage_lm_head
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    head_size_of,
+    integer,
+)
 from pyengine.models.weights import WeightRouter
+
+
+@dataclass(frozen=True)
+class LlamaFamilyConfig(FamilyConfig):
+    """Where a member of the family differs from Llama in its layers."""
+
+    attention_bias: bool = False  # the q/k/v projections have biases (Qwen2)
+    qk_norm: bool = False  # an RMSNorm of q and of k per head (Qwen3)
+
+
+@dataclass(frozen=True)
+class _Variant:
+    """How one Hugging Face architecture of the family reads its config.json: the default
+    of its attention_bias, whether it has q/k norms, whether it reads sliding_window."""
+
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: bool = False
+
+
+# The Hugging Face architectures this module runs.
+_HF_VARIANTS = {
+    "LlamaForCausalLM": _Variant(),
+    "MistralForCausalLM": _Variant(sliding_window=True),
+    "Qwen2ForCausalLM": _Variant(attention_bias=True),
+    "Qwen3ForCausalLM": _Variant(qk_norm=True),
+}
+
+
+def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    variant = _HF_VARIANTS[common.architecture]
+    heads = integer(raw["num_attention_heads"])
+    hidden = integer(raw["hidden_size"])
+    window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+    kv_heads = integer(raw.get("num_key_value_heads") or heads)
+    if kv_heads >= 1 and heads % kv_heads:  # named as config.json names it
+        raise ValueError(
+            f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
+        )
+    return ModelConfig(
+        architecture=common.architecture,
+        vocab_size=integer(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=integer(raw["intermediate_size"]),
+        num_layers=integer(raw["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_size=integer(raw.get("head_dim") or head_size_of(hidden, heads)),
+        max_position_embeddings=integer(raw.get("max_position_embeddings", 2048)),
+        norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=common.rope_theta,
+        rope_scaling=common.rope_scaling,
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        sliding_window=integer(window or 0) if variant.sliding_window else 0,
+        bos_token_id=common.bos_token_id,
+        eos_token_ids=common.eos_token_ids,
+        family=LlamaFamilyConfig(
+            attention_bias=bool(raw.get("attention_bias", variant.attention_bias)),
+            qk_norm=variant.qk_norm,
+        ),
+    )
+
+
+def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's keys; the biases and q/k norms are there when their tensors are."""
+    heads = int(m.field("attention.head_count"))
+    hidden = int(m.field("embedding_length"))
+    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
+    return ModelConfig(
+        architecture=common.architecture,
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(m.field("feed_forward_length")),
+        num_layers=int(m.field("block_count")),
+        num_heads=heads,
+        num_kv_heads=int(m.field("attention.head_count_kv", heads)),
+        head_size=int(m.field("attention.key_length", hidden // heads)),
+        max_position_embeddings=int(m.field("context_length", 2048)),
+        norm_eps=float(m.field("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=common.rope_theta,
+        rope_scaling=common.rope_scaling,
+        tie_word_embeddings="output.weight" not in m.tensor_names,
+        sliding_window=int(m.fields.get(f"{m.architecture}.attention.sliding_window", 0) or 0),
+        bos_token_id=common.bos_token_id,
+        eos_token_ids=common.eos_token_ids,
+        family=LlamaFamilyConfig(
+            attention_bias="blk.0.attn_q.bias" in m.tensor_names,
+            qk_norm="blk.0.attn_q_norm.weight" in m.tensor_names,
+        ),
+    )
+
+
+# llama.cpp's tensor names (outside the layers, and within blk.N) and the family's.
+_GGUF_GLOBAL_TENSORS = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def _gguf(name: str, hf_architecture: str, rope_permuted: bool) -> GGUFArchitecture:
+    return GGUFArchitecture(
+        name, hf_architecture, _config_from_gguf, _GGUF_GLOBAL_TENSORS, _GGUF_LAYER_TENSORS,
+        "model.layers", rope_permuted,
+    )  # fmt: skip
+
+
+# The llama.cpp architectures this module runs (its Llama conversion, which Mistral's
+# shares, permutes the q/k rows for its rope; its Qwen ones do not).
+_GGUF_ARCHITECTURES = (
+    _gguf("llama", "LlamaForCausalLM", rope_permuted=True),
+    _gguf("mistral", "MistralForCausalLM", rope_permuted=True),
+    _gguf("qwen2", "Qwen2ForCausalLM", rope_permuted=False),
+    _gguf("qwen3", "Qwen3ForCausalLM", rope_permuted=False),
+)
 
 
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str):
         super().__init__()
+        family = c.family_config(LlamaFamilyConfig)
         self.qkv_proj = QKVParallelLinear(
-            c.hidden_size, c.head_size, c.num_heads, c.num_kv_heads, c.attention_bias, ctx,
+            c.hidden_size, c.head_size, c.num_heads, c.num_kv_heads, family.attention_bias, ctx,
             [f"{prefix}.{p}_proj.weight" for p in "qkv"],
         )  # fmt: skip
         self.num_heads = self.qkv_proj.num_heads_per_partition
@@ -43,8 +182,8 @@ class Attention(nn.Module):
         self.o_proj = RowParallelLinear(
             c.num_heads * c.head_size, c.hidden_size, False, ctx, [f"{prefix}.o_proj.weight"]
         )
-        self.q_norm = RMSNorm(self.head_size, c.norm_eps) if c.qk_norm else None
-        self.k_norm = RMSNorm(self.head_size, c.norm_eps) if c.qk_norm else None
+        self.q_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
+        self.k_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
         self.rotary = rotary
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
@@ -124,6 +263,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     intermediate_names: tuple[str, ...] = ("hidden", "residual")
+    hf_architectures: ClassVar[tuple[str, ...]] = tuple(_HF_VARIANTS)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        """The family's values from a config.json (Hugging Face's names and defaults)."""
+        return _config_from_hf(raw, common)
 
     def __init__(
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
@@ -218,6 +364,7 @@ class LlamaForCausalLM(nn.Module):
     def weight_router(self) -> WeightRouter:
         c = self.config
         router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
+        biases = c.family_config(LlamaFamilyConfig).attention_bias
         embed, head = "model.embed_tokens.weight", "lm_head.weight"
         if self.embed_tokens is not None:
             router.vocab(embed, self.embed_tokens)
@@ -236,7 +383,7 @@ class LlamaForCausalLM(nn.Module):
             p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
             for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
                 router.linear_weight(f"{p}.self_attn.{name}", attn.qkv_proj, part)
-                if c.attention_bias:
+                if biases:
                     router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
             router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
             router.linear_weight(f"{p}.mlp.gate_proj", mlp.gate_up_proj, part=0)

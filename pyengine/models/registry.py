@@ -1,21 +1,52 @@
-"""From the architecture name a Hugging Face config.json gives to the model class."""
+"""The model classes, found by the architecture names they declare.
+
+Each model class names the Hugging Face architectures it runs (`hf_architectures`, as a
+config.json's `architectures` gives them) and the llama.cpp ones it loads from GGUF files
+(`gguf_architectures`), and reads its own config (see models/checkpoint_config.py).
+Adding an architecture is its module and its registration here: the class imported and
+put in MODEL_CLASSES.
+"""
 
 from __future__ import annotations
 
-from pyengine.models.gpt import LearnedPositionDecoder
+from pyengine.models.checkpoint_config import GGUFArchitecture
+from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
 
-_MODELS: dict[str, type[CausalLM]] = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
-    "OPTForCausalLM": LearnedPositionDecoder,
-    "GPT2LMHeadModel": LearnedPositionDecoder,
-}
+MODEL_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, OPTForCausalLM, GPT2ForCausalLM)
+
+
+def _by_name() -> dict[str, type[CausalLM]]:
+    found: dict[str, type[CausalLM]] = {}
+    for cls in MODEL_CLASSES:
+        for name in cls.hf_architectures:
+            if name in found:
+                raise ValueError(f"{found[name].__name__} and {cls.__name__} both run {name}")
+            found[name] = cls
+    return found
+
+
+def _by_gguf_name() -> dict[str, GGUFArchitecture]:
+    found: dict[str, GGUFArchitecture] = {}
+    for cls in MODEL_CLASSES:
+        for arch in cls.gguf_architectures:
+            if arch.name in found:
+                raise ValueError(f"two model classes load GGUF architecture {arch.name}")
+            if arch.hf_architecture not in cls.hf_architectures:
+                raise ValueError(
+                    f"{cls.__name__} loads GGUF {arch.name} as {arch.hf_architecture}, "
+                    "which it does not run"
+                )
+            found[arch.name] = arch
+    return found
+
+
+_MODELS = _by_name()
+_GGUF = _by_gguf_name()
 
 ARCHITECTURES = tuple(_MODELS)
+GGUF_ARCHITECTURES = tuple(_GGUF)
 
 
 def model_class(architecture: str) -> type[CausalLM]:
@@ -26,3 +57,13 @@ def model_class(architecture: str) -> type[CausalLM]:
             f"{', '.join(ARCHITECTURES)}"
         )
     return _MODELS[architecture]
+
+
+def gguf_architecture(name: str) -> GGUFArchitecture:
+    """The llama.cpp architecture `name` (a GGUF file's general.architecture) as a model
+    class loads it; ValueError naming the ones pyengine loads."""
+    if name not in _GGUF:
+        raise ValueError(
+            f"GGUF architecture {name!r} is not supported ({', '.join(GGUF_ARCHITECTURES)})"
+        )
+    return _GGUF[name]

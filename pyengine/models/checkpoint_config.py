@@ -1,0 +1,83 @@
+"""What a model class reads its config from.
+
+The loader reads the values that every checkpoint gives alike (`CommonValues`: rope,
+special tokens) and hands them, with the checkpoint's own config (a config.json's object,
+or a GGUF file's metadata as `GGUFMetadata`), to the model class that runs the
+architecture. The class reads the rest (its sizes under its own names, its family's
+switches) and returns the `ModelConfig`. A class that loads GGUF files declares each
+llama.cpp architecture it takes as a `GGUFArchitecture`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pyengine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class CommonValues:
+    """What the loader reads the same way from every checkpoint, for the model class to
+    put into its ModelConfig. A class without a rotary embedding leaves the rope values
+    out."""
+
+    architecture: str  # the Hugging Face architecture name
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GGUFMetadata:
+    """A GGUF file's metadata as a model class reads it: the key-value fields, the names
+    of the file's tensors (whose presence says what the model has, such as q/k biases),
+    and the architecture that prefixes the model's keys."""
+
+    fields: Mapping[str, Any]
+    tensor_names: Collection[str]
+    architecture: str  # general.architecture, as "llama"
+
+    def field(self, key: str, default: Any = None) -> Any:
+        """The value of `<architecture>.<key>`, or `default`; a ValueError naming the key
+        when it is missing and there is no default."""
+        value = self.fields.get(f"{self.architecture}.{key}", default)
+        if value is None:
+            raise ValueError(f"metadata {self.architecture}.{key} is missing")
+        return value
+
+
+@dataclass(frozen=True)
+class GGUFArchitecture:
+    """One llama.cpp architecture that a model class loads from a GGUF file: how its
+    config is read and how its tensors are named."""
+
+    name: str  # general.architecture in the file, and the prefix of its metadata keys
+    hf_architecture: str  # the Hugging Face architecture it runs as
+    read_config: Callable[[GGUFMetadata, CommonValues], ModelConfig]
+    # llama.cpp's tensor names and the model's Hugging Face ones: whole names outside the
+    # layers; inside them blk.N.<part>.weight becomes <layer_prefix>.N.<layer name>.weight.
+    global_tensors: Mapping[str, str]
+    layer_tensors: Mapping[str, str]
+    layer_prefix: str
+    # llama.cpp's Llama conversion interleaves the rotary halves of each head's q and k
+    # rows; the loader puts them back as Hugging Face's rotate_half expects.
+    rope_permuted: bool = False
+
+
+def integer(value: Any) -> int:
+    """A config count: an integer (or a float that is one), nothing else."""
+    if isinstance(value, bool) or not (
+        isinstance(value, int) or isinstance(value, float) and value.is_integer()
+    ):
+        raise ValueError(f"{value!r} where an integer belongs")
+    return int(value)
+
+
+def head_size_of(hidden: int, heads: int) -> int:
+    """The size of each attention head when `heads` share the hidden size evenly."""
+    if heads < 1 or hidden % heads:
+        raise ValueError(f"hidden size {hidden} does not split into {heads} attention heads")
+    return hidden // heads
