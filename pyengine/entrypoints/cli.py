@@ -14,7 +14,8 @@ from collections.abc import Iterator
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
-from pyengine.entrypoints.openai.api_server import add_server_arguments, serve
+from pyengine.entrypoints.openai.api_server import serve
+from pyengine.entrypoints.openai.cli_args import add_server_arguments
 from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import Message

@@ -343,7 +343,7 @@ def test_the_default_model_rewriting_its_prompt() -> None:
 def test_the_server_takes_a_speculative_config_as_json() -> None:
     import argparse
 
-    from pyengine.entrypoints.openai.api_server import add_server_arguments, engine_args
+    from pyengine.entrypoints.openai.cli_args import add_server_arguments, engine_args
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="m")  # (as main() and `pyengine serve` add it)

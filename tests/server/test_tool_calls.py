@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from pyengine.entrypoints.openai.protocol import APIError, ChatMessage
+from pyengine.entrypoints.openai.errors import APIError
+from pyengine.entrypoints.openai.protocol import ChatMessage
 from pyengine.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, finish_reason
 from pyengine.entrypoints.openai.tool_parsers import ParsedMessage, tool_parser
 

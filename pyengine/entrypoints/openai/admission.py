@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.errors import APIError
 
 OVERLOADED = 429
 RETRY_AFTER_SECONDS = 1

@@ -15,7 +15,7 @@ from typing import Any
 
 import uvicorn
 
-from pyengine.entrypoints.openai.protocol import APIError, error_response
+from pyengine.entrypoints.openai.errors import APIError, error_response
 
 logger = logging.getLogger(__name__)
 

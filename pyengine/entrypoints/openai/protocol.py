@@ -1,6 +1,6 @@
-"""The OpenAI API's request bodies (with vLLM's extra sampling fields) and its errors.
-Fields a client may send that pyengine does not use are accepted and ignored, as OpenAI's
-own clients send some by default; those that would change the output are refused."""
+"""The OpenAI API's request bodies, with vLLM's extra sampling fields. Fields a client may
+send that pyengine does not use are accepted and ignored, as OpenAI's own clients send some
+by default; those that would change the output are refused with an APIError (errors.py)."""
 
 from __future__ import annotations
 
@@ -8,61 +8,13 @@ import json
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from starlette.responses import Response
 
+from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.tool_parsers import NOT_JSON
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:
     from pyengine.entrypoints.openai.tool_calls import ToolChoice
-
-
-class APIError(Exception):
-    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    def __init__(
-        self,
-        message: str,
-        status: int = 400,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.message = message
-        self.status = status
-        self.param = param
-        self.headers = headers or {}  # (429's Retry-After)
-
-    @property
-    def type(self) -> str:
-        return {
-            400: "invalid_request_error",
-            401: "authentication_error",
-            404: "not_found_error",
-            413: "request_too_large",
-            429: "rate_limit_error",
-            503: "service_unavailable",
-        }.get(self.status, "internal_error")
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.type,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-def error_response(error: APIError) -> Response:
-    """The error as the HTTP response a client gets."""
-    # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
-    # encode (an unpaired surrogate).
-    return Response(
-        json.dumps(error.body()), status_code=error.status, media_type="application/json",
-        headers=error.headers,
-    )  # fmt: skip
 
 
 class StreamOptions(BaseModel):

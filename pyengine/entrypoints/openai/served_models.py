@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 
-from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.errors import APIError
 from pyengine.lora.request import LoRARequest
 
 

@@ -15,7 +15,7 @@ from starlette.requests import Request
 from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
 from pyengine.engine.input_processor import check_token_ids
 from pyengine.entrypoints.openai.admission import WaitingBound
-from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.served_models import ServedModels
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs

@@ -10,7 +10,8 @@ from typing import Any
 import jinja2
 
 from pyengine.engine.async_engine import RequestStream
-from pyengine.entrypoints.openai.protocol import APIError, ChatCompletionRequest, ChatMessage
+from pyengine.entrypoints.openai.errors import APIError
+from pyengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
     EncodedPrompt,

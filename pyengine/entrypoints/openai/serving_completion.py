@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 from typing import Any, cast
 
 from pyengine.engine.async_engine import RequestStream
-from pyengine.entrypoints.openai.protocol import APIError, CompletionRequest
+from pyengine.entrypoints.openai.errors import APIError
+from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
     EncodedPrompt,

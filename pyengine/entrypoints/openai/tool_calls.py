@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pyengine.entrypoints.openai.protocol import APIError
+from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.tool_parsers import (
     NOT_JSON,
     ParsedMessage,

@@ -1,0 +1,114 @@
+"""Errors as clients see them: `APIError` in OpenAI's shape, the HTTP response it becomes,
+and the app's exception handlers, which turn every other failure (a malformed body, an
+engine that died or whose step failed, a bug) into one with the status that says why."""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+from pyengine.engine.async_engine import EngineDeadError, EngineStepError
+from pyengine.executor import ExecutorDeadError
+
+logger = logging.getLogger("pyengine")
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        param: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.headers = headers or {}  # (429's Retry-After)
+
+    @property
+    def type(self) -> str:
+        return {
+            400: "invalid_request_error",
+            401: "authentication_error",
+            404: "not_found_error",
+            413: "request_too_large",
+            429: "rate_limit_error",
+            503: "service_unavailable",
+        }.get(self.status, "internal_error")
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+def error_response(error: APIError) -> Response:
+    """The error as the HTTP response a client gets."""
+    # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
+    # encode (an unpaired surrogate).
+    return Response(
+        json.dumps(error.body()), status_code=error.status, media_type="application/json",
+        headers=error.headers,
+    )  # fmt: skip
+
+
+def validation_error(error: RequestValidationError) -> APIError:
+    """A body that does not parse as the route's model, as a 400 naming each problem and
+    the first field at fault."""
+    problems = []
+    param = None
+    for e in error.errors():
+        loc = [str(x) for x in e.get("loc", ()) if x != "body"]
+        if e.get("type") == "json_invalid":
+            problems.append(f"malformed JSON body ({e.get('msg', '')})")
+            continue
+        param = param or (loc[0] if loc else None)
+        problems.append(f"{'.'.join(loc) or 'body'}: {e.get('msg', 'invalid')}")
+    return APIError("; ".join(problems) or "invalid request", status=400, param=param)
+
+
+def add_exception_handlers(app: FastAPI) -> None:
+    """Answers every failure a route raises in OpenAI's error shape: Starlette's own HTTP
+    errors (404, 405) with their status, a malformed body 400, an engine that is dead or
+    hung 503, a failed engine step 500, and anything else a logged 500."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
+        return error_response(APIError(str(error.detail), status=error.status_code))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, error: Exception) -> Response:
+        logger.exception("a request failed")
+        return error_response(APIError(f"internal error: {type(error).__name__}", status=500))
+
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> Response:
+        return error_response(error)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_: Request, error: RequestValidationError) -> Response:
+        return error_response(validation_error(error))
+
+    @app.exception_handler(EngineDeadError)
+    @app.exception_handler(ExecutorDeadError)
+    async def engine_dead(_: Request, error: Exception) -> Response:
+        return error_response(APIError(str(error), status=503))
+
+    @app.exception_handler(EngineStepError)
+    async def step_failed(_: Request, error: Exception) -> Response:
+        return error_response(APIError(str(error), status=500))
