@@ -28,10 +28,10 @@ from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
 from pyengine.sampling_params import SamplingParams
 from pyengine.spec_decode.verify import SpecDecodeStats, accept_drafts
-from pyengine.worker.scheduler_output import (
+from pyengine.step_values import (
     ModelRunnerOutput,
     PromptLogprobRow,
-    SamplingRequest,
+    SamplingRow,
     SchedulerOutput,
 )
 
@@ -386,10 +386,10 @@ class EngineCore:
         sampled_row_ids = [row_id for row_id, _, _ in places]
         sampling, masks_pending, grammar_check = None, None, None
         if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
-            sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
+            sampling = [self._sampling_row(row_id, j) for row_id, _, j in places]
             requests = [i for _, i, _ in places]
             sampling, masks_pending, grammar_check = self._with_allowed_tokens(
-                sampling, b, requests
+                sampling, sampled_row_ids, b, requests
             )
         scored: list[tuple[str, int]] = []
         prompt_rows: list[PromptLogprobRow] = []
@@ -445,26 +445,29 @@ class EngineCore:
         adapters = {lr.lora_int_id: lr for lr in loras if lr is not None}
         return replace(step, adapter_ids=ids, adapters=adapters)
 
-    def _sampling_request(self, row_id: str, num_drafts_before: int = 0) -> SamplingRequest:
+    def _sampling_row(self, row_id: str, num_drafts_before: int = 0) -> SamplingRow:
         """How to choose a logits row's token: for a row after some of its request's
         drafts, as if they were its tokens already (penalties count them, the worker
         adding them; min_tokens too), which they are if it is kept."""
         row = self._rows[row_id]
         request = row.request
         under_min = len(row.output_token_ids) + num_drafts_before < request.params.min_tokens
-        return SamplingRequest(
-            row_id,
+        return SamplingRow(
             request.params,
             request.prompt_array,
             row.output_token_ids,
             row.seed,
             request.blocked_token_ids if under_min else (),
-            num_drafts_before,
+            num_drafts_before=num_drafts_before,
         )
 
     def _with_allowed_tokens(
-        self, sampling: list[SamplingRequest], b: StepBuffers, requests: list[int]
-    ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
+        self,
+        sampling: list[SamplingRow],
+        sampled_row_ids: list[str],
+        b: StepBuffers,
+        requests: list[int],
+    ) -> tuple[list[SamplingRow], Future[None] | None, StepGrammar | None]:
         """The requests with their structured outputs' bitmasks (StepGrammar.masks: a
         row after drafts 1..j masked from the matcher after them, then taken back; past a
         draft the grammar refuses, as the row before it). With a worker process every
@@ -474,8 +477,8 @@ class EngineCore:
         once the drafts are in the step, and the rest's masks are computed while the
         forward runs (the future says when)."""
         matchers: dict[int, Matcher] = {}
-        for i, r in enumerate(sampling):
-            matcher = self._rows[r.row_id].matcher
+        for i, row_id in enumerate(sampled_row_ids):
+            matcher = self._rows[row_id].matcher
             if matcher is not None:
                 matchers[i] = matcher
         if not matchers or self.grammars is None:

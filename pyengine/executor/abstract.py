@@ -6,7 +6,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections import deque
 
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.step_values import ModelRunnerOutput, SchedulerOutput
 
 
 class ExecutorDeadError(RuntimeError):

@@ -17,7 +17,7 @@ from pyengine.config import EngineConfig
 from pyengine.executor.abstract import Executor, ExecutorDeadError
 from pyengine.executor.worker_process import WorkerSpec
 from pyengine.loader.resolve import LoadedModel
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.step_values import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("pyengine")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pyengine.config import EngineConfig
 from pyengine.executor.abstract import Executor
 from pyengine.loader.resolve import LoadedModel
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.step_values import ModelRunnerOutput, SchedulerOutput
 from pyengine.worker.worker import Worker
 
 

@@ -23,25 +23,7 @@ from pyengine.sample.logits_processors import (
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.token_selection import RandomSampling, TokenSelector
 from pyengine.sampling_params import SamplingParams
-
-
-@dataclass
-class SamplingRow:
-    """One logits row: the request (or sample) it belongs to and what it has so far."""
-
-    params: SamplingParams
-    prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
-    output_token_ids: Sequence[int]
-    # A seeded request's draw for its i-th output token is seeded_uniform(seed, i), on the
-    # host wherever the logits are: the same numbers on either, and the same token at each
-    # place however many rows a step drew before it (speculative decoding's drafts).
-    seed: int | None
-    blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
-    # A structured output's allowed tokens, a bitmask (SamplingRequest.allowed_tokens)
-    allowed_tokens: np.ndarray | None = None
-    # 1: the row's token drawn again, under its grammar's mask (GrammarCheck): a seeded
-    # row then takes another number of its sequence than its first draw's.
-    draw: int = 0
+from pyengine.step_values import SamplingRow
 
 
 class GrammarCheck(Protocol):

@@ -31,7 +31,7 @@ from pyengine.utils import host_memory
 if TYPE_CHECKING:
     from pyengine import StepBuffers
     from pyengine.models.interface import CausalLM
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
     from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger(__name__)

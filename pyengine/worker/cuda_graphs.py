@@ -16,7 +16,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 if TYPE_CHECKING:
     from pyengine import StepBuffers
     from pyengine.models.interface import CausalLM
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
     from pyengine.worker.step_inputs import StepInputs
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.

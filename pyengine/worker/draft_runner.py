@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,13 +31,13 @@ from pyengine.loader.resolve import load_model
 from pyengine.sample.common import row_argmax
 from pyengine.sample.logits_processors import apply_token_bitmasks
 from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pyengine.step_values import SchedulerOutput
 from pyengine.worker.model_runner import (
     ModelRunner,
     allocate_caches,
     kv_block_numel,
     resident_bytes,
 )
-from pyengine.worker.scheduler_output import SchedulerOutput, StepGrammarCheck
 
 logger = logging.getLogger("pyengine")
 
@@ -117,7 +118,7 @@ class DraftRunner:
 
     @torch.inference_mode()
     def propose(
-        self, step: SchedulerOutput, grammar: StepGrammarCheck | None = None
+        self, step: SchedulerOutput, grammar: Any = None
     ) -> tuple[SchedulerOutput, list[int]]:
         """The step with its placeholders replaced by the draft's proposals, and those,
         row after row; a constrained request's within its grammar (`grammar`)."""

@@ -19,12 +19,12 @@ from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.manager import LoRAManager
 from pyengine.sample.sampler import Sampler, heaviest_rows
+from pyengine.step_values import SchedulerOutput
 from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_decode_steps
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.host_kv_tier import HostKVTier
-from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")

@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
 
 ALIGN_WORDS = 16  # int32 words: 64 bytes
 

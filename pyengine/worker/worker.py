@@ -18,15 +18,15 @@ from pyengine.distributed import PipelineStage, TensorParallelGroup
 from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
-from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.draft_runner import DraftRunner
-from pyengine.worker.model_runner import ModelRunner
-from pyengine.worker.scheduler_output import (
+from pyengine.sample.sampler import Sampler
+from pyengine.step_values import (
     ModelRunnerOutput,
     PromptLogprobRow,
-    SamplingRequest,
+    SamplingRow,
     SchedulerOutput,
 )
+from pyengine.worker.draft_runner import DraftRunner
+from pyengine.worker.model_runner import ModelRunner
 
 
 class Worker:
@@ -128,13 +128,13 @@ class Worker:
         return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
 
     @staticmethod
-    def _row(request: SamplingRequest, input_ids: np.ndarray, token: int) -> SamplingRow:
-        """The sampler's row for the logits of token row `token` of the step."""
-        output = request.output_token_ids
-        if j := request.num_drafts_before:  # (the row's token is its j-th draft)
-            output = [*output, *input_ids[token - j + 1 : token + 1].tolist()]
-        return SamplingRow(request.params, request.prompt_token_ids, output, request.seed,
-                           request.blocked_token_ids, request.allowed_tokens)  # fmt: skip
+    def _row(row: SamplingRow, input_ids: np.ndarray, token: int) -> SamplingRow:
+        """The row for the logits of token row `token` of the step, its drafts before it
+        among its tokens."""
+        if not (j := row.num_drafts_before):
+            return row
+        drafts = input_ids[token - j + 1 : token + 1].tolist()  # (its token is its j-th)
+        return replace(row, output_token_ids=[*row.output_token_ids, *drafts], num_drafts_before=0)
 
     def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:
         """Prompt logprobs from the final hidden states of the scored rows, max_num_seqs

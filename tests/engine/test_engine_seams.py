@@ -15,8 +15,8 @@ import torch
 from pyengine import LLM, SamplingParams
 from pyengine.executor import Executor
 from pyengine.models.registry import ARCHITECTURES, model_class
-from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.sample.sampler import Sampler
+from pyengine.step_values import ModelRunnerOutput, SamplingRow, SchedulerOutput
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],

@@ -14,8 +14,9 @@ from pyengine import LLM, SamplingParams
 from pyengine.sample.common import row_argmax, seeded_uniform
 from pyengine.sample.logits_processors import apply_penalties, mask_disallowed_tokens
 from pyengine.sample.logprobs import gather_logprobs
-from pyengine.sample.sampler import Sampler, SamplingRow, heaviest_rows, plain_greedy
+from pyengine.sample.sampler import Sampler, heaviest_rows, plain_greedy
 from pyengine.sample.token_selection import filter_logits
+from pyengine.step_values import SamplingRow
 
 PROMPTS = [
     "The future of AI is",
