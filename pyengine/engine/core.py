@@ -27,6 +27,7 @@ from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
 from pyengine.sampling_params import SamplingParams
+from pyengine.spec_decode.registry import create_proposer
 from pyengine.spec_decode.verify import SpecDecodeStats, accept_drafts
 from pyengine.step_values import (
     ModelRunnerOutput,
@@ -89,6 +90,8 @@ class EngineCore:
         self.grammars = grammars  # structured outputs' matchers
         self.lora = config.lora is not None
         self.speculative = config.speculative
+        # The speculative method, chosen once: where the step's drafts come from.
+        self.proposer = None if config.speculative is None else create_proposer(config.speculative)
         self.spec_stats = SpecDecodeStats()
         device = config.device.split(":")[0]
         spec = self.speculative
@@ -117,15 +120,9 @@ class EngineCore:
             )
             for _ in range(num_engines)
         ]
-        if spec is not None and spec.method == "suffix":
+        if self.proposer is not None:
             for scheduler in self.schedulers:
-                scheduler.enable_suffix_drafts(
-                    spec.suffix_decoding_max_tree_depth,
-                    spec.suffix_decoding_max_cached_requests,
-                    spec.suffix_decoding_max_spec_factor,
-                    spec.suffix_decoding_min_token_prob,
-                    spec.num_speculative_tokens,
-                )
+                self.proposer.configure(scheduler)
         self._engine_of: dict[str, int] = {}  # request id -> its scheduler
         self._in_flight: deque[_InFlight] = deque()
         self._next_engine = 0  # the scheduler to fill first, in turn
@@ -179,11 +176,9 @@ class EngineCore:
             # (a constrained request's rows after drafts are masked from its drafts, which a
             # draft model makes only in the step itself: there only an in-process worker
             # can reach the matchers)
-            speculate=self.speculative is not None
+            speculate=self.proposer is not None
             and (
-                constrained is None
-                or self.speculative.method != "draft_model"
-                or self.executor.in_process
+                constrained is None or not self.proposer.drafts_in_step or self.executor.in_process
             ),
         )
         for k, row_id in enumerate(row_ids):
@@ -276,17 +271,9 @@ class EngineCore:
         """Scheduler `engine` plans a step and the executor takes it; what the scheduler
         reports when it has nothing to run (aborted rows) is returned."""
         scheduler = self.schedulers[engine]
-        spec = self.speculative
         # (no drafts for a batch that is compute-bound already)
-        if spec is not None and scheduler.stats().num_running <= self._drafting_batch:
-            if spec.method == "suffix":
-                scheduler.propose_suffix_drafts()
-            elif spec.method == "draft_model":  # (the worker's draft model makes them)
-                scheduler.reserve_draft_tokens(spec.num_speculative_tokens)
-            else:
-                scheduler.propose_ngram_drafts(
-                    spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
-                )
+        if self.proposer is not None and scheduler.stats().num_running <= self._drafting_batch:
+            self.proposer.propose(scheduler)
         if scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             scheduler.update(np.zeros(0, dtype=np.int32))
             return self._updates(engine)
@@ -418,7 +405,7 @@ class EngineCore:
             masks_pending=masks_pending,
             grammar_check=grammar_check,
         )
-        if self.speculative is not None and self.speculative.method == "draft_model":
+        if self.proposer is not None and self.proposer.drafts_in_step:
             step = replace(step, num_draft_tokens=b.num_draft_tokens.copy())
         if self.lora:
             step = self._with_adapters(step, row_ids)

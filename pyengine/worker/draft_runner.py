@@ -30,7 +30,8 @@ from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import load_model
 from pyengine.sample.common import row_argmax
 from pyengine.sample.logits_processors import apply_token_bitmasks
-from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.draft_model import check_draft_vocabulary
 from pyengine.step_values import SchedulerOutput
 from pyengine.worker.model_runner import (
     ModelRunner,
