@@ -19,6 +19,7 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
+from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 from pyengine.sampling_params import is_real
@@ -110,7 +111,7 @@ class EngineArgs:
         # With workers of their own, each reads its shards itself: here the config only.
         loaded = load_model(
             self.model, self.tokenizer, self.load_format, keep_block_quantized=keeps_blocks,
-            read_weights=parallel.distributed_executor_backend == "uni",
+            read_weights=runs_in_this_process(parallel),
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
         model_len = loaded.config.max_position_embeddings
@@ -162,7 +163,9 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+        check_executor(parallel)
+        return parallel
 
 
 def _read_config(model: str) -> ModelConfig:
