@@ -7,9 +7,8 @@ import this module."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -86,15 +85,48 @@ class SchedulerOutput:
     # With a draft model: each request's drafts (int32 [num_reqs]), whose tokens in
     # input_ids are placeholders the worker's draft model replaces.
     num_draft_tokens: np.ndarray | None = None
-    # Structured outputs' masks still being computed into the rows' allowed_tokens while
-    # the forward runs (an in-process executor's steps only: it never crosses processes).
-    masks_pending: Future[None] | None = None
-    # Rows whose masks are made only for a token their grammar refuses (in-process too).
-    grammar_check: Any = None
+    # With a draft model: a constrained request's (by index) bitmask of the tokens its
+    # first draft may be (its grammar stays in the engine: its later drafts are the
+    # draft's argmax, and the target's token after one its grammar refuses is never kept).
+    draft_masks: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """A step's structured-output masks, as sample_tokens takes them: the bitmasks of
+    `masked` rows (int32 [len(masked), words]), and the `checked` rows, drawn without
+    theirs (the engine asks their grammars about the tokens drawn, and has those refused
+    drawn again: Executor.redraw). Rows are indices among the step's sampled rows."""
+
+    masked: list[int]
+    masks: np.ndarray
+    checked: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExecuteOutput:
+    """What the forward pass of a step gives before its tokens are sampled: the drafts
+    a draft model made in the step (row after row; None: none made), and the prompt
+    logprobs of its PromptLogprobRows, in order."""
+
+    draft_token_ids: list[int] | None
+    prompt_logprobs: list[PositionLogprobs]
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """Tokens drawn for some of a step's sampled rows (sample_tokens: all of them), and
+    their logprobs where their requests asked (None where no row did)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] | None
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
+    """A step's result as the engine core hands it on: its ExecuteOutput and its
+    SampledTokens (redrawn rows' in place)."""
+
     sampled_token_ids: list[int]  # per sampled row
     # Per sampled row where its request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
