@@ -194,14 +194,12 @@ def kv_cache_dtype_supported(kv_cache_dtype: str, dtype: str, device: str) -> bo
     return eight_bit and dtype in ("bfloat16", "float16")
 
 
-EXECUTOR_BACKENDS = ("uni", "mp", "ray")
-
-
 @dataclass(frozen=True)
 class ParallelConfig:
     """How the model is split: tensor_parallel_size ranks per pipeline stage, and the
-    executor whose workers run the ranks ("uni": this process, one rank; "mp": a process
-    per rank on this machine; "ray": Ray actors across a cluster's nodes)."""
+    executor whose workers run the ranks, by its name in executor/registry.py ("uni":
+    this process, one rank; "mp": a process per rank on this machine; "ray": Ray actors
+    across a cluster's nodes), which checks it (check_executor)."""
 
     tensor_parallel_size: int
     pipeline_parallel_size: int
@@ -212,17 +210,6 @@ class ParallelConfig:
             value = getattr(self, name)
             if not is_int(value) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        backend = self.distributed_executor_backend
-        if backend not in EXECUTOR_BACKENDS:
-            raise ValueError(
-                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
-                f"got {backend!r}"
-            )
-        if backend == "uni" and self.world_size > 1:
-            raise ValueError(
-                f"distributed_executor_backend 'uni' runs one rank; {self.world_size} "
-                "(tensor_parallel_size x pipeline_parallel_size) need 'mp' or 'ray'"
-            )
 
     @property
     def world_size(self) -> int:

@@ -12,7 +12,17 @@ import pyengine
 LAYERS = [
     (
         "base",
-        ["_C", "ops", "config", "outputs", "sampling_params", "spec_decode", "tokenizer", "utils"],
+        [
+            "_C",
+            "ops",
+            "config",
+            "outputs",
+            "sampling_params",
+            "spec_decode",
+            "step_values",
+            "tokenizer",
+            "utils",
+        ],  # fmt: skip
     ),
     ("distributed", ["distributed"]),
     ("layers", ["layers"]),

@@ -14,7 +14,6 @@ from __future__ import annotations
 import uuid
 from collections import deque
 from collections.abc import Iterable
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -22,16 +21,17 @@ import numpy as np
 from pyengine import Scheduler, StepBuffers
 from pyengine.config import EngineConfig
 from pyengine.engine.input_processor import EngineRequest
+from pyengine.engine.step_in_flight import StepInFlight
 from pyengine.engine.structured_output import GrammarCompiler, Matcher, StepGrammar
 from pyengine.executor import Executor
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
-from pyengine.sampling_params import SamplingParams
+from pyengine.spec_decode.registry import create_proposer
 from pyengine.spec_decode.verify import SpecDecodeStats, accept_drafts
-from pyengine.worker.scheduler_output import (
+from pyengine.step_values import (
     ModelRunnerOutput,
     PromptLogprobRow,
-    SamplingRequest,
+    SamplingRow,
     SchedulerOutput,
 )
 
@@ -49,22 +49,6 @@ class _Row:
     # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
     argmax_only: bool = False
     matcher: Matcher | None = None  # a structured output's, following its tokens
-
-
-@dataclass
-class _InFlight:
-    """A step submitted to the executor whose tokens are still to come."""
-
-    virtual_engine: int
-    row_ids: list[str]
-    sampled_row_ids: list[str]
-    scored: list[tuple[str, int]]  # (request id, prompt position) per prompt-logprob row
-    cached: dict[str, tuple[int, int]]  # as EngineCoreOutput.num_cached_tokens
-    num_sampled: int
-    # Speculative decoding: each row's draft tokens (empty where none), and which rows
-    # sample; None where the step verifies none.
-    drafts: list[np.ndarray] | None = None
-    is_sampling: np.ndarray | None = None
 
 
 @dataclass
@@ -89,6 +73,8 @@ class EngineCore:
         self.grammars = grammars  # structured outputs' matchers
         self.lora = config.lora is not None
         self.speculative = config.speculative
+        # The speculative method, chosen once: where the step's drafts come from.
+        self.proposer = None if config.speculative is None else create_proposer(config.speculative)
         self.spec_stats = SpecDecodeStats()
         device = config.device.split(":")[0]
         spec = self.speculative
@@ -96,10 +82,10 @@ class EngineCore:
             config.max_num_seqs, device
         )  # fmt: skip
         self.executor = executor
-        num_engines = executor.max_steps_in_flight
+        num_virtual_engines = executor.max_steps_in_flight
         self.schedulers = [
             Scheduler(
-                num_blocks=executor.num_blocks // num_engines,
+                num_blocks=executor.num_blocks // num_virtual_engines,
                 block_size=config.block_size,
                 enable_prefix_caching=config.enable_prefix_caching,
                 max_num_batched_tokens=config.max_num_batched_tokens,
@@ -112,23 +98,17 @@ class EngineCore:
                 draft_row_cost=0.0
                 if spec is None
                 else spec.draft_row_cost(device) + config.draft_token_cost,
-                num_host_blocks=executor.num_host_blocks // num_engines,
+                num_host_blocks=executor.num_host_blocks // num_virtual_engines,
                 preemption_mode=config.preemption_mode,
             )
-            for _ in range(num_engines)
+            for _ in range(num_virtual_engines)
         ]
-        if spec is not None and spec.method == "suffix":
+        if self.proposer is not None:
             for scheduler in self.schedulers:
-                scheduler.enable_suffix_drafts(
-                    spec.suffix_decoding_max_tree_depth,
-                    spec.suffix_decoding_max_cached_requests,
-                    spec.suffix_decoding_max_spec_factor,
-                    spec.suffix_decoding_min_token_prob,
-                    spec.num_speculative_tokens,
-                )
-        self._engine_of: dict[str, int] = {}  # request id -> its scheduler
-        self._in_flight: deque[_InFlight] = deque()
-        self._next_engine = 0  # the scheduler to fill first, in turn
+                self.proposer.configure(scheduler)
+        self._virtual_engine_of: dict[str, int] = {}  # request id -> its scheduler
+        self._in_flight: deque[StepInFlight] = deque()
+        self._next_virtual_engine = 0  # the scheduler to fill first, in turn
         self._rows: dict[str, _Row] = {}
         self._live_rows: dict[str, int] = {}  # request id -> its rows still running
         self._finished_row_ids: list[str] = []  # for the workers, at the next step
@@ -149,17 +129,17 @@ class EngineCore:
         """Schedules `request`, its samples under `row_ids` (the first is its own id),
         with the scheduler that has the fewest requests."""
         params, request_id = request.params, request.request_id
-        engine = 0
+        virtual_engine = 0
         if len(self.schedulers) > 1:
             load = [0] * len(self.schedulers)
-            for e in self._engine_of.values():
-                load[e] += 1
-            engine = load.index(min(load))
+            for taken in self._virtual_engine_of.values():
+                load[taken] += 1
+            virtual_engine = load.index(min(load))
         constrained = params.structured_outputs
         if constrained is not None and self.grammars is None:
             raise ValueError("structured_outputs needs the model's tokenizer")
         argmax_only = plain_greedy(params) and params.logprobs is None and constrained is None
-        self.schedulers[engine].add_request(
+        self.schedulers[virtual_engine].add_request(
             request_id,
             request.prompt_array,
             max_tokens=request.max_tokens,
@@ -175,16 +155,10 @@ class EngineCore:
             else f"prompt-logprobs:{uuid.uuid4()}",
             priority=request.priority,
             # Greedy rows keep the drafts their argmax gives, sampled rows those their
-            # draws give (accept_drafts): every request speculates.
-            # (a constrained request's rows after drafts are masked from its drafts, which a
-            # draft model makes only in the step itself: there only an in-process worker
-            # can reach the matchers)
-            speculate=self.speculative is not None
-            and (
-                constrained is None
-                or self.speculative.method != "draft_model"
-                or self.executor.in_process
-            ),
+            # draws give (accept_drafts): every request speculates (a constrained
+            # request's rows after drafts are checked or masked from its matcher after
+            # them).
+            speculate=self.proposer is not None,
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
@@ -196,7 +170,7 @@ class EngineCore:
                 self._sampled_rows.add(row_id)
             if request.lora_request is not None:
                 self._adapter_rows.add(row_id)
-        self._engine_of[request_id] = engine
+        self._virtual_engine_of[request_id] = virtual_engine
         self._live_rows[request_id] = len(row_ids)
         self._unscheduled.add(request_id)
         if params.prompt_logprobs is not None:
@@ -207,7 +181,9 @@ class EngineCore:
         for row_id in row_ids:
             row = self._rows.get(row_id)
             # During its step a row's removal is recorded, and reported by update().
-            scheduler = self.schedulers[self._engine_of[row.request.request_id]] if row else None
+            scheduler = (
+                self.schedulers[self._virtual_engine_of[row.request.request_id]] if row else None
+            )
             if scheduler is not None and scheduler.has_request(row_id):
                 if reason == "abort":
                     scheduler.abort_request(row_id)
@@ -224,15 +200,15 @@ class EngineCore:
         updates: list[RowUpdate] = []
         busy = {f.virtual_engine for f in self._in_flight}
         for k in range(len(self.schedulers)):
-            engine = (self._next_engine + k) % len(self.schedulers)
-            if engine not in busy:
-                updates += self._submit(engine)
-        self._next_engine = (self._next_engine + 1) % len(self.schedulers)
+            virtual_engine = (self._next_virtual_engine + k) % len(self.schedulers)
+            if virtual_engine not in busy:
+                updates += self._submit(virtual_engine)
+        self._next_virtual_engine = (self._next_virtual_engine + 1) % len(self.schedulers)
         if not self._in_flight:
             return EngineCoreOutput(updates, [], None, {}, [])
         flight = self._in_flight.popleft()
         try:
-            out = self.executor.collect()
+            output = self._complete(flight)
         except BaseException:
             self._fail(flight)
             if not self.executor.is_alive:  # the other steps in flight are lost too
@@ -240,13 +216,8 @@ class EngineCore:
                     self._fail(self._in_flight.popleft())
             raise
         scheduler = self.schedulers[flight.virtual_engine]
-        sampled = np.asarray(out.sampled_token_ids, dtype=np.int32)
+        sampled = np.asarray(output.sampled_token_ids, dtype=np.int32)
         verified: dict[str, tuple[int, int]] = {}
-        if out.draft_token_ids is not None and flight.drafts is not None:
-            made = np.asarray(out.draft_token_ids, dtype=np.int32)
-            scheduler.set_scheduled_drafts(made)
-            ends = np.cumsum([len(d) for d in flight.drafts])
-            flight.drafts = np.split(made, ends[:-1]) if len(ends) else []
         if flight.drafts is None:
             scheduler.update(sampled)
         else:
@@ -262,55 +233,94 @@ class EngineCore:
         prompt_logprobs = [
             (request_id, position, logprobs)
             for (request_id, position), logprobs in zip(
-                flight.scored, out.prompt_logprobs, strict=True
+                flight.scored, output.prompt_logprobs, strict=True
             )
         ]
         for request_id, position, _ in prompt_logprobs:
             self._prompt_logprobs[request_id].add(position)
         updates += self._updates(flight.virtual_engine)
         return EngineCoreOutput(
-            updates, flight.sampled_row_ids, out, flight.cached, prompt_logprobs, verified
+            updates, flight.sampled_row_ids, output, flight.cached, prompt_logprobs, verified
         )
 
-    def _submit(self, engine: int) -> list[RowUpdate]:
-        """Scheduler `engine` plans a step and the executor takes it; what the scheduler
-        reports when it has nothing to run (aborted rows) is returned."""
-        scheduler = self.schedulers[engine]
-        spec = self.speculative
+    def _complete(self, flight: StepInFlight) -> ModelRunnerOutput:
+        """The step's tokens: its forward pass's output (a draft model's drafts taken),
+        its sampled tokens, and, where a grammar refuses a checked row's token, that row
+        drawn again under its mask."""
+        assert flight.executed is not None
+        executed = flight.executed.result()
+        if flight.drafts_in_step:
+            assert executed.draft_token_ids is not None
+            flight.take_drafts(executed.draft_token_ids)
+            scheduler = self.schedulers[flight.virtual_engine]
+            scheduler.set_scheduled_drafts(np.asarray(executed.draft_token_ids, np.int32))
+        grammar = flight.grammar
+        if flight.sampled is None:  # (its masks follow the drafts just made)
+            assert grammar is not None
+            flight.sampled = self.executor.sample_tokens(
+                flight.virtual_engine, grammar.for_sampling()
+            )
+        sampled = flight.sampled.result()
+        tokens, logprobs = sampled.token_ids, sampled.logprobs
+        refused = [] if grammar is None else grammar.refused(tokens)
+        if refused:
+            assert grammar is not None
+            again = self.executor.redraw(flight.virtual_engine, refused, grammar.masks(refused))
+            redrawn = again.result()
+            tokens = list(tokens)
+            for k, i in enumerate(refused):
+                tokens[i] = redrawn.token_ids[k]
+                if logprobs is not None and redrawn.logprobs is not None:
+                    logprobs[i] = redrawn.logprobs[k]
+        return ModelRunnerOutput(
+            tokens, logprobs, executed.prompt_logprobs, executed.draft_token_ids
+        )
+
+    def _submit(self, virtual_engine: int) -> list[RowUpdate]:
+        """Scheduler `virtual_engine` plans a step and the executor takes it: its forward
+        pass, and, once the grammar masks are made (while the forward runs), its
+        sampling; what the scheduler reports when it has nothing to run (aborted rows) is
+        returned."""
+        scheduler = self.schedulers[virtual_engine]
         # (no drafts for a batch that is compute-bound already)
-        if spec is not None and scheduler.stats().num_running <= self._drafting_batch:
-            if spec.method == "suffix":
-                scheduler.propose_suffix_drafts()
-            elif spec.method == "draft_model":  # (the worker's draft model makes them)
-                scheduler.reserve_draft_tokens(spec.num_speculative_tokens)
-            else:
-                scheduler.propose_ngram_drafts(
-                    spec.prompt_lookup_min, spec.prompt_lookup_max, spec.num_speculative_tokens
-                )
+        if self.proposer is not None and scheduler.stats().num_running <= self._drafting_batch:
+            self.proposer.propose(scheduler)
         if scheduler.schedule() == 0:  # nothing to run (all aborted, or no room yet)
             scheduler.update(np.zeros(0, dtype=np.int32))
-            return self._updates(engine)
-        b = scheduler.buffers
-        row_ids = b.request_ids  # a new list at every access: read once
+            return self._updates(virtual_engine)
+        buffers = scheduler.buffers
+        row_ids = buffers.request_ids  # a new list at every access: read once
         cached = self._first_steps(scheduler, row_ids) if self._unscheduled else {}
-        num_sampled = int(np.count_nonzero(b.is_sampling))
-        flight = _InFlight(engine, row_ids, [], [], cached, num_sampled)
-        num_drafts = b.num_draft_tokens
+        num_sampled = int(np.count_nonzero(buffers.is_sampling))
+        flight = StepInFlight(virtual_engine, row_ids, [], [], cached, num_sampled)
+        num_drafts = buffers.num_draft_tokens
         if num_drafts.any():
-            ends = b.query_start_loc[1:]
+            ends = buffers.query_start_loc[1:]
             pairs = zip(ends.tolist(), num_drafts.tolist(), strict=True)
-            flight.drafts = [b.input_ids[end - d : end].copy() for end, d in pairs]
-            flight.is_sampling = b.is_sampling.copy()
+            flight.drafts = [buffers.input_ids[end - d : end].copy() for end, d in pairs]
+            flight.is_sampling = buffers.is_sampling.copy()
+            flight.drafts_in_step = self.proposer is not None and self.proposer.drafts_in_step
         try:
-            step, flight.sampled_row_ids, flight.scored = self._scheduler_output(b, row_ids, engine)
-            self.executor.submit(step)
+            step = self._scheduler_output(buffers, row_ids, flight)
+            grammar = flight.grammar
+            if grammar is not None:
+                if flight.drafts is not None and not flight.drafts_in_step:
+                    grammar.set_drafts(flight.row_drafts())
+                if flight.drafts_in_step:
+                    step = replace(step, draft_masks=flight.first_draft_masks(grammar))
+                grammar.start()
+            flight.executed = self.executor.execute_model(step)
+            if grammar is None:
+                flight.sampled = self.executor.sample_tokens(virtual_engine, None)
+            elif not (flight.drafts_in_step and grammar.masks_follow_drafts):
+                flight.sampled = self.executor.sample_tokens(virtual_engine, grammar.for_sampling())
         except BaseException:
             self._fail(flight)
             raise
         self._in_flight.append(flight)
         return []
 
-    def _fail(self, flight: _InFlight) -> None:
+    def _fail(self, flight: StepInFlight) -> None:
         """Aborts the rows of a step that will not complete, and ends it."""
         rows = [r for r in flight.row_ids if r in self._rows]
         self.failed_request_ids |= {self._rows[r].request.request_id for r in rows}
@@ -323,10 +333,10 @@ class EngineCore:
                 np.zeros(flight.num_sampled, np.int32), flight.is_sampling.astype(np.int32)
             )
 
-    def _updates(self, engine: int = 0) -> list[RowUpdate]:
+    def _updates(self, virtual_engine: int = 0) -> list[RowUpdate]:
         """The last update()'s rows, a RowUpdate per new token (a row's accepted drafts
         first), its finish reason with the last."""
-        updates = self.schedulers[engine].outputs()
+        updates = self.schedulers[virtual_engine].outputs()
         for row_id, token, reason in updates:
             row = self._rows.get(row_id)
             if row is None:
@@ -356,15 +366,15 @@ class EngineCore:
         self._live_rows[request_id] -= 1
         if not self._live_rows[request_id]:  # the request's last row
             del self._live_rows[request_id]
-            del self._engine_of[request_id]
+            del self._virtual_engine_of[request_id]
             self._unscheduled.discard(request_id)
             self._prompt_logprobs.pop(request_id, None)
 
     def _first_steps(self, scheduler: Scheduler, row_ids: list[str]) -> dict[str, tuple[int, int]]:
         """A request's first step starts after the prompt tokens the prefix cache held
         (some of them, maybe, in the host tier)."""
-        b = scheduler.buffers
-        positions, starts = b.positions, b.query_start_loc
+        buffers = scheduler.buffers
+        positions, starts = buffers.positions, buffers.query_start_loc
         cached = {}
         for i, row_id in enumerate(row_ids):
             if row_id in self._unscheduled:  # sample 0's row: its id is the request's
@@ -374,55 +384,50 @@ class EngineCore:
         return cached
 
     def _scheduler_output(
-        self, b: StepBuffers, row_ids: list[str], engine: int
-    ) -> tuple[SchedulerOutput, list[str], list[tuple[str, int]]]:
-        """The step as the executor takes it, the sampled rows' ids (one per logits row),
-        and the (request, prompt position) of each prompt-logprob row."""
+        self, buffers: StepBuffers, row_ids: list[str], flight: StepInFlight
+    ) -> SchedulerOutput:
+        """The step as the executor takes it; the flight gets the sampled rows' ids (one
+        per logits row) and places, the (request, prompt position) of each prompt-logprob
+        row, and the step's grammar."""
         # (a row with draft tokens has a logits row for each, and one more: the j-th
         # follows its drafts before j)
-        rows_each = 1 + b.num_draft_tokens
-        places = [(row_ids[i], int(i), j) for i in np.flatnonzero(b.is_sampling)
-                  for j in range(int(rows_each[i]))]  # fmt: skip
-        sampled_row_ids = [row_id for row_id, _, _ in places]
-        sampling, masks_pending, grammar_check = None, None, None
-        if self._sampled_rows and any(r in self._sampled_rows for r in sampled_row_ids):
-            sampling = [self._sampling_request(row_id, j) for row_id, _, j in places]
-            requests = [i for _, i, _ in places]
-            sampling, masks_pending, grammar_check = self._with_allowed_tokens(
-                sampling, b, requests
-            )
-        scored: list[tuple[str, int]] = []
+        rows_each = 1 + buffers.num_draft_tokens
+        flight.places = [(int(i), j) for i in np.flatnonzero(buffers.is_sampling)
+                         for j in range(int(rows_each[i]))]  # fmt: skip
+        flight.sampled_row_ids = [row_ids[i] for i, _ in flight.places]
+        sampling = None
+        if self._sampled_rows and any(r in self._sampled_rows for r in flight.sampled_row_ids):
+            sampling = [self._sampling_row(row_ids[i], j) for i, j in flight.places]
+            flight.grammar = self._grammar(flight.sampled_row_ids, sampling)
         prompt_rows: list[PromptLogprobRow] = []
         if self._prompt_logprobs:
-            for request_id, position, row in self._prompt_logprob_rows(b, row_ids):
+            for request_id, position, row in self._prompt_logprob_rows(buffers, row_ids):
                 request = self._rows[request_id].request
                 k = request.params.prompt_logprobs or 0
                 prompt_rows.append(PromptLogprobRow(row, request.prompt_token_ids[position], k))
-                scored.append((request_id, position))
+                flight.scored.append((request_id, position))
         finished, self._finished_row_ids = self._finished_row_ids, []
         step = SchedulerOutput(
-            input_ids=b.input_ids,
-            positions=b.positions,
-            slot_mapping=b.slot_mapping,
-            query_start_loc=b.query_start_loc,
-            seq_lens=b.seq_lens,
-            block_tables=b.block_tables,
-            logits_indices=b.logits_indices,
-            block_copies=b.block_copies,
-            kv_to_host=b.kv_to_host,
-            kv_to_device=b.kv_to_device,
+            input_ids=buffers.input_ids,
+            positions=buffers.positions,
+            slot_mapping=buffers.slot_mapping,
+            query_start_loc=buffers.query_start_loc,
+            seq_lens=buffers.seq_lens,
+            block_tables=buffers.block_tables,
+            logits_indices=buffers.logits_indices,
+            block_copies=buffers.block_copies,
+            kv_to_host=buffers.kv_to_host,
+            kv_to_device=buffers.kv_to_device,
             sampling=sampling,
             prompt_logprob_rows=prompt_rows,
             finished_row_ids=finished,
-            virtual_engine=engine,
-            masks_pending=masks_pending,
-            grammar_check=grammar_check,
+            virtual_engine=flight.virtual_engine,
         )
-        if self.speculative is not None and self.speculative.method == "draft_model":
-            step = replace(step, num_draft_tokens=b.num_draft_tokens.copy())
+        if self.proposer is not None and self.proposer.drafts_in_step:  # (every step)
+            step = replace(step, num_draft_tokens=buffers.num_draft_tokens.copy())
         if self.lora:
             step = self._with_adapters(step, row_ids)
-        return step, sampled_row_ids, scored
+        return step
 
     def adapter_states(self) -> tuple[tuple[str, ...], tuple[str, ...]]:
         """The adapters (names, sorted) of the running requests, and of the waiting ones."""
@@ -431,7 +436,7 @@ class EngineCore:
         for row_id in self._adapter_rows:
             request = self._rows[row_id].request
             lora = request.lora_request
-            scheduler = self.schedulers[self._engine_of[request.request_id]]
+            scheduler = self.schedulers[self._virtual_engine_of[request.request_id]]
             if lora is None or not scheduler.has_request(row_id):  # (None: never, for mypy)
                 continue
             state = scheduler.status(row_id)
@@ -445,72 +450,38 @@ class EngineCore:
         adapters = {lr.lora_int_id: lr for lr in loras if lr is not None}
         return replace(step, adapter_ids=ids, adapters=adapters)
 
-    def _sampling_request(self, row_id: str, num_drafts_before: int = 0) -> SamplingRequest:
+    def _sampling_row(self, row_id: str, num_drafts_before: int = 0) -> SamplingRow:
         """How to choose a logits row's token: for a row after some of its request's
         drafts, as if they were its tokens already (penalties count them, the worker
         adding them; min_tokens too), which they are if it is kept."""
         row = self._rows[row_id]
         request = row.request
         under_min = len(row.output_token_ids) + num_drafts_before < request.params.min_tokens
-        return SamplingRequest(
-            row_id,
+        return SamplingRow(
             request.params,
             request.prompt_array,
             row.output_token_ids,
             row.seed,
             request.blocked_token_ids if under_min else (),
-            num_drafts_before,
+            num_drafts_before=num_drafts_before,
         )
 
-    def _with_allowed_tokens(
-        self, sampling: list[SamplingRequest], b: StepBuffers, requests: list[int]
-    ) -> tuple[list[SamplingRequest], Future[None] | None, StepGrammar | None]:
-        """The requests with their structured outputs' bitmasks (StepGrammar.masks: a
-        row after drafts 1..j masked from the matcher after them, then taken back; past a
-        draft the grammar refuses, as the row before it). With a worker process every
-        constrained row is masked here. Where the executor is in this process, the worker
-        reaches the matchers: greedy and temperature-only rows get masks only if the
-        grammar refuses the token drawn without one, other rows after drafts are masked
-        once the drafts are in the step, and the rest's masks are computed while the
-        forward runs (the future says when)."""
+    def _grammar(
+        self, sampled_row_ids: list[str], sampling: list[SamplingRow]
+    ) -> StepGrammar | None:
+        """The step's constrained rows (by index among its sampled rows), over their
+        matchers."""
         matchers: dict[int, Matcher] = {}
-        for i, r in enumerate(sampling):
-            matcher = self._rows[r.row_id].matcher
+        for i, row_id in enumerate(sampled_row_ids):
+            matcher = self._rows[row_id].matcher
             if matcher is not None:
                 matchers[i] = matcher
         if not matchers or self.grammars is None:
-            return sampling, None, None
-        constrained = list(matchers)
-        drafts_before = {i: sampling[i].num_drafts_before for i in constrained}
-        if not self.executor.in_process:  # (the step's drafts are known: no draft model)
-            grammar = StepGrammar(self.grammars, matchers, [], drafts_before, [])
-            masks = grammar.reading(b.input_ids, b.logits_indices).masks(constrained)
-            for mask, i in zip(masks, constrained, strict=True):
-                sampling[i] = replace(sampling[i], allowed_tokens=mask)
-            return sampling, None, None
-        checked = [i for i in constrained if _draws_without_filters(sampling[i].params)]
-        masked = [i for i in constrained if not _draws_without_filters(sampling[i].params)]
-        # A request with drafts: a draft model's proposals follow its matcher in the step.
-        drafting = {requests[i]: matchers[i] for i in constrained
-                    if not drafts_before[i] and drafts_before.get(i + 1)}  # fmt: skip
-        early = [i for i in masked if not drafts_before[i]]
-        pending = None
-        if early:
-            early_matchers = [matchers[i] for i in early]
-            if drafting:  # (the drafts' masks would race a thread on the same matchers)
-                masks = self.grammars.allowed(early_matchers)
-            else:
-                masks, pending = self.grammars.allowed_later(early_matchers)
-            for k, i in enumerate(early):
-                sampling[i] = replace(sampling[i], allowed_tokens=masks[k])
-        masked_first = [i for i in masked if drafts_before[i]]
-        if not checked and not masked_first:
-            return sampling, pending, None
-        check = StepGrammar(self.grammars, matchers, checked, drafts_before, masked_first, drafting)
-        return sampling, pending, check
+            return None
+        return StepGrammar.of_rows(self.grammars, matchers, sampling)
 
     def _prompt_logprob_rows(
-        self, b: StepBuffers, row_ids: list[str]
+        self, buffers: StepBuffers, row_ids: list[str]
     ) -> list[tuple[str, int, int]]:
         """(request, prompt position predicted, token row) for requests that want prompt
         logprobs and compute prompt tokens in this step."""
@@ -520,15 +491,9 @@ class EngineCore:
             if scored is None:
                 continue
             prompt_len = len(self._rows[row_id].request.prompt_token_ids)
-            for row in range(int(b.query_start_loc[i]), int(b.query_start_loc[i + 1])):
-                target = int(b.positions[row]) + 1
+            starts = buffers.query_start_loc
+            for row in range(int(starts[i]), int(starts[i + 1])):
+                target = int(buffers.positions[row]) + 1
                 if target < prompt_len and target not in scored:
                     wanted.append((row_id, target, row))
         return wanted
-
-
-def _draws_without_filters(params: SamplingParams) -> bool:
-    """Whether a row's token is the argmax or a draw from the whole tempered distribution
-    (no top-k, top-p or min-p): drawing it unmasked, then again under the mask if the
-    grammar refuses it, is then the same as drawing under the mask."""
-    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)

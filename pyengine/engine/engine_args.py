@@ -19,14 +19,12 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
+from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 from pyengine.sampling_params import is_real
-from pyengine.spec_decode.config import (
-    SpeculativeConfig,
-    check_draft_vocabulary,
-    draft_token_cost,
-)
+from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.registry import create_proposer
 
 
 @dataclass
@@ -105,17 +103,15 @@ class EngineArgs:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not is_real(self.kv_offload_gb) or not 0 <= self.kv_offload_gb < 2**20:
             raise ValueError(f"kv_offload_gb must be a size in GiB, got {self.kv_offload_gb!r}")
-        if self.kv_offload_gb and speculative is not None and speculative.method == "draft_model":
-            raise ValueError(
-                "kv_offload_gb: the host tier does not hold a draft model's KV cache "
-                "(speculative method draft_model); use another method, or no tier"
-            )
         parallel = self.parallel_config()
+        proposer = None if speculative is None else create_proposer(speculative)
+        if proposer is not None:
+            proposer.check_engine(parallel.world_size, bool(self.kv_offload_gb))
         keeps_blocks = Placement(torch.device(device), getattr(torch, dtype)).keeps_gguf_blocks
         # With workers of their own, each reads its shards itself: here the config only.
         loaded = load_model(
             self.model, self.tokenizer, self.load_format, keep_block_quantized=keeps_blocks,
-            read_weights=parallel.distributed_executor_backend == "uni",
+            read_weights=runs_in_this_process(parallel),
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
         model_len = loaded.config.max_position_embeddings
@@ -127,8 +123,8 @@ class EngineArgs:
                 f"max_model_len {max_model_len} exceeds the model's {model_len} positions"
             )
         draft_cost = 0.0
-        if speculative is not None and speculative.method == "draft_model":
-            draft_cost = check_draft_model(speculative, parallel, loaded.config, max_model_len)
+        if proposer is not None:
+            draft_cost = proposer.draft_token_cost(loaded.config, max_model_len, _read_config)
         batched = self.max_num_batched_tokens
         if batched is None:
             # A GPU's matmuls want big steps; a CPU's prefill step is seconds already.
@@ -167,31 +163,14 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
-        return ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+        check_executor(parallel)
+        return parallel
 
 
-def check_draft_model(
-    spec: SpeculativeConfig, parallel: ParallelConfig, target: ModelConfig, max_model_len: int
-) -> float:
-    """What a draft model needs, checked before the target's weights load: one worker,
-    and a separate draft of the target's vocabulary with max_model_len positions at
-    least. Returns what a draft token costs the draft (draft_token_cost)."""
-    if parallel.tensor_parallel_size * parallel.pipeline_parallel_size > 1:
-        raise ValueError(
-            "speculative_config: method draft_model runs with one worker "
-            "(tensor_parallel_size and pipeline_parallel_size 1)"
-        )
-    if spec.model is None:
-        return draft_token_cost(target, target, spec.draft_layers)
-    draft = load_model(spec.model, read_weights=False, read_tokenizer=False)
-    check_draft_vocabulary(spec.model, draft.config.vocab_size, target.vocab_size)
-    positions = draft.config.max_position_embeddings
-    if positions < max_model_len:
-        raise ValueError(
-            f"speculative_config: the draft model {spec.model} has {positions} positions, "
-            f"fewer than max_model_len {max_model_len}"
-        )
-    return draft_token_cost(draft.config, target)
+def _read_config(model: str) -> ModelConfig:
+    """A model's config, without its weights or tokenizer (a draft model's, checked)."""
+    return load_model(model, read_weights=False, read_tokenizer=False).config
 
 
 def check_quantization(asked: str | None, found: QuantizationConfig | None, model: str) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from pyengine.sampling_params import StructuredOutputsParams
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
+from pyengine.step_values import GrammarMasks, SamplingRow
 from pyengine.tokenizer import PyengineTokenizer
 
 
@@ -161,73 +162,98 @@ class Matcher:
 
 class StepGrammar:
     """A step's constrained rows (by their index among its sampled rows) over the core's
-    matchers: their masks (the core's, for a worker process), and, for an in-process
-    executor's worker, the sampler's GrammarCheck of the `checked` rows (a row whose
-    drawn token its grammar allows never needs its mask made) and the masks of
-    `masked_first` rows, which follow drafts and are masked before their draw once the
-    drafts are in the step (a draft model makes them in the step itself). A row after
-    drafts 1..j is checked and masked from its matcher after them, taken back after;
-    past a draft the grammar refuses, its token is never kept (the row before it cannot
-    draw that draft), so it is not checked, and its mask is the row before it's."""
+    matchers, the engine's side of the step's grammar work. `masked` rows get their
+    bitmasks before their draw (start() computes them in a thread while the forward
+    runs, where they do not follow drafts); `checked` rows (greedy, or temperature
+    alone) are drawn without theirs, and only those whose grammar refuses the token
+    drawn get a mask and are drawn again: most constrained rows need no mask.
+
+    A row after drafts 1..j is checked and masked from its matcher after them, taken
+    back after; past a draft the grammar refuses, its token is never kept (the row
+    before it cannot draw that draft), so it is not checked, and its mask is the row
+    before it's. The drafts are values the core gives (set_drafts): a draft model's are
+    known only once the step ran."""
 
     def __init__(
         self,
         compiler: GrammarCompiler,
         matchers: dict[int, Matcher],
         checked: list[int],
+        masked: list[int],
         drafts_before: dict[int, int],
-        masked_first: list[int],
-        drafting: dict[int, Matcher] | None = None,
     ) -> None:
         self.compiler = compiler
         self.matchers = matchers
         self.checked = checked
+        self.masked = masked
         self.drafts_before = drafts_before
-        self.masked_first = masked_first
-        self.drafting = drafting or {}  # by the step's request index: drafted in the step
-        self._input_ids = np.zeros(0, dtype=np.int32)
-        self._token_rows = np.zeros(0, dtype=np.int32)
+        self._drafts: dict[int, list[int]] = {}
+        self._early: tuple[np.ndarray, Future[None]] | None = None
 
-    def reading(self, input_ids: np.ndarray, logits_indices: np.ndarray) -> StepGrammar:
-        """Itself, reading drafts from the step the worker runs (its drafts filled in)."""
-        self._input_ids, self._token_rows = input_ids, logits_indices
-        return self
+    @classmethod
+    def of_rows(
+        cls, compiler: GrammarCompiler, matchers: dict[int, Matcher], rows: list[SamplingRow]
+    ) -> StepGrammar:
+        """The step's grammar over `matchers` (by index among the step's sampled `rows`):
+        a row whose token is the argmax or a draw from the whole tempered distribution
+        is checked after its draw, the others masked before it."""
+        checked = [i for i in matchers if _draws_without_filters(rows[i].params)]
+        masked = [i for i in matchers if not _draws_without_filters(rows[i].params)]
+        drafts_before = {i: rows[i].num_drafts_before for i in matchers}
+        return cls(compiler, matchers, checked, masked, drafts_before)
 
-    def draft_mask(self, request: int, drafts: list[int]) -> np.ndarray | None:
-        """The tokens the step's `request`-th request may draft after `drafts` (None:
-        any, it is not constrained): a draft model proposes within its grammar."""
-        matcher = self.drafting.get(request)
-        if matcher is None:
-            return None
-        followed = matcher.follow(drafts)
-        mask = matcher.allowed()
-        matcher.rollback(followed)
-        return mask
+    @property
+    def masks_follow_drafts(self) -> bool:
+        """Whether some masked row follows drafts (its mask needs them)."""
+        return any(self.drafts_before.get(i) for i in self.masked)
 
-    def _drafts(self, i: int) -> list[int]:
-        j = self.drafts_before.get(i, 0)
-        if not j:
-            return []
-        t = int(self._token_rows[i])
-        return [int(d) for d in self._input_ids[t - j + 1 : t + 1]]
+    def start(self) -> None:
+        """Starts computing the masked rows' masks in a thread, where none follows drafts
+        (the matchers must not move until for_sampling)."""
+        if self.masked and not self.masks_follow_drafts:
+            self._early = self.compiler.allowed_later([self.matchers[i] for i in self.masked])
+
+    def set_drafts(self, drafts: dict[int, list[int]]) -> None:
+        """The drafts each row after some follows (by its index; j drafts before it)."""
+        self._drafts = drafts
+
+    def for_sampling(self) -> GrammarMasks:
+        """The masks sample_tokens takes: the masked rows' (after start()'s thread, or
+        now), and which rows are checked."""
+        if self._early is not None:
+            masks, done = self._early
+            done.result()
+        else:
+            masks = self.masks(self.masked)
+        return GrammarMasks(self.masked, masks, self.checked)
 
     def refused(self, token_ids: list[int]) -> list[int]:
+        """Of the checked rows, those whose token (one per sampled row of the step) the
+        grammar does not allow next."""
         refused = []
         for i in self.checked:
-            drafts = self._drafts(i)
+            drafts = self._drafts.get(i, [])
             taken = self.matchers[i].allows_all([*drafts, token_ids[i]])
             if taken == len(drafts):  # (fewer: a draft refused, the row's token unused)
                 refused.append(i)
         return refused
 
     def masks(self, rows: list[int]) -> np.ndarray:
+        """The rows' bitmasks (int32 [len(rows), words])."""
         masks = np.empty((len(rows), self.compiler.mask_words), dtype=np.int32)
         plain = [k for k, i in enumerate(rows) if not self.drafts_before.get(i)]
         masks[plain] = self.compiler.allowed([self.matchers[rows[k]] for k in plain])
         for k, i in enumerate(rows):  # (one at a time: rows of a request share a matcher)
             if self.drafts_before.get(i):
                 matcher = self.matchers[i]
-                followed = matcher.follow(self._drafts(i))
+                followed = matcher.follow(self._drafts[i])
                 masks[k] = matcher.allowed()
                 matcher.rollback(followed)
         return masks
+
+
+def _draws_without_filters(params: SamplingParams) -> bool:
+    """Whether a row's token is the argmax or a draw from the whole tempered distribution
+    (no top-k, top-p or min-p): drawing it unmasked, then again under the mask if the
+    grammar refuses it, is then the same as drawing under the mask."""
+    return params.greedy or (params.top_k <= 0 and params.top_p >= 1.0 and params.min_p <= 0.0)

@@ -1,21 +1,48 @@
-"""The Executor seam: the engine hands it a step and gets sampled tokens back, whether
-its workers run in this process, in one process per rank or across machines."""
+"""The Executor seam: the engine hands it a step and gets its tokens back, whether its
+workers run in this process, in one process per rank or across machines. A step goes
+one way, in the same calls everywhere: execute_model (the forward pass), sample_tokens
+(with the engine's grammar masks), and redraw where a grammar refused a checked row's
+token. Each call returns at once a Pending whose result() waits for the output rank's
+answer; with a pipeline, the calls of several steps are in flight."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections import deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
 
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+import numpy as np
+
+from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, SchedulerOutput
+
+T = TypeVar("T")
 
 
 class ExecutorDeadError(RuntimeError):
     """A worker died or stopped answering: the executor runs no more steps."""
 
 
+class Pending(ABC, Generic[T]):
+    """The answer of a call to the workers, once it has come."""
+
+    @abstractmethod
+    def result(self) -> T:
+        """The output rank's answer (waiting for it); the call's error where it failed."""
+
+
+@dataclass
+class Done(Pending[T]):
+    """An answer already there: a call an in-process worker ran."""
+
+    value: T
+
+    def result(self) -> T:
+        return self.value
+
+
 class Executor(ABC):
-    # Steps the engine may submit before collecting the first: the pipeline's stages
-    # (one step each at a time), 1 without a pipeline.
+    # Steps the engine may have in flight at once: the pipeline's stages (one step each
+    # at a time), 1 without a pipeline.
     max_steps_in_flight: int = 1
 
     @property
@@ -35,8 +62,22 @@ class Executor(ABC):
         """Parameters of the model the workers run (all shards; a tied head once)."""
 
     @abstractmethod
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        """Runs `step` on every worker; the sampled tokens (the same on every rank)."""
+    def execute_model(self, step: SchedulerOutput) -> Pending[ExecuteOutput]:
+        """Runs `step`'s forward pass on every worker; its drafts (a draft model's) and
+        prompt logprobs. The workers keep its logits for sample_tokens."""
+
+    @abstractmethod
+    def sample_tokens(
+        self, virtual_engine: int, masks: GrammarMasks | None
+    ) -> Pending[SampledTokens]:
+        """The tokens of the step virtual_engine executed last, under `masks`."""
+
+    @abstractmethod
+    def redraw(
+        self, virtual_engine: int, rows: list[int], masks: np.ndarray
+    ) -> Pending[SampledTokens]:
+        """The tokens of checked `rows` of the step virtual_engine sampled last drawn
+        again under `masks` (the rows whose grammars refused their first draw)."""
 
     @abstractmethod
     def shutdown(self) -> None:
@@ -51,18 +92,3 @@ class Executor(ABC):
         """Whether every worker is there now (for /health: between steps too, a worker
         that died is noticed); one that is gone ends the executor."""
         return self.is_alive
-
-    # Whether steps run in the engine's own process (a step may then carry what cannot
-    # be sent to another: SchedulerOutput.masks_pending).
-    in_process = False
-
-    def submit(self, step: SchedulerOutput) -> None:
-        """Starts `step`; collect() returns its tokens, in submission order. Here it runs
-        at once (an executor whose workers run on their own overrides both)."""
-        if not hasattr(self, "_results"):
-            self._results: deque[ModelRunnerOutput] = deque()
-        self._results.append(self.execute_model(step))
-
-    def collect(self) -> ModelRunnerOutput:
-        """The tokens of the oldest step submitted and not yet collected."""
-        return self._results.popleft()

@@ -11,13 +11,17 @@ from __future__ import annotations
 import logging
 import os
 from abc import abstractmethod
-from typing import Any
+from typing import Any, TypeVar
+
+import numpy as np
 
 from pyengine.config import EngineConfig
-from pyengine.executor.abstract import Executor, ExecutorDeadError
+from pyengine.executor.abstract import Executor, ExecutorDeadError, Pending
 from pyengine.executor.worker_process import WorkerSpec
 from pyengine.loader.resolve import LoadedModel
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, SchedulerOutput
+
+T = TypeVar("T")
 
 logger = logging.getLogger("pyengine")
 
@@ -50,7 +54,11 @@ class DistributedExecutor(Executor):
         self.output_rank = self.world_size - parallel.tensor_parallel_size
         self.timeout_s = step_timeout_s()
         self._dead: str | None = None
-        self._in_flight = 0
+        # Commands are numbered as sent; their answers come in that order, and those
+        # received before their caller asks wait here (a pipeline's steps overlap).
+        self._num_sent = 0
+        self._num_received = 0
+        self._received: dict[int, list[Reply]] = {}
         self._closed = False
         spec = WorkerSpec(loaded.spec, config, "", self.timeout_s)
         try:
@@ -109,27 +117,22 @@ class DistributedExecutor(Executor):
     def is_alive(self) -> bool:
         return self._dead is None and not self._closed
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        self.submit(step)
-        return self.collect()
+    def execute_model(self, step: SchedulerOutput) -> Pending[ExecuteOutput]:
+        return _Answer(self, self._send_numbered(("execute", step)))
 
-    def submit(self, step: SchedulerOutput) -> None:
-        self._check_alive()
-        self._send(("execute", step))
-        self._in_flight += 1
+    def sample_tokens(
+        self, virtual_engine: int, masks: GrammarMasks | None
+    ) -> Pending[SampledTokens]:
+        return _Answer(self, self._send_numbered(("sample", virtual_engine, masks)))
 
-    def collect(self) -> ModelRunnerOutput:
-        self._check_alive()
-        if not self._in_flight:
-            raise RuntimeError("collect() without a step in flight")
-        self._in_flight -= 1
-        out = self._answers(self._receive(self.timeout_s))[self.output_rank]
-        assert isinstance(out, ModelRunnerOutput)
-        return out
+    def redraw(
+        self, virtual_engine: int, rows: list[int], masks: np.ndarray
+    ) -> Pending[SampledTokens]:
+        return _Answer(self, self._send_numbered(("redraw", virtual_engine, rows, masks)))
 
     def collective_rpc(self, command: tuple[Any, ...]) -> list[Any]:
         """Every rank's result of `command` (between steps: none may be in flight)."""
-        if self._in_flight:
+        if self._num_received < self._num_sent:
             raise RuntimeError("collective_rpc with steps in flight")
         return self._call(command)
 
@@ -146,9 +149,29 @@ class DistributedExecutor(Executor):
     # -- helpers -------------------------------------------------------------------
 
     def _call(self, command: tuple[Any, ...]) -> list[Any]:
+        return self._answers(self._replies(self._send_numbered(command)))
+
+    def _send_numbered(self, command: tuple[Any, ...]) -> int:
+        """Sends `command` to every rank; its number, for _replies."""
         self._check_alive()
         self._send(command)
-        return self._answers(self._receive(self.timeout_s))
+        self._num_sent += 1
+        return self._num_sent - 1
+
+    def _replies(self, number: int) -> list[Reply]:
+        """Every rank's reply to command `number` (receiving those before it)."""
+        self._check_alive()
+        while number not in self._received:
+            if number < self._num_received:
+                raise RuntimeError(f"the answer to command {number} was taken already")
+            self._received[self._num_received] = self._receive(self.timeout_s)
+            self._num_received += 1
+        return self._received.pop(number)
+
+    def output_answer(self, number: int) -> Any:
+        """The output rank's answer to command `number`; the error of a rank that
+        failed it."""
+        return self._answers(self._replies(number))[self.output_rank]
 
     def _answers(self, replies: list[Reply]) -> list[Any]:
         failed = [(rank, value) for rank, (kind, value) in enumerate(replies) if kind == "error"]
@@ -184,3 +207,15 @@ class DistributedExecutor(Executor):
                 d["weight_bytes"] / 2**20, self._num_blocks,
                 self._num_blocks * d["block_bytes"] / 2**20,
             )  # fmt: skip
+
+
+class _Answer(Pending[T]):
+    """The output rank's answer to a numbered command, once received."""
+
+    def __init__(self, executor: DistributedExecutor, number: int) -> None:
+        self.executor = executor
+        self.number = number
+
+    def result(self) -> T:
+        answer: T = self.executor.output_answer(self.number)
+        return answer

@@ -64,7 +64,7 @@ class MultiprocExecutor(DistributedExecutor):
         pairs = [context.Pipe(duplex=True) for _ in range(n)]
         wakeups = [context.Semaphore(0) for _ in range(n)]
         self.pipes = [driver for driver, _ in pairs]
-        slots = self.max_steps_in_flight + 2
+        slots = 3 * self.max_steps_in_flight + 2  # (a step's execute, sample and redraw)
         self.broadcast = ShmBroadcast(n, slots, SLOT_BYTES, wakeups, self.pipes)
         layout = (self.broadcast.name, n, slots, SLOT_BYTES)
         saved = os.environ.get("OMP_NUM_THREADS")

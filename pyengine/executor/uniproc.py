@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+import numpy as np
+
 from pyengine.config import EngineConfig
-from pyengine.executor.abstract import Executor
+from pyengine.executor.abstract import Done, Executor, Pending
 from pyengine.loader.resolve import LoadedModel
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, SchedulerOutput
 from pyengine.worker.worker import Worker
+
+T = TypeVar("T")
 
 
 class UniProcExecutor(Executor):
-    in_process = True
-
     def __init__(self, loaded: LoadedModel, config: EngineConfig) -> None:
         self._closed = False
         self.driver_worker = Worker(loaded, config)
@@ -30,10 +34,18 @@ class UniProcExecutor(Executor):
     def num_parameters(self) -> int:
         return self.driver_worker.model_runner.model.num_parameters
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
-        out = self.driver_worker.execute_model(step)
-        assert out is not None  # the only rank is the output rank
-        return out
+    def execute_model(self, step: SchedulerOutput) -> Pending[ExecuteOutput]:
+        return Done(_answer(self.driver_worker.execute_model(step)))
+
+    def sample_tokens(
+        self, virtual_engine: int, masks: GrammarMasks | None
+    ) -> Pending[SampledTokens]:
+        return Done(_answer(self.driver_worker.sample_tokens(virtual_engine, masks)))
+
+    def redraw(
+        self, virtual_engine: int, rows: list[int], masks: np.ndarray
+    ) -> Pending[SampledTokens]:
+        return Done(_answer(self.driver_worker.redraw(virtual_engine, rows, masks)))
 
     @property
     def is_alive(self) -> bool:
@@ -43,3 +55,8 @@ class UniProcExecutor(Executor):
         if not self._closed:
             self._closed = True
             self.driver_worker.shutdown()
+
+
+def _answer(value: T | None) -> T:
+    assert value is not None  # the only rank is the output rank
+    return value

@@ -3,8 +3,9 @@ machine) and the `ray` executor (an actor per rank, which runs the same commands
 
 Commands reach every rank in the same order; each rank answers each command on its
 own channel: ("ok", result) or ("error", the traceback's text) (through a `mp` pipe,
-with the command's number first). The output rank's result
-of an "execute" is the step's ModelRunnerOutput, the others' None.
+with the command's number first). A step is three commands at most, "execute", "sample"
+and "redraw" (Worker's calls of those names); the output rank's results are their values,
+the others' None.
 """
 
 from __future__ import annotations
@@ -70,6 +71,10 @@ class RankWorker:
         kind = command[0]
         if kind == "execute":
             return self.worker.execute_model(command[1])
+        if kind == "sample":
+            return self.worker.sample_tokens(*command[1:])
+        if kind == "redraw":
+            return self.worker.redraw(*command[1:])
         if kind == "init_cache":
             self.worker.initialize_cache(*command[1:])
             return None

@@ -17,7 +17,7 @@ from pyengine.sample.common import column, token_index, token_pairs
 from pyengine.sampling_params import GREEDY_BELOW_TEMPERATURE
 
 if TYPE_CHECKING:
-    from pyengine.sample.sampler import SamplingRow
+    from pyengine.step_values import SamplingRow
 
 
 class LogitsProcessor(Protocol):

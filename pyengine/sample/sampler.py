@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -23,42 +22,18 @@ from pyengine.sample.logits_processors import (
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.token_selection import RandomSampling, TokenSelector
 from pyengine.sampling_params import SamplingParams
+from pyengine.step_values import SamplingRow
 
 
 @dataclass
-class SamplingRow:
-    """One logits row: the request (or sample) it belongs to and what it has so far."""
+class Redraws:
+    """What drawing a step's checked rows again needs (Sampler.redraw): their rows, their
+    logits as the processors left them, and the model's own (for logprobs)."""
 
-    params: SamplingParams
-    prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
-    output_token_ids: Sequence[int]
-    # A seeded request's draw for its i-th output token is seeded_uniform(seed, i), on the
-    # host wherever the logits are: the same numbers on either, and the same token at each
-    # place however many rows a step drew before it (speculative decoding's drafts).
-    seed: int | None
-    blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
-    # A structured output's allowed tokens, a bitmask (SamplingRequest.allowed_tokens)
-    allowed_tokens: np.ndarray | None = None
-    # 1: the row's token drawn again, under its grammar's mask (GrammarCheck): a seeded
-    # row then takes another number of its sequence than its first draw's.
-    draw: int = 0
-
-
-class GrammarCheck(Protocol):
-    """Rows of a step whose structured output's mask is made only where it is needed:
-    their tokens are drawn without it, and those the grammar refuses are drawn again
-    under their masks. A greedy row gets the argmax of its allowed tokens either way; a
-    sampled row (temperature alone: no top-k, top-p or min-p) keeps an allowed draw and
-    draws a refused one again, which is rejection sampling of the masked distribution."""
-
-    def refused(self, token_ids: list[int]) -> list[int]:
-        """Of the checked rows, those whose token (one per row of the step) the grammar
-        does not allow next."""
-        ...
-
-    def masks(self, rows: list[int]) -> np.ndarray:
-        """The rows' bitmasks (int32 [len(rows), words], as allowed_tokens)."""
-        ...
+    rows: list[SamplingRow]
+    index: dict[int, int]  # the step's row -> its place here
+    processed: torch.Tensor  # float32 [len(rows), vocab]
+    logits: torch.Tensor  # float32 [len(rows), vocab]
 
 
 @dataclass
@@ -66,6 +41,8 @@ class SamplerOutput:
     token_ids: list[int]
     # Per row, where the request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
+    # Where rows were checked: what drawing some of them again needs.
+    redraws: Redraws | None = None
 
 
 class Sampler:
@@ -84,52 +61,63 @@ class Sampler:
         self.select: TokenSelector = selector or RandomSampling(self.generator)
 
     def __call__(
-        self, logits: torch.Tensor, rows: list[SamplingRow], check: GrammarCheck | None = None
+        self, logits: torch.Tensor, rows: list[SamplingRow], checked: Sequence[int] = ()
     ) -> SamplerOutput:
-        """logits [rows, vocab] on the sampler's device, any float dtype; `check`: rows
-        whose masks are made only for a token their grammar refuses."""
+        """logits [rows, vocab] on the sampler's device, any float dtype. `checked`: rows
+        of a structured output drawn without their mask, whose grammar is asked about the
+        token afterwards: where it refuses it, redraw() draws the row again under the
+        mask. A greedy row gets the argmax of its allowed tokens either way; a sampled
+        row (temperature alone: no top-k, top-p or min-p) keeps an allowed draw and draws
+        a refused one again, which is rejection sampling of the masked distribution."""
         want_logprobs = any(r.params.logprobs is not None for r in rows)
-        if all(_plain_greedy(r) for r in rows) and not want_logprobs and check is None:
+        if all(_plain_greedy(r) for r in rows) and not want_logprobs and not checked:
             return self.argmax(logits)
         logits = logits.float()
-        chosen = self._choose(logits.clone(), rows, check)
-        if not want_logprobs:
-            return SamplerOutput(chosen.tolist(), None)
-        # Logprobs of the model's own distribution, before penalties and temperature.
-        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        chosen_ids = chosen.tolist()
-        entries = gather_logprobs(
-            torch.log_softmax(logits[wanted], dim=-1),
-            [chosen_ids[i] for i in wanted],
-            [rows[i].params.logprobs or 0 for i in wanted],
-        )
-        per_row: list[PositionLogprobs | None] = [None] * len(rows)
-        for i, entry in zip(wanted, entries, strict=True):
-            per_row[i] = entry
-        return SamplerOutput(chosen_ids, per_row)
+        processed = logits.clone()
+        for process in self.processors:
+            process(processed, rows)
+        chosen = self.select(processed, rows).tolist()  # (it leaves the logits as they are)
+        redraws = None
+        if checked:
+            index = torch.tensor(list(checked), device=logits.device)
+            redraws = Redraws([rows[i] for i in checked], {i: k for k, i in enumerate(checked)},
+                              processed[index], logits[index])  # fmt: skip
+        return SamplerOutput(chosen, self._logprobs(logits, rows, chosen), redraws)
+
+    def redraw(self, redraws: Redraws, rows: list[int], masks: np.ndarray) -> SamplerOutput:
+        """The tokens of checked `rows` (of the step) drawn again under their masks
+        (`masks`: one bitmask each), a seeded row's from its second number."""
+        places = [redraws.index[i] for i in rows]
+        again = [replace(redraws.rows[k], allowed_tokens=masks[n], draw=1)
+                 for n, k in enumerate(places)]  # fmt: skip
+        index = torch.tensor(places, device=redraws.processed.device)
+        processed = redraws.processed[index]
+        mask_disallowed_tokens(processed, again)
+        chosen = self.select(processed, again).tolist()
+        return SamplerOutput(chosen, self._logprobs(redraws.logits[index], again, chosen))
 
     def argmax(self, logits: torch.Tensor) -> SamplerOutput:
         """Rows of plain greedy requests that want no logprobs: one argmax on the device."""
         return SamplerOutput(row_argmax(logits).tolist(), None)
 
-    def _choose(
-        self, logits: torch.Tensor, rows: list[SamplingRow], check: GrammarCheck | None
-    ) -> torch.Tensor:
-        """Token ids [rows] from float32 logits (modified in place)."""
-        for process in self.processors:
-            process(logits, rows)
-        chosen = self.select(logits, rows)
-        refused = [] if check is None else check.refused(chosen.tolist())
-        if refused:
-            assert check is not None
-            masks = check.masks(refused)
-            again = [replace(rows[i], allowed_tokens=masks[k], draw=1)
-                     for k, i in enumerate(refused)]  # fmt: skip
-            index = torch.tensor(refused, device=logits.device)
-            processed = logits[index]  # (the selector leaves the logits as they are)
-            mask_disallowed_tokens(processed, again)
-            chosen[index] = self.select(processed, again)
-        return chosen
+    @staticmethod
+    def _logprobs(
+        logits: torch.Tensor, rows: list[SamplingRow], chosen: list[int]
+    ) -> list[PositionLogprobs | None] | None:
+        """Logprobs of the model's own distribution (float32 `logits`, before penalties
+        and temperature) for the rows that ask for them; None where none does."""
+        wanted = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        if not wanted:
+            return None
+        entries = gather_logprobs(
+            torch.log_softmax(logits[wanted], dim=-1),
+            [chosen[i] for i in wanted],
+            [rows[i].params.logprobs or 0 for i in wanted],
+        )
+        per_row: list[PositionLogprobs | None] = [None] * len(rows)
+        for i, entry in zip(wanted, entries, strict=True):
+            per_row[i] = entry
+        return per_row
 
 
 def heaviest_rows(num_rows: int, max_logprobs: int) -> list[SamplingRow]:

@@ -12,7 +12,7 @@ import torch
 from pyengine.sample.common import column, row_argmax, seeded_uniform
 
 if TYPE_CHECKING:
-    from pyengine.sample.sampler import SamplingRow
+    from pyengine.step_values import SamplingRow
 
 
 class TokenSelector(Protocol):

@@ -6,14 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING
 
 from pyengine.sampling_params import is_int, is_real
+from pyengine.spec_decode.registry import PROPOSERS
 
-if TYPE_CHECKING:
-    from pyengine.config import ModelConfig
-
-METHODS = ("ngram", "suffix", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 MAX_SUFFIX_TREE_DEPTH = 64  # SuffixTree::kMaxDepth
 # The most running requests a step proposes drafts for, by device: on the CPU each token
@@ -48,9 +44,10 @@ class SpeculativeConfig:
     disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
+        if self.method not in PROPOSERS:
             raise ValueError(
-                f"speculative_config: unknown method {self.method!r} (one of {', '.join(METHODS)})"
+                f"speculative_config: unknown method {self.method!r} "
+                f"(one of {', '.join(PROPOSERS)})"
             )
         k = self.num_speculative_tokens
         if not is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -66,7 +63,7 @@ class SpeculativeConfig:
                 f"and {high!r}"
             )
         self._check_suffix()
-        self._check_draft_model()
+        self._check_method_keys()
         limit = self.disable_by_batch_size
         if limit is not None and (not is_int(limit) or limit < 1):
             raise ValueError(
@@ -100,25 +97,15 @@ class SpeculativeConfig:
                 f"[0, 1], got {chance!r}"
             )
 
-    def _check_draft_model(self) -> None:
-        model, layers = self.model, self.draft_layers
-        if self.method != "draft_model":
-            if model is not None or layers is not None:
+    def _check_method_keys(self) -> None:
+        """Keys of another method are refused; the method checks its own."""
+        for name, proposer in PROPOSERS.items():
+            given = [key for key in proposer.own_keys if getattr(self, key) is not None]
+            if name != self.method and given:
                 raise ValueError(
-                    "speculative_config: model and draft_layers are method draft_model's"
+                    f"speculative_config: {' and '.join(proposer.own_keys)} are method {name}'s"
                 )
-            return
-        if (model is None) == (layers is None):
-            raise ValueError(
-                "speculative_config: method draft_model needs a draft, either model (a "
-                "path) or draft_layers (the target's first layers), not both"
-            )
-        if model is not None and (not isinstance(model, str) or not model):
-            raise ValueError(f"speculative_config: model must be a path, got {model!r}")
-        if layers is not None and (not is_int(layers) or layers < 1):
-            raise ValueError(
-                f"speculative_config: draft_layers must be a positive integer, got {layers!r}"
-            )
+        PROPOSERS[self.method].check_config(self)
 
     def drafting_batch_size(self, max_num_seqs: int, device: str = "cpu") -> int:
         """The most running requests of a step that proposes drafts."""
@@ -153,26 +140,3 @@ class SpeculativeConfig:
         if "prompt_lookup_max" not in given and is_int(low):  # (as long a window at least)
             given["prompt_lookup_max"] = max(low, cls.prompt_lookup_max)  # type: ignore[call-overload]
         return cls(**given)  # type: ignore[arg-type]
-
-
-def check_draft_vocabulary(model: str, draft_vocab: int, target_vocab: int) -> None:
-    if draft_vocab != target_vocab:
-        raise ValueError(
-            f"speculative_config: the draft model {model} has a vocabulary of {draft_vocab} "
-            f"tokens, the target {target_vocab}: a draft needs the target's vocabulary"
-        )
-
-
-def draft_token_cost(draft: ModelConfig, target: ModelConfig, layers: int | None = None) -> float:
-    """What a draft model's token costs it, against a one-token step of the target: the
-    ratio of their multiply-adds a token (the layers' matrices and the LM head). layers:
-    the draft is the first `layers` of `draft`'s."""
-    return _token_macs(draft, layers) / _token_macs(target)
-
-
-def _token_macs(c: ModelConfig, layers: int | None = None) -> float:
-    attention = c.hidden_size * (2 * c.num_heads + 2 * c.num_kv_heads) * c.head_size
-    mlp = (3 if c.hidden_act == "silu" else 2) * c.hidden_size * c.intermediate_size
-    return (c.num_layers if layers is None else layers) * (attention + mlp) + (
-        c.vocab_size * c.hidden_size
-    )

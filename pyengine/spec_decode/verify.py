@@ -56,7 +56,7 @@ def accept_drafts(
     processed distribution at that place. For drafts proposed with certainty (one-hot q,
     every proposer here) that is rejection sampling exactly: the draft x is kept with
     probability p(x), and otherwise the token drawn is one of p without x, normalized
-    (spec_decode/rejection.py has the rule for any q)."""
+    (tests/helpers/rejection.py has the rule for any q)."""
     tokens: list[np.ndarray] = []
     counts = np.zeros(len(is_sampling), dtype=np.int32)
     at = 0

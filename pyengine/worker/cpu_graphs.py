@@ -31,7 +31,7 @@ from pyengine.utils import host_memory
 if TYPE_CHECKING:
     from pyengine import StepBuffers
     from pyengine.models.interface import CausalLM
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
     from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger(__name__)
@@ -152,15 +152,15 @@ class KernelGraphs:
                 "model computes outside pyengine's kernels"
             )
 
-    def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
-        """The program that runs the step in `b`: the smallest that holds its tokens, for
+    def size_for(self, step: StepBuffers | SchedulerOutput) -> int | None:
+        """The program that runs `step`: the smallest that holds its tokens, for
         a step whose every request has 1 to max_query_len of them; None for another
         step (a prefill), or where padding it would cost more compute than the Python it
         saves."""
-        n, tokens = len(b.seq_lens), len(b.input_ids)
+        n, tokens = len(step.seq_lens), len(step.input_ids)
         if n == 0 or tokens > self.sizes[-1]:
             return None
-        query_lens = np.diff(b.query_start_loc)
+        query_lens = np.diff(step.query_start_loc)
         if query_lens.min() < 1 or query_lens.max() > self.max_query_len:
             return None
         size = next(s for s in self.sizes if s >= tokens)

@@ -16,7 +16,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 if TYPE_CHECKING:
     from pyengine import StepBuffers
     from pyengine.models.interface import CausalLM
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
     from pyengine.worker.step_inputs import StepInputs
 
 # Batch sizes captured (vLLM's ladder), up to max_num_seqs; larger batches run eagerly.
@@ -33,16 +33,16 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
     return [*(s for s in ladder if s < top), top]
 
 
-def graph_size_for(b: StepBuffers | SchedulerOutput, sizes: list[int]) -> int | None:
-    """The smallest of `sizes` (ascending) that holds the step in `b`, or None where the
+def graph_size_for(step: StepBuffers | SchedulerOutput, sizes: list[int]) -> int | None:
+    """The smallest of `sizes` (ascending) that holds `step`, or None where the
     step is not a decode step (a prefill, a request without a query token) or is larger
     than every size."""
-    n = len(b.seq_lens)
-    if n == 0 or n > sizes[-1] or len(b.input_ids) != n:
+    n = len(step.seq_lens)
+    if n == 0 or n > sizes[-1] or len(step.input_ids) != n:
         return None
     rows = np.arange(n)
-    if not np.array_equal(b.query_start_loc, np.arange(n + 1)) or not np.array_equal(
-        b.logits_indices, rows
+    if not np.array_equal(step.query_start_loc, np.arange(n + 1)) or not np.array_equal(
+        step.logits_indices, rows
     ):
         return None
     return next(s for s in sizes if s >= n)
@@ -119,9 +119,9 @@ class DecodeGraphs:
         assert isinstance(hidden, torch.Tensor)  # graphs run one whole model (no pipeline)
         return hidden
 
-    def size_for(self, b: StepBuffers | SchedulerOutput) -> int | None:
-        """The graph that runs the step in `b`, or None (see graph_size_for)."""
-        return graph_size_for(b, self.sizes)
+    def size_for(self, step: StepBuffers | SchedulerOutput) -> int | None:
+        """The graph that runs `step`, or None (see graph_size_for)."""
+        return graph_size_for(step, self.sizes)
 
     def replay(self, size: int) -> torch.Tensor:
         """Runs the graph of `size` on what the last upload, padded to it, filled; its

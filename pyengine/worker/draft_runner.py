@@ -29,14 +29,15 @@ from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import load_model
 from pyengine.sample.common import row_argmax
 from pyengine.sample.logits_processors import apply_token_bitmasks
-from pyengine.spec_decode.config import SpeculativeConfig, check_draft_vocabulary
+from pyengine.spec_decode.config import SpeculativeConfig
+from pyengine.spec_decode.draft_model import check_draft_vocabulary
+from pyengine.step_values import SchedulerOutput
 from pyengine.worker.model_runner import (
     ModelRunner,
     allocate_caches,
     kv_block_numel,
     resident_bytes,
 )
-from pyengine.worker.scheduler_output import SchedulerOutput, StepGrammarCheck
 
 logger = logging.getLogger("pyengine")
 
@@ -116,17 +117,12 @@ class DraftRunner:
         )  # fmt: skip
 
     @torch.inference_mode()
-    def propose(
-        self, step: SchedulerOutput, grammar: StepGrammarCheck | None = None
-    ) -> tuple[SchedulerOutput, list[int]]:
+    def propose(self, step: SchedulerOutput) -> tuple[SchedulerOutput, list[int]]:
         """The step with its placeholders replaced by the draft's proposals, and those,
-        row after row; a constrained request's within its grammar (`grammar`)."""
-
-        def masks(requests: list[int], drafted: int) -> list[np.ndarray | None] | None:
-            if grammar is None:
-                return None
-            return [grammar.draft_mask(i, proposals[i, :drafted].tolist()) for i in requests]
-
+        row after row. A constrained request's first draft is among the tokens its
+        grammar allows (step.draft_masks), its later ones the draft's argmax (the
+        engine's grammars stay in the engine): the target's token after a draft its
+        grammar refuses is never kept (docs/architecture.md)."""
         assert step.num_draft_tokens is not None
         counts = step.num_draft_tokens.astype(np.int64)
         if step.block_copies:  # (before the draft reads them)
@@ -143,7 +139,7 @@ class DraftRunner:
         if first.requests:  # (a separate draft's forward also keeps its cache in step)
             ends = np.cumsum([len(t) for t in first.tokens]) - 1
             wanted = [int(e) for e, i in zip(ends, first.requests, strict=True) if counts[i] > 0]
-            made = self._run(step, first, wanted, masks(proposing, 0))
+            made = self._run(step, first, wanted, [step.draft_masks.get(i) for i in proposing])
             if proposing:
                 proposals[proposing, 0] = made
         # Draft j at its place; a separate draft also reads its last, so that its cache
@@ -155,7 +151,7 @@ class DraftRunner:
             one = _Rows(rows, [proposals[i, j - 1 : j] for i in rows],
                         [step.positions[t : t + 1] for t in at],
                         [step.slot_mapping[t : t + 1] for t in at])  # fmt: skip
-            made = self._run(step, one, proposes, masks([rows[k] for k in proposes], j))
+            made = self._run(step, one, proposes)
             if proposes:
                 proposals[[rows[k] for k in proposes], j] = made
         filled = step.input_ids.copy()

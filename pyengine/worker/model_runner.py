@@ -19,12 +19,12 @@ from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.manager import LoRAManager
 from pyengine.sample.sampler import Sampler, heaviest_rows
+from pyengine.step_values import SchedulerOutput
 from pyengine.utils import host_memory
 from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_decode_steps
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.host_kv_tier import HostKVTier
-from pyengine.worker.scheduler_output import SchedulerOutput
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")
@@ -222,7 +222,7 @@ class ModelRunner:
                 "gpu_memory_utilization, or lower max_model_len, max_num_batched_tokens or "
                 "max_num_seqs)"
             )
-        self.caches_by_engine: list[list[KVCache]] = []
+        self.caches_by_virtual_engine: list[list[KVCache]] = []
         self.graphs: DecodeGraphs | KernelGraphs | None = None
         # The host tier (kv_offload_gb): its blocks, allocated by initialize_cache.
         self.num_host_blocks = config.kv_offload_bytes // self.block_bytes
@@ -252,7 +252,7 @@ class ModelRunner:
     @property
     def caches(self) -> list[KVCache]:
         """The KV cache of the first virtual engine (of the only one without a pipeline)."""
-        return self.caches_by_engine[0]
+        return self.caches_by_virtual_engine[0]
 
     def initialize_cache(
         self, num_blocks: int, num_virtual_engines: int = 1, num_host_blocks: int = 0
@@ -293,7 +293,7 @@ class ModelRunner:
             self.kv_pool_blocks = flat.view(torch.uint8).view(
                 *self.host_tier.blocks.shape[:2], num_blocks, -1
             )
-        self.caches_by_engine = [
+        self.caches_by_virtual_engine = [
             [(k[i * per_engine : (i + 1) * per_engine], v[i * per_engine : (i + 1) * per_engine])
              for k, v in pool]
             for i in range(num_virtual_engines)
@@ -321,20 +321,20 @@ class ModelRunner:
             self.block_size, self.cache_dtype, self.placement.device,
         )  # fmt: skip
 
-    def _move_between_tiers(self, b: SchedulerOutput) -> None:
+    def _move_between_tiers(self, step: SchedulerOutput) -> None:
         """The step's copies between the device cache and the host tier: out, then in."""
         tier = self.host_tier
         if tier is None:
             raise RuntimeError("a step moves KV blocks to a host tier this worker does not have")
-        engines = len(self.caches_by_engine)
+        virtual_engines = len(self.caches_by_virtual_engine)
         offsets = (
-            b.virtual_engine * (self.num_blocks // engines),
-            b.virtual_engine * (tier.num_blocks // engines),
+            step.virtual_engine * (self.num_blocks // virtual_engines),
+            step.virtual_engine * (tier.num_blocks // virtual_engines),
         )
-        if b.kv_to_host:
-            tier.copy_out(self.kv_pool_blocks, b.kv_to_host, offsets)
-        if b.kv_to_device:
-            tier.copy_in(self.kv_pool_blocks, b.kv_to_device, offsets)
+        if step.kv_to_host:
+            tier.copy_out(self.kv_pool_blocks, step.kv_to_host, offsets)
+        if step.kv_to_device:
+            tier.copy_in(self.kv_pool_blocks, step.kv_to_device, offsets)
 
     @torch.inference_mode()
     def _gpu_kv_cache_bytes(self, config: EngineConfig) -> int:
@@ -416,51 +416,51 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, b: SchedulerOutput, extra_rows: list[int] | None = None
+        self, step: SchedulerOutput, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits [num_sampling_rows, vocab] of the step in `b`, and the final hidden
-        states of `extra_rows` (token rows of the step; prompt logprobs, for `logits`
+        """Logits [num_sampling_rows, vocab] of `step`, and the final hidden states of
+        `extra_rows` (token rows of the step; prompt logprobs, for `logits`
         to score a slice at a time), both on the model's device. A stage before the
         last sends its output on and returns (None, None)."""
-        caches = self.caches_by_engine[b.virtual_engine]
-        if b.kv_to_host or b.kv_to_device:
-            self._move_between_tiers(b)
-        if b.block_copies:
-            mapping = torch.tensor(b.block_copies, dtype=torch.int64)
+        caches = self.caches_by_virtual_engine[step.virtual_engine]
+        if step.kv_to_host or step.kv_to_device:
+            self._move_between_tiers(step)
+        if step.block_copies:
+            mapping = torch.tensor(step.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
         graph = None
         if self.graphs is not None and not extra_rows:
-            graph = self.graphs.size_for(b)
-        step = self._step_tensors(b, graph)
-        if self.lora is not None and b.adapter_ids is not None:
-            self.lora.prepare(b.adapter_ids, b.adapters, b.query_start_loc)
-            self.lora.select_logit_rows(b.logits_indices)
+            graph = self.graphs.size_for(step)
+        tensors = self._step_tensors(step, graph)
+        if self.lora is not None and step.adapter_ids is not None:
+            self.lora.prepare(step.adapter_ids, step.adapters, step.query_start_loc)
+            self.lora.select_logit_rows(step.logits_indices)
         if self.graphs is not None and graph is not None:
             # Eagerly, for the sampled rows only: one [rows, vocab] buffer per graph would
             # hold gigabytes at a large vocabulary.
-            replayed = self.graphs.replay(graph)[: len(b.input_ids)]
-            return self.model.compute_logits(replayed[step.logits_indices.long()]), None
+            replayed = self.graphs.replay(graph)[: len(step.input_ids)]
+            return self.model.compute_logits(replayed[tensors.logits_indices.long()]), None
         meta = AttentionMetadata(
-            slot_mapping=step.slot_mapping,
-            block_tables=step.block_tables,
-            seq_lens=step.seq_lens,
-            query_start_loc=step.query_start_loc,
-            max_seq_len=int(b.seq_lens.max()) if len(b.seq_lens) else 0,
-            max_query_len=int(np.diff(b.query_start_loc).max()) if len(b.seq_lens) else 0,
+            slot_mapping=tensors.slot_mapping,
+            block_tables=tensors.block_tables,
+            seq_lens=tensors.seq_lens,
+            query_start_loc=tensors.query_start_loc,
+            max_seq_len=int(step.seq_lens.max()) if len(step.seq_lens) else 0,
+            max_query_len=int(np.diff(step.query_start_loc).max()) if len(step.seq_lens) else 0,
         )
         intermediate = None
         if not self.pp.is_first:
-            shape = (len(b.input_ids), self.model.config.hidden_size)
+            shape = (len(step.input_ids), self.model.config.hidden_size)
             intermediate = self.pp.recv(
                 self.model.intermediate_names, shape, self.placement.dtype, self.placement.device
             )
-        hidden = self.model(step.input_ids, step.positions, caches, meta, intermediate)
+        hidden = self.model(tensors.input_ids, tensors.positions, caches, meta, intermediate)
         if not isinstance(hidden, torch.Tensor):
             self.pp.send(hidden)
             return None, None
         extra = hidden[self._on_device(extra_rows)] if extra_rows else None
         # On the model's device: a batch of plain greedy rows sends back only its argmax.
-        return self.model.compute_logits(hidden[step.logits_indices.long()]), extra
+        return self.model.compute_logits(hidden[tensors.logits_indices.long()]), extra
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, token_rows: list[int]) -> torch.Tensor:
@@ -470,19 +470,19 @@ class ModelRunner:
             self.lora.select_logit_rows(np.asarray(token_rows, dtype=np.int64))
         return self.model.compute_logits(hidden)
 
-    def _step_tensors(self, b: SchedulerOutput, graph: int | None) -> DeviceStep:
+    def _step_tensors(self, step: SchedulerOutput, graph: int | None) -> DeviceStep:
         """The step's arrays as tensors: the scheduler's buffers themselves on the CPU;
         on a GPU, one upload (padded to the graph's rows where one runs the step)."""
         if self.inputs is not None:
-            return self.inputs.upload(b, graph or 0)
+            return self.inputs.upload(step, graph or 0)
         return DeviceStep(
-            input_ids=torch.from_numpy(b.input_ids),
-            positions=torch.from_numpy(b.positions),
-            slot_mapping=torch.from_numpy(b.slot_mapping),
-            query_start_loc=torch.from_numpy(b.query_start_loc),
-            seq_lens=torch.from_numpy(b.seq_lens),
-            logits_indices=torch.from_numpy(b.logits_indices),
-            block_tables=torch.from_numpy(b.block_tables),
+            input_ids=torch.from_numpy(step.input_ids),
+            positions=torch.from_numpy(step.positions),
+            slot_mapping=torch.from_numpy(step.slot_mapping),
+            query_start_loc=torch.from_numpy(step.query_start_loc),
+            seq_lens=torch.from_numpy(step.seq_lens),
+            logits_indices=torch.from_numpy(step.logits_indices),
+            block_tables=torch.from_numpy(step.block_tables),
         )
 
     def _on_device(self, values: np.ndarray | list[int]) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
-    from pyengine.worker.scheduler_output import SchedulerOutput
+    from pyengine.step_values import SchedulerOutput
 
 ALIGN_WORDS = 16  # int32 words: 64 bytes
 
@@ -108,13 +108,13 @@ class StepInputs:
             return field.reshape(self.max_num_seqs, self.max_blocks)
         return field
 
-    def upload(self, b: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
-        """Copies the step in `b` to the device; its views. A step padded to `padded_reqs`
+    def upload(self, step: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
+        """Copies `step` to the device; its views. A step padded to `padded_reqs`
         rows (a graph's or program's size) has as many tokens as rows: the padding rows
         past its own take one token each while its tokens are fewer than the rows, zero
         after (a decode step's padding: one token a row), all at their safe values."""
-        num_reqs, num_tokens = len(b.seq_lens), len(b.input_ids)
-        block_tables = np.asarray(b.block_tables)
+        num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
+        block_tables = np.asarray(step.block_tables)
         if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_seqs:
             raise ValueError(
                 f"a step of {num_tokens} tokens and {num_reqs} requests is larger than the "
@@ -138,12 +138,12 @@ class StepInputs:
         if copied is not None:
             copied.synchronize()  # at once where no copy is pending
         f = self._fields[turn]
-        f["input_ids"][:num_tokens] = b.input_ids
-        f["positions"][:num_tokens] = b.positions
-        f["slot_mapping"][:num_tokens] = b.slot_mapping
-        f["query_start_loc"][: num_reqs + 1] = b.query_start_loc
-        f["seq_lens"][:num_reqs] = b.seq_lens
-        f["logits_indices"][: len(b.logits_indices)] = b.logits_indices
+        f["input_ids"][:num_tokens] = step.input_ids
+        f["positions"][:num_tokens] = step.positions
+        f["slot_mapping"][:num_tokens] = step.slot_mapping
+        f["query_start_loc"][: num_reqs + 1] = step.query_start_loc
+        f["seq_lens"][:num_reqs] = step.seq_lens
+        f["logits_indices"][: len(step.logits_indices)] = step.logits_indices
         f["block_tables"][:num_reqs, : block_tables.shape[1]] = block_tables
         tokens = num_tokens
         if rows > num_reqs:  # padding rows, and the padding tokens they hold
@@ -158,7 +158,7 @@ class StepInputs:
         self.buffer[:end].copy_(self._hosts[turn][:end], non_blocking=True)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self.device))
-        return self.views(tokens, rows, len(b.logits_indices))
+        return self.views(tokens, rows, len(step.logits_indices))
 
     def reset(self) -> None:
         """Every row back to its safe value (after a check that filled them)."""

@@ -1,12 +1,13 @@
 """A worker: one device, its place in the tensor-parallel group and the pipeline, the
 model runner (the model's shard and its shard of the KV cache) and the sampler. It runs
-a step from a SchedulerOutput and returns the sampled tokens; it knows nothing of
-requests' text. Of the ranks, one returns the tokens: tensor-parallel rank 0 of the
-last stage (the output rank); the others return None."""
+a step in one direction, as the engine calls it: execute_model (the forward pass, from a
+SchedulerOutput), sample_tokens (with the engine's grammar masks), and redraw where a
+grammar refused a checked row's token; it knows nothing of requests' text. Of the ranks,
+one returns the tokens: tensor-parallel rank 0 of the last stage (the output rank); the
+others return None."""
 
 from __future__ import annotations
 
-from concurrent.futures import wait
 from dataclasses import replace
 from typing import Any
 
@@ -18,15 +19,18 @@ from pyengine.distributed import PipelineStage, TensorParallelGroup
 from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
-from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.draft_runner import DraftRunner
-from pyengine.worker.model_runner import ModelRunner
-from pyengine.worker.scheduler_output import (
-    ModelRunnerOutput,
+from pyengine.sample.sampler import Redraws, Sampler
+from pyengine.spec_decode.registry import create_proposer
+from pyengine.step_values import (
+    ExecuteOutput,
+    GrammarMasks,
     PromptLogprobRow,
-    SamplingRequest,
+    SampledTokens,
+    SamplingRow,
     SchedulerOutput,
 )
+from pyengine.worker.draft_runner import DraftRunner
+from pyengine.worker.model_runner import ModelRunner
 
 
 class Worker:
@@ -44,10 +48,14 @@ class Worker:
         self.model_runner = ModelRunner(loaded, config, self.tp, self.pp)
         spec = config.speculative
         self.drafter: DraftRunner | None = None
-        if spec is not None and spec.method == "draft_model":
+        if spec is not None and create_proposer(spec).drafts_in_step:
             self.drafter = DraftRunner(spec, self.model_runner, config)
             self.model_runner.share_kv_budget(self.drafter.block_bytes, self.drafter.weight_bytes)
         self.sampler = Sampler(config.seed, config.device)
+        # By virtual engine: a step's logits between execute_model and sample_tokens, and
+        # its checked rows' between sample_tokens and redraw.
+        self._executed: dict[int, tuple[SchedulerOutput, torch.Tensor]] = {}
+        self._redraws: dict[int, Redraws] = {}
 
     @property
     def num_blocks(self) -> int:
@@ -90,18 +98,13 @@ class Worker:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
-        """The step's tokens on the output rank; None on the others."""
-        try:
-            return self._execute_model(step)
-        finally:
-            if step.masks_pending is not None:  # (a failed step's: its matchers stay put)
-                wait([step.masks_pending])
-
-    def _execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput | None:
+    def execute_model(self, step: SchedulerOutput) -> ExecuteOutput | None:
+        """Runs the step's forward pass (its draft model's first, where it has one); the
+        output rank keeps the logits for sample_tokens and returns the step's drafts and
+        prompt logprobs, the other ranks None."""
         drafts = None
         if self.drafter is not None:  # (its drafts fill the step's placeholders)
-            step, drafts = self.drafter.propose(step, step.grammar_check)
+            step, drafts = self.drafter.propose(step)
         scored_rows = [r.row for r in step.prompt_logprob_rows]
         logits, hidden = self.model_runner.execute(step, scored_rows)
         if logits is None:  # a stage before the last: its output went on
@@ -109,32 +112,52 @@ class Worker:
         prompt_logprobs = [] if hidden is None else self._score_prompts(step, hidden)
         if not self.is_output_rank:  # the logits' collectives ran; the tokens are rank 0's
             return None
+        self._executed[step.virtual_engine] = (step, logits)
+        return ExecuteOutput(drafts, prompt_logprobs)
+
+    def sample_tokens(
+        self, virtual_engine: int, masks: GrammarMasks | None = None
+    ) -> SampledTokens | None:
+        """The tokens of the step virtual_engine executed last, its constrained rows
+        masked (`masks`: the engine's), or drawn without their masks where checked (kept
+        for redraw)."""
+        if not self.is_output_rank:
+            return None
+        self._redraws.pop(virtual_engine, None)  # (the last step's, none refused)
+        step, logits = self._executed.pop(virtual_engine)
         if step.sampling is None:
             sampled = self.sampler.argmax(logits)
         else:
-            if step.masks_pending is not None:
-                step.masks_pending.result()
-            rows = [
-                self._row(r, step.input_ids, int(t))
-                for r, t in zip(step.sampling, step.logits_indices, strict=True)
-            ]
-            check = None
-            if step.grammar_check is not None:  # (the drafts are in this step's input_ids)
-                check = step.grammar_check.reading(step.input_ids, step.logits_indices)
-                first = step.grammar_check.masked_first
-                for mask, i in zip(step.grammar_check.masks(first), first, strict=True):
+            rows = [self._row(r, step.input_ids, int(t))
+                    for r, t in zip(step.sampling, step.logits_indices, strict=True)]  # fmt: skip
+            checked: list[int] = []
+            if masks is not None:
+                for mask, i in zip(masks.masks, masks.masked, strict=True):
                     rows[i] = replace(rows[i], allowed_tokens=mask)
-            sampled = self.sampler(logits, rows, check)
-        return ModelRunnerOutput(sampled.token_ids, sampled.logprobs, prompt_logprobs, drafts)
+                checked = masks.checked
+            sampled = self.sampler(logits, rows, checked)
+        if sampled.redraws is not None:
+            self._redraws[virtual_engine] = sampled.redraws
+        return SampledTokens(sampled.token_ids, sampled.logprobs)
+
+    def redraw(
+        self, virtual_engine: int, rows: list[int], masks: np.ndarray
+    ) -> SampledTokens | None:
+        """The tokens of checked `rows` of the step virtual_engine sampled last, whose
+        grammars refused their first draw, drawn again under their masks."""
+        if not self.is_output_rank:
+            return None
+        sampled = self.sampler.redraw(self._redraws.pop(virtual_engine), rows, masks)
+        return SampledTokens(sampled.token_ids, sampled.logprobs)
 
     @staticmethod
-    def _row(request: SamplingRequest, input_ids: np.ndarray, token: int) -> SamplingRow:
-        """The sampler's row for the logits of token row `token` of the step."""
-        output = request.output_token_ids
-        if j := request.num_drafts_before:  # (the row's token is its j-th draft)
-            output = [*output, *input_ids[token - j + 1 : token + 1].tolist()]
-        return SamplingRow(request.params, request.prompt_token_ids, output, request.seed,
-                           request.blocked_token_ids, request.allowed_tokens)  # fmt: skip
+    def _row(row: SamplingRow, input_ids: np.ndarray, token: int) -> SamplingRow:
+        """The row for the logits of token row `token` of the step, its drafts before it
+        among its tokens."""
+        if not (j := row.num_drafts_before):
+            return row
+        drafts = input_ids[token - j + 1 : token + 1].tolist()  # (its token is its j-th)
+        return replace(row, output_token_ids=[*row.output_token_ids, *drafts], num_drafts_before=0)
 
     def _score_prompts(self, step: SchedulerOutput, hidden: torch.Tensor) -> list[PositionLogprobs]:
         """Prompt logprobs from the final hidden states of the scored rows, max_num_seqs

@@ -8,15 +8,26 @@ from __future__ import annotations
 import json
 import pickle
 from pathlib import Path
+from typing import TypeVar
 
+import numpy as np
 import pytest
 import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.executor import Executor
+from pyengine.executor.abstract import Done, Pending
 from pyengine.models.registry import ARCHITECTURES, model_class
-from pyengine.sample.sampler import Sampler, SamplingRow
-from pyengine.worker.scheduler_output import ModelRunnerOutput, SchedulerOutput
+from pyengine.sample.sampler import Sampler
+from pyengine.step_values import (
+    ExecuteOutput,
+    GrammarMasks,
+    SampledTokens,
+    SamplingRow,
+    SchedulerOutput,
+)
+
+T = TypeVar("T")
 
 TINY = {
     "architectures": ["LlamaForCausalLM"],
@@ -42,6 +53,12 @@ def tiny_llm(folder: Path) -> LLM:
     return LLM(str(folder), load_format="dummy", max_model_len=128, kv_cache_memory=2**24)
 
 
+def through_pickle(value: T) -> T:
+    """`value` as a process that unpickles it would see it."""
+    copy: T = pickle.loads(pickle.dumps(value))
+    return copy
+
+
 class PicklingExecutor(Executor):
     """Sends every step, and its result, through pickle: as a worker in another process
     would see them."""
@@ -58,10 +75,21 @@ class PicklingExecutor(Executor):
     def num_parameters(self) -> int:
         return self.inner.num_parameters
 
-    def execute_model(self, step: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, step: SchedulerOutput) -> Pending[ExecuteOutput]:
         self.steps += 1
-        out = self.inner.execute_model(pickle.loads(pickle.dumps(step)))
-        return pickle.loads(pickle.dumps(out))  # type: ignore[no-any-return]
+        return Done(through_pickle(self.inner.execute_model(through_pickle(step)).result()))
+
+    def sample_tokens(
+        self, virtual_engine: int, masks: GrammarMasks | None
+    ) -> Pending[SampledTokens]:
+        answer = self.inner.sample_tokens(virtual_engine, through_pickle(masks))
+        return Done(through_pickle(answer.result()))
+
+    def redraw(
+        self, virtual_engine: int, rows: list[int], masks: np.ndarray
+    ) -> Pending[SampledTokens]:
+        answer = self.inner.redraw(virtual_engine, rows, through_pickle(masks))
+        return Done(through_pickle(answer.result()))
 
     def shutdown(self) -> None:
         self.inner.shutdown()

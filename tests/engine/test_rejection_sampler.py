@@ -1,4 +1,4 @@
-"""The rejection sampler of speculative decoding alone (spec_decode/rejection.py): the
+"""The rejection sampler of speculative decoding alone (tests/helpers/rejection.py): the
 exact distribution of its tokens, enumerated over its choices, is the target's for any
 drafts and draft distributions; seeded samples match it within a chi-square bound; bad
 shapes are clear errors."""
@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
-from pyengine.spec_decode.rejection import rejection_sample
+from helpers.rejection import rejection_sample
 
 
 def random_distribution(rng: np.random.Generator, vocab: int) -> np.ndarray:

@@ -14,8 +14,9 @@ from pyengine import LLM, SamplingParams
 from pyengine.sample.common import row_argmax, seeded_uniform
 from pyengine.sample.logits_processors import apply_penalties, mask_disallowed_tokens
 from pyengine.sample.logprobs import gather_logprobs
-from pyengine.sample.sampler import Sampler, SamplingRow, heaviest_rows, plain_greedy
+from pyengine.sample.sampler import Sampler, heaviest_rows, plain_greedy
 from pyengine.sample.token_selection import filter_logits
+from pyengine.step_values import SamplingRow
 
 PROMPTS = [
     "The future of AI is",
@@ -485,8 +486,8 @@ def test_a_bitmask_leaves_exactly_its_allowed_tokens(vocab: int) -> None:
 
 
 class OneGrammar:
-    """A GrammarCheck whose grammar allows the same tokens at every row it checks; it
-    counts the masks it makes."""
+    """A step's grammar (as engine/structured_output.py's StepGrammar) that allows the
+    same tokens at every row it checks; it counts the masks it makes."""
 
     def __init__(self, allowed: list[int], vocab: int, rows: list[int]) -> None:
         self.allowed, self.rows, self.masks_made = set(allowed), rows, 0
@@ -500,6 +501,22 @@ class OneGrammar:
     def masks(self, rows: list[int]) -> np.ndarray:
         self.masks_made += len(rows)
         return np.stack([self.words] * len(rows))
+
+
+def sample_checked(
+    sampler: Sampler, logits: torch.Tensor, rows: list[SamplingRow], check: OneGrammar
+) -> list[int]:
+    """The engine's two calls: every row drawn, the checked ones without their masks;
+    then the rows whose grammar refuses their token drawn again under their masks."""
+    first = sampler(logits, rows, check.rows)
+    tokens = list(first.token_ids)
+    refused = check.refused(tokens)
+    if refused:
+        assert first.redraws is not None
+        again = sampler.redraw(first.redraws, refused, check.masks(refused))
+        for k, i in enumerate(refused):
+            tokens[i] = again.token_ids[k]
+    return tokens
 
 
 def test_a_grammar_checked_after_the_draw_samples_the_masked_distribution() -> None:
@@ -517,7 +534,7 @@ def test_a_grammar_checked_after_the_draw_samples_the_masked_distribution() -> N
     for seeded in (False, True):
         rows = [SamplingRow(sampled, [], [], i if seeded else None) for i in range(n)]
         check = OneGrammar(allowed, 8, list(range(n)))
-        tokens = Sampler(seed=0)(logits.repeat(n, 1), rows, check).token_ids
+        tokens = sample_checked(Sampler(seed=0), logits.repeat(n, 1), rows, check)
         assert set(tokens) <= set(allowed)
         stat, degrees = chi_square(np.bincount(tokens, minlength=8), masked)
         assert stat < chi_square_bound(degrees), (seeded, stat)
@@ -525,5 +542,5 @@ def test_a_grammar_checked_after_the_draw_samples_the_masked_distribution() -> N
     greedy = [SamplingRow(SamplingParams(temperature=0), [], [], None) for _ in range(2)]
     both = torch.stack([logits, logits.flip(0)])  # argmax 0 (refused), then 7 (allowed)
     check = OneGrammar(allowed, 8, [0, 1])
-    assert Sampler(seed=0)(both, greedy, check).token_ids == [7, 7]
+    assert sample_checked(Sampler(seed=0), both, greedy, check) == [7, 7]
     assert check.masks_made == 1

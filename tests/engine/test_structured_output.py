@@ -127,10 +127,9 @@ def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(
         got = ask(spec, "Colors, as a JSON list.", params)
     finally:
         spec.engine.shutdown()
-    # (seeded rows drawn before or after their masks take other numbers: compared where
-    # both run in this process)
-    compared = 4 if not executor else 2
-    assert [o.token_ids for o in got[:compared]] == [o.token_ids for o in want[:compared]]
+    # (rows are checked or masked alike in this process and in a worker process: seeded
+    # rows take the same numbers under every executor)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
     assert spec.engine.core.spec_stats.num_accepted_tokens > 0
     for out in (got[0], got[2], got[3]):
         if out.finish_reason == "stop":

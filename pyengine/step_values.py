@@ -1,60 +1,47 @@
-"""What the engine hands the executor for one step, and what comes back: plain values
-(numpy arrays, lists, dataclasses) that pickle, so that workers in other processes or on
-other machines take the same call as the in-process one."""
+"""The values of one engine step, as the engine hands them to the executor and gets them
+back: plain data (numpy arrays, lists, dataclasses) that pickle, so that workers in other
+processes or on other machines take the same calls as the in-process one. The engine
+builds them and the worker and sampler read them; neither side defines them, so both
+import this module."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs
 from pyengine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pyengine.sample.sampler import GrammarCheck
-
-
-class StepGrammarCheck(Protocol):
-    """A step's rows under grammars, for an in-process worker (the core's matchers): the
-    masks of `masked_first` rows, made once the step's drafts are in it, and the
-    sampler's GrammarCheck of the others."""
-
-    masked_first: list[int]  # (indices among the step's sampled rows)
-
-    def reading(self, input_ids: np.ndarray, logits_indices: np.ndarray) -> GrammarCheck:
-        """The check, reading the rows' drafts from the step the worker runs."""
-        ...
-
-    def masks(self, rows: list[int]) -> np.ndarray: ...
-
-    def draft_mask(self, request: int, drafts: list[int]) -> np.ndarray | None:
-        """The tokens the step's `request`-th request may draft after `drafts` (None:
-        any)."""
-        ...
+    from pyengine.lora.request import LoRARequest
 
 
 @dataclass(frozen=True)
-class SamplingRequest:
-    """A logits row that is not the plain argmax of the model: how to choose its token."""
+class SamplingRow:
+    """A logits row that is not the plain argmax of the model: how to choose its token
+    (its request's, or one of its n samples', parameters and tokens so far)."""
 
-    row_id: str  # the scheduler's id of the request (or of one of its n samples)
     params: SamplingParams
-    prompt_token_ids: np.ndarray  # int32 [prompt_len], for the repetition penalty
+    prompt_token_ids: Sequence[int] | np.ndarray  # the engine's: its int array, made once
     output_token_ids: Sequence[int]  # the tokens it has so far
-    # A seeded row's draws are its own (sample/common.py seeded_uniform).
-    seed: int | None = None
+    # A seeded request's draw for its i-th output token is seeded_uniform(seed, i), on the
+    # host wherever the logits are: the same numbers on either, and the same token at each
+    # place however many rows a step drew before it (speculative decoding's drafts).
+    seed: int | None
     blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
-    # The logits row follows this many of the request's drafts in the step: they count as
-    # its tokens (the step's input_ids before the row's token, included, hold them).
-    num_drafts_before: int = 0
     # A structured output's tokens allowed next: a bitmask (int32 words, bit t % 32 of
-    # word t // 32 for token t); None: all.
+    # word t // 32 for token t); None: all. The worker sets it from the step's masks.
     allowed_tokens: np.ndarray | None = None
+    # 1: the row's token drawn again, under its grammar's mask (Sampler.redraw): a seeded
+    # row then takes another number of its sequence than its first draw's.
+    draw: int = 0
+    # The logits row follows this many of the request's drafts in the step: they count as
+    # its tokens (the step's input_ids before the row's token, included, hold them; the
+    # worker adds them to output_token_ids before it samples).
+    num_drafts_before: int = 0
 
 
 @dataclass(frozen=True)
@@ -80,7 +67,7 @@ class SchedulerOutput:
     logits_indices: np.ndarray  # int32 [num_sampled]: the token rows that sample
     block_copies: list[tuple[int, int]]  # (source, destination) blocks, before the step
     # Per sampled row; None: every row is the plain argmax (the common batch).
-    sampling: list[SamplingRequest] | None
+    sampling: list[SamplingRow] | None
     prompt_logprob_rows: list[PromptLogprobRow]
     # Rows finished since the last step: workers drop what they keep for them.
     finished_row_ids: list[str]
@@ -98,15 +85,48 @@ class SchedulerOutput:
     # With a draft model: each request's drafts (int32 [num_reqs]), whose tokens in
     # input_ids are placeholders the worker's draft model replaces.
     num_draft_tokens: np.ndarray | None = None
-    # Structured outputs' masks still being computed into the rows' allowed_tokens while
-    # the forward runs (an in-process executor's steps only: it never crosses processes).
-    masks_pending: Future[None] | None = None
-    # Rows whose masks are made only for a token their grammar refuses (in-process too).
-    grammar_check: StepGrammarCheck | None = None
+    # With a draft model: a constrained request's (by index) bitmask of the tokens its
+    # first draft may be (its grammar stays in the engine: its later drafts are the
+    # draft's argmax, and the target's token after one its grammar refuses is never kept).
+    draft_masks: dict[int, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class GrammarMasks:
+    """A step's structured-output masks, as sample_tokens takes them: the bitmasks of
+    `masked` rows (int32 [len(masked), words]), and the `checked` rows, drawn without
+    theirs (the engine asks their grammars about the tokens drawn, and has those refused
+    drawn again: Executor.redraw). Rows are indices among the step's sampled rows."""
+
+    masked: list[int]
+    masks: np.ndarray
+    checked: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ExecuteOutput:
+    """What the forward pass of a step gives before its tokens are sampled: the drafts
+    a draft model made in the step (row after row; None: none made), and the prompt
+    logprobs of its PromptLogprobRows, in order."""
+
+    draft_token_ids: list[int] | None
+    prompt_logprobs: list[PositionLogprobs]
+
+
+@dataclass(frozen=True)
+class SampledTokens:
+    """Tokens drawn for some of a step's sampled rows (sample_tokens: all of them), and
+    their logprobs where their requests asked (None where no row did)."""
+
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None] | None
 
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
+    """A step's result as the engine core hands it on: its ExecuteOutput and its
+    SampledTokens (redrawn rows' in place)."""
+
     sampled_token_ids: list[int]  # per sampled row
     # Per sampled row where its request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
