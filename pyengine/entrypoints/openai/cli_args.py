@@ -14,6 +14,7 @@ from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.middlewares import DEFAULT_MAX_BODY_BYTES
 from pyengine.entrypoints.openai.slow_clients import DEFAULT_STALL_TIMEOUT
 from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
+from pyengine.executor.registry import executor_names
 from pyengine.layers.quantization.registry import QUANTIZATION_METHODS
 
 
@@ -74,7 +75,7 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="stages the layers are split into",
     )  # fmt: skip
     parser.add_argument(
-        "--distributed-executor-backend", choices=["uni", "mp", "ray"],
+        "--distributed-executor-backend", choices=executor_names(),
         default=d.distributed_executor_backend,
         help="uni: this process; mp: a process per rank (the default for more than one); "
         "ray: Ray actors across a cluster's nodes",
