@@ -322,6 +322,9 @@ class EngineCore:
 
     def _fail(self, flight: StepInFlight) -> None:
         """Aborts the rows of a step that will not complete, and ends it."""
+        for pending in (flight.executed, flight.sampled):
+            if pending is not None:  # (answers still to come are dropped on arrival)
+                pending.abandon()
         rows = [r for r in flight.row_ids if r in self._rows]
         self.failed_request_ids |= {self._rows[r].request.request_id for r in rows}
         self.finish_rows(rows, "abort")

@@ -29,6 +29,10 @@ class Pending(ABC, Generic[T]):
     def result(self) -> T:
         """The output rank's answer (waiting for it); the call's error where it failed."""
 
+    def abandon(self) -> None:
+        """The answer will not be asked for (its step failed): it is dropped once it
+        comes, so that nothing holds it."""
+
 
 @dataclass
 class Done(Pending[T]):

@@ -17,6 +17,7 @@ import numpy as np
 
 from pyengine.config import EngineConfig
 from pyengine.executor.abstract import Executor, ExecutorDeadError, Pending
+from pyengine.executor.numbered_replies import NumberedReplies, Reply
 from pyengine.executor.worker_process import WorkerSpec
 from pyengine.loader.resolve import LoadedModel
 from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, SchedulerOutput
@@ -24,8 +25,6 @@ from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, Sch
 T = TypeVar("T")
 
 logger = logging.getLogger("pyengine")
-
-Reply = tuple[str, Any]  # ("ok", result) or ("error", text)
 
 
 def step_timeout_s() -> float:
@@ -56,9 +55,7 @@ class DistributedExecutor(Executor):
         self._dead: str | None = None
         # Commands are numbered as sent; their answers come in that order, and those
         # received before their caller asks wait here (a pipeline's steps overlap).
-        self._num_sent = 0
-        self._num_received = 0
-        self._received: dict[int, list[Reply]] = {}
+        self._replies_book = NumberedReplies(lambda: self._receive(self.timeout_s))
         self._closed = False
         spec = WorkerSpec(loaded.spec, config, "", self.timeout_s)
         try:
@@ -132,7 +129,7 @@ class DistributedExecutor(Executor):
 
     def collective_rpc(self, command: tuple[Any, ...]) -> list[Any]:
         """Every rank's result of `command` (between steps: none may be in flight)."""
-        if self._num_received < self._num_sent:
+        if not self._replies_book.is_idle():
             raise RuntimeError("collective_rpc with steps in flight")
         return self._call(command)
 
@@ -155,18 +152,16 @@ class DistributedExecutor(Executor):
         """Sends `command` to every rank; its number, for _replies."""
         self._check_alive()
         self._send(command)
-        self._num_sent += 1
-        return self._num_sent - 1
+        return self._replies_book.sent()
 
     def _replies(self, number: int) -> list[Reply]:
         """Every rank's reply to command `number` (receiving those before it)."""
         self._check_alive()
-        while number not in self._received:
-            if number < self._num_received:
-                raise RuntimeError(f"the answer to command {number} was taken already")
-            self._received[self._num_received] = self._receive(self.timeout_s)
-            self._num_received += 1
-        return self._received.pop(number)
+        return self._replies_book.replies(number)
+
+    def abandon(self, number: int) -> None:
+        """Command `number`'s answer will not be asked for: dropped now, or on arrival."""
+        self._replies_book.abandon(number)
 
     def output_answer(self, number: int) -> Any:
         """The output rank's answer to command `number`; the error of a rank that
@@ -219,3 +214,6 @@ class _Answer(Pending[T]):
     def result(self) -> T:
         answer: T = self.executor.output_answer(self.number)
         return answer
+
+    def abandon(self) -> None:
+        self.executor.abandon(self.number)

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 
 from pyengine.config import EngineConfig
-from pyengine.executor.distributed import DistributedExecutor, Reply
+from pyengine.executor.distributed import DistributedExecutor
+from pyengine.executor.numbered_replies import Reply
 from pyengine.executor.shm_broadcast import ShmBroadcast
 from pyengine.executor.worker_process import WorkerSpec, free_port, run_worker_process
 from pyengine.loader.resolve import LoadedModel

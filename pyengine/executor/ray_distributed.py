@@ -19,7 +19,8 @@ from dataclasses import replace
 from typing import Any
 
 from pyengine.config import EngineConfig
-from pyengine.executor.distributed import DistributedExecutor, Reply
+from pyengine.executor.distributed import DistributedExecutor
+from pyengine.executor.numbered_replies import Reply
 from pyengine.executor.worker_process import RankWorker, WorkerSpec, error_text, free_port
 from pyengine.loader.resolve import LoadedModel
 
