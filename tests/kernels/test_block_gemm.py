@@ -116,11 +116,11 @@ def test_a_gguf_model_on_cuda_blocks_gives_its_dequantized_tokens(
         monkeypatch.setenv("PYENGINE_CUDA_BLOCK_GEMM", flag)
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
-        model = llm.engine.executor.driver_worker.model_runner.model
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
         assert (model.layers[0].self_attn.qkv_proj.cuda_blocks is not None) == (flag == "1")
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     assert runs[0] == runs[1]
 
 
@@ -146,12 +146,12 @@ def test_gptq_and_awq_models_on_cuda_blocks_give_their_dequantized_tokens(
         monkeypatch.setenv("PYENGINE_CUDA_BLOCK_GEMM", flag)
         llm = LLM(str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
-        model = llm.engine.executor.driver_worker.model_runner.model
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
         blocks = model.layers[0].mlp.down_proj.cuda_blocks
         assert (blocks is not None) == (flag == "1")
         if blocks is not None:  # the blocks are the weight: no integers kept beside them
             assert not hasattr(model.layers[0].mlp.down_proj, "qweight")
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     assert runs[0] == runs[1]

@@ -412,7 +412,7 @@ def build_app(
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> dict[str, str]:
             request = served.new_adapter(body.lora_name, body.lora_path)
             try:
-                await asyncio.to_thread(engine.engine.adapters.check, request)
+                await asyncio.to_thread(engine.llm_engine.adapters.check, request)
             except ValueError as error:
                 raise APIError(str(error), param="lora_path") from None
             served.add(request)
