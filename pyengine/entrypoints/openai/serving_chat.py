@@ -187,9 +187,9 @@ class ChatServing(OpenAIServing):
                 ]
             )
         completion_tokens, cached = 0, 0
-        async for _, delta in merge(streams):
-            cached = delta.num_cached_tokens
-            for d in delta.outputs:
+        async for _, out in merge(streams):
+            cached = out.num_cached_tokens
+            for d in out.outputs:
                 completion_tokens += len(d.token_ids)
                 logprobs = None
                 if request.logprobs and d.logprobs is not None:
