@@ -46,7 +46,7 @@ def main() -> None:
     )  # fmt: skip
     params = SamplingParams(temperature=0, max_tokens=args.context - len(prompt), ignore_eos=True)
     llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     if runner.graphs is None or 1 not in runner.graphs.programs:
         raise SystemExit("this model's decode steps run eagerly: there is no program to profile")
     program = runner.graphs.programs[1]
@@ -98,7 +98,7 @@ def main() -> None:
     }
     for name, times in by_kernel.items():
         figures[f"{name}_us"] = round(sum(times) * 1e6, 1)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     report("decode_profile", figures, tables=[table])
 
 

@@ -86,7 +86,7 @@ def run(
     rounds: int, engine_args: dict[str, Any],
 ) -> Row:  # fmt: skip
     llm = LLM(model, tensor_parallel_size=tp, pipeline_parallel_size=pp, **engine_args)
-    engine, executor = llm.engine, llm.engine.executor
+    engine, executor = llm.llm_engine, llm.llm_engine.executor
     distributed = tp * pp > 1
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     steps = [0]

@@ -114,13 +114,13 @@ def main() -> None:
     best = dict.fromkeys(runs, float("inf"))
     for _ in range(args.rounds):  # the runs alternate: the machine is shared
         for name, llm in llms.items():
-            llm.engine.scheduler.kv_cache.reset_prefix_cache()
+            llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=runs[name][2])
             best[name] = min(best[name], time.perf_counter() - start)
             assert sum(len(o.outputs[0].token_ids) for o in outputs) == generated
     for llm in llms.values():
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
     rate = {name: generated / seconds for name, seconds in best.items()}
     labels = {

@@ -55,7 +55,7 @@ def perplexity(model: Path, windows: list[list[int]], window: int, **engine: obj
             assert position is not None
             total -= position[token].logprob
             count += 1
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     del llm
     gc.collect()
     return math.exp(total / count)

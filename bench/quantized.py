@@ -160,13 +160,13 @@ def offline_decode(model: Path, prompt: list[int], output_len: int, rounds: int)
     llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8), use_tqdm=False)
     best = 0.0
     for _ in range(rounds):
-        llm.engine.scheduler.kv_cache.reset_prefix_cache()
+        llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         first, last = out.metrics.first_token_time, out.metrics.finished_time
         assert first is not None and last is not None
         best = max(best, (output_len - 1) / (last - first))
-    streamed = single_decode_weight_bytes(llm.engine.executor.driver_worker.model_runner.model)
-    llm.engine.shutdown()
+    streamed = single_decode_weight_bytes(llm.llm_engine.executor.driver_worker.model_runner.model)
+    llm.llm_engine.shutdown()
     del llm
     gc.collect()
     return best, streamed
@@ -183,12 +183,12 @@ def batched_throughput(
                  use_tqdm=False)  # fmt: skip
     best = float("inf")
     for _ in range(2):
-        llm.engine.scheduler.kv_cache.reset_prefix_cache()
+        llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
         start = time.perf_counter()
         llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         best = min(best, time.perf_counter() - start)
-    weight_bytes = llm.engine.executor.driver_worker.model_runner.weight_bytes
-    llm.engine.shutdown()
+    weight_bytes = llm.llm_engine.executor.driver_worker.model_runner.weight_bytes
+    llm.llm_engine.shutdown()
     del llm
     gc.collect()
     return len(prompts) * output_len / best, weight_bytes

@@ -194,7 +194,7 @@ def main() -> None:
     llm = LLM(
         args.model, max_model_len=max_model_len, max_num_seqs=args.concurrency, seed=args.seed
     )
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.llm_engine.model_config.vocab_size
     prompts = [rng.integers(100, vocab - 100, n).tolist() for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up

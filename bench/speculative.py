@@ -138,9 +138,9 @@ def main() -> None:
             results = {}
             for m in methods:
                 llm = llms[m]
-                llm.engine.scheduler.kv_cache.reset_prefix_cache()
+                llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
                 if m == "suffix":  # (no earlier run's answers: the same prompts come again)
-                    llm.engine.scheduler.reset_suffix_cache()
+                    llm.llm_engine.scheduler.reset_suffix_cache()
                 before = _stats(llm)
                 seconds, decoding, results[m] = timed(llm, prompts, params, batch)
                 best[(w, m)] = min(best[(w, m)], seconds)
@@ -151,7 +151,7 @@ def main() -> None:
             generated[w] = sum(len(t) for t in results["none"])
             decoded[w] = sum(len(t) - 1 for t in results["none"])
     for llm in llms.values():
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
     rows = []
     for w in workloads:
@@ -190,7 +190,7 @@ def main() -> None:
 
 
 def _stats(llm: LLM) -> tuple[int, int, int]:
-    s = llm.engine.core.spec_stats
+    s = llm.llm_engine.core.spec_stats
     return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens
 
 

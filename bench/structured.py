@@ -63,7 +63,7 @@ def compile_times(llm: LLM, rounds: int) -> dict[str, tuple[float, float]]:
     """Per schema: (cold, cached) milliseconds to a matcher's first mask: cold with the
     grammar compiled anew (llguidance's tokenizer, made once an engine, kept), cached
     with it kept."""
-    compiler = GrammarCompiler(llm.get_tokenizer(), llm.engine.model_config.vocab_size)
+    compiler = GrammarCompiler(llm.get_tokenizer(), llm.llm_engine.model_config.vocab_size)
     compiler.matcher(StructuredOutputsParams(regex="a")).allowed()  # (the tokenizer)
     times = {}
     for name, schema in SCHEMAS.items():
@@ -110,11 +110,11 @@ def main() -> None:
     best = {k: 0.0 for k in kinds}
     for _ in range(args.rounds):  # alternating: the machine is shared
         for kind, (params, _) in kinds.items():
-            llm.engine.scheduler.kv_cache.reset_prefix_cache()
+            llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()
             seconds, tokens = timed(llm, messages, params)
             best[kind] = max(best[kind], tokens / seconds)
     compiled = compile_times(llm, args.rounds)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
     fraction = {kind: best[kind] / best[peer] for kind, (_, peer) in kinds.items()}
     print(

@@ -136,7 +136,7 @@ def main() -> None:
         kv_cache_dtype=args.kv_cache_dtype,
     )
     load_seconds = time.perf_counter() - start
-    vocab = llm.engine.model_config.vocab_size
+    vocab = llm.llm_engine.model_config.vocab_size
     prompts = [rng.integers(100, vocab - 100, n).tolist() for n in lengths]
     prompt_tokens = int(lengths.sum())
     generated = args.num_prompts * args.output_len
@@ -145,7 +145,7 @@ def main() -> None:
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
 
     def run_ours() -> float:
-        llm.engine.scheduler.kv_cache.reset_prefix_cache()  # no hits from the last round
+        llm.llm_engine.scheduler.kv_cache.reset_prefix_cache()  # no hits from the last round
         start = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert sum(len(o.outputs[0].token_ids) for o in outputs) == generated
@@ -172,10 +172,10 @@ def main() -> None:
             theirs = min(theirs, run_hf(hf, prompts, args.output_len, args.hf_batch))
         ceiling, bandwidth = max(ceiling, matmul_ceiling()), max(bandwidth, read_bandwidth())
 
-    num_params = llm.engine.executor.driver_worker.model_runner.model.num_parameters
+    num_params = llm.llm_engine.executor.driver_worker.model_runner.model.num_parameters
     ceiling_tokens = ceiling / (2 * num_params)
     decode_bound = bandwidth / (num_params * 4)
-    streamed = single_decode_weight_bytes(llm.engine.executor.driver_worker.model_runner.model)
+    streamed = single_decode_weight_bytes(llm.llm_engine.executor.driver_worker.model_runner.model)
 
     total = generated + prompt_tokens
     rows = [
@@ -205,7 +205,7 @@ def main() -> None:
     print(
         f"# Offline throughput: {args.model}, {args.num_prompts} prompts of {args.min_len}-"
         f"{args.max_len} tokens ({prompt_tokens} in all), {args.output_len} output tokens each, "
-        f"float32, KV cache {llm.engine.executor.driver_worker.model_runner.cache_dtype}, "
+        f"float32, KV cache {llm.llm_engine.executor.driver_worker.model_runner.cache_dtype}, "
         f"{torch.get_num_threads()} threads, "
         f"best of {args.rounds} rounds"
     )

@@ -1,4 +1,6 @@
-"""What generate() returns (vLLM's RequestOutput / CompletionOutput)."""
+"""What generate() returns and the engine's steps hand out (vLLM's RequestOutput /
+CompletionOutput). What an output holds is what its request's params.output_kind asked
+for: all so far, or (RequestOutputKind.DELTA) what one step added."""
 
 from __future__ import annotations
 
@@ -18,6 +20,9 @@ PositionLogprobs = dict[int, Logprob]
 
 @dataclass
 class CompletionOutput:
+    """One sample's output: all of it so far, or in a delta what the step added (its new
+    text, tokens and logprobs; cumulative_logprob is always the running total)."""
+
     index: int
     text: str
     token_ids: list[int]
@@ -39,10 +44,17 @@ class RequestMetrics:
     # and of them those accepted (vLLM's spec_decode_* counts, per request).
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Set as the request finishes, for /metrics (a delta holds only its step's tokens):
+    # each sample's finish reason and number of output tokens.
+    finish_reasons: list[str] = field(default_factory=list)
+    num_output_tokens: list[int] = field(default_factory=list)
 
 
 @dataclass
 class RequestOutput:
+    """A request's output: its samples' (in a delta, those with something new), and the
+    prompt's logprobs (in a delta, only in the request's first)."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]

@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 import json
 import math
 from dataclasses import dataclass
+
+
+class RequestOutputKind(enum.Enum):
+    """What a request's outputs hold (vLLM's): each whole so far, each what its step
+    added, or one whole output once the request finishes."""
+
+    CUMULATIVE = 0  # every output whole: each sample's tokens, text and logprobs so far
+    DELTA = 1  # what the step added (text that could begin a stop string held back)
+    FINAL_ONLY = 2  # one output, whole, once the request has finished
 
 
 @dataclass
@@ -82,6 +92,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A constraint on the output (JSON schema, regex, choice, grammar), vLLM's.
     structured_outputs: StructuredOutputsParams | None = None
+    # What the request's outputs hold: CUMULATIVE copies every sample's whole output at
+    # each step (LLMEngine.step()'s callers read them so); a stream asks for DELTA, and
+    # LLM.generate for FINAL_ONLY.
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         self.validate()
@@ -130,6 +144,8 @@ class SamplingParams:
         checks.append(("structured_outputs", constraint is None
                        or isinstance(constraint, StructuredOutputsParams),
                        "a StructuredOutputsParams or None"))  # fmt: skip
+        checks.append(("output_kind", isinstance(self.output_kind, RequestOutputKind),
+                       "a RequestOutputKind"))  # fmt: skip
         checks += [(name, isinstance(getattr(self, name), bool), "True or False")
                    for name in ("ignore_eos", "skip_special_tokens",
                                 "include_stop_str_in_output")]  # fmt: skip

@@ -166,7 +166,7 @@ def main() -> None:
         "pyengine_total_tok_s": round(total / ours, 1),
         "pyengine_load_s": round(load_seconds, 1),
         "pyengine_prefill_only_s": round(prefill, 2),
-        "kv_cache_blocks": llm.engine.executor.driver_worker.model_runner.num_blocks,
+        "kv_cache_blocks": llm.llm_engine.executor.driver_worker.model_runner.num_blocks,
         "matmul_tflop_s": round(matmul_rate / 1e12, 1),
         "copy_gb_s": round(copy_rate / 1e9, 1),
         "floor_any_engine_s": round(floor.any_engine_s, 2),
@@ -184,7 +184,7 @@ def main() -> None:
         f"# Offline throughput on {torch.cuda.get_device_name()}: Llama-3-8B shape, random "
         f"weights, bfloat16, {args.num_prompts} prompts of {args.prompt_len} tokens, "
         f"{args.output_len} output tokens each; KV cache "
-        f"{llm.engine.executor.driver_worker.model_runner.num_blocks} blocks"
+        f"{llm.llm_engine.executor.driver_worker.model_runner.num_blocks} blocks"
     )
     print(f"pyengine: the same number of fresh prompts with 1 output token each: {prefill:.2f} s")
     print(

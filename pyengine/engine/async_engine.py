@@ -2,11 +2,12 @@
 
 The LLMEngine belongs to one thread, which takes commands (add, abort, stop) between
 steps and runs steps while any request is unfinished; all requests share its continuous
-batch. Each step's news goes back to the event loop in one call, as a `RequestUpdate`
-per request that progressed: the text, tokens and logprobs added since the last update.
-Text that could still turn out to begin a stop string is held back until it cannot.
-A reader that falls behind (a client whose socket is full) holds one update, the steps'
-news merged into it, never one per step: the engine thread never waits for a reader.
+batch. Its requests ask for deltas (RequestOutputKind.DELTA): each step's news goes back
+to the event loop in one call, as the output processor made it, a RequestOutput per
+request that progressed holding what the step added (text that could still turn out to
+begin a stop string held back until it cannot). A reader that falls behind (a client
+whose socket is full) holds one output, the steps' deltas merged into it, never one per
+step: the engine thread never waits for a reader.
 """
 
 from __future__ import annotations
@@ -20,83 +21,50 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.engine.stats import EngineStats
 from pyengine.lora.request import LoRARequest
-from pyengine.outputs import PositionLogprobs, RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.outputs import RequestOutput
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pyengine")
 
 
 @dataclass
-class SampleDelta:
-    """What one of a request's samples added since its last delta."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[PositionLogprobs] | None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-@dataclass
-class RequestUpdate:
-    request_id: str
-    samples: list[SampleDelta]  # those with something new
-    finished: bool
-    num_cached_tokens: int
-    prompt_logprobs: list[PositionLogprobs | None] | None = None  # in the first update
-
-
-@dataclass
-class _Sent:
-    """How much of each sample's output a request's stream has delivered."""
-
-    text: list[int]
-    tokens: list[int]
-    finished: list[bool]
-    hold_back: int  # characters that could begin a stop string
-    first: bool = True
-
-
-@dataclass
 class _Stream:
-    """A request's updates that its reader has not taken: at most one, into which later
-    steps' updates are merged (as vLLM's RequestOutputCollector), so that a reader that
-    falls behind costs one update's memory, not one per step. `put`, `fail` and `take`
-    run on `loop`; `sent` belongs to the engine thread."""
+    """A request's deltas that its reader has not taken: at most one, into which later
+    steps' deltas are merged (as vLLM's RequestOutputCollector), so that a reader that
+    falls behind costs one output's memory, not one per step. `put`, `fail` and `take`
+    run on `loop`."""
 
     loop: asyncio.AbstractEventLoop
-    sent: _Sent | None = None
-    _pending: RequestUpdate | None = field(default=None, init=False)
-    _error: BaseException | None = field(default=None, init=False)  # (after every update)
+    _pending: RequestOutput | None = field(default=None, init=False)
+    _error: BaseException | None = field(default=None, init=False)  # (after every output)
     _ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
-    def put(self, update: RequestUpdate) -> None:
+    def put(self, delta: RequestOutput) -> None:
         if self._pending is None:
-            self._pending = update
+            self._pending = delta
             self._ready.set()
         else:
-            _merge(self._pending, update)
+            _merge(self._pending, delta)
 
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._ready.set()
 
-    async def take(self) -> RequestUpdate | BaseException:
-        """The updates since the last take, merged; the error once none is left."""
+    async def take(self) -> RequestOutput | BaseException:
+        """The deltas since the last take, merged; the error once none is left."""
         if self._pending is None and self._error is None:
             self._ready.clear()
             await self._ready.wait()
-        update, self._pending = self._pending, None
-        if update is not None:
-            return update
+        delta, self._pending = self._pending, None
+        if delta is not None:
+            return delta
         assert self._error is not None
         return self._error
 
@@ -118,14 +86,15 @@ class EngineStepError(RuntimeError):
 
 
 class RequestStream:
-    """One request's updates, in order, until the one that finishes it."""
+    """One request's deltas (RequestOutputs of what its steps added), in order, until the
+    one that finishes it."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
         self.request_id = request_id
         self.finished = False
         self._engine = engine
         self._stream = stream
-        # Called once, at the first update or at close (a bound on waiting requests).
+        # Called once, at the first delta or at close (a bound on waiting requests).
         self.on_start: Callable[[], None] | None = None
 
     def _started(self) -> None:
@@ -136,16 +105,16 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestUpdate:
+    async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        update = await self._stream.take()
+        delta = await self._stream.take()
         self._started()
-        if isinstance(update, BaseException):
+        if isinstance(delta, BaseException):
             self.finished = True
-            raise update
-        self.finished = update.finished
-        return update
+            raise delta
+        self.finished = delta.finished
+        return delta
 
     def close(self) -> None:
         """Aborts the request unless it has finished."""
@@ -156,26 +125,27 @@ class RequestStream:
 
 
 class AsyncLLMEngine:
-    """Runs `engine` in a background thread from `start()` until `stop()`."""
+    """Runs `llm_engine` in a background thread from `start()` until `stop()`."""
 
     def __init__(
         self,
-        engine: LLMEngine,
+        llm_engine: LLMEngine,
         on_step: Callable[[EngineStats, list[RequestOutput], int], None] | None = None,
         step_timeout: float | None = None,
     ) -> None:
-        self.engine = engine
+        self.llm_engine = llm_engine
         # A step running longer than this (seconds) is a hang: unhealthy, no new requests
         # until it ends.
         self.step_timeout = step_timeout
         self._step_started: float | None = None  # (time.monotonic() of the running step)
-        self.tokenizer = engine.tokenizer
-        self.model_config = engine.model_config
-        self.config = engine.config
-        self.input_processor = engine.input_processor  # stateless: any thread tokenizes
+        self.tokenizer = llm_engine.tokenizer
+        self.model_config = llm_engine.model_config
+        self.config = llm_engine.config
+        self.input_processor = llm_engine.input_processor  # stateless: any thread tokenizes
         self.stats = EngineStats()
-        # Called on the engine thread after each step: the stats, the requests that
-        # finished, and the number of tokens generated.
+        # Called on the engine thread after each step: the stats, the last deltas of the
+        # requests that finished (their metrics say what /metrics records of them), and
+        # the number of tokens generated.
         self._on_step = on_step
         self._commands: queue.Queue[_Command] = queue.Queue()
         self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
@@ -210,7 +180,7 @@ class AsyncLLMEngine:
         return (
             self._thread.is_alive()
             and self.stalled_step() is None
-            and self.engine.executor.check_health()
+            and self.llm_engine.executor.check_health()
         )
 
     def stalled_step(self) -> float | None:
@@ -228,7 +198,7 @@ class AsyncLLMEngine:
             self._submit(_Command("stop"))
             self._thread.join(timeout)
         if not self._thread.is_alive():
-            self.engine.shutdown()  # the workers (their processes) end with the engine
+            self.llm_engine.shutdown()  # the workers (their processes) end with the engine
 
     async def add_request(
         self,
@@ -242,7 +212,8 @@ class AsyncLLMEngine:
     ) -> RequestStream:
         """Queues a request (through lora_request's adapter); a bad one raises ValueError
         here, and EngineDeadError while a step hangs (past step_timeout). Iterate the
-        returned stream for its updates; close it to abort the request (a client gone)."""
+        returned stream for its deltas (whatever params.output_kind says); close it to
+        abort the request (a client gone)."""
         stalled = self.stalled_step()
         if stalled is not None:
             raise EngineDeadError(
@@ -284,7 +255,7 @@ class AsyncLLMEngine:
     def _run(self) -> None:
         try:
             while self._serve_commands():
-                if self.engine.has_unfinished_requests():
+                if self.llm_engine.has_unfinished_requests():
                     self._step()
         except BaseException as error:  # a bug: fail every stream rather than hang it
             logger.exception("the engine loop failed")
@@ -308,7 +279,7 @@ class AsyncLLMEngine:
     def _serve_commands(self) -> bool:
         """Runs the queued commands (waits for one while there is nothing to step);
         False once told to stop."""
-        idle = not self.engine.has_unfinished_requests()
+        idle = not self.llm_engine.has_unfinished_requests()
         while True:
             try:
                 command = self._commands.get(block=idle)
@@ -319,8 +290,8 @@ class AsyncLLMEngine:
                 continue  # cancelled by its caller while queued: nobody waits for it
             if command.kind == "stop":
                 for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                while self.engine.has_unfinished_requests():
+                    self.llm_engine.abort_request(request_id)
+                while self.llm_engine.has_unfinished_requests():
                     self._step()
                 command.done.set_result(None)
                 return False
@@ -330,7 +301,7 @@ class AsyncLLMEngine:
                 elif command.kind == "fail_all":
                     self._fail_all(*command.args)
                 else:
-                    self.engine.abort_request(command.request_id)
+                    self.llm_engine.abort_request(command.request_id)
             except Exception as error:
                 command.done.set_exception(error)
             else:
@@ -349,36 +320,37 @@ class AsyncLLMEngine:
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
-        self.engine.add_request(
+        # A stream carries deltas: what each step added, merged while its reader lags.
+        # (Anything but a SamplingParams is left for the engine to refuse.)
+        if isinstance(params, SamplingParams):
+            params = replace(params, output_kind=RequestOutputKind.DELTA)
+        self.llm_engine.add_request(
             request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request,
             priority=priority, cache_salt=cache_salt,
         )  # fmt: skip
-        hold_back = 0 if not params.stop_strings else max(map(len, params.stop_strings)) - 1
-        n = params.n
-        stream.sent = _Sent([0] * n, [0] * n, [False] * n, hold_back)
         self._streams[request_id] = stream
 
     def _step(self) -> None:
         self._step_started = time.monotonic()
         try:
-            outputs = self.engine.step()
+            outputs = self.llm_engine.step()
         except Exception as error:
             # LLMEngine.step has already ended the step's requests; their aborts come
             # out of the next step, and the engine keeps serving the others. If that
             # step fails too, or the executor lost a worker, the engine itself is broken:
             # the loop ends (every stream gets the error, /health says so) rather than
             # fail forever.
-            if self._failed_before or not self.engine.executor.is_alive:
+            if self._failed_before or not self.llm_engine.executor.is_alive:
                 raise
             logger.exception("an engine step failed; its requests were aborted")
             self._failed_before = True
             outputs = []
-            self._fail_streams(self.engine.core.failed_request_ids, error)
+            self._fail_streams(self.llm_engine.core.failed_request_ids, error)
         else:
             self._failed_before = False
         finally:
             self._step_started = None
-        deliveries: list[tuple[_Stream, RequestUpdate]] = []
+        deliveries: list[tuple[_Stream, RequestOutput]] = []
         finished: list[RequestOutput] = []
         generated = 0
         for out in outputs:
@@ -387,9 +359,8 @@ class AsyncLLMEngine:
             stream = pick(out.request_id, None)
             if stream is None:
                 continue
-            update = _delta(out, stream)
-            generated += sum(len(s.token_ids) for s in update.samples)
-            deliveries.append((stream, update))
+            generated += sum(len(o.token_ids) for o in out.outputs)
+            deliveries.append((stream, out))
             if out.finished:
                 finished.append(out)
         self._update_stats()
@@ -433,7 +404,7 @@ class AsyncLLMEngine:
     def _fail_all(self, reason: str) -> None:
         """(the engine thread) Ends every stream with `reason`, aborting its request."""
         for request_id in self._end_every_stream(lambda _: EngineDeadError(reason)):
-            self.engine.abort_request(request_id)
+            self.llm_engine.abort_request(request_id)
 
     def _end_every_stream(self, error_of: Callable[[str], BaseException]) -> list[str]:
         """Takes every stream, each by one atomic pop (the engine thread, the watchdog and
@@ -460,44 +431,7 @@ class AsyncLLMEngine:
 
     def _update_stats(self) -> None:
         # A snapshot, taken on the engine thread (the only one that reads the scheduler).
-        self.stats = self.engine.stats()
-
-
-def _delta(out: RequestOutput, stream: _Stream) -> RequestUpdate:
-    """What `out` adds to what its stream has delivered (and notes it delivered)."""
-    sent = stream.sent
-    assert sent is not None
-    samples = []
-    for o in out.outputs:
-        k = o.index
-        if sent.finished[k]:
-            continue
-        done = o.finish_reason is not None
-        # The final text is the whole of it; until then, keep back a possible stop string.
-        text_end = len(o.text) if done else max(sent.text[k], len(o.text) - sent.hold_back)
-        new_tokens = o.token_ids[sent.tokens[k] :]
-        if not new_tokens and not done and text_end == sent.text[k]:
-            continue
-        logprobs = None if o.logprobs is None else o.logprobs[sent.tokens[k] :]
-        samples.append(
-            SampleDelta(
-                k,
-                o.text[sent.text[k] : text_end],
-                new_tokens,
-                logprobs,
-                o.finish_reason,
-                o.stop_reason,
-            )
-        )
-        sent.text[k], sent.tokens[k], sent.finished[k] = text_end, len(o.token_ids), done
-    first, sent.first = sent.first, False
-    return RequestUpdate(
-        out.request_id,
-        samples,
-        out.finished,
-        out.num_cached_tokens,
-        out.prompt_logprobs if first else None,
-    )
+        self.stats = self.llm_engine.stats()
 
 
 def _stop_at_exit(engine: weakref.ref[AsyncLLMEngine]) -> None:
@@ -517,27 +451,27 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args:
 
 
 def _by_loop(
-    deliveries: list[tuple[_Stream, RequestUpdate]],
-) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestUpdate]]]:
-    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestUpdate]]] = {}
-    for stream, update in deliveries:
-        groups.setdefault(stream.loop, []).append((stream, update))
+    deliveries: list[tuple[_Stream, RequestOutput]],
+) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]]:
+    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    for stream, delta in deliveries:
+        groups.setdefault(stream.loop, []).append((stream, delta))
     return groups
 
 
-def _deliver(batch: list[tuple[_Stream, RequestUpdate]]) -> None:
-    for stream, update in batch:
-        stream.put(update)
+def _deliver(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+    for stream, delta in batch:
+        stream.put(delta)
 
 
-def _merge(into: RequestUpdate, later: RequestUpdate) -> None:
-    """Adds `later` to `into`, an update of the same request its reader has not taken:
+def _merge(into: RequestOutput, later: RequestOutput) -> None:
+    """Adds `later` to `into`, a delta of the same request its reader has not taken:
     each sample's text, tokens and logprobs appended, the rest as `later` has it."""
-    earlier = {s.index: s for s in into.samples}
-    for sample in later.samples:
+    earlier = {s.index: s for s in into.outputs}
+    for sample in later.outputs:
         mine = earlier.get(sample.index)
         if mine is None:
-            into.samples.append(sample)
+            into.outputs.append(sample)
             continue
         mine.text += sample.text
         mine.token_ids += sample.token_ids
@@ -545,7 +479,10 @@ def _merge(into: RequestUpdate, later: RequestUpdate) -> None:
             mine.logprobs = mine.logprobs if mine.logprobs is not None else []
             mine.logprobs += sample.logprobs
         mine.finish_reason, mine.stop_reason = sample.finish_reason, sample.stop_reason
+        mine.cumulative_logprob = sample.cumulative_logprob
     into.finished = later.finished
+    into.metrics = later.metrics
     into.num_cached_tokens = later.num_cached_tokens
-    if into.prompt_logprobs is None:  # (only the first update has them)
+    into.num_host_cached_tokens = later.num_host_cached_tokens
+    if into.prompt_logprobs is None:  # (only the first delta has them)
         into.prompt_logprobs = later.prompt_logprobs

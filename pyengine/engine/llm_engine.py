@@ -1,6 +1,7 @@
 """The engine: requests in through the input processor, steps through the engine core
 (the C++ scheduler plans, the executor runs the model and samples, the scheduler applies
-the tokens), outputs through the output processor."""
+the tokens), outputs through the output processor (whole or deltas, as each request's
+SamplingParams.output_kind asks)."""
 
 from __future__ import annotations
 
@@ -82,10 +83,12 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self, finished_only: bool = False) -> list[RequestOutput]:
-        """Runs one engine step; returns the requests that got tokens in it or finished
-        (since the last step, aborts too), or only the finished ones. Each output is a
-        snapshot that later steps leave as it is."""
+    def step(self) -> list[RequestOutput]:
+        """Runs one engine step; returns the outputs of the requests that got tokens in
+        it or finished (since the last step, aborts too), each as its params.output_kind
+        asks: by default (CUMULATIVE) whole, a copy that later steps leave as it is; a
+        DELTA request's output holds what the step added, and a FINAL_ONLY request has
+        one output, when it finishes."""
         try:
             out = self.core.step()
         except BaseException:
@@ -93,7 +96,7 @@ class LLMEngine:
             for request_id in self.core.failed_request_ids:
                 self.abort_request(request_id)
             raise
-        outputs = self.output_processor.process(out, finished_only)
+        outputs = self.output_processor.process(out)
         self.core.finish_rows(self.output_processor.take_stopped_rows(), "stop")
         return outputs
 
@@ -102,7 +105,9 @@ class LLMEngine:
         self.executor.shutdown()
 
     def discard_finished(self) -> None:
-        self.output_processor.collect([])
+        """Drops the outputs of the requests finished since the last step (aborted ones
+        whose caller has gone)."""
+        self.output_processor.discard_finished()
 
     def stats(self) -> EngineStats:
         stats = EngineStats.of([s.stats() for s in self.core.schedulers])

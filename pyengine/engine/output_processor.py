@@ -1,6 +1,10 @@
 """The output processor: from the core's per-row tokens to what callers read. It
-detokenizes, finds stop strings, decodes logprobs, keeps each request's metrics, and
-hands out RequestOutputs that are snapshots: no later step changes one."""
+detokenizes (its detokenizers find stop strings and hold back text that could begin
+one), decodes logprobs, keeps each request's metrics, and hands out RequestOutputs as
+each request's params.output_kind asks: deltas, what each step added (a stream); whole
+outputs at each step, copies that no later step changes; or one whole output at the end.
+Nothing a step does costs the length of a request's output so far, but the whole
+outputs that CUMULATIVE asks for."""
 
 from __future__ import annotations
 
@@ -12,18 +16,67 @@ from pyengine.engine.core import EngineCoreOutput
 from pyengine.engine.detokenizer import IncrementalDetokenizer
 from pyengine.engine.input_processor import EngineRequest
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pyengine.sampling_params import RequestOutputKind
 from pyengine.tokenizer import PyengineTokenizer
 
 
 @dataclass
 class SampleState:
-    """One of a request's n samples."""
+    """One of a request's n samples: all it has generated, and how much of that its
+    deltas have handed out."""
 
     index: int
     row_id: str  # the scheduler's id: the request's for sample 0, else sample_id(request, k)
-    output: CompletionOutput  # the engine's, growing; callers get copies
-    detokenizer: IncrementalDetokenizer | None  # the text so far, as tokens arrive
-    finished: bool = False
+    detokenizer: IncrementalDetokenizer | None  # the text, as tokens arrive (no tokenizer: None)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[PositionLogprobs] | None = None  # one per token, where they were asked for
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None  # "stop", "length", "abort"
+    stop_reason: int | str | None = None  # the stop string or stop token that ended it
+    num_sent_tokens: int = 0  # tokens (and their logprobs) that deltas have handed out
+    sent_finish: bool = False  # a delta has handed out its finish
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def whole(self, copy: bool) -> CompletionOutput:
+        """All the sample has generated: copies of its lists where later steps could
+        still change them (copy), else the lists themselves."""
+        logprobs = self.logprobs
+        if copy and logprobs is not None:
+            logprobs = list(logprobs)
+        return CompletionOutput(
+            self.index,
+            "" if self.detokenizer is None else self.detokenizer.text,
+            list(self.token_ids) if copy else self.token_ids,
+            self.finish_reason,
+            self.stop_reason,
+            logprobs,
+            self.cumulative_logprob,
+        )
+
+    def delta(self) -> CompletionOutput | None:
+        """What the sample added since its last delta (its new tokens, text and logprobs,
+        its finish); None where that is nothing."""
+        if self.sent_finish:
+            return None
+        text = "" if self.detokenizer is None else self.detokenizer.take_new_text(self.finished)
+        start = self.num_sent_tokens
+        new_tokens = self.token_ids[start:]
+        if not new_tokens and not text and not self.finished:
+            return None
+        logprobs = None if self.logprobs is None else self.logprobs[start:]
+        self.num_sent_tokens, self.sent_finish = len(self.token_ids), self.finished
+        return CompletionOutput(
+            self.index,
+            text,
+            new_tokens,
+            self.finish_reason,
+            self.stop_reason,
+            logprobs,
+            self.cumulative_logprob,
+        )
 
 
 @dataclass
@@ -35,21 +88,34 @@ class RequestState:
     num_host_cached_tokens: int = 0  # of them, those the KV host tier held
     done: bool = False
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
+    num_outputs: int = 0  # handed out so far (the first delta carries the prompt logprobs)
 
-    def to_output(self) -> RequestOutput:
-        """A snapshot: what later steps change (each sample's tokens, logprobs and text,
-        the metrics) copied, so that they leave it as it is."""
+    def make_output(self) -> RequestOutput | None:
+        """The request's output now, as its params.output_kind asks: what its samples
+        added since the last one (DELTA), or all of it (CUMULATIVE, and FINAL_ONLY once
+        the request is done; None before)."""
+        kind = self.request.params.output_kind
+        if kind is RequestOutputKind.DELTA:
+            outputs = [d for d in (s.delta() for s in self.samples) if d is not None]
+        elif kind is RequestOutputKind.CUMULATIVE or self.done:
+            # A done request leaves the engine: its lists are handed over, not copied.
+            outputs = [s.whole(copy=not self.done) for s in self.samples]
+        else:
+            return None
+        # A delta carries the prompt's logprobs once, in the request's first output.
+        with_prompt = self.num_outputs == 0 or kind is not RequestOutputKind.DELTA
+        self.num_outputs += 1
         r = self.request
         return RequestOutput(
             request_id=r.request_id,
             prompt=r.prompt,
             prompt_token_ids=r.prompt_token_ids,  # the engine never changes it
-            outputs=[_snapshot(s.output) for s in self.samples],
+            outputs=outputs,
             finished=self.done,
+            prompt_logprobs=self._prompt_logprobs() if with_prompt else None,
             metrics=replace(self.metrics),
             num_cached_tokens=self.num_cached_tokens,
             num_host_cached_tokens=self.num_host_cached_tokens,
-            prompt_logprobs=self._prompt_logprobs(),
         )
 
     def _prompt_logprobs(self) -> list[PositionLogprobs | None] | None:
@@ -57,11 +123,6 @@ class RequestState:
             return None
         positions = range(1, len(self.request.prompt_token_ids))  # the first token has none
         return [None, *(self.prompt_logprobs.get(i) for i in positions)]
-
-
-def _snapshot(output: CompletionOutput) -> CompletionOutput:
-    logprobs = None if output.logprobs is None else list(output.logprobs)
-    return replace(output, token_ids=list(output.token_ids), logprobs=logprobs)
 
 
 class OutputProcessor:
@@ -74,15 +135,12 @@ class OutputProcessor:
         self._stopped: list[str] = []  # rows a stop string ended, for the core
 
     def add_request(self, request: EngineRequest, row_ids: list[str]) -> None:
-        params = request.params
+        tokenizer = self.tokenizer
         samples = [
             SampleState(
                 k,
                 row_id,
-                CompletionOutput(k, "", []),
-                None
-                if self.tokenizer is None
-                else IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+                None if tokenizer is None else IncrementalDetokenizer(tokenizer, request.params),
             )
             for k, row_id in enumerate(row_ids)
         ]
@@ -106,9 +164,10 @@ class OutputProcessor:
         stopped, self._stopped = self._stopped, []
         return stopped
 
-    def process(self, out: EngineCoreOutput, finished_only: bool = False) -> list[RequestOutput]:
-        """Outputs of the requests that progressed in the step (or only the finished ones),
-        and of every request finished since the last call; those leave the engine."""
+    def process(self, out: EngineCoreOutput) -> list[RequestOutput]:
+        """The outputs of the requests that progressed in the step, and of every request
+        finished since the last call (those leave the engine), as each one's
+        output_kind asks."""
         for request_id, (cached, host) in out.num_cached_tokens.items():
             state = self.requests[request_id]
             state.num_cached_tokens, state.num_host_cached_tokens = cached, host
@@ -140,16 +199,24 @@ class OutputProcessor:
                 self._append(state, sample, token, entries.popleft() if entries else None, now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
-        return self.collect([] if finished_only else list(progressed.values()))
+        return self.collect(list(progressed.values()))
 
     def collect(self, progressed: list[RequestState]) -> list[RequestOutput]:
+        """The outputs of `progressed` and of the requests finished since the last call,
+        which leave the engine."""
+        finished = self.discard_finished()
+        ids = {id(state) for state in progressed}
+        states = progressed + [f for f in finished if id(f) not in ids]
+        return [out for out in (s.make_output() for s in states) if out is not None]
+
+    def discard_finished(self) -> list[RequestState]:
+        """Takes the requests finished since the last call out of the engine."""
         finished, self._finished = self._finished, []
         for state in finished:
             del self.requests[state.request.request_id]
             for s in state.samples:
                 self.by_row_id.pop(s.row_id, None)
-        ids = {id(state) for state in progressed}
-        return [s.to_output() for s in progressed + [f for f in finished if id(f) not in ids]]
+        return finished
 
     def _append(
         self,
@@ -159,45 +226,27 @@ class OutputProcessor:
         logprobs: PositionLogprobs | None,
         now: float,
     ) -> None:
-        out = sample.output
-        out.token_ids.append(token)
+        sample.token_ids.append(token)
         if state.metrics.first_token_time is None:
             state.metrics.first_token_time = now
         if logprobs is not None:
-            if out.logprobs is None:
-                out.logprobs = []
-                out.cumulative_logprob = 0.0
+            if sample.logprobs is None:
+                sample.logprobs = []
+                sample.cumulative_logprob = 0.0
             self._decode_logprobs(logprobs)
-            out.logprobs.append(logprobs)
-            out.cumulative_logprob = (out.cumulative_logprob or 0.0) + logprobs[token].logprob
+            sample.logprobs.append(logprobs)
+            sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprobs[token].logprob
         if sample.detokenizer is not None:
-            new_from = len(out.text)  # the detokenizer's text only grows
-            sample.detokenizer.add(token)
-            out.text = sample.detokenizer.text
-            if state.request.params.stop_strings:
-                self._check_stop_strings(state, sample, new_from)
+            stop = sample.detokenizer.add(sample.token_ids)
+            if stop is not None:  # the detokenizer has ended the text at it
+                sample.stop_reason = stop
+                self._stopped.append(sample.row_id)
+                self._finish_sample(state, sample, "stop", text_done=True)
 
     def _decode_logprobs(self, logprobs: PositionLogprobs) -> None:
         if self.tokenizer is not None:
             for token, lp in logprobs.items():
                 lp.decoded_token = self.tokenizer.token_text(token)
-
-    def _check_stop_strings(self, state: RequestState, sample: SampleState, new_from: int) -> None:
-        """Ends the sample at the first stop string that overlaps its text from `new_from`
-        on (what the last token added; a token can add any number of characters)."""
-        p = state.request.params
-        text = sample.output.text  # detokenized so far
-        stops = p.stop_strings
-        start = max(0, new_from - max(len(s) for s in stops) + 1)
-        hits = [(text.find(s, start), s) for s in stops]
-        hits = [(at, s) for at, s in hits if at >= 0]
-        if not hits:
-            return
-        at, stop = min(hits)
-        sample.output.text = text[: at + len(stop)] if p.include_stop_str_in_output else text[:at]
-        sample.output.stop_reason = stop
-        self._stopped.append(sample.row_id)
-        self._finish_sample(state, sample, "stop", text_done=True)
 
     def _finish_sample(
         self,
@@ -209,19 +258,20 @@ class OutputProcessor:
     ) -> None:
         if sample.finished:
             return
-        sample.finished = True
-        out = sample.output
-        out.finish_reason = reason
-        if reason == "stop" and out.stop_reason is None and last_token is not None:
-            out.stop_reason = last_token if last_token != self.eos_token_id else None
-        if not text_done and self.tokenizer is not None:
-            params = state.request.params
-            text_ids = out.token_ids
+        sample.finish_reason = reason
+        if reason == "stop" and sample.stop_reason is None and last_token is not None:
+            sample.stop_reason = last_token if last_token != self.eos_token_id else None
+        if not text_done and sample.detokenizer is not None:
+            text_ids = sample.token_ids
             # A stop token's text is not the answer's (as vLLM), special or not.
             if reason == "stop" and last_token is not None:
-                text_ids = text_ids if params.include_stop_str_in_output else text_ids[:-1]
-            out.text = self.tokenizer.decode(text_ids, params.skip_special_tokens)
+                include = state.request.params.include_stop_str_in_output
+                text_ids = text_ids if include else text_ids[:-1]
+            sample.detokenizer.finish(text_ids)
         if all(s.finished for s in state.samples):
             state.done = True
-            state.metrics.finished_time = time.time()
+            metrics = state.metrics
+            metrics.finished_time = time.time()
+            metrics.finish_reasons = [s.finish_reason or "abort" for s in state.samples]
+            metrics.num_output_tokens = [len(s.token_ids) for s in state.samples]
             self._finished.append(state)

@@ -11,32 +11,36 @@ import argparse
 import sys
 import uuid
 from collections.abc import Iterator
+from dataclasses import replace
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.entrypoints.openai.api_server import serve
 from pyengine.entrypoints.openai.cli_args import add_server_arguments
 from pyengine.loader.resolve import DEFAULT_MODEL
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import Message
 
 
-def stream_text(engine: LLMEngine, token_ids: list[int], params: SamplingParams) -> Iterator[str]:
+def stream_text(
+    llm_engine: LLMEngine, token_ids: list[int], params: SamplingParams
+) -> Iterator[str]:
     """The text of one request as it is generated (the engine runs nothing else)."""
     request_id = uuid.uuid4().hex
-    engine.add_request(request_id, token_ids, params)
-    sent, finished = 0, False
+    llm_engine.add_request(
+        request_id, token_ids, replace(params, output_kind=RequestOutputKind.DELTA)
+    )
+    finished = False
     try:
         while not finished:
-            for out in engine.step():
+            for out in llm_engine.step():
                 if out.request_id == request_id:
-                    text, finished = out.outputs[0].text, out.finished
-                    yield text[sent:]
-                    sent = len(text)
+                    finished = out.finished
+                    yield "".join(o.text for o in out.outputs)
     finally:
         if not finished:  # Ctrl-C, or the caller stopped reading
-            engine.abort_request(request_id)
-            engine.discard_finished()
+            llm_engine.abort_request(request_id)
+            llm_engine.discard_finished()
 
 
 def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,7 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
 
 
-def _engine(ns: argparse.Namespace) -> LLMEngine:
+def _llm_engine(ns: argparse.Namespace) -> LLMEngine:
     print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
     return EngineArgs(model=ns.model, max_model_len=ns.max_model_len).create_engine()
 
@@ -60,8 +64,8 @@ def _params(ns: argparse.Namespace) -> SamplingParams:
     )
 
 
-def _prompt_ids(engine: LLMEngine, messages: list[Message]) -> list[int]:
-    tokenizer = engine.tokenizer
+def _prompt_ids(llm_engine: LLMEngine, messages: list[Message]) -> list[int]:
+    tokenizer = llm_engine.tokenizer
     if tokenizer is None:
         raise ValueError("this model has no tokenizer")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
@@ -78,19 +82,20 @@ def _print_stream(pieces: Iterator[str]) -> str:
 
 
 def generate(ns: argparse.Namespace) -> None:
-    engine = _engine(ns)
-    if ns.raw or engine.tokenizer is None or engine.tokenizer.chat_template is None:
-        if engine.tokenizer is None:
+    llm_engine = _llm_engine(ns)
+    tokenizer = llm_engine.tokenizer
+    if ns.raw or tokenizer is None or tokenizer.chat_template is None:
+        if tokenizer is None:
             raise SystemExit("this model has no tokenizer")
-        ids = engine.tokenizer.encode(ns.prompt)
+        ids = tokenizer.encode(ns.prompt)
     else:
         system = [{"role": "system", "content": ns.system}] if ns.system else []
-        ids = _prompt_ids(engine, [*system, {"role": "user", "content": ns.prompt}])
-    _print_stream(stream_text(engine, ids, _params(ns)))
+        ids = _prompt_ids(llm_engine, [*system, {"role": "user", "content": ns.prompt}])
+    _print_stream(stream_text(llm_engine, ids, _params(ns)))
 
 
 def chat(ns: argparse.Namespace) -> None:
-    engine = _engine(ns)
+    llm_engine = _llm_engine(ns)
     messages: list[Message] = [{"role": "system", "content": ns.system}] if ns.system else []
     print("chat with the model; an empty line or Ctrl-D ends", file=sys.stderr)
     while True:
@@ -102,7 +107,8 @@ def chat(ns: argparse.Namespace) -> None:
             break
         messages.append({"role": "user", "content": line})
         try:
-            reply = _print_stream(stream_text(engine, _prompt_ids(engine, messages), _params(ns)))
+            ids = _prompt_ids(llm_engine, messages)
+            reply = _print_stream(stream_text(llm_engine, ids, _params(ns)))
         except KeyboardInterrupt:  # stops this reply, not the chat
             print()
             messages.pop()

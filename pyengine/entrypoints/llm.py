@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.input_processor import Prompt
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
 
 
@@ -20,13 +21,13 @@ class LLM:
         (EngineArgs holds every default)."""
         if model is not None:
             engine_args["model"] = model
-        self.engine = EngineArgs(**engine_args).create_engine()
+        self.llm_engine = EngineArgs(**engine_args).create_engine()
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> PyengineTokenizer:
-        if self.engine.tokenizer is None:
+        if self.llm_engine.tokenizer is None:
             raise ValueError("this model was loaded without a tokenizer (tokenizer=...)")
-        return self.engine.tokenizer
+        return self.llm_engine.tokenizer
 
     def generate(
         self,
@@ -46,8 +47,8 @@ class LLM:
         if priority is not None and len(priority) != len(batch):
             raise ValueError(f"{len(priority)} priorities for {len(batch)} prompts")
         for lora in dict.fromkeys(loras):  # all checked first
-            self.engine.adapters.check(lora)
-        encoded = [self.engine.input_processor.encode_prompt(p) for p in batch]
+            self.llm_engine.adapters.check(lora)
+        encoded = [self.llm_engine.input_processor.encode_prompt(p) for p in batch]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in batch]
         return self._run(encoded, params, use_tqdm, loras, priority, salts)
 
@@ -82,7 +83,7 @@ class LLM:
         priority: Sequence[int] | None = None,
         salts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        engine = self.engine
+        llm_engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in encoded]
         added: list[str] = []
         try:
@@ -92,22 +93,31 @@ class LLM:
             for request_id, (text, token_ids), p, lora, rank, salt in zip(
                 ids, encoded, params, loras, priority, salts, strict=True
             ):
-                engine.add_request(request_id, token_ids, p, prompt=text, lora_request=lora,
-                                   priority=rank, cache_salt=salt)  # fmt: skip
+                llm_engine.add_request(request_id, token_ids, _final_only(p), prompt=text,
+                                       lora_request=lora, priority=rank,
+                                       cache_salt=salt)  # fmt: skip
                 added.append(request_id)
             done: dict[str, RequestOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:
-                while engine.has_unfinished_requests():
-                    for out in engine.step(finished_only=True):
-                        if out.finished:
-                            done[out.request_id] = out
-                            progress.update(out)
+                while llm_engine.has_unfinished_requests():
+                    for out in llm_engine.step():
+                        done[out.request_id] = out
+                        progress.update(out)
             return [done[i] for i in ids]
         except BaseException:
             for request_id in added:  # nothing is left queued behind an error
-                engine.abort_request(request_id)
-            engine.discard_finished()
+                llm_engine.abort_request(request_id)
+            llm_engine.discard_finished()
             raise
+
+
+def _final_only(params: SamplingParams) -> SamplingParams:
+    """A copy of `params` that asks for one whole output, once the request finishes:
+    nothing is copied at each step. Anything but a SamplingParams stays as it is, for the
+    engine to refuse."""
+    if not isinstance(params, SamplingParams):
+        return params
+    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -27,7 +27,7 @@ def run(model: str, **engine_args: object) -> list[list[int]]:
     try:
         return greedy_tokens(llm)
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_one_rank_in_its_own_process_gives_the_in_process_tokens(model: str) -> None:

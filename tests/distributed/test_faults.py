@@ -61,7 +61,7 @@ def wait_until(condition: object, timeout: float) -> bool:
 
 
 def worker_pids(llm: LLM) -> list[int]:
-    return [int(d["pid"]) for d in llm.engine.executor.ranks]  # type: ignore[attr-defined]
+    return [int(d["pid"]) for d in llm.llm_engine.executor.ranks]  # type: ignore[attr-defined]
 
 
 def later(seconds: float, action: object) -> None:
@@ -76,11 +76,11 @@ def test_a_worker_killed_mid_generation_fails_its_requests_and_ends_the_rest(mod
         for _ in range(50):  # until the kill lands
             llm.generate([[1, 2, 3]] * 4, LONG, use_tqdm=False)
     assert wait_until(lambda: not any(alive(p) for p in pids), 10), "workers left behind"
-    assert not llm.engine.has_unfinished_requests()
-    assert all(s.kv_cache.stats().num_used_blocks == 0 for s in llm.engine.schedulers)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert all(s.kv_cache.stats().num_used_blocks == 0 for s in llm.llm_engine.schedulers)
     with pytest.raises(ExecutorDeadError, match="died"):  # at once, not a hang
         llm.generate([[1, 2, 3]], LONG, use_tqdm=False)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_a_worker_that_stops_answering_times_out(
@@ -96,7 +96,7 @@ def test_a_worker_that_stops_answering_times_out(
             llm.generate([[1, 2, 3]] * 4, LONG, use_tqdm=False)
     assert time.monotonic() - started < 30
     assert wait_until(lambda: not any(alive(p) for p in pids), 10), "workers left behind"
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 DRIVER = """
@@ -104,7 +104,7 @@ import sys, time
 from pyengine import LLM
 llm = LLM(sys.argv[1], tensor_parallel_size=2, load_format="dummy", max_model_len=256,
           kv_cache_memory=2**22)
-print(llm.engine.executor.broadcast.name, *[d["pid"] for d in llm.engine.executor.ranks],
+print(llm.llm_engine.executor.broadcast.name, *[d["pid"] for d in llm.llm_engine.executor.ranks],
       flush=True)
 time.sleep(600)
 """

@@ -33,11 +33,11 @@ def run(model: str, prompts: list[list[int]], **engine_args: Any) -> tuple[list[
     llm = LLM(model, **engine_args)
     try:
         tokens = generate(llm, prompts)
-        for scheduler in llm.engine.schedulers:
+        for scheduler in llm.llm_engine.schedulers:
             assert scheduler.kv_cache.stats().num_used_blocks == 0, "blocks leaked"
         return tokens, llm
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def test_tiny_models_split_every_way_give_one_rank_tokens(
         got, llm = run(model, TINY_PROMPTS, tensor_parallel_size=tp, pipeline_parallel_size=pp,
                        **TINY)  # fmt: skip
         assert got == expected, f"{kind} at TP={tp} PP={pp}"
-        assert len(llm.engine.schedulers) == pp  # a step in flight per stage
+        assert len(llm.llm_engine.schedulers) == pp  # a step in flight per stage
 
 
 def test_more_ranks_than_kv_heads_replicate_them(checkpoints: dict[str, Path]) -> None:
@@ -86,17 +86,17 @@ def test_preemption_under_a_pipeline_keeps_the_tokens(checkpoints: dict[str, Pat
     memory = 8 * 2 * 2 * 32 * 16 * 2 * 4
     expected, _ = run(model, prompts, kv_cache_memory=memory, **small)
     got, llm = run(model, prompts, pipeline_parallel_size=2, kv_cache_memory=memory, **small)
-    assert llm.engine.executor.num_blocks == 16
+    assert llm.llm_engine.executor.num_blocks == 16
     assert got == expected
-    assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
+    assert llm.llm_engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
     # Swapped out to a host tier instead (each stage's own, a range per scheduler): the
     # same tokens, at TP=2 and PP=2 (a rank holds half the heads of one layer).
     got, llm = run(model, prompts, pipeline_parallel_size=2, tensor_parallel_size=2,
                    kv_cache_memory=memory // 2, kv_offload_gb=0.001, preemption_mode="swap",
                    **small)  # fmt: skip
     assert got == expected
-    assert llm.engine.stats().num_swapped_preemptions > 0, "meant to swap"
-    for scheduler in llm.engine.schedulers:
+    assert llm.llm_engine.stats().num_swapped_preemptions > 0, "meant to swap"
+    for scheduler in llm.llm_engine.schedulers:
         assert scheduler.kv_cache.stats().num_host_used_blocks == 0
 
 
@@ -154,8 +154,8 @@ def test_the_default_model_preempted_at_tp3_gives_one_rank_tokens(
     got, llm = run(model, prompts, tensor_parallel_size=3,
                    kv_cache_memory=80 * SMOLLM_BLOCK_BYTES // 3, **SMOLLM)  # fmt: skip
     assert got == expected
-    assert llm.engine.executor.num_blocks == 80
-    assert llm.engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
+    assert llm.llm_engine.executor.num_blocks == 80
+    assert llm.llm_engine.stats().num_preemptions > 0, "the small pool was meant to preempt"
 
 
 def test_the_default_model_refuses_tp2(default_model: tuple[str, list[list[int]]]) -> None:
@@ -198,7 +198,7 @@ def test_one_rank_in_a_process_of_its_own_gives_the_in_process_tokens(model: str
     expected = greedy_tokens(LLM(model, **args))
     llm = LLM(model, distributed_executor_backend="mp", **args)
     try:
-        assert len(llm.engine.executor.ranks) == 1  # type: ignore[attr-defined]
+        assert len(llm.llm_engine.executor.ranks) == 1  # type: ignore[attr-defined]
         assert greedy_tokens(llm) == expected
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()

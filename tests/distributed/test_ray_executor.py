@@ -64,19 +64,19 @@ def test_ranks_on_two_nodes_give_one_rank_tokens(cluster: str, model: str) -> No
     expected = greedy_tokens(LLM(model, **ENGINE))
     llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
     try:
-        nodes = {d["node"] for d in llm.engine.executor.ranks}  # type: ignore[attr-defined]
+        nodes = {d["node"] for d in llm.llm_engine.executor.ranks}  # type: ignore[attr-defined]
         assert len(ray.nodes()) == 2
         assert len(nodes) == 2, "a node has one CPU: the ranks must be on both"
         assert greedy_tokens(llm) == expected
-        assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert llm.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     # Pipeline stages as actors too: a rank per node.
     llm = LLM(model, pipeline_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
     try:
         assert greedy_tokens(llm) == expected
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_a_dead_actor_is_noticed_and_ends_the_rest(cluster: str, model: str) -> None:
@@ -84,7 +84,7 @@ def test_a_dead_actor_is_noticed_and_ends_the_rest(cluster: str, model: str) -> 
     import time
 
     llm = LLM(model, tensor_parallel_size=2, distributed_executor_backend="ray", **ENGINE)
-    executor = llm.engine.executor
+    executor = llm.llm_engine.executor
     assert executor.check_health()
     os.kill(int(executor.ranks[1]["pid"]), signal.SIGKILL)  # type: ignore[attr-defined]
     deadline = time.monotonic() + 30
@@ -93,7 +93,7 @@ def test_a_dead_actor_is_noticed_and_ends_the_rest(cluster: str, model: str) -> 
     assert not executor.is_alive, "the dead actor went unnoticed"
     with pytest.raises(ExecutorDeadError):
         greedy_tokens(llm)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_a_cluster_too_small_is_refused_at_start(cluster: str, model: str) -> None:

@@ -29,8 +29,8 @@ def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(
     engine thread is inside a step: the request never runs, the one in flight finishes,
     and the engine takes new requests."""
     engine = tiny_engine(tmp_path)
-    step = engine.engine.step
-    monkeypatch.setattr(engine.engine, "step", lambda *a: time.sleep(0.2) or step(*a))
+    step = engine.llm_engine.step
+    monkeypatch.setattr(engine.llm_engine, "step", lambda *a: time.sleep(0.2) or step(*a))
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 
     async def run() -> list[int]:
@@ -41,14 +41,14 @@ def test_an_add_cancelled_while_queued_is_dropped_and_the_engine_serves_on(
         async for update in busy:
             assert update.request_id == "busy"
         later = await engine.add_request("later", [1, 2, 3], greedy)
-        return [t async for update in later for sample in update.samples for t in sample.token_ids]
+        return [t async for update in later for sample in update.outputs for t in sample.token_ids]
 
     engine.start()
     try:
         tokens = asyncio.run(run())
         assert engine.is_running and len(tokens) == 4
-        assert "gone" not in engine.engine.requests
-        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert "gone" not in engine.llm_engine.requests
+        assert engine.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
 
@@ -62,10 +62,10 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
     from pyengine.engine.async_engine import EngineDeadError
 
     engine = tiny_engine(tmp_path, step_timeout=0.3)
-    step = engine.engine.step
+    step = engine.llm_engine.step
     stalls = [1.2]  # (the first step stalls, the others run as usual)
     monkeypatch.setattr(
-        engine.engine, "step", lambda *a: time.sleep(stalls.pop() if stalls else 0) or step(*a)
+        engine.llm_engine, "step", lambda *a: time.sleep(stalls.pop() if stalls else 0) or step(*a)
     )
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
 
@@ -82,7 +82,7 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
         while engine.stalled_step() is not None:
             await asyncio.sleep(0.05)
         later = await engine.add_request("later", [1, 2, 3], greedy)
-        more = [t async for u in later for s in u.samples for t in s.token_ids]
+        more = [t async for u in later for s in u.outputs for t in s.token_ids]
         return healthy_during, engine.check_health(), len(more)
 
     engine.start()
@@ -90,8 +90,8 @@ def test_a_step_past_its_timeout_is_a_hang_until_it_ends(
         start = time.monotonic()
         during, after, count = asyncio.run(run())
         assert not during and after and count == 3
-        assert "stalled" not in engine.engine.requests
-        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert "stalled" not in engine.llm_engine.requests
+        assert engine.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
 
@@ -104,7 +104,7 @@ def test_a_failed_step_ends_its_requests_with_the_error(
     from pyengine.engine.async_engine import EngineStepError
 
     engine = tiny_engine(tmp_path)
-    executor = engine.engine.executor
+    executor = engine.llm_engine.executor
     execute = executor.execute_model
     faults = [RuntimeError("injected fault")]
 
@@ -122,13 +122,13 @@ def test_a_failed_step_ends_its_requests_with_the_error(
             async for _ in failed:
                 pass
         later = await engine.add_request("later", [1, 2, 3], greedy)
-        return len([t async for u in later for s in u.samples for t in s.token_ids])
+        return len([t async for u in later for s in u.outputs for t in s.token_ids])
 
     engine.start()
     try:
         assert asyncio.run(run()) == 3
         assert engine.check_health()
-        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert engine.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()
 
@@ -138,31 +138,31 @@ def test_a_reader_that_falls_behind_holds_one_merged_update(tmp_path: Path) -> N
     is full): the engine thread does not wait for it, and the stream holds one update,
     every step's news merged into it: the texts, tokens and logprobs a reader that keeps
     up gets, in the same order."""
-    from pyengine.engine.async_engine import RequestUpdate
+    from pyengine.outputs import RequestOutput
 
     engine = tiny_engine(tmp_path)
     params = SamplingParams(temperature=0.8, seed=3, n=2, max_tokens=10, ignore_eos=True,
                             logprobs=1)  # fmt: skip
 
-    def joined(updates: list[RequestUpdate]) -> dict[int, tuple[str, list[int], int, str]]:
+    def joined(updates: list[RequestOutput]) -> dict[int, tuple[str, list[int], int, str]]:
         """Each sample's text, tokens, number of logprobs and finish reason."""
         text: dict[int, str] = {}
         tokens: dict[int, list[int]] = {}
         logprobs: dict[int, int] = {}
         reason: dict[int, str] = {}
-        for s in (s for update in updates for s in update.samples):
+        for s in (s for update in updates for s in update.outputs):
             text[s.index] = text.get(s.index, "") + s.text
             tokens[s.index] = tokens.get(s.index, []) + s.token_ids
             logprobs[s.index] = logprobs.get(s.index, 0) + len(s.logprobs or [])
             reason[s.index] = s.finish_reason or ""
         return {k: (text[k], tokens[k], logprobs[k], reason[k]) for k in text}
 
-    async def run() -> tuple[list[RequestUpdate], list[RequestUpdate]]:
+    async def run() -> tuple[list[RequestOutput], list[RequestOutput]]:
         keeping_up = await engine.add_request("keeping-up", [1, 2, 3], params)
         kept = [update async for update in keeping_up]
         behind = await engine.add_request("behind", [1, 2, 3], params)
         deadline = time.monotonic() + 30
-        while "behind" in engine.engine.requests and time.monotonic() < deadline:
+        while "behind" in engine.llm_engine.requests and time.monotonic() < deadline:
             await asyncio.sleep(0.01)  # (it runs to its end, unread)
         return kept, [update async for update in behind]
 
@@ -172,6 +172,6 @@ def test_a_reader_that_falls_behind_holds_one_merged_update(tmp_path: Path) -> N
         assert len(kept) > 1 and len(merged) == 1 and merged[0].finished
         assert joined(merged) == joined(kept)
         assert [len(joined(kept)[k][1]) for k in (0, 1)] == [10, 10]
-        assert engine.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert engine.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     finally:
         engine.stop()

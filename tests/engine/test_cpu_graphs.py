@@ -163,7 +163,7 @@ def generate(
 ) -> tuple[list[tuple[object, object]], bool, list[tuple[int, int | None]]]:
     llm = LLM(str(folder), max_model_len=256, max_num_seqs=8, enforce_eager=enforce_eager,
               **kwargs)  # fmt: skip
-    graphs = llm.engine.executor.driver_worker.model_runner.graphs
+    graphs = llm.llm_engine.executor.driver_worker.model_runner.graphs
     replays: list[tuple[int, int | None]] = []
     if graphs is not None:
         assert isinstance(graphs, KernelGraphs)
@@ -218,7 +218,7 @@ def test_qwen3_per_head_norms_are_recorded(tmp_path: Path) -> None:
 def test_the_checks_leave_the_kv_cache_zero_and_uncommitted(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     llm = LLM(str(tmp_path), load_format="dummy", max_model_len=256, max_num_seqs=8)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.graphs is not None
     assert all(not k.any() and not v.any() for k, v in runner.caches)
     del llm, runner

@@ -62,7 +62,7 @@ def generate(folder: Path, enforce_eager: bool, prompts: list[list[int]]) -> lis
         gpu_memory_utilization=0.2,
         enforce_eager=enforce_eager,
     )
-    graphs = llm.engine.executor.driver_worker.model_runner.graphs
+    graphs = llm.llm_engine.executor.driver_worker.model_runner.graphs
     assert (graphs is None) == enforce_eager
     replays = count_replays(graphs) if graphs is not None else []
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -98,7 +98,7 @@ def test_the_graphs_fit_in_gpu_memory_utilization(tmp_path: Path) -> None:
     budget = 0.2 * total
     llm = LLM(str(tmp_path), load_format="dummy", device="cuda", max_model_len=2048,
               max_num_seqs=256, gpu_memory_utilization=0.2)  # fmt: skip
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.graphs is not None and runner.graphs.sizes[-1] == 256
     taken, expected = runner.graphs.device_bytes, runner.graph_bytes_expected
     # The probe's figure also holds what its capture kept (cuBLAS's 32 MiB workspace).

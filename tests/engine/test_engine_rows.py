@@ -28,7 +28,7 @@ def tokens(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> 
 
 
 def assert_nothing_left(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.llm_engine
     assert not engine.requests and not engine.output_processor.by_row_id
     core = engine.core
     assert not core._rows and not core._live_rows
@@ -105,12 +105,12 @@ def changed_after_made() -> SamplingParams:
 def test_params_changed_while_a_request_runs_do_not_touch_it(llm: LLM) -> None:
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     want = tokens(llm, [[1, 2, 3]], [params])[0]
-    llm.engine.add_request("changing", [1, 2, 3], params)
-    llm.engine.step()
+    llm.llm_engine.add_request("changing", [1, 2, 3], params)
+    llm.llm_engine.step()
     params.max_tokens, params.logprobs = 1, -1  # the engine runs its own copy
     got = []
-    while llm.engine.has_unfinished_requests():
-        got += [o.outputs[0].token_ids for o in llm.engine.step() if o.finished]
+    while llm.llm_engine.has_unfinished_requests():
+        got += [o.outputs[0].token_ids for o in llm.llm_engine.step() if o.finished]
     assert got == [want]
     assert_nothing_left(llm)
 
@@ -133,12 +133,12 @@ def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
         with pytest.raises(ValueError, match=match):
             llm.generate([[1, 2, 3], {"prompt_token_ids": bad}], [greedy, params], use_tqdm=False)
         assert_nothing_left(llm)
-        assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+        assert llm.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     assert tokens(llm, [[1, 2, 3]], [greedy])[0] == want
     with pytest.raises(ValueError, match="request id must be a string"):
-        llm.engine.add_request(7, [1, 2], greedy)  # type: ignore[arg-type]
+        llm.llm_engine.add_request(7, [1, 2], greedy)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="is not a SamplingParams"):
-        llm.engine.add_request("x", [1, 2], {"max_tokens": 3})  # type: ignore[arg-type]
+        llm.llm_engine.add_request("x", [1, 2], {"max_tokens": 3})  # type: ignore[arg-type]
     assert_nothing_left(llm)
     top = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, logprobs=20)
     entries = llm.generate([[1, 2, 3]], top, use_tqdm=False)[0].outputs[0].logprobs
@@ -146,7 +146,7 @@ def test_bad_token_ids_and_too_many_logprobs_are_refused(llm: LLM) -> None:
 
 
 def test_aborted_requests_leave_no_row_behind(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=4, min_tokens=2, prompt_logprobs=0)
     engine.add_request("never-scheduled", [1, 2, 3], params)
     engine.add_request("mid-way", [4, 5, 6], params)

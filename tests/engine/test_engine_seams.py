@@ -104,8 +104,8 @@ def test_a_step_is_a_plain_value_the_executor_can_send_anywhere(folder: Path) ->
                        min_tokens=3, seed=11, ignore_eos=True),
     ]  # fmt: skip
     local, remote = tiny_llm(folder), tiny_llm(folder)
-    pickling = PicklingExecutor(remote.engine.core.executor)
-    remote.engine.core.executor = pickling
+    pickling = PicklingExecutor(remote.llm_engine.core.executor)
+    remote.llm_engine.core.executor = pickling
     want = local.generate(prompts, params, use_tqdm=False)
     got = remote.generate(prompts, params, use_tqdm=False)
     assert pickling.steps > 0
@@ -113,12 +113,12 @@ def test_a_step_is_a_plain_value_the_executor_can_send_anywhere(folder: Path) ->
         assert [o.token_ids for o in g.outputs] == [o.token_ids for o in w.outputs]
         assert g.prompt_logprobs == w.prompt_logprobs
         assert [o.logprobs for o in g.outputs] == [o.logprobs for o in w.outputs]
-    assert remote.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    assert remote.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
 
 
 def test_outputs_are_snapshots_that_later_steps_leave_alone(folder: Path) -> None:
     llm = tiny_llm(folder)
-    engine = llm.engine
+    engine = llm.llm_engine
     engine.add_request("r", [1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
     seen = []
     while engine.has_unfinished_requests():

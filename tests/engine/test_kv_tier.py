@@ -51,7 +51,7 @@ def baseline(no_tier: LLM) -> tuple[list[list[int]], list[int]]:
 
 
 def kv_stats(llm: LLM):  # type: ignore[no-untyped-def]
-    return llm.engine.scheduler.kv_cache.stats()
+    return llm.llm_engine.scheduler.kv_cache.stats()
 
 
 def twice_one_at_a_time(llm: LLM) -> tuple[list[list[int]], list[int]]:
@@ -94,7 +94,7 @@ def test_the_tier_in_a_file_serves_the_same_tokens(
     assert tokens == expected
     assert all(c >= 24 for c in cached[4:]), cached
     assert kv_stats(llm).host_cache_hits == sum(cached[4:])
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_swap_preemption_gives_the_tokens_of_recompute(no_tier: LLM, tier_swap: LLM) -> None:
@@ -106,12 +106,12 @@ def test_swap_preemption_gives_the_tokens_of_recompute(no_tier: LLM, tier_swap: 
     def run(llm: LLM) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
 
-    preempted = no_tier.engine.stats().num_preemptions
+    preempted = no_tier.llm_engine.stats().num_preemptions
     recomputed = run(no_tier)
-    assert no_tier.engine.stats().num_preemptions > preempted
-    swaps = tier_swap.engine.scheduler.stats().num_swapped_preemptions
+    assert no_tier.llm_engine.stats().num_preemptions > preempted
+    swaps = tier_swap.llm_engine.scheduler.stats().num_swapped_preemptions
     swapped = run(tier_swap)
-    assert tier_swap.engine.scheduler.stats().num_swapped_preemptions > swaps
+    assert tier_swap.llm_engine.scheduler.stats().num_swapped_preemptions > swaps
     assert swapped == recomputed
     kv = kv_stats(tier_swap)
     assert kv.num_swapped_requests == kv.num_host_used_blocks == kv.num_used_blocks == 0

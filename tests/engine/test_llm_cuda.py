@@ -46,7 +46,7 @@ def test_greedy_float32_tokens_match_transformers_on_the_gpu(loaded) -> None:  #
         max_num_batched_tokens=512,
         gpu_memory_utilization=0.3,
     )
-    assert llm.engine.executor.driver_worker.model_runner.caches[0][0].device.type == "cuda"
+    assert llm.llm_engine.executor.driver_worker.model_runner.caches[0][0].device.type == "cuda"
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     del llm  # its KV cache would count against the next test's budget
@@ -58,7 +58,7 @@ def test_bfloat16_is_the_gpu_default_and_the_kv_cache_fits_the_budget(loaded) ->
     torch.cuda.empty_cache()
     total = torch.cuda.mem_get_info()[1]
     llm = LLM("SmolLM2-135M-Instruct", max_model_len=2048, gpu_memory_utilization=0.25)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     key, value = runner.caches[0]
     assert key.dtype == torch.bfloat16 and key.device.type == "cuda"
     kv_bytes = (key.numel() + value.numel()) * key.element_size() * len(runner.caches)
@@ -97,7 +97,7 @@ def test_sampling_runs_on_the_gpu_and_seeds_hold_in_a_batch(tmp_path) -> None:  
 
     make_checkpoint("llama", tmp_path)
     llm = LLM(str(tmp_path), device="cuda", max_model_len=256, gpu_memory_utilization=0.1)
-    assert llm.engine.executor.driver_worker.sampler.generator.device.type == "cuda"
+    assert llm.llm_engine.executor.driver_worker.sampler.generator.device.type == "cuda"
     prompt = torch.randint(0, 256, (20,)).tolist()
     seeded = SamplingParams(temperature=0.9, top_p=0.8, repetition_penalty=1.2, seed=7,
                             max_tokens=16, ignore_eos=True)  # fmt: skip
@@ -119,11 +119,11 @@ def test_an_8bit_cache_under_bfloat16_weights_on_the_gpu(loaded, kv: str, storag
     for cache in ("auto", kv):
         llm = LLM("SmolLM2-135M-Instruct", kv_cache_dtype=cache, max_model_len=1024,
                   gpu_memory_utilization=0.2)  # fmt: skip
-        assert llm.engine.executor.driver_worker.model_runner.cache_dtype == (
+        assert llm.llm_engine.executor.driver_worker.model_runner.cache_dtype == (
             storage if cache == kv else torch.bfloat16
         )
         runs[cache] = llm.generate(prompts, params, use_tqdm=False)
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
         gc.collect()
         torch.cuda.empty_cache()
     # The first token's logprobs: the 8-bit cache's against the bfloat16 one's.

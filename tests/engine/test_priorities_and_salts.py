@@ -51,5 +51,5 @@ def test_a_salt_keeps_a_prompts_blocks_to_its_own_requests() -> None:
     assert cached(None) > 0
     with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
         llm.generate({"prompt": PROMPT, "cache_salt": ""}, params, use_tqdm=False)
-    kv = llm.engine.scheduler.kv_cache
-    assert llm.engine.executor.num_blocks - kv.num_free_blocks == 0  # nothing held after
+    kv = llm.llm_engine.scheduler.kv_cache
+    assert llm.llm_engine.executor.num_blocks - kv.num_free_blocks == 0  # nothing held after

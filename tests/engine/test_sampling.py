@@ -155,7 +155,7 @@ def test_top_p_top_k_min_p_keep_the_right_tokens() -> None:
 
 
 def test_n_samples_are_distinct_and_share_one_prefill(llm: LLM) -> None:
-    engine = llm.engine
+    engine = llm.llm_engine
     prompt = llm.get_tokenizer().encode(PROMPTS[2] * 3)
     engine.add_request(
         "n4", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=10, seed=1, ignore_eos=True)
@@ -261,15 +261,15 @@ def test_bad_prompts_are_refused_and_the_engine_keeps_serving(llm: LLM) -> None:
         llm.generate([3.5], params, use_tqdm=False)  # type: ignore[list-item]
     with pytest.raises(ValueError, match="'prompt' \\(a string\\)"):
         llm.generate([{"prompt": None}], params, use_tqdm=False)  # type: ignore[list-item]
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     out = llm.generate(PROMPTS[0], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
 
 
 def test_engine_serves_on_after_an_abort_empties_a_step(llm: LLM) -> None:
     """An abort between steps leaves a step with nothing to run; the engine goes on."""
-    engine = llm.engine
+    engine = llm.llm_engine
     prompt = llm.get_tokenizer().encode(PROMPTS[0])
     engine.add_request("gone", prompt, SamplingParams(max_tokens=50, ignore_eos=True))
     engine.step()

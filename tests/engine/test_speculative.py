@@ -123,21 +123,21 @@ def test_greedy_tokens_are_those_of_no_speculation(
     plain, _ = run(target, prompts, params, **engine)
     spec_out, llm = run(target, prompts, params, speculative_config=config, **engine)
     assert tokens(spec_out) == tokens(plain)
-    stats = llm.engine.core.spec_stats
+    stats = llm.llm_engine.core.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
     assert 1 < stats.mean_accepted_length <= 5
-    totals = llm.engine.stats()  # what /metrics exports (spec_decode_*)
+    totals = llm.llm_engine.stats()  # what /metrics exports (spec_decode_*)
     assert (totals.spec_num_drafts, totals.spec_num_accepted_tokens) == (
         stats.num_drafts, stats.num_accepted_tokens)  # fmt: skip
     assert sum(totals.spec_accepted_per_position) == stats.num_accepted_tokens
     if method == "draft_model":  # its own cache in step: draft_layers' drafts, as good
         layers = {**config, "model": None, "draft_layers": 1}
         _, same = run(target, prompts, params, speculative_config=layers, **engine)
-        rate = same.engine.core.spec_stats.acceptance_rate
+        rate = same.llm_engine.core.spec_stats.acceptance_rate
         assert abs(stats.acceptance_rate - rate) < 0.05, (stats, rate)
-    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks
     if "kv_cache_memory" in engine:
-        assert llm.engine.scheduler.stats().num_preemptions > 0
+        assert llm.llm_engine.scheduler.stats().num_preemptions > 0
 
 
 @METHODS
@@ -177,7 +177,7 @@ def test_stop_tokens_n_logprobs_and_penalties_under_speculation(
         assert a.keys() == b.keys()
         assert all(abs(a[t].logprob - b[t].logprob) < 1e-4 for t in a)
     assert got.cumulative_logprob == pytest.approx(want.cumulative_logprob, abs=1e-3)
-    stats = llm.engine.core.spec_stats
+    stats = llm.llm_engine.core.spec_stats
     assert sum(o.metrics.num_accepted_tokens for o in spec_out) == stats.num_accepted_tokens
     assert sum(o.metrics.num_draft_tokens for o in spec_out) == stats.num_draft_tokens
 
@@ -197,7 +197,7 @@ def test_seeded_sampled_requests_give_the_tokens_of_no_speculation(
     plain, _ = run(target, prompts, params)
     spec_out, llm = run(target, prompts, params, speculative_config=config)
     assert tokens(spec_out) == tokens(plain)
-    assert llm.engine.core.spec_stats.num_accepted_tokens > 0
+    assert llm.llm_engine.core.spec_stats.num_accepted_tokens > 0
     assert all(o.metrics.num_draft_tokens > 0 for o in spec_out)
     alone, _ = run(target, prompts[1:2], params[1:2], speculative_config=config)
     assert tokens(alone) == tokens(plain)[1:2]
@@ -212,13 +212,13 @@ def test_suffix_decoding_proposes_earlier_outputs(tiny: Path) -> None:
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     config = {**SUFFIX, "suffix_decoding_max_cached_requests": 3}
     first, llm = run(tiny, [prompt], params, speculative_config=config)
-    before = llm.engine.core.spec_stats.num_accepted_tokens
+    before = llm.llm_engine.core.spec_stats.num_accepted_tokens
     again = llm.generate([prompt], params, use_tqdm=False)
     assert tokens(again) == tokens(first)
     accepted = again[0].metrics.num_accepted_tokens
     assert accepted > before and accepted >= 30, (accepted, before)
     llm.generate(repeating_prompts(5), params, use_tqdm=False)
-    sizes = llm.engine.scheduler.suffix_tree_sizes()
+    sizes = llm.llm_engine.scheduler.suffix_tree_sizes()
     assert sizes["cached_outputs"] == 3 and sizes["request_trees"] == 0, sizes
 
 
@@ -228,11 +228,11 @@ def test_verifying_steps_replay_as_decode_steps_do(tiny: Path) -> None:
     prompts = repeating_prompts(3)
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     llm = LLM(str(tiny), max_model_len=256, kv_cache_memory=2**22, speculative_config=NGRAM)
-    graphs = llm.engine.executor.driver_worker.model_runner.graphs
+    graphs = llm.llm_engine.executor.driver_worker.model_runner.graphs
     assert graphs is not None and graphs.max_query_len == 5
     replays = count_replays(graphs)
     llm.generate(prompts, params, use_tqdm=False)
-    assert llm.engine.core.spec_stats.num_drafts > 0
+    assert llm.llm_engine.core.spec_stats.num_drafts > 0
     decoding = [(n, size) for n, size in replays[1:] if n == 3]  # (after the prefill)
     assert decoding and all(size is not None for _, size in decoding)
     assert any(size is not None and size > 3 for _, size in decoding)  # with drafts
@@ -246,9 +246,9 @@ def test_no_drafts_past_the_batch_size_that_disables_them(tiny: Path) -> None:
     plain, _ = run(tiny, repeating_prompts(3), params)
     three, llm = run(tiny, repeating_prompts(3), params, speculative_config=config)
     assert tokens(three) == tokens(plain)
-    assert llm.engine.core.spec_stats.num_drafts == 0
+    assert llm.llm_engine.core.spec_stats.num_drafts == 0
     llm.generate(repeating_prompts(2), params, use_tqdm=False)
-    assert llm.engine.core.spec_stats.num_drafts > 0
+    assert llm.llm_engine.core.spec_stats.num_drafts > 0
 
 
 @pytest.mark.parametrize(
@@ -298,8 +298,8 @@ def test_a_draft_of_another_architecture_and_of_another_vocabulary(
     config = {**DRAFT, "model": str(tmp_path / "qwen2")}
     spec_out, llm = run(target, prompts, params, speculative_config=config)
     assert tokens(spec_out) == tokens(plain)
-    assert llm.engine.core.spec_stats.num_drafts > 0
-    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    assert llm.llm_engine.core.spec_stats.num_drafts > 0
+    assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks
     other = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=64,
                                      num_hidden_layers=1, num_attention_heads=2,
                                      num_key_value_heads=1, head_dim=32)  # fmt: skip
@@ -334,10 +334,13 @@ def test_the_default_model_rewriting_its_prompt() -> None:
     for method in (NGRAM, SUFFIX, {**DRAFT, "draft_layers": 10}):
         spec = LLM(max_model_len=512, speculative_config=method)
         assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
-        stats = spec.engine.core.spec_stats
+        stats = spec.llm_engine.core.spec_stats
         if method["method"] != "draft_model":  # (early layers are poor drafts: few given)
             assert stats.acceptance_rate > 0.3, (method, stats)
-        assert spec.engine.scheduler.kv_cache.num_free_blocks == spec.engine.executor.num_blocks
+        assert (
+            spec.llm_engine.scheduler.kv_cache.num_free_blocks
+            == spec.llm_engine.executor.num_blocks
+        )
 
 
 def test_the_server_takes_a_speculative_config_as_json() -> None:

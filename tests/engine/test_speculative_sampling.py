@@ -118,9 +118,9 @@ def test_sampled_tokens_follow_the_targets_distribution(
     stat, degrees = chi_square(counts, exact_joint(model, prompt))
     assert degrees > 50  # (the joint is spread: most cells are tested on their own)
     assert stat < chi_square_bound(degrees), (stat, degrees)
-    stats = llm.engine.core.spec_stats
+    stats = llm.llm_engine.core.spec_stats
     if speculative:  # drafts verified, kept and rejected, at the first place and the second
         assert stats.num_drafts > SAMPLES // 2
         assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
         assert stats.accepted_per_position[1] > 0
-    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
+    assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks

@@ -205,7 +205,7 @@ def test_the_gpu_data_path_gives_the_cpu_path_tokens(tmp_path: Path) -> None:
     def generate(through_inputs: bool) -> tuple[list[list[int]], list[int]]:
         llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", max_model_len=256,
                   max_num_batched_tokens=64, max_num_seqs=8)  # fmt: skip
-        runner = llm.engine.executor.driver_worker.model_runner
+        runner = llm.llm_engine.executor.driver_worker.model_runner
         graphs = None
         if through_inputs:
             runner.inputs = StepInputs(torch.device("cpu"), 64, 8, 256 // 16)

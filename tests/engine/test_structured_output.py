@@ -79,12 +79,14 @@ def test_a_preempted_constrained_request_still_validates() -> None:
     # are all the others take
     prompts = [{"prompt_token_ids": list(range(100 + 15 * i, 115 + 15 * i))} for i in range(8)]
     outputs = [o.outputs[0] for o in tight.generate(prompts, params, use_tqdm=False)]
-    assert tight.engine.scheduler.stats().num_preemptions > 0
+    assert tight.llm_engine.scheduler.stats().num_preemptions > 0
     for p, out in zip(params, outputs, strict=True):
         assert p.structured_outputs is not None and isinstance(p.structured_outputs.json, dict)
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), p.structured_outputs.json)
-    assert tight.engine.scheduler.kv_cache.num_free_blocks == tight.engine.executor.num_blocks
+    assert (
+        tight.llm_engine.scheduler.kv_cache.num_free_blocks == tight.llm_engine.executor.num_blocks
+    )
 
 
 SPECULATION = {
@@ -126,11 +128,11 @@ def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(
         want = ask(plain, "Colors, as a JSON list.", params)
         got = ask(spec, "Colors, as a JSON list.", params)
     finally:
-        spec.engine.shutdown()
+        spec.llm_engine.shutdown()
     # (rows are checked or masked alike in this process and in a worker process: seeded
     # rows take the same numbers under every executor)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
-    assert spec.engine.core.spec_stats.num_accepted_tokens > 0
+    assert spec.llm_engine.core.spec_stats.num_accepted_tokens > 0
     for out in (got[0], got[2], got[3]):
         if out.finish_reason == "stop":
             jsonschema.validate(json.loads(out.text), schema)
@@ -150,4 +152,4 @@ def test_constrained_requests_speculate_with_the_tokens_of_no_speculation(
 def test_bad_constraints_are_refused_naming_the_field(llm: LLM, constraint, message: str) -> None:  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match=message):
         llm.generate(["x"], SamplingParams(structured_outputs=constraint()), use_tqdm=False)
-    assert not llm.engine.requests  # nothing entered the engine
+    assert not llm.llm_engine.requests  # nothing entered the engine

@@ -64,7 +64,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
 
 def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     n = len(tokens)
     blocks = -(-n // runner.block_size)
     meta = AttentionMetadata(

@@ -116,14 +116,14 @@ def test_a_gguf_model_on_cuda_blocks_gives_its_dequantized_tokens(
         monkeypatch.setenv("PYENGINE_CUDA_BLOCK_GEMM", flag)
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
-        model = llm.engine.executor.driver_worker.model_runner.model
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
         from pyengine.layers.quantization.cuda_blocks import CudaBlockForm
 
         qkv = model.layers[0].self_attn.qkv_proj
         assert isinstance(qkv.method_state, CudaBlockForm) == (flag == "1")
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     assert runs[0] == runs[1]
 
 
@@ -149,12 +149,12 @@ def test_gptq_and_awq_models_on_cuda_blocks_give_their_dequantized_tokens(
         monkeypatch.setenv("PYENGINE_CUDA_BLOCK_GEMM", flag)
         llm = LLM(str(tmp_path / "q"), device="cuda", dtype="bfloat16", max_model_len=128,
                   enforce_eager=True)  # fmt: skip
-        model = llm.engine.executor.driver_worker.model_runner.model
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
         held = model.layers[0].mlp.down_proj.method_state
         assert (held.cuda is not None) == (flag == "1")
         if held.cuda is not None:  # the blocks are the weight: no integers kept beside them
             assert held.qweight is None
         out = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         runs.append([o.outputs[0].token_ids for o in out])
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     assert runs[0] == runs[1]

@@ -106,12 +106,12 @@ def test_the_engine_runs_a_narrow_cache_where_weights_are_float32(  # type: igno
     for cache in ("auto", kv):
         llm = LLM(str(tmp_path), kv_cache_dtype=cache, max_model_len=128, kv_cache_memory=2**22)
         runs[cache] = llm.generate(prompts, params, use_tqdm=False)
-        runner = llm.engine.executor.driver_worker.model_runner
+        runner = llm.llm_engine.executor.driver_worker.model_runner
         assert runner.cache_dtype == (storage if cache == kv else torch.float32)
         key_cache, value_cache = runner.caches[0]
         head = runner.model.config.head_size + (padding if cache == kv else 0)
         assert key_cache.shape[2] == value_cache.shape[3] == head
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     for narrow, full in zip(runs[kv], runs["auto"], strict=True):
         first = narrow.outputs[0].logprobs[0]
         for token, entry in full.outputs[0].logprobs[0].items():

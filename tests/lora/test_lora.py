@@ -35,8 +35,8 @@ def test_each_adapter_gives_peft_greedy_tokens(family: dict) -> None:  # type: i
         got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=request))
         assert got == family["expected"][name], name
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False)) == family["expected"]["base"]
-    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
-    llm.engine.shutdown()
+    assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks
+    llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["recorded", "eager"])
@@ -44,7 +44,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_model(family: dict, enforce_e
     """Decode steps replayed from their recorded kernel calls (each row's slot read in
     place) and run eagerly give the same tokens."""
     llm = LLM(str(family["root"] / "base"), max_loras=4, enforce_eager=enforce_eager, **ENGINE)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     assert (runner.graphs is None) == enforce_eager
     names = ["a", "b", "base", "c", "d"]
     prompts, loras, want = [], [], []
@@ -54,7 +54,7 @@ def test_a_batch_mixing_four_adapters_and_the_base_model(family: dict, enforce_e
         loras.append(family["requests"].get(name))
         want.append(family["expected"][name][i % len(PROMPTS)])
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("path", ["recorded", "eager", "torch"])
@@ -70,7 +70,7 @@ def test_embedding_and_head_adapters_mix_with_the_others(
         monkeypatch.setattr("pyengine.lora.layers._cpu_kernel", lambda dtype, device: False)
     eager = path != "recorded"
     llm = LLM(str(family["root"] / "base"), max_loras=3, enforce_eager=eager, **ENGINE)
-    lora = llm.engine.executor.driver_worker.model_runner.lora
+    lora = llm.llm_engine.executor.driver_worker.model_runner.lora
     assert lora is not None and lora.replays_in_place == (path != "torch")
     names = ["e", "a", "base", "f"]
     prompts, loras, want = [], [], []
@@ -79,7 +79,7 @@ def test_embedding_and_head_adapters_mix_with_the_others(
         loras.append(family["requests"].get(name))
         want.append(family["expected"][name][i % len(PROMPTS)])
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_prompt_logprobs_through_a_head_adapter(family: dict) -> None:  # type: ignore[type-arg]
@@ -103,7 +103,7 @@ def test_prompt_logprobs_through_a_head_adapter(family: dict) -> None:  # type: 
             token = prompt[position]
             expected = float(want[position - 1, token])
             assert entry[token].logprob == pytest.approx(expected, abs=1e-4), (name, position)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None:  # type: ignore[type-arg]
@@ -113,10 +113,10 @@ def test_more_adapters_than_slots_all_finish_through_swaps(family: dict) -> None
     prompts = [{"prompt_token_ids": PROMPTS[2]}] * len(names)
     want = [family["expected"][n][2] for n in names]
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    lora = llm.engine.executor.driver_worker.model_runner.lora
+    lora = llm.llm_engine.executor.driver_worker.model_runner.lora
     assert lora is not None and lora.stats.swapped_in >= 4 and lora.stats.evicted >= 2
     assert len(lora.host) <= 2
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}],
@@ -131,13 +131,13 @@ def test_adapters_shard_with_the_layers(family: dict, split: dict) -> None:  # t
     loras = [family["requests"].get(n) for n in names]
     want = [family["expected"][n][i % len(PROMPTS)] for i, n in enumerate(names)]
     assert tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)) == want
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_adapters_never_share_prefix_cache_blocks(family: dict) -> None:  # type: ignore[type-arg]
     llm = LLM(str(family["root"] / "base"), max_loras=2, **ENGINE)
     prompt = [{"prompt_token_ids": list(range(30, 94))}]  # four blocks of 16
-    scheduler = llm.engine.scheduler
+    scheduler = llm.llm_engine.scheduler
     a, b = family["requests"]["a"], family["requests"]["b"]
 
     def hits(lora: LoRARequest | None) -> int:
@@ -149,7 +149,7 @@ def test_adapters_never_share_prefix_cache_blocks(family: dict) -> None:  # type
     assert hits(b) == 0  # the same prompt through another adapter: no hit
     assert hits(None) == 0
     assert hits(a) > 0  # the same adapter: its blocks
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def write_bad(
@@ -205,12 +205,12 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
     assert tokens(llm.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)) == [
         family["expected"]["a"][0]
     ]
-    assert llm.engine.scheduler.kv_cache.num_free_blocks == llm.engine.executor.num_blocks
-    llm.engine.shutdown()
+    assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks
+    llm.llm_engine.shutdown()
     plain = LLM(str(root / "base"), max_model_len=128, kv_cache_memory=2**22)
     with pytest.raises(ValueError, match="start it with enable_lora=True"):
         plain.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)
-    plain.engine.shutdown()
+    plain.llm_engine.shutdown()
     with pytest.raises(ValueError, match="lora_int_id must be a positive integer"):
         LoRARequest("x", 0, "/tmp")
     with pytest.raises(ValueError, match="max_loras must be a positive integer"):
@@ -235,4 +235,4 @@ def test_adapters_on_the_gpu_with_and_without_its_kernel(
                   max_model_len=128, enable_lora=True)  # fmt: skip
         got = tokens(llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
         assert got == [family["expected"][n][i] for i, n in enumerate(("a", "b", "c"))], flag
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()

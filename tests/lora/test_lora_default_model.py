@@ -47,4 +47,4 @@ def test_default_model_adapters_give_peft_greedy_tokens(tmp_path: Path) -> None:
     want = [expected[n][i] for i in range(len(prompts)) for n in names]
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
     assert len({tuple(w) for w in want}) > 2  # the adapters change the tokens
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()

@@ -50,7 +50,7 @@ def offline(adapters: dict[str, Path]) -> Iterator[tuple[LLM, dict[str, LoRARequ
               enable_lora=True, max_loras=2, max_lora_rank=8)  # fmt: skip
     requests = {n: LoRARequest(n, i + 1, str(p)) for i, (n, p) in enumerate(adapters.items())}
     yield llm, requests
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def offline_text(offline: tuple[LLM, dict[str, LoRARequest]], name: str | None) -> str:

@@ -310,7 +310,7 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     # Every step multiplies from the block forms: q/k/v and gate/up fused from 4- and
     # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q6_K in layer 1 (8-bit,
     # a scale per 16 inputs).
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     assert model.layers[1].self_attn.qkv_proj.method_state.packed.dtype == torch.int8
     assert model.layers[1].mlp.gate_up_proj.method_state.packed.dtype == torch.int8
     assert model.layers[0].mlp.down_proj.method_state.packed.dtype == torch.uint8
@@ -336,7 +336,7 @@ def decode_logprobs(path: Path, **engine: object) -> list[tuple[list[int], list]
         result = llm.generate([[5, 6, 7, 8], list(range(30, 70))], params, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in result]
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: ignore[no-untyped-def]
@@ -380,7 +380,7 @@ def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None
     loaded = load_model(str(path))
     reference = hf_model_from_weights(loaded.config, loaded.weights)
     llm = LLM(str(path), kv_cache_memory=32 * 2**20)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     for layer in model.layers:
         blocks = layer.mlp.down_proj.method_state.packed
         assert blocks is not None and blocks.dtype == torch.int8
@@ -389,7 +389,7 @@ def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None
     got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, got, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 10)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> None:
@@ -405,18 +405,18 @@ def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> N
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     engine = dict(kv_cache_memory=32 * 2**20, max_model_len=128)
     llm = LLM(str(path), **engine)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     assert model.embed_tokens.packed is model.lm_head.method_state.packed
     assert "weight" not in model.embed_tokens._parameters
     expected = [o.outputs[0].token_ids for o in llm.generate(
         [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     assert expected == [hf_greedy(reference, p, 8) for p in prompts]
     for split in ({"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}):
         llm = LLM(str(path), **engine, **split)
         got = [o.outputs[0].token_ids for o in llm.generate(
             [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]  # fmt: skip
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
         assert got == expected, split
 
 

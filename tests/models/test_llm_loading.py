@@ -159,7 +159,7 @@ def test_hub_ids_without_network_are_clear_errors(monkeypatch) -> None:  # type:
 def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
     llm = LLM(str(tmp_path), load_format="dummy", kv_cache_memory=16 * 2**20)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     execute = runner.execute
     calls = 0
 
@@ -174,7 +174,7 @@ def test_a_failed_step_ends_its_requests_and_the_engine_goes_on(tmp_path: Path) 
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     with pytest.raises(RuntimeError, match="injected failure"):
         llm.generate([[1, 2, 3], [4, 5, 6, 7]], params, use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests()
-    assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
     out = llm.generate([[1, 2, 3]], params, use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 8

@@ -74,10 +74,10 @@ def test_greedy_matches_transformers(
     for i, (out, want) in enumerate(zip(outputs, expected, strict=True)):
         assert out.outputs[0].token_ids == want, f"prompt {i} ({len(prompts[i])} tokens)"
         assert out.outputs[0].finish_reason == "length"
-    stats = llm.engine.stats()
+    stats = llm.llm_engine.stats()
     if kv_blocks is not None:
         assert stats.num_preemptions > 0, "the small KV pool was meant to force preemption"
-    assert llm.engine.scheduler.kv_cache.stats().num_used_blocks == 0, "blocks leaked"
+    assert llm.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0, "blocks leaked"
 
 
 def test_shared_prefix_hits_the_cache_and_keeps_the_tokens(loaded, prompts, expected) -> None:  # type: ignore[no-untyped-def]
@@ -88,7 +88,7 @@ def test_shared_prefix_hits_the_cache_and_keeps_the_tokens(loaded, prompts, expe
     again = llm.generate([{"prompt_token_ids": long_prompt}] * 4, params, use_tqdm=False)
     assert first[0].outputs[0].token_ids == expected[-1]
     assert all(o.outputs[0].token_ids == expected[-1] for o in again)
-    assert llm.engine.stats().prefix_cache_hit_rate > 0.5
+    assert llm.llm_engine.stats().prefix_cache_hit_rate > 0.5
     assert first[0].num_cached_tokens == 0
     # Whole blocks of the prompt came from the cache; at least its last token is computed.
     for out in again:

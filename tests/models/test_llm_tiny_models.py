@@ -54,9 +54,9 @@ def test_a_16_bit_kv_cache_under_float32_weights(checkpoint, kv_cache_dtype: str
     memory = 64 * 2**20
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype)
     full = LLM(str(folder), max_model_len=256, kv_cache_memory=memory)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    assert runner.num_blocks == 2 * full.engine.executor.driver_worker.model_runner.num_blocks
+    assert runner.num_blocks == 2 * full.llm_engine.executor.driver_worker.model_runner.num_blocks
     tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
     ours = prefill_logits(llm, tokens)
     with torch.inference_mode():
@@ -72,7 +72,7 @@ def test_16_bit_logits_are_close_to_transformers_float32(checkpoint, dtype: str)
     16-bit rounding of float32 transformers'."""
     folder, model = checkpoint
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype=dtype)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.caches[0][0].dtype == getattr(torch, dtype)
     tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
     ours = prefill_logits(llm, tokens)
@@ -88,7 +88,7 @@ def test_bfloat16_weights_are_held_only_as_bfloat16_panels(checkpoint) -> None: 
     head's panels."""
     folder, _ = checkpoint
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype="bfloat16")
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     linear = [m for m in model.modules() if hasattr(m, "method")]
     assert linear
     for layer in linear:
@@ -99,4 +99,4 @@ def test_bfloat16_weights_are_held_only_as_bfloat16_panels(checkpoint) -> None: 
         if head.tied_to is not None:
             assert head.tied_to.packed is head.method_state.panels
             assert not hasattr(head.tied_to, "weight")
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()

@@ -60,7 +60,7 @@ def outputs(model: Path, **engine_args: object) -> list:  # type: ignore[type-ar
         result = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in result]
     finally:
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
 
 
 def assert_same_outputs(got: list, want: list) -> None:  # type: ignore[type-arg]
@@ -74,7 +74,7 @@ def assert_same_outputs(got: list, want: list) -> None:  # type: ignore[type-arg
 
 def model_layers(llm: LLM) -> list[tuple[LinearBase, LinearBase]]:
     """Each decoder layer's stacked layers (q/k/v, gate/up)."""
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     return [(layer.self_attn.qkv_proj, layer.mlp.gate_up_proj) for layer in model.layers]
 
 
@@ -107,7 +107,7 @@ def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
     write_quantized(float_llama, tmp_path / "q", tmp_path / "ref", method, bits, group_size,
                     desc_act, shared_order=shared)  # fmt: skip
     llm = LLM(str(tmp_path / "q"), **ENGINE)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     linear = [
         m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyIntMethod)
     ]
@@ -120,7 +120,7 @@ def test_a_quantized_checkpoint_runs_as_its_dequantized_weights(
             assert (m.method_state.input_order is not None) == desc_act
         else:
             assert m.method_state.packed is None and m.method_state.qweight.dtype == torch.uint8
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
 
@@ -177,7 +177,7 @@ def test_a_quantization_asked_for_must_be_the_checkpoints(
         LLM(str(tmp_path / "q"), quantization="gptq", **ENGINE)
     with pytest.raises(ValueError, match="no quantization_config \\(float weights\\)"):
         LLM(str(tmp_path / "ref"), quantization="awq", **ENGINE)
-    LLM(str(tmp_path / "q"), quantization="awq", **ENGINE).engine.shutdown()
+    LLM(str(tmp_path / "q"), quantization="awq", **ENGINE).llm_engine.shutdown()
 
 
 def w8a8_reference(checkpoint: Path, module: str, x: torch.Tensor) -> torch.Tensor:
@@ -202,7 +202,7 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     _C.set_quantized_dense_isa(isa)
     try:
         llm = LLM(str(tmp_path / "q"), **ENGINE)
-        model = llm.engine.executor.driver_worker.model_runner.model
+        model = llm.llm_engine.executor.driver_worker.model_runner.model
         linear = [
             m for m in model.modules() if isinstance(getattr(m, "method", None), Int8W8A8Method)
         ]
@@ -216,7 +216,7 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
         x = torch.randn(5, layer.input_size)
         want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x)
         torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6)
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
         got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
     finally:
         _C.set_quantized_dense_isa("auto")
@@ -224,7 +224,7 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     # In 16 bits (CUDA's placement; here the CPU in bfloat16): int8 x int8 in
     # torch._int_mm where the device has it, the same exact sums.
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
-    layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
+    layer = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == torch.int8  # not widened
     from pyengine.layers.quantization.int8_w8a8 import int_mm_supported
 
@@ -232,7 +232,7 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     x = torch.randn(5, layer.input_size).bfloat16()
     want = w8a8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-2, atol=1e-2)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
 
 
 def assert_close_logprobs(got: list, ref: list) -> None:  # type: ignore[type-arg]
@@ -288,7 +288,7 @@ def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
     pytest.importorskip("compressed_tensors")
     write_w4a16(float_llama, tmp_path / "q", tmp_path / "ref", group_size, actorder)
     llm = LLM(str(tmp_path / "q"), **ENGINE)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     linear = [
         m for m in model.modules() if isinstance(getattr(m, "method", None), WeightOnlyIntMethod)
     ]
@@ -297,7 +297,7 @@ def test_a_w4a16_checkpoint_runs_as_its_dequantized_weights(
         m.method_state.packed is not None and m.method_state.packed.dtype == torch.uint8
         for m in linear
     )
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     assert_same_outputs(outputs(tmp_path / "q"), outputs(tmp_path / "ref"))
 
 
@@ -393,7 +393,7 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
     strategy, activations = FP8_CASES[case]
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", strategy, activations)
     llm = LLM(str(tmp_path / "q"), **ENGINE)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     linear = [m for m in model.modules() if isinstance(getattr(m, "method", None), Fp8Method)]
     assert len(linear) == 2 * 4
     assert all(m.method_state.packed.dtype == FP8 and "weight" not in m._parameters for m in linear)
@@ -407,7 +407,7 @@ def test_an_fp8_checkpoint_runs_in_e4m3(float_llama: Path, tmp_path: Path, case:
             tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x, activations == "group"
         )
     torch.testing.assert_close(layer(x).double(), want, rtol=1e-5, atol=1e-6)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     got, ref = outputs(tmp_path / "q"), outputs(tmp_path / "ref")
     if activations is None:
         assert_same_outputs(got, ref)
@@ -431,14 +431,14 @@ def test_fp8_in_16_bits_multiplies_through_scaled_mm(float_llama: Path, tmp_path
         pytest.skip("this torch has no CPU torch._scaled_mm")
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "channel", "token")
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
-    model = llm.engine.executor.driver_worker.model_runner.model
+    model = llm.llm_engine.executor.driver_worker.model_runner.model
     layer = model.layers[1].self_attn.qkv_proj
     assert isinstance(layer.method, Fp8Method) and layer.method_state.scaled_mm
     assert layer.weight.dtype == FP8 and layer.method_state.packed is None
     x = torch.randn(5, layer.input_size).bfloat16()
     want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float())
     torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     got = outputs(tmp_path / "q", dtype="bfloat16")
     differences = same_context_differences(got, outputs(tmp_path / "q"))
     assert max(differences) < 0.5 and sum(differences) / len(differences) < 0.15
@@ -501,7 +501,7 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
     scales; what the scheme cannot be is refused."""
     write_w8a8(float_llama, tmp_path / "q", tmp_path / "ref", kv_scales=(0.03, 0.02))
     llm = LLM(str(tmp_path / "q"), kv_cache_dtype="int8", **ENGINE)
-    runner = llm.engine.executor.driver_worker.model_runner
+    runner = llm.llm_engine.executor.driver_worker.model_runner
     attn = runner.model.layers[1].self_attn.attn
     assert (attn.k_scale, attn.v_scale) == pytest.approx((0.033, 0.022))
     got = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -516,7 +516,7 @@ def test_an_int8_kv_cache_takes_a_checkpoints_static_scales(
         tokens = sum(map(len, PROMPTS)) + (GREEDY.max_tokens - 1) * len(PROMPTS)
         assert len(slots) == tokens * runner.num_kv_heads
         assert bool((slots == want).all())
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()
     full = outputs(tmp_path / "q")  # a float32 cache: the scales go unused
     differences = same_context_differences(
         [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in got], full
@@ -552,7 +552,7 @@ def test_an_fp8_kv_cache_takes_a_checkpoints_static_scales(
     caches = []
     for folder in ("q", "ref"):  # (the reference: the same weights, no scales)
         llm = LLM(str(tmp_path / folder), kv_cache_dtype="fp8", **ENGINE)
-        runner = llm.engine.executor.driver_worker.model_runner
+        runner = llm.llm_engine.executor.driver_worker.model_runner
         prompts = [{"prompt_token_ids": p} for p in PROMPTS]
         llm.generate(prompts, SamplingParams(max_tokens=1), use_tqdm=False)  # the prompts' K/V
         caches.append([c.view(torch.float8_e4m3fn).float() for c in runner.caches[0]])
@@ -562,7 +562,7 @@ def test_an_fp8_kv_cache_takes_a_checkpoints_static_scales(
             assert attn.scaled_cache == torch.uint8
             assert (attn.k_scale, attn.v_scale) == pytest.approx((k_scale, v_scale))
             scaled = [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in got]
-        llm.engine.shutdown()
+        llm.llm_engine.shutdown()
     # Layer 0's K and V of the prompts are nearly the same in both runs (its inputs are the
     # embeddings; int8 activations here): stored divided by the scales here, as themselves
     # there, each to e4m3's 3 bits.
@@ -581,10 +581,10 @@ def test_fp8_block_weights_in_16_bits_are_dequantized_each_step(
     pytest.importorskip("compressed_tensors")
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "block", "group")
     llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
-    layer = llm.engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
+    layer = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == FP8 and not layer.method_state.scaled_mm
     assert layer.method_state.weight_scale.shape == layer.weight.shape  # (a scale a weight)
     x = torch.randn(5, layer.input_size).bfloat16()
     want = fp8_reference(tmp_path / "q", "model.layers.1.self_attn.qkv_proj", x.float(), True)
     torch.testing.assert_close(layer(x).double(), want, rtol=2e-2, atol=2e-2)
-    llm.engine.shutdown()
+    llm.llm_engine.shutdown()

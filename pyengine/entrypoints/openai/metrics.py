@@ -165,14 +165,16 @@ class EngineMetrics:
     def _record_finished(self, out: RequestOutput) -> None:
         m, t = self._model, out.metrics
         self.prompt_tokens.labels(m).inc(len(out.prompt_token_ids))
-        for o in out.outputs:
-            self.finished.labels(m, o.finish_reason or "abort").inc()
+        # The output is the request's last delta, which holds only what its last step
+        # added: each sample's finish and length come from its metrics.
+        for reason in t.finish_reasons:
+            self.finished.labels(m, reason).inc()
         if t.finished_time is not None:
             self.e2e.labels(m).observe(t.finished_time - t.arrival_time)
         if t.first_token_time is None:
             return
         self.ttft.labels(m).observe(t.first_token_time - t.arrival_time)
-        tokens = max(len(o.token_ids) for o in out.outputs)
+        tokens = max(t.num_output_tokens, default=0)
         if t.finished_time is not None and tokens > 1:
             self.tpot.labels(m).observe((t.finished_time - t.first_token_time) / (tokens - 1))
 

@@ -115,7 +115,7 @@ class Routes:
     async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict[str, str]:
         request = self.served.new_adapter(body.lora_name, body.lora_path)
         try:
-            await asyncio.to_thread(self.engine.engine.adapters.check, request)
+            await asyncio.to_thread(self.engine.llm_engine.adapters.check, request)
         except ValueError as error:
             raise APIError(str(error), param="lora_path") from None
         self.served.add(request)

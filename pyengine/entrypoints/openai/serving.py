@@ -12,13 +12,13 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream, RequestUpdate
+from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream
 from pyengine.engine.input_processor import check_token_ids
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.served_models import ServedModels
 from pyengine.lora.request import LoRARequest
-from pyengine.outputs import PositionLogprobs
+from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -170,12 +170,12 @@ class OpenAIServing:
         self, prompts: list[EncodedPrompt], streams: list[RequestStream], n: int
     ) -> list[PromptResult]:
         results = [PromptResult(p, [Choice() for _ in range(n)]) for p in prompts]
-        async for i, update in merge(streams):
+        async for i, delta in merge(streams):
             result = results[i]
-            result.num_cached_tokens = update.num_cached_tokens
-            if update.prompt_logprobs is not None:
-                result.prompt_logprobs = update.prompt_logprobs
-            for d in update.samples:
+            result.num_cached_tokens = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:
+                result.prompt_logprobs = delta.prompt_logprobs
+            for d in delta.outputs:
                 choice = result.choices[d.index]
                 choice.text += d.text
                 choice.token_ids += d.token_ids
@@ -204,13 +204,13 @@ def close_all(streams: list[RequestStream]) -> None:
         stream.close()
 
 
-async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestUpdate]]:
-    """The updates of all streams as they come, tagged with the stream's index; leaving
+async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The deltas of all streams as they come, tagged with the stream's index; leaving
     early (or failing) aborts every unfinished request."""
     try:
         if len(streams) == 1:
-            async for update in streams[0]:
-                yield 0, update
+            async for delta in streams[0]:
+                yield 0, delta
             return
         pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
         while pending:
@@ -218,10 +218,10 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             for task in done:
                 i = pending.pop(task)
                 try:
-                    update = task.result()
+                    delta = task.result()
                 except StopAsyncIteration:
                     continue
-                yield i, update
+                yield i, delta
                 pending[asyncio.ensure_future(anext(streams[i]))] = i
     finally:
         close_all(streams)

@@ -188,9 +188,9 @@ class ChatServing(OpenAIServing):
                 ]
             )
         completion_tokens, cached = 0, 0
-        async for _, update in merge(streams):
-            cached = update.num_cached_tokens
-            for d in update.samples:
+        async for _, out in merge(streams):
+            cached = out.num_cached_tokens
+            for d in out.outputs:
                 completion_tokens += len(d.token_ids)
                 logprobs = None
                 if request.logprobs and d.logprobs is not None:

@@ -144,18 +144,18 @@ class CompletionServing(OpenAIServing):
         offsets: dict[int, int] = {}  # text_offset of each choice's next token
         completion_tokens = 0
         cached: dict[int, int] = {}  # by prompt
-        async for i, update in merge(streams):
-            cached[i] = update.num_cached_tokens
-            for d in update.samples:
+        async for i, delta in merge(streams):
+            cached[i] = delta.num_cached_tokens
+            for d in delta.outputs:
                 index = i * n + d.index
                 text = d.text
                 lp = CompletionLogprobs(offsets.get(index, 0))
                 if request.echo and index not in echoed:
                     echoed.add(index)
                     text = self._echo_text(prompts[i]) + text
-                    if update.prompt_logprobs is not None and request.logprobs is not None:
+                    if delta.prompt_logprobs is not None and request.logprobs is not None:
                         lp.add_positions(
-                            prompts[i][1], update.prompt_logprobs, self.tokenizer.token_text
+                            prompts[i][1], delta.prompt_logprobs, self.tokenizer.token_text
                         )
                 if d.logprobs is not None:
                     lp.add_positions(d.token_ids, d.logprobs, self.tokenizer.token_text)
