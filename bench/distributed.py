@@ -90,13 +90,13 @@ def run(
     distributed = tp * pp > 1
     llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     steps = [0]
-    collect = executor.collect
+    execute_model = executor.execute_model
 
-    def counted() -> Any:
+    def counted(step: Any) -> Any:
         steps[0] += 1
-        return collect()
+        return execute_model(step)
 
-    executor.collect = counted  # type: ignore[method-assign]
+    executor.execute_model = counted  # type: ignore[method-assign]
     best: Row | None = None
     for _ in range(rounds):
         for scheduler in engine.schedulers:
