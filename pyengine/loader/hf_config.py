@@ -8,9 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from pyengine.config import ModelConfig
-
-# A quantization_config is read by the method it names (layers/quantization/).
-from pyengine.layers.quantization.registry import quantization_from_hf as quantization_from_hf
 from pyengine.models.checkpoint_config import CommonValues
 from pyengine.models.registry import model_class
 

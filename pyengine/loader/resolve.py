@@ -14,13 +14,14 @@ import torch
 
 from pyengine.config import ModelConfig
 from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.quantization.registry import quantization_from_hf
 from pyengine.loader.gguf_file import GGUFFile
 from pyengine.loader.gguf_model import (
     block_quantized_from_gguf,
     config_from_gguf,
     weights_from_gguf,
 )
-from pyengine.loader.hf_config import model_config_from_hf, quantization_from_hf
+from pyengine.loader.hf_config import model_config_from_hf
 from pyengine.tokenizer import PyengineTokenizer, tokenizer_from_folder, tokenizer_from_gguf
 from pyengine.utils.lazy_weights import LazySlice, LazyWeights
 

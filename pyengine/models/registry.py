@@ -50,8 +50,9 @@ GGUF_ARCHITECTURES = tuple(_GGUF)
 
 
 def model_class(architecture: str) -> type[CausalLM]:
-    """The class that runs `architecture`; ValueError naming the ones pyengine runs."""
-    if architecture not in _MODELS:
+    """The class that runs `architecture`; ValueError naming the ones pyengine runs (any
+    value: a config.json may name a list or an object, which no dict lookup takes)."""
+    if architecture not in ARCHITECTURES:
         raise ValueError(
             f"architecture {architecture} is not supported; pyengine runs "
             f"{', '.join(ARCHITECTURES)}"

@@ -92,3 +92,10 @@ def test_a_config_made_without_switches_has_its_family_defaults() -> None:
     assert plain.family_config(LearnedPositionConfig) == LearnedPositionConfig()
     with pytest.raises(TypeError, match="carries LlamaFamilyConfig, not the LearnedPositionConfig"):
         llama_like("Qwen3ForCausalLM").family_config(LearnedPositionConfig)
+
+
+def test_an_architecture_that_is_no_name_is_refused_by_name() -> None:
+    # A regression: a list in `architectures` reached a dict lookup and was refused as
+    # "unhashable type", not as an architecture pyengine does not run.
+    with pytest.raises(ValueError, match=r"architecture \['x'\] is not supported; pyengine runs"):
+        model_config_from_hf({"architectures": [["x"]]})
