@@ -21,7 +21,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from pyengine import _C
@@ -321,12 +321,9 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
         # A stream carries deltas: what each step added, merged while its reader lags.
-        # (Anything but a SamplingParams is left for the engine to refuse.)
-        if isinstance(params, SamplingParams):
-            params = replace(params, output_kind=RequestOutputKind.DELTA)
         self.llm_engine.add_request(
             request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request,
-            priority=priority, cache_salt=cache_salt,
+            priority=priority, cache_salt=cache_salt, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
         self._streams[request_id] = stream
 

@@ -97,7 +97,7 @@ class IncrementalDetokenizer:
     def _find_stop_string(self, new_from: int) -> str | None:
         """Ends the text at the first stop string that overlaps its text from `new_from`
         on (what the last token added; a token can add any number of characters)."""
-        start = max(0, new_from - max(len(s) for s in self.stop_strings) + 1)
+        start = max(0, new_from - self.hold_back)  # (the longest stop string's length - 1)
         tail = self._text.since(start)
         hits = [(tail.find(s), s) for s in self.stop_strings]
         hits = [(at, s) for at, s in hits if at >= 0]

@@ -15,7 +15,7 @@ import numpy as np
 from pyengine.config import EngineConfig, ModelConfig
 from pyengine.engine.structured_output import GrammarCompiler
 from pyengine.lora.request import LoRARequest
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
 # What the offline API takes as one prompt: text, token ids, or {"prompt": text} /
@@ -122,10 +122,11 @@ class InputProcessor:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> EngineRequest:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
-        params = self._checked(request_id, prompt_token_ids, params, existing)
+        params = self._checked(request_id, prompt_token_ids, params, existing, output_kind)
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -169,9 +170,11 @@ class InputProcessor:
         prompt_token_ids: list[int],
         params: SamplingParams,
         existing: Container[str],
+        output_kind: RequestOutputKind | None = None,
     ) -> SamplingParams:
-        """The request's own copy of `params`, checked again (a caller may have changed
-        its fields since it was made, or change them while the request runs)."""
+        """The request's own copy of `params` (of `output_kind` where one is given),
+        checked again (a caller may have changed its fields since it was made, or change
+        them while the request runs)."""
         if not isinstance(request_id, str):
             raise ValueError(f"a request id must be a string, got {request_id!r:.40}")
         if request_id in existing:
@@ -183,6 +186,7 @@ class InputProcessor:
             stop=copy(params.stop),
             stop_token_ids=copy(params.stop_token_ids),
             logit_bias=copy(params.logit_bias),
+            output_kind=params.output_kind if output_kind is None else output_kind,
         )
         if not prompt_token_ids:
             raise ValueError(f"request {request_id!r}: the prompt is empty")

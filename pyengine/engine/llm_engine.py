@@ -18,7 +18,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.registry import AdapterRegistry
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
 
@@ -61,16 +61,18 @@ class LLMEngine:
         lora_request: LoRARequest | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        output_kind: RequestOutputKind | None = None,
     ) -> None:
         """Queues a request (with lora_request: through that adapter; with priority:
         before higher values, under scheduling_policy "priority"; with cache_salt: sharing
-        prefix-cache blocks only with requests of that salt); ValueError naming whatever
-        the engine cannot run."""
+        prefix-cache blocks only with requests of that salt; with output_kind: its outputs
+        are of that kind, whatever `params` says); ValueError naming whatever the engine
+        cannot run."""
         self.adapters.check(lora_request)
         request = self.input_processor.process(
             request_id, prompt_token_ids, params, prompt, arrival_time,
             existing=self.output_processor.requests, lora_request=lora_request,
-            priority=priority, cache_salt=cache_salt,
+            priority=priority, cache_salt=cache_salt, output_kind=output_kind,
         )  # fmt: skip
         n = request.params.n
         row_ids = [request_id, *(Scheduler.sample_id(request_id, k) for k in range(1, n))]

@@ -199,9 +199,9 @@ class OutputProcessor:
                 self._append(state, sample, token, entries.popleft() if entries else None, now)
             if reason is not None and not sample.finished:
                 self._finish_sample(state, sample, reason, token)
-        return self.collect(list(progressed.values()))
+        return self._collect(list(progressed.values()))
 
-    def collect(self, progressed: list[RequestState]) -> list[RequestOutput]:
+    def _collect(self, progressed: list[RequestState]) -> list[RequestOutput]:
         """The outputs of `progressed` and of the requests finished since the last call,
         which leave the engine."""
         finished = self.discard_finished()

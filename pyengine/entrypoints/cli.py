@@ -11,7 +11,6 @@ import argparse
 import sys
 import uuid
 from collections.abc import Iterator
-from dataclasses import replace
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
@@ -27,9 +26,7 @@ def stream_text(
 ) -> Iterator[str]:
     """The text of one request as it is generated (the engine runs nothing else)."""
     request_id = uuid.uuid4().hex
-    llm_engine.add_request(
-        request_id, token_ids, replace(params, output_kind=RequestOutputKind.DELTA)
-    )
+    llm_engine.add_request(request_id, token_ids, params, output_kind=RequestOutputKind.DELTA)
     finished = False
     try:
         while not finished:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
@@ -93,9 +92,10 @@ class LLM:
             for request_id, (text, token_ids), p, lora, rank, salt in zip(
                 ids, encoded, params, loras, priority, salts, strict=True
             ):
-                llm_engine.add_request(request_id, token_ids, _final_only(p), prompt=text,
-                                       lora_request=lora, priority=rank,
-                                       cache_salt=salt)  # fmt: skip
+                # One whole output each, once finished: nothing is copied at each step.
+                llm_engine.add_request(request_id, token_ids, p, prompt=text,
+                                       lora_request=lora, priority=rank, cache_salt=salt,
+                                       output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
                 added.append(request_id)
             done: dict[str, RequestOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:
@@ -109,15 +109,6 @@ class LLM:
                 llm_engine.abort_request(request_id)
             llm_engine.discard_finished()
             raise
-
-
-def _final_only(params: SamplingParams) -> SamplingParams:
-    """A copy of `params` that asks for one whole output, once the request finishes:
-    nothing is copied at each step. Anything but a SamplingParams stays as it is, for the
-    engine to refuse."""
-    if not isinstance(params, SamplingParams):
-        return params
-    return replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -56,13 +56,18 @@ def envelope(
 
 @dataclass
 class Choice:
-    """One sample's whole answer, accumulated from its deltas."""
+    """One sample's whole answer, accumulated from its deltas (the text as its pieces,
+    joined once read: growing one string would copy it whole at every step)."""
 
-    text: str = ""
+    text_pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[PositionLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.text_pieces)
 
 
 @dataclass
@@ -177,7 +182,7 @@ class OpenAIServing:
                 result.prompt_logprobs = delta.prompt_logprobs
             for d in delta.outputs:
                 choice = result.choices[d.index]
-                choice.text += d.text
+                choice.text_pieces.append(d.text)
                 choice.token_ids += d.token_ids
                 choice.logprobs += d.logprobs or []
                 choice.finish_reason, choice.stop_reason = d.finish_reason, d.stop_reason
