@@ -131,5 +131,3 @@ class ModelRunnerOutput:
     # Per sampled row where its request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
     prompt_logprobs: list[PositionLogprobs]  # per PromptLogprobRow, in order
-    # With a draft model: the drafts it made in the step, row after row.
-    draft_token_ids: list[int] | None = None

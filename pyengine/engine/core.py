@@ -251,9 +251,9 @@ class EngineCore:
         executed = flight.executed.result()
         if flight.drafts_in_step:
             assert executed.draft_token_ids is not None
-            flight.take_drafts(executed.draft_token_ids)
-            scheduler = self.schedulers[flight.virtual_engine]
-            scheduler.set_scheduled_drafts(np.asarray(executed.draft_token_ids, np.int32))
+            made = np.asarray(executed.draft_token_ids, dtype=np.int32)
+            flight.take_drafts(made)
+            self.schedulers[flight.virtual_engine].set_scheduled_drafts(made)
         grammar = flight.grammar
         if flight.sampled is None:  # (its masks follow the drafts just made)
             assert grammar is not None
@@ -272,9 +272,7 @@ class EngineCore:
                 tokens[i] = redrawn.token_ids[k]
                 if logprobs is not None and redrawn.logprobs is not None:
                     logprobs[i] = redrawn.logprobs[k]
-        return ModelRunnerOutput(
-            tokens, logprobs, executed.prompt_logprobs, executed.draft_token_ids
-        )
+        return ModelRunnerOutput(tokens, logprobs, executed.prompt_logprobs)
 
     def _submit(self, virtual_engine: int) -> list[RowUpdate]:
         """Scheduler `virtual_engine` plans a step and the executor takes it: its forward

@@ -37,14 +37,13 @@ class StepInFlight:
     # the step ran.
     sampled: Pending[SampledTokens] | None = None
 
-    def take_drafts(self, made: list[int]) -> None:
-        """The drafts a draft model made in the step (row after row), in place of their
-        placeholders: the step's verification's, and its grammar's (the scheduler's are
-        the core's to set)."""
+    def take_drafts(self, made: np.ndarray) -> None:
+        """The drafts a draft model made in the step (int32, row after row), in place of
+        their placeholders: the step's verification's, and its grammar's (the
+        scheduler's are the core's to set)."""
         assert self.drafts is not None
-        drafts = np.asarray(made, dtype=np.int32)
         ends = np.cumsum([len(d) for d in self.drafts])
-        self.drafts = np.split(drafts, ends[:-1]) if len(ends) else []
+        self.drafts = np.split(made, ends[:-1]) if len(ends) else []
         if self.grammar is not None:
             self.grammar.set_drafts(self.row_drafts())
 
@@ -58,8 +57,9 @@ class StepInFlight:
         return {self.places[k][0]: masks[n] for n, k in enumerate(rows)}
 
     def row_drafts(self) -> dict[int, list[int]]:
-        """The drafts each sampled row after some follows, by its index."""
-        assert self.drafts is not None
-        return {
-            k: self.drafts[request][:j].tolist() for k, (request, j) in enumerate(self.places) if j
-        }
+        """The drafts each constrained sampled row after some follows, by its index (the
+        grammar's rows: the others' are never asked for)."""
+        assert self.drafts is not None and self.grammar is not None
+        matchers = self.grammar.matchers
+        return {k: self.drafts[request][:j].tolist()
+                for k, (request, j) in enumerate(self.places) if j and k in matchers}  # fmt: skip

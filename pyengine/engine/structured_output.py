@@ -188,7 +188,8 @@ class StepGrammar:
         self.masked = masked
         self.drafts_before = drafts_before
         self._drafts: dict[int, list[int]] = {}
-        self._early: tuple[np.ndarray, Future[None]] | None = None
+        # The masked rows that follow no drafts, their masks and the thread making them.
+        self._early: tuple[list[int], np.ndarray, Future[None]] | None = None
 
     @classmethod
     def of_rows(
@@ -197,8 +198,10 @@ class StepGrammar:
         """The step's grammar over `matchers` (by index among the step's sampled `rows`):
         a row whose token is the argmax or a draw from the whole tempered distribution
         is checked after its draw, the others masked before it."""
-        checked = [i for i in matchers if _draws_without_filters(rows[i].params)]
-        masked = [i for i in matchers if not _draws_without_filters(rows[i].params)]
+        checked: list[int] = []
+        masked: list[int] = []
+        for i in matchers:
+            (checked if _draws_without_filters(rows[i].params) else masked).append(i)
         drafts_before = {i: rows[i].num_drafts_before for i in matchers}
         return cls(compiler, matchers, checked, masked, drafts_before)
 
@@ -208,24 +211,29 @@ class StepGrammar:
         return any(self.drafts_before.get(i) for i in self.masked)
 
     def start(self) -> None:
-        """Starts computing the masked rows' masks in a thread, where none follows drafts
-        (the matchers must not move until for_sampling)."""
-        if self.masked and not self.masks_follow_drafts:
-            self._early = self.compiler.allowed_later([self.matchers[i] for i in self.masked])
+        """Starts computing, in a thread, the masks of the masked rows that follow no
+        drafts (the matchers must not move until for_sampling); those after drafts wait
+        for them."""
+        plain = [i for i in self.masked if not self.drafts_before.get(i)]
+        if plain:
+            masks, done = self.compiler.allowed_later([self.matchers[i] for i in plain])
+            self._early = (plain, masks, done)
 
     def set_drafts(self, drafts: dict[int, list[int]]) -> None:
         """The drafts each row after some follows (by its index; j drafts before it)."""
         self._drafts = drafts
 
     def for_sampling(self) -> GrammarMasks:
-        """The masks sample_tokens takes: the masked rows' (after start()'s thread, or
-        now), and which rows are checked."""
-        if self._early is not None:
-            masks, done = self._early
-            done.result()
-        else:
-            masks = self.masks(self.masked)
-        return GrammarMasks(self.masked, masks, self.checked)
+        """The masks sample_tokens takes: the masked rows' (start()'s thread's once it is
+        done, then the rest's, now), and which rows are checked."""
+        if self._early is None:
+            return GrammarMasks(self.masked, self.masks(self.masked), self.checked)
+        early, masks, done = self._early
+        done.result()  # (before the rows after drafts move their matchers)
+        rest = [i for i in self.masked if self.drafts_before.get(i)]
+        if rest:
+            early, masks = [*early, *rest], np.concatenate([masks, self.masks(rest)])
+        return GrammarMasks(early, masks, self.checked)
 
     def refused(self, token_ids: list[int]) -> list[int]:
         """Of the checked rows, those whose token (one per sampled row of the step) the

@@ -2,8 +2,9 @@
 workers run in this process, in one process per rank or across machines. A step goes
 one way, in the same calls everywhere: execute_model (the forward pass), sample_tokens
 (with the engine's grammar masks), and redraw where a grammar refused a checked row's
-token. Each call returns at once a Pending whose result() waits for the output rank's
-answer; with a pipeline, the calls of several steps are in flight."""
+token. Each call returns a Pending whose result() waits for the output rank's answer
+(an in-process worker has run the call already; workers elsewhere answer later); with a
+pipeline, the calls of several steps are in flight."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from pyengine.loader.resolve import LoadedModel
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.logprobs import gather_logprobs
 from pyengine.sample.sampler import Redraws, Sampler
-from pyengine.spec_decode.registry import create_proposer
+from pyengine.spec_decode.registry import PROPOSERS
 from pyengine.step_values import (
     ExecuteOutput,
     GrammarMasks,
@@ -48,7 +48,7 @@ class Worker:
         self.model_runner = ModelRunner(loaded, config, self.tp, self.pp)
         spec = config.speculative
         self.drafter: DraftRunner | None = None
-        if spec is not None and create_proposer(spec).drafts_in_step:
+        if spec is not None and PROPOSERS[spec.method].drafts_in_step:
             self.drafter = DraftRunner(spec, self.model_runner, config)
             self.model_runner.share_kv_budget(self.drafter.block_bytes, self.drafter.weight_bytes)
         self.sampler = Sampler(config.seed, config.device)
