@@ -27,7 +27,6 @@ import torch
 
 from pyengine import LLM, SamplingParams
 from pyengine.layers.linear import LinearBase
-from pyengine.layers.quantization.int8_w8a8 import Int8W8A8Method
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
 from .common import add_workload_arguments, print_table, report
@@ -80,12 +79,8 @@ def single_decode_weight_bytes(model: torch.nn.Module) -> int:
     total = 0
     for layer in model.modules():
         if isinstance(layer, LinearBase):
-            # (a packed block form: GGUF's, GPTQ/AWQ's, FP8's; W8A8's int8 panels, as
-            # before the methods held their own forms, are not counted)
-            state = layer.method_state
-            int8 = isinstance(layer.method, Int8W8A8Method)
-            blocks = None if int8 else getattr(state, "packed", None)
-            packed = blocks if blocks is not None else layer.method.panels(layer)
+            # (W8A8's int8 panels are not counted: Int8W8A8Method names no decode form)
+            packed = layer.method.decode_weights(layer)
             total += 0 if packed is None else packed.numel() * packed.element_size()
     return total
 

@@ -45,11 +45,14 @@ def module_name(path: Path) -> str:
 
 
 def _type_only(tree: ast.Module) -> set[int]:
-    """The nodes under `if TYPE_CHECKING:` (imports for annotations only)."""
+    """The nodes in the body of `if TYPE_CHECKING:` (imports for annotations only; an
+    `else:` branch, or `if not TYPE_CHECKING:`, runs)."""
     inside: set[int] = set()
     for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            inside.update(id(child) for child in ast.walk(node))
+        test = node.test if isinstance(node, ast.If) else None
+        name = test.id if isinstance(test, ast.Name) else getattr(test, "attr", None)
+        if name == "TYPE_CHECKING":
+            inside.update(id(child) for statement in node.body for child in ast.walk(statement))
     return inside
 
 

@@ -189,8 +189,7 @@ class ColumnParallelLinear(LinearBase):
         if kind not in ("weight", "bias"):  # a quantized checkpoint's integers and scales
             self.method.load_quantized(self, name, kind, loaded, part)
             return
-        start, length = self.shard_offsets[part]
-        full = self.output_sizes[part]
+        full, start, length, local = self.part_rows(part)
         if kind == "weight":
             check_shape(name, loaded, (full, self.input_size))
             target = self.weight
@@ -198,12 +197,12 @@ class ColumnParallelLinear(LinearBase):
             check_shape(name, loaded, (full,))
             assert self.bias is not None
             target = self.bias
-        into = target.data.narrow(0, self.local_offsets[part], length)
+        into = target.data.narrow(0, local, length)
         copy_checked(name, into, loaded.narrow(0, start, length))
 
     def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
-        start, length = self.shard_offsets[part]
-        self.load_blocks(self.local_offsets[part], blocks.rows(start, start + length))
+        _, start, length, local = self.part_rows(part)
+        self.load_blocks(local, blocks.rows(start, start + length))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

@@ -100,6 +100,12 @@ class LinearMethod(ABC):
         del layer
         return None
 
+    def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
+        """The packed form a one-row decode step reads on the CPU: its block form where
+        the weight has one, else its panels; None where it packs none (the benchmarks'
+        bound of the bytes a decode step streams)."""
+        return self.panels(layer)
+
     def share_blocks(self, layer: LinearBase, packed: torch.Tensor) -> None:
         """Takes `packed` (a tied embedding's packed blocks of the same weight) as the
         layer's block form, instead of blocks loaded into it."""

@@ -244,6 +244,9 @@ class Fp8Method(LinearMethod):
         ops.dense_silu_and_mul(out, self._activations(held, x), held.packed, n)
         return out
 
+    def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
+        return state_of(layer, Fp8Weights).packed
+
     def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
         held = state_of(layer, Fp8Weights)
         return [held.weight_scale] + ([] if held.packed is None else [held.packed])

@@ -99,6 +99,9 @@ class GGUFBlockMethod(BlockPartsMethod, PackedPanelsMethod):
     def panels(self, layer: LinearBase) -> torch.Tensor | None:
         return None  # (a tied embedding keeps blocks of its own: share_blocks)
 
+    def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
+        return state_of(layer, PackedBlocks).packed
+
 
 class CudaBlockMethod(BlockPartsMethod):
     def __init__(self, placement: Placement) -> None:

@@ -202,7 +202,6 @@ class WeightOnlyIntMethod(LinearMethod):
     def process_weights_after_loading(self, layer: LinearBase) -> None:
         held = state_of(layer, IntWeights)
         qweight, scales, zeros, input_groups = held.integers()
-        held.input_order = None
         # The blocks, where they take the weight: on the CPU in float32, and on CUDA in 16
         # bits where PYENGINE_CUDA_BLOCK_GEMM=1 (ops.block_gemm, as a GGUF's).
         cuda_blocks = not self.placement.packs_weights and self.placement.keeps_gguf_blocks
@@ -295,6 +294,9 @@ class WeightOnlyIntMethod(LinearMethod):
         out = torch.empty(x.shape[0], n, dtype=x.dtype)
         ops.dense_silu_and_mul(out, x, held.packed, n, self.int8_activations)
         return out
+
+    def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
+        return state_of(layer, IntWeights).packed  # (the CPU's blocks; None on CUDA)
 
     def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
         held = state_of(layer, IntWeights)
