@@ -114,8 +114,12 @@ class _CheckpointNames:
     # A layer's module, and the internal module with its part of the fused q/k/v (None:
     # the whole of it)
     layer: Mapping[str, tuple[str, int | None]]
-    split_qkv: bool  # q, k and v as three tensors (OPT), not one (GPT-2)
     conv1d: tuple[str, ...] = ()  # layer modules whose weights are stored [in, out]
+
+    @property
+    def split_qkv(self) -> bool:
+        """Whether q, k and v come as three tensors (OPT), not one (GPT-2)."""
+        return any(part is not None for _, part in self.layer.values())
 
 
 _OPT_GLOBAL = {"embed_tokens": "embed_tokens", "embed_positions": "embed_positions",
@@ -295,7 +299,7 @@ class LearnedPositionDecoder(nn.Module):
 class OPTForCausalLM(LearnedPositionDecoder):
     hf_architectures: ClassVar[tuple[str, ...]] = ("OPTForCausalLM",)
     checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
-        ("model.", "decoder."), _OPT_GLOBAL, _OPT_LAYER, split_qkv=True
+        ("model.", "decoder."), _OPT_GLOBAL, _OPT_LAYER
     )
 
     @classmethod
@@ -328,7 +332,7 @@ class OPTForCausalLM(LearnedPositionDecoder):
 class GPT2ForCausalLM(LearnedPositionDecoder):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GPT2LMHeadModel",)
     checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
-        ("transformer.",), _GPT2_GLOBAL, _GPT2_LAYER, split_qkv=False, conv1d=_GPT2_CONV1D
+        ("transformer.",), _GPT2_GLOBAL, _GPT2_LAYER, conv1d=_GPT2_CONV1D
     )
 
     @classmethod
