@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -19,12 +21,15 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
+from pyengine.engine.precision import DTYPE_NAMES, Precision, choose_precision, cpu_kernels
 from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
-from pyengine.loader.resolve import DEFAULT_MODEL, load_model
+from pyengine.loader.resolve import DEFAULT_MODEL, load_model, quantized_form
 from pyengine.sampling_params import is_real
 from pyengine.spec_decode.config import SpeculativeConfig
 from pyengine.spec_decode.registry import create_proposer
+
+logger = logging.getLogger("pyengine")
 
 
 @dataclass
@@ -90,9 +95,11 @@ class EngineArgs:
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
 
     def create_engine(self) -> LLMEngine:
+        start = time.perf_counter()
         speculative = SpeculativeConfig.parse(self.speculative_config)  # (before any loading)
         device = resolve_device(self.device)
-        dtype = resolve_dtype(self.dtype, device)
+        precision = self.precision(device)
+        dtype = precision.dtype
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
             raise ValueError(
@@ -158,7 +165,23 @@ class EngineArgs:
             speculative=speculative,
             draft_token_cost=draft_cost,
         )
-        return LLMEngine(loaded, config)
+        engine = LLMEngine(loaded, config)
+        logger.info("engine ready in %.1f s", time.perf_counter() - start)
+        return engine
+
+    def precision(self, device: str) -> Precision:
+        """The dtype the model computes in (dtype "auto" resolved), logged with its reason
+        and the matmul kernels it runs on."""
+        quantized = None
+        if device == "cpu":
+            quantized = self.quantization or quantized_form(self.model, self.load_format)
+        precision = choose_precision(self.dtype, device, quantized, self.kv_cache_dtype)
+        kernels = cpu_kernels(precision.dtype) if device == "cpu" and quantized is None else None
+        logger.info(
+            "precision: %s (%s)%s", precision.dtype, precision.reason,
+            f"; matmuls: {kernels}" if kernels else "",
+        )  # fmt: skip
+        return precision
 
     def parallel_config(self) -> ParallelConfig:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -207,23 +230,11 @@ def resolve_device(device: str) -> str:
     raise ValueError(f"device {device!r}: expected 'auto', 'cpu', 'cuda' or 'cuda:N'")
 
 
-_DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
-                "float16": "float16", "half": "float16"}  # fmt: skip
 # kv_cache_dtype's names: the dtypes', vLLM's of an fp8 cache (e4m3, a per-tensor scale
 # of 1), and int8 (a scale per token and kv head)
 _KV_CACHE_DTYPE_NAMES = {
-    **_DTYPE_NAMES, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"
+    **DTYPE_NAMES, "fp8": "fp8_e4m3", "fp8_e4m3": "fp8_e4m3", "int8": "int8"
 }  # fmt: skip
-
-
-def resolve_dtype(dtype: str, device: str) -> str:
-    """ "auto" -> float32 on the CPU, bfloat16 on CUDA; otherwise float32, bfloat16 or
-    float16 (also "float", "half")."""
-    if dtype == "auto":
-        return "float32" if device == "cpu" else "bfloat16"
-    if dtype not in _DTYPE_NAMES:
-        raise ValueError(f"dtype {dtype!r}: expected 'auto', 'float32', 'bfloat16' or 'float16'")
-    return _DTYPE_NAMES[dtype]
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:

@@ -166,6 +166,31 @@ def load_model(
     )  # fmt: skip
 
 
+def quantized_form(model: str, load_format: str = "auto") -> str | None:
+    """What a checkpoint's weights are quantized as, read from its header or config
+    alone (before any weight is): "GGUF blocks" for a GGUF file with Q4_0/Q4_1/Q8_0
+    matrices, a quantization_config's method, or None for float weights (and for
+    random ones, load_format "dummy"). A model that does not resolve is None too: the
+    load that follows says why."""
+    if load_format == "dummy":
+        return None
+    try:
+        path = resolve_path(model)
+    except FileNotFoundError:
+        return None
+    if path.is_file() and (path.suffix == ".gguf" or load_format == "gguf"):
+        g = GGUFFile(path)
+        return "GGUF blocks" if any(map(g.has_block_form, g.tensors)) else None
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        return None
+    raw = _read_json(config_path)
+    quantization = raw.get("quantization_config") if isinstance(raw, dict) else None
+    if not isinstance(quantization, dict):
+        return None
+    return str(quantization.get("quant_method", "quantized"))
+
+
 def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))

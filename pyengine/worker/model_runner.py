@@ -176,7 +176,7 @@ class ModelRunner:
         q = c.quantization
         logger.info(
             "weights: %s, %.1f MiB resident (%s)",
-            q.describe() if q else "from the checkpoint",
+            q.describe() if q else str(self.placement.dtype).removeprefix("torch."),
             self.weight_bytes / 2**20,
             weight_forms(self.model),
         )

@@ -52,7 +52,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return folders
 
 
-TINY = dict(max_model_len=256, max_num_batched_tokens=48, kv_cache_memory=2**22)
+# dtype float32: the exact mode, in which every split gives one rank's tokens
+TINY = dict(max_model_len=256, max_num_batched_tokens=48, kv_cache_memory=2**22, dtype="float32")
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "gpt2"])
@@ -80,7 +81,7 @@ def test_preemption_under_a_pipeline_keeps_the_tokens(checkpoints: dict[str, Pat
     """A pool of a few blocks per scheduler: requests are preempted and recomputed."""
     model = str(checkpoints["llama"])
     prompts = [[(i + j) % 256 for j in range(60)] for i in range(0, 240, 40)]
-    small = dict(max_model_len=96, max_num_batched_tokens=48, block_size=16)
+    small = dict(max_model_len=96, max_num_batched_tokens=48, block_size=16, dtype="float32")
     # Tiny Llama: 2 layers x 2 kv heads x 32 x 16 x 2 (K, V) x 4 bytes a block; a stage of
     # PP=2 holds one layer, so the same memory holds twice the blocks (half per scheduler).
     memory = 8 * 2 * 2 * 32 * 16 * 2 * 4

@@ -104,7 +104,13 @@ def test_the_engine_runs_a_narrow_cache_where_weights_are_float32(  # type: igno
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
     runs = {}
     for cache in ("auto", kv):
-        llm = LLM(str(tmp_path), kv_cache_dtype=cache, max_model_len=128, kv_cache_memory=2**22)
+        llm = LLM(
+            str(tmp_path),
+            kv_cache_dtype=cache,
+            max_model_len=128,
+            kv_cache_memory=2**22,
+            dtype="float32",
+        )
         runs[cache] = llm.generate(prompts, params, use_tqdm=False)
         runner = llm.llm_engine.executor.driver_worker.model_runner
         assert runner.cache_dtype == (storage if cache == kv else torch.float32)

@@ -21,7 +21,7 @@ from pyengine import LLM, LoRARequest, SamplingParams, built_with_cuda
 pytest.importorskip("peft")
 
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-ENGINE = dict(max_model_len=128, kv_cache_memory=2**22, enable_lora=True)
+ENGINE = dict(max_model_len=128, kv_cache_memory=2**22, enable_lora=True, dtype="float32")
 
 
 def tokens(outputs: list) -> list[list[int]]:  # type: ignore[type-arg]
@@ -207,7 +207,7 @@ def test_bad_adapters_are_clear_errors_and_the_engine_keeps_serving(
     ]
     assert llm.llm_engine.scheduler.kv_cache.num_free_blocks == llm.llm_engine.executor.num_blocks
     llm.llm_engine.shutdown()
-    plain = LLM(str(root / "base"), max_model_len=128, kv_cache_memory=2**22)
+    plain = LLM(str(root / "base"), max_model_len=128, kv_cache_memory=2**22, dtype="float32")
     with pytest.raises(ValueError, match="start it with enable_lora=True"):
         plain.generate(prompt, GREEDY, use_tqdm=False, lora_request=good)
     plain.llm_engine.shutdown()

@@ -27,7 +27,7 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, torch.nn.Module]:  # ty
 
 def test_logits_match_transformers(checkpoint) -> None:  # type: ignore[no-untyped-def]
     folder, model = checkpoint
-    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20)
+    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, dtype="float32")
     tokens = np.random.default_rng(1).integers(0, 256, 150).tolist()
     ours = prefill_logits(llm, tokens)
     with torch.inference_mode():
@@ -39,7 +39,13 @@ def test_greedy_tokens_match_transformers(checkpoint) -> None:  # type: ignore[n
     folder, model = checkpoint
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 5, 17, 40, 90, 130)]
-    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=64 * 2**20, max_num_batched_tokens=64)
+    llm = LLM(
+        str(folder),
+        max_model_len=256,
+        kv_cache_memory=64 * 2**20,
+        max_num_batched_tokens=64,
+        dtype="float32",
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
@@ -52,8 +58,14 @@ def test_a_16_bit_kv_cache_under_float32_weights(checkpoint, kv_cache_dtype: str
     the cache dtype's rounding of float32 transformers'."""
     folder, model = checkpoint
     memory = 64 * 2**20
-    llm = LLM(str(folder), max_model_len=256, kv_cache_memory=memory, kv_cache_dtype=kv_cache_dtype)
-    full = LLM(str(folder), max_model_len=256, kv_cache_memory=memory)
+    llm = LLM(
+        str(folder),
+        max_model_len=256,
+        kv_cache_memory=memory,
+        kv_cache_dtype=kv_cache_dtype,
+        dtype="float32",
+    )
+    full = LLM(str(folder), max_model_len=256, kv_cache_memory=memory, dtype="float32")
     runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.caches[0][0].dtype == getattr(torch, kv_cache_dtype)
     assert runner.num_blocks == 2 * full.llm_engine.executor.driver_worker.model_runner.num_blocks

@@ -34,7 +34,8 @@ pytest.importorskip("transformers")
 
 PROMPTS = [[1, 2, 3, 4, 5, 6], [40, 41, 42], list(range(100, 160))]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
-ENGINE = dict(max_model_len=128, kv_cache_memory=2**22)
+# dtype float32: the exact mode, whose tokens are the dequantized weights' to the bit
+ENGINE = dict(max_model_len=128, kv_cache_memory=2**22, dtype="float32")
 # (method, bits, group size, activation order, shared by the weights of one input)
 CASES = {
     "gptq-4bit-g32": ("gptq", 4, 32, False, True),
@@ -55,7 +56,7 @@ def float_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def outputs(model: Path, **engine_args: object) -> list:  # type: ignore[type-arg]
-    llm = LLM(str(model), **ENGINE, **engine_args)
+    llm = LLM(str(model), **{**ENGINE, **engine_args})
     try:
         result = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
         return [(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in result]
@@ -223,7 +224,7 @@ def test_a_w8a8_checkpoint_runs_in_int8(float_llama: Path, tmp_path: Path, isa: 
     assert_close_logprobs(got, ref)
     # In 16 bits (CUDA's placement; here the CPU in bfloat16): int8 x int8 in
     # torch._int_mm where the device has it, the same exact sums.
-    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    llm = LLM(str(tmp_path / "q"), **{**ENGINE, "dtype": "bfloat16"})
     layer = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == torch.int8  # not widened
     from pyengine.layers.quantization.int8_w8a8 import int_mm_supported
@@ -430,7 +431,7 @@ def test_fp8_in_16_bits_multiplies_through_scaled_mm(float_llama: Path, tmp_path
     if not scaled_mm_supported(torch.device("cpu"), torch.bfloat16):
         pytest.skip("this torch has no CPU torch._scaled_mm")
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "channel", "token")
-    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    llm = LLM(str(tmp_path / "q"), **{**ENGINE, "dtype": "bfloat16"})
     model = llm.llm_engine.executor.driver_worker.model_runner.model
     layer = model.layers[1].self_attn.qkv_proj
     assert isinstance(layer.method, Fp8Method) and layer.method_state.scaled_mm
@@ -580,7 +581,7 @@ def test_fp8_block_weights_in_16_bits_are_dequantized_each_step(
     kept, each weight's block scale applied as a step runs; x quantized per group."""
     pytest.importorskip("compressed_tensors")
     write_fp8(float_llama, tmp_path / "q", tmp_path / "ref", "block", "group")
-    llm = LLM(str(tmp_path / "q"), dtype="bfloat16", **ENGINE)
+    llm = LLM(str(tmp_path / "q"), **{**ENGINE, "dtype": "bfloat16"})
     layer = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].self_attn.qkv_proj
     assert layer.weight.dtype == FP8 and not layer.method_state.scaled_mm
     assert layer.method_state.weight_scale.shape == layer.weight.shape  # (a scale a weight)

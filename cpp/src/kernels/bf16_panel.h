@@ -37,16 +37,16 @@ void multiply_bf16_rows(const uint16_t* a, int64_t lda, int rows, const uint16_t
 // Rows of x a tile-unit product multiplies at once (AMX: 16 x 48 sums, three tiles).
 inline constexpr int kBf16AmxRows = 16;
 
-// Whether multiply_bf16_rows_amx runs here for k: a multiple of 32 (a tile's pairs), on
+// Whether multiply_bf16_block_amx runs here for k: a multiple of 32 (a tile's pairs), on
 // the tile unit where amx_tiles_enabled().
 bool bf16_amx_takes(int64_t k);
 
-// As multiply_bf16_rows, 1 <= rows <= kBf16AmxRows, on AMX (tdpbf16ps: its own order
-// of the sums), reading kBf16AmxRows rows of a whatever `rows` (the ones past it padding
-// the caller owns); the calling thread's tiles configured (AmxTiles), bf16_amx_takes(k).
-// `first`: the first rows over this panel, which stream it from memory (prefetched).
-void multiply_bf16_rows_amx(const uint16_t* a, int64_t lda, int rows, const uint16_t* panel,
-                            int64_t k, bool first, float* c);
+// c [rows][kPanelWidth] = a [rows, k] (bfloat16 rows lda apart) @ the panel, rows a
+// multiple of kBf16AmxRows, on AMX (tdpbf16ps: its own order of the sums), in chunks of
+// k whose part of the panel stays in L1 while every row tile passes over it; the calling
+// thread's tiles configured (AmxTiles), bf16_amx_takes(k).
+void multiply_bf16_block_amx(const uint16_t* a, int64_t lda, int64_t rows, const uint16_t* panel,
+                             int64_t k, float* c);
 
 // dst[j] = bfloat16(src[j] + bias[j]) (bias null: none; a bfloat16 itself), j < n, each
 // rounded to nearest, ties to even, as torch rounds a float32 to bfloat16.

@@ -31,6 +31,12 @@ using detail::check_x_out;
 constexpr int kRows = 8;
 constexpr int64_t kPrefetchRows = 24;
 constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of them
+// bfloat16 rows on the tile unit: 1 MiB of them, which with the panel passing over them
+// (768 KiB at k = 8192) stays in a 2 MiB L2. A block re-reads every panel from memory, so
+// the float32 block's 384 KiB (only 16 rows at k = 8192) read a whole weight per 16 rows:
+// against it, a Llama-3.2-1B shape's prefill matmuls ran 1.3x (k = 2048) to 2x (k = 8192)
+// faster, 2048 rows, bench/cpu_peers.py's machine.
+constexpr int64_t kBf16AmxBlockElements = 512 * 1024;
 // A zmm's floats, and a ymm's: the loops below are built for either and run in the one
 // the CPU holds in its registers (detail::wide_vectors); an 8-row tile's 24 sums of 16
 // fill AVX-512's 32 registers, and 8-float tiles go in passes of 2 rows (12 sums in
@@ -233,7 +239,8 @@ constexpr int64_t kChunkRows = 2 * kQuantBlock;
 
 // Floats of a thread's tile scratch for a block of `rows` rows: a tile's sums each.
 int64_t tile_scratch_floats(int64_t rows) {
-  return (rows + kRows - 1) / kRows * kRows * kPanelWidth;
+  constexpr int64_t kTile = detail::kAmxTileRows;  // (the tile unit's blocks: 16 rows a tile)
+  return (rows + kTile - 1) / kTile * kTile * kPanelWidth;
 }
 
 // Rows [m0, m1) of x times panel p, 8 rows at a time: sink(r0, rows, tile) receives each
@@ -309,12 +316,13 @@ void multiply_panel(const Rows8& x, const Panels& w, int64_t p, int64_t m0, int6
 // matmuls 4% less: medians of 4 alternating runs in one process, same tokens.) Blocks
 // start at multiples of 16 rows, where the tile unit's row tiles do. amx: each thread's
 // tiles configured once for the region (AmxTiles), for bodies that multiply on them.
+// block_elements: of x in a block of rows.
 template <class Body>
 void for_blocks_and_units(int64_t m, int64_t k, int64_t num_units, int64_t unit_columns, bool amx,
-                          Body&& body) {
+                          Body&& body, int64_t block_elements = kBlockFloats) {
   constexpr int64_t kStep = detail::kAmxTileRows;
   const int64_t block_rows =
-      std::max<int64_t>(kStep, kBlockFloats / std::max<int64_t>(k, 1) / kStep * kStep);
+      std::max<int64_t>(kStep, block_elements / std::max<int64_t>(k, 1) / kStep * kStep);
 #pragma omp parallel if (num_units > 1 && \
                          std::min(m, block_rows) * k * unit_columns * num_units >= (1 << 16))
   {
@@ -467,16 +475,22 @@ Bf16Rows bf16_rows(const TensorView& x) {
   return {padded.data(), lda, m, lda, amx};
 }
 
+// Elements of x in a block of rows: more on the tile unit (kBf16AmxBlockElements).
+int64_t bf16_block_elements(const Bf16Rows& x) {
+  return x.amx ? kBf16AmxBlockElements : kBlockFloats;
+}
+
 // Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's (16 rows at a time on
 // the tile unit, whose tiles for_blocks_and_units configured).
 template <class Sink>
 void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, int64_t m1,
                          float* sums, Sink&& sink) {
-  if (x.amx) {
-    for (int64_t r0 = m0; r0 < m1; r0 += detail::kBf16AmxRows) {
-      const int rows = static_cast<int>(std::min<int64_t>(detail::kBf16AmxRows, m1 - r0));
-      detail::multiply_bf16_rows_amx(x.a + r0 * x.lda, x.lda, rows, panel, x.k, r0 == m0, sums);
-      sink(r0, rows, static_cast<const float*>(sums));
+  if (x.amx) {  // (x's rows padded to a multiple of 16: bf16_rows)
+    constexpr int64_t kTile = detail::kBf16AmxRows;
+    detail::multiply_bf16_block_amx(x.a + m0 * x.lda, x.lda, (m1 - m0 + kTile - 1) / kTile * kTile,
+                                    panel, x.k, sums);
+    for (int64_t r0 = m0; r0 < m1; r0 += kTile) {
+      sink(r0, std::min(kTile, m1 - r0), static_cast<const float*>(sums + (r0 - m0) * kPanelWidth));
     }
     return;
   }
@@ -516,7 +530,8 @@ void dense_bf16(const TensorView& out, const TensorView& x, const uint16_t* pane
                                                      c + (r0 + r) * ldc + first, width);
                                                }
                                              });
-                       });
+                       },
+                       bf16_block_elements(rows));
 }
 
 void dense_bf16_silu_and_mul(const TensorView& out, const TensorView& x, const uint16_t* panels,
@@ -543,7 +558,8 @@ void dense_bf16_silu_and_mul(const TensorView& out, const TensorView& x, const u
                                   gates + (r0 - m0) * kPanelWidth, tile, tile_rows,
                                   c + r0 * ldc + first, ldc, width);
                             });
-      });
+      },
+      bf16_block_elements(rows));
 }
 
 // out [t, k] = columns ids of the bfloat16 panels, exactly (out and ids checked).

