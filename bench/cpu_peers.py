@@ -116,9 +116,11 @@ def models(names: list[str], cache: Path) -> list[Model]:
     return out
 
 
-def offline(python: str, engine: str, model: Model, dtype: str, prompts: list[list[int]],
-            args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
-    """engine_peer.py's figures for one engine, in `python`."""
+def offline(
+    python: str, engine: str, model: Model, dtype: str, prompts: list[list[int]],
+    args: argparse.Namespace, env: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """engine_peer.py's figures for one engine, in `python` (more variables: env)."""
     job = {
         "engine": engine, "model": str(model.folder), "load_format": model.load_format,
         "dtype": dtype, "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
@@ -127,6 +129,7 @@ def offline(python: str, engine: str, model: Model, dtype: str, prompts: list[li
     done = subprocess.run(
         [python, str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
         cwd=tempfile.gettempdir(), timeout=3600,  # (not the checkout: its pyengine/ has no _C)
+        env={**os.environ, **(env or {})},
     )  # fmt: skip
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
@@ -202,6 +205,8 @@ def vllm_server(model: Model, args: argparse.Namespace) -> tuple[list[str], int]
 def main() -> None:
     parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build (else no vLLM rows)")
+    parser.add_argument("--vllm-all-cores", action="store_true",
+                        help="also vLLM offline with its threads on every core")  # fmt: skip
     parser.add_argument("--llama-bin", type=Path, help="folder of llama-server (else no rows)")
     parser.add_argument(
         "--llama-options", default="", help="more llama-server options, such as --no-repack"
@@ -241,6 +246,13 @@ def main() -> None:
             env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
             runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
             print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
+            if args.vllm_all_cores:  # (its default binds one core and leaves one to its frontend)
+                every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+                runs["vllm auto, every core"] = offline(
+                    args.vllm_python, "vllm", model, "auto", prompts, args, every_core
+                )
+                print(f"{model.name} vllm every core: {runs['vllm auto, every core']}", flush=True)
             command, port = vllm_server(model, args)
             streams["vllm auto"] = one_stream(command, env, port, stream_prompt, args, "vLLM")
             print(f"{model.name} vllm stream: {streams['vllm auto']}", flush=True)
@@ -264,7 +276,9 @@ def main() -> None:
             "offline": runs, "stream": streams, "bf16_decode_bound_tok_s": bound,
             "decode_bytes": model.decode_bytes,
         }  # fmt: skip
-        for peer, key in (("vllm auto", "vllm"), ("pyengine float32", "float32")):
+        peers = (("vllm auto", "vllm"), ("vllm auto, every core", "vllm_every_core"),
+                 ("pyengine float32", "float32"))  # fmt: skip
+        for peer, key in peers:
             if peer in runs:
                 figures[f"speedup_vs_{key}_offline_{model.name}"] = (
                     ours["generated_tok_s"] / runs[peer]["generated_tok_s"]

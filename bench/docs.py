@@ -30,6 +30,7 @@ ORDER = (
     "scheduler",
     "attention_cpu",
     "throughput",
+    "cpu_peers",
     "quantized",
     "perplexity",
     "distributed",
@@ -100,6 +101,36 @@ HEADLINES = (
         "CPU offline generated tokens/s, against transformers",
         figure("speedup_vs_hf_generated_tok_s"),
         "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "CPU offline generated tokens/s at both engines' defaults, against vLLM's CPU build, "
+        "least of the default model, Llama-3.2-1B's and 3B's shapes",
+        smallest("speedup_vs_vllm_offline_"),
+        "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "the same, vLLM's threads on every core (its default leaves one to its frontend)",
+        smallest("speedup_vs_vllm_every_core_offline_"),
+        "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "CPU single-stream decode through each server at the defaults, against vLLM's, least "
+        "of the three models",
+        smallest("speedup_vs_vllm_stream_"),
+        "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "single-stream decode of Llama-3.2-3B's shape, share of its bfloat16 bandwidth bound",
+        lambda f: (
+            None
+            if f.get("stream_share_of_bf16_bound_3b") is None
+            else 100 * f["stream_share_of_bf16_bound_3b"]
+        ),
+        "%",
     ),
     Headline(
         "quantized",

@@ -173,26 +173,56 @@ constexpr int64_t kAmxPairs = kAmxTileBytes / 4;  // pairs of k rows of one tile
 // x's tiles come from L2. (Each row tile over the whole k, reading 3 KiB of the panel from
 // L2 for every 1 KiB of x, ran 1.2-1.5x slower on a Llama-3.2-1B shape's prefill.)
 constexpr int64_t kAmxChunkPairs = 128;
+constexpr int64_t kAmxPrefetchSteps = 4;
+constexpr int64_t kAmxFarSteps = 16;
 
 #ifdef PYENGINE_AMX
-// c [rows][kPanelWidth] = a's rows (lda apart, rows a multiple of 16) @ the panel: for
-// each chunk of pairs, each 16-row tile's sums (tiles 0-2, the panel's three 16-column
-// thirds) loaded from c (zero at the first chunk), x's 16 rows x 16 pairs (tile 3) times
-// the thirds' B tiles (4-6: 16 pairs of lanes, a pair's lanes 192 bytes apart), stored
-// back. float32 sums stored and loaded exactly: the same sums as one pass over k. The
-// next chunk is asked into L2 a part per row tile.
+// Tiles 0-2 += x's 16 rows (lda apart) @ pairs [p0, p1) of the panel: tile 3 x's 16 rows x
+// 16 pairs, 4-6 the panel's three 16-column thirds' B tiles (16 pairs of lanes, a pair's
+// lanes 192 bytes apart). kStream: the pass that reads the chunk from memory, which asks
+// for the panel's lines kAmxPrefetchSteps tile products ahead (past the chunk too).
+template <bool kStream>
+PYENGINE_AMX_TARGET inline void tile_amx(const uint16_t* x, int64_t lda, const uint16_t* panel,
+                                         int64_t p0, int64_t p1, const char* end,
+                                         int64_t far_first, int64_t far_last) {
+  constexpr int64_t kPairBytes = kPairElements * 2;
+  constexpr int64_t kStepLines = kAmxPairs * kPairBytes / 64;
+  for (int64_t p = p0; p < p1; p += kAmxPairs) {
+    const uint16_t* lanes = panel + p * kPairElements;
+    const char* step = reinterpret_cast<const char*>(lanes);
+    if constexpr (kStream) {
+      const char* ahead = step + kAmxPrefetchSteps * kAmxPairs * kPairBytes;
+      for (int64_t line = 0; line < kStepLines && ahead + 64 * line < end; ++line) {
+        _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+      }
+    }
+    const char* far = step + kAmxFarSteps * kAmxPairs * kPairBytes;
+    for (int64_t line = far_first; line < far_last && far + 64 * line < end; ++line) {
+      _mm_prefetch(far + 64 * line, _MM_HINT_T2);
+    }
+    _tile_loadd(3, x + 2 * p, lda * 2);
+    _tile_loadd(4, lanes, kPairBytes);
+    _tile_loadd(5, lanes + 2 * kLanes, kPairBytes);
+    _tile_loadd(6, lanes + 4 * kLanes, kPairBytes);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_dpbf16ps(2, 3, 6);
+  }
+}
+
+// c [rows][kPanelWidth] = a's rows (rows a multiple of 16) @ the panel: for each chunk of
+// pairs, each 16-row tile's sums (tiles 0-2, the panel's thirds) loaded from c (zero at
+// the first chunk), multiplied over the chunk (tile_amx), stored back. float32 sums
+// stored and loaded exactly: the same sums as one pass over k.
 PYENGINE_AMX_TARGET void block_amx(const uint16_t* a, int64_t lda, int64_t rows,
                                    const uint16_t* panel, int64_t pairs, float* c) {
-  constexpr int64_t kPairBytes = kPairElements * 2;
   constexpr int64_t kRowBytes = kPanelWidth * 4;
-  const int64_t tiles = rows / kAmxTileRows;
+  constexpr int64_t kStepLines = kAmxPairs * kPairElements * 2 / 64;
+  const auto* end = reinterpret_cast<const char*>(panel + pairs * kPairElements);
   for (int64_t p0 = 0; p0 < pairs; p0 += kAmxChunkPairs) {
     const int64_t p1 = std::min(pairs, p0 + kAmxChunkPairs);
-    const auto* next = reinterpret_cast<const char*>(panel + p1 * kPairElements);
-    const int64_t next_lines = (std::min(pairs, p1 + kAmxChunkPairs) - p1) * kPairBytes / 64;
-    const int64_t lines_per_tile = (next_lines + tiles - 1) / tiles;
-    for (int64_t t = 0; t < tiles; ++t) {
-      float* sums = c + t * kAmxTileRows * kPanelWidth;
+    for (int64_t r0 = 0; r0 < rows; r0 += kAmxTileRows) {
+      float* sums = c + r0 * kPanelWidth;
       if (p0 == 0) {
         _tile_zero(0);
         _tile_zero(1);
@@ -202,20 +232,13 @@ PYENGINE_AMX_TARGET void block_amx(const uint16_t* a, int64_t lda, int64_t rows,
         _tile_loadd(1, sums + kLanes, kRowBytes);
         _tile_loadd(2, sums + 2 * kLanes, kRowBytes);
       }
-      for (int64_t line = t * lines_per_tile; line < std::min(next_lines, (t + 1) * lines_per_tile);
-           ++line) {
-        _mm_prefetch(next + 64 * line, _MM_HINT_T1);
-      }
-      const uint16_t* x = a + t * kAmxTileRows * lda;
-      for (int64_t p = p0; p < p1; p += kAmxPairs) {
-        const uint16_t* lanes = panel + p * kPairElements;
-        _tile_loadd(3, x + 2 * p, lda * 2);
-        _tile_loadd(4, lanes, kPairBytes);
-        _tile_loadd(5, lanes + 2 * kLanes, kPairBytes);
-        _tile_loadd(6, lanes + 4 * kLanes, kPairBytes);
-        _tile_dpbf16ps(0, 3, 4);
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_dpbf16ps(2, 3, 6);
+      // (each row tile asks for its share of every far step's lines: memory stays busy
+      // while the tiles after the first multiply from L1)
+      const int64_t far_first = r0 * kStepLines / rows, far_last = (r0 + kAmxTileRows) * kStepLines / rows;
+      if (r0 == 0) {
+        tile_amx<true>(a, lda, panel, p0, p1, end, far_first, far_last);
+      } else {
+        tile_amx<false>(a + r0 * lda, lda, panel, p0, p1, end, far_first, far_last);
       }
       _tile_stored(0, sums, kRowBytes);
       _tile_stored(1, sums + kLanes, kRowBytes);
