@@ -22,7 +22,8 @@ For each model and engine:
 The last line printed is one JSON object, also written to bench/results/cpu_peers.json.
 
     python -m bench.cpu_peers --vllm-python ~/peers/vllm/bin/python
-                              [--llama-bin DIR] [--models default,1b,3b] [--rounds 1]
+                              [--vllm-all-cores] [--llama-bin DIR] [--llama-options ...]
+                              [--models default,1b,3b] [--float32-models default,1b] [--rounds 1]
                               [--num-prompts 32] [--min-len 64] [--max-len 512]
                               [--output-len 128] [--stream-len 256] [--cache DIR]
 
@@ -217,7 +218,9 @@ def main() -> None:
     parser.add_argument("--stream-prompt-len", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--kv-cache-gib", type=float, default=4.0)
-    parser.add_argument("--no-float32", action="store_true", help="skip pyengine's float32 rows")
+    parser.add_argument("--float32-models", default="default,1b",
+                        help="models with a pyengine float32 row (3B's float32 panels and "
+                        "split form take 30 GB)")  # fmt: skip
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/pyengine-bench")
     args = parser.parse_args()
 
@@ -234,7 +237,8 @@ def main() -> None:
         bound = bandwidth / model.decode_bytes
         runs: dict[str, dict[str, Any]] = {}
         streams: dict[str, dict[str, Any]] = {}
-        engines = [("pyengine", "auto")] + ([] if args.no_float32 else [("pyengine", "float32")])
+        exact = model.name in args.float32_models.split(",")
+        engines = [("pyengine", "auto")] + ([("pyengine", "float32")] if exact else [])
         for engine, dtype in engines:
             name = f"pyengine {dtype}"
             runs[name] = offline(sys.executable, engine, model, dtype, prompts, args)

@@ -31,12 +31,14 @@ using detail::check_x_out;
 constexpr int kRows = 8;
 constexpr int64_t kPrefetchRows = 24;
 constexpr int64_t kBlockFloats = 96 * 1024;  // rows of x per block: 384 KiB of them
-// bfloat16 rows on the tile unit: 1 MiB of them, which with the panel passing over them
-// (768 KiB at k = 8192) stays in a 2 MiB L2. A block re-reads every panel from memory, so
-// the float32 block's 384 KiB (only 16 rows at k = 8192) read a whole weight per 16 rows:
-// against it, a Llama-3.2-1B shape's prefill matmuls ran 1.3x (k = 2048) to 2x (k = 8192)
-// faster, 2048 rows, bench/cpu_peers.py's machine.
+// bfloat16 rows on the tile unit: 1 MiB of them, and at least 256 rows. A block re-reads
+// every panel from memory (or L3), so the float32 block's 384 KiB (only 16 rows at k =
+// 8192) read a whole weight per 16 rows; the tile unit's chunks of k (bf16_panel.cpp) read
+// x's rows from L2 a chunk at a time, so a block may outgrow it where k is long. Against
+// the float32 block, a Llama-3.2-1B shape's 2048-row matmuls ran 1.3x (k = 2048) to 2.1x
+// (k = 8192) faster (best of 5 each, one process; 512 rows at k = 8192 were slower).
 constexpr int64_t kBf16AmxBlockElements = 512 * 1024;
+constexpr int64_t kBf16AmxMinBlockRows = 256;
 // A zmm's floats, and a ymm's: the loops below are built for either and run in the one
 // the CPU holds in its registers (detail::wide_vectors); an 8-row tile's 24 sums of 16
 // fill AVX-512's 32 registers, and 8-float tiles go in passes of 2 rows (12 sums in
@@ -477,7 +479,7 @@ Bf16Rows bf16_rows(const TensorView& x) {
 
 // Elements of x in a block of rows: more on the tile unit (kBf16AmxBlockElements).
 int64_t bf16_block_elements(const Bf16Rows& x) {
-  return x.amx ? kBf16AmxBlockElements : kBlockFloats;
+  return x.amx ? std::max(kBf16AmxBlockElements, kBf16AmxMinBlockRows * x.k) : kBlockFloats;
 }
 
 // Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's (16 rows at a time on
