@@ -247,7 +247,7 @@ def main() -> None:
         streams["pyengine auto"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
         print(f"{model.name} pyengine stream: {streams['pyengine auto']}", flush=True)
         if args.vllm_python:
-            env = {"VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib)}
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gib))}  # (whole GiB)
             runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
             print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
             if args.vllm_all_cores:  # (its default binds one core and leaves one to its frontend)

@@ -58,6 +58,11 @@ def figure(key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda figures: figures.get(key)
 
 
+def percent(key: str) -> Callable[[dict[str, Any]], float | None]:
+    """A share (0 to 1) in the figures, as a percentage."""
+    return lambda figures: None if figures.get(key) is None else 100 * figures[key]
+
+
 def smallest(prefix: str, suffix: str = "") -> Callable[[dict[str, Any]], float | None]:
     def pick(figures: dict[str, Any]) -> float | None:
         values = [
@@ -125,11 +130,7 @@ HEADLINES = (
     Headline(
         "cpu_peers",
         "single-stream decode of Llama-3.2-3B's shape, share of its bfloat16 bandwidth bound",
-        lambda f: (
-            None
-            if f.get("stream_share_of_bf16_bound_3b") is None
-            else 100 * f["stream_share_of_bf16_bound_3b"]
-        ),
+        percent("stream_share_of_bf16_bound_3b"),
         "%",
     ),
     Headline(
@@ -166,23 +167,19 @@ HEADLINES = (
     Headline(
         "perplexity",
         "Q8_0 weights: perplexity change against the float32 reference",
-        lambda f: (
-            None
-            if f.get("q8_0_change_vs_reference") is None
-            else 100 * f["q8_0_change_vs_reference"]
-        ),
+        percent("q8_0_change_vs_reference"),
         "%",
     ),
     Headline(
         "distributed",
         "CPU TP=2: all-reduce share of the step time (2 ranks, shared memory)",
-        lambda f: None if f.get("tp2_allreduce_share") is None else 100 * f["tp2_allreduce_share"],
+        percent("tp2_allreduce_share"),
         "%",
     ),
     Headline(
         "lora",
         "CPU offline tokens/s, 8 rank-16 LoRA adapters mixed, share of the base model's",
-        lambda f: None if f.get("mixed_share_of_base") is None else 100 * f["mixed_share_of_base"],
+        percent("mixed_share_of_base"),
         "%",
     ),
     Headline("serve", "server output tokens/s over HTTP", figure("serve_output_tok_s"), ""),

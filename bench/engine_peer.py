@@ -42,7 +42,8 @@ def resident_mib(pid: int) -> float:
 def run(job: dict[str, Any]) -> dict[str, Any]:
     engine, prompts, output_len = job["engine"], job["prompts"], job["output_len"]
     if engine == "vllm":
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(job["kv_cache_gib"]))
+        # (whole GiB: vLLM parses an int)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(int(job["kv_cache_gib"])))
         from vllm import LLM, SamplingParams
         from vllm.inputs import TokensPrompt
 
