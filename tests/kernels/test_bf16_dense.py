@@ -18,10 +18,13 @@ from helpers.dense_isa import ISAS, TILE_ISAS, pin_dense_isa, pinned_dense_isa
 from pyengine import _C, ops
 
 # m, k, n: a decode step's rows, a tile's, odd k and n, many rows over several blocks;
-# the tile unit's (k a multiple of 32, from 8 rows) whole and partial row tiles; a gate/up
-# pair of k 32, n 16: the size of a split weight (told apart by x's dtype)
+# the tile unit's (k a multiple of 32, from 8 rows) whole and partial row tiles, over
+# several chunks of k (256 a chunk: 576 and 1056, the last chunk partial) and several
+# blocks of rows (256 rows a block at k 2048, the last partial); a gate/up pair of k 32,
+# n 16: the size of a split weight (told apart by x's dtype)
 SIZES = [(1, 64, 48), (2, 33, 50), (5, 96, 97), (8, 576, 144), (13, 577, 60), (300, 130, 49),
-         (40, 64, 100), (17, 96, 48), (200, 160, 150), (3, 32, 16)]  # fmt: skip
+         (40, 64, 100), (17, 96, 48), (200, 160, 150), (3, 32, 16), (40, 1056, 60),
+         (300, 2048, 100)]  # fmt: skip
 
 
 @pytest.fixture(params=TILE_ISAS, autouse=True)
@@ -92,7 +95,8 @@ def test_a_strided_x_and_out() -> None:
     assert bool((out_wide[:, 50:] == 0).all())
 
 
-@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 48), (6, 33, 50), (40, 96, 100)])
+@pytest.mark.parametrize(("m", "k", "n"), [(1, 64, 48), (6, 33, 50), (40, 96, 100),
+                                           (270, 2048, 50)])  # fmt: skip
 def test_silu_and_mul_rounds_as_the_unfused_ops(m: int, k: int, n: int) -> None:
     x = torch.randn(m, k).bfloat16()
     w_t = torch.randn(k, 2 * n)  # gate columns, then up
