@@ -171,8 +171,14 @@ constexpr int64_t kAmxPairs = kAmxTileBytes / 4;  // pairs of k rows of one tile
 // Pairs of k rows of a chunk: the chunk's 24 KiB of the panel stay in L1 while every row
 // tile of the block passes over it (their sums kept in `c` between chunks), so that only
 // x's tiles come from L2. (Each row tile over the whole k, reading 3 KiB of the panel from
-// L2 for every 1 KiB of x, ran 1.2-1.5x slower on a Llama-3.2-1B shape's prefill.)
+// L2 for every 1 KiB of x, ran 1.07-1.25x slower on a Llama-3.2-1B shape's prefill
+// matmuls; chunks of 64 or 256 pairs were no faster.)
 constexpr int64_t kAmxChunkPairs = 128;
+// How far ahead, in tile products (16 pairs each), lines are asked for: the streaming
+// tile's panel lines into L1, x's next tile into L1, and every tile's share of the panel
+// lines far ahead into L2, so that memory stays busy while the tiles after the first
+// multiply from L1. (Against asking only 4 products ahead, decode steps of 32 rows over
+// a Llama-3.2-1B shape's weights took 10% less time, one process, best of 3.)
 constexpr int64_t kAmxPrefetchSteps = 4;
 constexpr int64_t kAmxXAhead = 2;
 constexpr int64_t kAmxFarSteps = 16;
@@ -181,7 +187,8 @@ constexpr int64_t kAmxFarSteps = 16;
 // Tiles 0-2 += x's 16 rows (lda apart) @ pairs [p0, p1) of the panel: tile 3 x's 16 rows x
 // 16 pairs, 4-6 the panel's three 16-column thirds' B tiles (16 pairs of lanes, a pair's
 // lanes 192 bytes apart). kStream: the pass that reads the chunk from memory, which asks
-// for the panel's lines kAmxPrefetchSteps tile products ahead (past the chunk too).
+// for the panel's lines kAmxPrefetchSteps tile products ahead (past the chunk too); lines
+// [far_first, far_last) of each product's kAmxFarSteps ahead: this tile's share.
 template <bool kStream>
 PYENGINE_AMX_TARGET inline void tile_amx(const uint16_t* x, int64_t lda, const uint16_t* panel,
                                          int64_t p0, int64_t p1, const char* end,
@@ -239,9 +246,8 @@ PYENGINE_AMX_TARGET void block_amx(const uint16_t* a, int64_t lda, int64_t rows,
         _tile_loadd(1, sums + kLanes, kRowBytes);
         _tile_loadd(2, sums + 2 * kLanes, kRowBytes);
       }
-      // (each row tile asks for its share of every far step's lines: memory stays busy
-      // while the tiles after the first multiply from L1)
-      const int64_t far_first = r0 * kStepLines / rows, far_last = (r0 + kAmxTileRows) * kStepLines / rows;
+      const int64_t far_first = r0 * kStepLines / rows;
+      const int64_t far_last = (r0 + kAmxTileRows) * kStepLines / rows;
       if (r0 == 0) {
         tile_amx<true>(a, lda, panel, p0, p1, end, far_first, far_last);
       } else {
