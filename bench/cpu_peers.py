@@ -59,6 +59,7 @@ from pyengine.loader.resolve import default_model_path
 
 from .checkpoints import default_model_folders
 from .common import add_workload_arguments, print_table, report
+from .engine_peer import resident_mib
 from .quantized import decode_rate, free_port
 from .serve import stream_completion, wait_until_healthy
 from .throughput import hf_model, read_bandwidth, run_hf
@@ -158,21 +159,6 @@ def cell(value: float | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def tree_resident_mib(pid: int) -> float:
-    """VmRSS of a process and every process below it (vLLM's server has children)."""
-    total, pids = 0.0, [pid]
-    while pids:
-        p = pids.pop()
-        try:
-            status = Path(f"/proc/{p}/status").read_text()
-            total += next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
-            for task in os.listdir(f"/proc/{p}/task"):
-                pids += map(int, Path(f"/proc/{p}/task/{task}/children").read_text().split())
-        except (OSError, StopIteration):
-            continue
-    return total / 1024
-
-
 def one_stream(command: list[str], env: dict[str, str], port: int, prompt: list[int],
                args: argparse.Namespace, what: str) -> dict[str, Any]:  # fmt: skip
     """Launches a server, times launch to its first token, then one streamed request."""
@@ -194,7 +180,7 @@ def one_stream(command: list[str], env: dict[str, str], port: int, prompt: list[
             "startup_s": startup,
             "decode_tok_s": max(decode_rate(r, args.stream_len) for r in streams),
             "ttft_s": min(r.ttft for r in streams),  # (the prompt's prefill, once warm)
-            "resident_mib": tree_resident_mib(server.pid),
+            "resident_mib": resident_mib(server.pid),
         }
     finally:
         server.terminate()

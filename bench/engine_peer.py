@@ -24,7 +24,8 @@ START = time.perf_counter()
 
 
 def resident_mib(pid: int) -> float:
-    """VmRSS of pid and every process below it."""
+    """VmRSS of pid and every process below it (vLLM's engine core and workers are
+    children; cpu_peers.py reads a server's tree with it too)."""
     total, pids = 0, [pid]
     while pids:
         p = pids.pop()

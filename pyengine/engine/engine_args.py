@@ -175,7 +175,8 @@ class EngineArgs:
         quantized = None
         if device == "cpu":
             quantized = self.quantization or quantized_form(self.model, self.load_format)
-        precision = choose_precision(self.dtype, device, quantized, self.kv_cache_dtype)
+        cache = cache_dtype_name(self.kv_cache_dtype)  # (a bad name refused before any log)
+        precision = choose_precision(self.dtype, device, quantized, cache)
         kernels = cpu_kernels(precision.dtype) if device == "cpu" and quantized is None else None
         logger.info(
             "precision: %s (%s)%s", precision.dtype, precision.reason,
@@ -237,18 +238,25 @@ _KV_CACHE_DTYPE_NAMES = {
 }  # fmt: skip
 
 
-def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
-    """ "auto" -> the model's dtype. Another cache dtype where kv_cache_dtype_supported
-    says: 16-bit, fp8 or int8 under float32 weights on the CPU, fp8 or int8 under 16-bit
-    weights on CUDA."""
+def cache_dtype_name(kv_cache_dtype: str) -> str | None:
+    """kv_cache_dtype's dtype, its aliases resolved; None for "auto" (the model's)."""
     if kv_cache_dtype == "auto":
-        return dtype
+        return None
     if kv_cache_dtype not in _KV_CACHE_DTYPE_NAMES:
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r}: expected 'auto', 'float32', 'bfloat16', "
             "'float16', 'fp8' (e4m3) or 'int8'"
         )
-    resolved = _KV_CACHE_DTYPE_NAMES[kv_cache_dtype]
+    return _KV_CACHE_DTYPE_NAMES[kv_cache_dtype]
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: str, device: str) -> str:
+    """ "auto" -> the model's dtype. Another cache dtype where kv_cache_dtype_supported
+    says: 16-bit, fp8 or int8 under float32 weights on the CPU, fp8 or int8 under 16-bit
+    weights on CUDA."""
+    resolved = cache_dtype_name(kv_cache_dtype)
+    if resolved is None:
+        return dtype
     if not kv_cache_dtype_supported(resolved, dtype, device):
         raise ValueError(
             f"kv_cache_dtype {kv_cache_dtype!r} with dtype {dtype!r} on {device}: a cache "

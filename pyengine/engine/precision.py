@@ -39,10 +39,11 @@ def bf16_unit() -> str | None:
 
 
 def choose_precision(dtype: str, device: str, quantized: str | None,
-                     kv_cache_dtype: str = "auto") -> Precision:  # fmt: skip
+                     kv_cache_dtype: str | None = None) -> Precision:  # fmt: skip
     """`dtype` resolved: "auto" as the module says; a named dtype (also "float", "half")
     as it is. `quantized`: the checkpoint's quantized form (loader.resolve.quantized_form),
-    or None for float weights."""
+    or None for float weights; `kv_cache_dtype`: the cache's dtype asked for, aliases
+    resolved (engine_args.cache_dtype_name), or None for the model's."""
     if dtype != "auto":
         if dtype not in DTYPE_NAMES:
             raise ValueError(
@@ -54,7 +55,7 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
     if quantized is not None:
         return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
                                     "form, whose CPU kernels take float32 activations")  # fmt: skip
-    if kv_cache_dtype not in ("auto", "bfloat16"):
+    if kv_cache_dtype not in (None, "bfloat16"):
         return Precision("float32", f"auto: kv_cache_dtype {kv_cache_dtype!r} needs float32 "
                                     "weights on the CPU")  # fmt: skip
     unit = bf16_unit()

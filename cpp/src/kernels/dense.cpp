@@ -482,8 +482,9 @@ int64_t bf16_block_elements(const Bf16Rows& x) {
   return x.amx ? std::max(kBf16AmxBlockElements, kBf16AmxMinBlockRows * x.k) : kBlockFloats;
 }
 
-// Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's (16 rows at a time on
-// the tile unit, whose tiles for_blocks_and_units configured).
+// Rows [m0, m1) of x times a bfloat16 panel, as multiply_panel's: on the tile unit (whose
+// tiles for_blocks_and_units configured) the whole block at once, chunk by chunk of k,
+// then sunk 16 rows at a time; else 8 rows at a time.
 template <class Sink>
 void multiply_bf16_panel(const Bf16Rows& x, const uint16_t* panel, int64_t m0, int64_t m1,
                          float* sums, Sink&& sink) {
