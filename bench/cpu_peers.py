@@ -22,12 +22,21 @@ For each model and engine:
   bytes a bfloat16 token reads over the read rate of torch's float32 sum (which
   understates the machine's: pyengine's decode streams faster).
 
+Quantized weights (--quantized-models, 1b,3b): one set of random weights of each shape in
+three forms (bench/shape_checkpoints.py): compressed-tensors W8A8 (int8), and GGUF Q4_1
+and Q8_0 (made with llama.cpp's llama-quantize: --llama-bin). pyengine at its default
+and vLLM's CPU build read the W8A8 folder (offline and one stream); pyengine and
+llama.cpp's server read the GGUF files (one stream each; pyengine offline on Q4_1 too).
+Each stream is set against its bound: the checkpoint's bytes (its matrices, the head's
+included) over the read rate.
+
 The last line printed is one JSON object, also written to bench/results/cpu_peers.json.
 
     python -m bench.cpu_peers --vllm-python ~/peers/vllm/bin/python
                               [--vllm-all-cores] [--transformers]
                               [--llama-bin DIR] [--llama-options ...]
-                              [--models default,1b,3b] [--float32-models default,1b] [--rounds 1]
+                              [--models default,1b,3b] [--float32-models default,1b]
+                              [--quantized-models 1b,3b] [--rounds 1]
                               [--num-prompts 32] [--min-len 64] [--max-len 512]
                               [--output-len 128] [--stream-len 256] [--cache DIR]
 
@@ -44,7 +53,6 @@ import argparse
 import asyncio
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,17 +70,10 @@ from .common import add_workload_arguments, print_table, report
 from .engine_peer import resident_mib
 from .quantized import decode_rate, free_port
 from .serve import stream_completion, wait_until_healthy
+from .shape_checkpoints import gguf_files, shape_folder, w8a8_folder
 from .throughput import hf_model, read_bandwidth, run_hf
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "engine_peer.py"
-
-# Llama-3.2's shapes with SmolLM2's vocabulary (49152): random weights of each.
-SHAPES = {
-    "1b": {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
-           "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64},
-    "3b": {"hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 28,
-           "num_attention_heads": 24, "num_key_value_heads": 8, "head_dim": 128},
-}  # fmt: skip
 
 
 @dataclass
@@ -81,22 +82,8 @@ class Model:
     folder: Path  # a Hugging Face folder (float32 weights, or a config alone)
     load_format: str  # "auto", or "dummy": random weights
     gguf: Path | None  # the same weights as a GGUF file, where there is one
-    decode_bytes: int  # weight bytes a bfloat16 decode step reads (the bound's)
-
-
-def shape_folder(name: str, tokenizer_folder: Path, cache: Path) -> Path:
-    """A config.json of Llama-3.2's `name` shape (and the default model's tokenizer)."""
-    folder = cache / f"llama-3.2-{name}-shape"
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 49152,
-        "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
-        "torch_dtype": "bfloat16", **SHAPES[name],
-    }  # fmt: skip
-    (folder / "config.json").write_text(json.dumps(config))
-    shutil.copy(tokenizer_folder / "tokenizer.json", folder / "tokenizer.json")
-    return folder
+    decode_bytes: int  # weight bytes a decode step reads (the bound's): bfloat16's, or the file's
+    offline: bool = True  # whether pyengine runs the offline workload on it too
 
 
 def linear_bytes(folder: Path, bytes_per_weight: int) -> int:
@@ -119,6 +106,19 @@ def models(names: list[str], cache: Path) -> list[Model]:
         else:
             folder = shape_folder(name, float32, cache)
             out.append(Model(name, folder, "dummy", None, linear_bytes(folder, 2)))
+    return out
+
+
+def quantized_models(name: str, cache: Path, llama_bin: Path | None) -> list[Model]:
+    """The `name` shape's random weights as W8A8 (a folder) and, with llama.cpp's tools,
+    as GGUF Q4_1 and Q8_0 files; each bound by its checkpoint's bytes."""
+    tokenizer_folder = default_model_folders(cache)["float32"]
+    w8a8 = w8a8_folder(name, tokenizer_folder, cache)
+    out = [Model(f"{name} w8a8", w8a8, "auto", None, (w8a8 / "model.safetensors").stat().st_size)]
+    if llama_bin is not None:
+        for form, path in gguf_files(name, cache, llama_bin).items():
+            out.append(Model(f"{name} {form}", path, "auto", path, path.stat().st_size,
+                             offline=form == "q4_1"))  # fmt: skip
     return out
 
 
@@ -209,6 +209,77 @@ def vllm_server(model: Model, args: argparse.Namespace) -> tuple[list[str], int]
     return command, port
 
 
+def measure(model: Model, prompts: list[list[int]], stream_prompt: list[int],
+            args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:  # fmt: skip
+    """({engine: offline figures}, {server: stream figures}) of one model: pyengine at its
+    default (and float32 where asked), transformers on the default model, vLLM on a
+    Hugging Face folder, llama.cpp on a GGUF file."""
+    runs: dict[str, dict[str, Any]] = {}
+    streams: dict[str, dict[str, Any]] = {}
+    exact = model.name in args.float32_models.split(",")
+    engines = [("pyengine", "auto")] + ([("pyengine", "float32")] if exact else [])
+    for engine, dtype in engines if model.offline else []:
+        name = f"pyengine {dtype}"
+        runs[name] = offline(sys.executable, engine, model, dtype, prompts, args)
+        print(f"{model.name} {name} offline: {runs[name]}", flush=True)
+    if args.transformers and model.name == "default":
+        runs["transformers float32"] = transformers_offline(model, prompts, args)
+        print(f"{model.name} transformers offline: {runs['transformers float32']}", flush=True)
+    command, port = pyengine_server(model, "auto", args)
+    streams["pyengine auto"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
+    print(f"{model.name} pyengine stream: {streams['pyengine auto']}", flush=True)
+    if args.vllm_python and (model.gguf is None or model.name == "default"):
+        env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gib))}  # (whole GiB)
+        runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
+        print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
+        if args.vllm_all_cores:  # (its default binds one core and leaves one to its frontend)
+            every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+                          "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
+            runs["vllm auto, every core"] = offline(
+                args.vllm_python, "vllm", model, "auto", prompts, args, every_core
+            )
+            print(f"{model.name} vllm every core: {runs['vllm auto, every core']}", flush=True)
+        command, port = vllm_server(model, args)
+        streams["vllm auto"] = one_stream(command, env, port, stream_prompt, args, "vLLM")
+        print(f"{model.name} vllm stream: {streams['vllm auto']}", flush=True)
+    if args.llama_bin and model.gguf is not None:
+        port = free_port()
+        command = [str(args.llama_bin / "llama-server"), "-m", str(model.gguf), "--port",
+                   str(port), "-c", str(args.max_model_len), "-np", "1", "--no-webui",
+                   *args.llama_options.split()]  # fmt: skip
+        streams["llama.cpp"] = one_stream(command, {}, port, stream_prompt, args, "llama.cpp")
+        print(f"{model.name} llama.cpp stream: {streams['llama.cpp']}", flush=True)
+    return runs, streams
+
+
+def ratios(model: Model, runs: dict[str, Any], streams: dict[str, Any],
+           bound: float) -> dict[str, float]:  # fmt: skip
+    """pyengine's speedups over each peer of one model, and its stream's share of the
+    bound; keys end in the model's name ("1b", "1b_w8a8", ...)."""
+    key = model.name.replace(" ", "_")
+    out: dict[str, float] = {}
+    peers = (("vllm auto", "vllm"), ("vllm auto, every core", "vllm_every_core"),
+             ("pyengine float32", "float32"),
+             ("transformers float32", "transformers"))  # fmt: skip
+    if "pyengine auto" in runs:
+        ours = runs["pyengine auto"]["generated_tok_s"]
+        for peer, name in peers:
+            if peer in runs:
+                out[f"speedup_vs_{name}_offline_{key}"] = ours / runs[peer]["generated_tok_s"]
+    ours_stream = streams["pyengine auto"]["decode_tok_s"]
+    for peer, name in (("vllm auto", "vllm"), ("llama.cpp", "llamacpp")):
+        if peer in streams:
+            out[f"speedup_vs_{name}_stream_{key}"] = ours_stream / streams[peer]["decode_tok_s"]
+    if model.name != "default":  # (the default model streams from its Q4_1 file)
+        share = (
+            "stream_share_of_bf16_bound"
+            if model.load_format == "dummy"
+            else "stream_share_of_bound"
+        )
+        out[f"{share}_{key}"] = ours_stream / bound
+    return out
+
+
 def main() -> None:
     parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__))
     parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build (else no vLLM rows)")
@@ -216,11 +287,14 @@ def main() -> None:
                         help="also vLLM offline with its threads on every core")  # fmt: skip
     parser.add_argument("--transformers", action="store_true",
                         help="transformers' generate on the default model too")  # fmt: skip
-    parser.add_argument("--llama-bin", type=Path, help="folder of llama-server (else no rows)")
+    parser.add_argument("--llama-bin", type=Path,
+                        help="llama-server's and llama-quantize's folder")  # fmt: skip
     parser.add_argument(
         "--llama-options", default="", help="more llama-server options, such as --no-repack"
     )
     parser.add_argument("--models", default="default,1b,3b")
+    parser.add_argument("--quantized-models", default="1b,3b",
+                        help="shapes also run as W8A8, GGUF Q4_1 and Q8_0")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--stream-len", type=int, default=256)
     parser.add_argument("--stream-prompt-len", type=int, default=128)
@@ -241,74 +315,36 @@ def main() -> None:
     offline_rows: list[tuple[str, ...]] = []
     stream_rows: list[tuple[str, ...]] = []
     figures: dict[str, Any] = {}
-    for model in models(args.models.split(","), args.cache):
+    every = models(args.models.split(","), args.cache)
+    for name in filter(None, args.quantized_models.split(",")):
+        every += quantized_models(name, args.cache, args.llama_bin)
+    for model in every:
         bound = bandwidth / model.decode_bytes
-        runs: dict[str, dict[str, Any]] = {}
-        streams: dict[str, dict[str, Any]] = {}
-        exact = model.name in args.float32_models.split(",")
-        engines = [("pyengine", "auto")] + ([("pyengine", "float32")] if exact else [])
-        for engine, dtype in engines:
-            name = f"pyengine {dtype}"
-            runs[name] = offline(sys.executable, engine, model, dtype, prompts, args)
-            print(f"{model.name} {name} offline: {runs[name]}", flush=True)
-        if args.transformers and model.name == "default":
-            runs["transformers float32"] = transformers_offline(model, prompts, args)
-            print(f"{model.name} transformers offline: {runs['transformers float32']}", flush=True)
-        command, port = pyengine_server(model, "auto", args)
-        streams["pyengine auto"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
-        print(f"{model.name} pyengine stream: {streams['pyengine auto']}", flush=True)
-        if args.vllm_python:
-            env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gib))}  # (whole GiB)
-            runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
-            print(f"{model.name} vllm offline: {runs['vllm auto']}", flush=True)
-            if args.vllm_all_cores:  # (its default binds one core and leaves one to its frontend)
-                every_core = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-                              "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # fmt: skip
-                runs["vllm auto, every core"] = offline(
-                    args.vllm_python, "vllm", model, "auto", prompts, args, every_core
-                )
-                print(f"{model.name} vllm every core: {runs['vllm auto, every core']}", flush=True)
-            command, port = vllm_server(model, args)
-            streams["vllm auto"] = one_stream(command, env, port, stream_prompt, args, "vLLM")
-            print(f"{model.name} vllm stream: {streams['vllm auto']}", flush=True)
-        if args.llama_bin and model.gguf is not None:
-            port = free_port()
-            command = [str(args.llama_bin / "llama-server"), "-m", str(model.gguf), "--port",
-                       str(port), "-c", str(args.max_model_len), "-np", "1", "--no-webui",
-                       *args.llama_options.split()]  # fmt: skip
-            streams["llama.cpp"] = one_stream(command, {}, port, stream_prompt, args, "llama.cpp")
-            print(f"{model.name} llama.cpp stream: {streams['llama.cpp']}", flush=True)
-        ours, ours_stream = runs["pyengine auto"], streams["pyengine auto"]
+        runs, streams = measure(model, prompts, stream_prompt, args)
+        ours, ours_stream = runs.get("pyengine auto"), streams["pyengine auto"]
         for name, r in runs.items():
+            ratio = ours and ours["generated_tok_s"] / r["generated_tok_s"]
             offline_rows.append((model.name, name, f"{r['generated_tok_s']:.1f}",
-                                 f"{ours['generated_tok_s'] / r['generated_tok_s']:.2f}",
-                                 cell(r["startup_s"], ".1f"),
+                                 cell(ratio, ".2f"), cell(r["startup_s"], ".1f"),
                                  cell(r["resident_mib"], ".0f")))  # fmt: skip
         for name, r in streams.items():
+            share = None if model.name == "default" else r["decode_tok_s"] / bound
             stream_rows.append((model.name, name, f"{r['decode_tok_s']:.1f}",
                                 f"{ours_stream['decode_tok_s'] / r['decode_tok_s']:.2f}",
+                                cell(share, ".0%"),
                                 f"{r['ttft_s'] * 1e3:.0f}", f"{r['startup_s']:.1f}",
                                 f"{r['resident_mib']:.0f}"))  # fmt: skip
-        figures[model.name] = {
-            "offline": runs, "stream": streams, "bf16_decode_bound_tok_s": bound,
+        figures[model.name.replace(" ", "_")] = {
+            "offline": runs, "stream": streams, "decode_bound_tok_s": bound,
             "decode_bytes": model.decode_bytes,
         }  # fmt: skip
-        peers = (("vllm auto", "vllm"), ("vllm auto, every core", "vllm_every_core"),
-                 ("pyengine float32", "float32"),
-                 ("transformers float32", "transformers"))  # fmt: skip
-        for peer, key in peers:
-            if peer in runs:
-                figures[f"speedup_vs_{key}_offline_{model.name}"] = (
-                    ours["generated_tok_s"] / runs[peer]["generated_tok_s"]
-                )
-        for peer, key in (("vllm auto", "vllm"), ("llama.cpp", "llamacpp")):
-            if peer in streams:
-                figures[f"speedup_vs_{key}_stream_{model.name}"] = (
-                    ours_stream["decode_tok_s"] / streams[peer]["decode_tok_s"]
-                )
-        if model.gguf is None:  # (the default model streams from its Q4_1 file)
-            figures[f"stream_share_of_bf16_bound_{model.name}"] = (
-                ours_stream["decode_tok_s"] / bound
+        figures.update(ratios(model, runs, streams, bound))
+    for name in filter(None, args.quantized_models.split(",")):  # W8A8 against vLLM's default
+        ours, theirs = figures.get(f"{name}_w8a8"), figures.get(name)
+        if ours and theirs and "vllm auto" in theirs["offline"]:
+            figures[f"speedup_vs_vllm_default_offline_{name}_w8a8"] = (
+                ours["offline"]["pyengine auto"]["generated_tok_s"]
+                / theirs["offline"]["vllm auto"]["generated_tok_s"]
             )
     figures["read_bandwidth_gb_s"] = bandwidth / 1e9
 
@@ -317,9 +353,12 @@ def main() -> None:
     t1 = print_table(("model", "engine, dtype", "generated tok/s", "pyengine auto / it",
                       "start-up to 1st token (s)", "resident MiB"), offline_rows, 2)  # fmt: skip
     print(f"\nOne stream through each server: {args.stream_len} tokens after "
-          f"{args.stream_prompt_len}; read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
-    t2 = print_table(("model", "server", "decode tok/s", "pyengine / it", "TTFT (ms)",
-                      "launch to 1st token (s)", "resident MiB"), stream_rows, 2)  # fmt: skip
+          f"{args.stream_prompt_len}; the bound is the weight bytes a token reads (bfloat16's "
+          f"for the dummy shapes, the checkpoint's for the quantized forms) over the read "
+          f"rate of torch's float32 sum, {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
+    t2 = print_table(("model", "server", "decode tok/s", "pyengine / it", "of the bound",
+                      "TTFT (ms)", "launch to 1st token (s)", "resident MiB"),
+                     stream_rows, 2)  # fmt: skip
     report("cpu_peers", figures, tables=[t1, t2])
 
 

@@ -60,7 +60,17 @@ def figure(key: str) -> Callable[[dict[str, Any]], float | None]:
 
 def percent(key: str) -> Callable[[dict[str, Any]], float | None]:
     """A share (0 to 1) in the figures, as a percentage."""
-    return lambda figures: None if figures.get(key) is None else 100 * figures[key]
+    return as_percent(lambda figures: figures.get(key))
+
+
+def as_percent(
+    share: Callable[[dict[str, Any]], float | None],
+) -> Callable[[dict[str, Any]], float | None]:
+    def pick(figures: dict[str, Any]) -> float | None:
+        value = share(figures)
+        return None if value is None else 100 * value
+
+    return pick
 
 
 def smallest(prefix: str, suffix: str = "") -> Callable[[dict[str, Any]], float | None]:
@@ -70,6 +80,16 @@ def smallest(prefix: str, suffix: str = "") -> Callable[[dict[str, Any]], float 
             for k, v in figures.items()
             if k.startswith(prefix) and k.endswith(suffix) and v is not None
         ]
+        return min(values) if values else None
+
+    return pick
+
+
+def least(*keys: str) -> Callable[[dict[str, Any]], float | None]:
+    """The least of these figures that were measured."""
+
+    def pick(figures: dict[str, Any]) -> float | None:
+        values = [figures[k] for k in keys if figures.get(k) is not None]
         return min(values) if values else None
 
     return pick
@@ -111,20 +131,33 @@ HEADLINES = (
         "cpu_peers",
         "CPU offline generated tokens/s at both engines' defaults, against vLLM's CPU build, "
         "least of the default model, Llama-3.2-1B's and 3B's shapes",
-        smallest("speedup_vs_vllm_offline_"),
+        least(*(f"speedup_vs_vllm_offline_{m}" for m in ("default", "1b", "3b"))),
         "x",
     ),
     Headline(
         "cpu_peers",
         "the same, vLLM's threads on every core (its default leaves one to its frontend)",
-        smallest("speedup_vs_vllm_every_core_offline_"),
+        least(*(f"speedup_vs_vllm_every_core_offline_{m}" for m in ("default", "1b", "3b"))),
+        "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "the same on int8 W8A8 checkpoints of the 1B and 3B shapes, both engines reading them",
+        smallest("speedup_vs_vllm_offline_", "_w8a8"),
         "x",
     ),
     Headline(
         "cpu_peers",
         "CPU single-stream decode through each server at the defaults, against vLLM's, least "
-        "of the three models",
+        "of the three models and the W8A8 checkpoints",
         smallest("speedup_vs_vllm_stream_"),
+        "x",
+    ),
+    Headline(
+        "cpu_peers",
+        "single-stream decode against llama.cpp's server on the same GGUF file, least of the "
+        "default model and the 1B/3B shapes' Q4_1 and Q8_0",
+        smallest("speedup_vs_llamacpp_stream_"),
         "x",
     ),
     Headline(
@@ -132,6 +165,12 @@ HEADLINES = (
         "single-stream decode of Llama-3.2-3B's shape, against its bfloat16 bound (weight bytes "
         "over the read rate of torch's float32 sum, which pyengine's decode exceeds)",
         percent("stream_share_of_bf16_bound_3b"),
+        "%",
+    ),
+    Headline(
+        "cpu_peers",
+        "the same for its int8 (W8A8) and 4- and 8-bit GGUF (Q4_1, Q8_0) checkpoints, least",
+        as_percent(smallest("stream_share_of_bound_3b_")),
         "%",
     ),
     Headline(

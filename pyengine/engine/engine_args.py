@@ -11,7 +11,6 @@ import torch
 
 from pyengine import built_with_cuda
 from pyengine.config import (
-    QUANTIZED_ACTIVATIONS,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -21,7 +20,13 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
-from pyengine.engine.precision import DTYPE_NAMES, Precision, choose_precision, cpu_kernels
+from pyengine.engine.precision import (
+    DTYPE_NAMES,
+    Precision,
+    choose_precision,
+    cpu_kernels,
+    with_activations,
+)
 from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model, quantized_form
@@ -54,12 +59,13 @@ class EngineArgs:
     # "gptq", "awq" or "compressed-tensors"; None: the checkpoint's quantization_config
     # says (or float weights)
     quantization: str | None = None
-    # How block-quantized layers (GGUF's, GPTQ/AWQ's) on the CPU take a decode step's
+    # How block-quantized layers (GGUF's, GPTQ/AWQ's) on the CPU take a step's
     # activations: "float32", the dequantized weights' exact float32 product (greedy
     # tokens those of transformers on them); "int8", quantized per block of 32 and
     # multiplied in integers, as llama.cpp (and vLLM's GGUF kernels) do: several times
-    # fewer instructions, at the cost of the activations' rounding to 8 bits.
-    quantized_activations: str = "float32"
+    # fewer instructions, at the cost of the activations' rounding to 8 bits; "auto",
+    # int8 where dtype is "auto" and the CPU has VNNI, else float32 (engine/precision.py).
+    quantized_activations: str = "auto"
     max_logprobs: int = 20  # the most logprobs / prompt_logprobs a request may ask for
     # "fcfs" (arrival order), or "priority": a request's priority first (lower first, as
     # vLLM), and preemption takes the lowest-priority running request first
@@ -101,11 +107,6 @@ class EngineArgs:
         precision = self.precision(device)
         dtype = precision.dtype
         kv_cache_dtype = resolve_kv_cache_dtype(self.kv_cache_dtype, dtype, device)
-        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
-            raise ValueError(
-                f"quantized_activations {self.quantized_activations!r}: expected one of "
-                f"{', '.join(map(repr, QUANTIZED_ACTIVATIONS))}"
-            )
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError("gpu_memory_utilization must be in (0, 1]")
         if not is_real(self.kv_offload_gb) or not 0 <= self.kv_offload_gb < 2**20:
@@ -158,7 +159,7 @@ class EngineArgs:
             kv_offload_dir=self.kv_offload_dir,
             preemption_mode=self.preemption_mode,
             parallel=parallel,
-            quantized_activations=self.quantized_activations,
+            quantized_activations=precision.quantized_activations,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
             if self.enable_lora
             else None,
@@ -177,6 +178,7 @@ class EngineArgs:
             quantized = self.quantization or quantized_form(self.model, self.load_format)
         cache = cache_dtype_name(self.kv_cache_dtype)  # (a bad name refused before any log)
         precision = choose_precision(self.dtype, device, quantized, cache)
+        precision = with_activations(precision, self.quantized_activations)
         kernels = cpu_kernels(precision.dtype) if device == "cpu" and quantized is None else None
         logger.info(
             "precision: %s (%s)%s", precision.dtype, precision.reason,

@@ -6,8 +6,13 @@ AVX512-BF16's dot products), as vLLM's CPU backend chooses, float32 checkpoints 
 half the bytes a decode step streams and several times the prefill's products. Elsewhere
 it is float32, whose packed-panel kernels are then the fastest. A quantized checkpoint
 keeps its quantized form (its kernels take float32 activations), and so does a KV cache
-dtype that only float32 weights take on the CPU. `dtype="float32"` is the exact mode:
-greedy tokens identical to transformers in float32. On CUDA "auto" is bfloat16.
+dtype that only float32 weights take on the CPU. Its block-quantized layers (GGUF's,
+GPTQ/AWQ's) then take their activations as llama.cpp does where the CPU has VNNI: each
+row rounded to int8 per block of 32 and multiplied in integers, which brings a 4-bit
+decode step to the memory's read bound (the float32 product widens every weight and is
+bound by the cores) and doubles the prefill's rate. `dtype="float32"` is the exact mode:
+greedy tokens identical to transformers in float32, float32 activations everywhere. On
+CUDA "auto" is bfloat16.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pyengine import _C
+from pyengine.config import QUANTIZED_ACTIVATIONS
 from pyengine.layers.quantization.unquantized import split_gemm_enabled
 
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
@@ -27,6 +33,9 @@ class Precision:
 
     dtype: str
     reason: str
+    # How block-quantized layers take their activations on the CPU (EngineArgs'
+    # quantized_activations, "auto" resolved): "float32" or "int8".
+    quantized_activations: str = "float32"
 
 
 def bf16_unit() -> str | None:
@@ -53,6 +62,10 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
     if device != "cpu":
         return Precision("bfloat16", "auto on a GPU")
     if quantized is not None:
+        if _C.int8_dense_vnni():
+            return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
+                             "form; its blocks take activations rounded to int8 per 32 for "
+                             "VNNI's products, as llama.cpp does", "int8")  # fmt: skip
         return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
                                     "form, whose CPU kernels take float32 activations")  # fmt: skip
     if kv_cache_dtype not in (None, "bfloat16"):
@@ -63,6 +76,20 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
         return Precision("float32", "auto: this CPU has neither AMX nor AVX512-BF16 (or the "
                                     "kernels are pinned to a build without them)")  # fmt: skip
     return Precision("bfloat16", f"auto: this CPU multiplies bfloat16 on {unit}")
+
+
+def with_activations(precision: Precision, asked: str) -> Precision:
+    """`precision` with EngineArgs.quantized_activations applied: "auto" keeps the choice
+    made with the dtype (int8 only where the dtype was "auto" too), a name replaces it."""
+    if asked == "auto" or asked == precision.quantized_activations:
+        return precision
+    if asked not in QUANTIZED_ACTIVATIONS:
+        raise ValueError(
+            f"quantized_activations {asked!r}: expected one of "
+            f"{', '.join(map(repr, ('auto', *QUANTIZED_ACTIVATIONS)))}"
+        )
+    return Precision(precision.dtype, f"{precision.reason}; quantized activations {asked}, "
+                                      "as asked", asked)  # fmt: skip
 
 
 def cpu_kernels(dtype: str) -> str:

@@ -48,11 +48,15 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument(
+        "--dtype", default="auto", help="auto (the fastest on this machine) or float32 (exact)"
+    )
 
 
 def _llm_engine(ns: argparse.Namespace) -> LLMEngine:
     print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
-    return EngineArgs(model=ns.model, max_model_len=ns.max_model_len).create_engine()
+    args = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, dtype=ns.dtype)
+    return args.create_engine()
 
 
 def _params(ns: argparse.Namespace) -> SamplingParams:

@@ -130,7 +130,7 @@ def default_model() -> tuple[str, list[list[int]]]:
 
 
 # The default model: 30 layers, 9 heads, 3 kv heads of 64; one rank's block is 360 KiB.
-SMOLLM = dict(max_model_len=1024, max_num_batched_tokens=128)
+SMOLLM = dict(max_model_len=1024, max_num_batched_tokens=128, dtype="float32")
 SMOLLM_BLOCK_BYTES = 2 * 30 * 3 * 64 * 16 * 4
 
 

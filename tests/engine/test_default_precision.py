@@ -1,6 +1,7 @@
 """dtype="auto": bfloat16 where the CPU multiplies it natively, float32 elsewhere, for
-quantized checkpoints and for the KV cache dtypes only float32 weights take; the log
-line that says so; and one copy of the weights resident in the chosen form."""
+quantized checkpoints and for the KV cache dtypes only float32 weights take; a quantized
+checkpoint's blocks take int8 activations where the CPU has VNNI; the log line that says
+so; and one copy of the weights resident in the chosen form."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from helpers.dense_isa import AMX, TILE_ISAS, pin_dense_isa, unpin_dense_isa
 from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import _C, LLM
-from pyengine.engine.precision import bf16_unit, choose_precision
+from pyengine.engine.precision import bf16_unit, choose_precision, with_activations
 
 BF16_DOT = _C.cpu_supports("avx512") and _C.bf16_dot_product()
+VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
 
 
 @pytest.fixture(params=TILE_ISAS)
@@ -49,6 +51,32 @@ def test_auto_keeps_quantized_forms_and_float32_only_caches(isa: str) -> None:
     assert choose_precision("auto", "cpu", None, "bfloat16") == choose_precision(
         "auto", "cpu", None
     )
+
+
+def test_auto_takes_int8_activations_for_blocks_where_vnni_multiplies_them(isa: str) -> None:
+    """VNNI's int8 products (the AVX-512 build and AMX's, on a CPU with VNNI) make int8
+    activations the faster arithmetic for block-quantized layers; elsewhere, and in the
+    exact mode, they stay float32."""
+    expected = "int8" if VNNI and isa in ("avx512", "amx") else "float32"
+    for form in ("GGUF blocks", "gptq", "awq", "compressed-tensors"):
+        chosen = choose_precision("auto", "cpu", form)
+        assert chosen.dtype == "float32" and chosen.quantized_activations == expected
+        assert ("int8 per 32" in chosen.reason) == (expected == "int8")
+    assert choose_precision("float32", "cpu", "GGUF blocks").quantized_activations == "float32"
+    assert choose_precision("auto", "cpu", None).quantized_activations == "float32"
+
+
+def test_quantized_activations_asked_for_replace_the_choice() -> None:
+    auto, exact = (
+        choose_precision("auto", "cpu", "GGUF blocks"),
+        choose_precision("float32", "cpu", "GGUF blocks"),
+    )
+    assert with_activations(auto, "auto") == auto
+    assert with_activations(auto, "float32").quantized_activations == "float32"
+    asked = with_activations(exact, "int8")
+    assert asked.quantized_activations == "int8" and asked.reason.endswith("int8, as asked")
+    with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
+        with_activations(auto, "int4")
 
 
 def test_named_dtypes_are_kept_and_bad_ones_refused() -> None:
@@ -88,7 +116,9 @@ def test_the_default_model_keeps_its_4_bit_blocks(caplog: pytest.LogCaptureFixtu
         pytest.skip(str(error))
     with caplog.at_level(logging.INFO, logger="pyengine"):
         llm = LLM(max_model_len=64, kv_cache_memory=2**22)
-    assert llm.llm_engine.config.dtype == "float32"
+    config = llm.llm_engine.config
+    assert config.dtype == "float32"
+    assert config.quantized_activations == ("int8" if _C.int8_dense_vnni() else "float32")
     assert any("GGUF blocks keep their quantized form" in r.getMessage() for r in caplog.records)
     llm.llm_engine.shutdown()
 

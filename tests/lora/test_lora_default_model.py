@@ -38,7 +38,7 @@ def test_default_model_adapters_give_peft_greedy_tokens(tmp_path: Path) -> None:
         requests[name] = LoRARequest(name, seed, str(tmp_path / name))
     base = hf_model_from_weights(loaded.config, loaded.weights)
     expected["base"] = [hf_greedy(base, p, NEW_TOKENS) for p in prompts]
-    llm = LLM(max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(max_model_len=512, enable_lora=True, max_loras=2, max_lora_rank=8, dtype="float32")
     names = ["first", "base", "second"]
     batch = [{"prompt_token_ids": p} for p in prompts for _ in names]
     loras = [requests.get(n) for _ in prompts for n in names]

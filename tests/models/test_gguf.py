@@ -306,7 +306,7 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
     path, _ = tiny_llama
     loaded = load_model(str(path))
     reference = hf_model_from_weights(loaded.config, loaded.weights)
-    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20, dtype="float32")
     # Every step multiplies from the block forms: q/k/v and gate/up fused from 4- and
     # 8-bit parts (8-bit then), down Q4_K in layer 0 (4-bit) and Q6_K in layer 1 (8-bit,
     # a scale per 16 inputs).
@@ -330,7 +330,7 @@ def test_gguf_llama_generates_as_transformers(tiny_llama) -> None:  # type: igno
 
 def decode_logprobs(path: Path, **engine: object) -> list[tuple[list[int], list]]:  # type: ignore[type-arg]
     """Greedy tokens and each step's top-5 logprobs of two prompts."""
-    llm = LLM(str(path), kv_cache_memory=32 * 2**20, **engine)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20, dtype="float32", **engine)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
     try:
         result = llm.generate([[5, 6, 7, 8], list(range(30, 70))], params, use_tqdm=False)
@@ -351,7 +351,7 @@ def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: igno
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
     assert max(differences) > 1e-6
     with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
-        LLM(str(path), kv_cache_memory=32 * 2**20, quantized_activations="int4")
+        LLM(str(path), kv_cache_memory=32 * 2**20, dtype="float32", quantized_activations="int4")
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
@@ -379,7 +379,7 @@ def test_2_and_3_bit_k_quants_multiply_from_their_blocks(tmp_path: Path) -> None
     write_tiny_llama(path, other_types={**OTHER_TYPES, **low})
     loaded = load_model(str(path))
     reference = hf_model_from_weights(loaded.config, loaded.weights)
-    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20, dtype="float32")
     model = llm.llm_engine.executor.driver_worker.model_runner.model
     for layer in model.layers:
         blocks = layer.mlp.down_proj.method_state.packed
@@ -403,7 +403,7 @@ def test_a_tied_quantized_gguf_splits_every_way_as_one_rank(tmp_path: Path) -> N
     reference = hf_model_from_weights(loaded.config, loaded.weights)
     prompts = [[5, 6, 7, 8], list(range(30, 70))]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    engine = dict(kv_cache_memory=32 * 2**20, max_model_len=128)
+    engine = dict(kv_cache_memory=32 * 2**20, max_model_len=128, dtype="float32")
     llm = LLM(str(path), **engine)
     model = llm.llm_engine.executor.driver_worker.model_runner.model
     assert model.embed_tokens.packed is model.lm_head.method_state.packed
@@ -443,7 +443,7 @@ def test_gguf_llama3_rope_scaling_comes_from_rope_freqs(tmp_path: Path) -> None:
         hf_model_from_weights(replace(loaded.config, rope_scaling=rope), loaded.weights)
         for rope in (LLAMA3_ROPE, None)
     )
-    llm = LLM(str(path), kv_cache_memory=32 * 2**20)
+    llm = LLM(str(path), kv_cache_memory=32 * 2**20, dtype="float32")
     prompt = llm.get_tokenizer().encode("a prompt long enough for the low frequencies to turn")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     got = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0]
@@ -454,7 +454,7 @@ def test_gguf_llama3_rope_scaling_comes_from_rope_freqs(tmp_path: Path) -> None:
 def test_gguf_rope_freqs_of_the_wrong_size_and_other_scalings_are_refused(tmp_path: Path) -> None:
     write_tiny_llama(tmp_path / "short.gguf", rope_freqs=np.ones(7))
     with pytest.raises(ValueError, match="rope_freqs has 7 divisors; head size 32 needs 16"):
-        LLM(str(tmp_path / "short.gguf"), kv_cache_memory=32 * 2**20)
+        LLM(str(tmp_path / "short.gguf"), kv_cache_memory=32 * 2**20, dtype="float32")
     write_tiny_llama(tmp_path / "yarn.gguf", rope_scaling_type="yarn")
     with pytest.raises(GGUFError, match="rope scaling 'yarn' is not supported"):
         load_model(str(tmp_path / "yarn.gguf"))

@@ -63,6 +63,7 @@ def test_greedy_matches_transformers(
 ) -> None:  # type: ignore[no-untyped-def]
     block_bytes = 2 * 30 * 3 * 64 * 16 * 4
     llm = LLM(
+        dtype="float32",
         max_model_len=1024,
         enable_prefix_caching=prefix_caching,
         enable_chunked_prefill=chunked,
@@ -81,7 +82,7 @@ def test_greedy_matches_transformers(
 
 
 def test_shared_prefix_hits_the_cache_and_keeps_the_tokens(loaded, prompts, expected) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(max_model_len=1024)
+    llm = LLM(max_model_len=1024, dtype="float32")
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     long_prompt = prompts[-1]
     first = llm.generate({"prompt_token_ids": long_prompt}, params, use_tqdm=False)
@@ -97,7 +98,7 @@ def test_shared_prefix_hits_the_cache_and_keeps_the_tokens(loaded, prompts, expe
 
 
 def test_chat_answers_from_the_model(loaded) -> None:  # type: ignore[no-untyped-def]
-    llm = LLM(max_model_len=512)
+    llm = LLM(max_model_len=512, dtype="float32")
     out = llm.chat(
         [{"role": "user", "content": "What is the capital of France?"}],
         SamplingParams(temperature=0, max_tokens=20),

@@ -31,7 +31,9 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    yield from serving()  # (Ctrl-C shuts it down cleanly)
+    # float32: the exact mode, whose tokens the expectations here were written against (and
+    # the offline engine below computes alike). (Ctrl-C shuts it down cleanly)
+    yield from serving(extra=("--dtype", "float32"))
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +43,8 @@ def client(server: Server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def offline() -> LLM:
-    return LLM(DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES)
+    return LLM(DEFAULT_MODEL, max_model_len=MAX_MODEL_LEN, kv_cache_memory=KV_CACHE_BYTES,
+               dtype="float32")  # fmt: skip
 
 
 def _greedy(max_tokens: int, **extra: Any) -> SamplingParams:
@@ -408,7 +411,8 @@ def test_cli_generate(offline: LLM) -> None:
     prompt = "Name three colors."
     run = subprocess.run(
         [sys.executable, "-m", "pyengine.entrypoints.cli", "generate", prompt,
-         "--max-tokens", "12", "--temperature", "0", "--max-model-len", str(MAX_MODEL_LEN)],
+         "--max-tokens", "12", "--temperature", "0", "--max-model-len", str(MAX_MODEL_LEN),
+         "--dtype", "float32"],
         capture_output=True, text=True, timeout=300, cwd=OUTSIDE_SOURCE_TREE,
         env={**os.environ, "PYENGINE_CPU_KV_CACHE_GIB": "0.1"},
     )  # fmt: skip

@@ -331,10 +331,10 @@ def test_the_default_model_rewriting_its_prompt() -> None:
         pytest.skip(str(error))
     texts = [f"Repeat this text exactly.\n\n{TEXT * k}\n\nThe text again:\n\n" for k in (1, 2)]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    plain = LLM(max_model_len=512)
+    plain = LLM(max_model_len=512, dtype="float32")  # (lossless exactly in float32)
     want = tokens(plain.generate(texts, params, use_tqdm=False))
     for method in (NGRAM, SUFFIX, {**DRAFT, "draft_layers": 10}):
-        spec = LLM(max_model_len=512, speculative_config=method)
+        spec = LLM(max_model_len=512, speculative_config=method, dtype="float32")
         assert tokens(spec.generate(texts, params, use_tqdm=False)) == want
         stats = spec.llm_engine.core.spec_stats
         if method["method"] != "draft_model":  # (early layers are poor drafts: few given)

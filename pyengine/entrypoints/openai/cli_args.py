@@ -58,11 +58,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "weights (CPU)",
     )
     parser.add_argument(
-        "--quantized-activations", choices=list(QUANTIZED_ACTIVATIONS),
+        "--quantized-activations", choices=["auto", *QUANTIZED_ACTIVATIONS],
         default=d.quantized_activations,
-        help="a decode step's activations for block-quantized CPU layers (GGUF, GPTQ/AWQ): "
-        "float32 (the dequantized weights' exact product) or int8 (per block of 32, as "
-        "llama.cpp: faster)",
+        help="a step's activations for block-quantized CPU layers (GGUF, GPTQ/AWQ): float32 "
+        "(the dequantized weights' exact product), int8 (per block of 32, as llama.cpp: "
+        "faster), or auto (int8 where --dtype is auto and the CPU has VNNI)",
     )  # fmt: skip
     parser.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
     parser.add_argument(
