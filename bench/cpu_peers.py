@@ -28,7 +28,9 @@ and Q8_0 (made with llama.cpp's llama-quantize: --llama-bin). pyengine at its de
 and vLLM's CPU build read the W8A8 folder (offline and one stream); pyengine and
 llama.cpp's server read the GGUF files (one stream each; pyengine offline on Q4_1 too).
 Each stream is set against its bound: the checkpoint's bytes (its matrices, the head's
-included) over the read rate.
+included) over the read rate. (pyengine holds a W8A8 checkpoint's tied bfloat16 head in
+float32, which a decode step reads whole: 200 MB more than the file on the 1B shape, so
+its share of that bound stays under what it reads.)
 
 The last line printed is one JSON object, also written to bench/results/cpu_peers.json.
 

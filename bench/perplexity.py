@@ -45,7 +45,8 @@ TEXT = BENCH / "data" / "perplexity_text.md"
 
 
 def perplexity(model: Path, windows: list[list[int]], window: int, **engine: object) -> float:
-    llm = LLM(str(model), max_model_len=window + 16, **engine)  # type: ignore[arg-type]
+    # (float32 unless a row asks otherwise: the reference's exact mode, float32 activations)
+    llm = LLM(str(model), max_model_len=window + 16, **{"dtype": "float32", **engine})  # type: ignore[arg-type]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     outputs = llm.generate([{"prompt_token_ids": w} for w in windows], params, use_tqdm=False)
     total, count = 0.0, 0

@@ -1,6 +1,6 @@
 """Checkpoints of Llama-3.2-1B's and Llama-3.2-3B's shapes (with SmolLM2's vocabulary and
-tokenizer) for the benchmarks that compare quantized forms across engines: one set of
-random weights, drawn tensor by tensor from a seeded generator, written once as
+tokenizer) for the benchmarks that compare quantized forms across engines: random
+weights, drawn tensor by tensor from a seeded generator, written once as
 
 - a GGUF file in float16 with the default model's tokenizer (llama.cpp reads it too),
   and from it, by llama.cpp's `llama-quantize`, Q4_1 and Q8_0 files: the same weights
@@ -9,7 +9,9 @@ random weights, drawn tensor by tensor from a seeded generator, written once as
   at run time: bench/checkpoints.py's quantizer), which pyengine and vLLM's CPU build read.
 
 Random weights make the times of a trained model (every step runs every layer in full);
-their tokens mean nothing. Each file is written under the cache folder unless there.
+their tokens mean nothing (the GGUF files hold q and k in Hugging Face's row order, not
+llama.cpp's rotary one, so they are not the W8A8 folder's function: the same shapes and
+bytes, not the same model). Each file is written under the cache folder unless there.
 """
 
 from __future__ import annotations
@@ -112,7 +114,8 @@ def write_float16_gguf(name: str, path: Path) -> None:
 
     c = SHAPES[name]
     tmp = path.with_suffix(".part")
-    writer = gguf.GGUFWriter(str(tmp), "llama")
+    # (use_temp_file: the tensors wait in a temporary file, not in memory, until written)
+    writer = gguf.GGUFWriter(str(tmp), "llama", use_temp_file=True)
     writer.add_block_count(c["num_hidden_layers"])
     writer.add_context_length(4096)
     writer.add_embedding_length(c["hidden_size"])
@@ -150,14 +153,20 @@ def gguf_files(name: str, cache: Path, llama_bin: Path) -> dict[str, Path]:
     if not missing:
         return files
     float16 = folder / "f16.gguf"
-    if not float16.is_file():
-        write_float16_gguf(name, float16)
-    for form in missing:
-        part = files[form].with_suffix(".part")
-        subprocess.run([str(llama_bin / "llama-quantize"), str(float16), str(part),
-                        GGUF_TYPES[form]], check=True, capture_output=True)  # fmt: skip
-        part.rename(files[form])
-    float16.unlink()  # (the quantized files are what the benchmarks read)
+    try:
+        if not float16.is_file():
+            write_float16_gguf(name, float16)
+        for form in missing:
+            part = files[form].with_suffix(".part")
+            done = subprocess.run([str(llama_bin / "llama-quantize"), str(float16), str(part),
+                                   GGUF_TYPES[form]], capture_output=True, text=True)  # fmt: skip
+            if done.returncode != 0:
+                raise RuntimeError(f"llama-quantize {GGUF_TYPES[form]} failed:\n"
+                                   f"{done.stderr[-3000:]}")  # fmt: skip
+            part.rename(files[form])
+    finally:  # (the quantized files are what the benchmarks read; no part left behind)
+        for leftover in (float16, *folder.glob("*.part")):
+            leftover.unlink(missing_ok=True)
     return files
 
 

@@ -5,12 +5,12 @@ On the CPU, "auto" is bfloat16 where the CPU multiplies bfloat16 natively (AMX's
 AVX512-BF16's dot products), as vLLM's CPU backend chooses, float32 checkpoints included:
 half the bytes a decode step streams and several times the prefill's products. Elsewhere
 it is float32, whose packed-panel kernels are then the fastest. A quantized checkpoint
-keeps its quantized form (its kernels take float32 activations), and so does a KV cache
-dtype that only float32 weights take on the CPU. Its block-quantized layers (GGUF's,
+keeps its quantized form in float32, and so does a KV cache dtype that only float32
+weights take on the CPU. A quantized checkpoint's block-quantized layers (GGUF's,
 GPTQ/AWQ's) then take their activations as llama.cpp does where the CPU has VNNI: each
 row rounded to int8 per block of 32 and multiplied in integers, which brings a 4-bit
 decode step to the memory's read bound (the float32 product widens every weight and is
-bound by the cores) and doubles the prefill's rate. `dtype="float32"` is the exact mode:
+bound by the cores) and nearly doubles a batch's rate. `dtype="float32"` is the exact mode:
 greedy tokens identical to transformers in float32, float32 activations everywhere. On
 CUDA "auto" is bfloat16.
 """
@@ -64,8 +64,8 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
     if quantized is not None:
         if _C.int8_dense_vnni():
             return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
-                             "form; its blocks take activations rounded to int8 per 32 for "
-                             "VNNI's products, as llama.cpp does", "int8")  # fmt: skip
+                             "form; its block forms, if any, take activations rounded to int8 "
+                             "per 32 for VNNI's products, as llama.cpp does", "int8")  # fmt: skip
         return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
                                     "form, whose CPU kernels take float32 activations")  # fmt: skip
     if kv_cache_dtype not in (None, "bfloat16"):
@@ -88,8 +88,9 @@ def with_activations(precision: Precision, asked: str) -> Precision:
             f"quantized_activations {asked!r}: expected one of "
             f"{', '.join(map(repr, ('auto', *QUANTIZED_ACTIVATIONS)))}"
         )
-    return Precision(precision.dtype, f"{precision.reason}; quantized activations {asked}, "
-                                      "as asked", asked)  # fmt: skip
+    reason = precision.reason.split(";")[0]  # (the auto choice's activations replaced)
+    return Precision(precision.dtype, f"{reason}; block forms take {asked} activations "
+                                      "(quantized_activations)", asked)  # fmt: skip
 
 
 def cpu_kernels(dtype: str) -> str:

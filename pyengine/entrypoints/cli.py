@@ -49,7 +49,9 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--system", default=None, help="a system message")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument(
-        "--dtype", default="auto", help="auto (the fastest on this machine) or float32 (exact)"
+        "--dtype",
+        default=EngineArgs.dtype,
+        help="auto (the fastest on this machine) or float32 (exact)",
     )
 
 

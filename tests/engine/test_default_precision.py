@@ -74,7 +74,10 @@ def test_quantized_activations_asked_for_replace_the_choice() -> None:
     assert with_activations(auto, "auto") == auto
     assert with_activations(auto, "float32").quantized_activations == "float32"
     asked = with_activations(exact, "int8")
-    assert asked.quantized_activations == "int8" and asked.reason.endswith("int8, as asked")
+    assert asked.quantized_activations == "int8"
+    assert asked.reason == "as asked; block forms take int8 activations (quantized_activations)"
+    replaced = with_activations(auto, "float32").reason
+    assert "take float32 activations" in replaced and "int8" not in replaced
     with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
         with_activations(auto, "int4")
 

@@ -342,7 +342,7 @@ def decode_logprobs(path: Path, **engine: object) -> list[tuple[list[int], list]
 def test_gguf_decode_steps_multiply_int8_rows(tiny_llama) -> None:  # type: ignore[no-untyped-def]
     """With quantized_activations="int8", a decode step's rows go to the GGUF blocks
     quantized to int8 per block (llama.cpp's arithmetic): each step's logprobs stay within
-    what 8-bit activations cost of the float32 product's (the default), at every step
+    what 8-bit activations cost of the float32 product's (the exact mode's), at every step
     whose tokens so far agree, and they are not the float32 product's."""
     path, _ = tiny_llama
     got, ref = decode_logprobs(path, quantized_activations="int8"), decode_logprobs(path)
