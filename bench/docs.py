@@ -155,8 +155,9 @@ HEADLINES = (
     ),
     Headline(
         "cpu_peers",
-        "single-stream decode against llama.cpp's server on the same GGUF file, least of the "
-        "default model and the 1B/3B shapes' Q4_1 and Q8_0",
+        "single-stream decode against llama.cpp's server on the same GGUF file (its --no-repack "
+        "layouts: its native build crashes on this AMX CPU), least of the default model and "
+        "the 1B/3B shapes' Q4_1 and Q8_0",
         smallest("speedup_vs_llamacpp_stream_"),
         "x",
     ),
