@@ -135,7 +135,12 @@ def _float16(raw: np.ndarray) -> np.ndarray:
 
 def _nibbles(packed: np.ndarray) -> np.ndarray:
     """[..., 16] bytes holding weights 0-15 in their low nibbles, 16-31 in the high ones."""
-    return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    # (written in place: half the time of a concatenation of the two halves)
+    out = np.empty((*packed.shape[:-1], 2 * packed.shape[-1]), np.uint8)
+    half = packed.shape[-1]
+    np.bitwise_and(packed, 0x0F, out=out[..., :half])
+    np.right_shift(packed, 4, out=out[..., half:])
+    return out
 
 
 def _high_bits(qh: np.ndarray) -> np.ndarray:

@@ -129,17 +129,21 @@ class WeightRouter:
         if isinstance(weights, LazyWeights):
             weights = weights.sliced()
         loaded = set()
-        for name, tensor in weights.items():
-            normalized = (name, tensor) if normalize is None else normalize(name, tensor)
-            if normalized is None:
-                continue
-            key, value = normalized
+        for name in weights:
+            # (a tensor is read only where its float form is loaded: a layer that takes
+            # GGUF blocks never has its tensor dequantized, unless normalize must see it)
+            key, value = name, None
+            if normalize is not None:
+                normalized = normalize(name, weights[name])
+                if normalized is None:
+                    continue
+                key, value = normalized
             route = self._routes.get(key)
             if route is None:
                 self._check_unrouted(name, key)
                 continue
             if route.blocks is None:
-                route.load(value)
+                route.load(weights[name] if value is None else value)
             elif name in block_quantized:
                 blocks = block_quantized[name]
                 check_shape(name, blocks, route.shape)
