@@ -86,6 +86,7 @@ def build_app(
 def serve(ns: argparse.Namespace) -> None:
     """Loads the model, logs what it holds, and serves until Ctrl-C or SIGTERM drains it."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
+    keys = api_keys(ns)  # (a key set that comes out empty is refused before any loading)
     chat_template = read_chat_template(ns.chat_template)
     tool_calls = auto_tool_parser(ns)
     llm_engine = load_engine(ns)
@@ -102,7 +103,7 @@ def serve(ns: argparse.Namespace) -> None:
     app = build_app(
         engine,
         served,
-        api_key=api_keys(ns),
+        api_key=keys,
         chat_template=chat_template,
         metrics=metrics,
         trust_request_chat_template=ns.trust_request_chat_template,

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+from collections.abc import Mapping
 from dataclasses import fields
 from pathlib import Path
 
@@ -246,12 +248,36 @@ def read_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
-def api_keys(ns: argparse.Namespace) -> list[str]:
-    """--api-key's keys, then --api-key-file's (one a line; blank lines skipped)."""
+API_KEY_VARIABLE = "PYENGINE_API_KEY"  # (vLLM's is VLLM_API_KEY)
+
+
+def api_keys(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """--api-key's keys, then --api-key-file's (one a line; blank lines skipped), then
+    PYENGINE_API_KEY's. An empty key, an empty or missing file, or an empty variable is
+    refused: each says the operator meant the server closed, and would leave it open (or
+    let in an empty bearer)."""
     keys = list(ns.api_key or [])
+    if any(not key.strip() for key in keys):
+        raise ValueError("--api-key: a key is empty (it would let in an empty bearer)")
     if ns.api_key_file is not None:
-        lines = Path(ns.api_key_file).read_text().splitlines()
-        keys += [line.strip() for line in lines if line.strip()]
+        try:
+            lines = Path(ns.api_key_file).read_text().splitlines()
+        except OSError as error:
+            raise ValueError(f"--api-key-file {ns.api_key_file}: {error.strerror}") from None
+        from_file = [line.strip() for line in lines if line.strip()]
+        if not from_file:
+            raise ValueError(
+                f"--api-key-file {ns.api_key_file} holds no key: the server would take "
+                "every request"
+            )
+        keys += from_file
+    if API_KEY_VARIABLE in environ:
+        key = environ[API_KEY_VARIABLE].strip()
+        if not key:
+            raise ValueError(
+                f"{API_KEY_VARIABLE} is set and empty: the server would take every request"
+            )
+        keys.append(key)
     return keys
 
 
