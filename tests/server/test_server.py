@@ -508,6 +508,24 @@ def test_response_format_json_schema_answers_validate(
         jsonschema.validate(json.loads(choice.message.content or ""), schema)
 
 
+def test_chat_inputs_that_were_500s_are_400s_naming_the_field(server: Server) -> None:
+    """chat_template_kwargs that would replace the template's own arguments, and a message
+    without content (only an assistant's tool calls stand without it, as in OpenAI's API)."""
+    cases = [
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
+        ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant"}]}, "messages"),
+    ]
+    for fields, param in cases:
+        body = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 1, **fields}
+        status, error = server.request("POST", "/v1/chat/completions", json.dumps(body))
+        assert status == 400 and error["error"]["param"] == param, (fields, error)
+    ok = {"model": DEFAULT_MODEL, "messages": QUESTION, "max_tokens": 1,
+          "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    assert server.request("POST", "/v1/chat/completions", json.dumps(ok))[0] == 200
+
+
 def test_json_object_and_vllms_constraint_fields(client: openai.OpenAI) -> None:
     """response_format json_object; vLLM's structured_outputs and guided_* fields on
     completions and chat."""

@@ -70,3 +70,13 @@ def test_priorities_are_taken(server: Server) -> None:
     assert ask(server, API_KEY, priority=-2, max_tokens=2)[0] == 200
     status, error = ask(server, API_KEY, priority="high")
     assert status == 400 and error["error"]["param"] == "priority"
+
+
+def test_a_priority_past_the_schedulers_int32_is_a_400(server: Server) -> None:
+    """The scheduler keeps priorities as int32: a value past it is refused by name (it
+    was a 500), and its bounds are taken."""
+    for priority in (2**31, -(2**31) - 1, 10**30):
+        status, error = ask(server, API_KEY, priority=priority)
+        assert status == 400 and error["error"]["param"] == "priority", error
+    for priority in (2**31 - 1, -(2**31)):
+        assert ask(server, API_KEY, priority=priority)[0] == 200

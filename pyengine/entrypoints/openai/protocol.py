@@ -72,8 +72,9 @@ class _SamplingRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     # vLLM's: the request's place in line under --scheduling-policy priority (lower
-    # first), and the salt that keeps its prefix-cache blocks to requests of that salt
-    priority: int = 0
+    # first; the scheduler's int32), and the salt that keeps its prefix-cache blocks to
+    # requests of that salt
+    priority: int = Field(0, ge=-(2**31), lt=2**31)
     cache_salt: str | None = None
 
     def structured_outputs_params(
@@ -210,6 +211,11 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+# What the chat template is handed from the request's own fields, which its
+# chat_template_kwargs may not replace.
+TEMPLATE_ARGUMENTS = frozenset({"messages", "chat_template", "add_generation_prompt"})
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -233,6 +239,10 @@ class ChatMessage(BaseModel):
                     )
                 texts.append(part.text)
             content = "\n".join(texts)
+        if content is None and not (self.role == "assistant" and self.tool_calls):
+            raise APIError(  # (as OpenAI: only an assistant's tool calls stand without it)
+                f"messages[{index}]: a {self.role} message needs content", param="messages"
+            )
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
@@ -294,6 +304,13 @@ class ChatCompletionRequest(_SamplingRequest):
     def to_sampling_params(self, tools: ToolChoice) -> SamplingParams:
         if not self.messages:
             raise APIError("messages must not be empty", param="messages")
+        taken = sorted(TEMPLATE_ARGUMENTS & self.chat_template_kwargs.keys())
+        if taken:
+            raise APIError(
+                f"chat_template_kwargs may not set {', '.join(taken)}: the request's own "
+                "fields give them",
+                param="chat_template_kwargs",
+            )
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
