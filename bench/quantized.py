@@ -9,7 +9,8 @@ with llama.cpp's own arithmetic (quantized_activations="int8": activations quant
 per block of 32 and multiplied in integers; kv_cache_dtype="float16", llama.cpp's
 default KV cache) and with float32 activations and KV cache (the dequantized weights'
 exact product; its default before int8 activations became the default on VNNI CPUs).
-Decode tokens/s are those after the first token: (tokens - 1) / (last token's time - first token's).
+Decode tokens/s are those after the first token: (tokens - 1) / (last token's time -
+first token's).
 Reported beside them: the bound that memory bandwidth (measured here, best of the run)
 puts on a decode step that reads every quantized weight byte once, and each server's
 resident memory once its model is loaded (VmRSS).

@@ -20,13 +20,7 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
-from pyengine.engine.precision import (
-    DTYPE_NAMES,
-    Precision,
-    choose_precision,
-    cpu_kernels,
-    with_activations,
-)
+from pyengine.engine.precision import DTYPE_NAMES, Precision, choose_precision, cpu_kernels
 from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
 from pyengine.loader.resolve import DEFAULT_MODEL, load_model, quantized_form
@@ -177,8 +171,9 @@ class EngineArgs:
         if device == "cpu":
             quantized = self.quantization or quantized_form(self.model, self.load_format)
         cache = cache_dtype_name(self.kv_cache_dtype)  # (a bad name refused before any log)
-        precision = choose_precision(self.dtype, device, quantized, cache)
-        precision = with_activations(precision, self.quantized_activations)
+        precision = choose_precision(
+            self.dtype, device, quantized, cache, self.quantized_activations
+        )
         kernels = cpu_kernels(precision.dtype) if device == "cpu" and quantized is None else None
         logger.info(
             "precision: %s (%s)%s", precision.dtype, precision.reason,

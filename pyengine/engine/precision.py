@@ -48,11 +48,30 @@ def bf16_unit() -> str | None:
 
 
 def choose_precision(dtype: str, device: str, quantized: str | None,
-                     kv_cache_dtype: str | None = None) -> Precision:  # fmt: skip
+                     kv_cache_dtype: str | None = None,
+                     quantized_activations: str = "auto") -> Precision:  # fmt: skip
     """`dtype` resolved: "auto" as the module says; a named dtype (also "float", "half")
     as it is. `quantized`: the checkpoint's quantized form (loader.resolve.quantized_form),
     or None for float weights; `kv_cache_dtype`: the cache's dtype asked for, aliases
-    resolved (engine_args.cache_dtype_name), or None for the model's."""
+    resolved (engine_args.cache_dtype_name), or None for the model's;
+    `quantized_activations` (EngineArgs'): "auto" keeps the choice made with the dtype
+    (int8 only where the dtype is "auto" too), a name replaces it."""
+    asked = quantized_activations
+    if asked != "auto" and asked not in QUANTIZED_ACTIVATIONS:
+        raise ValueError(
+            f"quantized_activations {asked!r}: expected one of "
+            f"{', '.join(map(repr, ('auto', *QUANTIZED_ACTIVATIONS)))}"
+        )
+    chosen = _choose_dtype(dtype, device, quantized, kv_cache_dtype, int8=asked == "auto")
+    if asked in ("auto", chosen.quantized_activations):
+        return chosen
+    return Precision(chosen.dtype, f"{chosen.reason}; block forms take {asked} activations "
+                                   "(quantized_activations)", asked)  # fmt: skip
+
+
+def _choose_dtype(dtype: str, device: str, quantized: str | None, kv_cache_dtype: str | None,
+                  int8: bool) -> Precision:  # fmt: skip
+    """choose_precision's dtype; int8: whether "auto" may pick int8 activations."""
     if dtype != "auto":
         if dtype not in DTYPE_NAMES:
             raise ValueError(
@@ -62,7 +81,7 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
     if device != "cpu":
         return Precision("bfloat16", "auto on a GPU")
     if quantized is not None:
-        if _C.int8_dense_vnni():
+        if int8 and _C.int8_dense_vnni():
             return Precision("float32", f"auto: the checkpoint's {quantized} keep their quantized "
                              "form; its block forms, if any, take activations rounded to int8 "
                              "per 32 for VNNI's products, as llama.cpp does", "int8")  # fmt: skip
@@ -76,21 +95,6 @@ def choose_precision(dtype: str, device: str, quantized: str | None,
         return Precision("float32", "auto: this CPU has neither AMX nor AVX512-BF16 (or the "
                                     "kernels are pinned to a build without them)")  # fmt: skip
     return Precision("bfloat16", f"auto: this CPU multiplies bfloat16 on {unit}")
-
-
-def with_activations(precision: Precision, asked: str) -> Precision:
-    """`precision` with EngineArgs.quantized_activations applied: "auto" keeps the choice
-    made with the dtype (int8 only where the dtype was "auto" too), a name replaces it."""
-    if asked == "auto" or asked == precision.quantized_activations:
-        return precision
-    if asked not in QUANTIZED_ACTIVATIONS:
-        raise ValueError(
-            f"quantized_activations {asked!r}: expected one of "
-            f"{', '.join(map(repr, ('auto', *QUANTIZED_ACTIVATIONS)))}"
-        )
-    reason = precision.reason.split(";")[0]  # (the auto choice's activations replaced)
-    return Precision(precision.dtype, f"{reason}; block forms take {asked} activations "
-                                      "(quantized_activations)", asked)  # fmt: skip
 
 
 def cpu_kernels(dtype: str) -> str:

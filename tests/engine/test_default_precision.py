@@ -18,7 +18,7 @@ from helpers.dense_isa import AMX, TILE_ISAS, pin_dense_isa, unpin_dense_isa
 from helpers.tiny_models import TINY_LLAMA
 
 from pyengine import _C, LLM
-from pyengine.engine.precision import bf16_unit, choose_precision, with_activations
+from pyengine.engine.precision import bf16_unit, choose_precision
 
 BF16_DOT = _C.cpu_supports("avx512") and _C.bf16_dot_product()
 VNNI = "avx512_vnni" in Path("/proc/cpuinfo").read_text().split()
@@ -67,19 +67,19 @@ def test_auto_takes_int8_activations_for_blocks_where_vnni_multiplies_them(isa: 
 
 
 def test_quantized_activations_asked_for_replace_the_choice() -> None:
-    auto, exact = (
-        choose_precision("auto", "cpu", "GGUF blocks"),
-        choose_precision("float32", "cpu", "GGUF blocks"),
-    )
-    assert with_activations(auto, "auto") == auto
-    assert with_activations(auto, "float32").quantized_activations == "float32"
-    asked = with_activations(exact, "int8")
+    def chosen(dtype: str, activations: str):  # type: ignore[no-untyped-def]
+        return choose_precision(dtype, "cpu", "GGUF blocks", None, activations)
+
+    auto = choose_precision("auto", "cpu", "GGUF blocks")
+    assert chosen("auto", "auto") == auto
+    assert chosen("auto", "float32").quantized_activations == "float32"
+    asked = chosen("float32", "int8")
     assert asked.quantized_activations == "int8"
     assert asked.reason == "as asked; block forms take int8 activations (quantized_activations)"
-    replaced = with_activations(auto, "float32").reason
+    replaced = chosen("auto", "float32").reason
     assert "take float32 activations" in replaced and "int8" not in replaced
     with pytest.raises(ValueError, match="quantized_activations 'int4': expected one of"):
-        with_activations(auto, "int4")
+        chosen("auto", "int4")
 
 
 def test_named_dtypes_are_kept_and_bad_ones_refused() -> None:
