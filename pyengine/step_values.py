@@ -31,7 +31,8 @@ class SamplingRow:
     # host wherever the logits are: the same numbers on either, and the same token at each
     # place however many rows a step drew before it (speculative decoding's drafts).
     seed: int | None
-    blocked_token_ids: tuple[int, ...] = ()  # EOS and stop tokens while under min_tokens
+    # EOS and stop tokens while under min_tokens (the engine's: an int64 array, made once)
+    blocked_token_ids: Sequence[int] | np.ndarray = ()
     # A structured output's tokens allowed next: a bitmask (int32 words, bit t % 32 of
     # word t // 32 for token t); None: all. The worker sets it from the step's masks.
     allowed_tokens: np.ndarray | None = None
@@ -42,6 +43,20 @@ class SamplingRow:
     # its tokens (the step's input_ids before the row's token, included, hold them; the
     # worker adds them to output_token_ids before it samples).
     num_drafts_before: int = 0
+    # params.logit_bias as (token ids int64, biases float32), made once per request by the
+    # engine: a step adds it in one indexed operation, whatever its size. None: from
+    # params (bias_arrays).
+    logit_bias: tuple[np.ndarray, np.ndarray] | None = None
+
+    def bias_arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.logit_bias or logit_bias_arrays(self.params.logit_bias)
+
+
+def logit_bias_arrays(bias: dict[int, float] | None) -> tuple[np.ndarray, np.ndarray]:
+    """A logit_bias as (token ids, biases) arrays."""
+    bias = bias or {}
+    return (np.fromiter(bias.keys(), np.int64, len(bias)),
+            np.fromiter(bias.values(), np.float32, len(bias)))  # fmt: skip
 
 
 @dataclass(frozen=True)

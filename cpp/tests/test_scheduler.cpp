@@ -68,6 +68,29 @@ TEST(finish_reasons) {
   CHECK(!s.has_unfinished_requests());
 }
 
+TEST(stop_tokens_in_any_order_with_repeats_stop_each_sample) {
+  // The scheduler sorts and deduplicates its copy (binary search per sampled token).
+  Scheduler s = make();
+  RequestParams params;
+  params.max_tokens = 10;
+  params.n = 2;
+  params.stop_token_ids = {30, 5, 30, 12, 5, 1};
+  s.add_request("a", iota_tokens(3), params);
+  s.schedule();
+  const std::vector<TokenId> first = {4, 12};  // sample 0 goes on, its fork stops at 12
+  CHECK_EQ(s.update(first), 1);
+  CHECK(s.has_unfinished_requests());
+  s.schedule();
+  const std::vector<TokenId> next = {6};
+  CHECK_EQ(s.update(next), 0);
+  s.schedule();
+  const std::vector<TokenId> last = {30};
+  CHECK_EQ(s.update(last), 1);
+  CHECK_EQ(s.results().finish_reasons[0], static_cast<uint8_t>(FinishReason::kStop));
+  CHECK(!s.has_unfinished_requests());
+  CHECK_EQ(s.kv_cache().num_free_blocks(), 32);
+}
+
 TEST(bad_input_changes_nothing) {
   Scheduler s = make(8);
   RequestParams params;

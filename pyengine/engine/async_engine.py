@@ -94,13 +94,21 @@ class RequestStream:
         self.finished = False
         self._engine = engine
         self._stream = stream
-        # Called once, at the first delta or at close (a bound on waiting requests).
+        # Called once each: at the first delta or at close, and once it has finished or
+        # failed, or at close (a bound on waiting requests).
         self.on_start: Callable[[], None] | None = None
+        self.on_end: Callable[[], None] | None = None
 
     def _started(self) -> None:
         if self.on_start is not None:
             on_start, self.on_start = self.on_start, None
             on_start()
+
+    def _ended(self) -> None:
+        self._started()
+        if self.on_end is not None:
+            on_end, self.on_end = self.on_end, None
+            on_end()
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -112,13 +120,16 @@ class RequestStream:
         self._started()
         if isinstance(delta, BaseException):
             self.finished = True
+            self._ended()
             raise delta
         self.finished = delta.finished
+        if self.finished:
+            self._ended()
         return delta
 
     def close(self) -> None:
         """Aborts the request unless it has finished."""
-        self._started()
+        self._ended()
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)

@@ -465,6 +465,7 @@ class EngineCore:
             row.seed,
             request.blocked_token_ids if under_min else (),
             num_drafts_before=num_drafts_before,
+            logit_bias=request.logit_bias,
         )
 
     def _grammar(

@@ -9,6 +9,10 @@ from pyengine.tokenizer import PyengineTokenizer
 
 # A piece of a UTF-8 character that later tokens complete decodes to this.
 _INCOMPLETE = "\ufffd"
+# A UTF-8 character has at most 4 bytes: text still cut after this many tokens never
+# completes (invalid bytes a biased or hostile request makes the model write). It is
+# emitted as it decodes: the window stays short instead of growing with every token.
+MAX_PENDING_TOKENS = 8
 
 
 class GrowingText:
@@ -87,7 +91,7 @@ class IncrementalDetokenizer:
             window[: self._read_offset - self._prefix_offset], self.skip_special_tokens
         )
         full = self.tokenizer.decode(window, self.skip_special_tokens)
-        if full.endswith(_INCOMPLETE):
+        if full.endswith(_INCOMPLETE) and len(token_ids) - self._read_offset < MAX_PENDING_TOKENS:
             return None  # a character is cut: its text comes with a later token
         new_from = self._text.length
         self._text.append(full[len(context) :])

@@ -16,6 +16,7 @@ from pyengine.config import EngineConfig, ModelConfig
 from pyengine.engine.structured_output import GrammarCompiler
 from pyengine.lora.request import LoRARequest
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
+from pyengine.step_values import logit_bias_arrays
 from pyengine.tokenizer import PyengineTokenizer
 
 # What the offline API takes as one prompt: text, token ids, or {"prompt": text} /
@@ -51,8 +52,9 @@ class EngineRequest:
     max_tokens: int  # at most what max_model_len leaves
     min_tokens: int
     eos_token_id: int | None
-    stop_token_ids: list[int]  # the request's, and the model's other EOS ids
-    blocked_token_ids: tuple[int, ...]  # while under min_tokens: EOS and stop tokens
+    stop_token_ids: list[int]  # the request's, and the model's other EOS ids, each once
+    blocked_token_ids: np.ndarray  # int64: while under min_tokens, EOS and stop tokens
+    logit_bias: tuple[np.ndarray, np.ndarray] | None  # its (token ids, biases), made once
     arrival_time: float
     lora_request: LoRARequest | None = None  # its adapter (None: the base model)
     priority: int = 0  # with scheduling_policy "priority": lower first
@@ -144,9 +146,10 @@ class InputProcessor:
         stop_ids = list(params.stop_token_ids or [])
         if not params.ignore_eos:
             stop_ids += [t for t in more_eos if t is not None]
+        stop_ids = list(dict.fromkeys(stop_ids))  # (repeats would cost each step)
         room = self.config.max_model_len - len(prompt_token_ids)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        blocked = tuple(stop_ids) + (() if params.ignore_eos or eos is None else (eos,))
+        blocked = stop_ids + ([] if params.ignore_eos or eos is None else [eos])
         return EngineRequest(
             request_id=request_id,
             prompt=prompt,
@@ -157,7 +160,8 @@ class InputProcessor:
             min_tokens=min(params.min_tokens, max_tokens),
             eos_token_id=eos,
             stop_token_ids=stop_ids,
-            blocked_token_ids=blocked if params.min_tokens > 0 else (),
+            blocked_token_ids=np.array(blocked if params.min_tokens > 0 else [], np.int64),
+            logit_bias=logit_bias_arrays(params.logit_bias) if params.logit_bias else None,
             arrival_time=time.time() if arrival_time is None else arrival_time,
             lora_request=lora_request,
             priority=priority,

@@ -10,6 +10,8 @@ grammar lazily as they go, in microseconds a token, and roll back.
 from __future__ import annotations
 
 import json
+import threading
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from functools import cached_property
 from typing import Any
@@ -20,15 +22,29 @@ from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 from pyengine.step_values import GrammarMasks, SamplingRow
 from pyengine.tokenizer import PyengineTokenizer
 
+# Compiled grammars kept for requests that repeat a constraint (a server's few schemas).
+DEFAULT_GRAMMAR_CACHE_BYTES = 64 * 2**20
+
 
 class GrammarCompiler:
     """Grammars of constraints (cached by their text) and their matchers, over one
     tokenizer; `vocab_size` is the model's (its logits rows), at least the tokenizer's."""
 
-    def __init__(self, tokenizer: PyengineTokenizer, vocab_size: int) -> None:
+    def __init__(
+        self,
+        tokenizer: PyengineTokenizer,
+        vocab_size: int,
+        max_cached_bytes: int = DEFAULT_GRAMMAR_CACHE_BYTES,
+    ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
-        self._grammars: dict[tuple[str, str], str] = {}
+        # Least recently used first, bounded in the bytes of their texts: unique large
+        # schemas, one a request, would otherwise grow it for ever. (The server compiles
+        # in its own threads while the engine thread looks up: under the lock.)
+        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._cached_bytes = 0
+        self.max_cached_bytes = max_cached_bytes
+        self._lock = threading.Lock()
 
     @cached_property
     def _llg(self) -> Any:
@@ -48,21 +64,46 @@ class GrammarCompiler:
     def grammar(self, params: StructuredOutputsParams) -> str:
         """The constraint's grammar; ValueError naming the field where it is not valid
         (an unknown schema keyword, a regex that does not parse, a grammar's error)."""
-        kind, text = params.constraint()
-        grammar = self._grammars.get((kind, text))
-        if grammar is not None:
-            return grammar
+        try:
+            kind, text = params.constraint()
+        except RecursionError:  # (a schema object nested past json.dumps' depth)
+            raise ValueError("structured_outputs.json is nested too deeply") from None
+        with self._lock:
+            grammar = self._grammars.get((kind, text))
+            if grammar is not None:
+                self._grammars.move_to_end((kind, text))
+                return grammar
         # (kind is the field's name: json_object's constraint is a JSON schema)
         source = self._compact_json(text, kind) if kind == "json" else text
         try:
             grammar = str(self._llg.grammar_from(kind, source))
         except (ValueError, TypeError) as error:
             raise ValueError(f"structured_outputs.{kind} is not valid: {error}") from None
+        except RecursionError:
+            raise ValueError(f"structured_outputs.{kind} is nested too deeply") from None
         problem = self._llg.LLMatcher.validate_grammar(grammar, self._vocabulary)
         if problem:
             raise ValueError(f"structured_outputs.{kind} is not valid: {problem}")
-        self._grammars[(kind, text)] = grammar
+        self._remember((kind, text), grammar)
         return grammar
+
+    def _remember(self, key: tuple[str, str], grammar: str) -> None:
+        size = len(key[1]) + len(grammar)
+        if size > self.max_cached_bytes:
+            return  # (compiled again when asked again: it would empty the cache)
+        with self._lock:
+            if key in self._grammars:
+                return
+            self._grammars[key] = grammar
+            self._cached_bytes += size
+            while self._cached_bytes > self.max_cached_bytes:
+                (_, old_text), old = self._grammars.popitem(last=False)
+                self._cached_bytes -= len(old_text) + len(old)
+
+    @property
+    def cached_bytes(self) -> int:
+        """The texts the cache holds (its schemas' and grammars'), in characters."""
+        return self._cached_bytes
 
     @staticmethod
     def _compact_json(schema_text: str, field: str) -> str:
@@ -70,15 +111,19 @@ class GrammarCompiler:
         model's greedy answer can otherwise run on in newlines and spaces for ever."""
         try:
             schema = json.loads(schema_text)
+            if isinstance(schema, dict):
+                schema.setdefault("x-guidance", {"whitespace_flexible": False})
+            return json.dumps(schema)
         except json.JSONDecodeError as error:
             raise ValueError(f"structured_outputs.{field} is not valid JSON: {error}") from None
-        if isinstance(schema, dict):
-            schema.setdefault("x-guidance", {"whitespace_flexible": False})
-        return json.dumps(schema)
+        except RecursionError:
+            raise ValueError(f"structured_outputs.{field} is nested too deeply") from None
 
     def forget_grammars(self) -> None:
         """Empties the cache of compiled grammars (a benchmark's cold compiles)."""
-        self._grammars.clear()
+        with self._lock:
+            self._grammars.clear()
+            self._cached_bytes = 0
 
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
         matcher = self._llg.LLMatcher(self._vocabulary, self.grammar(params))

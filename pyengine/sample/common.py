@@ -27,7 +27,7 @@ def token_pairs(
 
 
 def token_index(
-    tokens: Sequence[Sequence[int]], vocab: int, device: torch.device
+    tokens: Sequence[Sequence[int] | np.ndarray], vocab: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """token_pairs as index tensors on `device`, in one copy."""
     index = torch.from_numpy(np.stack(token_pairs(tokens, vocab))).to(device)

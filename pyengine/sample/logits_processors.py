@@ -67,25 +67,31 @@ def apply_penalties(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def apply_logit_bias(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: each row's logit_bias added to its tokens' logits (ids past the
-    vocabulary, which the engine refuses, skipped)."""
-    biased = [(i, r.params.logit_bias) for i, r in enumerate(rows) if r.params.logit_bias]
+    vocabulary, which the engine refuses, skipped), in one indexed addition from the
+    arrays each request made once."""
+    biased = [i for i, r in enumerate(rows) if r.params.logit_bias]
     if not biased:
         return
     vocab, device = logits.shape[-1], logits.device
-    entries = [(i, t, b) for i, bias in biased for t, b in bias.items() if 0 <= t < vocab]
-    row, token = torch.tensor([(i, t) for i, t, _ in entries], dtype=torch.long).reshape(-1, 2).T
-    values = torch.tensor([b for _, _, b in entries], dtype=logits.dtype)
-    logits.index_put_((row.to(device), token.to(device)), values.to(device), accumulate=True)
+    arrays = [rows[i].bias_arrays() for i in biased]
+    j, token = token_pairs([tokens for tokens, _ in arrays], vocab)
+    values = np.concatenate([biases for _, biases in arrays])
+    if len(token) < len(values):  # (ids past the vocabulary dropped: rare)
+        values = np.concatenate([b[(t >= 0) & (t < vocab)] for t, b in arrays])
+    row = np.asarray(biased, np.int64)[j]
+    index = torch.from_numpy(np.stack([row, token])).to(device)
+    addend = torch.from_numpy(values).to(device, logits.dtype)
+    logits.index_put_((index[0], index[1]), addend, accumulate=True)
 
 
 def block_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: each row's blocked_token_ids (EOS and stop tokens while under
     min_tokens) at -inf."""
-    blocked = [i for i, r in enumerate(rows) if r.blocked_token_ids]
+    blocked = [i for i, r in enumerate(rows) if len(r.blocked_token_ids)]
     if not blocked:
         return
     device, vocab = logits.device, logits.shape[-1]
-    j, t = token_index([list(rows[i].blocked_token_ids) for i in blocked], vocab, device)
+    j, t = token_index([rows[i].blocked_token_ids for i in blocked], vocab, device)
     logits[column(blocked, torch.long, device)[j], t] = float("-inf")
 
 

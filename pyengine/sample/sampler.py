@@ -146,4 +146,5 @@ def plain_greedy(params: SamplingParams) -> bool:
 
 
 def _plain_greedy(row: SamplingRow) -> bool:
-    return plain_greedy(row.params) and not row.blocked_token_ids and row.allowed_tokens is None
+    plain = plain_greedy(row.params) and row.allowed_tokens is None
+    return plain and not len(row.blocked_token_ids)

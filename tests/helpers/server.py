@@ -82,12 +82,14 @@ class Server:
         raise RuntimeError("the server did not come up")
 
     def request(
-        self, method: str, path: str, body: bytes | str | None = None, auth: bool = True
+        self, method: str, path: str, body: bytes | str | None = None, auth: bool | str = True
     ) -> tuple[int, Any]:
+        """The status and body (JSON decoded) of one request, with the test's API key
+        (auth=False: none; a string: that key)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         headers = {"Content-Type": "application/json"}
         if auth:
-            headers["Authorization"] = f"Bearer {API_KEY}"
+            headers["Authorization"] = f"Bearer {API_KEY if auth is True else auth}"
         conn.request(method, path, body=body, headers=headers)
         response = conn.getresponse()
         data = response.read()

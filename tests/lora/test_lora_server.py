@@ -2,10 +2,12 @@
 the request's `model` chooses the base model or an adapter (--lora-modules), each
 answering as the offline LLM with that adapter; /v1/models lists the adapters with their
 parent; an unknown model is a 404; with PYENGINE_ALLOW_RUNTIME_LORA_UPDATING=1 adapters
-load and unload at run time, a bad one refused while the server keeps serving."""
+load and unload at run time, with an admin key, from inside --lora-root, each unloaded
+only by the key that loaded it, a bad one refused while the server keeps serving."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from pyengine.loader.resolve import DEFAULT_MODEL, load_model
 
 MAX_MODEL_LEN, KV_CACHE_BYTES = 512, 64 * 2**20
 PROMPT = "The capital of France is"
+ADMIN_KEY, OTHER_ADMIN_KEY = "admin-key", "other-admin-key"
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,9 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def server(adapters: dict[str, Path]) -> Iterator[Server]:
     extra = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
-             "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}"]  # fmt: skip
+             "--lora-modules", f"sql={adapters['sql']}", f"chat={adapters['chat']}",
+             "--admin-api-key", ADMIN_KEY, "--admin-api-key", OTHER_ADMIN_KEY,
+             "--lora-root", str(adapters["late"].parent), "--max-lora-adapters", "3"]  # fmt: skip
     yield from serving(DEFAULT_MODEL, MAX_MODEL_LEN, KV_CACHE_BYTES, extra,
                        env={"PYENGINE_ALLOW_RUNTIME_LORA_UPDATING": "1"})  # fmt: skip
 
@@ -103,20 +108,60 @@ def test_adapters_load_and_unload_at_run_time(
     offline,
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    body = f'{{"lora_name": "late", "lora_path": "{adapters["late"]}"}}'
+    body = '{"lora_name": "late", "lora_path": "late"}'  # (inside the root)
     status, answer = server.request("POST", "/v1/load_lora_adapter", body)
+    assert status == 403 and "admin" in answer["error"]["message"]  # a tenant's key
+    status, answer = server.request("POST", "/v1/load_lora_adapter", body, auth=ADMIN_KEY)
     assert status == 200, answer
     assert completion(client, "late") == offline_text(offline, "late")
-    assert "late" in [m.id for m in client.models.list()]
-    status, answer = server.request("POST", "/v1/load_lora_adapter", body)
+    cards = {m.id: m for m in client.models.list()}
+    assert "late" in cards and str(adapters["late"]) not in str(cards["late"])
+    status, answer = server.request("POST", "/v1/load_lora_adapter", body, auth=ADMIN_KEY)
     assert status == 400 and "already served" in answer["error"]["message"]
-    bad = f'{{"lora_name": "bad", "lora_path": "{tmp_path / "missing"}"}}'
-    status, answer = server.request("POST", "/v1/load_lora_adapter", bad)
-    assert status == 400 and "does not exist" in answer["error"]["message"]
-    status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "late"}')
+    unload = '{"lora_name": "late"}'
+    status, answer = server.request("POST", "/v1/unload_lora_adapter", unload,
+                                    auth=OTHER_ADMIN_KEY)  # fmt: skip
+    assert status == 403 and "another API key" in answer["error"]["message"]
+    status, _ = server.request("POST", "/v1/unload_lora_adapter", unload, auth=ADMIN_KEY)
     assert status == 200
     with pytest.raises(openai.NotFoundError):
         completion(client, "late")
-    status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "late"}')
+    status, _ = server.request("POST", "/v1/unload_lora_adapter", unload, auth=ADMIN_KEY)
     assert status == 404
     assert completion(client, "sql") == offline_text(offline, "sql")  # still serving
+
+
+def test_paths_outside_the_root_are_refused_alike(
+    server: Server, adapters: dict[str, Path], tmp_path: Path
+) -> None:
+    """A path outside --lora-root (absolute, climbing out, or a link pointing out) gets
+    one message whatever is there: an adapter, another file, or nothing."""
+    outside = tmp_path / "outside"
+    write_random_adapter(load_model(DEFAULT_MODEL, read_weights=False).config, outside, 7)
+    link = adapters["late"].parent / "link-out"
+    link.symlink_to(outside)
+    messages = set()
+    for path in (outside, tmp_path / "missing", "/etc/passwd", "../outside", "link-out"):
+        body = json.dumps({"lora_name": "out", "lora_path": str(path)})
+        status, answer = server.request("POST", "/v1/load_lora_adapter", body, auth=ADMIN_KEY)
+        assert status == 400 and answer["error"]["param"] == "lora_path", answer
+        messages.add(answer["error"]["message"])
+    assert len(messages) == 1 and "--lora-root" in messages.pop()
+    status, answer = server.request("POST", "/v1/load_lora_adapter",
+                                    '{"lora_name": "bad", "lora_path": "missing"}',
+                                    auth=ADMIN_KEY)  # fmt: skip
+    assert status == 400 and "does not exist" in answer["error"]["message"]  # (inside)
+
+
+def test_the_adapter_count_is_bounded(server: Server) -> None:
+    """--max-lora-adapters 3: the two of the command line and one more."""
+    load = '{{"lora_name": "{}", "lora_path": "late"}}'
+    status, answer = server.request("POST", "/v1/load_lora_adapter", load.format("one"),
+                                    auth=ADMIN_KEY)  # fmt: skip
+    assert status == 200, answer
+    status, answer = server.request("POST", "/v1/load_lora_adapter", load.format("two"),
+                                    auth=ADMIN_KEY)  # fmt: skip
+    assert status == 400 and "--max-lora-adapters" in answer["error"]["message"]
+    status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "one"}',
+                               auth=ADMIN_KEY)  # fmt: skip
+    assert status == 200

@@ -1,7 +1,8 @@
-"""A burst past the server's bound on waiting work (--max-waiting-requests): the excess
-is answered at once with 429, Retry-After and OpenAI's error shape; every admitted
-request completes; nothing hangs or stays held; the bound shows in /metrics. Bodies
-past --max-request-body-bytes are refused with 413 before they are parsed."""
+"""A burst past the server's bound on waiting work (--max-waiting-requests: requests not
+yet scheduled, those running never count): the excess is answered at once with 429,
+Retry-After and OpenAI's error shape; every admitted request completes; nothing hangs or
+stays held; the bound shows in /metrics. Bodies past --max-request-body-bytes are refused
+with 413 before they are parsed."""
 
 from __future__ import annotations
 
@@ -43,7 +44,9 @@ def test_a_burst_past_the_bound_is_told_to_retry(server: Server) -> None:
     done = [body for status, _, body in answers if status == 200]
     refused = [(after, body) for status, after, body in answers if status == 429]
     assert len(done) + len(refused) == burst, [a[0] for a in answers]
-    assert len(done) >= BOUND and refused
+    # The running request does not count against the bound: BOUND more may wait behind
+    # it (the bound counts requests not yet scheduled, as vLLM's --max-num-queued-reqs).
+    assert len(done) >= BOUND + 1 and refused
     assert all(len(body["choices"][0]["text"]) > 0 for body in done)
     for after, body in refused:
         assert after == "1"

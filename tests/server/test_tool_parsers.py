@@ -5,6 +5,7 @@ does not parse, left whole as the content."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -27,6 +28,16 @@ def test_hermes_blocks_and_the_content_before_them() -> None:
     assert calls('<tool_call>{"name": "f", "arguments": {"x": 1}}', "hermes") == [("f", {"x": 1})]
     assert tool_parser("hermes").parse('<tool_call>{"name": "f"').tool_calls == []
     assert tool_parser("hermes").parse("No call here.").content == "No call here."
+
+
+def test_hermes_parses_long_whitespace_in_linear_time() -> None:
+    """A block of 200k spaces between two words: parsed (and refused) in milliseconds,
+    where the earlier regular expression backtracked over it quadratically (minutes)."""
+    text = "<tool_call>{" + " " * 200_000 + "x"
+    start = time.perf_counter()
+    parsed = tool_parser("hermes").parse(text)
+    assert time.perf_counter() - start < 0.5
+    assert parsed.tool_calls == [] and parsed.content == text
 
 
 def test_llama3_json_objects_tag_and_separators() -> None:

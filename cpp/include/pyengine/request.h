@@ -19,7 +19,7 @@ struct RequestParams {
   int max_tokens = 16;  // generated tokens at most, >= 1
   int min_tokens = 0;   // EOS and stop tokens do not stop it before this many
   TokenId eos_token_id = kNoToken;
-  std::vector<TokenId> stop_token_ids;
+  std::vector<TokenId> stop_token_ids;  // the scheduler keeps its copy sorted, once each
   bool ignore_eos = false;
   int n = 1;                  // parallel samples: the prompt is computed once, then forked
   int priority = 0;           // lower runs first under the priority policy

@@ -102,6 +102,15 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
                             "', is taken");
     }
     r->params = params;
+    if (k == 0) {
+      // Sorted and each once: a sampled token is looked up in log time, however many a
+      // request names.
+      std::vector<TokenId>& stops = r->params.stop_token_ids;
+      std::ranges::sort(stops);
+      stops.erase(std::unique(stops.begin(), stops.end()), stops.end());
+    } else {
+      r->params.stop_token_ids = samples[0]->params.stop_token_ids;
+    }
     r->token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
     r->num_prompt_tokens = static_cast<int>(prompt_len);
     r->sample_index = k;
@@ -395,8 +404,7 @@ FinishReason Scheduler::stop_reason(const Request& r, TokenId token) const {
     if (!p.ignore_eos && p.eos_token_id != kNoToken && token == p.eos_token_id) {
       return FinishReason::kStop;
     }
-    if (std::find(p.stop_token_ids.begin(), p.stop_token_ids.end(), token) !=
-        p.stop_token_ids.end()) {
+    if (std::ranges::binary_search(p.stop_token_ids, token)) {
       return FinishReason::kStop;
     }
   }

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import uvicorn
@@ -24,15 +24,23 @@ from pyengine.engine.llm_engine import LLMEngine
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.cli_args import (
     add_server_arguments,
+    admin_api_keys,
     api_keys,
     auto_tool_parser,
     engine_args,
     read_chat_template,
+    request_limits,
+    waiting_bound,
 )
 from pyengine.entrypoints.openai.drain import DrainGate, DrainingServer
 from pyengine.entrypoints.openai.errors import add_exception_handlers
+from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.metrics import EngineMetrics
-from pyengine.entrypoints.openai.middlewares import DEFAULT_MAX_BODY_BYTES, add_middlewares
+from pyengine.entrypoints.openai.middlewares import (
+    DEFAULT_MAX_BODY_BYTES,
+    Access,
+    add_middlewares,
+)
 from pyengine.entrypoints.openai.routes import Routes
 from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_modules
 from pyengine.entrypoints.openai.serving_chat import ChatServing
@@ -47,24 +55,28 @@ logger = logging.getLogger("pyengine")
 def build_app(
     engine: AsyncLLMEngine,
     served: ServedModels,
-    api_key: str | Sequence[str] | None = None,
+    access: Access | None = None,
     chat_template: str | None = None,
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
-    allowed_origins: Sequence[str] = ("*",),
     auto_tool_parser: ToolParser | None = None,
-    cache_salt_per_api_key: bool = False,
     waiting: WaitingBound | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
-    names requests may give, the base model's and the adapters'; `auto_tool_parser` finds
-    the calls of "auto" tool choice (None: refused)."""
-    waiting = waiting or WaitingBound()
+    names requests may give, the base model's and the adapters'; `access` who may call it
+    (middlewares.py); `auto_tool_parser` finds the calls of "auto" tool choice (None:
+    refused)."""
+    access, limits, waiting = (
+        access or Access(),
+        limits or RequestLimits(),
+        waiting or WaitingBound(),
+    )
     if metrics is not None:
         metrics.watch(waiting)
-    completions = CompletionServing(engine, served, chat_template, waiting)
-    chat = ChatServing(engine, served, chat_template, waiting)
+    completions = CompletionServing(engine, served, chat_template, waiting, limits)
+    chat = ChatServing(engine, served, chat_template, waiting, limits)
     chat.trust_request_chat_template = trust_request_chat_template
     chat.tool_parser = auto_tool_parser
 
@@ -76,17 +88,24 @@ def build_app(
         await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="pyengine", lifespan=lifespan)
-    keys = [] if not api_key else [api_key] if isinstance(api_key, str) else list(api_key)
-    add_middlewares(app, keys, cache_salt_per_api_key, allowed_origins, max_request_body_bytes)
+    add_middlewares(app, access, max_request_body_bytes)
     add_exception_handlers(app)
-    Routes(engine, served, completions, chat, metrics).add_to(app)
+    Routes(engine, served, completions, chat, metrics, access).add_to(app)
     return app
 
 
 def serve(ns: argparse.Namespace) -> None:
     """Loads the model, logs what it holds, and serves until Ctrl-C or SIGTERM drains it."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(message)s")
-    keys = api_keys(ns)  # (a key set that comes out empty is refused before any loading)
+    access = Access(
+        api_keys(ns),  # (keys that come out empty are refused before any loading)
+        admin_api_keys(ns),
+        ns.cache_salt_per_api_key,
+        ns.public_metrics,
+        ns.allowed_origins,
+        ns.allowed_hosts,
+        ns.lora_root,
+    )
     chat_template = read_chat_template(ns.chat_template)
     tool_calls = auto_tool_parser(ns)
     llm_engine = load_engine(ns)
@@ -103,15 +122,14 @@ def serve(ns: argparse.Namespace) -> None:
     app = build_app(
         engine,
         served,
-        api_key=keys,
+        access,
         chat_template=chat_template,
         metrics=metrics,
         trust_request_chat_template=ns.trust_request_chat_template,
-        allowed_origins=ns.allowed_origins,
         auto_tool_parser=tool_calls,
-        cache_salt_per_api_key=ns.cache_salt_per_api_key,
-        waiting=WaitingBound(ns.max_waiting_requests, ns.max_waiting_prompt_tokens),
+        waiting=waiting_bound(ns, llm_engine.config.max_num_seqs),
         max_request_body_bytes=ns.max_request_body_bytes,
+        limits=request_limits(ns),
     )
     template = chat_template or (llm_engine.tokenizer and llm_engine.tokenizer.chat_template)
     if tool_calls is not None and "tools" not in (template or ""):
@@ -165,7 +183,7 @@ def load_engine(ns: argparse.Namespace) -> LLMEngine:
 def served_models(names: list[str], ns: argparse.Namespace, llm_engine: LLMEngine) -> ServedModels:
     """The names requests may give: the base model's, and --lora-modules' adapters, each
     checked here, so that a bad adapter stops the server from starting."""
-    served = ServedModels(names)
+    served = ServedModels(names, max_adapters=ns.max_lora_adapters)
     if ns.lora_modules and not ns.enable_lora:
         raise ValueError("--lora-modules needs --enable-lora")
     for name, path in parse_lora_modules(ns.lora_modules):

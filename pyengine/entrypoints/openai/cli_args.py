@@ -13,6 +13,8 @@ from pathlib import Path
 
 from pyengine.config import PREEMPTION_MODES, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
 from pyengine.engine.engine_args import EngineArgs
+from pyengine.entrypoints.openai.admission import WaitingBound
+from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.middlewares import DEFAULT_MAX_BODY_BYTES
 from pyengine.entrypoints.openai.slow_clients import DEFAULT_STALL_TIMEOUT
 from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
@@ -34,9 +36,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--api-key-file", default=None, help="a file of API keys, one a line (with --api-key's)"
     )
     parser.add_argument(
-        "--cache-salt-per-api-key", action="store_true",
+        "--cache-salt-per-api-key", action=argparse.BooleanOptionalAction, default=None,
         help="each API key's requests share prefix-cache blocks only among themselves "
-        "(a salt of the key's replaces any cache_salt a request sends)",
+        "(a salt of the key's replaces any cache_salt a request sends; default: on with "
+        "several keys)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--public-metrics", action="store_true",
+        help="/metrics answers without an API key (it shows adapter names and traffic)",
     )  # fmt: skip
     parser.add_argument(
         "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
@@ -135,9 +142,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="a larger request body is refused (413) before it is parsed",
     )  # fmt: skip
     parser.add_argument(
-        "--max-waiting-requests", type=positive_int, default=None,
-        help="requests that may wait for their first token; past it a new one is answered "
-        "429 with Retry-After (default: no bound)",
+        "--max-waiting-requests", type=int, default=None,
+        help="requests that may wait to be scheduled (past the --max-num-seqs running); past "
+        "it a new one is answered 429 with Retry-After (default: 4 x --max-num-seqs; -1: "
+        "no bound)",
     )  # fmt: skip
     parser.add_argument(
         "--max-waiting-prompt-tokens", type=positive_int, default=None,
@@ -149,6 +157,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="fcfs: arrival order; priority: a request's priority first (lower first), "
         "and preemption takes the lowest-priority running request first",
     )  # fmt: skip
+    limits = RequestLimits()
+    for name, what in LIMIT_OPTIONS.items():
+        default = getattr(limits, name)
+        parser.add_argument(
+            f"--{name.replace('_', '-')}", default=default,
+            type=positive_float if isinstance(default, float) else positive_int,
+            help=f"the most {what} one request may give (past it: 400)",
+        )  # fmt: skip
     parser.add_argument(
         "--max-logprobs",
         type=int,
@@ -162,6 +178,19 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) served under these model names",
     )  # fmt: skip
+    parser.add_argument(
+        "--admin-api-key", action="append", default=None,
+        help="a key that may also load and unload adapters at run time (repeat it for "
+        "several; each unloads only what it loaded)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--lora-root", default=None, metavar="DIR",
+        help="adapters loaded at run time must lie inside this folder (links resolved)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-lora-adapters", type=positive_int, default=64,
+        help="adapters served at once (the command line's and those loaded at run time)",
+    )  # fmt: skip
     parser.add_argument("--max-loras", type=int, default=d.max_loras)
     parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
     parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
@@ -172,11 +201,14 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )  # fmt: skip
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
-        "--allowed-origins",
-        nargs="+",
-        default=["*"],
-        help="origins a browser may call the server from (CORS)",
-    )
+        "--allowed-origins", nargs="+", default=[],
+        help="origins a browser may call the server from (CORS; default: none, '*' any)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--allowed-hosts", nargs="+", default=[],
+        help="without an API key, Host header names answered besides localhost and IP "
+        "addresses (others are refused: DNS rebinding)",
+    )  # fmt: skip
     parser.add_argument(
         "--trust-request-chat-template",
         action="store_true",
@@ -230,6 +262,34 @@ def json_object(text: str) -> dict[str, object]:
     return value
 
 
+# The server options of RequestLimits' fields (limits.py), and what each bounds.
+LIMIT_OPTIONS = {
+    "max_stop_strings": "stop strings",
+    "max_stop_string_chars": "characters of stop strings, together,",
+    "max_stop_token_ids": "distinct stop_token_ids",
+    "max_logit_bias": "logit_bias entries",
+    "max_output_entries": "output entries (n x max_tokens x (logprobs + 1), over its prompts)",
+    "grammar_compile_timeout": "seconds its structured output's grammar takes to compile",
+}
+
+
+def waiting_bound(ns: argparse.Namespace, max_num_seqs: int) -> WaitingBound:
+    """--max-waiting-requests' bound (by default 4 x max_num_seqs: a public server's queue
+    is bounded; -1: none) and --max-waiting-prompt-tokens', past max_num_seqs running."""
+    requests = ns.max_waiting_requests
+    if requests is None:
+        requests = 4 * max_num_seqs
+    elif requests == -1:
+        requests = None
+    elif requests < 1:
+        raise ValueError(f"--max-waiting-requests must be -1 or at least 1, got {requests}")
+    return WaitingBound(requests, ns.max_waiting_prompt_tokens, running_slots=max_num_seqs)
+
+
+def request_limits(ns: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(**{name: getattr(ns, name) for name in LIMIT_OPTIONS})
+
+
 def engine_args(ns: argparse.Namespace) -> EngineArgs:
     """The EngineArgs fields from the parsed command line (the options share their names)."""
     return EngineArgs(**{f.name: getattr(ns, f.name) for f in fields(EngineArgs)})
@@ -249,6 +309,7 @@ def read_chat_template(value: str | None) -> str | None:
 
 
 API_KEY_VARIABLE = "PYENGINE_API_KEY"  # (vLLM's is VLLM_API_KEY)
+ADMIN_KEY_VARIABLE = "PYENGINE_ADMIN_API_KEY"
 
 
 def api_keys(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> list[str]:
@@ -256,9 +317,7 @@ def api_keys(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) ->
     PYENGINE_API_KEY's. An empty key, an empty or missing file, or an empty variable is
     refused: each says the operator meant the server closed, and would leave it open (or
     let in an empty bearer)."""
-    keys = list(ns.api_key or [])
-    if any(not key.strip() for key in keys):
-        raise ValueError("--api-key: a key is empty (it would let in an empty bearer)")
+    keys = _non_empty(ns.api_key, "--api-key")
     if ns.api_key_file is not None:
         try:
             lines = Path(ns.api_key_file).read_text().splitlines()
@@ -271,14 +330,30 @@ def api_keys(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) ->
                 "every request"
             )
         keys += from_file
-    if API_KEY_VARIABLE in environ:
-        key = environ[API_KEY_VARIABLE].strip()
-        if not key:
-            raise ValueError(
-                f"{API_KEY_VARIABLE} is set and empty: the server would take every request"
-            )
-        keys.append(key)
-    return keys
+    return keys + _variable_key(API_KEY_VARIABLE, environ)
+
+
+def admin_api_keys(ns: argparse.Namespace, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """--admin-api-key's keys, then PYENGINE_ADMIN_API_KEY's: keys that may also load and
+    unload adapters at run time (refused empty, as api_keys)."""
+    return _non_empty(ns.admin_api_key, "--admin-api-key") + _variable_key(
+        ADMIN_KEY_VARIABLE, environ
+    )
+
+
+def _non_empty(keys: list[str] | None, option: str) -> list[str]:
+    if any(not key.strip() for key in keys or []):
+        raise ValueError(f"{option}: a key is empty (it would let in an empty bearer)")
+    return list(keys or [])
+
+
+def _variable_key(name: str, environ: Mapping[str, str]) -> list[str]:
+    if name not in environ:
+        return []
+    key = environ[name].strip()
+    if not key:
+        raise ValueError(f"{name} is set and empty: the server would take every request")
+    return [key]
 
 
 def auto_tool_parser(ns: argparse.Namespace) -> ToolParser | None:

@@ -40,6 +40,7 @@ class APIError(Exception):
         return {
             400: "invalid_request_error",
             401: "authentication_error",
+            403: "permission_error",
             404: "not_found_error",
             413: "request_too_large",
             429: "rate_limit_error",

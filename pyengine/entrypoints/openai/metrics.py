@@ -95,7 +95,7 @@ class EngineMetrics:
         """The server's bound on waiting work: its limits, what it holds, what it refused."""
         m = self._model
         values = {
-            "max_waiting_requests": ("The bound on requests waiting for a first token "
+            "max_waiting_requests": ("The bound on requests waiting to be scheduled "
                                      "(-1: none).", lambda: _or_none(bound.max_requests)),
             "max_waiting_prompt_tokens": ("The bound on their prompt tokens (-1: none).",
                                           lambda: _or_none(bound.max_prompt_tokens)),

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.tool_parsers import NOT_JSON
@@ -76,6 +76,12 @@ class _SamplingRequest(BaseModel):
     # requests of that salt
     priority: int = Field(0, ge=-(2**31), lt=2**31)
     cache_salt: str | None = None
+    # The field that gave the constraint (structured_outputs_params): its errors name it.
+    _constraint_param: str = PrivateAttr(default="structured_outputs")
+
+    @property
+    def constraint_param(self) -> str:
+        return self._constraint_param
 
     def structured_outputs_params(
         self, tool_call: StructuredOutputsParams | None = None
@@ -118,6 +124,7 @@ class _SamplingRequest(BaseModel):
             names = ", ".join(name for name, _ in given)
             raise APIError(f"give one structured output constraint, got {names}", param=given[1][0])
         name, fields = given[0]
+        self._constraint_param = name
         if isinstance(fields, StructuredOutputsParams):
             return fields
         try:

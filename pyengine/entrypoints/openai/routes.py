@@ -21,7 +21,7 @@ from pyengine import __version__
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.metrics import EngineMetrics
-from pyengine.entrypoints.openai.middlewares import ApiKeyCheck
+from pyengine.entrypoints.openai.middlewares import Access, ApiKeyCheck
 from pyengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -30,7 +30,7 @@ from pyengine.entrypoints.openai.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
-from pyengine.entrypoints.openai.served_models import ServedModels
+from pyengine.entrypoints.openai.served_models import ServedModels, path_inside
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
@@ -60,24 +60,32 @@ class Routes:
         completions: CompletionServing,
         chat: ChatServing,
         metrics: EngineMetrics | None,
+        access: Access | None = None,
     ) -> None:
         self.engine = engine
         self.served = served
         self.completions = completions
         self.chat = chat
         self.metrics = metrics
+        self.access = access or Access()
         self.created = int(time.time())  # (the model cards' creation time)
 
     def add_to(self, app: FastAPI) -> None:
         """Adds every route to the app, in the order it matches them (on the app itself,
         as its decorators would: an included APIRouter is matched through a wrapper of
         its own); the adapters' loading and unloading only with
-        PYENGINE_ALLOW_RUNTIME_LORA_UPDATING and LoRA enabled."""
+        PYENGINE_ALLOW_RUNTIME_LORA_UPDATING and LoRA enabled, where an admin key and
+        a LoRA root say who may, from where (ValueError otherwise)."""
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/version", self.version, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{name:path}", self.model, methods=["GET"])
         if runtime_lora_updating() and self.engine.config.lora is not None:
+            if not self.access.admin_api_keys or self.access.lora_root is None:
+                raise ValueError(
+                    "PYENGINE_ALLOW_RUNTIME_LORA_UPDATING needs --admin-api-key (who may "
+                    "load adapters) and --lora-root (where from)"
+                )
             app.add_api_route("/v1/load_lora_adapter", self.load_lora_adapter, methods=["POST"])
             app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         app.add_api_route("/v1/completions", self.create_completion, methods=["POST"])
@@ -101,7 +109,7 @@ class Routes:
             "created": self.created,
             "owned_by": "pyengine",
             "max_model_len": self.engine.config.max_model_len,
-            "root": self.served.base_name if adapter is None else adapter.lora_path,
+            "root": self.served.base_name if adapter is None else name,  # (no server path)
             "parent": None if adapter is None else self.served.base_name,
         }
 
@@ -112,18 +120,29 @@ class Routes:
     async def model(self, name: str) -> dict[str, Any]:
         return self.model_card(name)
 
-    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest) -> dict[str, str]:
-        request = self.served.new_adapter(body.lora_name, body.lora_path)
+    def admin(self, raw: Request) -> int:
+        """The index of the admin key `raw` came with; 403 where it came with another."""
+        index = raw.scope.get(ApiKeyCheck.KEY_INDEX)
+        if index not in self.access.admin_indices:
+            raise APIError("loading and unloading adapters needs an admin API key", status=403)
+        return int(index)
+
+    async def load_lora_adapter(self, body: LoadLoRAAdapterRequest, raw: Request) -> dict[str, str]:
+        owner = self.admin(raw)
+        path = path_inside(self.access.lora_root or "", body.lora_path)
+        request = self.served.new_adapter(body.lora_name, path)
         try:
             await asyncio.to_thread(self.engine.llm_engine.adapters.check, request)
         except ValueError as error:
             raise APIError(str(error), param="lora_path") from None
-        self.served.add(request)
-        logger.info("loaded LoRA adapter %s from %s", body.lora_name, body.lora_path)
+        self.served.add(request, owner)
+        logger.info("loaded LoRA adapter %s from %s", body.lora_name, path)
         return {"status": "ok", "lora_name": body.lora_name}
 
-    async def unload_lora_adapter(self, body: UnloadLoRAAdapterRequest) -> dict[str, str]:
-        self.served.remove(body.lora_name)  # new requests no longer find it
+    async def unload_lora_adapter(
+        self, body: UnloadLoRAAdapterRequest, raw: Request
+    ) -> dict[str, str]:
+        self.served.remove(body.lora_name, self.admin(raw))  # new requests no longer find it
         logger.info("unloaded LoRA adapter %s", body.lora_name)
         return {"status": "ok", "lora_name": body.lora_name}
 
@@ -139,15 +158,24 @@ class Routes:
             raise APIError("give exactly one of prompt and messages", param="prompt")
         if body.messages is not None:
             _, tokens = await self.chat.render(body.messages, None, body.add_generation_prompt)
-        else:
-            tokens = self.chat.encode(body.prompt or "", "prompt", body.add_special_tokens)
+        else:  # (off the event loop, as a completion's prompt)
+            tokens = await asyncio.to_thread(
+                self.chat.encode, body.prompt or "", "prompt", body.add_special_tokens
+            )
         max_model_len = self.engine.config.max_model_len
         return {"count": len(tokens), "max_model_len": max_model_len, "tokens": tokens}
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, Any]:
         self.completions.check_model(body.model)
         self.completions.check_token_ids(body.tokens, "tokens")
-        return {"prompt": self.chat.tokenizer.decode(body.tokens, False)}
+        max_model_len = self.engine.config.max_model_len
+        if len(body.tokens) > max_model_len:
+            raise APIError(
+                f"{len(body.tokens)} tokens are more than max_model_len ({max_model_len})",
+                param="tokens",
+            )
+        text = await asyncio.to_thread(self.chat.tokenizer.decode, body.tokens, False)
+        return {"prompt": text}
 
     async def prometheus_metrics(self) -> Response:
         content = self.metrics.render() if self.metrics is not None else b""

@@ -7,6 +7,7 @@ import asyncio
 import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -16,10 +17,11 @@ from pyengine.engine.async_engine import AsyncLLMEngine, RequestStream
 from pyengine.engine.input_processor import check_token_ids
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.errors import APIError
+from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.served_models import ServedModels
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs, RequestOutput
-from pyengine.sampling_params import SamplingParams
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
 from pyengine.tokenizer import PyengineTokenizer
 
 T = TypeVar("T")
@@ -85,11 +87,13 @@ class OpenAIServing:
         served: ServedModels,
         chat_template: str | None,
         waiting: WaitingBound | None = None,
+        limits: RequestLimits | None = None,
     ) -> None:
         self.engine = engine
         self.served = served
         self.chat_template = chat_template
         self.waiting = waiting or WaitingBound()  # (shared by the endpoints)
+        self.limits = limits or RequestLimits()
 
     def check_model(self, model: str | None) -> str:
         """The name a response reports for `model`; 404 where nothing is served by it."""
@@ -118,6 +122,37 @@ class OpenAIServing:
         except ValueError as error:
             raise APIError(str(error), param=param) from None
 
+    # Structured outputs' grammars compile here, one at a time: a slow one holds up
+    # neither the event loop nor the engine thread, only the next compile.
+    grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="pyengine-grammars")
+
+    async def compile_grammar(
+        self, constraint: StructuredOutputsParams | None, param: str, what: str = ""
+    ) -> None:
+        """Compiles the constraint's grammar (cached: the engine thread then finds it),
+        within the server's time limit; 400 naming `param` where it is not valid or takes
+        too long (`what`: how the message names it)."""
+        grammars = self.engine.input_processor.grammars
+        if constraint is None or grammars is None:
+            return  # (the engine refuses a constraint without a tokenizer)
+        loop = asyncio.get_running_loop()
+        work = loop.run_in_executor(self.grammar_thread, grammars.grammar, constraint)
+        timeout = self.limits.grammar_compile_timeout
+        try:
+            await asyncio.wait_for(asyncio.shield(work), timeout)
+        except TimeoutError:
+            raise APIError(
+                f"{param}: its grammar takes more than {timeout:g} s to compile", param=param
+            ) from None
+        except ValueError as error:
+            message = str(error)
+            if what:
+                message = message.replace("structured_outputs.json", what)
+            raise APIError(f"{param}: {message}", param=param) from None
+
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        self.limits.check_fan_out(num_prompts, n, self.engine.config.max_num_seqs)
+
     def check_length(self, prompt: EncodedPrompt, params: SamplingParams, param: str) -> None:
         """As vLLM's server: a prompt and max_tokens that together pass max_model_len are
         refused (the offline API lets generation stop there instead)."""
@@ -143,10 +178,14 @@ class OpenAIServing:
         cache_salt: str | None = None,
     ) -> list[RequestStream]:
         """Queues every prompt (through lora_request's adapter, with the request's
-        priority and cache salt); if one is refused, none stays queued."""
+        priority and cache salt), within the server's limits; if one is refused, none
+        stays queued."""
         for prompt in prompts:
             self.check_length(prompt, params, prompt_param)
-        releases = self.waiting.admit([len(ids) for _, ids in prompts])
+        self.check_fan_out(len(prompts), params.n)
+        lengths = [len(ids) for _, ids in prompts]
+        self.limits.check(params, lengths, self.engine.config.max_model_len)
+        admitted = self.waiting.admit(lengths, params.n)
         streams: list[RequestStream] = []
         try:
             for i, (text, token_ids) in enumerate(prompts):
@@ -156,19 +195,16 @@ class OpenAIServing:
                         rid, token_ids, params, text, lora_request, priority, cache_salt
                     )
                 )
-                streams[-1].on_start = releases[i]
-        except ValueError as error:
-            for release in releases:
-                release()
+                streams[-1].on_start, streams[-1].on_end = admitted[i].started, admitted[i].ended
+        except BaseException as error:
+            for each in admitted:
+                each.ended()
             close_all(streams)
+            if not isinstance(error, ValueError):
+                raise
             message = str(error)
             param = next((p for p in ("priority", "cache_salt") if message.startswith(p)), None)
             raise APIError(message, param=param) from None
-        except BaseException:
-            for release in releases:
-                release()
-            close_all(streams)
-            raise
         return streams
 
     async def collect(

@@ -98,28 +98,23 @@ class ChatServing(OpenAIServing):
             content.append(entry)
         return {"content": content}
 
-    def tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
+    async def tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
         """The request's tools, checked; a forced call's grammar compiled (an APIError
         naming `tools` where the backend does not take the functions' schemas)."""
         tools = ToolChoice.of(
             request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser
         )
-        constraint = tools.constraint()
-        grammars = self.engine.input_processor.grammars
-        if constraint is not None and grammars is not None:
-            try:
-                grammars.grammar(constraint)
-            except ValueError as error:
-                message = str(error).replace("structured_outputs.json", "the parameters' schema")
-                raise APIError(f"tools: {message}", param="tools") from None
+        await self.compile_grammar(tools.constraint(), "tools", "the parameters' schema")
         return tools
 
     async def create(
         self, request: ChatCompletionRequest
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         model = self.check_model(request.model)
-        tools = self.tool_choice(request)
+        tools = await self.tool_choice(request)
         params = request.to_sampling_params(tools)
+        if tools.constraint() is None:
+            await self.compile_grammar(params.structured_outputs, request.constraint_param)
         template_kwargs = dict(request.chat_template_kwargs)
         if tools.template_tools() is not None:
             template_kwargs.setdefault("tools", tools.template_tools())

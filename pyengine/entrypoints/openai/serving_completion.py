@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, cast
@@ -73,6 +74,7 @@ class CompletionServing(OpenAIServing):
         else:
             texts = None
         if texts is not None:
+            self.check_fan_out(len(texts), request.n)  # (before tokenizing them all)
             return [(t, self.encode(t, "prompt")) for t in texts]
         if not p:
             raise APIError("prompt must not be empty", param="prompt")
@@ -85,7 +87,9 @@ class CompletionServing(OpenAIServing):
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         model = self.check_model(request.model)
         params = request.to_sampling_params()
-        prompts = self.prompts(request)
+        await self.compile_grammar(params.structured_outputs, request.constraint_param)
+        # Off the event loop: a long prompt's tokenization would hold up every stream.
+        prompts = await asyncio.to_thread(self.prompts, request)
         request_id = random_id("cmpl")
         streams = await self.start(
             prompts, params, request_id, lora_request=self.adapter(request.model),

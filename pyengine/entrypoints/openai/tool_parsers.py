@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import ast
 import json
-import re
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -93,8 +93,7 @@ def _whole_answer_call_end(text: str, openers: tuple[str, ...]) -> int:
 
 
 class HermesToolParser:
-    START = "<tool_call>"
-    BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+    START, END = "<tool_call>", "</tool_call>"
 
     def content_end(self, text: str) -> int:
         start = text.find(self.START)
@@ -105,7 +104,7 @@ class HermesToolParser:
         if start < 0:
             return _unparsed(text)
         calls = []
-        for body in self.BLOCK.findall(text[start:]):
+        for body in self.blocks(text, start):
             try:
                 payload = json.loads(body)
             except NOT_JSON:
@@ -117,6 +116,19 @@ class HermesToolParser:
             calls.append(call)
         content = text[:start]  # (as streamed: up to the first block)
         return ParsedMessage(content if content.strip() else None, calls)
+
+    def blocks(self, text: str, at: int) -> Iterator[str]:
+        """Each block's body from `at` on, stripped (the last may be unclosed). Found by
+        plain searches, in linear time: a regular expression's backtracking over the
+        model's whitespace was quadratic in it."""
+        while (start := text.find(self.START, at)) >= 0:
+            body_from = start + len(self.START)
+            end = text.find(self.END, body_from)
+            if end < 0:
+                yield text[body_from:].strip()
+                return
+            yield text[body_from:end].strip()
+            at = end + len(self.END)
 
 
 class Llama3JsonToolParser:
