@@ -233,6 +233,8 @@ def run_soak(cfg: SoakConfig, help_text: str, log_dir: Path) -> SoakResult:
     ]  # fmt: skip
     for i in range(cfg.tenants):
         options += ["--api-key", api_key(i)]
+    if "--public-metrics" in help_text:  # (where /metrics needs the key, it is opened)
+        options.append("--public-metrics")
     stall = "--stream-stall-timeout" in help_text
     if stall:
         options += ["--stream-stall-timeout", str(cfg.stall_timeout_s)]
