@@ -16,6 +16,7 @@ LAYERS = [
             "_C",
             "ops",
             "config",
+            "faults",
             "outputs",
             "sampling_params",
             "spec_decode",

@@ -243,6 +243,10 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
           "Applies the step's sampled tokens (one per logits row; or, with "
           "num_tokens_per_row, each row's accepted drafts and one token more); returns how "
           "many requests finished.")
+      .def("cancel_step", &Scheduler::cancel_step,
+           "Ends the scheduled step as if it had not run: its rows left are scheduled again "
+           "later (RuntimeError, changing nothing, where it forked samples or moved KV "
+           "blocks).")
       .def(
           "set_draft_tokens",
           [](Scheduler& s, const std::string& id, const py::handle& drafts) {

@@ -91,6 +91,30 @@ TEST(stop_tokens_in_any_order_with_repeats_stop_each_sample) {
   CHECK_EQ(s.kv_cache().num_free_blocks(), 32);
 }
 
+TEST(a_cancelled_step_is_scheduled_again_and_caches_nothing) {
+  Scheduler s = make();  // blocks of 4 tokens, a budget of 16
+  RequestParams params;
+  params.max_tokens = 2;
+  s.add_request("a", iota_tokens(9), params);
+  s.add_request("gone", iota_tokens(5), params);
+  CHECK_EQ(s.schedule(), 2);
+  s.finish_request("gone", FinishReason::kAbort);  // (the cause, finished during the step)
+  s.cancel_step();
+  CHECK_THROWS(InvalidState, s.cancel_step());
+  CHECK_EQ(s.schedule(), 1);  // a, its whole prompt again
+  CHECK_EQ(s.buffers().num_scheduled_tokens[0], 9);
+  CHECK_EQ(s.buffers().positions[0], 0);
+  s.cancel_step();
+  s.finish_request("a", FinishReason::kAbort);
+  // Its two full blocks left the prefix cache: a request of the same prompt finds none.
+  s.add_request("b", iota_tokens(9), params);
+  CHECK_EQ(s.schedule(), 1);
+  CHECK_EQ(s.buffers().num_scheduled_tokens[0], 9);
+  CHECK_EQ(s.update(std::vector<TokenId>{3}), 0);
+  CHECK_EQ(run(s), 1);
+  CHECK_EQ(s.kv_cache().num_free_blocks(), 32);
+}
+
 TEST(bad_input_changes_nothing) {
   Scheduler s = make(8);
   RequestParams params;

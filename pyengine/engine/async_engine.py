@@ -27,6 +27,7 @@ from typing import Any
 from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.engine.stats import EngineStats
+from pyengine.faults import RequestFault
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
@@ -342,6 +343,14 @@ class AsyncLLMEngine:
         self._step_started = time.monotonic()
         try:
             outputs = self.llm_engine.step()
+        except RequestFault as fault:
+            # Pinned on some requests (their adapter...): they alone were aborted, and
+            # the step is retried without them. The engine is as sound as before.
+            failed = self.llm_engine.core.failed_request_ids
+            logger.warning("requests %s failed a step, which runs again without them: %s",
+                           ", ".join(sorted(failed)), fault)  # fmt: skip
+            outputs = []
+            self._fail_streams(failed, fault)
         except Exception as error:
             # LLMEngine.step has already ended the step's requests; their aborts come
             # out of the next step, and the engine keeps serving the others. If that
@@ -427,13 +436,15 @@ class AsyncLLMEngine:
         return ended
 
     def _fail_streams(self, request_ids: set[str], error: Exception) -> None:
-        """The requests of a failed step end with the error, not as plain aborts."""
+        """The requests of a failed step end with the error, not as plain aborts: what
+        its own input caused (a RequestFault's message), else only the error's kind (a
+        worker's traceback is for the log, which has it, not for the client)."""
         for request_id in request_ids:
             stream = self._streams.pop(request_id, None)
             if stream is not None:
+                cause = error if isinstance(error, RequestFault) else type(error).__name__
                 failure = EngineStepError(
-                    f"the engine step running request {request_id} failed: "
-                    f"{type(error).__name__}: {error}"
+                    f"request {request_id} failed: {cause} (the server's log has the details)"
                 )
                 _post(stream.loop, stream.fail, failure)
 

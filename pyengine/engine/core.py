@@ -24,6 +24,7 @@ from pyengine.engine.input_processor import EngineRequest
 from pyengine.engine.step_in_flight import StepInFlight
 from pyengine.engine.structured_output import GrammarCompiler, Matcher, StepGrammar
 from pyengine.executor import Executor
+from pyengine.faults import RequestFault
 from pyengine.outputs import PositionLogprobs
 from pyengine.sample.sampler import plain_greedy
 from pyengine.spec_decode.registry import create_proposer
@@ -209,7 +210,9 @@ class EngineCore:
         flight = self._in_flight.popleft()
         try:
             output = self._complete(flight)
-        except BaseException:
+        except BaseException as error:
+            if self._retry_without_culprits(flight, error):
+                raise
             self._fail(flight)
             if not self.executor.is_alive:  # the other steps in flight are lost too
                 while self._in_flight:
@@ -312,17 +315,46 @@ class EngineCore:
                 flight.sampled = self.executor.sample_tokens(virtual_engine, None)
             elif not (flight.drafts_in_step and grammar.masks_follow_drafts):
                 flight.sampled = self.executor.sample_tokens(virtual_engine, grammar.for_sampling())
-        except BaseException:
-            self._fail(flight)
+        except BaseException as error:
+            if not self._retry_without_culprits(flight, error):
+                self._fail(flight)
             raise
         self._in_flight.append(flight)
         return []
 
-    def _fail(self, flight: StepInFlight) -> None:
-        """Aborts the rows of a step that will not complete, and ends it."""
+    def _retry_without_culprits(self, flight: StepInFlight, error: BaseException) -> bool:
+        """Where `error` is a RequestFault that names some of the step's requests: they
+        are aborted (failed_request_ids) and the step is cancelled for the others, which
+        a later step schedules again. False (nothing done but the culprits' aborts) where
+        it cannot be: another error, the executor gone, a fault that names none of them,
+        or a step that forked samples or moved KV blocks."""
+        if not isinstance(error, RequestFault) or not self.executor.is_alive:
+            return False
+        rows = [r for r in flight.row_ids if r in self._rows]
+        culprits = {
+            self._rows[r].request.request_id for r in rows if at_fault(self._rows[r].request, error)
+        }
+        if not culprits:
+            return False
+        self._abandon(flight)
+        self.finish_rows([r for r in rows if self._rows[r].request.request_id in culprits], "abort")
+        self.failed_request_ids |= culprits
+        try:
+            self.schedulers[flight.virtual_engine].cancel_step()
+        except RuntimeError:
+            return False  # (the caller fails the rest of the step)
+        self._unscheduled |= set(flight.cached) - culprits  # (their first step is to come)
+        return True
+
+    @staticmethod
+    def _abandon(flight: StepInFlight) -> None:
         for pending in (flight.executed, flight.sampled):
             if pending is not None:  # (answers still to come are dropped on arrival)
                 pending.abandon()
+
+    def _fail(self, flight: StepInFlight) -> None:
+        """Aborts the rows of a step that will not complete, and ends it."""
+        self._abandon(flight)
         rows = [r for r in flight.row_ids if r in self._rows]
         self.failed_request_ids |= {self._rows[r].request.request_id for r in rows}
         self.finish_rows(rows, "abort")
@@ -499,3 +531,11 @@ class EngineCore:
                 if target < prompt_len and target not in scored:
                     wanted.append((row_id, target, row))
         return wanted
+
+
+def at_fault(request: EngineRequest, fault: RequestFault) -> bool:
+    """Whether the fault names the request, or its adapter."""
+    lora = request.lora_request
+    return request.request_id in fault.request_ids or (
+        lora is not None and lora.lora_int_id in fault.lora_int_ids
+    )

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pyengine.config import EngineConfig
+from pyengine.faults import RequestFault
 from pyengine.executor.abstract import Executor, ExecutorDeadError, Pending
 from pyengine.executor.numbered_replies import NumberedReplies, Reply
 from pyengine.executor.worker_process import WorkerSpec
@@ -170,6 +171,9 @@ class DistributedExecutor(Executor):
 
     def _answers(self, replies: list[Reply]) -> list[Any]:
         failed = [(rank, value) for rank, (kind, value) in enumerate(replies) if kind == "error"]
+        faults = [value for _, value in failed if isinstance(value, RequestFault)]
+        if faults:
+            raise faults[0]  # (the step's requests at fault: the engine retries without them)
         if failed:
             rank, text = failed[0]
             raise RuntimeError(

@@ -22,6 +22,7 @@ import torch
 
 from pyengine.config import EngineConfig
 from pyengine.distributed.process_groups import destroy_process_groups, init_process_groups
+from pyengine.faults import RequestFault
 from pyengine.loader.resolve import LoadSpec, load_model
 from pyengine.worker.worker import Worker
 
@@ -87,9 +88,12 @@ class RankWorker:
         raise ValueError(f"unknown worker command {kind!r}")
 
     def answer(self, command: tuple[Any, ...]) -> tuple[str, Any]:
-        """("ok", run(command)), or ("error", the traceback's text): the rank stays up."""
+        """("ok", run(command)), or ("error", the traceback's text; a RequestFault
+        itself, which the driver raises again): the rank stays up."""
         try:
             return "ok", self.run(command)
+        except RequestFault as fault:
+            return "error", fault
         except Exception as error:
             return "error", error_text(error)
 

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from pyengine.config import LoRAConfig, ModelConfig
+from pyengine.faults import RequestFault
 from pyengine.lora.adapter import MODEL_LAYER, LoRAAdapter, load_adapter
 from pyengine.lora.layers import LoRABatch, LoRAEmbeddingSlots, LoRASlots, _Part
 from pyengine.lora.request import LoRARequest
@@ -131,7 +132,10 @@ class LoRAManager:
         if held is not None and held.request == request:
             self.host.move_to_end(request.lora_int_id)
             return held
-        adapter = load_adapter(request, self.model_config, self.config.max_lora_rank)
+        try:
+            adapter = load_adapter(request, self.model_config, self.config.max_lora_rank)
+        except (ValueError, OSError) as error:  # (checked when added: its files changed)
+            raise RequestFault(str(error), lora_int_ids=(request.lora_int_id,)) from error
         self.stats.loaded += 1
         logger.info(
             "LoRA adapter %s (id %d): rank %d, %d projections, %.1f MiB, from %s",

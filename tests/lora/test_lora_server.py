@@ -8,6 +8,7 @@ only by the key that loaded it, a bad one refused while the server keeps serving
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -165,3 +166,35 @@ def test_the_adapter_count_is_bounded(server: Server) -> None:
     status, _ = server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "one"}',
                                auth=ADMIN_KEY)  # fmt: skip
     assert status == 200
+
+
+def test_an_adapter_whose_files_vanished_fails_alone(
+    server: Server,
+    client: openai.OpenAI,
+    adapters: dict[str, Path],
+    offline,  # type: ignore[no-untyped-def]
+) -> None:
+    """An adapter checked at loading whose files are gone by its first step: that step
+    fails for its request alone, which gets the adapter's error; the step runs again
+    without it, so that a request running beside it goes on token for token as the
+    offline engine's, and the engine keeps serving."""
+    folder = adapters["late"].parent / "vanishing"
+    shutil.copytree(adapters["late"], folder)
+    load = '{"lora_name": "vanishing", "lora_path": "vanishing"}'
+    assert server.request("POST", "/v1/load_lora_adapter", load, auth=ADMIN_KEY)[0] == 200
+    shutil.rmtree(folder)
+    llm, _ = offline
+    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].text  # fmt: skip
+    stream = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=40,
+                                       temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = iter(stream)
+    text = next(chunks).choices[0].text  # (it runs)
+    status, answer = server.request("POST", "/v1/completions", json.dumps(
+        {"model": "vanishing", "prompt": PROMPT, "max_tokens": 4}))  # fmt: skip
+    assert status == 500 and "vanishing" in answer["error"]["message"], answer
+    text += "".join(chunk.choices[0].text for chunk in chunks)
+    assert text == expected
+    assert server.request("GET", "/health", auth=False)[0] == 200
+    assert completion(client, "sql") == offline_text(offline, "sql")
+    server.request("POST", "/v1/unload_lora_adapter", '{"lora_name": "vanishing"}', auth=ADMIN_KEY)

@@ -127,6 +127,12 @@ class Scheduler {
   // slots of rejected drafts are taken back. Throws InvalidArgument, changing nothing,
   // on any count or token that breaks this, or a negative token id.
   int update(std::span<const TokenId> tokens, std::span<const int32_t> num_tokens_per_row);
+  // Ends the scheduled step as if it had not run (its forward pass failed, for a cause
+  // pinned to requests finished during it): each row left gives back the tokens it was
+  // scheduled (their blocks leave the prefix cache) and is scheduled again by a later
+  // step; no token is added. Throws InvalidState, changing nothing, where the step forked
+  // samples or moved KV blocks (swaps, copy-on-write), which it may not have done.
+  void cancel_step();
 
   // Proposes `drafts` to follow request `id`'s tokens (speculative decoding), replacing
   // any earlier proposal. The next schedule() takes as many as fit (the step's token

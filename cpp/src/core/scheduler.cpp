@@ -627,6 +627,34 @@ int Scheduler::update(std::span<const TokenId> tokens,
   return results_.num_finished;
 }
 
+void Scheduler::cancel_step() {
+  if (!step_pending_) throw InvalidState("cancel_step: no step was scheduled since the last update");
+  const StepBuffers& b = buffers_;
+  if (!b.kv_transfers.to_host.empty() || !b.kv_transfers.to_device.empty() ||
+      !b.block_copies.empty()) {
+    throw InvalidState("cancel_step: the step moved KV blocks, which it may not have done");
+  }
+  for (const Request* r : step_requests_) {
+    if (r != nullptr && r->fork_step == step_index_) {
+      throw InvalidState("cancel_step: the step forked samples of request '" + r->id + "'");
+    }
+  }
+  for (size_t i = 0; i < step_requests_.size(); ++i) {
+    Request* r = step_requests_[i];
+    if (r == nullptr) continue;  // (finished during the step)
+    const int scheduled = b.num_scheduled_tokens[i] - b.num_draft_tokens[i];
+    kv_.rollback(r->id, r->num_computed_tokens - scheduled);
+    r->num_computed_tokens -= scheduled;
+    r->num_scheduled_drafts = 0;
+    r->draft_token_ids.clear();
+  }
+  results_.num_reqs = 0;
+  results_.num_finished = 0;
+  results_.token_offsets[0] = 0;
+  step_requests_.clear();
+  step_pending_ = false;
+}
+
 FinishReason Scheduler::append_tokens(Request& r, std::span<const TokenId> tokens, size_t row) {
   auto at = static_cast<size_t>(results_.token_offsets[row]);
   for (const TokenId token : tokens) {

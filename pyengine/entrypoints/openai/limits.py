@@ -20,8 +20,8 @@ class RequestLimits:
     max_logit_bias: int = 1024  # entries
     # n x max_tokens x (logprobs + 1) over a request's prompts (and, echoed with
     # logprobs, the prompts' tokens x (logprobs + 1)): the tokens and logprobs it makes
-    # the server hold. n=8 x 8192 tokens x 20 logprobs is 1.4M.
-    max_output_entries: int = 2**22
+    # the server hold: n=8 x 4096 tokens x 20 logprobs is 688k.
+    max_output_entries: int = 2**20
     # Seconds a structured output's grammar may take to compile (in a thread of its own:
     # neither the event loop nor the engine thread waits on it).
     grammar_compile_timeout: float = 10.0

@@ -179,8 +179,8 @@ class ApiKeyCheck:
 
 
 class HostCheck:
-    """Without an API key: refuses a request whose Host header names a host by a name
-    other than localhost or `allowed_hosts` (an IP address is taken). A web page can
+    """Without an API key: refuses a request (but a health probe) whose Host header names
+    a host by a name other than localhost or `allowed_hosts` (an IP address is taken). A web page can
     otherwise reach a key-less server on the user's machine through a DNS name its site
     points at 127.0.0.1 (DNS rebinding): the browser then sends that name as the Host."""
 
@@ -203,7 +203,7 @@ class HostCheck:
         return True
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] in ("http", "websocket"):
+        if scope["type"] in ("http", "websocket") and scope["path"] not in OPEN_PATHS:
             host = dict(scope["headers"]).get(b"host", b"")
             if not self.allows(host):
                 message = (
