@@ -157,7 +157,9 @@ def wait_until_healthy(
     while time.monotonic() < deadline:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-                conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                conn.sendall(
+                    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+                )
                 if b" 200 " in conn.recv(100):
                     return
         except OSError:

@@ -292,7 +292,9 @@ async def get(port: int, path: str, timeout: float = 10.0) -> tuple[int, bytes]:
     async def fetch() -> tuple[int, bytes]:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode())
+            writer.write(
+                f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+            )
             status, headers = await read_head(reader)
             return status, b"".join([piece async for piece in read_body(reader, headers)])
         finally:

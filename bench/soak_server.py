@@ -80,7 +80,9 @@ def healthy(process: subprocess.Popen[bytes], port: int, seconds: float) -> bool
     while time.monotonic() < deadline and process.poll() is None:
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
-                conn.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+                conn.sendall(
+                    b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n"
+                )
                 if b" 200 " in conn.recv(100):
                     return True
         except OSError:

@@ -16,10 +16,10 @@ from typing import Any, TypeVar
 import numpy as np
 
 from pyengine.config import EngineConfig
-from pyengine.faults import RequestFault
 from pyengine.executor.abstract import Executor, ExecutorDeadError, Pending
 from pyengine.executor.numbered_replies import NumberedReplies, Reply
 from pyengine.executor.worker_process import WorkerSpec
+from pyengine.faults import RequestFault
 from pyengine.loader.resolve import LoadedModel
 from pyengine.step_values import ExecuteOutput, GrammarMasks, SampledTokens, SchedulerOutput
 

@@ -134,6 +134,52 @@ def test_a_failed_step_ends_its_requests_with_the_error(
         engine.stop()
 
 
+def test_a_fault_pinned_on_a_request_fails_it_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises a RequestFault naming one of its requests, several times in a
+    row: that request alone ends with the fault's message, the step runs again without
+    it, the request beside it gets the tokens it gets alone, and the engine stays up."""
+    from pyengine.engine.async_engine import EngineStepError
+    from pyengine.faults import RequestFault
+
+    engine = tiny_engine(tmp_path)
+    executor = engine.llm_engine.executor
+    execute = executor.execute_model
+    greedy = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+    def failing(step):  # type: ignore[no-untyped-def]
+        rows = engine.llm_engine.core.schedulers[0].buffers.request_ids
+        culprits = tuple(r for r in rows if r.startswith("bad"))
+        if culprits:
+            raise RequestFault("its input breaks the step", request_ids=culprits)
+        return execute(step)
+
+    async def tokens(request_id: str, prompt: list[int]) -> list[int]:
+        stream = await engine.add_request(request_id, prompt, greedy)
+        return [t async for update in stream for s in update.outputs for t in s.token_ids]
+
+    async def run() -> tuple[list[int], list[int]]:
+        alone = await tokens("alone", [5, 6, 7, 8, 9])
+        monkeypatch.setattr(executor, "execute_model", failing)
+        good = asyncio.ensure_future(tokens("good", [5, 6, 7, 8, 9]))
+        await asyncio.sleep(0.02)  # (it runs)
+        for k in range(3):
+            with pytest.raises(EngineStepError, match=f"bad{k} failed: its input breaks"):
+                await tokens(f"bad{k}", [1, 2, 3])
+        assert not good.done()  # (the faults came in steps it ran in)
+        return alone, await good
+
+    engine.start()
+    try:
+        alone, good = asyncio.run(run())
+        assert good == alone and len(good) == 200
+        assert engine.check_health()
+        assert engine.llm_engine.scheduler.kv_cache.stats().num_used_blocks == 0
+    finally:
+        engine.stop()
+
+
 def test_a_reader_that_falls_behind_holds_one_merged_update(tmp_path: Path) -> None:
     """A stream whose reader takes nothing while its request runs (a client whose socket
     is full): the engine thread does not wait for it, and the stream holds one update,

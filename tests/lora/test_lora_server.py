@@ -184,10 +184,12 @@ def test_an_adapter_whose_files_vanished_fails_alone(
     assert server.request("POST", "/v1/load_lora_adapter", load, auth=ADMIN_KEY)[0] == 200
     shutil.rmtree(folder)
     llm, _ = offline
-    expected = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
-                            use_tqdm=False)[0].outputs[0].text  # fmt: skip
-    stream = client.completions.create(model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=40,
-                                       temperature=0, stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = llm.generate([PROMPT], greedy, use_tqdm=False)[0].outputs[0].text
+    stream = client.completions.create(
+        model=DEFAULT_MODEL, prompt=PROMPT, max_tokens=40, temperature=0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
     chunks = iter(stream)
     text = next(chunks).choices[0].text  # (it runs)
     status, answer = server.request("POST", "/v1/completions", json.dumps(

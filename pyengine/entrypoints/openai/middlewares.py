@@ -180,9 +180,10 @@ class ApiKeyCheck:
 
 class HostCheck:
     """Without an API key: refuses a request (but a health probe) whose Host header names
-    a host by a name other than localhost or `allowed_hosts` (an IP address is taken). A web page can
-    otherwise reach a key-less server on the user's machine through a DNS name its site
-    points at 127.0.0.1 (DNS rebinding): the browser then sends that name as the Host."""
+    a host by a name other than localhost or `allowed_hosts` (an IP address is taken). A
+    web page can otherwise reach a key-less server on the user's machine through a DNS
+    name its site points at 127.0.0.1 (DNS rebinding): the browser then sends that name
+    as the Host."""
 
     def __init__(self, app: Callable[..., Awaitable[None]], allowed_hosts: Sequence[str]) -> None:
         self.app = app
