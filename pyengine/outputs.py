@@ -4,6 +4,7 @@ for: all so far, or (RequestOutputKind.DELTA) what one step added."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -28,7 +29,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
-    logprobs: list[PositionLogprobs] | None = None
+    # One position per token (the engine's: a FlatLogprobs, which reads as this list)
+    logprobs: Sequence[PositionLogprobs] | None = None
     cumulative_logprob: float | None = None
 
     def finished(self) -> bool:

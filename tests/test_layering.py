@@ -17,6 +17,7 @@ LAYERS = [
             "ops",
             "config",
             "faults",
+            "flat_logprobs",
             "outputs",
             "sampling_params",
             "spec_decode",

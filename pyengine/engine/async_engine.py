@@ -28,6 +28,7 @@ from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.engine.stats import EngineStats
 from pyengine.faults import RequestFault
+from pyengine.flat_logprobs import FlatLogprobs
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
@@ -495,8 +496,8 @@ def _merge(into: RequestOutput, later: RequestOutput) -> None:
         mine.text += sample.text
         mine.token_ids += sample.token_ids
         if sample.logprobs is not None:
-            mine.logprobs = mine.logprobs if mine.logprobs is not None else []
-            mine.logprobs += sample.logprobs
+            mine.logprobs = mine.logprobs if mine.logprobs is not None else FlatLogprobs()
+            mine.logprobs += sample.logprobs  # type: ignore[operator]
         mine.finish_reason, mine.stop_reason = sample.finish_reason, sample.stop_reason
         mine.cumulative_logprob = sample.cumulative_logprob
     into.finished = later.finished

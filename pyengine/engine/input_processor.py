@@ -138,6 +138,13 @@ class InputProcessor:
             )
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        if cache_salt is not None and not cache_salt.isascii():
+            try:
+                cache_salt.encode()
+            except UnicodeEncodeError:  # (the scheduler takes it as UTF-8)
+                raise ValueError(
+                    "cache_salt is not valid Unicode (an unpaired surrogate)"
+                ) from None
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs needs the model's tokenizer")

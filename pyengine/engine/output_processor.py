@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pyengine.engine.core import EngineCoreOutput
 from pyengine.engine.detokenizer import IncrementalDetokenizer
 from pyengine.engine.input_processor import EngineRequest
+from pyengine.flat_logprobs import FlatLogprobs
 from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from pyengine.sampling_params import RequestOutputKind
 from pyengine.tokenizer import PyengineTokenizer
@@ -29,7 +30,7 @@ class SampleState:
     row_id: str  # the scheduler's id: the request's for sample 0, else sample_id(request, k)
     detokenizer: IncrementalDetokenizer | None  # the text, as tokens arrive (no tokenizer: None)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] | None = None  # one per token, where they were asked for
+    logprobs: FlatLogprobs | None = None  # one position per token, where they were asked for
     cumulative_logprob: float | None = None
     finish_reason: str | None = None  # "stop", "length", "abort"
     stop_reason: int | str | None = None  # the stop string or stop token that ended it
@@ -42,10 +43,11 @@ class SampleState:
 
     def whole(self, copy: bool) -> CompletionOutput:
         """All the sample has generated: copies of its lists where later steps could
-        still change them (copy), else the lists themselves."""
+        still change them (copy), else the lists themselves (its logprobs: a view, which
+        later steps leave as it is)."""
         logprobs = self.logprobs
         if copy and logprobs is not None:
-            logprobs = list(logprobs)
+            logprobs = logprobs[:]
         return CompletionOutput(
             self.index,
             "" if self.detokenizer is None else self.detokenizer.text,
@@ -231,10 +233,11 @@ class OutputProcessor:
             state.metrics.first_token_time = now
         if logprobs is not None:
             if sample.logprobs is None:
-                sample.logprobs = []
+                # (decoded as read: most positions are read once, by a server, if at all)
+                text = None if self.tokenizer is None else self.tokenizer.token_text
+                sample.logprobs = FlatLogprobs(text)
                 sample.cumulative_logprob = 0.0
-            self._decode_logprobs(logprobs)
-            sample.logprobs.append(logprobs)
+            sample.logprobs.append(logprobs, token)
             sample.cumulative_logprob = (sample.cumulative_logprob or 0.0) + logprobs[token].logprob
         if sample.detokenizer is not None:
             stop = sample.detokenizer.add(sample.token_ids)

@@ -91,6 +91,10 @@ def test_fan_out_and_output_size_are_bounded(server: Server) -> None:
     assert status == 200
 
 
+def test_a_cache_salt_that_is_not_unicode_is_a_400(server: Server) -> None:
+    assert "not valid Unicode" in refused(server, "cache_salt", cache_salt="\ud800")
+
+
 def test_detokenize_takes_at_most_max_model_len_tokens(server: Server) -> None:
     status, answer = server.request("POST", "/detokenize", json.dumps({"tokens": [1] * 5000}))
     assert status == 400 and answer["error"]["param"] == "tokens"

@@ -19,6 +19,7 @@ from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.served_models import ServedModels
+from pyengine.flat_logprobs import FlatLogprobs
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import PositionLogprobs, RequestOutput
 from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
@@ -63,7 +64,7 @@ class Choice:
 
     text_pieces: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[PositionLogprobs] = field(default_factory=list)
+    logprobs: FlatLogprobs = field(default_factory=FlatLogprobs)
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import jinja2
@@ -76,7 +76,7 @@ class ChatServing(OpenAIServing):
         return text, self.encode(text, "messages", add_special_tokens=False)
 
     def logprobs_json(
-        self, token_ids: list[int], positions: list[PositionLogprobs], top: int
+        self, token_ids: list[int], positions: Sequence[PositionLogprobs], top: int
     ) -> dict[str, Any]:
         content = []
         tokenizer = self.tokenizer

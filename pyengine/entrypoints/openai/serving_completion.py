@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from pyengine.engine.async_engine import RequestStream
@@ -44,7 +44,7 @@ class CompletionLogprobs:
     def add_positions(
         self,
         token_ids: list[int],
-        positions: list[PositionLogprobs] | list[PositionLogprobs | None],
+        positions: Sequence[PositionLogprobs] | Sequence[PositionLogprobs | None],
         token_text: Any,
     ) -> None:
         for token, position in zip(token_ids, positions, strict=True):
