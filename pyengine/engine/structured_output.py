@@ -42,6 +42,9 @@ class GrammarCompiler:
         # schemas, one a request, would otherwise grow it for ever. (The server compiles
         # in its own threads while the engine thread looks up: under the lock.)
         self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
+        # A matcher made ahead (prepare), in the thread that compiled its grammar: the
+        # engine thread takes it instead of spending milliseconds making one. One a grammar.
+        self._spares: dict[tuple[str, str], Any] = {}
         self._cached_bytes = 0
         self.max_cached_bytes = max_cached_bytes
         self._lock = threading.Lock()
@@ -97,8 +100,9 @@ class GrammarCompiler:
             self._grammars[key] = grammar
             self._cached_bytes += size
             while self._cached_bytes > self.max_cached_bytes:
-                (_, old_text), old = self._grammars.popitem(last=False)
+                (old_kind, old_text), old = self._grammars.popitem(last=False)
                 self._cached_bytes -= len(old_text) + len(old)
+                self._spares.pop((old_kind, old_text), None)
 
     @property
     def cached_bytes(self) -> int:
@@ -123,10 +127,27 @@ class GrammarCompiler:
         """Empties the cache of compiled grammars (a benchmark's cold compiles)."""
         with self._lock:
             self._grammars.clear()
+            self._spares.clear()
             self._cached_bytes = 0
 
+    def prepare(self, params: StructuredOutputsParams) -> None:
+        """Compiles the constraint's grammar and makes a matcher of it for the next
+        request that asks (llguidance does not hold the interpreter while it makes one):
+        for a thread other than the engine's. ValueError as grammar()."""
+        grammar = self.grammar(params)
+        key = params.constraint()
+        with self._lock:
+            if key in self._spares or key not in self._grammars:
+                return  # (one spare a grammar; none for a grammar the cache did not keep)
+        spare = self._llg.LLMatcher(self._vocabulary, grammar)
+        with self._lock:
+            if key in self._grammars:
+                self._spares.setdefault(key, spare)
+
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        matcher = self._llg.LLMatcher(self._vocabulary, self.grammar(params))
+        with self._lock:
+            spare = self._spares.pop(params.constraint(), None)
+        matcher = spare or self._llg.LLMatcher(self._vocabulary, self.grammar(params))
         return Matcher(matcher, self.mask_words)
 
     @cached_property

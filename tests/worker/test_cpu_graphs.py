@@ -19,13 +19,14 @@ from helpers.tiny_models import TINY_LLAMA, make_checkpoint
 
 from pyengine import _C, LLM, SamplingParams, ops
 from pyengine.utils import host_memory
+from pyengine.worker import cpu_graphs
 from pyengine.worker.cpu_graphs import CPU_CAPTURE_SIZES, KernelGraphs, cpu_capture_sizes
 
 
 def test_capture_sizes_stop_at_max_num_seqs() -> None:
     assert cpu_capture_sizes(1) == [1]
-    assert cpu_capture_sizes(3) == [1, 2]
-    assert cpu_capture_sizes(20) == [1, 2, 4, 8, 16]
+    assert cpu_capture_sizes(3) == [1, 2, 3]
+    assert cpu_capture_sizes(20) == [1, 2, 3, 4, 5, 6, 7, 8, 16]
     assert cpu_capture_sizes(256) == list(CPU_CAPTURE_SIZES)
 
 
@@ -180,7 +181,11 @@ PROMPTS = [[5, 9, 2], list(range(30, 70)), [1], [200, 7, 7, 7, 9]]
 
 
 @pytest.mark.parametrize("options", [{}, {"kv_cache_dtype": "int8"}, {"dtype": "bfloat16"}])
-def test_recorded_steps_give_the_eager_tokens_and_logprobs(tmp_path: Path, options: dict) -> None:
+def test_recorded_steps_give_the_eager_tokens_and_logprobs(
+    tmp_path: Path, options: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A ladder without 3, so that a step of 3 requests replays the program of 4 padded.
+    monkeypatch.setattr(cpu_graphs, "CPU_CAPTURE_SIZES", (1, 2, 4, 8))
     (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
     kwargs = {"load_format": "dummy", **options}
     eager, eager_recorded, _ = generate(tmp_path, True, PROMPTS, **kwargs)
