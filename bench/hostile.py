@@ -151,7 +151,8 @@ def probes(port: int) -> dict[str, Callable[[], str]]:
         "64 stop strings of 64 chars, 256 tokens": completion(
             stop=[f"{i:02d}" + "z" * 62 for i in range(64)], max_tokens=256, ignore_eos=True),
         "5000 stop_token_ids (1000 distinct)": completion(
-            stop_token_ids=[7] * 4000 + list(range(20000, 21000)), max_tokens=256, ignore_eos=True),
+            stop_token_ids=[49151] * 4000 + list(range(48000, 49000)), max_tokens=256,
+            ignore_eos=True),
         "logit_bias of 20000 ids": completion(logit_bias={str(t): 1.0 for t in range(20000)}),
         "logit_bias of 1024 ids, 256 tokens": completion(
             logit_bias={str(t): -5.0 for t in range(1024)}, max_tokens=256, ignore_eos=True),
