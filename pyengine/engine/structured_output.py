@@ -24,6 +24,13 @@ from pyengine.tokenizer import PyengineTokenizer
 
 # Compiled grammars kept for requests that repeat a constraint (a server's few schemas).
 DEFAULT_GRAMMAR_CACHE_BYTES = 64 * 2**20
+# What a grammar's start matcher holds once its lexer is built, about: 1 MB measured for a
+# JSON schema of 200 string fields and the default model's vocabulary.
+MATCHER_BYTES = 2**20
+
+
+def cached_size(text: str, grammar: str) -> int:
+    return len(text) + len(grammar) + MATCHER_BYTES
 
 
 class GrammarCompiler:
@@ -41,10 +48,9 @@ class GrammarCompiler:
         # Least recently used first, bounded in the bytes of their texts: unique large
         # schemas, one a request, would otherwise grow it for ever. (The server compiles
         # in its own threads while the engine thread looks up: under the lock.)
-        self._grammars: OrderedDict[tuple[str, str], str] = OrderedDict()
-        # A matcher made ahead (prepare), in the thread that compiled its grammar: the
-        # engine thread takes it instead of spending milliseconds making one. One a grammar.
-        self._spares: dict[tuple[str, str], Any] = {}
+        # Each grammar with a matcher at its start, which a request's matcher copies (in
+        # a microsecond, where making one takes milliseconds).
+        self._grammars: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
         self._cached_bytes = 0
         self.max_cached_bytes = max_cached_bytes
         self._lock = threading.Lock()
@@ -67,15 +73,19 @@ class GrammarCompiler:
     def grammar(self, params: StructuredOutputsParams) -> str:
         """The constraint's grammar; ValueError naming the field where it is not valid
         (an unknown schema keyword, a regex that does not parse, a grammar's error)."""
+        return self._compiled(params)[0]
+
+    def _compiled(self, params: StructuredOutputsParams) -> tuple[str, Any]:
+        """The constraint's grammar and the matcher at its start, compiled once."""
         try:
             kind, text = params.constraint()
         except RecursionError:  # (a schema object nested past json.dumps' depth)
             raise ValueError("structured_outputs.json is nested too deeply") from None
         with self._lock:
-            grammar = self._grammars.get((kind, text))
-            if grammar is not None:
+            compiled = self._grammars.get((kind, text))
+            if compiled is not None:
                 self._grammars.move_to_end((kind, text))
-                return grammar
+                return compiled
         # (kind is the field's name: json_object's constraint is a JSON schema)
         source = self._compact_json(text, kind) if kind == "json" else text
         try:
@@ -84,29 +94,29 @@ class GrammarCompiler:
             raise ValueError(f"structured_outputs.{kind} is not valid: {error}") from None
         except RecursionError:
             raise ValueError(f"structured_outputs.{kind} is nested too deeply") from None
-        problem = self._llg.LLMatcher.validate_grammar(grammar, self._vocabulary)
-        if problem:
-            raise ValueError(f"structured_outputs.{kind} is not valid: {problem}")
-        self._remember((kind, text), grammar)
-        return grammar
+        start = self._llg.LLMatcher(self._vocabulary, grammar)  # (its check, too)
+        if start.is_error():
+            raise ValueError(f"structured_outputs.{kind} is not valid: {start.get_error()}")
+        self._remember((kind, text), (grammar, start))
+        return grammar, start
 
-    def _remember(self, key: tuple[str, str], grammar: str) -> None:
-        size = len(key[1]) + len(grammar)
+    def _remember(self, key: tuple[str, str], compiled: tuple[str, Any]) -> None:
+        size = cached_size(key[1], compiled[0])
         if size > self.max_cached_bytes:
             return  # (compiled again when asked again: it would empty the cache)
         with self._lock:
             if key in self._grammars:
                 return
-            self._grammars[key] = grammar
+            self._grammars[key] = compiled
             self._cached_bytes += size
             while self._cached_bytes > self.max_cached_bytes:
-                (old_kind, old_text), old = self._grammars.popitem(last=False)
-                self._cached_bytes -= len(old_text) + len(old)
-                self._spares.pop((old_kind, old_text), None)
+                (_, old_text), (old, _) = self._grammars.popitem(last=False)
+                self._cached_bytes -= cached_size(old_text, old)
 
     @property
     def cached_bytes(self) -> int:
-        """The texts the cache holds (its schemas' and grammars'), in characters."""
+        """What the cache holds: its texts (schemas' and grammars') and, for each, a
+        matcher's estimated size."""
         return self._cached_bytes
 
     @staticmethod
@@ -127,28 +137,10 @@ class GrammarCompiler:
         """Empties the cache of compiled grammars (a benchmark's cold compiles)."""
         with self._lock:
             self._grammars.clear()
-            self._spares.clear()
             self._cached_bytes = 0
 
-    def prepare(self, params: StructuredOutputsParams) -> None:
-        """Compiles the constraint's grammar and makes a matcher of it for the next
-        request that asks (llguidance does not hold the interpreter while it makes one):
-        for a thread other than the engine's. ValueError as grammar()."""
-        grammar = self.grammar(params)
-        key = params.constraint()
-        with self._lock:
-            if key in self._spares or key not in self._grammars:
-                return  # (one spare a grammar; none for a grammar the cache did not keep)
-        spare = self._llg.LLMatcher(self._vocabulary, grammar)
-        with self._lock:
-            if key in self._grammars:
-                self._spares.setdefault(key, spare)
-
     def matcher(self, params: StructuredOutputsParams) -> Matcher:
-        with self._lock:
-            spare = self._spares.pop(params.constraint(), None)
-        matcher = spare or self._llg.LLMatcher(self._vocabulary, self.grammar(params))
-        return Matcher(matcher, self.mask_words)
+        return Matcher(self._compiled(params)[1].deep_copy(), self.mask_words)
 
     @cached_property
     def _executor(self) -> Any:

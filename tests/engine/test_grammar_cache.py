@@ -1,6 +1,7 @@
 """The compiled grammars' cache: least recently used first out, bounded in the bytes of
-its texts (unique schemas, one a request, would otherwise grow it for ever), a matcher
-made ahead for the engine thread to take, and a schema nested too deeply refused by name."""
+its texts and matchers (unique schemas, one a request, would otherwise grow it for
+ever); a request's matcher a copy of its grammar's start; a schema nested too deeply
+refused by name."""
 
 from __future__ import annotations
 
@@ -35,23 +36,21 @@ def test_the_cache_keeps_the_recently_used_within_its_bytes(tokenizer) -> None: 
     assert schema(2).constraint() not in kept and len(kept) == 3
 
 
-def test_a_matcher_made_ahead_is_taken_once(tokenizer) -> None:  # type: ignore[no-untyped-def]
+def test_matchers_are_copies_of_the_start_of_one_compile(tokenizer) -> None:  # type: ignore[no-untyped-def]
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     constraint = schema(0)
-    compiler.prepare(constraint)
-    spare = compiler._spares[constraint.constraint()]
-    assert compiler.matcher(constraint).llg is spare
-    again = compiler.matcher(constraint)
-    assert (
-        again.llg is not spare and (again.allowed() == compiler.matcher(constraint).allowed()).all()
-    )
-    compiler.prepare(constraint)
+    first, second = compiler.matcher(constraint), compiler.matcher(constraint)
+    assert first.llg is not second.llg and len(compiler._grammars) == 1
+    assert (first.allowed() == second.allowed()).all()
+    token = int(next(t for t in range(tokenizer.vocab_size) if first.allows(t)))
+    first.llg.consume_token(token)  # (one request's place: the other's is its own)
+    assert (second.allowed() == compiler.matcher(constraint).allowed()).all()
     compiler.forget_grammars()
-    assert not compiler._spares and compiler.cached_bytes == 0
+    assert compiler.cached_bytes == 0 and not compiler._grammars
 
 
 def test_a_schema_nested_too_deeply_is_refused_by_name(tokenizer) -> None:  # type: ignore[no-untyped-def]
     compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size)
     text = '{"type": "array", "items": ' * 5000 + '{"type": "object"}' + "}" * 5000
     with pytest.raises(ValueError, match="structured_outputs.json is nested too deeply"):
-        compiler.prepare(StructuredOutputsParams(json=text))
+        compiler.grammar(StructuredOutputsParams(json=text))

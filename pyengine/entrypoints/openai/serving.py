@@ -130,14 +130,14 @@ class OpenAIServing:
     async def compile_grammar(
         self, constraint: StructuredOutputsParams | None, param: str, what: str = ""
     ) -> None:
-        """Compiles the constraint's grammar and makes its matcher (cached: the engine
-        thread then finds them), within the server's time limit; 400 naming `param` where it is not valid or takes
-        too long (`what`: how the message names it)."""
+        """Compiles the constraint's grammar and its start matcher (cached: the engine
+        thread then copies it), within the server's time limit; 400 naming `param` where
+        it is not valid or takes too long (`what`: how the message names it)."""
         grammars = self.engine.input_processor.grammars
         if constraint is None or grammars is None:
             return  # (the engine refuses a constraint without a tokenizer)
         loop = asyncio.get_running_loop()
-        work = loop.run_in_executor(self.grammar_thread, grammars.prepare, constraint)
+        work = loop.run_in_executor(self.grammar_thread, grammars.grammar, constraint)
         timeout = self.limits.grammar_compile_timeout
         try:
             await asyncio.wait_for(asyncio.shield(work), timeout)
