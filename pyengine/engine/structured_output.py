@@ -70,6 +70,10 @@ class GrammarCompiler:
             eos_token=self.tokenizer.eos_token_id,
         )
 
+    def warm_up(self) -> None:
+        """Reads the vocabulary for llguidance (done once, at the first grammar else)."""
+        _ = self._vocabulary
+
     def grammar(self, params: StructuredOutputsParams) -> str:
         """The constraint's grammar; ValueError naming the field where it is not valid
         (an unknown schema keyword, a regex that does not parse, a grammar's error)."""

@@ -84,6 +84,7 @@ def build_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         if not engine.is_running:
             engine.start()
+        chat.warm_up_grammars()
         yield
         await asyncio.to_thread(engine.stop)
 
