@@ -39,6 +39,7 @@ ORDER = (
     "structured",
     "serve",
     "soak",
+    "hostile",
     "gpu_kernels",
     "gpu_kernels_attention",
     "gpu_throughput",

@@ -1,18 +1,21 @@
-"""Hostile requests beside a steady load: one server (the default model, an API key), a
-few well-behaved clients asking for completions all along (the bystanders), a poller of
-/health, and, one after another, the requests a hostile client sends: a body announced
-without a key, stops, stop token ids and logit_bias past their bounds and just inside
-them, output that never completes a UTF-8 character, fan-out and logprobs past the
-bound, a schema nested too deeply, unique large schemas, long prompts to tokenize, a
-burst past the waiting bound (its 429s). A request served is one sequence, as a
-bystander is: what it costs beyond its share is what it does to the others (each of a
-request's n samples is a share of its own, and prompts x n is bounded by max_num_seqs).
-Plain requests of the served probes' lengths come first: what one more sequence costs
-the bystanders by itself. Per probe: its status, how long it took, the bystanders'
-slowdown (their tokens/s before all probes over theirs while it ran), /health's worst
-latency, and the server's resident memory growth (across the hostile probes: the plain
-ones warm up the batch shapes, and every KV block is written once before anything is
-measured, the pool's pages being committed as blocks are first written).
+"""Hostile requests beside a steady load: what each does to well-behaved clients, to
+/health and to the server's memory.
+
+One server (the default model, an API key), a few well-behaved clients asking for
+completions all along (the bystanders), a poller of /health, and, one after another, the
+requests a hostile client sends: a body announced without a key, stops, stop token ids
+and logit_bias past their bounds and just inside them, output that never completes a
+UTF-8 character, fan-out and logprobs past the bound, a schema nested too deeply, unique
+large schemas, long prompts to tokenize, a burst past the waiting bound (its 429s). A
+request served is one sequence, as a bystander is: what it costs beyond its share is
+what it does to the others (each of a request's n samples is a share of its own, and
+prompts x n is bounded by max_num_seqs). Plain requests of the served probes' lengths
+come first: what one more sequence costs the bystanders by itself. Per probe: its
+status, how long it took, the bystanders' slowdown (their tokens/s before all probes
+over theirs while it ran), /health's worst latency, and the server's resident memory
+growth (across the hostile probes: the plain ones warm up the batch shapes, and every KV
+block is written once before anything is measured, the pool's pages being committed as
+blocks are first written).
 
 Target (issue 48): every probe refused with a 4xx in under 5 s or served with the
 bystanders slowed less than 2x; memory growth under 300 MB across all of them.
