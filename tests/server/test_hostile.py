@@ -9,6 +9,7 @@ import json
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from helpers.server import Server, serving
@@ -108,6 +109,42 @@ def test_a_deeply_nested_schema_is_a_400(server: Server) -> None:
     status, answer = server.request("POST", "/v1/completions",
                                     '{"prompt": "x", "extra": ' + nested + "}")  # fmt: skip
     assert status == 400, answer
+
+
+def test_a_bystander_keeps_half_its_speed_and_health_answers(server: Server) -> None:
+    """Requests served within their bounds, each beside a well-behaved one: a byte that
+    never completes a character (the detokenizer's bound), 1024 logit_bias entries, 64
+    long stop strings, 1000 stop token ids. The well-behaved request keeps at least half
+    the speed it has alone, and /health answers within a second all along."""
+    lead = server.request("POST", "/tokenize", json.dumps({"prompt": "😀"}))[1]["tokens"][0]
+    hostile = [
+        {"logit_bias": {str(lead): 100}},
+        {"logit_bias": {str(t): -1.0 for t in range(1024)}},
+        {"stop": [f"{i:02d}" + "z" * 62 for i in range(64)]},
+        {"stop_token_ids": list(range(48000, 49000))},
+    ]
+
+    def speed() -> float:
+        start = time.monotonic()
+        status, answer = complete(server, max_tokens=48, ignore_eos=True)
+        assert status == 200
+        return int(answer["usage"]["completion_tokens"]) / (time.monotonic() - start)
+
+    alone = max(speed() for _ in range(3))
+    worst_health = 0.0
+    for fields in hostile:
+        with ThreadPoolExecutor(2) as pool:
+            probe = pool.submit(complete, server, max_tokens=400, ignore_eos=True, **fields)
+            time.sleep(0.2)  # (it runs)
+            beside = speed()
+            while not probe.done():
+                start = time.monotonic()
+                assert server.request("GET", "/health", auth=False)[0] == 200
+                worst_health = max(worst_health, time.monotonic() - start)
+                time.sleep(0.05)
+            assert probe.result()[0] == 200
+        assert beside >= alone / 2, (fields.keys(), beside, alone)
+    assert worst_health < 1.0
 
 
 def test_nothing_is_left_held(server: Server) -> None:

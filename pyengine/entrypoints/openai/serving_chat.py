@@ -16,6 +16,7 @@ from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
     EncodedPrompt,
     OpenAIServing,
+    PromptResult,
     envelope,
     merge,
     random_id,
@@ -132,6 +133,17 @@ class ChatServing(OpenAIServing):
         if request.stream:
             return self._stream(request, tools, model, request_id, prompt, streams), streams
         (result,) = await self.collect([prompt], streams, params.n)
+        # (off the event loop: a long answer's logprobs and tool calls take a while)
+        return await asyncio.to_thread(self._response, request, tools, model, request_id, result)
+
+    def _response(
+        self,
+        request: ChatCompletionRequest,
+        tools: ToolChoice,
+        model: str,
+        request_id: str,
+        result: PromptResult,
+    ) -> dict[str, Any]:
         choices = []
         for k, c in enumerate(result.choices):
             logprobs = None

@@ -98,7 +98,8 @@ class CompletionServing(OpenAIServing):
         if request.stream:
             return self._stream(request, model, request_id, prompts, streams), streams
         results = await self.collect(prompts, streams, params.n)
-        return self._response(request, model, request_id, results)
+        # (off the event loop: long answers' logprobs take a while)
+        return await asyncio.to_thread(self._response, request, model, request_id, results)
 
     def _echo_text(self, prompt: EncodedPrompt) -> str:
         text, ids = prompt
