@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pyengine.engine.detokenizer import GrowingText
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.tool_parsers import (
     NOT_JSON,
@@ -223,30 +224,38 @@ class ToolCallStream:
     def __init__(self, choice: ToolChoice, parser: ToolParser | None) -> None:
         self.choice = choice
         self.parser = parser if choice.mode == "auto" else None
-        self.text = ""
+        self.scanner = None if self.parser is None else self.parser.content_scanner()
+        self.text = GrowingText()  # (its pieces: growing one string copies it whole)
         self.sent = 0  # characters of the text sent as content (or as named arguments)
+        self.blank = 0  # the text's first characters known blank (while none is sent)
         self.named_call: ToolCall | None = None
         self.parsed: ParsedMessage | None = None  # the whole answer's, once it ends
 
     def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
-        """The deltas that `text` (the next piece of the answer) lets the stream send."""
-        self.text += text
+        """The deltas that `text` (the next piece of the answer) lets the stream send;
+        each piece is looked at once (the whole answer again only when it ends)."""
+        self.text.append(text)
+        length = self.text.length
+        end = length if self.scanner is None else self.scanner.feed(text)
         mode = self.choice.mode
         if finished:
-            self.parsed = self.choice.parse(self.text, self.parser)
+            self.parsed = self.choice.parse(self.text.whole(), self.parser)
         if mode == "none":
-            return self._content(len(self.text))
+            return self._content(length)
         if mode == "named":
             return self._named(text)
         if self.parsed is not None:
             calls = self.parsed.tool_calls
-            end = len(self.parsed.content or "") if calls else len(self.text)
-            return self._content(end) + _call_deltas(calls)
+            return self._content(len(self.parsed.content or "") if calls else length) + (
+                _call_deltas(calls)
+            )
         if mode == "required":
             return []
-        end = len(self.text) if self.parser is None else self.parser.content_end(self.text)
-        if not self.text[:end].strip():
-            end = 0  # (blank content before a call is no content)
+        if self.sent == 0 and end > self.blank:  # (blank content before a call is none)
+            unread = self.text.since(self.blank)[: end - self.blank]
+            self.blank = self.blank if unread.strip() else end
+        if self.sent == 0 and end <= self.blank:
+            return []
         return self._content(end)
 
     def finish_reason(self, reason: str | None) -> str | None:
@@ -257,7 +266,7 @@ class ToolCallStream:
     def _content(self, end: int) -> list[dict[str, Any]]:
         if end <= self.sent:
             return []
-        piece, self.sent = self.text[self.sent : end], end
+        piece, self.sent = self.text.since(self.sent)[: end - self.sent], end
         return [{"content": piece}]
 
     def _named(self, text: str) -> list[dict[str, Any]]:

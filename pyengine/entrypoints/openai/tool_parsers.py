@@ -10,8 +10,9 @@ formats the chat templates of today's open models teach them.
 
 A parser that finds no call leaves the text as the content; a call that does not parse
 (truncated JSON, a non-literal argument) leaves the text as it is too, never a partial
-call. While a stream runs, `content_end` says how much of the text so far is surely
-content (no call can start in it), so that it can be sent before the answer ends.
+call. While a stream runs, the parser's content scanner (content_scanners.py) says how
+much of the text so far is surely content (no call can start in it), so that it can be
+sent before the answer ends.
 """
 
 from __future__ import annotations
@@ -22,6 +23,12 @@ import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from pyengine.entrypoints.openai.content_scanners import (
+    ContentScanner,
+    MarkerScanner,
+    WholeAnswerScanner,
+)
 
 
 @dataclass(frozen=True)
@@ -46,8 +53,8 @@ class ParsedMessage:
 class ToolParser(Protocol):
     def parse(self, text: str) -> ParsedMessage: ...
 
-    def content_end(self, text: str) -> int:
-        """The length of the text's first part that is content whatever follows it."""
+    def content_scanner(self) -> ContentScanner:
+        """A stream's follower of how much of its answer is surely content."""
         ...
 
 
@@ -75,29 +82,11 @@ def _unparsed(text: str) -> ParsedMessage:
     return ParsedMessage(text, [])
 
 
-def _partial_marker(text: str, marker: str) -> int:
-    """The length of the longest end of `text` that `marker` starts with."""
-    for n in range(min(len(marker) - 1, len(text)), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0
-
-
-def _whole_answer_call_end(text: str, openers: tuple[str, ...]) -> int:
-    """content_end for formats whose calls are the whole answer: none of it is surely
-    content while it is blank or starts as one of `openers` may."""
-    body = text.lstrip()
-    if not body or any(o.startswith(body[: len(o)]) for o in openers):
-        return 0
-    return len(text)
-
-
 class HermesToolParser:
     START, END = "<tool_call>", "</tool_call>"
 
-    def content_end(self, text: str) -> int:
-        start = text.find(self.START)
-        return start if start >= 0 else len(text) - _partial_marker(text, self.START)
+    def content_scanner(self) -> ContentScanner:
+        return MarkerScanner(self.START)
 
     def parse(self, text: str) -> ParsedMessage:
         start = text.find("<tool_call>")
@@ -134,8 +123,8 @@ class HermesToolParser:
 class Llama3JsonToolParser:
     TAG = "<|python_tag|>"
 
-    def content_end(self, text: str) -> int:
-        return _whole_answer_call_end(text, (self.TAG, "{"))
+    def content_scanner(self) -> ContentScanner:
+        return WholeAnswerScanner((self.TAG, "{"))
 
     def parse(self, text: str) -> ParsedMessage:
         body = text.strip().removeprefix(self.TAG).strip()
@@ -166,8 +155,8 @@ class Llama3JsonToolParser:
 
 
 class PythonicToolParser:
-    def content_end(self, text: str) -> int:
-        return _whole_answer_call_end(text, ("<|python_start|>", "["))
+    def content_scanner(self) -> ContentScanner:
+        return WholeAnswerScanner(("<|python_start|>", "["))
 
     def parse(self, text: str) -> ParsedMessage:
         body = text.strip().removeprefix("<|python_start|>").removesuffix("<|python_end|>")
