@@ -6,7 +6,10 @@ needs the key, checked from the headers before the body is read."""
 from __future__ import annotations
 
 import json
+import os
 import socket
+import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -152,3 +155,15 @@ def test_nothing_is_left_held(server: Server) -> None:
     assert m[f"kv_cache_usage_perc{{{MODEL}}}"] == 0
     assert m[f"num_requests_admitted_waiting{{{MODEL}}}"] == 0
     assert server.request("GET", "/health", auth=False)[0] == 200
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="a thread's own priority is Linux's")
+def test_grammars_compile_below_the_engines_priority() -> None:
+    """The grammar thread runs at a niceness 10 above the process's: a client's unique
+    schemas take the cores from the engine's kernels only where they are idle."""
+    from pyengine.entrypoints.openai.serving import OpenAIServing
+
+    def niceness() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert OpenAIServing.grammar_thread.submit(niceness).result() == min(19, niceness() + 10)

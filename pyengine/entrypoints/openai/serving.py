@@ -4,7 +4,10 @@ prompts on the engine, merging their streams, collecting whole answers, usage, S
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
+import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from concurrent.futures import ThreadPoolExecutor
@@ -124,8 +127,11 @@ class OpenAIServing:
             raise APIError(str(error), param=param) from None
 
     # Structured outputs' grammars compile here, one at a time: a slow one holds up
-    # neither the event loop nor the engine thread, only the next compile.
-    grammar_thread = ThreadPoolExecutor(1, thread_name_prefix="pyengine-grammars")
+    # neither the event loop nor the engine thread, only the next compile. At a lower
+    # priority than the engine's kernels, whose cores it would otherwise take.
+    grammar_thread = ThreadPoolExecutor(
+        1, thread_name_prefix="pyengine-grammars", initializer=lambda: lower_priority(10)
+    )
 
     def warm_up_grammars(self) -> None:
         """Has the grammar thread read the vocabulary for the grammar backend now, as the
@@ -238,6 +244,13 @@ class OpenAIServing:
         prompt = sum(len(r.prompt[1]) for r in results)
         completion = sum(len(c.token_ids) for r in results for c in r.choices)
         return usage(prompt, completion, sum(r.num_cached_tokens for r in results))
+
+
+def lower_priority(niceness: int) -> None:
+    """The calling thread's scheduling priority lowered by `niceness` (Linux sets it per
+    thread; elsewhere, or where it is not allowed, nothing changes)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
