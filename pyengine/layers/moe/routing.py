@@ -1,0 +1,141 @@
+"""How a mixture-of-experts layer chooses each token's experts and their weights, from
+the router's logits, as each model family does it. A method is a registry entry
+(ROUTING_METHODS), chosen by the checkpoint's config (routing_config): a new family's
+routing is a function and a name here, not a branch in the layer.
+
+- "softmax": softmax over all experts, the top k, renormalised over them or not
+  (Mixtral always; Qwen2/3-MoE, OLMoE by `norm_topk_prob`).
+- "grouped_sigmoid": DeepSeek-V3's: sigmoid scores plus a correction bias choose the
+  top `topk_group` groups (each group scored by its two best), then the top k experts
+  within them; the weights are the scores without the bias, renormalised by
+  `norm_topk_prob`, times `routed_scaling_factor`.
+- "sigmoid_on_input": Llama 4's: the top k logits through a sigmoid, which scale each
+  token's input to the expert (not its output).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    method: str
+    top_k: int
+    num_experts: int
+    renormalize: bool = False
+    num_groups: int = 1  # grouped_sigmoid: groups of experts, and how many a token takes
+    topk_groups: int = 1
+    scaling_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.method not in ROUTING_METHODS:
+            raise ValueError(
+                f"routing method {self.method!r} is not one of {', '.join(ROUTING_METHODS)}"
+            )
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(
+                f"top_k {self.top_k} must be in [1, num_experts] ({self.num_experts} experts)"
+            )
+        if self.num_groups < 1 or self.num_experts % self.num_groups:
+            raise ValueError(
+                f"{self.num_experts} experts do not split into {self.num_groups} groups"
+            )
+        per_group = self.num_experts // self.num_groups
+        if (
+            not 1 <= self.topk_groups <= self.num_groups
+            or self.topk_groups * per_group < self.top_k
+        ):
+            raise ValueError(
+                f"topk_group {self.topk_groups} of {self.num_groups} groups of {per_group} "
+                f"experts cannot hold top_k {self.top_k}"
+            )
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Each token's experts, [tokens, top_k] int64, and their weights, float32; with
+    on_input, the weights scale the token's input to the expert instead of its output."""
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+    on_input: bool = False
+
+
+RoutingMethod = Callable[[torch.Tensor, RoutingConfig, "torch.Tensor | None"], Routing]
+
+
+def softmax_topk(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None) -> Routing:
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, config.top_k, dim=-1)
+    if config.renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(ids, weights)
+
+
+def grouped_sigmoid_topk(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    scores = logits.float().sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    tokens, per_group = scores.shape[0], config.num_experts // config.num_groups
+    group_scores = choice.view(tokens, config.num_groups, per_group).topk(2, dim=-1)[0].sum(-1)
+    groups = torch.topk(group_scores, config.topk_groups, dim=-1, sorted=False)[1]
+    allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    allowed = allowed.unsqueeze(-1).expand(-1, -1, per_group).reshape(tokens, -1)
+    ids = torch.topk(choice.masked_fill(~allowed, float("-inf")), config.top_k, dim=-1)[1]
+    weights = scores.gather(1, ids)
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * config.scaling_factor)
+
+
+def sigmoid_on_input(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    values, ids = torch.topk(logits, config.top_k, dim=-1)
+    return Routing(ids, torch.sigmoid(values.float()), on_input=True)
+
+
+ROUTING_METHODS: dict[str, RoutingMethod] = {
+    "softmax": softmax_topk,
+    "grouped_sigmoid": grouped_sigmoid_topk,
+    "sigmoid_on_input": sigmoid_on_input,
+}
+
+
+def route(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None = None) -> Routing:
+    """The tokens' experts and weights from the router's logits [tokens, num_experts]
+    (bias: grouped_sigmoid's correction bias, [num_experts])."""
+    if logits.dim() != 2 or logits.shape[1] != config.num_experts:
+        raise ValueError(
+            f"router logits must be [tokens, {config.num_experts}], got {list(logits.shape)}"
+        )
+    return ROUTING_METHODS[config.method](logits, config, bias)
+
+
+def routing_config(hf: Any) -> RoutingConfig:
+    """The routing a Hugging Face config describes (its architecture's family, by the
+    fields it has); ValueError where it names none."""
+    architectures = getattr(hf, "architectures", None) or []
+    name = " ".join(architectures) + " " + str(getattr(hf, "model_type", ""))
+    top_k = int(hf.num_experts_per_tok)
+    if "Llama4" in name or "llama4" in name:
+        return RoutingConfig("sigmoid_on_input", top_k, int(hf.num_local_experts))
+    if getattr(hf, "n_group", None) is not None and getattr(hf, "topk_group", None) is not None:
+        return RoutingConfig(
+            "grouped_sigmoid", top_k, int(hf.n_routed_experts),
+            renormalize=bool(getattr(hf, "norm_topk_prob", True)),
+            num_groups=int(hf.n_group), topk_groups=int(hf.topk_group),
+            scaling_factor=float(getattr(hf, "routed_scaling_factor", 1.0)),
+        )  # fmt: skip
+    experts = getattr(hf, "num_local_experts", None) or getattr(hf, "num_experts", None)
+    if experts is None:
+        raise ValueError(f"the config of {name.strip()!r} names no experts")
+    # Mixtral renormalises always (its config has no norm_topk_prob).
+    renormalize = bool(getattr(hf, "norm_topk_prob", "Mixtral" in name or "mixtral" in name))
+    return RoutingConfig("softmax", top_k, int(experts), renormalize=renormalize)
