@@ -66,8 +66,10 @@ _HF_VARIANTS = {
 }
 
 
-def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
-    variant = _HF_VARIANTS[common.architecture]
+def _config_from_hf(
+    raw: Mapping[str, Any], common: CommonValues, variant: _Variant | None = None
+) -> ModelConfig:
+    variant = variant or _HF_VARIANTS[common.architecture]
     heads = integer(raw["num_attention_heads"])
     hidden = integer(raw["hidden_size"])
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
@@ -386,9 +388,7 @@ class LlamaForCausalLM(nn.Module):
                 if biases:
                     router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
             router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
-            router.linear_weight(f"{p}.mlp.gate_proj", mlp.gate_up_proj, part=0)
-            router.linear_weight(f"{p}.mlp.up_proj", mlp.gate_up_proj, part=1)
-            router.linear_weight(f"{p}.mlp.down_proj", mlp.down_proj)
+            self.route_mlp(router, f"{p}.mlp", mlp)
             router.plain(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
             router.plain(
                 f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight
@@ -400,3 +400,10 @@ class LlamaForCausalLM(nn.Module):
                 router.scalar(f"{p}.self_attn.k_scale", attn.kv_scales[0:1])
                 router.scalar(f"{p}.self_attn.v_scale", attn.kv_scales[1:2])
         return router
+
+    def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
+        """Where a layer's MLP weights go (a mixture of experts routes its own)."""
+        assert isinstance(mlp, MLP)
+        router.linear_weight(f"{prefix}.gate_proj", mlp.gate_up_proj, part=0)
+        router.linear_weight(f"{prefix}.up_proj", mlp.gate_up_proj, part=1)
+        router.linear_weight(f"{prefix}.down_proj", mlp.down_proj)

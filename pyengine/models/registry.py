@@ -13,8 +13,14 @@ from pyengine.models.checkpoint_config import GGUFArchitecture
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
+from pyengine.models.qwen3_moe import Qwen3MoeForCausalLM
 
-MODEL_CLASSES: tuple[type[CausalLM], ...] = (LlamaForCausalLM, OPTForCausalLM, GPT2ForCausalLM)
+MODEL_CLASSES: tuple[type[CausalLM], ...] = (
+    LlamaForCausalLM,
+    Qwen3MoeForCausalLM,
+    OPTForCausalLM,
+    GPT2ForCausalLM,
+)
 
 
 def _by_name() -> dict[str, type[CausalLM]]:

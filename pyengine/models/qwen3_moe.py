@@ -1,0 +1,109 @@
+"""Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm) with a mixture of experts in place
+of the MLP, in the layers `decoder_sparse_step` and `mlp_only_layers` say. Its experts
+are a FusedMoE layer (layers/moe): softmax top-k routing, renormalised where
+`norm_topk_prob` says; checkpoints name each expert's weights
+(`mlp.experts.N.gate_proj.weight`), as transformers writes them.
+
+This first form runs on one rank, with unquantized weights and without adapters; each
+of those is refused by name until issue 49's next parts bring it."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
+
+from torch import nn
+
+from pyengine.config import ModelConfig
+from pyengine.layers.linear import LayerContext
+from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.llama import (
+    DecoderLayer,
+    LlamaFamilyConfig,
+    LlamaForCausalLM,
+    _config_from_hf,
+    _Variant,
+)
+from pyengine.models.weights import WeightRouter
+
+
+@dataclass(frozen=True)
+class MoeFamilyConfig(LlamaFamilyConfig):
+    """The experts: how many, how many a token takes, their size, whether their weights
+    are renormalised, and which layers have them."""
+
+    num_experts: int = 0
+    top_k: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[int, ...] = ()
+
+
+def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The layers with experts: every decoder_sparse_step-th (counting from 1), but those
+    mlp_only_layers names (transformers' rule)."""
+    step = integer(raw.get("decoder_sparse_step", 1))
+    dense = set(raw.get("mlp_only_layers") or [])
+    return tuple(
+        i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0
+    )
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        config = _config_from_hf(raw, common, _Variant(qk_norm=True))
+        family = MoeFamilyConfig(
+            **asdict(config.family_config(LlamaFamilyConfig)),
+            # (transformers 5 writes num_local_experts; earlier ones, and Qwen's, num_experts)
+            num_experts=integer(
+                raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+            ),
+            top_k=integer(raw["num_experts_per_tok"]),
+            moe_intermediate_size=integer(raw["moe_intermediate_size"]),
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            sparse_layers=sparse_layers(raw, config.num_layers),
+        )
+        return replace(config, family=family)
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
+    ) -> None:
+        ctx = ctx or LayerContext()
+        if ctx.tp.world_size > 1:
+            raise ValueError(
+                "Qwen3MoeForCausalLM runs on one rank for now: tensor parallelism over its "
+                "experts is not built yet (tensor_parallel_size must be 1)"
+            )
+        if ctx.adapters:
+            raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        if config.quantization is not None:
+            raise ValueError(
+                f"Qwen3MoeForCausalLM: {config.quantization.method} experts are not supported "
+                "yet (unquantized checkpoints only)"
+            )
+        super().__init__(config, max_positions, ctx)
+        moe = config.family_config(MoeFamilyConfig)
+        routing = RoutingConfig(
+            "softmax", moe.top_k, moe.num_experts, renormalize=moe.norm_topk_prob
+        )
+        for i in moe.sparse_layers:
+            layer = self.layers[i]
+            if isinstance(layer, DecoderLayer):  # (this stage's)
+                experts = FusedMoE(config.hidden_size, moe.moe_intermediate_size, routing)
+                layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
+
+    def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
+        if not isinstance(mlp, FusedMoE):
+            super().route_mlp(router, prefix, mlp)
+            return
+        router.plain(f"{prefix}.gate.weight", mlp.router)
+        for expert in range(mlp.routing.num_experts):
+            for name, part in mlp.expert_parts(expert).items():
+                router.plain(f"{prefix}.experts.{expert}.{name}.weight", part)
