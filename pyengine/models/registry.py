@@ -13,11 +13,11 @@ from pyengine.models.checkpoint_config import GGUFArchitecture
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
-from pyengine.models.qwen3_moe import Qwen3MoeForCausalLM
+from pyengine.models.llama_moe import LlamaMoeForCausalLM
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,
-    Qwen3MoeForCausalLM,
+    LlamaMoeForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

@@ -43,12 +43,8 @@ class FusedMoE(nn.Module):
             out.index_add_(0, rows, y if routing.on_input else y * weight)
         return out
 
-    def expert_parts(self, expert: int) -> dict[str, torch.Tensor]:
+    def expert_parts(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert `expert`'s gate, up and down weights, as views of the layer's (the
         checkpoint's per-expert tensors load into them)."""
         n = self.intermediate_size
-        return {
-            "gate_proj": self.gate_up[expert, :n],
-            "up_proj": self.gate_up[expert, n:],
-            "down_proj": self.down[expert],
-        }
+        return self.gate_up[expert, :n], self.gate_up[expert, n:], self.down[expert]

@@ -1,8 +1,10 @@
-"""Qwen3-MoE: Qwen3's attention (per-head q/k RMSNorm) with a mixture of experts in place
-of the MLP, in the layers `decoder_sparse_step` and `mlp_only_layers` say. Its experts
-are a FusedMoE layer (layers/moe): softmax top-k routing, renormalised where
-`norm_topk_prob` says; checkpoints name each expert's weights
-(`mlp.experts.N.gate_proj.weight`), as transformers writes them.
+"""Mixtures of experts on the Llama family's attention: Qwen3-MoE (Qwen3's per-head q/k
+RMSNorm; experts in the layers `decoder_sparse_step` and `mlp_only_layers` say, renormalised
+where `norm_topk_prob` says) and Mixtral (Mistral's attention; experts in every layer,
+always renormalised). Their experts are a FusedMoE layer (layers/moe), softmax top-k
+routed; checkpoints name each expert's weights, as transformers writes them (Qwen3-MoE:
+`mlp.experts.N.gate_proj`, Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2
+the down projection).
 
 This first form runs on one rank, with unquantized weights and without adapters; each
 of those is refused by name until issue 49's next parts bring it."""
@@ -33,13 +35,39 @@ from pyengine.models.weights import WeightRouter
 @dataclass(frozen=True)
 class MoeFamilyConfig(LlamaFamilyConfig):
     """The experts: how many, how many a token takes, their size, whether their weights
-    are renormalised, and which layers have them."""
+    are renormalised, which layers have them, and their checkpoint names (the layer's
+    module, and its gate, up and down projections')."""
 
     num_experts: int = 0
     top_k: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     sparse_layers: tuple[int, ...] = ()
+    moe_module: str = "mlp"
+    expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class _MoeVariant:
+    """How one Hugging Face architecture reads its config.json and names its experts."""
+
+    attention: _Variant
+    expert_size_key: str  # the config's key of an expert's intermediate size
+    moe_module: str
+    expert_parts: tuple[str, str, str]
+    renormalize: bool | None = None  # None: as the config's norm_topk_prob says
+
+
+_MOE_VARIANTS = {
+    "Qwen3MoeForCausalLM": _MoeVariant(
+        _Variant(qk_norm=True), "moe_intermediate_size", "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
+    ),
+    "MixtralForCausalLM": _MoeVariant(
+        _Variant(sliding_window=True), "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2"),
+        renormalize=True,
+    ),
+}  # fmt: skip
 
 
 def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
@@ -52,24 +80,29 @@ def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     )
 
 
-class Qwen3MoeForCausalLM(LlamaForCausalLM):
-    hf_architectures: ClassVar[tuple[str, ...]] = ("Qwen3MoeForCausalLM",)
+class LlamaMoeForCausalLM(LlamaForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = tuple(_MOE_VARIANTS)
     gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
-        config = _config_from_hf(raw, common, _Variant(qk_norm=True))
+        variant = _MOE_VARIANTS[common.architecture]
+        config = _config_from_hf(raw, common, variant.attention)
+        renormalize = variant.renormalize
+        if renormalize is None:
+            renormalize = bool(raw.get("norm_topk_prob", False))
+        # (transformers 5 writes num_local_experts; earlier ones, and Qwen's, num_experts)
+        experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
         family = MoeFamilyConfig(
             **asdict(config.family_config(LlamaFamilyConfig)),
-            # (transformers 5 writes num_local_experts; earlier ones, and Qwen's, num_experts)
-            num_experts=integer(
-                raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
-            ),
+            num_experts=integer(experts),
             top_k=integer(raw["num_experts_per_tok"]),
-            moe_intermediate_size=integer(raw["moe_intermediate_size"]),
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            moe_intermediate_size=integer(raw[variant.expert_size_key]),
+            norm_topk_prob=renormalize,
             sparse_layers=sparse_layers(raw, config.num_layers),
-        )
+            moe_module=variant.moe_module,
+            expert_parts=variant.expert_parts,
+        )  # fmt: skip
         return replace(config, family=family)
 
     def __init__(
@@ -78,15 +111,15 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         ctx = ctx or LayerContext()
         if ctx.tp.world_size > 1:
             raise ValueError(
-                "Qwen3MoeForCausalLM runs on one rank for now: tensor parallelism over its "
-                "experts is not built yet (tensor_parallel_size must be 1)"
+                f"{config.architecture} runs on one rank for now: tensor parallelism over "
+                "its experts is not built yet (tensor_parallel_size must be 1)"
             )
         if ctx.adapters:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
         if config.quantization is not None:
             raise ValueError(
-                f"Qwen3MoeForCausalLM: {config.quantization.method} experts are not supported "
-                "yet (unquantized checkpoints only)"
+                f"{config.architecture}: {config.quantization.method} experts are not "
+                "supported yet (unquantized checkpoints only)"
             )
         super().__init__(config, max_positions, ctx)
         moe = config.family_config(MoeFamilyConfig)
@@ -103,7 +136,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if not isinstance(mlp, FusedMoE):
             super().route_mlp(router, prefix, mlp)
             return
-        router.plain(f"{prefix}.gate.weight", mlp.router)
+        family = self.config.family_config(MoeFamilyConfig)
+        module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
+        router.plain(f"{module}.gate.weight", mlp.router)
         for expert in range(mlp.routing.num_experts):
-            for name, part in mlp.expert_parts(expert).items():
-                router.plain(f"{prefix}.experts.{expert}.{name}.weight", part)
+            for name, part in zip(family.expert_parts, mlp.expert_parts(expert), strict=True):
+                router.plain(f"{module}.experts.{expert}.{name}.weight", part)
