@@ -45,11 +45,11 @@ class GrammarCompiler:
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = max(vocab_size, tokenizer.vocab_size)
-        # Least recently used first, bounded in the bytes of their texts: unique large
-        # schemas, one a request, would otherwise grow it for ever. (The server compiles
-        # in its own threads while the engine thread looks up: under the lock.)
         # Each grammar with a matcher at its start, which a request's matcher copies (in
-        # a microsecond, where making one takes milliseconds).
+        # a microsecond, where making one takes milliseconds); least recently used first,
+        # bounded in bytes (cached_size: the texts and the matcher's estimate), as unique
+        # large schemas, one a request, would otherwise grow it for ever. (The server
+        # compiles in its own thread while the engine thread looks up: under the lock.)
         self._grammars: OrderedDict[tuple[str, str], tuple[str, Any]] = OrderedDict()
         self._cached_bytes = 0
         self.max_cached_bytes = max_cached_bytes

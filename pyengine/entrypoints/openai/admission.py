@@ -52,11 +52,6 @@ class WaitingBound:
     prompt_tokens: int = 0  # theirs
     on_refused: Callable[[], None] | None = None  # (the metrics' counter)
 
-    @property
-    def waiting(self) -> int:
-        """Sequences admitted past the engine's running slots: at least these wait."""
-        return max(0, self.sequences - self.running_slots)
-
     def admit(self, prompt_lengths: list[int], n: int = 1) -> list[Admitted]:
         """Counts the prompts in (one request each, of n samples); APIError 429 where they
         would pass the bound. Returns each prompt's releases."""
