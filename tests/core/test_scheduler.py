@@ -491,6 +491,21 @@ def test_a_preempted_step_does_not_leave_uncomputed_blocks_in_the_prefix_cache()
     assert d.s.stats().num_preemptions > 0
 
 
+def test_a_sample_swapped_out_in_its_copy_on_write_step_keeps_its_context() -> None:
+    """Regression: a parallel sample whose shared last block was copied on write, then
+    swapped out in the same step, copied out the block the copy had not filled yet (the
+    step's swap-outs run before its block copies); it came back with a garbage block
+    (found by the workload test)."""
+    plan = [
+        Arrival(0, [0], Limits(max_tokens=1), 0, None, False, 1),
+        Arrival(0, [0] * 7 + [1] + [0] * 4, Limits(max_tokens=4), 0, None, False, 2),
+        Arrival(2, [0] * 17, Limits(max_tokens=1), 0, None, False, 1),
+        Arrival(0, [0, 0, 0, 1] + [0] * 17, Limits(max_tokens=2), 1, None, False, 2),
+    ]
+    d = run_workload(4, 14, 11, 5, "priority", 0, plan, num_host_blocks=12, preemption_mode="swap")
+    assert d.s.stats().num_swapped_preemptions > 0
+
+
 def run_workload(
     block_size: int,
     num_blocks: int,

@@ -162,8 +162,10 @@ class KVCacheManager {
 
   // Preemption by swapping (a host tier only): copies every block of a request to host
   // blocks it holds and releases its device blocks; its tokens and num_computed_tokens
-  // stay, and its next allocate_slots (with no computed blocks) copies them back. Throws
-  // UnknownRequest, InvalidState unless can_swap_out.
+  // stay, and its next allocate_slots (with no computed blocks) copies them back. A block
+  // this step's copy-on-write fills is copied out from its source (and that copy
+  // dropped); a request holding a block this step copies in from the host cannot be
+  // swapped out. Throws UnknownRequest, InvalidState unless can_swap_out.
   bool can_swap_out(const RequestId& id) const;
   void swap_out(const RequestId& id);
   bool is_swapped(const RequestId& id) const { return !find(id).host_table.empty(); }
@@ -226,6 +228,10 @@ class KVCacheManager {
   // tier takes a copy of it (offload).
   BlockId take_block();
   void offload(BlockId block);
+  // The device block that holds `block`'s content when the step's first copies run:
+  // itself, the source of the copy-on-write that fills it, or none where the step
+  // copies it in from the host tier.
+  std::optional<BlockId> content_at_step_start(BlockId block) const;
   // Host hit `host_block` as block `block_index` of `request`: copied into a new device
   // block, cached there under the same entry.
   BlockId copy_in_hit(Request& request, size_t block_index, BlockId host_block,

@@ -1,4 +1,6 @@
 // KVCacheManager's host tier: offload on eviction, hits copied back in, swapping out.
+#include <algorithm>
+#include <optional>
 #include <string>
 #include <utility>
 
@@ -52,10 +54,24 @@ BlockId KVCacheManager::copy_in_hit(Request& request, size_t block_index, BlockI
   return block;
 }
 
+std::optional<BlockId> KVCacheManager::content_at_step_start(BlockId block) const {
+  // Device-to-host copies run first in a step, so a block this step fills by a copy is
+  // read from the copy's source, and one it fills from the host tier cannot be read.
+  for (const auto& [source, destination] : pending_copies_) {
+    if (destination == block) return content_at_step_start(source);
+  }
+  for (const auto& [host_block, destination] : pending_transfers_.to_device) {
+    if (destination == block) return std::nullopt;
+  }
+  return block;
+}
+
 bool KVCacheManager::can_swap_out(const RequestId& id) const {
   const Request& request = find(id);
   return host_ && !request.block_table.empty() && request.host_table.empty() &&
-         static_cast<size_t>(host_->num_free_blocks()) >= request.block_table.size();
+         static_cast<size_t>(host_->num_free_blocks()) >= request.block_table.size() &&
+         std::ranges::all_of(request.block_table,
+                             [this](BlockId b) { return content_at_step_start(b).has_value(); });
 }
 
 void KVCacheManager::swap_out(const RequestId& id) {
@@ -67,9 +83,13 @@ void KVCacheManager::swap_out(const RequestId& id) {
   Request& request = find(id);
   for (const BlockId block : request.block_table) {
     const BlockId copy = host_->allocate();
-    pending_transfers_.to_host.emplace_back(block, copy);
+    pending_transfers_.to_host.emplace_back(*content_at_step_start(block), copy);
     request.host_table.push_back(copy);
   }
+  // Its copy-on-write copies are no longer needed: the host copies read their sources.
+  std::erase_if(pending_copies_, [&request](const auto& copy) {
+    return std::ranges::find(request.block_table, copy.second) != request.block_table.end();
+  });
   num_blocks_swapped_out_ += static_cast<int64_t>(request.block_table.size());
   ++num_swapped_requests_;
   // (released last block first, as free() does; cached ones stay cached)
