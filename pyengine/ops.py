@@ -73,6 +73,14 @@ _SCHEMAS = {
     # out [m, n] = x [m, k] (int8-quantized per row) @ a packed int8 weight * scale + bias
     "int8_dense": "int8_dense(Tensor(a!) out, Tensor x, Tensor packed, Tensor scale, "
     "Tensor? bias, int n) -> ()",
+    # ids int32 [t, top_k], weights float32 [t, top_k] = each row's top_k experts by
+    # softmax(logits [t, experts]), highest first (renormalised to sum 1 where asked)
+    "moe_softmax_topk": "moe_softmax_topk(Tensor(a!) ids, Tensor(b!) weights, Tensor logits, "
+    "bool renormalize) -> ()",
+    # out [t, hidden] = each row's routed experts' weighted sum: gate_up [experts, S1] and
+    # down [experts, S2] stacked packed weights (cpp/include/pyengine/moe.h)
+    "fused_experts": "fused_experts(Tensor(a!) out, Tensor x, Tensor ids, Tensor weights, "
+    "Tensor gate_up, Tensor down, int n, bool on_input=False, bool int8_activations=False) -> ()",
     # out [t, n] += each row's LoRA delta (cpp/include/pyengine/lora.h): slots int32 [t]
     # (-1: none), a [slots, ranks, k], b [slots, ranks, n], part_columns int64 [parts + 1]
     "lora_add": "lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor slots, "
@@ -114,6 +122,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
+    "moe_softmax_topk": _C.moe_softmax_topk,
+    "fused_experts": _C.fused_experts,
     "lora_add": _C.lora_add,
     "lora_embedding_add": _C.lora_embedding_add,
     "quantize_fp8_rows": _C.quantize_fp8_rows,
@@ -234,6 +244,8 @@ dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
 int8_dense = _eager_cpu_direct("int8_dense")
+moe_softmax_topk = _eager_cpu_direct("moe_softmax_topk")
+fused_experts = _eager_cpu_direct("fused_experts")
 lora_add = _eager_cpu_direct("lora_add")
 lora_embedding_add = _eager_cpu_direct("lora_embedding_add")
 quantize_fp8_rows = _eager_cpu_direct("quantize_fp8_rows")

@@ -12,6 +12,7 @@
 #include "pyengine/int8_dense.h"
 #include "pyengine/layer_ops.h"
 #include "pyengine/lora.h"
+#include "pyengine/moe.h"
 
 namespace py = pybind11;
 
@@ -104,6 +105,29 @@ KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const 
   auto p = shared_view(packed, "int8_dense: packed"), s = shared_view(scale, "int8_dense: scale");
   auto b = optional_view(bias, "int8_dense: bias");
   return {[=] { int8_dense(o->view(), in->view(), p->view(), s->view(), view_or_empty(b), n); }};
+}
+
+KernelCall prepare_moe_softmax_topk(const py::handle& ids, const py::handle& weights,
+                                    const py::handle& logits, bool renormalize) {
+  auto i = shared_view(ids, "moe_softmax_topk: ids");
+  auto w = shared_view(weights, "moe_softmax_topk: weights");
+  auto l = shared_view(logits, "moe_softmax_topk: logits");
+  return {[=] { moe_softmax_topk(i->view(), w->view(), l->view(), renormalize); }};
+}
+
+KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
+                                 const py::handle& ids, const py::handle& weights,
+                                 const py::handle& gate_up, const py::handle& down, int64_t n,
+                                 bool on_input, bool int8_activations) {
+  auto o = shared_view(out, "fused_experts: out"), in = shared_view(x, "fused_experts: x");
+  auto i = shared_view(ids, "fused_experts: ids");
+  auto w = shared_view(weights, "fused_experts: weights");
+  auto gu = shared_view(gate_up, "fused_experts: gate_up");
+  auto d = shared_view(down, "fused_experts: down");
+  return {[=] {
+    fused_experts(o->view(), in->view(), i->view(), w->view(), gu->view(), d->view(), n, on_input,
+                  int8_activations);
+  }};
 }
 
 KernelCall prepare_lora_add(const py::handle& out, const py::handle& x, const py::handle& a,
@@ -273,6 +297,15 @@ void bind_layer_ops(py::module_& m) {
              py::arg("scale"), py::arg("bias"), py::arg("n"),
              "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times "
              "scale [n] and x's row scales, + bias (or None).");
+  def_kernel(m, "moe_softmax_topk", &prepare_moe_softmax_topk, py::arg("ids"), py::arg("weights"),
+             py::arg("logits"), py::arg("renormalize"),
+             "ids [t, top_k] (int32), weights [t, top_k] = each row's top_k experts by "
+             "softmax(logits [t, experts]), highest first, renormalised where asked.");
+  def_kernel(m, "fused_experts", &prepare_fused_experts, py::arg("out"), py::arg("x"),
+             py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), py::arg("n"),
+             py::arg("on_input") = false, py::arg("int8_activations") = false,
+             "out [t, hidden] = each row's routed experts' weighted sum over stacked packed "
+             "weights (gate_up [experts, S1], down [experts, S2]); see pyengine/moe.h.");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   def_kernel(m, "lora_add", &prepare_lora_add, py::arg("out"), py::arg("x"), py::arg("a"),
              py::arg("b"), py::arg("slots"), py::arg("scale"), py::arg("part_columns"),

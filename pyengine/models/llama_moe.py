@@ -129,7 +129,9 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         for i in moe.sparse_layers:
             layer = self.layers[i]
             if isinstance(layer, DecoderLayer):  # (this stage's)
-                experts = FusedMoE(config.hidden_size, moe.moe_intermediate_size, routing)
+                experts = FusedMoE(
+                    config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement
+                )
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:

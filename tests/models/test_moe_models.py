@@ -58,8 +58,13 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     kind, folder, model = checkpoint
     llm = LLM(str(folder), max_model_len=256, kv_cache_memory=32 * 2**20,
               max_num_batched_tokens=32, dtype="float32")  # fmt: skip
-    layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    layers = runner.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == LAYERS[kind]
+    # The experts as packed panels, their decode steps recorded kernels (the replay
+    # checked against an eager forward when recorded).
+    assert layers[0].mlp.weight_form() == "float32 expert panels"
+    assert runner.graphs is not None
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 6, 50)] + [shared, shared + [7, 9]]

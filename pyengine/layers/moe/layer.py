@@ -1,47 +1,55 @@
 """FusedMoE: a mixture-of-experts layer in one call: the router's logits, each token's
 experts and weights (routing.py), each active expert's gate/up product, SiLU-and-multiply
 and down product over the tokens routed to it, and their weighted sum. The experts are
-held as [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] (the
-gate's rows first), as transformers 5 holds them.
-
-This first form computes with torch's matmuls, expert by expert, in the model's dtype,
-as transformers does (so that float32 tokens match its); the fused CPU and CUDA kernels,
-quantized experts and tensor or expert parallelism are issue 49's next parts."""
+loaded as [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] (the
+gate's rows first), as transformers 5 holds them; how they are then held and multiplied
+is the layer's method's (methods.py: packed panels and fused kernels on the CPU, torch
+expert by expert elsewhere)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from pyengine.layers.moe.routing import RoutingConfig, route
+from pyengine.layers.moe.methods import experts_method
+from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.placement import Placement
 
 
 class FusedMoE(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, routing: RoutingConfig) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        intermediate_size: int,
+        routing: RoutingConfig,
+        placement: Placement | None = None,
+    ) -> None:
         super().__init__()
-        experts = routing.num_experts
+        self.method = experts_method(placement or Placement())
+        experts, dtype = routing.num_experts, self.method.weight_dtype
         self.routing = routing
-        self.router = nn.Parameter(torch.empty(experts, hidden_size), requires_grad=False)
-        self.gate_up = nn.Parameter(
-            torch.empty(experts, 2 * intermediate_size, hidden_size), requires_grad=False
-        )
-        self.down = nn.Parameter(
-            torch.empty(experts, hidden_size, intermediate_size), requires_grad=False
-        )
         self.intermediate_size = intermediate_size
 
+        def parameter(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+        self.router = parameter(experts, hidden_size)
+        self.gate_up = parameter(experts, 2 * intermediate_size, hidden_size)
+        self.down = parameter(experts, hidden_size, intermediate_size)
+        self.method_state: object = None  # the method's forms, once loaded
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        routing = route(torch.nn.functional.linear(x, self.router), self.routing)
-        weights = routing.weights.to(x.dtype)
-        out = torch.zeros_like(x)
-        for expert in torch.unique(routing.expert_ids).tolist():
-            rows, slots = torch.where(routing.expert_ids == expert)
-            weight = weights[rows, slots, None]
-            inputs = x[rows] * weight if routing.on_input else x[rows]
-            gate, up = torch.nn.functional.linear(inputs, self.gate_up[expert]).chunk(2, dim=-1)
-            y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, self.down[expert])
-            out.index_add_(0, rows, y if routing.on_input else y * weight)
-        return out
+        return self.method.apply(self, x)
+
+    def process_weights_after_loading(self) -> None:
+        self.method.process_weights_after_loading(self)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The experts' forms that are not parameters (the model runner counts them)."""
+        return self.method.held_tensors(self)
+
+    def weight_form(self) -> str | None:
+        return self.method.form(self)
 
     def expert_parts(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Expert `expert`'s gate, up and down weights, as views of the layer's (the

@@ -1,0 +1,256 @@
+// Mixture-of-experts layers on the CPU (see pyengine/moe.h): the routing, then each
+// active expert's rows gathered and multiplied by dense's panel kernels, its sums added
+// to their rows.
+#include "pyengine/moe.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "float_convert.h"
+#include "pyengine/dense.h"
+#include "pyengine/errors.h"
+#include "tensor_checks.h"
+
+namespace pyengine {
+namespace {
+
+using detail::arg;
+using detail::check_rows;
+
+// A [t, top_k] routing tensor of `dtype` with dense rows, t and top_k as `like`'s.
+void check_routing(const TensorView& t, const char* op, const char* name, DType dtype,
+                   int64_t rows, int64_t top_k) {
+  check_rows(t, op, name, 2, dtype);
+  if (t.shape[0] != rows || (top_k >= 0 && t.shape[1] != top_k)) {
+    throw InvalidArgument(arg(op, name) + " must be [" + std::to_string(rows) + ", " +
+                          (top_k >= 0 ? std::to_string(top_k) : std::string("top_k")) +
+                          "] (a row per token), got " + t.describe());
+  }
+}
+
+// Row e of a stack of packed weights [experts, size], as the 1-d packed weight dense takes.
+TensorView expert_weight(const TensorView& stacked, int64_t e) {
+  TensorView v = stacked;
+  v.ndim = 1;
+  v.shape[0] = stacked.shape[1];
+  v.strides[0] = stacked.strides[1];
+  v.data = static_cast<char*>(stacked.data) +
+           e * stacked.strides[0] * static_cast<int64_t>(stacked.element_size());
+  return v;
+}
+
+void check_stack(const TensorView& t, const char* op, const char* name, int64_t experts) {
+  detail::check_cpu(t, op, name);
+  if (t.ndim != 2 || t.shape[0] != experts || (t.strides[1] != 1 && t.shape[1] > 1)) {
+    throw InvalidArgument(arg(op, name) + " must be [" + std::to_string(experts) +
+                          ", size]: a packed weight per expert, each dense, got " + t.describe());
+  }
+}
+
+// A dense [rows, columns] view of a scratch buffer.
+TensorView scratch_view(void* data, DType dtype, int64_t rows, int64_t columns) {
+  TensorView v;
+  v.data = data;
+  v.dtype = dtype;
+  v.ndim = 2;
+  v.shape[0] = rows;
+  v.shape[1] = columns;
+  v.strides[0] = columns;
+  v.strides[1] = 1;
+  return v;
+}
+
+// The routed (row, slot) pairs grouped by expert, rows ascending within one:
+// entries[starts[e], starts[e + 1]) are expert e's.
+struct ExpertGroups {
+  std::vector<int64_t> starts;
+  std::vector<int64_t> rows;
+  std::vector<int64_t> slots;
+  int64_t most_rows = 0;  // the most any expert has
+};
+
+void group_by_expert(ExpertGroups& g, const TensorView& ids, int64_t experts, const char* op) {
+  const int64_t t = ids.shape[0], top_k = ids.shape[1];
+  const auto* id = static_cast<const int32_t*>(ids.data);
+  g.starts.assign(static_cast<size_t>(experts + 1), 0);
+  for (int64_t r = 0; r < t; ++r) {
+    for (int64_t s = 0; s < top_k; ++s) {
+      const int32_t e = id[r * ids.strides[0] + s];
+      if (e < 0 || e >= experts) {
+        throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(r) + ", " +
+                              std::to_string(s) + "] is " + std::to_string(e) +
+                              ", outside [0, " + std::to_string(experts) + ")");
+      }
+      ++g.starts[static_cast<size_t>(e) + 1];
+    }
+  }
+  g.most_rows = *std::max_element(g.starts.begin(), g.starts.end());
+  std::partial_sum(g.starts.begin(), g.starts.end(), g.starts.begin());
+  g.rows.resize(static_cast<size_t>(t * top_k));
+  g.slots.resize(g.rows.size());
+  std::vector<int64_t> next(g.starts.begin(), g.starts.end() - 1);
+  for (int64_t r = 0; r < t; ++r) {
+    for (int64_t s = 0; s < top_k; ++s) {
+      const auto at = static_cast<size_t>(next[static_cast<size_t>(id[r * ids.strides[0] + s])]++);
+      g.rows[at] = r;
+      g.slots[at] = s;
+    }
+  }
+}
+
+// Reused between calls (a decode step's layers call it with the same few rows).
+struct Scratch {
+  ExpertGroups groups;
+  std::vector<float> inputs, hidden, sums, acc;
+  std::vector<uint16_t> inputs16, hidden16, sums16;
+};
+
+template <class T>
+T* sized(std::vector<T>& v, int64_t size) {
+  if (static_cast<int64_t>(v.size()) < size) v.resize(static_cast<size_t>(size));
+  return v.data();
+}
+
+}  // namespace
+
+void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
+                      bool renormalize) {
+  constexpr const char* op = "moe_softmax_topk";
+  const bool bf16 = logits.ndim == 2 && logits.dtype == DType::kBFloat16;
+  check_rows(logits, op, "logits", 2, bf16 ? DType::kBFloat16 : DType::kFloat32);
+  const int64_t t = logits.shape[0], experts = logits.shape[1];
+  check_routing(ids, op, "ids", DType::kInt32, t, -1);
+  const int64_t top_k = ids.shape[1];
+  check_routing(weights, op, "weights", DType::kFloat32, t, top_k);
+  detail::check_writable(ids, op, "ids");
+  detail::check_writable(weights, op, "weights");
+  if (top_k < 1 || top_k > experts) {
+    throw InvalidArgument(std::string(op) + ": top_k (ids' columns) must be in [1, " +
+                          std::to_string(experts) + "], got " + std::to_string(top_k));
+  }
+  std::vector<int32_t> order(static_cast<size_t>(experts));
+  std::vector<float> widened(bf16 ? static_cast<size_t>(experts) : 0);
+  for (int64_t r = 0; r < t; ++r) {
+    const float* l = static_cast<const float*>(logits.data) + r * logits.strides[0];
+    if (bf16) {  // (softmax in float32, as the routers compute it)
+      const auto* row = static_cast<const uint16_t*>(logits.data) + r * logits.strides[0];
+      std::transform(row, row + experts, widened.begin(), detail::bf16_to_float);
+      l = widened.data();
+    }
+    // The top_k by logit are the top_k by probability (softmax keeps the order), chosen
+    // before any rounding of the exponentials could tie two.
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
+                      [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    const float max = l[order[0]];
+    float total = 0.0f;
+    for (int64_t e = 0; e < experts; ++e) total += std::exp(l[e] - max);
+    auto* id = static_cast<int32_t*>(ids.data) + r * ids.strides[0];
+    auto* w = static_cast<float*>(weights.data) + r * weights.strides[0];
+    float chosen = 0.0f;
+    for (int64_t s = 0; s < top_k; ++s) {
+      id[s] = order[static_cast<size_t>(s)];
+      w[s] = std::exp(l[id[s]] - max) / total;
+      chosen += w[s];
+    }
+    if (renormalize) {
+      for (int64_t s = 0; s < top_k; ++s) w[s] /= chosen;
+    }
+  }
+}
+
+void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
+                   const TensorView& weights, const TensorView& gate_up, const TensorView& down,
+                   int64_t n, bool on_input, bool int8_activations) {
+  constexpr const char* op = "fused_experts";
+  const bool bf16 = x.ndim == 2 && x.dtype == DType::kBFloat16;
+  const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
+  check_rows(x, op, "x", 2, dtype);
+  check_rows(out, op, "out", 2, dtype);
+  detail::check_writable(out, op, "out");
+  const int64_t t = x.shape[0], h = x.shape[1];
+  if (out.shape[0] != t || out.shape[1] != h) {
+    throw InvalidArgument(arg(op, "out") + " must be [" + std::to_string(t) + ", " +
+                          std::to_string(h) + "] (x's shape), got " + out.describe());
+  }
+  if (out.data == x.data) throw InvalidArgument(arg(op, "out") + " must not be x");
+  check_routing(ids, op, "ids", DType::kInt32, t, -1);
+  const int64_t top_k = ids.shape[1];
+  check_routing(weights, op, "weights", DType::kFloat32, t, top_k);
+  const int64_t experts = gate_up.ndim == 2 ? gate_up.shape[0] : 0;
+  check_stack(gate_up, op, "gate_up", experts);
+  check_stack(down, op, "down", experts);
+  if (n < 1) throw InvalidArgument(arg(op, "n") + " must be positive, got " + std::to_string(n));
+
+  thread_local Scratch s;
+  group_by_expert(s.groups, ids, experts, op);
+  const ExpertGroups& g = s.groups;
+  const auto* w = static_cast<const float*>(weights.data);
+  const int64_t ldw = weights.strides[0];
+  // The sums, float32: out itself, or (bfloat16) a float32 copy rounded at the end.
+  float* acc = bf16 ? sized(s.acc, t * h) : static_cast<float*>(out.data);
+  const int64_t ld_acc = bf16 ? h : out.strides[0];
+  for (int64_t r = 0; r < t; ++r) std::fill_n(acc + r * ld_acc, h, 0.0f);
+
+  const int64_t most = g.most_rows;
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t first = g.starts[e], m = g.starts[e + 1] - first;
+    if (m == 0) continue;
+    TensorView inputs, hidden, sums;
+    if (bf16) {
+      auto* in = sized(s.inputs16, most * h);
+      const auto* src = static_cast<const uint16_t*>(x.data);
+      for (int64_t i = 0; i < m; ++i) {
+        const uint16_t* row = src + g.rows[first + i] * x.strides[0];
+        uint16_t* dst = in + i * h;
+        if (on_input) {
+          const float scale = w[g.rows[first + i] * ldw + g.slots[first + i]];
+          for (int64_t j = 0; j < h; ++j) {
+            dst[j] = detail::float_to_bf16(detail::bf16_to_float(row[j]) * scale);
+          }
+        } else {
+          std::copy_n(row, h, dst);
+        }
+      }
+      inputs = scratch_view(in, dtype, m, h);
+      hidden = scratch_view(sized(s.hidden16, most * n), dtype, m, n);
+      sums = scratch_view(sized(s.sums16, most * h), dtype, m, h);
+    } else {
+      float* in = sized(s.inputs, most * h);
+      const auto* src = static_cast<const float*>(x.data);
+      for (int64_t i = 0; i < m; ++i) {
+        const float* row = src + g.rows[first + i] * x.strides[0];
+        float* dst = in + i * h;
+        const float scale = on_input ? w[g.rows[first + i] * ldw + g.slots[first + i]] : 1.0f;
+        for (int64_t j = 0; j < h; ++j) dst[j] = on_input ? row[j] * scale : row[j];
+      }
+      inputs = scratch_view(in, dtype, m, h);
+      hidden = scratch_view(sized(s.hidden, most * n), dtype, m, n);
+      sums = scratch_view(sized(s.sums, most * h), dtype, m, h);
+    }
+    dense_silu_and_mul(hidden, inputs, expert_weight(gate_up, e), n, int8_activations);
+    dense(sums, hidden, expert_weight(down, e), TensorView{}, h, int8_activations);
+    for (int64_t i = 0; i < m; ++i) {
+      float* dst = acc + g.rows[first + i] * ld_acc;
+      const float scale = on_input ? 1.0f : w[g.rows[first + i] * ldw + g.slots[first + i]];
+      if (bf16) {
+        const uint16_t* y = static_cast<const uint16_t*>(sums.data) + i * h;
+        for (int64_t j = 0; j < h; ++j) dst[j] += detail::bf16_to_float(y[j]) * scale;
+      } else {
+        const float* y = static_cast<const float*>(sums.data) + i * h;
+        for (int64_t j = 0; j < h; ++j) dst[j] += y[j] * scale;
+      }
+    }
+  }
+  if (bf16) {
+    for (int64_t r = 0; r < t; ++r) {
+      auto* dst = static_cast<uint16_t*>(out.data) + r * out.strides[0];
+      for (int64_t j = 0; j < h; ++j) dst[j] = detail::float_to_bf16(acc[r * h + j]);
+    }
+  }
+}
+
+}  // namespace pyengine

@@ -1,0 +1,147 @@
+"""How a FusedMoE layer holds and multiplies its experts, chosen by where the model runs
+and in what dtype (experts_method), as dense_method chooses a linear layer's form:
+
+- PanelExperts: on the CPU in float32 or bfloat16, every expert's gate/up and down
+  weights packed into the panels of pyengine's matmul, stacked an expert a row, and the
+  router's as a dense weight; a step is three kernels (the router's product, the
+  softmax top-k, and ops.fused_experts: the tokens grouped by expert and each active
+  expert's weights read once), which a decode step records and replays.
+- TorchExperts: the weights as parameters in the model's dtype, multiplied expert by
+  expert with torch (CUDA, float16 on the CPU).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from pyengine import ops
+from pyengine.layers.moe.routing import Routing, route
+from pyengine.layers.placement import Placement
+from pyengine.layers.quantization.packing import pack_bf16, pack_panels
+from pyengine.utils import host_memory
+
+if TYPE_CHECKING:
+    from pyengine.layers.moe.layer import FusedMoE
+
+
+class ExpertsMethod(ABC):
+    # The dtype the layer's parameters are created in (the checkpoint's tensors are
+    # converted as they are copied in).
+    weight_dtype: torch.dtype = torch.float32
+
+    @abstractmethod
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        """Makes the forms the method multiplies from, once the weights are in."""
+
+    @abstractmethod
+    def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+        """The layer's output for x [tokens, hidden]: its routed experts' weighted sum."""
+
+    def held_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
+        return []
+
+    def form(self, layer: FusedMoE) -> str | None:
+        return None
+
+
+def experts_method(placement: Placement) -> ExpertsMethod:
+    if placement.packs_weights:
+        return PanelExperts(bf16=False)
+    if placement.packs_bf16_weights:
+        return PanelExperts(bf16=True)
+    return TorchExperts()
+
+
+class TorchExperts(ExpertsMethod):
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        pass  # (it multiplies the parameters themselves)
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+        routing = route(F.linear(x, layer.router), layer.routing)
+        weights = routing.weights.to(x.dtype)
+        out = torch.zeros_like(x)
+        for expert in torch.unique(routing.expert_ids).tolist():
+            rows, slots = torch.where(routing.expert_ids == expert)
+            weight = weights[rows, slots, None]
+            inputs = x[rows] * weight if routing.on_input else x[rows]
+            gate, up = F.linear(inputs, layer.gate_up[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, layer.down[expert])
+            out.index_add_(0, rows, y if routing.on_input else y * weight)
+        return out
+
+
+@dataclass
+class ExpertPanels:
+    """A layer's packed forms: the router's panels, and the experts' stacked [experts,
+    size] (gate/up pairs, and down)."""
+
+    router: torch.Tensor
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+
+class PanelExperts(ExpertsMethod):
+    def __init__(self, bf16: bool) -> None:
+        self.bf16 = bf16
+        # (bfloat16 as loaded: no float32 copy of the experts while they load)
+        self.weight_dtype = torch.bfloat16 if bf16 else torch.float32
+
+    def pack(self, w_t: torch.Tensor, gate_up: bool) -> torch.Tensor:
+        return (pack_bf16 if self.bf16 else pack_panels)(w_t.float().contiguous(), gate_up)
+
+    def stack(self, weights: torch.Tensor, gate_up: bool) -> torch.Tensor:
+        """Each expert's [out, in] weight packed, a row an expert (packed one at a time:
+        a float32 copy of one expert at most)."""
+        first = self.pack(weights[0].t(), gate_up)
+        stacked = host_memory.empty(weights.shape[0] * first.numel(), first.dtype)
+        stacked = stacked.view(weights.shape[0], first.numel())
+        stacked[0] = first
+        for expert in range(1, weights.shape[0]):
+            stacked[expert] = self.pack(weights[expert].t(), gate_up)
+        return stacked
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        layer.method_state = ExpertPanels(
+            self.pack(layer.router.data.t(), False),
+            self.stack(layer.gate_up.data, True),
+            self.stack(layer.down.data, False),
+        )
+        # The packed forms are the weights now.
+        del layer.router, layer.gate_up, layer.down
+
+    def state(self, layer: FusedMoE) -> ExpertPanels:
+        state = layer.method_state
+        assert isinstance(state, ExpertPanels), "process_weights_after_loading made it"
+        return state
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+        panels, config = self.state(layer), layer.routing
+        tokens = x.shape[0]
+        logits = torch.empty(tokens, config.num_experts, dtype=x.dtype)
+        ops.dense(logits, x, panels.router, None, config.num_experts)
+        if config.method == "softmax":
+            ids = torch.empty(tokens, config.top_k, dtype=torch.int32)
+            weights = torch.empty(tokens, config.top_k, dtype=torch.float32)
+            ops.moe_softmax_topk(ids, weights, logits, config.renormalize)
+            on_input = False
+        else:  # (routed by torch: such a step is not recorded, and runs eagerly)
+            routing: Routing = route(logits, config)
+            ids, weights = routing.expert_ids.to(torch.int32), routing.weights.float()
+            on_input = routing.on_input
+        out = torch.empty_like(x)
+        ops.fused_experts(
+            out, x, ids, weights, panels.gate_up, panels.down, layer.intermediate_size, on_input
+        )
+        return out
+
+    def held_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
+        panels = self.state(layer)
+        return [panels.router, panels.gate_up, panels.down]
+
+    def form(self, layer: FusedMoE) -> str | None:
+        return f"{'bfloat16' if self.bf16 else 'float32'} expert panels"
