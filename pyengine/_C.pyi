@@ -224,6 +224,10 @@ def fused_experts(
     n: int,
     on_input: bool = False,
     int8_activations: bool = False,
+    shared_gate_up: Any | None = None,
+    shared_down: Any | None = None,
+    shared_n: int = 0,
+    shared_gate: Any | None = None,
 ) -> None: ...
 def lora_add(
     out: Any, x: Any, a: Any, b: Any, slots: Any, scale: Any, part_columns: Any, stream: int = 0

@@ -118,15 +118,21 @@ KernelCall prepare_moe_softmax_topk(const py::handle& ids, const py::handle& wei
 KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
                                  const py::handle& ids, const py::handle& weights,
                                  const py::handle& gate_up, const py::handle& down, int64_t n,
-                                 bool on_input, bool int8_activations) {
+                                 bool on_input, bool int8_activations,
+                                 const py::handle& shared_gate_up, const py::handle& shared_down,
+                                 int64_t shared_n, const py::handle& shared_gate) {
   auto o = shared_view(out, "fused_experts: out"), in = shared_view(x, "fused_experts: x");
   auto i = shared_view(ids, "fused_experts: ids");
   auto w = shared_view(weights, "fused_experts: weights");
   auto gu = shared_view(gate_up, "fused_experts: gate_up");
   auto d = shared_view(down, "fused_experts: down");
+  auto sgu = optional_view(shared_gate_up, "fused_experts: shared_gate_up");
+  auto sd = optional_view(shared_down, "fused_experts: shared_down");
+  auto sg = optional_view(shared_gate, "fused_experts: shared_gate");
   return {[=] {
+    const SharedExpert shared{view_or_empty(sgu), view_or_empty(sd), view_or_empty(sg), shared_n};
     fused_experts(o->view(), in->view(), i->view(), w->view(), gu->view(), d->view(), n, on_input,
-                  int8_activations);
+                  int8_activations, shared);
   }};
 }
 
@@ -304,8 +310,11 @@ void bind_layer_ops(py::module_& m) {
   def_kernel(m, "fused_experts", &prepare_fused_experts, py::arg("out"), py::arg("x"),
              py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), py::arg("n"),
              py::arg("on_input") = false, py::arg("int8_activations") = false,
+             py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
+             py::arg("shared_n") = 0, py::arg("shared_gate") = py::none(),
              "out [t, hidden] = each row's routed experts' weighted sum over stacked packed "
-             "weights (gate_up [experts, S1], down [experts, S2]); see pyengine/moe.h.");
+             "weights (gate_up [experts, S1], down [experts, S2]), plus a shared expert's "
+             "output (times sigmoid(x . shared_gate)) where one is given; see pyengine/moe.h.");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   def_kernel(m, "lora_add", &prepare_lora_add, py::arg("out"), py::arg("x"), py::arg("a"),
              py::arg("b"), py::arg("slots"), py::arg("scale"), py::arg("part_columns"),

@@ -1,7 +1,9 @@
 """Mixtures of experts on the Llama family's attention: Qwen3-MoE (Qwen3's per-head q/k
 RMSNorm; experts in the layers `decoder_sparse_step` and `mlp_only_layers` say, renormalised
-where `norm_topk_prob` says) and Mixtral (Mistral's attention; experts in every layer,
-always renormalised). Their experts are a FusedMoE layer (layers/moe), softmax top-k
+where `norm_topk_prob` says), Qwen2-MoE (Qwen2's attention, its q/k/v biases as
+`qkv_bias` says; the same layers as Qwen3-MoE, and a shared expert each, scaled by a
+sigmoid gate) and Mixtral (Mistral's attention; experts in every layer, always
+renormalised). Their experts are a FusedMoE layer (layers/moe), softmax top-k
 routed; checkpoints name each expert's weights, as transformers writes them (Qwen3-MoE:
 `mlp.experts.N.gate_proj`, Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2
 the down projection).
@@ -45,6 +47,18 @@ class MoeFamilyConfig(LlamaFamilyConfig):
     sparse_layers: tuple[int, ...] = ()
     moe_module: str = "mlp"
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared_intermediate_size: int = 0  # 0: no shared expert
+    shared: SharedNames | None = None
+
+
+@dataclass(frozen=True)
+class SharedNames:
+    """A shared expert's config key and checkpoint names: its intermediate size's key,
+    its module, and its gate's module (None: ungated)."""
+
+    size_key: str
+    module: str
+    gate: str | None
 
 
 @dataclass(frozen=True)
@@ -56,12 +70,20 @@ class _MoeVariant:
     moe_module: str
     expert_parts: tuple[str, str, str]
     renormalize: bool | None = None  # None: as the config's norm_topk_prob says
+    bias_key: str = "attention_bias"  # the config's key of the q/k/v biases
+    shared: SharedNames | None = None
 
 
 _MOE_VARIANTS = {
     "Qwen3MoeForCausalLM": _MoeVariant(
         _Variant(qk_norm=True), "moe_intermediate_size", "mlp",
         ("gate_proj", "up_proj", "down_proj"),
+    ),
+    "Qwen2MoeForCausalLM": _MoeVariant(
+        _Variant(attention_bias=True), "moe_intermediate_size", "mlp",
+        ("gate_proj", "up_proj", "down_proj"), bias_key="qkv_bias",
+        shared=SharedNames("shared_expert_intermediate_size", "shared_expert",
+                           "shared_expert_gate"),
     ),
     "MixtralForCausalLM": _MoeVariant(
         _Variant(sliding_window=True), "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2"),
@@ -93,8 +115,13 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             renormalize = bool(raw.get("norm_topk_prob", False))
         # (transformers 5 writes num_local_experts; earlier ones, and Qwen's, num_experts)
         experts = raw["num_experts"] if "num_experts" in raw else raw["num_local_experts"]
+        attention = asdict(config.family_config(LlamaFamilyConfig))
+        attention["attention_bias"] = bool(
+            raw.get(variant.bias_key, variant.attention.attention_bias)
+        )
+        shared = variant.shared
         family = MoeFamilyConfig(
-            **asdict(config.family_config(LlamaFamilyConfig)),
+            **attention,
             num_experts=integer(experts),
             top_k=integer(raw["num_experts_per_tok"]),
             moe_intermediate_size=integer(raw[variant.expert_size_key]),
@@ -102,6 +129,8 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             sparse_layers=sparse_layers(raw, config.num_layers),
             moe_module=variant.moe_module,
             expert_parts=variant.expert_parts,
+            shared_intermediate_size=integer(raw[shared.size_key]) if shared else 0,
+            shared=shared,
         )  # fmt: skip
         return replace(config, family=family)
 
@@ -129,9 +158,11 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         for i in moe.sparse_layers:
             layer = self.layers[i]
             if isinstance(layer, DecoderLayer):  # (this stage's)
+                gated = moe.shared is not None and moe.shared.gate is not None
                 experts = FusedMoE(
-                    config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement
-                )
+                    config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement,
+                    moe.shared_intermediate_size, gated,
+                )  # fmt: skip
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
@@ -144,3 +175,9 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         for expert in range(mlp.routing.num_experts):
             for name, part in zip(family.expert_parts, mlp.expert_parts(expert), strict=True):
                 router.plain(f"{module}.experts.{expert}.{name}.weight", part)
+        shared, names = mlp.shared_expert, family.shared
+        if shared is not None and names is not None:
+            for name, part in zip(family.expert_parts, shared.parts(), strict=True):
+                router.plain(f"{module}.{names.module}.{name}.weight", part)
+            if shared.gate is not None and names.gate is not None:
+                router.plain(f"{module}.{names.gate}.weight", shared.gate)

@@ -195,6 +195,14 @@ def test_bad_arguments_are_clear_errors() -> None:
         call(n=40)
     with pytest.raises(ValueError, match="out must not be x"):
         call(out=x)
+    shared = {"shared_gate_up": gate_up[0], "shared_down": down[0], "shared_n": 48}
+    call(**shared, shared_gate=torch.randn(32))  # (as it should be)
+    with pytest.raises(ValueError, match="shared_n must be positive"):
+        call(**shared | {"shared_n": 0})
+    with pytest.raises(ValueError, match="shared_down is missing"):
+        call(**shared | {"shared_down": None})
+    with pytest.raises(ValueError, match=r"shared_gate must be dense float32 \[32\]"):
+        call(**shared, shared_gate=torch.randn(31))
     with pytest.raises(ValueError, match="top_k .* must be in"):
         ops.moe_softmax_topk(
             torch.empty(2, 5, dtype=torch.int32), torch.empty(2, 5), torch.randn(2, 4), False

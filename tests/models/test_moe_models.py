@@ -1,4 +1,4 @@
-"""Mixture-of-experts architectures (Qwen3-MoE, Mixtral) on tiny random checkpoints that
+"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) on tiny random checkpoints that
 transformers makes in the test (random norms, router and experts too; fewer tokens than
 experts, so that some experts get none): greedy float32 tokens and logits identical to
 transformers', with chunked prefill and a shared prefix; what the first form cannot run
@@ -27,6 +27,12 @@ CONFIGS = {
         **SHAPE, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
         norm_topk_prob=True, mlp_only_layers=[1],
     ),
+    # 8 experts, top 2, not renormalised, a gated shared expert; q/k/v biases; its first
+    # layer dense
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **SHAPE, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
+        shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[0],
+    ),
     # 6 experts in every layer, always renormalised
     "mixtral": lambda: transformers.MixtralConfig(
         **SHAPE, intermediate_size=48, num_local_experts=6
@@ -34,6 +40,7 @@ CONFIGS = {
 }  # fmt: skip
 LAYERS = {
     "qwen3_moe": ["FusedMoE", "MLP", "FusedMoE"],
+    "qwen2_moe": ["MLP", "FusedMoE", "FusedMoE"],
     "mixtral": ["FusedMoE", "FusedMoE", "FusedMoE"],
 }
 
@@ -63,7 +70,7 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     assert [type(layer.mlp).__name__ for layer in layers] == LAYERS[kind]
     # The experts as packed panels, their decode steps recorded kernels (the replay
     # checked against an eager forward when recorded).
-    assert layers[0].mlp.weight_form() == "float32 expert panels"
+    assert layers[2].mlp.weight_form() == "float32 expert panels"
     assert runner.graphs is not None
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 256, 40).tolist()

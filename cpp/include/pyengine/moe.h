@@ -1,5 +1,6 @@
 // Mixture-of-experts layers on the CPU: each token's experts chosen from its router
-// logits (softmax top-k), and the routed experts' product over panel-packed weights.
+// logits (softmax top-k), and the routed experts' product over panel-packed weights (and
+// a shared expert's, which every token takes).
 //
 // The experts' weights are stacked, one packed weight a row: gate_up [experts, S1], each
 // row a [hidden, 2 * n] gate/up weight as dense_silu_and_mul takes it (float32
@@ -17,9 +18,10 @@
 namespace pyengine {
 
 // ids [t, top_k] (int32) and weights [t, top_k] (float32): each row's top_k experts by
-// softmax(logits [t, experts], float32 or bfloat16; the softmax in float32), highest first (equal logits: the lower id
-// first), each weight its softmax probability, divided by the top_k's sum where
-// `renormalize` (as Mixtral and Qwen2/3-MoE route). top_k in [1, experts].
+// softmax(logits [t, experts], float32 or bfloat16; the softmax in float32), highest
+// first (equal logits: the lower id first), each weight its softmax probability,
+// divided by the top_k's sum where `renormalize` (as Mixtral and Qwen2/3-MoE route).
+// top_k in [1, experts].
 void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
                       bool renormalize);
 
@@ -29,9 +31,18 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
 // row in ascending expert order (as transformers' index_add over its experts). x and out
 // float32 (or bfloat16 with bfloat16 panels: the sums kept in float32 and rounded once);
 // ids int32 [t, top_k] in [0, experts), an expert may repeat; weights float32 [t, top_k].
-// int8_activations: as dense's. out must not overlap x.
+// int8_activations: as dense's. out must not overlap x. With a shared expert (its
+// gate_up.data set), every row also adds, after its routed experts, the shared expert's
+// output, times sigmoid(x[r] . gate) where a gate is given.
+struct SharedExpert {
+  TensorView gate_up;  // one packed [hidden, 2 * n] weight, as dense_silu_and_mul takes it
+  TensorView down;     // one packed [n, hidden] weight
+  TensorView gate;     // float32 [hidden] (Qwen2-MoE's shared_expert_gate), or none
+  int64_t n = 0;       // its intermediate size
+};
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
-                   int64_t n, bool on_input, bool int8_activations = false);
+                   int64_t n, bool on_input, bool int8_activations = false,
+                   const SharedExpert& shared = {});
 
 }  // namespace pyengine

@@ -114,6 +114,46 @@ T* sized(std::vector<T>& v, int64_t size) {
   return v.data();
 }
 
+// acc [t, hidden] (float32 sums, ld_acc apart) += each row's shared expert output, times
+// sigmoid(x[r] . gate) where the expert has a gate.
+void add_shared_expert(float* acc, int64_t ld_acc, const TensorView& x, const SharedExpert& shared,
+                       bool int8_activations, Scratch& s) {
+  constexpr const char* op = "fused_experts";
+  const int64_t t = x.shape[0], h = x.shape[1], n = shared.n;
+  const bool bf16 = x.dtype == DType::kBFloat16;
+  if (n < 1) {
+    throw InvalidArgument(arg(op, "shared_n") + " must be positive, got " + std::to_string(n));
+  }
+  if (shared.down.data == nullptr) throw InvalidArgument(arg(op, "shared_down") + " is missing");
+  const bool gated = shared.gate.data != nullptr;
+  if (gated) detail::check_vector(shared.gate, op, "shared_gate", h);
+  void* hidden = bf16 ? static_cast<void*>(sized(s.hidden16, t * n)) : sized(s.hidden, t * n);
+  void* sums = bf16 ? static_cast<void*>(sized(s.sums16, t * h)) : sized(s.sums, t * h);
+  const TensorView hidden_view = scratch_view(hidden, x.dtype, t, n);
+  const TensorView sums_view = scratch_view(sums, x.dtype, t, h);
+  dense_silu_and_mul(hidden_view, x, shared.gate_up, n, int8_activations);
+  dense(sums_view, hidden_view, shared.down, TensorView{}, h, int8_activations);
+  // (element j of row r of a float32 or bfloat16 buffer, as float32)
+  const auto value = [bf16](const void* data, int64_t at) {
+    return bf16 ? detail::bf16_to_float(static_cast<const uint16_t*>(data)[at])
+                : static_cast<const float*>(data)[at];
+  };
+  const auto* g = static_cast<const float*>(shared.gate.data);
+  for (int64_t r = 0; r < t; ++r) {
+    float scale = 1.0f;
+    if (gated) {
+      float dot = 0.0f;
+      for (int64_t j = 0; j < h; ++j) dot += value(x.data, r * x.strides[0] + j) * g[j];
+      scale = 1.0f / (1.0f + std::exp(-dot));
+    }
+    float* dst = acc + r * ld_acc;
+    for (int64_t j = 0; j < h; ++j) {
+      const float y = value(sums, r * h + j);
+      dst[j] += gated ? scale * y : y;
+    }
+  }
+}
+
 }  // namespace
 
 void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
@@ -164,7 +204,7 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
 
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
-                   int64_t n, bool on_input, bool int8_activations) {
+                   int64_t n, bool on_input, bool int8_activations, const SharedExpert& shared) {
   constexpr const char* op = "fused_experts";
   const bool bf16 = x.ndim == 2 && x.dtype == DType::kBFloat16;
   const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
@@ -244,6 +284,9 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
         for (int64_t j = 0; j < h; ++j) dst[j] += y[j] * scale;
       }
     }
+  }
+  if (shared.gate_up.data != nullptr) {
+    add_shared_expert(acc, ld_acc, x, shared, int8_activations, s);
   }
   if (bf16) {
     for (int64_t r = 0; r < t; ++r) {

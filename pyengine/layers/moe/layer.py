@@ -4,7 +4,9 @@ and down product over the tokens routed to it, and their weighted sum. The exper
 loaded as [experts, 2 * intermediate, hidden] and [experts, hidden, intermediate] (the
 gate's rows first), as transformers 5 holds them; how they are then held and multiplied
 is the layer's method's (methods.py: packed panels and fused kernels on the CPU, torch
-expert by expert elsewhere)."""
+expert by expert elsewhere). A layer may also have a shared expert, which every token
+takes beside its routed ones (Qwen2-MoE's, scaled by a sigmoid gate; DeepSeek's and
+Llama 4's, ungated)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ class FusedMoE(nn.Module):
         intermediate_size: int,
         routing: RoutingConfig,
         placement: Placement | None = None,
+        shared_intermediate_size: int = 0,
+        shared_gate: bool = False,
     ) -> None:
         super().__init__()
         self.method = experts_method(placement or Placement())
@@ -36,6 +40,13 @@ class FusedMoE(nn.Module):
         self.router = parameter(experts, hidden_size)
         self.gate_up = parameter(experts, 2 * intermediate_size, hidden_size)
         self.down = parameter(experts, hidden_size, intermediate_size)
+        self.shared_expert: SharedExpert | None = None
+        if shared_intermediate_size:
+            n = shared_intermediate_size
+            self.shared_expert = SharedExpert(
+                parameter(2 * n, hidden_size), parameter(hidden_size, n),
+                parameter(1, hidden_size) if shared_gate else None,
+            )  # fmt: skip
         self.method_state: object = None  # the method's forms, once loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,3 +67,22 @@ class FusedMoE(nn.Module):
         checkpoint's per-expert tensors load into them)."""
         n = self.intermediate_size
         return self.gate_up[expert, :n], self.gate_up[expert, n:], self.down[expert]
+
+
+class SharedExpert(nn.Module):
+    """The expert every token takes: gate_up [2 n, hidden] (the gate's rows first), down
+    [hidden, n], and where it has one, its gate [1, hidden], which scales its output by
+    sigmoid(x . gate)."""
+
+    def __init__(
+        self, gate_up: nn.Parameter, down: nn.Parameter, gate: nn.Parameter | None
+    ) -> None:
+        super().__init__()
+        self.gate_up, self.down, self.gate = gate_up, down, gate
+        self.intermediate_size = down.shape[1]
+
+    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Its gate, up and down weights, as views (the checkpoint's tensors load into
+        them)."""
+        n = self.intermediate_size
+        return self.gate_up[:n], self.gate_up[n:], self.down

@@ -54,12 +54,18 @@ def experts_method(placement: Placement) -> ExpertsMethod:
         return PanelExperts(bf16=False)
     if placement.packs_bf16_weights:
         return PanelExperts(bf16=True)
-    return TorchExperts()
+    return TorchExperts(placement)
 
 
 class TorchExperts(ExpertsMethod):
+    def __init__(self, placement: Placement) -> None:
+        # (in the model's dtype: the checkpoint's tensors are converted as they load)
+        self.weight_dtype = placement.dtype
+        self.device = placement.device
+
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        pass  # (it multiplies the parameters themselves)
+        for p in layer.parameters():  # (it multiplies the parameters themselves)
+            p.data = p.data.to(self.device)
 
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
         routing = route(F.linear(x, layer.router), layer.routing)
@@ -72,17 +78,41 @@ class TorchExperts(ExpertsMethod):
             gate, up = F.linear(inputs, layer.gate_up[expert]).chunk(2, dim=-1)
             y = F.linear(F.silu(gate) * up, layer.down[expert])
             out.index_add_(0, rows, y if routing.on_input else y * weight)
+        shared = layer.shared_expert
+        if shared is not None:
+            gate, up = F.linear(x, shared.gate_up).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, shared.down)
+            out = out + (y if shared.gate is None else torch.sigmoid(F.linear(x, shared.gate)) * y)
         return out
 
 
 @dataclass
+class SharedPanels:
+    """A shared expert's packed gate/up and down weights, and its gate (float32
+    [hidden]) where it has one."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    gate: torch.Tensor | None
+    intermediate_size: int
+
+
+@dataclass
 class ExpertPanels:
-    """A layer's packed forms: the router's panels, and the experts' stacked [experts,
-    size] (gate/up pairs, and down)."""
+    """A layer's packed forms: the router's panels, the experts' stacked [experts, size]
+    (gate/up pairs, and down), and its shared expert's."""
 
     router: torch.Tensor
     gate_up: torch.Tensor
     down: torch.Tensor
+    shared: SharedPanels | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        shared = self.shared
+        extra = [] if shared is None else [shared.gate_up, shared.down]
+        if shared is not None and shared.gate is not None:
+            extra.append(shared.gate)
+        return [self.router, self.gate_up, self.down, *extra]
 
 
 class PanelExperts(ExpertsMethod):
@@ -106,11 +136,21 @@ class PanelExperts(ExpertsMethod):
         return stacked
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        layer.method_state = ExpertPanels(
+        panels = ExpertPanels(
             self.pack(layer.router.data.t(), False),
             self.stack(layer.gate_up.data, True),
             self.stack(layer.down.data, False),
         )
+        shared = layer.shared_expert
+        if shared is not None:
+            gate = None if shared.gate is None else shared.gate.data[0].float().contiguous()
+            panels.shared = SharedPanels(
+                self.pack(shared.gate_up.data.t(), True),
+                self.pack(shared.down.data.t(), False),
+                gate, shared.intermediate_size,
+            )  # fmt: skip
+            layer.shared_expert = None
+        layer.method_state = panels
         # The packed forms are the weights now.
         del layer.router, layer.gate_up, layer.down
 
@@ -134,14 +174,19 @@ class PanelExperts(ExpertsMethod):
             ids, weights = routing.expert_ids.to(torch.int32), routing.weights.float()
             on_input = routing.on_input
         out = torch.empty_like(x)
+        shared = panels.shared
         ops.fused_experts(
-            out, x, ids, weights, panels.gate_up, panels.down, layer.intermediate_size, on_input
-        )
+            out, x, ids, weights, panels.gate_up, panels.down, layer.intermediate_size, on_input,
+            False,
+            None if shared is None else shared.gate_up,
+            None if shared is None else shared.down,
+            0 if shared is None else shared.intermediate_size,
+            None if shared is None else shared.gate,
+        )  # fmt: skip
         return out
 
     def held_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
-        panels = self.state(layer)
-        return [panels.router, panels.gate_up, panels.down]
+        return self.state(layer).tensors()
 
     def form(self, layer: FusedMoE) -> str | None:
         return f"{'bfloat16' if self.bf16 else 'float32'} expert panels"

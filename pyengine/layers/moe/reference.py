@@ -37,3 +37,15 @@ def routed_experts_reference(
         y = (act(gate) * up) @ down[expert].double().T
         out.index_add_(0, rows, y if routing.on_input else y * weight)
     return out
+
+
+def shared_expert_reference(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, gate: torch.Tensor | None
+) -> torch.Tensor:
+    """A shared expert's output for every token, in float64: down(silu(gate(x)) * up(x)),
+    times sigmoid(x . gate) where it has a gate [1, hidden]. gate_up: [2 * n, hidden],
+    the gate's rows first; down: [hidden, n]."""
+    x64 = x.double()
+    g, up = (x64 @ gate_up.double().T).chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(g) * up) @ down.double().T
+    return y if gate is None else torch.sigmoid(x64 @ gate.double().T) * y
