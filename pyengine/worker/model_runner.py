@@ -14,6 +14,7 @@ from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, EngineConfig
 from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
+from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.placement import Placement
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
@@ -40,6 +41,11 @@ def resident_bytes(model: Any) -> int:
             tensors += held()
     unique = {id(t): t for t in tensors}.values()
     return sum(t.numel() * t.element_size() for t in unique)
+
+
+def expert_bytes(model: Any) -> int:
+    """Bytes of its mixture-of-experts layers' weights (part of resident_bytes)."""
+    return sum(resident_bytes(m) for m in model.modules() if isinstance(m, FusedMoE))
 
 
 def weight_forms(model: Any) -> str:
@@ -174,11 +180,13 @@ class ModelRunner:
         if on_cpu:
             host_memory.release_free_heap()  # what loading freed
         q = c.quantization
+        experts = expert_bytes(self.model)
         logger.info(
-            "weights: %s, %.1f MiB resident (%s)",
+            "weights: %s, %.1f MiB resident (%s)%s",
             q.describe() if q else str(self.placement.dtype).removeprefix("torch."),
             self.weight_bytes / 2**20,
             weight_forms(self.model),
+            f", of which {experts / 2**20:.1f} MiB the experts'" if experts else "",
         )
         # The step's inputs in one copy, which the decode graphs read in place (CUDA
         # graphs on a GPU, recorded kernel calls on the CPU); without graphs on the CPU,
