@@ -13,9 +13,26 @@ reference multiplies the same weights in bfloat16 with torch's matmul, an active
 at a time, as transformers' MoE blocks do. Each time is the best of the 8 calls, the
 peer's in the same process.
 
+End to end (unless --no-engines), a model of those layer shapes with a few layers
+(--layers; SmolLM2's vocabulary and tokenizer: bench/moe_checkpoint.py):
+- offline: --num-prompts prompts of --min-len to --max-len random tokens, --output-len
+  greedy tokens each, all at once, through pyengine's LLM at its defaults and vLLM's
+  CPU build at its own (bfloat16; --vllm-python, in its own virtual environment), each
+  in a process of its own on dummy weights (bench/engine_peer.py), and transformers'
+  generate in bfloat16 on random weights (--transformers; batches of 32);
+- one stream: --stream-len tokens after a prompt of --stream-prompt-len through
+  pyengine's server (dummy weights) and llama.cpp's llama-server (--llama-bin) on a
+  bfloat16 GGUF of that shape (random weights of its own), against the bound of the
+  bytes a token reads (attention, router, the top 8 experts and the head, bfloat16) at
+  the read bandwidth.
+
 The last line printed is one JSON object, also written to bench/results/moe.json.
 
-    python -m bench.moe [--tokens 1,8,64,512] [--experts 128]
+    python -m bench.moe [--tokens 1,8,64,512] [--experts 128] [--no-engines]
+                        [--layers 4] [--vllm-python PY] [--transformers]
+                        [--llama-bin DIR] [--llama-options ...] [--rounds 1]
+                        [--num-prompts 32] [--min-len 64] [--max-len 512]
+                        [--output-len 128] [--stream-len 256] [--cache DIR]
 
 (from the repository root; bench/__init__.py says how with a plain install)
 """
@@ -23,9 +40,13 @@ The last line printed is one JSON object, also written to bench/results/moe.json
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -34,7 +55,12 @@ from pyengine.layers.block_quantized import BLOCK, BlockQuantized
 from pyengine.layers.moe.routing import Routing, RoutingConfig, route
 from pyengine.layers.quantization.packing import pack_bf16, pack_block_quantized
 
-from .common import print_table, report
+from .checkpoints import default_model_folders
+from .common import add_workload_arguments, print_table, report
+from .cpu_peers import Model, offline, one_stream, pyengine_server
+from .moe_checkpoint import bf16_gguf, decode_bytes, moe_folder
+from .quantized import free_port
+from .throughput import run_hf
 
 HIDDEN, EXPERT_SIZE, TOP_K = 2048, 768, 8
 
@@ -131,18 +157,14 @@ def torch_loop(forms: LayerForms, x: torch.Tensor, routing: Routing) -> Callable
 ROUTINGS_CYCLED = 8
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="1,8,64,512")
-    parser.add_argument("--experts", type=int, default=128)
-    args = parser.parse_args()
-    token_counts = [int(t) for t in args.tokens.split(",")]
+def layer_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
+    """The experts alone: each form against the torch loop and the bandwidth bound."""
     torch.manual_seed(0)
     forms = LayerForms(args.experts)
     config = RoutingConfig("softmax", TOP_K, args.experts, renormalize=True)
     cache = ColdCache()
-    rows, figures = [], {}
-    for tokens in token_counts:
+    rows = []
+    for tokens in [int(t) for t in args.tokens.split(",")]:
         x = torch.randn(tokens, HIDDEN)
         routings = [
             route(torch.randn(tokens, args.experts), config) for _ in range(ROUTINGS_CYCLED)
@@ -162,19 +184,120 @@ def main() -> None:
                 form, str(tokens), f"{active:.1f}", f"{ours * 1e3:.2f}", f"{peer * 1e3:.2f}",
                 f"{peer / ours:.2f}x", f"{bound * 1e3:.2f}", f"{bound / ours:.0%}",
             ))  # fmt: skip
-    bandwidth = cache.bandwidth
-    figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 1)
+    figures["read_bandwidth_gb_s"] = round(cache.bandwidth / 1e9, 1)
+    del forms
     print(
         f"The experts of one layer at Qwen3-30B-A3B's shapes ({args.experts} experts, top "
         f"{TOP_K}, hidden {HIDDEN}, expert size {EXPERT_SIZE}); read bandwidth "
-        f"{bandwidth / 1e9:.1f} GB/s\n"
+        f"{cache.bandwidth / 1e9:.1f} GB/s\n"
     )
-    table = print_table(
+    return print_table(
         ("form", "tokens", "active experts", "fused ms", "torch loop ms (bf16)", "speedup",
          "bandwidth bound ms", "of the bound"),
         rows, num_text_columns=1,
     )  # fmt: skip
-    report("moe", figures, tables=[table])
+
+
+def transformers_offline(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """transformers' generate in bfloat16 on random weights: generated tokens/s."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    seconds = min(run_hf(hf.eval(), prompts, args.output_len, 32) for _ in range(args.rounds))
+    return float(len(prompts) * args.output_len / seconds)
+
+
+def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str]:
+    """The model end to end: offline against vLLM and transformers, one stream against
+    llama.cpp and the bound."""
+    folder = moe_folder(args.layers, default_model_folders(args.cache)["float32"], args.cache)
+    model = Model(f"{args.layers} layers", folder, "dummy", None, decode_bytes(args.layers))
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
+    prompts = [rng.integers(100, 49152 - 100, n).tolist() for n in lengths]
+    stream_prompt = rng.integers(100, 49152 - 100, args.stream_prompt_len).tolist()
+    runs: dict[str, dict[str, Any]] = {
+        "pyengine auto": offline(sys.executable, "pyengine", model, "auto", prompts, args)
+    }
+    print(f"pyengine offline: {runs['pyengine auto']}", flush=True)
+    if args.vllm_python:
+        runs["vllm auto"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
+        print(f"vllm offline: {runs['vllm auto']}", flush=True)
+    if args.transformers:
+        tok_s = transformers_offline(folder, prompts, args)
+        runs["transformers bfloat16"] = {"generated_tok_s": tok_s, "startup_s": None,
+                                         "resident_mib": None}  # fmt: skip
+        print(f"transformers offline: {tok_s:.1f} tok/s", flush=True)
+    command, port = pyengine_server(model, "auto", args)
+    streams = {"pyengine auto": one_stream(command, {}, port, stream_prompt, args, "pyengine")}
+    print(f"pyengine stream: {streams['pyengine auto']}", flush=True)
+    if args.llama_bin:
+        gguf = bf16_gguf(args.layers, args.cache)
+        port = free_port()
+        command = [str(args.llama_bin / "llama-server"), "-m", str(gguf), "--port", str(port),
+                   "-c", str(args.max_model_len), "-np", "1", "--no-webui",
+                   *args.llama_options.split()]  # fmt: skip
+        streams["llama.cpp bf16"] = one_stream(command, {}, port, stream_prompt, args, "llama.cpp")
+        print(f"llama.cpp stream: {streams['llama.cpp bf16']}", flush=True)
+    bandwidth = figures["read_bandwidth_gb_s"] * 1e9
+    bound = bandwidth / model.decode_bytes
+    ours, ours_stream = runs["pyengine auto"], streams["pyengine auto"]["decode_tok_s"]
+    offline_rows = []
+    for name, r in runs.items():
+        ratio = ours["generated_tok_s"] / r["generated_tok_s"]
+        startup, resident = r["startup_s"], r["resident_mib"]
+        offline_rows.append((name, f"{r['generated_tok_s']:.1f}", f"{ratio:.2f}",
+                             "-" if startup is None else f"{startup:.0f}",
+                             "-" if resident is None else f"{resident:.0f}"))  # fmt: skip
+        peer = name.split()[0].replace(".", "")
+        if name != "pyengine auto":
+            figures[f"speedup_vs_{peer}_offline"] = round(ratio, 2)
+    stream_rows = []
+    for name, r in streams.items():
+        ratio = ours_stream / r["decode_tok_s"]
+        stream_rows.append((name, f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}",
+                            f"{r['decode_tok_s'] / bound:.0%}", f"{r['ttft_s'] * 1e3:.0f}",
+                            f"{r['resident_mib']:.0f}"))  # fmt: skip
+        if name != "pyengine auto":
+            figures["speedup_vs_llamacpp_stream"] = round(ratio, 2)
+    figures["stream_share_of_bound"] = round(ours_stream / bound, 3)
+    figures["engines"] = {"offline": runs, "stream": streams, "decode_bytes": model.decode_bytes}
+    print(f"\nOffline, a {args.layers}-layer model of those shapes: {args.num_prompts} "
+          f"prompts of {args.min_len}-{args.max_len} tokens, {args.output_len} greedy tokens "
+          "each")  # fmt: skip
+    t1 = print_table(("engine, dtype", "generated tok/s", "pyengine / it",
+                      "start-up to 1st token (s)", "resident MiB"), offline_rows)  # fmt: skip
+    print(f"\nOne stream: {args.stream_len} tokens after {args.stream_prompt_len}; the bound "
+          f"is {model.decode_bytes / 1e6:.0f} MB a token at {bandwidth / 1e9:.1f} GB/s: "
+          f"{bound:.1f} tok/s")  # fmt: skip
+    t2 = print_table(("server", "decode tok/s", "pyengine / it", "of the bound", "TTFT (ms)",
+                      "resident MiB"), stream_rows)  # fmt: skip
+    return [t1, t2]
+
+
+def main() -> None:
+    parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
+    parser.add_argument("--tokens", default="1,8,64,512")
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--no-engines", action="store_true", help="the layer alone")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build")
+    parser.add_argument("--transformers", action="store_true")
+    parser.add_argument("--llama-bin", type=Path, help="llama-server's folder")
+    parser.add_argument("--llama-options", default="")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--stream-len", type=int, default=256)
+    parser.add_argument("--stream-prompt-len", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/pyengine-bench")
+    args = parser.parse_args()
+    figures: dict[str, Any] = {}
+    tables = [layer_table(args, figures)]
+    if not args.no_engines:
+        tables += engine_tables(args, figures)
+    report("moe", figures, tables=tables)
 
 
 if __name__ == "__main__":

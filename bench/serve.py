@@ -152,9 +152,11 @@ def wait_until_healthy(
     server: subprocess.Popen[bytes], port: int, seconds: float, what: str
 ) -> None:
     """Until GET /health answers 200 (a server of pyengine's or llama.cpp's); kills the
-    server and raises if it does not within `seconds`."""
+    server and raises if it does not within `seconds`, and raises if it exits first."""
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"{what} exited with status {server.returncode} while starting")
         try:
             with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
                 conn.sendall(

@@ -228,6 +228,8 @@ def fused_experts(
     shared_down: Any | None = None,
     shared_n: int = 0,
     shared_gate: Any | None = None,
+    first_expert: int = 0,
+    num_experts: int = 0,
 ) -> None: ...
 def lora_add(
     out: Any, x: Any, a: Any, b: Any, slots: Any, scale: Any, part_columns: Any, stream: int = 0

@@ -65,6 +65,10 @@ class FamilyConfig:
     per-head q/k norm): each family subclasses it beside its model class, so that adding
     one adds no field here. This base is a family with no switches."""
 
+    def check_split(self, tensor_parallel_size: int, expert_parallel: bool) -> None:
+        """ValueError, at start, where the family's own sizes do not split over the
+        ranks (ParallelConfig.check_model asks it after the sizes every model has)."""
+
 
 _Family = TypeVar("_Family", bound=FamilyConfig)
 
@@ -204,6 +208,9 @@ class ParallelConfig:
     tensor_parallel_size: int
     pipeline_parallel_size: int
     distributed_executor_backend: str
+    # Mixture-of-experts layers: whole experts on each rank (vLLM's
+    # enable_expert_parallel), not each expert split over the ranks.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -237,6 +244,7 @@ class ParallelConfig:
             raise ValueError(
                 f"pipeline_parallel_size {pp} exceeds the model's {c.num_layers} layers"
             )
+        c.family.check_split(tp, self.enable_expert_parallel)
 
 
 @dataclass(frozen=True)

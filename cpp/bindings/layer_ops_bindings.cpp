@@ -120,7 +120,8 @@ KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
                                  const py::handle& gate_up, const py::handle& down, int64_t n,
                                  bool on_input, bool int8_activations,
                                  const py::handle& shared_gate_up, const py::handle& shared_down,
-                                 int64_t shared_n, const py::handle& shared_gate) {
+                                 int64_t shared_n, const py::handle& shared_gate,
+                                 int64_t first_expert, int64_t num_experts) {
   auto o = shared_view(out, "fused_experts: out"), in = shared_view(x, "fused_experts: x");
   auto i = shared_view(ids, "fused_experts: ids");
   auto w = shared_view(weights, "fused_experts: weights");
@@ -132,7 +133,7 @@ KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
   return {[=] {
     const SharedExpert shared{view_or_empty(sgu), view_or_empty(sd), view_or_empty(sg), shared_n};
     fused_experts(o->view(), in->view(), i->view(), w->view(), gu->view(), d->view(), n, on_input,
-                  int8_activations, shared);
+                  int8_activations, shared, first_expert, num_experts);
   }};
 }
 
@@ -312,9 +313,12 @@ void bind_layer_ops(py::module_& m) {
              py::arg("on_input") = false, py::arg("int8_activations") = false,
              py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
              py::arg("shared_n") = 0, py::arg("shared_gate") = py::none(),
+             py::arg("first_expert") = 0, py::arg("num_experts") = 0,
              "out [t, hidden] = each row's routed experts' weighted sum over stacked packed "
              "weights (gate_up [experts, S1], down [experts, S2]), plus a shared expert's "
-             "output (times sigmoid(x . shared_gate)) where one is given; see pyengine/moe.h.");
+             "output (times sigmoid(x . shared_gate)) where one is given; with expert "
+             "parallelism, the stacks a rank's experts from first_expert of num_experts; see "
+             "pyengine/moe.h.");
   m.def("int8_dense_vnni", &int8_dense_vnni, "Whether int8_dense runs on AVX-512 VNNI.");
   def_kernel(m, "lora_add", &prepare_lora_add, py::arg("out"), py::arg("x"), py::arg("a"),
              py::arg("b"), py::arg("slots"), py::arg("scale"), py::arg("part_columns"),

@@ -79,6 +79,9 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     # "uni", "mp" or "ray"; None: "uni" for one rank, else "mp" (a process per rank).
     distributed_executor_backend: str | None = None
+    # Mixture-of-experts layers over tensor_parallel_size ranks: each rank holds whole
+    # experts (a 1/tp share of them) rather than a 1/tp slice of every expert.
+    enable_expert_parallel: bool = False
 
     enforce_eager: bool = False  # decode steps eagerly, not as CUDA graphs or recorded CPU steps
 
@@ -184,7 +187,10 @@ class EngineArgs:
     def parallel_config(self) -> ParallelConfig:
         world = self.tensor_parallel_size * self.pipeline_parallel_size
         backend = self.distributed_executor_backend or ("uni" if world == 1 else "mp")
-        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size, backend)
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.pipeline_parallel_size, backend,
+            self.enable_expert_parallel,
+        )  # fmt: skip
         check_executor(parallel)
         return parallel
 

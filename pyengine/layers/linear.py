@@ -46,6 +46,8 @@ class LayerContext:
     # Layers take adapters (LoRA): [gate; up] is multiplied as one product, the adapter's
     # delta joined, then silu_and_mul, not through the fused op's paired panels.
     adapters: bool = False
+    # Mixture-of-experts layers put whole experts on the tensor-parallel ranks.
+    expert_parallel: bool = False
 
     @property
     def linear_methods(self) -> LinearMethods:

@@ -8,8 +8,9 @@ routed; checkpoints name each expert's weights, as transformers writes them (Qwe
 `mlp.experts.N.gate_proj`, Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2
 the down projection).
 
-This first form runs on one rank, with unquantized weights and without adapters; each
-of those is refused by name until issue 49's next parts bring it."""
+Over tensor-parallel ranks the experts are split by their intermediate size, or with
+expert parallelism placed whole on the ranks (FusedMoE). Quantized checkpoints and
+adapters are refused by name until issue 49's next parts bring them."""
 
 from __future__ import annotations
 
@@ -49,6 +50,20 @@ class MoeFamilyConfig(LlamaFamilyConfig):
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared: SharedNames | None = None
+
+    def check_split(self, tensor_parallel_size: int, expert_parallel: bool) -> None:
+        splits = [("shared expert's intermediate size", self.shared_intermediate_size)]
+        if expert_parallel:
+            splits.append(("num_experts", self.num_experts))
+        else:
+            splits.append(("experts' intermediate size", self.moe_intermediate_size))
+        for name, size in splits:
+            if size % tensor_parallel_size:
+                how = " with expert parallelism" if expert_parallel else ""
+                raise ValueError(
+                    f"the model's {name} ({size}) is not divisible by tensor_parallel_size "
+                    f"{tensor_parallel_size}{how}"
+                )
 
 
 @dataclass(frozen=True)
@@ -138,11 +153,6 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         ctx = ctx or LayerContext()
-        if ctx.tp.world_size > 1:
-            raise ValueError(
-                f"{config.architecture} runs on one rank for now: tensor parallelism over "
-                "its experts is not built yet (tensor_parallel_size must be 1)"
-            )
         if ctx.adapters:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
         if config.quantization is not None:
@@ -161,7 +171,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
                 gated = moe.shared is not None and moe.shared.gate is not None
                 experts = FusedMoE(
                     config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement,
-                    moe.shared_intermediate_size, gated,
+                    moe.shared_intermediate_size, gated, ctx.tp, ctx.expert_parallel,
                 )  # fmt: skip
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
@@ -172,12 +182,12 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         family = self.config.family_config(MoeFamilyConfig)
         module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
         router.plain(f"{module}.gate.weight", mlp.router)
-        for expert in range(mlp.routing.num_experts):
+        for expert in mlp.local_experts():  # (the other ranks' are theirs to load)
             for name, part in zip(family.expert_parts, mlp.expert_parts(expert), strict=True):
-                router.plain(f"{module}.experts.{expert}.{name}.weight", part)
+                router.shard(f"{module}.experts.{expert}.{name}.weight", *part)
         shared, names = mlp.shared_expert, family.shared
         if shared is not None and names is not None:
             for name, part in zip(family.expert_parts, shared.parts(), strict=True):
-                router.plain(f"{module}.{names.module}.{name}.weight", part)
+                router.shard(f"{module}.{names.module}.{name}.weight", *part)
             if shared.gate is not None and names.gate is not None:
                 router.plain(f"{module}.{names.gate}.weight", shared.gate)

@@ -100,6 +100,19 @@ class WeightRouter:
 
         self._routes[name] = _Route(load, shape=tuple(parameter.shape))
 
+    def shard(self, name: str, into: torch.Tensor, dim: int, start: int, whole: int) -> None:
+        """A rank's slice of a tensor it does not hold whole: entries [start, start +
+        into.shape[dim]) along `dim`, of `whole` there (each expert's intermediate rows or
+        columns, under tensor parallelism)."""
+        shape = list(into.shape)
+        shape[dim] = whole
+
+        def load(tensor: CheckpointTensor) -> None:
+            check_shape(name, tensor, tuple(shape))
+            copy_checked(name, into, tensor.narrow(dim, start, into.shape[dim]))
+
+        self._routes[name] = _Route(load, shape=tuple(shape))
+
     def scalar(self, name: str, into: torch.Tensor) -> None:
         """A one-value tensor (a per-tensor scale), stored as [] or [1], into `into` [1]."""
 

@@ -164,7 +164,8 @@ class ModelRunner:
             loaded, config.max_model_len, config.seed,
             LayerContext(self.placement, self.tp, self.pp,
                          quantized_activations=config.quantized_activations,
-                         adapters=config.lora is not None),
+                         adapters=config.lora is not None,
+                         expert_parallel=config.parallel.enable_expert_parallel),
         )  # fmt: skip
         self.lora: LoRAManager | None = None
         # The most logits rows of a step: one a request, and one a draft token.

@@ -69,6 +69,24 @@ def test_tiny_models_split_every_way_give_one_rank_tokens(
         assert len(llm.llm_engine.schedulers) == pp  # a step in flight per stage
 
 
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+def test_mixtures_of_experts_over_ranks_give_one_rank_tokens(tmp_path: Path, kind: str) -> None:
+    """Every expert split by its intermediate size over TP=2 ranks, and whole experts on
+    each rank (expert parallelism); Qwen2-MoE's shared expert split either way."""
+    pytest.importorskip("transformers")
+    from helpers.tiny_moe import moe_checkpoint
+
+    moe_checkpoint(kind, tmp_path)
+    expected, _ = run(str(tmp_path), TINY_PROMPTS, **TINY)
+    for expert_parallel in (False, True):
+        got, _ = run(str(tmp_path), TINY_PROMPTS, tensor_parallel_size=2,
+                     enable_expert_parallel=expert_parallel, **TINY)  # fmt: skip
+        assert got == expected, f"{kind}, expert parallel: {expert_parallel}"
+    if kind == "mixtral":  # (6 experts)
+        with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by tensor_"):
+            LLM(str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, **TINY)
+
+
 def test_more_ranks_than_kv_heads_replicate_them(checkpoints: dict[str, Path]) -> None:
     """Tiny Llama has 2 kv heads: at TP=4 each is held by two ranks."""
     model = str(checkpoints["llama"])

@@ -23,6 +23,10 @@ ROUTINGS = {
 }
 # The largest error against float64 relative to the result's largest magnitude, by dtype.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 4e-2, torch.float16: 4e-3}
+# How far the layer's router logits may stray from float64's by rounding (bfloat16's
+# 8 bits, float16's 11, float32's 24, on logits of about 1): the tokens are drawn so that
+# no such change would route them otherwise.
+ROUNDING = {torch.float32: 1e-5, torch.bfloat16: 0.05, torch.float16: 5e-3}
 FORMS = {
     torch.float32: "float32 expert panels",
     torch.bfloat16: "bfloat16 expert panels",
@@ -46,6 +50,22 @@ def random_layer(
     return layer, weights
 
 
+def unambiguous_tokens(
+    count: int, router: torch.Tensor, config: RoutingConfig, dtype: torch.dtype
+) -> torch.Tensor:
+    """`count` random tokens in `dtype` whose experts no rounding of their logits changes:
+    a near tie at the top k would otherwise compare different experts' sums."""
+    kept: list[torch.Tensor] = []
+    while len(kept) < count:
+        x = torch.randn(HIDDEN).to(dtype)
+        logits = x.double() @ router.double().T
+        chosen = route(logits[None], config).expert_ids
+        trials = logits + ROUNDING[dtype] * torch.randn(16, config.num_experts, dtype=torch.float64)
+        if all(torch.equal(route(t[None], config).expert_ids, chosen) for t in trials):
+            kept.append(x)
+    return torch.stack(kept)
+
+
 @pytest.mark.parametrize("routing", sorted(ROUTINGS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("shared", ["", "gated", "ungated"])
@@ -54,7 +74,7 @@ def test_the_layer_is_its_routed_and_shared_experts(
 ) -> None:
     config = ROUTINGS[routing]
     layer, w = random_layer(config, dtype, shared)
-    x = torch.randn(9, HIDDEN).to(dtype)
+    x = unambiguous_tokens(9, w["router"], config, dtype)
     xf = x.float()
     chosen = route(xf @ w["router"].T, config)
     want = routed_experts_reference(xf, w["gate_up"], w["down"], chosen)

@@ -1,8 +1,7 @@
-"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) on tiny random checkpoints that
-transformers makes in the test (random norms, router and experts too; fewer tokens than
-experts, so that some experts get none): greedy float32 tokens and logits identical to
-transformers', with chunked prefill and a shared prefix; what the first form cannot run
-refused by name."""
+"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) on tiny random
+checkpoints that transformers makes in the test (helpers/tiny_moe.py): greedy float32
+tokens and logits identical to transformers', with chunked prefill and a shared prefix;
+a checkpoint that lacks an expert's tensor, and what is not built yet, refused by name."""
 
 from __future__ import annotations
 
@@ -12,32 +11,13 @@ import numpy as np
 import pytest
 import torch
 from helpers.hf_reference import hf_greedy, prefill_logits
+from helpers.tiny_moe import MOE_CONFIGS, moe_checkpoint
 
 from pyengine import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
 
-SHAPE = {"vocab_size": 256, "max_position_embeddings": 256, "hidden_size": 64,
-         "num_hidden_layers": 3, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 32, "num_experts_per_tok": 2, "tie_word_embeddings": False}  # fmt: skip
-CONFIGS = {
-    # 8 experts, top 2, renormalised; its second layer dense
-    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
-        **SHAPE, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
-        norm_topk_prob=True, mlp_only_layers=[1],
-    ),
-    # 8 experts, top 2, not renormalised, a gated shared expert; q/k/v biases; its first
-    # layer dense
-    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
-        **SHAPE, intermediate_size=96, moe_intermediate_size=48, num_experts=8,
-        shared_expert_intermediate_size=80, norm_topk_prob=False, mlp_only_layers=[0],
-    ),
-    # 6 experts in every layer, always renormalised
-    "mixtral": lambda: transformers.MixtralConfig(
-        **SHAPE, intermediate_size=48, num_local_experts=6
-    ),
-}  # fmt: skip
 LAYERS = {
     "qwen3_moe": ["FusedMoE", "MLP", "FusedMoE"],
     "qwen2_moe": ["MLP", "FusedMoE", "FusedMoE"],
@@ -45,17 +25,7 @@ LAYERS = {
 }
 
 
-def moe_checkpoint(kind: str, folder: Path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(CONFIGS[kind](), dtype=torch.float32)
-    with torch.no_grad():  # (larger than the default init: the logits say something)
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.08)
-    model.eval().save_pretrained(folder)
-    return model
-
-
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=sorted(MOE_CONFIGS))
 def checkpoint(request, tmp_path_factory) -> tuple[str, Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp(request.param)
     return request.param, folder, moe_checkpoint(request.param, folder)
@@ -83,6 +53,21 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     with torch.inference_mode():
         theirs = model(torch.tensor([tokens])).logits[0]
     assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+
+
+def test_a_missing_expert_tensor_is_named(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import load_file, save_file
+
+    kind, folder, _ = checkpoint
+    tensors = load_file(folder / "model.safetensors")
+    missing = next(name for name in sorted(tensors) if ".experts.3." in name)
+    del tensors[missing]
+    for f in folder.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"the checkpoint lacks 1 weights, e.g. \\['{missing}'"):
+        LLM(str(tmp_path), max_model_len=256, kv_cache_memory=32 * 2**20)
 
 
 def test_what_the_first_form_cannot_run_is_refused_by_name(checkpoint) -> None:  # type: ignore[no-untyped-def]

@@ -33,7 +33,9 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
 // ids int32 [t, top_k] in [0, experts), an expert may repeat; weights float32 [t, top_k].
 // int8_activations: as dense's. out must not overlap x. With a shared expert (its
 // gate_up.data set), every row also adds, after its routed experts, the shared expert's
-// output, times sigmoid(x[r] . gate) where a gate is given.
+// output, times sigmoid(x[r] . gate) where a gate is given. With expert parallelism the
+// stacks hold a rank's experts [first_expert, first_expert + experts) of the layer's
+// num_experts (0: the stacks' count), and the slots that route elsewhere add nothing.
 struct SharedExpert {
   TensorView gate_up;  // one packed [hidden, 2 * n] weight, as dense_silu_and_mul takes it
   TensorView down;     // one packed [n, hidden] weight
@@ -43,6 +45,7 @@ struct SharedExpert {
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
                    int64_t n, bool on_input, bool int8_activations = false,
-                   const SharedExpert& shared = {});
+                   const SharedExpert& shared = {}, int64_t first_expert = 0,
+                   int64_t num_experts = 0);
 
 }  // namespace pyengine

@@ -63,8 +63,9 @@ TensorView scratch_view(void* data, DType dtype, int64_t rows, int64_t columns) 
   return v;
 }
 
-// The routed (row, slot) pairs grouped by expert, rows ascending within one:
-// entries[starts[e], starts[e + 1]) are expert e's.
+// The routed (row, slot) pairs of this rank's experts [first, first + local) grouped by
+// expert, rows ascending within one: entries[starts[e], starts[e + 1]) are expert
+// first + e's.
 struct ExpertGroups {
   std::vector<int64_t> starts;
   std::vector<int64_t> rows;
@@ -72,29 +73,35 @@ struct ExpertGroups {
   int64_t most_rows = 0;  // the most any expert has
 };
 
-void group_by_expert(ExpertGroups& g, const TensorView& ids, int64_t experts, const char* op) {
+void group_by_expert(ExpertGroups& g, const TensorView& ids, int64_t total, int64_t first,
+                     int64_t local, const char* op) {
   const int64_t t = ids.shape[0], top_k = ids.shape[1];
   const auto* id = static_cast<const int32_t*>(ids.data);
-  g.starts.assign(static_cast<size_t>(experts + 1), 0);
+  const auto local_index = [first, local](int32_t e) {
+    return e >= first && e < first + local ? e - first : -1;
+  };
+  g.starts.assign(static_cast<size_t>(local + 1), 0);
   for (int64_t r = 0; r < t; ++r) {
     for (int64_t s = 0; s < top_k; ++s) {
       const int32_t e = id[r * ids.strides[0] + s];
-      if (e < 0 || e >= experts) {
+      if (e < 0 || e >= total) {
         throw InvalidArgument(std::string(op) + ": ids[" + std::to_string(r) + ", " +
                               std::to_string(s) + "] is " + std::to_string(e) +
-                              ", outside [0, " + std::to_string(experts) + ")");
+                              ", outside [0, " + std::to_string(total) + ")");
       }
-      ++g.starts[static_cast<size_t>(e) + 1];
+      if (const int64_t i = local_index(e); i >= 0) ++g.starts[static_cast<size_t>(i) + 1];
     }
   }
   g.most_rows = *std::max_element(g.starts.begin(), g.starts.end());
   std::partial_sum(g.starts.begin(), g.starts.end(), g.starts.begin());
-  g.rows.resize(static_cast<size_t>(t * top_k));
+  g.rows.resize(static_cast<size_t>(g.starts.back()));
   g.slots.resize(g.rows.size());
   std::vector<int64_t> next(g.starts.begin(), g.starts.end() - 1);
   for (int64_t r = 0; r < t; ++r) {
     for (int64_t s = 0; s < top_k; ++s) {
-      const auto at = static_cast<size_t>(next[static_cast<size_t>(id[r * ids.strides[0] + s])]++);
+      const int64_t i = local_index(id[r * ids.strides[0] + s]);
+      if (i < 0) continue;
+      const auto at = static_cast<size_t>(next[static_cast<size_t>(i)]++);
       g.rows[at] = r;
       g.slots[at] = s;
     }
@@ -204,7 +211,8 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
 
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
-                   int64_t n, bool on_input, bool int8_activations, const SharedExpert& shared) {
+                   int64_t n, bool on_input, bool int8_activations, const SharedExpert& shared,
+                   int64_t first_expert, int64_t num_experts) {
   constexpr const char* op = "fused_experts";
   const bool bf16 = x.ndim == 2 && x.dtype == DType::kBFloat16;
   const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
@@ -224,9 +232,17 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
   check_stack(gate_up, op, "gate_up", experts);
   check_stack(down, op, "down", experts);
   if (n < 1) throw InvalidArgument(arg(op, "n") + " must be positive, got " + std::to_string(n));
+  const int64_t total = num_experts == 0 ? experts : num_experts;
+  if (first_expert < 0 || first_expert + experts > total) {
+    throw InvalidArgument(std::string(op) + ": this rank's experts [" +
+                          std::to_string(first_expert) + ", " +
+                          std::to_string(first_expert + experts) + ") (first_expert and " +
+                          "gate_up's rows) must lie in the layer's [0, " + std::to_string(total) +
+                          ") (num_experts)");
+  }
 
   thread_local Scratch s;
-  group_by_expert(s.groups, ids, experts, op);
+  group_by_expert(s.groups, ids, total, first_expert, experts, op);
   const ExpertGroups& g = s.groups;
   const auto* w = static_cast<const float*>(weights.data);
   const int64_t ldw = weights.strides[0];

@@ -89,6 +89,10 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="stages the layers are split into",
     )  # fmt: skip
     parser.add_argument(
+        "--enable-expert-parallel", action="store_true",
+        help="mixture-of-experts layers: whole experts on each tensor-parallel rank",
+    )  # fmt: skip
+    parser.add_argument(
         "--distributed-executor-backend", choices=executor_names(),
         default=d.distributed_executor_backend,
         help="uni: this process; mp: a process per rank (the default for more than one); "

@@ -6,16 +6,56 @@ gate's rows first), as transformers 5 holds them; how they are then held and mul
 is the layer's method's (methods.py: packed panels and fused kernels on the CPU, torch
 expert by expert elsewhere). A layer may also have a shared expert, which every token
 takes beside its routed ones (Qwen2-MoE's, scaled by a sigmoid gate; DeepSeek's and
-Llama 4's, ungated)."""
+Llama 4's, ungated).
+
+Over tensor-parallel ranks each rank holds a slice of every expert's intermediate size
+(and of the shared expert's), or, with expert parallelism, a share of the experts whole
+(and a slice of the shared expert); every rank routes every token alike (the router is
+replicated), adds what its experts give, and the ranks' sums are all-reduced."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
+from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.placement import Placement
+
+
+@dataclass(frozen=True)
+class ExpertShard:
+    """This rank's part of a layer's experts: experts [first, first + count), each its
+    intermediate rows [start, start + size) of the layer's intermediate_size."""
+
+    first: int
+    count: int
+    start: int
+    size: int
+
+
+class ShardedPart(NamedTuple):
+    """Where a checkpoint tensor of the experts goes: `into` holds its entries [start,
+    start + into.shape[dim]) along `dim`, of `whole` there."""
+
+    into: torch.Tensor
+    dim: int
+    start: int
+    whole: int
+
+
+def expert_shard(
+    num_experts: int, intermediate_size: int, tp: TensorParallelGroup, expert_parallel: bool
+) -> ExpertShard:
+    if expert_parallel:
+        first, count = tp.split(num_experts, "num_experts")
+        return ExpertShard(first, count, 0, intermediate_size)
+    start, size = tp.split(intermediate_size, "the experts' intermediate size")
+    return ExpertShard(0, num_experts, start, size)
 
 
 class FusedMoE(nn.Module):
@@ -27,30 +67,36 @@ class FusedMoE(nn.Module):
         placement: Placement | None = None,
         shared_intermediate_size: int = 0,
         shared_gate: bool = False,
+        tp: TensorParallelGroup | None = None,
+        expert_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.method = experts_method(placement or Placement())
-        experts, dtype = routing.num_experts, self.method.weight_dtype
+        self.tp = tp or TensorParallelGroup()
         self.routing = routing
-        self.intermediate_size = intermediate_size
+        self.shard = expert_shard(routing.num_experts, intermediate_size, self.tp, expert_parallel)
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = n = self.shard.size  # this rank's
+        experts, dtype = self.shard.count, self.method.weight_dtype
 
         def parameter(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
-        self.router = parameter(experts, hidden_size)
-        self.gate_up = parameter(experts, 2 * intermediate_size, hidden_size)
-        self.down = parameter(experts, hidden_size, intermediate_size)
+        self.router = parameter(routing.num_experts, hidden_size)
+        self.gate_up = parameter(experts, 2 * n, hidden_size)
+        self.down = parameter(experts, hidden_size, n)
         self.shared_expert: SharedExpert | None = None
         if shared_intermediate_size:
-            n = shared_intermediate_size
+            start, size = self.tp.split(shared_intermediate_size, "the shared expert's size")
             self.shared_expert = SharedExpert(
-                parameter(2 * n, hidden_size), parameter(hidden_size, n),
+                parameter(2 * size, hidden_size), parameter(hidden_size, size),
                 parameter(1, hidden_size) if shared_gate else None,
+                start, shared_intermediate_size,
             )  # fmt: skip
         self.method_state: object = None  # the method's forms, once loaded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x)
+        return self.tp.all_reduce(self.method.apply(self, x))
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
@@ -62,27 +108,47 @@ class FusedMoE(nn.Module):
     def weight_form(self) -> str | None:
         return self.method.form(self)
 
-    def expert_parts(self, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Expert `expert`'s gate, up and down weights, as views of the layer's (the
-        checkpoint's per-expert tensors load into them)."""
-        n = self.intermediate_size
-        return self.gate_up[expert, :n], self.gate_up[expert, n:], self.down[expert]
+    def local_experts(self) -> range:
+        """The experts this rank holds, by their index in the layer."""
+        return range(self.shard.first, self.shard.first + self.shard.count)
+
+    def expert_parts(self, expert: int) -> tuple[ShardedPart, ShardedPart, ShardedPart]:
+        """Where expert `expert`'s gate [intermediate, hidden], up and down [hidden,
+        intermediate] weights go: views of the layer's (the checkpoint's per-expert
+        tensors load into them)."""
+        e, n = expert - self.shard.first, self.intermediate_size
+        start, whole = self.shard.start, self.full_intermediate_size
+        return (
+            ShardedPart(self.gate_up[e, :n], 0, start, whole),
+            ShardedPart(self.gate_up[e, n:], 0, start, whole),
+            ShardedPart(self.down[e], 1, start, whole),
+        )
 
 
 class SharedExpert(nn.Module):
     """The expert every token takes: gate_up [2 n, hidden] (the gate's rows first), down
-    [hidden, n], and where it has one, its gate [1, hidden], which scales its output by
-    sigmoid(x . gate)."""
+    [hidden, n] (n: this rank's rows [start, start + n) of `whole`), and where it has
+    one, its gate [1, hidden], which scales its output by sigmoid(x . gate)."""
 
     def __init__(
-        self, gate_up: nn.Parameter, down: nn.Parameter, gate: nn.Parameter | None
+        self,
+        gate_up: nn.Parameter,
+        down: nn.Parameter,
+        gate: nn.Parameter | None,
+        start: int = 0,
+        whole: int = 0,
     ) -> None:
         super().__init__()
         self.gate_up, self.down, self.gate = gate_up, down, gate
         self.intermediate_size = down.shape[1]
+        self.start, self.whole = start, whole or self.intermediate_size
 
-    def parts(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Its gate, up and down weights, as views (the checkpoint's tensors load into
+    def parts(self) -> tuple[ShardedPart, ShardedPart, ShardedPart]:
+        """Where its gate, up and down weights go (the checkpoint's tensors load into
         them)."""
         n = self.intermediate_size
-        return self.gate_up[:n], self.gate_up[n:], self.down
+        return (
+            ShardedPart(self.gate_up[:n], 0, self.start, self.whole),
+            ShardedPart(self.gate_up[n:], 0, self.start, self.whole),
+            ShardedPart(self.down, 1, self.start, self.whole),
+        )

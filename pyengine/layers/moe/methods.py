@@ -71,12 +71,16 @@ class TorchExperts(ExpertsMethod):
         routing = route(F.linear(x, layer.router), layer.routing)
         weights = routing.weights.to(x.dtype)
         out = torch.zeros_like(x)
+        local = layer.local_experts()
         for expert in torch.unique(routing.expert_ids).tolist():
+            if expert not in local:
+                continue  # (another rank's)
             rows, slots = torch.where(routing.expert_ids == expert)
             weight = weights[rows, slots, None]
             inputs = x[rows] * weight if routing.on_input else x[rows]
-            gate, up = F.linear(inputs, layer.gate_up[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, layer.down[expert])
+            e = expert - local.start
+            gate, up = F.linear(inputs, layer.gate_up[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, layer.down[e])
             out.index_add_(0, rows, y if routing.on_input else y * weight)
         shared = layer.shared_expert
         if shared is not None:
@@ -182,6 +186,7 @@ class PanelExperts(ExpertsMethod):
             None if shared is None else shared.down,
             0 if shared is None else shared.intermediate_size,
             None if shared is None else shared.gate,
+            layer.shard.first, config.num_experts,
         )  # fmt: skip
         return out
 
