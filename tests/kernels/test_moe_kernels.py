@@ -152,6 +152,32 @@ def test_the_experts_sums_are_added_in_expert_order() -> None:
     assert torch.equal(first, second)
 
 
+def test_a_ranks_share_of_the_experts_adds_only_theirs() -> None:
+    """Expert parallelism: each rank's stacks hold experts [first, first + count) of the
+    layer's; the ranks' sums add up to the whole layer's."""
+    experts = Experts("float32", 6, 32, 48)
+    x = torch.randn(5, 32)
+    ids = torch.stack([torch.randperm(6)[:2] for _ in range(5)]).to(torch.int32)
+    ids[0] = torch.tensor([4, 5])  # (a row with no expert on the first rank)
+    weights = torch.rand(5, 2)
+    whole = experts.run(x, Routing(ids.long(), weights))
+    parts = []
+    for first in (0, 3):
+        out = torch.empty_like(x)
+        ops.fused_experts(
+            out, x, ids, weights, experts.packed_gate_up[first : first + 3],
+            experts.packed_down[first : first + 3], 48, first_expert=first, num_experts=6,
+        )  # fmt: skip
+        parts.append(out)
+    assert torch.equal(parts[0][0], torch.zeros(32))
+    assert torch.allclose(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"experts \[4, 7\) .* must lie in the layer's \[0, 6\)"):
+        ops.fused_experts(
+            out, x, ids, weights, experts.packed_gate_up[:3], experts.packed_down[:3], 48,
+            first_expert=4, num_experts=6,
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("renormalize", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_softmax_topk_is_the_softmax_routing(renormalize: bool, dtype: torch.dtype) -> None:
