@@ -6,7 +6,8 @@ sigmoid gate) and Mixtral (Mistral's attention; experts in every layer, always
 renormalised). Their experts are a FusedMoE layer (layers/moe), softmax top-k
 routed; checkpoints name each expert's weights, as transformers writes them (Qwen3-MoE:
 `mlp.experts.N.gate_proj`, Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2
-the down projection).
+the down projection), or hold every expert in one tensor, as transformers 5 holds them
+(`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, under `mlp` in every family).
 
 Over tensor-parallel ranks the experts are split by their intermediate size, or with
 expert parallelism placed whole on the ranks (FusedMoE). Quantized checkpoints and
@@ -181,10 +182,20 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             return
         family = self.config.family_config(MoeFamilyConfig)
         module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
-        router.plain(f"{module}.gate.weight", mlp.router)
+        per_expert = [f"{module}.gate.weight"]
         for expert in mlp.local_experts():  # (the other ranks' are theirs to load)
             for name, part in zip(family.expert_parts, mlp.expert_parts(expert), strict=True):
-                router.shard(f"{module}.experts.{expert}.{name}.weight", *part)
+                per_expert.append(f"{module}.experts.{expert}.{name}.weight")
+                router.shard(per_expert[-1], *part)
+        # Or every expert in one tensor, as transformers 5 names them (under "mlp" in
+        # every family).
+        fused = [f"{prefix}.gate.weight"]
+        for name, (shape, load) in mlp.fused_tensors().items():
+            fused.append(f"{prefix}.experts.{name}")
+            router.tensor(fused[-1], shape, load)
+        for name in {per_expert[0], fused[0]}:
+            router.plain(name, mlp.router)
+        router.either(per_expert, fused)
         shared, names = mlp.shared_expert, family.shared
         if shared is not None and names is not None:
             for name, part in zip(family.expert_parts, shared.parts(), strict=True):

@@ -46,6 +46,8 @@ class WeightRouter:
         self.layer_range = layer_range or (0, num_layers)
         self._routes: dict[str, _Route] = {}
         self._ignored: set[str] = set()
+        # Sets of routes of which a checkpoint holds one (the same weights in two forms).
+        self._alternatives: list[tuple[frozenset[str], ...]] = []
         self._linear_modules: set[str] = set()  # checkpoint modules of linear layers
 
     def linear(
@@ -113,6 +115,24 @@ class WeightRouter:
 
         self._routes[name] = _Route(load, shape=tuple(shape))
 
+    def tensor(
+        self, name: str, shape: tuple[int, ...], load: Callable[[str, CheckpointTensor], None]
+    ) -> None:
+        """A tensor of `shape` that `load` takes with its name (checked against the shape
+        first)."""
+
+        def checked(tensor: CheckpointTensor) -> None:
+            check_shape(name, tensor, shape)
+            load(name, tensor)
+
+        self._routes[name] = _Route(checked, shape=shape)
+
+    def either(self, *forms: list[str]) -> None:
+        """The checkpoint holds the routes of one of `forms` (the same weights in other
+        tensors: an expert at a time, or all experts in one): the others are not missing.
+        Random weights take the first form."""
+        self._alternatives.append(tuple(frozenset(form) for form in forms))
+
     def scalar(self, name: str, into: torch.Tensor) -> None:
         """A one-value tensor (a per-tensor scale), stored as [] or [1], into `into` [1]."""
 
@@ -124,8 +144,11 @@ class WeightRouter:
         self._routes[name] = _Route(load, shape=(1,))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        """The whole shape of every checkpoint tensor the model loads (on this stage)."""
-        return {name: route.shape for name, route in self._routes.items()}
+        """The whole shape of every checkpoint tensor the model loads (on this stage), in
+        the first of each set of alternative forms."""
+        others = {n for forms in self._alternatives for form in forms[1:] for n in form}
+        others -= {n for forms in self._alternatives for n in forms[0]}
+        return {name: route.shape for name, route in self._routes.items() if name not in others}
 
     def ignore(self, name: str) -> None:
         self._ignored.add(name)
@@ -164,7 +187,13 @@ class WeightRouter:
             else:
                 raise ValueError(f"weight {name}: its layer takes GGUF blocks, and it has none")
             loaded.add(key)
-        missing = sorted(set(self._routes) - loaded)
+        unloaded = set(self._routes) - loaded
+        for forms in self._alternatives:
+            # The form the checkpoint holds (the most complete): the others' routes are
+            # not missing.
+            held = max(forms, key=lambda form: len(form & loaded))
+            unloaded -= {n for form in forms if form is not held for n in form} - held
+        missing = sorted(unloaded)
         if missing:
             raise ValueError(f"the checkpoint lacks {len(missing)} weights, e.g. {missing[:3]}")
 

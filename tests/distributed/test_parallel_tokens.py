@@ -74,17 +74,20 @@ def test_mixtures_of_experts_over_ranks_give_one_rank_tokens(tmp_path: Path, kin
     """Every expert split by its intermediate size over TP=2 ranks, and whole experts on
     each rank (expert parallelism); Qwen2-MoE's shared expert split either way."""
     pytest.importorskip("transformers")
-    from helpers.tiny_moe import moe_checkpoint
+    from helpers.tiny_moe import moe_checkpoint, save_fused
 
-    moe_checkpoint(kind, tmp_path)
-    expected, _ = run(str(tmp_path), TINY_PROMPTS, **TINY)
-    for expert_parallel in (False, True):
-        got, _ = run(str(tmp_path), TINY_PROMPTS, tensor_parallel_size=2,
-                     enable_expert_parallel=expert_parallel, **TINY)  # fmt: skip
-        assert got == expected, f"{kind}, expert parallel: {expert_parallel}"
+    model = moe_checkpoint(kind, tmp_path / "per-expert")
+    save_fused(model, tmp_path / "per-expert", tmp_path / "fused")
+    expected, _ = run(str(tmp_path / "per-expert"), TINY_PROMPTS, **TINY)
+    for form in ("per-expert", "fused"):  # (each rank reads its slices of either)
+        for expert_parallel in (False, True):
+            got, _ = run(str(tmp_path / form), TINY_PROMPTS, tensor_parallel_size=2,
+                         enable_expert_parallel=expert_parallel, **TINY)  # fmt: skip
+            assert got == expected, f"{kind}, {form}, expert parallel: {expert_parallel}"
     if kind == "mixtral":  # (6 experts)
         with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by tensor_"):
-            LLM(str(tmp_path), tensor_parallel_size=4, enable_expert_parallel=True, **TINY)
+            LLM(str(tmp_path / "fused"), tensor_parallel_size=4, enable_expert_parallel=True,
+                **TINY)  # fmt: skip
 
 
 def test_more_ranks_than_kv_heads_replicate_them(checkpoints: dict[str, Path]) -> None:

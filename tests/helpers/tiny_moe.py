@@ -45,3 +45,17 @@ def moe_checkpoint(kind: str, folder: Path) -> torch.nn.Module:
             p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.08)
     model.eval().save_pretrained(folder)
     return model
+
+
+def save_fused(model: torch.nn.Module, source: Path, folder: Path) -> None:
+    """`model`'s weights as transformers 5 holds them (every expert of a layer in one
+    tensor: mlp.experts.gate_up_proj and down_proj) in `folder`, with `source`'s other
+    files (config, tokenizer)."""
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        if f.suffix != ".safetensors":
+            (folder / f.name).write_bytes(f.read_bytes())
+    tensors = {name: t.contiguous() for name, t in model.state_dict().items()}
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})

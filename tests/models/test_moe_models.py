@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 from helpers.hf_reference import hf_greedy, prefill_logits
-from helpers.tiny_moe import MOE_CONFIGS, moe_checkpoint
+from helpers.tiny_moe import MOE_CONFIGS, moe_checkpoint, save_fused
+from safetensors import safe_open
 
 from pyengine import LLM, SamplingParams
 
@@ -53,6 +54,18 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     with torch.inference_mode():
         theirs = model(torch.tensor([tokens])).logits[0]
     assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+
+
+def test_every_expert_in_one_tensor_loads_as_one_at_a_time(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    kind, folder, model = checkpoint
+    save_fused(model, folder, tmp_path)
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert any(name.endswith("mlp.experts.gate_up_proj") for name in f.keys())  # noqa: SIM118
+    llm = LLM(str(tmp_path), max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
+    prompt = list(range(3, 40))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(model, prompt, 8)
 
 
 def test_a_missing_expert_tensor_is_named(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -15,6 +15,7 @@ replicated), adds what its experts give, and the ranks' sums are all-reduced."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,6 +26,11 @@ from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.placement import Placement
+from pyengine.layers.quantization.shards import copy_checked
+from pyengine.utils.lazy_weights import CheckpointTensor
+
+# A checkpoint tensor's whole shape, and what loads this rank's part of it.
+FusedLoad = tuple[tuple[int, ...], Callable[[str, CheckpointTensor], None]]
 
 
 @dataclass(frozen=True)
@@ -123,6 +129,27 @@ class FusedMoE(nn.Module):
             ShardedPart(self.gate_up[e, n:], 0, start, whole),
             ShardedPart(self.down[e], 1, start, whole),
         )
+
+    def fused_tensors(self) -> dict[str, FusedLoad]:
+        """The experts all in one tensor each, as transformers 5 holds them and newer
+        checkpoints store them: "gate_up_proj" [experts, 2 * intermediate, hidden] (the
+        gate's rows first) and "down_proj" [experts, hidden, intermediate], by name."""
+        s, n = self.shard, self.intermediate_size
+        whole, hidden = self.full_intermediate_size, self.down.shape[1]
+        experts = self.routing.num_experts
+
+        def gate_up(name: str, tensor: CheckpointTensor) -> None:
+            mine = tensor.narrow(0, s.first, s.count)
+            copy_checked(name, self.gate_up[:, :n], mine.narrow(1, s.start, n))
+            copy_checked(name, self.gate_up[:, n:], mine.narrow(1, whole + s.start, n))
+
+        def down(name: str, tensor: CheckpointTensor) -> None:
+            copy_checked(name, self.down, tensor.narrow(0, s.first, s.count).narrow(2, s.start, n))
+
+        return {
+            "gate_up_proj": ((experts, 2 * whole, hidden), gate_up),
+            "down_proj": ((experts, hidden, whole), down),
+        }
 
 
 class SharedExpert(nn.Module):
