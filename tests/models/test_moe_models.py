@@ -56,6 +56,28 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
 
 
+def test_preemption_and_speculative_decoding_keep_the_tokens(checkpoint) -> None:  # type: ignore[no-untyped-def]
+    """A KV pool too small for every request at once (requests preempted and computed
+    again), and prompt-lookup drafts verified a step at a time: transformers' tokens."""
+    _, folder, model = checkpoint
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
+    prompts += [[7, 8, 9, 10] * 12]  # (repeats: prompt lookup finds drafts)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    block = 3 * 2 * 2 * 32 * 16 * 4  # 3 layers' K and V of 16 tokens, float32
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    for options in ({"kv_cache_memory": 9 * block}, {"speculative_config": spec}):
+        llm = LLM(str(folder), max_model_len=128, dtype="float32",
+                  **{"kv_cache_memory": 32 * 2**20, **options})  # fmt: skip
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outputs, strict=True):
+            assert out.outputs[0].token_ids == hf_greedy(model, prompt, 24), options
+        if "speculative_config" in options:
+            assert llm.llm_engine.core.spec_stats.num_drafts > 0
+        else:
+            assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+
+
 def test_every_expert_in_one_tensor_loads_as_one_at_a_time(checkpoint, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     kind, folder, model = checkpoint
     save_fused(model, folder, tmp_path)
