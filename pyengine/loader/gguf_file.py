@@ -170,12 +170,15 @@ class GGUFFile:
         return values.astype(np.float32).reshape(self.tensors[name].shape)  # a writable copy
 
     def has_block_form(self, name: str) -> bool:
-        """Whether tensor `name` is 2-D, of a type with a block form (block_quantized.py)."""
+        """Whether tensor `name` is a matrix, or a stack of them (a layer's experts), of a
+        type with a block form (block_quantized.py)."""
         info = self.tensors[name]
-        return len(info.shape) == 2 and is_block_quantized(info.ggml_type)
+        return len(info.shape) in (2, 3) and is_block_quantized(info.ggml_type)
 
     def block_quantized(self, name: str) -> BlockQuantized | None:
-        """Tensor `name` in its block form where it has one (has_block_form), else None."""
+        """Tensor `name` in its block form where it has one (has_block_form), else None;
+        a stack of matrices [n, rows, cols] as their rows one after another [n * rows,
+        cols]."""
         if not self.has_block_form(name):
             return None
         return from_gguf_blocks(self._raw(name)[1], self.tensors[name].ggml_type)

@@ -24,12 +24,21 @@ from torch import nn
 from pyengine.config import ModelConfig
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    integer,
+)
 from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
+    _GGUF_LAYER_TENSORS,
     DecoderLayer,
     LlamaFamilyConfig,
     LlamaForCausalLM,
+    _config_from_gguf,
     _config_from_hf,
     _Variant,
 )
@@ -118,9 +127,42 @@ def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     )
 
 
+def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's keys: its attention's as the Llama family reads them, and the experts'
+    count, top k and size; the layers with experts are those with a router tensor."""
+    config = _config_from_gguf(m, common)
+    family = MoeFamilyConfig(
+        **asdict(config.family_config(LlamaFamilyConfig)),
+        num_experts=int(m.field("expert_count")),
+        top_k=int(m.field("expert_used_count")),
+        moe_intermediate_size=int(m.field("expert_feed_forward_length")),
+        norm_topk_prob=bool(m.fields.get(f"{m.architecture}.expert_weights_norm", True)),
+        sparse_layers=tuple(i for i in range(config.num_layers)
+                            if f"blk.{i}.ffn_gate_inp.weight" in m.tensor_names),
+    )  # fmt: skip
+    return replace(config, family=family)
+
+
+# A GGUF file's experts: every expert of a layer in a tensor per part (blocks along the
+# hidden size for gate and up, along the expert's size for down), under the names the
+# layer's routes give them.
+_GGUF_EXPERT_TENSORS = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "qwen3moe", "Qwen3MoeForCausalLM", _moe_config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS}, "model.layers",
+    ),
+)  # fmt: skip
+
+
 class LlamaMoeForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = tuple(_MOE_VARIANTS)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -166,13 +208,18 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         routing = RoutingConfig(
             "softmax", moe.top_k, moe.num_experts, renormalize=moe.norm_topk_prob
         )
+        int8_activations = ctx.quantized_activations == "int8"
         for i in moe.sparse_layers:
             layer = self.layers[i]
             if isinstance(layer, DecoderLayer):  # (this stage's)
                 gated = moe.shared is not None and moe.shared.gate is not None
+                stacked = [f"model.layers.{i}.mlp.experts.{part}.weight"
+                           for part in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
+                blocks = set(stacked) <= ctx.linear_methods.block_quantized
                 experts = FusedMoE(
                     config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement,
                     moe.shared_intermediate_size, gated, ctx.tp, ctx.expert_parallel,
+                    experts_method(ctx.placement, blocks, int8_activations),
                 )  # fmt: skip
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
@@ -181,6 +228,15 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             super().route_mlp(router, prefix, mlp)
             return
         family = self.config.family_config(MoeFamilyConfig)
+        # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
+        stacked = [f"{prefix}.gate.weight"]
+        for name, stack in mlp.stacked_tensors().items():
+            stacked.append(f"{prefix}.experts.{name}.weight")
+            router.tensor(stacked[-1], stack.shape, stack.floats,
+                          stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+        if mlp.method.keeps_blocks:
+            router.plain(stacked[0], mlp.router)
+            return
         module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
         per_expert = [f"{module}.gate.weight"]
         for expert in mlp.local_experts():  # (the other ranks' are theirs to load)
@@ -195,7 +251,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             router.tensor(fused[-1], shape, load)
         for name in {per_expert[0], fused[0]}:
             router.plain(name, mlp.router)
-        router.either(per_expert, fused)
+        router.either(per_expert, fused, stacked)
         shared, names = mlp.shared_expert, family.shared
         if shared is not None and names is not None:
             for name, part in zip(family.expert_parts, shared.parts(), strict=True):

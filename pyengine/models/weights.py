@@ -116,16 +116,22 @@ class WeightRouter:
         self._routes[name] = _Route(load, shape=tuple(shape))
 
     def tensor(
-        self, name: str, shape: tuple[int, ...], load: Callable[[str, CheckpointTensor], None]
+        self,
+        name: str,
+        shape: tuple[int, ...],
+        load: Callable[[str, CheckpointTensor], None],
+        blocks: Callable[[BlockQuantized], None] | None = None,
     ) -> None:
         """A tensor of `shape` that `load` takes with its name (checked against the shape
-        first)."""
+        first); `blocks`: where the receiver keeps a GGUF block form, which takes the
+        blocks instead (a stack of matrices as one: [n * rows, columns])."""
 
         def checked(tensor: CheckpointTensor) -> None:
             check_shape(name, tensor, shape)
             load(name, tensor)
 
-        self._routes[name] = _Route(checked, shape=shape)
+        flat = (shape[0] * shape[1], shape[2]) if len(shape) == 3 else shape
+        self._routes[name] = _Route(checked, blocks, flat if blocks else shape)
 
     def either(self, *forms: list[str]) -> None:
         """The checkpoint holds the routes of one of `forms` (the same weights in other

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from pyengine.distributed import TensorParallelGroup
-from pyengine.layers.moe.methods import experts_method
+from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.moe.methods import ExpertsMethod, experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.shards import copy_checked
@@ -31,6 +32,15 @@ from pyengine.utils.lazy_weights import CheckpointTensor
 
 # A checkpoint tensor's whole shape, and what loads this rank's part of it.
 FusedLoad = tuple[tuple[int, ...], Callable[[str, CheckpointTensor], None]]
+
+
+class StackedLoad(NamedTuple):
+    """A tensor of every expert of a layer, one part each (GGUF's ffn_gate_exps): its
+    whole shape, and what loads this rank's part of it as floats, or as blocks."""
+
+    shape: tuple[int, ...]
+    floats: Callable[[str, CheckpointTensor], None]
+    blocks: Callable[[BlockQuantized], None]
 
 
 @dataclass(frozen=True)
@@ -75,9 +85,12 @@ class FusedMoE(nn.Module):
         shared_gate: bool = False,
         tp: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
+        method: ExpertsMethod | None = None,
     ) -> None:
+        """`method`: how the experts are held (experts_method's, for the placement, by
+        default)."""
         super().__init__()
-        self.method = experts_method(placement or Placement())
+        self.method = method or experts_method(placement or Placement())
         self.tp = tp or TensorParallelGroup()
         self.routing = routing
         self.shard = expert_shard(routing.num_experts, intermediate_size, self.tp, expert_parallel)
@@ -88,9 +101,14 @@ class FusedMoE(nn.Module):
         def parameter(*shape: int) -> nn.Parameter:
             return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
+        self.hidden_size = hidden_size
         self.router = parameter(routing.num_experts, hidden_size)
-        self.gate_up = parameter(experts, 2 * n, hidden_size)
-        self.down = parameter(experts, hidden_size, n)
+        # A GGUF file's experts come as blocks (expert_blocks, by local expert and part:
+        # "gate", "up", "down"), of which no float form is made.
+        self.expert_blocks: dict[tuple[int, str], BlockQuantized] = {}
+        if not self.method.keeps_blocks:
+            self.gate_up = parameter(experts, 2 * n, hidden_size)
+            self.down = parameter(experts, hidden_size, n)
         self.shared_expert: SharedExpert | None = None
         if shared_intermediate_size:
             start, size = self.tp.split(shared_intermediate_size, "the shared expert's size")
@@ -106,6 +124,14 @@ class FusedMoE(nn.Module):
 
     def process_weights_after_loading(self) -> None:
         self.method.process_weights_after_loading(self)
+
+    def block_weights(self) -> int:
+        """Weights held only as GGUF blocks, which no parameter counts."""
+        return (
+            3 * self.shard.count * self.intermediate_size * self.hidden_size
+            if (self.method.keeps_blocks)
+            else 0
+        )
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The experts' forms that are not parameters (the model runner counts them)."""
@@ -149,6 +175,46 @@ class FusedMoE(nn.Module):
         return {
             "gate_up_proj": ((experts, 2 * whole, hidden), gate_up),
             "down_proj": ((experts, hidden, whole), down),
+        }
+
+    def stacked_tensors(self) -> dict[str, StackedLoad]:
+        """The experts as a GGUF file holds them, a tensor per part for every expert:
+        "gate_proj" and "up_proj" [experts, intermediate, hidden], "down_proj" [experts,
+        hidden, intermediate]; blocks come as a [experts * rows, columns] matrix."""
+        s, n = self.shard, self.intermediate_size
+        whole, hidden, experts = (
+            self.full_intermediate_size,
+            self.hidden_size,
+            self.routing.num_experts,
+        )
+
+        def rows(part: str, into: slice) -> StackedLoad:
+            def floats(name: str, tensor: CheckpointTensor) -> None:
+                mine = tensor.narrow(0, s.first, s.count).narrow(1, s.start, n)
+                copy_checked(name, self.gate_up[:, into], mine)
+
+            def blocks(b: BlockQuantized) -> None:
+                for e in range(s.count):
+                    first = (s.first + e) * whole + s.start
+                    self.expert_blocks[e, part] = b.rows(first, first + n)
+
+            return StackedLoad((experts, whole, hidden), floats, blocks)
+
+        def down_floats(name: str, tensor: CheckpointTensor) -> None:
+            mine = tensor.narrow(0, s.first, s.count).narrow(2, s.start, n)
+            copy_checked(name, self.down, mine)
+
+        def down_blocks(b: BlockQuantized) -> None:
+            for e in range(s.count):
+                first = (s.first + e) * hidden
+                self.expert_blocks[e, "down"] = b.rows(first, first + hidden).columns(
+                    s.start, s.start + n
+                )
+
+        return {
+            "gate_proj": rows("gate", slice(0, n)),
+            "up_proj": rows("up", slice(n, 2 * n)),
+            "down_proj": StackedLoad((experts, hidden, whole), down_floats, down_blocks),
         }
 
 

@@ -6,6 +6,9 @@ and in what dtype (experts_method), as dense_method chooses a linear layer's for
   router's as a dense weight; a step is three kernels (the router's product, the
   softmax top-k, and ops.fused_experts: the tokens grouped by expert and each active
   expert's weights read once), which a decode step records and replays.
+- BlockExperts: a GGUF file's experts kept in their blocks (Q4_0 to Q8_0, the K-quants),
+  packed as dense's quantized panels and multiplied by the same kernels, with float32
+  activations or, as llama.cpp, int8 ones (quantized_activations).
 - TorchExperts: the weights as parameters in the model's dtype, multiplied expert by
   expert with torch (CUDA, float16 on the CPU).
 """
@@ -20,9 +23,15 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import ops
+from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.moe.routing import Routing, route
 from pyengine.layers.placement import Placement
-from pyengine.layers.quantization.packing import pack_bf16, pack_panels
+from pyengine.layers.quantization.packing import (
+    blocks_form,
+    pack_bf16,
+    pack_block_quantized,
+    pack_panels,
+)
 from pyengine.utils import host_memory
 
 if TYPE_CHECKING:
@@ -33,6 +42,9 @@ class ExpertsMethod(ABC):
     # The dtype the layer's parameters are created in (the checkpoint's tensors are
     # converted as they are copied in).
     weight_dtype: torch.dtype = torch.float32
+    # Whether the experts come as GGUF blocks (the layer makes no float parameters of
+    # them; its loaders hand it the blocks).
+    keeps_blocks = False
 
     @abstractmethod
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
@@ -49,7 +61,13 @@ class ExpertsMethod(ABC):
         return None
 
 
-def experts_method(placement: Placement) -> ExpertsMethod:
+def experts_method(
+    placement: Placement, blocks: bool = False, int8_activations: bool = False
+) -> ExpertsMethod:
+    """The method of a layer whose experts came as GGUF blocks (`blocks`) or as floats,
+    where the model runs (int8_activations: a block form's rows as llama.cpp's)."""
+    if blocks and placement.keeps_gguf_blocks:
+        return BlockExperts(int8_activations)
     if placement.packs_weights:
         return PanelExperts(bf16=False)
     if placement.packs_bf16_weights:
@@ -120,6 +138,8 @@ class ExpertPanels:
 
 
 class PanelExperts(ExpertsMethod):
+    int8_activations = False  # (float panels multiply float rows)
+
     def __init__(self, bf16: bool) -> None:
         self.bf16 = bf16
         # (bfloat16 as loaded: no float32 copy of the experts while they load)
@@ -140,23 +160,27 @@ class PanelExperts(ExpertsMethod):
         return stacked
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        panels = ExpertPanels(
+        layer.method_state = ExpertPanels(
             self.pack(layer.router.data.t(), False),
             self.stack(layer.gate_up.data, True),
             self.stack(layer.down.data, False),
+            self.pack_shared(layer),
         )
-        shared = layer.shared_expert
-        if shared is not None:
-            gate = None if shared.gate is None else shared.gate.data[0].float().contiguous()
-            panels.shared = SharedPanels(
-                self.pack(shared.gate_up.data.t(), True),
-                self.pack(shared.down.data.t(), False),
-                gate, shared.intermediate_size,
-            )  # fmt: skip
-            layer.shared_expert = None
-        layer.method_state = panels
         # The packed forms are the weights now.
         del layer.router, layer.gate_up, layer.down
+
+    def pack_shared(self, layer: FusedMoE) -> SharedPanels | None:
+        """The layer's shared expert packed (its parameters then dropped), if it has one."""
+        shared = layer.shared_expert
+        if shared is None:
+            return None
+        gate = None if shared.gate is None else shared.gate.data[0].float().contiguous()
+        panels = SharedPanels(
+            self.pack(shared.gate_up.data.t(), True), self.pack(shared.down.data.t(), False),
+            gate, shared.intermediate_size,
+        )  # fmt: skip
+        layer.shared_expert = None
+        return panels
 
     def state(self, layer: FusedMoE) -> ExpertPanels:
         state = layer.method_state
@@ -181,7 +205,7 @@ class PanelExperts(ExpertsMethod):
         shared = panels.shared
         ops.fused_experts(
             out, x, ids, weights, panels.gate_up, panels.down, layer.intermediate_size, on_input,
-            False,
+            self.int8_activations,
             None if shared is None else shared.gate_up,
             None if shared is None else shared.down,
             0 if shared is None else shared.intermediate_size,
@@ -195,3 +219,46 @@ class PanelExperts(ExpertsMethod):
 
     def form(self, layer: FusedMoE) -> str | None:
         return f"{'bfloat16' if self.bf16 else 'float32'} expert panels"
+
+
+class BlockExperts(PanelExperts):
+    """A GGUF file's experts in their blocks: each expert's gate and up blocks stacked
+    ([gate; up], as a fused gate/up weight's) and packed, and its down blocks, as dense's
+    quantized panels; the router (a float tensor) as float32 panels."""
+
+    keeps_blocks = True
+
+    def __init__(self, int8_activations: bool) -> None:
+        super().__init__(bf16=False)
+        self.int8_activations = int8_activations
+
+    @staticmethod
+    def stack_blocks(parts: list[BlockQuantized], gate_up: bool) -> torch.Tensor:
+        """Each expert's packed blocks, a row an expert (one form for all: a layer's
+        experts come from one tensor each)."""
+        first = pack_block_quantized(parts[0], gate_up)
+        stacked = host_memory.empty(len(parts) * first.numel(), first.dtype)
+        stacked = stacked.view(len(parts), first.numel())
+        stacked[0] = first
+        for e in range(1, len(parts)):
+            stacked[e] = pack_block_quantized(parts[e], gate_up)
+        return stacked
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        blocks: dict[tuple[int, str], BlockQuantized] = layer.expert_blocks
+        experts = range(layer.shard.count)
+        if len(blocks) != 3 * layer.shard.count:
+            raise ValueError(f"a mixture-of-experts layer got {len(blocks)} of its "
+                             f"{3 * layer.shard.count} experts' block forms")  # fmt: skip
+        gate_up = [BlockQuantized.stack([blocks[e, "gate"], blocks[e, "up"]]) for e in experts]
+        layer.method_state = ExpertPanels(
+            self.pack(layer.router.data.t(), False),
+            self.stack_blocks(gate_up, True),
+            self.stack_blocks([blocks[e, "down"] for e in experts], False),
+            self.pack_shared(layer),
+        )
+        layer.expert_blocks = {}  # (the packed forms hold them now)
+        del layer.router
+
+    def form(self, layer: FusedMoE) -> str | None:
+        return f"{blocks_form(self.state(layer).gate_up)} experts"

@@ -1,0 +1,151 @@
+"""A Qwen3-MoE GGUF file (llama.cpp's qwen3moe: every expert of a layer in a tensor per
+part) written in the test by the gguf package from a tiny random transformers model, its
+experts Q8_0 and Q4_0: the experts multiply from their blocks, token for token as
+transformers on the dequantized weights (float32 activations), at one rank and over two
+(the blocks of each rank's slices), and with llama.cpp's int8 activations."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from helpers.hf_reference import hf_greedy  # noqa: E402
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, SIZE, LAYERS = 64, 4, 2, 32, 8, 2, 64, 2
+EXPERT_TYPES = {"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0}
+VOCAB = 259  # bytes and three specials
+
+
+def byte_tokens() -> list[str]:
+    """GPT-2's printable stand-ins for the 256 bytes, then the specials."""
+    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
+    extra, tokens = 0, []
+    for b in range(256):
+        tokens.append(chr(b) if b in printable else chr(256 + extra))
+        extra += b not in printable
+    return tokens + ["<|eot|>", "<|user|>", "<|assistant|>"]
+
+
+def write_qwen3_moe_gguf(path: Path) -> torch.nn.Module:
+    """The file, and transformers' model on the weights it dequantizes to."""
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
+        moe_intermediate_size=SIZE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=EXPERTS,
+        num_experts_per_tok=TOP_K, norm_topk_prob=True, max_position_embeddings=256,
+        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    for add, value in (
+        (writer.add_block_count, LAYERS), (writer.add_context_length, 256),
+        (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, 96),
+        (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
+        (writer.add_key_length, HEAD_DIM), (writer.add_value_length, HEAD_DIM),
+        (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
+        (writer.add_expert_count, EXPERTS), (writer.add_expert_used_count, TOP_K),
+        (writer.add_expert_feed_forward_length, SIZE), (writer.add_tokenizer_model, "gpt2"),
+        (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
+        (writer.add_token_merges, []), (writer.add_eos_token_id, 256),
+    ):  # fmt: skip
+        add(value)
+    params = dict(model.named_parameters())
+
+    def tensor(name: str, hf: str) -> None:
+        """A float32 tensor: random norms near 1, random matrices."""
+        norm = "norm" in hf
+        values = (1 if norm else 0) + torch.randn(params[hf].shape) * (0.1 if norm else 0.08)
+        writer.add_tensor(name, values.numpy())
+        with torch.no_grad():
+            params[hf].copy_(values)
+
+    tensor("token_embd.weight", "model.embed_tokens.weight")
+    tensor("output.weight", "lm_head.weight")
+    tensor("output_norm.weight", "model.norm.weight")
+    gguf_names = {
+        "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+        "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+        "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+        "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
+        "ffn_gate_inp": "mlp.gate.weight",
+    }  # fmt: skip
+    for i in range(LAYERS):
+        for name, hf in gguf_names.items():
+            tensor(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf}")
+        # transformers holds [gate; up] as one [experts, 2 * size, hidden] tensor
+        gate_up = params[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+        parts = {"ffn_gate_exps": gate_up[:, :SIZE], "ffn_up_exps": gate_up[:, SIZE:],
+                 "ffn_down_exps": params[f"model.layers.{i}.mlp.experts.down_proj"]}  # fmt: skip
+        for name, into in parts.items():
+            blocks = quantize((torch.randn(into.shape) * 0.08).numpy(), EXPERT_TYPES[name])
+            writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=EXPERT_TYPES[name])
+            values = dequantize(blocks, EXPERT_TYPES[name]).reshape(into.shape)
+            with torch.no_grad():
+                into.copy_(torch.from_numpy(values.copy()))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("gguf") / "qwen3-moe.gguf"
+    return path, write_qwen3_moe_gguf(path)
+
+
+PROMPTS = [list(range(40, 90)), [5, 6, 7], list(range(100, 140))]
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def generate(path: Path, **engine: object) -> tuple[list[list[int]], LLM]:
+    llm = LLM(str(path), max_model_len=256, kv_cache_memory=32 * 2**20, **engine)  # type: ignore[arg-type]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs], llm
+
+
+def test_the_experts_multiply_from_their_blocks_as_transformers(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    path, model = qwen3_moe_gguf
+    tokens, llm = generate(path, dtype="float32")
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    experts = runner.model.layers[0].mlp
+    # [gate; up] of Q8_0 and Q4_0 blocks stacked as 8 bits; every expert packed.
+    assert experts.weight_form() == "8-bit blocks experts"
+    assert experts.method_state.gate_up.dtype == torch.int8
+    assert experts.method_state.gate_up.shape[0] == EXPERTS
+    assert not hasattr(experts, "gate_up")  # (no float copy of the experts was made)
+    assert runner.graphs is not None  # (decode steps recorded)
+    assert tokens == [hf_greedy(model, p, 10) for p in PROMPTS]
+
+
+def test_two_ranks_read_their_slices_of_the_blocks(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    path, _ = qwen3_moe_gguf
+    expected, _ = generate(path, dtype="float32")
+    for expert_parallel in (False, True):  # (experts of 64 split into 32s, or 4 each)
+        got, llm = generate(path, dtype="float32", tensor_parallel_size=2,
+                            enable_expert_parallel=expert_parallel)  # fmt: skip
+        llm.llm_engine.shutdown()
+        assert got == expected, f"expert parallel: {expert_parallel}"
+
+
+def test_int8_activations_multiply_the_blocks_as_llama_cpp(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    """Rows quantized to 8 bits per block of 32 (llama.cpp's arithmetic): close to the
+    float32 product, not equal to it."""
+    path, model = qwen3_moe_gguf
+    tokens, _ = generate(path, dtype="float32", quantized_activations="int8")
+    expected = [hf_greedy(model, p, 10) for p in PROMPTS]
+    same = sum(
+        a == b for t, e in zip(tokens, expected, strict=True) for a, b in zip(t, e, strict=True)
+    )
+    assert same >= 0.8 * sum(map(len, expected))
+    assert all(t[0] == e[0] for t, e in zip(tokens, expected, strict=True))
