@@ -21,10 +21,12 @@ End to end (unless --no-engines), a model of those layer shapes with a few layer
   in a process of its own on dummy weights (bench/engine_peer.py), and transformers'
   generate in bfloat16 on random weights (--transformers; batches of 32);
 - one stream: --stream-len tokens after a prompt of --stream-prompt-len through
-  pyengine's server (dummy weights) and llama.cpp's llama-server (--llama-bin) on a
-  bfloat16 GGUF of that shape (random weights of its own), against the bound of the
-  bytes a token reads (attention, router, the top 8 experts and the head, bfloat16) at
-  the read bandwidth.
+  pyengine's server (dummy weights, its default bfloat16) and llama.cpp's llama-server
+  (--llama-bin) on a bfloat16 GGUF of that shape (random weights of its own); then both
+  on the Q8_0 file llama-quantize makes of that GGUF (the same weights; pyengine at its
+  default, the experts in their blocks, int8 activations on VNNI); each against the
+  bound of the bytes a token reads (attention, router, the top 8 experts and the head)
+  at the read bandwidth.
 
 The last line printed is one JSON object, also written to bench/results/moe.json.
 
@@ -58,7 +60,7 @@ from pyengine.layers.quantization.packing import pack_bf16, pack_block_quantized
 from .checkpoints import default_model_folders
 from .common import add_workload_arguments, print_table, report
 from .cpu_peers import Model, offline, one_stream, pyengine_server
-from .moe_checkpoint import bf16_gguf, decode_bytes, moe_folder
+from .moe_checkpoint import bf16_gguf, decode_bytes, moe_folder, quantized_gguf
 from .quantized import free_port
 from .throughput import run_hf
 
@@ -208,6 +210,44 @@ def transformers_offline(folder: Path, prompts: list[list[int]], args: argparse.
     return float(len(prompts) * args.output_len / seconds)
 
 
+def llama_server(gguf: Path, args: argparse.Namespace) -> tuple[list[str], int]:
+    port = free_port()
+    command = [str(args.llama_bin / "llama-server"), "-m", str(gguf), "--port", str(port),
+               "-c", str(args.max_model_len), "-np", "1", "--no-webui",
+               *args.llama_options.split()]  # fmt: skip
+    return command, port
+
+
+def stream_pairs(
+    model: Model, prompt: list[int], args: argparse.Namespace, figures: dict[str, Any]
+) -> tuple[dict[tuple[str, str], dict[str, Any]], dict[str, float]]:
+    """One stream through each server, by (weights, server): bfloat16 (pyengine's dummy
+    weights at its default; llama.cpp on the bfloat16 GGUF) and, with llama.cpp's tools,
+    Q8_0 (both on the file llama-quantize makes of that GGUF: the same weights); and each
+    form's bound in tokens/s."""
+    streams = {}
+    command, port = pyengine_server(model, "auto", args)
+    streams["bf16", "pyengine"] = one_stream(command, {}, port, prompt, args, "pyengine")
+    print(f"pyengine bf16 stream: {streams['bf16', 'pyengine']}", flush=True)
+    bandwidth = figures["read_bandwidth_gb_s"] * 1e9
+    bounds = {"bf16": bandwidth / model.decode_bytes}
+    if args.llama_bin:
+        bf16 = bf16_gguf(args.layers, args.cache)
+        command, port = llama_server(bf16, args)
+        streams["bf16", "llama.cpp"] = one_stream(command, {}, port, prompt, args, "llama.cpp")
+        print(f"llama.cpp bf16 stream: {streams['bf16', 'llama.cpp']}", flush=True)
+        q8_0 = quantized_gguf(bf16, "Q8_0", args.llama_bin)
+        served = Model(model.name, model.folder, "auto", q8_0, model.decode_bytes)
+        command, port = pyengine_server(served, "auto", args)
+        streams["q8_0", "pyengine"] = one_stream(command, {}, port, prompt, args, "pyengine")
+        print(f"pyengine q8_0 stream: {streams['q8_0', 'pyengine']}", flush=True)
+        command, port = llama_server(q8_0, args)
+        streams["q8_0", "llama.cpp"] = one_stream(command, {}, port, prompt, args, "llama.cpp")
+        print(f"llama.cpp q8_0 stream: {streams['q8_0', 'llama.cpp']}", flush=True)
+        bounds["q8_0"] = bandwidth / (model.decode_bytes * 34 / 64)
+    return streams, bounds
+
+
 def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str]:
     """The model end to end: offline against vLLM and transformers, one stream against
     llama.cpp and the bound."""
@@ -229,20 +269,8 @@ def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str
         runs["transformers bfloat16"] = {"generated_tok_s": tok_s, "startup_s": None,
                                          "resident_mib": None}  # fmt: skip
         print(f"transformers offline: {tok_s:.1f} tok/s", flush=True)
-    command, port = pyengine_server(model, "auto", args)
-    streams = {"pyengine auto": one_stream(command, {}, port, stream_prompt, args, "pyengine")}
-    print(f"pyengine stream: {streams['pyengine auto']}", flush=True)
-    if args.llama_bin:
-        gguf = bf16_gguf(args.layers, args.cache)
-        port = free_port()
-        command = [str(args.llama_bin / "llama-server"), "-m", str(gguf), "--port", str(port),
-                   "-c", str(args.max_model_len), "-np", "1", "--no-webui",
-                   *args.llama_options.split()]  # fmt: skip
-        streams["llama.cpp bf16"] = one_stream(command, {}, port, stream_prompt, args, "llama.cpp")
-        print(f"llama.cpp stream: {streams['llama.cpp bf16']}", flush=True)
-    bandwidth = figures["read_bandwidth_gb_s"] * 1e9
-    bound = bandwidth / model.decode_bytes
-    ours, ours_stream = runs["pyengine auto"], streams["pyengine auto"]["decode_tok_s"]
+    streams, bounds = stream_pairs(model, stream_prompt, args, figures)
+    ours = runs["pyengine auto"]
     offline_rows = []
     for name, r in runs.items():
         ratio = ours["generated_tok_s"] / r["generated_tok_s"]
@@ -254,25 +282,28 @@ def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str
         if name != "pyengine auto":
             figures[f"speedup_vs_{peer}_offline"] = round(ratio, 2)
     stream_rows = []
-    for name, r in streams.items():
-        ratio = ours_stream / r["decode_tok_s"]
-        stream_rows.append((name, f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}",
-                            f"{r['decode_tok_s'] / bound:.0%}", f"{r['ttft_s'] * 1e3:.0f}",
-                            f"{r['resident_mib']:.0f}"))  # fmt: skip
-        if name != "pyengine auto":
-            figures["speedup_vs_llamacpp_stream"] = round(ratio, 2)
-    figures["stream_share_of_bound"] = round(ours_stream / bound, 3)
-    figures["engines"] = {"offline": runs, "stream": streams, "decode_bytes": model.decode_bytes}
+    for (form, server), r in streams.items():
+        ratio = streams[form, "pyengine"]["decode_tok_s"] / r["decode_tok_s"]
+        stream_rows.append((form, server, f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}",
+                            f"{r['decode_tok_s'] / bounds[form]:.0%}",
+                            f"{r['ttft_s'] * 1e3:.0f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+        if server == "pyengine":
+            figures[f"stream_share_of_bound_{form}"] = round(r["decode_tok_s"] / bounds[form], 3)
+        else:
+            figures[f"speedup_vs_llamacpp_stream_{form}"] = round(ratio, 2)
+    figures["engines"] = {"offline": runs, "decode_bytes": model.decode_bytes,
+                          "stream": {f"{f} {e}": r for (f, e), r in streams.items()}}  # fmt: skip
     print(f"\nOffline, a {args.layers}-layer model of those shapes: {args.num_prompts} "
           f"prompts of {args.min_len}-{args.max_len} tokens, {args.output_len} greedy tokens "
           "each")  # fmt: skip
     t1 = print_table(("engine, dtype", "generated tok/s", "pyengine / it",
                       "start-up to 1st token (s)", "resident MiB"), offline_rows)  # fmt: skip
+    bandwidth = figures["read_bandwidth_gb_s"]
     print(f"\nOne stream: {args.stream_len} tokens after {args.stream_prompt_len}; the bound "
-          f"is {model.decode_bytes / 1e6:.0f} MB a token at {bandwidth / 1e9:.1f} GB/s: "
-          f"{bound:.1f} tok/s")  # fmt: skip
-    t2 = print_table(("server", "decode tok/s", "pyengine / it", "of the bound", "TTFT (ms)",
-                      "resident MiB"), stream_rows)  # fmt: skip
+          f"is the bytes a token reads ({model.decode_bytes / 1e6:.0f} MB in bfloat16, 34/64 "
+          f"of that in Q8_0) at {bandwidth:.1f} GB/s")  # fmt: skip
+    t2 = print_table(("weights", "server", "decode tok/s", "pyengine / it", "of the bound",
+                      "TTFT (ms)", "resident MiB"), stream_rows, 2)  # fmt: skip
     return [t1, t2]
 
 

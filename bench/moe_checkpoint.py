@@ -5,7 +5,8 @@ vocabulary and tokenizer, for bench/moe.py:
 - a Hugging Face folder of its config.json and the tokenizer: what the engines' dummy
   loaders read (random weights at load);
 - a GGUF file (llama.cpp's qwen3moe) of random weights in bfloat16 (norms float32),
-  drawn tensor by tensor from a seeded generator.
+  drawn tensor by tensor from a seeded generator, and that file quantized by llama.cpp's
+  llama-quantize (Q8_0).
 
 Random weights make the times of a trained model (every layer runs, the router spreads
 the tokens over the experts); their tokens mean nothing, and the engines that load
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -120,4 +122,18 @@ def bf16_gguf(layers: int, cache: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     tmp.rename(path)
+    return path
+
+
+def quantized_gguf(source: Path, qtype: str, llama_bin: Path) -> Path:
+    """`source` quantized to `qtype` by llama.cpp's llama-quantize, beside it unless there."""
+    path = source.with_name(source.name.replace("-bf16.gguf", f"-{qtype.lower()}.gguf"))
+    if path.is_file():
+        return path
+    part = path.with_suffix(".part")
+    done = subprocess.run([str(llama_bin / "llama-quantize"), str(source), str(part), qtype],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"llama-quantize {qtype} failed:\n{done.stderr[-3000:]}")
+    part.rename(path)
     return path
