@@ -6,6 +6,7 @@ transformers on the dequantized weights (float32 activations), at one rank and o
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -149,3 +150,32 @@ def test_int8_activations_multiply_the_blocks_as_llama_cpp(qwen3_moe_gguf) -> No
     )
     assert same >= 0.8 * sum(map(len, expected))
     assert all(t[0] == e[0] for t, e in zip(tokens, expected, strict=True))
+
+
+def test_served_with_constrained_output(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    """`pyengine serve` on the file: a completion constrained by a JSON schema parses and
+    fits it; a greedy one is the offline engine's text."""
+    from helpers.server import Server, openai_client
+
+    path, _ = qwen3_moe_gguf
+    server = Server(str(path), max_model_len=256, kv_cache_bytes=32 * 2**20)
+    try:
+        client = openai_client(server)
+        # (short answers only: the random model would write digits to the token limit)
+        schema = {"type": "object", "properties": {"ok": {"type": "boolean"}},
+                  "required": ["ok"], "additionalProperties": False}  # fmt: skip
+        done = client.completions.create(
+            model=str(path), prompt="hello", max_tokens=100, temperature=0,
+            extra_body={"structured_outputs": {"json": schema}},
+        )  # fmt: skip
+        assert done.choices[0].finish_reason == "stop", done.choices[0].text
+        assert isinstance(json.loads(done.choices[0].text)["ok"], bool)
+        served = client.completions.create(
+            model=str(path), prompt=PROMPTS[0], max_tokens=10, temperature=0,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        llm = LLM(str(path), max_model_len=256, kv_cache_memory=32 * 2**20)
+        offline = llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False)
+        assert served.choices[0].text == offline[0].outputs[0].text
+    finally:
+        assert server.stop() == 0
