@@ -25,9 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pyengine.loader.resolve import default_model_path
-
-from .shape_checkpoints import VOCAB, random_tensor
+from .shape_checkpoints import VOCAB, add_default_tokenizer, random_tensor
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2048, 32, 4, 128
 EXPERTS, TOP_K, EXPERT_SIZE = 128, 8, 768
@@ -105,11 +103,7 @@ def bf16_gguf(layers: int, cache: Path) -> Path:
     writer.add_expert_feed_forward_length(EXPERT_SIZE)
     writer.add_vocab_size(VOCAB)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_BF16)
-    reader = gguf.GGUFReader(str(default_model_path()))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    add_default_tokenizer(writer)
     for name, shape in gguf_tensors(layers):
         values = random_tensor(name, shape)
         if len(shape) == 1:

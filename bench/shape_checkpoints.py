@@ -22,6 +22,7 @@ import subprocess
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -107,6 +108,18 @@ def gguf_name(hf: str) -> str:
     return f"blk.{layer}.{GGUF_NAMES[rest.removesuffix('.weight')]}.weight"
 
 
+def add_default_tokenizer(writer: Any) -> None:
+    """The default model's tokenizer and chat template, from its GGUF file's metadata,
+    into a gguf.GGUFWriter's."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(default_model_path()))
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = field.types[1] if len(field.types) > 1 else None
+            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+
+
 def write_float16_gguf(name: str, path: Path) -> None:
     """The `name` shape's random weights as a llama GGUF in float16 (norms float32), with
     the default model's tokenizer and chat template."""
@@ -129,11 +142,7 @@ def write_float16_gguf(name: str, path: Path) -> None:
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(VOCAB)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    reader = gguf.GGUFReader(str(default_model_path()))
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer."):
-            sub_type = field.types[1] if len(field.types) > 1 else None
-            writer.add_key_value(key, field.contents(), field.types[0], sub_type)
+    add_default_tokenizer(writer)
     for hf, shape in hf_shapes(name):
         values = random_tensor(hf, shape).numpy()
         writer.add_tensor(gguf_name(hf), values if len(shape) == 1 else values.astype(np.float16))
