@@ -5,9 +5,13 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <numeric>
 #include <string>
 #include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "float_convert.h"
 #include "pyengine/dense.h"
@@ -111,9 +115,21 @@ void group_by_expert(ExpertGroups& g, const TensorView& ids, int64_t total, int6
 // Reused between calls (a decode step's layers call it with the same few rows).
 struct Scratch {
   ExpertGroups groups;
-  std::vector<float> inputs, hidden, sums, acc;
-  std::vector<uint16_t> inputs16, hidden16, sums16;
+  std::vector<float> hidden, sums, acc, entry_sums;
+  std::vector<uint16_t> hidden16, sums16;
 };
+
+// Up to this many rows an expert (a decode step's), the threads take whole experts
+// rather than share each expert's panels.
+constexpr int64_t kExpertsAtOnceRows = 8;
+
+bool in_parallel() {
+#ifdef _OPENMP
+  return omp_in_parallel() != 0;
+#else
+  return true;  // (no threads to share the experts among)
+#endif
+}
 
 template <class T>
 T* sized(std::vector<T>& v, int64_t size) {
@@ -251,54 +267,88 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
   const int64_t ld_acc = bf16 ? h : out.strides[0];
   for (int64_t r = 0; r < t; ++r) std::fill_n(acc + r * ld_acc, h, 0.0f);
 
-  const int64_t most = g.most_rows;
-  for (int64_t e = 0; e < experts; ++e) {
+  // Expert e's rows' sums into `sums` (its rows' count of hidden-size rows, x's dtype):
+  // its rows gathered (scaled first where the weights scale the input), then its gate/up
+  // and down products. Its scratch is the calling thread's.
+  const auto expert_sums = [&](int64_t e, void* sums) {
+    thread_local std::vector<float> inputs, hidden;
+    thread_local std::vector<uint16_t> inputs16, hidden16;
     const int64_t first = g.starts[e], m = g.starts[e + 1] - first;
-    if (m == 0) continue;
-    TensorView inputs, hidden, sums;
-    if (bf16) {
-      auto* in = sized(s.inputs16, most * h);
-      const auto* src = static_cast<const uint16_t*>(x.data);
-      for (int64_t i = 0; i < m; ++i) {
-        const uint16_t* row = src + g.rows[first + i] * x.strides[0];
-        uint16_t* dst = in + i * h;
-        if (on_input) {
-          const float scale = w[g.rows[first + i] * ldw + g.slots[first + i]];
-          for (int64_t j = 0; j < h; ++j) {
-            dst[j] = detail::float_to_bf16(detail::bf16_to_float(row[j]) * scale);
-          }
-        } else {
+    void* in = bf16 ? static_cast<void*>(sized(inputs16, m * h)) : sized(inputs, m * h);
+    for (int64_t i = 0; i < m; ++i) {
+      const int64_t r = g.rows[first + i];
+      const float scale = on_input ? w[r * ldw + g.slots[first + i]] : 1.0f;
+      if (bf16) {
+        const uint16_t* row = static_cast<const uint16_t*>(x.data) + r * x.strides[0];
+        uint16_t* dst = static_cast<uint16_t*>(in) + i * h;
+        if (!on_input) {
           std::copy_n(row, h, dst);
+          continue;
         }
-      }
-      inputs = scratch_view(in, dtype, m, h);
-      hidden = scratch_view(sized(s.hidden16, most * n), dtype, m, n);
-      sums = scratch_view(sized(s.sums16, most * h), dtype, m, h);
-    } else {
-      float* in = sized(s.inputs, most * h);
-      const auto* src = static_cast<const float*>(x.data);
-      for (int64_t i = 0; i < m; ++i) {
-        const float* row = src + g.rows[first + i] * x.strides[0];
-        float* dst = in + i * h;
-        const float scale = on_input ? w[g.rows[first + i] * ldw + g.slots[first + i]] : 1.0f;
+        for (int64_t j = 0; j < h; ++j) {
+          dst[j] = detail::float_to_bf16(detail::bf16_to_float(row[j]) * scale);
+        }
+      } else {
+        const float* row = static_cast<const float*>(x.data) + r * x.strides[0];
+        float* dst = static_cast<float*>(in) + i * h;
         for (int64_t j = 0; j < h; ++j) dst[j] = on_input ? row[j] * scale : row[j];
       }
-      inputs = scratch_view(in, dtype, m, h);
-      hidden = scratch_view(sized(s.hidden, most * n), dtype, m, n);
-      sums = scratch_view(sized(s.sums, most * h), dtype, m, h);
     }
-    dense_silu_and_mul(hidden, inputs, expert_weight(gate_up, e), n, int8_activations);
-    dense(sums, hidden, expert_weight(down, e), TensorView{}, h, int8_activations);
+    void* mid = bf16 ? static_cast<void*>(sized(hidden16, m * n)) : sized(hidden, m * n);
+    const TensorView hidden_rows = scratch_view(mid, dtype, m, n);
+    dense_silu_and_mul(hidden_rows, scratch_view(in, dtype, m, h), expert_weight(gate_up, e), n,
+                       int8_activations);
+    dense(scratch_view(sums, dtype, m, h), hidden_rows, expert_weight(down, e), TensorView{}, h,
+          int8_activations);
+  };
+  // Expert e's rows' sums (`sums`, its rows') added to their rows, times their weights.
+  const auto add_expert = [&](int64_t e, const void* sums) {
+    const int64_t first = g.starts[e], m = g.starts[e + 1] - first;
     for (int64_t i = 0; i < m; ++i) {
       float* dst = acc + g.rows[first + i] * ld_acc;
       const float scale = on_input ? 1.0f : w[g.rows[first + i] * ldw + g.slots[first + i]];
       if (bf16) {
-        const uint16_t* y = static_cast<const uint16_t*>(sums.data) + i * h;
+        const uint16_t* y = static_cast<const uint16_t*>(sums) + i * h;
         for (int64_t j = 0; j < h; ++j) dst[j] += detail::bf16_to_float(y[j]) * scale;
       } else {
-        const float* y = static_cast<const float*>(sums.data) + i * h;
+        const float* y = static_cast<const float*>(sums) + i * h;
         for (int64_t j = 0; j < h; ++j) dst[j] += y[j] * scale;
       }
+    }
+  };
+  std::vector<int64_t> active;
+  for (int64_t e = 0; e < experts; ++e) {
+    if (g.starts[e + 1] > g.starts[e]) active.push_back(e);
+  }
+  const size_t element = bf16 ? sizeof(uint16_t) : sizeof(float);
+  if (g.most_rows <= kExpertsAtOnceRows && active.size() > 1 && !in_parallel()) {
+    // A decode step's few rows an expert: the threads take whole experts (each product
+    // on one thread, streaming its weights with no barrier between experts), every
+    // entry's sums kept, then added in expert order as below.
+    const auto floats = static_cast<int64_t>(
+        (g.rows.size() * static_cast<size_t>(h) * element + sizeof(float) - 1) / sizeof(float));
+    auto* ys = reinterpret_cast<unsigned char*>(sized(s.entry_sums, floats));
+    // (an exception must not leave the parallel region: the first is thrown after it)
+    std::exception_ptr failed;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (size_t a = 0; a < active.size(); ++a) {
+      try {
+        expert_sums(active[a], ys + static_cast<size_t>(g.starts[active[a]] * h) * element);
+      } catch (...) {
+#pragma omp critical(fused_experts_failure)
+        if (!failed) failed = std::current_exception();
+      }
+    }
+    if (failed) std::rethrow_exception(failed);
+    for (const int64_t e : active) {
+      add_expert(e, ys + static_cast<size_t>(g.starts[e] * h) * element);
+    }
+  } else {
+    void* sums = bf16 ? static_cast<void*>(sized(s.sums16, g.most_rows * h))
+                      : sized(s.sums, g.most_rows * h);
+    for (const int64_t e : active) {
+      expert_sums(e, sums);
+      add_expert(e, sums);
     }
   }
   if (shared.gate_up.data != nullptr) {
