@@ -26,7 +26,9 @@ End to end (unless --no-engines), a model of those layer shapes with a few layer
   on the Q8_0 file llama-quantize makes of that GGUF (the same weights; pyengine at its
   default, the experts in their blocks, int8 activations on VNNI); each against the
   bound of the bytes a token reads (attention, router, the top 8 experts and the head)
-  at the read bandwidth.
+  at the read bandwidth. (On this AMX machine llama.cpp's repacked layouts crash its
+  server on the Q8_0 file (SIGSEGV): the recorded run passes --llama-options=--no-repack,
+  as bench/cpu_peers.py's does.)
 
 The last line printed is one JSON object, also written to bench/results/moe.json.
 
