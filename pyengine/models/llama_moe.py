@@ -26,6 +26,7 @@ from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.quantization.shards import copy_checked
 from pyengine.models.checkpoint_config import (
     CommonValues,
     GGUFArchitecture,
@@ -87,6 +88,14 @@ class SharedNames:
 
 
 @dataclass(frozen=True)
+class SharedGateNames:
+    """The checkpoint names of a shared expert's gate, by form (none: no gated one)."""
+
+    hf: tuple[str, ...] = ()
+    gguf: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
 class _MoeVariant:
     """How one Hugging Face architecture reads its config.json and names its experts."""
 
@@ -99,6 +108,8 @@ class _MoeVariant:
     shared: SharedNames | None = None
 
 
+_QWEN2_SHARED = SharedNames("shared_expert_intermediate_size", "shared_expert",
+                            "shared_expert_gate")  # fmt: skip
 _MOE_VARIANTS = {
     "Qwen3MoeForCausalLM": _MoeVariant(
         _Variant(qk_norm=True), "moe_intermediate_size", "mlp",
@@ -106,9 +117,7 @@ _MOE_VARIANTS = {
     ),
     "Qwen2MoeForCausalLM": _MoeVariant(
         _Variant(attention_bias=True), "moe_intermediate_size", "mlp",
-        ("gate_proj", "up_proj", "down_proj"), bias_key="qkv_bias",
-        shared=SharedNames("shared_expert_intermediate_size", "shared_expert",
-                           "shared_expert_gate"),
+        ("gate_proj", "up_proj", "down_proj"), bias_key="qkv_bias", shared=_QWEN2_SHARED,
     ),
     "MixtralForCausalLM": _MoeVariant(
         _Variant(sliding_window=True), "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2"),
@@ -127,18 +136,30 @@ def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
     )
 
 
+# Whether each GGUF architecture renormalises its top k's weights where the file does not
+# say (expert_weights_norm): Qwen3-MoE's checkpoints do, Qwen2-MoE's (Qwen1.5-MoE) do not.
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
+
+
 def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
     """llama.cpp's keys: its attention's as the Llama family reads them, and the experts'
-    count, top k and size; the layers with experts are those with a router tensor."""
+    count, top k and size; the layers with experts are those with a router tensor, a
+    shared expert where the file has its tensors (Qwen2-MoE's, gated)."""
     config = _config_from_gguf(m, common)
+    sparse = tuple(
+        i for i in range(config.num_layers) if f"blk.{i}.ffn_gate_inp.weight" in m.tensor_names
+    )
+    shared = any(f"blk.{i}.ffn_gate_shexp.weight" in m.tensor_names for i in sparse)
+    norm = m.fields.get(f"{m.architecture}.expert_weights_norm", _GGUF_NORM_TOPK[m.architecture])
     family = MoeFamilyConfig(
         **asdict(config.family_config(LlamaFamilyConfig)),
         num_experts=int(m.field("expert_count")),
         top_k=int(m.field("expert_used_count")),
         moe_intermediate_size=int(m.field("expert_feed_forward_length")),
-        norm_topk_prob=bool(m.fields.get(f"{m.architecture}.expert_weights_norm", True)),
-        sparse_layers=tuple(i for i in range(config.num_layers)
-                            if f"blk.{i}.ffn_gate_inp.weight" in m.tensor_names),
+        norm_topk_prob=bool(norm),
+        sparse_layers=sparse,
+        shared_intermediate_size=int(m.field("expert_shared_feed_forward_length")) if shared else 0,
+        shared=_QWEN2_SHARED if shared else None,
     )  # fmt: skip
     return replace(config, family=family)
 
@@ -147,16 +168,22 @@ def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
 # hidden size for gate and up, along the expert's size for down), under the names the
 # layer's routes give them.
 _GGUF_EXPERT_TENSORS = {
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate_1d",  # ([hidden]; Hugging Face's [1, hidden])
     "ffn_gate_inp": "mlp.gate",
     "ffn_gate_exps": "mlp.experts.gate_proj",
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
-_GGUF_ARCHITECTURES = (
+_GGUF_ARCHITECTURES = tuple(
     GGUFArchitecture(
-        "qwen3moe", "Qwen3MoeForCausalLM", _moe_config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        name, hf_architecture, _moe_config_from_gguf, _GGUF_GLOBAL_TENSORS,
         {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS}, "model.layers",
-    ),
+    )
+    for name, hf_architecture in (("qwen2moe", "Qwen2MoeForCausalLM"),
+                                  ("qwen3moe", "Qwen3MoeForCausalLM"))
 )  # fmt: skip
 
 
@@ -228,33 +255,48 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             super().route_mlp(router, prefix, mlp)
             return
         family = self.config.family_config(MoeFamilyConfig)
+        module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
+        # The shared expert: its parts named alike in every form, its gate not.
+        gates = self.route_shared_expert(router, module, mlp, family)
         # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
-        stacked = [f"{prefix}.gate.weight"]
+        stacked = [f"{prefix}.gate.weight", *gates.gguf]
         for name, stack in mlp.stacked_tensors().items():
             stacked.append(f"{prefix}.experts.{name}.weight")
             router.tensor(stacked[-1], stack.shape, stack.floats,
                           stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+        router.plain(stacked[0], mlp.router)
         if mlp.method.keeps_blocks:
-            router.plain(stacked[0], mlp.router)
-            return
-        module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
-        per_expert = [f"{module}.gate.weight"]
+            return  # (the file's blocks: no other form)
+        per_expert = [f"{module}.gate.weight", *gates.hf]
         for expert in mlp.local_experts():  # (the other ranks' are theirs to load)
             for name, part in zip(family.expert_parts, mlp.expert_parts(expert), strict=True):
                 per_expert.append(f"{module}.experts.{expert}.{name}.weight")
                 router.shard(per_expert[-1], *part)
         # Or every expert in one tensor, as transformers 5 names them (under "mlp" in
         # every family).
-        fused = [f"{prefix}.gate.weight"]
+        fused = [f"{prefix}.gate.weight", *gates.hf]
         for name, (shape, load) in mlp.fused_tensors().items():
             fused.append(f"{prefix}.experts.{name}")
             router.tensor(fused[-1], shape, load)
-        for name in {per_expert[0], fused[0]}:
-            router.plain(name, mlp.router)
+        router.plain(per_expert[0], mlp.router)
         router.either(per_expert, fused, stacked)
+
+    @staticmethod
+    def route_shared_expert(
+        router: WeightRouter, module: str, mlp: FusedMoE, family: MoeFamilyConfig
+    ) -> SharedGateNames:
+        """Routes the shared expert's parts; returns its gate's names in a Hugging Face
+        checkpoint ([1, hidden]) and in a GGUF file ([hidden]), each routed."""
         shared, names = mlp.shared_expert, family.shared
-        if shared is not None and names is not None:
-            for name, part in zip(family.expert_parts, shared.parts(), strict=True):
-                router.shard(f"{module}.{names.module}.{name}.weight", *part)
-            if shared.gate is not None and names.gate is not None:
-                router.plain(f"{module}.{names.gate}.weight", shared.gate)
+        if shared is None or names is None:
+            return SharedGateNames()
+        for name, part in zip(family.expert_parts, shared.parts(), strict=True):
+            router.shard(f"{module}.{names.module}.{name}.weight", *part)
+        gate = shared.gate
+        if gate is None or names.gate is None:
+            return SharedGateNames()
+        hf, gguf = f"{module}.{names.gate}.weight", f"{module}.{names.gate}_1d.weight"
+        if not mlp.method.keeps_blocks:
+            router.plain(hf, gate)
+        router.tensor(gguf, (gate.shape[1],), lambda name, t: copy_checked(name, gate[0], t))
+        return SharedGateNames((hf,), (gguf,))

@@ -48,7 +48,7 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         for arch in cls.gguf_architectures:
             assert gguf_architecture(arch.name) is arch
             assert arch.hf_architecture in cls.hf_architectures
-    assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen3moe")
+    assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
     llama_gguf = model_class("LlamaForCausalLM").gguf_architectures
     assert [a.name for a in llama_gguf if a.rope_permuted] == ["llama", "mistral"]
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported \(llama, "):

@@ -1,5 +1,6 @@
-"""A Qwen3-MoE GGUF file (llama.cpp's qwen3moe: every expert of a layer in a tensor per
-part) written in the test by the gguf package from a tiny random transformers model, its
+"""Qwen3-MoE and Qwen2-MoE GGUF files (llama.cpp's qwen3moe and qwen2moe: every expert of
+a layer in a tensor per part; Qwen2-MoE's q/k/v biases and gated shared expert too)
+written in the test by the gguf package from tiny random transformers models, their
 experts Q8_0 and Q4_0: the experts multiply from their blocks, token for token as
 transformers on the dequantized weights (float32 activations), at one rank and over two
 (the blocks of each rank's slices), and with llama.cpp's int8 activations."""
@@ -35,18 +36,50 @@ def byte_tokens() -> list[str]:
     return tokens + ["<|eot|>", "<|user|>", "<|assistant|>"]
 
 
-def write_qwen3_moe_gguf(path: Path) -> torch.nn.Module:
+SHAPE = dict(
+    vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=SIZE,
+    num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+    head_dim=HEAD_DIM, num_experts=EXPERTS, num_experts_per_tok=TOP_K,
+    max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
+    rms_norm_eps=1e-6,
+)  # fmt: skip
+CONFIGS = {
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, norm_topk_prob=True),
+    # (llama.cpp's qwen2moe does not renormalise; nor does this config)
+    "qwen2moe": lambda: transformers.Qwen2MoeConfig(
+        **SHAPE, norm_topk_prob=False, shared_expert_intermediate_size=96, qkv_bias=True
+    ),
+}
+# Each architecture's tensors beside the experts: llama.cpp's name, transformers'.
+LAYER_TENSORS = {
+    "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
+    "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
+    "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
+    "ffn_gate_inp": "mlp.gate.weight",
+}  # fmt: skip
+ARCH_TENSORS = {
+    "qwen3moe": {
+        "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
+    },
+    "qwen2moe": {
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "ffn_gate_shexp": "mlp.shared_expert.gate_proj.weight",
+        "ffn_up_shexp": "mlp.shared_expert.up_proj.weight",
+        "ffn_down_shexp": "mlp.shared_expert.down_proj.weight",
+        "ffn_gate_inp_shexp": "mlp.shared_expert_gate.weight",  # ([hidden] in the file)
+    },
+}  # fmt: skip
+
+
+def write_moe_gguf(path: Path, arch: str) -> torch.nn.Module:
     """The file, and transformers' model on the weights it dequantizes to."""
     torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=96,
-        moe_intermediate_size=SIZE, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_experts=EXPERTS,
-        num_experts_per_tok=TOP_K, norm_topk_prob=True, max_position_embeddings=256,
-        tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-6,
-    )  # fmt: skip
+    config = CONFIGS[arch]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    writer = gguf.GGUFWriter(str(path), arch)
+    if arch == "qwen2moe":
+        writer.add_expert_shared_feed_forward_length(96)
     for add, value in (
         (writer.add_block_count, LAYERS), (writer.add_context_length, 256),
         (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, 96),
@@ -63,25 +96,22 @@ def write_qwen3_moe_gguf(path: Path) -> torch.nn.Module:
 
     def tensor(name: str, hf: str) -> None:
         """A float32 tensor: random norms near 1, random matrices."""
-        norm = "norm" in hf
+        norm = "norm" in hf and "bias" not in hf
         values = (1 if norm else 0) + torch.randn(params[hf].shape) * (0.1 if norm else 0.08)
-        writer.add_tensor(name, values.numpy())
+        stored = values.numpy()
+        if "gate_inp_shexp" in name:  # (llama.cpp's [hidden]; transformers' [1, hidden])
+            stored = stored.reshape(-1)
+        writer.add_tensor(name, stored)
         with torch.no_grad():
             params[hf].copy_(values)
 
     tensor("token_embd.weight", "model.embed_tokens.weight")
     tensor("output.weight", "lm_head.weight")
     tensor("output_norm.weight", "model.norm.weight")
-    gguf_names = {
-        "attn_norm": "input_layernorm.weight", "ffn_norm": "post_attention_layernorm.weight",
-        "attn_q": "self_attn.q_proj.weight", "attn_k": "self_attn.k_proj.weight",
-        "attn_v": "self_attn.v_proj.weight", "attn_output": "self_attn.o_proj.weight",
-        "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
-        "ffn_gate_inp": "mlp.gate.weight",
-    }  # fmt: skip
     for i in range(LAYERS):
-        for name, hf in gguf_names.items():
-            tensor(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf}")
+        for name, hf in {**LAYER_TENSORS, **ARCH_TENSORS[arch]}.items():
+            suffix = "" if "." in name else ".weight"
+            tensor(f"blk.{i}.{name}{suffix}", f"model.layers.{i}.{hf}")
         # transformers holds [gate; up] as one [experts, 2 * size, hidden] tensor
         gate_up = params[f"model.layers.{i}.mlp.experts.gate_up_proj"]
         parts = {"ffn_gate_exps": gate_up[:, :SIZE], "ffn_up_exps": gate_up[:, SIZE:],
@@ -99,10 +129,12 @@ def write_qwen3_moe_gguf(path: Path) -> torch.nn.Module:
     return model
 
 
-@pytest.fixture(scope="module")
-def qwen3_moe_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    path = tmp_path_factory.mktemp("gguf") / "qwen3-moe.gguf"
-    return path, write_qwen3_moe_gguf(path)
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def moe_gguf(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, torch.nn.Module]:
+    path = tmp_path_factory.mktemp("gguf") / f"{request.param}.gguf"
+    return path, write_moe_gguf(path, request.param)
 
 
 PROMPTS = [list(range(40, 90)), [5, 6, 7], list(range(100, 140))]
@@ -115,8 +147,8 @@ def generate(path: Path, **engine: object) -> tuple[list[list[int]], LLM]:
     return [list(o.outputs[0].token_ids) for o in outputs], llm
 
 
-def test_the_experts_multiply_from_their_blocks_as_transformers(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
-    path, model = qwen3_moe_gguf
+def test_the_experts_multiply_from_their_blocks_as_transformers(moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    path, model = moe_gguf
     tokens, llm = generate(path, dtype="float32")
     runner = llm.llm_engine.executor.driver_worker.model_runner
     experts = runner.model.layers[0].mlp
@@ -129,8 +161,8 @@ def test_the_experts_multiply_from_their_blocks_as_transformers(qwen3_moe_gguf) 
     assert tokens == [hf_greedy(model, p, 10) for p in PROMPTS]
 
 
-def test_two_ranks_read_their_slices_of_the_blocks(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
-    path, _ = qwen3_moe_gguf
+def test_two_ranks_read_their_slices_of_the_blocks(moe_gguf) -> None:  # type: ignore[no-untyped-def]
+    path, _ = moe_gguf
     expected, _ = generate(path, dtype="float32")
     for expert_parallel in (False, True):  # (experts of 64 split into 32s, or 4 each)
         got, llm = generate(path, dtype="float32", tensor_parallel_size=2,
@@ -139,10 +171,10 @@ def test_two_ranks_read_their_slices_of_the_blocks(qwen3_moe_gguf) -> None:  # t
         assert got == expected, f"expert parallel: {expert_parallel}"
 
 
-def test_int8_activations_multiply_the_blocks_as_llama_cpp(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+def test_int8_activations_multiply_the_blocks_as_llama_cpp(moe_gguf) -> None:  # type: ignore[no-untyped-def]
     """Rows quantized to 8 bits per block of 32 (llama.cpp's arithmetic): close to the
     float32 product, not equal to it."""
-    path, model = qwen3_moe_gguf
+    path, model = moe_gguf
     tokens, _ = generate(path, dtype="float32", quantized_activations="int8")
     expected = [hf_greedy(model, p, 10) for p in PROMPTS]
     same = sum(
@@ -152,12 +184,12 @@ def test_int8_activations_multiply_the_blocks_as_llama_cpp(qwen3_moe_gguf) -> No
     assert all(t[0] == e[0] for t, e in zip(tokens, expected, strict=True))
 
 
-def test_served_with_constrained_output(qwen3_moe_gguf) -> None:  # type: ignore[no-untyped-def]
+def test_served_with_constrained_output(moe_gguf) -> None:  # type: ignore[no-untyped-def]
     """`pyengine serve` on the file: a completion constrained by a JSON schema parses and
     fits it; a greedy one is the offline engine's text."""
     from helpers.server import Server, openai_client
 
-    path, _ = qwen3_moe_gguf
+    path, _ = moe_gguf
     server = Server(str(path), max_model_len=256, kv_cache_bytes=32 * 2**20)
     try:
         client = openai_client(server)
