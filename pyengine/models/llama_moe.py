@@ -236,10 +236,10 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             "softmax", moe.top_k, moe.num_experts, renormalize=moe.norm_topk_prob
         )
         int8_activations = ctx.quantized_activations == "int8"
+        gated = moe.shared is not None and moe.shared.gate is not None
         for i in moe.sparse_layers:
             layer = self.layers[i]
             if isinstance(layer, DecoderLayer):  # (this stage's)
-                gated = moe.shared is not None and moe.shared.gate is not None
                 stacked = [f"model.layers.{i}.mlp.experts.{part}.weight"
                            for part in ("gate_proj", "up_proj", "down_proj")]  # fmt: skip
                 blocks = set(stacked) <= ctx.linear_methods.block_quantized

@@ -109,11 +109,10 @@ class WeightRouter:
         shape = list(into.shape)
         shape[dim] = whole
 
-        def load(tensor: CheckpointTensor) -> None:
-            check_shape(name, tensor, tuple(shape))
+        def load(name: str, tensor: CheckpointTensor) -> None:
             copy_checked(name, into, tensor.narrow(dim, start, into.shape[dim]))
 
-        self._routes[name] = _Route(load, shape=tuple(shape))
+        self.tensor(name, tuple(shape), load)
 
     def tensor(
         self,

@@ -49,7 +49,8 @@ def expert_bytes(model: Any) -> int:
 
 
 def weight_forms(model: Any) -> str:
-    """How many linear layers hold each form: "210 4-bit blocks, 1 8-bit blocks"."""
+    """How many layers (linear and mixture-of-experts) hold each form: "210 4-bit blocks,
+    1 8-bit blocks"."""
     forms: dict[str, int] = {}
     for module in model.modules():
         describe = getattr(module, "weight_form", None)

@@ -24,7 +24,7 @@ namespace {
 using detail::arg;
 using detail::check_rows;
 
-// A [t, top_k] routing tensor of `dtype` with dense rows, t and top_k as `like`'s.
+// A [rows, top_k] routing tensor of `dtype` with dense rows (top_k < 0: any).
 void check_routing(const TensorView& t, const char* op, const char* name, DType dtype,
                    int64_t rows, int64_t top_k) {
   check_rows(t, op, name, 2, dtype);

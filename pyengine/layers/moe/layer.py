@@ -127,11 +127,9 @@ class FusedMoE(nn.Module):
 
     def block_weights(self) -> int:
         """Weights held only as GGUF blocks, which no parameter counts."""
-        return (
-            3 * self.shard.count * self.intermediate_size * self.hidden_size
-            if (self.method.keeps_blocks)
-            else 0
-        )
+        if not self.method.keeps_blocks:
+            return 0
+        return 3 * self.shard.count * self.intermediate_size * self.hidden_size
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The experts' forms that are not parameters (the model runner counts them)."""
@@ -156,25 +154,34 @@ class FusedMoE(nn.Module):
             ShardedPart(self.down[e], 1, start, whole),
         )
 
+    def copy_experts(
+        self, name: str, tensor: CheckpointTensor, into: torch.Tensor, dim: int, offset: int = 0
+    ) -> None:
+        """This rank's part of a tensor of every expert [experts, ...] into `into`: its
+        experts, and of each the intermediate entries [offset + start, offset + start + n)
+        along `dim`."""
+        s, n = self.shard, self.intermediate_size
+        mine = tensor.narrow(0, s.first, s.count).narrow(dim, offset + s.start, n)
+        copy_checked(name, into, mine)
+
+    def load_down(self, name: str, tensor: CheckpointTensor) -> None:
+        """Every expert's down [experts, hidden, intermediate], in either form."""
+        self.copy_experts(name, tensor, self.down, 2)
+
     def fused_tensors(self) -> dict[str, FusedLoad]:
         """The experts all in one tensor each, as transformers 5 holds them and newer
         checkpoints store them: "gate_up_proj" [experts, 2 * intermediate, hidden] (the
         gate's rows first) and "down_proj" [experts, hidden, intermediate], by name."""
-        s, n = self.shard, self.intermediate_size
-        whole, hidden = self.full_intermediate_size, self.down.shape[1]
+        n, whole, hidden = self.intermediate_size, self.full_intermediate_size, self.hidden_size
         experts = self.routing.num_experts
 
         def gate_up(name: str, tensor: CheckpointTensor) -> None:
-            mine = tensor.narrow(0, s.first, s.count)
-            copy_checked(name, self.gate_up[:, :n], mine.narrow(1, s.start, n))
-            copy_checked(name, self.gate_up[:, n:], mine.narrow(1, whole + s.start, n))
-
-        def down(name: str, tensor: CheckpointTensor) -> None:
-            copy_checked(name, self.down, tensor.narrow(0, s.first, s.count).narrow(2, s.start, n))
+            self.copy_experts(name, tensor, self.gate_up[:, :n], 1)
+            self.copy_experts(name, tensor, self.gate_up[:, n:], 1, offset=whole)
 
         return {
             "gate_up_proj": ((experts, 2 * whole, hidden), gate_up),
-            "down_proj": ((experts, hidden, whole), down),
+            "down_proj": ((experts, hidden, whole), self.load_down),
         }
 
     def stacked_tensors(self) -> dict[str, StackedLoad]:
@@ -190,8 +197,7 @@ class FusedMoE(nn.Module):
 
         def rows(part: str, into: slice) -> StackedLoad:
             def floats(name: str, tensor: CheckpointTensor) -> None:
-                mine = tensor.narrow(0, s.first, s.count).narrow(1, s.start, n)
-                copy_checked(name, self.gate_up[:, into], mine)
+                self.copy_experts(name, tensor, self.gate_up[:, into], 1)
 
             def blocks(b: BlockQuantized) -> None:
                 for e in range(s.count):
@@ -199,10 +205,6 @@ class FusedMoE(nn.Module):
                     self.expert_blocks[e, part] = b.rows(first, first + n)
 
             return StackedLoad((experts, whole, hidden), floats, blocks)
-
-        def down_floats(name: str, tensor: CheckpointTensor) -> None:
-            mine = tensor.narrow(0, s.first, s.count).narrow(2, s.start, n)
-            copy_checked(name, self.down, mine)
 
         def down_blocks(b: BlockQuantized) -> None:
             for e in range(s.count):
@@ -214,7 +216,7 @@ class FusedMoE(nn.Module):
         return {
             "gate_proj": rows("gate", slice(0, n)),
             "up_proj": rows("up", slice(n, 2 * n)),
-            "down_proj": StackedLoad((experts, hidden, whole), down_floats, down_blocks),
+            "down_proj": StackedLoad((experts, hidden, whole), self.load_down, down_blocks),
         }
 
 

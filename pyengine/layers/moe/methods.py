@@ -16,6 +16,7 @@ and in what dtype (experts_method), as dense_method chooses a linear layer's for
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -108,6 +109,17 @@ class TorchExperts(ExpertsMethod):
         return out
 
 
+def stack_packed(count: int, pack: Callable[[int], torch.Tensor]) -> torch.Tensor:
+    """pack(e) for each of `count` experts, a row each of one [count, size] tensor in host
+    memory (each packed and copied in before the next is made)."""
+    first = pack(0)
+    stacked = host_memory.empty(count * first.numel(), first.dtype).view(count, first.numel())
+    stacked[0] = first
+    for e in range(1, count):
+        stacked[e] = pack(e)
+    return stacked
+
+
 @dataclass
 class SharedPanels:
     """A shared expert's packed gate/up and down weights, and its gate (float32
@@ -151,13 +163,7 @@ class PanelExperts(ExpertsMethod):
     def stack(self, weights: torch.Tensor, gate_up: bool) -> torch.Tensor:
         """Each expert's [out, in] weight packed, a row an expert (packed one at a time:
         a float32 copy of one expert at most)."""
-        first = self.pack(weights[0].t(), gate_up)
-        stacked = host_memory.empty(weights.shape[0] * first.numel(), first.dtype)
-        stacked = stacked.view(weights.shape[0], first.numel())
-        stacked[0] = first
-        for expert in range(1, weights.shape[0]):
-            stacked[expert] = self.pack(weights[expert].t(), gate_up)
-        return stacked
+        return stack_packed(weights.shape[0], lambda e: self.pack(weights[e].t(), gate_up))
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.method_state = ExpertPanels(
@@ -236,13 +242,7 @@ class BlockExperts(PanelExperts):
     def stack_blocks(parts: list[BlockQuantized], gate_up: bool) -> torch.Tensor:
         """Each expert's packed blocks, a row an expert (one form for all: a layer's
         experts come from one tensor each)."""
-        first = pack_block_quantized(parts[0], gate_up)
-        stacked = host_memory.empty(len(parts) * first.numel(), first.dtype)
-        stacked = stacked.view(len(parts), first.numel())
-        stacked[0] = first
-        for e in range(1, len(parts)):
-            stacked[e] = pack_block_quantized(parts[e], gate_up)
-        return stacked
+        return stack_packed(len(parts), lambda e: pack_block_quantized(parts[e], gate_up))
 
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         blocks: dict[tuple[int, str], BlockQuantized] = layer.expert_blocks
