@@ -176,6 +176,20 @@ HEADLINES = (
         "%",
     ),
     Headline(
+        "moe",
+        "mixture of experts (Qwen3-30B-A3B's layer shapes, 4 layers): CPU offline generated "
+        "tokens/s against vLLM's CPU build at its default (bfloat16)",
+        figure("speedup_vs_vllm_offline"),
+        "x",
+    ),
+    Headline(
+        "moe",
+        "the same, single-stream decode against llama.cpp's server (--no-repack), least of "
+        "bfloat16 and the same Q8_0 file",
+        smallest("speedup_vs_llamacpp_stream_"),
+        "x",
+    ),
+    Headline(
         "quantized",
         "CPU single-stream decode (streamed), int8 activations as llama.cpp's, against "
         "llama.cpp's server, slowest of Q4_0/Q4_1/Q8_0",
