@@ -339,13 +339,14 @@ def linear_from_weight(
 
 def process_weights_after_loading(model: nn.Module, placement: Placement) -> int:
     """Every layer that holds a packed form makes it (the embeddings before the head tied
-    to them, modules() being in build order), then the other parameters (norms, biases)
-    move to the placement. Returns the model's number of weights (a tied head counted
-    once, a layer held as blocks by its shape)."""
+    to them, in build order; a module after the layers inside it, which a mixture of
+    experts then stacks), then the other parameters (norms, biases) move to the
+    placement. Returns the model's number of weights (a tied head counted once, a layer
+    held as blocks by its shape)."""
     count = _weight_count(model)
     # The packed weights, streamed every step, go on huge pages (host_memory).
     with torch.no_grad(), host_memory.huge_page_arena():
-        for module in model.modules():
+        for module in _post_order(model):
             process = getattr(module, "process_weights_after_loading", None)
             if callable(process):
                 process()
@@ -355,6 +356,13 @@ def process_weights_after_loading(model: nn.Module, placement: Placement) -> int
             dtype = parameter.dtype if keeps else placement.dtype
             parameter.data = parameter.data.to(placement.device, dtype)
     return count
+
+
+def _post_order(module: nn.Module) -> list[nn.Module]:
+    """`module` and those inside it, each once, after its children (siblings in build
+    order)."""
+    order = [m for child in module.children() for m in _post_order(child)]
+    return list({id(m): m for m in [*order, module]}.values())
 
 
 def _weight_count(model: nn.Module) -> int:

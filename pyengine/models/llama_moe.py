@@ -9,9 +9,10 @@ routed; checkpoints name each expert's weights, as transformers writes them (Qwe
 the down projection), or hold every expert in one tensor, as transformers 5 holds them
 (`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, under `mlp` in every family).
 
-Over tensor-parallel ranks the experts are split by their intermediate size, or with
-expert parallelism placed whole on the ranks (FusedMoE). Quantized checkpoints and
-adapters are refused by name until issue 49's next parts bring them."""
+A quantized checkpoint's experts (GPTQ, AWQ, compressed-tensors) are linear layers of its
+method, an expert at a time (layers/moe/linear_experts.py). Over tensor-parallel ranks
+the experts are split by their intermediate size, or with expert parallelism placed
+whole on the ranks (FusedMoE). LoRA adapters on the experts are refused by name."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from torch import nn
 from pyengine.config import ModelConfig
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.linear_experts import ExpertLinears
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.quantization.registry import quantized_experts_method
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.models.checkpoint_config import (
     CommonValues,
@@ -225,11 +228,6 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         ctx = ctx or LayerContext()
         if ctx.adapters:
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
-        if config.quantization is not None:
-            raise ValueError(
-                f"{config.architecture}: {config.quantization.method} experts are not "
-                "supported yet (unquantized checkpoints only)"
-            )
         super().__init__(config, max_positions, ctx)
         moe = config.family_config(MoeFamilyConfig)
         routing = RoutingConfig(
@@ -246,7 +244,8 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
                 experts = FusedMoE(
                     config.hidden_size, moe.moe_intermediate_size, routing, ctx.placement,
                     moe.shared_intermediate_size, gated, ctx.tp, ctx.expert_parallel,
-                    experts_method(ctx.placement, blocks, int8_activations),
+                    quantized_experts_method(config.quantization, ctx)
+                    or experts_method(ctx.placement, blocks, int8_activations),
                 )  # fmt: skip
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
@@ -258,6 +257,14 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
         # The shared expert: its parts named alike in every form, its gate not.
         gates = self.route_shared_expert(router, module, mlp, family)
+        if mlp.experts is not None:  # a quantized checkpoint's: an expert at a time
+            router.plain(f"{module}.gate.weight", mlp.router)
+            for expert, linears in zip(mlp.local_experts(), mlp.experts, strict=True):
+                assert isinstance(linears, ExpertLinears)
+                prefixes = [f"{module}.experts.{expert}.{name}" for name in family.expert_parts]
+                linears.route(router, prefixes)
+            router.either([f"{module}.gate.weight", *gates.hf], list(gates.gguf))
+            return
         # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
         stacked = [f"{prefix}.gate.weight", *gates.gguf]
         for name, stack in mlp.stacked_tensors().items():
@@ -290,8 +297,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         shared, names = mlp.shared_expert, family.shared
         if shared is None or names is None:
             return SharedGateNames()
-        for name, part in zip(family.expert_parts, shared.parts(), strict=True):
-            router.shard(f"{module}.{names.module}.{name}.weight", *part)
+        shared.route(router, [f"{module}.{names.module}.{name}" for name in family.expert_parts])
         gate = shared.gate
         if gate is None or names.gate is None:
             return SharedGateNames()

@@ -14,7 +14,9 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (Mixtral's experts: w1 the gate, w3 the up and w2 the down projection)
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+          "w1", "w2", "w3")  # fmt: skip
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an int32 holds column order[k]
 
 
@@ -66,7 +68,8 @@ def pack_awq(q: np.ndarray, zeros: np.ndarray) -> tuple:  # type: ignore[type-ar
 
 # The linear layers that read one input.
 _SAME_INPUT = {
-    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"
+    "q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp",
+    "w1": "mlp", "w3": "mlp",
 }  # fmt: skip
 
 

@@ -35,11 +35,14 @@ MOE_CONFIGS = {
 }  # fmt: skip
 
 
-def moe_checkpoint(kind: str, folder: Path) -> torch.nn.Module:
+def moe_checkpoint(kind: str, folder: Path, **overrides: object) -> torch.nn.Module:
     """A random float32 checkpoint of MOE_CONFIGS[kind] (norms, router, experts and
-    biases too), saved to folder; the model."""
+    biases too; `overrides` of its config's values), saved to folder; the model."""
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(MOE_CONFIGS[kind](), dtype=torch.float32)
+    config = MOE_CONFIGS[kind]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():  # (larger than the default init: the logits say something)
         for name, p in model.named_parameters():
             p.normal_(1.0 if "norm" in name else 0.0, 0.1 if "norm" in name else 0.08)

@@ -26,6 +26,7 @@ from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.moe.methods import ExpertsMethod, experts_method
 from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.moe.shared import SharedBase
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.utils.lazy_weights import CheckpointTensor
@@ -75,6 +76,10 @@ def expert_shard(
 
 
 class FusedMoE(nn.Module):
+    # Every local expert's float weights, where its method makes them (create_experts).
+    gate_up: nn.Parameter
+    down: nn.Parameter
+
     def __init__(
         self,
         hidden_size: int,
@@ -95,29 +100,26 @@ class FusedMoE(nn.Module):
         self.routing = routing
         self.shard = expert_shard(routing.num_experts, intermediate_size, self.tp, expert_parallel)
         self.full_intermediate_size = intermediate_size
-        self.intermediate_size = n = self.shard.size  # this rank's
-        experts, dtype = self.shard.count, self.method.weight_dtype
-
-        def parameter(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
+        self.intermediate_size = self.shard.size  # this rank's
         self.hidden_size = hidden_size
-        self.router = parameter(routing.num_experts, hidden_size)
+        self.shared_intermediate_size = shared_intermediate_size
+        self.router = self.parameter(routing.num_experts, hidden_size)
         # A GGUF file's experts come as blocks (expert_blocks, by local expert and part:
         # "gate", "up", "down"), of which no float form is made.
         self.expert_blocks: dict[tuple[int, str], BlockQuantized] = {}
-        if not self.method.keeps_blocks:
-            self.gate_up = parameter(experts, 2 * n, hidden_size)
-            self.down = parameter(experts, hidden_size, n)
-        self.shared_expert: SharedExpert | None = None
+        # A quantized checkpoint's: each local expert's linear layers (linear_experts.py).
+        self.experts: nn.ModuleList | None = None
+        self.method.create_experts(self)
+        self.shared_expert: SharedBase | None = None
         if shared_intermediate_size:
             start, size = self.tp.split(shared_intermediate_size, "the shared expert's size")
-            self.shared_expert = SharedExpert(
-                parameter(2 * size, hidden_size), parameter(hidden_size, size),
-                parameter(1, hidden_size) if shared_gate else None,
-                start, shared_intermediate_size,
-            )  # fmt: skip
+            self.shared_expert = self.method.create_shared(self, start, size, shared_gate)
         self.method_state: object = None  # the method's forms, once loaded
+
+    def parameter(self, *shape: int) -> nn.Parameter:
+        """An empty weight in the method's dtype, for the loaders to fill."""
+        empty = torch.empty(*shape, dtype=self.method.weight_dtype)
+        return nn.Parameter(empty, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.method.apply(self, x))
@@ -218,32 +220,3 @@ class FusedMoE(nn.Module):
             "up_proj": rows("up", slice(n, 2 * n)),
             "down_proj": StackedLoad((experts, hidden, whole), self.load_down, down_blocks),
         }
-
-
-class SharedExpert(nn.Module):
-    """The expert every token takes: gate_up [2 n, hidden] (the gate's rows first), down
-    [hidden, n] (n: this rank's rows [start, start + n) of `whole`), and where it has
-    one, its gate [1, hidden], which scales its output by sigmoid(x . gate)."""
-
-    def __init__(
-        self,
-        gate_up: nn.Parameter,
-        down: nn.Parameter,
-        gate: nn.Parameter | None,
-        start: int = 0,
-        whole: int = 0,
-    ) -> None:
-        super().__init__()
-        self.gate_up, self.down, self.gate = gate_up, down, gate
-        self.intermediate_size = down.shape[1]
-        self.start, self.whole = start, whole or self.intermediate_size
-
-    def parts(self) -> tuple[ShardedPart, ShardedPart, ShardedPart]:
-        """Where its gate, up and down weights go (the checkpoint's tensors load into
-        them)."""
-        n = self.intermediate_size
-        return (
-            ShardedPart(self.gate_up[:n], 0, self.start, self.whole),
-            ShardedPart(self.gate_up[n:], 0, self.start, self.whole),
-            ShardedPart(self.down, 1, self.start, self.whole),
-        )

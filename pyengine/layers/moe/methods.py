@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from pyengine import ops
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.moe.routing import Routing, route
+from pyengine.layers.moe.shared import SharedBase, SharedExpert
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.packing import (
     blocks_form,
@@ -55,6 +56,22 @@ class ExpertsMethod(ABC):
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
         """The layer's output for x [tokens, hidden]: its routed experts' weighted sum."""
 
+    def create_experts(self, layer: FusedMoE) -> None:
+        """Makes what the layer's loaders fill: here every local expert's float weights,
+        layer.gate_up [experts, 2 n, hidden] (the gate's rows first) and layer.down
+        [experts, hidden, n], n this rank's intermediate size."""
+        experts, n, hidden = layer.shard.count, layer.intermediate_size, layer.hidden_size
+        layer.gate_up = layer.parameter(experts, 2 * n, hidden)
+        layer.down = layer.parameter(experts, hidden, n)
+
+    def create_shared(self, layer: FusedMoE, start: int, size: int, gated: bool) -> SharedBase:
+        """The shared expert: this rank's `size` of its intermediate rows from `start`."""
+        hidden, whole = layer.hidden_size, layer.shared_intermediate_size
+        return SharedExpert(
+            layer.parameter(2 * size, hidden), layer.parameter(hidden, size),
+            layer.parameter(1, hidden) if gated else None, start, whole,
+        )  # fmt: skip
+
     def held_tensors(self, layer: FusedMoE) -> list[torch.Tensor]:
         return []
 
@@ -76,15 +93,13 @@ def experts_method(
     return TorchExperts(placement)
 
 
-class TorchExperts(ExpertsMethod):
-    def __init__(self, placement: Placement) -> None:
-        # (in the model's dtype: the checkpoint's tensors are converted as they load)
-        self.weight_dtype = placement.dtype
-        self.device = placement.device
+class LoopedExperts(ExpertsMethod):
+    """Multiplies in torch, an expert at a time: each active expert's rows through it,
+    weighted and added (its output, or with weights on the input, the input)."""
 
-    def process_weights_after_loading(self, layer: FusedMoE) -> None:
-        for p in layer.parameters():  # (it multiplies the parameters themselves)
-            p.data = p.data.to(self.device)
+    @abstractmethod
+    def expert(self, layer: FusedMoE, e: int, x: torch.Tensor) -> torch.Tensor:
+        """This rank's local expert `e` on rows x: silu(x gate.T) * (x up.T) @ down.T."""
 
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
         routing = route(F.linear(x, layer.router), layer.routing)
@@ -97,16 +112,25 @@ class TorchExperts(ExpertsMethod):
             rows, slots = torch.where(routing.expert_ids == expert)
             weight = weights[rows, slots, None]
             inputs = x[rows] * weight if routing.on_input else x[rows]
-            e = expert - local.start
-            gate, up = F.linear(inputs, layer.gate_up[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, layer.down[e])
+            y = self.expert(layer, expert - local.start, inputs)
             out.index_add_(0, rows, y if routing.on_input else y * weight)
         shared = layer.shared_expert
-        if shared is not None:
-            gate, up = F.linear(x, shared.gate_up).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, shared.down)
-            out = out + (y if shared.gate is None else torch.sigmoid(F.linear(x, shared.gate)) * y)
-        return out
+        return out if shared is None else out + shared(x)
+
+
+class TorchExperts(LoopedExperts):
+    def __init__(self, placement: Placement) -> None:
+        # (in the model's dtype: the checkpoint's tensors are converted as they load)
+        self.weight_dtype = placement.dtype
+        self.device = placement.device
+
+    def process_weights_after_loading(self, layer: FusedMoE) -> None:
+        for p in layer.parameters():  # (it multiplies the parameters themselves)
+            p.data = p.data.to(self.device)
+
+    def expert(self, layer: FusedMoE, e: int, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, layer.gate_up[e]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, layer.down[e])
 
 
 def stack_packed(count: int, pack: Callable[[int], torch.Tensor]) -> torch.Tensor:
@@ -180,6 +204,7 @@ class PanelExperts(ExpertsMethod):
         shared = layer.shared_expert
         if shared is None:
             return None
+        assert isinstance(shared, SharedExpert), "create_shared made float weights"
         gate = None if shared.gate is None else shared.gate.data[0].float().contiguous()
         panels = SharedPanels(
             self.pack(shared.gate_up.data.t(), True), self.pack(shared.down.data.t(), False),
@@ -237,6 +262,9 @@ class BlockExperts(PanelExperts):
     def __init__(self, int8_activations: bool) -> None:
         super().__init__(bf16=False)
         self.int8_activations = int8_activations
+
+    def create_experts(self, layer: FusedMoE) -> None:
+        """(none: the file's blocks come to layer.expert_blocks as they load)"""
 
     @staticmethod
     def stack_blocks(parts: list[BlockQuantized], gate_up: bool) -> torch.Tensor:

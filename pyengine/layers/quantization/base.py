@@ -18,7 +18,7 @@ by name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import torch
 
@@ -30,7 +30,8 @@ from pyengine.sampling_params import is_int
 from pyengine.utils.lazy_weights import CheckpointTensor
 
 if TYPE_CHECKING:
-    from pyengine.layers.linear import LinearBase
+    from pyengine.layers.linear import LayerContext, LinearBase
+    from pyengine.layers.moe.methods import ExpertsMethod
 
 State = TypeVar("State")
 
@@ -40,6 +41,14 @@ def state_of(layer: LinearBase, kind: type[State]) -> State:
     state = layer.method_state
     assert isinstance(state, kind), f"{type(state).__name__} is not a {kind.__name__}"
     return state
+
+
+class FusablePanels(NamedTuple):
+    """A layer's packed panels as ops.fused_experts takes an expert's, and whether its
+    rows go in as int8 (ops.dense's int8_activations)."""
+
+    packed: torch.Tensor
+    int8_activations: bool
 
 
 class LinearMethod(ABC):
@@ -106,6 +115,14 @@ class LinearMethod(ABC):
         bound of the bytes a decode step streams)."""
         return self.panels(layer)
 
+    def expert_panels(self, layer: LinearBase) -> FusablePanels | None:
+        """The packed panels through which ops.fused_experts multiplies a layer that is
+        one expert's part as the method's apply would, or None where the method has none
+        or changes the rows first (reorders or quantizes them): such experts are
+        multiplied one at a time."""
+        del layer
+        return None
+
     def share_blocks(self, layer: LinearBase, packed: torch.Tensor) -> None:
         """Takes `packed` (a tied embedding's packed blocks of the same weight) as the
         layer's block form, instead of blocks loaded into it."""
@@ -132,6 +149,15 @@ class QuantizationMethod(ABC):
     ) -> LinearMethod:
         """The method of one linear layer of such a checkpoint (all but the head);
         int8_activations: EngineArgs.quantized_activations is "int8"."""
+
+    def experts_method(self, config: QuantizationConfig, ctx: LayerContext) -> ExpertsMethod:
+        """The method of a mixture-of-experts layer of such a checkpoint: its experts as
+        linear layers of linear_method's, stacked for the fused kernel where their
+        panels allow it."""
+        del config
+        from pyengine.layers.moe.linear_experts import LinearExperts
+
+        return LinearExperts(ctx)
 
 
 def check_common(config: QuantizationConfig) -> None:

@@ -28,7 +28,7 @@ from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK
 from pyengine.layers.placement import Placement
-from pyengine.layers.quantization.base import LinearMethod, state_of
+from pyengine.layers.quantization.base import FusablePanels, LinearMethod, state_of
 from pyengine.layers.quantization.int8_w8a8 import checked_scales, load_channel_scales
 from pyengine.layers.quantization.packing import blocks_form, pack_quantized
 from pyengine.layers.quantization.shards import check_shape
@@ -246,6 +246,12 @@ class Fp8Method(LinearMethod):
 
     def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
         return state_of(layer, Fp8Weights).packed
+
+    def expert_panels(self, layer: LinearBase) -> FusablePanels | None:
+        packed = state_of(layer, Fp8Weights).packed
+        if packed is None or self.quantizes_activations:  # (rows quantized before each)
+            return None
+        return FusablePanels(packed, int8_activations=False)
 
     def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
         held = state_of(layer, Fp8Weights)

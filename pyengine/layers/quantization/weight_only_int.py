@@ -45,7 +45,7 @@ from pyengine import ops
 from pyengine.config import QuantizationConfig
 from pyengine.layers.block_quantized import BLOCK, BlockQuantized
 from pyengine.layers.placement import Placement
-from pyengine.layers.quantization.base import LinearMethod, state_of
+from pyengine.layers.quantization.base import FusablePanels, LinearMethod, state_of
 from pyengine.layers.quantization.cuda_blocks import CudaBlockForm, cuda_block_product
 from pyengine.layers.quantization.packing import blocks_form, pack_block_quantized
 from pyengine.layers.quantization.shards import check_shape
@@ -297,6 +297,12 @@ class WeightOnlyIntMethod(LinearMethod):
 
     def decode_weights(self, layer: LinearBase) -> torch.Tensor | None:
         return state_of(layer, IntWeights).packed  # (the CPU's blocks; None on CUDA)
+
+    def expert_panels(self, layer: LinearBase) -> FusablePanels | None:
+        held = state_of(layer, IntWeights)
+        if held.packed is None or held.input_order is not None:  # (rows reordered first)
+            return None
+        return FusablePanels(held.packed, self.int8_activations)
 
     def held_tensors(self, layer: LinearBase) -> list[torch.Tensor]:
         held = state_of(layer, IntWeights)
