@@ -37,8 +37,9 @@ def write(case: str, float_folder: Path, out: Path, reference: Path) -> None:
     kind, _, detail = case.partition("-")
     if kind in ("gptq", "awq"):
         bits, group, *order = detail.split("-")
+        size = int(group.removeprefix("g"))
         write_quantized(float_folder, out, reference, kind, int(bits.removesuffix("bit")),
-                        int(group.removeprefix("g")), desc_act=order == ["desc", "act"])  # fmt: skip
+                        size, desc_act=order == ["desc", "act"])  # fmt: skip
     elif kind == "w4a16":
         write_w4a16(float_folder, out, reference, int(detail.removeprefix("g")))
     elif kind == "w8a8":
@@ -100,8 +101,9 @@ def test_quantized_experts_give_the_dequantized_models_tokens(
     write(case, float_moe, tmp_path / "q", tmp_path / "ref")
     tokens, _, llm = generate(tmp_path / "q")
     assert expert_forms(llm) == [EXACT[case]] * 2
+    mlp = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].mlp
     if EXACT[case] != "experts as linear layers":  # (stacked: no linear layers left)
-        assert llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].mlp.experts is None
+        assert mlp.experts is None
     llm.llm_engine.shutdown()
     assert tokens == transformers_tokens(tmp_path / "ref")
 
@@ -144,7 +146,7 @@ def test_stacked_blocks_take_int8_rows_when_asked(float_moe: Path, tmp_path: Pat
     assert mlp.method.int8_activations and mlp.weight_form() == "4-bit blocks experts"
     llm.llm_engine.shutdown()
     expected = transformers_tokens(tmp_path / "ref")
-    same = sum(a == b for t, e in zip(tokens, expected, strict=True) for a, b in zip(t, e))
+    same = sum(a == b for t, e in zip(tokens, expected, strict=True) for a, b in zip(t, e, strict=True))
     assert same >= 0.8 * sum(map(len, expected))
 
 
