@@ -146,7 +146,8 @@ def test_stacked_blocks_take_int8_rows_when_asked(float_moe: Path, tmp_path: Pat
     assert mlp.method.int8_activations and mlp.weight_form() == "4-bit blocks experts"
     llm.llm_engine.shutdown()
     expected = transformers_tokens(tmp_path / "ref")
-    same = sum(a == b for t, e in zip(tokens, expected, strict=True) for a, b in zip(t, e, strict=True))
+    pairs = [pair for t, e in zip(tokens, expected, strict=True) for pair in zip(t, e, strict=True)]
+    same = sum(a == b for a, b in pairs)
     assert same >= 0.8 * sum(map(len, expected))
 
 
