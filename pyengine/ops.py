@@ -77,6 +77,17 @@ _SCHEMAS = {
     # softmax(logits [t, experts]), highest first (renormalised to sum 1 where asked)
     "moe_softmax_topk": "moe_softmax_topk(Tensor(a!) ids, Tensor(b!) weights, Tensor logits, "
     "bool renormalize) -> ()",
+    # CUDA: the slots (row r's s-th expert: r * top_k + s) of a rank's experts [first_expert,
+    # first_expert + experts) grouped by expert, in blocks of 16 (moe_max_blocks of them)
+    "moe_align_blocks": "moe_align_blocks(Tensor(a!) sorted, Tensor(b!) block_experts, "
+    "Tensor ids, int first_expert, int experts) -> ()",
+    # CUDA: over the aligned blocks, gate_up: out [slots, n] = silu(x @ gate^T) * (x @ up^T)
+    # (w [experts, 2n, k], x [t, k]); else out float32 [slots, n] = x @ w[e]^T * weight
+    "moe_expert_gemm": "moe_expert_gemm(Tensor(a!) out, Tensor x, Tensor w, Tensor sorted, "
+    "Tensor block_experts, Tensor weights, int top_k, bool gate_up, bool on_input=False) -> ()",
+    # CUDA: out [t, hidden] = each row's slots of y [slots, hidden] (the rank's experts')
+    "moe_combine": "moe_combine(Tensor(a!) out, Tensor y, Tensor ids, int first_expert, "
+    "int experts) -> ()",
     # out [t, hidden] = each row's routed experts' weighted sum: gate_up [experts, S1] and
     # down [experts, S2] stacked packed weights (cpp/include/pyengine/moe.h); plus a shared
     # expert's output (times sigmoid(x . shared_gate) where given); expert parallelism: the
@@ -127,6 +138,9 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "moe_softmax_topk": _C.moe_softmax_topk,
+    "moe_align_blocks": _C.moe_align_blocks,
+    "moe_expert_gemm": _C.moe_expert_gemm,
+    "moe_combine": _C.moe_combine,
     "fused_experts": _C.fused_experts,
     "lora_add": _C.lora_add,
     "lora_embedding_add": _C.lora_embedding_add,
@@ -147,6 +161,10 @@ _CUDA_KERNELS = (
     "silu_and_mul",
     "block_gemm",
     "lora_add",
+    "moe_softmax_topk",
+    "moe_align_blocks",
+    "moe_expert_gemm",
+    "moe_combine",
 )
 
 
@@ -254,3 +272,6 @@ lora_add = _eager_cpu_direct("lora_add")
 lora_embedding_add = _eager_cpu_direct("lora_embedding_add")
 quantize_fp8_rows = _eager_cpu_direct("quantize_fp8_rows")
 block_gemm = torch.ops.pyengine.block_gemm  # (CUDA only: on its stream)
+moe_align_blocks = torch.ops.pyengine.moe_align_blocks  # (CUDA only, as the two below)
+moe_expert_gemm = torch.ops.pyengine.moe_expert_gemm
+moe_combine = torch.ops.pyengine.moe_combine

@@ -8,7 +8,9 @@
   achieved GB/s of the bytes each must read and write;
 - the kernels of one prefill step of the offline-throughput run (Llama-3-8B shape, 8192
   tokens in prompts of 512), op by op: what the step costs on the device alone, to set
-  against the step's measured time (bench/gpu/throughput.py).
+  against the step's measured time (bench/gpu/throughput.py);
+- a mixture-of-experts layer at Qwen3-30B-A3B's shapes (GroupedExperts) against torch
+  expert by expert (TorchExperts): time, and a decode row's GB/s of its active experts.
 
 The last line printed is one JSON object, also written to bench/results/gpu_kernels.json
 (gpu_kernels_attention.json with --attention-only).
@@ -267,6 +269,39 @@ def block_gemm_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ..
     return rows, figures
 
 
+def moe_rows(dtype: torch.dtype, copy: float) -> tuple[list[tuple[str, ...]], dict]:  # type: ignore[type-arg]
+    """A FusedMoE layer of Qwen3-30B-A3B's shapes (hidden 2048, 128 experts, top 8, expert
+    size 768) through GroupedExperts against TorchExperts on the same weights; for one
+    row, GB/s of the 8 active experts' bytes."""
+    from pyengine.layers.moe.layer import FusedMoE
+    from pyengine.layers.moe.methods import GroupedExperts, TorchExperts
+    from pyengine.layers.moe.routing import RoutingConfig
+    from pyengine.layers.placement import Placement
+
+    hidden, n, experts, top_k = 2048, 768, 128, 8
+    placement = Placement(dtype=dtype, device=torch.device("cuda"))
+    routing = RoutingConfig("softmax", top_k, experts, renormalize=True)
+    ours_layer = FusedMoE(hidden, n, routing, placement, method=GroupedExperts(placement))
+    for p in ours_layer.parameters():
+        p.data.normal_(0.0, hidden**-0.5)
+    ours_layer.process_weights_after_loading()
+    torch_layer = FusedMoE(hidden, n, routing, placement, method=TorchExperts(placement))
+    torch_layer.router, torch_layer.gate_up = ours_layer.router, ours_layer.gate_up
+    torch_layer.down = ours_layer.down
+    active = top_k * 3 * n * hidden * (torch.finfo(dtype).bits // 8)
+    rows, figures = [], {}
+    for m in (1, 64, 512):
+        x = torch.randn(m, hidden, device="cuda", dtype=dtype)
+        ours = cuda_time(lambda x=x: ours_layer(x), repeats=20)
+        theirs = cuda_time(lambda x=x: torch_layer(x), repeats=5)
+        bandwidth = f"{active / ours / 1e9:.0f} ({active / ours / copy:.0%})" if m == 1 else "-"
+        rows.append((f"{m} rows", f"{ours * 1e6:.0f}", bandwidth, f"{theirs * 1e6:.0f}",
+                     f"{theirs / ours:.2f}x"))  # fmt: skip
+        figures[f"moe_m{m}_us"] = round(ours * 1e6, 1)
+        figures[f"speedup_vs_torch_moe_m{m}"] = round(theirs / ours, 2)
+    return rows, figures
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -370,6 +405,13 @@ def main() -> None:
     gemm_columns = ("x rows", "us", "GB/s", "of copy", "torch us", "speedup vs torch")
     tables.append(print_table(gemm_columns, gemm_rows))
     figures.update(gemm_figures)
+    moe, moe_figures = moe_rows(dtype, copy)
+    print()
+    print("mixture-of-experts layer, Qwen3-30B-A3B shapes (2048 hidden, 128 experts, top 8,")
+    print("768 each), against torch expert by expert:")
+    moe_columns = ("x rows", "us", "GB/s (of copy)", "torch us", "speedup vs torch")
+    tables.append(print_table(moe_columns, moe))
+    figures.update(moe_figures)
     report("gpu_kernels", figures, tables=tables, device=device)
 
 

@@ -108,11 +108,14 @@ KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const 
 }
 
 KernelCall prepare_moe_softmax_topk(const py::handle& ids, const py::handle& weights,
-                                    const py::handle& logits, bool renormalize) {
+                                    const py::handle& logits, bool renormalize,
+                                    uintptr_t stream) {
   auto i = shared_view(ids, "moe_softmax_topk: ids");
   auto w = shared_view(weights, "moe_softmax_topk: weights");
   auto l = shared_view(logits, "moe_softmax_topk: logits");
-  return {[=] { moe_softmax_topk(i->view(), w->view(), l->view(), renormalize); }};
+  return {[=] {
+    moe_softmax_topk(i->view(), w->view(), l->view(), renormalize, as_stream(stream));
+  }};
 }
 
 KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
@@ -305,9 +308,53 @@ void bind_layer_ops(py::module_& m) {
              "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times "
              "scale [n] and x's row scales, + bias (or None).");
   def_kernel(m, "moe_softmax_topk", &prepare_moe_softmax_topk, py::arg("ids"), py::arg("weights"),
-             py::arg("logits"), py::arg("renormalize"),
+             py::arg("logits"), py::arg("renormalize"), py::arg("stream") = 0,
              "ids [t, top_k] (int32), weights [t, top_k] = each row's top_k experts by "
              "softmax(logits [t, experts]), highest first, renormalised where asked.");
+  m.def("moe_max_blocks", &moe_max_blocks, py::arg("slots"), py::arg("experts"),
+        "The most aligned blocks moe_align_blocks makes of `slots` slots over `experts`.");
+  m.def(
+      "moe_align_blocks",
+      [](const py::handle& sorted, const py::handle& block_experts, const py::handle& ids,
+         int64_t first_expert, int64_t experts, uintptr_t stream) {
+        const DLPackView s(sorted, "moe_align_blocks: sorted");
+        const DLPackView b(block_experts, "moe_align_blocks: block_experts");
+        const DLPackView i(ids, "moe_align_blocks: ids");
+        py::gil_scoped_release release;
+        moe_align_blocks(s.view(), b.view(), i.view(), first_expert, experts, as_stream(stream));
+      },
+      py::arg("sorted"), py::arg("block_experts"), py::arg("ids"), py::arg("first_expert"),
+      py::arg("experts"), py::arg("stream") = 0,
+      "CUDA: the slots of a rank's experts grouped by expert in blocks of 16 (pyengine/moe.h).");
+  m.def(
+      "moe_expert_gemm",
+      [](const py::handle& out, const py::handle& x, const py::handle& w, const py::handle& sorted,
+         const py::handle& block_experts, const py::handle& weights, int64_t top_k, bool gate_up,
+         bool on_input, uintptr_t stream) {
+        const DLPackView o(out, "moe_expert_gemm: out"), in(x, "moe_expert_gemm: x");
+        const DLPackView vw(w, "moe_expert_gemm: w"), s(sorted, "moe_expert_gemm: sorted");
+        const DLPackView b(block_experts, "moe_expert_gemm: block_experts");
+        const DLPackView r(weights, "moe_expert_gemm: weights");
+        py::gil_scoped_release release;
+        moe_expert_gemm(o.view(), in.view(), vw.view(), s.view(), b.view(), r.view(), top_k,
+                        gate_up, on_input, as_stream(stream));
+      },
+      py::arg("out"), py::arg("x"), py::arg("w"), py::arg("sorted"), py::arg("block_experts"),
+      py::arg("weights"), py::arg("top_k"), py::arg("gate_up"), py::arg("on_input") = false,
+      py::arg("stream") = 0,
+      "CUDA: the experts' gate/up (silu(gate) * up) or down product over the aligned blocks.");
+  m.def(
+      "moe_combine",
+      [](const py::handle& out, const py::handle& y, const py::handle& ids, int64_t first_expert,
+         int64_t experts, uintptr_t stream) {
+        const DLPackView o(out, "moe_combine: out"), vy(y, "moe_combine: y");
+        const DLPackView i(ids, "moe_combine: ids");
+        py::gil_scoped_release release;
+        moe_combine(o.view(), vy.view(), i.view(), first_expert, experts, as_stream(stream));
+      },
+      py::arg("out"), py::arg("y"), py::arg("ids"), py::arg("first_expert"), py::arg("experts"),
+      py::arg("stream") = 0,
+      "CUDA: each row's slots of the rank's experts added in ascending expert order.");
   def_kernel(m, "fused_experts", &prepare_fused_experts, py::arg("out"), py::arg("x"),
              py::arg("ids"), py::arg("weights"), py::arg("gate_up"), py::arg("down"), py::arg("n"),
              py::arg("on_input") = false, py::arg("int8_activations") = false,

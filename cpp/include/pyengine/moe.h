@@ -1,6 +1,8 @@
-// Mixture-of-experts layers on the CPU: each token's experts chosen from its router
-// logits (softmax top-k), and the routed experts' product over panel-packed weights (and
-// a shared expert's, which every token takes).
+// Mixture-of-experts layers: each token's experts chosen from its router logits (softmax
+// top-k), and on the CPU the routed experts' product over panel-packed weights (and a
+// shared expert's, which every token takes); on CUDA the same product in three kernels
+// over the tokens' slots grouped by expert (moe_align_blocks, moe_expert_gemm twice,
+// moe_combine; see the end).
 //
 // The experts' weights are stacked, one packed weight a row: gate_up [experts, S1], each
 // row a [hidden, 2 * n] gate/up weight as dense_silu_and_mul takes it (float32
@@ -21,9 +23,10 @@ namespace pyengine {
 // softmax(logits [t, experts], float32 or bfloat16; the softmax in float32), highest
 // first (equal logits: the lower id first), each weight its softmax probability,
 // divided by the top_k's sum where `renormalize` (as Mixtral and Qwen2/3-MoE route).
-// top_k in [1, experts].
+// top_k in [1, experts]. On CUDA (logits float32, float16 or bfloat16; ids and weights
+// dense, on the same device) on `stream`, a cudaStream_t.
 void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
-                      bool renormalize);
+                      bool renormalize, void* stream = nullptr);
 
 // out [t, hidden] = sum over s < top_k of weights[r, s] * E_ids[r, s](x[r]) for each row r,
 // E_e(v) = down_e(silu(v @ gate_e) * (v @ up_e)); with `on_input`, E_e(weights[r, s] *
@@ -47,5 +50,41 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
                    int64_t n, bool on_input, bool int8_activations = false,
                    const SharedExpert& shared = {}, int64_t first_expert = 0,
                    int64_t num_experts = 0);
+
+// CUDA: a layer's routed experts over the slots (row r's s-th choice: slot r * top_k + s)
+// grouped by expert. Every tensor on one CUDA device, the activations and weights float16
+// or bfloat16 (x's dtype), on `stream`; InvalidArgument for CPU tensors (whose product
+// is fused_experts) or without a CUDA build. The expert ids are not read back to be
+// checked: one outside the rank's experts adds nothing.
+
+// Slots an aligned block holds, and the most blocks `slots` slots over `experts` experts
+// take (moe_align_blocks' sizes).
+inline constexpr int64_t kMoeBlockRows = 16;
+int64_t moe_max_blocks(int64_t slots, int64_t experts);
+
+// The slots of this rank's experts [first_expert, first_expert + experts) grouped by
+// expert, slots ascending within one, in blocks of kMoeBlockRows of one expert (padded
+// with -1): sorted int32 [max_blocks * kMoeBlockRows], block_experts int32 [max_blocks]
+// (each block's local expert, -1 past the used ones), max_blocks = moe_max_blocks(ids'
+// t * top_k, experts); ids int32 [t, top_k], dense.
+void moe_align_blocks(const TensorView& sorted, const TensorView& block_experts,
+                      const TensorView& ids, int64_t first_expert, int64_t experts,
+                      void* stream = nullptr);
+
+// The experts' products over the aligned blocks, weights w stacked [experts, rows, k]
+// (dense). gate_up: out [t * top_k, n] (x's dtype) = silu(x_r @ gate^T) * (x_r @ up^T)
+// for each slot of row r, w [experts, 2n, k] (the gate's n rows first), x [t, k] (with
+// on_input each row scaled by the slot's weight first); else out float32 [slots, n] =
+// x_slot @ w[e]^T times the slot's weight (unless on_input), w [experts, n, k], x
+// [slots, k] (the gate/up's out). weights float32 [t, top_k] dense; k a multiple of 16.
+void moe_expert_gemm(const TensorView& out, const TensorView& x, const TensorView& w,
+                     const TensorView& sorted, const TensorView& block_experts,
+                     const TensorView& weights, int64_t top_k, bool gate_up, bool on_input,
+                     void* stream = nullptr);
+
+// out [t, hidden] (16-bit) = each row's slots' rows of y float32 [t * top_k, hidden] (the
+// down product's), of this rank's experts only, added in ascending expert order.
+void moe_combine(const TensorView& out, const TensorView& y, const TensorView& ids,
+                 int64_t first_expert, int64_t experts, void* stream = nullptr);
 
 }  // namespace pyengine

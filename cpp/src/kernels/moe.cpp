@@ -14,6 +14,7 @@
 #endif
 
 #include "float_convert.h"
+#include "moe_cuda.h"
 #include "pyengine/dense.h"
 #include "pyengine/errors.h"
 #include "tensor_checks.h"
@@ -180,8 +181,11 @@ void add_shared_expert(float* acc, int64_t ld_acc, const TensorView& x, const Sh
 }  // namespace
 
 void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
-                      bool renormalize) {
+                      bool renormalize, void* stream) {
   constexpr const char* op = "moe_softmax_topk";
+  if (detail::on_cuda(logits.device, op)) {
+    return detail::moe_softmax_topk_cuda(ids, weights, logits, renormalize, stream);
+  }
   const bool bf16 = logits.ndim == 2 && logits.dtype == DType::kBFloat16;
   check_rows(logits, op, "logits", 2, bf16 ? DType::kBFloat16 : DType::kFloat32);
   const int64_t t = logits.shape[0], experts = logits.shape[1];

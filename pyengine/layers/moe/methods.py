@@ -9,12 +9,18 @@ and in what dtype (experts_method), as dense_method chooses a linear layer's for
 - BlockExperts: a GGUF file's experts kept in their blocks (Q4_0 to Q8_0, the K-quants),
   packed as dense's quantized panels and multiplied by the same kernels, with float32
   activations or, as llama.cpp, int8 ones (quantized_activations).
+- GroupedExperts: CUDA in 16 bits (a CUDA build, with PYENGINE_CUDA_MOE_KERNELS=1 until
+  bench/gpu/run.sh has run it on a GPU): the weights as TorchExperts holds them,
+  multiplied by pyengine's kernels (cuda/moe_kernels.cuh): the softmax top-k, the slots
+  grouped by expert in blocks of 16, each block's gate/up and down products on tensor
+  cores (every active expert's weights read once a step) and the combine.
 - TorchExperts: the weights as parameters in the model's dtype, multiplied expert by
-  expert with torch (CUDA, float16 on the CPU).
+  expert with torch (float16 on the CPU, and CUDA where GroupedExperts does not run).
 """
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +29,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from pyengine import ops
+from pyengine import _C, ops
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.moe.routing import Routing, route
 from pyengine.layers.moe.shared import SharedBase, SharedExpert
@@ -90,6 +96,8 @@ def experts_method(
         return PanelExperts(bf16=False)
     if placement.packs_bf16_weights:
         return PanelExperts(bf16=True)
+    if GroupedExperts.runs_on(placement):
+        return GroupedExperts(placement)
     return TorchExperts(placement)
 
 
@@ -131,6 +139,57 @@ class TorchExperts(LoopedExperts):
     def expert(self, layer: FusedMoE, e: int, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, layer.gate_up[e]).chunk(2, dim=-1)
         return F.linear(F.silu(gate) * up, layer.down[e])
+
+
+class GroupedExperts(TorchExperts):
+    """CUDA in float16 or bfloat16: the experts' products over the tokens' slots grouped by
+    expert (pyengine/moe.h's CUDA kernels), a step's whole layer in five launches, which
+    CUDA graphs capture. Sizes the tensor-core kernels do not take (a hidden or
+    intermediate size not a multiple of 16) are multiplied expert by expert in torch."""
+
+    @staticmethod
+    def runs_on(placement: Placement) -> bool:
+        """Whether experts_method picks it: CUDA in 16 bits, a CUDA build, and (until its
+        kernels have run on a GPU) PYENGINE_CUDA_MOE_KERNELS=1."""
+        return (
+            placement.device.type == "cuda"
+            and placement.dtype in (torch.float16, torch.bfloat16)
+            and _C.built_with_cuda()
+            and os.environ.get("PYENGINE_CUDA_MOE_KERNELS") == "1"
+        )
+
+    def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
+        if layer.hidden_size % 16 or layer.intermediate_size % 16:
+            return super().apply(layer, x)
+        config, shard = layer.routing, layer.shard
+        tokens, device = x.shape[0], x.device
+        x = x.contiguous()
+        logits = F.linear(x, layer.router)
+        if config.method == "softmax":
+            ids = torch.empty(tokens, config.top_k, dtype=torch.int32, device=device)
+            weights = torch.empty(tokens, config.top_k, dtype=torch.float32, device=device)
+            ops.moe_softmax_topk(ids, weights, logits, config.renormalize)
+            on_input = False
+        else:  # (routed by torch)
+            routing = route(logits, config)
+            ids = routing.expert_ids.to(torch.int32).contiguous()
+            weights = routing.weights.float().contiguous()
+            on_input = routing.on_input
+        slots = tokens * config.top_k
+        blocks = _C.moe_max_blocks(slots, shard.count)
+        sorted_slots = torch.empty(blocks * 16, dtype=torch.int32, device=device)
+        block_experts = torch.empty(blocks, dtype=torch.int32, device=device)
+        ops.moe_align_blocks(sorted_slots, block_experts, ids, shard.first, shard.count)
+        hidden = torch.empty(slots, layer.intermediate_size, dtype=x.dtype, device=device)
+        ops.moe_expert_gemm(hidden, x, layer.gate_up, sorted_slots, block_experts, weights,
+                            config.top_k, True, on_input)  # fmt: skip
+        rows = torch.empty(slots, layer.hidden_size, dtype=torch.float32, device=device)
+        ops.moe_expert_gemm(rows, hidden, layer.down, sorted_slots, block_experts, weights,
+                            config.top_k, False, on_input)  # fmt: skip
+        out = torch.empty_like(x)
+        ops.moe_combine(out, rows, ids, shard.first, shard.count)
+        shared = layer.shared_expert
+        return out if shared is None else out + shared(x)
 
 
 def stack_packed(count: int, pack: Callable[[int], torch.Tensor]) -> torch.Tensor:
