@@ -36,8 +36,9 @@ def config_from_gguf(g: GGUFFile) -> ModelConfig:
 
 
 def _architecture(g: GGUFFile) -> GGUFArchitecture:
+    name = str(g.fields.get("general.architecture", ""))
     try:
-        return gguf_architecture(str(g.fields.get("general.architecture", "")))
+        return gguf_architecture(name, GGUFMetadata(g.fields, g.tensors.keys(), name))
     except ValueError as error:
         raise GGUFError(f"{g.path}: {error}") from None
 

@@ -65,6 +65,9 @@ class GGUFArchitecture:
     # llama.cpp's Llama conversion interleaves the rotary halves of each head's q and k
     # rows; the loader puts them back as Hugging Face's rotate_half expects.
     rope_permuted: bool = False
+    # Where one llama.cpp name holds more than one architecture (its llama with experts is
+    # Mixtral): whether a file's metadata is this one's. None: the name's default.
+    holds: Callable[[GGUFMetadata], bool] | None = None
 
 
 def integer(value: Any) -> int:

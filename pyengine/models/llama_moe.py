@@ -140,8 +140,9 @@ def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 
 # Whether each GGUF architecture renormalises its top k's weights where the file does not
-# say (expert_weights_norm): Qwen3-MoE's checkpoints do, Qwen2-MoE's (Qwen1.5-MoE) do not.
-_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False}
+# say (expert_weights_norm): Qwen3-MoE's checkpoints do, Qwen2-MoE's (Qwen1.5-MoE) do not,
+# Mixtral's (llama.cpp's llama with experts) always do.
+_GGUF_NORM_TOPK = {"qwen3moe": True, "qwen2moe": False, "llama": True}
 
 
 def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
@@ -158,7 +159,10 @@ def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
         **asdict(config.family_config(LlamaFamilyConfig)),
         num_experts=int(m.field("expert_count")),
         top_k=int(m.field("expert_used_count")),
-        moe_intermediate_size=int(m.field("expert_feed_forward_length")),
+        # (Mixtral's experts are feed_forward_length wide: llama.cpp writes no other)
+        moe_intermediate_size=int(
+            m.field("expert_feed_forward_length", m.field("feed_forward_length"))
+        ),
         norm_topk_prob=bool(norm),
         sparse_layers=sparse,
         shared_intermediate_size=int(m.field("expert_shared_feed_forward_length")) if shared else 0,
@@ -180,13 +184,22 @@ _GGUF_EXPERT_TENSORS = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+
+
+def _has_experts(m: GGUFMetadata) -> bool:
+    return int(m.fields.get(f"{m.architecture}.expert_count", 0) or 0) > 0
+
+
+# (Mixtral is llama.cpp's llama with experts: its attention's q/k rows permuted as Llama's)
 _GGUF_ARCHITECTURES = tuple(
     GGUFArchitecture(
         name, hf_architecture, _moe_config_from_gguf, _GGUF_GLOBAL_TENSORS,
         {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS}, "model.layers",
+        rope_permuted=name == "llama", holds=_has_experts if name == "llama" else None,
     )
     for name, hf_architecture in (("qwen2moe", "Qwen2MoeForCausalLM"),
-                                  ("qwen3moe", "Qwen3MoeForCausalLM"))
+                                  ("qwen3moe", "Qwen3MoeForCausalLM"),
+                                  ("llama", "MixtralForCausalLM"))
 )  # fmt: skip
 
 

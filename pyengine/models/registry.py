@@ -9,7 +9,7 @@ put in MODEL_CLASSES.
 
 from __future__ import annotations
 
-from pyengine.models.checkpoint_config import GGUFArchitecture
+from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
@@ -33,19 +33,23 @@ def _by_name() -> dict[str, type[CausalLM]]:
     return found
 
 
-def _by_gguf_name() -> dict[str, GGUFArchitecture]:
-    found: dict[str, GGUFArchitecture] = {}
+def _by_gguf_name() -> dict[str, tuple[GGUFArchitecture, ...]]:
+    """Each llama.cpp name's architectures: those that hold files by their metadata first,
+    then the name's default (one at most)."""
+    found: dict[str, list[GGUFArchitecture]] = {}
     for cls in MODEL_CLASSES:
         for arch in cls.gguf_architectures:
-            if arch.name in found:
-                raise ValueError(f"two model classes load GGUF architecture {arch.name}")
             if arch.hf_architecture not in cls.hf_architectures:
                 raise ValueError(
                     f"{cls.__name__} loads GGUF {arch.name} as {arch.hf_architecture}, "
                     "which it does not run"
                 )
-            found[arch.name] = arch
-    return found
+            found.setdefault(arch.name, []).append(arch)
+    for name, archs in found.items():
+        if sum(arch.holds is None for arch in archs) > 1:
+            raise ValueError(f"two model classes load GGUF architecture {name}")
+        archs.sort(key=lambda arch: arch.holds is None)
+    return {name: tuple(archs) for name, archs in found.items()}
 
 
 _MODELS = _by_name()
@@ -66,11 +70,15 @@ def model_class(architecture: str) -> type[CausalLM]:
     return _MODELS[architecture]
 
 
-def gguf_architecture(name: str) -> GGUFArchitecture:
+def gguf_architecture(name: str, metadata: GGUFMetadata | None = None) -> GGUFArchitecture:
     """The llama.cpp architecture `name` (a GGUF file's general.architecture) as a model
-    class loads it; ValueError naming the ones pyengine loads."""
+    class loads it, chosen by the file's metadata where the name holds several; ValueError
+    naming the ones pyengine loads."""
     if name not in _GGUF:
         raise ValueError(
             f"GGUF architecture {name!r} is not supported ({', '.join(GGUF_ARCHITECTURES)})"
         )
-    return _GGUF[name]
+    for arch in _GGUF[name]:
+        if arch.holds is None or (metadata is not None and arch.holds(metadata)):
+            return arch
+    raise ValueError(f"GGUF architecture {name!r}: this file is none of the forms pyengine loads")

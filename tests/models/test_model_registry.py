@@ -11,6 +11,7 @@ import pytest
 
 from pyengine.config import FamilyConfig, ModelConfig
 from pyengine.loader.hf_config import model_config_from_hf
+from pyengine.models.checkpoint_config import GGUFMetadata
 from pyengine.models.gpt import LearnedPositionConfig
 from pyengine.models.llama import LlamaFamilyConfig
 from pyengine.models.registry import (
@@ -46,8 +47,14 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         for name in cls.hf_architectures:
             assert model_class(name) is cls
         for arch in cls.gguf_architectures:
-            assert gguf_architecture(arch.name) is arch
+            if arch.holds is None:  # (the name's default)
+                assert gguf_architecture(arch.name) is arch
             assert arch.hf_architecture in cls.hf_architectures
+    # llama.cpp's llama with experts is Mixtral
+    experts = GGUFMetadata({"llama.expert_count": 8}, (), "llama")
+    assert gguf_architecture("llama", experts).hf_architecture == "MixtralForCausalLM"
+    dense = GGUFMetadata({"llama.expert_count": 0}, (), "llama")
+    assert gguf_architecture("llama", dense).hf_architecture == "LlamaForCausalLM"
     assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
     llama_gguf = model_class("LlamaForCausalLM").gguf_architectures
     assert [a.name for a in llama_gguf if a.rope_permuted] == ["llama", "mistral"]

@@ -1,5 +1,6 @@
-"""Qwen3-MoE and Qwen2-MoE GGUF files (llama.cpp's qwen3moe and qwen2moe: every expert of
-a layer in a tensor per part; Qwen2-MoE's q/k/v biases and gated shared expert too)
+"""Qwen3-MoE, Qwen2-MoE and Mixtral GGUF files (llama.cpp's qwen3moe, qwen2moe, and llama
+with experts: every expert of a layer in a tensor per part; Qwen2-MoE's q/k/v biases and
+gated shared expert too, Mixtral's q/k rows in llama.cpp's rope order)
 written in the test by the gguf package from tiny random transformers models, their
 experts Q8_0 and Q4_0: the experts multiply from their blocks, token for token as
 transformers on the dequantized weights (float32 activations), at one rank and over two
@@ -43,8 +44,14 @@ SHAPE = dict(
     max_position_embeddings=256, tie_word_embeddings=False, rope_theta=10000.0,
     rms_norm_eps=1e-6,
 )  # fmt: skip
+_QWEN_ONLY = ("intermediate_size", "moe_intermediate_size", "num_experts")
+MIXTRAL_SHAPE = {key: value for key, value in SHAPE.items() if key not in _QWEN_ONLY}
 CONFIGS = {
     "qwen3moe": lambda: transformers.Qwen3MoeConfig(**SHAPE, norm_topk_prob=True),
+    # (llama.cpp's llama with experts; its experts feed_forward_length wide)
+    "mixtral": lambda: transformers.MixtralConfig(
+        **MIXTRAL_SHAPE, intermediate_size=SIZE, num_local_experts=EXPERTS
+    ),
     # (llama.cpp's qwen2moe does not renormalise; nor does this config)
     "qwen2moe": lambda: transformers.Qwen2MoeConfig(
         **SHAPE, norm_topk_prob=False, shared_expert_intermediate_size=96, qkv_bias=True
@@ -58,6 +65,7 @@ LAYER_TENSORS = {
     "ffn_gate_inp": "mlp.gate.weight",
 }  # fmt: skip
 ARCH_TENSORS = {
+    "mixtral": {},
     "qwen3moe": {
         "attn_q_norm": "self_attn.q_norm.weight", "attn_k_norm": "self_attn.k_norm.weight",
     },
@@ -77,17 +85,21 @@ def write_moe_gguf(path: Path, arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     config = CONFIGS[arch]()
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    writer = gguf.GGUFWriter(str(path), arch)
+    mixtral = arch == "mixtral"
+    writer = gguf.GGUFWriter(str(path), "llama" if mixtral else arch)
     if arch == "qwen2moe":
         writer.add_expert_shared_feed_forward_length(96)
+    if not mixtral:
+        writer.add_expert_feed_forward_length(SIZE)
     for add, value in (
         (writer.add_block_count, LAYERS), (writer.add_context_length, 256),
-        (writer.add_embedding_length, HIDDEN), (writer.add_feed_forward_length, 96),
+        (writer.add_embedding_length, HIDDEN),
+        (writer.add_feed_forward_length, SIZE if mixtral else 96),
         (writer.add_head_count, HEADS), (writer.add_head_count_kv, KV_HEADS),
         (writer.add_key_length, HEAD_DIM), (writer.add_value_length, HEAD_DIM),
         (writer.add_rope_freq_base, 10000.0), (writer.add_layer_norm_rms_eps, 1e-6),
         (writer.add_expert_count, EXPERTS), (writer.add_expert_used_count, TOP_K),
-        (writer.add_expert_feed_forward_length, SIZE), (writer.add_tokenizer_model, "gpt2"),
+        (writer.add_tokenizer_model, "gpt2"),
         (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
         (writer.add_token_merges, []), (writer.add_eos_token_id, 256),
     ):  # fmt: skip
@@ -101,6 +113,9 @@ def write_moe_gguf(path: Path, arch: str) -> torch.nn.Module:
         stored = values.numpy()
         if "gate_inp_shexp" in name:  # (llama.cpp's [hidden]; transformers' [1, hidden])
             stored = stored.reshape(-1)
+        if mixtral and (".attn_q." in name or ".attn_k." in name):  # (llama.cpp's rope order)
+            heads = HEADS if ".attn_q." in name else KV_HEADS
+            stored = stored.reshape(heads, 2, -1, HIDDEN).swapaxes(1, 2).reshape(stored.shape)
         writer.add_tensor(name, stored)
         with torch.no_grad():
             params[hf].copy_(values)
