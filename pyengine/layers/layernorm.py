@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from pyengine import ops
+from pyengine.distributed import TensorParallelGroup
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +28,27 @@ class RMSNorm(nn.Module):
     def add_residual(self, x: torch.Tensor, residual: torch.Tensor) -> None:
         """In place: residual += x; x = norm(residual)."""
         ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class ProjectionRMSNorm(RMSNorm):
+    """An RMSNorm over a whole projection, every head at once (OLMoE's q and k norms), of
+    which this rank holds features [start, start + size) of `whole`: under tensor
+    parallelism each rank's sum of squares is all-reduced (each feature counted once:
+    `replicas` ranks hold each, as kv heads replicated over more ranks than there are)."""
+
+    def __init__(
+        self, size: int, whole: int, start: int, eps: float, tp: TensorParallelGroup,
+        replicas: int = 1,
+    ) -> None:  # fmt: skip
+        super().__init__(size, eps)
+        self.whole, self.start, self.tp, self.replicas = whole, start, tp, replicas
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.world_size == 1:
+            return super().forward(x)
+        squares = self.tp.all_reduce(x.float().pow(2).sum(-1, keepdim=True)) / self.replicas
+        normed = x.float() * torch.rsqrt(squares / self.whole + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)
 
 
 def stream_sum(residual: torch.Tensor, h: torch.Tensor) -> torch.Tensor:

@@ -19,7 +19,7 @@ from pyengine.config import FamilyConfig, ModelConfig
 from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.layernorm import RMSNorm, stream_sum
+from pyengine.layers.layernorm import ProjectionRMSNorm, RMSNorm, stream_sum
 from pyengine.layers.linear import (
     LayerContext,
     MergedColumnParallelLinear,
@@ -45,6 +45,8 @@ class LlamaFamilyConfig(FamilyConfig):
 
     attention_bias: bool = False  # the q/k/v projections have biases (Qwen2)
     qk_norm: bool = False  # an RMSNorm of q and of k per head (Qwen3)
+    qk_norm_whole: bool = False  # those norms over each whole projection instead (OLMoE)
+    clip_qkv: float = 0.0  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's; 0: none)
 
 
 @dataclass(frozen=True)
@@ -55,6 +57,7 @@ class _Variant:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: bool = False
+    qk_norm_whole: bool = False
 
 
 # The Hugging Face architectures this module runs.
@@ -98,6 +101,8 @@ def _config_from_hf(
         family=LlamaFamilyConfig(
             attention_bias=bool(raw.get("attention_bias", variant.attention_bias)),
             qk_norm=variant.qk_norm,
+            qk_norm_whole=variant.qk_norm_whole,
+            clip_qkv=float(raw.get("clip_qkv") or 0.0),
         ),
     )
 
@@ -186,6 +191,17 @@ class Attention(nn.Module):
         )
         self.q_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
         self.k_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
+        self.whole_norms = family.qk_norm_whole
+        if family.qk_norm and family.qk_norm_whole:  # (this rank's features of each)
+            (q_start, _), (k_start, _), _ = self.qkv_proj.shard_offsets
+            replicas = max(1, ctx.tp.world_size // c.num_kv_heads)
+            self.q_norm = ProjectionRMSNorm(
+                self.q_size, c.num_heads * c.head_size, q_start, c.norm_eps, ctx.tp
+            )
+            self.k_norm = ProjectionRMSNorm(
+                self.kv_size, c.num_kv_heads * c.head_size, k_start, c.norm_eps, ctx.tp, replicas
+            )
+        self.clip = family.clip_qkv
         self.rotary = rotary
         self.attn = PagedAttention(
             self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
@@ -207,10 +223,14 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         q, k, v = torch.split(qkv, [self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_size)
-        k = k.view(-1, self.num_kv_heads, self.head_size)
-        v = v.view(-1, self.num_kv_heads, self.head_size)
-        if self.q_norm is not None and self.k_norm is not None:
+        if self.whole_norms and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip:
+            q, k, v = (t.clamp(-self.clip, self.clip) for t in (q, k, v))
+        q = q.reshape(-1, self.num_heads, self.head_size)
+        k = k.reshape(-1, self.num_kv_heads, self.head_size)
+        v = v.reshape(-1, self.num_kv_heads, self.head_size)
+        if not self.whole_norms and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         self.rotary(positions, q, k)
         out: torch.Tensor = self.o_proj(self.attn(q, k, v, cache, meta).view(-1, self.q_size))
@@ -393,9 +413,12 @@ class LlamaForCausalLM(nn.Module):
             router.plain(
                 f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight
             )
-            if attn.q_norm is not None and attn.k_norm is not None:
-                router.plain(f"{p}.self_attn.q_norm.weight", attn.q_norm.weight)
-                router.plain(f"{p}.self_attn.k_norm.weight", attn.k_norm.weight)
+            for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+                if isinstance(norm, ProjectionRMSNorm):  # (this rank's features)
+                    weight = norm.weight.data
+                    router.shard(f"{p}.self_attn.{name}.weight", weight, 0, norm.start, norm.whole)
+                elif norm is not None:
+                    router.plain(f"{p}.self_attn.{name}.weight", norm.weight)
             if attn.kv_scales is not None:
                 router.scalar(f"{p}.self_attn.k_scale", attn.kv_scales[0:1])
                 router.scalar(f"{p}.self_attn.v_scale", attn.kv_scales[1:2])

@@ -2,12 +2,14 @@
 RMSNorm; experts in the layers `decoder_sparse_step` and `mlp_only_layers` say, renormalised
 where `norm_topk_prob` says), Qwen2-MoE (Qwen2's attention, its q/k/v biases as
 `qkv_bias` says; the same layers as Qwen3-MoE, and a shared expert each, scaled by a
-sigmoid gate) and Mixtral (Mistral's attention; experts in every layer, always
-renormalised). Their experts are a FusedMoE layer (layers/moe), softmax top-k
-routed; checkpoints name each expert's weights, as transformers writes them (Qwen3-MoE:
-`mlp.experts.N.gate_proj`, Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2
-the down projection), or hold every expert in one tensor, as transformers 5 holds them
-(`mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, under `mlp` in every family).
+sigmoid gate), Mixtral (Mistral's attention; experts in every layer, always
+renormalised) and OLMoE (q/k RMSNorms over each whole projection, q, k and v clamped by
+`clip_qkv`; experts in every layer, renormalised where `norm_topk_prob` says). Their
+experts are a FusedMoE layer (layers/moe), softmax top-k routed; checkpoints name each
+expert's weights, as transformers writes them (Qwen3-MoE: `mlp.experts.N.gate_proj`,
+Mixtral: `block_sparse_moe.experts.N.w1`, w3 the up and w2 the down projection), or
+hold every expert in one tensor, as transformers 5 holds them (`mlp.experts.gate_up_proj`
+and `mlp.experts.down_proj`, under `mlp` in every family).
 
 A quantized checkpoint's experts (GPTQ, AWQ, compressed-tensors) are linear layers of its
 method, an expert at a time (layers/moe/linear_experts.py). Over tensor-parallel ranks
@@ -125,6 +127,11 @@ _MOE_VARIANTS = {
     "MixtralForCausalLM": _MoeVariant(
         _Variant(sliding_window=True), "intermediate_size", "block_sparse_moe", ("w1", "w3", "w2"),
         renormalize=True,
+    ),
+    # (its q and k norms over each whole projection; q, k and v clamped by clip_qkv)
+    "OlmoeForCausalLM": _MoeVariant(
+        _Variant(qk_norm=True, qk_norm_whole=True), "intermediate_size", "mlp",
+        ("gate_proj", "up_proj", "down_proj"),
     ),
 }  # fmt: skip
 

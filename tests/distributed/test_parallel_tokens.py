@@ -69,10 +69,12 @@ def test_tiny_models_split_every_way_give_one_rank_tokens(
         assert len(llm.llm_engine.schedulers) == pp  # a step in flight per stage
 
 
-@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("kind", ["qwen2_moe", "mixtral", "olmoe"])
 def test_mixtures_of_experts_over_ranks_give_one_rank_tokens(tmp_path: Path, kind: str) -> None:
     """Every expert split by its intermediate size over TP=2 ranks, and whole experts on
-    each rank (expert parallelism); Qwen2-MoE's shared expert split either way."""
+    each rank (expert parallelism); Qwen2-MoE's shared expert split either way; OLMoE's
+    q/k norms over whole projections that the ranks hold parts of (at TP=4 too, its 2 kv
+    heads each held by two ranks)."""
     pytest.importorskip("transformers")
     from helpers.tiny_moe import moe_checkpoint, save_fused
 
@@ -84,6 +86,9 @@ def test_mixtures_of_experts_over_ranks_give_one_rank_tokens(tmp_path: Path, kin
             got, _ = run(str(tmp_path / form), TINY_PROMPTS, tensor_parallel_size=2,
                          enable_expert_parallel=expert_parallel, **TINY)  # fmt: skip
             assert got == expected, f"{kind}, {form}, expert parallel: {expert_parallel}"
+    if kind == "olmoe":
+        got, _ = run(str(tmp_path / "fused"), TINY_PROMPTS, tensor_parallel_size=4, **TINY)
+        assert got == expected, "olmoe at TP=4"
     if kind == "mixtral":  # (6 experts)
         with pytest.raises(ValueError, match=r"num_experts \(6\) is not divisible by tensor_"):
             LLM(str(tmp_path / "fused"), tensor_parallel_size=4, enable_expert_parallel=True,

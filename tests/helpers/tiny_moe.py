@@ -32,6 +32,13 @@ MOE_CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
         **SHAPE, intermediate_size=48, num_local_experts=6
     ),
+    # 8 experts in every layer, not renormalised; q/k norms over each whole projection,
+    # q, k and v clamped (at a bound that the random weights' q and k pass)
+    # (its norms take hidden_size / heads as the head size: no head_dim of its own)
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **{**{k: v for k, v in SHAPE.items() if k != "head_dim"}, "hidden_size": 128},
+        intermediate_size=48, num_experts=8, norm_topk_prob=False, clip_qkv=1.2,
+    ),
 }  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE, Mixtral) on tiny random
+"""Mixture-of-experts architectures (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE) on tiny random
 checkpoints that transformers makes in the test (helpers/tiny_moe.py): greedy float32
 tokens and logits identical to transformers', with chunked prefill and a shared prefix;
 a checkpoint that lacks an expert's tensor, and what is not built yet, refused by name."""
@@ -23,6 +23,7 @@ LAYERS = {
     "qwen3_moe": ["FusedMoE", "MLP", "FusedMoE"],
     "qwen2_moe": ["MLP", "FusedMoE", "FusedMoE"],
     "mixtral": ["FusedMoE", "FusedMoE", "FusedMoE"],
+    "olmoe": ["FusedMoE", "FusedMoE", "FusedMoE"],
 }
 
 
@@ -40,9 +41,10 @@ def test_greedy_tokens_and_logits_match_transformers(checkpoint) -> None:  # typ
     layers = runner.model.layers
     assert [type(layer.mlp).__name__ for layer in layers] == LAYERS[kind]
     # The experts as packed panels, their decode steps recorded kernels (the replay
-    # checked against an eager forward when recorded).
+    # checked against an eager forward when recorded; OLMoE's clip_qkv clamps in torch,
+    # which no recording holds: its steps run eagerly).
     assert layers[2].mlp.weight_form() == "float32 expert panels"
-    assert runner.graphs is not None
+    assert (runner.graphs is not None) == (kind != "olmoe")
     rng = np.random.default_rng(3)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 6, 50)] + [shared, shared + [7, 9]]
