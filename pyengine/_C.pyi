@@ -216,6 +216,17 @@ def int8_dense_vnni() -> bool: ...
 def moe_softmax_topk(
     ids: Any, weights: Any, logits: Any, renormalize: bool, stream: int = 0
 ) -> None: ...
+def moe_grouped_topk(
+    ids: Any,
+    weights: Any,
+    logits: Any,
+    bias: Any | None,
+    num_groups: int,
+    topk_groups: int,
+    renormalize: bool,
+    scaling_factor: float,
+) -> None: ...
+def moe_sigmoid_topk(ids: Any, weights: Any, logits: Any) -> None: ...
 def moe_max_blocks(slots: int, experts: int) -> int: ...
 def moe_align_blocks(
     sorted: Any, block_experts: Any, ids: Any, first_expert: int, experts: int, stream: int = 0

@@ -77,6 +77,12 @@ _SCHEMAS = {
     # softmax(logits [t, experts]), highest first (renormalised to sum 1 where asked)
     "moe_softmax_topk": "moe_softmax_topk(Tensor(a!) ids, Tensor(b!) weights, Tensor logits, "
     "bool renormalize) -> ()",
+    # DeepSeek-V3's routing: sigmoid scores (+ bias [experts]) by groups, the best
+    # topk_groups groups' top_k experts, renormalised where asked, times scaling_factor
+    "moe_grouped_topk": "moe_grouped_topk(Tensor(a!) ids, Tensor(b!) weights, Tensor logits, "
+    "Tensor? bias, int num_groups, int topk_groups, bool renormalize, float scaling_factor) -> ()",
+    # Llama 4's: the top_k by logit, weights sigmoid(logit) (applied to the input)
+    "moe_sigmoid_topk": "moe_sigmoid_topk(Tensor(a!) ids, Tensor(b!) weights, Tensor logits) -> ()",
     # CUDA: the slots (row r's s-th expert: r * top_k + s) of a rank's experts [first_expert,
     # first_expert + experts) grouped by expert, in blocks of 16 (moe_max_blocks of them)
     "moe_align_blocks": "moe_align_blocks(Tensor(a!) sorted, Tensor(b!) block_experts, "
@@ -138,6 +144,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "moe_softmax_topk": _C.moe_softmax_topk,
+    "moe_grouped_topk": _C.moe_grouped_topk,
+    "moe_sigmoid_topk": _C.moe_sigmoid_topk,
     "moe_align_blocks": _C.moe_align_blocks,
     "moe_expert_gemm": _C.moe_expert_gemm,
     "moe_combine": _C.moe_combine,
@@ -267,6 +275,8 @@ dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")
 packed_columns = _eager_cpu_direct("packed_columns")
 int8_dense = _eager_cpu_direct("int8_dense")
 moe_softmax_topk = _eager_cpu_direct("moe_softmax_topk")
+moe_grouped_topk = _eager_cpu_direct("moe_grouped_topk")
+moe_sigmoid_topk = _eager_cpu_direct("moe_sigmoid_topk")
 fused_experts = _eager_cpu_direct("fused_experts")
 lora_add = _eager_cpu_direct("lora_add")
 lora_embedding_add = _eager_cpu_direct("lora_embedding_add")

@@ -118,6 +118,28 @@ KernelCall prepare_moe_softmax_topk(const py::handle& ids, const py::handle& wei
   }};
 }
 
+KernelCall prepare_moe_grouped_topk(const py::handle& ids, const py::handle& weights,
+                                    const py::handle& logits, const py::handle& bias,
+                                    int64_t num_groups, int64_t topk_groups, bool renormalize,
+                                    double scaling_factor) {
+  auto i = shared_view(ids, "moe_grouped_topk: ids");
+  auto w = shared_view(weights, "moe_grouped_topk: weights");
+  auto l = shared_view(logits, "moe_grouped_topk: logits");
+  auto b = optional_view(bias, "moe_grouped_topk: bias");
+  return {[=] {
+    moe_grouped_topk(i->view(), w->view(), l->view(), view_or_empty(b), num_groups, topk_groups,
+                     renormalize, scaling_factor);
+  }};
+}
+
+KernelCall prepare_moe_sigmoid_topk(const py::handle& ids, const py::handle& weights,
+                                    const py::handle& logits) {
+  auto i = shared_view(ids, "moe_sigmoid_topk: ids");
+  auto w = shared_view(weights, "moe_sigmoid_topk: weights");
+  auto l = shared_view(logits, "moe_sigmoid_topk: logits");
+  return {[=] { moe_sigmoid_topk(i->view(), w->view(), l->view()); }};
+}
+
 KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
                                  const py::handle& ids, const py::handle& weights,
                                  const py::handle& gate_up, const py::handle& down, int64_t n,
@@ -311,6 +333,13 @@ void bind_layer_ops(py::module_& m) {
              py::arg("logits"), py::arg("renormalize"), py::arg("stream") = 0,
              "ids [t, top_k] (int32), weights [t, top_k] = each row's top_k experts by "
              "softmax(logits [t, experts]), highest first, renormalised where asked.");
+  def_kernel(m, "moe_grouped_topk", &prepare_moe_grouped_topk, py::arg("ids"), py::arg("weights"),
+             py::arg("logits"), py::arg("bias"), py::arg("num_groups"), py::arg("topk_groups"),
+             py::arg("renormalize"), py::arg("scaling_factor"),
+             "DeepSeek-V3's routing: sigmoid scores (+ bias) in groups, the best topk_groups "
+             "groups, their top_k experts; see pyengine/moe.h.");
+  def_kernel(m, "moe_sigmoid_topk", &prepare_moe_sigmoid_topk, py::arg("ids"), py::arg("weights"),
+             py::arg("logits"), "Llama 4's routing: the top_k by logit, weights sigmoid(logit).");
   m.def("moe_max_blocks", &moe_max_blocks, py::arg("slots"), py::arg("experts"),
         "The most aligned blocks moe_align_blocks makes of `slots` slots over `experts`.");
   m.def(

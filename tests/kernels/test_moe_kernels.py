@@ -1,9 +1,10 @@
-"""The mixture-of-experts kernels (cpp/src/kernels/moe.cpp): moe_softmax_topk against the
-softmax routing method, and fused_experts against the float64 reference of the routed
-experts, for every routing variant (softmax, DeepSeek-V3's grouped sigmoid, Llama 4's
-weights on the input), every weight form (float32 and bfloat16 panels, 4- and 8-bit
-blocks, with and without int8 activations) and every build of the panel kernels this CPU
-runs; tokens routed to one expert twice and experts no token chose; clear errors."""
+"""The mixture-of-experts kernels (cpp/src/kernels/moe.cpp): moe_softmax_topk,
+moe_grouped_topk and moe_sigmoid_topk against their routing methods in torch, and
+fused_experts against the float64 reference of the routed experts, for every routing
+variant (softmax, DeepSeek-V3's grouped sigmoid, Llama 4's weights on the input), every
+weight form (float32 and bfloat16 panels, 4- and 8-bit blocks, with and without int8
+activations) and every build of the panel kernels this CPU runs; tokens routed to one
+expert twice and experts no token chose; clear errors."""
 
 from __future__ import annotations
 
@@ -196,6 +197,52 @@ def test_softmax_topk_takes_the_lower_id_of_equal_logits() -> None:
     ids, weights = torch.empty(1, 2, dtype=torch.int32), torch.empty(1, 2)
     ops.moe_softmax_topk(ids, weights, logits, True)
     assert ids.tolist() == [[1, 3]] and weights.tolist() == [[0.5, 0.5]]
+
+
+@pytest.mark.parametrize("renormalize", [False, True])
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_topk_is_the_grouped_sigmoid_routing(
+    renormalize: bool, biased: bool, dtype: torch.dtype
+) -> None:
+    """DeepSeek-V3's: 64 experts in 8 groups, the best 3 groups' top 6, scaled by 2.5."""
+    config = RoutingConfig("grouped_sigmoid", 6, 64, renormalize=renormalize, num_groups=8,
+                           topk_groups=3, scaling_factor=2.5)  # fmt: skip
+    # (distinct logits, and biases that keep the sums of any two distinct too)
+    logits = torch.stack([torch.randperm(64) / 16 - 2 for _ in range(30)]).to(dtype)
+    bias = torch.randperm(64) / 1024 if biased else None
+    want = route(logits, config, bias)
+    ids, weights = torch.empty(30, 6, dtype=torch.int32), torch.empty(30, 6)
+    ops.moe_grouped_topk(ids, weights, logits, bias, 8, 3, renormalize, 2.5)
+    assert torch.equal(ids.long(), want.expert_ids)
+    assert torch.allclose(weights, want.weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sigmoid_topk_is_llama4s_routing(dtype: torch.dtype) -> None:
+    config = RoutingConfig("sigmoid_on_input", 2, 16)
+    logits = torch.stack([torch.randperm(16) / 4 - 2 for _ in range(9)]).to(dtype)
+    want = route(logits, config)
+    ids, weights = torch.empty(9, 2, dtype=torch.int32), torch.empty(9, 2)
+    ops.moe_sigmoid_topk(ids, weights, logits)
+    assert torch.equal(ids.long(), want.expert_ids) and want.on_input
+    assert torch.allclose(weights, want.weights, rtol=1e-6, atol=1e-7)
+
+
+def test_the_routing_kernels_refuse_what_they_cannot_route() -> None:
+    ids, weights, logits = (
+        torch.empty(2, 4, dtype=torch.int32),
+        torch.empty(2, 4),
+        torch.randn(2, 8),
+    )
+    with pytest.raises(ValueError, match="8 experts in 3 groups"):
+        ops.moe_grouped_topk(ids, weights, logits, None, 3, 1, True, 1.0)
+    with pytest.raises(ValueError, match="2 of them, cannot hold top_k 4"):
+        ops.moe_grouped_topk(ids, weights, logits, None, 8, 2, True, 1.0)
+    with pytest.raises(ValueError, match=r"bias must be dense float32 \[8\]"):
+        ops.moe_grouped_topk(ids, weights, logits, torch.zeros(7), 2, 1, True, 1.0)
+    with pytest.raises(ValueError, match="logits must be float32"):
+        ops.moe_sigmoid_topk(ids, weights, logits.half())
 
 
 def test_bad_arguments_are_clear_errors() -> None:

@@ -28,6 +28,20 @@ namespace pyengine {
 void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
                       bool renormalize, void* stream = nullptr);
 
+// DeepSeek-V3's routing, as moe_softmax_topk's rows: scores sigmoid(logits), chosen by
+// scores + bias (float32 [experts], the correction bias; bias.data null: none): the
+// experts' num_groups groups each scored by the sum of its best two, the topk_groups
+// best groups, then the top_k experts within them (equal values: the lower index
+// first); each weight its score, divided by the top_k's sum (+ 1e-20) where
+// `renormalize`, times scaling_factor (routed_scaling_factor).
+void moe_grouped_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
+                      const TensorView& bias, int64_t num_groups, int64_t topk_groups,
+                      bool renormalize, double scaling_factor);
+
+// Llama 4's: the top_k by logit, each weight sigmoid(logit) (which fused_experts applies
+// to the input, on_input).
+void moe_sigmoid_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits);
+
 // out [t, hidden] = sum over s < top_k of weights[r, s] * E_ids[r, s](x[r]) for each row r,
 // E_e(v) = down_e(silu(v @ gate_e) * (v @ up_e)); with `on_input`, E_e(weights[r, s] *
 // x[r]) instead (Llama 4 scales the experts' input). The experts' sums are added to a

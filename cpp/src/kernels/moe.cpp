@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
+#include <limits>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -180,12 +181,14 @@ void add_shared_expert(float* acc, int64_t ld_acc, const TensorView& x, const Sh
 
 }  // namespace
 
-void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
-                      bool renormalize, void* stream) {
-  constexpr const char* op = "moe_softmax_topk";
-  if (detail::on_cuda(logits.device, op)) {
-    return detail::moe_softmax_topk_cuda(ids, weights, logits, renormalize, stream);
-  }
+namespace {
+
+// The routing kernels' common part: checks ids and weights [t, top_k] against logits
+// [t, experts] (float32 or bfloat16), then calls route(l, id, w) for each row, l its
+// logits as float32, id and w its outputs.
+template <class Route>
+void route_rows(const TensorView& ids, const TensorView& weights, const TensorView& logits,
+                const char* op, const Route& route) {
   const bool bf16 = logits.ndim == 2 && logits.dtype == DType::kBFloat16;
   check_rows(logits, op, "logits", 2, bf16 ? DType::kBFloat16 : DType::kFloat32);
   const int64_t t = logits.shape[0], experts = logits.shape[1];
@@ -198,25 +201,49 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
     throw InvalidArgument(std::string(op) + ": top_k (ids' columns) must be in [1, " +
                           std::to_string(experts) + "], got " + std::to_string(top_k));
   }
-  std::vector<int32_t> order(static_cast<size_t>(experts));
   std::vector<float> widened(bf16 ? static_cast<size_t>(experts) : 0);
   for (int64_t r = 0; r < t; ++r) {
     const float* l = static_cast<const float*>(logits.data) + r * logits.strides[0];
-    if (bf16) {  // (softmax in float32, as the routers compute it)
+    if (bf16) {  // (routed in float32, as the routers compute it)
       const auto* row = static_cast<const uint16_t*>(logits.data) + r * logits.strides[0];
       std::transform(row, row + experts, widened.begin(), detail::bf16_to_float);
       l = widened.data();
     }
+    route(l, static_cast<int32_t*>(ids.data) + r * ids.strides[0],
+          static_cast<float*>(weights.data) + r * weights.strides[0]);
+  }
+}
+
+// order[0, k) = the k highest of values[0, n) (as indices), highest first, the lower index
+// first among equals; order holds n entries.
+void top_indices(std::vector<int32_t>& order, const float* values, int64_t n, int64_t k) {
+  order.resize(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + k, order.end(), [values](int32_t a, int32_t b) {
+    return values[a] > values[b] || (values[a] == values[b] && a < b);
+  });
+}
+
+float sigmoid(float x) { return 1.0f / (1.0f + std::exp(-x)); }
+
+}  // namespace
+
+void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
+                      bool renormalize, void* stream) {
+  constexpr const char* op = "moe_softmax_topk";
+  if (detail::on_cuda(logits.device, op)) {
+    return detail::moe_softmax_topk_cuda(ids, weights, logits, renormalize, stream);
+  }
+  const int64_t experts = logits.ndim == 2 ? logits.shape[1] : 0;
+  const int64_t top_k = ids.ndim == 2 ? ids.shape[1] : 0;
+  std::vector<int32_t> order;
+  route_rows(ids, weights, logits, op, [&](const float* l, int32_t* id, float* w) {
     // The top_k by logit are the top_k by probability (softmax keeps the order), chosen
     // before any rounding of the exponentials could tie two.
-    std::iota(order.begin(), order.end(), 0);
-    std::partial_sort(order.begin(), order.begin() + top_k, order.end(),
-                      [l](int32_t a, int32_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
+    top_indices(order, l, experts, top_k);
     const float max = l[order[0]];
     float total = 0.0f;
     for (int64_t e = 0; e < experts; ++e) total += std::exp(l[e] - max);
-    auto* id = static_cast<int32_t*>(ids.data) + r * ids.strides[0];
-    auto* w = static_cast<float*>(weights.data) + r * weights.strides[0];
     float chosen = 0.0f;
     for (int64_t s = 0; s < top_k; ++s) {
       id[s] = order[static_cast<size_t>(s)];
@@ -226,7 +253,78 @@ void moe_softmax_topk(const TensorView& ids, const TensorView& weights, const Te
     if (renormalize) {
       for (int64_t s = 0; s < top_k; ++s) w[s] /= chosen;
     }
+  });
+}
+
+void moe_grouped_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits,
+                      const TensorView& bias, int64_t num_groups, int64_t topk_groups,
+                      bool renormalize, double scaling_factor) {
+  constexpr const char* op = "moe_grouped_topk";
+  const int64_t experts = logits.ndim == 2 ? logits.shape[1] : 0;
+  const int64_t top_k = ids.ndim == 2 ? ids.shape[1] : 0;
+  if (num_groups < 1 || experts % num_groups != 0 || topk_groups < 1 ||
+      topk_groups > num_groups || topk_groups * (experts / num_groups) < top_k) {
+    throw InvalidArgument(std::string(op) + ": " + std::to_string(experts) + " experts in " +
+                          std::to_string(num_groups) + " groups, " + std::to_string(topk_groups) +
+                          " of them, cannot hold top_k " + std::to_string(top_k));
   }
+  const bool biased = bias.data != nullptr;
+  if (biased) detail::check_vector(bias, op, "bias", experts);
+  const int64_t per_group = experts / num_groups;
+  const auto* b = static_cast<const float*>(bias.data);
+  std::vector<float> scores(static_cast<size_t>(experts)), choice(scores.size());
+  std::vector<float> group_scores(static_cast<size_t>(num_groups));
+  std::vector<int32_t> order, groups;
+  route_rows(ids, weights, logits, op, [&](const float* l, int32_t* id, float* w) {
+    for (int64_t e = 0; e < experts; ++e) {
+      scores[static_cast<size_t>(e)] = sigmoid(l[e]);
+      choice[static_cast<size_t>(e)] = biased ? scores[static_cast<size_t>(e)] + b[e]
+                                              : scores[static_cast<size_t>(e)];
+    }
+    // Each group by the sum of its two best (one, in groups of one), then the best groups.
+    for (int64_t g = 0; g < num_groups; ++g) {
+      top_indices(order, choice.data() + g * per_group, per_group, std::min<int64_t>(2, per_group));
+      float sum = 0.0f;
+      for (int64_t i = 0; i < std::min<int64_t>(2, per_group); ++i) {
+        sum += choice[static_cast<size_t>(g * per_group + order[static_cast<size_t>(i)])];
+      }
+      group_scores[static_cast<size_t>(g)] = sum;
+    }
+    top_indices(groups, group_scores.data(), num_groups, topk_groups);
+    std::vector<float>& masked = choice;  // (the other groups' experts out of the running)
+    std::vector<bool> allowed(static_cast<size_t>(num_groups), false);
+    for (int64_t i = 0; i < topk_groups; ++i) allowed[static_cast<size_t>(groups[i])] = true;
+    for (int64_t e = 0; e < experts; ++e) {
+      if (!allowed[static_cast<size_t>(e / per_group)]) {
+        masked[static_cast<size_t>(e)] = -std::numeric_limits<float>::infinity();
+      }
+    }
+    top_indices(order, masked.data(), experts, top_k);
+    float chosen = 0.0f;
+    for (int64_t s = 0; s < top_k; ++s) {
+      id[s] = order[static_cast<size_t>(s)];
+      w[s] = scores[static_cast<size_t>(id[s])];
+      chosen += w[s];
+    }
+    const float scale = static_cast<float>(scaling_factor);
+    for (int64_t s = 0; s < top_k; ++s) {
+      w[s] = (renormalize ? w[s] / (chosen + 1e-20f) : w[s]) * scale;
+    }
+  });
+}
+
+void moe_sigmoid_topk(const TensorView& ids, const TensorView& weights, const TensorView& logits) {
+  constexpr const char* op = "moe_sigmoid_topk";
+  const int64_t experts = logits.ndim == 2 ? logits.shape[1] : 0;
+  const int64_t top_k = ids.ndim == 2 ? ids.shape[1] : 0;
+  std::vector<int32_t> order;
+  route_rows(ids, weights, logits, op, [&](const float* l, int32_t* id, float* w) {
+    top_indices(order, l, experts, top_k);
+    for (int64_t s = 0; s < top_k; ++s) {
+      id[s] = order[static_cast<size_t>(s)];
+      w[s] = sigmoid(l[id[s]]);
+    }
+  });
 }
 
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,

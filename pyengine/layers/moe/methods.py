@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from pyengine import _C, ops
 from pyengine.layers.block_quantized import BlockQuantized
-from pyengine.layers.moe.routing import Routing, route
+from pyengine.layers.moe.routing import kernel_route, route
 from pyengine.layers.moe.shared import SharedBase, SharedExpert
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.packing import (
@@ -282,15 +282,8 @@ class PanelExperts(ExpertsMethod):
         tokens = x.shape[0]
         logits = torch.empty(tokens, config.num_experts, dtype=x.dtype)
         ops.dense(logits, x, panels.router, None, config.num_experts)
-        if config.method == "softmax":
-            ids = torch.empty(tokens, config.top_k, dtype=torch.int32)
-            weights = torch.empty(tokens, config.top_k, dtype=torch.float32)
-            ops.moe_softmax_topk(ids, weights, logits, config.renormalize)
-            on_input = False
-        else:  # (routed by torch: such a step is not recorded, and runs eagerly)
-            routing: Routing = route(logits, config)
-            ids, weights = routing.expert_ids.to(torch.int32), routing.weights.float()
-            on_input = routing.on_input
+        routing = kernel_route(logits, config)  # (a kernel: a recorded step holds it)
+        ids, weights, on_input = routing.expert_ids, routing.weights, routing.on_input
         out = torch.empty_like(x)
         shared = panels.shared
         ops.fused_experts(

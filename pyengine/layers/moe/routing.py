@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from pyengine import ops
+
 
 @dataclass(frozen=True)
 class RoutingConfig:
@@ -58,8 +60,9 @@ class RoutingConfig:
 
 @dataclass(frozen=True)
 class Routing:
-    """Each token's experts, [tokens, top_k] int64, and their weights, float32; with
-    on_input, the weights scale the token's input to the expert instead of its output."""
+    """Each token's experts, [tokens, top_k] int64 (int32 from the kernels), and their
+    weights, float32; with on_input, the weights scale the token's input to the expert
+    instead of its output."""
 
     expert_ids: torch.Tensor
     weights: torch.Tensor
@@ -106,6 +109,59 @@ ROUTING_METHODS: dict[str, RoutingMethod] = {
     "grouped_sigmoid": grouped_sigmoid_topk,
     "sigmoid_on_input": sigmoid_on_input,
 }
+
+
+def _softmax_kernel(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    ids, weights = _outputs(logits, config)
+    ops.moe_softmax_topk(ids, weights, logits, config.renormalize)
+    return Routing(ids, weights)
+
+
+def _grouped_sigmoid_kernel(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    ids, weights = _outputs(logits, config)
+    ops.moe_grouped_topk(ids, weights, logits, None if bias is None else bias.float(),
+                         config.num_groups, config.topk_groups, config.renormalize,
+                         config.scaling_factor)  # fmt: skip
+    return Routing(ids, weights)
+
+
+def _sigmoid_on_input_kernel(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    ids, weights = _outputs(logits, config)
+    ops.moe_sigmoid_topk(ids, weights, logits)
+    return Routing(ids, weights, on_input=True)
+
+
+def _outputs(logits: torch.Tensor, config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = logits.shape[0]
+    ids = torch.empty(tokens, config.top_k, dtype=torch.int32)
+    return ids, torch.empty(tokens, config.top_k, dtype=torch.float32)
+
+
+# The same methods by pyengine's CPU kernels (float32 or bfloat16 logits), which a
+# recorded decode step holds; the results are the functions' above (to float32's
+# rounding of the sigmoid).
+ROUTING_KERNELS: dict[str, RoutingMethod] = {
+    "softmax": _softmax_kernel,
+    "grouped_sigmoid": _grouped_sigmoid_kernel,
+    "sigmoid_on_input": _sigmoid_on_input_kernel,
+}
+
+
+def kernel_route(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None = None
+) -> Routing:
+    """route()'s result by the CPU kernel of the method where it has one and the logits
+    are CPU float32 or bfloat16 ones, else by route()."""
+    kernel = ROUTING_KERNELS.get(config.method)
+    if kernel is None or not logits.is_cpu or logits.dtype not in (torch.float32, torch.bfloat16):
+        return route(logits, config, bias)
+    return kernel(logits, config, bias)
 
 
 def route(logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None = None) -> Routing:
