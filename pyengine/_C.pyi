@@ -262,6 +262,11 @@ def fused_experts(
     shared_gate: Any | None = None,
     first_expert: int = 0,
     num_experts: int = 0,
+    gate_up_bias: Any | None = None,
+    down_bias: Any | None = None,
+    clamped_swiglu: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
 ) -> None: ...
 def lora_add(
     out: Any, x: Any, a: Any, b: Any, slots: Any, scale: Any, part_columns: Any, stream: int = 0

@@ -97,11 +97,14 @@ _SCHEMAS = {
     # out [t, hidden] = each row's routed experts' weighted sum: gate_up [experts, S1] and
     # down [experts, S2] stacked packed weights (cpp/include/pyengine/moe.h); plus a shared
     # expert's output (times sigmoid(x . shared_gate) where given); expert parallelism: the
-    # stacks hold a rank's experts from first_expert of the layer's num_experts
+    # stacks hold a rank's experts from first_expert of the layer's num_experts; gpt-oss's
+    # experts: biases [experts, 2n] and [experts, hidden], its clamped SwiGLU
     "fused_experts": "fused_experts(Tensor(a!) out, Tensor x, Tensor ids, Tensor weights, "
     "Tensor gate_up, Tensor down, int n, bool on_input=False, bool int8_activations=False, "
     "Tensor? shared_gate_up=None, Tensor? shared_down=None, int shared_n=0, "
-    "Tensor? shared_gate=None, int first_expert=0, int num_experts=0) -> ()",
+    "Tensor? shared_gate=None, int first_expert=0, int num_experts=0, "
+    "Tensor? gate_up_bias=None, Tensor? down_bias=None, bool clamped_swiglu=False, "
+    "float alpha=1.702, float limit=7.0) -> ()",
     # out [t, n] += each row's LoRA delta (cpp/include/pyengine/lora.h): slots int32 [t]
     # (-1: none), a [slots, ranks, k], b [slots, ranks, n], part_columns int64 [parts + 1]
     "lora_add": "lora_add(Tensor(a!) out, Tensor x, Tensor a, Tensor b, Tensor slots, "

@@ -146,7 +146,9 @@ KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
                                  bool on_input, bool int8_activations,
                                  const py::handle& shared_gate_up, const py::handle& shared_down,
                                  int64_t shared_n, const py::handle& shared_gate,
-                                 int64_t first_expert, int64_t num_experts) {
+                                 int64_t first_expert, int64_t num_experts,
+                                 const py::handle& gate_up_bias, const py::handle& down_bias,
+                                 bool clamped_swiglu, double alpha, double limit) {
   auto o = shared_view(out, "fused_experts: out"), in = shared_view(x, "fused_experts: x");
   auto i = shared_view(ids, "fused_experts: ids");
   auto w = shared_view(weights, "fused_experts: weights");
@@ -155,10 +157,15 @@ KernelCall prepare_fused_experts(const py::handle& out, const py::handle& x,
   auto sgu = optional_view(shared_gate_up, "fused_experts: shared_gate_up");
   auto sd = optional_view(shared_down, "fused_experts: shared_down");
   auto sg = optional_view(shared_gate, "fused_experts: shared_gate");
+  auto gb = optional_view(gate_up_bias, "fused_experts: gate_up_bias");
+  auto db = optional_view(down_bias, "fused_experts: down_bias");
   return {[=] {
     const SharedExpert shared{view_or_empty(sgu), view_or_empty(sd), view_or_empty(sg), shared_n};
+    const ExpertActivation activation{clamped_swiglu, static_cast<float>(alpha),
+                                      static_cast<float>(limit), view_or_empty(gb),
+                                      view_or_empty(db)};
     fused_experts(o->view(), in->view(), i->view(), w->view(), gu->view(), d->view(), n, on_input,
-                  int8_activations, shared, first_expert, num_experts);
+                  int8_activations, shared, first_expert, num_experts, activation);
   }};
 }
 
@@ -390,6 +397,8 @@ void bind_layer_ops(py::module_& m) {
              py::arg("shared_gate_up") = py::none(), py::arg("shared_down") = py::none(),
              py::arg("shared_n") = 0, py::arg("shared_gate") = py::none(),
              py::arg("first_expert") = 0, py::arg("num_experts") = 0,
+             py::arg("gate_up_bias") = py::none(), py::arg("down_bias") = py::none(),
+             py::arg("clamped_swiglu") = false, py::arg("alpha") = 1.702, py::arg("limit") = 7.0,
              "out [t, hidden] = each row's routed experts' weighted sum over stacked packed "
              "weights (gate_up [experts, S1], down [experts, S2]), plus a shared expert's "
              "output (times sigmoid(x . shared_gate)) where one is given; with expert "

@@ -137,13 +137,19 @@ _MOE_VARIANTS = {
 
 
 def sparse_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
-    """The layers with experts: every decoder_sparse_step-th (counting from 1), but those
-    mlp_only_layers names (transformers' rule)."""
+    """The layers with experts, as transformers' families say: every
+    decoder_sparse_step-th (counting from 1; Qwen2/3-MoE), but those mlp_only_layers
+    names, and none of the first first_k_dense_replace (DeepSeek's), then every
+    moe_layer_freq-th (counting from 0)."""
     step = integer(raw.get("decoder_sparse_step", 1))
     dense = set(raw.get("mlp_only_layers") or [])
+    first = integer(raw.get("first_k_dense_replace", 0))
+    frequency = integer(raw.get("moe_layer_freq", 1))
     return tuple(
-        i for i in range(num_layers) if i not in dense and step > 0 and (i + 1) % step == 0
-    )
+        i for i in range(num_layers)
+        if i not in dense and step > 0 and (i + 1) % step == 0
+        and i >= first and frequency > 0 and i % frequency == 0
+    )  # fmt: skip
 
 
 # Whether each GGUF architecture renormalises its top k's weights where the file does not

@@ -15,6 +15,9 @@ from helpers.moe_layers import (
     unambiguous_tokens,
 )
 
+from pyengine.layers.moe.activation import ExpertActivation
+from pyengine.layers.moe.routing import RoutingConfig
+
 FORMS = {
     torch.float32: "float32 expert panels",
     torch.bfloat16: "bfloat16 expert panels",
@@ -42,3 +45,21 @@ def test_the_layer_is_its_routed_and_shared_experts(
     else:  # the packed forms alone: router, experts, and the shared expert's
         assert len(held) == 3 + (2 if shared else 0) + (shared == "gated")
         assert not hasattr(layer, "gate_up")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_gpt_oss_experts_their_biases_and_clamped_swiglu(dtype: torch.dtype) -> None:
+    """A router with a bias, experts with biases on both products, and the clamped SwiGLU
+    (at a limit the products pass, so that the clamp bites), through each method."""
+    config = RoutingConfig("softmax", 2, 6, renormalize=True)
+    activation = ExpertActivation("clamped_swiglu", alpha=1.702, limit=0.5)
+    layer, w = random_layer(config, dtype, "", activation=activation, expert_bias=True,
+                            router_bias=True)  # fmt: skip
+    x = unambiguous_tokens(9, w["router"], config, dtype, w["router_bias"])
+    want = reference_output(x, w, config, activation)
+    got = layer(x)
+    assert (got.double() - want).abs().max().item() <= TOLERANCE[dtype] * want.abs().max().item()
+    assert layer.weight_form() == FORMS[dtype]
+    # (and without the bias and clamp, the reference differs: they are not left out)
+    plain = reference_output(x, {k: v for k, v in w.items() if "bias" not in k}, config)
+    assert (plain - want).abs().max().item() > 10 * TOLERANCE[dtype] * want.abs().max().item()

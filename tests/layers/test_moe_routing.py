@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from pyengine.layers.moe.activation import expert_activation
 from pyengine.layers.moe.reference import routed_experts_reference
 from pyengine.layers.moe.routing import Routing, RoutingConfig, route, routing_config
 
@@ -75,19 +76,43 @@ def llama4() -> tuple[Any, torch.nn.Module]:
     return config, Llama4TextMoe(config)
 
 
-def router_of(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The router's weight [experts, hidden] and correction bias (or None)."""
+def gpt_oss() -> tuple[Any, torch.nn.Module]:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = transformers.GptOssConfig(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        swiglu_limit=0.6,
+    )  # (a limit the random products pass)
+    return config, GptOssMLP(config)  # fmt: skip
+
+
+def logits_of(block: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The router's logits for x, and its correction bias (or None)."""
     router = getattr(block, "gate", None) or block.router
-    return router.weight, getattr(router, "e_score_correction_bias", None)
+    if hasattr(router, "e_score_correction_bias"):
+        return x @ router.weight.T, router.e_score_correction_bias
+    bias = getattr(router, "bias", None)  # (gpt-oss's router has a bias)
+    return x @ router.weight.T + (0 if bias is None else bias), None
 
 
-def experts_of(block: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up [experts, 2 * intermediate, hidden] and down [experts, hidden, intermediate]."""
+def experts_of(block: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """gate_up [experts, 2 * intermediate, hidden] (the gate's rows first), down [experts,
+    hidden, intermediate], and where they have them, their biases (gpt-oss's, whose gate
+    and up rows alternate)."""
     experts = block.experts
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if gate_up.shape[-1] != HIDDEN:  # (Llama 4 keeps them transposed)
+    if gate_up.shape[-1] != HIDDEN:  # (Llama 4 and gpt-oss keep them transposed)
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    return gate_up, down
+    forms = {"gate_up": gate_up, "down": down}
+    if hasattr(experts, "gate_up_proj_bias"):
+        forms["gate_up"] = torch.cat([gate_up[:, 0::2], gate_up[:, 1::2]], dim=1)
+        bias = experts.gate_up_proj_bias
+        forms["gate_up_bias"] = torch.cat([bias[:, 0::2], bias[:, 1::2]], dim=1)
+        forms["down_bias"] = experts.down_proj_bias
+    return forms
 
 
 def shared_part(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +132,7 @@ FAMILIES: dict[str, Callable[[], tuple[Any, torch.nn.Module]]] = {
     "qwen2_moe": qwen2,
     "deepseek_v3": deepseek_v3,
     "llama4": llama4,
+    "gpt_oss": gpt_oss,
 }
 
 
@@ -115,14 +141,16 @@ def test_routing_and_routed_experts_match_transformers(family: str) -> None:
     config, block = FAMILIES[family]()
     randomized(block, seed=len(family))
     x = torch.randn(TOKENS, HIDDEN, generator=torch.Generator().manual_seed(1))
-    weight, bias = router_of(block)
-    routing = route(x @ weight.T, routing_config(config), bias)
     with torch.no_grad():
+        logits, bias = logits_of(block, x)
+        routing = route(logits, routing_config(config), bias)
         whole = block(x[None])
         whole = (whole[0] if isinstance(whole, tuple) else whole).reshape(TOKENS, HIDDEN)
         routed = whole - shared_part(block, x)
-        gate_up, down = experts_of(block)
-        expected = routed_experts_reference(x, gate_up, down, routing)
+        w = experts_of(block)
+        expected = routed_experts_reference(x, w["gate_up"], w["down"], routing,
+                                            expert_activation(config), w.get("gate_up_bias"),
+                                            w.get("down_bias"))  # fmt: skip
     torch.testing.assert_close(routed.double(), expected, rtol=1e-4, atol=1e-4)
     assert routing.expert_ids.shape == (TOKENS, config.num_experts_per_tok)
     assert (routing.expert_ids.sort(-1).values.diff(dim=-1) > 0).all()  # distinct per token

@@ -106,3 +106,12 @@ def test_an_architecture_that_is_no_name_is_refused_by_name() -> None:
     # "unhashable type", not as an architecture pyengine does not run.
     with pytest.raises(ValueError, match=r"architecture \['x'\] is not supported; pyengine runs"):
         model_config_from_hf({"architectures": [["x"]]})
+
+
+def test_the_layers_with_experts_are_those_each_family_names() -> None:
+    from pyengine.models.llama_moe import sparse_layers
+
+    assert sparse_layers({}, 4) == (0, 1, 2, 3)
+    assert sparse_layers({"decoder_sparse_step": 2, "mlp_only_layers": [3]}, 6) == (1, 5)
+    assert sparse_layers({"first_k_dense_replace": 3}, 6) == (3, 4, 5)  # (DeepSeek's)
+    assert sparse_layers({"first_k_dense_replace": 1, "moe_layer_freq": 2}, 6) == (2, 4)

@@ -53,6 +53,19 @@ void moe_sigmoid_topk(const TensorView& ids, const TensorView& weights, const Te
 // output, times sigmoid(x[r] . gate) where a gate is given. With expert parallelism the
 // stacks hold a rank's experts [first_expert, first_expert + experts) of the layer's
 // num_experts (0: the stacks' count), and the slots that route elsewhere add nothing.
+// How each expert turns its gate/up product into its down product's input. By default
+// silu(gate) * up, gate_up packed as dense_silu_and_mul's pairs. clamped_swiglu
+// (gpt-oss's): g = min(gate, limit), u = clamp(up, -limit, limit), g * sigmoid(alpha g) *
+// (u + 1). Biases (gpt-oss's), float32 on the CPU: gate_up_bias [experts, 2n] added to
+// the gate/up product ([gate | up]), down_bias [experts, hidden] to the down product
+// (data null: none). With either, gate_up is packed as one plain [hidden, 2n] weight per
+// expert (pack_weight's or pack_bf16_weight's without gate_up: [gate | up] columns).
+struct ExpertActivation {
+  bool clamped_swiglu = false;
+  float alpha = 1.702f, limit = 7.0f;
+  TensorView gate_up_bias, down_bias;
+};
+
 struct SharedExpert {
   TensorView gate_up;  // one packed [hidden, 2 * n] weight, as dense_silu_and_mul takes it
   TensorView down;     // one packed [n, hidden] weight
@@ -63,7 +76,7 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
                    int64_t n, bool on_input, bool int8_activations = false,
                    const SharedExpert& shared = {}, int64_t first_expert = 0,
-                   int64_t num_experts = 0);
+                   int64_t num_experts = 0, const ExpertActivation& activation = {});
 
 // CUDA: a layer's routed experts over the slots (row r's s-th choice: slot r * top_k + s)
 // grouped by expert. Every tensor on one CUDA device, the activations and weights float16

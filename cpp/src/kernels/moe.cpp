@@ -9,6 +9,7 @@
 #include <limits>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 #ifdef _OPENMP
 #include <omp.h>
@@ -110,6 +111,52 @@ void group_by_expert(ExpertGroups& g, const TensorView& ids, int64_t total, int6
       const auto at = static_cast<size_t>(next[static_cast<size_t>(i)]++);
       g.rows[at] = r;
       g.slots[at] = s;
+    }
+  }
+}
+
+// Row e of a float32 [experts, columns] bias, as dense takes one (an empty view: none).
+TensorView bias_row(const TensorView& bias, int64_t e) {
+  if (bias.data == nullptr) return TensorView{};
+  TensorView v = bias;
+  v.ndim = 1;
+  v.shape[0] = bias.shape[1];
+  v.strides[0] = 1;
+  v.data = static_cast<float*>(bias.data) + e * bias.strides[0];
+  return v;
+}
+
+// hidden [m, n] = the activation of product [m, 2n] ([gate | up] a row) plus `bias`
+// (float32 [2n], or none), in x's dtype.
+void activate(const void* product, const TensorView& bias, void* hidden, bool bf16, int64_t m,
+              int64_t n, const ExpertActivation& a) {
+  const auto* b = static_cast<const float*>(bias.data);
+  for (int64_t i = 0; i < m * n; ++i) {
+    const int64_t row = i / n, j = i % n;
+    const int64_t gate_at = row * 2 * n + j, up_at = gate_at + n;
+    float gate = 0.0f, up = 0.0f;
+    if (bf16) {
+      gate = detail::bf16_to_float(static_cast<const uint16_t*>(product)[gate_at]);
+      up = detail::bf16_to_float(static_cast<const uint16_t*>(product)[up_at]);
+    } else {
+      gate = static_cast<const float*>(product)[gate_at];
+      up = static_cast<const float*>(product)[up_at];
+    }
+    if (b != nullptr) {
+      gate += b[j];
+      up += b[n + j];
+    }
+    float value = 0.0f;
+    if (a.clamped_swiglu) {
+      const float g = std::min(gate, a.limit), u = std::clamp(up, -a.limit, a.limit);
+      value = g / (1.0f + std::exp(-a.alpha * g)) * (u + 1.0f);
+    } else {
+      value = gate / (1.0f + std::exp(-gate)) * up;
+    }
+    if (bf16) {
+      static_cast<uint16_t*>(hidden)[i] = detail::float_to_bf16(value);
+    } else {
+      static_cast<float*>(hidden)[i] = value;
     }
   }
 }
@@ -330,7 +377,7 @@ void moe_sigmoid_topk(const TensorView& ids, const TensorView& weights, const Te
 void fused_experts(const TensorView& out, const TensorView& x, const TensorView& ids,
                    const TensorView& weights, const TensorView& gate_up, const TensorView& down,
                    int64_t n, bool on_input, bool int8_activations, const SharedExpert& shared,
-                   int64_t first_expert, int64_t num_experts) {
+                   int64_t first_expert, int64_t num_experts, const ExpertActivation& activation) {
   constexpr const char* op = "fused_experts";
   const bool bf16 = x.ndim == 2 && x.dtype == DType::kBFloat16;
   const DType dtype = bf16 ? DType::kBFloat16 : DType::kFloat32;
@@ -359,6 +406,19 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
                           ") (num_experts)");
   }
 
+  // (gpt-oss's form: a plain gate/up product, biases, the clamped SwiGLU)
+  const bool plain = activation.clamped_swiglu || activation.gate_up_bias.data != nullptr;
+  for (const auto& [bias, name, columns] :
+       {std::tuple{&activation.gate_up_bias, "gate_up_bias", 2 * n},
+        std::tuple{&activation.down_bias, "down_bias", h}}) {
+    if (bias->data == nullptr) continue;
+    detail::check_cpu(*bias, op, name);
+    if (bias->ndim != 2 || bias->dtype != DType::kFloat32 || bias->shape[0] != experts ||
+        bias->shape[1] != columns || !bias->is_contiguous()) {
+      throw InvalidArgument(arg(op, name) + " must be dense float32 [" + std::to_string(experts) +
+                            ", " + std::to_string(columns) + "], got " + bias->describe());
+    }
+  }
   thread_local Scratch s;
   group_by_expert(s.groups, ids, total, first_expert, experts, op);
   const ExpertGroups& g = s.groups;
@@ -398,23 +458,33 @@ void fused_experts(const TensorView& out, const TensorView& x, const TensorView&
     }
     void* mid = bf16 ? static_cast<void*>(sized(hidden16, m * n)) : sized(hidden, m * n);
     const TensorView hidden_rows = scratch_view(mid, dtype, m, n);
-    dense_silu_and_mul(hidden_rows, scratch_view(in, dtype, m, h), expert_weight(gate_up, e), n,
-                       int8_activations);
+    const TensorView in_rows = scratch_view(in, dtype, m, h);
+    if (plain) {
+      thread_local std::vector<float> product;
+      thread_local std::vector<uint16_t> product16;
+      void* p = bf16 ? static_cast<void*>(sized(product16, m * 2 * n)) : sized(product, m * 2 * n);
+      dense(scratch_view(p, dtype, m, 2 * n), in_rows, expert_weight(gate_up, e), TensorView{},
+            2 * n, int8_activations);
+      activate(p, bias_row(activation.gate_up_bias, e), mid, bf16, m, n, activation);
+    } else {
+      dense_silu_and_mul(hidden_rows, in_rows, expert_weight(gate_up, e), n, int8_activations);
+    }
     dense(scratch_view(sums, dtype, m, h), hidden_rows, expert_weight(down, e), TensorView{}, h,
           int8_activations);
   };
-  // Expert e's rows' sums (`sums`, its rows') added to their rows, times their weights.
+  // Expert e's rows' sums (`sums`, its rows', plus its down bias where it has one) added
+  // to their rows, times their weights.
   const auto add_expert = [&](int64_t e, const void* sums) {
     const int64_t first = g.starts[e], m = g.starts[e + 1] - first;
+    const TensorView bias = bias_row(activation.down_bias, e);
+    const auto* b = static_cast<const float*>(bias.data);
     for (int64_t i = 0; i < m; ++i) {
       float* dst = acc + g.rows[first + i] * ld_acc;
       const float scale = on_input ? 1.0f : w[g.rows[first + i] * ldw + g.slots[first + i]];
-      if (bf16) {
-        const uint16_t* y = static_cast<const uint16_t*>(sums) + i * h;
-        for (int64_t j = 0; j < h; ++j) dst[j] += detail::bf16_to_float(y[j]) * scale;
-      } else {
-        const float* y = static_cast<const float*>(sums) + i * h;
-        for (int64_t j = 0; j < h; ++j) dst[j] += y[j] * scale;
+      for (int64_t j = 0; j < h; ++j) {
+        const float y = bf16 ? detail::bf16_to_float(static_cast<const uint16_t*>(sums)[i * h + j])
+                             : static_cast<const float*>(sums)[i * h + j];
+        dst[j] += (b != nullptr ? y + b[j] : y) * scale;
       }
     }
   };

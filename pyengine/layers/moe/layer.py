@@ -24,6 +24,7 @@ from torch import nn
 
 from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.moe.activation import SILU, ExpertActivation
 from pyengine.layers.moe.methods import ExpertsMethod, experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.moe.shared import SharedBase
@@ -91,9 +92,13 @@ class FusedMoE(nn.Module):
         tp: TensorParallelGroup | None = None,
         expert_parallel: bool = False,
         method: ExpertsMethod | None = None,
+        activation: ExpertActivation = SILU,
+        expert_bias: bool = False,
+        router_bias: bool = False,
     ) -> None:
         """`method`: how the experts are held (experts_method's, for the placement, by
-        default)."""
+        default); `activation`: between each expert's products; expert_bias: biases on
+        both products (gpt-oss's), router_bias: on the router's logits (gpt-oss's)."""
         super().__init__()
         self.method = method or experts_method(placement or Placement())
         self.tp = tp or TensorParallelGroup()
@@ -103,7 +108,14 @@ class FusedMoE(nn.Module):
         self.intermediate_size = self.shard.size  # this rank's
         self.hidden_size = hidden_size
         self.shared_intermediate_size = shared_intermediate_size
+        self.activation = activation
         self.router = self.parameter(routing.num_experts, hidden_size)
+        self.router_bias = self.parameter(routing.num_experts) if router_bias else None
+        # Each local expert's biases (its intermediate rows of the gate/up one), where the
+        # experts have them.
+        count, n = self.shard.count, self.shard.size
+        self.gate_up_bias = self.parameter(count, 2 * n) if expert_bias else None
+        self.down_bias = self.parameter(count, hidden_size) if expert_bias else None
         # A GGUF file's experts come as blocks (expert_blocks, by local expert and part:
         # "gate", "up", "down"), of which no float form is made.
         self.expert_blocks: dict[tuple[int, str], BlockQuantized] = {}
@@ -124,7 +136,18 @@ class FusedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.method.apply(self, x))
 
+    @property
+    def plain_gate_up(self) -> bool:
+        """Whether the gate/up product is taken whole, then the activation (not silu, or
+        with a bias), rather than fused with silu_and_mul."""
+        return not self.activation.fuses_with_silu or self.gate_up_bias is not None
+
     def process_weights_after_loading(self) -> None:
+        split = self.shard.size != self.full_intermediate_size
+        if self.down_bias is not None and split and self.tp.rank != 0:
+            # Each rank's down product is a part of every expert's: the ranks' sums are
+            # all-reduced, and the bias is added once, by the first.
+            self.down_bias.data.zero_()
         self.method.process_weights_after_loading(self)
 
     def block_weights(self) -> int:

@@ -33,6 +33,7 @@ from pyengine.layers.moe.methods import (
     LoopedExperts,
     PanelExperts,
     SharedPanels,
+    refuse_plain_gate_up,
     stack_packed,
 )
 from pyengine.layers.moe.shared import SharedBase
@@ -108,6 +109,7 @@ class LinearExperts(LoopedExperts, PanelExperts):
         self.weight_dtype = ctx.placement.dtype  # (the router's and the shared gate's)
 
     def create_experts(self, layer: FusedMoE) -> None:
+        refuse_plain_gate_up(layer, "quantized")
         whole = layer.shard.size == layer.full_intermediate_size
         # (whole experts on a rank, as expert parallelism places them, are not split)
         ctx = replace(self.ctx, tp=TensorParallelGroup()) if whole else self.ctx

@@ -110,7 +110,7 @@ class LoopedExperts(ExpertsMethod):
         """This rank's local expert `e` on rows x: silu(x gate.T) * (x up.T) @ down.T."""
 
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
-        routing = route(F.linear(x, layer.router), layer.routing)
+        routing = route(F.linear(x, layer.router, layer.router_bias), layer.routing)
         weights = routing.weights.to(x.dtype)
         out = torch.zeros_like(x)
         local = layer.local_experts()
@@ -137,8 +137,11 @@ class TorchExperts(LoopedExperts):
             p.data = p.data.to(self.device)
 
     def expert(self, layer: FusedMoE, e: int, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, layer.gate_up[e]).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down[e])
+        gate_up_bias, down_bias = layer.gate_up_bias, layer.down_bias
+        product = F.linear(x, layer.gate_up[e], None if gate_up_bias is None else gate_up_bias[e])
+        gate, up = product.chunk(2, dim=-1)
+        return F.linear(layer.activation(gate, up), layer.down[e],
+                        None if down_bias is None else down_bias[e])  # fmt: skip
 
 
 class GroupedExperts(TorchExperts):
@@ -159,8 +162,9 @@ class GroupedExperts(TorchExperts):
         )
 
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
-        if layer.hidden_size % 16 or layer.intermediate_size % 16:
-            return super().apply(layer, x)
+        sizes = layer.hidden_size % 16 == 0 and layer.intermediate_size % 16 == 0
+        if not sizes or layer.plain_gate_up or layer.router_bias is not None:
+            return super().apply(layer, x)  # (the kernels fuse silu, and take no biases)
         config, shard = layer.routing, layer.shard
         tokens, device = x.shape[0], x.device
         x = x.contiguous()
@@ -190,6 +194,15 @@ class GroupedExperts(TorchExperts):
         ops.moe_combine(out, rows, ids, shard.first, shard.count)
         shared = layer.shared_expert
         return out if shared is None else out + shared(x)
+
+
+def refuse_plain_gate_up(layer: FusedMoE, form: str) -> None:
+    """ValueError where a method that fuses silu_and_mul gets experts that need otherwise."""
+    if layer.plain_gate_up or layer.router_bias is not None:
+        raise ValueError(
+            f"{form} experts with the {layer.activation.kind} activation or biases (gpt-oss's) "
+            "are not supported"
+        )
 
 
 def stack_packed(count: int, pack: Callable[[int], torch.Tensor]) -> torch.Tensor:
@@ -223,12 +236,19 @@ class ExpertPanels:
     gate_up: torch.Tensor
     down: torch.Tensor
     shared: SharedPanels | None = None
+    # (gpt-oss's, float32: the router's [experts], the experts' [experts, 2n] and
+    # [experts, hidden])
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         shared = self.shared
         extra = [] if shared is None else [shared.gate_up, shared.down]
         if shared is not None and shared.gate is not None:
             extra.append(shared.gate)
+        biases = (self.router_bias, self.gate_up_bias, self.down_bias)
+        extra += [b for b in biases if b is not None]
         return [self.router, self.gate_up, self.down, *extra]
 
 
@@ -251,12 +271,24 @@ class PanelExperts(ExpertsMethod):
     def process_weights_after_loading(self, layer: FusedMoE) -> None:
         layer.method_state = ExpertPanels(
             self.pack(layer.router.data.t(), False),
-            self.stack(layer.gate_up.data, True),
+            self.stack(layer.gate_up.data, not layer.plain_gate_up),
             self.stack(layer.down.data, False),
             self.pack_shared(layer),
+            *self.biases(layer),
         )
         # The packed forms are the weights now.
         del layer.router, layer.gate_up, layer.down
+
+    def biases(self, layer: FusedMoE) -> list[torch.Tensor | None]:
+        """The router's (in the rows' dtype, as dense adds it) and the experts' (float32)
+        biases as the kernels take them, the layer's parameters then dropped."""
+        dtypes = (torch.bfloat16 if self.bf16 else torch.float32, torch.float32, torch.float32)
+        biases = [layer.router_bias, layer.gate_up_bias, layer.down_bias]
+        layer.router_bias = layer.gate_up_bias = layer.down_bias = None
+        return [
+            None if b is None else b.data.to(dtype).contiguous()
+            for b, dtype in zip(biases, dtypes, strict=True)
+        ]
 
     def pack_shared(self, layer: FusedMoE) -> SharedPanels | None:
         """The layer's shared expert packed (its parameters then dropped), if it has one."""
@@ -281,7 +313,7 @@ class PanelExperts(ExpertsMethod):
         panels, config = self.state(layer), layer.routing
         tokens = x.shape[0]
         logits = torch.empty(tokens, config.num_experts, dtype=x.dtype)
-        ops.dense(logits, x, panels.router, None, config.num_experts)
+        ops.dense(logits, x, panels.router, panels.router_bias, config.num_experts)
         routing = kernel_route(logits, config)  # (a kernel: a recorded step holds it)
         ids, weights, on_input = routing.expert_ids, routing.weights, routing.on_input
         out = torch.empty_like(x)
@@ -293,7 +325,9 @@ class PanelExperts(ExpertsMethod):
             None if shared is None else shared.down,
             0 if shared is None else shared.intermediate_size,
             None if shared is None else shared.gate,
-            layer.shard.first, config.num_experts,
+            layer.shard.first, config.num_experts, panels.gate_up_bias, panels.down_bias,
+            layer.activation.kind == "clamped_swiglu", layer.activation.alpha,
+            layer.activation.limit,
         )  # fmt: skip
         return out
 
@@ -317,6 +351,7 @@ class BlockExperts(PanelExperts):
 
     def create_experts(self, layer: FusedMoE) -> None:
         """(none: the file's blocks come to layer.expert_blocks as they load)"""
+        refuse_plain_gate_up(layer, "GGUF block")
 
     @staticmethod
     def stack_blocks(parts: list[BlockQuantized], gate_up: bool) -> torch.Tensor:

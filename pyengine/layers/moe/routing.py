@@ -4,7 +4,7 @@ the router's logits, as each model family does it. A method is a registry entry
 routing is a function and a name here, not a branch in the layer.
 
 - "softmax": softmax over all experts, the top k, renormalised over them or not
-  (Mixtral always; Qwen2/3-MoE, OLMoE by `norm_topk_prob`).
+  (Mixtral and gpt-oss always; Qwen2/3-MoE, OLMoE by `norm_topk_prob`).
 - "grouped_sigmoid": DeepSeek-V3's: sigmoid scores plus a correction bias choose the
   top `topk_group` groups (each group scored by its two best), then the top k experts
   within them; the weights are the scores without the bias, renormalised by
@@ -182,6 +182,8 @@ def routing_config(hf: Any) -> RoutingConfig:
     top_k = int(hf.num_experts_per_tok)
     if "Llama4" in name or "llama4" in name:
         return RoutingConfig("sigmoid_on_input", top_k, int(hf.num_local_experts))
+    if "GptOss" in name or "gpt_oss" in name:  # (a softmax of its top k's logits: the same)
+        return RoutingConfig("softmax", top_k, int(hf.num_local_experts), renormalize=True)
     if getattr(hf, "n_group", None) is not None and getattr(hf, "topk_group", None) is not None:
         return RoutingConfig(
             "grouped_sigmoid", top_k, int(hf.n_routed_experts),
