@@ -27,10 +27,9 @@ from torch import nn
 from pyengine.config import ModelConfig
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
-from pyengine.layers.moe.linear_experts import ExpertLinears
+from pyengine.layers.moe.linear_experts import ExpertLinears, quantized_experts_method
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
-from pyengine.layers.quantization.registry import quantized_experts_method
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.models.checkpoint_config import (
     CommonValues,

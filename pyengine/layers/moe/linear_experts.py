@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from pyengine.config import QuantizationConfig
 from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.linear import LayerContext, MergedColumnParallelLinear, RowParallelLinear
 from pyengine.layers.moe.methods import (
     ExpertPanels,
+    ExpertsMethod,
     LoopedExperts,
     PanelExperts,
     SharedPanels,
@@ -39,6 +41,7 @@ from pyengine.layers.moe.methods import (
 from pyengine.layers.moe.shared import SharedBase
 from pyengine.layers.quantization.base import FusablePanels
 from pyengine.layers.quantization.packing import blocks_form
+from pyengine.layers.quantization.registry import quantization_method
 
 if TYPE_CHECKING:
     from pyengine.layers.moe.layer import FusedMoE
@@ -171,3 +174,15 @@ class LinearExperts(LoopedExperts, PanelExperts):
         if isinstance(layer.method_state, ExpertPanels):
             return f"{blocks_form(self.state(layer).gate_up)} experts"
         return "experts as linear layers"
+
+
+def quantized_experts_method(
+    config: QuantizationConfig | None, ctx: LayerContext
+) -> ExpertsMethod | None:
+    """The method of a mixture-of-experts layer of a checkpoint quantized as `config`
+    says: its format's (the quantization registry's), or linear layers of its linear
+    method's; None for a float checkpoint."""
+    if config is None:
+        return None
+    own = quantization_method(config.method).experts_method(config, ctx)
+    return own or LinearExperts(ctx)

@@ -150,14 +150,12 @@ class QuantizationMethod(ABC):
         """The method of one linear layer of such a checkpoint (all but the head);
         int8_activations: EngineArgs.quantized_activations is "int8"."""
 
-    def experts_method(self, config: QuantizationConfig, ctx: LayerContext) -> ExpertsMethod:
-        """The method of a mixture-of-experts layer of such a checkpoint: its experts as
-        linear layers of linear_method's, stacked for the fused kernel where their
-        panels allow it."""
-        del config
-        from pyengine.layers.moe.linear_experts import LinearExperts
-
-        return LinearExperts(ctx)
+    def experts_method(self, config: QuantizationConfig, ctx: LayerContext) -> ExpertsMethod | None:
+        """The method of a mixture-of-experts layer of such a checkpoint, where the format
+        has one of its own; None (every format here): its experts are linear layers of
+        linear_method's (layers/moe/linear_experts.py)."""
+        del config, ctx
+        return None
 
 
 def check_common(config: QuantizationConfig) -> None:

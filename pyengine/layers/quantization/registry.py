@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pyengine.config import QuantizationConfig
 from pyengine.layers.quantization.base import QuantizationMethod, check_common
-
-if TYPE_CHECKING:
-    from pyengine.layers.linear import LayerContext
-    from pyengine.layers.moe.methods import ExpertsMethod
 
 _PACKAGE = "pyengine.layers.quantization"
 # name -> the module that registers it
@@ -73,16 +69,6 @@ def quantization_from_hf(raw: Any) -> QuantizationConfig:
     config = quantization.from_hf(raw)
     check_quantization_config(config)
     return config
-
-
-def quantized_experts_method(
-    config: QuantizationConfig | None, ctx: LayerContext
-) -> ExpertsMethod | None:
-    """The method of a mixture-of-experts layer of a checkpoint quantized as `config`
-    says (its method's), or None for a float one."""
-    if config is None:
-        return None
-    return quantization_method(config.method).experts_method(config, ctx)
 
 
 def check_quantization_config(config: QuantizationConfig) -> None:
