@@ -63,3 +63,16 @@ def test_gpt_oss_experts_their_biases_and_clamped_swiglu(dtype: torch.dtype) -> 
     # (and without the bias and clamp, the reference differs: they are not left out)
     plain = reference_output(x, {k: v for k, v in w.items() if "bias" not in k}, config)
     assert (plain - want).abs().max().item() > 10 * TOLERANCE[dtype] * want.abs().max().item()
+
+
+def test_forms_that_cannot_run_gpt_oss_experts_refuse_them_by_name() -> None:
+    from pyengine.layers.moe.layer import FusedMoE
+    from pyengine.layers.moe.methods import BlockExperts
+    from pyengine.layers.placement import Placement
+
+    config = RoutingConfig("softmax", 2, 6, renormalize=True)
+    gpt_oss = {"activation": ExpertActivation("clamped_swiglu"), "expert_bias": True}
+    with pytest.raises(ValueError, match="GGUF block experts with the clamped_swiglu activation"):
+        FusedMoE(64, 48, config, Placement(), method=BlockExperts(False), **gpt_oss)
+    with pytest.raises(ValueError, match="expert activation 'gelu' is not one of silu"):
+        ExpertActivation("gelu")
