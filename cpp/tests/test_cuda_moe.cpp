@@ -13,6 +13,7 @@
 #include <numeric>
 #include <random>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/moe_kernels.cuh"
@@ -69,11 +70,15 @@ void topk_case(int rows, int experts, int top_k, bool renormalize, const char* w
   for (int r = 0; r < rows; ++r) {
     std::vector<int> order(static_cast<size_t>(experts));
     std::iota(order.begin(), order.end(), 0);
-    const auto logit = [&](int e) { return to_float(logits[static_cast<size_t>(r) * experts + e]); };
+    const auto logit = [&](int e) {
+      return to_float(logits[static_cast<size_t>(r) * experts + e]);
+    };
     std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return logit(a) > logit(b); });
     double total = 0.0, chosen = 0.0;
     for (int e = 0; e < experts; ++e) total += std::exp(static_cast<double>(logit(e)));
-    for (int s = 0; s < top_k; ++s) chosen += std::exp(static_cast<double>(logit(order[s]))) / total;
+    for (int s = 0; s < top_k; ++s) {
+      chosen += std::exp(static_cast<double>(logit(order[s]))) / total;
+    }
     for (int s = 0; s < top_k; ++s) {
       const size_t at = static_cast<size_t>(r) * top_k + s;
       CHECK(got.ids[at] == order[static_cast<size_t>(s)]);
@@ -139,36 +144,31 @@ void layer_case(int rows, int hidden, int n, int experts, int top_k, const Route
   const Aligned a = align(routed.ids, first, local);
   const auto blocks = static_cast<unsigned>(a.block_experts.size());
 
-  std::vector<T> h(static_cast<size_t>(slots) * n, from_float<T>(NAN));
-  mk::ExpertGemmParams p{};
-  p.sorted = a.sorted.data();
-  p.block_experts = a.block_experts.data();
-  p.weights = routed.weights.data();
-  p.top_k = top_k;
-  p.on_input = on_input;
-  p.out = h.data();
-  p.out_stride = n;
-  p.x = x.data();
-  p.x_stride = hidden;
-  p.w = gate_up.data();
-  p.n = n;
-  p.k = hidden;
-  const auto columns = [](int c) {
-    return static_cast<unsigned>((c + mk::kWarps * mk::kTileColumns - 1) /
-                                 (mk::kWarps * mk::kTileColumns));
+  // One product over the aligned blocks: out [slots, columns] of x [.., k] and w.
+  const auto gemm = [&](auto is_gate_up, void* out, const void* in, const void* w, int columns,
+                        int k) {
+    mk::ExpertGemmParams p{};
+    p.sorted = a.sorted.data();
+    p.block_experts = a.block_experts.data();
+    p.weights = routed.weights.data();
+    p.top_k = top_k;
+    p.on_input = on_input;
+    p.out = out;
+    p.out_stride = columns;
+    p.x = in;
+    p.x_stride = k;
+    p.w = w;
+    p.n = columns;
+    p.k = k;
+    const auto tiles = static_cast<unsigned>((columns + mk::kWarps * mk::kTileColumns - 1) /
+                                             (mk::kWarps * mk::kTileColumns));
+    launch(dim3(tiles, blocks), mk::kWarps * 32,
+           [&] { mk::expert_gemm_kernel<T, decltype(is_gate_up)::value>(p); });
   };
-  launch(dim3(columns(n), blocks), mk::kWarps * 32,
-         [&] { mk::expert_gemm_kernel<T, true>(p); });
+  std::vector<T> h(static_cast<size_t>(slots) * n, from_float<T>(NAN));
+  gemm(std::true_type{}, h.data(), x.data(), gate_up.data(), n, hidden);
   std::vector<float> y(static_cast<size_t>(slots) * hidden, NAN);
-  p.out = y.data();
-  p.out_stride = hidden;
-  p.x = h.data();
-  p.x_stride = n;
-  p.w = down.data();
-  p.n = hidden;
-  p.k = n;
-  launch(dim3(columns(hidden), blocks), mk::kWarps * 32,
-         [&] { mk::expert_gemm_kernel<T, false>(p); });
+  gemm(std::false_type{}, y.data(), h.data(), down.data(), hidden, n);
   std::vector<T> out(static_cast<size_t>(rows) * hidden, from_float<T>(NAN));
   launch(dim3(static_cast<unsigned>(rows)), mk::kCombineThreads, [&] {
     mk::combine_kernel<T>(out.data(), hidden, y.data(), hidden, routed.ids.data(), top_k, first,
@@ -186,7 +186,8 @@ void layer_case(int rows, int hidden, int n, int experts, int top_k, const Route
       for (int j = 0; j < n; ++j) {
         double g = 0.0, u = 0.0;
         for (int i = 0; i < hidden; ++i) {
-          const double xi = to_float(x[static_cast<size_t>(r) * hidden + i]) * (on_input ? weight : 1.0);
+          const double xi =
+              to_float(x[static_cast<size_t>(r) * hidden + i]) * (on_input ? weight : 1.0);
           g += xi * to_float(gate_up[(static_cast<size_t>(e) * 2 * n + j) * hidden + i]);
           u += xi * to_float(gate_up[(static_cast<size_t>(e) * 2 * n + n + j) * hidden + i]);
         }

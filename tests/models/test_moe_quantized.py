@@ -9,6 +9,7 @@ without expert parallelism, the one rank's tokens."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -151,17 +152,23 @@ def test_stacked_blocks_take_int8_rows_when_asked(float_moe: Path, tmp_path: Pat
     assert same >= 0.8 * sum(map(len, expected))
 
 
+def over_two_ranks(folder: Path) -> Iterator[tuple[list, list, list, list]]:  # type: ignore[type-arg]
+    """(tokens, logprobs) at one rank, then at two with and without expert parallelism."""
+    expected, expected_logprobs, llm = generate(folder)
+    llm.llm_engine.shutdown()
+    for expert_parallel in (False, True):
+        got, logprobs, llm = generate(folder, tensor_parallel_size=2,
+                                      enable_expert_parallel=expert_parallel)  # fmt: skip
+        llm.llm_engine.shutdown()
+        yield got, logprobs, expected, expected_logprobs
+
+
 def test_two_ranks_give_one_ranks_tokens(float_moe: Path, tmp_path: Path) -> None:
     """Each expert's layers sharded as a dense MLP's (64 into 32s), or whole experts on
     each rank (4 of 8): the one rank's tokens."""
     write("gptq-4bit-g32", float_moe, tmp_path / "q", tmp_path / "ref")
-    expected, _, llm = generate(tmp_path / "q")
-    llm.llm_engine.shutdown()
-    for expert_parallel in (False, True):
-        got, _, llm = generate(tmp_path / "q", tensor_parallel_size=2,
-                               enable_expert_parallel=expert_parallel)  # fmt: skip
-        llm.llm_engine.shutdown()
-        assert got == expected, f"expert parallel: {expert_parallel}"
+    for got, _, expected, _ in over_two_ranks(tmp_path / "q"):
+        assert got == expected
 
 
 @pytest.mark.slow
@@ -169,12 +176,7 @@ def test_two_ranks_of_int8_activations_stay_close(float_moe: Path, tmp_path: Pat
     """W8A8 over two ranks: each rank quantizes the rows of its shard of a row-parallel
     layer (as vLLM's do), so the product is close to one rank's, not equal."""
     write("w8a8", float_moe, tmp_path / "q", tmp_path / "ref")
-    expected, expected_logprobs, llm = generate(tmp_path / "q")
-    llm.llm_engine.shutdown()
-    for expert_parallel in (False, True):
-        got, logprobs, llm = generate(tmp_path / "q", tensor_parallel_size=2,
-                                      enable_expert_parallel=expert_parallel)  # fmt: skip
-        llm.llm_engine.shutdown()
+    for got, logprobs, expected, expected_logprobs in over_two_ranks(tmp_path / "q"):
         assert_close(got, logprobs, expected, expected_logprobs)
 
 
