@@ -131,7 +131,8 @@ __global__ void __launch_bounds__(kAlignThreads)
 
 struct ExpertGemmParams {
   void* out;                     // gate/up: T [slots, n]; down: float32 [slots, n]
-  const void* x;                 // gate/up: T [tokens, k] (slot s: row s / top_k); down: T [slots, k]
+  const void* x;                 // gate/up: T [tokens, k] (slot s's: row s / top_k);
+                                 // down: T [slots, k]
   const void* w;                 // T [experts, rows, k]: gate/up 2n rows (gate, then up), down n
   const int32_t* sorted;         // align_kernel's
   const int32_t* block_experts;  // align_kernel's
