@@ -32,13 +32,17 @@ class PagedAttention:
     and decode together."""
 
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int = 0
-    ) -> None:
+        self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int = 0,
+        scale: float | None = None, logit_soft_cap: float = 0.0,
+    ) -> None:  # fmt: skip
+        """scale: of q . k (None: head_size^-0.5); logit_soft_cap: each score as cap *
+        tanh(score / cap) before the softmax (0: none; Gemma 2's)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
-        self.scale = head_size**-0.5
+        self.scale = head_size**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.logit_soft_cap = logit_soft_cap
         # A checkpoint's static per-tensor K and V scales (0: none), and the cache dtype
         # that takes them: an int8 cache's instead of its scale per token and head; an
         # fp8 cache stores x / scale (the scores then times k_scale, the output v_scale).
@@ -76,7 +80,7 @@ class PagedAttention:
             meta.query_start_loc,
             self.scale * k_scale if fp8_scales else self.scale,
             self.sliding_window,
-            0.0,
+            self.logit_soft_cap,
             meta.max_seq_len,
             meta.max_query_len,
         )

@@ -175,7 +175,13 @@ _GGUF_ARCHITECTURES = (
 
 
 class Attention(nn.Module):
-    def __init__(self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str):
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
+        sliding_window: int | None = None, scale: float | None = None,
+        logit_soft_cap: float = 0.0,
+    ) -> None:  # fmt: skip
+        """sliding_window: this layer's (None: the model's); scale: of q . k (None:
+        head_size^-0.5); logit_soft_cap: scores as cap * tanh(score / cap) (0: none)."""
         super().__init__()
         family = c.family_config(LlamaFamilyConfig)
         self.qkv_proj = QKVParallelLinear(
@@ -203,8 +209,9 @@ class Attention(nn.Module):
             )
         self.clip = family.clip_qkv
         self.rotary = rotary
+        window = c.sliding_window if sliding_window is None else sliding_window
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_size, c.sliding_window
+            self.num_heads, self.num_kv_heads, self.head_size, window, scale, logit_soft_cap
         )
         # A compressed-tensors kv_cache_scheme's per-tensor scales (checkpoint tensors
         # self_attn.k_scale and v_scale), for an int8 or fp8 KV cache.
@@ -255,6 +262,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # Its norms' attribute names, which are also their checkpoint names.
+    norms: ClassVar[tuple[str, ...]] = ("input_layernorm", "post_attention_layernorm")
+
     def __init__(
         self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str
     ) -> None:
@@ -320,19 +330,40 @@ class LlamaForCausalLM(nn.Module):
         )
         self.layers = nn.ModuleList(
             [
-                DecoderLayer(config, rotary, ctx, f"model.layers.{i}")
+                self.make_layer(config, rotary, ctx, i)
                 if self.start_layer <= i < self.end_layer
                 else nn.Identity()
                 for i in range(config.num_layers)
             ]
         )
-        self.norm = RMSNorm(config.hidden_size, config.norm_eps) if self.stage.is_last else None
+        self.norm = self.make_norm(config.hidden_size) if self.stage.is_last else None
         self.lm_head = stage_lm_head(
             config.vocab_size, config.hidden_size, ctx,
             ("model.embed_tokens.weight", "lm_head.weight"), self.embed_tokens,
             config.tie_word_embeddings,
         )  # fmt: skip
         self.num_parameters = 0
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        """Decoder layer `index` (a family with layers of its own overrides it)."""
+        return DecoderLayer(config, rotary, ctx, f"model.layers.{index}")
+
+    def make_norm(self, size: int) -> RMSNorm:
+        """An RMSNorm of the family's kind (the final one, and the layers' where they ask)."""
+        return RMSNorm(size, self.config.norm_eps)
+
+    def route_norm(self, router: WeightRouter, name: str, norm: RMSNorm) -> None:
+        """Where a norm's checkpoint weight goes (a family that stores it otherwise, as
+        Gemma's 1 + w, overrides it)."""
+        router.plain(name, norm.weight)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first stage's hidden states for the tokens (scaled, in families that do)."""
+        assert self.embed_tokens is not None, "only the first stage embeds tokens"
+        out: torch.Tensor = self.embed_tokens(input_ids)
+        return out
 
     def forward(
         self,
@@ -349,8 +380,7 @@ class LlamaForCausalLM(nn.Module):
         run (a self-speculative draft), `caches` theirs."""
         residual: torch.Tensor | None = None
         if intermediate is None:
-            assert self.embed_tokens is not None, "only the first stage embeds tokens"
-            h: torch.Tensor = self.embed_tokens(input_ids)
+            h = self.embed(input_ids)
         else:
             h, residual = intermediate["hidden"], intermediate["residual"]
         end = self.end_layer if num_layers is None else self.start_layer + num_layers
@@ -398,7 +428,7 @@ class LlamaForCausalLM(nn.Module):
         if c.tie_word_embeddings:
             router.ignore(head)
         if self.norm is not None:
-            router.plain("model.norm.weight", self.norm.weight)
+            self.route_norm(router, "model.norm.weight", self.norm)
         for i in range(self.start_layer, self.end_layer):
             layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)
@@ -409,16 +439,14 @@ class LlamaForCausalLM(nn.Module):
                     router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
             router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
             self.route_mlp(router, f"{p}.mlp", mlp)
-            router.plain(f"{p}.input_layernorm.weight", layer.input_layernorm.weight)
-            router.plain(
-                f"{p}.post_attention_layernorm.weight", layer.post_attention_layernorm.weight
-            )
+            for norm_name in layer.norms:
+                self.route_norm(router, f"{p}.{norm_name}.weight", getattr(layer, norm_name))
             for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
                 if isinstance(norm, ProjectionRMSNorm):  # (this rank's features)
                     weight = norm.weight.data
                     router.shard(f"{p}.self_attn.{name}.weight", weight, 0, norm.start, norm.whole)
                 elif norm is not None:
-                    router.plain(f"{p}.self_attn.{name}.weight", norm.weight)
+                    self.route_norm(router, f"{p}.self_attn.{name}.weight", norm)
             if attn.kv_scales is not None:
                 router.scalar(f"{p}.self_attn.k_scale", attn.kv_scales[0:1])
                 router.scalar(f"{p}.self_attn.v_scale", attn.kv_scales[1:2])

@@ -10,6 +10,7 @@ put in MODEL_CLASSES.
 from __future__ import annotations
 
 from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
+from pyengine.models.gemma import GemmaForCausalLM
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
@@ -18,6 +19,7 @@ from pyengine.models.llama_moe import LlamaMoeForCausalLM
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,
     LlamaMoeForCausalLM,
+    GemmaForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

@@ -1,0 +1,186 @@
+"""Gemma 2 on the Llama family's layers, with what Gemma does otherwise:
+
+- RMSNorms that scale by (1 + w): the checkpoint's w is loaded as 1 + w, so that the
+  fused norm kernels run unchanged;
+- the embeddings scaled by sqrt(hidden_size);
+- four norms a layer: before and after the attention, before and after the MLP;
+- GeGLU: gelu(gate, tanh approximation) * up;
+- attention scaled by query_pre_attn_scalar^-0.5, its scores soft-capped (cap *
+  tanh(score / cap)), sliding-window layers beside global ones (`layer_types`);
+- the final logits soft-capped.
+
+Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
+their window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pyengine.config import ModelConfig
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import LayerContext, MergedColumnParallelLinear, RowParallelLinear
+from pyengine.layers.quantization.shards import copy_checked
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaFamilyConfig,
+    LlamaForCausalLM,
+    _config_from_hf,
+    _Variant,
+)
+from pyengine.models.weights import WeightRouter
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+
+@dataclass(frozen=True)
+class GemmaFamilyConfig(LlamaFamilyConfig):
+    """Gemma's switches beside the Llama family's."""
+
+    query_scale: float = 0.0  # q . k times this (query_pre_attn_scalar^-0.5)
+    attention_soft_cap: float = 0.0  # attn_logit_softcapping (0: none)
+    final_soft_cap: float = 0.0  # final_logit_softcapping (0: none)
+    window: int = 0  # the sliding layers' (sliding_window)
+    sliding_layers: tuple[int, ...] = ()  # the layers `layer_types` names sliding
+
+
+def _layer_types(raw: Mapping[str, Any], num_layers: int) -> list[str]:
+    """`layer_types`, or Gemma 2's default where a config has none: sliding, then global,
+    alternating from the first layer."""
+    types = raw.get("layer_types")
+    if types is None:
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
+    if not isinstance(types, list) or len(types) != num_layers:
+        raise ValueError(f"layer_types must name each of the {num_layers} layers, got {types!r}")
+    unknown = set(types) - {"sliding_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types {sorted(unknown)} are not supported (sliding, full)")
+    return types
+
+
+def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    config = _config_from_hf(raw, common, _Variant())
+    activation = raw.get("hidden_activation") or raw.get("hidden_act")
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"Gemma's hidden_activation {activation!r} is not supported")
+    types = _layer_types(raw, config.num_layers)
+    window = integer(raw.get("sliding_window") or 0)
+    sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    if sliding and window < 1:
+        raise ValueError("sliding layers need a sliding_window")
+    family = GemmaFamilyConfig(
+        attention_bias=bool(raw.get("attention_bias", False)),
+        query_scale=float(raw.get("query_pre_attn_scalar", config.head_size)) ** -0.5,
+        attention_soft_cap=float(raw.get("attn_logit_softcapping") or 0.0),
+        final_soft_cap=float(raw.get("final_logit_softcapping") or 0.0),
+        window=window,
+        sliding_layers=sliding,
+    )
+    return replace(config, tie_word_embeddings=bool(raw.get("tie_word_embeddings", True)),
+                   family=family)  # fmt: skip
+
+
+class GemmaMLP(MLP):
+    """gelu(gate) * up (the tanh approximation): the [gate; up] product whole, then torch."""
+
+    def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
+        nn.Module.__init__(self)
+        n = c.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(
+            c.hidden_size, [n, n], False, ctx,
+            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"],
+        )  # fmt: skip
+        self.down_proj = RowParallelLinear(
+            n, c.hidden_size, False, ctx, [f"{prefix}.down_proj.weight"]
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        out: torch.Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        return out
+
+
+class GemmaDecoderLayer(DecoderLayer):
+    norms: ClassVar[tuple[str, ...]] = (
+        "input_layernorm", "post_attention_layernorm",
+        "pre_feedforward_layernorm", "post_feedforward_layernorm",
+    )  # fmt: skip
+
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        family = c.family_config(GemmaFamilyConfig)
+        prefix = f"model.layers.{index}"
+        window = family.window if index in family.sliding_layers else 0
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.post_feedforward_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.self_attn = Attention(
+            c, rotary, ctx, f"{prefix}.self_attn", sliding_window=window,
+            scale=family.query_scale, logit_soft_cap=family.attention_soft_cap,
+        )  # fmt: skip
+        self.mlp = GemmaMLP(c, ctx, f"{prefix}.mlp")
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        residual: torch.Tensor | None,
+        positions: torch.Tensor,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this layer's output, the residual stream before it is added)."""
+        if residual is None:  # the first layer: the stream is the embeddings
+            residual = h
+            h = self.input_layernorm(h)
+        else:
+            self.input_layernorm.add_residual(h, residual)
+        h = self.post_attention_layernorm(self.self_attn(h, positions, cache, meta))
+        self.pre_feedforward_layernorm.add_residual(h, residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
+
+
+class GemmaForCausalLM(LlamaForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM",)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        return _gemma_config_from_hf(raw, common)
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        return GemmaDecoderLayer(config, rotary, ctx, index)
+
+    def route_norm(self, router: WeightRouter, name: str, norm: RMSNorm) -> None:
+        """Gemma's norms scale by (1 + w): the weight is loaded as that."""
+
+        def load(name: str, tensor: CheckpointTensor) -> None:
+            copy_checked(name, norm.weight.data, materialize(tensor).float() + 1)
+
+        router.tensor(name, tuple(norm.weight.shape), load)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().embed(input_ids)
+        # (sqrt(hidden) rounded to the model's dtype first, as Gemma multiplies by it)
+        scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=h.dtype)
+        return h * scale
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.config.family_config(GemmaFamilyConfig).final_soft_cap
+        return torch.tanh(logits / cap) * cap if cap else logits
