@@ -1,4 +1,5 @@
-"""Gemma 2 on the Llama family's layers, with what Gemma does otherwise:
+"""Gemma 2 and Gemma 3 (text) on the Llama family's layers, with what Gemma does
+otherwise:
 
 - RMSNorms that scale by (1 + w): the checkpoint's w is loaded as 1 + w, so that the
   fused norm kernels run unchanged;
@@ -7,7 +8,9 @@
 - GeGLU: gelu(gate, tanh approximation) * up;
 - attention scaled by query_pre_attn_scalar^-0.5, its scores soft-capped (cap *
   tanh(score / cap)), sliding-window layers beside global ones (`layer_types`);
-- the final logits soft-capped.
+- the final logits soft-capped (Gemma 2);
+- per-head q/k RMSNorms (1 + w) and a rotary base of their own for the sliding layers
+  (Gemma 3: `rope_parameters` per layer type, or `rope_local_base_freq`).
 
 Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
 their window.
@@ -53,6 +56,10 @@ class GemmaFamilyConfig(LlamaFamilyConfig):
     final_soft_cap: float = 0.0  # final_logit_softcapping (0: none)
     window: int = 0  # the sliding layers' (sliding_window)
     sliding_layers: tuple[int, ...] = ()  # the layers `layer_types` names sliding
+    # The sliding layers' rotary base and scaling where they have their own (0: the
+    # model's rope_theta and rope_scaling, which the global layers take).
+    local_rope_theta: float = 0.0
+    local_rope_scaling: dict[str, Any] | None = None
 
 
 def _layer_types(raw: Mapping[str, Any], num_layers: int) -> list[str]:
@@ -69,8 +76,31 @@ def _layer_types(raw: Mapping[str, Any], num_layers: int) -> list[str]:
     return types
 
 
+def _rope(parameters: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of one rope_parameters entry (a "default" one scales nothing)."""
+    kind = parameters.get("rope_type", parameters.get("type"))
+    scaling = None if kind in (None, "default") else dict(parameters)
+    return float(parameters.get("rope_theta", 10000.0)), scaling
+
+
+def _layer_ropes(
+    raw: Mapping[str, Any], common: CommonValues
+) -> tuple[CommonValues, float, dict[str, Any] | None]:
+    """The global layers' rope (in `common`) and the sliding layers' own theta and scaling
+    (0.0, None: the same): transformers 5's rope_parameters per layer type, or Gemma 3's
+    older rope_theta, rope_scaling and rope_local_base_freq."""
+    parameters = raw.get("rope_parameters")
+    if isinstance(parameters, dict) and "full_attention" in parameters:
+        theta, scaling = _rope(parameters["full_attention"])
+        local_theta, local_scaling = _rope(parameters.get("sliding_attention") or {})
+        return replace(common, rope_theta=theta, rope_scaling=scaling), local_theta, local_scaling
+    return common, float(raw.get("rope_local_base_freq") or 0.0), None
+
+
 def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
-    config = _config_from_hf(raw, common, _Variant())
+    common, local_theta, local_scaling = _layer_ropes(raw, common)
+    gemma3 = common.architecture == "Gemma3ForCausalLM"
+    config = _config_from_hf(raw, common, _Variant(qk_norm=gemma3))
     activation = raw.get("hidden_activation") or raw.get("hidden_act")
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"Gemma's hidden_activation {activation!r} is not supported")
@@ -81,6 +111,9 @@ def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Model
         raise ValueError("sliding layers need a sliding_window")
     family = GemmaFamilyConfig(
         attention_bias=bool(raw.get("attention_bias", False)),
+        qk_norm=gemma3,
+        local_rope_theta=local_theta,
+        local_rope_scaling=local_scaling,
         query_scale=float(raw.get("query_pre_attn_scalar", config.head_size)) ** -0.5,
         attention_soft_cap=float(raw.get("attn_logit_softcapping") or 0.0),
         final_soft_cap=float(raw.get("final_logit_softcapping") or 0.0),
@@ -154,7 +187,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
 
 class GemmaForCausalLM(LlamaForCausalLM):
-    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM",)
+    hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
     gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
 
     @classmethod
@@ -164,7 +197,21 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def make_layer(
         self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
     ) -> nn.Module:
+        family = config.family_config(GemmaFamilyConfig)
+        if family.local_rope_theta and index in family.sliding_layers:
+            rotary = self.local_rotary(config, rotary)
         return GemmaDecoderLayer(config, rotary, ctx, index)
+
+    def local_rotary(self, config: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
+        """The sliding layers' rotary embedding (made once, as long as the model's)."""
+        local: RotaryEmbedding | None = self.__dict__.get("_local_rotary")
+        if local is None:
+            family = config.family_config(GemmaFamilyConfig)
+            cache = rotary.cos_sin_cache
+            local = RotaryEmbedding(config.head_size, cache.shape[0], family.local_rope_theta,
+                                    family.local_rope_scaling, cache.device)  # fmt: skip
+            self.__dict__["_local_rotary"] = local
+        return local
 
     def route_norm(self, router: WeightRouter, name: str, norm: RMSNorm) -> None:
         """Gemma's norms scale by (1 + w): the weight is loaded as that."""

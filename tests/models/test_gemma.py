@@ -1,6 +1,8 @@
-"""Gemma 2 (Gemma2ForCausalLM) on tiny random checkpoints that transformers makes in the
+"""Gemma 2 and Gemma 3 (text) on tiny random checkpoints that transformers makes in the
 test: random norms (Gemma's 1 + w), a window smaller than the prompts on alternating
-layers, soft-capped attention and final logits, a query scale of its own. Greedy float32
+layers (Gemma 2) or five of six (Gemma 3, whose sliding layers have a rotary base of
+their own and whose global ones scale theirs), soft-capped attention and final logits
+(Gemma 2), per-head q/k norms (Gemma 3), a query scale of their own. Greedy float32
 tokens and logits identical to transformers', with chunked prefill, a shared prefix and
 forced preemption; over two ranks, one rank's tokens; a config it cannot run refused by
 name."""
@@ -20,34 +22,46 @@ from pyengine import LLM, SamplingParams
 transformers = pytest.importorskip("transformers")
 
 WINDOW = 16
-CONFIG = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-    sliding_window=WINDOW, query_pre_attn_scalar=24, attn_logit_softcapping=3.0,
-    final_logit_softcapping=5.0,
+SHAPE = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, sliding_window=WINDOW,
+    query_pre_attn_scalar=24,
 )  # fmt: skip
+CONFIGS = {
+    "gemma2": lambda: transformers.Gemma2Config(
+        **SHAPE, num_hidden_layers=4, attn_logit_softcapping=3.0, final_logit_softcapping=5.0
+    ),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **SHAPE, num_hidden_layers=6, rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+        },
+    ),
+}  # fmt: skip
+# Each layer's window (0: global).
+WINDOWS = {"gemma2": [WINDOW, 0] * 2, "gemma3": [WINDOW] * 5 + [0]}
 ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 
-@pytest.fixture(scope="module")
-def gemma2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
-    folder = tmp_path_factory.mktemp("gemma2")
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def gemma(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    folder = tmp_path_factory.mktemp(request.param)
     torch.manual_seed(0)
-    config = transformers.Gemma2Config(**CONFIG)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[request.param](), dtype=torch.float32
+    )
     with torch.no_grad():  # (norms' w random about 0: Gemma scales by 1 + w)
         for name, p in model.named_parameters():
             p.normal_(0.0, 0.3 if "norm" in name else 0.08)
     model.eval().save_pretrained(folder)
-    assert config.layer_types == ["sliding_attention", "full_attention"] * 2
-    return folder, model
+    return request.param, folder, model
 
 
-def test_greedy_tokens_and_logits_match_transformers(gemma2) -> None:  # type: ignore[no-untyped-def]
-    folder, model = gemma2
+def test_greedy_tokens_and_logits_match_transformers(gemma) -> None:  # type: ignore[no-untyped-def]
+    kind, folder, model = gemma
     llm = LLM(str(folder), max_num_batched_tokens=32, **ENGINE)  # (chunked prefill)
     layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
-    assert [layer.self_attn.attn.sliding_window for layer in layers] == [WINDOW, 0] * 2
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == WINDOWS[kind]
     rng = np.random.default_rng(2)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)] + [shared, shared + [5]]
@@ -61,9 +75,9 @@ def test_greedy_tokens_and_logits_match_transformers(gemma2) -> None:  # type: i
     assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
 
 
-def test_preemption_keeps_the_tokens(gemma2) -> None:  # type: ignore[no-untyped-def]
-    folder, model = gemma2
-    block = 4 * 2 * 2 * 32 * 16 * 4  # 4 layers' K and V of 16 tokens, float32
+def test_preemption_keeps_the_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
+    kind, folder, model = gemma
+    block = len(WINDOWS[kind]) * 2 * 2 * 32 * 16 * 4  # the layers' K and V of 16 tokens
     llm = LLM(str(folder), **{**ENGINE, "kv_cache_memory": 9 * block, "max_model_len": 128})
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
@@ -75,8 +89,8 @@ def test_preemption_keeps_the_tokens(gemma2) -> None:  # type: ignore[no-untyped
 
 
 @pytest.mark.slow
-def test_two_ranks_give_one_ranks_tokens(gemma2) -> None:  # type: ignore[no-untyped-def]
-    folder, _ = gemma2
+def test_two_ranks_give_one_ranks_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
+    _, folder, _ = gemma
     prompts = [list(range(3, 60)), [9, 8, 7]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     runs = []
@@ -88,15 +102,16 @@ def test_two_ranks_give_one_ranks_tokens(gemma2) -> None:  # type: ignore[no-unt
     assert runs[0] == runs[1]
 
 
-def test_what_it_cannot_run_is_refused_by_name(gemma2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    folder, _ = gemma2
+def test_what_it_cannot_run_is_refused_by_name(gemma, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    kind, folder, _ = gemma
     for f in folder.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((folder / "config.json").read_text())
+    layers = len(WINDOWS[kind])
     for change, message in (
         ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
-        ({"layer_types": ["chunked_attention"] * 4}, r"layer_types \['chunked_attention'\]"),
-        ({"layer_types": ["full_attention"]}, "layer_types must name each of the 4 layers"),
+        ({"layer_types": ["chunked_attention"] * layers}, r"layer_types \['chunked_attention'\]"),
+        ({"layer_types": ["full_attention"]}, f"layer_types must name each of the {layers} "),
     ):
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
