@@ -54,6 +54,10 @@ _SCHEMAS = {
     "rotary_embedding": "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
     "Tensor cos_sin_cache, bool is_neox=True) -> ()",
     "silu_and_mul": "silu_and_mul(Tensor(a!) out, Tensor x) -> ()",
+    # out = gelu(x[:, :n]) * x[:, n:], tanh approximation (Gemma's GeGLU; the CPU's)
+    "gelu_tanh_and_mul": "gelu_tanh_and_mul(Tensor(a!) out, Tensor x) -> ()",
+    # out = x * factor (the CPU's)
+    "scale": "scale(Tensor(a!) out, Tensor x, float factor) -> ()",
     # out = a + b (the CPU's: the residual stream's last sum)
     "add": "add(Tensor(a!) out, Tensor a, Tensor b) -> ()",
     # out [t, hidden] = weight [vocab, hidden] rows ids (int32/int64 [t]) (the CPU's)
@@ -146,6 +150,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
+    "gelu_tanh_and_mul": _C.gelu_tanh_and_mul,
+    "scale": _C.scale,
     "moe_softmax_topk": _C.moe_softmax_topk,
     "moe_grouped_topk": _C.moe_grouped_topk,
     "moe_sigmoid_topk": _C.moe_sigmoid_topk,
@@ -272,6 +278,8 @@ fused_add_rms_norm = _eager_cpu_direct("fused_add_rms_norm")
 rotary_embedding = _eager_cpu_direct("rotary_embedding")
 silu_and_mul = _eager_cpu_direct("silu_and_mul")
 add = _eager_cpu_direct("add")
+gelu_tanh_and_mul = _eager_cpu_direct("gelu_tanh_and_mul")
+scale = _eager_cpu_direct("scale")
 embedding = _eager_cpu_direct("embedding")
 dense = _eager_cpu_direct("dense")
 dense_silu_and_mul = _eager_cpu_direct("dense_silu_and_mul")

@@ -99,6 +99,17 @@ KernelCall prepare_dense_silu_and_mul(const py::handle& out, const py::handle& x
   return {[=] { dense_silu_and_mul(o->view(), in->view(), p->view(), n, int8_activations); }};
 }
 
+KernelCall prepare_gelu_tanh_and_mul(const py::handle& out, const py::handle& x) {
+  auto o = shared_view(out, "gelu_tanh_and_mul: out");
+  auto in = shared_view(x, "gelu_tanh_and_mul: x");
+  return {[=] { gelu_tanh_and_mul(o->view(), in->view()); }};
+}
+
+KernelCall prepare_scale(const py::handle& out, const py::handle& x, double factor) {
+  auto o = shared_view(out, "scale: out"), in = shared_view(x, "scale: x");
+  return {[=] { scale(o->view(), in->view(), factor); }};
+}
+
 KernelCall prepare_int8_dense(const py::handle& out, const py::handle& x, const py::handle& packed,
                               const py::handle& scale, const py::handle& bias, int64_t n) {
   auto o = shared_view(out, "int8_dense: out"), in = shared_view(x, "int8_dense: x");
@@ -332,6 +343,10 @@ void bind_layer_ops(py::module_& m) {
         pack_int8_weight(p.view(), w.view());
       },
       py::arg("packed"), py::arg("q"), "Packs q [n, k] (int8) for int8_dense.");
+  def_kernel(m, "gelu_tanh_and_mul", &prepare_gelu_tanh_and_mul, py::arg("out"), py::arg("x"),
+             "out [t, n] = gelu(x[:, :n]) * x[:, n:], gelu's tanh approximation (the CPU's).");
+  def_kernel(m, "scale", &prepare_scale, py::arg("out"), py::arg("x"), py::arg("factor"),
+             "out = x * factor (the CPU's).");
   def_kernel(m, "int8_dense", &prepare_int8_dense, py::arg("out"), py::arg("x"), py::arg("packed"),
              py::arg("scale"), py::arg("bias"), py::arg("n"),
              "out [m, n] = x [m, k], int8-quantized per row, @ a packed int8 weight, times "

@@ -13,7 +13,8 @@ otherwise:
   (Gemma 3: `rope_parameters` per layer type, or `rope_local_base_freq`).
 
 Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
-their window.
+their window. On the CPU the GeGLU and the embeddings' scale are kernels, so that decode
+steps record.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pyengine import ops
 from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
@@ -45,6 +47,9 @@ from pyengine.models.llama import (
 )
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+# The dtypes the CPU kernels take.
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -139,8 +144,14 @@ class GemmaMLP(MLP):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        out: torch.Tensor = self.down_proj(F.gelu(gate, approximate="tanh") * up)
+        product = self.gate_up_proj(x)
+        if product.is_cpu and product.dtype in _KERNEL_DTYPES:  # (a recorded step holds it)
+            h = torch.empty(x.shape[0], product.shape[1] // 2, dtype=product.dtype)
+            ops.gelu_tanh_and_mul(h, product)
+        else:
+            gate, up = product.chunk(2, dim=-1)
+            h = F.gelu(gate, approximate="tanh") * up
+        out: torch.Tensor = self.down_proj(h)
         return out
 
 
@@ -225,7 +236,11 @@ class GemmaForCausalLM(LlamaForCausalLM):
         h = super().embed(input_ids)
         # (sqrt(hidden) rounded to the model's dtype first, as Gemma multiplies by it)
         scale = torch.tensor(math.sqrt(self.config.hidden_size), dtype=h.dtype)
-        return h * scale
+        if not (h.is_cpu and h.dtype in _KERNEL_DTYPES):
+            return h * scale
+        out = torch.empty_like(h)
+        ops.scale(out, h, float(scale))  # (a kernel: a recorded decode step holds it)
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)

@@ -86,6 +86,24 @@ def test_silu_and_mul(dtype: torch.dtype) -> None:
     assert rel_error(out, want) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float16])
+def test_gelu_tanh_and_mul_and_scale(dtype: torch.dtype) -> None:
+    """Gemma's GeGLU (gelu's tanh approximation) and its embeddings' scale (the CPU's)."""
+    x = (torch.randn(41, 2 * 384) * 4).to(dtype)
+    out = torch.full((41, 384), float("nan"), dtype=dtype)
+    ops.gelu_tanh_and_mul(out, x)
+    xd = x.double()
+    want = torch.nn.functional.gelu(xd[:, :384], approximate="tanh") * xd[:, 384:]
+    assert rel_error(out, want) < TOLERANCE[dtype]
+    scaled = torch.full_like(x, float("nan"))
+    ops.scale(scaled, x, 8.0)
+    assert torch.equal(scaled, x * 8.0)  # (exact: a power of two)
+    with pytest.raises(ValueError, match="need x \\[tokens, 2n\\]"):
+        ops.gelu_tanh_and_mul(out, x[:, :100])
+    with pytest.raises(ValueError, match="out must be x's shape"):
+        ops.scale(out, x, 2.0)
+
+
 def test_bad_arguments_are_clear_errors() -> None:
     x = torch.randn(4, 64)
     with pytest.raises(ValueError, match="disagree in shape"):

@@ -60,8 +60,10 @@ def gemma(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path,
 def test_greedy_tokens_and_logits_match_transformers(gemma) -> None:  # type: ignore[no-untyped-def]
     kind, folder, model = gemma
     llm = LLM(str(folder), max_num_batched_tokens=32, **ENGINE)  # (chunked prefill)
-    layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    layers = runner.model.layers
     assert [layer.self_attn.attn.sliding_window for layer in layers] == WINDOWS[kind]
+    assert runner.graphs is not None  # (its decode steps recorded: kernels only)
     rng = np.random.default_rng(2)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)] + [shared, shared + [5]]

@@ -47,4 +47,10 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
 // out = silu(x[:, :n]) * x[:, n:], with x [num_tokens, 2n] and out [num_tokens, n].
 void silu_and_mul(const TensorView& out, const TensorView& x, void* stream = nullptr);
 
+// out = gelu(x[:, :n]) * x[:, n:], gelu's tanh approximation (Gemma's GeGLU); the CPU's.
+void gelu_tanh_and_mul(const TensorView& out, const TensorView& x);
+
+// out = x * factor (factor as float32; Gemma's embedding scale), [tokens, n]; the CPU's.
+void scale(const TensorView& out, const TensorView& x, double factor);
+
 }  // namespace pyengine

@@ -332,42 +332,94 @@ void silu_and_mul_row(const float* __restrict gate, const float* __restrict up,
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
+// gelu(gate) * up, gelu's tanh approximation (torch's approximate="tanh").
+void gelu_tanh_and_mul_row(const float* __restrict gate, const float* __restrict up,
+                           float* __restrict out, int64_t n) {
+  constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float g = gate[i];
+    out[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + kCubic * g * g * g))) * up[i];
+  }
+}
+
 }  // namespace detail
 
-void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
-  constexpr const char* op = "silu_and_mul";
+namespace {
+
+// x [tokens, 2n] ([gate | up] a row) and out [tokens, n] of one float dtype on one device.
+void check_gated(const char* op, const TensorView& out, const TensorView& x) {
   check_float_dtype(x, op, "x");
   check_rows_on(x, x.device, op, "x", 2, x.dtype);
   check_rows_on(out, x.device, op, "out", 2, x.dtype);
   detail::check_writable(out, op, "out");
-  const int64_t rows = x.shape[0], n = out.shape[1];
-  if (out.shape[0] != rows || x.shape[1] != 2 * n) {
+  if (out.shape[0] != x.shape[0] || x.shape[1] != 2 * out.shape[1]) {
     throw InvalidArgument(std::string(op) + ": need x [tokens, 2n] and out [tokens, n], got x " +
                           x.describe() + " and out " + out.describe());
   }
-  if (on_cuda(x.device, op)) {
-#ifdef PYENGINE_WITH_CUDA
-    return cuda::silu_and_mul(out, x, stream);
-#endif
-  }
-  (void)stream;
+}
+
+// out = activation(gate) * up a row on the CPU, each row through `row_fn` in float32.
+template <class Row>
+void gated_rows(const TensorView& out, const TensorView& x, const Row& row_fn) {
+  const int64_t rows = x.shape[0], n = out.shape[1];
   dispatch(x.dtype, [&](auto d) {
     constexpr DType kD = decltype(d)::value;
 #pragma omp parallel for schedule(static) if (rows * n >= kParallelElements)
     for (int64_t r = 0; r < rows; ++r) {
       if constexpr (kD == DType::kFloat32) {
         const float* in = static_cast<const float*>(x.data) + r * x.strides[0];
-        detail::silu_and_mul_row(in, in + n, static_cast<float*>(out.data) + r * out.strides[0], n);
+        row_fn(in, in + n, static_cast<float*>(out.data) + r * out.strides[0], n);
       } else {
         thread_local std::vector<float> row;
         row.resize(static_cast<size_t>(3 * n));
         for (int64_t i = 0; i < 2 * n; ++i) {
           row[static_cast<size_t>(i)] = detail::load<kD>(x.data, r * x.strides[0] + i);
         }
-        detail::silu_and_mul_row(row.data(), row.data() + n, row.data() + 2 * n, n);
+        row_fn(row.data(), row.data() + n, row.data() + 2 * n, n);
         for (int64_t i = 0; i < n; ++i) {
           detail::store<kD>(out.data, r * out.strides[0] + i, row[static_cast<size_t>(2 * n + i)]);
         }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+void silu_and_mul(const TensorView& out, const TensorView& x, void* stream) {
+  constexpr const char* op = "silu_and_mul";
+  check_gated(op, out, x);
+  if (on_cuda(x.device, op)) {
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::silu_and_mul(out, x, stream);
+#endif
+  }
+  (void)stream;
+  gated_rows(out, x, detail::silu_and_mul_row);
+}
+
+void gelu_tanh_and_mul(const TensorView& out, const TensorView& x) {
+  constexpr const char* op = "gelu_tanh_and_mul";
+  detail::check_cpu(x, op, "x");
+  check_gated(op, out, x);
+  gated_rows(out, x, detail::gelu_tanh_and_mul_row);
+}
+
+void scale(const TensorView& out, const TensorView& x, double factor) {
+  constexpr const char* op = "scale";
+  check_cpu_rows(op, x, "x", out);
+  const int64_t rows = x.shape[0], n = x.shape[1];
+  if (out.shape[0] != rows || out.shape[1] != n) {
+    throw InvalidArgument(arg(op, "out") + " must be x's shape, got x " + x.describe() +
+                          " and out " + out.describe());
+  }
+  const auto f = static_cast<float>(factor);
+  dispatch(x.dtype, [&](auto d) {
+    constexpr DType kD = decltype(d)::value;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float v = detail::load<kD>(x.data, r * x.strides[0] + i) * f;
+        detail::store<kD>(out.data, r * out.strides[0] + i, v);
       }
     }
   });
