@@ -173,6 +173,7 @@ def paged_attention(
     logit_soft_cap: float = 0.0,
     max_seq_len: int = 0,
     max_query_len: int = 0,
+    sinks: Any | None = None,
     stream: int = 0,
 ) -> None: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

@@ -55,7 +55,8 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
                                    const py::handle& block_tables, const py::handle& seq_lens,
                                    const py::handle& query_start_loc, float scale,
                                    int sliding_window, float logit_soft_cap, int64_t max_seq_len,
-                                   int64_t max_query_len, uintptr_t stream) {
+                                   int64_t max_query_len, const py::handle& sinks,
+                                   uintptr_t stream) {
   auto o = shared_view(out, "paged_attention: out");
   auto q = shared_view(query, "paged_attention: query");
   auto kc = shared_view(key_cache, "paged_attention: key_cache");
@@ -63,8 +64,10 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
   auto tables = shared_view(block_tables, "paged_attention: block_tables");
   auto lens = shared_view(seq_lens, "paged_attention: seq_lens");
   auto qsl = shared_view(query_start_loc, "paged_attention: query_start_loc");
-  const AttentionOptions options{scale, sliding_window, logit_soft_cap, max_seq_len, max_query_len};
+  auto sink = optional_view(sinks, "paged_attention: sinks");
   return {[=] {
+    const AttentionOptions options{scale,       sliding_window,     logit_soft_cap,
+                                   max_seq_len, max_query_len, view_or_empty(sink)};
     paged_attention(o->view(), q->view(), kc->view(), vc->view(), tables->view(), lens->view(),
                     qsl->view(), options, as_stream(stream));
   }};
@@ -112,7 +115,7 @@ stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc
       py::arg("key_cache"), py::arg("value_cache"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
       py::arg("sliding_window") = 0, py::arg("logit_soft_cap") = 0.0f, py::arg("max_seq_len") = 0,
-      py::arg("max_query_len") = 0, py::arg("stream") = 0,
+      py::arg("max_query_len") = 0, py::arg("sinks") = py::none(), py::arg("stream") = 0,
       R"doc(Variable-length causal attention through block tables, into `out`.
 
 Request i's query tokens query[query_start_loc[i]:query_start_loc[i+1]] are the last
@@ -129,6 +132,8 @@ max_seq_len:             the longest seq_len where the caller knows it (0: unkno
                          splits long contexts by it (a wrong one costs speed, not results)
 max_query_len:           the most query tokens of any request where the caller knows it
                          (0: unknown); sizes the CUDA grid (a wrong one costs speed only)
+sinks:                   float32 [num_heads], each head's sink logit (gpt-oss's), or None;
+                         the CPU's
 stream:                  a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 }
 

@@ -88,7 +88,9 @@ def reference(
     scale: float,
     window: int,
     soft_cap: float,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
+    """sinks: each head's sink logit, a share of the softmax with no value (or None)."""
     out = np.zeros_like(query)
     group = query.shape[1] // keys[0].shape[1]
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -102,7 +104,10 @@ def reference(
                 if soft_cap > 0:
                     scores = soft_cap * np.tanh(scores / soft_cap)
                 weights = np.exp(scores - scores.max())
-                out[token, h] = weights @ v[lo : position + 1, h // group] / weights.sum()
+                total = weights.sum()
+                if sinks is not None:
+                    total += np.exp(sinks[h] - scores.max())
+                out[token, h] = weights @ v[lo : position + 1, h // group] / total
     return out
 
 
@@ -115,6 +120,7 @@ def check_output(
     soft_cap: float,
     tolerance: float,
     cache_dtype: str | None = None,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """Every element of `got` (float64) written and within `tolerance` of the reference,
     relative to its largest value."""
@@ -123,7 +129,7 @@ def check_output(
     query = to_float64(to_dtype(case.query, dtype))
     keys = [to_float64(to_dtype(k, cache_dtype)) for k in case.keys]
     values = [to_float64(to_dtype(v, cache_dtype)) for v in case.values]
-    expected = reference(case, query, keys, values, scale, window, soft_cap)
+    expected = reference(case, query, keys, values, scale, window, soft_cap, sinks)
     assert not np.isnan(got).any(), "an output element was not written"
     error = np.abs(got - expected).max() / np.abs(expected).max()
     assert error < tolerance, f"relative error {error:.2e}"

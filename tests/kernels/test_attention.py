@@ -46,9 +46,11 @@ def run_case(
     soft_cap: float = 0.0,
     cache_dtype: str | None = None,
     tolerance: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """query and out in `dtype`, the caches in `cache_dtype` (default: the same);
-    `tolerance` relative to the output's largest value (default: the dtype's)."""
+    `tolerance` relative to the output's largest value (default: the dtype's); `sinks`:
+    each head's sink logit."""
     cache_dtype = cache_dtype or dtype
     key_cache, value_cache = fill_caches(case, block_size, cache_dtype)
     query = to_dtype(case.query, dtype)
@@ -65,9 +67,13 @@ def run_case(
         scale,
         window,
         soft_cap,
+        sinks=None if sinks is None else torch.from_numpy(sinks.astype(np.float32)),
     )
     tolerance = tolerance or TOLERANCE[dtype]
-    check_output(case, to_float64(out), dtype, scale, window, soft_cap, tolerance, cache_dtype)
+    wide = None if sinks is None else sinks.astype(np.float32).astype(np.float64)
+    check_output(
+        case, to_float64(out), dtype, scale, window, soft_cap, tolerance, cache_dtype, wide
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -121,6 +127,21 @@ def test_every_head_size_and_block_size(isa: str, head_size: int, block_size: in
     rng = np.random.default_rng()
     case = make_case(rng, [70, 3], [20, 1], 4, 2, head_size, block_size)
     run_case(case, block_size, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_attention_sinks(isa: str, dtype: str) -> None:
+    """gpt-oss's: each head's sink logit takes a share of the softmax; with a window, in
+    prefill and decode, and over a context long enough to be split across threads."""
+    rng = np.random.default_rng()
+    case = make_case(rng, [90, 2500, 7], [1, 40, 7], 8, 2, 64, 16)
+    sinks = rng.normal(0.0, 2.0, 8)
+    run_case(case, 16, dtype, sinks=sinks)
+    run_case(case, 16, dtype, window=32, sinks=sinks)
+    decode = make_case(rng, [4000], [1], 8, 1, 64, 16)  # (one tile, split over threads)
+    run_case(decode, 16, dtype, sinks=sinks)
+    with pytest.raises(ValueError, match=r"sinks must be dense float32 \[8\] \(num_heads\)"):
+        run_case(decode, 16, dtype, sinks=sinks[:7])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

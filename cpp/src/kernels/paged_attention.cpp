@@ -215,6 +215,18 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           ": scale must be finite, sliding_window >= 0 and logit_soft_cap "
                           "finite and >= 0");
   }
+  if (options.sinks.data != nullptr) {
+    const TensorView& sinks = options.sinks;
+    if (device.kind != DeviceKind::kCPU) {
+      throw InvalidArgument(std::string(op) + ": attention sinks run on the CPU only (yet)");
+    }
+    detail::check_cpu(sinks, op, "sinks");
+    if (sinks.ndim != 1 || sinks.dtype != DType::kFloat32 || sinks.shape[0] != num_heads ||
+        (num_heads > 1 && sinks.strides[0] != 1)) {
+      throw InvalidArgument(arg(op, "sinks") + " must be dense float32 [" +
+                            std::to_string(num_heads) + "] (num_heads), got " + sinks.describe());
+    }
+  }
   // The metadata stay on the device: see cuda/paged_attention_launch.h.
   if (detail::on_cuda(device, op)) {
 #ifdef PYENGINE_WITH_CUDA
