@@ -143,6 +143,7 @@ _ROPE_SCALING_KEYS = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor",
                "original_max_position_embeddings"),
     "freq_divisors": (),
+    "yarn": ("factor", "original_max_position_embeddings"),
 }  # fmt: skip
 
 

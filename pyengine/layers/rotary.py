@@ -42,7 +42,54 @@ def inverse_frequencies(
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
         return torch.where(medium, smoothed, scaled)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3)")
+    if kind == "yarn":
+        assert scaling is not None
+        return _yarn_frequencies(head_size, theta, scaling)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3, yarn)")
+
+
+def _yarn_frequencies(head_size: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    """YaRN's (gpt-oss, DeepSeek): each frequency between its interpolated (divided by
+    `factor`) and its original value, by a linear ramp over the dimensions whose
+    wavelengths lie between beta_fast and beta_slow rotations of the original context."""
+    factor = float(scaling["factor"])
+    original = float(scaling["original_max_position_embeddings"])
+    beta_fast, beta_slow = (
+        float(scaling.get("beta_fast") or 32),
+        float(scaling.get("beta_slow") or 1),
+    )
+
+    def dimension(rotations: float) -> float:
+        return head_size * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(beta_fast), dimension(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_size - 1)
+    if low == high:
+        high += 0.001  # (no empty ramp)
+    ramp = ((torch.arange(head_size // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    original_freq = 1.0 / (theta ** (torch.arange(0, head_size, 2).float() / head_size))
+    return original_freq / factor * (1 - extrapolation) + original_freq * extrapolation
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What a rope scaling multiplies cos and sin by: YaRN's 0.1 ln(factor) + 1 (or its
+    attention_factor, or the ratio of its mscale and mscale_all_dim's), else 1."""
+    kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
+    if kind != "yarn":
+        return 1.0
+    assert scaling is not None
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+
+    def mscale(scale: float) -> float:
+        return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    return mscale(float(m)) / mscale(float(m_all)) if m and m_all else mscale(1.0)
 
 
 class RotaryEmbedding:
@@ -61,9 +108,11 @@ class RotaryEmbedding:
         inv_freq = inverse_frequencies(head_size, theta, scaling)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
-        # [max_positions, head_size]: cos of each frequency, then sin; float32 whatever
-        # the model's dtype.
-        self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(device)
+        # [max_positions, head_size]: cos of each frequency, then sin (times the scaling's
+        # attention factor: YaRN's); float32 whatever the model's dtype.
+        cos_sin = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        factor = attention_factor(scaling)
+        self.cos_sin_cache = (cos_sin * factor if factor != 1.0 else cos_sin).to(device)
 
     def __call__(self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> None:
         """Rotates query [tokens, heads, dim] and key [tokens, kv_heads, dim] in place."""
