@@ -67,9 +67,9 @@ class GemmaFamilyConfig(LlamaFamilyConfig):
     local_rope_scaling: dict[str, Any] | None = None
 
 
-def _layer_types(raw: Mapping[str, Any], num_layers: int) -> list[str]:
-    """`layer_types`, or Gemma 2's default where a config has none: sliding, then global,
-    alternating from the first layer."""
+def layer_types(raw: Mapping[str, Any], num_layers: int) -> list[str]:
+    """`layer_types`, or the default of Gemma 2 and gpt-oss where a config has none:
+    sliding, then full, alternating from the first layer."""
     types = raw.get("layer_types")
     if types is None:
         return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
@@ -109,7 +109,7 @@ def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Model
     activation = raw.get("hidden_activation") or raw.get("hidden_act")
     if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
         raise ValueError(f"Gemma's hidden_activation {activation!r} is not supported")
-    types = _layer_types(raw, config.num_layers)
+    types = layer_types(raw, config.num_layers)
     window = integer(raw.get("sliding_window") or 0)
     sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
     if sliding and window < 1:

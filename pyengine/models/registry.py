@@ -12,6 +12,7 @@ from __future__ import annotations
 from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
 from pyengine.models.gemma import GemmaForCausalLM
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
+from pyengine.models.gpt_oss import GptOssForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
 from pyengine.models.llama_moe import LlamaMoeForCausalLM
@@ -20,6 +21,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,
     LlamaMoeForCausalLM,
     GemmaForCausalLM,
+    GptOssForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

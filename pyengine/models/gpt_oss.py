@@ -1,0 +1,191 @@
+"""gpt-oss (GptOssForCausalLM) on the Llama family's layers, with what it does otherwise:
+
+- attention with biases on q/k/v and on its output, a learned sink logit per head (a
+  share of the softmax that adds no value: PagedAttention.sinks), and 128-token sliding
+  windows on the layers `layer_types` names beside full ones;
+- YaRN rotary scaling (layers/rotary.py);
+- a mixture of experts in every layer (layers/moe): a router with a bias, softmax over
+  its top k's logits, experts with biases on both products and the clamped SwiGLU
+  (`swiglu_alpha`, `swiglu_limit`). Its checkpoints hold every expert of a layer in one
+  tensor, transposed, the gate's and up's columns alternating: `mlp.experts.gate_up_proj`
+  [experts, hidden, 2 n], `gate_up_proj_bias` [experts, 2 n], `down_proj` [experts, n,
+  hidden], `down_proj_bias` [experts, hidden]; each rank reads its experts' slices.
+
+Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
+their window. The sinks run on the CPU's attention kernel only (yet); the released
+checkpoints' MXFP4 experts are refused by their quant_method.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pyengine.config import ModelConfig
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import LayerContext, RowParallelLinear
+from pyengine.layers.moe.activation import ExpertActivation
+from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.methods import experts_method
+from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.quantization.shards import copy_checked
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.gemma import layer_types
+from pyengine.models.llama import (
+    Attention,
+    DecoderLayer,
+    LlamaFamilyConfig,
+    LlamaForCausalLM,
+    _config_from_hf,
+    _Variant,
+)
+from pyengine.models.weights import WeightRouter
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
+
+
+@dataclass(frozen=True)
+class GptOssFamilyConfig(LlamaFamilyConfig):
+    num_experts: int = 0
+    top_k: int = 0
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    window: int = 0  # the sliding layers' (sliding_window)
+    sliding_layers: tuple[int, ...] = ()
+
+
+def _gpt_oss_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    config = _config_from_hf(raw, common, _Variant(attention_bias=True))
+    types = layer_types(raw, config.num_layers)
+    family = GptOssFamilyConfig(
+        attention_bias=bool(raw.get("attention_bias", True)),
+        num_experts=integer(raw["num_local_experts"]),
+        top_k=integer(raw["num_experts_per_tok"]),
+        swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+        window=integer(raw.get("sliding_window") or 0),
+        sliding_layers=tuple(i for i, kind in enumerate(types) if kind == "sliding_attention"),
+    )
+    return replace(config, family=family)
+
+
+class SinkAttention(Attention):
+    """Attention with an output bias and a sink logit per head (this rank's heads)."""
+
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
+        sliding_window: int,
+    ) -> None:  # fmt: skip
+        super().__init__(c, rotary, ctx, prefix, sliding_window=sliding_window)
+        if ctx.placement.device.type != "cpu":
+            raise ValueError("gpt-oss's attention sinks run on the CPU only (yet)")
+        self.o_proj = RowParallelLinear(
+            c.num_heads * c.head_size, c.hidden_size, True, ctx, [f"{prefix}.o_proj.weight"]
+        )
+        self.first_head = self.qkv_proj.shard_offsets[0][0] // c.head_size
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+
+    def process_weights_after_loading(self) -> None:
+        super().process_weights_after_loading()
+        self.attn.sinks = self.sinks.data.float().contiguous()
+
+
+class GptOssDecoderLayer(DecoderLayer):
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        family = c.family_config(GptOssFamilyConfig)
+        prefix = f"model.layers.{index}"
+        window = family.window if index in family.sliding_layers else 0
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.self_attn = SinkAttention(c, rotary, ctx, f"{prefix}.self_attn", window)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        routing = RoutingConfig("softmax", family.top_k, family.num_experts, renormalize=True)
+        activation = ExpertActivation("clamped_swiglu", family.swiglu_alpha, family.swiglu_limit)
+        self.mlp = FusedMoE(  # type: ignore[assignment]  # (its forward is an MLP's)
+            c.hidden_size, c.intermediate_size, routing, ctx.placement, tp=ctx.tp,
+            expert_parallel=ctx.expert_parallel, method=experts_method(ctx.placement),
+            activation=activation, expert_bias=True, router_bias=True,
+        )  # fmt: skip
+
+
+class GptOssForCausalLM(LlamaForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        return _gpt_oss_config_from_hf(raw, common)
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
+    ) -> None:
+        if ctx is not None and ctx.adapters:
+            raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        super().__init__(config, max_positions, ctx)
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        return GptOssDecoderLayer(config, rotary, ctx, index)
+
+    def weight_router(self) -> WeightRouter:
+        router = super().weight_router()
+        for i in range(self.start_layer, self.end_layer):
+            attn = self.layers[i].self_attn
+            assert isinstance(attn, SinkAttention)
+            p = f"model.layers.{i}.self_attn"
+            router.linear(f"{p}.o_proj.bias", attn.o_proj, "bias")
+            sinks = attn.sinks.data
+            router.shard(f"{p}.sinks", sinks, 0, attn.first_head, self.config.num_heads)
+        return router
+
+    def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
+        assert isinstance(mlp, FusedMoE)
+        assert mlp.router_bias is not None and mlp.gate_up_bias is not None
+        assert mlp.down_bias is not None
+        router.plain(f"{prefix}.router.weight", mlp.router)
+        router.plain(f"{prefix}.router.bias", mlp.router_bias)
+        s, n = mlp.shard, mlp.intermediate_size
+        experts, whole, hidden = (
+            mlp.routing.num_experts,
+            mlp.full_intermediate_size,
+            mlp.hidden_size,
+        )
+
+        def mine(tensor: CheckpointTensor) -> torch.Tensor:
+            """This rank's experts' gate and up entries along the last dim (alternating)."""
+            last = len(tensor.shape) - 1
+            return materialize(tensor.narrow(0, s.first, s.count).narrow(last, 2 * s.start, 2 * n))
+
+        def gate_up(name: str, tensor: CheckpointTensor) -> None:
+            both = mine(tensor)  # [count, hidden, 2 n]
+            copy_checked(name, mlp.gate_up[:, :n], both[..., 0::2].transpose(1, 2))
+            copy_checked(name, mlp.gate_up[:, n:], both[..., 1::2].transpose(1, 2))
+
+        def gate_up_bias(name: str, tensor: CheckpointTensor) -> None:
+            both = mine(tensor)  # [count, 2 n]
+            assert mlp.gate_up_bias is not None
+            copy_checked(name, mlp.gate_up_bias[:, :n], both[:, 0::2])
+            copy_checked(name, mlp.gate_up_bias[:, n:], both[:, 1::2])
+
+        def down(name: str, tensor: CheckpointTensor) -> None:
+            mine = tensor.narrow(0, s.first, s.count).narrow(1, s.start, n)  # [count, n, hidden]
+            copy_checked(name, mlp.down, materialize(mine).transpose(1, 2))
+
+        def down_bias(name: str, tensor: CheckpointTensor) -> None:
+            assert mlp.down_bias is not None
+            copy_checked(name, mlp.down_bias, tensor.narrow(0, s.first, s.count))
+
+        for name, shape, load in (
+            ("gate_up_proj", (experts, hidden, 2 * whole), gate_up),
+            ("gate_up_proj_bias", (experts, 2 * whole), gate_up_bias),
+            ("down_proj", (experts, whole, hidden), down),
+            ("down_proj_bias", (experts, hidden), down_bias),
+        ):
+            router.tensor(f"{prefix}.experts.{name}", shape, load)

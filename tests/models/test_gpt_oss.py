@@ -1,0 +1,108 @@
+"""gpt-oss (GptOssForCausalLM) on tiny random checkpoints that transformers makes in the
+test: attention with biases, learned sinks (drawn large enough to matter) and 16-token
+windows on alternating layers, YaRN rope, experts with biases and the clamped SwiGLU (at
+a limit the random products pass), a router with a bias. Greedy float32 tokens and
+logits identical to transformers', with chunked prefill and forced preemption; over two
+ranks, with and without expert parallelism, one rank's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.hf_reference import hf_greedy, prefill_logits
+
+from pyengine import LLM, SamplingParams
+
+transformers = pytest.importorskip("transformers")
+
+ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    torch.manual_seed(0)
+    config = transformers.GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
+        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256, swiglu_limit=0.6,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            norm, sinks = "norm" in name, name.endswith("sinks")
+            p.normal_(1.0 if norm else 0.0, 1.0 if sinks else 0.1 if norm else 0.08)
+    model.eval().save_pretrained(folder)
+    return folder, model
+
+
+def test_greedy_tokens_and_logits_match_transformers(gpt_oss) -> None:  # type: ignore[no-untyped-def]
+    folder, model = gpt_oss
+    llm = LLM(str(folder), max_num_batched_tokens=32, **ENGINE)  # (chunked prefill)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    layers = runner.model.layers
+    assert [layer.self_attn.attn.sliding_window for layer in layers] == [16, 0]
+    assert layers[0].mlp.weight_form() == "float32 expert panels"
+    assert runner.graphs is not None  # (its decode steps recorded: kernels only)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    tokens = rng.integers(0, 256, 70).tolist()  # (past the window)
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+    # (the sinks matter: without them the logits differ)
+    for layer in layers:
+        layer.self_attn.attn.sinks = None
+    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() > 1e-2
+
+
+def test_preemption_keeps_the_tokens(gpt_oss) -> None:  # type: ignore[no-untyped-def]
+    folder, model = gpt_oss
+    block = 2 * 2 * 2 * 32 * 16 * 4  # 2 layers' K and V of 16 tokens, float32
+    llm = LLM(str(folder), **{**ENGINE, "kv_cache_memory": 9 * block, "max_model_len": 128})
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_ranks_tokens(gpt_oss) -> None:  # type: ignore[no-untyped-def]
+    """The heads and their sinks split, the experts split by size (48 into 24s) or placed
+    whole (4 of 8 each); the down biases added once."""
+    folder, _ = gpt_oss
+    prompts = [list(range(3, 60)), [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for options in ({}, {"tensor_parallel_size": 2},
+                    {"tensor_parallel_size": 2, "enable_expert_parallel": True}):  # fmt: skip
+        llm = LLM(str(folder), **{**ENGINE, **options})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        llm.llm_engine.shutdown()
+    assert runs[1] == runs[0] and runs[2] == runs[0]
+
+
+def test_mxfp4_checkpoints_and_adapters_are_refused_by_name(gpt_oss, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    folder, _ = gpt_oss
+    with pytest.raises(ValueError, match="LoRA adapters on mixture-of-experts layers"):
+        LLM(str(folder), enable_lora=True, **ENGINE)
+    for f in folder.iterdir():
+        (tmp_path / f.name).write_bytes(f.read_bytes())
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantized checkpoints \(mxfp4\) are not supported"):
+        LLM(str(tmp_path), **ENGINE)
