@@ -59,8 +59,6 @@ class GemmaFamilyConfig(LlamaFamilyConfig):
     query_scale: float = 0.0  # q . k times this (query_pre_attn_scalar^-0.5)
     attention_soft_cap: float = 0.0  # attn_logit_softcapping (0: none)
     final_soft_cap: float = 0.0  # final_logit_softcapping (0: none)
-    window: int = 0  # the sliding layers' (sliding_window)
-    sliding_layers: tuple[int, ...] = ()  # the layers `layer_types` names sliding
     # The sliding layers' rotary base and scaling where they have their own (0: the
     # model's rope_theta and rope_scaling, which the global layers take).
     local_rope_theta: float = 0.0
@@ -167,7 +165,7 @@ class GemmaDecoderLayer(DecoderLayer):
         nn.Module.__init__(self)
         family = c.family_config(GemmaFamilyConfig)
         prefix = f"model.layers.{index}"
-        window = family.window if index in family.sliding_layers else 0
+        window = family.layer_window(index)
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.pre_feedforward_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
@@ -187,11 +185,7 @@ class GemmaDecoderLayer(DecoderLayer):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added)."""
-        if residual is None:  # the first layer: the stream is the embeddings
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            self.input_layernorm.add_residual(h, residual)
+        h, residual = self.enter(h, residual)
         h = self.post_attention_layernorm(self.self_attn(h, positions, cache, meta))
         self.pre_feedforward_layernorm.add_residual(h, residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

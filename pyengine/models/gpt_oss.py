@@ -54,8 +54,6 @@ class GptOssFamilyConfig(LlamaFamilyConfig):
     top_k: int = 0
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
-    window: int = 0  # the sliding layers' (sliding_window)
-    sliding_layers: tuple[int, ...] = ()
 
 
 def _gpt_oss_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -101,8 +99,8 @@ class GptOssDecoderLayer(DecoderLayer):
         nn.Module.__init__(self)
         family = c.family_config(GptOssFamilyConfig)
         prefix = f"model.layers.{index}"
-        window = family.window if index in family.sliding_layers else 0
         self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        window = family.layer_window(index)
         self.self_attn = SinkAttention(c, rotary, ctx, f"{prefix}.self_attn", window)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         routing = RoutingConfig("softmax", family.top_k, family.num_experts, renormalize=True)

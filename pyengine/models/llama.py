@@ -47,6 +47,14 @@ class LlamaFamilyConfig(FamilyConfig):
     qk_norm: bool = False  # an RMSNorm of q and of k per head (Qwen3)
     qk_norm_whole: bool = False  # those norms over each whole projection instead (OLMoE)
     clip_qkv: float = 0.0  # q, k and v clamped to [-clip_qkv, clip_qkv] (OLMoE's; 0: none)
+    # A window on some layers only (Gemma's, gpt-oss's `layer_types`): its size, and the
+    # layers that have it (the others attend to all).
+    window: int = 0
+    sliding_layers: tuple[int, ...] = ()
+
+    def layer_window(self, index: int) -> int:
+        """Layer `index`'s window where the family gives some layers one (0: none)."""
+        return self.window if index in self.sliding_layers else 0
 
 
 @dataclass(frozen=True)
@@ -274,6 +282,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         self.mlp = MLP(c, ctx, f"{prefix}.mlp")
 
+    def enter(
+        self, h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's normed input and the residual stream: the one before plus its
+        output h (the first layer's stream is the embeddings h)."""
+        if residual is None:
+            return self.input_layernorm(h), h
+        self.input_layernorm.add_residual(h, residual)
+        return h, residual
+
     def forward(
         self,
         h: torch.Tensor,
@@ -283,11 +301,7 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added)."""
-        if residual is None:  # the first layer: the stream is the embeddings
-            residual = h
-            h = self.input_layernorm(h)
-        else:
-            self.input_layernorm.add_residual(h, residual)
+        h, residual = self.enter(h, residual)
         h = self.self_attn(h, positions, cache, meta)
         self.post_attention_layernorm.add_residual(h, residual)
         return self.mlp(h), residual

@@ -3,6 +3,8 @@ pyengine's own model run over a whole sequence at once."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from pyengine import LLM
@@ -78,3 +80,24 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
             torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
         )
         return runner.model.compute_logits(hidden)
+
+
+def assert_preemption_keeps_tokens(
+    folder: Any, model: torch.nn.Module, layers: int, engine: dict[str, Any]
+) -> None:
+    """A KV pool of 9 blocks for three prompts of 30-60 tokens (a model of `layers`
+    layers of 2 kv heads of 32, float32): requests are preempted and computed again, and
+    each gets transformers' greedy tokens."""
+    import numpy as np
+
+    from pyengine import LLM, SamplingParams
+
+    block = layers * 2 * 2 * 32 * 16 * 4  # the layers' K and V of 16 tokens
+    llm = LLM(str(folder), **{**engine, "kv_cache_memory": 9 * block, "max_model_len": 128})
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    assert llm.llm_engine.scheduler.stats().num_preemptions > 0

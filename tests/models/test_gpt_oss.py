@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import hf_greedy, prefill_logits
+from helpers.hf_reference import assert_preemption_keeps_tokens, hf_greedy, prefill_logits
 
 from pyengine import LLM, SamplingParams
 
@@ -65,15 +65,7 @@ def test_greedy_tokens_and_logits_match_transformers(gpt_oss) -> None:  # type: 
 
 def test_preemption_keeps_the_tokens(gpt_oss) -> None:  # type: ignore[no-untyped-def]
     folder, model = gpt_oss
-    block = 2 * 2 * 2 * 32 * 16 * 4  # 2 layers' K and V of 16 tokens, float32
-    llm = LLM(str(folder), **{**ENGINE, "kv_cache_memory": 9 * block, "max_model_len": 128})
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    assert_preemption_keeps_tokens(folder, model, 2, ENGINE)
 
 
 @pytest.mark.slow
