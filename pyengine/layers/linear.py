@@ -202,6 +202,15 @@ class ColumnParallelLinear(LinearBase):
         into = target.data.narrow(0, local, length)
         copy_checked(name, into, loaded.narrow(0, start, length))
 
+    def load_fused(self, name: str, kind: str, loaded: CheckpointTensor) -> None:
+        """A checkpoint tensor of every part stacked (GPT-2's c_attn, Phi-3's qkv_proj
+        and gate_up_proj): each part's rows to it."""
+        check_shape(name, loaded, (sum(self.output_sizes), *tuple(loaded.shape)[1:]))
+        start = 0
+        for part, size in enumerate(self.output_sizes):
+            self.weight_loader(name, kind, loaded.narrow(0, start, size), part)
+            start += size
+
     def load_part_blocks(self, blocks: BlockQuantized, part: int = 0) -> None:
         _, start, length, local = self.part_rows(part)
         self.load_blocks(local, blocks.rows(start, start + length))
@@ -268,14 +277,6 @@ class QKVParallelLinear(ColumnParallelLinear):
     def local_sizes(self) -> list[int]:
         """[q, k, v] features this rank holds."""
         return [length for _, length in self.shard_offsets]
-
-    def load_fused(self, name: str, kind: str, loaded: CheckpointTensor) -> None:
-        """A checkpoint tensor of q, k and v stacked (GPT-2's c_attn)."""
-        check_shape(name, loaded, (sum(self.output_sizes), *tuple(loaded.shape)[1:]))
-        start = 0
-        for part, size in enumerate(self.output_sizes):
-            self.weight_loader(name, kind, loaded.narrow(0, start, size), part)
-            start += size
 
 
 class RowParallelLinear(LinearBase):

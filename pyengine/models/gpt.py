@@ -267,7 +267,7 @@ class LearnedPositionDecoder(nn.Module):
                     for part in range(3):
                         router.linear(f"{p}.qkv.{part}.{kind}", layer.qkv, kind, part)
                 else:
-                    router.fused_qkv(f"{p}.qkv.{kind}", layer.qkv, kind)
+                    router.fused(f"{p}.qkv.{kind}", layer.qkv, kind)
                 for name in ("out", "fc1", "fc2"):
                     router.linear(f"{p}.{name}.{kind}", getattr(layer, name), kind)
         return router

@@ -21,6 +21,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.layernorm import ProjectionRMSNorm, RMSNorm, stream_sum
 from pyengine.layers.linear import (
+    ColumnParallelLinear,
     LayerContext,
     MergedColumnParallelLinear,
     QKVParallelLinear,
@@ -74,6 +75,8 @@ _HF_VARIANTS = {
     "MistralForCausalLM": _Variant(sliding_window=True),
     "Qwen2ForCausalLM": _Variant(attention_bias=True),
     "Qwen3ForCausalLM": _Variant(qk_norm=True),
+    # (its checkpoints hold q/k/v in one qkv_proj and gate/up in one gate_up_proj)
+    "Phi3ForCausalLM": _Variant(sliding_window=True),
 }
 
 
@@ -451,6 +454,8 @@ class LlamaForCausalLM(nn.Module):
                 router.linear_weight(f"{p}.self_attn.{name}", attn.qkv_proj, part)
                 if biases:
                     router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
+            self.route_fused(router, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"),
+                             "qkv_proj", attn.qkv_proj)  # fmt: skip
             router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
             self.route_mlp(router, f"{p}.mlp", mlp)
             for norm_name in layer.norms:
@@ -472,3 +477,16 @@ class LlamaForCausalLM(nn.Module):
         router.linear_weight(f"{prefix}.gate_proj", mlp.gate_up_proj, part=0)
         router.linear_weight(f"{prefix}.up_proj", mlp.gate_up_proj, part=1)
         router.linear_weight(f"{prefix}.down_proj", mlp.down_proj)
+        self.route_fused(router, prefix, ("gate_proj", "up_proj"), "gate_up_proj", mlp.gate_up_proj)
+
+    @staticmethod
+    def route_fused(
+        router: WeightRouter, module: str, parts: tuple[str, ...], fused: str,
+        layer: ColumnParallelLinear,
+    ) -> None:  # fmt: skip
+        """The stacked parts of a float layer may also come as one tensor (Phi-3's
+        qkv_proj and gate_up_proj): whichever form the checkpoint holds."""
+        if layer.method.weight_kinds != ("weight",) or layer.method.keeps_blocks:
+            return  # (a quantized or block form: the parts' tensors only)
+        router.fused(f"{module}.{fused}.weight", layer, "weight")
+        router.either([f"{module}.{part}.weight" for part in parts], [f"{module}.{fused}.weight"])

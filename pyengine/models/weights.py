@@ -16,7 +16,6 @@ import torch
 from pyengine.layers.block_quantized import BlockQuantized
 from pyengine.layers.linear import (
     ColumnParallelLinear,
-    QKVParallelLinear,
     RowParallelLinear,
     check_shape,
     copy_checked,
@@ -80,8 +79,9 @@ class WeightRouter:
         for kind in layer.method.weight_kinds:
             self.linear(f"{module}.{kind}", layer, kind, part)
 
-    def fused_qkv(self, name: str, layer: QKVParallelLinear, kind: str) -> None:
-        """q, k and v in one checkpoint tensor."""
+    def fused(self, name: str, layer: ColumnParallelLinear, kind: str) -> None:
+        """Every stacked part of a layer in one checkpoint tensor (q, k and v; gate and
+        up)."""
         self._linear_modules.add(name.rpartition(".")[0])
         shape = _linear_shape(sum(layer.output_sizes), layer.input_size, kind)
         self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t), shape=shape)

@@ -57,6 +57,15 @@ CONFIGS = {
     ),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, **LLAMA_SHAPE, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, **LLAMA_SHAPE),
+    # (q/k/v in one qkv_proj tensor, gate/up in one gate_up_proj; a window the prompts pass)
+    "phi3": lambda: transformers.Phi3Config(
+        **COMMON,
+        **LLAMA_SHAPE,
+        sliding_window=16,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    ),
     "opt": lambda: transformers.OPTConfig(
         **COMMON,
         hidden_size=128,
