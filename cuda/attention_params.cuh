@@ -29,7 +29,14 @@ struct AttentionParams {
   float scale;
   int sliding_window;
   float logit_soft_cap;
+  const float* sinks;  // float32 [num_heads]: each head's sink logit (gpt-oss's); or null
 };
+
+// A row's softmax denominator `sum` over its keys (their max `max`, natural-log units),
+// with its head's sink where the heads have sinks.
+__device__ inline float with_sink(const AttentionParams& p, int head, float sum, float max) {
+  return p.sinks == nullptr ? sum : sum + __expf(p.sinks[head] - max);
+}
 
 // The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]
 // (requests without query tokens have qsl[r] == qsl[r + 1] and are never it).

@@ -322,7 +322,9 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       if (!x.valid) continue;
       if (p.num_parts == 1) {  // every row sees at least its own position
         T* o = static_cast<T*>(p.out) + x.token * p.o_token_stride + x.head * p.o_head_stride;
-        const float inverse = 1.0f / row_sum[i];
+        // (the max in natural-log units, as a partition's below)
+        const float max = row_max[i] * score_log2 / kLog2e;
+        const float inverse = 1.0f / with_sink(p, x.head, row_sum[i], max);
         for (int n = 0; n < kDimTiles; ++n) {
           *reinterpret_cast<uint32_t*>(o + n * 8 + 2 * quad) =
               pack<T>(acc[n][2 * i] * inverse, acc[n][2 * i + 1] * inverse);

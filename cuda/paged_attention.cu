@@ -106,6 +106,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.scale = options.scale;
   p.sliding_window = options.sliding_window;
   p.logit_soft_cap = options.logit_soft_cap;
+  p.sinks = static_cast<const float*>(options.sinks.data);
   // The longest context: the caller's hint, else any request's block table's reach.
   const int64_t reach = p.max_blocks * p.block_size;
   const int64_t max_context =

@@ -117,10 +117,11 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   }
   if (p.num_parts == 1) {
     T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
+    const float denominator = with_sink(p, head, sum, block_max);
     for (int i = threadIdx.x; i < d; i += kThreads) {
       float total = 0.0f;
       for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-      o[i] = from_float<T>(total / sum);
+      o[i] = from_float<T>(total / denominator);
     }
     return;
   }
@@ -152,13 +153,14 @@ __global__ void __launch_bounds__(kThreads) merge_kernel(const Params p) {
     sum += part[0] == -INFINITY ? 0.0f : part[1] * __expf(part[0] - max);
   }
   T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
+  const float denominator = with_sink(p, head, sum, max);
   for (int i = threadIdx.x; i < d; i += kThreads) {
     float total = 0.0f;
     for (int k = 0; k < p.num_parts; ++k) {
       const float* part = parts + k * (d + 2);
       if (part[0] != -INFINITY) total += part[2 + i] * __expf(part[0] - max);
     }
-    o[i] = from_float<T>(total / sum);
+    o[i] = from_float<T>(total / denominator);
   }
 }
 

@@ -41,13 +41,14 @@ struct Case {
   float logit_soft_cap = 0.0f;
   int num_parts = 1;
   int max_query_len_hint = 0;  // the launch's hint; 0: the true largest query length
+  bool sinks = false;          // each head a random sink logit (gpt-oss's)
 };
 
 template <typename T>
 struct Buffers {
   std::vector<T> query, key_cache, value_cache, out;
   std::vector<int32_t> block_tables, seq_lens, query_start_loc;
-  std::vector<float> partials;
+  std::vector<float> partials, sinks;
   std::vector<std::vector<int>> blocks;  // each request's block ids, in order
   int num_blocks = 0, max_blocks = 0, num_tokens = 0;
 };
@@ -100,6 +101,9 @@ Buffers<T> make_buffers(const Case& c) {
   for (T& x : b.query) x = from_float<T>(normal(rng()));
   b.out.assign(rows * d, poison);
   b.partials.assign(rows * c.num_parts * (d + 2), NAN);
+  if (c.sinks) {
+    for (int h = 0; h < c.num_heads; ++h) b.sinks.push_back(2.0f * normal(rng()));
+  }
   return b;
 }
 
@@ -127,6 +131,7 @@ AttentionParams params(const Case& c, Buffers<T>& b) {
   p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
   p.sliding_window = c.sliding_window;
   p.logit_soft_cap = c.logit_soft_cap;
+  p.sinks = c.sinks ? b.sinks.data() : nullptr;
   return p;
 }
 
@@ -193,7 +198,7 @@ double relative_error(const Case& c, const Buffers<T>& b) {
           scores.push_back(s);
         }
         const double top = *std::max_element(scores.begin(), scores.end());
-        double total = 0.0;
+        double total = c.sinks ? std::exp(static_cast<double>(b.sinks[h]) - top) : 0.0;
         for (double& s : scores) total += (s = std::exp(s - top));
         std::vector<double> got(d);
         for (int x = 0; x < d; ++x) got[x] = to_float(b.out[row * d + x]);
@@ -278,6 +283,19 @@ TEST(sliding_window_and_soft_cap) {
   split.logit_soft_cap = 3.0f;
   split.num_parts = 2;
   check_case<__half, 128>(split, "cap 3 over 2 partitions");
+}
+
+TEST(attention_sinks_in_every_kernel_and_the_merge) {
+  Case prefill{64, 4, 2, 16, {30, 1}, {45, 80}};
+  prefill.sinks = true;
+  prefill.sliding_window = 20;
+  check_case<__nv_bfloat16, 64>(prefill, "sinks, window 20");
+  check_case<__half, 64>(prefill, "sinks, scalar", Kernel::kScalar);
+  Case split{128, 4, 2, 16, {1, 12}, {600, 300}};
+  split.sinks = true;
+  split.num_parts = 2;
+  check_case<__half, 128>(split, "sinks over 2 partitions");
+  check_case<float, 128>(split, "sinks over 2 partitions, scalar", Kernel::kScalar);
 }
 
 TEST(head_sizes_80_96_and_256) {

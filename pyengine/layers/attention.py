@@ -43,8 +43,8 @@ class PagedAttention:
         self.scale = head_size**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
         self.logit_soft_cap = logit_soft_cap
-        # Each head's sink logit (gpt-oss's), float32 [num_heads]: it takes a share of the
-        # softmax and adds no value. None: no sinks.
+        # Each head's sink logit (gpt-oss's), float32 [num_heads] on the caches' device: it
+        # takes a share of the softmax and adds no value. None: no sinks.
         self.sinks: torch.Tensor | None = None
         # A checkpoint's static per-tensor K and V scales (0: none), and the cache dtype
         # that takes them: an int8 cache's instead of its scale per token and head; an

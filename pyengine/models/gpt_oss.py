@@ -12,7 +12,7 @@
   hidden], `down_proj_bias` [experts, hidden]; each rank reads its experts' slices.
 
 Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
-their window. The sinks run on the CPU's attention kernel only (yet); the released
+their window. The CUDA kernels' sinks have run in the host emulation only; the released
 checkpoints' MXFP4 experts are refused by their quant_method.
 """
 
@@ -79,17 +79,16 @@ class SinkAttention(Attention):
         sliding_window: int,
     ) -> None:  # fmt: skip
         super().__init__(c, rotary, ctx, prefix, sliding_window=sliding_window)
-        if ctx.placement.device.type != "cpu":
-            raise ValueError("gpt-oss's attention sinks run on the CPU only (yet)")
         self.o_proj = RowParallelLinear(
             c.num_heads * c.head_size, c.hidden_size, True, ctx, [f"{prefix}.o_proj.weight"]
         )
         self.first_head = self.qkv_proj.shard_offsets[0][0] // c.head_size
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
+        self.device = ctx.placement.device  # (where the kernels read the sinks)
 
     def process_weights_after_loading(self) -> None:
         super().process_weights_after_loading()
-        self.attn.sinks = self.sinks.data.float().contiguous()
+        self.attn.sinks = self.sinks.data.float().contiguous().to(self.device)
 
 
 class GptOssDecoderLayer(DecoderLayer):

@@ -248,9 +248,11 @@ def run_attention_case(
     window: int = 0,
     soft_cap: float = 0.0,
     max_query_len: int = 0,
+    sinks: np.ndarray | None = None,
 ) -> None:
     """The CUDA kernel on test_attention's cases (shuffled block tables, NaN in every
-    slot no request uses, a poisoned output) against its float64 reference."""
+    slot no request uses, a poisoned output) against its float64 reference; `sinks`:
+    each head's sink logit (float32)."""
     case = make_case(np.random.default_rng(), seq_lens, q_lens, *heads, head_size, block_size)
     key_cache, value_cache = fill_caches(case, block_size, dtype)
 
@@ -274,9 +276,12 @@ def run_attention_case(
         soft_cap,
         0,
         max_query_len,
+        None if sinks is None else on_gpu(sinks.astype(np.float32)),
     )
     got = out.double().cpu().numpy()
-    check_output(case, got, dtype, scale, window, soft_cap, TOLERANCE[getattr(torch, dtype)])
+    wide = None if sinks is None else sinks.astype(np.float32).astype(np.float64)
+    tolerance = TOLERANCE[getattr(torch, dtype)]
+    check_output(case, got, dtype, scale, window, soft_cap, tolerance, sinks=wide)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -357,6 +362,18 @@ def test_paged_attention_sliding_window_and_soft_cap(
     window: int, soft_cap: float, seq_lens: list[int], q_lens: list[int], dtype: str
 ) -> None:
     run_attention_case(seq_lens, q_lens, (8, 2), 128, 16, dtype, window, soft_cap)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"), [([300, 1200], [300, 1]), ([1200, 700], [1200, 700])],
+    ids=["split", "unsplit"],
+)  # fmt: skip
+def test_paged_attention_sinks(seq_lens: list[int], q_lens: list[int], dtype: str) -> None:
+    """gpt-oss's per-head sinks, with and without its 128-token window."""
+    sinks = np.random.default_rng().normal(0.0, 2.0, 8)
+    for window in (0, 128):
+        run_attention_case(seq_lens, q_lens, (8, 2), 64, 16, dtype, window, sinks=sinks)
 
 
 def test_reshape_and_cache_strided_heads() -> None:

@@ -65,8 +65,8 @@ struct AttentionOptions {
   // them). The CUDA tensor-core kernel sizes its grid by it; one too small costs speed.
   int64_t max_query_len = 0;
   // Each query head's sink logit (gpt-oss's learned sinks), float32 [num_heads] on the
-  // CPU: a score every query sees that takes a share of the softmax and adds no value
-  // (data null: none; not yet on CUDA).
+  // tensors' device: a score every query sees that takes a share of the softmax and adds
+  // no value (data null: none).
   TensorView sinks;
 };
 

@@ -217,10 +217,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   }
   if (options.sinks.data != nullptr) {
     const TensorView& sinks = options.sinks;
-    if (device.kind != DeviceKind::kCPU) {
-      throw InvalidArgument(std::string(op) + ": attention sinks run on the CPU only (yet)");
-    }
-    detail::check_cpu(sinks, op, "sinks");
+    detail::check_device(sinks, device, op, "sinks");
     if (sinks.ndim != 1 || sinks.dtype != DType::kFloat32 || sinks.shape[0] != num_heads ||
         (num_heads > 1 && sinks.strides[0] != 1)) {
       throw InvalidArgument(arg(op, "sinks") + " must be dense float32 [" +
