@@ -168,17 +168,9 @@ class GroupedExperts(TorchExperts):
         config, shard = layer.routing, layer.shard
         tokens, device = x.shape[0], x.device
         x = x.contiguous()
-        logits = F.linear(x, layer.router)
-        if config.method == "softmax":
-            ids = torch.empty(tokens, config.top_k, dtype=torch.int32, device=device)
-            weights = torch.empty(tokens, config.top_k, dtype=torch.float32, device=device)
-            ops.moe_softmax_topk(ids, weights, logits, config.renormalize)
-            on_input = False
-        else:  # (routed by torch)
-            routing = route(logits, config)
-            ids = routing.expert_ids.to(torch.int32).contiguous()
-            weights = routing.weights.float().contiguous()
-            on_input = routing.on_input
+        routing = kernel_route(F.linear(x, layer.router), config)
+        ids = routing.expert_ids.to(torch.int32).contiguous()  # (torch's routes give int64)
+        weights, on_input = routing.weights.float().contiguous(), routing.on_input
         slots = tokens * config.top_k
         blocks = _C.moe_max_blocks(slots, shard.count)
         sorted_slots = torch.empty(blocks * 16, dtype=torch.int32, device=device)

@@ -138,9 +138,9 @@ def _sigmoid_on_input_kernel(
 
 
 def _outputs(logits: torch.Tensor, config: RoutingConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = logits.shape[0]
-    ids = torch.empty(tokens, config.top_k, dtype=torch.int32)
-    return ids, torch.empty(tokens, config.top_k, dtype=torch.float32)
+    tokens, device = logits.shape[0], logits.device
+    ids = torch.empty(tokens, config.top_k, dtype=torch.int32, device=device)
+    return ids, torch.empty(tokens, config.top_k, dtype=torch.float32, device=device)
 
 
 # The same methods by pyengine's CPU kernels (float32 or bfloat16 logits), which a
@@ -151,15 +151,20 @@ ROUTING_KERNELS: dict[str, RoutingMethod] = {
     "grouped_sigmoid": _grouped_sigmoid_kernel,
     "sigmoid_on_input": _sigmoid_on_input_kernel,
 }
+# Those whose kernel also runs on CUDA tensors (float32, float16 or bfloat16 logits).
+CUDA_ROUTING_KERNELS = frozenset({"softmax"})
 
 
 def kernel_route(
     logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None = None
 ) -> Routing:
-    """route()'s result by the CPU kernel of the method where it has one and the logits
-    are CPU float32 or bfloat16 ones, else by route()."""
+    """route()'s result by the method's kernel where it has one for these logits (CPU
+    float32 or bfloat16; on CUDA, CUDA_ROUTING_KERNELS'), else by route(); the kernels
+    give int32 ids."""
     kernel = ROUTING_KERNELS.get(config.method)
-    if kernel is None or not logits.is_cpu or logits.dtype not in (torch.float32, torch.bfloat16):
+    on_cpu = logits.is_cpu and logits.dtype in (torch.float32, torch.bfloat16)
+    on_cuda = logits.is_cuda and config.method in CUDA_ROUTING_KERNELS
+    if kernel is None or not (on_cpu or on_cuda):
         return route(logits, config, bias)
     return kernel(logits, config, bias)
 
