@@ -27,7 +27,7 @@ from torch import nn
 
 from pyengine.config import ModelConfig
 from pyengine.layers.layernorm import RMSNorm
-from pyengine.layers.linear import LayerContext, RowParallelLinear
+from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.activation import ExpertActivation
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.moe.methods import experts_method
@@ -78,10 +78,7 @@ class SinkAttention(Attention):
         self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
         sliding_window: int,
     ) -> None:  # fmt: skip
-        super().__init__(c, rotary, ctx, prefix, sliding_window=sliding_window)
-        self.o_proj = RowParallelLinear(
-            c.num_heads * c.head_size, c.hidden_size, True, ctx, [f"{prefix}.o_proj.weight"]
-        )
+        super().__init__(c, rotary, ctx, prefix, sliding_window=sliding_window, output_bias=True)
         self.first_head = self.qkv_proj.shard_offsets[0][0] // c.head_size
         self.sinks = nn.Parameter(torch.zeros(self.num_heads), requires_grad=False)
         self.device = ctx.placement.device  # (where the kernels read the sinks)
@@ -136,10 +133,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
         for i in range(self.start_layer, self.end_layer):
             attn = self.layers[i].self_attn
             assert isinstance(attn, SinkAttention)
-            p = f"model.layers.{i}.self_attn"
-            router.linear(f"{p}.o_proj.bias", attn.o_proj, "bias")
-            sinks = attn.sinks.data
-            router.shard(f"{p}.sinks", sinks, 0, attn.first_head, self.config.num_heads)
+            name = f"model.layers.{i}.self_attn.sinks"
+            router.shard(name, attn.sinks.data, 0, attn.first_head, self.config.num_heads)
         return router
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:

@@ -189,10 +189,11 @@ class Attention(nn.Module):
     def __init__(
         self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
         sliding_window: int | None = None, scale: float | None = None,
-        logit_soft_cap: float = 0.0,
+        logit_soft_cap: float = 0.0, output_bias: bool = False,
     ) -> None:  # fmt: skip
         """sliding_window: this layer's (None: the model's); scale: of q . k (None:
-        head_size^-0.5); logit_soft_cap: scores as cap * tanh(score / cap) (0: none)."""
+        head_size^-0.5); logit_soft_cap: scores as cap * tanh(score / cap) (0: none);
+        output_bias: o_proj has a bias (gpt-oss's)."""
         super().__init__()
         family = c.family_config(LlamaFamilyConfig)
         self.qkv_proj = QKVParallelLinear(
@@ -204,7 +205,7 @@ class Attention(nn.Module):
         self.head_size = c.head_size
         self.q_size, self.kv_size, _ = self.qkv_proj.local_sizes
         self.o_proj = RowParallelLinear(
-            c.num_heads * c.head_size, c.hidden_size, False, ctx, [f"{prefix}.o_proj.weight"]
+            c.num_heads * c.head_size, c.hidden_size, output_bias, ctx, [f"{prefix}.o_proj.weight"]
         )
         self.q_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
         self.k_norm = RMSNorm(self.head_size, c.norm_eps) if family.qk_norm else None
@@ -457,6 +458,8 @@ class LlamaForCausalLM(nn.Module):
             self.route_fused(router, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"),
                              "qkv_proj", attn.qkv_proj)  # fmt: skip
             router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
+            if attn.o_proj.bias is not None:
+                router.linear(f"{p}.self_attn.o_proj.bias", attn.o_proj, "bias")
             self.route_mlp(router, f"{p}.mlp", mlp)
             for norm_name in layer.norms:
                 self.route_norm(router, f"{p}.{norm_name}.weight", getattr(layer, norm_name))
