@@ -32,7 +32,7 @@ from pyengine import ops
 from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
-from pyengine.layers.linear import LayerContext, MergedColumnParallelLinear, RowParallelLinear
+from pyengine.layers.linear import LayerContext
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
@@ -128,18 +128,10 @@ def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Model
 
 
 class GemmaMLP(MLP):
-    """gelu(gate) * up (the tanh approximation): the [gate; up] product whole, then torch."""
+    """gelu(gate) * up (the tanh approximation): the [gate; up] product whole, then the
+    CPU's kernel (or torch elsewhere)."""
 
-    def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
-        nn.Module.__init__(self)
-        n = c.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(
-            c.hidden_size, [n, n], False, ctx,
-            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"],
-        )  # fmt: skip
-        self.down_proj = RowParallelLinear(
-            n, c.hidden_size, False, ctx, [f"{prefix}.down_proj.weight"]
-        )
+    fuses_silu = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         product = self.gate_up_proj(x)

@@ -257,12 +257,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # Whether silu(gate) * up is fused into the [gate; up] product (a family whose
+    # activation is another takes the product whole).
+    fuses_silu = True
+
     def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
         n = c.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
             c.hidden_size, [n, n], False, ctx,
-            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"], gate_up=not ctx.adapters,
+            [f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight"],
+            gate_up=self.fuses_silu and not ctx.adapters,
         )  # fmt: skip
         self.down_proj = RowParallelLinear(
             n, c.hidden_size, False, ctx, [f"{prefix}.down_proj.weight"]
