@@ -101,13 +101,26 @@ void bind_pool(py::module_& m) {
 }
 
 void bind_manager(py::module_& m) {
+  py::class_<GroupHit>(m, "GroupHit", "One KV-cache group's part of a prefix hit.")
+      .def_readonly("first_block", &GroupHit::first_block)
+      .def_readonly("block_ids", &GroupHit::block_ids)
+      .def_readonly("host_block_ids", &GroupHit::host_block_ids);
+
+  // (block_ids and host_block_ids: group 0's, the whole hit of a model of one group)
+  const auto group0 = [](const ComputedBlocks& c) -> const GroupHit& {
+    static const GroupHit none;
+    return c.groups.empty() ? none : c.groups[0];
+  };
   py::class_<ComputedBlocks>(m, "ComputedBlocks")
-      .def_readonly("block_ids", &ComputedBlocks::block_ids)
-      .def_readonly("host_block_ids", &ComputedBlocks::host_block_ids)
+      .def_property_readonly("block_ids",
+                             [group0](const ComputedBlocks& c) { return group0(c).block_ids; })
+      .def_property_readonly(
+          "host_block_ids", [group0](const ComputedBlocks& c) { return group0(c).host_block_ids; })
+      .def_readonly("groups", &ComputedBlocks::groups)
       .def_readonly("num_computed_tokens", &ComputedBlocks::num_computed_tokens)
       .def_readonly("num_host_tokens", &ComputedBlocks::num_host_tokens)
       .def("__repr__", [](const ComputedBlocks& c) {
-        return "ComputedBlocks(num_blocks=" + std::to_string(c.block_ids.size()) +
+        return "ComputedBlocks(num_groups=" + std::to_string(c.groups.size()) +
                ", num_computed_tokens=" + std::to_string(c.num_computed_tokens) + ")";
       });
 
@@ -118,12 +131,19 @@ prefix caching (verified hits, LRU eviction), copy-on-write for forked requests 
 with num_host_blocks > 0, a host tier that evicted cached blocks and swapped-out
 requests move to.)doc")
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
-                       int num_host_blocks) {
-             return KVCacheManager(
-                 KVCacheConfig{num_blocks, block_size, enable_prefix_caching, num_host_blocks});
+                       int num_host_blocks,
+                       const std::vector<std::pair<std::string, int>>& groups) {
+             return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
+                                                 num_host_blocks, kv_groups(groups)});
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
-           py::arg("num_host_blocks") = 0)
+           py::arg("num_host_blocks") = 0,
+           py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
+           "kv_groups: (kind, size) per group, kind 'full' (size 0), 'sliding' (the window) "
+           "or 'chunked' (the chunk); empty: one full group.")
+      .def_property_readonly("num_groups", &KVCacheManager::num_groups)
+      .def("max_blocks_held", &KVCacheManager::max_blocks_held, py::arg("num_tokens"),
+           py::arg("max_step_tokens"))
       .def_property_readonly("num_blocks",
                              [](const KVCacheManager& k) { return k.config().num_blocks; })
       .def_property_readonly("block_size", &KVCacheManager::block_size)
@@ -191,8 +211,11 @@ requests move to.)doc")
           "last call, to run in that order.")
       .def(
           "block_table",
-          [](const KVCacheManager& k, const RequestId& id) { return to_list(k.block_table(id)); },
-          py::arg("request_id"))
+          [](const KVCacheManager& k, const RequestId& id, int group) {
+            return to_list(k.block_table(id, group));
+          },
+          py::arg("request_id"), py::arg("group") = 0,
+          "A group's block table; -1 where a window released a block.")
       .def(
           "token_ids",
           [](const KVCacheManager& k, const RequestId& id) { return to_list(k.token_ids(id)); },

@@ -22,6 +22,17 @@ py::array view(const std::vector<T>& data, std::vector<py::ssize_t> shape, py::h
   return py::array_t<T>(std::move(shape), data.data(), owner);
 }
 
+// A view of every KV-cache group's leading `shape` of arrays `group_stride` apart.
+template <typename T>
+py::array group_view(const std::vector<T>& data, int num_groups, py::ssize_t group_stride,
+                     std::vector<py::ssize_t> shape, py::handle owner) {
+  std::vector<py::ssize_t> strides(shape.size(), static_cast<py::ssize_t>(sizeof(T)));
+  for (size_t i = shape.size(); i-- > 1;) strides[i - 1] = strides[i] * shape[i];
+  shape.insert(shape.begin(), num_groups);
+  strides.insert(strides.begin(), group_stride * static_cast<py::ssize_t>(sizeof(T)));
+  return py::array_t<T>(std::move(shape), std::move(strides), data.data(), owner);
+}
+
 SchedulingPolicy parse_policy(const std::string& name) {
   if (name == "fcfs") return SchedulingPolicy::kFCFS;
   if (name == "priority") return SchedulingPolicy::kPriority;
@@ -51,11 +62,31 @@ void bind_step_buffers(py::module_& m) {
   py::class_<StepBuffers>(m, "StepBuffers", R"doc(The flat inputs of the scheduled step.
 
 Arrays are numpy views of the scheduler's buffers, sized to this step; the next
-schedule() overwrites them. Rows of block_tables past a request's blocks are stale.)doc")
+schedule() overwrites them. Rows of block_tables past a request's blocks are stale.
+slot_mapping and block_tables are KV-cache group 0's; group_slot_mapping and
+group_block_tables hold every group's.)doc")
       .def_readonly("num_reqs", &StepBuffers::num_reqs)
       .def_readonly("num_tokens", &StepBuffers::num_tokens)
       .def_readonly("num_sampled", &StepBuffers::num_sampled)
       .def_readonly("max_blocks_per_request", &StepBuffers::max_blocks_per_request)
+      .def_readonly("num_kv_groups", &StepBuffers::num_kv_groups)
+      .def_property_readonly(
+          "group_slot_mapping",
+          [](py::object self) {
+            const auto& b = self.cast<const StepBuffers&>();
+            return group_view(b.slot_mapping, b.num_kv_groups, b.max_num_batched_tokens,
+                              {b.num_tokens}, self);
+          },
+          "Every KV-cache group's slot_mapping, [num_kv_groups, num_tokens].")
+      .def_property_readonly(
+          "group_block_tables",
+          [](py::object self) {
+            const auto& b = self.cast<const StepBuffers&>();
+            return group_view(b.block_tables, b.num_kv_groups,
+                              static_cast<py::ssize_t>(b.max_num_seqs) * b.max_blocks_per_request,
+                              {b.num_reqs, b.max_blocks_per_request}, self);
+          },
+          "Every KV-cache group's block_tables, [num_kv_groups, num_reqs, max_blocks].")
       .def_property_readonly("input_ids",
                              [](py::object self) {
                                const auto& b = self.cast<const StepBuffers&>();
@@ -168,7 +199,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                        int max_num_batched_tokens, int max_num_seqs, int max_model_len,
                        bool enable_chunked_prefill, int long_prefill_token_threshold,
                        const std::string& policy, int max_loras, double draft_row_cost,
-                       int num_host_blocks, const std::string& preemption_mode) {
+                       int num_host_blocks, const std::string& preemption_mode,
+                       const std::vector<std::pair<std::string, int>>& groups) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -180,8 +212,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.draft_row_cost = draft_row_cost;
              config.preemption_mode = parse_preemption_mode(preemption_mode);
              return std::make_unique<Scheduler>(
-                 config,
-                 KVCacheConfig{num_blocks, block_size, enable_prefix_caching, num_host_blocks});
+                 config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
+                                       num_host_blocks, kv_groups(groups)});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -191,7 +223,9 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            // draft_row_cost: 0, every draft that fits)
            // num_host_blocks: 0, no host tier, and recompute preemption
            py::arg("policy"), py::arg("max_loras") = 0, py::arg("draft_row_cost") = 0.0,
-           py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute")
+           py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute",
+           // kv_groups: one full-attention group
+           py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{})
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

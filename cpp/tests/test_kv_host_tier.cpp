@@ -36,18 +36,18 @@ TEST(an_evicted_prefix_is_offloaded_and_hit_in_the_host_tier) {
   }
   kv.free("b");
   const ComputedBlocks hit = start(kv, "c", iota_tokens(13));
-  CHECK(hit.block_ids.empty());
-  CHECK_EQ(hit.host_block_ids.size(), 3u);
+  CHECK(hit.groups[0].block_ids.empty());
+  CHECK_EQ(hit.groups[0].host_block_ids.size(), 3u);
   CHECK_EQ(hit.num_computed_tokens, 12);
   CHECK_EQ(hit.num_host_tokens, 12);
   const KVTransfers in = kv.take_pending_transfers();
   CHECK_EQ(in.to_device.size(), 3u);
   const auto c = kv.block_table("c");
   for (size_t i = 0; i < 3; ++i) {
-    CHECK_EQ(in.to_device[i].first, hit.host_block_ids[i]);
+    CHECK_EQ(in.to_device[i].first, hit.groups[0].host_block_ids[i]);
     CHECK_EQ(in.to_device[i].second, c[i]);
     CHECK(kv.pool().is_cached(c[i]));  // under the host copy's entry
-    CHECK(kv.pool().link(c[i]) == kv.host_pool()->link(hit.host_block_ids[i]));
+    CHECK(kv.pool().link(c[i]) == kv.host_pool()->link(hit.groups[0].host_block_ids[i]));
   }
   // Bringing c's blocks in evicted b's cached ones: offloaded in the same transfers,
   // and run before the copies in.
@@ -67,8 +67,8 @@ TEST(a_hit_continues_from_the_device_into_the_host_tier) {
   kv.free("x");
   CHECK_EQ(kv.take_pending_transfers().to_host.size(), 1u);
   const ComputedBlocks hit = start(kv, "c", iota_tokens(13));
-  CHECK_EQ(hit.block_ids.size(), 2u);
-  CHECK_EQ(hit.host_block_ids.size(), 1u);
+  CHECK_EQ(hit.groups[0].block_ids.size(), 2u);
+  CHECK_EQ(hit.groups[0].host_block_ids.size(), 1u);
   CHECK_EQ(hit.num_computed_tokens, 12);
   CHECK_EQ(hit.num_host_tokens, 4);
 }

@@ -27,8 +27,17 @@
 // and must run before the step's forward pass, and before its copy-on-write pairs:
 // every device-to-host copy, then every host-to-device copy. (A block copied in by a
 // step is held by a request all through it, so no later copy of that step reads it.)
+//
+// KV-cache groups (kv_group.h): a hybrid model's requests hold one block table per
+// group, all over the one pool. A table is indexed by logical block (position /
+// block_size); a sliding or chunked group's entries before the first block its next
+// query can see are released at the start of an allocation (kNoBlock in the table), so
+// its blocks per request stay bounded by the window. Each group caches its own blocks
+// under its own keys; a prefix hit is the longest prefix every group's chain verifies
+// (device, then host tier), and a group takes only the hit blocks it still needs.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -38,6 +47,7 @@
 #include <vector>
 
 #include "pyengine/block_pool.h"
+#include "pyengine/kv_group.h"
 #include "pyengine/prefix_hash.h"
 
 namespace pyengine {
@@ -59,14 +69,23 @@ struct KVCacheConfig {
   int block_size = 0;  // tokens per block, a power of two
   bool enable_prefix_caching = false;
   int num_host_blocks = 0;  // > 0: a host tier of that many blocks
+  std::vector<KVGroupSpec> groups;  // empty: one full-attention group
 };
 
-// The verified cached prefix of a request: device blocks, then host-tier blocks.
-struct ComputedBlocks {
+// One group's part of a prefix hit: the hit blocks it still needs, from logical block
+// first_block on, device blocks then host-tier blocks.
+struct GroupHit {
+  int first_block = 0;  // earlier blocks lie outside the group's window
   std::vector<BlockId> block_ids;
   std::vector<BlockId> host_block_ids;  // the host tier's, after block_ids
-  int num_computed_tokens = 0;          // (both sizes) * block_size
-  int num_host_tokens = 0;              // host_block_ids.size() * block_size
+  BlockLink parent;                     // the entry of the chain's block first_block - 1
+};
+
+// The verified cached prefix of a request, every group's part of it.
+struct ComputedBlocks {
+  std::vector<GroupHit> groups;  // one per group (empty: no lookup was made)
+  int num_computed_tokens = 0;   // a multiple of block_size
+  int num_host_tokens = 0;       // of those, tokens past some group's device prefix
 };
 
 // Block copies between the tiers, (source, destination) each, in the order to run.
@@ -103,6 +122,10 @@ class KVCacheManager {
 
   const KVCacheConfig& config() const { return config_; }
   int block_size() const { return config_.block_size; }
+  int num_groups() const { return static_cast<int>(config_.groups.size()); }
+  // The most blocks of all groups a request of `num_tokens` tokens holds at once, where
+  // no allocation schedules more than `max_step_tokens` tokens (drafts included).
+  int64_t max_blocks_held(int64_t num_tokens, int64_t max_step_tokens) const;
   int num_free_blocks() const { return pool_.num_free_blocks(); }
   bool has_request(const RequestId& id) const { return request_slots_.count(id) > 0; }
   int num_requests() const { return static_cast<int>(request_slots_.size()); }
@@ -145,7 +168,9 @@ class KVCacheManager {
   // on (their KV will not be computed: the step was cancelled, or draft tokens were
   // rejected): num_computed_tokens is lowered and blocks that were cached on the
   // strength of those tokens leave the prefix cache. Blocks stay allocated. Throws
-  // UnknownRequest, InvalidArgument unless 0 <= num_computed_tokens <= the current count.
+  // UnknownRequest, InvalidArgument unless 0 <= num_computed_tokens <= the current count
+  // and every block the positions from there on can read is still held (a window's
+  // released blocks are not brought back).
   void rollback(const RequestId& id, int num_computed_tokens);
   // Releases a request's blocks (last block first, so that prompt heads, the most
   // shareable, are evicted last) and forgets it. Throws UnknownRequest, so freeing twice
@@ -168,41 +193,58 @@ class KVCacheManager {
   // swapped out. Throws UnknownRequest, InvalidState unless can_swap_out.
   bool can_swap_out(const RequestId& id) const;
   void swap_out(const RequestId& id);
-  bool is_swapped(const RequestId& id) const { return !find(id).host_table.empty(); }
+  bool is_swapped(const RequestId& id) const { return find(id).swapped; }
   // The copies between the tiers queued since the last call; the host blocks they read
   // or write are held until then.
   KVTransfers take_pending_transfers();
   const BlockPool* host_pool() const { return host_ ? &*host_ : nullptr; }
 
-  std::span<const BlockId> block_table(const RequestId& id) const;
-  std::span<const BlockId> block_table(RequestHandle handle) const;
+  // A group's block table (group 0's without one); kNoBlock where a block was released.
+  std::span<const BlockId> block_table(const RequestId& id, int group = 0) const;
+  std::span<const BlockId> block_table(RequestHandle handle, int group = 0) const;
   std::span<const TokenId> token_ids(const RequestId& id) const;
   int num_computed_tokens(const RequestId& id) const;
   KVCacheStats stats() const;
   const BlockPool& pool() const { return pool_; }
 
  private:
+  // A request's blocks of one group.
+  struct GroupTable {
+    std::vector<BlockId> blocks;  // by logical block; kNoBlock where released
+    std::vector<BlockId> host;    // swapped out: the host copies (kNoBlock where none)
+    int num_released = 0;         // leading entries of blocks that are kNoBlock
+    int num_cached = 0;           // leading entries in the prefix index (or released)
+    BlockLink cached_tail;        // the entry of block num_cached - 1 when it was cached
+    bool caching_stopped = false;  // a rollback lost the tail's entry: cache no more
+    BlockExtras extras;            // the request's, with this group's kv_group
+  };
+
   struct Request {
     std::vector<TokenId> token_ids;
-    std::vector<BlockId> block_table;
-    std::vector<BlockId> host_table;   // swapped out: its blocks, in the host tier
-    std::vector<BlockKey> block_keys;  // keys of the full blocks of token_ids
+    std::vector<GroupTable> groups;
+    std::vector<BlockKey> block_keys;  // group 0's keys of the full blocks of token_ids
     int num_computed_tokens = 0;
-    int num_cached_blocks = 0;  // leading entries of block_table in the prefix index
-    BlockExtras extras;
     uint64_t extras_hash = 0;
     uint32_t generation = 0;  // bumped each time the slot takes a request
     bool in_use = false;
+    bool swapped = false;
     bool lookup_counted = false;  // in the prefix-cache statistics already
+  };
+
+  // What an allocation needs of one group.
+  struct GroupPlan {
+    int first_needed = 0;            // blocks before it are released (or never taken)
+    int num_new_blocks = 0;
+    std::vector<int> copy_on_write;  // block-table indices to copy before writing
   };
 
   // What an allocation needs from the pool, computed without changing anything.
   struct Plan {
     int first_new_token = 0;
-    int num_new_blocks = 0;
-    int num_free_hits = 0;           // hit blocks that are free now and leave the free list
-    int num_copied_in = 0;           // device blocks for host hits and swapped-out blocks
-    std::vector<int> copy_on_write;  // block-table indices to copy before writing
+    bool has_hit = false;
+    int num_free_hits = 0;  // hit blocks that are free now and leave the free list
+    int num_copied_in = 0;  // device blocks for host hits and swapped-out blocks
+    std::array<GroupPlan, kMaxKVGroups> groups;
     bool fits = false;
   };
 
@@ -222,8 +264,14 @@ class KVCacheManager {
   // the slot goes back and nothing has changed.
   template <typename Fill>
   void register_request(const RequestId& id, Fill&& fill);
-  bool is_verified_hit(const BlockPool& pool, const Request& request, size_t block_index,
-                       BlockId block, const BlockLink& parent) const;
+  BlockKey group_key(const Request& request, int group, size_t block_index) const;
+  bool is_verified_hit(const BlockPool& pool, const Request& request, int group,
+                       size_t block_index, BlockId block, const BlockLink& parent) const;
+  static bool has_blocks(const Request& request);
+  // Releases a group's blocks before `first_needed` (last first).
+  void release_before(GroupTable& table, int first_needed);
+  void take_hit(Request& request, const ComputedBlocks& computed);
+  void swap_in(Request& request, const Plan& p);
   // A device block for a new use: before allocation evicts a cached block, the host
   // tier takes a copy of it (offload).
   BlockId take_block();
@@ -232,9 +280,9 @@ class KVCacheManager {
   // itself, the source of the copy-on-write that fills it, or none where the step
   // copies it in from the host tier.
   std::optional<BlockId> content_at_step_start(BlockId block) const;
-  // Host hit `host_block` as block `block_index` of `request`: copied into a new device
-  // block, cached there under the same entry.
-  BlockId copy_in_hit(Request& request, size_t block_index, BlockId host_block,
+  // Host hit `host_block` as block `block_index` of `request`'s `group`: copied into a
+  // new device block, cached there under the same entry.
+  BlockId copy_in_hit(Request& request, int group, size_t block_index, BlockId host_block,
                       const BlockLink& parent);
   Plan plan(const Request& request, int num_new_tokens, int num_lookahead,
             const ComputedBlocks* computed) const;

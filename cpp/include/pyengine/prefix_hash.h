@@ -37,6 +37,9 @@ struct BlockKey {
 struct BlockExtras {
   int64_t adapter_id = 0;  // LoRA adapter (0: none)
   std::string cache_salt;  // isolates tenants: different salts never share blocks
+  // The KV-cache group a block belongs to: a block of one group's layers never serves
+  // another's. (Block keys derive it apart; hash_extras leaves it out.)
+  int kv_group = 0;
   friend bool operator==(const BlockExtras&, const BlockExtras&) = default;
 };
 

@@ -13,12 +13,14 @@
 namespace pyengine {
 
 struct StepBuffers {
-  StepBuffers(int max_num_batched_tokens, int max_num_seqs, int max_blocks_per_request);
+  StepBuffers(int max_num_batched_tokens, int max_num_seqs, int max_blocks_per_request,
+              int num_kv_groups = 1);
 
   // Capacity, fixed at construction.
   int max_num_batched_tokens;
   int max_num_seqs;
   int max_blocks_per_request;
+  int num_kv_groups;  // slot_mapping and block_tables hold one array per group, group 0 first
 
   // Sizes of the current step.
   int num_reqs = 0;
@@ -27,12 +29,14 @@ struct StepBuffers {
 
   std::vector<int32_t> input_ids;             // [max_num_batched_tokens]
   std::vector<int32_t> positions;             // [max_num_batched_tokens]
-  std::vector<int64_t> slot_mapping;          // [max_num_batched_tokens] block * block_size
-                                              // + offset
+  std::vector<int64_t> slot_mapping;          // [num_kv_groups, max_num_batched_tokens]
+                                              // block * block_size + offset
   std::vector<int32_t> query_start_loc;       // [max_num_seqs + 1] prefix sums of query lengths
   std::vector<int32_t> seq_lens;              // [max_num_seqs] context length after this step
-  std::vector<int32_t> block_tables;          // [max_num_seqs, max_blocks_per_request]; entries
-                                              // past a request's blocks are stale
+  std::vector<int32_t> block_tables;          // [num_kv_groups, max_num_seqs,
+                                              // max_blocks_per_request]; entries past a
+                                              // request's blocks are stale, kNoBlock where
+                                              // a window released one
   std::vector<int32_t> logits_indices;        // [max_num_batched_tokens + max_num_seqs] token
                                               // rows that need a next token (a request's
                                               // last, then one per draft token)

@@ -25,7 +25,33 @@ void check_token_ids(std::span<const TokenId> token_ids, const char* what) {
 KVCacheManager::KVCacheManager(const KVCacheConfig& config)
     : config_(config), pool_(config.num_blocks, config.block_size) {
   check_argument(config.num_host_blocks >= 0, "num_host_blocks must be non-negative");
+  if (config_.groups.empty()) config_.groups.emplace_back();
+  if (config_.groups.size() > static_cast<size_t>(kMaxKVGroups)) {
+    throw InvalidArgument("at most " + std::to_string(kMaxKVGroups) + " KV-cache groups, got " +
+                          std::to_string(config_.groups.size()));
+  }
+  for (const KVGroupSpec& spec : config_.groups) {
+    if (spec.kind == KVGroupKind::kFull ? spec.size != 0 : spec.size <= 0) {
+      throw InvalidArgument(std::string("a ") + kv_group_kind_name(spec.kind) +
+                            " KV-cache group's size must be " +
+                            (spec.kind == KVGroupKind::kFull ? "0" : "positive") + ", got " +
+                            std::to_string(spec.size));
+    }
+  }
   if (config.num_host_blocks > 0) host_.emplace(config.num_host_blocks, config.block_size);
+}
+
+int64_t KVCacheManager::max_blocks_held(int64_t num_tokens, int64_t max_step_tokens) const {
+  const int64_t size = block_size();
+  const int64_t all = (num_tokens + size - 1) / size;
+  int64_t total = 0;
+  for (const KVGroupSpec& spec : config_.groups) {
+    // A step's queries from F on need the blocks from first_visible(F), which is at
+    // most spec.size - 1 positions back, up to F + max_step_tokens.
+    const int64_t bounded = (spec.size + max_step_tokens + size - 1) / size + 1;
+    total += spec.kind == KVGroupKind::kFull ? all : std::min(all, bounded);
+  }
+  return total;
 }
 
 size_t KVCacheManager::slot_of(const RequestId& id) const {
@@ -84,14 +110,22 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
   }
   register_request(id, [&](Request& request) {
     request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
-    request.block_table.clear();
-    request.host_table.clear();
+    request.groups.resize(config_.groups.size());
+    for (size_t g = 0; g < request.groups.size(); ++g) {
+      GroupTable& table = request.groups[g];
+      table.blocks.clear();
+      table.host.clear();
+      table.num_released = table.num_cached = 0;
+      table.cached_tail = {};
+      table.caching_stopped = false;
+      table.extras = extras;
+      table.extras.kv_group = static_cast<int>(g);
+    }
     request.block_keys.clear();
     request.num_computed_tokens = 0;
-    request.num_cached_blocks = 0;
+    request.swapped = false;
     request.lookup_counted = false;
     request.extras_hash = hash_extras(extras);
-    request.extras = extras;
     extend_block_keys(request);
   });
 }
@@ -131,40 +165,82 @@ void KVCacheManager::extend_block_keys(Request& request) {
       std::span<BlockKey>(request.block_keys).subspan(have));
 }
 
-bool KVCacheManager::is_verified_hit(const BlockPool& pool, const Request& request,
+BlockKey KVCacheManager::group_key(const Request& request, int group, size_t block_index) const {
+  // Another group's key for the same prefix: only a lookup hint (hits are verified, and
+  // a first block's extras name its group), so any cheap derivation serves.
+  const BlockKey key = request.block_keys[block_index];
+  const auto g = static_cast<uint64_t>(group);
+  return {key.hi ^ (g * 0x9E3779B97F4A7C15ull), key.lo + g};
+}
+
+bool KVCacheManager::is_verified_hit(const BlockPool& pool, const Request& request, int group,
                                      size_t block_index, BlockId block,
                                      const BlockLink& parent) const {
-  return pool.is_cached(block) && pool.key(block) == request.block_keys[block_index] &&
-         pool.verify(block, block_tokens(request, block_index), parent, request.extras);
+  return pool.is_cached(block) && pool.key(block) == group_key(request, group, block_index) &&
+         pool.verify(block, block_tokens(request, block_index), parent,
+                     request.groups[static_cast<size_t>(group)].extras);
+}
+
+bool KVCacheManager::has_blocks(const Request& request) {
+  return request.swapped || std::ranges::any_of(request.groups, [](const GroupTable& t) {
+           return !t.blocks.empty();
+         });
 }
 
 ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
   Request& request = find(id);
-  if (!request.block_table.empty() || !request.host_table.empty()) {
+  if (has_blocks(request)) {
     throw InvalidState("get_computed_blocks: request '" + id + "' already has blocks");
   }
   ComputedBlocks computed;
   if (!config_.enable_prefix_caching) return computed;
   extend_block_keys(request);
+  const int num_groups = this->num_groups();
   // At least one token is left to compute: its forward pass produces the next logits.
-  const size_t max_blocks = (request.token_ids.size() - 1) / static_cast<size_t>(block_size());
-  BlockLink parent;
-  size_t i = 0;
-  for (; i < max_blocks; ++i) {
-    const auto block = pool_.lookup(request.block_keys[i]);
-    if (!block || !is_verified_hit(pool_, request, i, *block, parent)) break;
-    computed.block_ids.push_back(*block);
-    parent = pool_.link(*block);
+  size_t n = (request.token_ids.size() - 1) / static_cast<size_t>(block_size());
+  // Each group's verified chain, device blocks then the host tier's, no longer than the
+  // groups before it verified.
+  std::vector<std::vector<BlockId>> chains(static_cast<size_t>(num_groups));
+  std::vector<size_t> on_device(static_cast<size_t>(num_groups));
+  for (int g = 0; g < num_groups; ++g) {
+    auto& chain = chains[static_cast<size_t>(g)];
+    BlockLink parent;
+    size_t i = 0;
+    for (; i < n; ++i) {
+      const auto block = pool_.lookup(group_key(request, g, i));
+      if (!block || !is_verified_hit(pool_, request, g, i, *block, parent)) break;
+      chain.push_back(*block);
+      parent = pool_.link(*block);
+    }
+    on_device[static_cast<size_t>(g)] = i;
+    // Where the device's prefix ends, the host tier may hold the rest of it.
+    for (; host_ && i < n; ++i) {
+      const auto block = host_->lookup(group_key(request, g, i));
+      if (!block || !is_verified_hit(*host_, request, g, i, *block, parent)) break;
+      chain.push_back(*block);
+      parent = host_->link(*block);
+    }
+    n = i;
   }
-  // Where the device's prefix ends, the host tier may hold the rest of it.
-  for (; host_ && i < max_blocks; ++i) {
-    const auto block = host_->lookup(request.block_keys[i]);
-    if (!block || !is_verified_hit(*host_, request, i, *block, parent)) break;
-    computed.host_block_ids.push_back(*block);
-    parent = host_->link(*block);
+  computed.num_computed_tokens = static_cast<int>(n) * block_size();
+  computed.groups.resize(static_cast<size_t>(num_groups));
+  size_t device_prefix = n;
+  for (int g = 0; g < num_groups; ++g) {
+    const auto& chain = chains[static_cast<size_t>(g)];
+    const size_t device = std::min(n, on_device[static_cast<size_t>(g)]);
+    device_prefix = std::min(device_prefix, device);
+    GroupHit& hit = computed.groups[static_cast<size_t>(g)];
+    const auto first = static_cast<size_t>(config_.groups[static_cast<size_t>(g)].first_needed_block(
+        computed.num_computed_tokens, block_size()));
+    hit.first_block = static_cast<int>(first);
+    if (first > 0) {
+      hit.parent = first - 1 < device ? pool_.link(chain[first - 1]) : host_->link(chain[first - 1]);
+    }
+    for (size_t i = first; i < n; ++i) {
+      (i < device ? hit.block_ids : hit.host_block_ids).push_back(chain[i]);
+    }
   }
-  computed.num_computed_tokens = static_cast<int>(i) * block_size();
-  computed.num_host_tokens = static_cast<int>(computed.host_block_ids.size()) * block_size();
+  computed.num_host_tokens = static_cast<int>(n - device_prefix) * block_size();
   if (!request.lookup_counted) {
     request.lookup_counted = true;
     prefix_cache_queries_ += static_cast<int64_t>(request.token_ids.size());
@@ -180,17 +256,17 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
   check_argument(num_lookahead >= 0, "allocate_slots: num_lookahead must be non-negative");
   Plan p;
   const int64_t size = block_size();
-  const bool has_hit = computed != nullptr &&
-                       (!computed->block_ids.empty() || !computed->host_block_ids.empty());
-  if (has_hit) {
-    if (!request.block_table.empty() || !request.host_table.empty()) {
+  const int num_groups = this->num_groups();
+  p.has_hit = computed != nullptr && computed->num_computed_tokens > 0;
+  int64_t num_hit = 0;
+  if (p.has_hit) {
+    if (has_blocks(request)) {
       throw InvalidArgument("allocate_slots: computed blocks are taken by a first allocation only");
     }
-    const size_t num_device = computed->block_ids.size();
-    const auto num_hit = static_cast<int64_t>(num_device + computed->host_block_ids.size());
-    check_argument(computed->num_computed_tokens == num_hit * size &&
+    num_hit = computed->num_computed_tokens / size;
+    check_argument(computed->num_computed_tokens % size == 0 &&
                        num_hit <= static_cast<int64_t>(request.block_keys.size()) &&
-                       (computed->host_block_ids.empty() || host_),
+                       computed->groups.size() == static_cast<size_t>(num_groups),
                    "allocate_slots: computed blocks do not match the request");
     // Verified again, not trusted: the blocks may have been evicted and re-cached
     // with other content since get_computed_blocks.
@@ -198,26 +274,35 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
       return InvalidArgument("allocate_slots: computed blocks are stale (block " +
                              std::to_string(b) + " no longer caches this prefix)");
     };
-    BlockLink parent;
-    for (size_t i = 0; i < num_device; ++i) {
-      const BlockId b = computed->block_ids[i];
-      if (!is_verified_hit(pool_, request, i, b, parent)) throw stale(b);
-      if (pool_.ref_count(b) == 0) ++p.num_free_hits;
-      parent = pool_.link(b);
-    }
-    for (size_t j = 0; j < computed->host_block_ids.size(); ++j) {
-      const BlockId h = computed->host_block_ids[j];
-      // (a device block that caches the key since would keep the copy from being cached)
-      if (!is_verified_hit(*host_, request, num_device + j, h, parent) ||
-          pool_.lookup(request.block_keys[num_device + j])) {
-        throw stale(h);
+    for (int g = 0; g < num_groups; ++g) {
+      const GroupHit& hit = computed->groups[static_cast<size_t>(g)];
+      const int64_t first = config_.groups[static_cast<size_t>(g)].first_needed_block(
+          computed->num_computed_tokens, block_size());
+      check_argument(hit.first_block == first &&
+                         static_cast<int64_t>(hit.block_ids.size() + hit.host_block_ids.size()) ==
+                             num_hit - first &&
+                         (hit.host_block_ids.empty() || host_),
+                     "allocate_slots: computed blocks do not match the request");
+      BlockLink parent = hit.parent;
+      auto i = static_cast<size_t>(first);
+      for (const BlockId b : hit.block_ids) {
+        if (!is_verified_hit(pool_, request, g, i++, b, parent)) throw stale(b);
+        if (pool_.ref_count(b) == 0) ++p.num_free_hits;
+        parent = pool_.link(b);
       }
-      parent = host_->link(h);
+      for (const BlockId h : hit.host_block_ids) {
+        // (a device block that caches the key since would keep the copy from being cached)
+        if (!is_verified_hit(*host_, request, g, i, h, parent) ||
+            pool_.lookup(group_key(request, g, i))) {
+          throw stale(h);
+        }
+        ++i;
+        parent = host_->link(h);
+      }
+      p.num_copied_in += static_cast<int>(hit.host_block_ids.size());
     }
-    p.num_copied_in = static_cast<int>(computed->host_block_ids.size());
   }
-  p.num_copied_in += static_cast<int>(request.host_table.size());
-  p.first_new_token = has_hit ? computed->num_computed_tokens : request.num_computed_tokens;
+  p.first_new_token = p.has_hit ? computed->num_computed_tokens : request.num_computed_tokens;
   const int64_t end = static_cast<int64_t>(p.first_new_token) + num_new_tokens;
   if (end > static_cast<int64_t>(request.token_ids.size())) {
     throw InvalidArgument("allocate_slots: " + std::to_string(num_new_tokens) +
@@ -225,23 +310,38 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
                           " computed, but only " + std::to_string(request.token_ids.size()) +
                           " tokens are known");
   }
-  const int64_t num_slots = end + num_lookahead;
-  const int64_t num_blocks_needed = (num_slots + size - 1) / size;
-  const int64_t num_held = static_cast<int64_t>(request.block_table.size()) +
-                           (has_hit ? static_cast<int64_t>(computed->block_ids.size()) : 0) +
-                           p.num_copied_in;
-  const int64_t num_new_blocks = std::max<int64_t>(0, num_blocks_needed - num_held);
-  const int64_t last_written =
-      std::min<int64_t>(num_blocks_needed, static_cast<int64_t>(request.block_table.size()));
-  for (int64_t i = p.first_new_token / size; i < last_written; ++i) {
-    if (pool_.ref_count(request.block_table[static_cast<size_t>(i)]) > 1) {
-      p.copy_on_write.push_back(static_cast<int>(i));
+  const int64_t num_blocks_needed = (end + num_lookahead + size - 1) / size;
+  int64_t num_taken = p.num_free_hits;
+  int64_t num_released = 0;  // blocks that release_before returns to the free lists
+  for (int g = 0; g < num_groups; ++g) {
+    const GroupTable& table = request.groups[static_cast<size_t>(g)];
+    GroupPlan& gp = p.groups[static_cast<size_t>(g)];
+    gp.first_needed = static_cast<int>(
+        config_.groups[static_cast<size_t>(g)].first_needed_block(p.first_new_token, block_size()));
+    const auto num_held = static_cast<int64_t>(
+        p.has_hit ? num_hit : (request.swapped ? table.host.size() : table.blocks.size()));
+    const int64_t num_new_blocks = std::max<int64_t>(0, num_blocks_needed - num_held);
+    num_taken += num_new_blocks;
+    if (request.swapped) {
+      for (auto i = static_cast<size_t>(gp.first_needed); i < table.host.size(); ++i) {
+        p.num_copied_in += table.host[i] != kNoBlock ? 1 : 0;
+      }
     }
+    const auto written = static_cast<size_t>(std::min<int64_t>(
+        num_blocks_needed, static_cast<int64_t>(table.blocks.size())));
+    for (auto i = static_cast<size_t>(table.num_released);
+         i < std::min(static_cast<size_t>(gp.first_needed), table.blocks.size()); ++i) {
+      const BlockId b = table.blocks[i];
+      num_released += b != kNoBlock && pool_.ref_count(b) == 1 ? 1 : 0;
+    }
+    for (auto i = static_cast<size_t>(p.first_new_token / size); i < written; ++i) {
+      if (pool_.ref_count(table.blocks[i]) > 1) gp.copy_on_write.push_back(static_cast<int>(i));
+    }
+    num_taken += static_cast<int64_t>(gp.copy_on_write.size());
+    gp.num_new_blocks = static_cast<int>(std::min<int64_t>(num_new_blocks, pool_.num_blocks()));
   }
-  const int64_t num_taken = num_new_blocks + static_cast<int64_t>(p.copy_on_write.size()) +
-                            p.num_free_hits + p.num_copied_in;
-  p.fits = num_taken <= pool_.num_free_blocks();
-  if (p.fits) p.num_new_blocks = static_cast<int>(num_new_blocks);  // bounded by the pool
+  num_taken += p.num_copied_in;
+  p.fits = num_taken <= pool_.num_free_blocks() + num_released;
   return p;
 }
 
@@ -260,6 +360,48 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate_slots(
   return allocate(find(handle), num_new_tokens, num_lookahead, computed);
 }
 
+void KVCacheManager::release_before(GroupTable& table, int first_needed) {
+  const int end = std::min(first_needed, static_cast<int>(table.blocks.size()));
+  // Last first, as free() does: a chain's head, which every later hit must verify
+  // through, is evicted last.
+  for (int i = end - 1; i >= table.num_released; --i) {
+    BlockId& b = table.blocks[static_cast<size_t>(i)];
+    if (b != kNoBlock) pool_.release(std::exchange(b, kNoBlock));
+  }
+  table.num_released = std::max(table.num_released, end);
+}
+
+void KVCacheManager::take_hit(Request& request, const ComputedBlocks& computed) {
+  const int num_hit = computed.num_computed_tokens / block_size();
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    const GroupHit& hit = computed.groups[g];
+    GroupTable& table = request.groups[g];
+    table.blocks.assign(static_cast<size_t>(hit.first_block), kNoBlock);
+    table.num_released = hit.first_block;
+    for (const BlockId b : hit.block_ids) {
+      pool_.retain(b);
+      table.blocks.push_back(b);
+    }
+    // Held first: taking device blocks below may offload into the host tier, which
+    // must not evict them.
+    for (const BlockId h : hit.host_block_ids) host_->retain(h);
+  }
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    const GroupHit& hit = computed.groups[g];
+    GroupTable& table = request.groups[g];
+    for (const BlockId h : hit.host_block_ids) {
+      const size_t i = table.blocks.size();
+      const BlockLink parent = static_cast<int>(i) == hit.first_block
+                                   ? hit.parent
+                                   : pool_.link(table.blocks[i - 1]);
+      table.blocks.push_back(copy_in_hit(request, static_cast<int>(g), i, h, parent));
+    }
+    table.num_cached = num_hit;
+    table.cached_tail = num_hit > hit.first_block ? pool_.link(table.blocks.back()) : hit.parent;
+  }
+  request.num_computed_tokens = computed.num_computed_tokens;
+}
+
 std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& request,
                                                                  int num_new_tokens,
                                                                  int num_lookahead,
@@ -268,94 +410,92 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
   if (!p.fits) return std::nullopt;
 
   const int size = block_size();
-  if (computed != nullptr && computed->num_computed_tokens > 0) {
-    for (const BlockId b : computed->block_ids) {
-      pool_.retain(b);
-      request.block_table.push_back(b);
-    }
-    // Held first: taking device blocks below may offload into the host tier, which must
-    // not evict them.
-    for (const BlockId h : computed->host_block_ids) host_->retain(h);
-    for (const BlockId h : computed->host_block_ids) {
-      const size_t i = request.block_table.size();
-      const BlockLink parent = i == 0 ? BlockLink{} : pool_.link(request.block_table[i - 1]);
-      request.block_table.push_back(copy_in_hit(request, i, h, parent));
-    }
-    request.num_computed_tokens = computed->num_computed_tokens;
-    request.num_cached_blocks = static_cast<int>(request.block_table.size());
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    release_before(request.groups[g], p.groups[g].first_needed);
   }
-  // A swapped-out request's blocks come back (its host blocks, held, are released once
-  // the copies are taken).
-  for (size_t i = 0; i < request.host_table.size(); ++i) {
-    const BlockId block = take_block();
-    pool_.set_num_filled(block, std::clamp(request.num_computed_tokens - static_cast<int>(i) * size,
-                                           0, size));
-    pending_transfers_.to_device.emplace_back(request.host_table[i], block);
-    held_host_blocks_.push_back(request.host_table[i]);
-    request.block_table.push_back(block);
-  }
-  if (!request.host_table.empty()) --num_swapped_requests_;
-  request.host_table.clear();
-  for (const int i : p.copy_on_write) {
-    const BlockId shared = request.block_table[static_cast<size_t>(i)];
-    const BlockId copy = take_block();
-    pool_.set_num_filled(copy, pool_.num_filled(shared));
-    pending_copies_.emplace_back(shared, copy);
-    pool_.release(shared);
-    request.block_table[static_cast<size_t>(i)] = copy;
-  }
-  for (int i = 0; i < p.num_new_blocks; ++i) request.block_table.push_back(take_block());
-
+  if (p.has_hit) take_hit(request, *computed);
+  if (request.swapped) swap_in(request, p);
   const int end = p.first_new_token + num_new_tokens;
-  for (int i = p.first_new_token / size; i * size < end; ++i) {
-    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)],
-                         std::min(size, end - i * size));
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    auto& blocks = request.groups[g].blocks;
+    for (const int i : p.groups[g].copy_on_write) {
+      const BlockId shared = blocks[static_cast<size_t>(i)];
+      const BlockId copy = take_block();
+      pool_.set_num_filled(copy, pool_.num_filled(shared));
+      pending_copies_.emplace_back(shared, copy);
+      pool_.release(shared);
+      blocks[static_cast<size_t>(i)] = copy;
+    }
+    for (int i = 0; i < p.groups[g].num_new_blocks; ++i) blocks.push_back(take_block());
+    for (int i = p.first_new_token / size; i * size < end; ++i) {
+      pool_.set_num_filled(blocks[static_cast<size_t>(i)], std::min(size, end - i * size));
+    }
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);
-  return std::span<const BlockId>(request.block_table).last(static_cast<size_t>(p.num_new_blocks));
+  return std::span<const BlockId>(request.groups[0].blocks)
+      .last(static_cast<size_t>(p.groups[0].num_new_blocks));
 }
 
 void KVCacheManager::cache_full_blocks(Request& request) {
   if (!config_.enable_prefix_caching) return;
   extend_block_keys(request);
-  const auto num_full = static_cast<size_t>(request.num_computed_tokens / block_size());
-  while (static_cast<size_t>(request.num_cached_blocks) < num_full) {
-    const auto i = static_cast<size_t>(request.num_cached_blocks);
-    const BlockLink parent = i == 0 ? BlockLink{} : pool_.link(request.block_table[i - 1]);
-    // False when another block already caches this prefix; this request's later
-    // blocks then stay uncached, so that every cached block's parent is cached.
-    if (!pool_.cache(request.block_table[i], request.block_keys[i], block_tokens(request, i),
-                     parent, request.extras)) {
-      break;
+  const int num_full = request.num_computed_tokens / block_size();
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    GroupTable& table = request.groups[g];
+    while (!table.caching_stopped && table.num_cached < num_full) {
+      const auto i = static_cast<size_t>(table.num_cached);
+      const BlockId block = table.blocks[i];
+      // False when another block already caches this prefix (or this one was released
+      // uncached); this request's later blocks then stay uncached, so that every cached
+      // block's parent is cached.
+      if (block == kNoBlock ||
+          !pool_.cache(block, group_key(request, static_cast<int>(g), i), block_tokens(request, i),
+                       i == 0 ? BlockLink{} : table.cached_tail, table.extras)) {
+        break;
+      }
+      table.cached_tail = pool_.link(block);
+      ++table.num_cached;
     }
-    ++request.num_cached_blocks;
   }
 }
 
 void KVCacheManager::rollback(const RequestId& id, int num_computed_tokens) {
   Request& request = find(id);
-  if (!request.host_table.empty()) {
-    throw InvalidState("rollback: request '" + id + "' is swapped out");
-  }
+  if (request.swapped) throw InvalidState("rollback: request '" + id + "' is swapped out");
   check_argument(num_computed_tokens >= 0 && num_computed_tokens <= request.num_computed_tokens,
                  "rollback: num_computed_tokens must be in [0, the request's current count]");
   const int size = block_size();
   const int num_full = num_computed_tokens / size;
-  // Blocks this request cached that now hold uncomputed positions. Only blocks it holds
-  // alone may be given back: a block another table holds too (a prefix hit) is that
-  // request's cached content as well.
-  for (int i = num_full; i < request.num_cached_blocks; ++i) {
-    check_argument(pool_.ref_count(request.block_table[static_cast<size_t>(i)]) == 1,
-                   "rollback: num_computed_tokens is inside blocks other requests share");
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    const GroupTable& table = request.groups[g];
+    const auto first = static_cast<int>(
+        config_.groups[g].first_needed_block(num_computed_tokens, size));
+    check_argument(first >= table.num_released,
+                   "rollback: positions from num_computed_tokens on would read blocks a window "
+                   "has released");
+    // Blocks this request cached that now hold uncomputed positions. Only blocks it
+    // holds alone may be given back: a block another table holds too (a prefix hit) is
+    // that request's cached content as well.
+    for (int i = num_full; i < table.num_cached; ++i) {
+      check_argument(pool_.ref_count(table.blocks[static_cast<size_t>(i)]) == 1,
+                     "rollback: num_computed_tokens is inside blocks other requests share");
+    }
   }
-  for (int i = num_full; i < request.num_cached_blocks; ++i) {
-    pool_.uncache(request.block_table[static_cast<size_t>(i)]);
-  }
-  request.num_cached_blocks = std::min(request.num_cached_blocks, num_full);
-  for (int i = num_full; i * size < request.num_computed_tokens; ++i) {
-    pool_.set_num_filled(request.block_table[static_cast<size_t>(i)],
-                         std::clamp(num_computed_tokens - i * size, 0, size));
+  for (GroupTable& table : request.groups) {
+    if (num_full < table.num_cached) {
+      for (int i = num_full; i < table.num_cached; ++i) {
+        pool_.uncache(table.blocks[static_cast<size_t>(i)]);
+      }
+      table.num_cached = num_full;
+      const BlockId tail = num_full == 0 ? kNoBlock : table.blocks[static_cast<size_t>(num_full - 1)];
+      if (tail != kNoBlock) table.cached_tail = pool_.link(tail);
+      table.caching_stopped = num_full > 0 && tail == kNoBlock;
+    }
+    for (int i = num_full; i * size < request.num_computed_tokens; ++i) {
+      pool_.set_num_filled(table.blocks[static_cast<size_t>(i)],
+                           std::clamp(num_computed_tokens - i * size, 0, size));
+    }
   }
   request.num_computed_tokens = num_computed_tokens;
 }
@@ -365,18 +505,23 @@ void KVCacheManager::free(const RequestId& id) {
   if (it == request_slots_.end()) throw UnknownRequest(id);
   const size_t slot = it->second;
   request_slots_.erase(it);
-  requests_[slot].in_use = false;
+  Request& request = requests_[slot];
+  request.in_use = false;
   free_slots_.push_back(slot);  // capacity reserved: cannot throw. Cleared on reuse.
-  const auto& table = requests_[slot].block_table;
-  for (auto b = table.rbegin(); b != table.rend(); ++b) pool_.release(*b);
-  const auto& host_table = requests_[slot].host_table;
-  for (const BlockId h : host_table) host_->release(h);
-  if (!host_table.empty()) --num_swapped_requests_;
+  for (const GroupTable& table : request.groups) {
+    for (auto b = table.blocks.rbegin(); b != table.blocks.rend(); ++b) {
+      if (*b != kNoBlock) pool_.release(*b);
+    }
+    for (const BlockId h : table.host) {
+      if (h != kNoBlock) host_->release(h);
+    }
+  }
+  if (request.swapped) --num_swapped_requests_;
 }
 
 void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
   const size_t source = slot_of(parent);
-  if (!requests_[source].host_table.empty()) {
+  if (requests_[source].swapped) {
     throw InvalidState("fork: request '" + parent + "' is swapped out");
   }
   if (has_request(child)) {
@@ -388,7 +533,11 @@ void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
     copy = requests_[source];
     copy.generation = generation;
   });
-  for (const BlockId b : requests_[slot_of(child)].block_table) pool_.retain(b);
+  for (const GroupTable& table : requests_[slot_of(child)].groups) {
+    for (const BlockId b : table.blocks) {
+      if (b != kNoBlock) pool_.retain(b);
+    }
+  }
 }
 
 std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {
@@ -404,12 +553,14 @@ bool KVCacheManager::reset_prefix_cache() {
   return pool_.reset_prefix_cache() && (!host_ || host_->reset_prefix_cache());
 }
 
-std::span<const BlockId> KVCacheManager::block_table(const RequestId& id) const {
-  return find(id).block_table;
+std::span<const BlockId> KVCacheManager::block_table(const RequestId& id, int group) const {
+  check_argument(group >= 0 && group < num_groups(), "block_table: no such KV-cache group");
+  return find(id).groups[static_cast<size_t>(group)].blocks;
 }
 
-std::span<const BlockId> KVCacheManager::block_table(RequestHandle handle) const {
-  return find(handle).block_table;
+std::span<const BlockId> KVCacheManager::block_table(RequestHandle handle, int group) const {
+  check_argument(group >= 0 && group < num_groups(), "block_table: no such KV-cache group");
+  return find(handle).groups[static_cast<size_t>(group)].blocks;
 }
 
 std::span<const TokenId> KVCacheManager::token_ids(const RequestId& id) const {

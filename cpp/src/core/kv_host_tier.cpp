@@ -40,13 +40,14 @@ void KVCacheManager::offload(BlockId block) {
   ++num_blocks_offloaded_;
 }
 
-BlockId KVCacheManager::copy_in_hit(Request& request, size_t block_index, BlockId host_block,
-                                    const BlockLink& parent) {
+BlockId KVCacheManager::copy_in_hit(Request& request, int group, size_t block_index,
+                                    BlockId host_block, const BlockLink& parent) {
   const BlockId block = take_block();
   pool_.set_num_filled(block, block_size());
   // plan() checked that no device block holds the key.
-  if (!pool_.cache(block, request.block_keys[block_index], block_tokens(request, block_index),
-                   parent, request.extras, host_->link(host_block))) {
+  if (!pool_.cache(block, group_key(request, group, block_index), block_tokens(request, block_index),
+                   parent, request.groups[static_cast<size_t>(group)].extras,
+                   host_->link(host_block))) {
     throw InvalidState("copy_in_hit: a device block caches the key already");
   }
   pending_transfers_.to_device.emplace_back(host_block, block);
@@ -68,10 +69,16 @@ std::optional<BlockId> KVCacheManager::content_at_step_start(BlockId block) cons
 
 bool KVCacheManager::can_swap_out(const RequestId& id) const {
   const Request& request = find(id);
-  return host_ && !request.block_table.empty() && request.host_table.empty() &&
-         static_cast<size_t>(host_->num_free_blocks()) >= request.block_table.size() &&
-         std::ranges::all_of(request.block_table,
-                             [this](BlockId b) { return content_at_step_start(b).has_value(); });
+  if (!host_ || request.swapped) return false;
+  size_t num_held = 0;
+  for (const GroupTable& table : request.groups) {
+    for (const BlockId b : table.blocks) {
+      if (b == kNoBlock) continue;
+      if (!content_at_step_start(b)) return false;
+      ++num_held;
+    }
+  }
+  return num_held > 0 && static_cast<size_t>(host_->num_free_blocks()) >= num_held;
 }
 
 void KVCacheManager::swap_out(const RequestId& id) {
@@ -81,23 +88,64 @@ void KVCacheManager::swap_out(const RequestId& id) {
                        "blocks");
   }
   Request& request = find(id);
-  for (const BlockId block : request.block_table) {
-    const BlockId copy = host_->allocate();
-    pending_transfers_.to_host.emplace_back(*content_at_step_start(block), copy);
-    request.host_table.push_back(copy);
+  for (GroupTable& table : request.groups) {
+    for (const BlockId block : table.blocks) {
+      if (block == kNoBlock) {
+        table.host.push_back(kNoBlock);
+        continue;
+      }
+      const BlockId copy = host_->allocate();
+      pending_transfers_.to_host.emplace_back(*content_at_step_start(block), copy);
+      table.host.push_back(copy);
+      ++num_blocks_swapped_out_;
+    }
   }
   // Its copy-on-write copies are no longer needed: the host copies read their sources.
   std::erase_if(pending_copies_, [&request](const auto& copy) {
-    return std::ranges::find(request.block_table, copy.second) != request.block_table.end();
+    return std::ranges::any_of(request.groups, [&copy](const GroupTable& table) {
+      return std::ranges::find(table.blocks, copy.second) != table.blocks.end();
+    });
   });
-  num_blocks_swapped_out_ += static_cast<int64_t>(request.block_table.size());
   ++num_swapped_requests_;
-  // (released last block first, as free() does; cached ones stay cached)
-  for (auto b = request.block_table.rbegin(); b != request.block_table.rend(); ++b) {
-    pool_.release(*b);
+  request.swapped = true;
+  for (GroupTable& table : request.groups) {
+    // (released last block first, as free() does; cached ones stay cached)
+    for (auto b = table.blocks.rbegin(); b != table.blocks.rend(); ++b) {
+      if (*b != kNoBlock) pool_.release(*b);
+    }
+    table.blocks.clear();
+    table.num_released = table.num_cached = 0;
+    table.cached_tail = {};
+    table.caching_stopped = false;
   }
-  request.block_table.clear();
-  request.num_cached_blocks = 0;
+}
+
+void KVCacheManager::swap_in(Request& request, const Plan& p) {
+  // A swapped-out request's blocks come back (its host blocks, held, are released once
+  // the copies are taken), but for those a window no longer needs.
+  const int size = block_size();
+  for (size_t g = 0; g < request.groups.size(); ++g) {
+    GroupTable& table = request.groups[g];
+    const auto first_needed = static_cast<size_t>(p.groups[g].first_needed);
+    for (size_t i = 0; i < table.host.size(); ++i) {
+      const BlockId host_block = table.host[i];
+      if (host_block == kNoBlock || i < first_needed) {
+        if (host_block != kNoBlock) host_->release(host_block);
+        table.blocks.push_back(kNoBlock);
+        continue;
+      }
+      const BlockId block = take_block();
+      pool_.set_num_filled(block, std::clamp(request.num_computed_tokens -
+                                                 static_cast<int>(i) * size, 0, size));
+      pending_transfers_.to_device.emplace_back(host_block, block);
+      held_host_blocks_.push_back(host_block);
+      table.blocks.push_back(block);
+    }
+    table.num_released = static_cast<int>(std::min(first_needed, table.host.size()));
+    table.host.clear();
+  }
+  --num_swapped_requests_;
+  request.swapped = false;
 }
 
 KVTransfers KVCacheManager::take_pending_transfers() {

@@ -33,7 +33,7 @@ Scheduler::Scheduler(const SchedulerConfig& config, const KVCacheConfig& kv_conf
     : config_(checked(config, kv_config)),
       kv_(kv_config),
       buffers_(config.max_num_batched_tokens, config.max_num_seqs,
-               ceil_div(config.max_model_len, kv_config.block_size)),
+               ceil_div(config.max_model_len, kv_config.block_size), kv_.num_groups()),
       results_(config.max_num_seqs, config.max_num_batched_tokens) {
   running_.reserve(static_cast<size_t>(config.max_num_seqs));
   step_requests_.reserve(static_cast<size_t>(config.max_num_seqs));
@@ -85,7 +85,7 @@ void Scheduler::add_request(const std::string& id, std::span<const TokenId> prom
                           std::to_string(config_.max_model_len) + ")");
   }
   const int64_t max_len = std::min<int64_t>(prompt_len + params.max_tokens, config_.max_model_len);
-  const int blocks_needed = ceil_div(max_len, kv_.block_size());
+  const int64_t blocks_needed = kv_.max_blocks_held(max_len, config_.max_num_batched_tokens);
   if (blocks_needed > kv_.config().num_blocks) {
     throw InvalidArgument("add_request: the request needs up to " + std::to_string(blocks_needed) +
                           " KV-cache blocks, the pool has " +
@@ -358,23 +358,31 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
   last_prefill_tokens_ = last_decode_tokens_ = 0;
   for (size_t i = 0; i < scheduled.size(); ++i) {
     const auto& [r, n] = scheduled[i];
-    const std::span<const BlockId> table = kv_.block_table(r->kv_handle);
     const int first = r->num_computed_tokens - n;
     const int drafts = r->num_scheduled_drafts;  // (their slots follow the known tokens')
+    const int row_start = b.num_tokens;
     for (int p = first; p < r->num_computed_tokens + drafts; ++p) {
       const auto t = static_cast<size_t>(b.num_tokens++);
       b.input_ids[t] = p < r->num_computed_tokens
                            ? r->token_ids[static_cast<size_t>(p)]
                            : r->draft_token_ids[static_cast<size_t>(p - r->num_computed_tokens)];
       b.positions[t] = p;
-      b.slot_mapping[t] =
-          static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) * block_size +
-          p % block_size;
+    }
+    for (int g = 0; g < b.num_kv_groups; ++g) {
+      const std::span<const BlockId> table = kv_.block_table(r->kv_handle, g);
+      int64_t* slots = b.slot_mapping.data() + static_cast<ptrdiff_t>(g) * b.max_num_batched_tokens;
+      for (int t = row_start; t < b.num_tokens; ++t) {
+        const int p = b.positions[static_cast<size_t>(t)];
+        slots[t] = static_cast<int64_t>(table[static_cast<size_t>(p / block_size)]) * block_size +
+                   p % block_size;
+      }
+      std::copy(table.begin(), table.end(),
+                b.block_tables.begin() +
+                    (static_cast<ptrdiff_t>(g) * b.max_num_seqs + static_cast<ptrdiff_t>(i)) *
+                        b.max_blocks_per_request);
     }
     b.query_start_loc[i + 1] = b.num_tokens;
     b.seq_lens[i] = r->num_computed_tokens + drafts;
-    std::copy(table.begin(), table.end(),
-              b.block_tables.begin() + static_cast<ptrdiff_t>(i) * b.max_blocks_per_request);
     b.num_scheduled_tokens[i] = n + drafts;
     b.num_draft_tokens[i] = drafts;
     const bool sampling = r->num_computed_tokens == r->num_tokens();
