@@ -28,6 +28,7 @@ struct AttentionParams {
   int block_shift;        // flash kernel: log2(block_size)
   float scale;
   int sliding_window;
+  int attention_chunk;  // > 0: a query at p sees keys from p - p % chunk on
   float logit_soft_cap;
   const float* sinks;  // float32 [num_heads]: each head's sink logit (gpt-oss's); or null
 };
@@ -36,6 +37,14 @@ struct AttentionParams {
 // with its head's sink where the heads have sinks.
 __device__ inline float with_sink(const AttentionParams& p, int head, float sum, float max) {
   return p.sinks == nullptr ? sum : sum + __expf(p.sinks[head] - max);
+}
+
+// The first position a query at `position` sees (its window's, its chunk's); the blocks
+// before it are never read (a window's KV-cache group may have released them).
+__device__ inline int64_t first_visible(const AttentionParams& p, int64_t position) {
+  int64_t first = p.sliding_window > 0 ? position - p.sliding_window + 1 : 0;
+  if (p.attention_chunk > 0) first = max(first, position - position % p.attention_chunk);
+  return max(first, int64_t{0});
 }
 
 // The request whose query tokens include `token`: the r with qsl[r] <= token < qsl[r + 1]

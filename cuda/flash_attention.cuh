@@ -109,10 +109,14 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   // Thread g < kKeys / 8 reads the cache block of group g of a chunk's keys (block 0 past
   // the context); store_group_start stores where the group starts in K and in V into a
   // stage's slots. Only the block id waits through a chunk's compute: one register.
+  // Keys before `held_from`, the start of the block of the tile's first visible key, are
+  // neither looked up nor copied (zeros): a window's KV-cache group may have released
+  // their blocks.
   const int64_t head_tile = kv_head * kv_tile;
+  int held_from = 0;
   const auto group_block = [&](int chunk) -> int32_t {
     const int key = chunk + 8 * static_cast<int>(threadIdx.x);
-    if (threadIdx.x >= kKeys / 8 || key >= seq_len) return 0;
+    if (threadIdx.x >= kKeys / 8 || key >= seq_len || key < held_from) return 0;
     return cache_block(p, table[key >> block_shift]);
   };
   const auto store_group_start = [&](int stage, int chunk, int32_t block) {
@@ -133,7 +137,8 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
   const int k_dim_step = kKeyDimStep * p.block_size;  // elements between its K copies
   const auto copy_chunk = [&](int stage, int chunk) {
     const T* k_source = keys + shared.k_groups[stage][k_first_key / 8] + k_first_dim * p.block_size;
-    const bool k_valid = chunk + k_first_key < seq_len;
+    const int k_key = chunk + k_first_key;
+    const bool k_valid = k_key < seq_len && k_key >= held_from;
     for (int i = 0; i < kCopies; ++i) {
       if (kChunkCopies % kThreads != 0 && k_first_dim + i * kKeyDimStep >= D) break;
       copy_async(&shared.k[stage][k_first_dim + i * kKeyDimStep][k_first_key],
@@ -145,7 +150,7 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
       const int index = v / (D / 8), first_dim = v % (D / 8) * 8;
       copy_async(&shared.v[stage][index][first_dim],
                  values + shared.v_groups[stage][index / 8] + (index % 8 * D + first_dim),
-                 chunk + index < seq_len);
+                 chunk + index < seq_len && chunk + index >= held_from);
     }
   };
 
@@ -164,11 +169,12 @@ __global__ void __launch_bounds__(kWarps* kWarp, kWarps == 1   ? 6
     const int first_token = tile * tokens_per_tile;
     const int last_token = min(first_token + tokens_per_tile, q_len) - 1;
     const auto window_start = [&](int position) {
-      return p.sliding_window > 0 ? max(0, position - p.sliding_window + 1) : 0;
+      return static_cast<int>(first_visible(p, position));
     };
     const KeyRange range = partition_keys(window_start(context_start + first_token),
                                           context_start + last_token + 1, part, p.num_parts, kKeys);
     const int begin = static_cast<int>(range.begin), end = static_cast<int>(range.end);
+    held_from = begin - begin % p.block_size;
     // Keys every row of the tile sees: chunks inside need no mask.
     const int all_see_from = max(begin, window_start(context_start + last_token));
     const int all_see_to = min(end, context_start + first_token + 1);

@@ -105,6 +105,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.block_size = static_cast<int>(key_cache.shape[3]);
   p.scale = options.scale;
   p.sliding_window = options.sliding_window;
+  p.attention_chunk = options.attention_chunk;
   p.logit_soft_cap = options.logit_soft_cap;
   p.sinks = static_cast<const float*>(options.sinks.data);
   // The longest context: the caller's hint, else any request's block table's reach.

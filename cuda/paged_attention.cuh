@@ -46,7 +46,7 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   const int r = request_of(p.query_start_loc, p.num_reqs, token);
   const int64_t q_len = p.query_start_loc[r + 1] - p.query_start_loc[r];
   const int64_t position = p.seq_lens[r] - q_len + (token - p.query_start_loc[r]);
-  const int64_t first = p.sliding_window > 0 ? max(int64_t{0}, position - p.sliding_window + 1) : 0;
+  const int64_t first = first_visible(p, position);
   // This partition's share of the token's visible keys [first, position].
   const auto [begin, end] = partition_keys(first, position + 1, part, p.num_parts, kWarp);
 

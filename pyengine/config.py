@@ -69,6 +69,12 @@ class FamilyConfig:
         """ValueError, at start, where the family's own sizes do not split over the
         ranks (ParallelConfig.check_model asks it after the sizes every model has)."""
 
+    def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
+        """Layer `index`'s attention as the KV cache groups it: ("sliding", window) or
+        ("chunked", chunk) where its queries see only recent keys, else ("full", 0). A
+        family without its own kinds has the model's window on every layer."""
+        return ("sliding", sliding_window) if sliding_window else ("full", 0)
+
 
 _Family = TypeVar("_Family", bound=FamilyConfig)
 
@@ -99,6 +105,10 @@ class ModelConfig:
     hidden_act: str = "silu"  # the MLP's activation ("silu": a gated MLP, as Llama's)
     quantization: QuantizationConfig | None = None  # None: float weights
     family: FamilyConfig = FamilyConfig()  # the family's own switches (see FamilyConfig)
+
+    def kv_specs(self) -> list[tuple[str, int]]:
+        """Every layer's attention kind for the KV cache (FamilyConfig.kv_spec)."""
+        return [self.family.kv_spec(i, self.sliding_window) for i in range(self.num_layers)]
 
     def __post_init__(self) -> None:
         """Values a model cannot run with are refused when loaded, not at the first

@@ -42,7 +42,7 @@ _SCHEMAS = {
     "paged_attention": "paged_attention(Tensor(a!) out, Tensor query, Tensor key_cache, "
     "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
     "float scale, int sliding_window=0, float logit_soft_cap=0.0, int max_seq_len=0, "
-    "int max_query_len=0, Tensor? sinks=None) -> ()",
+    "int max_query_len=0, Tensor? sinks=None, int attention_chunk=0) -> ()",
     # block_mapping: int64 [num_pairs, 2] (src, dst) on the CPU
     "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
     "Tensor block_mapping) -> ()",

@@ -75,10 +75,11 @@ class SchedulerOutput:
 
     input_ids: np.ndarray  # int32 [num_tokens]
     positions: np.ndarray  # int32 [num_tokens]
-    slot_mapping: np.ndarray  # int64 [num_tokens]: block * block_size + offset
+    # Per KV-cache group (one for a model of one attention kind; worker/kv_layout.py):
+    slot_mapping: np.ndarray  # int64 [num_kv_groups, num_tokens]: block * block_size + offset
     query_start_loc: np.ndarray  # int32 [num_reqs + 1]
     seq_lens: np.ndarray  # int32 [num_reqs]: context length after this step
-    block_tables: np.ndarray  # int32 [num_reqs, max_num_blocks_per_req]
+    block_tables: np.ndarray  # int32 [num_kv_groups, num_reqs, max_num_blocks_per_req]
     logits_indices: np.ndarray  # int32 [num_sampled]: the token rows that sample
     block_copies: list[tuple[int, int]]  # (source, destination) blocks, before the step
     # Per sampled row; None: every row is the plain argmax (the common batch).

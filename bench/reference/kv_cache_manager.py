@@ -116,31 +116,69 @@ class FreeKVCacheBlockQueue:
 
 
 @dataclass(slots=True)
-class ComputedBlocks:
+class GroupHit:
+    first_block: int = 0  # earlier blocks lie outside the group's window
     block_ids: list[int] = field(default_factory=list)
+    parent: tuple[KVCacheBlock, int] | None = None  # the chain's block before, its generation
+
+
+@dataclass(slots=True)
+class ComputedBlocks:
+    groups: list[GroupHit] = field(default_factory=list)
     num_computed_tokens: int = 0
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.groups[0].block_ids if self.groups else []
+
+
+@dataclass(slots=True)
+class _Table:
+    """A request's blocks of one KV-cache group."""
+
+    blocks: list[KVCacheBlock | None] = field(default_factory=list)  # None: released
+    num_released: int = 0  # leading entries that are None
+    num_cached: int = 0
+    cached_tail: tuple[KVCacheBlock, int] | None = None  # block num_cached - 1, its generation
 
 
 @dataclass(slots=True)
 class _Request:
     token_ids: list[int]
     extra_keys: ExtraKeys
-    block_table: list[KVCacheBlock] = field(default_factory=list)
-    block_hashes: list[bytes] = field(default_factory=list)  # of the full blocks of token_ids
+    tables: list[_Table]
+    block_hashes: list[list[bytes]]  # per group, of the full blocks of token_ids
     num_computed_tokens: int = 0
-    num_cached_blocks: int = 0  # leading entries of block_table in the prefix index
+
+
+def first_visible(group: tuple[str, int], position: int) -> int:
+    """The first position a query at `position` sees in a group of this kind."""
+    kind, size = group
+    if kind == "sliding":
+        return max(0, position - size + 1)
+    if kind == "chunked":
+        return position - position % size
+    return 0
 
 
 class PyKVCacheManager:
-    """Per-request block tables over a pool of blocks, with verified prefix caching."""
+    """Per-request block tables (one per KV-cache group) over a pool of blocks, with
+    verified prefix caching."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        kv_groups: list[tuple[str, int]] | None = None,
+    ):
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
         if block_size <= 0 or block_size & (block_size - 1):
             raise ValueError("block_size must be a positive power of two")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.groups = list(kv_groups or [("full", 0)])
         self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
         self.uncached_free = FreeKVCacheBlockQueue()  # taken first
         self.cached_free = FreeKVCacheBlockQueue()  # then evicted, least recently freed first
@@ -170,7 +208,10 @@ class PyKVCacheManager:
         if request_id in self.requests:
             raise ValueError(f"add_request: request id {request_id!r} already exists")
         extra_keys = (adapter_id, cache_salt) if adapter_id or cache_salt else None
-        request = _Request(list(prompt_token_ids), extra_keys)
+        request = _Request(
+            list(prompt_token_ids), extra_keys, [_Table() for _ in self.groups],
+            [[] for _ in self.groups],
+        )  # fmt: skip
         self._extend_block_hashes(request)
         self.requests[request_id] = request
 
@@ -180,26 +221,45 @@ class PyKVCacheManager:
             raise ValueError("append_token_ids: negative token id")
         request.token_ids.extend(token_ids)
 
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        """A group's block ids, -1 where a window released a block."""
+        blocks = self.requests[request_id].tables[group].blocks
+        return [-1 if b is None else b.block_id for b in blocks]
+
     def get_computed_blocks(self, request_id: str) -> ComputedBlocks:
-        """The longest verified cached prefix, never all tokens; changes only the statistics."""
+        """The longest prefix every group's chain verifies, never all tokens; changes only
+        the statistics. Each group takes the hit's blocks its window still needs."""
         request = self.requests[request_id]
-        if request.block_table:
+        if any(t.blocks for t in request.tables):
             raise RuntimeError(f"get_computed_blocks: request {request_id!r} already has blocks")
         computed = ComputedBlocks()
         if not self.enable_prefix_caching:
             return computed
         self._extend_block_hashes(request)
         size, tokens = self.block_size, request.token_ids
-        parent: KVCacheBlock | None = None
-        for i in range((len(tokens) - 1) // size):
-            block = self.cached_block_hash_to_block.get(request.block_hashes[i])
-            if block is None or not self._verify(
-                block, tokens[i * size : (i + 1) * size], parent, request
-            ):
-                break
-            computed.block_ids.append(block.block_id)
-            parent = block
-        computed.num_computed_tokens = len(computed.block_ids) * size
+        n = (len(tokens) - 1) // size
+        chains: list[list[KVCacheBlock]] = []
+        for g in range(len(self.groups)):
+            chain: list[KVCacheBlock] = []
+            parent: KVCacheBlock | None = None
+            for i in range(n):
+                block = self.cached_block_hash_to_block.get(request.block_hashes[g][i])
+                link = None if parent is None else (parent, parent.generation)
+                if block is None or not self._verify(
+                    block, tokens[i * size : (i + 1) * size], link, request, g
+                ):
+                    break
+                chain.append(block)
+                parent = block
+            n = len(chain)
+            chains.append(chain)
+        computed.num_computed_tokens = n * size
+        for group, chain in zip(self.groups, chains, strict=True):
+            first = first_visible(group, n * size) // size
+            parent_link = (chain[first - 1], chain[first - 1].generation) if first else None
+            computed.groups.append(
+                GroupHit(first, [b.block_id for b in chain[first:n]], parent_link)
+            )
         self.prefix_cache_queries += len(tokens)
         self.prefix_cache_hits += computed.num_computed_tokens
         return computed
@@ -211,77 +271,124 @@ class PyKVCacheManager:
         num_lookahead: int = 0,
         computed: ComputedBlocks | None = None,
     ) -> list[int] | None:
-        """Schedules the next known tokens (+ lookahead); new block ids, or None if too few free."""
+        """Schedules the next known tokens (+ lookahead); group 0's new block ids, or None
+        (nothing changed) if too few blocks are free. A window's group first releases the
+        blocks its step's queries cannot see."""
         request = self.requests[request_id]
         if num_new_tokens <= 0:
             raise ValueError("allocate_slots: num_new_tokens must be positive")
         if num_lookahead < 0:
             raise ValueError("allocate_slots: num_lookahead must be non-negative")
-        hits: list[KVCacheBlock] = []
-        num_free_hits = 0
-        first_new_token = request.num_computed_tokens
-        if computed is not None and computed.block_ids:
-            num_hit = len(computed.block_ids)
-            if request.block_table:
+        size = self.block_size
+        has_hit = computed is not None and computed.num_computed_tokens > 0
+        num_hit = num_free_hits = 0
+        if has_hit:
+            assert computed is not None
+            if any(t.blocks for t in request.tables):
                 raise ValueError("allocate_slots: computed blocks are for a first allocation")
-            if computed.num_computed_tokens != num_hit * self.block_size:
+            num_hit = computed.num_computed_tokens // size
+            if computed.num_computed_tokens % size or len(computed.groups) != len(self.groups):
                 raise ValueError("allocate_slots: computed blocks do not match the request")
-            for i, block_id in enumerate(computed.block_ids):
-                block = self.blocks[block_id]
-                if i >= len(request.block_hashes) or block.block_hash != request.block_hashes[i]:
-                    raise ValueError(f"allocate_slots: computed block {block_id} is stale")
-                num_free_hits += block.ref_cnt == 0
-                hits.append(block)
-            first_new_token = computed.num_computed_tokens
+            for g, hit in enumerate(computed.groups):
+                for i, block_id in enumerate(hit.block_ids, start=hit.first_block):
+                    block = self.blocks[block_id]
+                    if block.block_hash != request.block_hashes[g][i]:
+                        raise ValueError(f"allocate_slots: computed block {block_id} is stale")
+                    num_free_hits += block.ref_cnt == 0
+        first_new_token = computed.num_computed_tokens if has_hit else request.num_computed_tokens  # type: ignore[union-attr]
         end = first_new_token + num_new_tokens
         if end > len(request.token_ids):
             raise ValueError(f"allocate_slots: only {len(request.token_ids)} tokens are known")
-        num_blocks_needed = -(-(end + num_lookahead) // self.block_size)
-        num_new_blocks = max(0, num_blocks_needed - len(request.block_table) - len(hits))
-        if num_new_blocks + num_free_hits > self.num_free_blocks:
+        num_blocks_needed = -(-(end + num_lookahead) // size)
+        first_needed = [first_visible(g, first_new_token) // size for g in self.groups]
+        num_new = [
+            max(0, num_blocks_needed - (num_hit if has_hit else len(table.blocks)))
+            for table in request.tables
+        ]
+        num_released = sum(
+            block is not None and block.ref_cnt == 1
+            for table, first in zip(request.tables, first_needed, strict=True)
+            for block in table.blocks[table.num_released : first]
+        )
+        if sum(num_new) + num_free_hits > self.num_free_blocks + num_released:
             return None
 
-        for block in hits:
-            self._retain(block)
-        if hits:
-            request.block_table.extend(hits)
-            request.num_cached_blocks = len(hits)
-        new_blocks = [self._allocate_block() for _ in range(num_new_blocks)]
-        request.block_table.extend(new_blocks)
+        for table, first in zip(request.tables, first_needed, strict=True):
+            self._release_before(table, first)
+        if has_hit:
+            assert computed is not None
+            for table, hit in zip(request.tables, computed.groups, strict=True):
+                hits = [self.blocks[b] for b in hit.block_ids]
+                for block in hits:
+                    self._retain(block)
+                table.blocks = [None] * hit.first_block + hits  # type: ignore[operator]
+                table.num_released = hit.first_block
+                table.num_cached = num_hit
+                last = table.blocks[-1] if num_hit > hit.first_block else None
+                table.cached_tail = hit.parent if last is None else (last, last.generation)
+        new_blocks: list[list[int]] = []
+        for table, count in zip(request.tables, num_new, strict=True):
+            blocks = [self._allocate_block() for _ in range(count)]
+            table.blocks += blocks
+            new_blocks.append([block.block_id for block in blocks])
         request.num_computed_tokens = end
         self._cache_full_blocks(request)
-        return [block.block_id for block in new_blocks]
+        return new_blocks[0]
 
     def free(self, request_id: str) -> None:
-        """Releases the blocks, last first (prompt heads are evicted last); forgets the request."""
+        """Releases the blocks, group after group, each last first (prompt heads are
+        evicted last); forgets the request."""
         request = self.requests.pop(request_id)
-        for block in reversed(request.block_table):
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                if block.block_hash is not None:
-                    self.cached_free.append(block)
-                else:
-                    self.uncached_free.appendleft(block)
+        for table in request.tables:
+            for block in reversed(table.blocks):
+                if block is not None:
+                    self._release(block)
 
     # Internals.
+
+    def _release(self, block: KVCacheBlock) -> None:
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            if block.block_hash is not None:
+                self.cached_free.append(block)
+            else:
+                self.uncached_free.appendleft(block)
+
+    def _release_before(self, table: _Table, first_needed: int) -> None:
+        end = min(first_needed, len(table.blocks))
+        for i in range(end - 1, table.num_released - 1, -1):
+            block = table.blocks[i]
+            if block is not None:
+                self._release(block)
+                table.blocks[i] = None
+        table.num_released = max(table.num_released, end)
 
     def _extend_block_hashes(self, request: _Request) -> None:
         if not self.enable_prefix_caching:
             return
-        have, size = len(request.block_hashes), self.block_size
-        if (len(request.token_ids) // size) > have:
-            parent = request.block_hashes[-1] if have else ROOT_HASH
-            new_tokens = request.token_ids[have * size :]
-            request.block_hashes += hash_full_blocks(new_tokens, size, request.extra_keys, parent)
+        size = self.block_size
+        for g, hashes in enumerate(request.block_hashes):
+            have = len(hashes)
+            if (len(request.token_ids) // size) > have:
+                parent = hashes[-1] if have else ROOT_HASH
+                new_tokens = request.token_ids[have * size :]
+                # (the group in the extra keys: each group's blocks have their own hashes)
+                extra = request.extra_keys if g == 0 else (request.extra_keys, g)
+                hashes += hash_full_blocks(new_tokens, size, extra, parent)  # type: ignore[arg-type]
 
     def _verify(
-        self, block: KVCacheBlock, tokens: list[int], parent: KVCacheBlock | None, request: _Request
+        self,
+        block: KVCacheBlock,
+        tokens: list[int],
+        parent: tuple[KVCacheBlock, int] | None,
+        request: _Request,
+        group: int,
     ) -> bool:
-        if block.parent is not parent or block.token_ids != tuple(tokens):
+        if block.token_ids != tuple(tokens):
             return False
-        if parent is not None:
-            return block.parent_generation == parent.generation
-        return block.extra_keys == request.extra_keys
+        if parent is None:
+            return block.parent is None and block.extra_keys == (request.extra_keys, group)
+        return block.parent is parent[0] and block.parent_generation == parent[1]
 
     def _retain(self, block: KVCacheBlock) -> None:
         if block.ref_cnt == 0:
@@ -313,19 +420,23 @@ class PyKVCacheManager:
         self._extend_block_hashes(request)
         size = self.block_size
         num_full = request.num_computed_tokens // size
-        while request.num_cached_blocks < num_full:
-            i = request.num_cached_blocks
-            block, block_hash = request.block_table[i], request.block_hashes[i]
-            if block.block_hash is not None:
-                assert block.block_hash == block_hash, "a block's hash is written once"
-            elif block_hash in self.cached_block_hash_to_block:
-                break  # another block caches this prefix; later ones stay uncached too
-            else:
-                parent = request.block_table[i - 1] if i else None
-                block.block_hash = block_hash
-                block.token_ids = tuple(request.token_ids[i * size : (i + 1) * size])
-                block.parent = parent
-                block.parent_generation = parent.generation if parent is not None else 0
-                block.extra_keys = request.extra_keys if parent is None else None
-                self.cached_block_hash_to_block[block_hash] = block
-            request.num_cached_blocks += 1
+        for g, table in enumerate(request.tables):
+            while table.num_cached < num_full:
+                i = table.num_cached
+                block, block_hash = table.blocks[i], request.block_hashes[g][i]
+                if block is None:
+                    break  # released uncached: later ones stay uncached too
+                if block.block_hash is not None:
+                    assert block.block_hash == block_hash, "a block's hash is written once"
+                elif block_hash in self.cached_block_hash_to_block:
+                    break  # another block caches this prefix; later ones stay uncached too
+                else:
+                    tail = table.cached_tail if i else None
+                    block.block_hash = block_hash
+                    block.token_ids = tuple(request.token_ids[i * size : (i + 1) * size])
+                    block.parent = tail[0] if tail is not None else None
+                    block.parent_generation = tail[1] if tail is not None else 0
+                    block.extra_keys = (request.extra_keys, g) if tail is None else None
+                    self.cached_block_hash_to_block[block_hash] = block
+                table.cached_tail = (block, block.generation)
+                table.num_cached += 1

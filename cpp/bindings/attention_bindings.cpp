@@ -56,7 +56,7 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
                                    const py::handle& query_start_loc, float scale,
                                    int sliding_window, float logit_soft_cap, int64_t max_seq_len,
                                    int64_t max_query_len, const py::handle& sinks,
-                                   uintptr_t stream) {
+                                   int attention_chunk, uintptr_t stream) {
   auto o = shared_view(out, "paged_attention: out");
   auto q = shared_view(query, "paged_attention: query");
   auto kc = shared_view(key_cache, "paged_attention: key_cache");
@@ -66,8 +66,14 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
   auto qsl = shared_view(query_start_loc, "paged_attention: query_start_loc");
   auto sink = optional_view(sinks, "paged_attention: sinks");
   return {[=] {
-    const AttentionOptions options{scale,       sliding_window,     logit_soft_cap,
-                                   max_seq_len, max_query_len, view_or_empty(sink)};
+    AttentionOptions options;
+    options.scale = scale;
+    options.sliding_window = sliding_window;
+    options.attention_chunk = attention_chunk;
+    options.logit_soft_cap = logit_soft_cap;
+    options.max_seq_len = max_seq_len;
+    options.max_query_len = max_query_len;
+    options.sinks = view_or_empty(sink);
     paged_attention(o->view(), q->view(), kc->view(), vc->view(), tables->view(), lens->view(),
                     qsl->view(), options, as_stream(stream));
   }};
@@ -115,12 +121,15 @@ stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc
       py::arg("key_cache"), py::arg("value_cache"),
       py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("scale"),
       py::arg("sliding_window") = 0, py::arg("logit_soft_cap") = 0.0f, py::arg("max_seq_len") = 0,
-      py::arg("max_query_len") = 0, py::arg("sinks") = py::none(), py::arg("stream") = 0,
+      py::arg("max_query_len") = 0, py::arg("sinks") = py::none(), py::arg("attention_chunk") = 0,
+      py::arg("stream") = 0,
       R"doc(Variable-length causal attention through block tables, into `out`.
 
 Request i's query tokens query[query_start_loc[i]:query_start_loc[i+1]] are the last
 positions of its seq_lens[i] tokens; they attend causally to them (and, with
-sliding_window > 0, only to the last sliding_window of them).
+sliding_window > 0, only to the last sliding_window of them; with attention_chunk > 0,
+only to those of their own chunk). Table entries before a request's first query's first
+visible block are never read (a window's KV-cache group may hold -1 there).
 
 out, query:              [num_tokens, num_heads, head_size], the cache dtype
 key_cache:               [num_blocks, num_kv_heads, head_size, block_size] (transposed)

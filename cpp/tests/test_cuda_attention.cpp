@@ -38,11 +38,20 @@ struct Case {
   int head_size, num_heads, num_kv_heads, block_size;
   std::vector<int> query_lens, seq_lens;  // per request
   int sliding_window = 0;
+  int attention_chunk = 0;  // Llama 4's chunked local attention
+  bool released = false;    // blocks before a request's first visible one: a NaN block
   float logit_soft_cap = 0.0f;
   int num_parts = 1;
   int max_query_len_hint = 0;  // the launch's hint; 0: the true largest query length
   bool sinks = false;          // each head a random sink logit (gpt-oss's)
 };
+
+// The first key a query at `position` sees.
+int first_visible(const Case& c, int position) {
+  int first = c.sliding_window > 0 ? std::max(0, position - c.sliding_window + 1) : 0;
+  if (c.attention_chunk > 0) first = std::max(first, position - position % c.attention_chunk);
+  return first;
+}
 
 template <typename T>
 struct Buffers {
@@ -92,6 +101,12 @@ Buffers<T> make_buffers(const Case& c) {
       }
     }
   }
+  // As a window's KV-cache group leaves them: entries before each request's first query's
+  // first visible block point at a never-written (NaN) block, which no kernel may read.
+  for (int r = 0; c.released && r < n; ++r) {
+    const int first_block = first_visible(c, c.seq_lens[r] - c.query_lens[r]) / bs;
+    for (int i = 0; i < first_block; ++i) b.block_tables[r * b.max_blocks + i] = ids.back();
+  }
   b.seq_lens.assign(c.seq_lens.begin(), c.seq_lens.end());
   b.query_start_loc.assign(1, 0);
   for (const int q : c.query_lens) b.query_start_loc.push_back(b.query_start_loc.back() + q);
@@ -130,6 +145,7 @@ AttentionParams params(const Case& c, Buffers<T>& b) {
   p.num_parts = c.num_parts;
   p.scale = 1.0f / std::sqrt(static_cast<float>(c.head_size));
   p.sliding_window = c.sliding_window;
+  p.attention_chunk = c.attention_chunk;
   p.logit_soft_cap = c.logit_soft_cap;
   p.sinks = c.sinks ? b.sinks.data() : nullptr;
   return p;
@@ -181,7 +197,7 @@ double relative_error(const Case& c, const Buffers<T>& b) {
     const int q_len = c.query_lens[r], seq_len = c.seq_lens[r];
     for (int i = 0; i < q_len; ++i) {
       const int token = b.query_start_loc[r] + i, position = seq_len - q_len + i;
-      const int first = c.sliding_window > 0 ? std::max(0, position - c.sliding_window + 1) : 0;
+      const int first = first_visible(c, position);
       for (int h = 0; h < c.num_heads; ++h) {
         const int kvh = h / group;
         const size_t row = static_cast<size_t>(token) * c.num_heads + h;
@@ -283,6 +299,26 @@ TEST(sliding_window_and_soft_cap) {
   split.logit_soft_cap = 3.0f;
   split.num_parts = 2;
   check_case<__half, 128>(split, "cap 3 over 2 partitions");
+}
+
+TEST(chunked_attention_and_released_blocks_in_every_kernel) {
+  Case prefill{64, 4, 2, 16, {30, 1, 50}, {45, 80, 120}};
+  prefill.attention_chunk = 32;
+  prefill.released = true;
+  check_case<__nv_bfloat16, 64>(prefill, "chunks of 32, released blocks");
+  check_case<__half, 64>(prefill, "chunks of 32, released blocks, scalar", Kernel::kScalar);
+  prefill.sliding_window = 20;
+  check_case<__nv_bfloat16, 64>(prefill, "window 20 in chunks of 32");
+  Case split{128, 4, 2, 16, {1, 12}, {600, 300}};
+  split.attention_chunk = 256;
+  split.released = true;
+  split.num_parts = 2;
+  check_case<__half, 128>(split, "chunks of 256 over 2 partitions");
+  check_case<float, 128>(split, "chunks of 256 over 2 partitions, scalar", Kernel::kScalar);
+  Case window{64, 4, 2, 16, {3}, {200}};
+  window.sliding_window = 40;
+  window.released = true;
+  check_case<__nv_bfloat16, 64>(window, "window 40, released blocks");
 }
 
 TEST(attention_sinks_in_every_kernel_and_the_merge) {

@@ -101,6 +101,7 @@ class EngineCore:
                 else spec.draft_row_cost(device) + config.draft_token_cost,
                 num_host_blocks=executor.num_host_blocks // num_virtual_engines,
                 preemption_mode=config.preemption_mode,
+                kv_groups=list(executor.kv_groups),
             )
             for _ in range(num_virtual_engines)
         ]
@@ -443,10 +444,10 @@ class EngineCore:
         step = SchedulerOutput(
             input_ids=buffers.input_ids,
             positions=buffers.positions,
-            slot_mapping=buffers.slot_mapping,
+            slot_mapping=buffers.group_slot_mapping,
             query_start_loc=buffers.query_start_loc,
             seq_lens=buffers.seq_lens,
-            block_tables=buffers.block_tables,
+            block_tables=buffers.group_block_tables,
             logits_indices=buffers.logits_indices,
             block_copies=buffers.block_copies,
             kv_to_host=buffers.kv_to_host,

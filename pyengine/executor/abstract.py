@@ -63,6 +63,12 @@ class Executor(ABC):
 
     @property
     @abstractmethod
+    def kv_groups(self) -> tuple[tuple[str, int], ...]:
+        """The KV-cache groups of the model the workers run (worker/kv_layout.py), as
+        the schedulers' KV-cache managers take them."""
+
+    @property
+    @abstractmethod
     def num_parameters(self) -> int:
         """Parameters of the model the workers run (all shards; a tied head once)."""
 

@@ -103,6 +103,10 @@ class DistributedExecutor(Executor):
         return self._num_blocks
 
     @property
+    def kv_groups(self) -> tuple[tuple[str, int], ...]:
+        return tuple((str(kind), int(size)) for kind, size in self.ranks[0]["kv_groups"])
+
+    @property
     def num_host_blocks(self) -> int:
         return self._num_host_blocks
 

@@ -27,6 +27,10 @@ class UniProcExecutor(Executor):
         return self.driver_worker.num_blocks
 
     @property
+    def kv_groups(self) -> tuple[tuple[str, int], ...]:
+        return self.driver_worker.model_runner.kv_layout.groups
+
+    @property
     def num_host_blocks(self) -> int:
         return self.driver_worker.num_host_blocks
 

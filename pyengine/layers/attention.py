@@ -11,10 +11,11 @@ from pyengine import ops
 
 @dataclass
 class AttentionMetadata:
-    """The step's flat batch as the kernels see it (see StepBuffers)."""
+    """The step's flat batch as the kernels see it (see StepBuffers): the slots and block
+    tables of each KV-cache group (worker/kv_layout.py), which a layer picks by its own."""
 
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
-    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
+    slot_mapping: torch.Tensor  # int64 [num_kv_groups, num_tokens]
+    block_tables: torch.Tensor  # int32 [num_kv_groups, num_reqs, max_blocks]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     max_seq_len: int = 0  # the longest seq_len (0: unknown), for the CUDA kernel's split
@@ -33,15 +34,18 @@ class PagedAttention:
 
     def __init__(
         self, num_heads: int, num_kv_heads: int, head_size: int, sliding_window: int = 0,
-        scale: float | None = None, logit_soft_cap: float = 0.0,
+        scale: float | None = None, logit_soft_cap: float = 0.0, attention_chunk: int = 0,
     ) -> None:  # fmt: skip
         """scale: of q . k (None: head_size^-0.5); logit_soft_cap: each score as cap *
-        tanh(score / cap) before the softmax (0: none; Gemma 2's)."""
+        tanh(score / cap) before the softmax (0: none; Gemma 2's); attention_chunk: a
+        query sees only the keys of its own chunk of that many positions (0: no chunks;
+        Llama 4's local layers)."""
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_size = head_size
         self.scale = head_size**-0.5 if scale is None else scale
         self.sliding_window = sliding_window
+        self.attention_chunk = attention_chunk
         self.logit_soft_cap = logit_soft_cap
         # Each head's sink logit (gpt-oss's), float32 [num_heads] on the caches' device: it
         # takes a share of the softmax and adds no value. None: no sinks.
@@ -51,6 +55,9 @@ class PagedAttention:
         # fp8 cache stores x / scale (the scores then times k_scale, the output v_scale).
         self.k_scale = self.v_scale = 0.0
         self.scaled_cache: torch.dtype | None = None
+        # The KV-cache group whose block tables this layer reads (the model runner sets
+        # it from the model's KVLayout).
+        self.kv_group = 0
 
     def static_scales(self, kind: str | None, k_scale: float, v_scale: float) -> None:
         """A checkpoint's kv_cache_scheme scales, for its cache `kind` ("int8", "fp8")."""
@@ -69,7 +76,7 @@ class PagedAttention:
         scaled = key_cache.dtype == self.scaled_cache
         k_scale, v_scale = (self.k_scale, self.v_scale) if scaled else (0.0, 0.0)
         ops.reshape_and_cache(
-            key, value, key_cache, value_cache, meta.slot_mapping, k_scale, v_scale
+            key, value, key_cache, value_cache, meta.slot_mapping[self.kv_group], k_scale, v_scale
         )
         fp8_scales = scaled and key_cache.dtype == torch.uint8  # (the CPU's fp8 cache)
         out = torch.empty_like(query)
@@ -78,7 +85,7 @@ class PagedAttention:
             query,
             key_cache,
             value_cache,
-            meta.block_tables,
+            meta.block_tables[self.kv_group],
             meta.seq_lens,
             meta.query_start_loc,
             self.scale * k_scale if fp8_scales else self.scale,
@@ -87,5 +94,6 @@ class PagedAttention:
             meta.max_seq_len,
             meta.max_query_len,
             self.sinks,
+            self.attention_chunk,
         )
         return out.mul_(v_scale) if fp8_scales else out

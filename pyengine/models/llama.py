@@ -57,6 +57,12 @@ class LlamaFamilyConfig(FamilyConfig):
         """Layer `index`'s window where the family gives some layers one (0: none)."""
         return self.window if index in self.sliding_layers else 0
 
+    def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
+        if not self.sliding_layers:
+            return super().kv_spec(index, sliding_window)
+        window = self.layer_window(index)
+        return ("sliding", window) if window else ("full", 0)
+
 
 @dataclass(frozen=True)
 class _Variant:

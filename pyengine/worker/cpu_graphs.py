@@ -136,14 +136,15 @@ class KernelGraphs:
         positions = np.concatenate([np.arange(1, n + 1) for n in lens])
         request_of = np.repeat(np.arange(len(lens)), lens)
         slots = tables[request_of, positions // block_size].astype(np.int64) * block_size
+        groups = self.inputs.num_kv_groups  # (every group the same blocks here)
         step = SimpleNamespace(
             input_ids=((np.arange(tokens) + 1) * 7919 % vocab).astype(np.int32),
             positions=positions.astype(np.int32),
-            slot_mapping=slots + positions % block_size,
+            slot_mapping=np.tile(slots + positions % block_size, (groups, 1)),
             query_start_loc=np.concatenate([[0], np.cumsum(lens)]).astype(np.int32),
             seq_lens=np.asarray(lens, dtype=np.int32) + 1,
             logits_indices=np.zeros(0, dtype=np.int32),
-            block_tables=tables,
+            block_tables=np.tile(tables, (groups, 1, 1)),
         )
         views = self.inputs.upload(step, size)  # type: ignore[arg-type]
         expected = self._forward(views).clone()

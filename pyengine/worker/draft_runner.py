@@ -82,6 +82,12 @@ class DraftRunner:
                     f"speculative_config: the draft's attention head size "
                     f"{loaded.config.head_size} is not one paged attention runs"
                 )
+            if target.kv_layout.groups[0][0] != "full":
+                raise ValueError(
+                    "speculative_config: a draft model's KV cache shares the target's block "
+                    "tables, and every layer of the target attends within a window (its "
+                    "released blocks would be gone): use draft_layers, ngram or suffix"
+                )
             context = LayerContext(
                 self.placement, quantized_activations=config.quantized_activations
             )
@@ -126,7 +132,7 @@ class DraftRunner:
         assert step.num_draft_tokens is not None
         counts = step.num_draft_tokens.astype(np.int64)
         if step.block_copies:  # (before the draft reads them)
-            caches = self.caches if self.mirrors else self.target.caches
+            caches = self.caches if self.mirrors else self.target.pages
             mapping = torch.tensor(step.block_copies, dtype=torch.int64)
             ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
             if not self.mirrors:  # (done for the target: its caches are these)
@@ -150,7 +156,7 @@ class DraftRunner:
             at = [int(last[i]) + j for i in rows]  # the token rows of draft j
             one = _Rows(rows, [proposals[i, j - 1 : j] for i in rows],
                         [step.positions[t : t + 1] for t in at],
-                        [step.slot_mapping[t : t + 1] for t in at])  # fmt: skip
+                        [step.slot_mapping[:, t : t + 1] for t in at])  # fmt: skip
             made = self._run(step, one, proposes)
             if proposes:
                 proposals[[rows[k] for k in proposes], j] = made
@@ -176,7 +182,7 @@ class DraftRunner:
             rows.requests.append(i)
             rows.tokens.append(step.input_ids[start:end])
             rows.positions.append(step.positions[start:end])
-            rows.slots.append(step.slot_mapping[start:end])
+            rows.slots.append(step.slot_mapping[:, start:end])
         return rows
 
     def _run(
@@ -193,8 +199,10 @@ class DraftRunner:
         lengths = [len(t) for t in rows.tokens]
         seq_lens = np.array([int(p[-1]) + 1 for p in rows.positions], dtype=np.int32)
         meta = AttentionMetadata(
-            slot_mapping=_on(np.concatenate(rows.slots).astype(np.int64), device),
-            block_tables=_on(step.block_tables[rows.requests], device),
+            # Every KV-cache group's: the target's first layers read their own; a separate
+            # draft's layers read group 0's, a full one (checked at start).
+            slot_mapping=_on(np.concatenate(rows.slots, axis=1).astype(np.int64), device),
+            block_tables=_on(np.ascontiguousarray(step.block_tables[:, rows.requests]), device),
             seq_lens=_on(seq_lens, device),
             query_start_loc=_on(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32), device),
             max_seq_len=int(seq_lens.max()),

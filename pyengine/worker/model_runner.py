@@ -26,6 +26,7 @@ from pyengine.utils.host_memory import huge_page_tensor
 from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_decode_steps
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.host_kv_tier import HostKVTier
+from pyengine.worker.kv_layout import assign_kv_groups, plan_kv_layout
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")
@@ -142,16 +143,24 @@ class ModelRunner:
         _, self.num_kv_heads = self.tp.kv_head_shard(c.num_kv_heads)
         start, end = self.pp.layer_range(c.num_layers)
         self.num_layers = end - start
+        # The model's KV-cache groups, and the page slots of a block this stage's layers
+        # write (one a layer where the model has one attention kind).
+        self.kv_layout = plan_kv_layout(c.kv_specs())
+        self.layers = range(start, end)
+        self.kv_slots = self.kv_layout.slots_of(self.layers)
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
         # An int8 cache's head dims hold each token's scale too.
         self.cache_head_size = c.head_size + (
             INT8_SCALE_BYTES if self.cache_dtype == torch.int8 else 0
         )
         self.block_numel = kv_block_numel(
-            self.num_layers, self.num_kv_heads, self.cache_head_size, config.block_size
+            len(self.kv_slots), self.num_kv_heads, self.cache_head_size, config.block_size
         )
         self.block_bytes = self.block_numel * int(self.cache_dtype.itemsize)
-        min_blocks = -(-config.max_model_len // config.block_size)
+        max_blocks = -(-config.max_model_len // config.block_size)  # a block table's
+        min_blocks = self.kv_layout.max_blocks_held(
+            config.max_model_len, config.max_num_batched_tokens, config.block_size
+        )
         on_cpu = self.placement.device.type == "cpu"
         cpu_blocks = config.kv_cache_memory // self.block_bytes
         if on_cpu and cpu_blocks < min_blocks:
@@ -168,6 +177,7 @@ class ModelRunner:
                          adapters=config.lora is not None,
                          expert_parallel=config.parallel.enable_expert_parallel),
         )  # fmt: skip
+        assign_kv_groups(self.model, self.kv_layout, self.layers)
         self.lora: LoRAManager | None = None
         # The most logits rows of a step: one a request, and one a draft token.
         spec = config.speculative
@@ -217,8 +227,8 @@ class ModelRunner:
             # (a program of n tokens has n request rows)
             rows = max(config.max_num_seqs, *self.capture_sizes, 1)
             self.inputs = StepInputs(
-                self.placement.device, config.max_num_batched_tokens, rows, min_blocks,
-                max_logit_rows,
+                self.placement.device, config.max_num_batched_tokens, rows, max_blocks,
+                max_logit_rows, len(self.kv_layout.groups),
             )  # fmt: skip
         self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
@@ -264,6 +274,12 @@ class ModelRunner:
         """The KV cache of the first virtual engine (of the only one without a pipeline)."""
         return self.caches_by_virtual_engine[0]
 
+    @property
+    def pages(self) -> list[KVCache]:
+        """The first virtual engine's cache a page slot at a time (caches, a layer at a
+        time, repeats a slot's pages for each group that writes it)."""
+        return self.pages_by_virtual_engine[0]
+
     def initialize_cache(
         self, num_blocks: int, num_virtual_engines: int = 1, num_host_blocks: int = 0
     ) -> None:
@@ -288,14 +304,14 @@ class ModelRunner:
         flat = allocate_kv_pool(
             self.block_numel * num_blocks, self.cache_dtype, self.placement.device
         )
-        pool = kv_views(
-            flat, num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
+        pages = kv_views(
+            flat, num_blocks, len(self.kv_slots), self.num_kv_heads, self.cache_head_size,
             self.block_size,
         )  # fmt: skip
         self.host_tier = None
         if num_host_blocks > 0:
             self.host_tier = HostKVTier(
-                num_host_blocks, self.num_layers, self.block_bytes, self.placement.device,
+                num_host_blocks, len(self.kv_slots), self.block_bytes, self.placement.device,
                 self.kv_offload_dir,
             )  # fmt: skip
             # The pool's bytes laid out as the tier's (layer, K or V, block, the rest): it
@@ -303,11 +319,16 @@ class ModelRunner:
             self.kv_pool_blocks = flat.view(torch.uint8).view(
                 *self.host_tier.blocks.shape[:2], num_blocks, -1
             )
-        self.caches_by_virtual_engine = [
+        # Each virtual engine's range of blocks, a page slot at a time (what block copies
+        # run on), and as each layer reads them.
+        self.pages_by_virtual_engine = [
             [(k[i * per_engine : (i + 1) * per_engine], v[i * per_engine : (i + 1) * per_engine])
-             for k, v in pool]
+             for k, v in pages]
             for i in range(num_virtual_engines)
         ]  # fmt: skip
+        self.caches_by_virtual_engine = [
+            self._layer_caches(p) for p in self.pages_by_virtual_engine
+        ]
         if self.inputs is not None and self.capture_sizes and self.placement.device.type == "cpu":
             self.graphs = record_decode_steps(
                 self.model, self.caches, self.inputs, self.capture_sizes, self.max_query_len
@@ -325,11 +346,16 @@ class ModelRunner:
                 self.graph_bytes_expected / 2**20,
             )  # fmt: skip
 
+    def _layer_caches(self, pages: list[KVCache]) -> list[KVCache]:
+        """Each layer's cache: its slot's pages."""
+        page_of = {slot: pages[i] for i, slot in enumerate(self.kv_slots)}
+        return [page_of[self.kv_layout.layer_slots[i][1]] for i in self.layers]
+
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
-        return allocate_caches(
-            num_blocks, self.num_layers, self.num_kv_heads, self.cache_head_size,
+        return self._layer_caches(allocate_caches(
+            num_blocks, len(self.kv_slots), self.num_kv_heads, self.cache_head_size,
             self.block_size, self.cache_dtype, self.placement.device,
-        )  # fmt: skip
+        ))  # fmt: skip
 
     def _move_between_tiers(self, step: SchedulerOutput) -> None:
         """The step's copies between the device cache and the host tier: out, then in."""
@@ -369,11 +395,12 @@ class ModelRunner:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         caches = self._allocate_caches(blocks)
+        groups = len(self.kv_layout.groups)  # (every group's tables the same here)
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(device),
-            block_tables=torch.from_numpy(np.minimum(tables, blocks - 1).astype(np.int32)).to(
-                device
-            ),
+            slot_mapping=torch.from_numpy(np.tile(slots, (groups, 1))).to(device),
+            block_tables=torch.from_numpy(
+                np.tile(np.minimum(tables, blocks - 1).astype(np.int32), (groups, 1, 1))
+            ).to(device),
             seq_lens=torch.tensor(lengths, dtype=torch.int32, device=device),
             query_start_loc=torch.tensor(
                 [0, *np.cumsum(lengths)], dtype=torch.int32, device=device
@@ -437,7 +464,8 @@ class ModelRunner:
             self._move_between_tiers(step)
         if step.block_copies:
             mapping = torch.tensor(step.block_copies, dtype=torch.int64)
-            ops.copy_blocks([k for k, _ in caches], [v for _, v in caches], mapping)
+            pages = self.pages_by_virtual_engine[step.virtual_engine]
+            ops.copy_blocks([k for k, _ in pages], [v for _, v in pages], mapping)
         graph = None
         if self.graphs is not None and not extra_rows:
             graph = self.graphs.size_for(step)

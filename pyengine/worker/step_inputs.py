@@ -5,10 +5,12 @@ a pinned host copy is filled from the StepBuffers, then copied to its device mir
 one asynchronous copy, of which the device tensors of the step are views. Fixed offsets
 let CUDA graphs capture reads of the same addresses that every step's copy fills.
 
-    [slot_mapping (int64) | input_ids | positions | query_start_loc | seq_lens |
-     logits_indices | block_tables (rows of max_blocks)]
+    [slot_mapping (int64, a row of max tokens per KV-cache group) | input_ids |
+     positions | query_start_loc | seq_lens | logits_indices |
+     block_tables (per KV-cache group, max_num_seqs rows of max_blocks)]
 
-The block tables come last, so a step copies the buffer up to the end of its own rows.
+The block tables come last, so a step copies the buffer up to the end of its last
+group's rows.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from pyengine import _C
 
 if TYPE_CHECKING:
     from pyengine import StepBuffers
@@ -32,11 +36,19 @@ class DeviceStep:
 
     input_ids: torch.Tensor  # int32 [num_tokens]
     positions: torch.Tensor  # int32 [num_tokens]
-    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_kv_groups, num_tokens]
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     seq_lens: torch.Tensor  # int32 [num_reqs]
     logits_indices: torch.Tensor  # int32 [num_sampled]
-    block_tables: torch.Tensor  # int32 [num_reqs, max_blocks]
+    block_tables: torch.Tensor  # int32 [num_kv_groups, num_reqs, max_blocks]
+
+
+def kv_arrays(step: StepBuffers | SchedulerOutput) -> tuple[np.ndarray, np.ndarray]:
+    """Every KV-cache group's slots [groups, tokens] and block tables [groups, reqs,
+    blocks] of a step (a StepBuffers' own slot_mapping and block_tables are group 0's)."""
+    if isinstance(step, _C.StepBuffers):
+        return step.group_slot_mapping, step.group_block_tables
+    return np.asarray(step.slot_mapping), np.asarray(step.block_tables)
 
 
 class StepInputs:
@@ -44,7 +56,8 @@ class StepInputs:
 
     Rows a step does not fill keep values that are safe to run a graph's padding on:
     slot -1 (write no K/V), token 0 at position 0, seq_len 1, query_start_loc counting
-    one token per row, and block table entries that were valid ids (0 at first).
+    one token per row, and block table entries that were valid ids (0 at first; a
+    padding row's first entry, the one its query reads, is 0 again at each upload).
     """
 
     def __init__(
@@ -54,14 +67,17 @@ class StepInputs:
         max_num_seqs: int,
         max_blocks: int,
         max_num_sampled: int | None = None,
+        num_kv_groups: int = 1,
     ) -> None:
         """max_num_sampled: the most logits rows of a step (None: max_num_seqs, one a
         request; with draft tokens, one for each of them too)."""
-        if min(max_num_batched_tokens, max_num_seqs, max_blocks) < 1:
+        if min(max_num_batched_tokens, max_num_seqs, max_blocks, num_kv_groups) < 1:
             raise ValueError(
                 "StepInputs needs positive capacities, got max_num_batched_tokens="
                 f"{max_num_batched_tokens}, max_num_seqs={max_num_seqs}, max_blocks={max_blocks}"
+                f", num_kv_groups={num_kv_groups}"
             )
+        self.num_kv_groups = num_kv_groups
         self.device = device
         # A decode step padded to max_num_seqs rows has a token row for each.
         max_num_batched_tokens = max(max_num_batched_tokens, max_num_seqs)
@@ -69,13 +85,13 @@ class StepInputs:
         self.max_num_seqs, self.max_blocks = max_num_seqs, max_blocks
         self.max_num_sampled = max_num_seqs if max_num_sampled is None else max_num_sampled
         self.sizes = {  # in int32 words
-            "slot_mapping": 2 * max_num_batched_tokens,  # first: 8-byte aligned
+            "slot_mapping": 2 * num_kv_groups * max_num_batched_tokens,  # first: 8-byte aligned
             "input_ids": max_num_batched_tokens,
             "positions": max_num_batched_tokens,
             "query_start_loc": max_num_seqs + 1,
             "seq_lens": max_num_seqs,
             "logits_indices": self.max_num_sampled,
-            "block_tables": max_num_seqs * max_blocks,
+            "block_tables": num_kv_groups * max_num_seqs * max_blocks,
         }
         self.offsets: dict[str, int] = {}
         total = 0
@@ -103,9 +119,9 @@ class StepInputs:
         start = self.offsets[name]
         field = words[start : start + self.sizes[name]]
         if name == "slot_mapping":
-            return field.view(np.int64)
+            return field.view(np.int64).reshape(self.num_kv_groups, -1)
         if name == "block_tables":
-            return field.reshape(self.max_num_seqs, self.max_blocks)
+            return field.reshape(self.num_kv_groups, self.max_num_seqs, self.max_blocks)
         return field
 
     def upload(self, step: StepBuffers | SchedulerOutput, padded_reqs: int = 0) -> DeviceStep:
@@ -114,17 +130,24 @@ class StepInputs:
         past its own take one token each while its tokens are fewer than the rows, zero
         after (a decode step's padding: one token a row), all at their safe values."""
         num_reqs, num_tokens = len(step.seq_lens), len(step.input_ids)
-        block_tables = np.asarray(step.block_tables)
+        slot_mapping, block_tables = kv_arrays(step)
         if num_tokens > self.max_num_batched_tokens or num_reqs > self.max_num_seqs:
             raise ValueError(
                 f"a step of {num_tokens} tokens and {num_reqs} requests is larger than the "
                 f"inputs' capacity ({self.max_num_batched_tokens} tokens, {self.max_num_seqs} "
                 "requests)"
             )
-        if block_tables.ndim != 2 or block_tables.shape[1] > self.max_blocks:
+        groups = self.num_kv_groups
+        if (
+            block_tables.ndim != 3
+            or block_tables.shape[0] != groups
+            or (block_tables.shape[2] > self.max_blocks)
+            or slot_mapping.shape != (groups, num_tokens)
+        ):
             raise ValueError(
-                f"block tables of shape {block_tables.shape}: expected at most "
-                f"{self.max_blocks} blocks per request"
+                f"block tables of shape {block_tables.shape} and slots of shape "
+                f"{slot_mapping.shape}: expected {groups} KV-cache groups' of at most "
+                f"{self.max_blocks} blocks per request and {num_tokens} tokens"
             )
         rows = max(num_reqs, padded_reqs)
         if rows > self.max_num_seqs or (padded_reqs > num_reqs and num_tokens > padded_reqs):
@@ -140,21 +163,24 @@ class StepInputs:
         f = self._fields[turn]
         f["input_ids"][:num_tokens] = step.input_ids
         f["positions"][:num_tokens] = step.positions
-        f["slot_mapping"][:num_tokens] = step.slot_mapping
+        f["slot_mapping"][:, :num_tokens] = slot_mapping
         f["query_start_loc"][: num_reqs + 1] = step.query_start_loc
         f["seq_lens"][:num_reqs] = step.seq_lens
         f["logits_indices"][: len(step.logits_indices)] = step.logits_indices
-        f["block_tables"][:num_reqs, : block_tables.shape[1]] = block_tables
+        f["block_tables"][:, :num_reqs, : block_tables.shape[2]] = block_tables
         tokens = num_tokens
         if rows > num_reqs:  # padding rows, and the padding tokens they hold
             tokens = rows
             f["input_ids"][num_tokens:tokens] = 0
             f["positions"][num_tokens:tokens] = 0
-            f["slot_mapping"][num_tokens:tokens] = -1
+            f["slot_mapping"][:, num_tokens:tokens] = -1
+            f["block_tables"][:, num_reqs:rows, 0] = 0  # (a window's table may hold -1)
             f["seq_lens"][num_reqs:rows] = 1
             holding = np.minimum(np.arange(1, rows - num_reqs + 1), tokens - num_tokens)
             f["query_start_loc"][num_reqs + 1 : rows + 1] = num_tokens + holding
-        end = self.offsets["block_tables"] + rows * self.max_blocks
+        end = self.offsets["block_tables"] + ((groups - 1) * self.max_num_seqs + rows) * (
+            self.max_blocks
+        )
         self.buffer[:end].copy_(self._hosts[turn][:end], non_blocking=True)
         if copied is not None:
             copied.record(torch.cuda.current_stream(self.device))
@@ -169,7 +195,7 @@ class StepInputs:
     def _make_safe(self, f: dict[str, np.ndarray]) -> None:
         for field in f.values():
             field[...] = 0
-        f["slot_mapping"][:] = -1
+        f["slot_mapping"][...] = -1
         f["seq_lens"][:] = 1
         f["query_start_loc"][:] = np.arange(self.max_num_seqs + 1)
 
@@ -191,14 +217,15 @@ class StepInputs:
             start = self.offsets[name]
             return self.buffer[start : start + count]
 
+        groups = self.num_kv_groups
+        slots = first("slot_mapping", self.sizes["slot_mapping"]).view(torch.int64)
+        tables = first("block_tables", self.sizes["block_tables"])
         return DeviceStep(
             input_ids=first("input_ids", num_tokens),
             positions=first("positions", num_tokens),
-            slot_mapping=first("slot_mapping", 2 * num_tokens).view(torch.int64),
+            slot_mapping=slots.view(groups, -1)[:, :num_tokens],
             query_start_loc=first("query_start_loc", num_reqs + 1),
             seq_lens=first("seq_lens", num_reqs),
             logits_indices=first("logits_indices", num_sampled),
-            block_tables=first("block_tables", num_reqs * self.max_blocks).view(
-                num_reqs, self.max_blocks
-            ),
+            block_tables=tables.view(groups, self.max_num_seqs, self.max_blocks)[:, :num_reqs],
         )

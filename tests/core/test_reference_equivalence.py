@@ -51,6 +51,59 @@ def test_kv_cache_manager_decides_as_the_python_reference(
     assert got.num_hit_tokens > 0 and got.num_preemptions > 0 and theirs.num_evictions > 0
 
 
+class RecordingTables:
+    """A KV-cache manager whose every allocation also records every group's table of
+    the request (block ids, -1 where a window released one)."""
+
+    def __init__(self, manager: Any, num_groups: int) -> None:
+        self.manager, self.num_groups = manager, num_groups
+        self.tables: list[list[list[int]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.manager, name)
+
+    def allocate_slots(self, request_id: str, *args: Any) -> Any:
+        new_blocks = self.manager.allocate_slots(request_id, *args)
+        groups = range(self.num_groups)
+        self.tables.append([list(self.manager.block_table(request_id, g)) for g in groups])
+        return new_blocks
+
+
+HYBRID_GROUPS = [("full", 0), ("sliding", 64), ("chunked", 256), ("sliding", 40)]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_kv_cache_manager_with_kv_groups_decides_as_the_python_reference(
+    bench_module: BenchModule, seed: int
+) -> None:
+    """The same workload over KV-cache groups of full attention, two windows and chunked
+    attention: every call's result and every group's table after each allocation (the
+    blocks a window released, the prefix hits every group verified) are the same."""
+    bench = bench_module("kv_cache")
+    reference = bench_module("reference.kv_cache_manager")
+    workload = bench.make_workload(200, seed)
+    ours = RecordingTables(
+        KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE, enable_prefix_caching=True,
+                       kv_groups=HYBRID_GROUPS),
+        len(HYBRID_GROUPS),
+    )  # fmt: skip
+    theirs = RecordingTables(
+        reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE, kv_groups=HYBRID_GROUPS),
+        len(HYBRID_GROUPS),
+    )
+    got = bench.run_workload(ours, workload, record=True)
+    want = bench.run_workload(theirs, workload, record=True)
+    assert first_difference(got.trace, want.trace) is None
+    assert first_difference(ours.tables, theirs.tables) is None
+    assert (got.num_hit_tokens, got.num_preemptions) == (want.num_hit_tokens, want.num_preemptions)
+    assert ours.stats().num_evictions == theirs.num_evictions
+    assert ours.num_free_blocks == theirs.num_free_blocks == workload.num_blocks
+    assert got.num_hit_tokens > 0 and got.num_preemptions > 0 and theirs.num_evictions > 0
+    # The windows released blocks (-1 in their tables) while the full group kept all.
+    assert any(-1 in tables[1] for tables in ours.tables)
+    assert all(-1 not in tables[0] for tables in ours.tables)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kv_cache_workload_driven_from_cpp_counts_as_the_python_reference(
     bench_module: BenchModule, seed: int

@@ -75,6 +75,10 @@ class PicklingExecutor(Executor):
     def num_parameters(self) -> int:
         return self.inner.num_parameters
 
+    @property
+    def kv_groups(self) -> tuple[tuple[str, int], ...]:
+        return self.inner.kv_groups
+
     def execute_model(self, step: SchedulerOutput) -> Pending[ExecuteOutput]:
         self.steps += 1
         return Done(through_pickle(self.inner.execute_model(through_pickle(step)).result()))

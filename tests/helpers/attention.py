@@ -89,8 +89,10 @@ def reference(
     window: int,
     soft_cap: float,
     sinks: np.ndarray | None = None,
+    chunk: int = 0,
 ) -> np.ndarray:
-    """sinks: each head's sink logit, a share of the softmax with no value (or None)."""
+    """sinks: each head's sink logit, a share of the softmax with no value (or None);
+    chunk: a query sees only its own chunk of that many positions (0: no chunks)."""
     out = np.zeros_like(query)
     group = query.shape[1] // keys[0].shape[1]
     for i, (k, v) in enumerate(zip(keys, values, strict=True)):
@@ -99,6 +101,8 @@ def reference(
         for j, token in enumerate(range(first, last)):
             position = seq_len - (last - first) + j
             lo = max(0, position - window + 1) if window > 0 else 0
+            if chunk > 0:
+                lo = max(lo, position - position % chunk)
             for h in range(query.shape[1]):
                 scores = k[lo : position + 1, h // group] @ query[token, h] * scale
                 if soft_cap > 0:
@@ -121,6 +125,7 @@ def check_output(
     tolerance: float,
     cache_dtype: str | None = None,
     sinks: np.ndarray | None = None,
+    chunk: int = 0,
 ) -> None:
     """Every element of `got` (float64) written and within `tolerance` of the reference,
     relative to its largest value."""
@@ -129,10 +134,29 @@ def check_output(
     query = to_float64(to_dtype(case.query, dtype))
     keys = [to_float64(to_dtype(k, cache_dtype)) for k in case.keys]
     values = [to_float64(to_dtype(v, cache_dtype)) for v in case.values]
-    expected = reference(case, query, keys, values, scale, window, soft_cap, sinks)
+    expected = reference(case, query, keys, values, scale, window, soft_cap, sinks, chunk)
     assert not np.isnan(got).any(), "an output element was not written"
     error = np.abs(got - expected).max() / np.abs(expected).max()
     assert error < tolerance, f"relative error {error:.2e}"
+
+
+def release_unread_blocks(
+    case: Case, caches: tuple[Any, Any], block_size: int, window: int, chunk: int
+) -> np.ndarray:
+    """The block tables as a window's KV-cache group leaves them: -1 in place of each
+    request's blocks wholly before its first query's first visible position, whose
+    cache contents become NaN (a kernel that read one would write NaN)."""
+    tables = case.block_tables.copy()
+    for i, seq_len in enumerate(case.seq_lens):
+        position = int(seq_len) - int(case.query_start_loc[i + 1] - case.query_start_loc[i])
+        first = max(0, position - window + 1) if window > 0 else 0
+        if chunk > 0:
+            first = max(first, position - position % chunk)
+        for b in range(first // block_size):
+            for cache in caches:
+                cache[int(tables[i, b])] = float("nan")  # type: ignore[index]
+            tables[i, b] = -1
+    return tables
 
 
 def causal_attention(query: Any, keys: Any, values: Any) -> Any:

@@ -65,13 +65,18 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
 
 
 def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits, one request through the paged cache (blocks 0, 1, ...)."""
+    """Every position's logits, one request through the paged cache (blocks 0, 1, ...,
+    then the next KV-cache group's after them)."""
     runner = llm.llm_engine.executor.driver_worker.model_runner
     n = len(tokens)
     blocks = -(-n // runner.block_size)
+    groups = torch.arange(len(runner.kv_layout.groups))
     meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64),
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None],
+        slot_mapping=torch.arange(n, dtype=torch.int64)
+        + (groups * blocks * runner.block_size)[:, None],
+        block_tables=(torch.arange(blocks, dtype=torch.int32) + groups[:, None] * blocks)[
+            :, None
+        ].int(),
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
     )
@@ -83,17 +88,23 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
 
 
 def assert_preemption_keeps_tokens(
-    folder: Any, model: torch.nn.Module, layers: int, engine: dict[str, Any]
+    folder: Any, model: torch.nn.Module, windows: list[int], engine: dict[str, Any]
 ) -> None:
-    """A KV pool of 9 blocks for three prompts of 30-60 tokens (a model of `layers`
-    layers of 2 kv heads of 32, float32): requests are preempted and computed again, and
-    each gets transformers' greedy tokens."""
+    """A KV pool of one block more than a request of max_model_len 128 may hold (in
+    chunks of 32 tokens), for three prompts of 30-60 tokens (a model of layers of 2 kv
+    heads of 32, float32, with these windows, 0: global): requests are preempted and
+    computed again, and each gets transformers' greedy tokens."""
     import numpy as np
 
     from pyengine import LLM, SamplingParams
+    from pyengine.worker.kv_layout import plan_kv_layout
 
-    block = layers * 2 * 2 * 32 * 16 * 4  # the layers' K and V of 16 tokens
-    llm = LLM(str(folder), **{**engine, "kv_cache_memory": 9 * block, "max_model_len": 128})
+    layout = plan_kv_layout([("sliding", w) if w else ("full", 0) for w in windows])
+    block = layout.num_slots * 2 * 2 * 32 * 16 * 4  # each slot's K and V of 16 tokens
+    blocks = layout.max_blocks_held(128, 32, 16) + 1
+    options = {"kv_cache_memory": blocks * block, "max_model_len": 128,
+               "max_num_batched_tokens": 32, "enable_chunked_prefill": True}  # fmt: skip
+    llm = LLM(str(folder), **{**engine, **options})
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 256, n).tolist() for n in (30, 45, 60)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

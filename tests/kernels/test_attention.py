@@ -17,6 +17,7 @@ from helpers.attention import (
     check_output,
     fill_caches,
     make_case,
+    release_unread_blocks,
     to_dtype,
     to_float64,
 )
@@ -47,12 +48,18 @@ def run_case(
     cache_dtype: str | None = None,
     tolerance: float | None = None,
     sinks: np.ndarray | None = None,
+    chunk: int = 0,
+    released: bool = False,
 ) -> None:
     """query and out in `dtype`, the caches in `cache_dtype` (default: the same);
     `tolerance` relative to the output's largest value (default: the dtype's); `sinks`:
-    each head's sink logit."""
+    each head's sink logit; `chunk`: chunked local attention's; `released`: the blocks
+    no query sees released from the tables (-1) and NaN in the caches."""
     cache_dtype = cache_dtype or dtype
     key_cache, value_cache = fill_caches(case, block_size, cache_dtype)
+    tables = case.block_tables
+    if released:
+        tables = release_unread_blocks(case, (key_cache, value_cache), block_size, window, chunk)
     query = to_dtype(case.query, dtype)
     out = to_dtype(np.full(case.query.shape, np.nan), dtype)
     scale = 1.0 / math.sqrt(case.query.shape[2])
@@ -61,18 +68,19 @@ def run_case(
         query,
         key_cache,
         value_cache,
-        case.block_tables,
+        tables,
         case.seq_lens,
         case.query_start_loc,
         scale,
         window,
         soft_cap,
         sinks=None if sinks is None else torch.from_numpy(sinks.astype(np.float32)),
+        attention_chunk=chunk,
     )
     tolerance = tolerance or TOLERANCE[dtype]
     wide = None if sinks is None else sinks.astype(np.float32).astype(np.float64)
     check_output(
-        case, to_float64(out), dtype, scale, window, soft_cap, tolerance, cache_dtype, wide
+        case, to_float64(out), dtype, scale, window, soft_cap, tolerance, cache_dtype, wide, chunk
     )
 
 
@@ -151,6 +159,22 @@ def test_sliding_window_and_soft_cap(isa: str, dtype: str) -> None:
     run_case(case, 16, dtype, window=32)
     run_case(case, 16, dtype, soft_cap=5.0)
     run_case(case, 16, dtype, window=17, soft_cap=2.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_chunked_attention_and_released_blocks(isa: str, dtype: str) -> None:
+    """Llama 4's chunked local attention (a query sees its own chunk), alone and with a
+    window; and the blocks wholly before a request's first visible position released
+    (-1 in its table, NaN in the cache): never read, so the output is the reference's."""
+    rng = np.random.default_rng()
+    case = make_case(rng, [90, 200, 7, 130], [1, 40, 7, 70], 8, 2, 128, 16)
+    run_case(case, 16, dtype, chunk=32)
+    run_case(case, 16, dtype, chunk=48, soft_cap=3.0, released=True)
+    run_case(case, 16, dtype, window=20, released=True)
+    run_case(case, 16, dtype, window=40, chunk=64, released=True)
+    long = make_case(rng, [4000], [1], 8, 1, 64, 16)  # (one tile, split over threads)
+    run_case(long, 16, dtype, window=700, released=True)
+    run_case(long, 16, dtype, chunk=1024, released=True)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -12,7 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.attention import check_output, fill_caches, make_case, to_dtype
+from helpers.attention import (
+    check_output,
+    fill_caches,
+    make_case,
+    release_unread_blocks,
+    to_dtype,
+)
 from helpers.layer_ops import (
     DTYPES,
     TOLERANCE,
@@ -249,12 +255,18 @@ def run_attention_case(
     soft_cap: float = 0.0,
     max_query_len: int = 0,
     sinks: np.ndarray | None = None,
+    chunk: int = 0,
+    released: bool = False,
 ) -> None:
     """The CUDA kernel on test_attention's cases (shuffled block tables, NaN in every
     slot no request uses, a poisoned output) against its float64 reference; `sinks`:
-    each head's sink logit (float32)."""
+    each head's sink logit (float32); `chunk`: chunked local attention's; `released`:
+    the blocks no query sees released (-1 in the tables, NaN in the caches)."""
     case = make_case(np.random.default_rng(), seq_lens, q_lens, *heads, head_size, block_size)
     key_cache, value_cache = fill_caches(case, block_size, dtype)
+    tables = case.block_tables
+    if released:
+        tables = release_unread_blocks(case, (key_cache, value_cache), block_size, window, chunk)
 
     def on_gpu(x: object) -> torch.Tensor:
         t = x if isinstance(x, torch.Tensor) else torch.from_numpy(np.asarray(x))
@@ -268,7 +280,7 @@ def run_attention_case(
         on_gpu(query),
         on_gpu(key_cache),
         on_gpu(value_cache),
-        on_gpu(case.block_tables),
+        on_gpu(tables),
         on_gpu(case.seq_lens),
         on_gpu(case.query_start_loc),
         scale,
@@ -277,11 +289,12 @@ def run_attention_case(
         0,
         max_query_len,
         None if sinks is None else on_gpu(sinks.astype(np.float32)),
+        chunk,
     )
     got = out.double().cpu().numpy()
     wide = None if sinks is None else sinks.astype(np.float32).astype(np.float64)
     tolerance = TOLERANCE[getattr(torch, dtype)]
-    check_output(case, got, dtype, scale, window, soft_cap, tolerance, sinks=wide)
+    check_output(case, got, dtype, scale, window, soft_cap, tolerance, sinks=wide, chunk=chunk)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -374,6 +387,21 @@ def test_paged_attention_sinks(seq_lens: list[int], q_lens: list[int], dtype: st
     sinks = np.random.default_rng().normal(0.0, 2.0, 8)
     for window in (0, 128):
         run_attention_case(seq_lens, q_lens, (8, 2), 64, 16, dtype, window, sinks=sinks)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"), [([300, 1200], [300, 1]), ([1200, 700], [1200, 700])],
+    ids=["split", "unsplit"],
+)  # fmt: skip
+def test_paged_attention_chunks_and_released_blocks(
+    seq_lens: list[int], q_lens: list[int], dtype: str
+) -> None:
+    """Llama 4's chunked local attention, and a window's released blocks (-1, NaN) that no
+    kernel reads."""
+    for window, chunk in ((0, 256), (128, 0), (100, 512)):
+        run_attention_case(seq_lens, q_lens, (8, 2), 128, 16, dtype, window, chunk=chunk,
+                           released=True)  # fmt: skip
 
 
 def test_reshape_and_cache_strided_heads() -> None:

@@ -79,7 +79,7 @@ def test_greedy_tokens_and_logits_match_transformers(gemma) -> None:  # type: ig
 
 def test_preemption_keeps_the_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
     kind, folder, model = gemma
-    assert_preemption_keeps_tokens(folder, model, len(WINDOWS[kind]), ENGINE)
+    assert_preemption_keeps_tokens(folder, model, WINDOWS[kind], ENGINE)
 
 
 @pytest.mark.slow

@@ -45,13 +45,13 @@ def inputs(budget: int = 48, max_seqs: int = 8) -> StepInputs:
 def assert_holds(step: DeviceStep, b: StepBuffers) -> None:
     np.testing.assert_array_equal(step.input_ids.numpy(), b.input_ids)
     np.testing.assert_array_equal(step.positions.numpy(), b.positions)
-    np.testing.assert_array_equal(step.slot_mapping.numpy(), b.slot_mapping)
+    np.testing.assert_array_equal(step.slot_mapping.numpy(), b.group_slot_mapping)
     np.testing.assert_array_equal(step.query_start_loc.numpy(), b.query_start_loc)
     np.testing.assert_array_equal(step.seq_lens.numpy(), b.seq_lens)
     np.testing.assert_array_equal(step.logits_indices.numpy(), b.logits_indices)
-    np.testing.assert_array_equal(step.block_tables.numpy(), b.block_tables)
+    np.testing.assert_array_equal(step.block_tables.numpy(), b.group_block_tables)
     assert step.slot_mapping.dtype == torch.int64 and step.input_ids.dtype == torch.int32
-    assert step.block_tables.shape == (len(b.seq_lens), MAX_BLOCKS)
+    assert step.block_tables.shape == (1, len(b.seq_lens), MAX_BLOCKS)
 
 
 def test_prefill_and_decode_steps_arrive_whole() -> None:
@@ -83,9 +83,10 @@ def test_a_padded_decode_step_leaves_safe_rows_after_a_prefill_dirtied_them() ->
     step = staged.upload(b, padded_reqs=8)
     real = DeviceStep(*(getattr(step, f)[:3] for f in step.__dataclass_fields__))
     real.query_start_loc = step.query_start_loc[:4]
+    real.slot_mapping, real.block_tables = step.slot_mapping[:, :3], step.block_tables[:, :3]
     assert_holds(real, b)
-    assert step.input_ids.shape == (8,) and step.block_tables.shape == (8, MAX_BLOCKS)
-    assert step.slot_mapping[3:].tolist() == [-1] * 5  # padding writes no K/V
+    assert step.input_ids.shape == (8,) and step.block_tables.shape == (1, 8, MAX_BLOCKS)
+    assert step.slot_mapping[0, 3:].tolist() == [-1] * 5  # padding writes no K/V
     assert step.positions[3:].tolist() == [0] * 5
     assert step.input_ids[3:].tolist() == [0] * 5
     assert step.seq_lens[3:].tolist() == [1] * 5
@@ -104,25 +105,25 @@ def test_a_verifying_step_pads_to_as_many_tokens_as_rows() -> None:
     b = SimpleNamespace(
         input_ids=np.arange(1, 6, dtype=np.int32),
         positions=np.array([4, 5, 6, 9, 10], dtype=np.int32),
-        slot_mapping=np.array([4, 5, 6, 9, 10], dtype=np.int64),
+        slot_mapping=np.array([[4, 5, 6, 9, 10]], dtype=np.int64),
         query_start_loc=np.array([0, 3, 5], dtype=np.int32),
         seq_lens=np.array([7, 11], dtype=np.int32),
         logits_indices=np.arange(5, dtype=np.int32),
-        block_tables=np.zeros((2, 2), dtype=np.int32),
+        block_tables=np.zeros((1, 2, 2), dtype=np.int32),
     )
     step = staged.upload(b, padded_reqs=8)  # type: ignore[arg-type]
     assert step.input_ids.tolist() == [1, 2, 3, 4, 5, 0, 0, 0]
-    assert step.slot_mapping.tolist() == [4, 5, 6, 9, 10, -1, -1, -1]
+    assert step.slot_mapping.tolist() == [[4, 5, 6, 9, 10, -1, -1, -1]]
     assert step.query_start_loc.tolist() == [0, 3, 5, 6, 7, 8, 8, 8, 8]
     assert step.seq_lens.tolist() == [7, 11] + [1] * 6
     staged.reset()
     assert staged.views(8, 8, 8).query_start_loc.tolist() == list(range(9))
-    assert staged.views(8, 8, 8).slot_mapping.tolist() == [-1] * 8
+    assert staged.views(8, 8, 8).slot_mapping.tolist() == [[-1] * 8]
 
 
 def test_fresh_buffers_hold_safe_values_for_graph_capture() -> None:
     step = inputs().views(8, 8, 8)
-    assert step.slot_mapping.tolist() == [-1] * 8
+    assert step.slot_mapping.tolist() == [[-1] * 8]
     assert step.seq_lens.tolist() == [1] * 8
     assert step.query_start_loc.tolist() == list(range(9))
     assert not step.block_tables.any() and not step.input_ids.any()
@@ -170,7 +171,7 @@ def test_a_graph_larger_than_the_token_budget_pads_safely() -> None:
     s.update(rng.integers(0, 1000, 4).astype(np.int32))
     s.schedule()
     step = staged.upload(s.buffers, padded_reqs=8)
-    assert step.slot_mapping.shape == (8,) and step.slot_mapping[4:].tolist() == [-1] * 4
+    assert step.slot_mapping.shape == (1, 8) and step.slot_mapping[0, 4:].tolist() == [-1] * 4
     assert step.seq_lens[4:].tolist() == [1] * 4
     with pytest.raises(ValueError, match="capacity is 8 tokens"):
         staged.views(9, 8, 8)

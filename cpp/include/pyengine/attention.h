@@ -15,6 +15,7 @@
 // that is a power of two; num_heads a multiple of num_kv_heads (GQA, MQA).
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 
@@ -57,6 +58,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 struct AttentionOptions {
   float scale = 1.0f;        // usually 1 / sqrt(head_size)
   int sliding_window = 0;    // > 0: a query at position p sees keys in (p - window, p]
+  int attention_chunk = 0;   // > 0: a query at p sees keys in [p - p % chunk, p] (Llama 4's
+                             // chunked local attention; with a window too, both bounds)
   float logit_soft_cap = 0;  // > 0: scores become cap * tanh(score / cap)
   // The longest seq_len where the caller knows it (0: unknown, the block tables' reach).
   // The CUDA kernel splits long contexts by it; one too small costs speed, not results.
@@ -69,6 +72,14 @@ struct AttentionOptions {
   // no value (data null: none).
   TensorView sinks;
 };
+
+// The first position a query at `position` sees. Blocks wholly before it are never
+// read: a KV-cache group of a window may have released them (kNoBlock in the table).
+inline int64_t first_visible_position(const AttentionOptions& o, int64_t position) {
+  int64_t first = o.sliding_window > 0 ? position - o.sliding_window + 1 : 0;
+  if (o.attention_chunk > 0) first = std::max(first, position - position % o.attention_chunk);
+  return std::max<int64_t>(first, 0);
+}
 
 // Variable-length paged attention: request i's query tokens
 // query[query_start_loc[i]:query_start_loc[i + 1]] are the last q_len_i positions of its

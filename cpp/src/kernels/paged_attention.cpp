@@ -104,7 +104,7 @@ struct WorkPlan {
 // queries can see. When there are too few tiles to keep every thread busy (decode of a
 // few requests), long contexts are split into parts whose partial results are merged.
 WorkPlan& plan_work(const int32_t* qsl, const int32_t* lens, int64_t num_reqs, int64_t num_kv_heads,
-                    int64_t block_size, int64_t window) {
+                    int64_t block_size, const AttentionOptions& options) {
   thread_local WorkPlan plan;
   plan.tiles.clear();
   plan.items.clear();
@@ -131,8 +131,7 @@ WorkPlan& plan_work(const int32_t* qsl, const int32_t* lens, int64_t num_reqs, i
     const int64_t first_pos =
         lens[t.request] - (qsl[t.request + 1] - qsl[t.request]) + t.first_query;
     const int64_t last_pos = first_pos + t.num_queries - 1;
-    const int64_t begin =
-        window > 0 ? std::max<int64_t>(0, first_pos - window + 1) / block_size : 0;
+    const int64_t begin = first_visible_position(options, first_pos) / block_size;
     const int64_t end = last_pos / block_size + 1;
     const int64_t parts = std::clamp<int64_t>((end - begin) / min_part_blocks, 1, wanted_parts);
     if (parts == 1) {
@@ -210,10 +209,11 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           "block_tables [num_reqs, max_blocks]");
   }
   if (!std::isfinite(options.scale) || options.sliding_window < 0 ||
-      !(options.logit_soft_cap >= 0) || !std::isfinite(options.logit_soft_cap)) {
+      options.attention_chunk < 0 || !(options.logit_soft_cap >= 0) ||
+      !std::isfinite(options.logit_soft_cap)) {
     throw InvalidArgument(std::string(op) +
-                          ": scale must be finite, sliding_window >= 0 and logit_soft_cap "
-                          "finite and >= 0");
+                          ": scale must be finite, sliding_window and attention_chunk >= 0 and "
+                          "logit_soft_cap finite and >= 0");
   }
   if (options.sinks.data != nullptr) {
     const TensorView& sinks = options.sinks;
@@ -254,7 +254,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                             std::to_string(num_used) + " blocks, block_tables has " +
                             std::to_string(max_blocks) + " per request");
     }
-    for (int64_t b = 0; b < num_used; ++b) {
+    // (blocks before the first query's first visible position are never read)
+    for (int64_t b = first_visible_position(options, lens[i] - q_len) / block_size; b < num_used;
+         ++b) {
       const int32_t block = tables[i * max_blocks + b];
       if (block < 0 || block >= num_blocks) {
         throw InvalidArgument(std::string(op) + ": block_tables[" + std::to_string(i) + ", " +
@@ -264,7 +266,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
     }
   }
 
-  WorkPlan& plan = plan_work(qsl, lens, num_reqs, num_kv_heads, block_size, options.sliding_window);
+  WorkPlan& plan = plan_work(qsl, lens, num_reqs, num_kv_heads, block_size, options);
   const int64_t partial_stride = kQueryTile * group * (head_size + 2);
   const auto partial_floats = static_cast<size_t>(plan.num_partials * partial_stride);
   if (plan.partials.size() < partial_floats) plan.partials.resize(partial_floats);

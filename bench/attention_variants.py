@@ -1,0 +1,138 @@
+"""Attention variants: the KV memory a request holds under the hybrid KV cache.
+
+Memory: a request's KV bytes held at 1k, 8k and 32k tokens, for a Gemma-3-1B-shaped
+model (26 layers, one 256-wide kv head, a 512-token window on 5 layers of 6) and a
+gpt-oss-20b-shaped one (24 layers, eight 64-wide kv heads, a 128-token window on every
+other layer), in bfloat16, against the same layers all under full attention. The
+figures are what pyengine's own KV-cache manager holds: the model's KVLayout (its
+groups and the pages of a block) and a KVCacheManager of those groups, which schedules
+the request as the engine does (prefill in chunks of max_num_batched_tokens, then
+decode steps), counting the blocks of every group the request holds after its last
+step. A window's memory is flat past the window; full attention's grows with the
+context.
+
+    python -m bench.attention_variants [--contexts 1024,8192,32768] [--block-size 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+from pyengine import KVCacheManager
+from pyengine.worker.kv_layout import KVLayout, KVSpec, plan_kv_layout
+
+from .common import print_table, report
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    specs: list[KVSpec]  # each layer's
+    kv_heads: int
+    head_size: int
+
+    def page_bytes(self, block_size: int, itemsize: int = 2) -> int:
+        """One layer's K and V of one block."""
+        return 2 * self.kv_heads * self.head_size * block_size * itemsize
+
+
+SHAPES = (
+    Shape(
+        "Gemma-3-1B",
+        [("full", 0) if i % 6 == 5 else ("sliding", 512) for i in range(26)],
+        kv_heads=1,
+        head_size=256,
+    ),
+    Shape(
+        "gpt-oss-20b",
+        [("sliding", 128) if i % 2 == 0 else ("full", 0) for i in range(24)],
+        kv_heads=8,
+        head_size=64,
+    ),
+)
+
+
+def held_blocks(
+    layout: KVLayout, context: int, block_size: int, chunk: int, decode: int
+) -> tuple[int, int]:
+    """Blocks of the full groups and of the window groups one request holds once it has
+    prefilled `context - decode` tokens in chunks and decoded `decode` more, one a step."""
+    blocks = layout.max_blocks_held(context, chunk, block_size) + 1
+    kv = KVCacheManager(
+        blocks, block_size, enable_prefix_caching=False, kv_groups=list(layout.groups)
+    )
+    prompt = context - decode
+    kv.add_request("r", [1] * prompt)
+    done = 0
+    while done < prompt:
+        n = min(chunk, prompt - done)
+        if kv.allocate_slots("r", n) is None:
+            raise RuntimeError("the bound on a request's blocks is too low")
+        done += n
+    for _ in range(decode):
+        kv.append_token_ids("r", [1])
+        if kv.allocate_slots("r", 1) is None:
+            raise RuntimeError("the bound on a request's blocks is too low")
+    held = [sum(b >= 0 for b in kv.block_table("r", g)) for g in range(kv.num_groups)]
+    kv.free("r")
+    windows = sum(n for n, (kind, _) in zip(held, layout.groups, strict=True) if kind != "full")
+    return sum(held) - windows, windows
+
+
+def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
+    rows = []
+    for shape in SHAPES:
+        layout = plan_kv_layout(shape.specs)
+        full = plan_kv_layout([("full", 0)] * len(shape.specs))
+        page = shape.page_bytes(args.block_size)
+        for context in args.contexts:
+            full_part, window_part = held_blocks(
+                layout, context, args.block_size, args.chunk, args.decode
+            )
+            every = sum(held_blocks(full, context, args.block_size, args.chunk, args.decode))
+            block = layout.num_slots * page
+            ours, windows = (full_part + window_part) * block, window_part * block
+            theirs = every * full.num_slots * page
+            key = f"{shape.name.lower().replace('-', '_')}_{context}"
+            figures[f"kv_mib_{key}"] = round(ours / 2**20, 2)
+            figures[f"kv_mib_windows_{key}"] = round(windows / 2**20, 2)
+            figures[f"kv_mib_full_attention_{key}"] = round(theirs / 2**20, 2)
+            figures[f"kv_saving_{key}"] = round(theirs / ours, 2)
+            rows.append((
+                shape.name, f"{len(layout.groups)} x {layout.num_slots}", f"{context:,}",
+                f"{windows / 2**20:,.1f}", f"{ours / 2**20:,.1f}", f"{theirs / 2**20:,.1f}",
+                f"{theirs / ours:.2f}x",
+            ))  # fmt: skip
+    print(f"\nKV bytes one request holds (bfloat16, blocks of {args.block_size} tokens, prefill "
+          f"in chunks of {args.chunk}, then {args.decode} decode steps)")  # fmt: skip
+    return print_table(
+        (
+            "model shape",
+            "groups x pages",
+            "context",
+            "window groups MiB",
+            "hybrid MiB",
+            "all full MiB",
+            "saving",
+        ),
+        rows,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--contexts", default="1024,8192,32768")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
+    parser.add_argument("--decode", type=int, default=16, help="decode steps at the end")
+    args = parser.parse_args()
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    figures: dict[str, Any] = {}
+    tables = [memory_table(args, figures)]
+    report("attention_variants", figures, tables=tables)
+
+
+if __name__ == "__main__":
+    main()
