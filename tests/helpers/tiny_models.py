@@ -66,6 +66,7 @@ CONFIGS = {
         bos_token_id=1,
         eos_token_id=2,
     ),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, **LLAMA_SHAPE, sliding_window=16),
     "opt": lambda: transformers.OPTConfig(
         **COMMON,
         hidden_size=128,

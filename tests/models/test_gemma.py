@@ -18,6 +18,7 @@ import torch
 from helpers.hf_reference import assert_preemption_keeps_tokens, hf_greedy, prefill_logits
 
 from pyengine import LLM, SamplingParams
+from pyengine.worker.kv_layout import plan_kv_layout
 
 transformers = pytest.importorskip("transformers")
 
@@ -80,6 +81,38 @@ def test_greedy_tokens_and_logits_match_transformers(gemma) -> None:  # type: ig
 def test_preemption_keeps_the_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
     kind, folder, model = gemma
     assert_preemption_keeps_tokens(folder, model, WINDOWS[kind], ENGINE)
+
+
+def test_every_kv_cache_feature_keeps_the_tokens_over_windows(gemma) -> None:  # type: ignore[no-untyped-def]
+    """The hybrid KV cache (a block table per group, windows releasing blocks) under
+    prefix caching, chunked prefill, preemption by swapping into the host tier,
+    prompt-lookup speculation (drafts rolled back) and parallel samples (forked tables,
+    copy-on-write): transformers' greedy tokens, in a pool one max_model_len request
+    nearly fills."""
+    kind, folder, model = gemma
+    layout = plan_kv_layout([("sliding", w) if w else ("full", 0) for w in WINDOWS[kind]])
+    block = layout.num_slots * 2 * 2 * 32 * 16 * 4
+    blocks = layout.max_blocks_held(128, 32, 16) + 1
+    options = {"max_model_len": 128, "kv_cache_memory": blocks * block,
+               "max_num_batched_tokens": 32, "enable_chunked_prefill": True,
+               "kv_offload_gb": 0.01, "preemption_mode": "swap",
+               "speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}  # fmt: skip
+    llm = LLM(str(folder), **{**ENGINE, **options})
+    rng = np.random.default_rng(5)
+    span = rng.integers(0, 256, 9).tolist()
+    shared = (span * 4)[:30]  # (repeats: prompt lookup proposes)
+    prompts = [shared + rng.integers(0, 256, n).tolist() for n in (5, 15, 25, 35, 45)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 40)
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.num_swapped_preemptions > 0 and stats.prefix_cache_hits > 0
+    assert llm.llm_engine.core.spec_stats.num_accepted_tokens > 0
+    two = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, n=2)
+    (pair,) = llm.generate([prompts[1]], two, use_tqdm=False)
+    want = hf_greedy(model, prompts[1], 16)
+    assert [c.token_ids for c in pair.outputs] == [want, want]
 
 
 @pytest.mark.slow
