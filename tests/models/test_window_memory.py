@@ -22,8 +22,8 @@ BLOCK_BYTES = 2 * 2 * 2 * 32 * 16 * 4  # two layers' K and V, two kv heads of 32
 def test_a_window_bounds_a_requests_kv_memory(kind: str, tmp_path: Path) -> None:
     model = make_checkpoint(kind, tmp_path)
     llm = LLM(
-        str(tmp_path), max_model_len=256, kv_cache_memory=5 * BLOCK_BYTES, max_num_batched_tokens=32,
-        enable_chunked_prefill=True, dtype="float32",
+        str(tmp_path), max_model_len=256, kv_cache_memory=5 * BLOCK_BYTES,
+        max_num_batched_tokens=32, enable_chunked_prefill=True, dtype="float32",
     )  # fmt: skip
     runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.kv_layout.groups == (("sliding", 16),) and runner.num_blocks == 5
