@@ -12,9 +12,9 @@ otherwise:
 - per-head q/k RMSNorms (1 + w) and a rotary base of their own for the sliding layers
   (Gemma 3: `rope_parameters` per layer type, or `rope_local_base_freq`).
 
-Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
-their window. On the CPU the GeGLU and the embeddings' scale are kernels, so that decode
-steps record.
+The sliding layers are KV-cache groups of their own (worker/kv_layout.py), whose blocks
+past the window are released. On the CPU the GeGLU and the embeddings' scale are
+kernels, so that decode steps record.
 """
 
 from __future__ import annotations

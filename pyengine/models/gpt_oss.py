@@ -11,9 +11,9 @@
   [experts, hidden, 2 n], `gate_up_proj_bias` [experts, 2 n], `down_proj` [experts, n,
   hidden], `down_proj_bias` [experts, hidden]; each rank reads its experts' slices.
 
-Every layer's cache holds the whole sequence; the sliding layers' kernels attend only
-their window. The CUDA kernels' sinks have run in the host emulation only; the released
-checkpoints' MXFP4 experts are refused by their quant_method.
+The sliding layers are a KV-cache group of their own (worker/kv_layout.py), whose blocks
+past the window are released. The CUDA kernels' sinks have run in the host emulation
+only; the released checkpoints' MXFP4 experts are refused by their quant_method.
 """
 
 from __future__ import annotations

@@ -195,11 +195,12 @@ class Attention(nn.Module):
     def __init__(
         self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
         sliding_window: int | None = None, scale: float | None = None,
-        logit_soft_cap: float = 0.0, output_bias: bool = False,
+        logit_soft_cap: float = 0.0, output_bias: bool = False, attention_chunk: int = 0,
     ) -> None:  # fmt: skip
         """sliding_window: this layer's (None: the model's); scale: of q . k (None:
         head_size^-0.5); logit_soft_cap: scores as cap * tanh(score / cap) (0: none);
-        output_bias: o_proj has a bias (gpt-oss's)."""
+        output_bias: o_proj has a bias (gpt-oss's); attention_chunk: queries see only
+        their own chunk of that many positions (Llama 4's local layers; 0: none)."""
         super().__init__()
         family = c.family_config(LlamaFamilyConfig)
         self.qkv_proj = QKVParallelLinear(
@@ -229,8 +230,9 @@ class Attention(nn.Module):
         self.rotary = rotary
         window = c.sliding_window if sliding_window is None else sliding_window
         self.attn = PagedAttention(
-            self.num_heads, self.num_kv_heads, self.head_size, window, scale, logit_soft_cap
-        )
+            self.num_heads, self.num_kv_heads, self.head_size, window, scale, logit_soft_cap,
+            attention_chunk,
+        )  # fmt: skip
         # A compressed-tensors kv_cache_scheme's per-tensor scales (checkpoint tensors
         # self_attn.k_scale and v_scale), for an int8 or fp8 KV cache.
         self.scales_kind = c.quantization.kv_cache_scales if c.quantization is not None else None

@@ -15,6 +15,7 @@ from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.gpt_oss import GptOssForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
+from pyengine.models.llama4 import Llama4ForCausalLM
 from pyengine.models.llama_moe import LlamaMoeForCausalLM
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
@@ -22,6 +23,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     LlamaMoeForCausalLM,
     GemmaForCausalLM,
     GptOssForCausalLM,
+    Llama4ForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

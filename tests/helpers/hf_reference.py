@@ -88,18 +88,18 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
 
 
 def assert_preemption_keeps_tokens(
-    folder: Any, model: torch.nn.Module, windows: list[int], engine: dict[str, Any]
+    folder: Any, model: torch.nn.Module, specs: list[tuple[str, int]], engine: dict[str, Any]
 ) -> None:
     """A KV pool of one block more than a request of max_model_len 128 may hold (in
     chunks of 32 tokens), for three prompts of 30-60 tokens (a model of layers of 2 kv
-    heads of 32, float32, with these windows, 0: global): requests are preempted and
-    computed again, and each gets transformers' greedy tokens."""
+    heads of 32, float32, whose layers attend as these KV specs say): requests are
+    preempted and computed again, and each gets transformers' greedy tokens."""
     import numpy as np
 
     from pyengine import LLM, SamplingParams
     from pyengine.worker.kv_layout import plan_kv_layout
 
-    layout = plan_kv_layout([("sliding", w) if w else ("full", 0) for w in windows])
+    layout = plan_kv_layout(specs)
     block = layout.num_slots * 2 * 2 * 32 * 16 * 4  # each slot's K and V of 16 tokens
     blocks = layout.max_blocks_held(128, 32, 16) + 1
     options = {"kv_cache_memory": blocks * block, "max_model_len": 128,

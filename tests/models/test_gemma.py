@@ -44,6 +44,11 @@ WINDOWS = {"gemma2": [WINDOW, 0] * 2, "gemma3": [WINDOW] * 5 + [0]}
 ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 
+def specs(windows: list[int]) -> list[tuple[str, int]]:
+    """The layers' KV specs (worker/kv_layout.py)."""
+    return [("sliding", w) if w else ("full", 0) for w in windows]
+
+
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
 def gemma(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp(request.param)
@@ -80,7 +85,7 @@ def test_greedy_tokens_and_logits_match_transformers(gemma) -> None:  # type: ig
 
 def test_preemption_keeps_the_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
     kind, folder, model = gemma
-    assert_preemption_keeps_tokens(folder, model, WINDOWS[kind], ENGINE)
+    assert_preemption_keeps_tokens(folder, model, specs(WINDOWS[kind]), ENGINE)
 
 
 def test_every_kv_cache_feature_keeps_the_tokens_over_windows(gemma) -> None:  # type: ignore[no-untyped-def]
@@ -90,7 +95,7 @@ def test_every_kv_cache_feature_keeps_the_tokens_over_windows(gemma) -> None:  #
     copy-on-write): transformers' greedy tokens, in a pool one max_model_len request
     nearly fills."""
     kind, folder, model = gemma
-    layout = plan_kv_layout([("sliding", w) if w else ("full", 0) for w in WINDOWS[kind]])
+    layout = plan_kv_layout(specs(WINDOWS[kind]))
     block = layout.num_slots * 2 * 2 * 32 * 16 * 4
     blocks = layout.max_blocks_held(128, 32, 16) + 1
     options = {"max_model_len": 128, "kv_cache_memory": blocks * block,

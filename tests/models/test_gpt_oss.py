@@ -65,7 +65,7 @@ def test_greedy_tokens_and_logits_match_transformers(gpt_oss) -> None:  # type: 
 
 def test_preemption_keeps_the_tokens(gpt_oss) -> None:  # type: ignore[no-untyped-def]
     folder, model = gpt_oss
-    assert_preemption_keeps_tokens(folder, model, [16, 0], ENGINE)
+    assert_preemption_keeps_tokens(folder, model, [("sliding", 16), ("full", 0)], ENGINE)
 
 
 @pytest.mark.slow
