@@ -154,6 +154,7 @@ _ROPE_SCALING_KEYS = {
                "original_max_position_embeddings"),
     "freq_divisors": (),
     "yarn": ("factor", "original_max_position_embeddings"),
+    "longrope": ("factor", "original_max_position_embeddings"),
 }  # fmt: skip
 
 
@@ -169,6 +170,9 @@ def _check_rope_scaling(scaling: Any) -> None:
     values = [scaling.get(key) for key in _ROPE_SCALING_KEYS[kind]]
     if kind == "freq_divisors":
         values = list(scaling.get("divisors") or [None])
+    if kind == "longrope":  # (each a list of a factor per frequency)
+        for key in ("short_factor", "long_factor"):
+            values += list(scaling.get(key) or [None])
     for value in values:
         if not is_real(value) or value <= 0:
             raise ValueError(f"rope_scaling {kind!r} needs positive numbers, got {scaling!r:.120}")

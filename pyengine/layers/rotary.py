@@ -12,13 +12,17 @@ from pyengine import ops
 
 
 def inverse_frequencies(
-    head_size: int, theta: float, scaling: dict[str, Any] | None
+    head_size: int, theta: float, scaling: dict[str, Any] | None, max_positions: int = 0
 ) -> torch.Tensor:
+    """max_positions: the positions the model will run (LongRoPE's choice of factors)."""
     exponents = torch.arange(0, head_size, 2, dtype=torch.int64).float() / head_size
     inv_freq = 1.0 / (theta**exponents)
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
     if kind is None:
         return inv_freq
+    if kind == "longrope":
+        assert scaling is not None
+        return inv_freq / _longrope_factors(scaling, head_size, max_positions)
     if kind == "linear":
         assert scaling is not None
         return inv_freq / float(scaling["factor"])
@@ -45,7 +49,25 @@ def inverse_frequencies(
     if kind == "yarn":
         assert scaling is not None
         return _yarn_frequencies(head_size, theta, scaling)
-    raise ValueError(f"rope_scaling type {kind!r} is not supported (linear, llama3, yarn)")
+    raise ValueError(
+        f"rope_scaling type {kind!r} is not supported (linear, llama3, yarn, longrope)"
+    )
+
+
+def _longrope_factors(scaling: dict[str, Any], head_size: int, max_positions: int) -> torch.Tensor:
+    """LongRoPE's (Phi-3's) divisor of each frequency: its long factors where the model
+    runs past the original context, else its short ones. The choice is made once, by
+    the longest sequence the engine runs (max_model_len), as llama.cpp makes it by its
+    context size: transformers switches by each forward's length, which the tokens
+    match where both stay on one side of the original context."""
+    long = max_positions > int(scaling["original_max_position_embeddings"])
+    factors = torch.tensor(scaling["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if factors.shape != (head_size // 2,):
+        raise ValueError(
+            f"rope_scaling 'longrope' has {factors.numel()} factors; head size {head_size} "
+            f"needs {head_size // 2}"
+        )
+    return factors
 
 
 def _yarn_frequencies(head_size: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
@@ -76,14 +98,18 @@ def _yarn_frequencies(head_size: int, theta: float, scaling: dict[str, Any]) -> 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
     """What a rope scaling multiplies cos and sin by: YaRN's 0.1 ln(factor) + 1 (or its
-    attention_factor, or the ratio of its mscale and mscale_all_dim's), else 1."""
+    attention_factor, or the ratio of its mscale and mscale_all_dim's), LongRoPE's
+    sqrt(1 + ln(factor) / ln(original context)), else 1."""
     kind = None if scaling is None else scaling.get("rope_type", scaling.get("type"))
-    if kind != "yarn":
+    if kind not in ("yarn", "longrope"):
         return 1.0
     assert scaling is not None
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
     factor = float(scaling["factor"])
+    if kind == "longrope":
+        original = float(scaling["original_max_position_embeddings"])
+        return math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
 
     def mscale(scale: float) -> float:
         return 0.1 * scale * math.log(factor) + 1.0 if factor > 1 else 1.0
@@ -105,7 +131,7 @@ class RotaryEmbedding:
         is_neox: bool = True,  # rotate-half pairs (i, i + d/2); else (2i, 2i + 1)
     ) -> None:
         self.is_neox = is_neox
-        inv_freq = inverse_frequencies(head_size, theta, scaling)
+        inv_freq = inverse_frequencies(head_size, theta, scaling, max_positions)
         positions = torch.arange(max_positions, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         # [max_positions, head_size]: cos of each frequency, then sin (times the scaling's

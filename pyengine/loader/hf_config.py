@@ -43,6 +43,8 @@ def _common_values(config: dict[str, Any], arch: str) -> CommonValues:
         rope_scaling = rope_scaling or None  # anything else: ModelConfig refuses it
     elif rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
         rope_scaling = None
+    elif rope_scaling.get("rope_type", rope_scaling.get("type")) in ("longrope", "su"):
+        rope_scaling = _longrope(rope_scaling, config)
     return CommonValues(
         architecture=arch,
         rope_theta=rope_theta,
@@ -50,6 +52,20 @@ def _common_values(config: dict[str, Any], arch: str) -> CommonValues:
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=_ids(config.get("eos_token_id")),
     )
+
+
+def _longrope(scaling: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """LongRoPE's parameters whole (Phi-3 keeps original_max_position_embeddings beside
+    them; "su" is its older name): its factor, where not given, is max_position_embeddings
+    over the original, as transformers takes it."""
+    original = scaling.get("original_max_position_embeddings") or config.get(
+        "original_max_position_embeddings"
+    )
+    factor = scaling.get("factor")
+    if factor is None and original and config.get("max_position_embeddings"):
+        factor = config["max_position_embeddings"] / original
+    return {**scaling, "rope_type": "longrope", "original_max_position_embeddings": original,
+            "factor": factor}  # fmt: skip
 
 
 def _ids(value: Any) -> tuple[int, ...]:
