@@ -188,7 +188,18 @@ def paged_attention(
     max_seq_len: int = 0,
     max_query_len: int = 0,
     sinks: Any | None = None,
+    attention_chunk: int = 0,
     stream: int = 0,
+) -> None: ...
+def mla_attention(
+    out: Any,
+    query: Any,
+    latent_cache: Any,
+    block_tables: Any,
+    seq_lens: Any,
+    query_start_loc: Any,
+    scale: float,
+    value_dim: int,
 ) -> None: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...
 def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

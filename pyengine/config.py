@@ -69,6 +69,11 @@ class FamilyConfig:
         """ValueError, at start, where the family's own sizes do not split over the
         ranks (ParallelConfig.check_model asks it after the sizes every model has)."""
 
+    def latent_cache_dim(self) -> int:
+        """The numbers a token's latent vector holds where the family caches one a layer
+        (multi-head latent attention: DeepSeek's), else 0 (keys and values a kv head)."""
+        return 0
+
     def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
         """Layer `index`'s attention as the KV cache groups it: ("sliding", window) or
         ("chunked", chunk) where its queries see only recent keys, else ("full", 0). A

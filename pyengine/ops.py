@@ -43,6 +43,11 @@ _SCHEMAS = {
     "Tensor value_cache, Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, "
     "float scale, int sliding_window=0, float logit_soft_cap=0.0, int max_seq_len=0, "
     "int max_query_len=0, Tensor? sinks=None, int attention_chunk=0) -> ()",
+    # DeepSeek's latent attention: query [num_tokens, heads, latent_dim], latent_cache
+    # [num_blocks, block_size, latent_dim], out [num_tokens, heads, value_dim]
+    "mla_attention": "mla_attention(Tensor(a!) out, Tensor query, Tensor latent_cache, "
+    "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
+    "int value_dim) -> ()",
     # block_mapping: int64 [num_pairs, 2] (src, dst) on the CPU
     "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
     "Tensor block_mapping) -> ()",
@@ -148,6 +153,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "embedding": _C.embedding,
     "dense": _C.dense,
     "dense_silu_and_mul": _C.dense_silu_and_mul,
+    "mla_attention": _C.mla_attention,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "gelu_tanh_and_mul": _C.gelu_tanh_and_mul,
@@ -271,6 +277,7 @@ def _eager_cpu_direct(name: str) -> Callable[..., None]:
 
 reshape_and_cache = _eager_cpu_direct("reshape_and_cache")
 paged_attention = _eager_cpu_direct("paged_attention")
+mla_attention = _eager_cpu_direct("mla_attention")
 copy_blocks = torch.ops.pyengine.copy_blocks  # (lists of caches: a call a step at most)
 swap_blocks = torch.ops.pyengine.swap_blocks
 rms_norm = _eager_cpu_direct("rms_norm")

@@ -9,6 +9,7 @@
 #include "kernel_call.h"
 #include "pyengine/attention.h"
 #include "pyengine/dense.h"
+#include "pyengine/mla.h"
 
 namespace py = pybind11;
 
@@ -79,6 +80,22 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
   }};
 }
 
+KernelCall prepare_mla_attention(const py::handle& out, const py::handle& query,
+                                 const py::handle& latent_cache, const py::handle& block_tables,
+                                 const py::handle& seq_lens, const py::handle& query_start_loc,
+                                 float scale, int64_t value_dim) {
+  auto o = shared_view(out, "mla_attention: out");
+  auto q = shared_view(query, "mla_attention: query");
+  auto cache = shared_view(latent_cache, "mla_attention: latent_cache");
+  auto tables = shared_view(block_tables, "mla_attention: block_tables");
+  auto lens = shared_view(seq_lens, "mla_attention: seq_lens");
+  auto qsl = shared_view(query_start_loc, "mla_attention: query_start_loc");
+  return {[=] {
+    mla_attention(o->view(), q->view(), cache->view(), tables->view(), lens->view(), qsl->view(),
+                  scale, value_dim);
+  }};
+}
+
 }  // namespace
 
 void bind_attention(py::module_& m) {
@@ -115,6 +132,24 @@ key_cache:     [num_blocks, num_kv_heads, head_size, block_size] (keys transpose
 value_cache:   [num_blocks, num_kv_heads, block_size, head_size], the same dtype
 slot_mapping:  int64 [num_tokens], block * block_size + offset
 stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc");
+
+  def_kernel(
+      m, "mla_attention", &prepare_mla_attention, py::arg("out"), py::arg("query"),
+      py::arg("latent_cache"), py::arg("block_tables"), py::arg("seq_lens"),
+      py::arg("query_start_loc"), py::arg("scale"), py::arg("value_dim"),
+      R"doc(Multi-head latent attention (DeepSeek's MLA) in the absorbed form, into `out`.
+
+Each token's cached latent vector [c_kv (value_dim); k_pe] is every head's key, and its
+first value_dim numbers every head's value; request i's query tokens attend causally as
+in paged_attention. (CPU.)
+
+out:             [num_tokens, num_heads, value_dim], query's dtype
+query:           [num_tokens, num_heads, latent_dim] (q_nope W_UK, then q_pe), float32
+                 or the cache's dtype
+latent_cache:    [num_blocks, block_size, latent_dim], float32, float16 or bfloat16
+block_tables:    int32 [num_reqs, max_blocks_per_request]
+seq_lens:        int32 [num_reqs]
+query_start_loc: int32 [num_reqs + 1])doc");
 
   def_kernel(
       m, "paged_attention", &prepare_paged_attention, py::arg("out"), py::arg("query"),

@@ -447,7 +447,6 @@ class LlamaForCausalLM(nn.Module):
     def weight_router(self) -> WeightRouter:
         c = self.config
         router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
-        biases = c.family_config(LlamaFamilyConfig).attention_bias
         embed, head = "model.embed_tokens.weight", "lm_head.weight"
         if self.embed_tokens is not None:
             router.vocab(embed, self.embed_tokens)
@@ -463,29 +462,35 @@ class LlamaForCausalLM(nn.Module):
         for i in range(self.start_layer, self.end_layer):
             layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)
-            p, attn, mlp = f"model.layers.{i}", layer.self_attn, layer.mlp
-            for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                router.linear_weight(f"{p}.self_attn.{name}", attn.qkv_proj, part)
-                if biases:
-                    router.linear(f"{p}.self_attn.{name}.bias", attn.qkv_proj, "bias", part)
-            self.route_fused(router, f"{p}.self_attn", ("q_proj", "k_proj", "v_proj"),
-                             "qkv_proj", attn.qkv_proj)  # fmt: skip
-            router.linear_weight(f"{p}.self_attn.o_proj", attn.o_proj)
-            if attn.o_proj.bias is not None:
-                router.linear(f"{p}.self_attn.o_proj.bias", attn.o_proj, "bias")
-            self.route_mlp(router, f"{p}.mlp", mlp)
+            p = f"model.layers.{i}"
+            self.route_attention(router, f"{p}.self_attn", layer.self_attn)
+            self.route_mlp(router, f"{p}.mlp", layer.mlp)
             for norm_name in layer.norms:
                 self.route_norm(router, f"{p}.{norm_name}.weight", getattr(layer, norm_name))
-            for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
-                if isinstance(norm, ProjectionRMSNorm):  # (this rank's features)
-                    weight = norm.weight.data
-                    router.shard(f"{p}.self_attn.{name}.weight", weight, 0, norm.start, norm.whole)
-                elif norm is not None:
-                    self.route_norm(router, f"{p}.self_attn.{name}.weight", norm)
-            if attn.kv_scales is not None:
-                router.scalar(f"{p}.self_attn.k_scale", attn.kv_scales[0:1])
-                router.scalar(f"{p}.self_attn.v_scale", attn.kv_scales[1:2])
         return router
+
+    def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
+        """Where a layer's attention weights go (a family with attention of its own, as
+        DeepSeek's latent attention, routes its own)."""
+        assert isinstance(attn, Attention)
+        biases = self.config.family_config(LlamaFamilyConfig).attention_bias
+        for part, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            router.linear_weight(f"{prefix}.{name}", attn.qkv_proj, part)
+            if biases:
+                router.linear(f"{prefix}.{name}.bias", attn.qkv_proj, "bias", part)
+        self.route_fused(router, prefix, ("q_proj", "k_proj", "v_proj"), "qkv_proj", attn.qkv_proj)
+        router.linear_weight(f"{prefix}.o_proj", attn.o_proj)
+        if attn.o_proj.bias is not None:
+            router.linear(f"{prefix}.o_proj.bias", attn.o_proj, "bias")
+        for name, norm in (("q_norm", attn.q_norm), ("k_norm", attn.k_norm)):
+            if isinstance(norm, ProjectionRMSNorm):  # (this rank's features)
+                weight = norm.weight.data
+                router.shard(f"{prefix}.{name}.weight", weight, 0, norm.start, norm.whole)
+            elif norm is not None:
+                self.route_norm(router, f"{prefix}.{name}.weight", norm)
+        if attn.kv_scales is not None:
+            router.scalar(f"{prefix}.k_scale", attn.kv_scales[0:1])
+            router.scalar(f"{prefix}.v_scale", attn.kv_scales[1:2])
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
         """Where a layer's MLP weights go (a mixture of experts routes its own)."""

@@ -65,6 +65,19 @@ class MoeFamilyConfig(LlamaFamilyConfig):
     expert_parts: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
     shared_intermediate_size: int = 0  # 0: no shared expert
     shared: SharedNames | None = None
+    # The routing (layers/moe/routing.py): its method, groups, scale and whether a
+    # correction bias steers its choice (DeepSeek's; the others' softmax by default).
+    routing_method: str = "softmax"
+    num_groups: int = 1
+    topk_groups: int = 1
+    scaling_factor: float = 1.0
+    choice_bias: bool = False
+
+    def routing(self) -> RoutingConfig:
+        return RoutingConfig(
+            self.routing_method, self.top_k, self.num_experts, self.norm_topk_prob,
+            self.num_groups, self.topk_groups, self.scaling_factor,
+        )  # fmt: skip
 
     def check_split(self, tensor_parallel_size: int, expert_parallel: bool) -> None:
         splits = [("shared expert's intermediate size", self.shared_intermediate_size)]
@@ -255,9 +268,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
         super().__init__(config, max_positions, ctx)
         moe = config.family_config(MoeFamilyConfig)
-        routing = RoutingConfig(
-            "softmax", moe.top_k, moe.num_experts, renormalize=moe.norm_topk_prob
-        )
+        routing = moe.routing()
         int8_activations = ctx.quantized_activations == "int8"
         gated = moe.shared is not None and moe.shared.gate is not None
         for i in moe.sparse_layers:
@@ -271,6 +282,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
                     moe.shared_intermediate_size, gated, ctx.tp, ctx.expert_parallel,
                     quantized_experts_method(config.quantization, ctx)
                     or experts_method(ctx.placement, blocks, int8_activations),
+                    choice_bias=moe.choice_bias,
                 )  # fmt: skip
                 layer.mlp = experts  # type: ignore[assignment]  # (its forward is an MLP's)
 
@@ -280,6 +292,8 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
             return
         family = self.config.family_config(MoeFamilyConfig)
         module = f"{prefix.removesuffix('.mlp')}.{family.moe_module}"
+        if mlp.choice_bias is not None:
+            router.plain(f"{module}.gate.e_score_correction_bias", mlp.choice_bias)
         # The shared expert: its parts named alike in every form, its gate not.
         gates = self.route_shared_expert(router, module, mlp, family)
         if mlp.experts is not None:  # a quantized checkpoint's: an expert at a time

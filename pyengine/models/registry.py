@@ -10,6 +10,7 @@ put in MODEL_CLASSES.
 from __future__ import annotations
 
 from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
+from pyengine.models.deepseek import DeepseekForCausalLM
 from pyengine.models.gemma import GemmaForCausalLM
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.gpt_oss import GptOssForCausalLM
@@ -24,6 +25,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     GemmaForCausalLM,
     GptOssForCausalLM,
     Llama4ForCausalLM,
+    DeepseekForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

@@ -39,6 +39,7 @@ class HostKVTier:
         block_bytes: int,  # of every layer's K and V
         device: torch.device,
         directory: str | None = None,
+        halves: int = 2,  # K and V a layer (1: latent attention's one vector)
     ) -> None:
         num_bytes = num_blocks * block_bytes
         if directory is not None:
@@ -47,7 +48,7 @@ class HostKVTier:
             # Pinned on a GPU: copies run by DMA, at the bus's speed.
             memory = torch.empty(num_bytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         self.num_blocks = num_blocks
-        self.blocks = memory.view(num_layers, 2, num_blocks, -1)
+        self.blocks = memory.view(num_layers, halves, num_blocks, -1)
         where = f"a file in {directory}" if directory else "host memory"
         logger.info("KV host tier: %d blocks, %.1f MiB in %s", num_blocks, num_bytes / 2**20, where)
 

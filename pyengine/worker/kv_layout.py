@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyengine.layers.attention import PagedAttention
+from pyengine.layers.latent_attention import LatentAttention
 
 # A layer's attention as the KV-cache manager groups it: ("full", 0), ("sliding",
 # window) or ("chunked", chunk).
@@ -76,7 +77,7 @@ def assign_kv_groups(model: Any, layout: KVLayout, layers: range) -> None:
     KV-cache group. Raises ValueError where the model's attention layers are not one a
     layer, or one's window is not its group's (the layout was made from another config)."""
     found = (getattr(m, "attn", None) for m in model.modules())
-    attentions = [a for a in found if isinstance(a, PagedAttention)]
+    attentions = [a for a in found if isinstance(a, PagedAttention | LatentAttention)]
     if len(attentions) != len(layers):
         raise ValueError(
             f"the model has {len(attentions)} attention layers where its KV cache lays out "

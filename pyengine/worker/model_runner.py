@@ -74,9 +74,12 @@ def allocate_kv_pool(numel: int, dtype: torch.dtype, device: torch.device) -> to
     return huge_page_tensor(numel, dtype)
 
 
-def kv_block_numel(num_layers: int, num_kv_heads: int, head_size: int, block_size: int) -> int:
-    """Elements of one KV block: the K and V of every layer, block_size tokens each."""
-    return 2 * num_layers * num_kv_heads * head_size * block_size
+def kv_block_numel(
+    num_layers: int, num_kv_heads: int, head_size: int, block_size: int, halves: int = 2
+) -> int:
+    """Elements of one KV block: the K and V of every layer, block_size tokens each (one
+    half, a latent vector a token, for latent attention)."""
+    return halves * num_layers * num_kv_heads * head_size * block_size
 
 
 def allocate_caches(
@@ -87,11 +90,12 @@ def allocate_caches(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    halves: int = 2,
 ) -> list[KVCache]:
     """Per layer, views of one new pool (allocate_kv_pool), as kv_views lays them out."""
-    numel = kv_block_numel(num_layers, num_kv_heads, head_size, block_size) * num_blocks
+    numel = kv_block_numel(num_layers, num_kv_heads, head_size, block_size, halves) * num_blocks
     pool = allocate_kv_pool(numel, dtype, device)
-    return kv_views(pool, num_blocks, num_layers, num_kv_heads, head_size, block_size)
+    return kv_views(pool, num_blocks, num_layers, num_kv_heads, head_size, block_size, halves)
 
 
 def kv_views(
@@ -101,16 +105,22 @@ def kv_views(
     num_kv_heads: int,
     head_size: int,
     block_size: int,
+    halves: int = 2,
 ) -> list[KVCache]:
     """Per layer, views of `pool`: keys [blocks, kv_heads, head, block] (transposed),
     values [blocks, kv_heads, block, head] (an int8 cache's head dims longer by the
-    scales: head_size counts them)."""
-    halves = pool.view(num_layers, 2, -1)
+    scales: head_size counts them); with one half, latent attention's cache, [blocks,
+    block, head] as both."""
+    if halves == 1:
+        latents = pool.view(num_layers, -1)
+        views = [latents[i].view(num_blocks, block_size, head_size) for i in range(num_layers)]
+        return [(latent, latent) for latent in views]
+    halves_of = pool.view(num_layers, 2, -1)
     shape = (num_blocks, num_kv_heads)
     return [
         (
-            halves[i, 0].view(*shape, head_size, block_size),
-            halves[i, 1].view(*shape, block_size, head_size),
+            halves_of[i, 0].view(*shape, head_size, block_size),
+            halves_of[i, 1].view(*shape, block_size, head_size),
         )
         for i in range(num_layers)
     ]
@@ -130,7 +140,10 @@ class ModelRunner:
     ) -> None:
         c = loaded.config
         head_sizes = _C.attention_head_sizes()
-        if c.head_size not in head_sizes:  # refused now, not at the first request
+        # Latent attention (DeepSeek's MLA) caches one vector a token and layer, whole on
+        # every rank; its kernel takes any size.
+        latent = c.family.latent_cache_dim()
+        if not latent and c.head_size not in head_sizes:  # refused now, not at the first request
             raise ValueError(
                 f"the model's attention head size {c.head_size} is not one paged attention "
                 f"runs ({', '.join(map(str, head_sizes))})"
@@ -140,7 +153,7 @@ class ModelRunner:
         self.tp = tp or TensorParallelGroup()
         self.pp = pp or PipelineStage()
         # This rank's share of the kv heads and of the layers: its cache holds only those.
-        _, self.num_kv_heads = self.tp.kv_head_shard(c.num_kv_heads)
+        _, self.num_kv_heads = (0, 1) if latent else self.tp.kv_head_shard(c.num_kv_heads)
         start, end = self.pp.layer_range(c.num_layers)
         self.num_layers = end - start
         # The model's KV-cache groups, and the page slots of a block this stage's layers
@@ -149,13 +162,20 @@ class ModelRunner:
         self.layers = range(start, end)
         self.kv_slots = self.kv_layout.slots_of(self.layers)
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
+        if latent and self.cache_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            raise ValueError(
+                f"kv_cache_dtype {config.cache_dtype}: latent attention's cache is float32, "
+                "float16 or bfloat16"
+            )
         # An int8 cache's head dims hold each token's scale too.
-        self.cache_head_size = c.head_size + (
+        self.cache_head_size = latent or c.head_size + (
             INT8_SCALE_BYTES if self.cache_dtype == torch.int8 else 0
         )
+        self.kv_halves = 1 if latent else 2
         self.block_numel = kv_block_numel(
-            len(self.kv_slots), self.num_kv_heads, self.cache_head_size, config.block_size
-        )
+            len(self.kv_slots), self.num_kv_heads, self.cache_head_size, config.block_size,
+            self.kv_halves,
+        )  # fmt: skip
         self.block_bytes = self.block_numel * int(self.cache_dtype.itemsize)
         max_blocks = -(-config.max_model_len // config.block_size)  # a block table's
         min_blocks = self.kv_layout.max_blocks_held(
@@ -210,8 +230,9 @@ class ModelRunner:
         # adapters but through ops.lora_add on the CPU (a recorded step's call reads each
         # row's slot in place, as it reads the step inputs).
         adapters_replay = self.lora is None or (on_cpu and self.lora.replays_in_place)
+        # (latent attention writes its cache and projects its heads with torch operations)
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
-                 or not adapters_replay)  # fmt: skip
+                 or not adapters_replay or latent > 0)  # fmt: skip
         # On the CPU, steps that verify drafts replay too: up to 1 + k tokens a request.
         self.max_query_len = 1 + spec.num_speculative_tokens if spec and on_cpu else 1
         if not eager:
@@ -306,13 +327,13 @@ class ModelRunner:
         )
         pages = kv_views(
             flat, num_blocks, len(self.kv_slots), self.num_kv_heads, self.cache_head_size,
-            self.block_size,
+            self.block_size, self.kv_halves,
         )  # fmt: skip
         self.host_tier = None
         if num_host_blocks > 0:
             self.host_tier = HostKVTier(
                 num_host_blocks, len(self.kv_slots), self.block_bytes, self.placement.device,
-                self.kv_offload_dir,
+                self.kv_offload_dir, self.kv_halves,
             )  # fmt: skip
             # The pool's bytes laid out as the tier's (layer, K or V, block, the rest): it
             # copies a block of every layer at once.
@@ -354,7 +375,7 @@ class ModelRunner:
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         return self._layer_caches(allocate_caches(
             num_blocks, len(self.kv_slots), self.num_kv_heads, self.cache_head_size,
-            self.block_size, self.cache_dtype, self.placement.device,
+            self.block_size, self.cache_dtype, self.placement.device, self.kv_halves,
         ))  # fmt: skip
 
     def _move_between_tiers(self, step: SchedulerOutput) -> None:

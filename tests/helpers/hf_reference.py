@@ -88,8 +88,12 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
 
 
 def assert_preemption_keeps_tokens(
-    folder: Any, model: torch.nn.Module, specs: list[tuple[str, int]], engine: dict[str, Any]
-) -> None:
+    folder: Any,
+    model: torch.nn.Module,
+    specs: list[tuple[str, int]],
+    engine: dict[str, Any],
+    latent: int = 0,
+) -> Any:
     """A KV pool of one block more than a request of max_model_len 128 may hold (in
     chunks of 32 tokens), for three prompts of 30-60 tokens (a model of layers of 2 kv
     heads of 32, float32, whose layers attend as these KV specs say): requests are
@@ -100,7 +104,8 @@ def assert_preemption_keeps_tokens(
     from pyengine.worker.kv_layout import plan_kv_layout
 
     layout = plan_kv_layout(specs)
-    block = layout.num_slots * 2 * 2 * 32 * 16 * 4  # each slot's K and V of 16 tokens
+    per_token = latent or 2 * 2 * 32  # each slot's K and V of 2 heads of 32, or its latent
+    block = layout.num_slots * per_token * 16 * 4
     blocks = layout.max_blocks_held(128, 32, 16) + 1
     options = {"kv_cache_memory": blocks * block, "max_model_len": 128,
                "max_num_batched_tokens": 32, "enable_chunked_prefill": True}  # fmt: skip
@@ -112,3 +117,4 @@ def assert_preemption_keeps_tokens(
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
     assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    return llm  # (the LLM, for a caller's further checks)

@@ -95,10 +95,13 @@ class FusedMoE(nn.Module):
         activation: ExpertActivation = SILU,
         expert_bias: bool = False,
         router_bias: bool = False,
+        choice_bias: bool = False,
     ) -> None:
         """`method`: how the experts are held (experts_method's, for the placement, by
         default); `activation`: between each expert's products; expert_bias: biases on
-        both products (gpt-oss's), router_bias: on the router's logits (gpt-oss's)."""
+        both products (gpt-oss's), router_bias: on the router's logits (gpt-oss's);
+        choice_bias: the routing's bias on its choice of experts alone (DeepSeek-V3's
+        e_score_correction_bias, float32)."""
         super().__init__()
         self.method = method or experts_method(placement or Placement())
         self.tp = tp or TensorParallelGroup()
@@ -111,6 +114,11 @@ class FusedMoE(nn.Module):
         self.activation = activation
         self.router = self.parameter(routing.num_experts, hidden_size)
         self.router_bias = self.parameter(routing.num_experts) if router_bias else None
+        self.choice_bias = (
+            nn.Parameter(torch.zeros(routing.num_experts), requires_grad=False)
+            if choice_bias
+            else None
+        )
         # Each local expert's biases (its intermediate rows of the gate/up one), where the
         # experts have them.
         count, n = self.shard.count, self.shard.size

@@ -110,7 +110,8 @@ class LoopedExperts(ExpertsMethod):
         """This rank's local expert `e` on rows x: silu(x gate.T) * (x up.T) @ down.T."""
 
     def apply(self, layer: FusedMoE, x: torch.Tensor) -> torch.Tensor:
-        routing = route(F.linear(x, layer.router, layer.router_bias), layer.routing)
+        logits = F.linear(x, layer.router, layer.router_bias)
+        routing = route(logits, layer.routing, layer.choice_bias)
         weights = routing.weights.to(x.dtype)
         out = torch.zeros_like(x)
         local = layer.local_experts()
@@ -168,7 +169,7 @@ class GroupedExperts(TorchExperts):
         config, shard = layer.routing, layer.shard
         tokens, device = x.shape[0], x.device
         x = x.contiguous()
-        routing = kernel_route(F.linear(x, layer.router), config)
+        routing = kernel_route(F.linear(x, layer.router), config, layer.choice_bias)
         ids = routing.expert_ids.to(torch.int32).contiguous()  # (torch's routes give int64)
         weights, on_input = routing.weights.float().contiguous(), routing.on_input
         slots = tokens * config.top_k
@@ -306,8 +307,11 @@ class PanelExperts(ExpertsMethod):
         tokens = x.shape[0]
         logits = torch.empty(tokens, config.num_experts, dtype=x.dtype)
         ops.dense(logits, x, panels.router, panels.router_bias, config.num_experts)
-        routing = kernel_route(logits, config)  # (a kernel: a recorded step holds it)
-        ids, weights, on_input = routing.expert_ids, routing.weights, routing.on_input
+        # (a kernel where the method has one: a recorded step holds it; torch's give int64
+        # ids and maybe float64 weights)
+        routing = kernel_route(logits, config, layer.choice_bias)
+        ids, on_input = routing.expert_ids.to(torch.int32), routing.on_input
+        weights = routing.weights.float()
         out = torch.empty_like(x)
         shared = panels.shared
         ops.fused_experts(

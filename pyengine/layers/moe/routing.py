@@ -11,6 +11,9 @@ routing is a function and a name here, not a branch in the layer.
   `norm_topk_prob`, times `routed_scaling_factor`.
 - "sigmoid_on_input": Llama 4's: the top k logits through a sigmoid, which scale each
   token's input to the expert (not its output).
+- "grouped_softmax": DeepSeek-V2's: softmax over all experts; with groups
+  (`group_limited_greedy`), only the top `topk_group` groups (each scored by its best)
+  may give the top k; renormalised by `norm_topk_prob`, times `routed_scaling_factor`.
 """
 
 from __future__ import annotations
@@ -104,8 +107,26 @@ def sigmoid_on_input(
     return Routing(ids, torch.sigmoid(values.float()), on_input=True)
 
 
+def grouped_softmax_topk(
+    logits: torch.Tensor, config: RoutingConfig, bias: torch.Tensor | None
+) -> Routing:
+    scores = torch.softmax(logits.float(), dim=-1)
+    if config.num_groups > 1:
+        tokens, per_group = scores.shape[0], config.num_experts // config.num_groups
+        group_scores = scores.view(tokens, config.num_groups, per_group).max(dim=-1).values
+        groups = torch.topk(group_scores, config.topk_groups, dim=-1, sorted=False)[1]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+        allowed = allowed.unsqueeze(-1).expand(-1, -1, per_group).reshape(tokens, -1)
+        scores = scores.masked_fill(~allowed, 0.0)
+    weights, ids = torch.topk(scores, config.top_k, dim=-1)
+    if config.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * config.scaling_factor)
+
+
 ROUTING_METHODS: dict[str, RoutingMethod] = {
     "softmax": softmax_topk,
+    "grouped_softmax": grouped_softmax_topk,
     "grouped_sigmoid": grouped_sigmoid_topk,
     "sigmoid_on_input": sigmoid_on_input,
 }

@@ -1,0 +1,31 @@
+// Multi-head latent attention (DeepSeek-V2/V3's MLA) over a paged latent cache, in the
+// absorbed form: each token caches one latent vector, [c_kv (value_dim); k_pe (rope)],
+// shared by every head; a head's query is its q_nope taken into the latent space by the
+// key half of kv_b_proj (q_nope W_UK), then its rotated q_pe. The scores are q . latent,
+// the values each key's c_kv, and the output stays in the latent space (the caller takes
+// it out by the value half of kv_b_proj). The cache holds value_dim + rope numbers a
+// token and layer, where expanded keys and values would hold 2 * heads * head_size.
+#pragma once
+
+#include <cstdint>
+
+#include "pyengine/tensor_view.h"
+
+namespace pyengine {
+
+// Request i's query tokens query[query_start_loc[i]:query_start_loc[i + 1]] are the last
+// q_len_i positions of its seq_lens[i] tokens, and attend causally to them.
+//   out:           [num_tokens, num_heads, value_dim] (written), query's dtype
+//   query:         [num_tokens, num_heads, latent_dim], float32 or the cache's dtype
+//   latent_cache:  [num_blocks, block_size, latent_dim] (dense), float32, float16 or
+//                  bfloat16
+//   block_tables:  int32 [num_reqs, max_blocks_per_request]
+//   seq_lens:      int32 [num_reqs]
+//   query_start_loc int32 [num_reqs + 1]
+// value_dim (<= latent_dim): the leading dims of each cached vector that are its value.
+// CPU only for now. Throws InvalidArgument naming the argument, before writing anything.
+void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
+                   const TensorView& block_tables, const TensorView& seq_lens,
+                   const TensorView& query_start_loc, float scale, int64_t value_dim);
+
+}  // namespace pyengine

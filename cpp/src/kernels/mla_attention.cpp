@@ -1,0 +1,287 @@
+// MLA attention on the CPU: a work item is one query token (or, for few tokens, a part
+// of its context) with every head at once, so that each cached latent vector is read and
+// widened once for all heads (the heads share it, as in multi-query attention). Keys go
+// a cache block at a time: the block's rows widened to float, every head's scores, then
+// one online-softmax step per head and block. Parts of a split context merge after.
+#include "pyengine/mla.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "float_convert.h"
+#include "pyengine/errors.h"
+#include "tensor_checks.h"
+
+namespace pyengine {
+namespace {
+
+constexpr const char* kOp = "mla_attention";
+constexpr int64_t kMinPartKeys = 256;  // a split part's fewest keys
+
+// `n` elements of a float32, bfloat16 or float16 row, widened.
+void widen(const void* row, DType dtype, int64_t n, float* out) {
+  if (dtype == DType::kFloat32) {
+    std::copy_n(static_cast<const float*>(row), n, out);
+    return;
+  }
+  const auto* h = static_cast<const uint16_t*>(row);
+  if (dtype == DType::kBFloat16) {
+    for (int64_t i = 0; i < n; ++i) out[i] = detail::bf16_to_float(h[i]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) out[i] = detail::fp16_to_float(h[i]);
+  }
+}
+
+void narrow(const float* in, DType dtype, int64_t n, void* row) {
+  if (dtype == DType::kFloat32) {
+    std::copy_n(in, n, static_cast<float*>(row));
+    return;
+  }
+  auto* h = static_cast<uint16_t*>(row);
+  for (int64_t i = 0; i < n; ++i) {
+    h[i] = dtype == DType::kBFloat16 ? detail::float_to_bf16(in[i]) : detail::float_to_fp16(in[i]);
+  }
+}
+
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+struct Item {
+  int64_t token, position;  // the query token, and its position in its request
+  int64_t request;
+  int64_t begin, end;       // its keys, [begin, end)
+  int64_t partial;          // where its partial result goes (-1: the output itself)
+};
+
+struct Shapes {
+  int64_t heads, latent, value, block_size, max_blocks;
+};
+
+// One item: every head's softmax over the item's keys, into `acc` [heads, value] (and
+// `max`, `sum` [heads]), unnormalised.
+void attend(const Item& w, const Shapes& s, const float* q, const void* cache, DType cache_dtype,
+            const int32_t* table, float scale, float* acc, float* max, float* sum) {
+  const int64_t bs = s.block_size, d = s.latent, v = s.value;
+  thread_local std::vector<float> keys, scores;
+  keys.resize(static_cast<size_t>(bs * d));
+  scores.resize(static_cast<size_t>(s.heads * bs));
+  std::fill_n(acc, s.heads * v, 0.0f);
+  std::fill_n(max, s.heads, -std::numeric_limits<float>::infinity());
+  std::fill_n(sum, s.heads, 0.0f);
+  const int64_t elem = cache_dtype == DType::kFloat32 ? 4 : 2;
+  for (int64_t first = w.begin; first < w.end;) {
+    const int64_t block = table[first / bs];
+    const int64_t lo = first % bs, n = std::min(bs - lo, w.end - first);
+    const auto* rows = static_cast<const char*>(cache) + (block * bs + lo) * d * elem;
+    widen(rows, cache_dtype, n * d, keys.data());
+    for (int64_t h = 0; h < s.heads; ++h) {
+      float* sc = scores.data() + h * bs;
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < n; ++k) {
+        sc[k] = dot(q + h * d, keys.data() + k * d, d) * scale;
+        top = std::max(top, sc[k]);
+      }
+      const float new_max = std::max(max[h], top);
+      const float correction = std::exp(max[h] - new_max);  // 0 on the first block
+      float* a = acc + h * v;
+      if (correction != 1.0f) {
+        for (int64_t i = 0; i < v; ++i) a[i] *= correction;
+      }
+      float total = sum[h] * correction;
+      for (int64_t k = 0; k < n; ++k) {
+        const float p = std::exp(sc[k] - new_max);
+        total += p;
+        const float* key = keys.data() + k * d;
+#pragma omp simd
+        for (int64_t i = 0; i < v; ++i) a[i] += p * key[i];
+      }
+      sum[h] = total;
+      max[h] = new_max;
+    }
+    first += n;
+  }
+}
+
+}  // namespace
+
+void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
+                   const TensorView& block_tables, const TensorView& seq_lens,
+                   const TensorView& query_start_loc, float scale, int64_t value_dim) {
+  detail::check_cpu(latent_cache, kOp, "latent_cache");
+  detail::check_shape(latent_cache, kOp, "latent_cache", 3);
+  const DType cache_dtype = latent_cache.dtype;
+  if (cache_dtype != DType::kFloat32 && cache_dtype != DType::kBFloat16 &&
+      cache_dtype != DType::kFloat16) {
+    throw InvalidArgument(detail::arg(kOp, "latent_cache") +
+                          " must be float32, float16 or bfloat16, got " + latent_cache.describe());
+  }
+  const int64_t num_blocks = latent_cache.shape[0], bs = latent_cache.shape[1];
+  const int64_t d = latent_cache.shape[2];
+  if (latent_cache.strides[2] != 1 || latent_cache.strides[1] != d ||
+      latent_cache.strides[0] != bs * d) {
+    throw InvalidArgument(detail::arg(kOp, "latent_cache") + " must be dense, got " +
+                          latent_cache.describe());
+  }
+  const DType qdtype = query.dtype;
+  if (qdtype != DType::kFloat32 && qdtype != cache_dtype) {
+    throw InvalidArgument(detail::arg(kOp, "query") + " must be float32 or the cache's dtype, got " +
+                          query.describe());
+  }
+  detail::check_rows(query, kOp, "query", 3, qdtype);
+  detail::check_rows(out, kOp, "out", 3, qdtype);
+  detail::check_writable(out, kOp, "out");
+  const int64_t num_tokens = query.shape[0], heads = query.shape[1];
+  if (query.shape[2] != d) {
+    throw InvalidArgument(std::string(kOp) + ": query's last dim must be the latent's (" +
+                          std::to_string(d) + "), got " + query.describe());
+  }
+  if (!(value_dim >= 1 && value_dim <= d)) {
+    throw InvalidArgument(std::string(kOp) + ": value_dim must be in [1, " + std::to_string(d) +
+                          "], got " + std::to_string(value_dim));
+  }
+  if (out.shape[0] != num_tokens || out.shape[1] != heads || out.shape[2] != value_dim) {
+    throw InvalidArgument(std::string(kOp) + ": out must be [num_tokens, num_heads, value_dim], " +
+                          "got " + out.describe());
+  }
+  if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
+  for (const auto& [t, name, ndim] : {std::tuple{&block_tables, "block_tables", 2},
+                                      std::tuple{&seq_lens, "seq_lens", 1},
+                                      std::tuple{&query_start_loc, "query_start_loc", 1}}) {
+    detail::check_cpu(*t, kOp, name);
+    detail::check_shape(*t, kOp, name, ndim);
+    detail::check_dtype(*t, DType::kInt32, kOp, name);
+    if (t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1) {
+      throw InvalidArgument(detail::arg(kOp, name) + " must be dense");
+    }
+  }
+  const int64_t num_reqs = seq_lens.shape[0];
+  const int64_t max_blocks = block_tables.shape[1];
+  if (query_start_loc.shape[0] != num_reqs + 1 || block_tables.shape[0] != num_reqs ||
+      (num_reqs > 1 && block_tables.strides[0] != max_blocks)) {
+    throw InvalidArgument(std::string(kOp) +
+                          ": need seq_lens [num_reqs], query_start_loc [num_reqs + 1] and dense "
+                          "block_tables [num_reqs, max_blocks]");
+  }
+  const auto* qsl = static_cast<const int32_t*>(query_start_loc.data);
+  const auto* lens = static_cast<const int32_t*>(seq_lens.data);
+  const auto* tables = static_cast<const int32_t*>(block_tables.data);
+  if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
+    throw InvalidArgument(std::string(kOp) + ": query_start_loc must start at 0 and end at " +
+                          std::to_string(num_tokens));
+  }
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len < 0 || lens[i] < q_len) {
+      throw InvalidArgument(std::string(kOp) + ": request " + std::to_string(i) + " has " +
+                            std::to_string(q_len) + " query tokens and seq_len " +
+                            std::to_string(lens[i]) + " (need 0 <= q_len <= seq_len)");
+    }
+    const int64_t used = (lens[i] + bs - 1) / bs;
+    if (used > max_blocks) {
+      throw InvalidArgument(std::string(kOp) + ": request " + std::to_string(i) + " needs " +
+                            std::to_string(used) + " blocks, block_tables has " +
+                            std::to_string(max_blocks));
+    }
+    for (int64_t b = 0; b < used; ++b) {
+      const int32_t block = tables[i * max_blocks + b];
+      if (block < 0 || block >= num_blocks) {
+        throw InvalidArgument(std::string(kOp) + ": block_tables[" + std::to_string(i) + ", " +
+                              std::to_string(b) + "] = " + std::to_string(block) +
+                              " is outside [0, " + std::to_string(num_blocks) + ")");
+      }
+    }
+  }
+
+  // The items: a token each, or, while there are fewer tokens than threads to keep busy,
+  // parts of each token's context of at least kMinPartKeys keys.
+  const int64_t threads = omp_get_max_threads();
+  std::vector<Item> items;
+  std::vector<std::pair<int64_t, int64_t>> splits;  // (token, its first partial), split ones
+  int64_t num_partials = 0;
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    for (int64_t j = 0; j < q_len; ++j) {
+      const int64_t token = qsl[i] + j, position = lens[i] - q_len + j, keys = position + 1;
+      const int64_t wanted = num_tokens < 2 * threads ? (2 * threads + num_tokens - 1) / num_tokens : 1;
+      const int64_t parts = std::clamp<int64_t>(keys / kMinPartKeys, 1, wanted);
+      if (parts == 1) {
+        items.push_back({token, position, i, 0, keys, -1});
+        continue;
+      }
+      splits.emplace_back(token, num_partials);
+      for (int64_t k = 0; k < parts; ++k) {
+        items.push_back({token, position, i, keys * k / parts, keys * (k + 1) / parts,
+                         num_partials++});
+      }
+    }
+  }
+  const Shapes s{heads, d, value_dim, bs, max_blocks};
+  const int64_t partial_floats = heads * (value_dim + 2);
+  std::vector<float> partials(static_cast<size_t>(num_partials * partial_floats));
+  const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (size_t n = 0; n < items.size(); ++n) {
+    const Item& w = items[n];
+    thread_local std::vector<float> q, acc, max, sum;
+    q.resize(static_cast<size_t>(heads * d));
+    acc.resize(static_cast<size_t>(heads * value_dim));
+    max.resize(static_cast<size_t>(heads));
+    sum.resize(static_cast<size_t>(heads));
+    for (int64_t h = 0; h < heads; ++h) {
+      const auto* row = static_cast<const char*>(query.data) +
+                        (w.token * query.strides[0] + h * query.strides[1]) * qelem;
+      widen(row, qdtype, d, q.data() + h * d);
+    }
+    attend(w, s, q.data(), latent_cache.data, cache_dtype, tables + w.request * max_blocks, scale,
+           acc.data(), max.data(), sum.data());
+    if (w.partial >= 0) {
+      float* part = partials.data() + w.partial * partial_floats;
+      std::copy(max.begin(), max.end(), part);
+      std::copy(sum.begin(), sum.end(), part + heads);
+      std::copy(acc.begin(), acc.end(), part + 2 * heads);
+      continue;
+    }
+    for (int64_t h = 0; h < heads; ++h) {
+      float* a = acc.data() + h * value_dim;
+      const float inverse = 1.0f / sum[static_cast<size_t>(h)];
+      for (int64_t i = 0; i < value_dim; ++i) a[i] *= inverse;
+      auto* row = static_cast<char*>(out.data) + (w.token * out.strides[0] + h * out.strides[1]) * qelem;
+      narrow(a, qdtype, value_dim, row);
+    }
+  }
+  // The split tokens: their parts' results merged (log-sum-exp over the parts).
+  for (size_t n = 0; n < splits.size(); ++n) {
+    const auto [token, first] = splits[n];
+    const int64_t parts = (n + 1 < splits.size() ? splits[n + 1].second : num_partials) - first;
+    std::vector<float> merged(static_cast<size_t>(value_dim));
+    for (int64_t h = 0; h < heads; ++h) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t k = 0; k < parts; ++k) top = std::max(top, partials[(first + k) * partial_floats + h]);
+      float total = 0.0f;
+      std::fill(merged.begin(), merged.end(), 0.0f);
+      for (int64_t k = 0; k < parts; ++k) {
+        const float* part = partials.data() + (first + k) * partial_floats;
+        const float weight = std::exp(part[h] - top);
+        total += part[heads + h] * weight;
+        const float* a = part + 2 * heads + h * value_dim;
+        for (int64_t i = 0; i < value_dim; ++i) merged[i] += a[i] * weight;
+      }
+      for (float& x : merged) x /= total;
+      auto* row = static_cast<char*>(out.data) + (token * out.strides[0] + h * out.strides[1]) * qelem;
+      narrow(merged.data(), qdtype, value_dim, row);
+    }
+  }
+}
+
+}  // namespace pyengine

@@ -1,0 +1,248 @@
+"""DeepSeek-V2 and V3 (DeepseekV2ForCausalLM, DeepseekV3ForCausalLM): multi-head latent
+attention (MLA) beside a mixture of experts with shared experts.
+
+Attention: a token's keys and values come from one latent vector, the kv_lora_rank
+numbers of `kv_a_proj_with_mqa`'s output RMS-normed (c_kv), beside its last
+qk_rope_head_dim numbers rotated (k_pe, one for every head). The KV cache holds only
+that vector a token and layer (ModelRunner: a latent cache, whole on every rank). The
+queries come from `q_proj`, or through the low rank `q_a_proj`, its norm and `q_b_proj`;
+each head's first qk_nope_head_dim numbers are taken into the latent space by the key
+half of `kv_b_proj` (the absorbed form), its last rotated, and attend over the cached
+latents (layers/latent_attention.py); the output leaves the latent space by the value
+half of `kv_b_proj`, then `o_proj`. Prefill runs the same absorbed form (an expanded one,
+cheaper for long prompts, is not written yet). The rotary pairs are interleaved
+(V3's `rope_interleave`, V2 always); YaRN's mscale_all_dim scales the softmax twice.
+
+Experts: every layer from `first_k_dense_replace` on (every `moe_layer_freq`-th), with
+`n_shared_experts` shared experts as one of their summed size. V2 routes by softmax,
+limited to its top `topk_group` of `n_group` groups (`group_limited_greedy`); V3 by
+sigmoid scores whose choice an `e_score_correction_bias` steers (`noaux_tc`); both scale
+the weights by `routed_scaling_factor`. Float checkpoints only for now (V3's FP8 blocks
+are refused by their quant_method); the latent kernel runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pyengine.config import ModelConfig
+from pyengine.distributed import TensorParallelGroup
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.latent_attention import LatentAttention
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import ColumnParallelLinear, LayerContext, RowParallelLinear
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.llama import MLP, DecoderLayer, LlamaFamilyConfig, _config_from_hf, _Variant
+from pyengine.models.llama_moe import (
+    LlamaMoeForCausalLM,
+    MoeFamilyConfig,
+    SharedNames,
+    sparse_layers,
+)
+from pyengine.models.weights import WeightRouter
+
+
+@dataclass(frozen=True)
+class DeepseekFamilyConfig(MoeFamilyConfig):
+    q_lora_rank: int = 0  # 0: q_proj whole
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    softmax_scale: float = 0.0
+
+    def latent_cache_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+_SHARED = SharedNames("n_shared_experts", "shared_experts", None)
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 0.1 * mscale * math.log(scale) + 1.0 if scale > 1 else 1.0
+
+
+def _deepseek_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    nope, rope = integer(raw["qk_nope_head_dim"]), integer(raw["qk_rope_head_dim"])
+    config = _config_from_hf(raw, common, _Variant())
+    scaling = common.rope_scaling or {}
+    softmax_scale = (nope + rope) ** -0.5
+    if scaling.get("rope_type", scaling.get("type")) == "yarn" and scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        softmax_scale *= m * m
+    v2 = common.architecture == "DeepseekV2ForCausalLM"
+    method = raw.get("topk_method") or ("greedy" if v2 else "noaux_tc")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"topk_method {method!r} is not supported")
+    grouped = method != "greedy"
+    experts = integer(raw.get("n_routed_experts") or raw.get("num_local_experts"))
+    family = DeepseekFamilyConfig(
+        **asdict(config.family_config(LlamaFamilyConfig)),
+        num_experts=experts,
+        top_k=integer(raw["num_experts_per_tok"]),
+        moe_intermediate_size=integer(raw["moe_intermediate_size"]),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=sparse_layers(raw, config.num_layers),
+        shared_intermediate_size=integer(raw.get("n_shared_experts") or 0)
+        * integer(raw["moe_intermediate_size"]),
+        shared=_SHARED if raw.get("n_shared_experts") else None,
+        routing_method="grouped_sigmoid" if method == "noaux_tc" else "grouped_softmax",
+        num_groups=integer(raw.get("n_group") or 1) if grouped else 1,
+        topk_groups=integer(raw.get("topk_group") or 1) if grouped else 1,
+        scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+        choice_bias=method == "noaux_tc",
+        q_lora_rank=integer(raw.get("q_lora_rank") or 0),
+        kv_lora_rank=integer(raw["kv_lora_rank"]),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=integer(raw["v_head_dim"]),
+        rope_interleave=True if v2 else bool(raw.get("rope_interleave", True)),
+        softmax_scale=softmax_scale,
+    )
+    # (the rotary part's size: ModelConfig's head size is what the rotary embedding turns)
+    return replace(config, head_size=rope, family=family)
+
+
+class LatentAttentionLayer(nn.Module):
+    """MLA's projections around LatentAttention: this rank's heads (their q, their part
+    of kv_b_proj and o_proj); the latent's projection whole on every rank."""
+
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str
+    ) -> None:
+        super().__init__()
+        f = c.family_config(DeepseekFamilyConfig)
+        self.nope, self.rope, self.v = f.qk_nope_head_dim, f.qk_rope_head_dim, f.v_head_dim
+        self.rank = f.kv_lora_rank
+        qk = self.nope + self.rope
+        first, self.heads = ctx.tp.split(c.num_heads, "num_attention_heads")
+        whole = replace(ctx, tp=TensorParallelGroup())  # (replicated: every rank the same)
+        bias = f.attention_bias
+        self.q_a_proj: ColumnParallelLinear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        if f.q_lora_rank:
+            self.q_a_proj = ColumnParallelLinear(c.hidden_size, [f.q_lora_rank], bias, whole,
+                                                 [f"{prefix}.q_a_proj.weight"])  # fmt: skip
+            self.q_a_layernorm = RMSNorm(f.q_lora_rank, c.norm_eps)
+        name = "q_b_proj" if f.q_lora_rank else "q_proj"
+        self.q_proj = ColumnParallelLinear(f.q_lora_rank or c.hidden_size, [c.num_heads * qk],
+                                           False, ctx, [f"{prefix}.{name}.weight"])  # fmt: skip
+        self.kv_a_proj_with_mqa = ColumnParallelLinear(
+            c.hidden_size, [self.rank + self.rope], bias, whole,
+            [f"{prefix}.kv_a_proj_with_mqa.weight"],
+        )  # fmt: skip
+        self.kv_a_layernorm = RMSNorm(self.rank, c.norm_eps)
+        # kv_b_proj's rows of this rank's heads, [heads * (nope + v), rank]: its key half
+        # takes the queries into the latent space, its value half the outputs out of it.
+        self.kv_b = nn.Parameter(
+            torch.empty(self.heads * (self.nope + self.v), self.rank, dtype=ctx.placement.dtype),
+            requires_grad=False,
+        )
+        self.kv_b_rows = (first * (self.nope + self.v), c.num_heads * (self.nope + self.v))
+        self.o_proj = RowParallelLinear(c.num_heads * self.v, c.hidden_size, bias, ctx,
+                                        [f"{prefix}.o_proj.weight"])  # fmt: skip
+        self.rotary = rotary
+        self.attn = LatentAttention(self.heads, self.rank, self.rope, f.softmax_scale)
+        self.w_uk = self.w_uv = torch.empty(0)
+
+    def process_weights_after_loading(self) -> None:
+        per_head = self.kv_b.data.view(self.heads, self.nope + self.v, self.rank)
+        self.w_uk = per_head[:, : self.nope].contiguous()  # [heads, nope, rank]
+        self.w_uv = per_head[:, self.nope :].transpose(1, 2).contiguous()  # [heads, rank, v]
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        tokens = x.shape[0]
+        if self.q_a_proj is not None and self.q_a_layernorm is not None:
+            x_q = self.q_a_layernorm(self.q_a_proj(x))
+        else:
+            x_q = x
+        q = self.q_proj(x_q).view(tokens, self.heads, self.nope + self.rope)
+        latent = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(latent[:, : self.rank].contiguous())
+        q_pe = q[..., self.nope :].contiguous()
+        k_pe = latent[:, self.rank :].contiguous().view(tokens, 1, self.rope)
+        self.rotary(positions, q_pe, k_pe)
+        q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)
+        query = torch.cat((q_latent, q_pe), dim=-1)
+        out = self.attn(query, torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1), cache, meta)
+        heads_out = torch.bmm(out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv)  # [heads, T, v]
+        result: torch.Tensor = self.o_proj(heads_out.transpose(0, 1).reshape(tokens, -1))
+        return result
+
+
+class DeepseekDecoderLayer(DecoderLayer):
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> None:
+        nn.Module.__init__(self)
+        prefix = f"model.layers.{index}"
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.self_attn = LatentAttentionLayer(c, rotary, ctx, f"{prefix}.self_attn")  # type: ignore[assignment]
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.mlp = MLP(c, ctx, f"{prefix}.mlp")  # (sparse layers' become experts)
+
+
+class DeepseekForCausalLM(LlamaMoeForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = (
+        "DeepseekV2ForCausalLM",
+        "DeepseekV3ForCausalLM",
+    )
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        return _deepseek_config_from_hf(raw, common)
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
+    ) -> None:
+        ctx = ctx or LayerContext()
+        if config.quantization is not None:
+            raise ValueError(
+                f"DeepSeek with {config.quantization.describe()} weights is not supported yet "
+                "(its latent attention's kv_b_proj is absorbed from float weights)"
+            )
+        if ctx.placement.device.type != "cpu":
+            raise ValueError("DeepSeek's latent attention runs on the CPU only for now")
+        super().__init__(config, max_positions, ctx)
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        family = config.family_config(DeepseekFamilyConfig)
+        rope: RotaryEmbedding | None = self.__dict__.get("_latent_rotary")
+        if rope is None:  # (the rotary part alone, its pairs interleaved where V3 says)
+            cache = rotary.cos_sin_cache
+            rope = RotaryEmbedding(
+                family.qk_rope_head_dim, cache.shape[0], config.rope_theta, config.rope_scaling,
+                cache.device, is_neox=not family.rope_interleave,
+            )  # fmt: skip
+            self.__dict__["_latent_rotary"] = rope
+        return DeepseekDecoderLayer(config, rope, ctx, index)
+
+    def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
+        assert isinstance(attn, LatentAttentionLayer)
+        for name, layer in (("q_a_proj", attn.q_a_proj), ("kv_a_proj_with_mqa",
+                            attn.kv_a_proj_with_mqa), ("o_proj", attn.o_proj)):  # fmt: skip
+            if layer is None:
+                continue
+            router.linear_weight(f"{prefix}.{name}", layer)
+            if layer.bias is not None:
+                router.linear(f"{prefix}.{name}.bias", layer, "bias")
+        q_name = "q_b_proj" if attn.q_a_proj is not None else "q_proj"
+        router.linear_weight(f"{prefix}.{q_name}", attn.q_proj)
+        for name, norm in (("q_a_layernorm", attn.q_a_layernorm),
+                           ("kv_a_layernorm", attn.kv_a_layernorm)):  # fmt: skip
+            if norm is not None:
+                self.route_norm(router, f"{prefix}.{name}.weight", norm)
+        router.shard(f"{prefix}.kv_b_proj.weight", attn.kv_b.data, 0, *attn.kv_b_rows)

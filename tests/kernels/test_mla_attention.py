@@ -1,0 +1,101 @@
+"""The CPU kernel of DeepSeek's multi-head latent attention (the absorbed form) against a
+float64 reference, over random latent caches in shuffled blocks: decode, prefill, a
+chunked prefill on a cached prefix, contexts long enough to split across threads, and
+the three cache dtypes; bad arguments are clear errors."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from pyengine import ops
+
+RANK, ROPE = 64, 16  # (DeepSeek's are 512 and 64)
+
+
+def make(rng: np.random.Generator, seq_lens: list[int], q_lens: list[int], heads: int, bs: int,
+         dtype: torch.dtype):  # type: ignore[no-untyped-def]  # fmt: skip
+    d = RANK + ROPE
+    per = [math.ceil(n / bs) for n in seq_lens]
+    num_blocks = sum(per) + 3
+    ids = rng.permutation(num_blocks)
+    tables = np.full((len(seq_lens), max(per) + 1), 10**6, dtype=np.int32)
+    cache = torch.full((num_blocks, bs, d), float("nan"), dtype=torch.float64)
+    latents, start = [], 0
+    for i, (n, k) in enumerate(zip(seq_lens, per, strict=True)):
+        tables[i, :k] = ids[start : start + k]
+        start += k
+        latent = torch.from_numpy(rng.standard_normal((n, d)))
+        latents.append(latent.to(dtype).double())
+        for p in range(n):
+            cache[tables[i, p // bs], p % bs] = latent[p]
+    qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    query = torch.from_numpy(rng.standard_normal((int(qsl[-1]), heads, d))).to(dtype)
+    return cache.to(dtype), tables, np.array(seq_lens, np.int32), qsl, query, latents
+
+
+def reference(query: torch.Tensor, latents: list[torch.Tensor], seq_lens: np.ndarray,
+              qsl: np.ndarray, scale: float) -> torch.Tensor:  # fmt: skip
+    q = query.double()
+    out = torch.zeros(q.shape[0], q.shape[1], RANK, dtype=torch.float64)
+    for i, latent in enumerate(latents):
+        q_len = int(qsl[i + 1] - qsl[i])
+        for j in range(q_len):
+            t, position = int(qsl[i]) + j, int(seq_lens[i]) - q_len + j
+            keys = latent[: position + 1]
+            weights = torch.softmax(q[t] @ keys.T * scale, dim=-1)
+            out[t] = weights @ keys[:, :RANK]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [([1, 17, 40, 300], [1, 1, 1, 1]), ([5, 33, 64], [5, 33, 64]), ([50, 120, 9], [7, 30, 9]),
+     ([3000], [1]), ([1500, 900], [2, 1])],
+    ids=["decode", "prefill", "chunked", "split", "split2"],
+)  # fmt: skip
+def test_matches_the_float64_reference(dtype: torch.dtype, seq_lens: list[int],
+                                       q_lens: list[int]) -> None:  # fmt: skip
+    rng = np.random.default_rng()
+    cache, tables, lens, qsl, query, latents = make(rng, seq_lens, q_lens, 8, 16, dtype)
+    scale = 0.3 / math.sqrt(RANK + ROPE)
+    out = torch.full((query.shape[0], 8, RANK), float("nan"), dtype=dtype)
+    ops.mla_attention(out, query, cache, torch.from_numpy(tables), torch.from_numpy(lens),
+                      torch.from_numpy(qsl), scale, RANK)  # fmt: skip
+    want = reference(query, latents, lens, qsl, scale)
+    error = ((out.double() - want).abs().max() / want.abs().max()).item()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+def test_float32_queries_over_a_bfloat16_cache() -> None:
+    rng = np.random.default_rng(3)
+    cache, tables, lens, qsl, query, latents = make(rng, [70, 5], [70, 1], 4, 16, torch.bfloat16)
+    query = query.float()
+    out = torch.empty(query.shape[0], 4, RANK)
+    ops.mla_attention(out, query, cache, torch.from_numpy(tables), torch.from_numpy(lens),
+                      torch.from_numpy(qsl), 0.1, RANK)  # fmt: skip
+    want = reference(query, latents, lens, qsl, 0.1)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+
+
+def test_bad_arguments_are_clear_errors() -> None:
+    rng = np.random.default_rng(4)
+    cache, tables, lens, qsl, query, _ = make(rng, [20], [20], 4, 16, torch.float32)
+    out = torch.empty(20, 4, RANK)
+    args = (torch.from_numpy(tables), torch.from_numpy(lens), torch.from_numpy(qsl))
+    with pytest.raises(ValueError, match="value_dim must be in"):
+        ops.mla_attention(out, query, cache, *args, 0.1, RANK + ROPE + 1)
+    with pytest.raises(ValueError, match="query's last dim must be the latent's"):
+        ops.mla_attention(out, query[..., :RANK].contiguous(), cache, *args, 0.1, RANK)
+    with pytest.raises(ValueError, match="out must be"):
+        ops.mla_attention(out[..., :8].contiguous(), query, cache, *args, 0.1, RANK)
+    bad = tables.copy()
+    bad[0, 0] = cache.shape[0]
+    with pytest.raises(ValueError, match=r"block_tables\[0, 0\]"):
+        ops.mla_attention(out, query, cache, torch.from_numpy(bad), *args[1:], 0.1, RANK)
+    with pytest.raises(ValueError, match="query must be float32 or the cache's dtype"):
+        ops.mla_attention(out.half(), query.half(), cache.bfloat16(), *args, 0.1, RANK)
