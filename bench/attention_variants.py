@@ -11,7 +11,13 @@ decode steps), counting the blocks of every group the request holds after its la
 step. A window's memory is flat past the window; full attention's grows with the
 context.
 
+MLA decode: DeepSeek's latent attention kernel (ops.mla_attention, the absorbed form)
+on DeepSeek-V2-Lite's shape (16 heads, a latent of 512 + 64, bfloat16) for one decoding
+token a request, against its bandwidth bound: the latent bytes a step reads over the read
+bandwidth measured in the same run.
+
     python -m bench.attention_variants [--contexts 1024,8192,32768] [--block-size 16]
+                                       [--mla-contexts 4096,16384]
 """
 
 from __future__ import annotations
@@ -20,10 +26,15 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
-from pyengine import KVCacheManager
-from pyengine.worker.kv_layout import KVLayout, KVSpec, plan_kv_layout
+import numpy as np
+import torch
 
-from .common import print_table, report
+from pyengine import KVCacheManager, ops
+from pyengine.worker.kv_layout import KVLayout, KVSpec, plan_kv_layout
+from pyengine.worker.model_runner import allocate_kv_pool
+
+from .attention_cpu import read_bandwidth
+from .common import best_time, print_table, report
 
 
 @dataclass(frozen=True)
@@ -121,16 +132,60 @@ def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
     )
 
 
+MLA_HEADS, MLA_RANK, MLA_ROPE = 16, 512, 64
+
+
+def mla_decode_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
+    bandwidth = read_bandwidth()
+    figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
+    rows = []
+    d, bs = MLA_RANK + MLA_ROPE, args.block_size
+    for batch in (1, 8):
+        for context in args.mla_contexts:
+            per = -(-context // bs)
+            # (in the engine's KV pool memory: huge pages where the OS gives them)
+            cache = allocate_kv_pool(batch * per * bs * d, torch.bfloat16, torch.device("cpu"))
+            cache = cache.view(batch * per, bs, d)
+            cache.copy_(torch.randn(batch * per, bs, d))
+            order = torch.randperm(batch * per, dtype=torch.int32)
+            tables = order.view(batch, per)
+            lens = torch.full((batch,), context, dtype=torch.int32)
+            qsl = torch.arange(batch + 1, dtype=torch.int32)
+            query = torch.randn(batch, MLA_HEADS, d).to(torch.bfloat16)
+            out = torch.empty(batch, MLA_HEADS, MLA_RANK, dtype=torch.bfloat16)
+            seconds = best_time(lambda: ops.mla_attention(
+                out, query, cache, tables, lens, qsl, 0.07, MLA_RANK))  # fmt: skip
+            read = batch * context * d * 2
+            share = read / seconds / bandwidth
+            key = f"b{batch}_ctx{context}"
+            figures[f"mla_decode_ms_{key}"] = round(seconds * 1e3, 3)
+            figures[f"mla_decode_bandwidth_share_{key}"] = round(share, 3)
+            rows.append((f"{batch}", f"{context:,}", f"{read / 2**20:.1f}",
+                         f"{seconds * 1e3:.3f}", f"{read / seconds / 1e9:.1f}", f"{share:.0%}"))  # fmt: skip
+    figures["target_mla_decode_70pct_bandwidth"] = bool(
+        np.mean([v for k, v in figures.items() if k.startswith("mla_decode_bandwidth_share")])
+        >= 0.7
+    )
+    print(f"\nMLA decode attention (DeepSeek-V2-Lite: {MLA_HEADS} heads, latent {MLA_RANK} + "
+          f"{MLA_ROPE}, bfloat16; read bandwidth {bandwidth / 1e9:.1f} GB/s, "
+          f"{torch.get_num_threads()} threads)")  # fmt: skip
+    return print_table(
+        ("requests", "context", "latent MiB read", "ms", "GB/s", "of the bound"), rows
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--decode", type=int, default=16, help="decode steps at the end")
+    parser.add_argument("--mla-contexts", default="4096,16384")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.mla_contexts = [int(c) for c in args.mla_contexts.split(",")]
     figures: dict[str, Any] = {}
-    tables = [memory_table(args, figures)]
+    tables = [memory_table(args, figures), mla_decode_table(args, figures)]
     report("attention_variants", figures, tables=tables)
 
 

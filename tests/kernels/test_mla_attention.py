@@ -1,19 +1,31 @@
 """The CPU kernel of DeepSeek's multi-head latent attention (the absorbed form) against a
 float64 reference, over random latent caches in shuffled blocks: decode, prefill, a
 chunked prefill on a cached prefix, contexts long enough to split across threads, and
-the three cache dtypes; bad arguments are clear errors."""
+the three cache dtypes, in each of its builds (the portable loop; AMX's tile unit for
+bfloat16, where the CPU has it); bad arguments are clear errors."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+from helpers.dense_isa import AMX, pin_dense_isa, unpin_dense_isa
 
 from pyengine import ops
 
-RANK, ROPE = 64, 16  # (DeepSeek's are 512 and 64)
+RANK, ROPE = 64, 32  # (DeepSeek's are 512 and 64: the tiles take multiples of 32 and 16)
+
+
+@pytest.fixture(params=["generic"] + (["amx"] if AMX else []))
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The portable build, and AMX's tiles (bfloat16 queries and cache) where the CPU has
+    them."""
+    pin_dense_isa(request.param)
+    yield request.param
+    unpin_dense_isa()
 
 
 def make(rng: np.random.Generator, seq_lens: list[int], q_lens: list[int], heads: int, bs: int,
@@ -58,7 +70,7 @@ def reference(query: torch.Tensor, latents: list[torch.Tensor], seq_lens: np.nda
      ([3000], [1]), ([1500, 900], [2, 1])],
     ids=["decode", "prefill", "chunked", "split", "split2"],
 )  # fmt: skip
-def test_matches_the_float64_reference(dtype: torch.dtype, seq_lens: list[int],
+def test_matches_the_float64_reference(isa: str, dtype: torch.dtype, seq_lens: list[int],
                                        q_lens: list[int]) -> None:  # fmt: skip
     rng = np.random.default_rng()
     cache, tables, lens, qsl, query, latents = make(rng, seq_lens, q_lens, 8, 16, dtype)

@@ -15,7 +15,9 @@
 #include <utility>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "float_convert.h"
+#include "mla_amx.h"
 #include "pyengine/errors.h"
 #include "tensor_checks.h"
 
@@ -230,21 +232,33 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   const int64_t partial_floats = heads * (value_dim + 2);
   std::vector<float> partials(static_cast<size_t>(num_partials * partial_floats));
   const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
+  // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit.
+  const detail::MlaTile tile{heads, d, value_dim, bs};
+  const bool on_tiles = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16 &&
+                        detail::mla_amx_fits(tile);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t n = 0; n < items.size(); ++n) {
     const Item& w = items[n];
     thread_local std::vector<float> q, acc, max, sum;
-    q.resize(static_cast<size_t>(heads * d));
     acc.resize(static_cast<size_t>(heads * value_dim));
     max.resize(static_cast<size_t>(heads));
     sum.resize(static_cast<size_t>(heads));
-    for (int64_t h = 0; h < heads; ++h) {
-      const auto* row = static_cast<const char*>(query.data) +
-                        (w.token * query.strides[0] + h * query.strides[1]) * qelem;
-      widen(row, qdtype, d, q.data() + h * d);
+    const int32_t* table = tables + w.request * max_blocks;
+    if (on_tiles) {
+      const detail::AmxTiles tiles;
+      const auto* qrow = static_cast<const uint16_t*>(query.data) + w.token * query.strides[0];
+      detail::attend_amx(tile, qrow, static_cast<const uint16_t*>(latent_cache.data), table,
+                         w.begin, w.end, scale, acc.data(), max.data(), sum.data());
+    } else {
+      q.resize(static_cast<size_t>(heads * d));
+      for (int64_t h = 0; h < heads; ++h) {
+        const auto* row = static_cast<const char*>(query.data) +
+                          (w.token * query.strides[0] + h * query.strides[1]) * qelem;
+        widen(row, qdtype, d, q.data() + h * d);
+      }
+      attend(w, s, q.data(), latent_cache.data, cache_dtype, table, scale, acc.data(), max.data(),
+             sum.data());
     }
-    attend(w, s, q.data(), latent_cache.data, cache_dtype, tables + w.request * max_blocks, scale,
-           acc.data(), max.data(), sum.data());
     if (w.partial >= 0) {
       float* part = partials.data() + w.partial * partial_floats;
       std::copy(max.begin(), max.end(), part);
