@@ -135,33 +135,40 @@ def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
 MLA_HEADS, MLA_RANK, MLA_ROPE = 16, 512, 64
 
 
+def mla_decode_seconds(batch: int, context: int, bs: int) -> float:
+    """The best time of one decoding token a request over `context` latents each, in
+    the engine's KV pool memory (huge pages where the OS gives them), blocks shuffled."""
+    d, per = MLA_RANK + MLA_ROPE, -(-context // bs)
+    cache = allocate_kv_pool(batch * per * bs * d, torch.bfloat16, torch.device("cpu"))
+    cache = cache.view(batch * per, bs, d)
+    cache.copy_(torch.randn(batch * per, bs, d))
+    tables = torch.randperm(batch * per, dtype=torch.int32).view(batch, per)
+    lens = torch.full((batch,), context, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    query = torch.randn(batch, MLA_HEADS, d).to(torch.bfloat16)
+    out = torch.empty(batch, MLA_HEADS, MLA_RANK, dtype=torch.bfloat16)
+    return best_time(
+        lambda: ops.mla_attention(out, query, cache, tables, lens, qsl, 0.07, MLA_RANK)
+    )
+
+
 def mla_decode_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
     bandwidth = read_bandwidth()
     figures["read_bandwidth_gb_s"] = round(bandwidth / 1e9, 2)
     rows = []
-    d, bs = MLA_RANK + MLA_ROPE, args.block_size
+    d = MLA_RANK + MLA_ROPE
     for batch in (1, 8):
         for context in args.mla_contexts:
-            per = -(-context // bs)
-            # (in the engine's KV pool memory: huge pages where the OS gives them)
-            cache = allocate_kv_pool(batch * per * bs * d, torch.bfloat16, torch.device("cpu"))
-            cache = cache.view(batch * per, bs, d)
-            cache.copy_(torch.randn(batch * per, bs, d))
-            order = torch.randperm(batch * per, dtype=torch.int32)
-            tables = order.view(batch, per)
-            lens = torch.full((batch,), context, dtype=torch.int32)
-            qsl = torch.arange(batch + 1, dtype=torch.int32)
-            query = torch.randn(batch, MLA_HEADS, d).to(torch.bfloat16)
-            out = torch.empty(batch, MLA_HEADS, MLA_RANK, dtype=torch.bfloat16)
-            seconds = best_time(lambda: ops.mla_attention(
-                out, query, cache, tables, lens, qsl, 0.07, MLA_RANK))  # fmt: skip
+            seconds = mla_decode_seconds(batch, context, args.block_size)
             read = batch * context * d * 2
             share = read / seconds / bandwidth
             key = f"b{batch}_ctx{context}"
             figures[f"mla_decode_ms_{key}"] = round(seconds * 1e3, 3)
             figures[f"mla_decode_bandwidth_share_{key}"] = round(share, 3)
-            rows.append((f"{batch}", f"{context:,}", f"{read / 2**20:.1f}",
-                         f"{seconds * 1e3:.3f}", f"{read / seconds / 1e9:.1f}", f"{share:.0%}"))  # fmt: skip
+            rows.append((
+                f"{batch}", f"{context:,}", f"{read / 2**20:.1f}", f"{seconds * 1e3:.3f}",
+                f"{read / seconds / 1e9:.1f}", f"{share:.0%}",
+            ))  # fmt: skip
     figures["target_mla_decode_70pct_bandwidth"] = bool(
         np.mean([v for k, v in figures.items() if k.startswith("mla_decode_bandwidth_share")])
         >= 0.7
