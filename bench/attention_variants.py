@@ -16,14 +16,28 @@ on DeepSeek-V2-Lite's shape (16 heads, a latent of 512 + 64, bfloat16) for one d
 token a request, against its bandwidth bound: the latent bytes a step reads over the read
 bandwidth measured in the same run.
 
+Engines (--engines): dummy-weight models of Gemma-3-1B's and DeepSeek-V2-Lite's shapes
+(bench/variant_checkpoints.py: SmolLM2's vocabulary; DeepSeek-V2-Lite's first
+--deepseek-layers layers), each engine in a process of its own: offline, --num-prompts
+prompts of --min-len to --max-len random tokens and --output-len greedy tokens each,
+through pyengine and vLLM's CPU build (--vllm-python) at their defaults (bfloat16), and
+transformers' generate in bfloat16 on random weights (--transformers); one stream of
+--stream-len tokens after a --stream-prompt-len-token prompt through each server.
+
     python -m bench.attention_variants [--contexts 1024,8192,32768] [--block-size 16]
-                                       [--mla-contexts 4096,16384]
+                                       [--mla-contexts 4096,16384] [--engines]
+                                       [--vllm-python PY] [--transformers]
+                                       [--deepseek-layers 4] [--num-prompts 32]
+                                       [--min-len 64] [--max-len 512] [--output-len 128]
+                                       [--stream-prompt-len 16384] [--stream-len 64]
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -34,7 +48,11 @@ from pyengine.worker.kv_layout import KVLayout, KVSpec, plan_kv_layout
 from pyengine.worker.model_runner import allocate_kv_pool
 
 from .attention_cpu import read_bandwidth
-from .common import best_time, print_table, report
+from .checkpoints import default_model_folders
+from .common import add_workload_arguments, best_time, print_table, report
+from .cpu_peers import Model, offline, one_stream, pyengine_server, vllm_server
+from .throughput import run_hf
+from .variant_checkpoints import GEMMA3_1B, deepseek_v2_lite, variant_folder
 
 
 @dataclass(frozen=True)
@@ -181,18 +199,103 @@ def mla_decode_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
     )
 
 
+def transformers_offline(folder: Path, prompts: list[list[int]], args: argparse.Namespace) -> float:
+    """transformers' generate in bfloat16 on random weights (batches of 32): tokens/s."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)  # type: ignore[no-untyped-call]
+    seconds = min(run_hf(hf.eval(), prompts, args.output_len, 32) for _ in range(args.rounds))
+    return float(len(prompts) * args.output_len / seconds)
+
+
+def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str]:
+    tokenizer = default_model_folders(args.cache)["float32"]
+    shapes = {
+        "Gemma-3-1B": variant_folder("gemma-3-1b", GEMMA3_1B, tokenizer, args.cache),
+        f"DeepSeek-V2-Lite ({args.deepseek_layers} layers)": variant_folder(
+            f"deepseek-v2-lite-{args.deepseek_layers}", deepseek_v2_lite(args.deepseek_layers),
+            tokenizer, args.cache,
+        ),
+    }  # fmt: skip
+    rng = np.random.default_rng(args.seed)
+    lengths = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
+    prompts = [rng.integers(100, 49152 - 100, n).tolist() for n in lengths]
+    stream_prompt = rng.integers(100, 49152 - 100, args.stream_prompt_len).tolist()
+    offline_rows, stream_rows = [], []
+    for name, folder in shapes.items():
+        key = name.split()[0].lower().replace("-", "_").replace(".", "")
+        model = Model(name, folder, "dummy", None, 0)
+        runs = {"pyengine": offline(sys.executable, "pyengine", model, "auto", prompts, args)}
+        print(f"{name} pyengine offline: {runs['pyengine']}", flush=True)
+        if args.vllm_python:
+            try:
+                runs["vLLM"] = offline(args.vllm_python, "vllm", model, "auto", prompts, args)
+                print(f"{name} vLLM offline: {runs['vLLM']}", flush=True)
+            except RuntimeError as error:  # (its CPU build may not run the architecture)
+                print(f"{name} vLLM offline failed: {str(error)[-600:]}", flush=True)
+                figures[f"vllm_failed_{key}"] = str(error)[-300:]
+        if args.transformers:
+            tok_s = transformers_offline(folder, prompts, args)
+            runs["transformers"] = {"generated_tok_s": tok_s}
+            print(f"{name} transformers offline: {tok_s:.1f} tok/s", flush=True)
+        ours = runs["pyengine"]["generated_tok_s"]
+        for engine, r in runs.items():
+            ratio = ours / r["generated_tok_s"]
+            if engine != "pyengine":
+                figures[f"speedup_vs_{engine.lower()}_offline_{key}"] = round(ratio, 2)
+            offline_rows.append((name, engine, f"{r['generated_tok_s']:.1f}", f"{ratio:.2f}"))
+        streams = {}
+        command, port = pyengine_server(model, "auto", args)
+        streams["pyengine"] = one_stream(command, {}, port, stream_prompt, args, "pyengine")
+        print(f"{name} pyengine stream: {streams['pyengine']}", flush=True)
+        if args.vllm_python and "vLLM" in runs:
+            env = {"VLLM_CPU_KVCACHE_SPACE": str(int(args.kv_cache_gib))}
+            command, port = vllm_server(model, args)
+            streams["vLLM"] = one_stream(command, env, port, stream_prompt, args, "vLLM")
+            print(f"{name} vLLM stream: {streams['vLLM']}", flush=True)
+        for engine, r in streams.items():
+            ratio = streams["pyengine"]["decode_tok_s"] / r["decode_tok_s"]
+            if engine != "pyengine":
+                figures[f"speedup_vs_{engine.lower()}_stream_{key}"] = round(ratio, 2)
+            stream_rows.append((name, engine, f"{r['decode_tok_s']:.1f}", f"{ratio:.2f}",
+                                f"{r['ttft_s']:.1f}", f"{r['resident_mib']:.0f}"))  # fmt: skip
+        figures[f"engines_{key}"] = {"offline": runs, "stream": streams}
+    print(f"\nOffline: {args.num_prompts} prompts of {args.min_len}-{args.max_len} tokens, "
+          f"{args.output_len} greedy tokens each (dummy weights, bfloat16)")  # fmt: skip
+    t1 = print_table(("model shape", "engine", "generated tok/s", "pyengine / it"),
+                     offline_rows, 2)  # fmt: skip
+    print(f"\nOne stream: {args.stream_len} tokens after a {args.stream_prompt_len}-token "
+          "prompt")  # fmt: skip
+    t2 = print_table(("model shape", "server", "decode tok/s", "pyengine / it", "TTFT (s)",
+                      "resident MiB"), stream_rows, 2)  # fmt: skip
+    return [t1, t2]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = add_workload_arguments(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--contexts", default="1024,8192,32768")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--decode", type=int, default=16, help="decode steps at the end")
     parser.add_argument("--mla-contexts", default="4096,16384")
+    parser.add_argument("--engines", action="store_true", help="the models end to end")
+    parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build")
+    parser.add_argument("--transformers", action="store_true")
+    parser.add_argument("--deepseek-layers", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--stream-prompt-len", type=int, default=16384)
+    parser.add_argument("--stream-len", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=17408)
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--cache", type=Path, default=Path.home() / ".cache/pyengine-bench")
     args = parser.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.mla_contexts = [int(c) for c in args.mla_contexts.split(",")]
     figures: dict[str, Any] = {}
     tables = [memory_table(args, figures), mla_decode_table(args, figures)]
+    if args.engines:
+        tables += engine_tables(args, figures)
     report("attention_variants", figures, tables=tables)
 
 
