@@ -332,13 +332,18 @@ void silu_and_mul_row(const float* __restrict gate, const float* __restrict up,
   for (int64_t i = 0; i < n; ++i) out[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
 }
 
-// gelu(gate) * up, gelu's tanh approximation (torch's approximate="tanh").
+// gelu(gate) * up, gelu's tanh approximation (torch's approximate="tanh"). tanh(u) is
+// taken as 1 - 2 / (exp(2u) + 1) through the branch-free exp, so that the loop
+// vectorizes (libm's tanhf, a call an element, took a third of a Gemma step).
+PYENGINE_VECTOR_CLONES
 void gelu_tanh_and_mul_row(const float* __restrict gate, const float* __restrict up,
                            float* __restrict out, int64_t n) {
   constexpr float kSqrt2OverPi = 0.7978845608028654f, kCubic = 0.044715f;
   for (int64_t i = 0; i < n; ++i) {
     const float g = gate[i];
-    out[i] = 0.5f * g * (1.0f + std::tanh(kSqrt2OverPi * (g + kCubic * g * g * g))) * up[i];
+    const float u = kSqrt2OverPi * (g + kCubic * g * g * g);
+    const float tanh_u = 1.0f - 2.0f / (exp_clamped(2.0f * u) + 1.0f);
+    out[i] = 0.5f * g * (1.0f + tanh_u) * up[i];
   }
 }
 
