@@ -190,6 +190,27 @@ HEADLINES = (
         "x",
     ),
     Headline(
+        "attention_variants",
+        "hybrid KV cache: a Gemma-3-1B-shaped request's KV bytes at 32k tokens, all-full "
+        "attention's over the hybrid cache's",
+        figure("kv_saving_gemma_3_1b_32768"),
+        "x",
+    ),
+    Headline(
+        "attention_variants",
+        "CPU offline generated tokens/s against vLLM's CPU build, least of Gemma-3-1B's and "
+        "DeepSeek-V2-Lite's shapes (dummy weights)",
+        smallest("speedup_vs_vllm_offline_"),
+        "x",
+    ),
+    Headline(
+        "attention_variants",
+        "MLA decode attention (DeepSeek-V2-Lite's shape, bfloat16), least share of its "
+        "bandwidth bound",
+        as_percent(smallest("mla_decode_bandwidth_share_")),
+        "%",
+    ),
+    Headline(
         "quantized",
         "CPU single-stream decode (streamed), int8 activations as llama.cpp's, against "
         "llama.cpp's server, slowest of Q4_0/Q4_1/Q8_0",
