@@ -44,6 +44,7 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
+from pyengine.models.llama_moe import refuse_adapters
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -119,8 +120,7 @@ class GptOssForCausalLM(LlamaForCausalLM):
     def __init__(
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
-        if ctx is not None and ctx.adapters:
-            raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        refuse_adapters(ctx)
         super().__init__(config, max_positions, ctx)
 
     def make_layer(

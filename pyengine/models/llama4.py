@@ -50,7 +50,7 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
-from pyengine.models.llama_moe import MoeFamilyConfig
+from pyengine.models.llama_moe import MoeFamilyConfig, refuse_adapters
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -183,8 +183,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
     def __init__(
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
-        if ctx is not None and ctx.adapters:
-            raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        refuse_adapters(ctx)
         if config.quantization is not None:
             raise ValueError(
                 f"Llama 4 with {config.quantization.describe()} weights is not supported yet "

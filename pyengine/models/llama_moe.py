@@ -228,6 +228,12 @@ _GGUF_ARCHITECTURES = tuple(
 )  # fmt: skip
 
 
+def refuse_adapters(ctx: LayerContext | None) -> None:
+    """LoRA adapters on mixture-of-experts layers: refused by name, at start."""
+    if ctx is not None and ctx.adapters:
+        raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+
+
 class LlamaMoeForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = tuple(_MOE_VARIANTS)
     gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
@@ -264,8 +270,7 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         ctx = ctx or LayerContext()
-        if ctx.adapters:
-            raise ValueError("LoRA adapters on mixture-of-experts layers are not supported")
+        refuse_adapters(ctx)
         super().__init__(config, max_positions, ctx)
         moe = config.family_config(MoeFamilyConfig)
         routing = moe.routing()

@@ -118,3 +118,21 @@ def assert_preemption_keeps_tokens(
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
     assert llm.llm_engine.scheduler.stats().num_preemptions > 0
     return llm  # (the LLM, for a caller's further checks)
+
+
+def assert_ranks_give_one_ranks_tokens(
+    folder: Any, engine: dict[str, Any], layouts: list[dict[str, Any]]
+) -> None:
+    """Greedy tokens of two prompts at one rank, then under each of `layouts` (engine
+    options: tensor_parallel_size, enable_expert_parallel...), all the same."""
+    from pyengine import LLM, SamplingParams
+
+    prompts = [list(range(3, 60)), [9, 8, 7]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    runs = []
+    for options in [{}, *layouts]:
+        llm = LLM(str(folder), **{**engine, **options})
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        runs.append([o.outputs[0].token_ids for o in outs])
+        llm.llm_engine.shutdown()
+    assert all(run == runs[0] for run in runs[1:])

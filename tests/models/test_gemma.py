@@ -15,7 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_preemption_keeps_tokens, hf_greedy, prefill_logits
+from helpers.hf_reference import (
+    assert_preemption_keeps_tokens,
+    assert_ranks_give_one_ranks_tokens,
+    hf_greedy,
+    prefill_logits,
+)
 
 from pyengine import LLM, SamplingParams
 from pyengine.worker.kv_layout import plan_kv_layout
@@ -123,15 +128,7 @@ def test_every_kv_cache_feature_keeps_the_tokens_over_windows(gemma) -> None:  #
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(gemma) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = gemma
-    prompts = [list(range(3, 60)), [9, 8, 7]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outs])
-        llm.llm_engine.shutdown()
-    assert runs[0] == runs[1]
+    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
 
 
 def test_what_it_cannot_run_is_refused_by_name(gemma, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

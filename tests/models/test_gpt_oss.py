@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_preemption_keeps_tokens, hf_greedy, prefill_logits
+from helpers.hf_reference import (
+    assert_preemption_keeps_tokens,
+    assert_ranks_give_one_ranks_tokens,
+    hf_greedy,
+    prefill_logits,
+)
 
 from pyengine import LLM, SamplingParams
 
@@ -73,16 +78,9 @@ def test_two_ranks_give_one_ranks_tokens(gpt_oss) -> None:  # type: ignore[no-un
     """The heads and their sinks split, the experts split by size (48 into 24s) or placed
     whole (4 of 8 each); the down biases added once."""
     folder, _ = gpt_oss
-    prompts = [list(range(3, 60)), [9, 8, 7]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    runs = []
-    for options in ({}, {"tensor_parallel_size": 2},
-                    {"tensor_parallel_size": 2, "enable_expert_parallel": True}):  # fmt: skip
-        llm = LLM(str(folder), **{**ENGINE, **options})
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outs])
-        llm.llm_engine.shutdown()
-    assert runs[1] == runs[0] and runs[2] == runs[0]
+    layouts = [{"tensor_parallel_size": 2},
+               {"tensor_parallel_size": 2, "enable_expert_parallel": True}]  # fmt: skip
+    assert_ranks_give_one_ranks_tokens(folder, ENGINE, layouts)
 
 
 def test_mxfp4_checkpoints_and_adapters_are_refused_by_name(gpt_oss, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -12,7 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_preemption_keeps_tokens, hf_greedy, prefill_logits
+from helpers.hf_reference import (
+    assert_preemption_keeps_tokens,
+    assert_ranks_give_one_ranks_tokens,
+    hf_greedy,
+    prefill_logits,
+)
 
 from pyengine import LLM, SamplingParams
 
@@ -75,12 +80,4 @@ def test_preemption_keeps_the_tokens(llama4) -> None:  # type: ignore[no-untyped
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(llama4) -> None:  # type: ignore[no-untyped-def]
     folder, _ = llama4
-    prompts = [list(range(3, 60)), [9, 8, 7]]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(str(folder), tensor_parallel_size=tp, **ENGINE)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-        runs.append([o.outputs[0].token_ids for o in outs])
-        llm.llm_engine.shutdown()
-    assert runs[0] == runs[1]
+    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])

@@ -100,7 +100,12 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         ({**TINY_QWEN2, "rope_theta": float("nan")}, "rope_theta must be a positive number"),
         ({**TINY_QWEN2, "rope_scaling": {"rope_type": "linear", "factor": 0}}, "positive numbers"),
         ({**TINY_QWEN2, "rope_scaling": [1]}, "rope_scaling \\[1\\] is not supported"),
-        ({**TINY_QWEN2, "rope_scaling": {"rope_type": "longrope", "factor": 4}}, "not supported"),
+        ({**TINY_QWEN2, "rope_scaling": {"rope_type": "dynamic", "factor": 4}}, "not supported"),
+        # (LongRoPE without its original context or factors)
+        (
+            {**TINY_QWEN2, "rope_scaling": {"rope_type": "longrope", "factor": 4}},
+            "'longrope' needs positive numbers",
+        ),
         (
             {**TINY_QWEN2, "rope_scaling": {"rope_type": "yarn", "factor": 4}},
             "rope_scaling 'yarn' needs positive numbers",
