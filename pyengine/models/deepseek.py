@@ -216,19 +216,19 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
             raise ValueError("DeepSeek's latent attention runs on the CPU only for now")
         super().__init__(config, max_positions, ctx)
 
+    def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The rotary part of each head alone (the config's head size), its pairs
+        interleaved where V3's rope_interleave says (V2's always are)."""
+        family = config.family_config(DeepseekFamilyConfig)
+        return RotaryEmbedding(
+            config.head_size, max_positions, config.rope_theta, config.rope_scaling,
+            self.placement.device, is_neox=not family.rope_interleave,
+        )  # fmt: skip
+
     def make_layer(
         self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
     ) -> nn.Module:
-        family = config.family_config(DeepseekFamilyConfig)
-        rope: RotaryEmbedding | None = self.__dict__.get("_latent_rotary")
-        if rope is None:  # (the rotary part alone, its pairs interleaved where V3 says)
-            cache = rotary.cos_sin_cache
-            rope = RotaryEmbedding(
-                family.qk_rope_head_dim, cache.shape[0], config.rope_theta, config.rope_scaling,
-                cache.device, is_neox=not family.rope_interleave,
-            )  # fmt: skip
-            self.__dict__["_latent_rotary"] = rope
-        return DeepseekDecoderLayer(config, rope, ctx, index)
+        return DeepseekDecoderLayer(config, rotary, ctx, index)
 
     def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
         assert isinstance(attn, LatentAttentionLayer)

@@ -342,13 +342,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.placement = ctx.placement
         self.stage = ctx.pp
-        rotary = RotaryEmbedding(
-            config.head_size,
-            max_positions,
-            config.rope_theta,
-            config.rope_scaling,
-            self.placement.device,
-        )
+        rotary = self.make_rotary(config, max_positions)
         # A pipeline stage holds its layers only: the first the embedding, the last the
         # final norm and the head (other layers are placeholders, so indices stay).
         self.start_layer, self.end_layer = self.stage.layer_range(config.num_layers)
@@ -374,6 +368,14 @@ class LlamaForCausalLM(nn.Module):
             config.tie_word_embeddings,
         )  # fmt: skip
         self.num_parameters = 0
+
+    def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """The layers' rotary embedding: rotate-half pairs over the head (a family that
+        turns other pairs or another size overrides it)."""
+        return RotaryEmbedding(
+            config.head_size, max_positions, config.rope_theta, config.rope_scaling,
+            self.placement.device,
+        )  # fmt: skip
 
     def make_layer(
         self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int

@@ -191,22 +191,17 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             )
         super().__init__(config, max_positions, ctx)
 
+    def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """Interleaved pairs (2i, 2i + 1), as Llama 4 turns them."""
+        return RotaryEmbedding(
+            config.head_size, max_positions, config.rope_theta, config.rope_scaling,
+            self.placement.device, is_neox=False,
+        )  # fmt: skip
+
     def make_layer(
         self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
     ) -> nn.Module:
-        return Llama4DecoderLayer(config, self.interleaved_rotary(config, rotary), ctx, index)
-
-    def interleaved_rotary(self, config: ModelConfig, rotary: RotaryEmbedding) -> RotaryEmbedding:
-        """The model's rotary embedding in the interleaved form (made once)."""
-        interleaved: RotaryEmbedding | None = self.__dict__.get("_interleaved_rotary")
-        if interleaved is None:
-            cache = rotary.cos_sin_cache
-            interleaved = RotaryEmbedding(
-                config.head_size, cache.shape[0], config.rope_theta, config.rope_scaling,
-                cache.device, is_neox=False,
-            )  # fmt: skip
-            self.__dict__["_interleaved_rotary"] = interleaved
-        return interleaved
+        return Llama4DecoderLayer(config, rotary, ctx, index)
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
         module = f"{prefix.removesuffix('.mlp')}.feed_forward"

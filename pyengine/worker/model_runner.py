@@ -153,7 +153,7 @@ class ModelRunner:
         self.tp = tp or TensorParallelGroup()
         self.pp = pp or PipelineStage()
         # This rank's share of the kv heads and of the layers: its cache holds only those.
-        _, self.num_kv_heads = (0, 1) if latent else self.tp.kv_head_shard(c.num_kv_heads)
+        self.num_kv_heads = 1 if latent else self.tp.kv_head_shard(c.num_kv_heads)[1]
         start, end = self.pp.layer_range(c.num_layers)
         self.num_layers = end - start
         # The model's KV-cache groups, and the page slots of a block this stage's layers
