@@ -82,6 +82,10 @@ class ComputedBlocks:
     @property
     def num_host_tokens(self) -> int: ...
 
+def kv_max_blocks_held(
+    kv_groups: list[tuple[str, int]], block_size: int, num_tokens: int, max_step_tokens: int
+) -> int: ...
+
 class KVCacheManager:
     def __init__(
         self,

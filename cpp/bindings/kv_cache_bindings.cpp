@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "core/request_replay.h"
+#include "pyengine/errors.h"
 #include "pyengine/kv_cache_manager.h"
 #include "token_ids.h"
 
@@ -101,6 +102,17 @@ void bind_pool(py::module_& m) {
 }
 
 void bind_manager(py::module_& m) {
+  m.def(
+      "kv_max_blocks_held",
+      [](const std::vector<std::pair<std::string, int>>& groups, int block_size,
+         int64_t num_tokens, int64_t max_step_tokens) {
+        check_argument(block_size > 0, "kv_max_blocks_held: block_size must be positive");
+        return max_blocks_held(kv_groups(groups), block_size, num_tokens, max_step_tokens);
+      },
+      py::arg("kv_groups"), py::arg("block_size"), py::arg("num_tokens"),
+      py::arg("max_step_tokens"),
+      "The most blocks of all KV-cache groups one request holds at once (kv_group.h).");
+
   py::class_<GroupHit>(m, "GroupHit", "One KV-cache group's part of a prefix hit.")
       .def_readonly("first_block", &GroupHit::first_block)
       .def_readonly("block_ids", &GroupHit::block_ids)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pyengine import _C
 from pyengine.layers.attention import PagedAttention
 from pyengine.layers.latent_attention import LatentAttention
 
@@ -44,14 +45,9 @@ class KVLayout:
 
     def max_blocks_held(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
         """The most blocks of all groups one request of `num_tokens` tokens holds at once
-        (the KV-cache manager's bound, KVCacheManager::max_blocks_held): a full group all
+        (the scheduler's admission bound, kv_group.h's max_blocks_held): a full group all
         of its blocks; a window's group those its step's queries may read."""
-        every = -(-num_tokens // block_size)
-        bounded = [
-            min(every, -(-(size + max_step_tokens) // block_size) + 1) if kind != "full" else every
-            for kind, size in self.groups
-        ]
-        return sum(bounded)
+        return _C.kv_max_blocks_held(list(self.groups), block_size, num_tokens, max_step_tokens)
 
 
 def plan_kv_layout(specs: list[KVSpec]) -> KVLayout:

@@ -124,7 +124,8 @@ class KVCacheManager {
   int block_size() const { return config_.block_size; }
   int num_groups() const { return static_cast<int>(config_.groups.size()); }
   // The most blocks of all groups a request of `num_tokens` tokens holds at once, where
-  // no allocation schedules more than `max_step_tokens` tokens (drafts included).
+  // no allocation schedules more than `max_step_tokens` tokens (drafts included; see
+  // kv_group.h).
   int64_t max_blocks_held(int64_t num_tokens, int64_t max_step_tokens) const;
   int num_free_blocks() const { return pool_.num_free_blocks(); }
   bool has_request(const RequestId& id) const { return request_slots_.count(id) > 0; }

@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <span>
 #include <string>
 
 namespace pyengine {
@@ -51,6 +52,13 @@ struct KVGroupSpec {
 // The most groups a manager takes (a plan of an allocation keeps one entry per group
 // on the stack).
 inline constexpr int kMaxKVGroups = 32;
+
+// The most blocks of all `groups` one request of `num_tokens` tokens holds at once,
+// where no allocation schedules more than `max_step_tokens` tokens (drafts included): a
+// full group all of its blocks, a window's those its step's queries may read. What the
+// scheduler admits by, and the model runner sizes its smallest pool by.
+int64_t max_blocks_held(std::span<const KVGroupSpec> groups, int block_size, int64_t num_tokens,
+                        int64_t max_step_tokens);
 
 // "full", "sliding" or "chunked" (as the Python bindings spell them).
 KVGroupKind parse_kv_group_kind(const std::string& name);

@@ -42,16 +42,7 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config)
 }
 
 int64_t KVCacheManager::max_blocks_held(int64_t num_tokens, int64_t max_step_tokens) const {
-  const int64_t size = block_size();
-  const int64_t all = (num_tokens + size - 1) / size;
-  int64_t total = 0;
-  for (const KVGroupSpec& spec : config_.groups) {
-    // A step's queries from F on need the blocks from first_visible(F), which is at
-    // most spec.size - 1 positions back, up to F + max_step_tokens.
-    const int64_t bounded = (spec.size + max_step_tokens + size - 1) / size + 1;
-    total += spec.kind == KVGroupKind::kFull ? all : std::min(all, bounded);
-  }
-  return total;
+  return pyengine::max_blocks_held(config_.groups, block_size(), num_tokens, max_step_tokens);
 }
 
 size_t KVCacheManager::slot_of(const RequestId& id) const {
