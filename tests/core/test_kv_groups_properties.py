@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from helpers.attention import first_visible as first_of
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -41,12 +42,9 @@ Slot = tuple[int, str, tuple[int, ...]]  # (group, cache salt, prefix tokens)
 
 
 def first_visible(group: tuple[str, int], position: int) -> int:
+    """The first position a query at `position` sees in a group of this kind."""
     kind, size = group
-    if kind == "sliding":
-        return max(0, position - size + 1)
-    if kind == "chunked":
-        return position - position % size
-    return 0
+    return first_of(position, size if kind == "sliding" else 0, size if kind == "chunked" else 0)
 
 
 class KVGroupsMachine(RuleBasedStateMachine):

@@ -22,6 +22,13 @@ class Case:
     num_blocks: int
 
 
+def first_visible(position: int, window: int = 0, chunk: int = 0) -> int:
+    """The first position a query at `position` sees: within its window and its chunk
+    (0: none of either)."""
+    first = max(0, position - window + 1) if window > 0 else 0
+    return max(first, position - position % chunk) if chunk > 0 else first
+
+
 def make_case(
     rng: np.random.Generator,
     seq_lens: list[int],
@@ -100,9 +107,7 @@ def reference(
         seq_len = int(case.seq_lens[i])
         for j, token in enumerate(range(first, last)):
             position = seq_len - (last - first) + j
-            lo = max(0, position - window + 1) if window > 0 else 0
-            if chunk > 0:
-                lo = max(lo, position - position % chunk)
+            lo = first_visible(position, window, chunk)
             for h in range(query.shape[1]):
                 scores = k[lo : position + 1, h // group] @ query[token, h] * scale
                 if soft_cap > 0:
@@ -149,10 +154,7 @@ def release_unread_blocks(
     tables = case.block_tables.copy()
     for i, seq_len in enumerate(case.seq_lens):
         position = int(seq_len) - int(case.query_start_loc[i + 1] - case.query_start_loc[i])
-        first = max(0, position - window + 1) if window > 0 else 0
-        if chunk > 0:
-            first = max(first, position - position % chunk)
-        for b in range(first // block_size):
+        for b in range(first_visible(position, window, chunk) // block_size):
             for cache in caches:
                 cache[int(tables[i, b])] = float("nan")  # type: ignore[index]
             tables[i, b] = -1

@@ -87,6 +87,23 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
         return runner.model.compute_logits(hidden)
 
 
+def assert_tokens_and_logits_match(
+    llm: LLM, model: torch.nn.Module, prompts: list[list[int]], tokens: list[int]
+) -> torch.Tensor:
+    """Float32: 12 greedy tokens of each prompt transformers', and every position's logits
+    of `tokens`, one request through the paged cache, within 1e-4 of its; returns its."""
+    from pyengine import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    with torch.inference_mode():
+        theirs: torch.Tensor = model(torch.tensor([tokens])).logits[0]
+    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+    return theirs
+
+
 def assert_preemption_keeps_tokens(
     folder: Any,
     model: torch.nn.Module,

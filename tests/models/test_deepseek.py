@@ -13,11 +13,10 @@ import torch
 from helpers.hf_reference import (
     assert_preemption_keeps_tokens,
     assert_ranks_give_one_ranks_tokens,
-    hf_greedy,
-    prefill_logits,
+    assert_tokens_and_logits_match,
 )
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -70,15 +69,8 @@ def test_greedy_tokens_and_logits_match_transformers(deepseek) -> None:  # type:
     rng = np.random.default_rng(2)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)] + [shared, shared + [5]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 100).tolist())
     assert llm.llm_engine.scheduler.stats().prefix_cache_hits > 0
-    tokens = rng.integers(0, 256, 100).tolist()
-    with torch.inference_mode():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
 
 
 @pytest.mark.parametrize("swap", [False, True], ids=["recompute", "swap"])

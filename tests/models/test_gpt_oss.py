@@ -15,11 +15,11 @@ import torch
 from helpers.hf_reference import (
     assert_preemption_keeps_tokens,
     assert_ranks_give_one_ranks_tokens,
-    hf_greedy,
+    assert_tokens_and_logits_match,
     prefill_logits,
 )
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -54,14 +54,8 @@ def test_greedy_tokens_and_logits_match_transformers(gpt_oss) -> None:  # type: 
     assert runner.graphs is not None  # (its decode steps recorded: kernels only)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
     tokens = rng.integers(0, 256, 70).tolist()  # (past the window)
-    with torch.inference_mode():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+    theirs = assert_tokens_and_logits_match(llm, model, prompts, tokens)
     # (the sinks matter: without them the logits differ)
     for layer in layers:
         layer.self_attn.attn.sinks = None

@@ -15,11 +15,10 @@ import torch
 from helpers.hf_reference import (
     assert_preemption_keeps_tokens,
     assert_ranks_give_one_ranks_tokens,
-    hf_greedy,
-    prefill_logits,
+    assert_tokens_and_logits_match,
 )
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -61,14 +60,8 @@ def test_greedy_tokens_and_logits_match_transformers(llama4) -> None:  # type: i
     rng = np.random.default_rng(2)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 20, 90)] + [shared, shared + [5]]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
     tokens = rng.integers(0, 256, 70).tolist()  # (past a few chunks and temperature steps)
-    with torch.inference_mode():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+    assert_tokens_and_logits_match(llm, model, prompts, tokens)
 
 
 def test_preemption_keeps_the_tokens(llama4) -> None:  # type: ignore[no-untyped-def]
