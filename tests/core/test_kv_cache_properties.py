@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+from helpers.kv_shadow import run_copies
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -96,13 +97,7 @@ class KVCacheMachine(RuleBasedStateMachine):
             self.slots.setdefault(block, {})[offset] = self.expected(request, p)
 
     def run_copies(self) -> None:
-        to_host, to_device = self.kv.take_pending_transfers()
-        for src, dst in to_host:
-            self.host_slots[dst] = dict(self.slots.get(src, {}))
-        for src, dst in to_device:
-            self.slots[dst] = dict(self.host_slots.get(src, {}))
-        for src, dst in self.kv.take_pending_copies():
-            self.slots[dst] = dict(self.slots.get(src, {}))
+        run_copies(self.kv, self.slots, self.host_slots)
 
     def allocate(self, request: str, num_new: int, lookahead: int, computed: object = None) -> bool:
         before = self.snapshot()

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections import Counter
 
 from helpers.attention import first_visible as first_of
+from helpers.kv_shadow import run_copies
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -99,13 +100,7 @@ class KVGroupsMachine(RuleBasedStateMachine):
         return group, self.salts[request], tuple(self.tokens[request][: position + 1])
 
     def run_copies(self) -> None:
-        to_host, to_device = self.kv.take_pending_transfers()
-        for src, dst in to_host:
-            self.host_slots[dst] = dict(self.slots.get(src, {}))
-        for src, dst in to_device:
-            self.slots[dst] = dict(self.host_slots.get(src, {}))
-        for src, dst in self.kv.take_pending_copies():
-            self.slots[dst] = dict(self.slots.get(src, {}))
+        run_copies(self.kv, self.slots, self.host_slots)
 
     def allocate(self, request: str, num_new: int, lookahead: int, computed: object = None) -> bool:
         before = self.snapshot()
