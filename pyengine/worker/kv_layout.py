@@ -35,10 +35,6 @@ class KVLayout:
     layer_slots: tuple[tuple[int, int], ...]
     num_slots: int
 
-    @property
-    def is_hybrid(self) -> bool:
-        return len(self.groups) > 1
-
     def slots_of(self, layers: range) -> list[int]:
         """The slots that `layers` (a pipeline stage's) write, in order."""
         return sorted({self.layer_slots[i][1] for i in layers})
