@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <string>
+#include <tuple>
 #include <utility>
 
 #include "float_convert.h"
@@ -92,6 +93,70 @@ inline CacheShape check_caches(const TensorView& key_cache, const TensorView& va
                           "head_size, block_size]), of the same dtype");
   }
   return shape;
+}
+
+// A step's requests as the attention kernels take them: block_tables int32 [num_reqs,
+// max_blocks], seq_lens int32 [num_reqs] and query_start_loc int32 [num_reqs + 1], each
+// contiguous on `device`. Returns num_reqs.
+inline int64_t check_request_arrays(const TensorView& block_tables, const TensorView& seq_lens,
+                                    const TensorView& query_start_loc, const Device& device,
+                                    const char* op) {
+  for (const auto& [t, name, ndim] : {std::tuple{&block_tables, "block_tables", 2},
+                                      std::tuple{&seq_lens, "seq_lens", 1},
+                                      std::tuple{&query_start_loc, "query_start_loc", 1}}) {
+    check_device(*t, device, op, name);
+    check_dtype(*t, DType::kInt32, op, name);
+    check_shape(*t, op, name, ndim);
+    if (!t->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be contiguous");
+  }
+  const int64_t num_reqs = seq_lens.shape[0];
+  if (query_start_loc.shape[0] != num_reqs + 1 || block_tables.shape[0] != num_reqs) {
+    throw InvalidArgument(std::string(op) +
+                          ": need seq_lens [num_reqs], query_start_loc [num_reqs + 1] and "
+                          "block_tables [num_reqs, max_blocks]");
+  }
+  return num_reqs;
+}
+
+// Their values, on the CPU: query_start_loc from 0 to num_tokens, each request's query
+// tokens at most its seq_len, its blocks within its table's row, and each entry from
+// first_block(its first query's position) to its last block a block of the cache
+// (entries before it are never read: a window's KV-cache group may have released them).
+template <typename FirstBlock>
+void check_request_values(const TensorView& block_tables, const TensorView& seq_lens,
+                          const TensorView& query_start_loc, int64_t num_tokens,
+                          int64_t block_size, int64_t num_blocks, const char* op,
+                          FirstBlock first_block) {
+  const int64_t num_reqs = seq_lens.shape[0], max_blocks = block_tables.shape[1];
+  const auto* qsl = static_cast<const int32_t*>(query_start_loc.data);
+  const auto* lens = static_cast<const int32_t*>(seq_lens.data);
+  const auto* tables = static_cast<const int32_t*>(block_tables.data);
+  if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
+    throw InvalidArgument(std::string(op) + ": query_start_loc must start at 0 and end at " +
+                          std::to_string(num_tokens));
+  }
+  for (int64_t i = 0; i < num_reqs; ++i) {
+    const int64_t q_len = qsl[i + 1] - qsl[i];
+    if (q_len < 0 || lens[i] < q_len) {
+      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " has " +
+                            std::to_string(q_len) + " query tokens and seq_len " +
+                            std::to_string(lens[i]) + " (need 0 <= q_len <= seq_len)");
+    }
+    const int64_t num_used = (lens[i] + block_size - 1) / block_size;
+    if (num_used > max_blocks) {
+      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " needs " +
+                            std::to_string(num_used) + " blocks, block_tables has " +
+                            std::to_string(max_blocks) + " per request");
+    }
+    for (int64_t b = first_block(lens[i] - q_len); b < num_used; ++b) {
+      const int32_t block = tables[i * max_blocks + b];
+      if (block < 0 || block >= num_blocks) {
+        throw InvalidArgument(std::string(op) + ": block_tables[" + std::to_string(i) + ", " +
+                              std::to_string(b) + "] = " + std::to_string(block) +
+                              " is outside [0, " + std::to_string(num_blocks) + ")");
+      }
+    }
+  }
 }
 
 }  // namespace pyengine::detail

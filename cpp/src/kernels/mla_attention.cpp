@@ -11,12 +11,12 @@
 #include <cmath>
 #include <limits>
 #include <string>
-#include <tuple>
 #include <utility>
 #include <vector>
 
 #include "amx_tiles.h"
 #include "float_convert.h"
+#include "kv_cache_checks.h"
 #include "mla_amx.h"
 #include "pyengine/errors.h"
 #include "tensor_checks.h"
@@ -157,53 +157,14 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
                           "got " + out.describe());
   }
   if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
-  for (const auto& [t, name, ndim] : {std::tuple{&block_tables, "block_tables", 2},
-                                      std::tuple{&seq_lens, "seq_lens", 1},
-                                      std::tuple{&query_start_loc, "query_start_loc", 1}}) {
-    detail::check_cpu(*t, kOp, name);
-    detail::check_shape(*t, kOp, name, ndim);
-    detail::check_dtype(*t, DType::kInt32, kOp, name);
-    if (t->strides[ndim - 1] != 1 && t->shape[ndim - 1] > 1) {
-      throw InvalidArgument(detail::arg(kOp, name) + " must be dense");
-    }
-  }
-  const int64_t num_reqs = seq_lens.shape[0];
+  const int64_t num_reqs =
+      detail::check_request_arrays(block_tables, seq_lens, query_start_loc, Device{}, kOp);
+  detail::check_request_values(block_tables, seq_lens, query_start_loc, num_tokens, bs,
+                               num_blocks, kOp, [](int64_t) { return int64_t{0}; });
   const int64_t max_blocks = block_tables.shape[1];
-  if (query_start_loc.shape[0] != num_reqs + 1 || block_tables.shape[0] != num_reqs ||
-      (num_reqs > 1 && block_tables.strides[0] != max_blocks)) {
-    throw InvalidArgument(std::string(kOp) +
-                          ": need seq_lens [num_reqs], query_start_loc [num_reqs + 1] and dense "
-                          "block_tables [num_reqs, max_blocks]");
-  }
   const auto* qsl = static_cast<const int32_t*>(query_start_loc.data);
   const auto* lens = static_cast<const int32_t*>(seq_lens.data);
   const auto* tables = static_cast<const int32_t*>(block_tables.data);
-  if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
-    throw InvalidArgument(std::string(kOp) + ": query_start_loc must start at 0 and end at " +
-                          std::to_string(num_tokens));
-  }
-  for (int64_t i = 0; i < num_reqs; ++i) {
-    const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len < 0 || lens[i] < q_len) {
-      throw InvalidArgument(std::string(kOp) + ": request " + std::to_string(i) + " has " +
-                            std::to_string(q_len) + " query tokens and seq_len " +
-                            std::to_string(lens[i]) + " (need 0 <= q_len <= seq_len)");
-    }
-    const int64_t used = (lens[i] + bs - 1) / bs;
-    if (used > max_blocks) {
-      throw InvalidArgument(std::string(kOp) + ": request " + std::to_string(i) + " needs " +
-                            std::to_string(used) + " blocks, block_tables has " +
-                            std::to_string(max_blocks));
-    }
-    for (int64_t b = 0; b < used; ++b) {
-      const int32_t block = tables[i * max_blocks + b];
-      if (block < 0 || block >= num_blocks) {
-        throw InvalidArgument(std::string(kOp) + ": block_tables[" + std::to_string(i) + ", " +
-                              std::to_string(b) + "] = " + std::to_string(block) +
-                              " is outside [0, " + std::to_string(num_blocks) + ")");
-      }
-    }
-  }
 
   // The items: a token each, or, while there are fewer tokens than threads to keep busy,
   // parts of each token's context of at least kMinPartKeys keys.

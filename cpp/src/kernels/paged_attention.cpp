@@ -69,14 +69,6 @@ detail::AttentionKernel kernel_for(CpuIsa isa) {
   return detail::generic::run_attention;
 }
 
-void check_int_array(const TensorView& t, const Device& device, const char* name, int ndim) {
-  constexpr const char* op = "paged_attention";
-  detail::check_device(t, device, op, name);
-  detail::check_dtype(t, DType::kInt32, op, name);
-  detail::check_shape(t, op, name, ndim);
-  if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be contiguous");
-}
-
 // Split-K: a tile whose context is split runs as parts of at least this many tokens. (A
 // single request's decode has as many tiles as kv heads, three for the default model: at
 // 256 its contexts of a few hundred tokens stayed whole, two threads taking them 2:1.)
@@ -199,15 +191,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                           ") must be a multiple of num_kv_heads (" + std::to_string(num_kv_heads) +
                           ")");
   }
-  check_int_array(block_tables, device, "block_tables", 2);
-  check_int_array(seq_lens, device, "seq_lens", 1);
-  check_int_array(query_start_loc, device, "query_start_loc", 1);
-  const int64_t num_reqs = seq_lens.shape[0];
-  if (query_start_loc.shape[0] != num_reqs + 1 || block_tables.shape[0] != num_reqs) {
-    throw InvalidArgument(std::string(op) +
-                          ": need seq_lens [num_reqs], query_start_loc [num_reqs + 1] and "
-                          "block_tables [num_reqs, max_blocks]");
-  }
+  const int64_t num_reqs =
+      detail::check_request_arrays(block_tables, seq_lens, query_start_loc, device, op);
   if (!std::isfinite(options.scale) || options.sliding_window < 0 ||
       options.attention_chunk < 0 || !(options.logit_soft_cap >= 0) ||
       !std::isfinite(options.logit_soft_cap)) {
@@ -236,35 +221,13 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   const auto* lens = static_cast<const int32_t*>(seq_lens.data);
   const auto* tables = static_cast<const int32_t*>(block_tables.data);
   const int64_t max_blocks = block_tables.shape[1];
-  if (qsl[0] != 0 || qsl[num_reqs] != num_tokens) {
-    throw InvalidArgument(std::string(op) + ": query_start_loc must start at 0 and end at " +
-                          std::to_string(num_tokens));
-  }
+  // (blocks before a request's first query's first visible position are never read)
+  detail::check_request_values(block_tables, seq_lens, query_start_loc, num_tokens, block_size,
+                               num_blocks, op, [&](int64_t first_position) {
+                                 return first_visible_position(options, first_position) /
+                                        block_size;
+                               });
   const int64_t group = num_heads / num_kv_heads;
-  for (int64_t i = 0; i < num_reqs; ++i) {
-    const int64_t q_len = qsl[i + 1] - qsl[i];
-    if (q_len < 0 || lens[i] < q_len) {
-      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " has " +
-                            std::to_string(q_len) + " query tokens and seq_len " +
-                            std::to_string(lens[i]) + " (need 0 <= q_len <= seq_len)");
-    }
-    const int64_t num_used = (lens[i] + block_size - 1) / block_size;
-    if (num_used > max_blocks) {
-      throw InvalidArgument(std::string(op) + ": request " + std::to_string(i) + " needs " +
-                            std::to_string(num_used) + " blocks, block_tables has " +
-                            std::to_string(max_blocks) + " per request");
-    }
-    // (blocks before the first query's first visible position are never read)
-    for (int64_t b = first_visible_position(options, lens[i] - q_len) / block_size; b < num_used;
-         ++b) {
-      const int32_t block = tables[i * max_blocks + b];
-      if (block < 0 || block >= num_blocks) {
-        throw InvalidArgument(std::string(op) + ": block_tables[" + std::to_string(i) + ", " +
-                              std::to_string(b) + "] = " + std::to_string(block) +
-                              " is outside [0, " + std::to_string(num_blocks) + ")");
-      }
-    }
-  }
 
   WorkPlan& plan = plan_work(qsl, lens, num_reqs, num_kv_heads, block_size, options);
   const int64_t partial_stride = kQueryTile * group * (head_size + 2);
