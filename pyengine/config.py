@@ -17,13 +17,13 @@ class QuantizationConfig:
     output channel), each group with a scale (and, for GPTQ/AWQ, a zero point); with
     `activation_bits`, activations quantized too, per token, as each step runs (W8A8), or
     by a scale of the checkpoint's (`static_activations`). `weight_type` "float": fp8
-    e4m3 weights and activations (compressed-tensors' FP8), a scale per channel or
-    tensor.
+    e4m3 weights and activations (compressed-tensors' FP8, or the fp8 quant_method's), a
+    scale per channel, tensor or block.
 
     A plain value: the method it names checks it when it is read from a checkpoint
     (layers/quantization/registry.py, check_quantization_config)."""
 
-    method: str  # a registered method's name: "gptq", "awq" or "compressed-tensors"
+    method: str  # a registered method's name: "gptq", "awq", "compressed-tensors", "fp8"
     bits: int
     group_size: int
     desc_act: bool = False  # GPTQ: groups in activation order (a g_idx per input feature)
@@ -48,12 +48,15 @@ class QuantizationConfig:
 
     def describe(self) -> str:
         if self.weight_type == "float":
+            per = "group of inputs" if self.activation_group else "token"
             activations = (
                 "float activations" if not self.activation_bits
                 else "e4m3 activations per " + ("tensor (static)" if self.static_activations
-                                               else "token")
+                                               else per)
             )  # fmt: skip
-            return f"{self.method} FP8 e4m3 weights per channel, {activations}"
+            blocks = self.block_structure
+            weights = "per channel" if blocks is None else f"per block of {blocks[0]}x{blocks[1]}"
+            return f"{self.method} FP8 e4m3 weights {weights}, {activations}"
         if self.activation_bits:
             return f"{self.method} W{self.bits}A{self.activation_bits} int, per channel and token"
         return f"{self.method} {self.bits}-bit, groups of {self.group_size}"

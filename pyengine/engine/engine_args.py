@@ -50,7 +50,7 @@ class EngineArgs:
     max_num_batched_tokens: int | None = None
     seed: int = 0
     load_format: str = "auto"
-    # "gptq", "awq" or "compressed-tensors"; None: the checkpoint's quantization_config
+    # "gptq", "awq", "compressed-tensors" or "fp8"; None: the checkpoint's quantization_config
     # says (or float weights)
     quantization: str | None = None
     # How block-quantized layers (GGUF's, GPTQ/AWQ's) on the CPU take a step's

@@ -1,14 +1,101 @@
 """Multi-head latent attention's kernel step (DeepSeek's MLA): the step's latent vectors
 into their cache slots, then every query token's heads against its request's cached
-latents (ops.mla_attention, the absorbed form). The projections into and out of the
-latent space are the model's (models/deepseek.py)."""
+latents, in one of two forms.
+
+- Absorbed (ops.mla_attention): the queries taken into the latent space, attending over
+  the latents themselves. Per query and key it costs heads x (2 rank + rope), and
+  nothing per key beside: the form for decode and short chunks.
+- Expanded (`expanded_attention`): each request's cached latents turned into per-head
+  keys and values, then plain causal attention (the paged attention kernel). Per query
+  and key it costs heads x (nope + rope + v), a third of the absorbed form's at
+  DeepSeek's sizes, but expanding a key costs heads x rank x (nope + v): the form for a
+  request with many query tokens (a prefill), from `EXPANDED_FROM` of them.
+
+The projections into and out of the latent space are the model's (models/deepseek.py).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 
-from pyengine import ops
+from pyengine import _C, ops
 from pyengine.layers.attention import AttentionMetadata, KVCache
+
+# A request takes the expanded form from this many query tokens of a step: past it the
+# keys' expansion (heads x rank x (nope + v) a key) costs less than what the cheaper
+# scores save, and the paged attention kernel runs the scores faster than the latent one
+# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes the absorbed form is
+# faster at 16 tokens, the expanded one from 32 on, 2x at 32 tokens over 4k latents and
+# 13x for a whole 4k-token prompt).
+EXPANDED_FROM = 32
+
+
+def expanded_head_size(qk: int, v: int) -> int | None:
+    """The head size the paged attention kernel takes for keys of `qk` and values of `v`
+    numbers (both padded with zeros to the least it runs that holds them); None where
+    it runs none so large."""
+    sizes = [size for size in _C.attention_head_sizes() if size >= max(qk, v)]
+    return min(sizes) if sizes else None
+
+
+@dataclass(frozen=True)
+class ExpandedWeights:
+    """kv_b_proj by head: the key half [heads, nope, rank] and the value half [heads,
+    rank, v]; the scale of q . k, and the head size the kernel runs them at
+    (expanded_head_size)."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    scale: float
+    head_size: int
+
+
+def expanded_attention(
+    query: torch.Tensor,  # [tokens, heads, nope + rope]: the request's last query tokens
+    context: torch.Tensor,  # [seq_len, rank + rope]: its cached latents, the step's last
+    weights: ExpandedWeights,
+    block_size: int = 16,
+) -> torch.Tensor:
+    """Each query token's heads' outputs in the value space, [tokens, heads, v]: the
+    latents expanded to keys (nope from c_kv, the rotated part shared by the heads) and
+    values, then causal attention (query i sits at position seq_len - tokens + i) by the
+    paged attention kernel over a cache of the request's own, queries, keys and values
+    padded with zeros to weights.head_size (the kernel takes one size for all three)."""
+    tokens, seq_len = query.shape[0], context.shape[0]
+    heads, nope, rank = weights.w_uk.shape
+    v, qk, size = weights.w_uv.shape[2], query.shape[2], weights.head_size
+    dtype = weights.w_uk.dtype
+    c_kv = context[:, :rank].to(dtype)
+    keys = torch.zeros(seq_len, heads, size, dtype=dtype, device=query.device)
+    keys[..., :nope] = torch.einsum("cr,hnr->chn", c_kv, weights.w_uk)
+    keys[..., nope:qk] = context[:, None, rank:].to(dtype)
+    values = torch.zeros(seq_len, heads, size, dtype=dtype, device=query.device)
+    values[..., :v] = torch.einsum("cr,hrv->chv", c_kv, weights.w_uv)
+    blocks = -(-seq_len // block_size)
+    key_cache = torch.empty(blocks, heads, size, block_size, dtype=dtype, device=query.device)
+    value_cache = torch.empty(blocks, heads, block_size, size, dtype=dtype, device=query.device)
+    slots = torch.arange(seq_len, device=query.device)
+    ops.reshape_and_cache(keys, values, key_cache, value_cache, slots)
+    table = torch.arange(blocks, dtype=torch.int32, device=query.device)[None]
+    lens = torch.tensor([seq_len], dtype=torch.int32, device=query.device)
+    starts = torch.tensor([0, tokens], dtype=torch.int32, device=query.device)
+    padded = torch.zeros(tokens, heads, size, dtype=dtype, device=query.device)
+    padded[..., :qk] = query
+    out = torch.empty_like(padded)
+    ops.paged_attention(out, padded, key_cache, value_cache, table, lens, starts,
+                        weights.scale, 0, 0.0, seq_len, tokens)  # fmt: skip
+    return out[..., :v]
+
+
+def long_requests(meta: AttentionMetadata, expanded_from: int) -> list[int]:
+    """The requests of the step with at least `expanded_from` query tokens (none without
+    a host look where the step says its longest has fewer)."""
+    if 0 < meta.max_query_len < expanded_from:
+        return []
+    starts = meta.query_start_loc.tolist()
+    return [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= expanded_from]
 
 
 class LatentAttention:
@@ -22,20 +109,22 @@ class LatentAttention:
     def __init__(self, num_heads: int, rank: int, rope_dim: int, scale: float) -> None:
         self.num_heads, self.rank, self.rope_dim, self.scale = num_heads, rank, rope_dim, scale
         self.kv_group = 0  # (the model runner sets it from the model's KVLayout)
+        self.expanded_from = EXPANDED_FROM
 
-    def __call__(
-        self,
-        query: torch.Tensor,  # [num_tokens, num_heads, rank + rope_dim]
-        latent: torch.Tensor,  # [num_tokens, rank + rope_dim]
-        cache: KVCache,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Each token's heads' outputs in the latent space, [num_tokens, num_heads, rank]."""
+    def write(self, latent: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
+        """The step's latent vectors [num_tokens, rank + rope_dim] into their slots."""
         latents = cache[0]  # [num_blocks, block_size, rank + rope_dim]
         flat = latents.view(-1, latents.shape[-1])
         slots = meta.slot_mapping[self.kv_group]
         written = slots >= 0  # (-1: a padding row writes nothing)
         flat.index_copy_(0, slots[written], latent[written].to(flat.dtype))
+
+    def absorbed(
+        self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """query [num_tokens, num_heads, rank + rope_dim] (in the latent space) against
+        the cached latents: [num_tokens, num_heads, rank]."""
+        latents = cache[0]
         if query.dtype not in (torch.float32, latents.dtype):
             query = query.to(latents.dtype)
         out = torch.empty(query.shape[0], self.num_heads, self.rank, dtype=query.dtype,
@@ -43,3 +132,36 @@ class LatentAttention:
         ops.mla_attention(out, query.contiguous(), latents, meta.block_tables[self.kv_group],
                           meta.seq_lens, meta.query_start_loc, self.scale, self.rank)  # fmt: skip
         return out
+
+    def context(self, cache: KVCache, meta: AttentionMetadata, request: int) -> torch.Tensor:
+        """Request `request`'s cached latents, [seq_len, rank + rope_dim]."""
+        latents = cache[0]
+        seq_len = int(meta.seq_lens[request])
+        blocks = -(-seq_len // latents.shape[1])
+        table = meta.block_tables[self.kv_group, request, :blocks].long()
+        return latents[table].view(-1, latents.shape[-1])[:seq_len]
+
+
+def without_requests(
+    meta: AttentionMetadata, requests: list[int]
+) -> tuple[AttentionMetadata, torch.Tensor]:
+    """The step's metadata with `requests` (not all of them) taken out, and the query
+    rows of those that remain."""
+    starts = meta.query_start_loc.tolist()
+    dropped = set(requests)
+    keep = [r for r in range(len(starts) - 1) if r not in dropped]
+    rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in keep])
+    lengths = torch.tensor([starts[r + 1] - starts[r] for r in keep], dtype=torch.int32)
+    kept_starts = torch.zeros(len(keep) + 1, dtype=torch.int32)
+    kept_starts[1:] = lengths.cumsum(0)
+    device = meta.seq_lens.device
+    index = torch.tensor(keep, device=device)
+    sub = replace(
+        meta,
+        slot_mapping=meta.slot_mapping[:, rows.to(device)],
+        block_tables=meta.block_tables[:, index],
+        seq_lens=meta.seq_lens[index],
+        query_start_loc=kept_starts.to(device),
+        max_query_len=int(lengths.max()),
+    )
+    return sub, rows

@@ -9,16 +9,18 @@ queries come from `q_proj`, or through the low rank `q_a_proj`, its norm and `q_
 each head's first qk_nope_head_dim numbers are taken into the latent space by the key
 half of `kv_b_proj` (the absorbed form), its last rotated, and attend over the cached
 latents (layers/latent_attention.py); the output leaves the latent space by the value
-half of `kv_b_proj`, then `o_proj`. Prefill runs the same absorbed form (an expanded one,
-cheaper for long prompts, is not written yet). The rotary pairs are interleaved
+half of `kv_b_proj`, then `o_proj`. A request with many query tokens in a step (a long
+prefill) takes the expanded form instead: its latents turned into per-head keys and
+values by `kv_b_proj`, then plain causal attention. The rotary pairs are interleaved
 (V3's `rope_interleave`, V2 always); YaRN's mscale_all_dim scales the softmax twice.
 
 Experts: every layer from `first_k_dense_replace` on (every `moe_layer_freq`-th), with
 `n_shared_experts` shared experts as one of their summed size. V2 routes by softmax,
 limited to its top `topk_group` of `n_group` groups (`group_limited_greedy`); V3 by
 sigmoid scores whose choice an `e_score_correction_bias` steers (`noaux_tc`); both scale
-the weights by `routed_scaling_factor`. Float checkpoints only for now (V3's FP8 blocks
-are refused by their quant_method); the latent kernel runs on the CPU.
+the weights by `routed_scaling_factor`. Quantized checkpoints (V3's own FP8 blocks, the
+fp8 quant_method, among them) hold every projection quantized; kv_b_proj is dequantized
+once loaded, as the absorbed products read it. The latent kernel runs on the CPU.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ from torch import nn
 from pyengine.config import ModelConfig
 from pyengine.distributed import TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
-from pyengine.layers.latent_attention import LatentAttention
+from pyengine.layers.latent_attention import (
+    ExpandedWeights,
+    LatentAttention,
+    expanded_attention,
+    expanded_head_size,
+    long_requests,
+    without_requests,
+)
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import ColumnParallelLinear, LayerContext, RowParallelLinear
 from pyengine.layers.rotary import RotaryEmbedding
@@ -123,7 +132,8 @@ class LatentAttentionLayer(nn.Module):
         self.nope, self.rope, self.v = f.qk_nope_head_dim, f.qk_rope_head_dim, f.v_head_dim
         self.rank = f.kv_lora_rank
         qk = self.nope + self.rope
-        first, self.heads = ctx.tp.split(c.num_heads, "num_attention_heads")
+        _, self.heads = ctx.tp.split(c.num_heads, "num_attention_heads")
+        self.placement = ctx.placement
         whole = replace(ctx, tp=TensorParallelGroup())  # (replicated: every rank the same)
         bias = f.attention_bias
         self.q_a_proj: ColumnParallelLinear | None = None
@@ -142,19 +152,28 @@ class LatentAttentionLayer(nn.Module):
         self.kv_a_layernorm = RMSNorm(self.rank, c.norm_eps)
         # kv_b_proj's rows of this rank's heads, [heads * (nope + v), rank]: its key half
         # takes the queries into the latent space, its value half the outputs out of it.
-        self.kv_b = nn.Parameter(
-            torch.empty(self.heads * (self.nope + self.v), self.rank, dtype=ctx.placement.dtype),
-            requires_grad=False,
-        )
-        self.kv_b_rows = (first * (self.nope + self.v), c.num_heads * (self.nope + self.v))
+        # The absorbed products read it as float: a quantized one is dequantized once
+        # loaded (its product with the identity), and the layer dropped.
+        self.kv_b_proj: ColumnParallelLinear | None = ColumnParallelLinear(
+            self.rank, [c.num_heads * (self.nope + self.v)], False, ctx,
+            [f"{prefix}.kv_b_proj.weight"],
+        )  # fmt: skip
         self.o_proj = RowParallelLinear(c.num_heads * self.v, c.hidden_size, bias, ctx,
                                         [f"{prefix}.o_proj.weight"])  # fmt: skip
         self.rotary = rotary
         self.attn = LatentAttention(self.heads, self.rank, self.rope, f.softmax_scale)
+        # (None: no paged attention kernel holds its heads; every step absorbed)
+        self.expanded_size = expanded_head_size(qk, self.v)
         self.w_uk = self.w_uv = torch.empty(0)
 
     def process_weights_after_loading(self) -> None:
-        per_head = self.kv_b.data.view(self.heads, self.nope + self.v, self.rank)
+        """(after kv_b_proj's own, which the model's post-order runs first)"""
+        assert self.kv_b_proj is not None
+        placement = self.placement
+        identity = torch.eye(self.rank, dtype=placement.dtype, device=placement.device)
+        kv_b = self.kv_b_proj(identity).t()  # [heads * (nope + v), rank]
+        self.kv_b_proj = None
+        per_head = kv_b.view(self.heads, self.nope + self.v, self.rank)
         self.w_uk = per_head[:, : self.nope].contiguous()  # [heads, nope, rank]
         self.w_uv = per_head[:, self.nope :].transpose(1, 2).contiguous()  # [heads, rank, v]
 
@@ -172,12 +191,40 @@ class LatentAttentionLayer(nn.Module):
         q_pe = q[..., self.nope :].contiguous()
         k_pe = latent[:, self.rank :].contiguous().view(tokens, 1, self.rope)
         self.rotary(positions, q_pe, k_pe)
-        q_latent = torch.bmm(q[..., : self.nope].transpose(0, 1), self.w_uk).transpose(0, 1)
-        query = torch.cat((q_latent, q_pe), dim=-1)
-        out = self.attn(query, torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1), cache, meta)
-        heads_out = torch.bmm(out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv)  # [heads, T, v]
-        result: torch.Tensor = self.o_proj(heads_out.transpose(0, 1).reshape(tokens, -1))
+        latents = torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1)
+        self.attn.write(latents, cache, meta)
+        q_nope = q[..., : self.nope]
+        long = long_requests(meta, self.attn.expanded_from) if self.expanded_size else []
+        if not long:
+            heads_out = self._absorbed(q_nope, q_pe, cache, meta)
+        else:  # (long prefills expanded, the others absorbed)
+            heads_out = torch.empty(tokens, self.heads, self.v, dtype=x.dtype, device=x.device)
+            starts = meta.query_start_loc.tolist()
+            assert self.expanded_size is not None  # (else no request is long)
+            weights = ExpandedWeights(self.w_uk, self.w_uv, self.attn.scale, self.expanded_size)
+            query = torch.cat((q_nope, q_pe), dim=-1)
+            for r in long:
+                rows = slice(starts[r], starts[r + 1])
+                context = self.attn.context(cache, meta, r)
+                heads_out[rows] = expanded_attention(query[rows], context, weights).to(x.dtype)
+            if len(long) < len(starts) - 1:
+                rest, index = without_requests(meta, long)
+                heads_out[index] = self._absorbed(q_nope[index], q_pe[index], cache, rest).to(
+                    x.dtype
+                )
+        result: torch.Tensor = self.o_proj(heads_out.reshape(tokens, -1))
         return result
+
+    def _absorbed(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """The queries' heads (their nope and rotated parts) through the absorbed form:
+        [tokens, heads, v]."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_uk).transpose(0, 1)
+        query = torch.cat((q_latent, q_pe), dim=-1)
+        out = self.attn.absorbed(query, cache, meta)
+        heads_out = torch.bmm(out.to(self.w_uv.dtype).transpose(0, 1), self.w_uv)  # [heads, T, v]
+        return heads_out.transpose(0, 1)
 
 
 class DeepseekDecoderLayer(DecoderLayer):
@@ -207,11 +254,6 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         ctx = ctx or LayerContext()
-        if config.quantization is not None:
-            raise ValueError(
-                f"DeepSeek with {config.quantization.describe()} weights is not supported yet "
-                "(its latent attention's kv_b_proj is absorbed from float weights)"
-            )
         if ctx.placement.device.type != "cpu":
             raise ValueError("DeepSeek's latent attention runs on the CPU only for now")
         super().__init__(config, max_positions, ctx)
@@ -245,4 +287,5 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
                            ("kv_a_layernorm", attn.kv_a_layernorm)):  # fmt: skip
             if norm is not None:
                 self.route_norm(router, f"{prefix}.{name}.weight", norm)
-        router.shard(f"{prefix}.kv_b_proj.weight", attn.kv_b.data, 0, *attn.kv_b_rows)
+        assert attn.kv_b_proj is not None
+        router.linear_weight(f"{prefix}.kv_b_proj", attn.kv_b_proj)

@@ -14,9 +14,10 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-# (Mixtral's experts: w1 the gate, w3 the up and w2 the down projection)
+# (Mixtral's experts: w1 the gate, w3 the up and w2 the down projection; DeepSeek's
+# latent attention's projections)
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-          "w1", "w2", "w3")  # fmt: skip
+          "w1", "w2", "w3", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")  # fmt: skip
 AWQ_PACK_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble k of an int32 holds column order[k]
 
 
@@ -286,19 +287,21 @@ _STATIC_INPUT_SCALE = {"q_proj": 0.0100, "k_proj": 0.0110, "v_proj": 0.0105, "o_
                        "gate_proj": 0.0100, "up_proj": 0.0105, "down_proj": 0.0160}  # fmt: skip
 
 
-def _block_amax(w: torch.Tensor) -> torch.Tensor:
-    """max|w| of each FP8_BLOCK block, [ceil(out / bo), ceil(in / bi)]."""
-    bo, bi = FP8_BLOCK
+def _block_amax(w: torch.Tensor, block: tuple[int, int] = FP8_BLOCK) -> torch.Tensor:
+    """max|w| of each block of [bo, bi] weights, [ceil(out / bo), ceil(in / bi)]."""
+    bo, bi = block
     rows, cols = -(-w.shape[0] // bo), -(-w.shape[1] // bi)
     return torch.tensor([[float(w[a * bo : (a + 1) * bo, b * bi : (b + 1) * bi].abs().max())
                           for b in range(cols)] for a in range(rows)])  # fmt: skip
 
 
-def block_scales(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """A weight_scale ([out, 1], [1], or FP8_BLOCK's per block) for each weight of `shape`."""
-    if scale.dim() < 2 or scale.shape[1] == 1:
+def block_scales(
+    scale: torch.Tensor, shape: torch.Size, block: tuple[int, int] = FP8_BLOCK
+) -> torch.Tensor:
+    """A weight_scale ([out, 1], [1], or per block of [bo, bi]) for each weight of `shape`."""
+    if scale.dim() < 2 or scale.shape == (shape[0], 1):
         return scale.reshape(-1, 1).expand(shape)
-    bo, bi = FP8_BLOCK
+    bo, bi = block
     return scale.repeat_interleave(bo, 0)[: shape[0]].repeat_interleave(bi, 1)[:, : shape[1]]
 
 
@@ -337,3 +340,24 @@ def write_fp8(
     _write_folders(
         float_folder, out, reference, quantized, dequantized, fp8_config(strategy, activations)
     )
+
+
+def write_fp8_blocks(
+    float_folder: Path, out: Path, reference: Path, block: tuple[int, int]
+) -> None:
+    """`out`: float_folder's checkpoint in the fp8 quant_method's form, as DeepSeek-V3
+    ships (`weight` float8_e4m3fn [out, in], `weight_scale_inv` float32
+    [ceil(out / bo), ceil(in / bi)] = max|w| / 448 of each block, by which the e4m3
+    values are multiplied back; activations dynamic per group of bi inputs);
+    `reference`: the same model with those dequantized float32 weights."""
+    quantized, dequantized, linear = _linear_weights(float_folder)
+    for name, module, w in linear:
+        scale = _block_amax(w.float(), block) / 448
+        per_weight = block_scales(scale, w.shape, block)
+        q = (w.float() / per_weight).clamp(-448, 448).to(torch.float8_e4m3fn)
+        quantized[name] = q
+        quantized[f"{module}.weight_scale_inv"] = scale
+        dequantized[name] = q.float() * per_weight
+    config = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+              "weight_block_size": list(block)}  # fmt: skip
+    _write_folders(float_folder, out, reference, quantized, dequantized, config)

@@ -111,3 +111,43 @@ def test_bad_arguments_are_clear_errors() -> None:
         ops.mla_attention(out, query, cache, torch.from_numpy(bad), *args[1:], 0.1, RANK)
     with pytest.raises(ValueError, match="query must be float32 or the cache's dtype"):
         ops.mla_attention(out.half(), query.half(), cache.bfloat16(), *args, 0.1, RANK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_expanded_form_matches_the_absorbed_ones_reference(dtype: torch.dtype) -> None:
+    """The long prefills' form: each request's latents gathered from shuffled blocks,
+    expanded to per-head keys and values, then causal attention, is the absorbed form's
+    float64 result taken out of the latent space (a chunk on a cached prefix, and a whole
+    prompt)."""
+    from pyengine.layers.attention import AttentionMetadata
+    from pyengine.layers.latent_attention import (
+        ExpandedWeights,
+        LatentAttention,
+        expanded_attention,
+        expanded_head_size,
+    )
+
+    rng = np.random.default_rng()
+    heads, nope, v = 4, 24, 20
+    seq_lens, q_lens = [90, 37], [30, 37]
+    cache, tables, lens, qsl, _, latents = make(rng, seq_lens, q_lens, heads, 16, dtype)
+    w_uk = torch.from_numpy(rng.standard_normal((heads, nope, RANK))) / 4
+    w_uv = torch.from_numpy(rng.standard_normal((heads, RANK, v))) / 4
+    q_nope = torch.from_numpy(rng.standard_normal((int(qsl[-1]), heads, nope)))
+    q_pe = torch.from_numpy(rng.standard_normal((int(qsl[-1]), heads, ROPE)))
+    scale = 0.4 / math.sqrt(nope + ROPE)
+    absorbed = torch.cat((torch.einsum("thn,hnr->thr", q_nope, w_uk), q_pe), dim=-1)
+    want = torch.einsum("thr,hrv->thv", reference(absorbed, latents, lens, qsl, scale), w_uv)
+    meta = AttentionMetadata(torch.zeros(1, 0, dtype=torch.long),
+                             torch.from_numpy(tables)[None], torch.from_numpy(lens),
+                             torch.from_numpy(qsl))  # fmt: skip
+    attn = LatentAttention(heads, RANK, ROPE, scale)
+    size = expanded_head_size(nope + ROPE, v)
+    assert size == 64  # (keys of 56 and values of 20 numbers padded with zeros)
+    weights = ExpandedWeights(w_uk.to(dtype), w_uv.to(dtype), scale, size)
+    query = torch.cat((q_nope, q_pe), dim=-1).to(dtype)
+    for r in range(len(seq_lens)):
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        got = expanded_attention(query[rows], attn.context((cache, cache), meta, r), weights)
+        error = ((got.double() - want[rows]).abs().max() / want[rows].abs().max()).item()
+        assert error < (1e-5 if dtype == torch.float32 else 1e-2), error

@@ -9,54 +9,24 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from helpers.hf_reference import (
     assert_preemption_keeps_tokens,
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
 )
+from helpers.tiny_deepseek import deepseek_checkpoint, deepseek_config
 
 from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
-SHAPE = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
-    qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=24, n_routed_experts=8,
-    num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
-    topk_group=2, routed_scaling_factor=1.5, max_position_embeddings=256,
-    tie_word_embeddings=False,
-)  # fmt: skip
-CONFIGS = {
-    "v2": lambda: transformers.DeepseekV2Config(
-        **SHAPE, q_lora_rank=None, topk_method="group_limited_greedy", norm_topk_prob=False
-    ),
-    "v3": lambda: transformers.DeepseekV3Config(
-        **SHAPE, q_lora_rank=48, norm_topk_prob=True, rope_parameters={
-            "rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 0.8,
-            "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-            "rope_theta": 10000.0,
-        },
-    ),
-}  # fmt: skip
 ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 
-@pytest.fixture(scope="module", params=sorted(CONFIGS))
+@pytest.fixture(scope="module", params=["v2", "v3"])
 def deepseek(request, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     folder = tmp_path_factory.mktemp(f"deepseek-{request.param}")
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        CONFIGS[request.param](), dtype=torch.float32
-    )
-    with torch.no_grad():  # (random norms, router and correction bias too)
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.08)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.normal_(0.0, 0.3)
-    model.eval().save_pretrained(folder)
+    model = deepseek_checkpoint(deepseek_config(request.param), folder)
     return request.param, folder, model
 
 
@@ -87,3 +57,28 @@ def test_preemption_keeps_the_tokens(deepseek, swap: bool) -> None:  # type: ign
 def test_two_ranks_give_one_ranks_tokens(deepseek) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = deepseek
     assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
+
+
+def test_long_prefills_take_the_expanded_form(deepseek, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Requests of at least `expanded_from` query tokens in a step attend in the expanded
+    form, beside the others' absorbed one in the same step (decode steps, short chunks):
+    transformers' tokens and logits still, through chunked prefill and a prefix hit."""
+    from pyengine.models import deepseek as module
+
+    _, folder, model = deepseek
+    calls = []
+
+    def counted(*args):  # type: ignore[no-untyped-def]
+        calls.append(args[0].shape[0])
+        return expanded_attention(*args)
+
+    expanded_attention = module.expanded_attention
+    monkeypatch.setattr(module, "expanded_attention", counted)
+    llm = LLM(str(folder), max_num_batched_tokens=48, **ENGINE)
+    for layer in llm.llm_engine.executor.driver_worker.model_runner.model.layers:
+        layer.self_attn.attn.expanded_from = 8
+    rng = np.random.default_rng(4)
+    shared = rng.integers(0, 256, 40).tolist()
+    prompts = [rng.integers(0, 256, n).tolist() for n in (3, 12, 100)] + [shared, shared + [7] * 20]
+    assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 100).tolist())
+    assert calls and min(calls) >= 8 and len(calls) % 3 == 0  # (each of the 3 layers)

@@ -22,7 +22,7 @@ from pyengine.layers.quantization.weight_only_int import WeightOnlyIntMethod
 
 
 def test_every_listed_name_is_a_registered_method() -> None:
-    assert QUANTIZATION_METHODS == ("gptq", "awq", "compressed-tensors")
+    assert QUANTIZATION_METHODS == ("gptq", "awq", "compressed-tensors", "fp8")
     for name in QUANTIZATION_METHODS:
         assert isinstance(quantization_method(name), QuantizationMethod)
 
@@ -46,7 +46,7 @@ def test_each_method_reads_and_checks_its_config() -> None:
         quantization_from_hf({"quant_method": "awq", "bits": 8, "group_size": 32})
     with pytest.raises(ValueError, match=r"gptq group_size must be -1 or at least 8"):
         quantization_from_hf({"quant_method": "gptq", "bits": 4, "group_size": 4})
-    with pytest.raises(ValueError, match="float weights are compressed-tensors' FP8"):
+    with pytest.raises(ValueError, match="float weights are compressed-tensors' or fp8's"):
         check_quantization_config(QuantizationConfig("gptq", 8, -1, weight_type="float"))
 
 
@@ -61,3 +61,41 @@ def test_a_compressed_tensors_scheme_picks_its_layers_method() -> None:
     for config, kind in cases:
         check_quantization_config(config)
         assert isinstance(method.linear_method(config, placement, False), kind)
+
+
+def test_the_fp8_quant_method_reads_deepseek_v3s_blocks_and_per_tensor_scales() -> None:
+    """DeepSeek-V3's form: weight_scale_inv per block, activations per group of the block's
+    inputs; AutoFP8's: one weight_scale a tensor, activations per token or static."""
+    blocks = quantization_from_hf({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme":
+                                   "dynamic", "weight_block_size": [128, 128]})  # fmt: skip
+    assert (blocks.block_structure, blocks.activation_group) == ((128, 128), 128)
+    method = quantization_method("fp8").linear_method(blocks, Placement(), False)
+    assert isinstance(method, Fp8Method) and method.weight_kinds == ("weight", "weight_scale_inv")
+    assert "per block of 128x128, e4m3 activations per group" in blocks.describe()
+    static = quantization_from_hf({"quant_method": "fp8", "activation_scheme": "static"})
+    assert static.static_activations and static.block_structure is None
+    method = quantization_method("fp8").linear_method(static, Placement(), False)
+    assert method.weight_kinds == ("weight", "weight_scale", "input_scale")
+    # (the head, the embeddings and the router stay float anyway)
+    quantization_from_hf({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "gate"]})
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        ({"fmt": "e5m2"}, r"fp8 checkpoints in 'e5m2' are not supported"),
+        ({"activation_scheme": "per_tensor"}, r"activation_scheme 'per_tensor' is not supp"),
+        ({"weight_block_size": [128]}, r"weight_block_size must be \[out, in\], got \[128\]"),
+        ({"weight_block_size": [128, 128], "activation_scheme": "static"},
+         r"quantizes activations per group .*not 'static'"),
+        ({"modules_to_not_convert": ["model.layers.0.self_attn.q_a_proj"]},
+         r"layers left float \(\['model.layers.0.self_attn.q_a_proj'\]\) are not supported"),
+        ({"weight_block_size": [0, 128]}, r"block_structure must be two positive sizes"),
+    ],
+)  # fmt: skip
+def test_bad_fp8_quantization_configs_are_refused_naming_the_problem(
+    raw: dict,
+    message: str,  # type: ignore[type-arg]
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantization_from_hf({"quant_method": "fp8", **raw})

@@ -164,7 +164,7 @@ def test_bad_quantized_checkpoints_are_refused_naming_the_problem(
             {"group_size": 64},
             r"weight model\.layers\.\d+\.\S+\.(g_idx: groups outside|scales: shape)",
         ),
-        ({"quant_method": "fp8"}, "quantized checkpoints \\(fp8\\) are not supported"),
+        ({"quant_method": "bitsandbytes"}, "quantized checkpoints \\(bitsandbytes\\) are not"),
         ({"checkpoint_format": "marlin"}, "checkpoint_format 'marlin' is not supported"),
     ):
         refuses_quantization(tmp_path / "q", {**config["quantization_config"], **change}, message)

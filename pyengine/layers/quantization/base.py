@@ -158,6 +158,10 @@ class QuantizationMethod(ABC):
         return None
 
 
+# The methods whose checkpoints hold float (e4m3) weights.
+FLOAT_WEIGHT_METHODS = ("compressed-tensors", "fp8")
+
+
 def check_common(config: QuantizationConfig) -> None:
     """The rules every method's QuantizationConfig keeps (ValueError naming the value)."""
     if not is_int(config.group_size) or not (config.group_size == -1 or config.group_size >= 8):
@@ -178,8 +182,8 @@ def check_common(config: QuantizationConfig) -> None:
     group = config.activation_group
     if group and not (is_int(group) and group >= 1):
         raise ValueError(f"activation_group must be positive, got {group!r}")
-    if config.weight_type == "float" and config.method != "compressed-tensors":
+    if config.weight_type == "float" and config.method not in FLOAT_WEIGHT_METHODS:
         raise ValueError(
-            "float weights are compressed-tensors' FP8 (8-bit e4m3 per channel or tensor), "
+            "float weights are compressed-tensors' or fp8's (8-bit e4m3), "
             f"not {config.method} {config.bits}-bit in groups of {config.group_size}"
         )

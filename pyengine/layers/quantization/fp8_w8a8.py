@@ -106,13 +106,18 @@ class Fp8Weights:
 
 
 class Fp8Method(LinearMethod):
-    def __init__(self, quantization: QuantizationConfig, placement: Placement) -> None:
+    def __init__(
+        self, quantization: QuantizationConfig, placement: Placement,
+        scale_kind: str = "weight_scale",
+    ) -> None:  # fmt: skip
+        """scale_kind: the name of the weight scales' tensors (compressed-tensors'
+        `weight_scale`; the fp8 quant_method's blocks' `weight_scale_inv`)."""
         self.placement = placement
         self.quantizes_activations = quantization.activation_bits == 8
         self.block = quantization.block_structure  # (out, in) features a scale, or None
         self.activation_group = quantization.activation_group
         static = quantization.static_activations
-        self.weight_kinds = ("weight", "weight_scale", *(("input_scale",) if static else ()))
+        self.weight_kinds = ("weight", scale_kind, *(("input_scale",) if static else ()))
 
     def create_weights(self, layer: LinearBase) -> None:
         shape = (layer.output_size_per_partition, layer.input_size_per_partition)
@@ -131,7 +136,7 @@ class Fp8Method(LinearMethod):
     def load_quantized(
         self, layer: LinearBase, name: str, kind: str, loaded: CheckpointTensor, part: int
     ) -> None:
-        """`weight_scale` of stacked part `part` ([out, 1], [out], or one for the tensor:
+        """The weight scales of stacked part `part` ([out, 1], [out], or one for the tensor:
         [1] or []; this rank's rows), or its `input_scale` (one; the parts of a fused
         layer share their input, so the largest scale serves them all, as vLLM takes it)."""
         held = state_of(layer, Fp8Weights)

@@ -23,6 +23,7 @@ _MODULES = {
     "gptq": f"{_PACKAGE}.gptq",
     "awq": f"{_PACKAGE}.awq",
     "compressed-tensors": f"{_PACKAGE}.compressed_tensors",
+    "fp8": f"{_PACKAGE}.fp8",
 }
 QUANTIZATION_METHODS = tuple(_MODULES)
 
