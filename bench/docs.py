@@ -211,6 +211,13 @@ HEADLINES = (
         "%",
     ),
     Headline(
+        "mla_prefill",
+        "MLA prefill of a 4k-token prompt (DeepSeek-V2-Lite's shape, bfloat16): the absorbed "
+        "form's time over the expanded one's, which the engine runs",
+        figure("speedup_expanded_vs_absorbed_q4096_ctx4096"),
+        "x",
+    ),
+    Headline(
         "quantized",
         "CPU single-stream decode (streamed), int8 activations as llama.cpp's, against "
         "llama.cpp's server, slowest of Q4_0/Q4_1/Q8_0",

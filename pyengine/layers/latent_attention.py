@@ -26,9 +26,10 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 # A request takes the expanded form from this many query tokens of a step: past it the
 # keys' expansion (heads x rank x (nope + v) a key) costs less than what the cheaper
 # scores save, and the paged attention kernel runs the scores faster than the latent one
-# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes the absorbed form is
-# faster at 16 tokens, the expanded one from 32 on, 2x at 32 tokens over 4k latents and
-# 13x for a whole 4k-token prompt).
+# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes, on a CPU without AMX
+# where the latent kernel runs its portable build, the absorbed form is faster at 16
+# tokens, the expanded one from 32 on, 1.4x at 32 tokens over 128 latents and 14x for a
+# whole 4k-token prompt; AMX's latent tiles are yet to be measured against it).
 EXPANDED_FROM = 32
 
 
