@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
+from helpers.byte_tokenizer import byte_tokens  # noqa: E402
 from helpers.hf_reference import hf_greedy  # noqa: E402
 
 from pyengine import LLM, SamplingParams  # noqa: E402
@@ -25,16 +26,6 @@ from pyengine import LLM, SamplingParams  # noqa: E402
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, EXPERTS, TOP_K, SIZE, LAYERS = 64, 4, 2, 32, 8, 2, 64, 2
 EXPERT_TYPES = {"ffn_gate_exps": Q.Q8_0, "ffn_up_exps": Q.Q4_0, "ffn_down_exps": Q.Q8_0}
 VOCAB = 259  # bytes and three specials
-
-
-def byte_tokens() -> list[str]:
-    """GPT-2's printable stand-ins for the 256 bytes, then the specials."""
-    printable = set(range(33, 127)) | set(range(161, 173)) | set(range(174, 256))
-    extra, tokens = 0, []
-    for b in range(256):
-        tokens.append(chr(b) if b in printable else chr(256 + extra))
-        extra += b not in printable
-    return tokens + ["<|eot|>", "<|user|>", "<|assistant|>"]
 
 
 SHAPE = dict(
