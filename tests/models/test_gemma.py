@@ -139,3 +139,33 @@ def test_what_it_cannot_run_is_refused_by_name(gemma, tmp_path: Path) -> None:  
         (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             LLM(str(tmp_path), **ENGINE)
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_quantized_checkpoint_gives_the_dequantized_models_tokens(
+    gemma, tmp_path: Path, method: str
+) -> None:  # type: ignore[no-untyped-def]
+    """4-bit GPTQ and AWQ through the existing methods: every projection's blocks, the
+    windows and soft-caps as the float model's, so the tokens are transformers' on the
+    dequantized weights."""
+    from helpers.hf_reference import hf_greedy
+    from helpers.quantized_checkpoints import write_quantized
+
+    from pyengine.layers.quantization.weight_only_int import WeightOnlyIntMethod
+
+    _, folder, _ = gemma
+    write_quantized(folder, tmp_path / "q", tmp_path / "ref", method, 4, 32)
+    llm = LLM(str(tmp_path / "q"), **ENGINE)
+    layer = llm.llm_engine.executor.driver_worker.model_runner.model.layers[0]
+    assert isinstance(layer.self_attn.qkv_proj.method, WeightOnlyIntMethod)
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)  # (past the window)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "ref", dtype=torch.float32
+    )
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        hf_greedy(reference, p, 30) for p in prompts
+    ]
