@@ -195,25 +195,34 @@ class LatentAttentionLayer(nn.Module):
         self.attn.write(latents, cache, meta)
         q_nope = q[..., : self.nope]
         long = long_requests(meta, self.attn.expanded_from) if self.expanded_size else []
-        if not long:
+        if long:
+            heads_out = self._expanded(q_nope, q_pe, cache, meta, long)
+        else:
             heads_out = self._absorbed(q_nope, q_pe, cache, meta)
-        else:  # (long prefills expanded, the others absorbed)
-            heads_out = torch.empty(tokens, self.heads, self.v, dtype=x.dtype, device=x.device)
-            starts = meta.query_start_loc.tolist()
-            assert self.expanded_size is not None  # (else no request is long)
-            weights = ExpandedWeights(self.w_uk, self.w_uv, self.attn.scale, self.expanded_size)
-            query = torch.cat((q_nope, q_pe), dim=-1)
-            for r in long:
-                rows = slice(starts[r], starts[r + 1])
-                context = self.attn.context(cache, meta, r)
-                heads_out[rows] = expanded_attention(query[rows], context, weights).to(x.dtype)
-            if len(long) < len(starts) - 1:
-                rest, index = without_requests(meta, long)
-                heads_out[index] = self._absorbed(q_nope[index], q_pe[index], cache, rest).to(
-                    x.dtype
-                )
         result: torch.Tensor = self.o_proj(heads_out.reshape(tokens, -1))
         return result
+
+    def _expanded(
+        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
+        long: list[int],
+    ) -> torch.Tensor:  # fmt: skip
+        """The `long` requests' queries through the expanded form, the step's others
+        through the absorbed one: [tokens, heads, v]."""
+        assert self.expanded_size is not None  # (else no request is long)
+        tokens = q_nope.shape[0]
+        heads_out = torch.empty(tokens, self.heads, self.v, dtype=q_nope.dtype,
+                                device=q_nope.device)  # fmt: skip
+        weights = ExpandedWeights(self.w_uk, self.w_uv, self.attn.scale, self.expanded_size)
+        query = torch.cat((q_nope, q_pe), dim=-1)
+        starts = meta.query_start_loc.tolist()
+        for r in long:
+            rows = slice(starts[r], starts[r + 1])
+            context = self.attn.context(cache, meta, r)
+            heads_out[rows] = expanded_attention(query[rows], context, weights)
+        if len(long) < len(starts) - 1:
+            rest, index = without_requests(meta, long)
+            heads_out[index] = self._absorbed(q_nope[index], q_pe[index], cache, rest)
+        return heads_out
 
     def _absorbed(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, meta: AttentionMetadata

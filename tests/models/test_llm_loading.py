@@ -152,9 +152,14 @@ def test_checkpoints_the_model_cannot_take_are_refused(tmp_path: Path) -> None:
         LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
     extra.unlink()
     config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="quantized checkpoints \\(bitsandbytes\\) are not"):
+        LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
+    # (a float checkpoint that says it is fp8: its weights are not e4m3)
     config["quantization_config"] = {"quant_method": "fp8"}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="quantized checkpoints \\(fp8\\) are not supported"):
+    with pytest.raises(ValueError, match="float32 values, the model expects torch.float8_e4m3"):
         LLM(str(tmp_path), kv_cache_memory=16 * 2**20)
 
 
