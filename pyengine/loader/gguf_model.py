@@ -87,14 +87,18 @@ def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyWeights:
     for name in g.tensors:
         hf_name, rope_heads = _hf_name(g, arch, name, config)
         if hf_name is not None:
-            readers[hf_name] = functools.partial(_read_tensor, g, name, rope_heads)
+            readers[hf_name] = functools.partial(_read_tensor, g, arch, name, hf_name, rope_heads)
     return LazyWeights(readers)
 
 
-def _read_tensor(g: GGUFFile, name: str, rope_heads: int) -> torch.Tensor:
+def _read_tensor(
+    g: GGUFFile, arch: GGUFArchitecture, name: str, hf_name: str, rope_heads: int
+) -> torch.Tensor:
     array = g.tensor(name)
     if rope_heads:
         array = _unpermute_rope(array, rope_heads)
+    if arch.to_hf is not None:
+        array = arch.to_hf(hf_name, array)
     return torch.from_numpy(np.ascontiguousarray(array))
 
 

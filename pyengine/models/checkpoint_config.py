@@ -68,6 +68,10 @@ class GGUFArchitecture:
     # Where one llama.cpp name holds more than one architecture (its llama with experts is
     # Mixtral): whether a file's metadata is this one's. None: the name's default.
     holds: Callable[[GGUFMetadata], bool] | None = None
+    # A float tensor's values as the Hugging Face checkpoint holds them, by its Hugging
+    # Face name, where llama.cpp's conversion changed them (Gemma's norms: it stores
+    # 1 + w). None: as they are.
+    to_hf: Callable[[str, Any], Any] | None = None
 
 
 def integer(value: Any) -> int:

@@ -12,6 +12,9 @@ otherwise:
 - per-head q/k RMSNorms (1 + w) and a rotary base of their own for the sliding layers
   (Gemma 3: `rope_parameters` per layer type, or `rope_local_base_freq`).
 
+From GGUF files too (llama.cpp's gemma2 and gemma3): llama.cpp stores the norms as
+1 + w, which the loader takes back to w.
+
 The sliding layers are KV-cache groups of their own (worker/kv_layout.py), whose blocks
 past the window are released. On the CPU the GeGLU and the embeddings' scale are
 kernels, so that decode steps record.
@@ -35,16 +38,24 @@ from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    integer,
+)
 from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
     MLP,
     Attention,
     DecoderLayer,
     LlamaFamilyConfig,
     LlamaForCausalLM,
+    _config_from_gguf,
     _config_from_hf,
     _Variant,
 )
+from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -127,6 +138,76 @@ def _gemma_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Model
                    family=family)  # fmt: skip
 
 
+# llama.cpp's Gemma tensors (norms before and after the attention and the MLP, q/k norms
+# in Gemma 3) and the family's.
+_GGUF_LAYER_TENSORS = {
+    **_LLAMA_GGUF_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+# Their 27B models scale q . k by (hidden / heads)^-0.5, not the head size's, and are
+# known to llama.cpp by their layer count alone (it keeps no query_pre_attn_scalar).
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+# Layers a period of the sliding pattern, the last of each full (llama.cpp's defaults).
+_GGUF_SLIDING_PERIOD = {"gemma2": 2, "gemma3": 6}
+
+
+def _gguf_sliding_layers(m: GGUFMetadata, layers: int) -> tuple[int, ...]:
+    """The sliding layers: `attention.sliding_window_pattern` where the file has it (a
+    period, or a flag a layer), else llama.cpp's default period."""
+    pattern = m.fields.get(f"{m.architecture}.attention.sliding_window_pattern")
+    if isinstance(pattern, list):
+        if len(pattern) != layers:
+            raise ValueError(f"sliding_window_pattern must flag each of the {layers} layers")
+        return tuple(i for i, flag in enumerate(pattern) if flag)
+    period = integer(pattern) if pattern is not None else _GGUF_SLIDING_PERIOD[m.architecture]
+    return tuple(i for i in range(layers) if i % period != period - 1)
+
+
+def _gemma_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's keys and defaults: Gemma 2's layers alternate sliding and full from the
+    first, Gemma 3's are five sliding to one full, its sliding ones turning by a base of
+    their own (`rope.freq_base_swa`, 10000) unscaled; soft-caps where the file has them."""
+    gemma3 = m.architecture == "gemma3"
+    config = _config_from_gguf(m, common)
+    window = integer(m.field("attention.sliding_window", 0))
+    sliding = _gguf_sliding_layers(m, config.num_layers) if window else ()
+    if config.num_layers == _GGUF_27B_LAYERS[m.architecture]:
+        query_scale = (config.hidden_size / config.num_heads) ** -0.5
+    else:
+        query_scale = config.head_size**-0.5
+    family = GemmaFamilyConfig(
+        qk_norm=gemma3,
+        local_rope_theta=float(m.field("rope.freq_base_swa", 10000.0)) if gemma3 else 0.0,
+        query_scale=query_scale,
+        attention_soft_cap=float(m.field("attn_logit_softcapping", 0.0)),
+        final_soft_cap=float(m.field("final_logit_softcapping", 0.0)),
+        window=window,
+        sliding_layers=sliding,
+    )
+    return replace(config, sliding_window=0, family=family)
+
+
+def _norms_to_hf(name: str, values: Any) -> Any:
+    """llama.cpp stores Gemma's norms as 1 + w; the checkpoint's w back."""
+    return values - 1 if name.endswith("norm.weight") else values
+
+
+_GGUF_ARCHITECTURES = tuple(
+    GGUFArchitecture(
+        name,
+        hf,
+        _gemma_config_from_gguf,
+        _GGUF_GLOBAL_TENSORS,
+        _GGUF_LAYER_TENSORS,
+        "model.layers",
+        to_hf=_norms_to_hf,
+    )  # fmt: skip
+    for name, hf in (("gemma2", "Gemma2ForCausalLM"), ("gemma3", "Gemma3ForCausalLM"))
+)
+
+
 class GemmaMLP(MLP):
     """gelu(gate) * up (the tanh approximation): the [gate; up] product whole, then the
     CPU's kernel (or torch elsewhere)."""
@@ -185,7 +266,7 @@ class GemmaDecoderLayer(DecoderLayer):
 
 class GemmaForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:

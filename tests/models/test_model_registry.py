@@ -55,7 +55,16 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
     assert gguf_architecture("llama", experts).hf_architecture == "MixtralForCausalLM"
     dense = GGUFMetadata({"llama.expert_count": 0}, (), "llama")
     assert gguf_architecture("llama", dense).hf_architecture == "LlamaForCausalLM"
-    assert GGUF_ARCHITECTURES == ("llama", "mistral", "qwen2", "qwen3", "qwen2moe", "qwen3moe")
+    assert GGUF_ARCHITECTURES == (
+        "llama",
+        "mistral",
+        "qwen2",
+        "qwen3",
+        "qwen2moe",
+        "qwen3moe",
+        "gemma2",
+        "gemma3",
+    )
     llama_gguf = model_class("LlamaForCausalLM").gguf_architectures
     assert [a.name for a in llama_gguf if a.rope_permuted] == ["llama", "mistral"]
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported \(llama, "):
