@@ -23,7 +23,7 @@ class QuantizationConfig:
     A plain value: the method it names checks it when it is read from a checkpoint
     (layers/quantization/registry.py, check_quantization_config)."""
 
-    method: str  # a registered method's name: "gptq", "awq", "compressed-tensors", "fp8"
+    method: str  # a registered method's name: "gptq", "awq", "compressed-tensors", "fp8"...
     bits: int
     group_size: int
     desc_act: bool = False  # GPTQ: groups in activation order (a g_idx per input feature)
@@ -47,6 +47,8 @@ class QuantizationConfig:
         return 32 // self.bits
 
     def describe(self) -> str:
+        if self.method == "mxfp4":
+            return "mxfp4 experts (e2m1 weights, a power-of-two scale per 32)"
         if self.weight_type == "float":
             per = "group of inputs" if self.activation_group else "token"
             activations = (

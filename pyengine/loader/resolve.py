@@ -256,7 +256,7 @@ def load_safetensors(folder: Path, quantized: bool = False) -> LazyWeights:
 
 # A quantized checkpoint's integer tensors (GPTQ's and AWQ's packed weights and zero
 # points, GPTQ's input groups, compressed-tensors' packed weights, their shapes and input
-# groups).
+# groups, MXFP4's codes and scales).
 QUANTIZED_INTEGER_TENSORS = (
     ".qweight",
     ".qzeros",
@@ -264,6 +264,8 @@ QUANTIZED_INTEGER_TENSORS = (
     ".weight_packed",
     ".weight_shape",
     ".weight_g_idx",
+    "_blocks",
+    "_scales",
 )
 # safetensors' header dtypes that are not floating point, as torch names them
 _INTEGER_DTYPES = {"BOOL": "torch.bool", "U8": "torch.uint8", "I8": "torch.int8",

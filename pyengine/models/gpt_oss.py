@@ -13,12 +13,14 @@
 
 The sliding layers are a KV-cache group of their own (worker/kv_layout.py), whose blocks
 past the window are released. The CUDA kernels' sinks have run in the host emulation
-only; the released checkpoints' MXFP4 experts are refused by their quant_method.
+only. The released checkpoints' experts are MXFP4 (`<proj>_blocks` and `<proj>_scales`,
+layers/quantization/mxfp4.py): on the CPU in float32 they stay 8-bit blocks of the same
+values, elsewhere they are dequantized at load.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
@@ -26,12 +28,14 @@ import torch
 from torch import nn
 
 from pyengine.config import ModelConfig
+from pyengine.layers.block_quantized import BLOCK
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.activation import ExpertActivation
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
+from pyengine.layers.quantization.mxfp4 import dequantize_mxfp4, mxfp4_blocks
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
@@ -102,9 +106,11 @@ class GptOssDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         routing = RoutingConfig("softmax", family.top_k, family.num_experts, renormalize=True)
         activation = ExpertActivation("clamped_swiglu", family.swiglu_alpha, family.swiglu_limit)
+        # (MXFP4 experts in blocks where the placement multiplies blocks, else as floats)
+        method = experts_method(ctx.placement, blocks=c.quantization is not None)
         self.mlp = FusedMoE(  # type: ignore[assignment]  # (its forward is an MLP's)
             c.hidden_size, c.intermediate_size, routing, ctx.placement, tp=ctx.tp,
-            expert_parallel=ctx.expert_parallel, method=experts_method(ctx.placement),
+            expert_parallel=ctx.expert_parallel, method=method,
             activation=activation, expert_bias=True, router_bias=True,
         )  # fmt: skip
 
@@ -121,6 +127,11 @@ class GptOssForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         refuse_adapters(ctx)
+        if config.quantization is not None and config.quantization.method != "mxfp4":
+            raise ValueError(
+                f"gpt-oss with {config.quantization.describe()} weights is not supported "
+                "(float and its released mxfp4 checkpoints are)"
+            )
         super().__init__(config, max_positions, ctx)
 
     def make_layer(
@@ -175,9 +186,68 @@ class GptOssForCausalLM(LlamaForCausalLM):
             copy_checked(name, mlp.down_bias, tensor.narrow(0, s.first, s.count))
 
         for name, shape, load in (
-            ("gate_up_proj", (experts, hidden, 2 * whole), gate_up),
             ("gate_up_proj_bias", (experts, 2 * whole), gate_up_bias),
-            ("down_proj", (experts, whole, hidden), down),
             ("down_proj_bias", (experts, hidden), down_bias),
         ):
             router.tensor(f"{prefix}.experts.{name}", shape, load)
+        if self.config.quantization is not None:
+            route_mxfp4_experts(router, f"{prefix}.experts", mlp)
+            return
+        router.tensor(f"{prefix}.experts.gate_up_proj", (experts, hidden, 2 * whole), gate_up)
+        router.tensor(f"{prefix}.experts.down_proj", (experts, whole, hidden), down)
+
+
+def route_mxfp4_experts(router: WeightRouter, prefix: str, mlp: FusedMoE) -> None:
+    """The experts' MXFP4 `gate_up_proj` (its gate and up rows alternating) and
+    `down_proj` (blocks and scales, which come apart: each weight is taken once both have
+    loaded), this rank's experts and rows of them: as 8-bit blocks where the layer keeps
+    blocks, else dequantized into its float weights."""
+    s, n = mlp.shard, mlp.intermediate_size
+    experts, whole, hidden = mlp.routing.num_experts, mlp.full_intermediate_size, mlp.hidden_size
+    if s.start % BLOCK or n % BLOCK:
+        raise ValueError(
+            f"mxfp4 experts: a rank's {n} intermediate features from {s.start} split the "
+            f"down projection's blocks of {BLOCK}"
+        )
+    pending: dict[str, dict[str, torch.Tensor]] = {"gate_up_proj": {}, "down_proj": {}}
+
+    def take(proj: str) -> None:
+        blocks, scales = pending[proj]["blocks"], pending[proj]["scales"]
+        if mlp.method.keeps_blocks:
+            for e in range(s.count):
+                b = mxfp4_blocks(blocks[e].numpy(), scales[e].numpy())
+                if proj == "down_proj":
+                    mlp.expert_blocks[e, "down"] = b
+                else:
+                    mlp.expert_blocks[e, "gate"] = b.map_rows(lambda a: a[0::2])
+                    mlp.expert_blocks[e, "up"] = b.map_rows(lambda a: a[1::2])
+            return
+        weights = dequantize_mxfp4(blocks, scales)  # [count, rows, cols]
+        if proj == "down_proj":
+            copy_checked(f"{prefix}.down_proj", mlp.down, weights)
+        else:
+            copy_checked(f"{prefix}.gate_up_proj", mlp.gate_up[:, :n], weights[:, 0::2])
+            copy_checked(f"{prefix}.gate_up_proj", mlp.gate_up[:, n:], weights[:, 1::2])
+
+    def part(proj: str, kind: str) -> Callable[[str, CheckpointTensor], None]:
+        def load(name: str, tensor: CheckpointTensor) -> None:
+            mine = tensor.narrow(0, s.first, s.count)
+            if proj == "gate_up_proj":  # (rows: this rank's gate and up rows, alternating)
+                mine = mine.narrow(1, 2 * s.start, 2 * n)
+            else:  # (columns: its intermediate features' blocks)
+                mine = mine.narrow(2, s.start // BLOCK, n // BLOCK)
+            held = materialize(mine)
+            if held.dtype != torch.uint8:
+                raise ValueError(f"weight {name}: mxfp4 {kind} are uint8, got {held.dtype}")
+            pending[proj][kind] = held
+            if len(pending[proj]) == 2:
+                take(proj)
+                pending[proj] = {}
+
+        return load
+
+    for proj, rows, columns in (("gate_up_proj", 2 * whole, hidden), ("down_proj", hidden, whole)):
+        groups = -(-columns // BLOCK)
+        router.tensor(f"{prefix}.{proj}_blocks", (experts, rows, groups, BLOCK // 2),
+                      part(proj, "blocks"))  # fmt: skip
+        router.tensor(f"{prefix}.{proj}_scales", (experts, rows, groups), part(proj, "scales"))

@@ -66,13 +66,16 @@ def test_gpt_oss_experts_their_biases_and_clamped_swiglu(dtype: torch.dtype) -> 
 
 
 def test_forms_that_cannot_run_gpt_oss_experts_refuse_them_by_name() -> None:
+    """Experts as linear layers of a quantized method (gpt-oss's MXFP4 runs as blocks:
+    tests/models/test_gpt_oss_mxfp4.py)."""
+    from pyengine.layers.linear import LayerContext
     from pyengine.layers.moe.layer import FusedMoE
-    from pyengine.layers.moe.methods import BlockExperts
+    from pyengine.layers.moe.linear_experts import LinearExperts
     from pyengine.layers.placement import Placement
 
     config = RoutingConfig("softmax", 2, 6, renormalize=True)
     gpt_oss = {"activation": ExpertActivation("clamped_swiglu"), "expert_bias": True}
-    with pytest.raises(ValueError, match="GGUF block experts with the clamped_swiglu activation"):
-        FusedMoE(64, 48, config, Placement(), method=BlockExperts(False), **gpt_oss)
+    with pytest.raises(ValueError, match="quantized experts with the clamped_swiglu activation"):
+        FusedMoE(64, 48, config, Placement(), method=LinearExperts(LayerContext()), **gpt_oss)
     with pytest.raises(ValueError, match="expert activation 'gelu' is not one of silu"):
         ExpertActivation("gelu")

@@ -77,7 +77,7 @@ def test_two_ranks_give_one_ranks_tokens(gpt_oss) -> None:  # type: ignore[no-un
     assert_ranks_give_one_ranks_tokens(folder, ENGINE, layouts)
 
 
-def test_mxfp4_checkpoints_and_adapters_are_refused_by_name(gpt_oss, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+def test_other_quantizations_and_adapters_are_refused_by_name(gpt_oss, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     import json
 
     folder, _ = gpt_oss
@@ -86,7 +86,7 @@ def test_mxfp4_checkpoints_and_adapters_are_refused_by_name(gpt_oss, tmp_path: P
     for f in folder.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     config = json.loads((folder / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 32}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"quantized checkpoints \(mxfp4\) are not supported"):
+    with pytest.raises(ValueError, match=r"gpt-oss with gptq 4-bit, groups of 32 weights is not"):
         LLM(str(tmp_path), **ENGINE)

@@ -22,7 +22,7 @@ from pyengine.layers.quantization.weight_only_int import WeightOnlyIntMethod
 
 
 def test_every_listed_name_is_a_registered_method() -> None:
-    assert QUANTIZATION_METHODS == ("gptq", "awq", "compressed-tensors", "fp8")
+    assert QUANTIZATION_METHODS == ("gptq", "awq", "compressed-tensors", "fp8", "mxfp4")
     for name in QUANTIZATION_METHODS:
         assert isinstance(quantization_method(name), QuantizationMethod)
 
@@ -46,7 +46,7 @@ def test_each_method_reads_and_checks_its_config() -> None:
         quantization_from_hf({"quant_method": "awq", "bits": 8, "group_size": 32})
     with pytest.raises(ValueError, match=r"gptq group_size must be -1 or at least 8"):
         quantization_from_hf({"quant_method": "gptq", "bits": 4, "group_size": 4})
-    with pytest.raises(ValueError, match="float weights are compressed-tensors' or fp8's"):
+    with pytest.raises(ValueError, match="float weights are compressed-tensors', fp8's"):
         check_quantization_config(QuantizationConfig("gptq", 8, -1, weight_type="float"))
 
 

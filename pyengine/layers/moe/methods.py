@@ -335,9 +335,11 @@ class PanelExperts(ExpertsMethod):
 
 
 class BlockExperts(PanelExperts):
-    """A GGUF file's experts in their blocks: each expert's gate and up blocks stacked
-    ([gate; up], as a fused gate/up weight's) and packed, and its down blocks, as dense's
-    quantized panels; the router (a float tensor) as float32 panels."""
+    """Experts in a block form (a GGUF file's, gpt-oss's MXFP4 as 8-bit blocks): each
+    expert's gate and up blocks stacked ([gate; up], paired as a fused gate/up weight's
+    unless the layer takes the product whole) and packed, and its down blocks, as dense's
+    quantized panels, with the experts' biases where they have them; the router (a float
+    tensor) as float32 panels."""
 
     keeps_blocks = True
 
@@ -347,7 +349,6 @@ class BlockExperts(PanelExperts):
 
     def create_experts(self, layer: FusedMoE) -> None:
         """(none: the file's blocks come to layer.expert_blocks as they load)"""
-        refuse_plain_gate_up(layer, "GGUF block")
 
     @staticmethod
     def stack_blocks(parts: list[BlockQuantized], gate_up: bool) -> torch.Tensor:
@@ -364,9 +365,10 @@ class BlockExperts(PanelExperts):
         gate_up = [BlockQuantized.stack([blocks[e, "gate"], blocks[e, "up"]]) for e in experts]
         layer.method_state = ExpertPanels(
             self.pack(layer.router.data.t(), False),
-            self.stack_blocks(gate_up, True),
+            self.stack_blocks(gate_up, not layer.plain_gate_up),
             self.stack_blocks([blocks[e, "down"] for e in experts], False),
             self.pack_shared(layer),
+            *self.biases(layer),
         )
         layer.expert_blocks = {}  # (the packed forms hold them now)
         del layer.router

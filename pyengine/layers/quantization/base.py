@@ -159,7 +159,7 @@ class QuantizationMethod(ABC):
 
 
 # The methods whose checkpoints hold float (e4m3) weights.
-FLOAT_WEIGHT_METHODS = ("compressed-tensors", "fp8")
+FLOAT_WEIGHT_METHODS = ("compressed-tensors", "fp8", "mxfp4")
 
 
 def check_common(config: QuantizationConfig) -> None:
@@ -184,6 +184,6 @@ def check_common(config: QuantizationConfig) -> None:
         raise ValueError(f"activation_group must be positive, got {group!r}")
     if config.weight_type == "float" and config.method not in FLOAT_WEIGHT_METHODS:
         raise ValueError(
-            "float weights are compressed-tensors' or fp8's (8-bit e4m3), "
+            "float weights are compressed-tensors', fp8's (8-bit e4m3) or mxfp4's, "
             f"not {config.method} {config.bits}-bit in groups of {config.group_size}"
         )

@@ -24,6 +24,7 @@ _MODULES = {
     "awq": f"{_PACKAGE}.awq",
     "compressed-tensors": f"{_PACKAGE}.compressed_tensors",
     "fp8": f"{_PACKAGE}.fp8",
+    "mxfp4": f"{_PACKAGE}.mxfp4",
 }
 QUANTIZATION_METHODS = tuple(_MODULES)
 
