@@ -169,3 +169,30 @@ def test_a_quantized_checkpoint_gives_the_dequantized_models_tokens(
     assert [list(o.outputs[0].token_ids) for o in outs] == [
         hf_greedy(reference, p, 30) for p in prompts
     ]
+
+
+def test_lora_adapters_give_peft_tokens(gemma, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A random adapter of every projection (peft's layout): the attention's through the
+    windows and soft-caps, gate and up through GeGLU; peft's greedy tokens, beside the base
+    model's in the same batch."""
+    pytest.importorskip("peft")
+    from helpers.hf_reference import hf_greedy
+    from helpers.lora import make_adapter
+
+    from pyengine import LoRARequest
+
+    _, folder, base = gemma
+    fresh = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    adapted = make_adapter(fresh, tmp_path / "adapter", seed=3).eval()
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (6, 40)]
+    llm = LLM(str(folder), enable_lora=True, max_lora_rank=8, **ENGINE)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    outs = llm.generate(inputs * 2, params, lora_request=[lora, lora, None, None], use_tqdm=False)
+    llm.llm_engine.shutdown()
+    got = [list(o.outputs[0].token_ids) for o in outs]
+    assert got[:2] == [hf_greedy(adapted, p, 20) for p in prompts]
+    assert got[2:] == [hf_greedy(base, p, 20) for p in prompts]
+    assert got[:2] != got[2:]
