@@ -34,6 +34,17 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 EXPANDED_FROM = 32
 
 
+# An fp8 (e4m3) cache's storage: its bytes (the kernels' kFp8Cache).
+FP8_CACHE = torch.uint8
+
+
+def to_cache(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`rows` in a cache of `dtype` (an fp8 one's: e4m3's bytes)."""
+    if dtype == FP8_CACHE:
+        return rows.to(torch.float8_e4m3fn).view(FP8_CACHE)
+    return rows.to(dtype)
+
+
 def expanded_head_size(qk: int, v: int) -> int | None:
     """The head size the paged attention kernel takes for keys of `qk` and values of `v`
     numbers (both padded with zeros to the least it runs that holds them); None where
@@ -114,12 +125,13 @@ class LatentAttention:
         self.expanded_from = EXPANDED_FROM
 
     def write(self, latent: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
-        """The step's latent vectors [num_tokens, rank + rope_dim] into their slots."""
+        """The step's latent vectors [num_tokens, rank + rope_dim] into their slots (an fp8
+        cache's: rounded to e4m3, unscaled, as vLLM's fp8 latent cache holds them)."""
         latents = cache[0]  # [num_blocks, block_size, rank + rope_dim]
         flat = latents.view(-1, latents.shape[-1])
         slots = meta.slot_mapping[self.kv_group]
         written = slots >= 0  # (-1: a padding row writes nothing)
-        flat.index_copy_(0, slots[written], latent[written].to(flat.dtype))
+        flat.index_copy_(0, slots[written], to_cache(latent[written], flat.dtype))
 
     def absorbed(
         self, query: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -127,8 +139,8 @@ class LatentAttention:
         """query [num_tokens, num_heads, rank + rope_dim] (in the latent space) against
         the cached latents: [num_tokens, num_heads, rank]."""
         latents = cache[0]
-        if query.dtype not in (torch.float32, latents.dtype):
-            query = query.to(latents.dtype)
+        if latents.dtype == FP8_CACHE or query.dtype not in (torch.float32, latents.dtype):
+            query = query.to(torch.float32 if latents.dtype == FP8_CACHE else latents.dtype)
         out = torch.empty(query.shape[0], self.num_heads, self.rank, dtype=query.dtype,
                           device=query.device)  # fmt: skip
         ops.mla_attention(out, query.contiguous(), latents, meta.block_tables[self.kv_group],
@@ -141,7 +153,8 @@ class LatentAttention:
         seq_len = int(meta.seq_lens[request])
         blocks = -(-seq_len // latents.shape[1])
         table = meta.block_tables[self.kv_group, request, :blocks].long()
-        return latents[table].view(-1, latents.shape[-1])[:seq_len]
+        rows = latents[table].view(-1, latents.shape[-1])[:seq_len]
+        return rows.view(torch.float8_e4m3fn) if rows.dtype == FP8_CACHE else rows
 
 
 def without_requests(

@@ -162,10 +162,11 @@ class ModelRunner:
         self.layers = range(start, end)
         self.kv_slots = self.kv_layout.slots_of(self.layers)
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
-        if latent and self.cache_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        latent_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
+        if latent and self.cache_dtype not in latent_dtypes:
             raise ValueError(
                 f"kv_cache_dtype {config.cache_dtype}: latent attention's cache is float32, "
-                "float16 or bfloat16"
+                "float16, bfloat16 or fp8 (e4m3)"
             )
         # An int8 cache's head dims hold each token's scale too.
         self.cache_head_size = latent or c.head_size + (

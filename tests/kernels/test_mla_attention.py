@@ -151,3 +151,22 @@ def test_the_expanded_form_matches_the_absorbed_ones_reference(dtype: torch.dtyp
         got = expanded_attention(query[rows], attn.context((cache, cache), meta, r), weights)
         error = ((got.double() - want[rows]).abs().max() / want[rows].abs().max()).item()
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+def test_an_fp8_cache_is_its_e4m3_values() -> None:
+    """vLLM's fp8 latent cache (e4m3 bytes as uint8, no scale) under float32 queries: the
+    float64 reference over the latents rounded to e4m3; other queries refused by name."""
+    rng = np.random.default_rng()
+    cache, tables, lens, qsl, query, latents = make(rng, [70, 300, 5], [70, 1, 5], 4, 16,
+                                                    torch.float32)  # fmt: skip
+    fp8 = cache.to(torch.float8_e4m3fn)
+    rounded = [latent.to(torch.float8_e4m3fn).double() for latent in latents]
+    out = torch.empty(query.shape[0], 4, RANK)
+    args = (torch.from_numpy(tables), torch.from_numpy(lens), torch.from_numpy(qsl), 0.1, RANK)
+    ops.mla_attention(out, query, fp8.view(torch.uint8), *args)
+    want = reference(query, rounded, lens, qsl, 0.1)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-5
+    # (and not the unrounded latents': the rounding is e4m3's)
+    assert (out.double() - reference(query, latents, lens, qsl, 0.1)).abs().max() > 1e-3
+    with pytest.raises(ValueError, match=r"float32 over an fp8 cache"):
+        ops.mla_attention(out.bfloat16(), query.bfloat16(), fp8.view(torch.uint8), *args)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers.hf_reference import (
     assert_preemption_keeps_tokens,
     assert_ranks_give_one_ranks_tokens,
@@ -82,3 +83,29 @@ def test_long_prefills_take_the_expanded_form(deepseek, monkeypatch) -> None:  #
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 12, 100)] + [shared, shared + [7] * 20]
     assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 100).tolist())
     assert calls and min(calls) >= 8 and len(calls) % 3 == 0  # (each of the 3 layers)
+
+
+def test_an_fp8_latent_cache_stays_close_to_the_float_one(deepseek) -> None:  # type: ignore[no-untyped-def]
+    """kv_cache_dtype="fp8": each latent vector stored as e4m3 (a byte a number, unscaled,
+    as vLLM's fp8 latent cache), read back by both forms; the top-5 logprobs within what
+    e4m3's 3 mantissa bits cost, at each step whose tokens so far agree."""
+    from helpers.logprobs import same_context_differences
+
+    from pyengine import SamplingParams
+
+    _, folder, _ = deepseek
+    rng = np.random.default_rng(8)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in (5, 60)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    runs = []
+    for cache in ("fp8", "auto"):
+        llm = LLM(str(folder), kv_cache_dtype=cache, **ENGINE)
+        caches = llm.llm_engine.executor.driver_worker.model_runner.caches
+        assert caches[0][0].dtype == (torch.uint8 if cache == "fp8" else torch.float32)
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.shutdown()
+        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    differences = same_context_differences(*runs)
+    assert len(differences) >= 2 * 5
+    assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
+    assert max(differences) > 0  # (the cache did round)

@@ -17,8 +17,9 @@ namespace pyengine {
 // q_len_i positions of its seq_lens[i] tokens, and attend causally to them.
 //   out:           [num_tokens, num_heads, value_dim] (written), query's dtype
 //   query:         [num_tokens, num_heads, latent_dim], float32 or the cache's dtype
-//   latent_cache:  [num_blocks, block_size, latent_dim] (dense), float32, float16 or
-//                  bfloat16
+//                  (float32 over an fp8 cache)
+//   latent_cache:  [num_blocks, block_size, latent_dim] (dense), float32, float16,
+//                  bfloat16 or fp8 e4m3 (its bytes as uint8: vLLM's fp8 cache, no scale)
 //   block_tables:  int32 [num_reqs, max_blocks_per_request]
 //   seq_lens:      int32 [num_reqs]
 //   query_start_loc int32 [num_reqs + 1]

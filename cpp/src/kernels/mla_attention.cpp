@@ -27,10 +27,15 @@ namespace {
 constexpr const char* kOp = "mla_attention";
 constexpr int64_t kMinPartKeys = 256;  // a split part's fewest keys
 
-// `n` elements of a float32, bfloat16 or float16 row, widened.
+// `n` elements of a float32, bfloat16, float16 or fp8 e4m3 (a cache's bytes) row, widened.
 void widen(const void* row, DType dtype, int64_t n, float* out) {
   if (dtype == DType::kFloat32) {
     std::copy_n(static_cast<const float*>(row), n, out);
+    return;
+  }
+  if (dtype == detail::kFp8Cache) {
+    const auto* b = static_cast<const uint8_t*>(row);
+    for (int64_t i = 0; i < n; ++i) out[i] = detail::fp8_e4m3_to_float(b[i]);
     return;
   }
   const auto* h = static_cast<const uint16_t*>(row);
@@ -81,7 +86,8 @@ void attend(const Item& w, const Shapes& s, const float* q, const void* cache, D
   std::fill_n(acc, s.heads * v, 0.0f);
   std::fill_n(max, s.heads, -std::numeric_limits<float>::infinity());
   std::fill_n(sum, s.heads, 0.0f);
-  const int64_t elem = cache_dtype == DType::kFloat32 ? 4 : 2;
+  const int64_t elem =
+      cache_dtype == DType::kFloat32 ? 4 : (cache_dtype == detail::kFp8Cache ? 1 : 2);
   for (int64_t first = w.begin; first < w.end;) {
     const int64_t block = table[first / bs];
     const int64_t lo = first % bs, n = std::min(bs - lo, w.end - first);
@@ -123,10 +129,12 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   detail::check_cpu(latent_cache, kOp, "latent_cache");
   detail::check_shape(latent_cache, kOp, "latent_cache", 3);
   const DType cache_dtype = latent_cache.dtype;
+  const bool fp8 = cache_dtype == detail::kFp8Cache;  // (e4m3 bytes as uint8)
   if (cache_dtype != DType::kFloat32 && cache_dtype != DType::kBFloat16 &&
-      cache_dtype != DType::kFloat16) {
+      cache_dtype != DType::kFloat16 && !fp8) {
     throw InvalidArgument(detail::arg(kOp, "latent_cache") +
-                          " must be float32, float16 or bfloat16, got " + latent_cache.describe());
+                          " must be float32, float16, bfloat16 or fp8 e4m3 (uint8), got " +
+                          latent_cache.describe());
   }
   const int64_t num_blocks = latent_cache.shape[0], bs = latent_cache.shape[1];
   const int64_t d = latent_cache.shape[2];
@@ -136,9 +144,10 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
                           latent_cache.describe());
   }
   const DType qdtype = query.dtype;
-  if (qdtype != DType::kFloat32 && qdtype != cache_dtype) {
-    throw InvalidArgument(detail::arg(kOp, "query") + " must be float32 or the cache's dtype, got " +
-                          query.describe());
+  if (qdtype != DType::kFloat32 && (qdtype != cache_dtype || fp8)) {
+    throw InvalidArgument(detail::arg(kOp, "query") +
+                          " must be float32 or the cache's dtype (float32 over an fp8 cache), " +
+                          "got " + query.describe());
   }
   detail::check_rows(query, kOp, "query", 3, qdtype);
   detail::check_rows(out, kOp, "out", 3, qdtype);
