@@ -176,6 +176,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
 _CUDA_KERNELS = (
     "reshape_and_cache",
     "paged_attention",
+    "mla_attention",
     "copy_blocks",
     "swap_blocks",
     "rms_norm",

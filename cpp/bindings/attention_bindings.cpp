@@ -83,7 +83,7 @@ KernelCall prepare_paged_attention(const py::handle& out, const py::handle& quer
 KernelCall prepare_mla_attention(const py::handle& out, const py::handle& query,
                                  const py::handle& latent_cache, const py::handle& block_tables,
                                  const py::handle& seq_lens, const py::handle& query_start_loc,
-                                 float scale, int64_t value_dim) {
+                                 float scale, int64_t value_dim, uintptr_t stream) {
   auto o = shared_view(out, "mla_attention: out");
   auto q = shared_view(query, "mla_attention: query");
   auto cache = shared_view(latent_cache, "mla_attention: latent_cache");
@@ -92,7 +92,7 @@ KernelCall prepare_mla_attention(const py::handle& out, const py::handle& query,
   auto qsl = shared_view(query_start_loc, "mla_attention: query_start_loc");
   return {[=] {
     mla_attention(o->view(), q->view(), cache->view(), tables->view(), lens->view(), qsl->view(),
-                  scale, value_dim);
+                  scale, value_dim, as_stream(stream));
   }};
 }
 
@@ -136,20 +136,22 @@ stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc
   def_kernel(
       m, "mla_attention", &prepare_mla_attention, py::arg("out"), py::arg("query"),
       py::arg("latent_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-      py::arg("query_start_loc"), py::arg("scale"), py::arg("value_dim"),
+      py::arg("query_start_loc"), py::arg("scale"), py::arg("value_dim"), py::arg("stream") = 0,
       R"doc(Multi-head latent attention (DeepSeek's MLA) in the absorbed form, into `out`.
 
 Each token's cached latent vector [c_kv (value_dim); k_pe] is every head's key, and its
 first value_dim numbers every head's value; request i's query tokens attend causally as
-in paged_attention. (CPU.)
+in paged_attention. (CPU; CUDA with the query and cache of one 16- or 32-bit dtype.)
 
 out:             [num_tokens, num_heads, value_dim], query's dtype
 query:           [num_tokens, num_heads, latent_dim] (q_nope W_UK, then q_pe), float32
-                 or the cache's dtype
-latent_cache:    [num_blocks, block_size, latent_dim], float32, float16 or bfloat16
+                 or the cache's dtype (float32 over an fp8 cache)
+latent_cache:    [num_blocks, block_size, latent_dim], float32, float16, bfloat16 or
+                 fp8 e4m3 as uint8 (CPU)
 block_tables:    int32 [num_reqs, max_blocks_per_request]
 seq_lens:        int32 [num_reqs]
-query_start_loc: int32 [num_reqs + 1])doc");
+query_start_loc: int32 [num_reqs + 1]
+stream:          a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 
   def_kernel(
       m, "paged_attention", &prepare_paged_attention, py::arg("out"), py::arg("query"),

@@ -20,12 +20,14 @@ limited to its top `topk_group` of `n_group` groups (`group_limited_greedy`); V3
 sigmoid scores whose choice an `e_score_correction_bias` steers (`noaux_tc`); both scale
 the weights by `routed_scaling_factor`. Quantized checkpoints (V3's own FP8 blocks, the
 fp8 quant_method, among them) hold every projection quantized; kv_b_proj is dequantized
-once loaded, as the absorbed products read it. The latent kernel runs on the CPU.
+once loaded, as the absorbed products read it. The latent kernel runs on the CPU, and on
+CUDA (cuda/mla_attention.cu) with PYENGINE_CUDA_MLA=1 until it has run on a GPU.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
@@ -263,8 +265,15 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         ctx = ctx or LayerContext()
-        if ctx.placement.device.type != "cpu":
-            raise ValueError("DeepSeek's latent attention runs on the CPU only for now")
+        device = ctx.placement.device.type
+        if device != "cpu" and not (
+            device == "cuda" and os.environ.get("PYENGINE_CUDA_MLA") == "1"
+        ):
+            raise ValueError(
+                "DeepSeek's latent attention runs on the CPU; its CUDA kernel "
+                "(cuda/mla_attention.cu, tested in the host emulation) is opt-in until it has "
+                "run on a GPU: PYENGINE_CUDA_MLA=1"
+            )
         super().__init__(config, max_positions, ctx)
 
     def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:

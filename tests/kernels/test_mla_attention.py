@@ -14,7 +14,7 @@ import pytest
 import torch
 from helpers.dense_isa import AMX, pin_dense_isa, unpin_dense_isa
 
-from pyengine import ops
+from pyengine import built_with_cuda, ops
 
 RANK, ROPE = 64, 32  # (DeepSeek's are 512 and 64: the tiles take multiples of 32 and 16)
 
@@ -170,3 +170,30 @@ def test_an_fp8_cache_is_its_e4m3_values() -> None:
     assert (out.double() - reference(query, latents, lens, qsl, 0.1)).abs().max() > 1e-3
     with pytest.raises(ValueError, match=r"float32 over an fp8 cache"):
         ops.mla_attention(out.bfloat16(), query.bfloat16(), fp8.view(torch.uint8), *args)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and built_with_cuda()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("seq_lens", "q_lens"),
+    [([1, 17, 40, 300], [1, 1, 1, 1]), ([50, 120, 9], [7, 30, 9]), ([3000, 20], [1, 2])],
+    ids=["decode", "chunked", "split"],
+)  # fmt: skip
+def test_the_cuda_kernel_matches_the_float64_reference(
+    dtype: torch.dtype, seq_lens: list[int], q_lens: list[int]
+) -> None:
+    """cuda/mla_attention.cu (its host run: cpp/tests/test_cuda_mla.cpp) on the GPU, with a
+    latent of 64 + 32 and 8 heads, over shuffled blocks, a poisoned output."""
+    rng = np.random.default_rng()
+    cache, tables, lens, qsl, query, latents = make(rng, seq_lens, q_lens, 8, 16, dtype)
+    scale = 0.3 / math.sqrt(RANK + ROPE)
+    out = torch.full((query.shape[0], 8, RANK), float("nan"), dtype=dtype, device="cuda")
+    device_args = [torch.from_numpy(a).cuda() for a in (tables, lens, qsl)]
+    ops.mla_attention(out, query.cuda(), cache.cuda(), *device_args, scale, RANK)
+    want = reference(query, latents, lens, qsl, scale)
+    error = ((out.cpu().double() - want).abs().max() / want.abs().max()).item()
+    assert error < (1e-5 if dtype == torch.float32 else 1e-2), error

@@ -24,9 +24,12 @@ namespace pyengine {
 //   seq_lens:      int32 [num_reqs]
 //   query_start_loc int32 [num_reqs + 1]
 // value_dim (<= latent_dim): the leading dims of each cached vector that are its value.
-// CPU only for now. Throws InvalidArgument naming the argument, before writing anything.
+// On the CPU, or on CUDA (the query and cache of one dtype, value_dim <= 512, latent_dim
+// <= 1024; no fp8 cache; `stream` a cudaStream_t, nullptr: the default stream). Throws
+// InvalidArgument naming the argument, before writing anything.
 void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
                    const TensorView& block_tables, const TensorView& seq_lens,
-                   const TensorView& query_start_loc, float scale, int64_t value_dim);
+                   const TensorView& query_start_loc, float scale, int64_t value_dim,
+                   void* stream = nullptr);
 
 }  // namespace pyengine

@@ -20,11 +20,16 @@
 #include "mla_amx.h"
 #include "pyengine/errors.h"
 #include "tensor_checks.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "cuda/mla_attention_launch.h"
+#endif
 
 namespace pyengine {
 namespace {
 
 constexpr const char* kOp = "mla_attention";
+// The CUDA kernel's bounds (cuda/mla_attention.cuh: kMaxValue, kMaxLatent).
+constexpr int64_t kCudaMaxValue = 512, kCudaMaxLatent = 1024;
 constexpr int64_t kMinPartKeys = 256;  // a split part's fewest keys
 
 // `n` elements of a float32, bfloat16, float16 or fp8 e4m3 (a cache's bytes) row, widened.
@@ -125,8 +130,9 @@ void attend(const Item& w, const Shapes& s, const float* q, const void* cache, D
 
 void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
                    const TensorView& block_tables, const TensorView& seq_lens,
-                   const TensorView& query_start_loc, float scale, int64_t value_dim) {
-  detail::check_cpu(latent_cache, kOp, "latent_cache");
+                   const TensorView& query_start_loc, float scale, int64_t value_dim,
+                   void* stream) {
+  const Device& device = latent_cache.device;
   detail::check_shape(latent_cache, kOp, "latent_cache", 3);
   const DType cache_dtype = latent_cache.dtype;
   const bool fp8 = cache_dtype == detail::kFp8Cache;  // (e4m3 bytes as uint8)
@@ -149,8 +155,8 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
                           " must be float32 or the cache's dtype (float32 over an fp8 cache), " +
                           "got " + query.describe());
   }
-  detail::check_rows(query, kOp, "query", 3, qdtype);
-  detail::check_rows(out, kOp, "out", 3, qdtype);
+  detail::check_rows_on(query, device, kOp, "query", 3, qdtype);
+  detail::check_rows_on(out, device, kOp, "out", 3, qdtype);
   detail::check_writable(out, kOp, "out");
   const int64_t num_tokens = query.shape[0], heads = query.shape[1];
   if (query.shape[2] != d) {
@@ -167,7 +173,23 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   }
   if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
   const int64_t num_reqs =
-      detail::check_request_arrays(block_tables, seq_lens, query_start_loc, Device{}, kOp);
+      detail::check_request_arrays(block_tables, seq_lens, query_start_loc, device, kOp);
+  // The metadata stay on the device: see cuda/mla_attention_launch.h.
+  if (detail::on_cuda(device, kOp)) {
+    if (fp8 || qdtype != cache_dtype || value_dim > kCudaMaxValue || d > kCudaMaxLatent) {
+      throw InvalidArgument(std::string(kOp) + " (CUDA): the query and cache of one dtype " +
+                            "(float32, float16 or bfloat16), value_dim <= " +
+                            std::to_string(kCudaMaxValue) + " and a latent of at most " +
+                            std::to_string(kCudaMaxLatent) + ", got query " + query.describe() +
+                            ", latent_cache " + latent_cache.describe() + ", value_dim " +
+                            std::to_string(value_dim));
+    }
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::mla_attention(out, query, latent_cache, block_tables, seq_lens, query_start_loc,
+                               scale, value_dim, stream);
+#endif
+  }
+  (void)stream;
   detail::check_request_values(block_tables, seq_lens, query_start_loc, num_tokens, bs,
                                num_blocks, kOp, [](int64_t) { return int64_t{0}; });
   const int64_t max_blocks = block_tables.shape[1];
