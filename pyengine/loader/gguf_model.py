@@ -60,16 +60,38 @@ def _config_from_gguf(g: GGUFFile) -> ModelConfig:
 
 
 def _rope_scaling(g: GGUFFile, arch: str) -> dict[str, Any] | None:
-    """Linear scaling from the metadata; Llama 3's, which llama.cpp keeps only as the
-    tensor rope_freqs (a divisor of each rotary frequency), as those divisors."""
+    """Linear and YaRN scaling from the metadata; Llama 3's, which llama.cpp keeps only as
+    the tensor rope_freqs (a divisor of each rotary frequency), as those divisors."""
     kind = g.fields.get(f"{arch}.rope.scaling.type")
+    if kind == "yarn":
+        return _yarn_scaling(g, arch)
     if kind not in (None, "none", "linear"):
-        raise GGUFError(f"{g.path}: rope scaling {kind!r} is not supported (linear, rope_freqs)")
+        raise GGUFError(
+            f"{g.path}: rope scaling {kind!r} is not supported (linear, yarn, rope_freqs)"
+        )
     linear = float(g.fields.get(f"{arch}.rope.scaling.factor", 1.0)) if kind == "linear" else 1.0
     if "rope_freqs.weight" in g.tensors:
         divisors = g.tensor("rope_freqs.weight").astype(np.float64).ravel() * linear
         return {"rope_type": "freq_divisors", "divisors": divisors.tolist()}
     return {"rope_type": "linear", "factor": linear} if kind == "linear" else None
+
+
+def _yarn_scaling(g: GGUFFile, arch: str) -> dict[str, Any]:
+    """YaRN as Hugging Face configs say it. llama.cpp keeps DeepSeek's mscale_all_dim as
+    yarn_log_multiplier (0.1 of it), and its mscale equal to it (as every DeepSeek config
+    has them), so that cos and sin are unscaled and the softmax takes mscale^2."""
+    key = f"{arch}.rope.scaling"
+    scaling: dict[str, Any] = {
+        "rope_type": "yarn",
+        "factor": float(g.fields[f"{key}.factor"]),
+        "original_max_position_embeddings": int(g.fields[f"{key}.original_context_length"]),
+        "beta_fast": float(g.fields.get(f"{key}.yarn_beta_fast") or 32.0),
+        "beta_slow": float(g.fields.get(f"{key}.yarn_beta_slow") or 1.0),
+    }
+    log_multiplier = float(g.fields.get(f"{key}.yarn_log_multiplier") or 0.0)
+    if log_multiplier:
+        scaling["mscale"] = scaling["mscale_all_dim"] = log_multiplier / 0.1
+    return scaling
 
 
 def _unpermute_rope(w: np.ndarray, heads: int) -> np.ndarray:
@@ -149,8 +171,12 @@ def _hf_name(
         return arch.global_tensors[name], 0
     if name == "rope_freqs.weight":
         return None, 0  # in the config's rope_scaling (_rope_scaling)
-    if not (m and m.group(2) in arch.layer_tensors):
+    whole = m and f"{m.group(2)}.{m.group(3)}" in arch.layer_tensors  # (a leaf of its own)
+    if not (m and (whole or m.group(2) in arch.layer_tensors)):
         raise GGUFError(f"{g.path}: unexpected tensor {name}")
+    if whole:
+        leaf = arch.layer_tensors[f"{m.group(2)}.{m.group(3)}"]
+        return f"{arch.layer_prefix}.{m.group(1)}.{leaf}", 0
     layer_name = arch.layer_tensors[m.group(2)]
     hf_name = f"{arch.layer_prefix}.{m.group(1)}.{layer_name}.{m.group(3)}"
     if not arch.rope_permuted:

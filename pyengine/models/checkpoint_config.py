@@ -58,7 +58,9 @@ class GGUFArchitecture:
     hf_architecture: str  # the Hugging Face architecture it runs as
     read_config: Callable[[GGUFMetadata, CommonValues], ModelConfig]
     # llama.cpp's tensor names and the model's Hugging Face ones: whole names outside the
-    # layers; inside them blk.N.<part>.weight becomes <layer_prefix>.N.<layer name>.weight.
+    # layers; inside them blk.N.<part>.weight becomes <layer_prefix>.N.<layer name>.weight,
+    # and a key "<part>.<weight|bias>" names a whole leaf (blk.N.exp_probs_b.bias:
+    # <layer_prefix>.N.mlp.gate.e_score_correction_bias).
     global_tensors: Mapping[str, str]
     layer_tensors: Mapping[str, str]
     layer_prefix: str

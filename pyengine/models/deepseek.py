@@ -48,9 +48,22 @@ from pyengine.layers.latent_attention import (
 )
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import ColumnParallelLinear, LayerContext, RowParallelLinear
+from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
-from pyengine.models.llama import MLP, DecoderLayer, LlamaFamilyConfig, _config_from_hf, _Variant
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    integer,
+)
+from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
+    MLP,
+    DecoderLayer,
+    LlamaFamilyConfig,
+    _config_from_hf,
+    _Variant,
+)
 from pyengine.models.llama_moe import (
     LlamaMoeForCausalLM,
     MoeFamilyConfig,
@@ -58,6 +71,7 @@ from pyengine.models.llama_moe import (
     sparse_layers,
 )
 from pyengine.models.weights import WeightRouter
+from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 
 @dataclass(frozen=True)
@@ -122,6 +136,108 @@ def _deepseek_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Mo
     return replace(config, head_size=rope, family=family)
 
 
+def _deepseek_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's deepseek2 keys, as the config.json they were converted from says them
+    (then read as that is): V3's sigmoid routing where expert_gating_func is 2, groups
+    where the file has them (none: llama.cpp's plain top k), and the head sizes of its
+    MLA form (key_length_mla, value_length_mla) where it writes them."""
+    field = m.field
+    rope = integer(field("rope.dimension_count"))
+    key = integer(m.fields.get(f"{m.architecture}.attention.key_length_mla")
+                  or field("attention.key_length"))  # fmt: skip
+    value = integer(m.fields.get(f"{m.architecture}.attention.value_length_mla")
+                    or field("attention.value_length"))  # fmt: skip
+    groups = integer(m.fields.get(f"{m.architecture}.expert_group_count") or 1)
+    sigmoid = integer(m.fields.get(f"{m.architecture}.expert_gating_func") or 1) == 2
+    heads = integer(field("attention.head_count"))
+    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
+    raw = {
+        "vocab_size": integer(vocab),
+        "hidden_size": integer(field("embedding_length")),
+        "intermediate_size": integer(field("feed_forward_length")),
+        "num_hidden_layers": integer(field("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "max_position_embeddings": integer(field("context_length")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "q_lora_rank": integer(m.fields.get(f"{m.architecture}.attention.q_lora_rank") or 0),
+        "kv_lora_rank": integer(field("attention.kv_lora_rank")),
+        "qk_nope_head_dim": key - rope,
+        "qk_rope_head_dim": rope,
+        "v_head_dim": value,
+        "n_routed_experts": integer(field("expert_count")),
+        "num_experts_per_tok": integer(field("expert_used_count")),
+        "moe_intermediate_size": integer(field("expert_feed_forward_length")),
+        "n_shared_experts": integer(field("expert_shared_count", 0)),
+        "first_k_dense_replace": integer(field("leading_dense_block_count", 0)),
+        "routed_scaling_factor": float(field("expert_weights_scale", 1.0)),
+        "norm_topk_prob": bool(field("expert_weights_norm", False)),
+        "topk_method": "noaux_tc"
+        if sigmoid
+        else "group_limited_greedy"
+        if groups > 1
+        else "greedy",
+        "n_group": groups,
+        "topk_group": integer(m.fields.get(f"{m.architecture}.expert_group_used_count") or 1),
+        "rope_interleave": True,
+        "rope_scaling": common.rope_scaling,
+    }
+    return _deepseek_config_from_hf(raw, common)
+
+
+# llama.cpp's deepseek2 tensors and the family's: attention's low-rank projections and
+# norms, kv_b_proj whole (older files) or as attn_k_b [heads, rank, nope] and attn_v_b
+# [heads, v, rank] (its MLA form), the experts as the other mixtures' files hold them.
+_GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
+    "attn_k_b": "self_attn.k_b_proj",
+    "attn_v_b": "self_attn.v_b_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+}
+
+
+def _sigmoid_gating(m: GGUFMetadata) -> bool:
+    return integer(m.fields.get(f"{m.architecture}.expert_gating_func") or 1) == 2
+
+
+# (one llama.cpp name: V3's where its experts route by sigmoid, else V2's)
+_GGUF_ARCHITECTURES = tuple(
+    GGUFArchitecture(
+        "deepseek2",
+        hf,
+        _deepseek_config_from_gguf,
+        _GGUF_GLOBAL_TENSORS,
+        _GGUF_LAYER_TENSORS,
+        "model.layers",
+        holds=holds,
+    )  # fmt: skip
+    for hf, holds in (
+        ("DeepseekV3ForCausalLM", _sigmoid_gating),
+        ("DeepseekV2ForCausalLM", lambda m: not _sigmoid_gating(m)),
+    )
+)
+
+
 class LatentAttentionLayer(nn.Module):
     """MLA's projections around LatentAttention: this rank's heads (their q, their part
     of kv_b_proj and o_proj); the latent's projection whole on every rank."""
@@ -134,7 +250,7 @@ class LatentAttentionLayer(nn.Module):
         self.nope, self.rope, self.v = f.qk_nope_head_dim, f.qk_rope_head_dim, f.v_head_dim
         self.rank = f.kv_lora_rank
         qk = self.nope + self.rope
-        _, self.heads = ctx.tp.split(c.num_heads, "num_attention_heads")
+        self.first_head, self.heads = ctx.tp.split(c.num_heads, "num_attention_heads")
         self.placement = ctx.placement
         whole = replace(ctx, tp=TensorParallelGroup())  # (replicated: every rank the same)
         bias = f.attention_bias
@@ -255,7 +371,7 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
         "DeepseekV2ForCausalLM",
         "DeepseekV3ForCausalLM",
     )
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -307,3 +423,29 @@ class DeepseekForCausalLM(LlamaMoeForCausalLM):
                 self.route_norm(router, f"{prefix}.{name}.weight", norm)
         assert attn.kv_b_proj is not None
         router.linear_weight(f"{prefix}.kv_b_proj", attn.kv_b_proj)
+        self.route_split_kv_b(router, prefix, attn)
+
+    def route_split_kv_b(
+        self, router: WeightRouter, prefix: str, attn: LatentAttentionLayer
+    ) -> None:
+        """llama.cpp's MLA form of kv_b_proj: attn_k_b [heads, rank, nope] (each head's key
+        rows transposed) and attn_v_b [heads, v, rank], this rank's heads of each into
+        kv_b_proj's float weight."""
+        heads, first, nope, v, rank = attn.heads, attn.first_head, attn.nope, attn.v, attn.rank
+        num_heads = self.config.num_heads
+
+        def rows() -> torch.Tensor:  # [heads, nope + v, rank]
+            assert attn.kv_b_proj is not None
+            return attn.kv_b_proj.weight.data.view(heads, nope + v, rank)
+
+        def k_b(name: str, tensor: CheckpointTensor) -> None:
+            mine = materialize(tensor.narrow(0, first, heads))
+            copy_checked(name, rows()[:, :nope], mine.transpose(1, 2))
+
+        def v_b(name: str, tensor: CheckpointTensor) -> None:
+            copy_checked(name, rows()[:, nope:], tensor.narrow(0, first, heads))
+
+        router.tensor(f"{prefix}.k_b_proj.weight", (num_heads, rank, nope), k_b)
+        router.tensor(f"{prefix}.v_b_proj.weight", (num_heads, v, rank), v_b)
+        router.either([f"{prefix}.kv_b_proj.weight"],
+                      [f"{prefix}.k_b_proj.weight", f"{prefix}.v_b_proj.weight"])  # fmt: skip

@@ -455,8 +455,12 @@ def test_gguf_rope_freqs_of_the_wrong_size_and_other_scalings_are_refused(tmp_pa
     write_tiny_llama(tmp_path / "short.gguf", rope_freqs=np.ones(7))
     with pytest.raises(ValueError, match="rope_freqs has 7 divisors; head size 32 needs 16"):
         LLM(str(tmp_path / "short.gguf"), kv_cache_memory=32 * 2**20, dtype="float32")
+    write_tiny_llama(tmp_path / "longrope.gguf", rope_scaling_type="longrope")
+    with pytest.raises(GGUFError, match="rope scaling 'longrope' is not supported"):
+        load_model(str(tmp_path / "longrope.gguf"))
+    # (YaRN is read, DeepSeek's: tests/models/test_deepseek_gguf.py; its factor is needed)
     write_tiny_llama(tmp_path / "yarn.gguf", rope_scaling_type="yarn")
-    with pytest.raises(GGUFError, match="rope scaling 'yarn' is not supported"):
+    with pytest.raises(GGUFError, match="metadata 'llama.rope.scaling.factor' is missing"):
         load_model(str(tmp_path / "yarn.gguf"))
 
 

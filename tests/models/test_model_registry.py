@@ -64,7 +64,13 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "qwen3moe",
         "gemma2",
         "gemma3",
+        "deepseek2",
     )
+    # llama.cpp's deepseek2 is V3 where its experts route by sigmoid (expert_gating_func 2)
+    v3 = GGUFMetadata({"deepseek2.expert_gating_func": 2}, (), "deepseek2")
+    assert gguf_architecture("deepseek2", v3).hf_architecture == "DeepseekV3ForCausalLM"
+    v2 = GGUFMetadata({}, (), "deepseek2")
+    assert gguf_architecture("deepseek2", v2).hf_architecture == "DeepseekV2ForCausalLM"
     llama_gguf = model_class("LlamaForCausalLM").gguf_architectures
     assert [a.name for a in llama_gguf if a.rope_permuted] == ["llama", "mistral"]
     with pytest.raises(ValueError, match=r"GGUF architecture 'gpt2' is not supported \(llama, "):
