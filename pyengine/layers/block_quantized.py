@@ -15,6 +15,7 @@ float16 where every one is a float16, as the legacy types' are):
     Q6_K: w = (d * sc) * (q6 - 32), sc an int8 per 16 weights  (as 8-bit, groups of 16)
     Q3_K: w = (d * sc) * q3, q3 in -4..3, sc 6-bit less 32     (as 8-bit, groups of 16)
     Q2_K: w = (d * sc) * q2 - dmin * m, sc and m 4-bit         (as 8-bit, groups of 16)
+    MXFP4: w = 2^(e - 127) * e2m1   = (2 e2m1) * 2^(e - 128)    (as 8-bit)
 With d a float16 (11 significant bits) times an integer of at most 6 bits, a scale has at
 most 17, and q * scale is exact in float32 (q of 4 bits, or 5 bits in an int8), so
 q * scale + offset rounds exactly once, as the `gguf` package's float32 dequantization
@@ -38,6 +39,12 @@ HALF_BLOCK = 16  # an 8-bit block's groups may be its halves (Q6_K's)
 # The GGML type numbers of the gguf format.
 _Q4_0, _Q4_1, _Q5_0, _Q5_1, _Q8_0 = 2, 3, 6, 7, 8
 _Q2_K, _Q3_K, _Q4_K, _Q5_K, _Q6_K = 10, 11, 12, 13, 14
+_MXFP4 = 39
+
+# MXFP4's e2m1 codes (a nibble: sign, two exponent bits, one mantissa bit) at twice their
+# value (0, 0.5, 1, 1.5, 2, 3, 4, 6): integers in -12..12, an 8-bit block's q, the scale
+# halved to match.
+TWICE_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
 @dataclass(frozen=True)
@@ -175,6 +182,16 @@ def _q8_0(blocks: np.ndarray) -> Parts:
     return blocks[..., 2:].copy().view(np.int8), d, np.full_like(d, -0.0)
 
 
+def _mxfp4(blocks: np.ndarray) -> Parts:
+    """llama.cpp's MXFP4 (gpt-oss's): an e8m0 scale byte (2^(e - 127)), then 16 bytes of
+    codes, the first 16 weights' in the low nibbles and the last 16's in the high ones: as
+    8 bits, q = twice the e2m1 value and scale 2^(e - 128)."""
+    codes = blocks[..., 1:]
+    q = np.concatenate((TWICE_E2M1[codes & 0x0F], TWICE_E2M1[codes >> 4]), axis=-1)
+    scale = np.ldexp(np.float32(1), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
+    return q, scale, np.full_like(scale, -0.0)
+
+
 def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A K-quant block's 8 (scale, offset) pairs, d * sc and -(dmin * mn), [..., 8]: the
     6-bit sc and mn of groups 0-3 are the low bits of bytes 0-3 and 4-7; those of groups
@@ -268,6 +285,7 @@ _LAYOUTS = {
     _Q2_K: _Layout(256, 84, _q2_k), _Q3_K: _Layout(256, 110, _q3_k),
     _Q4_K: _Layout(256, 144, _q4_k), _Q5_K: _Layout(256, 176, _q5_k),
     _Q6_K: _Layout(256, 210, _q6_k),
+    _MXFP4: _Layout(32, 17, _mxfp4),
 }  # fmt: skip
 
 

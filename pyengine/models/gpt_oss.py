@@ -20,6 +20,7 @@ values, elsewhere they are dequantized at load.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar
@@ -38,9 +39,15 @@ from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.quantization.mxfp4 import dequantize_mxfp4, mxfp4_blocks
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    integer,
+)
 from pyengine.models.gemma import layer_types
 from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
     Attention,
     DecoderLayer,
     LlamaFamilyConfig,
@@ -76,6 +83,59 @@ def _gpt_oss_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Mod
     return replace(config, family=family)
 
 
+def _gpt_oss_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's gpt-oss keys, as the config.json they were converted from says them:
+    windows on every other layer from the first (its pattern of 2), YaRN untruncated (as
+    gpt-oss's config has it), the clamped SwiGLU's limit where the file gives one."""
+    field = m.field
+    heads = integer(field("attention.head_count"))
+    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
+    scaling = common.rope_scaling
+    raw = {
+        "vocab_size": integer(vocab),
+        "hidden_size": integer(field("embedding_length")),
+        "intermediate_size": integer(field("expert_feed_forward_length")),
+        "num_hidden_layers": integer(field("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": integer(field("attention.head_count_kv", heads)),
+        "head_dim": integer(field("attention.key_length")),
+        "max_position_embeddings": integer(field("context_length")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "num_local_experts": integer(field("expert_count")),
+        "num_experts_per_tok": integer(field("expert_used_count")),
+        "sliding_window": integer(field("attention.sliding_window", 0)),
+        "swiglu_limit": float(field("swiglu_clamp_exp", 7.0)),
+    }
+    if scaling is not None and scaling.get("rope_type") == "yarn":
+        scaling = {**scaling, "truncate": False}
+    return _gpt_oss_config_from_hf(raw, replace(common, rope_scaling=scaling))
+
+
+# llama.cpp's gpt-oss tensors and the family's: the sinks and the router as leaves of
+# their own, the experts a tensor per part for every expert (MXFP4 blocks, or floats),
+# each with its bias.
+_GGUF_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_sinks.weight": "self_attn.sinks",
+    "ffn_gate_inp": "mlp.router",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "gpt-oss", "GptOssForCausalLM", _gpt_oss_config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        _GGUF_LAYER_TENSORS, "model.layers",
+    ),
+)  # fmt: skip
+
+
 class SinkAttention(Attention):
     """Attention with an output bias and a sink logit per head (this rank's heads)."""
 
@@ -106,8 +166,12 @@ class GptOssDecoderLayer(DecoderLayer):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
         routing = RoutingConfig("softmax", family.top_k, family.num_experts, renormalize=True)
         activation = ExpertActivation("clamped_swiglu", family.swiglu_alpha, family.swiglu_limit)
-        # (MXFP4 experts in blocks where the placement multiplies blocks, else as floats)
-        method = experts_method(ctx.placement, blocks=c.quantization is not None)
+        # (MXFP4 experts, or a GGUF file's blocks, kept where the placement multiplies
+        # blocks, else floats)
+        stacked = {f"{prefix}.mlp.experts.{part}.weight" for part in ("gate_proj", "up_proj",
+                                                                      "down_proj")}  # fmt: skip
+        blocks = c.quantization is not None or stacked <= ctx.linear_methods.block_quantized
+        method = experts_method(ctx.placement, blocks=blocks)
         self.mlp = FusedMoE(  # type: ignore[assignment]  # (its forward is an MLP's)
             c.hidden_size, c.intermediate_size, routing, ctx.placement, tp=ctx.tp,
             expert_parallel=ctx.expert_parallel, method=method,
@@ -117,7 +181,7 @@ class GptOssDecoderLayer(DecoderLayer):
 
 class GptOssForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GptOssForCausalLM",)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -193,8 +257,46 @@ class GptOssForCausalLM(LlamaForCausalLM):
         if self.config.quantization is not None:
             route_mxfp4_experts(router, f"{prefix}.experts", mlp)
             return
-        router.tensor(f"{prefix}.experts.gate_up_proj", (experts, hidden, 2 * whole), gate_up)
-        router.tensor(f"{prefix}.experts.down_proj", (experts, whole, hidden), down)
+        gguf = route_gguf_experts(router, f"{prefix}.experts", mlp)
+        hf = [f"{prefix}.experts.{name}" for name in ("gate_up_proj_bias", "down_proj_bias")]
+        if not mlp.method.keeps_blocks:  # (a GGUF file's blocks have no other form)
+            router.tensor(f"{prefix}.experts.gate_up_proj", (experts, hidden, 2 * whole), gate_up)
+            router.tensor(f"{prefix}.experts.down_proj", (experts, whole, hidden), down)
+            hf += [f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"]
+        router.either(gguf, hf)
+
+
+def route_gguf_experts(router: WeightRouter, prefix: str, mlp: FusedMoE) -> list[str]:
+    """A GGUF file's experts: a tensor per part for every expert (llama.cpp's gate and up
+    apart, in blocks or floats), each with its bias; returns the routes' names."""
+    s, n = mlp.shard, mlp.intermediate_size
+    names = []
+    for name, stack in mlp.stacked_tensors().items():
+        names.append(f"{prefix}.{name}.weight")
+        router.tensor(names[-1], stack.shape, stack.floats,
+                      stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+    assert mlp.gate_up_bias is not None and mlp.down_bias is not None
+    whole, experts = mlp.full_intermediate_size, mlp.routing.num_experts
+    for name, into in (
+        ("gate_proj", mlp.gate_up_bias[:, :n]),
+        ("up_proj", mlp.gate_up_bias[:, n:]),
+    ):
+        names.append(f"{prefix}.{name}.bias")
+        router.tensor(names[-1], (experts, whole), functools.partial(
+            _copy_bias_rows, into=into, first=s.first, count=s.count, start=s.start))  # fmt: skip
+    names.append(f"{prefix}.down_proj.bias")
+    router.tensor(names[-1], (experts, mlp.hidden_size), functools.partial(
+        _copy_bias_rows, into=mlp.down_bias, first=s.first, count=s.count, start=0))  # fmt: skip
+    return names
+
+
+def _copy_bias_rows(
+    name: str, tensor: CheckpointTensor, *, into: torch.Tensor, first: int, count: int,
+    start: int,
+) -> None:  # fmt: skip
+    """This rank's experts' biases [first, first + count), columns from `start`."""
+    mine = tensor.narrow(0, first, count).narrow(1, start, into.shape[1])
+    copy_checked(name, into, mine)
 
 
 def route_mxfp4_experts(router: WeightRouter, prefix: str, mlp: FusedMoE) -> None:

@@ -64,6 +64,7 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "qwen3moe",
         "gemma2",
         "gemma3",
+        "gpt-oss",
         "deepseek2",
     )
     # llama.cpp's deepseek2 is V3 where its experts route by sigmoid (expert_gating_func 2)

@@ -20,14 +20,12 @@ import numpy as np
 import torch
 
 from pyengine.config import QuantizationConfig
-from pyengine.layers.block_quantized import BLOCK, BlockQuantized
+from pyengine.layers.block_quantized import BLOCK, TWICE_E2M1, BlockQuantized
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.base import LinearMethod, QuantizationMethod
 from pyengine.layers.quantization.registry import register_quantization
 from pyengine.layers.quantization.unquantized import dense_method
 
-# Twice each e2m1 code's value (the nibble's high bit its sign).
-_TWICE_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 _E8M0_BIAS = 127
 
 
@@ -61,8 +59,8 @@ def mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> BlockQuantized:
             f"{BLOCK}], got {tuple(blocks.shape)} and {tuple(scales.shape)}"
         )
     q = np.empty((rows, groups, BLOCK), np.int8)
-    q[..., 0::2] = _TWICE_E2M1[blocks & 0x0F]
-    q[..., 1::2] = _TWICE_E2M1[blocks >> 4]
+    q[..., 0::2] = TWICE_E2M1[blocks & 0x0F]
+    q[..., 1::2] = TWICE_E2M1[blocks >> 4]
     scale = np.ldexp(np.float32(1), scales.astype(np.int32) - _E8M0_BIAS - 1).astype(np.float32)
     return BlockQuantized(q.reshape(rows, groups * BLOCK), scale, np.full_like(scale, -0.0))
 
@@ -70,7 +68,7 @@ def mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> BlockQuantized:
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[..., rows, cols / 32, 16] blocks and [..., rows, cols / 32] scales (uint8) as the
     float32 weights [..., rows, cols]."""
-    twice = torch.from_numpy(_TWICE_E2M1).float()
+    twice = torch.from_numpy(TWICE_E2M1).float()
     b = blocks.to(torch.int64)
     values = torch.stack((twice[b & 0x0F], twice[b >> 4]), dim=-1).flatten(-2)  # [..., 32]
     exponents = scales.to(torch.int32) - _E8M0_BIAS - 1

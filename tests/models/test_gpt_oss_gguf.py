@@ -1,0 +1,137 @@
+"""gpt-oss from GGUF files written in the test as llama.cpp's conversion writes them (its
+gpt-oss architecture): the experts' gate and up apart, in MXFP4 blocks (the gguf
+package's own quantizer), each with its bias; the sinks, the router and its bias; YaRN
+in the metadata; windows on every other layer. The config read from the file is the one
+read from the Hugging Face folder, and the greedy float32 tokens are transformers' on the
+weights the gguf package dequantizes; the experts stay 8-bit blocks of the same values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+transformers = pytest.importorskip("transformers")
+from gguf import GGMLQuantizationType as Q  # noqa: E402
+from gguf.quants import dequantize, quantize  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
+from helpers.hf_reference import hf_greedy  # noqa: E402
+
+from pyengine import LLM, SamplingParams  # noqa: E402
+
+LAYER = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.router": "ffn_gate_inp",
+}  # fmt: skip
+ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
+
+
+def write_gpt_oss_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
+    torch.manual_seed(0)
+    c = transformers.GptOssConfig(
+        vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
+        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=16, max_position_embeddings=256, swiglu_limit=0.625,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32).eval()
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in params.items():
+            norm, sinks = "norm" in name, name.endswith("sinks")
+            p.normal_(1.0 if norm else 0.0, 1.0 if sinks else 0.1 if norm else 0.08)
+    yarn = c.rope_parameters
+    writer = gguf.GGUFWriter(str(path), "gpt-oss")
+    for add, value in (
+        (writer.add_block_count, 2), (writer.add_context_length, 256),
+        (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 64),
+        (writer.add_expert_feed_forward_length, 64), (writer.add_head_count, 4),
+        (writer.add_head_count_kv, 2), (writer.add_key_length, 32), (writer.add_value_length, 32),
+        (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
+        (writer.add_rope_freq_base, yarn["rope_theta"]),
+        (writer.add_rope_scaling_type, gguf.RopeScalingType.YARN),
+        (writer.add_rope_scaling_factor, yarn["factor"]),
+        (writer.add_rope_scaling_orig_ctx_len, yarn["original_max_position_embeddings"]),
+        (writer.add_sliding_window, 16), (writer.add_expert_count, 8),
+        (writer.add_expert_used_count, 2), (writer.add_tokenizer_model, "gpt2"),
+        (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
+        (writer.add_token_merges, []), (writer.add_eos_token_id, EOS),
+    ):  # fmt: skip
+        add(value)
+    writer.add_float32("gpt-oss.swiglu_clamp_exp", 0.625)  # (exact in float32)
+
+    def add_tensor(name: str, values: torch.Tensor) -> None:
+        writer.add_tensor(name, values.detach().numpy().copy())
+
+    with torch.no_grad():
+        add_tensor("token_embd.weight", params["model.embed_tokens.weight"])
+        add_tensor("output_norm.weight", params["model.norm.weight"])
+        add_tensor("output.weight", params["lm_head.weight"])
+        for i in range(2):
+            prefix = f"model.layers.{i}"
+            for hf, name in LAYER.items():
+                add_tensor(f"blk.{i}.{name}.weight", params[f"{prefix}.{hf}.weight"])
+                if f"{prefix}.{hf}.bias" in params:
+                    add_tensor(f"blk.{i}.{name}.bias", params[f"{prefix}.{hf}.bias"])
+            add_tensor(f"blk.{i}.attn_sinks.weight", params[f"{prefix}.self_attn.sinks"])
+            # transformers: gate_up [experts, hidden, 2 n] with gate and up columns
+            # alternating, down [experts, n, hidden]; llama.cpp: [experts, rows, in] apart
+            gate_up = params[f"{prefix}.mlp.experts.gate_up_proj"]
+            bias = params[f"{prefix}.mlp.experts.gate_up_proj_bias"]
+            down = params[f"{prefix}.mlp.experts.down_proj"]
+            parts = {"gate": gate_up[..., 0::2].transpose(1, 2), "up": gate_up[..., 1::2]
+                     .transpose(1, 2), "down": down.transpose(1, 2)}  # fmt: skip
+            values = {}
+            for name, w in parts.items():
+                blocks = quantize(w.contiguous().numpy(), Q.MXFP4)
+                writer.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", blocks, raw_dtype=Q.MXFP4)
+                values[name] = torch.from_numpy(dequantize(blocks, Q.MXFP4).reshape(w.shape).copy())
+            add_tensor(f"blk.{i}.ffn_gate_exps.bias", bias[:, 0::2])
+            add_tensor(f"blk.{i}.ffn_up_exps.bias", bias[:, 1::2])
+            add_tensor(
+                f"blk.{i}.ffn_down_exps.bias", params[f"{prefix}.mlp.experts.down_proj_bias"]
+            )
+            gate_up[..., 0::2] = values["gate"].transpose(1, 2)
+            gate_up[..., 1::2] = values["up"].transpose(1, 2)
+            down.copy_(values["down"].transpose(1, 2))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    model.save_pretrained(hf_folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_gguf(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp("gpt-oss-gguf")
+    model = write_gpt_oss_gguf(root / "model.gguf", root / "hf")
+    return root / "model.gguf", root / "hf", model
+
+
+def test_the_file_gives_the_folders_config_and_transformers_tokens(gpt_oss_gguf) -> None:  # type: ignore[no-untyped-def]
+    path, folder, model = gpt_oss_gguf
+    from_folder = LLM(str(folder), **ENGINE)
+    want = from_folder.llm_engine.model_config
+    from_folder.llm_engine.shutdown()
+    llm = LLM(str(path), **ENGINE)
+    got = llm.llm_engine.model_config
+    assert got.family == want.family  # (windows, experts, the clamped SwiGLU's limit)
+    assert (got.rope_theta, got.head_size) == (want.rope_theta, want.head_size)
+    keys = ("rope_type", "factor", "original_max_position_embeddings", "truncate")
+    assert {k: got.rope_scaling.get(k) for k in keys} == {k: want.rope_scaling.get(k) for k in keys}
+    layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
+    assert [layer.mlp.weight_form() for layer in layers] == ["8-bit blocks experts"] * 2
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    llm.llm_engine.shutdown()
+    assert [list(o.outputs[0].token_ids) for o in outs] == [
+        hf_greedy(model, p, 12) for p in prompts
+    ]
