@@ -40,8 +40,14 @@ from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    integer,
+)
 from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
     MLP,
     Attention,
     DecoderLayer,
@@ -50,6 +56,7 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
+from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
 from pyengine.models.llama_moe import MoeFamilyConfig, refuse_adapters
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
@@ -112,6 +119,69 @@ def _llama4_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Mode
     return replace(config, family=family)
 
 
+# llama.cpp's Llama 4 values it keeps no key for: a chunk of 8192 positions on three
+# layers of four (the fourth, NoPE, global), the NoPE layers' temperature floor and
+# scale, and the weightless q/k norm but on its 128-expert model.
+_GGUF_CHUNK, _GGUF_NO_ROPE_STEP, _GGUF_NO_QK_NORM_EXPERTS = 8192, 4, 128
+
+
+def _llama4_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's llama4 keys and fixed values, as the config.json they were converted
+    from says them (a file whose sliding_window is 0 has no chunks, and every layer
+    turns)."""
+    field = m.field
+    layers, heads = integer(field("block_count")), integer(field("attention.head_count"))
+    window = m.fields.get(f"{m.architecture}.attention.sliding_window")
+    chunked = window is None or integer(window) > 0
+    step = _GGUF_NO_ROPE_STEP if chunked else layers
+    experts = integer(field("expert_count"))
+    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
+    raw = {
+        "vocab_size": integer(vocab),
+        "hidden_size": integer(field("embedding_length")),
+        "intermediate_size": integer(field("expert_feed_forward_length")),
+        "intermediate_size_mlp": integer(field("feed_forward_length")),
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "num_key_value_heads": integer(field("attention.head_count_kv", heads)),
+        "head_dim": integer(field("attention.key_length")),
+        "max_position_embeddings": integer(field("context_length")),
+        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "num_local_experts": experts,
+        "num_experts_per_tok": integer(field("expert_used_count")),
+        "interleave_moe_layer_step": integer(field("interleave_moe_layer_step", 1)),
+        "no_rope_layers": [int((i + 1) % step != 0) for i in range(layers)],
+        "attention_chunk_size": _GGUF_CHUNK if chunked else 0,
+        "attn_temperature_tuning": chunked,
+        "use_qk_norm": experts != _GGUF_NO_QK_NORM_EXPERTS,
+    }
+    return _llama4_config_from_hf(raw, common)
+
+
+# llama.cpp's llama4 tensors: Llama's attention, the MLPs and experts under
+# feed_forward (the experts a tensor per part for every expert, the shared one apart).
+_GGUF_LAYER_TENSORS = {
+    **{name: hf for name, hf in _LLAMA_GGUF_LAYER_TENSORS.items() if not hf.startswith("mlp.")},
+    "ffn_gate": "feed_forward.gate_proj",
+    "ffn_up": "feed_forward.up_proj",
+    "ffn_down": "feed_forward.down_proj",
+    "ffn_gate_inp": "feed_forward.router",
+    "ffn_gate_exps": "feed_forward.experts.gate_proj",
+    "ffn_up_exps": "feed_forward.experts.up_proj",
+    "ffn_down_exps": "feed_forward.experts.down_proj",
+    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
+    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
+    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+}
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "llama4", "Llama4ForCausalLM", _llama4_config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        _GGUF_LAYER_TENSORS, "model.layers",
+    ),
+)  # fmt: skip
+
+
 class Llama4Attention(Attention):
     """Rotary layers: interleaved rotation, then the weightless q/k norm, chunked
     attention. NoPE layers: no rotation, queries scaled by the position's temperature."""
@@ -165,16 +235,19 @@ class Llama4DecoderLayer(DecoderLayer):
             self.mlp = MLP(c, ctx, f"{prefix}.feed_forward")
             return
         routing = RoutingConfig("sigmoid_on_input", family.top_k, family.num_experts)
+        stacked = {f"{prefix}.feed_forward.experts.{part}.weight"
+                   for part in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+        blocks = stacked <= ctx.linear_methods.block_quantized  # (a GGUF file's)
         self.mlp = FusedMoE(  # type: ignore[assignment]  # (its forward is an MLP's)
             c.hidden_size, family.moe_intermediate_size, routing, ctx.placement,
             family.shared_intermediate_size, False, ctx.tp, ctx.expert_parallel,
-            experts_method(ctx.placement),
+            experts_method(ctx.placement, blocks),
         )  # fmt: skip
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Llama4ForCausalLM",)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -226,6 +299,15 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             mine = tensor.narrow(0, s.first, s.count).narrow(1, s.start, n)
             copy_checked(name, mlp.down, materialize(mine).transpose(1, 2))
 
+        # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
+        stacked = []
+        for name, stack in mlp.stacked_tensors().items():
+            stacked.append(f"{module}.experts.{name}.weight")
+            router.tensor(stacked[-1], stack.shape, stack.floats,
+                          stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+        if mlp.method.keeps_blocks:
+            return  # (the file's blocks: no other form)
         experts, hidden = mlp.routing.num_experts, mlp.hidden_size
         router.tensor(f"{module}.experts.gate_up_proj", (experts, hidden, 2 * whole), gate_up)
         router.tensor(f"{module}.experts.down_proj", (experts, whole, hidden), down)
+        router.either(stacked, [f"{module}.experts.gate_up_proj", f"{module}.experts.down_proj"])

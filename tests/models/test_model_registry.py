@@ -65,6 +65,7 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "gemma2",
         "gemma3",
         "gpt-oss",
+        "llama4",
         "deepseek2",
     )
     # llama.cpp's deepseek2 is V3 where its experts route by sigmoid (expert_gating_func 2)
