@@ -16,7 +16,9 @@ does otherwise:
   the experts' size; the other layers are MLPs of `intermediate_size_mlp`. The
   checkpoint holds every expert of a layer in one tensor, transposed:
   `feed_forward.experts.gate_up_proj` [experts, hidden, 2 n] (the gate's columns first)
-  and `down_proj` [experts, n, hidden].
+  and `down_proj` [experts, n, hidden]; a quantized one an expert at a time
+  (`feed_forward.experts.E.gate_proj`...), each a linear layer of its method; a GGUF
+  file (llama.cpp's llama4) a tensor per part for every expert.
 
 The multimodal checkpoints' vision tower is not run: a text-only checkpoint
 (Llama4ForCausalLM, model_type llama4_text) is.
@@ -36,6 +38,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.linear_experts import ExpertLinears, quantized_experts_method
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.quantization.shards import copy_checked
@@ -241,7 +244,7 @@ class Llama4DecoderLayer(DecoderLayer):
         self.mlp = FusedMoE(  # type: ignore[assignment]  # (its forward is an MLP's)
             c.hidden_size, family.moe_intermediate_size, routing, ctx.placement,
             family.shared_intermediate_size, False, ctx.tp, ctx.expert_parallel,
-            experts_method(ctx.placement, blocks),
+            quantized_experts_method(c.quantization, ctx) or experts_method(ctx.placement, blocks),
         )  # fmt: skip
 
 
@@ -257,11 +260,6 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
     ) -> None:
         refuse_adapters(ctx)
-        if config.quantization is not None:
-            raise ValueError(
-                f"Llama 4 with {config.quantization.describe()} weights is not supported yet "
-                "(its experts load from float checkpoints)"
-            )
         super().__init__(config, max_positions, ctx)
 
     def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
@@ -285,6 +283,11 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         assert mlp.shared_expert is not None
         parts = ("gate_proj", "up_proj", "down_proj")
         mlp.shared_expert.route(router, [f"{module}.shared_expert.{p}" for p in parts])
+        if mlp.experts is not None:  # a quantized checkpoint's: an expert at a time
+            for expert, linears in zip(mlp.local_experts(), mlp.experts, strict=True):
+                assert isinstance(linears, ExpertLinears)
+                linears.route(router, [f"{module}.experts.{expert}.{p}" for p in parts])
+            return
         s, n, whole = mlp.shard, mlp.intermediate_size, mlp.full_intermediate_size
 
         def gate_up(name: str, tensor: CheckpointTensor) -> None:  # [experts, hidden, 2 n]
