@@ -65,6 +65,8 @@ def _rope_scaling(g: GGUFFile, arch: str) -> dict[str, Any] | None:
     kind = g.fields.get(f"{arch}.rope.scaling.type")
     if kind == "yarn":
         return _yarn_scaling(g, arch)
+    if "rope_factors_long.weight" in g.tensors:
+        return _longrope_scaling(g, arch)
     if kind not in (None, "none", "linear"):
         raise GGUFError(
             f"{g.path}: rope scaling {kind!r} is not supported (linear, yarn, rope_freqs)"
@@ -91,6 +93,24 @@ def _yarn_scaling(g: GGUFFile, arch: str) -> dict[str, Any]:
     log_multiplier = float(g.fields.get(f"{key}.yarn_log_multiplier") or 0.0)
     if log_multiplier:
         scaling["mscale"] = scaling["mscale_all_dim"] = log_multiplier / 0.1
+    return scaling
+
+
+def _longrope_scaling(g: GGUFFile, arch: str) -> dict[str, Any]:
+    """Phi-3's LongRoPE, which llama.cpp keeps as the tensors rope_factors_long and
+    rope_factors_short (a divisor of each rotary frequency, past and within the original
+    context), the original context and the attention factor in the metadata."""
+    original = int(g.fields[f"{arch}.rope.scaling.original_context_length"])
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": g.tensor("rope_factors_long.weight").astype(np.float64).ravel().tolist(),
+        "short_factor": g.tensor("rope_factors_short.weight").astype(np.float64).ravel().tolist(),
+        "original_max_position_embeddings": original,
+        "factor": int(g.fields[f"{arch}.context_length"]) / original,
+    }
+    attention = g.fields.get(f"{arch}.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
     return scaling
 
 
@@ -169,7 +189,7 @@ def _hf_name(
     m = _LAYER_TENSOR.fullmatch(name)
     if name in arch.global_tensors:
         return arch.global_tensors[name], 0
-    if name == "rope_freqs.weight":
+    if name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None, 0  # in the config's rope_scaling (_rope_scaling)
     whole = m and f"{m.group(2)}.{m.group(3)}" in arch.layer_tensors  # (a leaf of its own)
     if not (m and (whole or m.group(2) in arch.layer_tensors)):

@@ -174,10 +174,13 @@ _GGUF_LAYER_TENSORS = {
 }
 
 
-def _gguf(name: str, hf_architecture: str, rope_permuted: bool) -> GGUFArchitecture:
+def _gguf(
+    name: str, hf_architecture: str, rope_permuted: bool, layer_tensors: Mapping[str, str] = {}
+) -> GGUFArchitecture:
+    """`layer_tensors`: the architecture's names beside (or instead of) Llama's."""
     return GGUFArchitecture(
-        name, hf_architecture, _config_from_gguf, _GGUF_GLOBAL_TENSORS, _GGUF_LAYER_TENSORS,
-        "model.layers", rope_permuted,
+        name, hf_architecture, _config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        {**_GGUF_LAYER_TENSORS, **layer_tensors}, "model.layers", rope_permuted,
     )  # fmt: skip
 
 
@@ -188,7 +191,10 @@ _GGUF_ARCHITECTURES = (
     _gguf("mistral", "MistralForCausalLM", rope_permuted=True),
     _gguf("qwen2", "Qwen2ForCausalLM", rope_permuted=False),
     _gguf("qwen3", "Qwen3ForCausalLM", rope_permuted=False),
-)
+    # (Phi-3's q/k/v and gate/up fused, as its checkpoints hold them)
+    _gguf("phi3", "Phi3ForCausalLM", rope_permuted=False,
+          layer_tensors={"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"}),
+)  # fmt: skip
 
 
 class Attention(nn.Module):

@@ -60,6 +60,7 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "mistral",
         "qwen2",
         "qwen3",
+        "phi3",
         "qwen2moe",
         "qwen3moe",
         "gemma2",
