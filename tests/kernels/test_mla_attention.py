@@ -1,8 +1,9 @@
 """The CPU kernel of DeepSeek's multi-head latent attention (the absorbed form) against a
 float64 reference, over random latent caches in shuffled blocks: decode, prefill, a
 chunked prefill on a cached prefix, contexts long enough to split across threads, and
-the three cache dtypes, in each of its builds (the portable loop; AMX's tile unit for
-bfloat16, where the CPU has it); bad arguments are clear errors."""
+the three cache dtypes, in each of its builds (the portable loops built for each
+instruction set the CPU runs; AMX's tile unit for bfloat16, where the CPU has it); bad
+arguments are clear errors."""
 
 from __future__ import annotations
 
@@ -12,19 +13,21 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from helpers.dense_isa import AMX, pin_dense_isa, unpin_dense_isa
+from helpers.dense_isa import AMX, ISAS, pin_dense_isa, unpin_dense_isa
 
-from pyengine import built_with_cuda, ops
+from pyengine import _C, built_with_cuda, ops
 
 RANK, ROPE = 64, 32  # (DeepSeek's are 512 and 64: the tiles take multiples of 32 and 16)
 
 
-@pytest.fixture(params=["generic"] + (["amx"] if AMX else []))
+@pytest.fixture(params=ISAS + (["amx"] if AMX else []))
 def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    """The portable build, and AMX's tiles (bfloat16 queries and cache) where the CPU has
-    them."""
-    pin_dense_isa(request.param)
+    """The portable kernel's builds this CPU runs (generic, AVX2, AVX-512: the attention
+    kernels' pin), and AMX's tiles (bfloat16 queries and cache) where the CPU has them."""
+    pin_dense_isa("generic" if request.param != "amx" else "amx")
+    _C.set_attention_isa(request.param if request.param != "amx" else "auto")
     yield request.param
+    _C.set_attention_isa("auto")
     unpin_dense_isa()
 
 

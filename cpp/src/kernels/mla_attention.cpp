@@ -18,6 +18,8 @@
 #include "float_convert.h"
 #include "kv_cache_checks.h"
 #include "mla_amx.h"
+#include "mla_kernel.h"
+#include "pyengine/attention.h"
 #include "pyengine/errors.h"
 #include "tensor_checks.h"
 #ifdef PYENGINE_WITH_CUDA
@@ -32,25 +34,6 @@ constexpr const char* kOp = "mla_attention";
 constexpr int64_t kCudaMaxValue = 512, kCudaMaxLatent = 1024;
 constexpr int64_t kMinPartKeys = 256;  // a split part's fewest keys
 
-// `n` elements of a float32, bfloat16, float16 or fp8 e4m3 (a cache's bytes) row, widened.
-void widen(const void* row, DType dtype, int64_t n, float* out) {
-  if (dtype == DType::kFloat32) {
-    std::copy_n(static_cast<const float*>(row), n, out);
-    return;
-  }
-  if (dtype == detail::kFp8Cache) {
-    const auto* b = static_cast<const uint8_t*>(row);
-    for (int64_t i = 0; i < n; ++i) out[i] = detail::fp8_e4m3_to_float(b[i]);
-    return;
-  }
-  const auto* h = static_cast<const uint16_t*>(row);
-  if (dtype == DType::kBFloat16) {
-    for (int64_t i = 0; i < n; ++i) out[i] = detail::bf16_to_float(h[i]);
-  } else {
-    for (int64_t i = 0; i < n; ++i) out[i] = detail::fp16_to_float(h[i]);
-  }
-}
-
 void narrow(const float* in, DType dtype, int64_t n, void* row) {
   if (dtype == DType::kFloat32) {
     std::copy_n(in, n, static_cast<float*>(row));
@@ -62,68 +45,14 @@ void narrow(const float* in, DType dtype, int64_t n, void* row) {
   }
 }
 
-float dot(const float* a, const float* b, int64_t n) {
-  float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
-  return sum;
-}
-
-struct Item {
-  int64_t token, position;  // the query token, and its position in its request
-  int64_t request;
-  int64_t begin, end;       // its keys, [begin, end)
-  int64_t partial;          // where its partial result goes (-1: the output itself)
-};
-
-struct Shapes {
-  int64_t heads, latent, value, block_size, max_blocks;
-};
-
-// One item: every head's softmax over the item's keys, into `acc` [heads, value] (and
-// `max`, `sum` [heads]), unnormalised.
-void attend(const Item& w, const Shapes& s, const float* q, const void* cache, DType cache_dtype,
-            const int32_t* table, float scale, float* acc, float* max, float* sum) {
-  const int64_t bs = s.block_size, d = s.latent, v = s.value;
-  thread_local std::vector<float> keys, scores;
-  keys.resize(static_cast<size_t>(bs * d));
-  scores.resize(static_cast<size_t>(s.heads * bs));
-  std::fill_n(acc, s.heads * v, 0.0f);
-  std::fill_n(max, s.heads, -std::numeric_limits<float>::infinity());
-  std::fill_n(sum, s.heads, 0.0f);
-  const int64_t elem =
-      cache_dtype == DType::kFloat32 ? 4 : (cache_dtype == detail::kFp8Cache ? 1 : 2);
-  for (int64_t first = w.begin; first < w.end;) {
-    const int64_t block = table[first / bs];
-    const int64_t lo = first % bs, n = std::min(bs - lo, w.end - first);
-    const auto* rows = static_cast<const char*>(cache) + (block * bs + lo) * d * elem;
-    widen(rows, cache_dtype, n * d, keys.data());
-    for (int64_t h = 0; h < s.heads; ++h) {
-      float* sc = scores.data() + h * bs;
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t k = 0; k < n; ++k) {
-        sc[k] = dot(q + h * d, keys.data() + k * d, d) * scale;
-        top = std::max(top, sc[k]);
-      }
-      const float new_max = std::max(max[h], top);
-      const float correction = std::exp(max[h] - new_max);  // 0 on the first block
-      float* a = acc + h * v;
-      if (correction != 1.0f) {
-        for (int64_t i = 0; i < v; ++i) a[i] *= correction;
-      }
-      float total = sum[h] * correction;
-      for (int64_t k = 0; k < n; ++k) {
-        const float p = std::exp(sc[k] - new_max);
-        total += p;
-        const float* key = keys.data() + k * d;
-#pragma omp simd
-        for (int64_t i = 0; i < v; ++i) a[i] += p * key[i];
-      }
-      sum[h] = total;
-      max[h] = new_max;
-    }
-    first += n;
-  }
+// The portable kernel's build for the CPU in use (a test may pin one: set_attention_isa).
+detail::MlaAttend attend_for(CpuIsa isa) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return detail::avx512::mla_attend;
+  if (isa == CpuIsa::kAvx2) return detail::avx2::mla_attend;
+#endif
+  (void)isa;
+  return detail::generic::mla_attend;
 }
 
 }  // namespace
@@ -200,7 +129,7 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   // The items: a token each, or, while there are fewer tokens than threads to keep busy,
   // parts of each token's context of at least kMinPartKeys keys.
   const int64_t threads = omp_get_max_threads();
-  std::vector<Item> items;
+  std::vector<detail::MlaItem> items;
   std::vector<std::pair<int64_t, int64_t>> splits;  // (token, its first partial), split ones
   int64_t num_partials = 0;
   for (int64_t i = 0; i < num_reqs; ++i) {
@@ -220,7 +149,8 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
       }
     }
   }
-  const Shapes s{heads, d, value_dim, bs, max_blocks};
+  const detail::MlaShapes s{heads, d, value_dim, bs, max_blocks};
+  const detail::MlaAttend attend = attend_for(attention_isa());
   const int64_t partial_floats = heads * (value_dim + 2);
   std::vector<float> partials(static_cast<size_t>(num_partials * partial_floats));
   const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
@@ -230,7 +160,7 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
                         detail::mla_amx_fits(tile);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t n = 0; n < items.size(); ++n) {
-    const Item& w = items[n];
+    const detail::MlaItem& w = items[n];
     thread_local std::vector<float> q, acc, max, sum;
     acc.resize(static_cast<size_t>(heads * value_dim));
     max.resize(static_cast<size_t>(heads));
@@ -246,7 +176,7 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
       for (int64_t h = 0; h < heads; ++h) {
         const auto* row = static_cast<const char*>(query.data) +
                           (w.token * query.strides[0] + h * query.strides[1]) * qelem;
-        widen(row, qdtype, d, q.data() + h * d);
+        detail::generic::mla_widen(row, qdtype, d, q.data() + h * d);
       }
       attend(w, s, q.data(), latent_cache.data, cache_dtype, table, scale, acc.data(), max.data(),
              sum.data());
