@@ -7,7 +7,8 @@
 // key's latent row), keep an online softmax each, and add the weighted value rows with
 // the value dims across lanes (kValuePerLane a lane). Long contexts of few tokens are
 // split into partitions whose (max, sum, unnormalized output) the scalar kernel's
-// merge_kernel merges, the params' head_size being the value's. The cache is the query's
+// finish_block writes and its merge_kernel merges, the params' head_size being the
+// value's. The cache is the query's
 // type T. Device code and plain C++ only, so that cpp/tests can run it on the host.
 // Internal to cuda/.
 #pragma once
@@ -17,6 +18,7 @@
 
 #include "cuda/attention_params.cuh"
 #include "cuda/element_types.cuh"
+#include "cuda/paged_attention.cuh"
 
 namespace pyengine::cuda::mla {
 
@@ -94,35 +96,8 @@ __global__ void __launch_bounds__(kThreads) mla_kernel(const AttentionParams p, 
   }
   __syncthreads();
 
-  float block_max = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_[w]);
-  float scales[kWarps];
-  float sum = 0.0f;
-  for (int w = 0; w < kWarps; ++w) {
-    scales[w] = block_max == -INFINITY ? 0.0f : __expf(warp_max_[w] - block_max);
-    sum += warp_sum_[w] * scales[w];
-  }
-  if (p.num_parts == 1) {
-    T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
-    for (int i = threadIdx.x; i < v; i += kThreads) {
-      float total = 0.0f;
-      for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-      o[i] = from_float<T>(total / sum);
-    }
-    return;
-  }
-  float* partial =
-      p.partials +
-      ((static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts + part) * (v + 2);
-  if (threadIdx.x == 0) {
-    partial[0] = block_max;
-    partial[1] = sum;
-  }
-  for (int i = threadIdx.x; i < v; i += kThreads) {
-    float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-    partial[2 + i] = total;
-  }
+  scalar_attention::finish_block<T, kWarps>(p, token, head, part, v, &warp_acc[0][0],
+                                            kMaxValue, warp_max_, warp_sum_);
 }
 
 }  // namespace pyengine::cuda::mla

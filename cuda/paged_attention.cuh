@@ -31,6 +31,45 @@ constexpr int64_t kSplitBelowPairs = 4096;
 
 using Params = AttentionParams;
 
+// The block's warps' online softmaxes (each its max, sum and unnormalised output of `d`
+// dims, warp w's at warp_acc + w * stride) combined: the output where the context is
+// whole, else this partition's (max, sum, output) for merge_kernel. Every thread of the
+// block calls it.
+template <typename T, int kBlockWarps>
+__device__ void finish_block(const Params& p, int token, int head, int part, int d,
+                             const float* warp_acc, int stride, const float* warp_max,
+                             const float* warp_sum) {
+  float block_max = -INFINITY;
+  for (int w = 0; w < kBlockWarps; ++w) block_max = fmaxf(block_max, warp_max[w]);
+  float scales[kBlockWarps];
+  float sum = 0.0f;
+  for (int w = 0; w < kBlockWarps; ++w) {
+    scales[w] = block_max == -INFINITY ? 0.0f : __expf(warp_max[w] - block_max);
+    sum += warp_sum[w] * scales[w];
+  }
+  const auto combined = [&](int i) {
+    float total = 0.0f;
+    for (int w = 0; w < kBlockWarps; ++w) total += warp_acc[w * stride + i] * scales[w];
+    return total;
+  };
+  if (p.num_parts == 1) {
+    T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
+    const float denominator = with_sink(p, head, sum, block_max);
+    for (int i = threadIdx.x; i < d; i += blockDim.x) {
+      o[i] = from_float<T>(combined(i) / denominator);
+    }
+    return;
+  }
+  float* partial =
+      p.partials +
+      ((static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts + part) * (d + 2);
+  if (threadIdx.x == 0) {
+    partial[0] = block_max;
+    partial[1] = sum;
+  }
+  for (int i = threadIdx.x; i < d; i += blockDim.x) partial[2 + i] = combined(i);
+}
+
 template <typename T, typename C, int kDimsPerLane>
 __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   constexpr int kPad = kCachePad<C>;
@@ -107,36 +146,8 @@ __global__ void __launch_bounds__(kThreads) attention_kernel(const Params p) {
   for (int j = 0; j < kDimsPerLane; ++j) warp_acc[warp][j * kWarp + lane] = acc[j];
   __syncthreads();
 
-  float block_max = -INFINITY;
-  for (int w = 0; w < kWarps; ++w) block_max = fmaxf(block_max, warp_max_[w]);
-  float scales[kWarps];
-  float sum = 0.0f;
-  for (int w = 0; w < kWarps; ++w) {
-    scales[w] = block_max == -INFINITY ? 0.0f : __expf(warp_max_[w] - block_max);
-    sum += warp_sum_[w] * scales[w];
-  }
-  if (p.num_parts == 1) {
-    T* o = static_cast<T*>(p.out) + token * p.o_token_stride + head * p.o_head_stride;
-    const float denominator = with_sink(p, head, sum, block_max);
-    for (int i = threadIdx.x; i < d; i += kThreads) {
-      float total = 0.0f;
-      for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-      o[i] = from_float<T>(total / denominator);
-    }
-    return;
-  }
-  float* partial =
-      p.partials +
-      ((static_cast<int64_t>(token) * p.num_heads + head) * p.num_parts + part) * (d + 2);
-  if (threadIdx.x == 0) {
-    partial[0] = block_max;
-    partial[1] = sum;
-  }
-  for (int i = threadIdx.x; i < d; i += kThreads) {
-    float total = 0.0f;
-    for (int w = 0; w < kWarps; ++w) total += warp_acc[w][i] * scales[w];
-    partial[2 + i] = total;
-  }
+  finish_block<T, kWarps>(p, token, head, part, d, &warp_acc[0][0], kMaxDims, warp_max_,
+                          warp_sum_);
 }
 
 // One block per (token, head): merges the partitions' (max, sum, output).

@@ -76,6 +76,24 @@ class GGUFArchitecture:
     to_hf: Callable[[str, Any], Any] | None = None
 
 
+def hf_values_from_gguf(m: GGUFMetadata) -> dict[str, Any]:
+    """The config.json keys every llama.cpp architecture's metadata gives alike, by
+    Hugging Face's names, for a model class that reads a GGUF file as the config.json it
+    was converted from (its own keys beside these)."""
+    heads = integer(m.field("attention.head_count"))
+    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
+    return {
+        "vocab_size": integer(vocab),
+        "hidden_size": integer(m.field("embedding_length")),
+        "num_hidden_layers": integer(m.field("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": integer(m.field("attention.head_count_kv", heads)),
+        "max_position_embeddings": integer(m.field("context_length")),
+        "rms_norm_eps": float(m.field("attention.layer_norm_rms_epsilon")),
+        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+    }
+
+
 def integer(value: Any) -> int:
     """A config count: an integer (or a float that is one), nothing else."""
     if isinstance(value, bool) or not (

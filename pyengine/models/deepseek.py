@@ -54,6 +54,7 @@ from pyengine.models.checkpoint_config import (
     CommonValues,
     GGUFArchitecture,
     GGUFMetadata,
+    hf_values_from_gguf,
     integer,
 )
 from pyengine.models.llama import (
@@ -68,6 +69,7 @@ from pyengine.models.llama_moe import (
     LlamaMoeForCausalLM,
     MoeFamilyConfig,
     SharedNames,
+    gguf_expert_tensors,
     sparse_layers,
 )
 from pyengine.models.weights import WeightRouter
@@ -136,6 +138,11 @@ def _deepseek_config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> Mo
     return replace(config, head_size=rope, family=family)
 
 
+def _sigmoid_gating(m: GGUFMetadata) -> bool:
+    """(llama.cpp's expert_gating_func 2: V3's sigmoid; 1 or none: softmax)"""
+    return integer(m.fields.get(f"{m.architecture}.expert_gating_func") or 1) == 2
+
+
 def _deepseek_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
     """llama.cpp's deepseek2 keys, as the config.json they were converted from says them
     (then read as that is): V3's sigmoid routing where expert_gating_func is 2, groups
@@ -148,19 +155,12 @@ def _deepseek_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelCo
     value = integer(m.fields.get(f"{m.architecture}.attention.value_length_mla")
                     or field("attention.value_length"))  # fmt: skip
     groups = integer(m.fields.get(f"{m.architecture}.expert_group_count") or 1)
-    sigmoid = integer(m.fields.get(f"{m.architecture}.expert_gating_func") or 1) == 2
+    sigmoid = _sigmoid_gating(m)
     heads = integer(field("attention.head_count"))
-    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
     raw = {
-        "vocab_size": integer(vocab),
-        "hidden_size": integer(field("embedding_length")),
+        **hf_values_from_gguf(m),
         "intermediate_size": integer(field("feed_forward_length")),
-        "num_hidden_layers": integer(field("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "max_position_embeddings": integer(field("context_length")),
-        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
-        "tie_word_embeddings": "output.weight" not in m.tensor_names,
+        "num_key_value_heads": heads,  # (the MLA form's 1 is the latent's)
         "q_lora_rank": integer(m.fields.get(f"{m.architecture}.attention.q_lora_rank") or 0),
         "kv_lora_rank": integer(field("attention.kv_lora_rank")),
         "qk_nope_head_dim": key - rope,
@@ -205,19 +205,9 @@ _GGUF_LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
-    "ffn_gate_inp": "mlp.gate",
     "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
-    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
-    "ffn_up_shexp": "mlp.shared_experts.up_proj",
-    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    **gguf_expert_tensors(shared="shared_experts"),
 }
-
-
-def _sigmoid_gating(m: GGUFMetadata) -> bool:
-    return integer(m.fields.get(f"{m.architecture}.expert_gating_func") or 1) == 2
 
 
 # (one llama.cpp name: V3's where its experts route by sigmoid, else V2's)

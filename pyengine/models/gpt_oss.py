@@ -43,6 +43,7 @@ from pyengine.models.checkpoint_config import (
     CommonValues,
     GGUFArchitecture,
     GGUFMetadata,
+    hf_values_from_gguf,
     integer,
 )
 from pyengine.models.gemma import layer_types
@@ -55,7 +56,7 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
-from pyengine.models.llama_moe import refuse_adapters
+from pyengine.models.llama_moe import gguf_expert_tensors, refuse_adapters
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -88,20 +89,11 @@ def _gpt_oss_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelCon
     windows on every other layer from the first (its pattern of 2), YaRN untruncated (as
     gpt-oss's config has it), the clamped SwiGLU's limit where the file gives one."""
     field = m.field
-    heads = integer(field("attention.head_count"))
-    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
     scaling = common.rope_scaling
     raw = {
-        "vocab_size": integer(vocab),
-        "hidden_size": integer(field("embedding_length")),
+        **hf_values_from_gguf(m),
         "intermediate_size": integer(field("expert_feed_forward_length")),
-        "num_hidden_layers": integer(field("block_count")),
-        "num_attention_heads": heads,
-        "num_key_value_heads": integer(field("attention.head_count_kv", heads)),
         "head_dim": integer(field("attention.key_length")),
-        "max_position_embeddings": integer(field("context_length")),
-        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
-        "tie_word_embeddings": "output.weight" not in m.tensor_names,
         "num_local_experts": integer(field("expert_count")),
         "num_experts_per_tok": integer(field("expert_used_count")),
         "sliding_window": integer(field("attention.sliding_window", 0)),
@@ -123,10 +115,7 @@ _GGUF_LAYER_TENSORS = {
     "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj",
     "attn_sinks.weight": "self_attn.sinks",
-    "ffn_gate_inp": "mlp.router",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
+    **gguf_expert_tensors(router="router", shared=None),
 }
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(

@@ -47,6 +47,7 @@ from pyengine.models.checkpoint_config import (
     CommonValues,
     GGUFArchitecture,
     GGUFMetadata,
+    hf_values_from_gguf,
     integer,
 )
 from pyengine.models.llama import (
@@ -60,7 +61,7 @@ from pyengine.models.llama import (
     _Variant,
 )
 from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
-from pyengine.models.llama_moe import MoeFamilyConfig, refuse_adapters
+from pyengine.models.llama_moe import MoeFamilyConfig, gguf_expert_tensors, refuse_adapters
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -133,24 +134,16 @@ def _llama4_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConf
     from says them (a file whose sliding_window is 0 has no chunks, and every layer
     turns)."""
     field = m.field
-    layers, heads = integer(field("block_count")), integer(field("attention.head_count"))
+    layers = integer(field("block_count"))
     window = m.fields.get(f"{m.architecture}.attention.sliding_window")
     chunked = window is None or integer(window) > 0
     step = _GGUF_NO_ROPE_STEP if chunked else layers
     experts = integer(field("expert_count"))
-    vocab = m.fields.get(f"{m.architecture}.vocab_size", len(m.fields["tokenizer.ggml.tokens"]))
     raw = {
-        "vocab_size": integer(vocab),
-        "hidden_size": integer(field("embedding_length")),
+        **hf_values_from_gguf(m),
         "intermediate_size": integer(field("expert_feed_forward_length")),
         "intermediate_size_mlp": integer(field("feed_forward_length")),
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": integer(field("attention.head_count_kv", heads)),
         "head_dim": integer(field("attention.key_length")),
-        "max_position_embeddings": integer(field("context_length")),
-        "rms_norm_eps": float(field("attention.layer_norm_rms_epsilon")),
-        "tie_word_embeddings": "output.weight" not in m.tensor_names,
         "num_local_experts": experts,
         "num_experts_per_tok": integer(field("expert_used_count")),
         "interleave_moe_layer_step": integer(field("interleave_moe_layer_step", 1)),
@@ -169,13 +162,7 @@ _GGUF_LAYER_TENSORS = {
     "ffn_gate": "feed_forward.gate_proj",
     "ffn_up": "feed_forward.up_proj",
     "ffn_down": "feed_forward.down_proj",
-    "ffn_gate_inp": "feed_forward.router",
-    "ffn_gate_exps": "feed_forward.experts.gate_proj",
-    "ffn_up_exps": "feed_forward.experts.up_proj",
-    "ffn_down_exps": "feed_forward.experts.down_proj",
-    "ffn_gate_shexp": "feed_forward.shared_expert.gate_proj",
-    "ffn_up_shexp": "feed_forward.shared_expert.up_proj",
-    "ffn_down_shexp": "feed_forward.shared_expert.down_proj",
+    **gguf_expert_tensors("feed_forward", router="router"),
 }
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(

@@ -196,18 +196,24 @@ def _moe_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
     return replace(config, family=family)
 
 
-# A GGUF file's experts: every expert of a layer in a tensor per part (blocks along the
-# hidden size for gate and up, along the expert's size for down), under the names the
-# layer's routes give them.
+def gguf_expert_tensors(
+    module: str = "mlp", router: str = "gate", shared: str | None = "shared_expert"
+) -> dict[str, str]:
+    """A GGUF file's experts: every expert of a layer in a tensor per part (blocks along
+    the hidden size for gate and up, along the expert's size for down), the router, and
+    a shared expert's parts (where the family has one, under `shared`), by the names the
+    layer's routes give them under `module`."""
+    parts = ("gate", "up", "down")
+    names = {f"ffn_{p}_exps": f"{module}.experts.{p}_proj" for p in parts}
+    names["ffn_gate_inp"] = f"{module}.{router}"
+    if shared is not None:
+        names.update({f"ffn_{p}_shexp": f"{module}.{shared}.{p}_proj" for p in parts})
+    return names
+
+
 _GGUF_EXPERT_TENSORS = {
-    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
-    "ffn_up_shexp": "mlp.shared_expert.up_proj",
-    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    **gguf_expert_tensors(),
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate_1d",  # ([hidden]; Hugging Face's [1, hidden])
-    "ffn_gate_inp": "mlp.gate",
-    "ffn_gate_exps": "mlp.experts.gate_proj",
-    "ffn_up_exps": "mlp.experts.up_proj",
-    "ffn_down_exps": "mlp.experts.down_proj",
 }
 
 

@@ -38,8 +38,8 @@ def deepseek_config(version: str, **overrides: Any) -> Any:
     return transformers.DeepseekV3Config(**shape, norm_topk_prob=True, rope_parameters=V3_YARN)
 
 
-def deepseek_checkpoint(config: Any, folder: Path) -> Any:
-    """Saves a random model of `config` in `folder`; returns it (float32, eval)."""
+def random_deepseek(config: Any) -> Any:
+    """A model of `config` (float32, eval), every parameter random (seed 0)."""
     import transformers
 
     torch.manual_seed(0)
@@ -50,5 +50,11 @@ def deepseek_checkpoint(config: Any, folder: Path) -> Any:
         for name, b in model.named_buffers():
             if "e_score_correction_bias" in name:
                 b.normal_(0.0, 0.3)
-    model.eval().save_pretrained(folder)
+    return model.eval()
+
+
+def deepseek_checkpoint(config: Any, folder: Path) -> Any:
+    """Saves a random model of `config` in `folder`; returns it."""
+    model = random_deepseek(config)
+    model.save_pretrained(folder)
     return model

@@ -12,19 +12,20 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
-from helpers.hf_reference import hf_greedy  # noqa: E402
-from helpers.tiny_deepseek import deepseek_config  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB  # noqa: E402
+from helpers.gguf_writing import (  # noqa: E402
+    add_byte_tokenizer,
+    add_q8_0,
+    assert_transformers_tokens,
+    close,
+    file_and_folder,
+)
+from helpers.tiny_deepseek import deepseek_config, random_deepseek  # noqa: E402
 
 # (sizes of whole Q8_0 blocks for the experts: hidden 64, their intermediate 32)
 OVERRIDES = dict(vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=None, pad_token_id=None)
@@ -49,15 +50,8 @@ def config(version: str):  # type: ignore[no-untyped-def]
 
 
 def write_deepseek_gguf(path: Path, version: str, hf_folder: Path) -> torch.nn.Module:
-    torch.manual_seed(0)
     c = config(version)
-    model = transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.normal_(1.0 if "norm" in name else 0.0, 0.2 if "norm" in name else 0.08)
-        for name, b in model.named_buffers():
-            if "e_score_correction_bias" in name:
-                b.normal_(0.0, 0.3)
+    model = random_deepseek(c)
     params = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     v3 = version == "v3"
     rope, nope, v, rank = c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim, c.kv_lora_rank
@@ -78,11 +72,11 @@ def write_deepseek_gguf(path: Path, version: str, hf_folder: Path) -> torch.nn.M
         (writer.add_expert_weights_norm, c.norm_topk_prob),
         (writer.add_expert_group_count, c.n_group),
         (writer.add_expert_group_used_count, c.topk_group),
-        (writer.add_tokenizer_model, "gpt2"), (writer.add_token_list, byte_tokens()),
-        (writer.add_token_types, [1] * 256 + [3] * 3), (writer.add_token_merges, []),
-        (writer.add_eos_token_id, EOS),
+        
     ):  # fmt: skip
         add(value)
+    add_byte_tokenizer(writer)
+
     if v3:  # (the MLA form's head sizes: the latent's as MQA, the heads' own apart)
         writer.add_q_lora_rank(c.q_lora_rank)
         writer.add_head_count_kv(1)
@@ -103,9 +97,7 @@ def write_deepseek_gguf(path: Path, version: str, hf_folder: Path) -> torch.nn.M
 
     def add(name: str, values: torch.Tensor, blocks: bool = False) -> None:
         if blocks:
-            q = quantize(values.numpy(), Q.Q8_0)
-            writer.add_tensor(name, q, raw_dtype=Q.Q8_0)
-            values.copy_(torch.from_numpy(dequantize(q, Q.Q8_0).reshape(values.shape).copy()))
+            add_q8_0(writer, name, values)
         else:
             writer.add_tensor(name, values.numpy().copy())
 
@@ -136,10 +128,7 @@ def write_deepseek_gguf(path: Path, version: str, hf_folder: Path) -> torch.nn.M
                 for name, values in (("gate", gate), ("up", up), ("down", down)):
                     add(f"blk.{i}.ffn_{name}_exps.weight", values, blocks=True)
                 params[gate_up].copy_(torch.cat((gate, up), dim=1))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
     model.save_pretrained(hf_folder)
     return model
 
@@ -156,11 +145,7 @@ ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 def test_the_file_gives_the_folders_config_and_transformers_tokens(deepseek_gguf) -> None:  # type: ignore[no-untyped-def]
     path, folder, model = deepseek_gguf
-    from_folder = LLM(str(folder), **ENGINE)
-    want = from_folder.llm_engine.model_config
-    from_folder.llm_engine.shutdown()
-    llm = LLM(str(path), **ENGINE)
-    got = llm.llm_engine.model_config
+    llm, got, want = file_and_folder(path, folder, ENGINE)
     assert got.architecture == want.architecture
     # (heads' sizes, routing, groups; the softmax scale to the float32 the file keeps
     # mscale_all_dim in)
@@ -176,11 +161,4 @@ def test_the_file_gives_the_folders_config_and_transformers_tokens(deepseek_gguf
     assert (got.rope_scaling or {}).get("mscale_all_dim") == pytest.approx(mscale, rel=1e-6)
     experts = llm.llm_engine.executor.driver_worker.model_runner.model.layers[1].mlp
     assert experts.weight_form() == "8-bit blocks experts"
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [
-        hf_greedy(model, p, 12) for p in prompts
-    ]
+    assert_transformers_tokens(llm, model)

@@ -9,18 +9,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
-from helpers.hf_reference import hf_greedy  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB  # noqa: E402
+from helpers.gguf_writing import (  # noqa: E402
+    add_byte_tokenizer,
+    add_q8_0,
+    assert_transformers_tokens,
+    close,
+    file_and_folder,
+)
 
 WINDOW = 16
 SHAPE = dict(
@@ -64,11 +65,10 @@ def write_gemma_gguf(path: Path, arch: str, hf_folder: Path) -> torch.nn.Module:
         (writer.add_embedding_length, 64), (writer.add_feed_forward_length, 96),
         (writer.add_head_count, 4), (writer.add_head_count_kv, 2), (writer.add_key_length, 32),
         (writer.add_value_length, 32), (writer.add_layer_norm_rms_eps, 1e-6),
-        (writer.add_sliding_window, WINDOW), (writer.add_tokenizer_model, "gpt2"),
-        (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
-        (writer.add_token_merges, []), (writer.add_eos_token_id, EOS),
+        (writer.add_sliding_window, WINDOW),
     ):  # fmt: skip
         add(value)
+    add_byte_tokenizer(writer)
     if arch == "gemma2":
         writer.add_rope_freq_base(10000.0)
         writer.add_attn_logit_softcapping(3.0)
@@ -88,9 +88,8 @@ def write_gemma_gguf(path: Path, arch: str, hf_folder: Path) -> torch.nn.Module:
             writer.add_tensor(name, stored)
             values = torch.from_numpy(stored) - 1
         elif kind in BLOCKS:
-            blocks = quantize((torch.randn(params[hf].shape) * 0.08).numpy(), Q.Q8_0)
-            writer.add_tensor(name, blocks, raw_dtype=Q.Q8_0)
-            values = torch.from_numpy(dequantize(blocks, Q.Q8_0).reshape(params[hf].shape).copy())
+            values = torch.randn(params[hf].shape) * 0.08
+            add_q8_0(writer, name, values)
         else:
             values = torch.randn(params[hf].shape) * 0.08
             writer.add_tensor(name, values.numpy())
@@ -103,10 +102,7 @@ def write_gemma_gguf(path: Path, arch: str, hf_folder: Path) -> torch.nn.Module:
     for i in range(config.num_hidden_layers):
         for name, hf in layer.items():
             tensor(f"blk.{i}.{name}.weight", f"model.layers.{i}.{hf}.weight")
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
     model.save_pretrained(hf_folder)
     return model
 
@@ -123,11 +119,7 @@ ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 def test_the_file_gives_the_folders_config_and_transformers_tokens(gemma_gguf) -> None:  # type: ignore[no-untyped-def]
     path, folder, model = gemma_gguf
-    from_folder = LLM(str(folder), **ENGINE)
-    want = from_folder.llm_engine.model_config
-    from_folder.llm_engine.shutdown()
-    llm = LLM(str(path), **ENGINE)
-    got = llm.llm_engine.model_config
+    llm, got, want = file_and_folder(path, folder, ENGINE)
     assert got.family == want.family  # (windows, scales, soft-caps, local rotary base)
     assert (got.rope_theta, got.sliding_window) == (want.rope_theta, want.sliding_window)
     scaling = ("rope_type", "factor")  # (the folder's also repeats its theta)
@@ -138,11 +130,4 @@ def test_the_file_gives_the_folders_config_and_transformers_tokens(gemma_gguf) -
     # (Q8_0's blocks held, not floats; q in blocks beside float k and v is dequantized)
     assert layer.mlp.down_proj.method.keeps_blocks
     assert not layer.self_attn.qkv_proj.method.keeps_blocks
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [
-        hf_greedy(model, p, 20) for p in prompts
-    ]
+    assert_transformers_tokens(llm, model, new=20)

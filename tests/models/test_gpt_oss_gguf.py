@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -17,10 +16,13 @@ gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
 from gguf import GGMLQuantizationType as Q  # noqa: E402
 from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
-from helpers.hf_reference import hf_greedy  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB  # noqa: E402
+from helpers.gguf_writing import (  # noqa: E402
+    add_byte_tokenizer,
+    assert_transformers_tokens,
+    close,
+    file_and_folder,
+)
 
 LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -58,11 +60,11 @@ def write_gpt_oss_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
         (writer.add_rope_scaling_factor, yarn["factor"]),
         (writer.add_rope_scaling_orig_ctx_len, yarn["original_max_position_embeddings"]),
         (writer.add_sliding_window, 16), (writer.add_expert_count, 8),
-        (writer.add_expert_used_count, 2), (writer.add_tokenizer_model, "gpt2"),
-        (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
-        (writer.add_token_merges, []), (writer.add_eos_token_id, EOS),
+        (writer.add_expert_used_count, 2), 
     ):  # fmt: skip
         add(value)
+    add_byte_tokenizer(writer)
+
     writer.add_float32("gpt-oss.swiglu_clamp_exp", 0.625)  # (exact in float32)
 
     def add_tensor(name: str, values: torch.Tensor) -> None:
@@ -99,10 +101,7 @@ def write_gpt_oss_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
             gate_up[..., 0::2] = values["gate"].transpose(1, 2)
             gate_up[..., 1::2] = values["up"].transpose(1, 2)
             down.copy_(values["down"].transpose(1, 2))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    close(writer)
     model.save_pretrained(hf_folder)
     return model
 
@@ -116,22 +115,11 @@ def gpt_oss_gguf(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-u
 
 def test_the_file_gives_the_folders_config_and_transformers_tokens(gpt_oss_gguf) -> None:  # type: ignore[no-untyped-def]
     path, folder, model = gpt_oss_gguf
-    from_folder = LLM(str(folder), **ENGINE)
-    want = from_folder.llm_engine.model_config
-    from_folder.llm_engine.shutdown()
-    llm = LLM(str(path), **ENGINE)
-    got = llm.llm_engine.model_config
+    llm, got, want = file_and_folder(path, folder, ENGINE)
     assert got.family == want.family  # (windows, experts, the clamped SwiGLU's limit)
     assert (got.rope_theta, got.head_size) == (want.rope_theta, want.head_size)
     keys = ("rope_type", "factor", "original_max_position_embeddings", "truncate")
     assert {k: got.rope_scaling.get(k) for k in keys} == {k: want.rope_scaling.get(k) for k in keys}
     layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
     assert [layer.mlp.weight_form() for layer in layers] == ["8-bit blocks experts"] * 2
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [
-        hf_greedy(model, p, 12) for p in prompts
-    ]
+    assert_transformers_tokens(llm, model)

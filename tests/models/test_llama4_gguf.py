@@ -10,18 +10,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
-from helpers.hf_reference import hf_greedy  # noqa: E402
-
-from pyengine import LLM, SamplingParams  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB  # noqa: E402
+from helpers.gguf_writing import (  # noqa: E402
+    add_byte_tokenizer,
+    add_q8_0,
+    assert_transformers_tokens,
+    close,
+    file_and_folder,
+)
 
 LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -60,11 +61,10 @@ def write_llama4_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
         (writer.add_head_count_kv, 2), (writer.add_key_length, 32), (writer.add_value_length, 32),
         (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_rope_freq_base, 500000.0),
         (writer.add_expert_count, 4), (writer.add_expert_used_count, 1),
-        (writer.add_interleave_moe_layer_step, 2), (writer.add_tokenizer_model, "gpt2"),
-        (writer.add_token_list, byte_tokens()), (writer.add_token_types, [1] * 256 + [3] * 3),
-        (writer.add_token_merges, []), (writer.add_eos_token_id, EOS),
+        (writer.add_interleave_moe_layer_step, 2), 
     ):  # fmt: skip
         add(value)
+    add_byte_tokenizer(writer)
 
     with torch.no_grad():
         for name, hf in (("token_embd", "model.embed_tokens"), ("output_norm", "model.norm"),
@@ -84,38 +84,20 @@ def write_llama4_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
             down = params[f"{prefix}.feed_forward.experts.down_proj"]
             n = c.intermediate_size
             parts = {"gate": gate_up[..., :n], "up": gate_up[..., n:], "down": down}
-            for name, w in parts.items():
-                rows = w.transpose(1, 2).contiguous()
-                blocks = quantize(rows.numpy(), Q.Q8_0)
-                writer.add_tensor(f"blk.{i}.ffn_{name}_exps.weight", blocks, raw_dtype=Q.Q8_0)
-                values = dequantize(blocks, Q.Q8_0).reshape(rows.shape)
-                w.copy_(torch.from_numpy(values.copy()).transpose(1, 2))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+            for name, w in parts.items():  # (the views take the dequantized values)
+                add_q8_0(writer, f"blk.{i}.ffn_{name}_exps.weight", w.transpose(1, 2))
+    close(writer)
     model.save_pretrained(hf_folder)
     return model
 
 
 def test_the_file_gives_the_folders_config_and_transformers_tokens(tmp_path: Path) -> None:
     model = write_llama4_gguf(tmp_path / "model.gguf", tmp_path / "hf")
-    from_folder = LLM(str(tmp_path / "hf"), **ENGINE)
-    want = from_folder.llm_engine.model_config
-    from_folder.llm_engine.shutdown()
-    llm = LLM(str(tmp_path / "model.gguf"), **ENGINE)
-    got = llm.llm_engine.model_config
+    llm, got, want = file_and_folder(tmp_path / "model.gguf", tmp_path / "hf", ENGINE)
     assert got.family == want.family  # (chunks, NoPE layers, temperature, q/k norm, experts)
     assert (got.rope_theta, got.rope_scaling, got.head_size) == (
         want.rope_theta, want.rope_scaling, want.head_size,
     )  # fmt: skip
     layers = llm.llm_engine.executor.driver_worker.model_runner.model.layers
     assert [layers[i].mlp.weight_form() for i in (1, 3)] == ["8-bit blocks experts"] * 2
-    rng = np.random.default_rng(1)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (5, 40, 70)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [
-        hf_greedy(model, p, 12) for p in prompts
-    ]
+    assert_transformers_tokens(llm, model)

@@ -17,12 +17,15 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 transformers = pytest.importorskip("transformers")
-from gguf import GGMLQuantizationType as Q  # noqa: E402
-from gguf.quants import dequantize, quantize  # noqa: E402
-from helpers.byte_tokenizer import EOS, VOCAB, byte_tokens  # noqa: E402
-from helpers.hf_reference import hf_greedy  # noqa: E402
+from helpers.byte_tokenizer import EOS, VOCAB  # noqa: E402
+from helpers.gguf_writing import (  # noqa: E402
+    add_byte_tokenizer,
+    add_q8_0,
+    assert_transformers_tokens,
+    close,
+    file_and_folder,
+)
 
-from pyengine import LLM, SamplingParams  # noqa: E402
 from pyengine.layers.rotary import attention_factor  # noqa: E402
 
 ORIGINAL, CONTEXT, WINDOW = 64, 256, 48
@@ -59,11 +62,11 @@ def write_phi3_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
         (writer.add_rope_scaling_orig_ctx_len, ORIGINAL),
         (writer.add_rope_scaling_attn_factors,
          math.sqrt(1 + math.log(CONTEXT / ORIGINAL) / math.log(ORIGINAL))),
-        (writer.add_tokenizer_model, "gpt2"), (writer.add_token_list, byte_tokens()),
-        (writer.add_token_types, [1] * 256 + [3] * 3), (writer.add_token_merges, []),
-        (writer.add_eos_token_id, EOS),
+        
     ):  # fmt: skip
         add(value)
+    add_byte_tokenizer(writer)
+
     for name in ("long", "short"):
         factors = np.array(scaling[f"{name}_factor"], dtype=np.float32)
         writer.add_tensor(f"rope_factors_{name}.weight", factors)
@@ -77,13 +80,8 @@ def write_phi3_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
                 if w.dim() == 1:
                     writer.add_tensor(f"blk.{i}.{name}.weight", w.numpy().copy())
                     continue
-                blocks = quantize(w.numpy(), Q.Q8_0)
-                writer.add_tensor(f"blk.{i}.{name}.weight", blocks, raw_dtype=Q.Q8_0)
-                w.copy_(torch.from_numpy(dequantize(blocks, Q.Q8_0).reshape(w.shape).copy()))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+                add_q8_0(writer, f"blk.{i}.{name}.weight", w)
+    close(writer)
     model.save_pretrained(hf_folder)
     return model
 
@@ -100,11 +98,7 @@ def test_the_file_gives_the_folders_config_and_transformers_tokens(
 ) -> None:  # type: ignore[no-untyped-def]
     path, folder, model = phi3_gguf
     engine = dict(max_model_len=max_model_len, kv_cache_memory=16 * 2**20, dtype="float32")
-    from_folder = LLM(str(folder), **engine)
-    want = from_folder.llm_engine.model_config
-    from_folder.llm_engine.shutdown()
-    llm = LLM(str(path), **engine)
-    got = llm.llm_engine.model_config
+    llm, got, want = file_and_folder(path, folder, engine)
     assert (got.family, got.sliding_window, got.head_size) == (
         want.family, want.sliding_window, want.head_size,
     )  # fmt: skip
@@ -113,12 +107,5 @@ def test_the_file_gives_the_folders_config_and_transformers_tokens(
     for name in ("long_factor", "short_factor"):  # (float32 in the file)
         assert got.rope_scaling[name] == pytest.approx(want.rope_scaling[name], rel=1e-6)
     assert attention_factor(got.rope_scaling) == pytest.approx(attention_factor(want.rope_scaling))
-    rng = np.random.default_rng(1)
     lengths, new = ((5, 30), 12) if max_model_len == ORIGINAL else ((70, 120), 20)
-    prompts = [rng.integers(0, 256, n).tolist() for n in lengths]
-    params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    llm.llm_engine.shutdown()
-    assert [list(o.outputs[0].token_ids) for o in outs] == [
-        hf_greedy(model, p, new) for p in prompts
-    ]
+    assert_transformers_tokens(llm, model, lengths, new)
