@@ -32,6 +32,9 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 # over 128 latents, 5x at 256 and 14x for a whole 4k-token prompt; AMX's latent tiles
 # are yet to be measured against it).
 EXPANDED_FROM = 32
+# The context's tokens expanded at a time, into the cache the expanded form attends over
+# (so that its keys and values exist once, in that cache, beside one piece's).
+EXPANDED_PIECE = 1024
 
 
 # An fp8 (e4m3) cache's storage: its bytes (the kernels' kFp8Cache).
@@ -79,18 +82,21 @@ def expanded_attention(
     tokens, seq_len = query.shape[0], context.shape[0]
     heads, nope, rank = weights.w_uk.shape
     v, qk, size = weights.w_uv.shape[2], query.shape[2], weights.head_size
-    dtype = weights.w_uk.dtype
-    c_kv = context[:, :rank].to(dtype)
-    keys = torch.zeros(seq_len, heads, size, dtype=dtype, device=query.device)
-    keys[..., :nope] = torch.einsum("cr,hnr->chn", c_kv, weights.w_uk)
-    keys[..., nope:qk] = context[:, None, rank:].to(dtype)
-    values = torch.zeros(seq_len, heads, size, dtype=dtype, device=query.device)
-    values[..., :v] = torch.einsum("cr,hrv->chv", c_kv, weights.w_uv)
+    dtype, device = weights.w_uk.dtype, query.device
     blocks = -(-seq_len // block_size)
-    key_cache = torch.empty(blocks, heads, size, block_size, dtype=dtype, device=query.device)
-    value_cache = torch.empty(blocks, heads, block_size, size, dtype=dtype, device=query.device)
-    slots = torch.arange(seq_len, device=query.device)
-    ops.reshape_and_cache(keys, values, key_cache, value_cache, slots)
+    key_cache = torch.empty(blocks, heads, size, block_size, dtype=dtype, device=device)
+    value_cache = torch.empty(blocks, heads, block_size, size, dtype=dtype, device=device)
+    # (a piece of the context at a time: the cache of the request's own is what it holds)
+    for start in range(0, seq_len, EXPANDED_PIECE):
+        piece = context[start : start + EXPANDED_PIECE]
+        c_kv = piece[:, :rank].to(dtype)
+        keys = torch.zeros(piece.shape[0], heads, size, dtype=dtype, device=device)
+        keys[..., :nope] = torch.einsum("cr,hnr->chn", c_kv, weights.w_uk)
+        keys[..., nope:qk] = piece[:, None, rank:].to(dtype)
+        values = torch.zeros(piece.shape[0], heads, size, dtype=dtype, device=device)
+        values[..., :v] = torch.einsum("cr,hrv->chv", c_kv, weights.w_uv)
+        slots = torch.arange(start, start + piece.shape[0], device=device)
+        ops.reshape_and_cache(keys, values, key_cache, value_cache, slots)
     table = torch.arange(blocks, dtype=torch.int32, device=query.device)[None]
     lens = torch.tensor([seq_len], dtype=torch.int32, device=query.device)
     starts = torch.tensor([0, tokens], dtype=torch.int32, device=query.device)

@@ -116,13 +116,19 @@ def test_bad_arguments_are_clear_errors() -> None:
         ops.mla_attention(out.half(), query.half(), cache.bfloat16(), *args, 0.1, RANK)
 
 
+@pytest.mark.parametrize("piece", [1024, 16], ids=["whole", "pieces"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_expanded_form_matches_the_absorbed_ones_reference(dtype: torch.dtype) -> None:
+def test_the_expanded_form_matches_the_absorbed_ones_reference(
+    dtype: torch.dtype, piece: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The long prefills' form: each request's latents gathered from shuffled blocks,
-    expanded to per-head keys and values, then causal attention, is the absorbed form's
-    float64 result taken out of the latent space (a chunk on a cached prefix, and a whole
-    prompt)."""
+    expanded to per-head keys and values (in one piece, or pieces of 16 tokens), then
+    causal attention, is the absorbed form's float64 result taken out of the latent space
+    (a chunk on a cached prefix, and a whole prompt)."""
+    from pyengine.layers import latent_attention
     from pyengine.layers.attention import AttentionMetadata
+
+    monkeypatch.setattr(latent_attention, "EXPANDED_PIECE", piece)
     from pyengine.layers.latent_attention import (
         ExpandedWeights,
         LatentAttention,
