@@ -108,13 +108,15 @@ def expanded_attention(
     return out[..., :v]
 
 
-def long_requests(meta: AttentionMetadata, expanded_from: int) -> list[int]:
-    """The requests of the step with at least `expanded_from` query tokens (none without
-    a host look where the step says its longest has fewer)."""
+def long_requests(meta: AttentionMetadata, expanded_from: int) -> tuple[list[int], list[int]]:
+    """The requests of the step with at least `expanded_from` query tokens, and the step's
+    query_start_loc as read to find them (none of either, without a host look, where the
+    step says its longest has fewer)."""
     if 0 < meta.max_query_len < expanded_from:
-        return []
+        return [], []
     starts = meta.query_start_loc.tolist()
-    return [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= expanded_from]
+    long = [r for r in range(len(starts) - 1) if starts[r + 1] - starts[r] >= expanded_from]
+    return long, starts
 
 
 class LatentAttention:
@@ -164,11 +166,10 @@ class LatentAttention:
 
 
 def without_requests(
-    meta: AttentionMetadata, requests: list[int]
+    meta: AttentionMetadata, starts: list[int], requests: list[int]
 ) -> tuple[AttentionMetadata, torch.Tensor]:
-    """The step's metadata with `requests` (not all of them) taken out, and the query
-    rows of those that remain."""
-    starts = meta.query_start_loc.tolist()
+    """The step's metadata (its query_start_loc as `starts`) with `requests` (not all of
+    them) taken out, and the query rows of those that remain."""
     dropped = set(requests)
     keep = [r for r in range(len(starts) - 1) if r not in dropped]
     rows = torch.cat([torch.arange(starts[r], starts[r + 1]) for r in keep])

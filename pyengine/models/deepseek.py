@@ -270,9 +270,10 @@ class LatentAttentionLayer(nn.Module):
                                         [f"{prefix}.o_proj.weight"])  # fmt: skip
         self.rotary = rotary
         self.attn = LatentAttention(self.heads, self.rank, self.rope, f.softmax_scale)
-        # (None: no paged attention kernel holds its heads; every step absorbed)
-        self.expanded_size = expanded_head_size(qk, self.v)
         self.w_uk = self.w_uv = torch.empty(0)
+        # The expanded form's weights, once loaded (None: no paged attention kernel holds
+        # its heads, and every step is absorbed).
+        self.expanded: ExpandedWeights | None = None
 
     def process_weights_after_loading(self) -> None:
         """(after kv_b_proj's own, which the model's post-order runs first)"""
@@ -284,6 +285,9 @@ class LatentAttentionLayer(nn.Module):
         per_head = kv_b.view(self.heads, self.nope + self.v, self.rank)
         self.w_uk = per_head[:, : self.nope].contiguous()  # [heads, nope, rank]
         self.w_uv = per_head[:, self.nope :].transpose(1, 2).contiguous()  # [heads, rank, v]
+        size = expanded_head_size(self.nope + self.rope, self.v)
+        if size is not None:
+            self.expanded = ExpandedWeights(self.w_uk, self.w_uv, self.attn.scale, size)
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache, meta: AttentionMetadata
@@ -302,9 +306,9 @@ class LatentAttentionLayer(nn.Module):
         latents = torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1)
         self.attn.write(latents, cache, meta)
         q_nope = q[..., : self.nope]
-        long = long_requests(meta, self.attn.expanded_from) if self.expanded_size else []
+        long, starts = long_requests(meta, self.attn.expanded_from) if self.expanded else ([], [])
         if long:
-            heads_out = self._expanded(q_nope, q_pe, cache, meta, long)
+            heads_out = self._expanded(q_nope, q_pe, cache, meta, starts, long)
         else:
             heads_out = self._absorbed(q_nope, q_pe, cache, meta)
         result: torch.Tensor = self.o_proj(heads_out.reshape(tokens, -1))
@@ -312,23 +316,21 @@ class LatentAttentionLayer(nn.Module):
 
     def _expanded(
         self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: KVCache, meta: AttentionMetadata,
-        long: list[int],
+        starts: list[int], long: list[int],
     ) -> torch.Tensor:  # fmt: skip
-        """The `long` requests' queries through the expanded form, the step's others
-        through the absorbed one: [tokens, heads, v]."""
-        assert self.expanded_size is not None  # (else no request is long)
+        """The `long` requests' queries (rows [starts[r], starts[r + 1])) through the
+        expanded form, the step's others through the absorbed one: [tokens, heads, v]."""
+        assert self.expanded is not None  # (else no request is long)
         tokens = q_nope.shape[0]
         heads_out = torch.empty(tokens, self.heads, self.v, dtype=q_nope.dtype,
                                 device=q_nope.device)  # fmt: skip
-        weights = ExpandedWeights(self.w_uk, self.w_uv, self.attn.scale, self.expanded_size)
         query = torch.cat((q_nope, q_pe), dim=-1)
-        starts = meta.query_start_loc.tolist()
         for r in long:
             rows = slice(starts[r], starts[r + 1])
             context = self.attn.context(cache, meta, r)
-            heads_out[rows] = expanded_attention(query[rows], context, weights)
+            heads_out[rows] = expanded_attention(query[rows], context, self.expanded)
         if len(long) < len(starts) - 1:
-            rest, index = without_requests(meta, long)
+            rest, index = without_requests(meta, starts, long)
             heads_out[index] = self._absorbed(q_nope[index], q_pe[index], cache, rest)
         return heads_out
 
