@@ -56,7 +56,11 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
-from pyengine.models.llama_moe import gguf_expert_tensors, refuse_adapters
+from pyengine.models.llama_moe import (
+    gguf_expert_tensors,
+    refuse_adapters,
+    route_stacked_experts,
+)
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -234,10 +238,8 @@ class GptOssForCausalLM(LlamaForCausalLM):
             mine = tensor.narrow(0, s.first, s.count).narrow(1, s.start, n)  # [count, n, hidden]
             copy_checked(name, mlp.down, materialize(mine).transpose(1, 2))
 
-        def down_bias(name: str, tensor: CheckpointTensor) -> None:
-            assert mlp.down_bias is not None
-            copy_checked(name, mlp.down_bias, tensor.narrow(0, s.first, s.count))
-
+        down_bias = functools.partial(_copy_bias_rows, into=mlp.down_bias, first=s.first,
+                                      count=s.count, start=0)  # fmt: skip
         for name, shape, load in (
             ("gate_up_proj_bias", (experts, 2 * whole), gate_up_bias),
             ("down_proj_bias", (experts, hidden), down_bias),
@@ -259,11 +261,7 @@ def route_gguf_experts(router: WeightRouter, prefix: str, mlp: FusedMoE) -> list
     """A GGUF file's experts: a tensor per part for every expert (llama.cpp's gate and up
     apart, in blocks or floats), each with its bias; returns the routes' names."""
     s, n = mlp.shard, mlp.intermediate_size
-    names = []
-    for name, stack in mlp.stacked_tensors().items():
-        names.append(f"{prefix}.{name}.weight")
-        router.tensor(names[-1], stack.shape, stack.floats,
-                      stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+    names = route_stacked_experts(router, prefix, mlp)
     assert mlp.gate_up_bias is not None and mlp.down_bias is not None
     whole, experts = mlp.full_intermediate_size, mlp.routing.num_experts
     for name, into in (

@@ -38,7 +38,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
-from pyengine.layers.moe.linear_experts import ExpertLinears, quantized_experts_method
+from pyengine.layers.moe.linear_experts import quantized_experts_method
 from pyengine.layers.moe.methods import experts_method
 from pyengine.layers.moe.routing import RoutingConfig
 from pyengine.layers.quantization.shards import copy_checked
@@ -61,7 +61,13 @@ from pyengine.models.llama import (
     _Variant,
 )
 from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
-from pyengine.models.llama_moe import MoeFamilyConfig, gguf_expert_tensors, refuse_adapters
+from pyengine.models.llama_moe import (
+    MoeFamilyConfig,
+    gguf_expert_tensors,
+    refuse_adapters,
+    route_expert_linears,
+    route_stacked_experts,
+)
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
@@ -271,9 +277,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
         parts = ("gate_proj", "up_proj", "down_proj")
         mlp.shared_expert.route(router, [f"{module}.shared_expert.{p}" for p in parts])
         if mlp.experts is not None:  # a quantized checkpoint's: an expert at a time
-            for expert, linears in zip(mlp.local_experts(), mlp.experts, strict=True):
-                assert isinstance(linears, ExpertLinears)
-                linears.route(router, [f"{module}.experts.{expert}.{p}" for p in parts])
+            route_expert_linears(router, f"{module}.experts", mlp, parts)
             return
         s, n, whole = mlp.shard, mlp.intermediate_size, mlp.full_intermediate_size
 
@@ -290,11 +294,7 @@ class Llama4ForCausalLM(LlamaForCausalLM):
             copy_checked(name, mlp.down, materialize(mine).transpose(1, 2))
 
         # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
-        stacked = []
-        for name, stack in mlp.stacked_tensors().items():
-            stacked.append(f"{module}.experts.{name}.weight")
-            router.tensor(stacked[-1], stack.shape, stack.floats,
-                          stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+        stacked = route_stacked_experts(router, f"{module}.experts", mlp)
         if mlp.method.keeps_blocks:
             return  # (the file's blocks: no other form)
         experts, hidden = mlp.routing.num_experts, mlp.hidden_size

@@ -18,7 +18,7 @@ whole on the ranks (FusedMoE). LoRA adapters on the experts are refused by name.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
@@ -234,6 +234,28 @@ _GGUF_ARCHITECTURES = tuple(
 )  # fmt: skip
 
 
+def route_expert_linears(
+    router: WeightRouter, experts: str, mlp: FusedMoE, parts: Sequence[str]
+) -> None:
+    """A quantized checkpoint's experts, an expert at a time: each local expert's linear
+    layers, `parts` under `{experts}.{expert}`."""
+    assert mlp.experts is not None
+    for expert, linears in zip(mlp.local_experts(), mlp.experts, strict=True):
+        assert isinstance(linears, ExpertLinears)
+        linears.route(router, [f"{experts}.{expert}.{part}" for part in parts])
+
+
+def route_stacked_experts(router: WeightRouter, experts: str, mlp: FusedMoE) -> list[str]:
+    """A GGUF file's experts: a tensor per part for every expert (`{experts}.gate_proj.
+    weight`...), in blocks where the layer keeps them, else floats; the routes' names."""
+    names = []
+    for name, stack in mlp.stacked_tensors().items():
+        names.append(f"{experts}.{name}.weight")
+        router.tensor(names[-1], stack.shape, stack.floats,
+                      stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+    return names
+
+
 def refuse_adapters(ctx: LayerContext | None) -> None:
     """LoRA adapters on mixture-of-experts layers: refused by name, at start."""
     if ctx is not None and ctx.adapters:
@@ -309,18 +331,12 @@ class LlamaMoeForCausalLM(LlamaForCausalLM):
         gates = self.route_shared_expert(router, module, mlp, family)
         if mlp.experts is not None:  # a quantized checkpoint's: an expert at a time
             router.plain(f"{module}.gate.weight", mlp.router)
-            for expert, linears in zip(mlp.local_experts(), mlp.experts, strict=True):
-                assert isinstance(linears, ExpertLinears)
-                prefixes = [f"{module}.experts.{expert}.{name}" for name in family.expert_parts]
-                linears.route(router, prefixes)
+            route_expert_linears(router, f"{module}.experts", mlp, family.expert_parts)
             router.either([f"{module}.gate.weight", *gates.hf], list(gates.gguf))
             return
         # A GGUF file's form: a tensor per part for every expert, in blocks or floats.
-        stacked = [f"{prefix}.gate.weight", *gates.gguf]
-        for name, stack in mlp.stacked_tensors().items():
-            stacked.append(f"{prefix}.experts.{name}.weight")
-            router.tensor(stacked[-1], stack.shape, stack.floats,
-                          stack.blocks if mlp.method.keeps_blocks else None)  # fmt: skip
+        stacked = [f"{prefix}.gate.weight", *gates.gguf,
+                   *route_stacked_experts(router, f"{prefix}.experts", mlp)]  # fmt: skip
         router.plain(stacked[0], mlp.router)
         if mlp.method.keeps_blocks:
             return  # (the file's blocks: no other form)
