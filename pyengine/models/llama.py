@@ -175,12 +175,13 @@ _GGUF_LAYER_TENSORS = {
 
 
 def _gguf(
-    name: str, hf_architecture: str, rope_permuted: bool, layer_tensors: Mapping[str, str] = {}
-) -> GGUFArchitecture:
+    name: str, hf_architecture: str, rope_permuted: bool,
+    layer_tensors: Mapping[str, str] | None = None,
+) -> GGUFArchitecture:  # fmt: skip
     """`layer_tensors`: the architecture's names beside (or instead of) Llama's."""
     return GGUFArchitecture(
         name, hf_architecture, _config_from_gguf, _GGUF_GLOBAL_TENSORS,
-        {**_GGUF_LAYER_TENSORS, **layer_tensors}, "model.layers", rope_permuted,
+        {**_GGUF_LAYER_TENSORS, **(layer_tensors or {})}, "model.layers", rope_permuted,
     )  # fmt: skip
 
 

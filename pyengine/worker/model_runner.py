@@ -163,7 +163,7 @@ class ModelRunner:
         self.kv_slots = self.kv_layout.slots_of(self.layers)
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
         latent_dtypes = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
-        if latent and self.cache_dtype == torch.uint8 and config.device != "cpu":
+        if latent and self.cache_dtype == torch.uint8 and self.placement.device.type != "cpu":
             raise ValueError("kv_cache_dtype fp8: latent attention's fp8 cache runs on the CPU")
         if latent and self.cache_dtype not in latent_dtypes:
             raise ValueError(
