@@ -47,6 +47,13 @@ _MXFP4 = 39
 TWICE_E2M1 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 
 
+def half_e8m0(exponents: np.ndarray) -> np.ndarray:
+    """MXFP4's scale bytes (e8m0: 2^(e - 127)) halved, float32: the scale of twice the
+    e2m1 values."""
+    scale: np.ndarray = np.ldexp(np.float32(1), exponents.astype(np.int32) - 128)
+    return scale.astype(np.float32)
+
+
 @dataclass(frozen=True)
 class BlockQuantized:
     """A [rows, cols] weight as q * scale + offset, a group of `group` columns (a block of
@@ -188,7 +195,7 @@ def _mxfp4(blocks: np.ndarray) -> Parts:
     8 bits, q = twice the e2m1 value and scale 2^(e - 128)."""
     codes = blocks[..., 1:]
     q = np.concatenate((TWICE_E2M1[codes & 0x0F], TWICE_E2M1[codes >> 4]), axis=-1)
-    scale = np.ldexp(np.float32(1), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
+    scale = half_e8m0(blocks[..., 0])
     return q, scale, np.full_like(scale, -0.0)
 
 

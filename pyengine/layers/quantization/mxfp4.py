@@ -20,13 +20,11 @@ import numpy as np
 import torch
 
 from pyengine.config import QuantizationConfig
-from pyengine.layers.block_quantized import BLOCK, TWICE_E2M1, BlockQuantized
+from pyengine.layers.block_quantized import BLOCK, TWICE_E2M1, BlockQuantized, half_e8m0
 from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.base import LinearMethod, QuantizationMethod
 from pyengine.layers.quantization.registry import register_quantization
 from pyengine.layers.quantization.unquantized import dense_method
-
-_E8M0_BIAS = 127
 
 
 @register_quantization("mxfp4")
@@ -61,16 +59,15 @@ def mxfp4_blocks(blocks: np.ndarray, scales: np.ndarray) -> BlockQuantized:
     q = np.empty((rows, groups, BLOCK), np.int8)
     q[..., 0::2] = TWICE_E2M1[blocks & 0x0F]
     q[..., 1::2] = TWICE_E2M1[blocks >> 4]
-    scale = np.ldexp(np.float32(1), scales.astype(np.int32) - _E8M0_BIAS - 1).astype(np.float32)
+    scale = half_e8m0(scales)
     return BlockQuantized(q.reshape(rows, groups * BLOCK), scale, np.full_like(scale, -0.0))
 
 
 def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """[..., rows, cols / 32, 16] blocks and [..., rows, cols / 32] scales (uint8) as the
-    float32 weights [..., rows, cols]."""
-    twice = torch.from_numpy(TWICE_E2M1).float()
-    b = blocks.to(torch.int64)
-    values = torch.stack((twice[b & 0x0F], twice[b >> 4]), dim=-1).flatten(-2)  # [..., 32]
-    exponents = scales.to(torch.int32) - _E8M0_BIAS - 1
-    weights = torch.ldexp(values, exponents[..., None].float())
-    return weights.flatten(-2)
+    float32 weights [..., rows, cols] (each matrix through mxfp4_blocks)."""
+    rows, groups, half = blocks.shape[-3:]
+    matrices = zip(blocks.reshape(-1, rows, groups, half).numpy(),
+                   scales.reshape(-1, rows, groups).numpy(), strict=True)  # fmt: skip
+    weights = np.stack([mxfp4_blocks(b, s).dequantize() for b, s in matrices])
+    return torch.from_numpy(weights).reshape(*blocks.shape[:-2], groups * half * 2)
