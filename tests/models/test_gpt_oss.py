@@ -18,6 +18,7 @@ from helpers.hf_reference import (
     assert_tokens_and_logits_match,
     prefill_logits,
 )
+from helpers.tiny_gpt_oss import random_gpt_oss
 
 from pyengine import LLM
 
@@ -29,18 +30,8 @@ ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 @pytest.fixture(scope="module")
 def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
     folder = tmp_path_factory.mktemp("gpt_oss")
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
-        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256, swiglu_limit=0.6,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm, sinks = "norm" in name, name.endswith("sinks")
-            p.normal_(1.0 if norm else 0.0, 1.0 if sinks else 0.1 if norm else 0.08)
-    model.eval().save_pretrained(folder)
+    model = random_gpt_oss()
+    model.save_pretrained(folder)
     return folder, model
 
 

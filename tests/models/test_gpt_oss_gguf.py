@@ -23,6 +23,7 @@ from helpers.gguf_writing import (  # noqa: E402
     close,
     file_and_folder,
 )
+from helpers.tiny_gpt_oss import random_gpt_oss  # noqa: E402
 
 LAYER = {
     "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
@@ -33,20 +34,11 @@ ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
 
 
 def write_gpt_oss_gguf(path: Path, hf_folder: Path) -> torch.nn.Module:
-    torch.manual_seed(0)
-    c = transformers.GptOssConfig(
+    model = random_gpt_oss(
         vocab_size=VOCAB, eos_token_id=EOS, bos_token_id=None, pad_token_id=None,
-        hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, num_local_experts=8, num_experts_per_tok=2,
-        sliding_window=16, max_position_embeddings=256, swiglu_limit=0.625,
-        tie_word_embeddings=False,
+        intermediate_size=64, swiglu_limit=0.625, tie_word_embeddings=False,
     )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(c, dtype=torch.float32).eval()
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, p in params.items():
-            norm, sinks = "norm" in name, name.endswith("sinks")
-            p.normal_(1.0 if norm else 0.0, 1.0 if sinks else 0.1 if norm else 0.08)
+    c, params = model.config, dict(model.named_parameters())
     yarn = c.rope_parameters
     writer = gguf.GGUFWriter(str(path), "gpt-oss")
     for add, value in (

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.hf_reference import assert_ranks_give_one_ranks_tokens, hf_greedy
+from helpers.tiny_gpt_oss import random_gpt_oss
 from safetensors.torch import load_file, save_file
 
 from pyengine import LLM, SamplingParams
@@ -45,18 +46,8 @@ def quantize_mxfp4(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def mxfp4_gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(the MXFP4 checkpoint, the float one of its dequantized weights)."""
     root = tmp_path_factory.mktemp("gpt_oss_mxfp4")
-    torch.manual_seed(0)
-    config = transformers.GptOssConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_local_experts=8,
-        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=256, swiglu_limit=0.6,
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            norm, sinks = "norm" in name, name.endswith("sinks")
-            p.normal_(1.0 if norm else 0.0, 1.0 if sinks else 0.1 if norm else 0.08)
-    model.eval().save_pretrained(root / "float")
+    # (an intermediate size of whole MXFP4 blocks of 32)
+    random_gpt_oss(intermediate_size=64).save_pretrained(root / "float")
     tensors = load_file(str(root / "float" / "model.safetensors"))
     quantized, reference = dict(tensors), dict(tensors)
     for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
