@@ -56,6 +56,7 @@ from pyengine.models.llama import (
     _config_from_hf,
     _Variant,
 )
+from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
 from pyengine.models.llama_moe import (
     gguf_expert_tensors,
     refuse_adapters,
@@ -112,12 +113,8 @@ def _gpt_oss_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelCon
 # their own, the experts a tensor per part for every expert (MXFP4 blocks, or floats),
 # each with its bias.
 _GGUF_LAYER_TENSORS = {
-    "attn_norm": "input_layernorm",
+    **{name: hf for name, hf in _LLAMA_GGUF_LAYER_TENSORS.items() if name.startswith("attn_")},
     "post_attention_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
     "attn_sinks.weight": "self_attn.sinks",
     **gguf_expert_tensors(router="router", shared=None),
 }
