@@ -26,11 +26,11 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 # A request takes the expanded form from this many query tokens of a step: past it the
 # keys' expansion (heads x rank x (nope + v) a key) costs less than what the cheaper
 # scores save, and the paged attention kernel runs the scores faster than the latent one
-# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes, on a CPU without AMX
-# where the latent kernel runs its portable build, the absorbed form is faster at 16
-# tokens and for a prompt of 32 alone (by 0.6 ms), the expanded one 1.4x at 32 tokens
-# over 128 latents, 5x at 256 and 14x for a whole 4k-token prompt; AMX's latent tiles
-# are yet to be measured against it).
+# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes, on an AVX-512 CPU
+# without AMX, the absorbed form is faster at 16 tokens and for a prompt of 64 alone (by
+# 0.2 ms), the expanded one 1.65x at 64 tokens over 256 latents, 2.9x for a 256-token
+# prompt and 6.4x for a whole 4k-token one; its SSE2 build put the crossing at 32, which
+# this threshold keeps; AMX's latent tiles are yet to be measured against it).
 EXPANDED_FROM = 32
 # The context's tokens expanded at a time, into the cache the expanded form attends over
 # (so that its keys and values exist once, in that cache, beside one piece's).
