@@ -2,10 +2,11 @@
 // a cache row apart) against the heads' queries packed as B pairs give the scores
 // transposed (keys x heads); a vector per key holds every head's score, so the online
 // softmax is 16 heads a lane; its weights, transposed to heads x keys in bfloat16, are A
-// against the keys' values packed as B pairs (two keys' rows interleaved), 16 value
-// columns a tile product, added into the float accumulators in place (a tile loaded from
-// them, kWindow steps' products added, stored back). A head's weights are taken against a reference that moves only
-// when its scores pass it by kLazyMax (FlashAttention-4's lazy rescaling: the weights
+// against the keys' values packed as B pairs (two keys' rows interleaved by unpacking,
+// which leaves the columns in an order put right at the end), 16 value columns a tile
+// product, added into the float accumulators in place (a tile loaded from them, kWindow
+// steps' products added, stored back). A head's weights are taken against a reference
+// that moves only when its scores pass it by kLazyMax (FlashAttention-4's lazy rescaling: the weights
 // stay below e^8, exact in float32 sums), so that the accumulators are rarely rescaled.
 // Keys outside [begin, end) get no weight, and their values are taken as zeros.
 #include "mla_amx.h"
@@ -20,7 +21,7 @@
 namespace pyengine::detail {
 
 bool mla_amx_fits(const MlaTile& s) {
-  return amx_tiles_enabled() && s.heads <= 16 && s.latent % 32 == 0 && s.value % 16 == 0 &&
+  return amx_tiles_enabled() && s.heads <= 16 && s.latent % 32 == 0 && s.value % 32 == 0 &&
          s.block_size % 16 == 0;
 }
 
@@ -30,6 +31,11 @@ namespace {
 constexpr int kKeys = 32;  // a step's keys: two tiles of 16
 constexpr float kLazyMax = 8.0f;
 constexpr int kWindow = 4;  // steps whose weighted values go into the sums together
+
+// Where the sums keep each of 32 value columns: unpacking two keys' rows (low, then high
+// halves of each 128-bit lane) leaves columns 0-3, 8-11, 16-19, 24-27 in the first 16
+// and the others in the second. Column a's place for a < 16; a + 16's is 8 on.
+constexpr int32_t kStoredColumn[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
 
 // exp(x) lane-wise for x <= 88 (below -87 and -inf give 0): range reduction to r in
 // [-ln2/2, ln2/2],
@@ -48,6 +54,33 @@ PYENGINE_AMX_TARGET inline __m512 exp_below_88(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
   return _mm512_maskz_scalef_ps(live, p, n);
+}
+
+// rows[p][h] -> rows[h][p] for 16 rows of 16 dwords: pairs, then quads, then 128-bit
+// lanes, then their pairs (after the second stage, lane L of row 4i + j holds rows
+// 4i..4i+3 of column 4L + j).
+PYENGINE_AMX_TARGET inline void transpose_dwords(__m512i rows[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(rows[i], rows[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(rows[i], rows[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 16; i += 8) {
+    for (int j = 0; j < 4; ++j) {
+      t[i + j] = _mm512_shuffle_i32x4(u[i + j], u[i + 4 + j], 0x88);
+      t[i + 4 + j] = _mm512_shuffle_i32x4(u[i + j], u[i + 4 + j], 0xDD);
+    }
+  }
+  for (int j = 0; j < 8; ++j) {
+    rows[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+    rows[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xDD);
+  }
 }
 
 // The rows of 16 keys from `first` (one cache block's), or null where none is a key.
@@ -85,9 +118,10 @@ PYENGINE_AMX_TARGET void attend_amx(const MlaTile& s, const uint16_t* q, const u
   __m512 running_sum = _mm512_setzero_ps();
   sums16.assign(static_cast<size_t>(16 * v), 0.0f);  // every tile row's (16 heads)
   float* totals = sums16.data();
-  const __m512i low = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40,
-                                       8, 39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  // Two keys' weights as one dword a head: [key 2p's 16 heads | key 2p+1's] interleaved.
+  const __m512i pair_up = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
   int pending = 0;  // steps whose weights and values wait in the window
   // The window's weighted values added to the sums, 16 columns a tile (its weights in
   // tiles 0, 1, 3 and 4; the scores' tiles are free here).
@@ -120,10 +154,24 @@ PYENGINE_AMX_TARGET void attend_amx(const MlaTile& s, const uint16_t* q, const u
   for (int64_t first = begin - begin % 16; first < end; first += kKeys) {
     const uint16_t* rows[2] = {key_rows(s, cache, table, first, end),
                                key_rows(s, cache, table, first + 16, end)};
+    // The next step's rows (two runs of 16 rows, each contiguous in its block) asked for
+    // into L2, 16 lines of each run a column tile, so that their misses overlap this
+    // step's arithmetic: one core alone waits on L3 and memory otherwise (its misses in
+    // flight are too few), and the blocks lie anywhere in the pool.
+    const char* ahead[2] = {
+        reinterpret_cast<const char*>(key_rows(s, cache, table, first + kKeys, end)),
+        reinterpret_cast<const char*>(key_rows(s, cache, table, first + kKeys + 16, end))};
     // Scores, transposed: tiles 0 and 1 [16 keys][16 heads].
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t c = 0; c < d; c += 32) {
+      for (const char* next : ahead) {
+        if (next == nullptr) continue;
+        const char* slice = next + c * 32;  // (16 rows of 64 bytes a column tile)
+        for (int line = 0; line < 16; ++line) {
+          _mm_prefetch(slice + line * 64, _MM_HINT_T1);
+        }
+      }
       _tile_loadd(2, queries + c * 16, 64);
       if (rows[0] != nullptr) {
         _tile_loadd(3, rows[0] + c, row_bytes);
@@ -169,22 +217,27 @@ PYENGINE_AMX_TARGET void attend_amx(const MlaTile& s, const uint16_t* q, const u
         }
       }
     }
-    alignas(64) uint16_t by_key[kKeys][16];
+    // The weights in bfloat16, transposed to heads x keys: two keys' a dword, 16 x 16
+    // dwords turned over in registers.
+    __m512i pairs[kKeys / 2];
+    __m256i rounded[2];
     for (int k = 0; k < kKeys; ++k) {
       const __m512 e = exp_below_88(_mm512_sub_ps(lane_scores[k], new_max));
-      const __m256bh rounded = _mm512_cvtneps_pbh(e);
-      _mm256_store_si256(reinterpret_cast<__m256i*>(by_key[k]), reinterpret_cast<__m256i>(rounded));
+      rounded[k % 2] = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
       // (the sum of the weights as rounded: numerator and denominator agree)
-      const __m512i widened = _mm512_slli_epi32(
-          _mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(rounded)), 16);
+      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[k % 2]), 16);
       running_sum = _mm512_add_ps(running_sum, _mm512_castsi512_ps(widened));
+      if (k % 2 == 1) {
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(rounded[0]), rounded[1], 1);
+        pairs[k / 2] = _mm512_permutexvar_epi16(pair_up, both);
+      }
     }
+    transpose_dwords(pairs);
     uint16_t* step_weights = weights[pending];
-    for (int h = 0; h < 16; ++h) {
-      for (int k = 0; k < kKeys; ++k) step_weights[h * kKeys + k] = by_key[k][h];
-    }
-    // The values as B pairs: two keys' rows interleaved, [16 pairs][v][2]; zeros for
-    // keys out of range.
+    for (int h = 0; h < 16; ++h) _mm512_store_si512(step_weights + h * kKeys, pairs[h]);
+    // The values as B pairs: two keys' rows interleaved, [16 pairs][v][2], each 32
+    // columns as the unpacking leaves them (see kStoredColumn); zeros for keys out of
+    // range.
     uint16_t* step_values = values + pending * kKeys * v;
     for (int p = 0; p < kKeys / 2; ++p) {
       const int64_t k0 = first + 2 * p, k1 = k0 + 1;
@@ -195,8 +248,8 @@ PYENGINE_AMX_TARGET void attend_amx(const MlaTile& s, const uint16_t* q, const u
       for (int64_t c = 0; c < v; c += 32) {
         const __m512i a = r0 ? _mm512_loadu_si512(r0 + c) : _mm512_setzero_si512();
         const __m512i b = r1 ? _mm512_loadu_si512(r1 + c) : _mm512_setzero_si512();
-        _mm512_storeu_si512(out + 2 * c, _mm512_permutex2var_epi16(a, low, b));
-        _mm512_storeu_si512(out + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
+        _mm512_storeu_si512(out + 2 * c, _mm512_unpacklo_epi16(a, b));
+        _mm512_storeu_si512(out + 2 * c + 32, _mm512_unpackhi_epi16(a, b));
       }
     }
     if (++pending == kWindow) flush();
@@ -207,7 +260,18 @@ PYENGINE_AMX_TARGET void attend_amx(const MlaTile& s, const uint16_t* q, const u
   _mm512_store_ps(sums, running_sum);
   std::copy_n(maxes, s.heads, max);
   std::copy_n(sums, s.heads, sum);
-  std::copy_n(totals, s.heads * v, acc);
+  // The sums' columns back in order, 32 at a time.
+  const __m512i order = _mm512_loadu_si512(kStoredColumn);
+  for (int64_t h = 0; h < s.heads; ++h) {
+    for (int64_t c = 0; c < v; c += 32) {
+      const float* stored = totals + h * v + c;
+      float* out = acc + h * v + c;
+      const __m512 first = _mm512_loadu_ps(stored), second = _mm512_loadu_ps(stored + 16);
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(first, order, second));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(
+                                     first, _mm512_add_epi32(order, _mm512_set1_epi32(8)), second));
+    }
+  }
 }
 #else
 void attend_amx(const MlaTile&, const uint16_t*, const uint16_t*, const int32_t*, int64_t,

@@ -12,7 +12,7 @@ struct MlaTile {
 };
 
 // Whether attend_amx runs these shapes: AMX usable (amx_tiles_enabled), at most 16
-// heads, the latent a multiple of 32, the value of 16, blocks of 16 keys or a multiple.
+// heads, the latent a multiple of 32, the value of 32, blocks of 16 keys or a multiple.
 bool mla_amx_fits(const MlaTile& s);
 
 // Every head's softmax over keys [begin, end) of a request (`table` its block table),
