@@ -30,7 +30,9 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 # without AMX, the absorbed form is faster at 16 tokens and for a prompt of 64 alone (by
 # 0.2 ms), the expanded one 1.65x at 64 tokens over 256 latents, 2.9x for a 256-token
 # prompt and 6.4x for a whole 4k-token one; its SSE2 build put the crossing at 32, which
-# this threshold keeps; AMX's latent tiles are yet to be measured against it).
+# this threshold keeps). Where the latent kernel runs on AMX's tiles the absorbed form
+# is faster at every size it measures (1.2x to 5x on a Xeon with AMX), and no request
+# takes the expanded one (`LatentAttention.expanded_from_over`).
 EXPANDED_FROM = 32
 # The context's tokens expanded at a time, into the cache the expanded form attends over
 # (so that its keys and values exist once, in that cache, beside one piece's).
@@ -131,6 +133,17 @@ class LatentAttention:
         self.num_heads, self.rank, self.rope_dim, self.scale = num_heads, rank, rope_dim, scale
         self.kv_group = 0  # (the model runner sets it from the model's KVLayout)
         self.expanded_from = EXPANDED_FROM
+
+    def expanded_from_over(self, cache: KVCache, dtype: torch.dtype) -> int | None:
+        """The query tokens from which a request takes the expanded form, for queries
+        in `dtype` over `cache`; None where the absorbed form runs on AMX's tiles."""
+        latents = cache[0]
+        on_tiles = (
+            latents.device.type == "cpu"
+            and dtype == latents.dtype == torch.bfloat16
+            and _C.mla_on_tiles(self.num_heads, latents.shape[-1], self.rank, latents.shape[1])
+        )
+        return None if on_tiles else self.expanded_from
 
     def write(self, latent: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
         """The step's latent vectors [num_tokens, rank + rope_dim] into their slots (an fp8

@@ -306,7 +306,8 @@ class LatentAttentionLayer(nn.Module):
         latents = torch.cat((c_kv, k_pe.view(tokens, self.rope)), dim=-1)
         self.attn.write(latents, cache, meta)
         q_nope = q[..., : self.nope]
-        long, starts = long_requests(meta, self.attn.expanded_from) if self.expanded else ([], [])
+        expanded_from = self.attn.expanded_from_over(cache, q.dtype) if self.expanded else None
+        long, starts = long_requests(meta, expanded_from) if expanded_from else ([], [])
         if long:
             heads_out = self._expanded(q_nope, q_pe, cache, meta, starts, long)
         else:

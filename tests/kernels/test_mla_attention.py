@@ -162,6 +162,33 @@ def test_the_expanded_form_matches_the_absorbed_ones_reference(
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
 
 
+def test_prefills_keep_the_absorbed_form_where_it_runs_on_tiles() -> None:
+    """On AMX's tiles the latent kernel beats the expanded form at every prompt length
+    (bench/mla_prefill.py): a bfloat16 query over a bfloat16 cache there takes no expanded
+    form. Any other dtype, shapes the tiles do not take, or AMX turned off keep the
+    threshold."""
+    from pyengine.layers.latent_attention import EXPANDED_FROM, LatentAttention
+
+    def cache(dtype: torch.dtype, bs: int = 16):  # type: ignore[no-untyped-def]
+        latents = torch.zeros(4, bs, RANK + ROPE, dtype=dtype)
+        return latents, latents
+
+    attn = LatentAttention(16, RANK, ROPE, 0.1)
+    assert attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == (
+        None if AMX else EXPANDED_FROM
+    )
+    assert attn.expanded_from_over(cache(torch.bfloat16), torch.float32) == EXPANDED_FROM
+    assert attn.expanded_from_over(cache(torch.float32), torch.float32) == EXPANDED_FROM
+    assert attn.expanded_from_over(cache(torch.bfloat16, bs=8), torch.bfloat16) == EXPANDED_FROM
+    many = LatentAttention(17, RANK, ROPE, 0.1)
+    assert many.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == EXPANDED_FROM
+    pin_dense_isa("generic")  # (AMX's tiles off)
+    try:
+        assert attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == EXPANDED_FROM
+    finally:
+        unpin_dense_isa()
+
+
 def test_an_fp8_cache_is_its_e4m3_values() -> None:
     """vLLM's fp8 latent cache (e4m3 bytes as uint8, no scale) under float32 queries: the
     float64 reference over the latents rounded to e4m3; other queries refused by name."""

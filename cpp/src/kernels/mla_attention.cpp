@@ -57,6 +57,11 @@ detail::MlaAttend attend_for(CpuIsa isa) {
 
 }  // namespace
 
+bool mla_attention_on_tiles(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
+                            int64_t block_size) {
+  return detail::mla_amx_fits({num_heads, latent_dim, value_dim, block_size});
+}
+
 void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
                    const TensorView& block_tables, const TensorView& seq_lens,
                    const TensorView& query_start_loc, float scale, int64_t value_dim,
@@ -157,7 +162,7 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit.
   const detail::MlaTile tile{heads, d, value_dim, bs};
   const bool on_tiles = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16 &&
-                        detail::mla_amx_fits(tile);
+                        mla_attention_on_tiles(heads, d, value_dim, bs);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t n = 0; n < items.size(); ++n) {
     const detail::MlaItem& w = items[n];
