@@ -99,7 +99,7 @@ def least(*keys: str) -> Callable[[dict[str, Any]], float | None]:
 def engines_mla_prefill(figures: dict[str, Any]) -> float | None:
     """The speedup of the form the engine took on the measuring CPU: the absorbed one on
     AMX's tiles, the expanded one elsewhere."""
-    form = "tiles_vs_expanded" if figures.get("amx") else "expanded_vs_portable"
+    form = "tiles_vs_expanded" if figures.get("amx") else "expanded_vs_no_amx"
     value = figures.get(f"speedup_{form}_q4096_ctx4096")
     return float(value) if value is not None else None
 

@@ -133,10 +133,10 @@ value_cache:   [num_blocks, num_kv_heads, block_size, head_size], the same dtype
 slot_mapping:  int64 [num_tokens], block * block_size + offset
 stream:        a CUDA stream handle for CUDA tensors (0: the default stream))doc");
 
-  m.def("mla_on_tiles", &mla_attention_on_tiles, py::arg("num_heads"), py::arg("latent_dim"),
-        py::arg("value_dim"), py::arg("block_size"),
-        "Whether mla_attention runs a bfloat16 query over a bfloat16 cache of these shapes "
-        "on AMX's tile unit, on this CPU.");
+  m.def("mla_bf16_build", &mla_attention_bf16_build, py::arg("num_heads"),
+        py::arg("latent_dim"), py::arg("value_dim"), py::arg("block_size"),
+        "The build of mla_attention that runs a bfloat16 query over a bfloat16 cache of these "
+        "shapes on this CPU: 'amx', 'avx512_bf16' or 'portable' (as every other dtype).");
   def_kernel(
       m, "mla_attention", &prepare_mla_attention, py::arg("out"), py::arg("query"),
       py::arg("latent_cache"), py::arg("block_tables"), py::arg("seq_lens"),

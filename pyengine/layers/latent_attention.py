@@ -9,7 +9,8 @@ latents, in one of two forms.
   keys and values, then plain causal attention (the paged attention kernel). Per query
   and key it costs heads x (nope + rope + v), a third of the absorbed form's at
   DeepSeek's sizes, but expanding a key costs heads x rank x (nope + v): the form for a
-  request with many query tokens (a prefill), from `EXPANDED_FROM` of them.
+  request with many query tokens (a prefill), from `EXPANDED_FROM` of them (by the
+  latent kernel's build).
 
 The projections into and out of the latent space are the model's (models/deepseek.py).
 """
@@ -23,17 +24,17 @@ import torch
 from pyengine import _C, ops
 from pyengine.layers.attention import AttentionMetadata, KVCache
 
-# A request takes the expanded form from this many query tokens of a step: past it the
-# keys' expansion (heads x rank x (nope + v) a key) costs less than what the cheaper
-# scores save, and the paged attention kernel runs the scores faster than the latent one
-# (bench/mla_prefill.py measures both: at DeepSeek-V2-Lite's sizes, on an AVX-512 CPU
-# without AMX, the absorbed form is faster at 16 tokens and for a prompt of 64 alone (by
-# 0.2 ms), the expanded one 1.65x at 64 tokens over 256 latents, 2.9x for a 256-token
-# prompt and 6.4x for a whole 4k-token one; its SSE2 build put the crossing at 32, which
-# this threshold keeps). Where the latent kernel runs on AMX's tiles the absorbed form
-# is faster at every size it measures (1.2x to 5x on a Xeon with AMX), and no request
-# takes the expanded one (`LatentAttention.expanded_from_over`).
-EXPANDED_FROM = 32
+# A request takes the expanded form from this many query tokens of a step, by the build
+# of the latent kernel that runs the absorbed one (`_C.mla_bf16_build`; None: never):
+# past it the keys' expansion (heads x rank x (nope + v) a key) costs less than what the
+# cheaper scores save. bench/mla_prefill.py measures both forms at DeepSeek-V2-Lite's
+# sizes. The portable loops (float32, float16, and bfloat16 on CPUs without AVX512-BF16)
+# are faster at 16 tokens and for a prompt of 64 alone on an AVX-512 CPU, the expanded
+# form 1.65x at 64 tokens over 256 latents and 6.4x for a whole 4k-token prompt (the
+# SSE2 build put the crossing at 32). AVX512-BF16's dot products hold out to about 128
+# tokens (0.95x there for a prompt alone, 1.3x over 512 latents, 1.9x at 1024). On AMX's
+# tiles the absorbed form is faster at every size measured (1.2x to 4.8x).
+EXPANDED_FROM: dict[str, int | None] = {"portable": 32, "avx512_bf16": 128, "amx": None}
 # The context's tokens expanded at a time, into the cache the expanded form attends over
 # (so that its keys and values exist once, in that cache, beside one piece's).
 EXPANDED_PIECE = 1024
@@ -132,18 +133,17 @@ class LatentAttention:
     def __init__(self, num_heads: int, rank: int, rope_dim: int, scale: float) -> None:
         self.num_heads, self.rank, self.rope_dim, self.scale = num_heads, rank, rope_dim, scale
         self.kv_group = 0  # (the model runner sets it from the model's KVLayout)
-        self.expanded_from = EXPANDED_FROM
+        self.expanded_from = dict(EXPANDED_FROM)  # (a layer's own, that a test may lower)
 
     def expanded_from_over(self, cache: KVCache, dtype: torch.dtype) -> int | None:
         """The query tokens from which a request takes the expanded form, for queries
-        in `dtype` over `cache`; None where the absorbed form runs on AMX's tiles."""
+        in `dtype` over `cache` (None: none does), by the build that runs the absorbed one."""
         latents = cache[0]
-        on_tiles = (
-            latents.device.type == "cpu"
-            and dtype == latents.dtype == torch.bfloat16
-            and _C.mla_on_tiles(self.num_heads, latents.shape[-1], self.rank, latents.shape[1])
-        )
-        return None if on_tiles else self.expanded_from
+        build = "portable"
+        if latents.device.type == "cpu" and dtype == latents.dtype == torch.bfloat16:
+            build = _C.mla_bf16_build(self.num_heads, latents.shape[-1], self.rank,
+                                      latents.shape[1])  # fmt: skip
+        return self.expanded_from[build]
 
     def write(self, latent: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> None:
         """The step's latent vectors [num_tokens, rank + rope_dim] into their slots (an fp8

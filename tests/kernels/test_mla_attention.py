@@ -53,16 +53,16 @@ def make(rng: np.random.Generator, seq_lens: list[int], q_lens: list[int], heads
 
 
 def reference(query: torch.Tensor, latents: list[torch.Tensor], seq_lens: np.ndarray,
-              qsl: np.ndarray, scale: float) -> torch.Tensor:  # fmt: skip
+              qsl: np.ndarray, scale: float, value: int = RANK) -> torch.Tensor:  # fmt: skip
     q = query.double()
-    out = torch.zeros(q.shape[0], q.shape[1], RANK, dtype=torch.float64)
+    out = torch.zeros(q.shape[0], q.shape[1], value, dtype=torch.float64)
     for i, latent in enumerate(latents):
         q_len = int(qsl[i + 1] - qsl[i])
         for j in range(q_len):
             t, position = int(qsl[i]) + j, int(seq_lens[i]) - q_len + j
             keys = latent[: position + 1]
             weights = torch.softmax(q[t] @ keys.T * scale, dim=-1)
-            out[t] = weights @ keys[:, :RANK]
+            out[t] = weights @ keys[:, :value]
     return out
 
 
@@ -84,6 +84,22 @@ def test_matches_the_float64_reference(isa: str, dtype: torch.dtype, seq_lens: l
     want = reference(query, latents, lens, qsl, scale)
     error = ((out.double() - want).abs().max() / want.abs().max()).item()
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
+
+
+@pytest.mark.parametrize(("heads", "value"), [(1, 32), (5, 64), (16, 32), (16, 96)])
+def test_any_head_count_and_value_width(isa: str, heads: int, value: int) -> None:
+    """bfloat16, where the AMX and AVX512-BF16 builds keep a head a lane (up to 16) and
+    take the values 64 or 32 columns at a time: heads short of a whole vector, and
+    widths that leave 32 columns over."""
+    rng = np.random.default_rng()
+    cache, tables, lens, qsl, query, latents = make(
+        rng, [300, 45], [1, 45], heads, 16, torch.bfloat16
+    )
+    out = torch.full((query.shape[0], heads, value), float("nan"), dtype=torch.bfloat16)
+    ops.mla_attention(out, query, cache, torch.from_numpy(tables), torch.from_numpy(lens),
+                      torch.from_numpy(qsl), 0.1, value)  # fmt: skip
+    want = reference(query, latents, lens, qsl, 0.1, value)
+    assert ((out.double() - want).abs().max() / want.abs().max()).item() < 1e-2
 
 
 def test_float32_queries_over_a_bfloat16_cache() -> None:
@@ -162,31 +178,34 @@ def test_the_expanded_form_matches_the_absorbed_ones_reference(
         assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
 
 
-def test_prefills_keep_the_absorbed_form_where_it_runs_on_tiles() -> None:
-    """On AMX's tiles the latent kernel beats the expanded form at every prompt length
-    (bench/mla_prefill.py): a bfloat16 query over a bfloat16 cache there takes no expanded
-    form. Any other dtype, shapes the tiles do not take, or AMX turned off keep the
-    threshold."""
+def test_the_expanded_form_starts_where_the_absorbed_build_gives_way() -> None:
+    """A bfloat16 query over a bfloat16 cache takes the threshold of the build that runs
+    it: AMX's tiles (never expanded), AVX512-BF16's dot products, or the portable loops,
+    as the CPU has them and the pins allow. Any other dtype, or shapes the lane builds do
+    not take, keep the portable loops' threshold."""
     from pyengine.layers.latent_attention import EXPANDED_FROM, LatentAttention
 
     def cache(dtype: torch.dtype, bs: int = 16):  # type: ignore[no-untyped-def]
         latents = torch.zeros(4, bs, RANK + ROPE, dtype=dtype)
         return latents, latents
 
-    attn = LatentAttention(16, RANK, ROPE, 0.1)
-    assert attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == (
-        None if AMX else EXPANDED_FROM
-    )
-    assert attn.expanded_from_over(cache(torch.bfloat16), torch.float32) == EXPANDED_FROM
-    assert attn.expanded_from_over(cache(torch.float32), torch.float32) == EXPANDED_FROM
-    assert attn.expanded_from_over(cache(torch.bfloat16, bs=8), torch.bfloat16) == EXPANDED_FROM
-    many = LatentAttention(17, RANK, ROPE, 0.1)
-    assert many.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == EXPANDED_FROM
-    pin_dense_isa("generic")  # (AMX's tiles off)
-    try:
-        assert attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == EXPANDED_FROM
-    finally:
-        unpin_dense_isa()
+    portable = EXPANDED_FROM["portable"]
+    attn, many = LatentAttention(16, RANK, ROPE, 0.1), LatentAttention(17, RANK, ROPE, 0.1)
+    assert attn.expanded_from_over(cache(torch.bfloat16), torch.float32) == portable
+    assert attn.expanded_from_over(cache(torch.float32), torch.float32) == portable
+    assert attn.expanded_from_over(cache(torch.bfloat16, bs=8), torch.bfloat16) == portable
+    assert many.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == portable
+    dots = "avx512" in ISAS and _C.bf16_dot_product()  # (the CPU has AVX512-BF16)
+    for isa in ISAS + (["amx"] if AMX else []):
+        pin_dense_isa("generic" if isa != "amx" else "amx")
+        _C.set_attention_isa(isa if isa != "amx" else "auto")
+        try:
+            build = "amx" if isa == "amx" else "avx512_bf16" if dots and isa == "avx512" else None
+            got = attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16)
+            assert got == EXPANDED_FROM[build or "portable"], isa
+        finally:
+            _C.set_attention_isa("auto")
+            unpin_dense_isa()
 
 
 def test_an_fp8_cache_is_its_e4m3_values() -> None:

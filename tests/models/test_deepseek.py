@@ -18,6 +18,7 @@ from helpers.hf_reference import (
 from helpers.tiny_deepseek import deepseek_checkpoint, deepseek_config
 
 from pyengine import LLM
+from pyengine.layers.latent_attention import EXPANDED_FROM
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +78,7 @@ def test_long_prefills_take_the_expanded_form(deepseek, monkeypatch) -> None:  #
     monkeypatch.setattr(module, "expanded_attention", counted)
     llm = LLM(str(folder), max_num_batched_tokens=48, **ENGINE)
     for layer in llm.llm_engine.executor.driver_worker.model_runner.model.layers:
-        layer.self_attn.attn.expanded_from = 8
+        layer.self_attn.attn.expanded_from = dict.fromkeys(EXPANDED_FROM, 8)
     rng = np.random.default_rng(4)
     shared = rng.integers(0, 256, 40).tolist()
     prompts = [rng.integers(0, 256, n).tolist() for n in (3, 12, 100)] + [shared, shared + [7] * 20]

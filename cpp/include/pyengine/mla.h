@@ -32,10 +32,11 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
                    const TensorView& query_start_loc, float scale, int64_t value_dim,
                    void* stream = nullptr);
 
-// Whether mla_attention runs on AMX's tile unit for a bfloat16 query over a bfloat16
-// cache of these shapes, on this CPU (on any other dtype it does not). Where it does,
-// the absorbed form is the faster one at any prompt length (bench/mla_prefill.py).
-bool mla_attention_on_tiles(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
-                            int64_t block_size);
+// The build of mla_attention that runs a bfloat16 query over a bfloat16 cache of these
+// shapes on this CPU: "amx" (the tile unit), "avx512_bf16" (AVX512-BF16's dot products)
+// or "portable" (the loops built per instruction set, which every other dtype takes).
+// Which form a prefill takes follows it (layers/latent_attention.py).
+const char* mla_attention_bf16_build(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
+                                     int64_t block_size);
 
 }  // namespace pyengine

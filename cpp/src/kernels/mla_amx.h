@@ -5,14 +5,12 @@
 
 #include <cstdint>
 
+#include "mla_lanes.h"
+
 namespace pyengine::detail {
 
-struct MlaTile {
-  int64_t heads, latent, value, block_size;
-};
-
-// Whether attend_amx runs these shapes: AMX usable (amx_tiles_enabled), at most 16
-// heads, the latent a multiple of 32, the value of 32, blocks of 16 keys or a multiple.
+// Whether attend_amx runs these shapes: AMX usable (amx_tiles_enabled) and the shapes
+// the lane kernels take (mla_lanes_fit).
 bool mla_amx_fits(const MlaTile& s);
 
 // Every head's softmax over keys [begin, end) of a request (`table` its block table),

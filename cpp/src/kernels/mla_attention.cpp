@@ -18,6 +18,7 @@
 #include "float_convert.h"
 #include "kv_cache_checks.h"
 #include "mla_amx.h"
+#include "mla_bf16.h"
 #include "mla_kernel.h"
 #include "pyengine/attention.h"
 #include "pyengine/errors.h"
@@ -57,9 +58,12 @@ detail::MlaAttend attend_for(CpuIsa isa) {
 
 }  // namespace
 
-bool mla_attention_on_tiles(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
-                            int64_t block_size) {
-  return detail::mla_amx_fits({num_heads, latent_dim, value_dim, block_size});
+const char* mla_attention_bf16_build(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
+                                     int64_t block_size) {
+  const detail::MlaTile tile{num_heads, latent_dim, value_dim, block_size};
+  if (detail::mla_amx_fits(tile)) return "amx";
+  if (detail::mla_bf16_fits(tile)) return "avx512_bf16";
+  return "portable";
 }
 
 void mla_attention(const TensorView& out, const TensorView& query, const TensorView& latent_cache,
@@ -161,8 +165,10 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
   // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit.
   const detail::MlaTile tile{heads, d, value_dim, bs};
-  const bool on_tiles = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16 &&
-                        mla_attention_on_tiles(heads, d, value_dim, bs);
+  // Else on AVX512-BF16's dot products, where the CPU has them.
+  const bool bf16 = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16;
+  const bool on_tiles = bf16 && detail::mla_amx_fits(tile);
+  const bool on_dots = bf16 && !on_tiles && detail::mla_bf16_fits(tile);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t n = 0; n < items.size(); ++n) {
     const detail::MlaItem& w = items[n];
@@ -171,11 +177,17 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
     max.resize(static_cast<size_t>(heads));
     sum.resize(static_cast<size_t>(heads));
     const int32_t* table = tables + w.request * max_blocks;
-    if (on_tiles) {
-      const detail::AmxTiles tiles;
+    if (on_tiles || on_dots) {
       const auto* qrow = static_cast<const uint16_t*>(query.data) + w.token * query.strides[0];
-      detail::attend_amx(tile, qrow, static_cast<const uint16_t*>(latent_cache.data), table,
-                         w.begin, w.end, scale, acc.data(), max.data(), sum.data());
+      const auto* rows = static_cast<const uint16_t*>(latent_cache.data);
+      if (on_tiles) {
+        const detail::AmxTiles tiles;
+        detail::attend_amx(tile, qrow, rows, table, w.begin, w.end, scale, acc.data(),
+                           max.data(), sum.data());
+      } else {
+        detail::attend_bf16(tile, qrow, rows, table, w.begin, w.end, scale, acc.data(),
+                            max.data(), sum.data());
+      }
     } else {
       q.resize(static_cast<size_t>(heads * d));
       for (int64_t h = 0; h < heads; ++h) {
