@@ -74,6 +74,33 @@ def best_time(fn: Callable[[], object], min_repeats: int = 5, min_seconds: float
     return min(times)
 
 
+def last_level_cache_bytes() -> int:
+    """The size of the largest CPU cache Linux reports (0 where it reports none)."""
+    sizes = []
+    for path in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        text = path.read_text().strip()
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append(int(text.rstrip("KMG")) * scale)
+    return max(sizes, default=0)
+
+
+def cold_best_time(fn: Callable[[], object], min_repeats: int = 5) -> float:
+    """The fastest of `min_repeats` calls, each after a read of twice the last-level cache
+    (at least 256 MiB), so that what `fn` reads comes from memory, as a decode step's
+    KV cache does in a server whose caches hold many requests' blocks."""
+    import torch  # (here: the module serves benchmarks without torch too)
+
+    flush = torch.ones(max(2 * last_level_cache_bytes(), 2**28) // 4)
+    fn()  # warm up
+    times = []
+    for _ in range(min_repeats):
+        flush.sum()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def cpu_model() -> str:
     """The CPU's model name from /proc/cpuinfo (platform.processor() elsewhere)."""
     try:

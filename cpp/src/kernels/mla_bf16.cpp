@@ -105,10 +105,12 @@ PYENGINE_MLA_LANES_TARGET void attend_bf16(const MlaTile& s, const uint16_t* q,
       }
     }
     __m512 correction;
-    const __mmask16 moves = softmax.step(scores, first, begin, end, scale, correction);
+    const __mmask16 moves = softmax.step(scores, kKeys, first, begin, end, scale, correction);
     if (moves != 0) rescale_heads(totals, v, moves, correction);
+    __m256i rounded[kKeys];
+    softmax.weights(scores, kKeys, rounded);
     __m512i pairs[kKeys / 2];
-    softmax.weights(scores, pairs);
+    pair_keys(rounded, kKeys, pairs);
     alignas(64) int32_t weights[kKeys / 2][16];
     for (int p = 0; p < kKeys / 2; ++p) _mm512_store_si512(weights[p], pairs[p]);
     pair_values(rows, first, begin, end, d, v, values);

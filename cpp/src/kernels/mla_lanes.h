@@ -88,15 +88,14 @@ class LaneSoftmax {
       : max_(_mm512_set1_ps(-std::numeric_limits<float>::infinity())),
         sum_(_mm512_setzero_ps()) {}
 
-  // The step's scores (raw: query . key, a vector of heads per key of the step, from
-  // key `first`) scaled, -inf for keys outside [begin, end); then the reference moved
-  // where the step's max passes it by kLazyMax. Returns the heads whose reference moved,
-  // their sums' factor in `correction`.
-  PYENGINE_MLA_LANES_TARGET __mmask16 step(__m512 scores[kLaneKeys], int64_t first,
-                                           int64_t begin, int64_t end, float scale,
-                                           __m512& correction) {
+  // The scores of n keys from key `first` (raw: query . key, a vector of heads per key)
+  // scaled, -inf for keys outside [begin, end); then the reference moved where their max
+  // passes it by kLazyMax. Returns the heads whose reference moved, their sums' factor
+  // in `correction`.
+  PYENGINE_MLA_LANES_TARGET __mmask16 step(__m512* scores, int n, int64_t first, int64_t begin,
+                                           int64_t end, float scale, __m512& correction) {
     __m512 step_max = max_;
-    for (int k = 0; k < kLaneKeys; ++k) {
+    for (int k = 0; k < n; ++k) {
       const int64_t key = first + k;
       scores[k] = key >= begin && key < end
                       ? _mm512_mul_ps(scores[k], _mm512_set1_ps(scale))
@@ -112,25 +111,14 @@ class LaneSoftmax {
     return moves;
   }
 
-  // The step's weights in bfloat16, two keys' a dword a head: pairs[p] lane h holds
-  // head h's weights of keys 2p and 2p + 1. Their sum, as rounded, goes into the
-  // denominator, so that it and the numerator agree.
-  PYENGINE_MLA_LANES_TARGET void weights(const __m512 scores[kLaneKeys],
-                                         __m512i pairs[kLaneKeys / 2]) {
-    // [key 2p's 16 heads | key 2p+1's] interleaved
-    const __m512i pair_up = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25,
-                                             9, 24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2,
-                                             17, 1, 16, 0);
-    __m256i rounded[2];
-    for (int k = 0; k < kLaneKeys; ++k) {
+  // The n keys' weights in bfloat16 (a vector of heads a key). Their sum, as rounded,
+  // goes into the denominator, so that it and the numerator agree.
+  PYENGINE_MLA_LANES_TARGET void weights(const __m512* scores, int n, __m256i* rounded) {
+    for (int k = 0; k < n; ++k) {
       const __m512 e = exp_below_88(_mm512_sub_ps(scores[k], max_));
-      rounded[k % 2] = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
-      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[k % 2]), 16);
+      rounded[k] = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(e));
+      const __m512i widened = _mm512_slli_epi32(_mm512_cvtepu16_epi32(rounded[k]), 16);
       sum_ = _mm512_add_ps(sum_, _mm512_castsi512_ps(widened));
-      if (k % 2 == 1) {
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(rounded[0]), rounded[1], 1);
-        pairs[k / 2] = _mm512_permutexvar_epi16(pair_up, both);
-      }
     }
   }
 
@@ -145,6 +133,20 @@ class LaneSoftmax {
  private:
   __m512 max_, sum_;
 };
+
+// Two keys' weights a dword a head: pairs[p] lane h holds head h's weights (rounded[k]:
+// key k's heads) of keys 2p and 2p + 1, for n keys.
+PYENGINE_MLA_LANES_TARGET inline void pair_keys(const __m256i* rounded, int n, __m512i* pairs) {
+  // [key 2p's 16 heads | key 2p+1's] interleaved
+  const __m512i pair_up = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17,
+                                           1, 16, 0);
+  for (int p = 0; p < n / 2; ++p) {
+    const __m512i both =
+        _mm512_inserti64x4(_mm512_castsi256_si512(rounded[2 * p]), rounded[2 * p + 1], 1);
+    pairs[p] = _mm512_permutexvar_epi16(pair_up, both);
+  }
+}
 
 // The sums [16 heads][v] of the heads in `moves` times their lane of `correction`.
 PYENGINE_MLA_LANES_TARGET inline void rescale_heads(float* totals, int64_t v, __mmask16 moves,
