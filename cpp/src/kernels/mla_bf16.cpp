@@ -19,6 +19,49 @@ namespace {
 constexpr int kKeys = kLaneKeys;
 constexpr int kHeadsAtOnce = 4;
 
+// Where the sums keep each of 32 value columns: unpacking two keys' rows (low, then high
+// halves of each 128-bit lane) leaves columns 0-3, 8-11, 16-19, 24-27 in the first 16
+// and the others in the second. Column a's place for a < 16; a + 16's is 8 on.
+constexpr int32_t kStoredColumn[16] = {0,  1,  2,  3,  16, 17, 18, 19,
+                                              4,  5,  6,  7,  20, 21, 22, 23};
+
+// The step's values (the first v numbers of each key's row; rows[i] the 16 rows from key
+// first + 16 i) as pairs: two keys' rows interleaved, [16 pairs][v][2], each 32 columns
+// as kStoredColumn places them; zeros for keys outside [begin, end).
+PYENGINE_MLA_LANES_TARGET void pair_values(const uint16_t* const rows[2], int64_t first,
+                                                  int64_t begin, int64_t end, int64_t d,
+                                                  int64_t v, uint16_t* out) {
+  for (int p = 0; p < kLaneKeys / 2; ++p) {
+    const int64_t k0 = first + 2 * p, k1 = k0 + 1;
+    const bool in0 = k0 >= begin && k0 < end, in1 = k1 >= begin && k1 < end;
+    const uint16_t* r0 = in0 ? rows[p / 8] + (2 * p % 16) * d : nullptr;
+    const uint16_t* r1 = in1 ? rows[p / 8] + (2 * p % 16 + 1) * d : nullptr;
+    uint16_t* pair = out + p * v * 2;
+    for (int64_t c = 0; c < v; c += 32) {
+      const __m512i a = r0 ? _mm512_loadu_si512(r0 + c) : _mm512_setzero_si512();
+      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c) : _mm512_setzero_si512();
+      _mm512_storeu_si512(pair + 2 * c, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(pair + 2 * c + 32, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
+// The sums [heads][v] (columns as kStoredColumn places them) into acc in order.
+PYENGINE_MLA_LANES_TARGET void columns_in_order(const float* totals, int64_t heads,
+                                                       int64_t v, float* acc) {
+  const __m512i order = _mm512_loadu_si512(kStoredColumn);
+  const __m512i order_high = _mm512_add_epi32(order, _mm512_set1_epi32(8));
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t c = 0; c < v; c += 32) {
+      const float* stored = totals + h * v + c;
+      float* out = acc + h * v + c;
+      const __m512 low = _mm512_loadu_ps(stored), high = _mm512_loadu_ps(stored + 16);
+      _mm512_storeu_ps(out, _mm512_permutex2var_ps(low, order, high));
+      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(low, order_high, high));
+    }
+  }
+}
+
 bool cpu_has_bf16_dot() {
   static const bool has = __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&

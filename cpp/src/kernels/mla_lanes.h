@@ -3,9 +3,7 @@
 // bfloat16 query over a bfloat16 cache, 32 keys a step, and keep an online softmax per
 // head whose reference moves only when the scores pass it by kLazyMax (FlashAttention-4's
 // lazy rescaling: the weights stay below e^8, exact in float32 sums), so that the float
-// sums of the weighted values are rarely rescaled. The values go in as pairs of keys'
-// rows interleaved by unpacking, which leaves each 32 columns in the order kStoredColumn
-// gives; the sums are put back in order at the end. Internal to pyengine_core.
+// sums of the weighted values are rarely rescaled. Internal to pyengine_core.
 #pragma once
 
 #include <algorithm>
@@ -56,12 +54,6 @@ inline void pack_queries(const uint16_t* q, int64_t heads, int64_t d, std::vecto
 
 inline constexpr int kLaneKeys = 32;  // a step's keys
 inline constexpr float kLazyMax = 8.0f;
-
-// Where the sums keep each of 32 value columns: unpacking two keys' rows (low, then high
-// halves of each 128-bit lane) leaves columns 0-3, 8-11, 16-19, 24-27 in the first 16
-// and the others in the second. Column a's place for a < 16; a + 16's is 8 on.
-inline constexpr int32_t kStoredColumn[16] = {0,  1,  2,  3,  16, 17, 18, 19,
-                                              4,  5,  6,  7,  20, 21, 22, 23};
 
 // exp(x) lane-wise for x <= 88 (below -87 and -inf give 0): range reduction to r in
 // [-ln2/2, ln2/2], a degree-6 polynomial, and the scaling by 2^n.
@@ -159,43 +151,6 @@ PYENGINE_MLA_LANES_TARGET inline void rescale_heads(float* totals, int64_t v, __
     for (int64_t c = 0; c < v; c += 16) {
       float* a = totals + h * v + c;
       _mm512_storeu_ps(a, _mm512_mul_ps(_mm512_loadu_ps(a), factor));
-    }
-  }
-}
-
-// The step's values (the first v numbers of each key's row; rows[i] the 16 rows from key
-// first + 16 i) as pairs: two keys' rows interleaved, [16 pairs][v][2], each 32 columns
-// as kStoredColumn places them; zeros for keys outside [begin, end).
-PYENGINE_MLA_LANES_TARGET inline void pair_values(const uint16_t* const rows[2], int64_t first,
-                                                  int64_t begin, int64_t end, int64_t d,
-                                                  int64_t v, uint16_t* out) {
-  for (int p = 0; p < kLaneKeys / 2; ++p) {
-    const int64_t k0 = first + 2 * p, k1 = k0 + 1;
-    const bool in0 = k0 >= begin && k0 < end, in1 = k1 >= begin && k1 < end;
-    const uint16_t* r0 = in0 ? rows[p / 8] + (2 * p % 16) * d : nullptr;
-    const uint16_t* r1 = in1 ? rows[p / 8] + (2 * p % 16 + 1) * d : nullptr;
-    uint16_t* pair = out + p * v * 2;
-    for (int64_t c = 0; c < v; c += 32) {
-      const __m512i a = r0 ? _mm512_loadu_si512(r0 + c) : _mm512_setzero_si512();
-      const __m512i b = r1 ? _mm512_loadu_si512(r1 + c) : _mm512_setzero_si512();
-      _mm512_storeu_si512(pair + 2 * c, _mm512_unpacklo_epi16(a, b));
-      _mm512_storeu_si512(pair + 2 * c + 32, _mm512_unpackhi_epi16(a, b));
-    }
-  }
-}
-
-// The sums [heads][v] (columns as kStoredColumn places them) into acc in order.
-PYENGINE_MLA_LANES_TARGET inline void columns_in_order(const float* totals, int64_t heads,
-                                                       int64_t v, float* acc) {
-  const __m512i order = _mm512_loadu_si512(kStoredColumn);
-  const __m512i order_high = _mm512_add_epi32(order, _mm512_set1_epi32(8));
-  for (int64_t h = 0; h < heads; ++h) {
-    for (int64_t c = 0; c < v; c += 32) {
-      const float* stored = totals + h * v + c;
-      float* out = acc + h * v + c;
-      const __m512 low = _mm512_loadu_ps(stored), high = _mm512_loadu_ps(stored + 16);
-      _mm512_storeu_ps(out, _mm512_permutex2var_ps(low, order, high));
-      _mm512_storeu_ps(out + 16, _mm512_permutex2var_ps(low, order_high, high));
     }
   }
 }
