@@ -213,8 +213,8 @@ HEADLINES = (
     ),
     Headline(
         "attention_variants",
-        "MLA decode attention (DeepSeek-V2-Lite's shape, bfloat16), least share of its "
-        "bandwidth bound",
+        "MLA decode attention from memory (DeepSeek-V2-Lite's shape, bfloat16, the CPU's "
+        "caches flushed each call), least share of its bandwidth bound",
         as_percent(smallest("mla_decode_bandwidth_share_")),
         "%",
     ),
