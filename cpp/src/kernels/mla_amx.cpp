@@ -9,7 +9,7 @@
 // interleaved with another. The float sums of 64 columns stay in four tiles across the
 // chunk's keys. The chunk's rows, read once from memory for the scores, are in L2 for the
 // values. Keys outside [begin, end) get no weight; rows past `end` are taken as zeros.
-#include "mla_amx.h"
+#include "mla_lanes.h"
 
 #include <algorithm>
 #include <vector>

@@ -4,7 +4,7 @@
 // once. The values go in as pairs of keys' rows interleaved (16 columns' pairs a vector)
 // against each head's pair of weights broadcast, into float sums held in registers for
 // 4 heads x 64 columns across the step's 32 keys.
-#include "mla_bf16.h"
+#include "mla_lanes.h"
 
 #include <cstring>
 #include <vector>

@@ -1,7 +1,8 @@
-// The latent kernels' steps with a head a lane (AVX-512 vectors of 16 heads), shared by
-// the AMX build (mla_amx.cpp) and the AVX512-BF16 one (mla_bf16.cpp): both take a
-// bfloat16 query over a bfloat16 cache, 32 keys a step, and keep an online softmax per
-// head whose reference moves only when the scores pass it by kLazyMax (FlashAttention-4's
+// MLA attention's inner loops for bfloat16 queries over a bfloat16 latent cache, a
+// token's every head against its keys with a head a lane (AVX-512 vectors of 16 heads):
+// on AMX's tiles (mla_amx.cpp) and on AVX512-BF16's dot products for CPUs without AMX
+// (mla_bf16.cpp, AMD Zen 4 and 5, Intel Cooper Lake), and the steps they share. Both
+// keep an online softmax per head whose reference moves only when the scores pass it by kLazyMax (FlashAttention-4's
 // lazy rescaling: the weights stay below e^8, exact in float32 sums), so that the float
 // sums of the weighted values are rarely rescaled. Internal to pyengine_core.
 #pragma once
@@ -28,6 +29,23 @@ struct MlaTile {
 inline bool mla_lanes_fit(const MlaTile& s) {
   return s.heads <= 16 && s.latent % 32 == 0 && s.value % 32 == 0 && s.block_size % 16 == 0;
 }
+
+// Whether attend_amx runs these shapes: AMX usable (amx_tiles_enabled) and the shapes
+// the lane kernels take.
+bool mla_amx_fits(const MlaTile& s);
+
+// Whether attend_bf16 runs these shapes here: the CPU has AVX512-BF16, the attention
+// kernels run their AVX-512 build (attention_isa), and the shapes the lane kernels take.
+bool mla_bf16_fits(const MlaTile& s);
+
+// Every head's softmax over keys [begin, end) of a request (`table` its block table),
+// unnormalised, into acc [heads, value], max and sum [heads]; q [heads, latent] bfloat16
+// (as uint16). attend_amx on AMX's tiles (the caller holds the thread's tiles
+// configured: AmxTiles), attend_bf16 on AVX512-BF16's dot products.
+void attend_amx(const MlaTile& s, const uint16_t* q, const uint16_t* cache, const int32_t* table,
+                int64_t begin, int64_t end, float scale, float* acc, float* max, float* sum);
+void attend_bf16(const MlaTile& s, const uint16_t* q, const uint16_t* cache, const int32_t* table,
+                 int64_t begin, int64_t end, float scale, float* acc, float* max, float* sum);
 
 // The rows of 16 keys from `first` (one cache block's), or null where none is a key.
 inline const uint16_t* key_rows(const MlaTile& s, const uint16_t* cache, const int32_t* table,
