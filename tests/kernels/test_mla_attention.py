@@ -86,11 +86,13 @@ def test_matches_the_float64_reference(isa: str, dtype: torch.dtype, seq_lens: l
     assert error < (1e-5 if dtype == torch.float32 else 1e-2), error
 
 
-@pytest.mark.parametrize(("heads", "value"), [(1, 32), (5, 64), (16, 32), (16, 96)])
+@pytest.mark.parametrize(
+    ("heads", "value"), [(1, 32), (5, 64), (16, 32), (16, 96), (20, 64), (40, 32)]
+)
 def test_any_head_count_and_value_width(isa: str, heads: int, value: int) -> None:
-    """bfloat16, where the AMX and AVX512-BF16 builds keep a head a lane (up to 16) and
-    take the values 64 or 32 columns at a time: heads short of a whole vector, and
-    widths that leave 32 columns over."""
+    """bfloat16, where the AMX and AVX512-BF16 builds keep a head a lane (16 at a time)
+    and take the values 64 or 32 columns at a time: heads short of a whole vector, past
+    one (16 and 4; 16, 16 and 8), and widths that leave 32 columns over."""
     rng = np.random.default_rng()
     cache, tables, lens, qsl, query, latents = make(
         rng, [300, 45], [1, 45], heads, 16, torch.bfloat16
@@ -181,8 +183,8 @@ def test_the_expanded_form_matches_the_absorbed_ones_reference(
 def test_the_expanded_form_starts_where_the_absorbed_build_gives_way() -> None:
     """A bfloat16 query over a bfloat16 cache takes the threshold of the build that runs
     it: AMX's tiles (never expanded), AVX512-BF16's dot products, or the portable loops,
-    as the CPU has them and the pins allow. Any other dtype, or shapes the lane builds do
-    not take, keep the portable loops' threshold."""
+    as the CPU has them and the pins allow, with any number of heads. Any other dtype, or
+    blocks the lane builds do not take, keep the portable loops' threshold."""
     from pyengine.layers.latent_attention import EXPANDED_FROM, LatentAttention
 
     def cache(dtype: torch.dtype, bs: int = 16):  # type: ignore[no-untyped-def]
@@ -190,19 +192,19 @@ def test_the_expanded_form_starts_where_the_absorbed_build_gives_way() -> None:
         return latents, latents
 
     portable = EXPANDED_FROM["portable"]
-    attn, many = LatentAttention(16, RANK, ROPE, 0.1), LatentAttention(17, RANK, ROPE, 0.1)
+    attn, many = LatentAttention(16, RANK, ROPE, 0.1), LatentAttention(40, RANK, ROPE, 0.1)
     assert attn.expanded_from_over(cache(torch.bfloat16), torch.float32) == portable
     assert attn.expanded_from_over(cache(torch.float32), torch.float32) == portable
     assert attn.expanded_from_over(cache(torch.bfloat16, bs=8), torch.bfloat16) == portable
-    assert many.expanded_from_over(cache(torch.bfloat16), torch.bfloat16) == portable
     dots = "avx512" in ISAS and _C.bf16_dot_product()  # (the CPU has AVX512-BF16)
     for isa in ISAS + (["amx"] if AMX else []):
         pin_dense_isa("generic" if isa != "amx" else "amx")
         _C.set_attention_isa(isa if isa != "amx" else "auto")
         try:
             build = "amx" if isa == "amx" else "avx512_bf16" if dots and isa == "avx512" else None
-            got = attn.expanded_from_over(cache(torch.bfloat16), torch.bfloat16)
-            assert got == EXPANDED_FROM[build or "portable"], isa
+            for layer in (attn, many):
+                got = layer.expanded_from_over(cache(torch.bfloat16), torch.bfloat16)
+                assert got == EXPANDED_FROM[build or "portable"], (isa, layer.num_heads)
         finally:
             _C.set_attention_isa("auto")
             unpin_dense_isa()

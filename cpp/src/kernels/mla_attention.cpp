@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,7 +60,8 @@ detail::MlaAttend attend_for(CpuIsa isa) {
 
 const char* mla_attention_bf16_build(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
                                      int64_t block_size) {
-  const detail::MlaTile tile{num_heads, latent_dim, value_dim, block_size};
+  // (the lane builds take up to 16 heads at a time: more go 16 at a time)
+  const detail::MlaTile tile{std::min<int64_t>(num_heads, 16), latent_dim, value_dim, block_size};
   if (detail::mla_amx_fits(tile)) return "amx";
   if (detail::mla_bf16_fits(tile)) return "avx512_bf16";
   return "portable";
@@ -163,7 +165,8 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   std::vector<float> partials(static_cast<size_t>(num_partials * partial_floats));
   const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
   // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit.
-  const detail::MlaTile tile{heads, d, value_dim, bs};
+  // (16 heads at a time: a vector's lanes)
+  const detail::MlaTile tile{std::min<int64_t>(heads, 16), d, value_dim, bs};
   // Else on AVX512-BF16's dot products, where the CPU has them.
   const bool bf16 = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16;
   const bool on_tiles = bf16 && detail::mla_amx_fits(tile);
@@ -179,13 +182,15 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
     if (on_tiles || on_dots) {
       const auto* qrow = static_cast<const uint16_t*>(query.data) + w.token * query.strides[0];
       const auto* rows = static_cast<const uint16_t*>(latent_cache.data);
-      if (on_tiles) {
-        const detail::AmxTiles tiles;
-        detail::attend_amx(tile, qrow, rows, table, w.begin, w.end, scale, acc.data(),
-                           max.data(), sum.data());
-      } else {
-        detail::attend_bf16(tile, qrow, rows, table, w.begin, w.end, scale, acc.data(),
-                            max.data(), sum.data());
+      const auto attend = on_tiles ? detail::attend_amx : detail::attend_bf16;
+      std::optional<detail::AmxTiles> tiles;
+      if (on_tiles) tiles.emplace();
+      // 16 heads at a time (the latents read again for each 16, from the caches mostly)
+      for (int64_t g = 0; g < heads; g += 16) {
+        detail::MlaTile group = tile;
+        group.heads = std::min<int64_t>(16, heads - g);
+        attend(group, qrow + g * d, rows, table, w.begin, w.end, scale,
+               acc.data() + g * value_dim, max.data() + g, sum.data() + g);
       }
     } else {
       q.resize(static_cast<size_t>(heads * d));

@@ -24,8 +24,9 @@ struct MlaTile {
   int64_t heads, latent, value, block_size;
 };
 
-// The shapes the lane kernels take: at most 16 heads, the latent a multiple of 32, the
-// value of 32, blocks of 16 keys or a multiple.
+// The shapes the lane kernels take in a call: at most 16 heads (mla_attention gives them
+// 16 at a time), the latent a multiple of 32, the value of 32, blocks of 16 keys or a
+// multiple.
 inline bool mla_lanes_fit(const MlaTile& s) {
   return s.heads <= 16 && s.latent % 32 == 0 && s.value % 32 == 0 && s.block_size % 16 == 0;
 }
