@@ -110,3 +110,29 @@ def test_an_fp8_latent_cache_stays_close_to_the_float_one(deepseek) -> None:  # 
     assert len(differences) >= 2 * 5
     assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
     assert max(differences) > 0  # (the cache did round)
+
+
+def test_bfloat16_latent_attention_stays_close_to_float32(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """bfloat16 at MLA's lane shapes (a latent of 32 + 32, values of 32): latent attention
+    on the build this CPU runs (AMX's tiles, AVX512-BF16's dot products or the portable
+    loops) for prefill and decode; the top-5 logprobs within bfloat16's rounding of the
+    float32 run's, at each step whose tokens so far agree."""
+    from helpers.logprobs import same_context_differences
+
+    from pyengine import SamplingParams, _C
+
+    deepseek_checkpoint(deepseek_config("v2", qk_rope_head_dim=32), tmp_path)
+    assert _C.mla_bf16_build(4, 64, 32, 16) in ("amx", "avx512_bf16", "portable")
+    rng = np.random.default_rng(9)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in (5, 60, 150)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+    runs = []
+    for dtype in ("bfloat16", "float32"):
+        llm = LLM(str(tmp_path), **{**ENGINE, "dtype": dtype})
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        llm.llm_engine.shutdown()
+        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
+    differences = same_context_differences(*runs)
+    assert len(differences) >= 3 * 5
+    assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
+
