@@ -119,7 +119,7 @@ def test_bfloat16_latent_attention_stays_close_to_float32(tmp_path) -> None:  # 
     float32 run's, at each step whose tokens so far agree."""
     from helpers.logprobs import same_context_differences
 
-    from pyengine import SamplingParams, _C
+    from pyengine import _C, SamplingParams
 
     deepseek_checkpoint(deepseek_config("v2", qk_rope_head_dim=32), tmp_path)
     assert _C.mla_bf16_build(4, 64, 32, 16) in ("amx", "avx512_bf16", "portable")
@@ -135,4 +135,3 @@ def test_bfloat16_latent_attention_stays_close_to_float32(tmp_path) -> None:  # 
     differences = same_context_differences(*runs)
     assert len(differences) >= 3 * 5
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05
-
