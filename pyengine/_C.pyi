@@ -205,6 +205,31 @@ def mla_attention(
     scale: float,
     value_dim: int,
 ) -> None: ...
+def gated_delta_rule(
+    out: Any,
+    query: Any,
+    key: Any,
+    value: Any,
+    g: Any,
+    beta: Any,
+    state: Any,
+    state_slots: Any,
+    has_state: Any,
+    query_start_loc: Any,
+    scale: float,
+    normalize: bool,
+) -> None: ...
+def causal_conv1d(
+    out: Any,
+    x: Any,
+    weight: Any,
+    bias: Any | None,
+    state: Any,
+    state_slots: Any,
+    has_state: Any,
+    query_start_loc: Any,
+    silu: bool,
+) -> None: ...
 def mla_bf16_build(num_heads: int, latent_dim: int, value_dim: int, block_size: int) -> str: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...
 def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

@@ -48,6 +48,14 @@ _SCHEMAS = {
     "mla_attention": "mla_attention(Tensor(a!) out, Tensor query, Tensor latent_cache, "
     "Tensor block_tables, Tensor seq_lens, Tensor query_start_loc, float scale, "
     "int value_dim) -> ()",
+    # Recurrent-state layers (cpp/include/pyengine/recurrent.h): each request's tokens
+    # from its state slot (zeros where has_state is 0), the slot written back
+    "gated_delta_rule": "gated_delta_rule(Tensor(a!) out, Tensor query, Tensor key, "
+    "Tensor value, Tensor g, Tensor beta, Tensor(b!) state, Tensor state_slots, "
+    "Tensor has_state, Tensor query_start_loc, float scale, bool normalize) -> ()",
+    "causal_conv1d": "causal_conv1d(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
+    "Tensor(b!) state, Tensor state_slots, Tensor has_state, Tensor query_start_loc, "
+    "bool silu) -> ()",
     # block_mapping: int64 [num_pairs, 2] (src, dst) on the CPU
     "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
     "Tensor block_mapping) -> ()",
@@ -154,6 +162,8 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "dense": _C.dense,
     "dense_silu_and_mul": _C.dense_silu_and_mul,
     "mla_attention": _C.mla_attention,
+    "gated_delta_rule": _C.gated_delta_rule,
+    "causal_conv1d": _C.causal_conv1d,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "gelu_tanh_and_mul": _C.gelu_tanh_and_mul,
@@ -279,6 +289,8 @@ def _eager_cpu_direct(name: str) -> Callable[..., None]:
 reshape_and_cache = _eager_cpu_direct("reshape_and_cache")
 paged_attention = _eager_cpu_direct("paged_attention")
 mla_attention = _eager_cpu_direct("mla_attention")
+gated_delta_rule = _eager_cpu_direct("gated_delta_rule")
+causal_conv1d = _eager_cpu_direct("causal_conv1d")
 copy_blocks = torch.ops.pyengine.copy_blocks  # (lists of caches: a call a step at most)
 swap_blocks = torch.ops.pyengine.swap_blocks
 rms_norm = _eager_cpu_direct("rms_norm")

@@ -33,5 +33,6 @@ void bind_scheduler(pybind11::module_& m);
 void bind_attention(pybind11::module_& m);
 void bind_layer_ops(pybind11::module_& m);
 void bind_kernel_program(pybind11::module_& m);
+void bind_recurrent(pybind11::module_& m);
 
 }  // namespace pyengine::bindings

@@ -35,4 +35,5 @@ PYBIND11_MODULE(_C, m) {
   pyengine::bindings::bind_attention(m);
   pyengine::bindings::bind_layer_ops(m);
   pyengine::bindings::bind_kernel_program(m);
+  pyengine::bindings::bind_recurrent(m);
 }

@@ -1,0 +1,77 @@
+// The short causal convolution on the CPU (pyengine/recurrent.h): a work item is one
+// request's tokens, every channel (a token's channels are one row, so each tap is a
+// multiply-add of rows), the loops built per instruction set (recurrent_kernel.inc).
+#include <omp.h>
+
+#include <string>
+#include <vector>
+
+#include "pyengine/attention.h"
+#include "pyengine/errors.h"
+#include "pyengine/recurrent.h"
+#include "recurrent_kernel.h"
+#include "state_checks.h"
+
+namespace pyengine {
+namespace {
+
+constexpr const char* kOp = "causal_conv1d";
+
+void (*conv_for(CpuIsa isa))(const detail::ConvRun&) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return detail::avx512::conv_run;
+  if (isa == CpuIsa::kAvx2) return detail::avx2::conv_run;
+#endif
+  (void)isa;
+  return detail::generic::conv_run;
+}
+
+}  // namespace
+
+void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView& weight,
+                   const TensorView& bias, const TensorView& state, const TensorView& state_slots,
+                   const TensorView& has_state, const TensorView& query_start_loc, bool silu) {
+  detail::check_dense_float(x, kOp, "x", 2);
+  detail::check_dense_float(out, kOp, "out", 2);
+  detail::check_dense_float(weight, kOp, "weight", 2);
+  detail::check_dense_float(state, kOp, "state", 3);
+  const int64_t tokens = x.shape[0], channels = x.shape[1], width = weight.shape[1];
+  if (out.shape[0] != tokens || out.shape[1] != channels) {
+    throw InvalidArgument(std::string(kOp) + ": out must be x's shape, got " + out.describe());
+  }
+  if (weight.shape[0] != channels || width < 1) {
+    throw InvalidArgument(std::string(kOp) + ": weight must be [" + std::to_string(channels) +
+                          ", width >= 1], got " + weight.describe());
+  }
+  const bool has_bias = bias.ndim != 0 && bias.numel() != 0;
+  if (has_bias) detail::check_vector(bias, kOp, "bias", channels);
+  const int64_t num_slots = state.shape[0];
+  if (state.shape[1] != channels || state.shape[2] != width - 1) {
+    throw InvalidArgument(std::string(kOp) + ": state must be [num_slots, " +
+                          std::to_string(channels) + ", " + std::to_string(width - 1) +
+                          "], got " + state.describe());
+  }
+  const detail::StateRequests reqs =
+      detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
+
+  // The weight transposed, [width, channels]: a tap's weights are one row.
+  std::vector<float> weight_t(static_cast<size_t>(width * channels));
+  const auto* w = static_cast<const float*>(weight.data);
+  for (int64_t c = 0; c < channels; ++c) {
+    for (int64_t j = 0; j < width; ++j) weight_t[static_cast<size_t>(j * channels + c)] = w[c * width + j];
+  }
+  const auto run = conv_for(attention_isa());
+  const auto* in = static_cast<const float*>(x.data);
+  auto* o = static_cast<float*>(out.data);
+  auto* s = static_cast<float*>(state.data);
+  const auto* b = has_bias ? static_cast<const float*>(bias.data) : nullptr;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t r = 0; r < reqs.count; ++r) {
+    const int64_t first = reqs.starts[r];
+    run({in + first * channels, o + first * channels, weight_t.data(), b,
+         s + reqs.slots[r] * channels * (width - 1), reqs.starts[r + 1] - first, channels, width,
+         silu, reqs.has_state[r] == 0});
+  }
+}
+
+}  // namespace pyengine

@@ -1,0 +1,92 @@
+// Gated DeltaNet's recurrence on the CPU (pyengine/recurrent.h): a work item is one
+// request's tokens through one value head, token by token over the head's state [dk, dv]
+// (two passes over it a token: the decay with the key's recall, then the update with the
+// query's read), the loops built per instruction set (recurrent_kernel.inc).
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "pyengine/attention.h"
+#include "pyengine/errors.h"
+#include "pyengine/recurrent.h"
+#include "recurrent_kernel.h"
+#include "state_checks.h"
+
+namespace pyengine {
+namespace {
+
+constexpr const char* kOp = "gated_delta_rule";
+
+void (*delta_rule_for(CpuIsa isa))(const detail::DeltaRun&) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return detail::avx512::delta_rule_run;
+  if (isa == CpuIsa::kAvx2) return detail::avx2::delta_rule_run;
+#endif
+  (void)isa;
+  return detail::generic::delta_rule_run;
+}
+
+}  // namespace
+
+void gated_delta_rule(const TensorView& out, const TensorView& query, const TensorView& key,
+                      const TensorView& value, const TensorView& g, const TensorView& beta,
+                      const TensorView& state, const TensorView& state_slots,
+                      const TensorView& has_state, const TensorView& query_start_loc,
+                      float scale, bool normalize) {
+  for (const auto& [t, name, ndim] :
+       {std::tuple{&out, "out", 3}, std::tuple{&query, "query", 3}, std::tuple{&key, "key", 3},
+        std::tuple{&value, "value", 3}, std::tuple{&g, "g", 2}, std::tuple{&beta, "beta", 2},
+        std::tuple{&state, "state", 4}}) {
+    detail::check_dense_float(*t, kOp, name, ndim);
+  }
+  const int64_t tokens = query.shape[0], hk = query.shape[1], dk = query.shape[2];
+  const int64_t hv = value.shape[1], dv = value.shape[2];
+  const auto shaped = [&](const TensorView& t, std::vector<int64_t> want, const char* name) {
+    if (std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim) != want) {
+      std::string dims;
+      for (const int64_t d : want) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+      throw InvalidArgument(std::string(kOp) + ": " + name + " must be [" + dims + "], got " +
+                            t.describe());
+    }
+  };
+  shaped(key, {tokens, hk, dk}, "key");
+  shaped(value, {tokens, hv, dv}, "value");
+  shaped(out, {tokens, hv, dv}, "out");
+  shaped(g, {tokens, hv}, "g");
+  shaped(beta, {tokens, hv}, "beta");
+  if (hk < 1 || hv % hk != 0) {
+    throw InvalidArgument(std::string(kOp) + ": the value heads (" + std::to_string(hv) +
+                          ") must be a multiple of the key heads (" + std::to_string(hk) + ")");
+  }
+  const int64_t num_slots = state.shape[0];
+  shaped(state, {num_slots, hv, dk, dv}, "state");
+  if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
+  const detail::StateRequests reqs =
+      detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
+
+  const auto run = delta_rule_for(attention_isa());
+  const auto* q = static_cast<const float*>(query.data);
+  const auto* k = static_cast<const float*>(key.data);
+  const auto* v = static_cast<const float*>(value.data);
+  const auto* gates = static_cast<const float*>(g.data);
+  const auto* betas = static_cast<const float*>(beta.data);
+  auto* o = static_cast<float*>(out.data);
+  auto* s = static_cast<float*>(state.data);
+  const int64_t items = reqs.count * hv, per_key = hv / hk;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t n = 0; n < items; ++n) {
+    const int64_t r = n / hv, h = n % hv, first = reqs.starts[r];
+    const detail::DeltaRun item{
+        q + (first * hk + h / per_key) * dk, k + (first * hk + h / per_key) * dk,
+        v + (first * hv + h) * dv, gates + first * hv + h, betas + first * hv + h,
+        hk * dk, hv * dv, hv, o + (first * hv + h) * dv,
+        s + (reqs.slots[r] * hv + h) * dk * dv, reqs.starts[r + 1] - first, dk, dv, scale,
+        normalize, reqs.has_state[r] == 0};
+    run(item);
+  }
+}
+
+}  // namespace pyengine

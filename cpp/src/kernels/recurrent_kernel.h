@@ -1,0 +1,42 @@
+// The loops of the recurrent-state kernels (gated_delta_rule.cpp, causal_conv1d.cpp),
+// built once per instruction set (recurrent_kernel.inc) and picked at run time by
+// attention_isa(), as the attention kernels are.
+#pragma once
+
+#include <cstdint>
+
+namespace pyengine::detail {
+
+// One request's tokens through one value head's gated delta rule.
+struct DeltaRun {
+  const float *q, *k, *v, *g, *beta;  // at the run's first token (q, k: the key head's)
+  int64_t qk_stride, v_stride, gate_stride;  // from a token to the next
+  float* out;                                // (out strides as v)
+  float* state;                              // [dk, dv]
+  int64_t tokens, dk, dv;
+  float scale;
+  bool normalize, fresh;  // fresh: the state taken as zeros
+};
+
+// One request's tokens through the causal convolution, every channel.
+struct ConvRun {
+  const float* x;  // [tokens, channels] (rows `channels` apart)
+  float* out;
+  const float* weight_t;  // [width, channels] (the weight transposed)
+  const float* bias;      // [channels] or null
+  float* state;           // [channels, width - 1]
+  int64_t tokens, channels, width;
+  bool silu, fresh;
+};
+
+#define PYENGINE_RECURRENT_BUILD(ns)    \
+  namespace ns {                        \
+  void delta_rule_run(const DeltaRun& r); \
+  void conv_run(const ConvRun& r);      \
+  }
+PYENGINE_RECURRENT_BUILD(generic)
+PYENGINE_RECURRENT_BUILD(avx2)
+PYENGINE_RECURRENT_BUILD(avx512)
+#undef PYENGINE_RECURRENT_BUILD
+
+}  // namespace pyengine::detail
