@@ -230,6 +230,23 @@ def causal_conv1d(
     query_start_loc: Any,
     silu: bool,
 ) -> None: ...
+def ssm_scan(
+    out: Any,
+    x: Any,
+    dt: Any,
+    A: Any,
+    B: Any,
+    C: Any,
+    D: Any | None,
+    dt_bias: Any | None,
+    state: Any,
+    state_slots: Any,
+    has_state: Any,
+    query_start_loc: Any,
+    dt_softplus: bool = True,
+    dt_min: float = 0.0,
+    dt_max: float = ...,
+) -> None: ...
 def mla_bf16_build(num_heads: int, latent_dim: int, value_dim: int, block_size: int) -> str: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...
 def fused_add_rms_norm(x: Any, residual: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

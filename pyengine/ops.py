@@ -56,6 +56,9 @@ _SCHEMAS = {
     "causal_conv1d": "causal_conv1d(Tensor(a!) out, Tensor x, Tensor weight, Tensor? bias, "
     "Tensor(b!) state, Tensor state_slots, Tensor has_state, Tensor query_start_loc, "
     "bool silu) -> ()",
+    "ssm_scan": "ssm_scan(Tensor(a!) out, Tensor x, Tensor dt, Tensor A, Tensor B, Tensor C, "
+    "Tensor? D, Tensor? dt_bias, Tensor(b!) state, Tensor state_slots, Tensor has_state, "
+    "Tensor query_start_loc, bool dt_softplus, float dt_min, float dt_max) -> ()",
     # block_mapping: int64 [num_pairs, 2] (src, dst) on the CPU
     "copy_blocks": "copy_blocks(Tensor(a!)[] key_caches, Tensor(b!)[] value_caches, "
     "Tensor block_mapping) -> ()",
@@ -164,6 +167,7 @@ _KERNELS: dict[str, Callable[..., None]] = {
     "mla_attention": _C.mla_attention,
     "gated_delta_rule": _C.gated_delta_rule,
     "causal_conv1d": _C.causal_conv1d,
+    "ssm_scan": _C.ssm_scan,
     "packed_columns": _C.packed_columns,
     "int8_dense": _C.int8_dense,
     "gelu_tanh_and_mul": _C.gelu_tanh_and_mul,
@@ -291,6 +295,7 @@ paged_attention = _eager_cpu_direct("paged_attention")
 mla_attention = _eager_cpu_direct("mla_attention")
 gated_delta_rule = _eager_cpu_direct("gated_delta_rule")
 causal_conv1d = _eager_cpu_direct("causal_conv1d")
+ssm_scan = _eager_cpu_direct("ssm_scan")
 copy_blocks = torch.ops.pyengine.copy_blocks  # (lists of caches: a call a step at most)
 swap_blocks = torch.ops.pyengine.swap_blocks
 rms_norm = _eager_cpu_direct("rms_norm")

@@ -1,6 +1,8 @@
 // Python bindings of the recurrent-state kernels (pyengine/recurrent.h).
 #include <pybind11/pybind11.h>
 
+#include <limits>
+
 #include "bindings.h"
 #include "kernel_call.h"
 #include "pyengine/recurrent.h"
@@ -53,6 +55,31 @@ KernelCall prepare_causal_conv1d(const py::handle& out, const py::handle& x,
   }};
 }
 
+KernelCall prepare_ssm_scan(const py::handle& out, const py::handle& x, const py::handle& dt,
+                            const py::handle& A, const py::handle& B, const py::handle& C,
+                            const py::handle& D, const py::handle& dt_bias,
+                            const py::handle& state, const py::handle& state_slots,
+                            const py::handle& has_state, const py::handle& query_start_loc,
+                            bool dt_softplus, float dt_min, float dt_max) {
+  auto o = shared_view(out, "ssm_scan: out");
+  auto in = shared_view(x, "ssm_scan: x");
+  auto steps = shared_view(dt, "ssm_scan: dt");
+  auto a = shared_view(A, "ssm_scan: A");
+  auto b = shared_view(B, "ssm_scan: B");
+  auto c = shared_view(C, "ssm_scan: C");
+  auto d = optional_view(D, "ssm_scan: D");
+  auto bias = optional_view(dt_bias, "ssm_scan: dt_bias");
+  auto s = shared_view(state, "ssm_scan: state");
+  auto slots = shared_view(state_slots, "ssm_scan: state_slots");
+  auto has = shared_view(has_state, "ssm_scan: has_state");
+  auto qsl = shared_view(query_start_loc, "ssm_scan: query_start_loc");
+  return {[=] {
+    ssm_scan(o->view(), in->view(), steps->view(), a->view(), b->view(), c->view(),
+             view_or_empty(d), view_or_empty(bias), s->view(), slots->view(), has->view(),
+             qsl->view(), dt_softplus, dt_min, dt_max);
+  }};
+}
+
 }  // namespace
 
 void bind_recurrent(py::module_& m) {
@@ -69,6 +96,14 @@ void bind_recurrent(py::module_& m) {
              "The depthwise causal convolution over each request's tokens, continued from its "
              "state slot (the K - 1 inputs before them) and written back; then SiLU where "
              "silu. See cpp/include/pyengine/recurrent.h.");
+  def_kernel(m, "ssm_scan", &prepare_ssm_scan, py::arg("out"), py::arg("x"), py::arg("dt"),
+             py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"),
+             py::arg("state"), py::arg("state_slots"), py::arg("has_state"),
+             py::arg("query_start_loc"), py::arg("dt_softplus") = true, py::arg("dt_min") = 0.0f,
+             py::arg("dt_max") = std::numeric_limits<float>::infinity(),
+             "Mamba-2's state-space recurrence over each request's tokens from its state slot "
+             "(zeros where has_state is 0), the slot written back; D and dt_bias may be None. "
+             "See cpp/include/pyengine/recurrent.h.");
 }
 
 }  // namespace pyengine::bindings

@@ -54,6 +54,23 @@ def conv_reference(x, weight, bias, state, silu):  # type: ignore[no-untyped-def
     return out, seq[seq.shape[0] - (width - 1) :].T
 
 
+def ssm_reference(x, dt, a, b, c, d, dt_bias, state, softplus, limits):  # type: ignore[no-untyped-def]
+    """One request's tokens, float64: out [T, H, P] and the final state [H, P, N]."""
+    x, dt, a, b, c, s = (t.double() for t in (x, dt, a, b, c, state))
+    s = s.clone()
+    per = x.shape[1] // b.shape[1]
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for h in range(x.shape[1]):
+            step = dt[t, h] + (dt_bias[h].double() if dt_bias is not None else 0.0)
+            if softplus:
+                step = torch.nn.functional.softplus(step)
+            step = step.clamp(*limits)
+            s[h] = s[h] * torch.exp(step * a[h]) + step * torch.outer(x[t, h], b[t, h // per])
+            out[t, h] = s[h] @ c[t, h // per] + (d[h].double() * x[t, h] if d is not None else 0)
+    return out, s
+
+
 def requests(rng: np.random.Generator, lengths: list[int], num_slots: int):  # type: ignore[no-untyped-def]
     slots = rng.permutation(num_slots)[: len(lengths)].astype(np.int32)
     qsl = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
@@ -117,6 +134,37 @@ def test_causal_conv1d_matches_the_float64_convolution(
             assert torch.allclose(state[slot].double(), final, atol=1e-6), (r, silu)
 
 
+@pytest.mark.parametrize(("heads", "groups", "p", "n"), [(4, 2, 8, 16), (3, 1, 5, 12)])
+@pytest.mark.parametrize("extras", [True, False])
+def test_ssm_scan_matches_the_float64_recurrence(
+    isa: str, heads: int, groups: int, p: int, n: int, extras: bool
+) -> None:
+    """With D and dt_bias, softplus and a clamp of the step (extras), or none of them."""
+    rng = np.random.default_rng()
+    lengths = [1, 6, 19, 1, 30]
+    slots, has, qsl = requests(rng, lengths, num_slots=9)
+    t = int(qsl[-1])
+    x, b, c = torch.randn(t, heads, p), torch.randn(t, groups, n), torch.randn(t, groups, n)
+    dt = torch.randn(t, heads) if extras else torch.rand(t, heads)
+    a = -torch.rand(heads) * 2
+    d = torch.randn(heads) if extras else None
+    dt_bias = torch.randn(heads) if extras else None
+    limits = (0.05, 2.0) if extras else (0.0, float("inf"))
+    state = torch.randn(9, heads, p, n)
+    before = state.clone()
+    out = torch.full((t, heads, p), float("nan"))
+    _C.ssm_scan(out, x, dt, a, b, c, d, dt_bias, state, slots, has, qsl, extras, *limits)
+    for r, slot in enumerate(slots.tolist()):
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        start = before[slot] if has[r] else torch.zeros(heads, p, n)
+        want, final = ssm_reference(x[rows], dt[rows], a, b[rows], c[rows], d, dt_bias, start,
+                                    extras, limits)  # fmt: skip
+        assert torch.allclose(out[rows].double(), want, atol=1e-4, rtol=1e-4), r
+        assert torch.allclose(state[slot].double(), final, atol=1e-4, rtol=1e-4), r
+    unused = [s for s in range(9) if s not in slots.tolist()]
+    assert torch.equal(state[unused], before[unused])
+
+
 def test_a_request_split_across_calls_gives_one_calls_results() -> None:
     """A prefill in two chunks, then decode steps, continue through the state slots as
     one call over all the tokens does (the engine's chunked prefill and decoding)."""
@@ -125,10 +173,14 @@ def test_a_request_split_across_calls_gives_one_calls_results() -> None:
     q, k, v = torch.randn(t, hk, dk), torch.randn(t, hk, dk), torch.randn(t, hv, dv)
     g, beta, x = -torch.rand(t, hv), torch.rand(t, hv), torch.randn(t, c)
     weight = torch.randn(c, width)
+    heads, p, size = 4, 6, 8
+    xs, dts = torch.randn(t, heads, p), torch.randn(t, heads)
+    bs, cs, a = torch.randn(t, 2, size), torch.randn(t, 2, size), -torch.rand(heads)
 
     def run(pieces: list[int]):  # type: ignore[no-untyped-def]
         state, conv_state = torch.zeros(3, hv, dk, dv), torch.zeros(3, c, width - 1)
-        outs, conv_outs, start = [], [], 0
+        ssm_state = torch.zeros(3, heads, p, size)
+        outs, conv_outs, ssm_outs, start = [], [], [], 0
         for i, n in enumerate(pieces):
             rows = slice(start, start + n)
             slot, has = (
@@ -140,10 +192,15 @@ def test_a_request_split_across_calls_gives_one_calls_results() -> None:
             _C.gated_delta_rule(out, q[rows], k[rows], v[rows], g[rows], beta[rows], state, slot,
                                 has, qsl, 0.25, True)  # fmt: skip
             _C.causal_conv1d(conv_out, x[rows], weight, None, conv_state, slot, has, qsl, True)
+            ssm_out = torch.empty(n, heads, p)
+            _C.ssm_scan(ssm_out, xs[rows], dts[rows], a, bs[rows], cs[rows], None, None,
+                        ssm_state, slot, has, qsl)  # fmt: skip
             outs.append(out)
             conv_outs.append(conv_out)
+            ssm_outs.append(ssm_out)
             start += n
-        return torch.cat(outs), torch.cat(conv_outs), state, conv_state
+        return (torch.cat(outs), torch.cat(conv_outs), torch.cat(ssm_outs), state, conv_state,
+                ssm_state)  # fmt: skip
 
     whole = run([t])
     split = run([12, 2, 13, 1, 1, 1])
@@ -183,6 +240,15 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="has_state\\[0\\] must be 0 or 1"):
         call(has_state=torch.tensor([2], dtype=torch.int32))
     assert not out.any()  # (nothing written)
+    xs, dts, bc = torch.randn(t, 4, 3), torch.zeros(t, 4), torch.randn(t, 3, 2)
+    ssm_state = torch.zeros(1, 4, 3, 2)
+    with pytest.raises(ValueError, match="multiple of B's and C's groups"):
+        _C.ssm_scan(torch.empty(t, 4, 3), xs, dts, -torch.ones(4), bc, bc, None, None, ssm_state,
+                    one, one, qsl)  # fmt: skip
+    b2 = torch.randn(t, 2, 2)
+    with pytest.raises(ValueError, match="A must be dense float32 \\[4\\]"):
+        _C.ssm_scan(torch.empty(t, 4, 3), xs, dts, -torch.ones(3), b2, b2, None, None, ssm_state,
+                    one, one, qsl)  # fmt: skip
     x = torch.randn(t, 5)
     with pytest.raises(ValueError, match="state must be"):
         _C.causal_conv1d(torch.empty(t, 5), x, torch.randn(5, 4), None, torch.zeros(1, 5, 2), one,

@@ -1,6 +1,6 @@
 // The kernels of layers that carry a fixed-size recurrent state per request instead of
-// a growing KV cache (Gated DeltaNet in Qwen3-Next and Qwen3.5; the short causal
-// convolution before it and before Mamba-2's scan). Each step's tokens are requests'
+// a growing KV cache (Gated DeltaNet in Qwen3-Next and Qwen3.5, Mamba-2's scan in its
+// hybrids, and the short causal convolution before either). Each step's tokens are requests'
 // runs, as attention's are: request i's tokens are rows [query_start_loc[i],
 // query_start_loc[i + 1]), in order, and its state is slot state_slots[i] of the state
 // tensor, read (or taken as zeros where has_state[i] is 0: a new request) and written
@@ -39,5 +39,21 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
 void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView& weight,
                    const TensorView& bias, const TensorView& state, const TensorView& state_slots,
                    const TensorView& has_state, const TensorView& query_start_loc, bool silu);
+
+// Mamba-2's state-space recurrence (its selective scan), token by token. For head h (of
+// group h / (H / G)) and token t, with S the head's state [P, N]:
+//   step = clamp(softplus(dt[t, h] + dt_bias[h]), dt_min, dt_max)  (no softplus unless
+//          dt_softplus);
+//   S = exp(step * A[h]) * S + step * x[t, h] B[t, g]^T;  out[t, h] = S C[t, g] + D[h] x[t, h]
+//   out, x:      [T, H, P]
+//   dt:          [T, H]
+//   A:           [H] (negative: -exp(A_log)); D, dt_bias: [H] or empty (zeros)
+//   B, C:        [T, G, N], H a multiple of G
+//   state:       [num_slots, H, P, N] (read and written)
+void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
+              const TensorView& A, const TensorView& B, const TensorView& C, const TensorView& D,
+              const TensorView& dt_bias, const TensorView& state, const TensorView& state_slots,
+              const TensorView& has_state, const TensorView& query_start_loc, bool dt_softplus,
+              float dt_min, float dt_max);
 
 }  // namespace pyengine

@@ -44,25 +44,17 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
   }
   const int64_t tokens = query.shape[0], hk = query.shape[1], dk = query.shape[2];
   const int64_t hv = value.shape[1], dv = value.shape[2];
-  const auto shaped = [&](const TensorView& t, std::vector<int64_t> want, const char* name) {
-    if (std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim) != want) {
-      std::string dims;
-      for (const int64_t d : want) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
-      throw InvalidArgument(std::string(kOp) + ": " + name + " must be [" + dims + "], got " +
-                            t.describe());
-    }
-  };
-  shaped(key, {tokens, hk, dk}, "key");
-  shaped(value, {tokens, hv, dv}, "value");
-  shaped(out, {tokens, hv, dv}, "out");
-  shaped(g, {tokens, hv}, "g");
-  shaped(beta, {tokens, hv}, "beta");
+  detail::check_dims(key, {tokens, hk, dk}, kOp, "key");
+  detail::check_dims(value, {tokens, hv, dv}, kOp, "value");
+  detail::check_dims(out, {tokens, hv, dv}, kOp, "out");
+  detail::check_dims(g, {tokens, hv}, kOp, "g");
+  detail::check_dims(beta, {tokens, hv}, kOp, "beta");
   if (hk < 1 || hv % hk != 0) {
     throw InvalidArgument(std::string(kOp) + ": the value heads (" + std::to_string(hv) +
                           ") must be a multiple of the key heads (" + std::to_string(hk) + ")");
   }
   const int64_t num_slots = state.shape[0];
-  shaped(state, {num_slots, hv, dk, dv}, "state");
+  detail::check_dims(state, {num_slots, hv, dk, dv}, kOp, "state");
   if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);

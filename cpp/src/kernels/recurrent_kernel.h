@@ -1,4 +1,5 @@
-// The loops of the recurrent-state kernels (gated_delta_rule.cpp, causal_conv1d.cpp),
+// The loops of the recurrent-state kernels (gated_delta_rule.cpp, causal_conv1d.cpp,
+// ssm_scan.cpp),
 // built once per instruction set (recurrent_kernel.inc) and picked at run time by
 // attention_isa(), as the attention kernels are.
 #pragma once
@@ -29,10 +30,22 @@ struct ConvRun {
   bool silu, fresh;
 };
 
-#define PYENGINE_RECURRENT_BUILD(ns)    \
-  namespace ns {                        \
+// One request's tokens through one head of Mamba-2's state-space recurrence.
+struct SsmRun {
+  const float *x, *dt, *b, *c;  // at the run's first token (b, c: the head's group's)
+  int64_t x_stride, dt_stride, bc_stride;  // from a token to the next
+  float* out;                              // (out strides as x)
+  float* state;                            // [head_dim, state_size]
+  float a, d, dt_bias, dt_min, dt_max;
+  int64_t tokens, head_dim, state_size;
+  bool dt_softplus, fresh;
+};
+
+#define PYENGINE_RECURRENT_BUILD(ns)      \
+  namespace ns {                          \
   void delta_rule_run(const DeltaRun& r); \
-  void conv_run(const ConvRun& r);      \
+  void conv_run(const ConvRun& r);        \
+  void ssm_run(const SsmRun& r);          \
   }
 PYENGINE_RECURRENT_BUILD(generic)
 PYENGINE_RECURRENT_BUILD(avx2)

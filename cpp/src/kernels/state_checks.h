@@ -78,4 +78,14 @@ inline void check_dense_float(const TensorView& t, const char* op, const char* n
   if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense, got " + t.describe());
 }
 
+// t's dims exactly `want`.
+inline void check_dims(const TensorView& t, const std::vector<int64_t>& want, const char* op,
+                       const char* name) {
+  if (std::vector<int64_t>(t.shape.begin(), t.shape.begin() + t.ndim) != want) {
+    std::string dims;
+    for (const int64_t d : want) dims += (dims.empty() ? "" : ", ") + std::to_string(d);
+    throw InvalidArgument(arg(op, name) + " must be [" + dims + "], got " + t.describe());
+  }
+}
+
 }  // namespace pyengine::detail

@@ -1,0 +1,93 @@
+// Mamba-2's state-space recurrence on the CPU (pyengine/recurrent.h): a work item is one
+// request's tokens through one head, token by token over the head's state [P, N] (one
+// pass over it a token: decay, input along B, read along C), the loops built per
+// instruction set (recurrent_kernel.inc).
+#include <omp.h>
+
+#include <cmath>
+#include <string>
+#include <tuple>
+
+#include "pyengine/attention.h"
+#include "pyengine/errors.h"
+#include "pyengine/recurrent.h"
+#include "recurrent_kernel.h"
+#include "state_checks.h"
+
+namespace pyengine {
+namespace {
+
+constexpr const char* kOp = "ssm_scan";
+
+void (*ssm_for(CpuIsa isa))(const detail::SsmRun&) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return detail::avx512::ssm_run;
+  if (isa == CpuIsa::kAvx2) return detail::avx2::ssm_run;
+#endif
+  (void)isa;
+  return detail::generic::ssm_run;
+}
+
+// A per-head vector [heads], or empty (nullptr: zeros).
+const float* per_head(const TensorView& t, int64_t heads, const char* name) {
+  if (t.ndim == 0 || t.numel() == 0) return nullptr;
+  detail::check_vector(t, kOp, name, heads);
+  return static_cast<const float*>(t.data);
+}
+
+}  // namespace
+
+void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
+              const TensorView& A, const TensorView& B, const TensorView& C, const TensorView& D,
+              const TensorView& dt_bias, const TensorView& state, const TensorView& state_slots,
+              const TensorView& has_state, const TensorView& query_start_loc, bool dt_softplus,
+              float dt_min, float dt_max) {
+  for (const auto& [t, name, ndim] :
+       {std::tuple{&out, "out", 3}, std::tuple{&x, "x", 3}, std::tuple{&dt, "dt", 2},
+        std::tuple{&B, "B", 3}, std::tuple{&C, "C", 3}, std::tuple{&state, "state", 4}}) {
+    detail::check_dense_float(*t, kOp, name, ndim);
+  }
+  const int64_t tokens = x.shape[0], heads = x.shape[1], head_dim = x.shape[2];
+  const int64_t groups = B.shape[1], state_size = B.shape[2], num_slots = state.shape[0];
+  detail::check_dims(out, {tokens, heads, head_dim}, kOp, "out");
+  detail::check_dims(dt, {tokens, heads}, kOp, "dt");
+  detail::check_dims(B, {tokens, groups, state_size}, kOp, "B");
+  detail::check_dims(C, {tokens, groups, state_size}, kOp, "C");
+  detail::check_dims(state, {num_slots, heads, head_dim, state_size}, kOp, "state");
+  if (groups < 1 || heads % groups != 0) {
+    throw InvalidArgument(std::string(kOp) + ": the heads (" + std::to_string(heads) +
+                          ") must be a multiple of B's and C's groups (" +
+                          std::to_string(groups) + ")");
+  }
+  detail::check_vector(A, kOp, "A", heads);
+  const float* d = per_head(D, heads, "D");
+  const float* bias = per_head(dt_bias, heads, "dt_bias");
+  if (!(dt_min <= dt_max) || std::isnan(dt_min)) {
+    throw InvalidArgument(std::string(kOp) + ": dt_min must be at most dt_max");
+  }
+  const detail::StateRequests reqs =
+      detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
+
+  const auto run = ssm_for(attention_isa());
+  const auto* xs = static_cast<const float*>(x.data);
+  const auto* dts = static_cast<const float*>(dt.data);
+  const auto* bs = static_cast<const float*>(B.data);
+  const auto* cs = static_cast<const float*>(C.data);
+  const auto* as = static_cast<const float*>(A.data);
+  auto* o = static_cast<float*>(out.data);
+  auto* s = static_cast<float*>(state.data);
+  const int64_t items = reqs.count * heads, per_group = heads / groups;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t n = 0; n < items; ++n) {
+    const int64_t r = n / heads, h = n % heads, first = reqs.starts[r];
+    const int64_t g = h / per_group;
+    run({xs + (first * heads + h) * head_dim, dts + first * heads + h,
+         bs + (first * groups + g) * state_size, cs + (first * groups + g) * state_size,
+         heads * head_dim, heads, groups * state_size, o + (first * heads + h) * head_dim,
+         s + (reqs.slots[r] * heads + h) * head_dim * state_size, as[h],
+         d != nullptr ? d[h] : 0.0f, bias != nullptr ? bias[h] : 0.0f, dt_min, dt_max,
+         reqs.starts[r + 1] - first, head_dim, state_size, dt_softplus, reqs.has_state[r] == 0});
+  }
+}
+
+}  // namespace pyengine
