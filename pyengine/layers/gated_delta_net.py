@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from pyengine import ops
+from pyengine.layers.recurrent_state import RecurrentStates
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,6 @@ class DeltaNetShape:
     @property
     def conv_channels(self) -> int:
         return 2 * self.key_heads * self.key_dim + self.value_heads * self.value_dim
-
-
-@dataclass
-class RecurrentStates:
-    """One layer's states and which requests of the step use which slot.
-    conv: [num_slots, conv_channels, conv_width - 1]; recurrent: [num_slots, value_heads,
-    key_dim, value_dim]; slots, has_state: int32 [num_reqs]; query_start_loc: int32
-    [num_reqs + 1]."""
-
-    conv: torch.Tensor
-    recurrent: torch.Tensor
-    slots: torch.Tensor
-    has_state: torch.Tensor
-    query_start_loc: torch.Tensor
 
 
 @dataclass(frozen=True)

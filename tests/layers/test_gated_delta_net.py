@@ -8,12 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pyengine.layers.gated_delta_net import (
-    DeltaNetShape,
-    GatedDeltaNetMixer,
-    RecurrentStates,
-    split_qwen3_next,
-)
+from pyengine.layers.gated_delta_net import DeltaNetShape, GatedDeltaNetMixer, split_qwen3_next
+from pyengine.layers.recurrent_state import RecurrentStates
 
 transformers = pytest.importorskip("transformers")
 
