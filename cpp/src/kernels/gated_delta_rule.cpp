@@ -1,7 +1,8 @@
 // Gated DeltaNet's recurrence on the CPU (pyengine/recurrent.h): a work item is one
 // request's tokens through one value head, token by token over the head's state [dk, dv]
 // (two passes over it a token: the decay with the key's recall, then the update with the
-// query's read), the loops built per instruction set (recurrent_kernel.inc).
+// query's read; a block of its columns at a time for runs of tokens), the loops built
+// per instruction set (recurrent_kernel.inc).
 #include <omp.h>
 
 #include <cmath>
