@@ -218,6 +218,7 @@ def gated_delta_rule(
     query_start_loc: Any,
     scale: float,
     normalize: bool,
+    stream: int = 0,
 ) -> None: ...
 def causal_conv1d(
     out: Any,
@@ -229,6 +230,7 @@ def causal_conv1d(
     has_state: Any,
     query_start_loc: Any,
     silu: bool,
+    stream: int = 0,
 ) -> None: ...
 def ssm_scan(
     out: Any,
@@ -246,6 +248,7 @@ def ssm_scan(
     dt_softplus: bool = True,
     dt_min: float = 0.0,
     dt_max: float = ...,
+    stream: int = 0,
 ) -> None: ...
 def mla_bf16_build(num_heads: int, latent_dim: int, value_dim: int, block_size: int) -> str: ...
 def rms_norm(out: Any, x: Any, weight: Any, eps: float, stream: int = 0) -> None: ...

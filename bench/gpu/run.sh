@@ -68,7 +68,7 @@ if wants tests; then
   echo "== GPU tests"
   # From tests/: the installed pyengine is imported, not the source tree (which has no _C).
   (cd tests && python3 -m pytest -q -rs --durations=8 kernels/test_cuda_kernels.py \
-    kernels/test_copy_blocks.py kernels/test_block_gemm.py kernels/test_cuda_8bit_cache.py kernels/test_lora_kernel.py kernels/test_moe_cuda.py "kernels/test_mla_attention.py::test_the_cuda_kernel_matches_the_float64_reference" lora/test_lora.py engine/test_llm_cuda.py worker/test_cuda_graphs.py \
+    kernels/test_copy_blocks.py kernels/test_block_gemm.py kernels/test_cuda_8bit_cache.py kernels/test_lora_kernel.py kernels/test_moe_cuda.py "kernels/test_mla_attention.py::test_the_cuda_kernel_matches_the_float64_reference" "kernels/test_recurrent_state.py::test_the_cuda_kernels_give_the_cpu_ones_results" lora/test_lora.py engine/test_llm_cuda.py worker/test_cuda_graphs.py \
     core/test_prefix_hash.py distributed/test_distributed_cuda.py \
     "engine/test_kv_tier.py::test_the_tier_moves_whole_blocks_of_every_layer") || status=1
 fi

@@ -1,6 +1,7 @@
 // Python bindings of the recurrent-state kernels (pyengine/recurrent.h).
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <limits>
 
 #include "bindings.h"
@@ -19,7 +20,7 @@ KernelCall prepare_gated_delta_rule(const py::handle& out, const py::handle& que
                                     const py::handle& state, const py::handle& state_slots,
                                     const py::handle& has_state,
                                     const py::handle& query_start_loc, float scale,
-                                    bool normalize) {
+                                    bool normalize, uintptr_t stream) {
   auto o = shared_view(out, "gated_delta_rule: out");
   auto q = shared_view(query, "gated_delta_rule: query");
   auto k = shared_view(key, "gated_delta_rule: key");
@@ -32,7 +33,8 @@ KernelCall prepare_gated_delta_rule(const py::handle& out, const py::handle& que
   auto qsl = shared_view(query_start_loc, "gated_delta_rule: query_start_loc");
   return {[=] {
     gated_delta_rule(o->view(), q->view(), k->view(), v->view(), gates->view(), betas->view(),
-                     s->view(), slots->view(), has->view(), qsl->view(), scale, normalize);
+                     s->view(), slots->view(), has->view(), qsl->view(), scale, normalize,
+                     as_stream(stream));
   }};
 }
 
@@ -40,7 +42,7 @@ KernelCall prepare_causal_conv1d(const py::handle& out, const py::handle& x,
                                  const py::handle& weight, const py::handle& bias,
                                  const py::handle& state, const py::handle& state_slots,
                                  const py::handle& has_state, const py::handle& query_start_loc,
-                                 bool silu) {
+                                 bool silu, uintptr_t stream) {
   auto o = shared_view(out, "causal_conv1d: out");
   auto in = shared_view(x, "causal_conv1d: x");
   auto w = shared_view(weight, "causal_conv1d: weight");
@@ -51,7 +53,7 @@ KernelCall prepare_causal_conv1d(const py::handle& out, const py::handle& x,
   auto qsl = shared_view(query_start_loc, "causal_conv1d: query_start_loc");
   return {[=] {
     causal_conv1d(o->view(), in->view(), w->view(), view_or_empty(b), s->view(), slots->view(),
-                  has->view(), qsl->view(), silu);
+                  has->view(), qsl->view(), silu, as_stream(stream));
   }};
 }
 
@@ -60,7 +62,7 @@ KernelCall prepare_ssm_scan(const py::handle& out, const py::handle& x, const py
                             const py::handle& D, const py::handle& dt_bias,
                             const py::handle& state, const py::handle& state_slots,
                             const py::handle& has_state, const py::handle& query_start_loc,
-                            bool dt_softplus, float dt_min, float dt_max) {
+                            bool dt_softplus, float dt_min, float dt_max, uintptr_t stream) {
   auto o = shared_view(out, "ssm_scan: out");
   auto in = shared_view(x, "ssm_scan: x");
   auto steps = shared_view(dt, "ssm_scan: dt");
@@ -76,7 +78,7 @@ KernelCall prepare_ssm_scan(const py::handle& out, const py::handle& x, const py
   return {[=] {
     ssm_scan(o->view(), in->view(), steps->view(), a->view(), b->view(), c->view(),
              view_or_empty(d), view_or_empty(bias), s->view(), slots->view(), has->view(),
-             qsl->view(), dt_softplus, dt_min, dt_max);
+             qsl->view(), dt_softplus, dt_min, dt_max, as_stream(stream));
   }};
 }
 
@@ -86,13 +88,14 @@ void bind_recurrent(py::module_& m) {
   def_kernel(m, "gated_delta_rule", &prepare_gated_delta_rule, py::arg("out"), py::arg("query"),
              py::arg("key"), py::arg("value"), py::arg("g"), py::arg("beta"), py::arg("state"),
              py::arg("state_slots"), py::arg("has_state"), py::arg("query_start_loc"),
-             py::arg("scale"), py::arg("normalize"),
+             py::arg("scale"), py::arg("normalize"), py::arg("stream") = 0,
              "Gated DeltaNet's recurrence over each request's tokens from its state slot "
              "(zeros where has_state is 0), the slot written back; see "
              "cpp/include/pyengine/recurrent.h.");
   def_kernel(m, "causal_conv1d", &prepare_causal_conv1d, py::arg("out"), py::arg("x"),
              py::arg("weight"), py::arg("bias"), py::arg("state"), py::arg("state_slots"),
              py::arg("has_state"), py::arg("query_start_loc"), py::arg("silu"),
+             py::arg("stream") = 0,
              "The depthwise causal convolution over each request's tokens, continued from its "
              "state slot (the K - 1 inputs before them) and written back; then SiLU where "
              "silu. See cpp/include/pyengine/recurrent.h.");
@@ -100,7 +103,7 @@ void bind_recurrent(py::module_& m) {
              py::arg("A"), py::arg("B"), py::arg("C"), py::arg("D"), py::arg("dt_bias"),
              py::arg("state"), py::arg("state_slots"), py::arg("has_state"),
              py::arg("query_start_loc"), py::arg("dt_softplus") = true, py::arg("dt_min") = 0.0f,
-             py::arg("dt_max") = std::numeric_limits<float>::infinity(),
+             py::arg("dt_max") = std::numeric_limits<float>::infinity(), py::arg("stream") = 0,
              "Mamba-2's state-space recurrence over each request's tokens from its state slot "
              "(zeros where has_state is 0), the slot written back; D and dt_bias may be None. "
              "See cpp/include/pyengine/recurrent.h.");

@@ -1,8 +1,9 @@
 """The recurrent-state kernels (pyengine/recurrent.h) against float64 references token by
-token: Gated DeltaNet's gated delta rule and the short causal convolution, over mixed
-steps (new requests and ones continuing from their state slots, one token or many), in
-each instruction-set build; a request split across calls gives one call's results; bad
-arguments are clear errors that write nothing."""
+token: Gated DeltaNet's gated delta rule, Mamba-2's scan and the short causal
+convolution, over mixed steps (new requests and ones continuing from their state slots,
+one token or many), in each instruction-set build; a request split across calls gives
+one call's results; bad arguments are clear errors that write nothing; the CUDA kernels
+give the CPU ones' results (on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 import torch
 from helpers.dense_isa import ISAS
 
-from pyengine import _C
+from pyengine import _C, built_with_cuda
 
 
 @pytest.fixture(params=ISAS)
@@ -256,3 +257,45 @@ def test_bad_arguments_are_clear_errors() -> None:
     with pytest.raises(ValueError, match="bias"):
         _C.causal_conv1d(torch.empty(t, 5), x, torch.randn(5, 4), torch.zeros(4),
                          torch.zeros(1, 5, 3), one, one, qsl, True)  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not (built_with_cuda() and torch.cuda.is_available()),
+    reason="needs a CUDA GPU and pyengine built with CUDA",
+)
+def test_the_cuda_kernels_give_the_cpu_ones_results() -> None:
+    """cuda/recurrent.cu (its host run: cpp/tests/test_cuda_recurrent.cpp) on the GPU, on
+    a mixed step of new and continuing requests, against the CPU kernels (tested above
+    against float64), through the torch ops on torch's current stream."""
+    from pyengine import ops
+
+    rng = np.random.default_rng(5)
+    slots, has, qsl = requests(rng, [1, 7, 30, 1], num_slots=6)
+    t, hk, hv, dk, dv, c, width = int(qsl[-1]), 2, 4, 32, 48, 40, 4
+    heads, p, n = 4, 8, 16
+    inputs = {
+        "delta": [torch.randn(t, hk, dk), torch.randn(t, hk, dk), torch.randn(t, hv, dv),
+                  -torch.rand(t, hv), torch.rand(t, hv), torch.randn(6, hv, dk, dv) * 0.1],
+        "conv": [torch.randn(t, c), torch.randn(c, width), torch.randn(c),
+                 torch.randn(6, c, width - 1)],
+        "ssm": [torch.randn(t, heads, p), torch.randn(t, heads), -torch.rand(heads),
+                torch.randn(t, 2, n), torch.randn(t, 2, n), torch.randn(heads),
+                torch.randn(heads), torch.randn(6, heads, p, n)],
+    }  # fmt: skip
+    results = []
+    for device in ("cpu", "cuda"):
+        on = {name: [x.to(device) for x in xs] for name, xs in inputs.items()}
+        meta = [x.to(device) for x in (slots, has, qsl)]
+        q, k, v, g, beta, state = on["delta"]
+        out = torch.full((t, hv, dv), float("nan"), device=device)
+        ops.gated_delta_rule(out, q, k, v, g, beta, state, *meta, dk**-0.5, True)
+        x, weight, bias, conv_state = on["conv"]
+        conv_out = torch.full((t, c), float("nan"), device=device)
+        ops.causal_conv1d(conv_out, x, weight, bias, conv_state, *meta, True)
+        xs, dt, a, b, cc, d, dt_bias, ssm_state = on["ssm"]
+        ssm_out = torch.full((t, heads, p), float("nan"), device=device)
+        ops.ssm_scan(ssm_out, xs, dt, a, b, cc, d, dt_bias, ssm_state, *meta, True, 0.01, 2.0)
+        results.append([r.cpu() for r in (out, state, conv_out, conv_state, ssm_out, ssm_state)])
+    for cpu, gpu in zip(*results, strict=True):
+        assert torch.allclose(gpu, cpu, atol=1e-4, rtol=1e-4), (gpu - cpu).abs().max()

@@ -4,9 +4,10 @@
 // runs, as attention's are: request i's tokens are rows [query_start_loc[i],
 // query_start_loc[i + 1]), in order, and its state is slot state_slots[i] of the state
 // tensor, read (or taken as zeros where has_state[i] is 0: a new request) and written
-// back after its last token. A step may mix prefilling and decoding requests. CPU,
-// float32; every tensor dense. Throws InvalidArgument naming the argument, before
-// writing anything.
+// back after its last token. A step may mix prefilling and decoding requests. Float32,
+// every tensor dense, on the CPU or on CUDA (`stream` a cudaStream_t, nullptr: the
+// default stream; the request arrays stay on the device and are not read back to be
+// checked). Throws InvalidArgument naming the argument, before writing anything.
 #pragma once
 
 #include "pyengine/tensor_view.h"
@@ -28,7 +29,7 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
                       const TensorView& value, const TensorView& g, const TensorView& beta,
                       const TensorView& state, const TensorView& state_slots,
                       const TensorView& has_state, const TensorView& query_start_loc,
-                      float scale, bool normalize);
+                      float scale, bool normalize, void* stream = nullptr);
 
 // The depthwise causal convolution of width K over each request's tokens, continued
 // from its state (the K - 1 inputs before its first token, oldest first), then SiLU
@@ -38,7 +39,8 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
 //   state:   [num_slots, C, K - 1] (read and written: the last K - 1 inputs)
 void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView& weight,
                    const TensorView& bias, const TensorView& state, const TensorView& state_slots,
-                   const TensorView& has_state, const TensorView& query_start_loc, bool silu);
+                   const TensorView& has_state, const TensorView& query_start_loc, bool silu,
+                   void* stream = nullptr);
 
 // Mamba-2's state-space recurrence (its selective scan), token by token. For head h (of
 // group h / (H / G)) and token t, with S the head's state [P, N]:
@@ -54,6 +56,6 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
               const TensorView& A, const TensorView& B, const TensorView& C, const TensorView& D,
               const TensorView& dt_bias, const TensorView& state, const TensorView& state_slots,
               const TensorView& has_state, const TensorView& query_start_loc, bool dt_softplus,
-              float dt_min, float dt_max);
+              float dt_min, float dt_max, void* stream = nullptr);
 
 }  // namespace pyengine

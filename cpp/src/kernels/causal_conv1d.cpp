@@ -11,11 +11,15 @@
 #include "pyengine/recurrent.h"
 #include "recurrent_kernel.h"
 #include "state_checks.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "cuda/recurrent_launch.h"
+#endif
 
 namespace pyengine {
 namespace {
 
 constexpr const char* kOp = "causal_conv1d";
+constexpr int64_t cuda_max_width = 8;  // (cuda/recurrent_kernels.cuh: kMaxWidth)
 
 void (*conv_for(CpuIsa isa))(const detail::ConvRun&) {
 #ifdef PYENGINE_X86_KERNELS
@@ -30,11 +34,13 @@ void (*conv_for(CpuIsa isa))(const detail::ConvRun&) {
 
 void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView& weight,
                    const TensorView& bias, const TensorView& state, const TensorView& state_slots,
-                   const TensorView& has_state, const TensorView& query_start_loc, bool silu) {
-  detail::check_dense_float(x, kOp, "x", 2);
-  detail::check_dense_float(out, kOp, "out", 2);
-  detail::check_dense_float(weight, kOp, "weight", 2);
-  detail::check_dense_float(state, kOp, "state", 3);
+                   const TensorView& has_state, const TensorView& query_start_loc, bool silu,
+                   void* stream) {
+  const Device& device = x.device;
+  detail::check_dense_float(x, device, kOp, "x", 2);
+  detail::check_dense_float(out, device, kOp, "out", 2);
+  detail::check_dense_float(weight, device, kOp, "weight", 2);
+  detail::check_dense_float(state, device, kOp, "state", 3);
   const int64_t tokens = x.shape[0], channels = x.shape[1], width = weight.shape[1];
   if (out.shape[0] != tokens || out.shape[1] != channels) {
     throw InvalidArgument(std::string(kOp) + ": out must be x's shape, got " + out.describe());
@@ -44,13 +50,25 @@ void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView&
                           ", width >= 1], got " + weight.describe());
   }
   const bool has_bias = bias.ndim != 0 && bias.numel() != 0;
-  if (has_bias) detail::check_vector(bias, kOp, "bias", channels);
+  if (has_bias) detail::check_float_vector(bias, device, kOp, "bias", channels);
   const int64_t num_slots = state.shape[0];
   if (state.shape[1] != channels || state.shape[2] != width - 1) {
     throw InvalidArgument(std::string(kOp) + ": state must be [num_slots, " +
                           std::to_string(channels) + ", " + std::to_string(width - 1) +
                           "], got " + state.describe());
   }
+  if (detail::on_cuda(device, kOp)) {
+    detail::check_request_arrays(state_slots, has_state, query_start_loc, device, kOp);
+    if (width > cuda_max_width) {
+      throw InvalidArgument(std::string(kOp) + " (CUDA): the width must be at most " +
+                            std::to_string(cuda_max_width) + ", got " + std::to_string(width));
+    }
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::causal_conv1d(out, x, weight, bias, state, state_slots, has_state,
+                               query_start_loc, silu, stream);
+#endif
+  }
+  (void)stream;
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
 

@@ -15,11 +15,15 @@
 #include "pyengine/recurrent.h"
 #include "recurrent_kernel.h"
 #include "state_checks.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "cuda/recurrent_launch.h"
+#endif
 
 namespace pyengine {
 namespace {
 
 constexpr const char* kOp = "gated_delta_rule";
+constexpr int64_t cuda_max_key_dim = 256;  // (cuda/recurrent_kernels.cuh: kMaxKeyDim)
 
 void (*delta_rule_for(CpuIsa isa))(const detail::DeltaRun&) {
 #ifdef PYENGINE_X86_KERNELS
@@ -36,12 +40,13 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
                       const TensorView& value, const TensorView& g, const TensorView& beta,
                       const TensorView& state, const TensorView& state_slots,
                       const TensorView& has_state, const TensorView& query_start_loc,
-                      float scale, bool normalize) {
+                      float scale, bool normalize, void* stream) {
+  const Device& device = query.device;
   for (const auto& [t, name, ndim] :
        {std::tuple{&out, "out", 3}, std::tuple{&query, "query", 3}, std::tuple{&key, "key", 3},
         std::tuple{&value, "value", 3}, std::tuple{&g, "g", 2}, std::tuple{&beta, "beta", 2},
         std::tuple{&state, "state", 4}}) {
-    detail::check_dense_float(*t, kOp, name, ndim);
+    detail::check_dense_float(*t, device, kOp, name, ndim);
   }
   const int64_t tokens = query.shape[0], hk = query.shape[1], dk = query.shape[2];
   const int64_t hv = value.shape[1], dv = value.shape[2];
@@ -57,6 +62,18 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
   const int64_t num_slots = state.shape[0];
   detail::check_dims(state, {num_slots, hv, dk, dv}, kOp, "state");
   if (!std::isfinite(scale)) throw InvalidArgument(std::string(kOp) + ": scale must be finite");
+  if (detail::on_cuda(device, kOp)) {
+    detail::check_request_arrays(state_slots, has_state, query_start_loc, device, kOp);
+    if (dk > cuda_max_key_dim) {
+      throw InvalidArgument(std::string(kOp) + " (CUDA): the key dim must be at most " +
+                            std::to_string(cuda_max_key_dim) + ", got " + std::to_string(dk));
+    }
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::gated_delta_rule(out, query, key, value, g, beta, state, state_slots, has_state,
+                                  query_start_loc, scale, normalize, stream);
+#endif
+  }
+  (void)stream;
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
 

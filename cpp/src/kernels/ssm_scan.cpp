@@ -13,6 +13,9 @@
 #include "pyengine/recurrent.h"
 #include "recurrent_kernel.h"
 #include "state_checks.h"
+#ifdef PYENGINE_WITH_CUDA
+#include "cuda/recurrent_launch.h"
+#endif
 
 namespace pyengine {
 namespace {
@@ -28,10 +31,10 @@ void (*ssm_for(CpuIsa isa))(const detail::SsmRun&) {
   return detail::generic::ssm_run;
 }
 
-// A per-head vector [heads], or empty (nullptr: zeros).
-const float* per_head(const TensorView& t, int64_t heads, const char* name) {
+// A per-head vector [heads] on `device`, or empty (nullptr: zeros).
+const float* per_head(const TensorView& t, const Device& device, int64_t heads, const char* name) {
   if (t.ndim == 0 || t.numel() == 0) return nullptr;
-  detail::check_vector(t, kOp, name, heads);
+  detail::check_float_vector(t, device, kOp, name, heads);
   return static_cast<const float*>(t.data);
 }
 
@@ -41,11 +44,12 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
               const TensorView& A, const TensorView& B, const TensorView& C, const TensorView& D,
               const TensorView& dt_bias, const TensorView& state, const TensorView& state_slots,
               const TensorView& has_state, const TensorView& query_start_loc, bool dt_softplus,
-              float dt_min, float dt_max) {
+              float dt_min, float dt_max, void* stream) {
+  const Device& device = x.device;
   for (const auto& [t, name, ndim] :
        {std::tuple{&out, "out", 3}, std::tuple{&x, "x", 3}, std::tuple{&dt, "dt", 2},
         std::tuple{&B, "B", 3}, std::tuple{&C, "C", 3}, std::tuple{&state, "state", 4}}) {
-    detail::check_dense_float(*t, kOp, name, ndim);
+    detail::check_dense_float(*t, device, kOp, name, ndim);
   }
   const int64_t tokens = x.shape[0], heads = x.shape[1], head_dim = x.shape[2];
   const int64_t groups = B.shape[1], state_size = B.shape[2], num_slots = state.shape[0];
@@ -59,12 +63,20 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
                           ") must be a multiple of B's and C's groups (" +
                           std::to_string(groups) + ")");
   }
-  detail::check_vector(A, kOp, "A", heads);
-  const float* d = per_head(D, heads, "D");
-  const float* bias = per_head(dt_bias, heads, "dt_bias");
+  detail::check_float_vector(A, device, kOp, "A", heads);
+  const float* d = per_head(D, device, heads, "D");
+  const float* bias = per_head(dt_bias, device, heads, "dt_bias");
   if (!(dt_min <= dt_max) || std::isnan(dt_min)) {
     throw InvalidArgument(std::string(kOp) + ": dt_min must be at most dt_max");
   }
+  if (detail::on_cuda(device, kOp)) {
+    detail::check_request_arrays(state_slots, has_state, query_start_loc, device, kOp);
+#ifdef PYENGINE_WITH_CUDA
+    return cuda::ssm_scan(out, x, dt, A, B, C, D, dt_bias, state, state_slots, has_state,
+                          query_start_loc, dt_softplus, dt_min, dt_max, stream);
+#endif
+  }
+  (void)stream;
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
 

@@ -1,7 +1,8 @@
 // The request arrays of the recurrent-state kernels (pyengine/recurrent.h), checked:
-// query_start_loc runs from 0 to the step's tokens without going back; each request's
-// state slot lies in the state tensor and no two share one (both would write it);
-// has_state holds 0 or 1. Internal to pyengine_core.
+// int32, dense, one per request; on the CPU also their values: query_start_loc runs from
+// 0 to the step's tokens without going back, each request's state slot lies in the state
+// tensor and no two share one (both would write it), has_state holds 0 or 1 (on CUDA they
+// stay on the device, unread). Internal to pyengine_core.
 #pragma once
 
 #include <cstdint>
@@ -19,15 +20,15 @@ struct StateRequests {
   int64_t count;
 };
 
-inline StateRequests check_state_requests(const TensorView& state_slots,
-                                          const TensorView& has_state,
-                                          const TensorView& query_start_loc, int64_t num_tokens,
-                                          int64_t num_slots, const char* op) {
+// The request arrays' shapes and dtypes (int32, dense, on `device`): their requests.
+inline int64_t check_request_arrays(const TensorView& state_slots, const TensorView& has_state,
+                                    const TensorView& query_start_loc, const Device& device,
+                                    const char* op) {
   for (const auto* t : {&state_slots, &has_state, &query_start_loc}) {
     const char* name = t == &state_slots ? "state_slots"
                        : t == &has_state ? "has_state"
                                          : "query_start_loc";
-    check_cpu(*t, op, name);
+    check_device(*t, device, op, name);
     check_shape(*t, op, name, 1);
     check_dtype(*t, DType::kInt32, op, name);
     if (!t->is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense");
@@ -38,6 +39,16 @@ inline StateRequests check_state_requests(const TensorView& state_slots,
                           "query_start_loc [num_reqs + 1] disagree: " + state_slots.describe() +
                           ", " + has_state.describe() + ", " + query_start_loc.describe());
   }
+  return count;
+}
+
+// The same on the CPU, and their values.
+inline StateRequests check_state_requests(const TensorView& state_slots,
+                                          const TensorView& has_state,
+                                          const TensorView& query_start_loc, int64_t num_tokens,
+                                          int64_t num_slots, const char* op) {
+  const int64_t count =
+      check_request_arrays(state_slots, has_state, query_start_loc, Device{}, op);
   const auto* starts = static_cast<const int32_t*>(query_start_loc.data);
   const auto* slots = static_cast<const int32_t*>(state_slots.data);
   const auto* has = static_cast<const int32_t*>(has_state.data);
@@ -70,12 +81,23 @@ inline StateRequests check_state_requests(const TensorView& state_slots,
   return {starts, slots, has, count};
 }
 
-// A dense float32 tensor of `ndim` dims on the CPU.
-inline void check_dense_float(const TensorView& t, const char* op, const char* name, int ndim) {
-  check_cpu(t, op, name);
+// A dense float32 tensor of `ndim` dims on `device`.
+inline void check_dense_float(const TensorView& t, const Device& device, const char* op,
+                              const char* name, int ndim) {
+  check_device(t, device, op, name);
   check_shape(t, op, name, ndim);
   check_dtype(t, DType::kFloat32, op, name);
   if (!t.is_contiguous()) throw InvalidArgument(arg(op, name) + " must be dense, got " + t.describe());
+}
+
+// A dense float32 [n] on `device` (a bias, a per-head parameter).
+inline void check_float_vector(const TensorView& t, const Device& device, const char* op,
+                               const char* name, int64_t n) {
+  check_device(t, device, op, name);
+  if (t.ndim != 1 || t.shape[0] != n || t.dtype != DType::kFloat32 || t.strides[0] != 1) {
+    throw InvalidArgument(arg(op, name) + " must be dense float32 [" + std::to_string(n) +
+                          "], got " + t.describe());
+  }
 }
 
 // t's dims exactly `want`.
