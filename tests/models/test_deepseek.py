@@ -86,27 +86,46 @@ def test_long_prefills_take_the_expanded_form(deepseek, monkeypatch) -> None:  #
     assert calls and min(calls) >= 8 and len(calls) % 3 == 0  # (each of the 3 layers)
 
 
-def test_an_fp8_latent_cache_stays_close_to_the_float_one(deepseek) -> None:  # type: ignore[no-untyped-def]
-    """kv_cache_dtype="fp8": each latent vector stored as e4m3 (a byte a number, unscaled,
-    as vLLM's fp8 latent cache), read back by both forms; the top-5 logprobs within what
-    e4m3's 3 mantissa bits cost, at each step whose tokens so far agree."""
+def logprob_differences(folder, lengths: list[int], seed: int, engines: list[dict]):  # type: ignore[no-untyped-def]
+    """The top-5 logprobs' differences between two engines (each LLM's arguments over
+    ENGINE's; each checks its engine first, given it) over greedy 10-token completions of
+    random prompts of `lengths`, at each step whose tokens so far agree."""
     from helpers.logprobs import same_context_differences
 
     from pyengine import SamplingParams
 
-    _, folder, _ = deepseek
-    rng = np.random.default_rng(8)
-    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in (5, 60)]
+    rng = np.random.default_rng(seed)
+    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in lengths]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     runs = []
-    for cache in ("fp8", "auto"):
-        llm = LLM(str(folder), kv_cache_dtype=cache, **ENGINE)
-        caches = llm.llm_engine.executor.driver_worker.model_runner.caches
-        assert caches[0][0].dtype == (torch.uint8 if cache == "fp8" else torch.float32)
+    for engine in engines:
+        check = engine.pop("check", None)
+        llm = LLM(str(folder), **{**ENGINE, **engine})
+        if check is not None:
+            check(llm)
         outs = llm.generate(prompts, params, use_tqdm=False)
         llm.llm_engine.shutdown()
         runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
-    differences = same_context_differences(*runs)
+    return same_context_differences(*runs)
+
+
+def test_an_fp8_latent_cache_stays_close_to_the_float_one(deepseek) -> None:  # type: ignore[no-untyped-def]
+    """kv_cache_dtype="fp8": each latent vector stored as e4m3 (a byte a number, unscaled,
+    as vLLM's fp8 latent cache), read back by both forms; the top-5 logprobs within what
+    e4m3's 3 mantissa bits cost, at each step whose tokens so far agree."""
+
+    def cache_of(dtype: torch.dtype):  # type: ignore[no-untyped-def]
+        def check(llm):  # type: ignore[no-untyped-def]
+            caches = llm.llm_engine.executor.driver_worker.model_runner.caches
+            assert caches[0][0].dtype == dtype
+
+        return check
+
+    _, folder, _ = deepseek
+    differences = logprob_differences(folder, [5, 60], 8, [
+        {"kv_cache_dtype": "fp8", "check": cache_of(torch.uint8)},
+        {"kv_cache_dtype": "auto", "check": cache_of(torch.float32)},
+    ])  # fmt: skip
     assert len(differences) >= 2 * 5
     assert max(differences) < 0.4 and sum(differences) / len(differences) < 0.1
     assert max(differences) > 0  # (the cache did round)
@@ -117,21 +136,12 @@ def test_bfloat16_latent_attention_stays_close_to_float32(tmp_path) -> None:  # 
     on the build this CPU runs (AMX's tiles, AVX512-BF16's dot products or the portable
     loops) for prefill and decode; the top-5 logprobs within bfloat16's rounding of the
     float32 run's, at each step whose tokens so far agree."""
-    from helpers.logprobs import same_context_differences
-
-    from pyengine import _C, SamplingParams
+    from pyengine import _C
 
     deepseek_checkpoint(deepseek_config("v2", qk_rope_head_dim=32), tmp_path)
     assert _C.mla_bf16_build(4, 64, 32, 16) in ("amx", "avx512_bf16", "portable")
-    rng = np.random.default_rng(9)
-    prompts = [{"prompt_token_ids": rng.integers(0, 256, n).tolist()} for n in (5, 60, 150)]
-    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
-    runs = []
-    for dtype in ("bfloat16", "float32"):
-        llm = LLM(str(tmp_path), **{**ENGINE, "dtype": dtype})
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        llm.llm_engine.shutdown()
-        runs.append([(list(o.outputs[0].token_ids), o.outputs[0].logprobs) for o in outs])
-    differences = same_context_differences(*runs)
+    differences = logprob_differences(
+        tmp_path, [5, 60, 150], 9, [{"dtype": "bfloat16"}, {"dtype": "float32"}]
+    )
     assert len(differences) >= 3 * 5
     assert max(differences) < 0.3 and sum(differences) / len(differences) < 0.05

@@ -21,15 +21,6 @@ namespace {
 constexpr const char* kOp = "causal_conv1d";
 constexpr int64_t cuda_max_width = 8;  // (cuda/recurrent_kernels.cuh: kMaxWidth)
 
-void (*conv_for(CpuIsa isa))(const detail::ConvRun&) {
-#ifdef PYENGINE_X86_KERNELS
-  if (isa == CpuIsa::kAvx512) return detail::avx512::conv_run;
-  if (isa == CpuIsa::kAvx2) return detail::avx2::conv_run;
-#endif
-  (void)isa;
-  return detail::generic::conv_run;
-}
-
 }  // namespace
 
 void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView& weight,
@@ -78,7 +69,7 @@ void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView&
   for (int64_t c = 0; c < channels; ++c) {
     for (int64_t j = 0; j < width; ++j) weight_t[static_cast<size_t>(j * channels + c)] = w[c * width + j];
   }
-  const auto run = conv_for(attention_isa());
+  const auto run = detail::recurrent_build(attention_isa()).conv;
   const auto* in = static_cast<const float*>(x.data);
   auto* o = static_cast<float*>(out.data);
   auto* s = static_cast<float*>(state.data);

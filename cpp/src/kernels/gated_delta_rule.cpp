@@ -25,15 +25,6 @@ namespace {
 constexpr const char* kOp = "gated_delta_rule";
 constexpr int64_t cuda_max_key_dim = 256;  // (cuda/recurrent_kernels.cuh: kMaxKeyDim)
 
-void (*delta_rule_for(CpuIsa isa))(const detail::DeltaRun&) {
-#ifdef PYENGINE_X86_KERNELS
-  if (isa == CpuIsa::kAvx512) return detail::avx512::delta_rule_run;
-  if (isa == CpuIsa::kAvx2) return detail::avx2::delta_rule_run;
-#endif
-  (void)isa;
-  return detail::generic::delta_rule_run;
-}
-
 }  // namespace
 
 void gated_delta_rule(const TensorView& out, const TensorView& query, const TensorView& key,
@@ -77,7 +68,7 @@ void gated_delta_rule(const TensorView& out, const TensorView& query, const Tens
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
 
-  const auto run = delta_rule_for(attention_isa());
+  const auto run = detail::recurrent_build(attention_isa()).delta_rule;
   const auto* q = static_cast<const float*>(query.data);
   const auto* k = static_cast<const float*>(key.data);
   const auto* v = static_cast<const float*>(value.data);

@@ -6,6 +6,8 @@
 
 #include <cstdint>
 
+#include "pyengine/attention.h"
+
 namespace pyengine::detail {
 
 // One request's tokens through one value head's gated delta rule.
@@ -41,6 +43,13 @@ struct SsmRun {
   bool dt_softplus, fresh;
 };
 
+// One instruction set's build of the loops.
+struct RecurrentBuild {
+  void (*delta_rule)(const DeltaRun&);
+  void (*conv)(const ConvRun&);
+  void (*ssm)(const SsmRun&);
+};
+
 #define PYENGINE_RECURRENT_BUILD(ns)      \
   namespace ns {                          \
   void delta_rule_run(const DeltaRun& r); \
@@ -51,5 +60,15 @@ PYENGINE_RECURRENT_BUILD(generic)
 PYENGINE_RECURRENT_BUILD(avx2)
 PYENGINE_RECURRENT_BUILD(avx512)
 #undef PYENGINE_RECURRENT_BUILD
+
+// The build for `isa` (attention_isa(): the attention kernels' pin).
+inline RecurrentBuild recurrent_build(CpuIsa isa) {
+#ifdef PYENGINE_X86_KERNELS
+  if (isa == CpuIsa::kAvx512) return {avx512::delta_rule_run, avx512::conv_run, avx512::ssm_run};
+  if (isa == CpuIsa::kAvx2) return {avx2::delta_rule_run, avx2::conv_run, avx2::ssm_run};
+#endif
+  (void)isa;
+  return {generic::delta_rule_run, generic::conv_run, generic::ssm_run};
+}
 
 }  // namespace pyengine::detail

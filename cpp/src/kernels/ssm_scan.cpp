@@ -22,15 +22,6 @@ namespace {
 
 constexpr const char* kOp = "ssm_scan";
 
-void (*ssm_for(CpuIsa isa))(const detail::SsmRun&) {
-#ifdef PYENGINE_X86_KERNELS
-  if (isa == CpuIsa::kAvx512) return detail::avx512::ssm_run;
-  if (isa == CpuIsa::kAvx2) return detail::avx2::ssm_run;
-#endif
-  (void)isa;
-  return detail::generic::ssm_run;
-}
-
 // A per-head vector [heads] on `device`, or empty (nullptr: zeros).
 const float* per_head(const TensorView& t, const Device& device, int64_t heads, const char* name) {
   if (t.ndim == 0 || t.numel() == 0) return nullptr;
@@ -80,7 +71,7 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
   const detail::StateRequests reqs =
       detail::check_state_requests(state_slots, has_state, query_start_loc, tokens, num_slots, kOp);
 
-  const auto run = ssm_for(attention_isa());
+  const auto run = detail::recurrent_build(attention_isa()).ssm;
   const auto* xs = static_cast<const float*>(x.data);
   const auto* dts = static_cast<const float*>(dt.data);
   const auto* bs = static_cast<const float*>(B.data);
