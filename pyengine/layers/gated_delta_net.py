@@ -7,7 +7,8 @@ outputs, and per value head b (the update's strength, beta = sigmoid(b)) and a (
 decay, g = -exp(A_log) * softplus(a + dt_bias)). The gated delta rule then runs over
 each request's state [Hv, dk, dv], q and k L2-normalised and q scaled by 1/sqrt(dk), and
 its outputs are RMS-normalised per head and gated by SiLU(z). Each model lays its
-projections out its own way (`split_qwen3_next` for Qwen3-Next's interleaved one).
+projections out its own way (`split_qwen3_next` for Qwen3-Next's interleaved one,
+`split_qwen3_5` for Qwen3.5's four).
 
 The states live in slots the caller names per request (`RecurrentStates`); a request
 whose slot is new reads it as zeros (`has_state` 0), so that a step may mix prefills,
@@ -68,6 +69,14 @@ def split_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, shape: DeltaNetShape)
         b.reshape(tokens, shape.value_heads),
         a.reshape(tokens, shape.value_heads),
     )
+
+
+def split_qwen3_5(
+    qkv: torch.Tensor, z: torch.Tensor, b: torch.Tensor, a: torch.Tensor, shape: DeltaNetShape
+) -> DeltaNetInputs:
+    """Qwen3.5's four projections (in_proj_qkv: queries, keys, then values, as the
+    convolution takes them; in_proj_z, in_proj_b, in_proj_a) as DeltaNetInputs."""
+    return DeltaNetInputs(qkv.contiguous(), z.reshape(z.shape[0], shape.value_heads, -1), b, a)
 
 
 class GatedDeltaNetMixer:
