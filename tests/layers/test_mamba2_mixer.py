@@ -1,5 +1,6 @@
-"""Mamba-2's mixer (pyengine/layers/mamba2_mixer.py) against transformers' Mamba2Mixer on
-the same random weights: a whole prompt longer than transformers' own chunks, and the
+"""Mamba-2's mixer (pyengine/layers/mamba2_mixer.py) against transformers' Mamba2Mixer and
+the Mamba layers of Bamba, Granite 4 (GraniteMoeHybrid) and Nemotron-H on the same random
+weights: a whole prompt longer than transformers' own chunks, and the
 same prompt in pieces through the state slots (a chunked prefill, then decode steps),
 float32, with groups of heads sharing B and C and a clamp of the step."""
 
@@ -14,16 +15,36 @@ from pyengine.layers.recurrent_state import RecurrentStates
 transformers = pytest.importorskip("transformers")
 
 
-def mamba2_layer(limit: tuple[float, float]):  # type: ignore[no-untyped-def]
-    from transformers.models.mamba2.modeling_mamba2 import Mamba2Mixer as HFMixer
+SIZES = dict(heads=6, head_dim=8, groups=2, state=12, conv=4, chunk=16)
 
-    config = transformers.Mamba2Config(
-        hidden_size=24, num_heads=6, head_dim=8, expand=2, n_groups=2, state_size=12,
-        conv_kernel=4, chunk_size=16, num_hidden_layers=1, use_conv_bias=True,
-        time_step_limit=limit, layer_norm_epsilon=1e-5,
-    )  # fmt: skip
+
+def random_layer(family: str, limit: tuple[float, float]):  # type: ignore[no-untyped-def]
+    """transformers' Mamba-2 mixer of `family` (Mamba2 or a hybrid built on it), every
+    parameter random."""
+    import importlib
+
+    z = SIZES
+    mamba = dict(mamba_n_heads=z["heads"], mamba_d_head=z["head_dim"], mamba_expand=2,
+                 mamba_n_groups=z["groups"], mamba_d_state=z["state"], mamba_d_conv=z["conv"],
+                 mamba_chunk_size=z["chunk"], mamba_conv_bias=True)  # fmt: skip
+    configs = {
+        "mamba2": ("Mamba2Mixer", transformers.Mamba2Config, dict(
+            num_heads=z["heads"], head_dim=z["head_dim"], expand=2, n_groups=z["groups"],
+            state_size=z["state"], conv_kernel=z["conv"], chunk_size=z["chunk"],
+            use_conv_bias=True, time_step_limit=limit)),
+        "bamba": ("BambaMixer", transformers.BambaConfig, mamba),
+        "granitemoehybrid": ("GraniteMoeHybridMambaLayer", transformers.GraniteMoeHybridConfig,
+                             dict(mamba, layer_types=["mamba"])),
+        "nemotron_h": ("NemotronHMamba2Mixer", transformers.NemotronHConfig, dict(
+            mamba_num_heads=z["heads"], mamba_head_dim=z["head_dim"], expand=2,
+            n_groups=z["groups"], ssm_state_size=z["state"], conv_kernel=z["conv"],
+            chunk_size=z["chunk"], use_conv_bias=True)),
+    }  # fmt: skip
+    name, config_class, fields = configs[family]
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config = config_class(hidden_size=24, num_hidden_layers=1, **fields)
     torch.manual_seed(0)
-    layer = HFMixer(config, 0).eval()
+    layer = getattr(module, name)(config, 0).eval()
     with torch.no_grad():
         for name, p in layer.named_parameters():
             if name == "A_log":
@@ -38,7 +59,7 @@ def mamba2_layer(limit: tuple[float, float]):  # type: ignore[no-untyped-def]
 def run_pieces(layer, x: torch.Tensor, pieces: list[int]) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """x [T, hidden] through our mixer in `pieces`, one request in slot 2 of 3."""
     shape = Mamba2Shape(layer.num_heads, layer.head_dim, layer.n_groups, layer.ssm_state_size,
-                        layer.conv_kernel_size, layer.layer_norm_epsilon,
+                        layer.conv_kernel_size, layer.norm.variance_epsilon,
                         *layer.time_step_limit)  # fmt: skip
     mixer = Mamba2Mixer(shape, layer.conv1d.weight.detach()[:, 0], layer.conv1d.bias.detach(),
                         layer.A_log.detach(), layer.D.detach(), layer.dt_bias.detach(),
@@ -58,10 +79,17 @@ def run_pieces(layer, x: torch.Tensor, pieces: list[int]) -> torch.Tensor:  # ty
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("limit", [(0.0, float("inf")), (0.1, 1.5)], ids=["free", "clamped"])
+@pytest.mark.parametrize(
+    ("family", "limit"),
+    [("mamba2", (0.0, float("inf"))), ("mamba2", (0.1, 1.5)), ("bamba", (0.0, float("inf"))),
+     ("granitemoehybrid", (0.0, float("inf"))), ("nemotron_h", (0.0, float("inf")))],
+    ids=["mamba2", "mamba2-clamped", "bamba", "granite4", "nemotron_h"],
+)  # fmt: skip
 @pytest.mark.parametrize("pieces", [[40], [17, 1, 21, 1]], ids=["whole", "pieces"])
-def test_matches_transformers_mamba2_mixer(pieces: list[int], limit: tuple[float, float]) -> None:
-    layer = mamba2_layer(limit)
+def test_matches_transformers_mixer(
+    family: str, limit: tuple[float, float], pieces: list[int]
+) -> None:
+    layer = random_layer(family, limit)
     x = torch.randn(sum(pieces), 24)
     with torch.no_grad():
         want = layer(x[None])[0]
