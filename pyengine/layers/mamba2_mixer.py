@@ -7,12 +7,15 @@ The input projection gives, per token, a gate [H * P], then x, B and C [H * P + 
 keeps), then dt [H]. The state-space recurrence (`ops.ssm_scan`: the step softplus(dt +
 dt_bias) clamped to the layer's limits, decay exp(step A) with A = -exp(A_log), input
 along B, read along C, skip D) runs over each request's state [H, P, N]; its output,
-gated by SiLU(gate), is RMS-normalised per group of H * P / G numbers.
+gated by SiLU(gate), is RMS-normalised per group of H * P / G numbers (or normalised
+first, or only gated: Falcon-H1's options). Falcon-H1's multipliers of the input and of
+the projection's outputs are its model's, folded into the projection.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +36,9 @@ class Mamba2Shape:
     eps: float = 1e-5
     dt_min: float = 0.0
     dt_max: float = float("inf")
+    # The gated RMSNorm's order: the gate first (Mamba-2's), the norm first (Falcon-H1's
+    # mamba_norm_before_gate), or the gate alone (Falcon-H1 without mamba_rms_norm).
+    norm: Literal["after_gate", "before_gate", "none"] = "after_gate"
 
     @property
     def inner(self) -> int:
@@ -94,7 +100,14 @@ class Mamba2Mixer:
             s.dt_min,
             s.dt_max,
         )
-        # Gated, then RMS-normalised per group (the gate before the norm, as Mamba-2's).
-        gated = out.reshape(tokens, s.groups, -1) * F.silu(gate.reshape(tokens, s.groups, -1))
-        normed = gated * torch.rsqrt(gated.pow(2).mean(-1, keepdim=True) + s.eps)
-        return normed.reshape(tokens, s.inner) * self.norm_weight
+        # Gated, and RMS-normalised per group, in the layer's order.
+        y = out.reshape(tokens, s.inner)
+        gate = F.silu(gate)
+        if s.norm == "none":
+            return y * gate
+        if s.norm == "after_gate":
+            y = y * gate
+        grouped = y.reshape(tokens, s.groups, -1)
+        normed = grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + s.eps)
+        y = normed.reshape(tokens, s.inner) * self.norm_weight
+        return y * gate if s.norm == "before_gate" else y
