@@ -149,6 +149,7 @@ class _Request:
     tables: list[_Table]
     block_hashes: list[list[bytes]]  # per group, of the full blocks of token_ids
     num_computed_tokens: int = 0
+    state_slot: int = -1  # the recurrent-state slot (-1: none)
 
 
 def first_visible(group: tuple[str, int], position: int) -> int:
@@ -171,6 +172,7 @@ class PyKVCacheManager:
         block_size: int = 16,
         enable_prefix_caching: bool = True,
         kv_groups: list[tuple[str, int]] | None = None,
+        num_state_slots: int = 0,
     ):
         if num_blocks <= 0:
             raise ValueError("num_blocks must be positive")
@@ -189,6 +191,11 @@ class PyKVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.num_evictions = 0
+        # Recurrent-state slots: one a request from its first allocation (lowest first).
+        if num_state_slots and enable_prefix_caching:
+            raise ValueError("prefix caching with recurrent-state slots needs checkpoints")
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
 
     @property
     def num_free_blocks(self) -> int:
@@ -312,6 +319,10 @@ class PyKVCacheManager:
         )
         if sum(num_new) + num_free_hits > self.num_free_blocks + num_released:
             return None
+        if self.num_state_slots and request.state_slot < 0:
+            if not self.free_state_slots:
+                return None
+            request.state_slot = self.free_state_slots.pop()
 
         for table, first in zip(request.tables, first_needed, strict=True):
             self._release_before(table, first)
@@ -343,6 +354,11 @@ class PyKVCacheManager:
             for block in reversed(table.blocks):
                 if block is not None:
                     self._release(block)
+        if request.state_slot >= 0:
+            self.free_state_slots.append(request.state_slot)
+
+    def state_slot(self, request_id: str) -> int:
+        return self.requests[request_id].state_slot
 
     # Internals.
 

@@ -144,15 +144,19 @@ with num_host_blocks > 0, a host tier that evicted cached blocks and swapped-out
 requests move to.)doc")
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
                        int num_host_blocks,
-                       const std::vector<std::pair<std::string, int>>& groups) {
+                       const std::vector<std::pair<std::string, int>>& groups,
+                       int num_state_slots) {
              return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
-                                                 num_host_blocks, kv_groups(groups)});
+                                                 num_host_blocks, kv_groups(groups),
+                                                 num_state_slots});
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("num_host_blocks") = 0,
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
+           py::arg("num_state_slots") = 0,
            "kv_groups: (kind, size) per group, kind 'full' (size 0), 'sliding' (the window) "
-           "or 'chunked' (the chunk); empty: one full group.")
+           "or 'chunked' (the chunk); empty: one full group. num_state_slots > 0: each "
+           "request holds a recurrent-state slot from its first allocation to its release.")
       .def_property_readonly("num_groups", &KVCacheManager::num_groups)
       .def("max_blocks_held", &KVCacheManager::max_blocks_held, py::arg("num_tokens"),
            py::arg("max_step_tokens"))
@@ -207,6 +211,11 @@ requests move to.)doc")
       .def("fork", &KVCacheManager::fork, py::arg("parent_request_id"), py::arg("child_request_id"))
       .def("take_pending_copies", &KVCacheManager::take_pending_copies,
            "(src, dst) block copies that copy-on-write queued since the last call.")
+      .def("state_slot", &KVCacheManager::state_slot, py::arg("request_id"),
+           "The request's recurrent-state slot (-1: not allocated yet, or no states kept).")
+      .def_property_readonly("num_free_state_slots", &KVCacheManager::num_free_state_slots)
+      .def("take_pending_state_copies", &KVCacheManager::take_pending_state_copies,
+           "(src, dst) state-slot copies that fork queued since the last call.")
       .def("reset_prefix_cache", &KVCacheManager::reset_prefix_cache)
       .def("can_swap_out", &KVCacheManager::can_swap_out, py::arg("request_id"))
       .def("swap_out", &KVCacheManager::swap_out, py::arg("request_id"),

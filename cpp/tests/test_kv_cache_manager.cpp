@@ -209,4 +209,71 @@ TEST(reset_prefix_cache_only_when_idle) {
   CHECK_EQ(start(kv, "b", iota_tokens(8)).num_computed_tokens, 0);
 }
 
+// Recurrent-state slots (KVCacheConfig::num_state_slots): one a request, from its first
+// allocation to its release; admission waits for a free one as for blocks.
+TEST(state_slots_are_taken_at_first_allocation_and_released_when_freed) {
+  KVCacheConfig config{16, 4, false};
+  config.num_state_slots = 2;
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(5));
+  CHECK_EQ(kv.state_slot("a"), -1);  // (none before its first allocation)
+  CHECK(kv.allocate_slots("a", 5).has_value());
+  CHECK_EQ(kv.state_slot("a"), 0);
+  kv.add_request("b", iota_tokens(3, 100));
+  CHECK(kv.allocate_slots("b", 3).has_value());
+  CHECK_EQ(kv.state_slot("b"), 1);
+  CHECK_EQ(kv.num_free_state_slots(), 0);
+  // A third request has blocks enough but no slot: nothing changes.
+  kv.add_request("c", iota_tokens(3, 200));
+  const int free_blocks = kv.num_free_blocks();
+  CHECK(!kv.can_allocate_slots("c", 3));
+  CHECK(!kv.allocate_slots("c", 3).has_value());
+  CHECK_EQ(kv.num_free_blocks(), free_blocks);
+  CHECK_EQ(kv.state_slot("c"), -1);
+  kv.free("a");  // (as preemption by recompute frees it)
+  CHECK_EQ(kv.num_free_state_slots(), 1);
+  CHECK(kv.allocate_slots("c", 3).has_value());
+  CHECK_EQ(kv.state_slot("c"), 0);
+  // Later allocations keep the slot.
+  kv.append_token_ids("c", std::vector<TokenId>{7});
+  CHECK(kv.allocate_slots("c", 1).has_value());
+  CHECK_EQ(kv.state_slot("c"), 0);
+}
+
+TEST(a_forks_child_takes_its_own_state_slot_and_a_copy_of_its_parents_state) {
+  KVCacheConfig config{16, 4, false};
+  config.num_state_slots = 2;
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(6));
+  CHECK(kv.allocate_slots("a", 6).has_value());
+  kv.fork("a", "a1");
+  CHECK_EQ(kv.state_slot("a1"), 1);
+  const auto copies = kv.take_pending_state_copies();
+  CHECK(copies.size() == 1 && copies[0] == std::make_pair(0, 1));
+  CHECK(kv.take_pending_state_copies().empty());
+  CHECK_THROWS(InvalidState, kv.fork("a", "a2"));  // (no slot left)
+  CHECK(!kv.has_request("a2"));
+  kv.free("a1");
+  CHECK_EQ(kv.num_free_state_slots(), 1);
+  // A parent with no slot yet (not allocated) gives its child none either.
+  kv.add_request("b", iota_tokens(3, 50));
+  kv.fork("b", "b1");
+  CHECK_EQ(kv.state_slot("b1"), -1);
+  CHECK(kv.take_pending_state_copies().empty());
+}
+
+TEST(state_slots_refuse_prefix_caching_and_swapping) {
+  KVCacheConfig config{16, 4, true};
+  config.num_state_slots = 2;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+  config.enable_prefix_caching = false;
+  config.num_host_blocks = 8;
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(6));
+  CHECK(kv.allocate_slots("a", 6).has_value());
+  CHECK(!kv.can_swap_out("a"));  // (its state would stay behind: it is recomputed)
+  config.num_state_slots = -1;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+}
+
 TEST_MAIN()

@@ -104,6 +104,45 @@ def test_kv_cache_manager_with_kv_groups_decides_as_the_python_reference(
     assert all(-1 not in tables[0] for tables in ours.tables)
 
 
+class RecordingStateSlots(RecordingTables):
+    """A KV-cache manager whose every allocation also records the request's state slot."""
+
+    def allocate_slots(self, request_id: str, *args: Any) -> Any:
+        new_blocks = self.manager.allocate_slots(request_id, *args)
+        self.tables.append([[self.manager.state_slot(request_id)]])
+        return new_blocks
+
+
+def test_kv_cache_manager_with_state_slots_decides_as_the_python_reference(
+    bench_module: BenchModule,
+) -> None:
+    """The workload with recurrent-state slots (no prefix caching: hits need state
+    checkpoints), fewer than its live requests: every call's result and every request's
+    slot after each allocation are the same, and every slot is free at the end."""
+    bench = bench_module("kv_cache")
+    reference = bench_module("reference.kv_cache_manager")
+    workload = bench.make_workload(200, 0)
+    slots = max(2, workload.window // 2)
+    ours = RecordingStateSlots(
+        KVCacheManager(workload.num_blocks, bench.BLOCK_SIZE, enable_prefix_caching=False,
+                       num_state_slots=slots),
+        1,
+    )  # fmt: skip
+    theirs = RecordingStateSlots(
+        reference.PyKVCacheManager(workload.num_blocks, bench.BLOCK_SIZE,
+                                   enable_prefix_caching=False, num_state_slots=slots),
+        1,
+    )  # fmt: skip
+    got = bench.run_workload(ours, workload, record=True)
+    want = bench.run_workload(theirs, workload, record=True)
+    assert first_difference(got.trace, want.trace) is None
+    assert first_difference(ours.tables, theirs.tables) is None
+    assert got.num_preemptions == want.num_preemptions > 0
+    assert ours.num_free_state_slots == len(theirs.free_state_slots) == slots
+    # (every slot served; -1 only where an allocation found none free)
+    assert {t[0][0] for t in ours.tables} - {-1} == set(range(slots))
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_kv_cache_workload_driven_from_cpp_counts_as_the_python_reference(
     bench_module: BenchModule, seed: int

@@ -70,6 +70,11 @@ struct KVCacheConfig {
   bool enable_prefix_caching = false;
   int num_host_blocks = 0;  // > 0: a host tier of that many blocks
   std::vector<KVGroupSpec> groups;  // empty: one full-attention group
+  // > 0: each request holds one of this many recurrent-state slots (a hybrid model's
+  // Gated DeltaNet or Mamba layers index their state tensors by it), taken at its first
+  // allocation and released when it is freed; not with prefix caching (hits need state
+  // checkpoints, yet to come) nor swapped out (its state would stay behind).
+  int num_state_slots = 0;
 };
 
 // One group's part of a prefix hit: the hit blocks it still needs, from logical block
@@ -177,11 +182,20 @@ class KVCacheManager {
   // shareable, are evicted last) and forgets it. Throws UnknownRequest, so freeing twice
   // is an error.
   void free(const RequestId& id);
-  // Makes `child` a copy of `parent` that shares all its blocks. Throws UnknownRequest
-  // for parent, InvalidArgument if child exists.
+  // Makes `child` a copy of `parent` that shares all its blocks (and, with a state slot,
+  // takes a slot of its own, its parent's state queued to be copied into it). Throws
+  // UnknownRequest for parent, InvalidArgument if child exists, InvalidState where no
+  // state slot is free.
   void fork(const RequestId& parent, const RequestId& child);
   // Block copies (src, dst) that copy-on-write queued since the last call.
   std::vector<std::pair<BlockId, BlockId>> take_pending_copies();
+  // A request's recurrent-state slot (-1: not allocated yet, or no states kept). Throws
+  // UnknownRequest.
+  int state_slot(const RequestId& id) const;
+  int num_free_state_slots() const { return static_cast<int>(free_state_slots_.size()); }
+  // State copies (src slot, dst slot) that fork queued since the last call: a child's
+  // state starts as its parent's, and the model runner must copy it before the step.
+  std::vector<std::pair<int, int>> take_pending_state_copies();
   // Drops every cache entry, in both tiers; false (and nothing changed) while any block
   // is in use.
   bool reset_prefix_cache();
@@ -230,6 +244,7 @@ class KVCacheManager {
     bool in_use = false;
     bool swapped = false;
     bool lookup_counted = false;  // in the prefix-cache statistics already
+    int state_slot = -1;          // the recurrent-state slot (-1: none)
   };
 
   // What an allocation needs of one group.
@@ -300,6 +315,8 @@ class KVCacheManager {
   std::vector<Request> requests_;
   std::vector<size_t> free_slots_;
   std::vector<std::pair<BlockId, BlockId>> pending_copies_;
+  std::vector<int> free_state_slots_;  // the lowest last (taken first)
+  std::vector<std::pair<int, int>> pending_state_copies_;
   KVTransfers pending_transfers_;
   std::vector<BlockId> held_host_blocks_;  // released by take_pending_transfers
   int64_t prefix_cache_queries_ = 0;

@@ -39,6 +39,14 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config)
     }
   }
   if (config.num_host_blocks > 0) host_.emplace(config.num_host_blocks, config.block_size);
+  check_argument(config.num_state_slots >= 0, "num_state_slots must be non-negative");
+  if (config.num_state_slots > 0 && config.enable_prefix_caching) {
+    throw InvalidArgument(
+        "prefix caching with recurrent-state slots needs state checkpoints, which pyengine "
+        "does not keep yet: turn prefix caching off for this model");
+  }
+  free_state_slots_.reserve(static_cast<size_t>(config.num_state_slots));
+  for (int slot = config.num_state_slots - 1; slot >= 0; --slot) free_state_slots_.push_back(slot);
 }
 
 int64_t KVCacheManager::max_blocks_held(int64_t num_tokens, int64_t max_step_tokens) const {
@@ -116,6 +124,7 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
     request.num_computed_tokens = 0;
     request.swapped = false;
     request.lookup_counted = false;
+    request.state_slot = -1;
     request.extras_hash = hash_extras(extras);
     extend_block_keys(request);
   });
@@ -332,7 +341,10 @@ KVCacheManager::Plan KVCacheManager::plan(const Request& request, int num_new_to
     gp.num_new_blocks = static_cast<int>(std::min<int64_t>(num_new_blocks, pool_.num_blocks()));
   }
   num_taken += p.num_copied_in;
-  p.fits = num_taken <= pool_.num_free_blocks() + num_released;
+  // (a request's first allocation takes a state slot too, where the manager keeps them)
+  const bool state_fits =
+      config_.num_state_slots == 0 || request.state_slot >= 0 || !free_state_slots_.empty();
+  p.fits = num_taken <= pool_.num_free_blocks() + num_released && state_fits;
   return p;
 }
 
@@ -399,6 +411,10 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
                                                                  const ComputedBlocks* computed) {
   const Plan p = plan(request, num_new_tokens, num_lookahead, computed);
   if (!p.fits) return std::nullopt;
+  if (config_.num_state_slots > 0 && request.state_slot < 0) {
+    request.state_slot = free_state_slots_.back();
+    free_state_slots_.pop_back();
+  }
 
   const int size = block_size();
   for (size_t g = 0; g < request.groups.size(); ++g) {
@@ -508,6 +524,10 @@ void KVCacheManager::free(const RequestId& id) {
     }
   }
   if (request.swapped) --num_swapped_requests_;
+  if (request.state_slot >= 0) {
+    free_state_slots_.push_back(request.state_slot);  // capacity reserved: cannot throw
+    request.state_slot = -1;
+  }
 }
 
 void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
@@ -518,12 +538,23 @@ void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
   if (has_request(child)) {
     throw InvalidArgument("fork: request id '" + child + "' already exists");
   }
+  const int parent_state = requests_[source].state_slot;
+  if (parent_state >= 0 && free_state_slots_.empty()) {
+    throw InvalidState("fork: no recurrent-state slot is free for '" + child + "'");
+  }
   // Index, don't hold references: taking a slot may grow requests_.
   register_request(child, [&](Request& copy) {
     const uint32_t generation = copy.generation;  // the slot's own count, not the source's
     copy = requests_[source];
     copy.generation = generation;
+    copy.state_slot = -1;
   });
+  if (parent_state >= 0) {
+    Request& copy = requests_[slot_of(child)];
+    copy.state_slot = free_state_slots_.back();
+    free_state_slots_.pop_back();
+    pending_state_copies_.emplace_back(parent_state, copy.state_slot);
+  }
   for (const GroupTable& table : requests_[slot_of(child)].groups) {
     for (const BlockId b : table.blocks) {
       if (b != kNoBlock) pool_.retain(b);
@@ -533,6 +564,12 @@ void KVCacheManager::fork(const RequestId& parent, const RequestId& child) {
 
 std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {
   return std::exchange(pending_copies_, {});
+}
+
+int KVCacheManager::state_slot(const RequestId& id) const { return find(id).state_slot; }
+
+std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_copies() {
+  return std::exchange(pending_state_copies_, {});
 }
 
 bool KVCacheManager::reset_prefix_cache() {

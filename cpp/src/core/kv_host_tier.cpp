@@ -69,7 +69,8 @@ std::optional<BlockId> KVCacheManager::content_at_step_start(BlockId block) cons
 
 bool KVCacheManager::can_swap_out(const RequestId& id) const {
   const Request& request = find(id);
-  if (!host_ || request.swapped) return false;
+  // (a recurrent state would stay behind in its slot: such a request is recomputed)
+  if (!host_ || request.swapped || request.state_slot >= 0) return false;
   size_t num_held = 0;
   for (const GroupTable& table : request.groups) {
     for (const BlockId b : table.blocks) {
