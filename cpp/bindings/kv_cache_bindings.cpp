@@ -211,7 +211,9 @@ requests move to.)doc")
       .def("fork", &KVCacheManager::fork, py::arg("parent_request_id"), py::arg("child_request_id"))
       .def("take_pending_copies", &KVCacheManager::take_pending_copies,
            "(src, dst) block copies that copy-on-write queued since the last call.")
-      .def("state_slot", &KVCacheManager::state_slot, py::arg("request_id"),
+      .def("state_slot",
+           py::overload_cast<const RequestId&>(&KVCacheManager::state_slot, py::const_),
+           py::arg("request_id"),
            "The request's recurrent-state slot (-1: not allocated yet, or no states kept).")
       .def_property_readonly("num_free_state_slots", &KVCacheManager::num_free_state_slots)
       .def("take_pending_state_copies", &KVCacheManager::take_pending_state_copies,

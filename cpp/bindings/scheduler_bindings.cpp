@@ -138,6 +138,21 @@ group_block_tables hold every group's.)doc")
                                const auto& b = self.cast<const StepBuffers&>();
                                return view(b.num_draft_tokens, {b.num_reqs}, self);
                              })
+      .def_property_readonly(
+          "state_slots",
+          [](py::object self) {
+            const auto& b = self.cast<const StepBuffers&>();
+            return view(b.state_slots, {b.num_reqs}, self);
+          },
+          "Each request's recurrent-state slot (-1 without states).")
+      .def_property_readonly(
+          "has_state",
+          [](py::object self) {
+            const auto& b = self.cast<const StepBuffers&>();
+            return view(b.has_state, {b.num_reqs}, self);
+          },
+          "1 where the request's slot holds the state of its tokens before the step, 0 where "
+          "it is new (read as zeros).")
       .def_readonly("request_ids", &StepBuffers::request_ids)
       .def_property_readonly(
           "kv_to_host", [](const StepBuffers& b) { return b.kv_transfers.to_host; },
@@ -145,7 +160,10 @@ group_block_tables hold every group's.)doc")
       .def_property_readonly(
           "kv_to_device", [](const StepBuffers& b) { return b.kv_transfers.to_device; },
           "(host block, device block) copies, run after kv_to_host.")
-      .def_readonly("block_copies", &StepBuffers::block_copies);
+      .def_readonly("block_copies", &StepBuffers::block_copies)
+      .def_readonly("state_copies", &StepBuffers::state_copies,
+                    "(src, dst) state-slot copies to run after the step's forward pass "
+                    "(samples forked in it start from their parent's state).");
 }
 
 void bind_step_results(py::module_& m) {
@@ -200,7 +218,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                        bool enable_chunked_prefill, int long_prefill_token_threshold,
                        const std::string& policy, int max_loras, double draft_row_cost,
                        int num_host_blocks, const std::string& preemption_mode,
-                       const std::vector<std::pair<std::string, int>>& groups) {
+                       const std::vector<std::pair<std::string, int>>& groups,
+                       int num_state_slots) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -213,7 +232,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.preemption_mode = parse_preemption_mode(preemption_mode);
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
-                                       num_host_blocks, kv_groups(groups)});
+                                       num_host_blocks, kv_groups(groups), num_state_slots});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -225,7 +244,9 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("policy"), py::arg("max_loras") = 0, py::arg("draft_row_cost") = 0.0,
            py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute",
            // kv_groups: one full-attention group
-           py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{})
+           py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
+           // num_state_slots: 0, no recurrent states
+           py::arg("num_state_slots") = 0)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

@@ -136,4 +136,61 @@ TEST(a_config_left_unset_is_rejected) {
   CHECK_THROWS(InvalidArgument, Scheduler(SchedulerConfig{}, KVCacheConfig{8, 4, true}));
 }
 
+// Recurrent-state slots: each step carries every request's slot and whether it holds
+// its state; with fewer slots than max_num_seqs, admission waits for one; a finished
+// request's slot serves the next.
+TEST(state_slots_reach_the_step_and_bound_admission) {
+  KVCacheConfig kv{32, 4, false};
+  kv.num_state_slots = 2;
+  Scheduler s(testing::scheduler_config(16), kv);
+  RequestParams params;
+  params.max_tokens = 2;
+  s.add_request("a", iota_tokens(10), params);
+  s.add_request("b", iota_tokens(3), params);
+  s.add_request("c", iota_tokens(2), params);
+  CHECK_EQ(s.schedule(), 2);  // c waits for a slot though blocks and budget are left
+  const StepBuffers& b = s.buffers();
+  CHECK(b.request_ids[0] == "a" && b.request_ids[1] == "b");
+  CHECK(b.state_slots[0] == 0 && b.state_slots[1] == 1);
+  CHECK(b.has_state[0] == 0 && b.has_state[1] == 0);  // (their prompts start)
+  const TokenId sampled[] = {7, 7};
+  s.update(sampled);
+  CHECK_EQ(s.schedule(), 2);  // decodes: their slots hold their states
+  CHECK(s.buffers().state_slots[0] == 0 && s.buffers().has_state[0] == 1);
+  CHECK(s.buffers().state_slots[1] == 1 && s.buffers().has_state[1] == 1);
+  s.update(sampled);  // (both reach max_tokens and finish: their slots free)
+  CHECK_EQ(s.schedule(), 1);
+  CHECK(s.buffers().request_ids[0] == "c" && s.buffers().has_state[0] == 0);
+  CHECK(s.buffers().state_slots[0] == 0 || s.buffers().state_slots[0] == 1);
+  CHECK(s.buffers().state_copies.empty());
+  const TokenId one[] = {7};
+  s.update(one);
+  CHECK_EQ(run(s), 1);
+  CHECK_EQ(s.kv_cache().num_free_state_slots(), 2);
+}
+
+TEST(a_forked_samples_state_is_copied_from_its_parents_after_the_forking_step) {
+  KVCacheConfig kv{32, 4, false};
+  kv.num_state_slots = 3;
+  Scheduler s(testing::scheduler_config(16), kv);
+  RequestParams params;
+  params.max_tokens = 2;
+  params.n = 2;
+  s.add_request("a", iota_tokens(6), params);
+  CHECK_EQ(s.schedule(), 2);  // the prompt, and its second sample forked from it
+  const StepBuffers& b = s.buffers();
+  CHECK(b.state_slots[0] == 0 && b.has_state[0] == 0);
+  CHECK_EQ(b.state_slots[1], 1);
+  CHECK(b.state_copies.size() == 1 && b.state_copies[0] == std::make_pair(0, 1));
+  const TokenId sampled[] = {7, 8};
+  s.update(sampled);
+  CHECK_EQ(s.schedule(), 2);  // both decode from their own slots' states
+  CHECK(s.buffers().has_state[0] == 1 && s.buffers().has_state[1] == 1);
+  CHECK(s.buffers().state_slots[0] != s.buffers().state_slots[1]);
+  CHECK(s.buffers().state_copies.empty());
+  s.update(sampled);
+  CHECK(!s.has_unfinished_requests());
+  CHECK_EQ(s.kv_cache().num_free_state_slots(), 3);
+}
+
 TEST_MAIN()

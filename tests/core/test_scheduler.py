@@ -619,3 +619,28 @@ def test_draft_tokens_verified_greedily_give_the_tokens_of_no_speculation() -> N
             assert (d.outputs[r], d.finished[r]) == run_alone(prompts[r], limits[r], 128), r
         assert steps < sum(len(out) for out in d.outputs.values())
         assert d.s.kv_cache.num_free_blocks == num_blocks
+
+
+def test_state_slots_reach_the_step_buffers() -> None:
+    """With recurrent-state slots (no prefix caching), each scheduled request's slot and
+    whether it holds its state are in the step's buffers; a third request waits for a
+    slot; a forked sample's state copy comes with its forking step."""
+    scheduler = Scheduler(
+        64, 4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128,
+        **(OPTIONS | {"enable_prefix_caching": False}), num_state_slots=2,
+    )  # type: ignore[arg-type]  # fmt: skip
+    for request_id, length in (("a", 5), ("b", 3), ("c", 2)):
+        scheduler.add_request(request_id, list(range(1, length + 1)), max_tokens=2)
+    assert scheduler.schedule() == 2
+    buffers = scheduler.buffers
+    assert buffers.request_ids == ["a", "b"]
+    assert buffers.state_slots.tolist() == [0, 1] and buffers.has_state.tolist() == [0, 0]
+    scheduler.update(np.array([7, 7], dtype=np.int32))
+    assert scheduler.schedule() == 2
+    assert scheduler.buffers.has_state.tolist() == [1, 1]
+    assert scheduler.buffers.state_copies == []
+    with pytest.raises(ValueError, match="prefix caching with recurrent-state slots"):
+        Scheduler(
+            64, 4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128,
+            **OPTIONS, num_state_slots=2,
+        )  # type: ignore[arg-type]  # fmt: skip

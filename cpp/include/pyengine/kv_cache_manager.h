@@ -192,9 +192,11 @@ class KVCacheManager {
   // A request's recurrent-state slot (-1: not allocated yet, or no states kept). Throws
   // UnknownRequest.
   int state_slot(const RequestId& id) const;
+  int state_slot(RequestHandle handle) const;
   int num_free_state_slots() const { return static_cast<int>(free_state_slots_.size()); }
   // State copies (src slot, dst slot) that fork queued since the last call: a child's
-  // state starts as its parent's, and the model runner must copy it before the step.
+  // state starts as its parent's, once the parent's state holds its tokens (the model
+  // runner copies it after the step that forks, before the next).
   std::vector<std::pair<int, int>> take_pending_state_copies();
   // Drops every cache entry, in both tiers; false (and nothing changed) while any block
   // is in use.

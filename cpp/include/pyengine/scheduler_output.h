@@ -43,11 +43,20 @@ struct StepBuffers {
   std::vector<int32_t> num_scheduled_tokens;  // [max_num_seqs] draft tokens included
   std::vector<uint8_t> is_sampling;           // [max_num_seqs]
   std::vector<int32_t> num_draft_tokens;      // [max_num_seqs] scheduled after its last token
+  // A hybrid model's recurrent states (KVCacheConfig::num_state_slots > 0): each
+  // request's slot (-1 without states), and whether the slot holds the state of the
+  // tokens before the step's (1) or is new, read as zeros (0).
+  std::vector<int32_t> state_slots;           // [max_num_seqs]
+  std::vector<int32_t> has_state;             // [max_num_seqs]
   std::vector<std::string> request_ids;       // [num_reqs] this step's requests, in row order
   // Run before the step, in this order: the copies between the KV tiers (all of
   // to_host, then all of to_device), then copy-on-write.
   KVTransfers kv_transfers;
   std::vector<std::pair<BlockId, BlockId>> block_copies;  // copy-on-write
+  // State-slot copies (src, dst) to run after the step's forward pass, before the next
+  // step's: a sample forked in this step starts from its parent's state, which this
+  // step's last prompt tokens complete (unlike KV blocks, a state is not shared).
+  std::vector<std::pair<int, int>> state_copies;
 };
 
 // What update() reports, row by row in the order of StepBuffers::request_ids.

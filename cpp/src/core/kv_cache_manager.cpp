@@ -567,6 +567,7 @@ std::vector<std::pair<BlockId, BlockId>> KVCacheManager::take_pending_copies() {
 }
 
 int KVCacheManager::state_slot(const RequestId& id) const { return find(id).state_slot; }
+int KVCacheManager::state_slot(RequestHandle handle) const { return find(handle).state_slot; }
 
 std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_copies() {
   return std::exchange(pending_state_copies_, {});

@@ -385,6 +385,8 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     b.seq_lens[i] = r->num_computed_tokens + drafts;
     b.num_scheduled_tokens[i] = n + drafts;
     b.num_draft_tokens[i] = drafts;
+    b.state_slots[i] = kv_.state_slot(r->kv_handle);
+    b.has_state[i] = first > 0 ? 1 : 0;  // (no prefix hit with states: `first` was computed)
     const bool sampling = r->num_computed_tokens == r->num_tokens();
     b.is_sampling[i] = sampling ? 1 : 0;
     // The last token's row, then each draft's: a row for every token the step may accept.
@@ -404,6 +406,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
   // next step's, ahead of them.
   b.kv_transfers = scheduled.empty() ? KVTransfers{} : kv_.take_pending_transfers();
   b.block_copies = kv_.take_pending_copies();
+  b.state_copies = kv_.take_pending_state_copies();
 }
 
 FinishReason Scheduler::stop_reason(const Request& r, TokenId token) const {

@@ -29,7 +29,9 @@ StepBuffers::StepBuffers(int max_num_batched_tokens, int max_num_seqs, int max_b
                      static_cast<size_t>(max_num_seqs)),
       num_scheduled_tokens(static_cast<size_t>(max_num_seqs)),
       is_sampling(static_cast<size_t>(max_num_seqs)),
-      num_draft_tokens(static_cast<size_t>(max_num_seqs)) {
+      num_draft_tokens(static_cast<size_t>(max_num_seqs)),
+      state_slots(static_cast<size_t>(max_num_seqs)),
+      has_state(static_cast<size_t>(max_num_seqs)) {
   request_ids.reserve(static_cast<size_t>(max_num_seqs));
 }
 
