@@ -139,10 +139,16 @@ TEST(a_config_left_unset_is_rejected) {
 // Recurrent-state slots: each step carries every request's slot and whether it holds
 // its state; with fewer slots than max_num_seqs, admission waits for one; a finished
 // request's slot serves the next.
-TEST(state_slots_reach_the_step_and_bound_admission) {
+// A scheduler whose KV-cache manager keeps `slots` recurrent-state slots (no prefix
+// caching).
+static Scheduler with_state_slots(int slots) {
   KVCacheConfig kv{32, 4, false};
-  kv.num_state_slots = 2;
-  Scheduler s(testing::scheduler_config(16), kv);
+  kv.num_state_slots = slots;
+  return Scheduler(testing::scheduler_config(16), kv);
+}
+
+TEST(state_slots_reach_the_step_and_bound_admission) {
+  Scheduler s = with_state_slots(2);
   RequestParams params;
   params.max_tokens = 2;
   s.add_request("a", iota_tokens(10), params);
@@ -170,9 +176,7 @@ TEST(state_slots_reach_the_step_and_bound_admission) {
 }
 
 TEST(a_forked_samples_state_is_copied_from_its_parents_after_the_forking_step) {
-  KVCacheConfig kv{32, 4, false};
-  kv.num_state_slots = 3;
-  Scheduler s(testing::scheduler_config(16), kv);
+  Scheduler s = with_state_slots(3);
   RequestParams params;
   params.max_tokens = 2;
   params.n = 2;
