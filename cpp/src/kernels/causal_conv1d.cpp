@@ -40,8 +40,7 @@ void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView&
     throw InvalidArgument(std::string(kOp) + ": weight must be [" + std::to_string(channels) +
                           ", width >= 1], got " + weight.describe());
   }
-  const bool has_bias = bias.ndim != 0 && bias.numel() != 0;
-  if (has_bias) detail::check_float_vector(bias, device, kOp, "bias", channels);
+  const float* b = detail::optional_float_vector(bias, device, kOp, "bias", channels);
   const int64_t num_slots = state.shape[0];
   if (state.shape[1] != channels || state.shape[2] != width - 1) {
     throw InvalidArgument(std::string(kOp) + ": state must be [num_slots, " +
@@ -73,7 +72,6 @@ void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView&
   const auto* in = static_cast<const float*>(x.data);
   auto* o = static_cast<float*>(out.data);
   auto* s = static_cast<float*>(state.data);
-  const auto* b = has_bias ? static_cast<const float*>(bias.data) : nullptr;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t r = 0; r < reqs.count; ++r) {
     const int64_t first = reqs.starts[r];

@@ -58,12 +58,35 @@ detail::MlaAttend attend_for(CpuIsa isa) {
 
 }  // namespace
 
+namespace {
+
+// The build that runs a bfloat16 query over a bfloat16 cache of these shapes here.
+enum class LaneBuild : uint8_t { kPortable, kAmx, kDots };
+
+LaneBuild lane_build(const detail::MlaTile& tile) {
+  if (detail::mla_amx_fits(tile)) return LaneBuild::kAmx;
+  if (detail::mla_bf16_fits(tile)) return LaneBuild::kDots;
+  return LaneBuild::kPortable;
+}
+
+// A call's tile: the lane builds take up to 16 heads at a time (more go 16 at a time).
+detail::MlaTile lane_tile(int64_t heads, int64_t latent_dim, int64_t value_dim,
+                          int64_t block_size) {
+  return {std::min<int64_t>(heads, 16), latent_dim, value_dim, block_size};
+}
+
+}  // namespace
+
 const char* mla_attention_bf16_build(int64_t num_heads, int64_t latent_dim, int64_t value_dim,
                                      int64_t block_size) {
-  // (the lane builds take up to 16 heads at a time: more go 16 at a time)
-  const detail::MlaTile tile{std::min<int64_t>(num_heads, 16), latent_dim, value_dim, block_size};
-  if (detail::mla_amx_fits(tile)) return "amx";
-  if (detail::mla_bf16_fits(tile)) return "avx512_bf16";
+  switch (lane_build(lane_tile(num_heads, latent_dim, value_dim, block_size))) {
+    case LaneBuild::kAmx:
+      return "amx";
+    case LaneBuild::kDots:
+      return "avx512_bf16";
+    case LaneBuild::kPortable:
+      break;
+  }
   return "portable";
 }
 
@@ -164,13 +187,12 @@ void mla_attention(const TensorView& out, const TensorView& query, const TensorV
   const int64_t partial_floats = heads * (value_dim + 2);
   std::vector<float> partials(static_cast<size_t>(num_partials * partial_floats));
   const int64_t qelem = qdtype == DType::kFloat32 ? 4 : 2;
-  // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit.
-  // (16 heads at a time: a vector's lanes)
-  const detail::MlaTile tile{std::min<int64_t>(heads, 16), d, value_dim, bs};
-  // Else on AVX512-BF16's dot products, where the CPU has them.
+  // bfloat16 queries over a bfloat16 cache: on AMX's tile unit where the shapes fit, else
+  // on AVX512-BF16's dot products where the CPU has them.
+  const detail::MlaTile tile = lane_tile(heads, d, value_dim, bs);
   const bool bf16 = qdtype == DType::kBFloat16 && cache_dtype == DType::kBFloat16;
-  const bool on_tiles = bf16 && detail::mla_amx_fits(tile);
-  const bool on_dots = bf16 && !on_tiles && detail::mla_bf16_fits(tile);
+  const LaneBuild build = bf16 ? lane_build(tile) : LaneBuild::kPortable;
+  const bool on_tiles = build == LaneBuild::kAmx, on_dots = build == LaneBuild::kDots;
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t n = 0; n < items.size(); ++n) {
     const detail::MlaItem& w = items[n];

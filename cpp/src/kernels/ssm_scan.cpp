@@ -22,13 +22,6 @@ namespace {
 
 constexpr const char* kOp = "ssm_scan";
 
-// A per-head vector [heads] on `device`, or empty (nullptr: zeros).
-const float* per_head(const TensorView& t, const Device& device, int64_t heads, const char* name) {
-  if (t.ndim == 0 || t.numel() == 0) return nullptr;
-  detail::check_float_vector(t, device, kOp, name, heads);
-  return static_cast<const float*>(t.data);
-}
-
 }  // namespace
 
 void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
@@ -55,8 +48,8 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
                           std::to_string(groups) + ")");
   }
   detail::check_float_vector(A, device, kOp, "A", heads);
-  const float* d = per_head(D, device, heads, "D");
-  const float* bias = per_head(dt_bias, device, heads, "dt_bias");
+  const float* d = detail::optional_float_vector(D, device, kOp, "D", heads);
+  const float* bias = detail::optional_float_vector(dt_bias, device, kOp, "dt_bias", heads);
   if (!(dt_min <= dt_max) || std::isnan(dt_min)) {
     throw InvalidArgument(std::string(kOp) + ": dt_min must be at most dt_max");
   }

@@ -100,6 +100,15 @@ inline void check_float_vector(const TensorView& t, const Device& device, const 
   }
 }
 
+// An optional dense float32 [n] on `device`: its numbers, or null where it was left out
+// (an empty view).
+inline const float* optional_float_vector(const TensorView& t, const Device& device,
+                                          const char* op, const char* name, int64_t n) {
+  if (t.ndim == 0 || t.numel() == 0) return nullptr;
+  check_float_vector(t, device, op, name, n);
+  return static_cast<const float*>(t.data);
+}
+
 // t's dims exactly `want`.
 inline void check_dims(const TensorView& t, const std::vector<int64_t>& want, const char* op,
                        const char* name) {
