@@ -64,6 +64,11 @@ class QuantizationConfig:
         return f"{self.method} {self.bits}-bit, groups of {self.group_size}"
 
 
+# The KV-cache spec of a layer that keeps a recurrent state (Gated DeltaNet, Mamba-2)
+# instead of keys and values.
+RECURRENT_SPEC = ("recurrent", 0)
+
+
 @dataclass(frozen=True)
 class FamilyConfig:
     """A model family's own switches, which only its model class reads (such as Qwen3's
@@ -81,8 +86,9 @@ class FamilyConfig:
 
     def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
         """Layer `index`'s attention as the KV cache groups it: ("sliding", window) or
-        ("chunked", chunk) where its queries see only recent keys, else ("full", 0). A
-        family without its own kinds has the model's window on every layer."""
+        ("chunked", chunk) where its queries see only recent keys, RECURRENT_SPEC where
+        the layer keeps a recurrent state instead, else ("full", 0). A family without
+        its own kinds has the model's window on every layer."""
         return ("sliding", sliding_window) if sliding_window else ("full", 0)
 
 
@@ -119,6 +125,11 @@ class ModelConfig:
     def kv_specs(self) -> list[tuple[str, int]]:
         """Every layer's attention kind for the KV cache (FamilyConfig.kv_spec)."""
         return [self.family.kv_spec(i, self.sliding_window) for i in range(self.num_layers)]
+
+    def has_recurrent_layers(self) -> bool:
+        """Whether some layers keep a recurrent state instead of a KV cache (a hybrid
+        model's Gated DeltaNet or Mamba-2 layers)."""
+        return RECURRENT_SPEC in self.kv_specs()
 
     def __post_init__(self) -> None:
         """Values a model cannot run with are refused when loaded, not at the first

@@ -105,6 +105,12 @@ class SchedulerOutput:
     # first draft may be (its grammar stays in the engine: its later drafts are the
     # draft's argmax, and the target's token after one its grammar refuses is never kept).
     draft_masks: dict[int, np.ndarray] = field(default_factory=dict)
+    # A hybrid model's recurrent states (StepBuffers'): each request's slot and whether
+    # it holds the state of its tokens before the step (int32 [num_reqs]; None: a model
+    # without them), and the (source, destination) slot copies to run after the step.
+    state_slots: np.ndarray | None = None
+    has_state: np.ndarray | None = None
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class EngineCore:
             config.max_num_seqs, device
         )  # fmt: skip
         self.executor = executor
+        self._has_states = executor.num_state_slots > 0  # (a hybrid model's)
         num_virtual_engines = executor.max_steps_in_flight
         self.schedulers = [
             Scheduler(
@@ -102,6 +103,7 @@ class EngineCore:
                 num_host_blocks=executor.num_host_blocks // num_virtual_engines,
                 preemption_mode=config.preemption_mode,
                 kv_groups=list(executor.kv_groups),
+                num_state_slots=executor.num_state_slots,
             )
             for _ in range(num_virtual_engines)
         ]
@@ -457,6 +459,9 @@ class EngineCore:
             finished_row_ids=finished,
             virtual_engine=flight.virtual_engine,
         )
+        if self._has_states:
+            step = replace(step, state_slots=buffers.state_slots, has_state=buffers.has_state,
+                           state_copies=buffers.state_copies)  # fmt: skip
         if self.proposer is not None and self.proposer.drafts_in_step:  # (every step)
             step = replace(step, num_draft_tokens=buffers.num_draft_tokens.copy())
         if self.lora:

@@ -119,6 +119,10 @@ class EngineArgs:
             read_weights=runs_in_this_process(parallel),
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
+        prefix_caching = self.enable_prefix_caching
+        if loaded.config.has_recurrent_layers():
+            prefix_caching = _hybrid_prefix_caching(loaded.config.architecture, prefix_caching,
+                                                    speculative is not None)  # fmt: skip
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -140,7 +144,7 @@ class EngineArgs:
             max_model_len=max_model_len,
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory or default_kv_cache_memory(),
-            enable_prefix_caching=self.enable_prefix_caching,
+            enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=self.enable_chunked_prefill,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
@@ -193,6 +197,21 @@ class EngineArgs:
         )  # fmt: skip
         check_executor(parallel)
         return parallel
+
+
+def _hybrid_prefix_caching(architecture: str, prefix_caching: bool, speculative: bool) -> bool:
+    """A model with recurrent-state layers runs without prefix caching (its states are not
+    checkpointed at block boundaries yet: a hit would have no state to resume from), and
+    refuses speculative decoding (a rejected draft would stay in the state)."""
+    if speculative:
+        raise ValueError(
+            f"speculative decoding: {architecture} has recurrent-state layers, whose state "
+            "cannot take back a rejected draft yet"
+        )
+    if prefix_caching:
+        logger.info("prefix caching is off: %s keeps recurrent states, which a cached prefix "
+                    "does not hold yet", architecture)  # fmt: skip
+    return False
 
 
 def _read_config(model: str) -> ModelConfig:

@@ -62,6 +62,11 @@ class Executor(ABC):
         return 0
 
     @property
+    def num_state_slots(self) -> int:
+        """Recurrent-state slots of each scheduler (a hybrid model's; 0: none)."""
+        return 0
+
+    @property
     @abstractmethod
     def kv_groups(self) -> tuple[tuple[str, int], ...]:
         """The KV-cache groups of the model the workers run (worker/kv_layout.py), as

@@ -103,6 +103,13 @@ class DistributedExecutor(Executor):
         return self._num_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        slots = {int(d["num_state_slots"]) for d in self.ranks}
+        if len(slots) > 1:  # (each rank's budget holds the same on the CPU)
+            raise RuntimeError(f"the ranks hold different numbers of state slots: {slots}")
+        return slots.pop()
+
+    @property
     def kv_groups(self) -> tuple[tuple[str, int], ...]:
         return tuple((str(kind), int(size)) for kind, size in self.ranks[0]["kv_groups"])
 

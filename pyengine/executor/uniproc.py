@@ -27,6 +27,10 @@ class UniProcExecutor(Executor):
         return self.driver_worker.num_blocks
 
     @property
+    def num_state_slots(self) -> int:
+        return self.driver_worker.model_runner.num_state_slots
+
+    @property
     def kv_groups(self) -> tuple[tuple[str, int], ...]:
         return self.driver_worker.model_runner.kv_layout.groups
 

@@ -5,8 +5,23 @@ may mix prefills, chunks of prefills and decodes (pyengine/recurrent.h's kernels
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
+
+# One layer's state tensors, as the model runner hands them to the layer in place of a
+# KV cache: (conv [num_slots, ...], recurrent [num_slots, ...]).
+StateCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@runtime_checkable
+class StateLayer(Protocol):
+    """A layer that keeps a recurrent state per request (the model runner finds these
+    among a model's modules, in layer order, and allocates their slots)."""
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One slot's (conv, recurrent) shapes on this rank (float32)."""
+        ...
 
 
 @dataclass
@@ -22,4 +37,20 @@ class RecurrentStates:
     recurrent: torch.Tensor
     slots: torch.Tensor
     has_state: torch.Tensor
+    query_start_loc: torch.Tensor
+
+    @classmethod
+    def of_step(cls, cache: StateCache, meta: StepSlots) -> RecurrentStates:
+        """A layer's states (the model runner's `cache` for it) for the step `meta`."""
+        if meta.state_slots is None or meta.has_state is None:
+            raise ValueError("a recurrent layer ran in a step that names no state slots")
+        conv, recurrent = cache
+        return cls(conv, recurrent, meta.state_slots, meta.has_state, meta.query_start_loc)
+
+
+class StepSlots(Protocol):
+    """What of a step's metadata (AttentionMetadata) names the requests' slots."""
+
+    state_slots: torch.Tensor | None
+    has_state: torch.Tensor | None
     query_start_loc: torch.Tensor

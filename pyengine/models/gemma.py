@@ -36,7 +36,6 @@ from pyengine.config import ModelConfig
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
-from pyengine.layers.quantization.shards import copy_checked
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.checkpoint_config import (
     CommonValues,
@@ -57,7 +56,6 @@ from pyengine.models.llama import (
 )
 from pyengine.models.llama import _GGUF_LAYER_TENSORS as _LLAMA_GGUF_LAYER_TENSORS
 from pyengine.models.weights import WeightRouter
-from pyengine.utils.lazy_weights import CheckpointTensor, materialize
 
 # The dtypes the CPU kernels take.
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -293,11 +291,7 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def route_norm(self, router: WeightRouter, name: str, norm: RMSNorm) -> None:
         """Gemma's norms scale by (1 + w): the weight is loaded as that."""
-
-        def load(name: str, tensor: CheckpointTensor) -> None:
-            copy_checked(name, norm.weight.data, materialize(tensor).float() + 1)
-
-        router.tensor(name, tuple(norm.weight.shape), load)
+        router.plus_one(name, norm.weight)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = super().embed(input_ids)

@@ -199,6 +199,10 @@ _GGUF_ARCHITECTURES = (
 
 
 class Attention(nn.Module):
+    # Each query head's parts in q_proj: 2 where a head's query comes with a gate of its
+    # output (Qwen3-Next's gated attention, whose layer splits them).
+    query_parts: ClassVar[int] = 1
+
     def __init__(
         self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
         sliding_window: int | None = None, scale: float | None = None,
@@ -210,14 +214,16 @@ class Attention(nn.Module):
         their own chunk of that many positions (Llama 4's local layers; 0: none)."""
         super().__init__()
         family = c.family_config(LlamaFamilyConfig)
+        parts = self.query_parts
         self.qkv_proj = QKVParallelLinear(
-            c.hidden_size, c.head_size, c.num_heads, c.num_kv_heads, family.attention_bias, ctx,
-            [f"{prefix}.{p}_proj.weight" for p in "qkv"],
+            c.hidden_size, c.head_size, c.num_heads * parts, c.num_kv_heads,
+            family.attention_bias, ctx, [f"{prefix}.{p}_proj.weight" for p in "qkv"],
         )  # fmt: skip
-        self.num_heads = self.qkv_proj.num_heads_per_partition
+        self.num_heads = self.qkv_proj.num_heads_per_partition // parts
         self.num_kv_heads = self.qkv_proj.num_kv_heads_per_partition
         self.head_size = c.head_size
-        self.q_size, self.kv_size, _ = self.qkv_proj.local_sizes
+        q_size, self.kv_size, _ = self.qkv_proj.local_sizes
+        self.q_size = q_size // parts  # (a rank's queries, without their gates)
         self.o_proj = RowParallelLinear(
             c.num_heads * c.head_size, c.hidden_size, output_bias, ctx, [f"{prefix}.o_proj.weight"]
         )

@@ -102,6 +102,31 @@ class WeightRouter:
 
         self._routes[name] = _Route(load, shape=tuple(parameter.shape))
 
+    def plus_one(self, name: str, parameter: torch.Tensor) -> None:
+        """A norm's weight w where the norm scales by 1 + w (Gemma's, Qwen3-Next's),
+        loaded as 1 + w, so that the plain RMSNorm kernels run it."""
+
+        def load(name: str, tensor: CheckpointTensor) -> None:
+            copy_checked(name, parameter.data, materialize(tensor).float() + 1)
+
+        self.tensor(name, tuple(parameter.shape), load)
+
+    def sections(self, name: str, into: torch.Tensor, sections: list[tuple[int, int, int]]) -> None:
+        """A tensor whose rows are sections, each split over the ranks (a short
+        convolution's q, k and v channels): (whole rows, this rank's first, its count)
+        of each, in order; `into` holds this rank's rows of every section."""
+        shape = (sum(whole for whole, _, _ in sections), *into.shape[1:])
+
+        def load(name: str, tensor: CheckpointTensor) -> None:
+            tensor = materialize(tensor).reshape(shape)
+            offset = local = 0
+            for whole, start, count in sections:
+                copy_checked(name, into.narrow(0, local, count),
+                             tensor.narrow(0, offset + start, count))  # fmt: skip
+                offset, local = offset + whole, local + count
+
+        self._routes[name] = _Route(lambda t: load(name, t), shape=shape)
+
     def shard(self, name: str, into: torch.Tensor, dim: int, start: int, whole: int) -> None:
         """A rank's slice of a tensor it does not hold whole: entries [start, start +
         into.shape[dim]) along `dim`, of `whole` there (each expert's intermediate rows or

@@ -8,6 +8,10 @@ each (the full groups first), so that one block of the pool, a page for each of 
 group size's slots, serves a group of any kind: the i-th layer of every group writes
 slot i. A request then holds a block table per group, and a window's group releases
 blocks that no later query reads, so its memory is bounded by the window.
+
+A hybrid model's recurrent layers (Gated DeltaNet, Mamba-2) keep a state per request in
+slots of their own (worker/state_pool.py) and no KV cache: their spec is RECURRENT, and
+they are in no group.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyengine import _C
+from pyengine.config import RECURRENT_SPEC
 from pyengine.layers.attention import PagedAttention
 from pyengine.layers.latent_attention import LatentAttention
 
@@ -24,12 +29,14 @@ from pyengine.layers.latent_attention import LatentAttention
 KVSpec = tuple[str, int]
 
 FULL: KVSpec = ("full", 0)
+RECURRENT: KVSpec = RECURRENT_SPEC  # a layer with a recurrent state, not a KV cache
 
 
 @dataclass(frozen=True)
 class KVLayout:
     """groups: each group's spec, in the KV-cache manager's order; layer_slots: each
-    layer's (group, slot); num_slots: the pages of one block."""
+    layer's (group, slot), (-1, -1) for a recurrent layer; num_slots: the pages of one
+    block (0: the model has no attention layer)."""
 
     groups: tuple[KVSpec, ...]
     layer_slots: tuple[tuple[int, int], ...]
@@ -37,7 +44,10 @@ class KVLayout:
 
     def slots_of(self, layers: range) -> list[int]:
         """The slots that `layers` (a pipeline stage's) write, in order."""
-        return sorted({self.layer_slots[i][1] for i in layers})
+        return sorted({self.layer_slots[i][1] for i in layers} - {-1})
+
+    def is_recurrent(self, layer: int) -> bool:
+        return self.layer_slots[layer][0] < 0
 
     def max_blocks_held(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
         """The most blocks of all groups one request of `num_tokens` tokens holds at once
@@ -47,15 +57,21 @@ class KVLayout:
 
 
 def plan_kv_layout(specs: list[KVSpec]) -> KVLayout:
-    """The groups of layers with these specs (one per layer, in order)."""
+    """The groups of layers with these specs (one per layer, in order); recurrent layers
+    are in none. A model of recurrent layers alone (Mamba-2's) keeps one full group of
+    no slots, so that the KV-cache manager still counts each request's tokens in
+    blocks (which then hold nothing)."""
     if not specs:
-        raise ValueError("a model without attention layers has no KV cache to lay out")
+        raise ValueError("a model without layers has no KV cache to lay out")
     by_spec: dict[KVSpec, list[int]] = {}
-    for index, spec in sorted(enumerate(specs), key=lambda item: item[1][0] != "full"):
+    attention = [(i, spec) for i, spec in enumerate(specs) if spec != RECURRENT]
+    for index, spec in sorted(attention, key=lambda item: item[1][0] != "full"):
         by_spec.setdefault(spec, []).append(index)
+    slots: dict[int, tuple[int, int]] = {i: (-1, -1) for i, s in enumerate(specs) if s == RECURRENT}
+    if not by_spec:
+        return KVLayout((FULL,), tuple(slots[i] for i in range(len(specs))), 0)
     size = min(len(layers) for layers in by_spec.values())
     groups: list[KVSpec] = []
-    slots: dict[int, tuple[int, int]] = {}
     for spec, layers in by_spec.items():
         for start in range(0, len(layers), size):
             for slot, index in enumerate(layers[start : start + size]):
@@ -70,12 +86,13 @@ def assign_kv_groups(model: Any, layout: KVLayout, layers: range) -> None:
     layer, or one's window is not its group's (the layout was made from another config)."""
     found = (getattr(m, "attn", None) for m in model.modules())
     attentions = [a for a in found if isinstance(a, PagedAttention | LatentAttention)]
-    if len(attentions) != len(layers):
+    attending = [i for i in layers if not layout.is_recurrent(i)]
+    if len(attentions) != len(attending):
         raise ValueError(
             f"the model has {len(attentions)} attention layers where its KV cache lays out "
-            f"{len(layers)}"
+            f"{len(attending)}"
         )
-    for attention, index in zip(attentions, layers, strict=True):
+    for attention, index in zip(attentions, attending, strict=True):
         group = layout.layer_slots[index][0]
         kind, size = layout.groups[group]
         if (attention.sliding_window, attention.attention_chunk) != (

@@ -16,6 +16,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.placement import Placement
+from pyengine.layers.recurrent_state import StateCache
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.manager import LoRAManager
@@ -27,6 +28,13 @@ from pyengine.worker.cpu_graphs import KernelGraphs, cpu_capture_sizes, record_d
 from pyengine.worker.cuda_graphs import MAX_SPLIT_CONTEXT, DecodeGraphs, capture_sizes
 from pyengine.worker.host_kv_tier import HostKVTier
 from pyengine.worker.kv_layout import assign_kv_groups, plan_kv_layout
+from pyengine.worker.state_pool import (
+    allocate_states,
+    copy_states,
+    slot_bytes,
+    slots_within,
+    state_layers,
+)
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")
@@ -185,7 +193,8 @@ class ModelRunner:
             config.max_model_len, config.max_num_batched_tokens, config.block_size
         )
         on_cpu = self.placement.device.type == "cpu"
-        cpu_blocks = config.kv_cache_memory // self.block_bytes
+        # (a model of recurrent layers alone has blocks that hold nothing)
+        cpu_blocks = config.kv_cache_memory // max(self.block_bytes, 1)
         if on_cpu and cpu_blocks < min_blocks:
             raise ValueError(
                 f"kv_cache_memory ({config.kv_cache_memory} bytes) holds "
@@ -201,6 +210,19 @@ class ModelRunner:
                          expert_parallel=config.parallel.enable_expert_parallel),
         )  # fmt: skip
         assign_kv_groups(self.model, self.kv_layout, self.layers)
+        # A hybrid model's recurrent layers keep their states in slots of their own.
+        self.state_layers = state_layers(self.model)
+        recurrent = sum(self.kv_layout.is_recurrent(i) for i in self.layers)
+        if len(self.state_layers) != recurrent:
+            raise ValueError(
+                f"the model has {len(self.state_layers)} recurrent layers where its config "
+                f"names {recurrent}"
+            )
+        if self.state_layers and not on_cpu:
+            raise ValueError(
+                f"{c.architecture} has recurrent-state layers, which run on the CPU only "
+                "(their CUDA kernels have not run on a GPU yet)"
+            )
         self.lora: LoRAManager | None = None
         # The most logits rows of a step: one a request, and one a draft token.
         spec = config.speculative
@@ -234,8 +256,9 @@ class ModelRunner:
         # row's slot in place, as it reads the step inputs).
         adapters_replay = self.lora is None or (on_cpu and self.lora.replays_in_place)
         # (latent attention writes its cache and projects its heads with torch operations)
+        # (and recurrent layers with torch operations between their kernels)
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
-                 or not adapters_replay or latent > 0)  # fmt: skip
+                 or not adapters_replay or latent > 0 or bool(self.state_layers))  # fmt: skip
         # On the CPU, steps that verify drafts replay too: up to 1 + k tokens a request.
         self.max_query_len = 1 + spec.num_speculative_tokens if spec and on_cpu else 1
         if not eager:
@@ -256,7 +279,21 @@ class ModelRunner:
             )  # fmt: skip
         self.split_context = min(config.max_model_len, MAX_SPLIT_CONTEXT)
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
-        self.num_blocks = kv_bytes // self.block_bytes
+        # The recurrent states: a slot per request each scheduler may run (fewer where
+        # they would take more than half the budget), out of the KV cache's budget.
+        engines = config.parallel.pipeline_parallel_size
+        self.num_state_slots = slots_within(self.state_layers, config.max_num_seqs, kv_bytes)
+        self.state_bytes = self.num_state_slots * slot_bytes(self.state_layers) * engines
+        kv_bytes -= self.state_bytes
+        if self.num_state_slots:
+            logger.info(
+                "recurrent states: %d slots of %.2f MiB (%d layers)", self.num_state_slots,
+                slot_bytes(self.state_layers) / 2**20, len(self.state_layers),
+            )  # fmt: skip
+        if self.block_bytes:
+            self.num_blocks = kv_bytes // self.block_bytes
+        else:  # (blocks that hold nothing: as many as every request could fill)
+            self.num_blocks = min_blocks * config.max_num_seqs
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
@@ -331,7 +368,7 @@ class ModelRunner:
         pages = kv_views(
             flat, num_blocks, len(self.kv_slots), self.num_kv_heads, self.cache_head_size,
             self.block_size, self.kv_halves,
-        )  # fmt: skip
+        ) if self.kv_slots else []  # fmt: skip
         self.host_tier = None
         if num_host_blocks > 0:
             self.host_tier = HostKVTier(
@@ -350,9 +387,16 @@ class ModelRunner:
              for k, v in pages]
             for i in range(num_virtual_engines)
         ]  # fmt: skip
-        self.caches_by_virtual_engine = [
-            self._layer_caches(p) for p in self.pages_by_virtual_engine
+        # Each virtual engine's recurrent states (a scheduler's slots are its own).
+        self.states_by_virtual_engine = [
+            allocate_states(self.state_layers, self.num_state_slots, self.placement.device)
+            for _ in range(num_virtual_engines)
         ]
+        self.caches_by_virtual_engine = [
+            self._layer_caches(p, s)
+            for p, s in zip(self.pages_by_virtual_engine, self.states_by_virtual_engine,
+                            strict=True)
+        ]  # fmt: skip
         if self.inputs is not None and self.capture_sizes and self.placement.device.type == "cpu":
             self.graphs = record_decode_steps(
                 self.model, self.caches, self.inputs, self.capture_sizes, self.max_query_len
@@ -370,10 +414,17 @@ class ModelRunner:
                 self.graph_bytes_expected / 2**20,
             )  # fmt: skip
 
-    def _layer_caches(self, pages: list[KVCache]) -> list[KVCache]:
-        """Each layer's cache: its slot's pages."""
+    def _layer_caches(
+        self, pages: list[KVCache], states: list[StateCache] | None = None
+    ) -> list[KVCache]:
+        """Each layer's cache: its slot's pages, or a recurrent layer's states."""
         page_of = {slot: pages[i] for i, slot in enumerate(self.kv_slots)}
-        return [page_of[self.kv_layout.layer_slots[i][1]] for i in self.layers]
+        next_state = iter(states or [])
+        return [
+            next(next_state) if self.kv_layout.is_recurrent(i)
+            else page_of[self.kv_layout.layer_slots[i][1]]
+            for i in self.layers
+        ]  # fmt: skip
 
     def _allocate_caches(self, num_blocks: int) -> list[KVCache]:
         return self._layer_caches(allocate_caches(
@@ -510,6 +561,9 @@ class ModelRunner:
             max_seq_len=int(step.seq_lens.max()) if len(step.seq_lens) else 0,
             max_query_len=int(np.diff(step.query_start_loc).max()) if len(step.seq_lens) else 0,
         )
+        if step.state_slots is not None and step.has_state is not None:
+            meta.state_slots = torch.from_numpy(step.state_slots)
+            meta.has_state = torch.from_numpy(step.has_state)
         intermediate = None
         if not self.pp.is_first:
             shape = (len(step.input_ids), self.model.config.hidden_size)
@@ -517,6 +571,8 @@ class ModelRunner:
                 self.model.intermediate_names, shape, self.placement.dtype, self.placement.device
             )
         hidden = self.model(tensors.input_ids, tensors.positions, caches, meta, intermediate)
+        # A sample forked in this step starts from its parent's state, complete now.
+        copy_states(self.states_by_virtual_engine[step.virtual_engine], step.state_copies)
         if not isinstance(hidden, torch.Tensor):
             self.pp.send(hidden)
             return None, None

@@ -85,6 +85,7 @@ class Worker:
             "kv_heads": runner.num_kv_heads,
             "num_blocks": runner.num_blocks,
             "num_host_blocks": runner.num_host_blocks,
+            "num_state_slots": runner.num_state_slots,
             "block_bytes": runner.block_bytes,
             "kv_groups": [list(group) for group in runner.kv_layout.groups],
             "num_parameters": model.num_parameters,

@@ -1,0 +1,365 @@
+"""Qwen3-Next and Qwen3.5 (text): hybrid models whose layers are Gated DeltaNet
+(`linear_attention`) three of every four, with a recurrent state per request instead
+of a KV cache, and gated full attention in the fourth.
+
+Beside Qwen3-MoE's layers they have:
+- Gated DeltaNet mixers (layers/gated_delta_net.py) between an input projection and an
+  output projection; Qwen3-Next's projection interleaves each key head's query, key,
+  values and gates (in_proj_qkvz, in_proj_ba), Qwen3.5's holds them apart (in_proj_qkv,
+  in_proj_z, in_proj_b, in_proj_a);
+- full attention whose q_proj gives each head's query and a gate of its output
+  (sigmoid), per-head q/k RMSNorms, and rope on the first quarter of each head only
+  (partial_rotary_factor);
+- RMSNorms that scale by 1 + w (zero-centred weights), loaded as 1 + w as Gemma's;
+- experts with a shared expert behind a sigmoid gate (Qwen3-Next, Qwen3.5-MoE), or a
+  dense MLP (Qwen3.5).
+The recurrent layers' states live in slots the KV-cache manager hands out
+(worker/state_pool.py); their layers are RECURRENT_SPEC in the KV layout."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pyengine.config import RECURRENT_SPEC, ModelConfig
+from pyengine.layers.attention import AttentionMetadata
+from pyengine.layers.gated_delta_net import (
+    DeltaNetShape,
+    GatedDeltaNetMixer,
+    split_qwen3_5,
+    split_qwen3_next,
+)
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import (
+    ColumnParallelLinear,
+    LayerContext,
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+)
+from pyengine.layers.recurrent_state import RecurrentStates, StateCache
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    _config_from_hf,
+    _Variant,
+)
+from pyengine.models.llama_moe import (
+    _QWEN2_SHARED,
+    LlamaMoeForCausalLM,
+    MoeFamilyConfig,
+    refuse_adapters,
+    sparse_layers,
+)
+from pyengine.models.weights import WeightRouter
+
+
+@dataclass(frozen=True)
+class DeltaNetSizes:
+    """A Gated DeltaNet layer's whole sizes (config.json's linear_* keys)."""
+
+    key_heads: int = 0
+    value_heads: int = 0
+    key_dim: int = 0
+    value_dim: int = 0
+    conv_width: int = 0
+
+
+@dataclass(frozen=True)
+class HybridFamilyConfig(MoeFamilyConfig):
+    """Which layers are Gated DeltaNet, their sizes, the projection layout
+    ("qwen3_next" or "qwen3_5"), and the rotary part of each attention head."""
+
+    linear_layers: tuple[int, ...] = ()
+    delta: DeltaNetSizes = DeltaNetSizes()
+    layout: str = "qwen3_next"
+    rotary_dim: int = 0
+
+    def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
+        return RECURRENT_SPEC if index in self.linear_layers else ("full", 0)
+
+    def check_split(self, tensor_parallel_size: int, expert_parallel: bool) -> None:
+        if self.num_experts:
+            super().check_split(tensor_parallel_size, expert_parallel)
+        for name, heads in (("linear_num_key_heads", self.delta.key_heads),
+                            ("linear_num_value_heads", self.delta.value_heads)):  # fmt: skip
+            if heads % tensor_parallel_size:
+                raise ValueError(
+                    f"the model's {name} ({heads}) is not divisible by tensor_parallel_size "
+                    f"{tensor_parallel_size}"
+                )
+
+
+@dataclass(frozen=True)
+class _HybridVariant:
+    layout: str
+    experts: bool  # the config names experts (their layers as Qwen3-MoE's keys say)
+    renormalize: bool | None  # None: as norm_topk_prob says (default True)
+
+
+_HF_VARIANTS = {
+    "Qwen3NextForCausalLM": _HybridVariant("qwen3_next", experts=True, renormalize=None),
+    "Qwen3_5ForCausalLM": _HybridVariant("qwen3_5", experts=False, renormalize=None),
+    "Qwen3_5MoeForCausalLM": _HybridVariant("qwen3_5", experts=True, renormalize=True),
+}
+
+
+def _linear_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    """The Gated DeltaNet layers: as layer_types says, or all but every
+    full_attention_interval-th."""
+    kinds = raw.get("layer_types")
+    if kinds is None:
+        interval = integer(raw.get("full_attention_interval", 4))
+        kinds = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                 for i in range(num_layers)]  # fmt: skip
+    if not isinstance(kinds, list) or len(kinds) != num_layers:
+        raise ValueError(f"layer_types must list the {num_layers} layers' kinds, got {kinds!r}")
+    unknown = set(kinds) - {"linear_attention", "full_attention"}
+    if unknown:
+        raise ValueError(f"layer_types: unknown layer kinds {sorted(map(str, unknown))}")
+    return tuple(i for i, kind in enumerate(kinds) if kind == "linear_attention")
+
+
+def _rotary_dim(raw: Mapping[str, Any], head_size: int) -> int:
+    parameters = raw.get("rope_parameters") or {}
+    factor = raw.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 0.25))
+    rotary = int(head_size * float(factor))
+    if not 0 < rotary <= head_size or rotary % 2:
+        raise ValueError(
+            f"partial_rotary_factor {factor} turns {rotary} of {head_size} head dims; an even "
+            "number from 2 to the head size is needed"
+        )
+    return rotary
+
+
+def _config_from_hybrid(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    variant = _HF_VARIANTS[common.architecture]
+    if "intermediate_size" not in raw:  # (Qwen3.5-MoE's: experts in every layer)
+        raw = {**raw, "intermediate_size": raw.get("moe_intermediate_size", 1)}
+    config = _config_from_hf(raw, common, _Variant(qk_norm=True))
+    n = config.num_layers
+    moe: dict[str, Any] = {}
+    if variant.experts and integer(raw.get("num_experts", 0)) > 0:
+        renormalize = variant.renormalize
+        if renormalize is None:
+            renormalize = bool(raw.get("norm_topk_prob", True))
+        moe = dict(
+            num_experts=integer(raw["num_experts"]),
+            top_k=integer(raw["num_experts_per_tok"]),
+            moe_intermediate_size=integer(raw["moe_intermediate_size"]),
+            norm_topk_prob=renormalize,
+            sparse_layers=sparse_layers(raw, n),
+            shared_intermediate_size=integer(raw["shared_expert_intermediate_size"]),
+            shared=_QWEN2_SHARED,
+        )
+    delta = DeltaNetSizes(
+        key_heads=integer(raw["linear_num_key_heads"]),
+        value_heads=integer(raw["linear_num_value_heads"]),
+        key_dim=integer(raw["linear_key_head_dim"]),
+        value_dim=integer(raw["linear_value_head_dim"]),
+        conv_width=integer(raw.get("linear_conv_kernel_dim", 4)),
+    )
+    for name, value in asdict(delta).items():
+        if value < 1:
+            raise ValueError(f"the Gated DeltaNet's {name} must be positive, got {value}")
+    if delta.value_heads % delta.key_heads:
+        raise ValueError(
+            f"linear_num_value_heads ({delta.value_heads}) must be a multiple of "
+            f"linear_num_key_heads ({delta.key_heads})"
+        )
+    attention = asdict(config.family)
+    family = HybridFamilyConfig(
+        **attention, **moe, linear_layers=_linear_layers(raw, n), delta=delta,
+        layout=variant.layout, rotary_dim=_rotary_dim(raw, config.head_size),
+    )  # fmt: skip
+    return replace(config, family=family)
+
+
+class GatedAttention(Attention):
+    """Full attention whose output is gated per head by sigmoid of a second half of each
+    head's q_proj rows, and whose rope turns each head's first rotary_dim dims."""
+
+    query_parts = 2
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: StateCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        assert self.q_norm is not None and self.k_norm is not None
+        qkv = self.qkv_proj(x)
+        query_gate, k, v = torch.split(qkv, [2 * self.q_size, self.kv_size, self.kv_size], -1)
+        query_gate = query_gate.view(-1, self.num_heads, 2 * self.head_size)
+        q, gate = torch.split(query_gate, [self.head_size, self.head_size], dim=-1)
+        q = self.q_norm(q.contiguous())
+        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_size))
+        v = v.reshape(-1, self.num_kv_heads, self.head_size)
+        # (the kernel turns dense heads: the rotary part is copied out and back)
+        rotary = self.rotary.cos_sin_cache.shape[1]
+        q_rot, k_rot = q[..., :rotary].contiguous(), k[..., :rotary].contiguous()
+        self.rotary(positions, q_rot, k_rot)
+        q[..., :rotary], k[..., :rotary] = q_rot, k_rot
+        out = self.attn(q, k, v, cache, meta) * torch.sigmoid(gate)
+        result: torch.Tensor = self.o_proj(out.reshape(-1, self.q_size))
+        return result
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet layer: its projections, its mixer's parameters, and its states
+    (a StateLayer: the model runner hands it its slots' tensors as its cache)."""
+
+    def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
+        super().__init__()
+        family = c.family_config(HybridFamilyConfig)
+        d, tp = family.delta, ctx.tp
+        self.layout = family.layout
+        self.shape = DeltaNetShape(d.key_heads // tp.world_size, d.value_heads // tp.world_size,
+                                   d.key_dim, d.value_dim, d.conv_width, c.norm_eps)  # fmt: skip
+        key_size, value_size = d.key_heads * d.key_dim, d.value_heads * d.value_dim
+        hidden = c.hidden_size
+
+        def names(*parts: str) -> list[str]:
+            return [f"{prefix}.{part}.weight" for part in parts]
+
+        if self.layout == "qwen3_next":  # (each key head's rows together: split as a whole)
+            self.in_proj_qkvz = ColumnParallelLinear(
+                hidden, [2 * key_size + 2 * value_size], False, ctx, names("in_proj_qkvz")
+            )
+            self.in_proj_ba = ColumnParallelLinear(
+                hidden, [2 * d.value_heads], False, ctx, names("in_proj_ba")
+            )
+        else:
+            self.in_proj_qkv = MergedColumnParallelLinear(
+                hidden, [key_size, key_size, value_size], False, ctx, names("in_proj_qkv")
+            )
+            self.in_proj_z = ColumnParallelLinear(
+                hidden, [value_size], False, ctx, names("in_proj_z")
+            )
+            self.in_proj_ba = MergedColumnParallelLinear(
+                hidden, [d.value_heads, d.value_heads], False, ctx,
+                names("in_proj_b", "in_proj_a"),
+            )  # fmt: skip
+        self.out_proj = RowParallelLinear(value_size, hidden, False, ctx, names("out_proj"))
+        s, device = self.shape, ctx.placement.device
+        # The convolution's channels are the queries', keys' and values' (each split
+        # over the ranks, in that order), as the projections give them to the mixer.
+        self.conv_sections = [
+            (whole, tp.rank * whole // tp.world_size, whole // tp.world_size)
+            for whole in (key_size, key_size, value_size)
+        ]
+        self.value_heads_start = tp.rank * s.value_heads
+        self.whole_value_heads = d.value_heads
+
+        def parameter(*shape: int) -> nn.Parameter:
+            return nn.Parameter(torch.zeros(*shape, device=device), requires_grad=False)
+
+        self.conv_weight = parameter(s.conv_channels, s.conv_width)
+        self.A_log = parameter(s.value_heads)
+        self.dt_bias = parameter(s.value_heads)
+        self.norm_weight = parameter(s.value_dim)
+        self.mixer: GatedDeltaNetMixer | None = None
+
+    def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        s = self.shape
+        return (s.conv_channels, s.conv_width - 1), (s.value_heads, s.key_dim, s.value_dim)
+
+    def process_weights_after_loading(self) -> None:
+        self.mixer = GatedDeltaNetMixer(
+            self.shape, self.conv_weight.data, self.A_log.data, self.dt_bias.data,
+            self.norm_weight.data,
+        )  # fmt: skip
+
+    def route(self, router: WeightRouter, prefix: str) -> None:
+        """Its checkpoint tensors, under `prefix` (the layer's linear_attn)."""
+        if self.layout == "qwen3_next":
+            router.linear_weight(f"{prefix}.in_proj_qkvz", self.in_proj_qkvz)
+            router.linear_weight(f"{prefix}.in_proj_ba", self.in_proj_ba)
+        else:
+            router.fused(f"{prefix}.in_proj_qkv.weight", self.in_proj_qkv, "weight")
+            router.linear_weight(f"{prefix}.in_proj_z", self.in_proj_z)
+            router.linear_weight(f"{prefix}.in_proj_b", self.in_proj_ba, part=0)
+            router.linear_weight(f"{prefix}.in_proj_a", self.in_proj_ba, part=1)
+        router.linear_weight(f"{prefix}.out_proj", self.out_proj)
+        router.sections(f"{prefix}.conv1d.weight", self.conv_weight.data, self.conv_sections)
+        for name, into in (("A_log", self.A_log), ("dt_bias", self.dt_bias)):
+            router.shard(f"{prefix}.{name}", into.data, 0, self.value_heads_start,
+                         self.whole_value_heads)  # fmt: skip
+        router.plain(f"{prefix}.norm.weight", self.norm_weight)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, cache: StateCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # fmt: skip
+        assert self.mixer is not None, "process_weights_after_loading makes the mixer"
+        del positions  # (a recurrence knows its order)
+        states = RecurrentStates.of_step(cache, meta)
+        if self.layout == "qwen3_next":
+            inputs = split_qwen3_next(self.in_proj_qkvz(x), self.in_proj_ba(x), self.shape)
+        else:
+            b, a = torch.split(self.in_proj_ba(x), self.shape.value_heads, dim=-1)
+            inputs = split_qwen3_5(self.in_proj_qkv(x), self.in_proj_z(x), b, a, self.shape)
+        out: torch.Tensor = self.out_proj(self.mixer(inputs, states).to(x.dtype))
+        return out
+
+
+class HybridDecoderLayer(DecoderLayer):
+    """A decoder layer whose token mixer is Gated DeltaNet or gated attention (held as
+    self_attn either way, so that DecoderLayer's forward runs both)."""
+
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
+        linear: bool,
+    ) -> None:  # fmt: skip
+        nn.Module.__init__(self)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        mixer: nn.Module = (GatedDeltaNet(c, ctx, f"{prefix}.linear_attn") if linear
+                            else GatedAttention(c, rotary, ctx, f"{prefix}.self_attn"))  # fmt: skip
+        self.self_attn = mixer  # type: ignore[assignment]
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.mlp = MLP(c, ctx, f"{prefix}.mlp")
+
+
+class Qwen3NextForCausalLM(LlamaMoeForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = tuple(_HF_VARIANTS)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        return _config_from_hybrid(raw, common)
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
+    ) -> None:
+        if config.family_config(HybridFamilyConfig).num_experts:
+            super().__init__(config, max_positions, ctx)
+        else:  # (Qwen3.5's dense MLPs: no experts to place)
+            refuse_adapters(ctx)
+            LlamaForCausalLM.__init__(self, config, max_positions, ctx)
+
+    def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
+        """Rope on each head's first rotary_dim dims (rotate-half pairs among them)."""
+        rotary_dim = config.family_config(HybridFamilyConfig).rotary_dim
+        return RotaryEmbedding(rotary_dim, max_positions, config.rope_theta, config.rope_scaling,
+                               self.placement.device)  # fmt: skip
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        linear = index in config.family_config(HybridFamilyConfig).linear_layers
+        return HybridDecoderLayer(config, rotary, ctx, f"model.layers.{index}", linear)
+
+    def route_norm(self, router: WeightRouter, name: str, norm: RMSNorm) -> None:
+        """Its RMSNorms scale by (1 + w): the weight is loaded as that."""
+        router.plus_one(name, norm.weight)
+
+    def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
+        if isinstance(attn, GatedDeltaNet):
+            attn.route(router, f"{prefix.removesuffix('.self_attn')}.linear_attn")
+        else:
+            super().route_attention(router, prefix, attn)

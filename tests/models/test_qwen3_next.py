@@ -1,0 +1,145 @@
+"""Qwen3-Next, Qwen3.5 and Qwen3.5-MoE (text) on tiny random checkpoints that
+transformers makes in the test: Gated DeltaNet layers (random decays, biases of the
+step, norms) around gated full attention with rope on a quarter of each head, norms
+that scale by 1 + w, experts with a gated shared expert (and a dense layer among them).
+Greedy float32 tokens and logits identical to transformers', through chunked prefill
+(chunks of 7 tokens, mixed with other requests' decodes), forced preemption (the state
+recomputed), parallel samples (the state copied at the fork), and a mix of requests
+coming and going; over two ranks, one rank's tokens."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.hf_reference import assert_ranks_give_one_ranks_tokens, hf_greedy
+
+from pyengine import LLM, SamplingParams
+from pyengine.layers.attention import AttentionMetadata
+from pyengine.worker.state_pool import slot_bytes
+
+transformers = pytest.importorskip("transformers")
+
+LAYER_TYPES = ["linear_attention", "full_attention", "linear_attention", "linear_attention"]
+SHAPE = dict(
+    vocab_size=256, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256, layer_types=LAYER_TYPES,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=24, linear_conv_kernel_dim=4,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)  # fmt: skip
+EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48)  # fmt: skip
+CONFIGS = {
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **SHAPE, **EXPERTS, intermediate_size=96, mlp_only_layers=[2], norm_topk_prob=False
+    ),
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**SHAPE, intermediate_size=96),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**SHAPE, **EXPERTS),
+}
+ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def hybrid(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, torch.nn.Module]:  # type: ignore[no-untyped-def]
+    folder = tmp_path_factory.mktemp(request.param)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(
+        CONFIGS[request.param](), dtype=torch.float32
+    )
+    with torch.no_grad():  # (norms random about 0: they scale by 1 + w; the gated one by w)
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.normal_(0.0, 1.0)
+            else:
+                p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    model.eval().save_pretrained(folder)
+    return request.param, folder, model
+
+
+def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
+    """Every position's logits, one request through the paged cache and state slot 0."""
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    n = len(tokens)
+    blocks = -(-n // runner.block_size)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(n, dtype=torch.int64)[None],
+        block_tables=torch.arange(blocks, dtype=torch.int32)[None, None],
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        state_slots=torch.zeros(1, dtype=torch.int32),
+        has_state=torch.zeros(1, dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        hidden = runner.model(
+            torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
+        )
+        return runner.model.compute_logits(hidden)
+
+
+def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: ignore[no-untyped-def]
+    """Chunks of 7 tokens cut through every prompt, beside the other requests' decodes."""
+    _, folder, model = hybrid
+    llm = LLM(str(folder), max_num_batched_tokens=7, **ENGINE)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.kv_layout.groups == (("full", 0),) and runner.kv_slots == [0]
+    assert len(runner.state_layers) == 3 and runner.num_state_slots == 256
+    assert not llm.llm_engine.config.enable_prefix_caching  # (no state checkpoints yet)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    tokens = rng.integers(0, 256, 70).tolist()
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+
+
+def test_preemption_and_parallel_samples_keep_the_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
+    """A KV pool of one block more than a request of max_model_len may hold: requests
+    are preempted (their slots freed, their states computed again) and each gets
+    transformers' tokens; n = 2 forks a state, and both samples go on from it."""
+    _, folder, model = hybrid
+    probe = LLM(str(folder), **ENGINE)
+    runner = probe.llm_engine.executor.driver_worker.model_runner
+    block, state = runner.block_bytes, slot_bytes(runner.state_layers)
+    probe.llm_engine.shutdown()
+    seqs = 2  # (their states within half the budget, as the runner allows them)
+    blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
+    options = {"kv_cache_memory": blocks * block + seqs * state, "max_model_len": 128,
+               "max_num_batched_tokens": 32, "max_num_seqs": seqs}  # fmt: skip
+    llm = LLM(str(folder), **{**ENGINE, **options})
+    assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == seqs
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]  # (any two: 11 blocks)
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
+    want = hf_greedy(model, prompts[0], 10)
+    assert [c.token_ids for c in pair.outputs] == [want, want]
+    kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
+    assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
+    assert kv.num_free_state_slots == seqs
+
+
+def test_speculative_decoding_is_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
+    _, folder, _ = hybrid
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="speculative decoding: .* recurrent-state layers"):
+        LLM(str(folder), speculative_config=spec, **ENGINE)
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_ranks_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
+    _, folder, _ = hybrid
+    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
