@@ -462,16 +462,7 @@ class LlamaForCausalLM(nn.Module):
     def weight_router(self) -> WeightRouter:
         c = self.config
         router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
-        embed, head = "model.embed_tokens.weight", "lm_head.weight"
-        if self.embed_tokens is not None:
-            router.vocab(embed, self.embed_tokens)
-        if self.lm_head is not None:
-            if not c.tie_word_embeddings:
-                router.vocab(head, self.lm_head)
-            elif self.embed_tokens is None:  # the last stage's tied head loads them itself
-                router.vocab(embed, self.lm_head)
-        if c.tie_word_embeddings:
-            router.ignore(head)
+        self.route_vocab(router, "model.embed_tokens.weight", "lm_head.weight")
         if self.norm is not None:
             self.route_norm(router, "model.norm.weight", self.norm)
         for i in range(self.start_layer, self.end_layer):
@@ -483,6 +474,19 @@ class LlamaForCausalLM(nn.Module):
             for norm_name in layer.norms:
                 self.route_norm(router, f"{p}.{norm_name}.weight", getattr(layer, norm_name))
         return router
+
+    def route_vocab(self, router: WeightRouter, embed: str, head: str) -> None:
+        """The embeddings' and the LM head's checkpoint names (a tied head loads the
+        embeddings)."""
+        if self.embed_tokens is not None:
+            router.vocab(embed, self.embed_tokens)
+        if self.lm_head is not None:
+            if not self.config.tie_word_embeddings:
+                router.vocab(head, self.lm_head)
+            elif self.embed_tokens is None:  # the last stage's tied head loads them itself
+                router.vocab(embed, self.lm_head)
+        if self.config.tie_word_embeddings:
+            router.ignore(head)
 
     def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
         """Where a layer's attention weights go (a family with attention of its own, as

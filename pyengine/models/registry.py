@@ -18,6 +18,7 @@ from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
 from pyengine.models.llama4 import Llama4ForCausalLM
 from pyengine.models.llama_moe import LlamaMoeForCausalLM
+from pyengine.models.mamba2 import Mamba2ForCausalLM
 from pyengine.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
@@ -28,6 +29,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Llama4ForCausalLM,
     DeepseekForCausalLM,
     Qwen3NextForCausalLM,
+    Mamba2ForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pyengine import _C, ops
-from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, EngineConfig
+from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, RECURRENT_SPEC, EngineConfig
 from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
@@ -151,7 +151,9 @@ class ModelRunner:
         # Latent attention (DeepSeek's MLA) caches one vector a token and layer, whole on
         # every rank; its kernel takes any size.
         latent = c.family.latent_cache_dim()
-        if not latent and c.head_size not in head_sizes:  # refused now, not at the first request
+        # (refused now, not at the first request; a model that never attends has no heads)
+        attends = any(spec != RECURRENT_SPEC for spec in c.kv_specs())
+        if attends and not latent and c.head_size not in head_sizes:
             raise ValueError(
                 f"the model's attention head size {c.head_size} is not one paged attention "
                 f"runs ({', '.join(map(str, head_sizes))})"
@@ -294,6 +296,14 @@ class ModelRunner:
             self.num_blocks = kv_bytes // self.block_bytes
         else:  # (blocks that hold nothing: as many as every request could fill)
             self.num_blocks = min_blocks * config.max_num_seqs
+        if self.num_blocks < min_blocks and on_cpu:  # (the recurrent states took the rest)
+            raise ValueError(
+                f"kv_cache_memory ({config.kv_cache_memory} bytes) less the recurrent states "
+                f"of {self.num_state_slots} requests ({self.state_bytes} bytes) holds "
+                f"{self.num_blocks} blocks of {config.block_size} tokens; one max_model_len "
+                f"request needs {min_blocks} (raise kv_cache_memory, or lower max_model_len "
+                "or max_num_seqs)"
+            )
         if self.num_blocks < min_blocks:
             raise ValueError(
                 f"gpu_memory_utilization {config.gpu_memory_utilization} leaves "
@@ -306,8 +316,10 @@ class ModelRunner:
         self.caches_by_virtual_engine: list[list[KVCache]] = []
         self.graphs: DecodeGraphs | KernelGraphs | None = None
         # The host tier (kv_offload_gb): its blocks, allocated by initialize_cache.
-        self.num_host_blocks = config.kv_offload_bytes // self.block_bytes
-        if config.kv_offload_bytes and self.num_host_blocks == 0:
+        self.num_host_blocks = config.kv_offload_bytes // max(self.block_bytes, 1)
+        if not self.block_bytes:  # (no attention: nothing to offload)
+            self.num_host_blocks = 0
+        elif config.kv_offload_bytes and self.num_host_blocks == 0:
             raise ValueError(
                 f"kv_offload_gb ({config.kv_offload_bytes} bytes) holds no KV block of "
                 f"{self.block_bytes} bytes"
@@ -537,7 +549,7 @@ class ModelRunner:
         caches = self.caches_by_virtual_engine[step.virtual_engine]
         if step.kv_to_host or step.kv_to_device:
             self._move_between_tiers(step)
-        if step.block_copies:
+        if step.block_copies and self.kv_slots:  # (blocks of no pages copy nothing)
             mapping = torch.tensor(step.block_copies, dtype=torch.int64)
             pages = self.pages_by_virtual_engine[step.virtual_engine]
             ops.copy_blocks([k for k, _ in pages], [v for _, v in pages], mapping)

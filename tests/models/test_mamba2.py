@@ -1,0 +1,101 @@
+"""Mamba-2 on tiny random checkpoints that transformers makes in the test: state-space
+layers alone (random decays, skips, steps, convolution biases and norms; two groups of
+B and C; transformers' own scan in chunks of 8). Greedy float32 tokens and logits
+identical to transformers', through chunked prefill (chunks of 7 tokens beside other
+requests' decodes), requests waiting for a state slot, and parallel samples; over two
+ranks, one rank's tokens; blocks that hold nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from helpers.hf_reference import assert_ranks_give_one_ranks_tokens, hf_greedy
+
+from pyengine import LLM, SamplingParams
+from pyengine.layers.attention import AttentionMetadata
+
+transformers = pytest.importorskip("transformers")
+
+ENGINE = dict(max_model_len=256, kv_cache_memory=32 * 2**20, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Module]:
+    folder = tmp_path_factory.mktemp("mamba2")
+    torch.manual_seed(0)
+    config = transformers.Mamba2Config(
+        vocab_size=256, hidden_size=64, num_hidden_layers=3, num_heads=8, head_dim=16,
+        expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8,
+    )  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", "D")):
+                p.normal_(0.0, 1.0)
+            elif "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.1)
+    model.eval().save_pretrained(folder)
+    return folder, model
+
+
+def test_greedy_tokens_and_logits_match_transformers(mamba) -> None:  # type: ignore[no-untyped-def]
+    folder, model = mamba
+    llm = LLM(str(folder), max_num_batched_tokens=7, **ENGINE)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.kv_slots == [] and runner.block_bytes == 0  # (blocks that hold nothing)
+    assert len(runner.state_layers) == 3
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    tokens = rng.integers(0, 256, 70).tolist()
+    n = len(tokens)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(1, n, dtype=torch.int64),
+        block_tables=torch.zeros(1, 1, 1, dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        state_slots=torch.zeros(1, dtype=torch.int32),
+        has_state=torch.zeros(1, dtype=torch.int32),
+    )
+    with torch.inference_mode():
+        theirs = model(torch.tensor([tokens])).logits[0]
+        hidden = runner.model(torch.tensor(tokens), torch.arange(n), runner.caches, meta)
+        ours = runner.model.compute_logits(hidden)
+    assert (ours - theirs).abs().max().item() < 1e-4
+
+
+def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]
+    """Two state slots for three requests: the third waits for a slot, which comes to it
+    zeroed (has_state 0); n = 2 forks a state, and both samples go on from it."""
+    folder, model = mamba
+    llm = LLM(str(folder), **{**ENGINE, "max_num_seqs": 2, "max_model_len": 128,
+                              "max_num_batched_tokens": 32})  # fmt: skip
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.num_state_slots == 2
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
+    want = hf_greedy(model, prompts[0], 10)
+    assert [c.token_ids for c in pair.outputs] == [want, want]
+    kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
+    assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
+    assert kv.num_free_state_slots == 2
+
+
+@pytest.mark.slow
+def test_two_ranks_give_one_ranks_tokens(mamba) -> None:  # type: ignore[no-untyped-def]
+    folder, _ = mamba
+    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
