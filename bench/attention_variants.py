@@ -228,6 +228,15 @@ def engine_tables(args: argparse.Namespace, figures: dict[str, Any]) -> list[str
             tokenizer, args.cache,
         ),
     }  # fmt: skip
+    return compare_engines(shapes, args, figures)
+
+
+def compare_engines(
+    shapes: dict[str, Path], args: argparse.Namespace, figures: dict[str, Any]
+) -> list[str]:
+    """Each shape's folder (dummy weights) through pyengine, vLLM's CPU build
+    (--vllm-python) and transformers (--transformers): offline, and one stream through
+    each server; their tables, and each engine's figures under engines_<shape>."""
     rng = np.random.default_rng(args.seed)
     lengths = rng.integers(args.min_len, args.max_len + 1, args.num_prompts)
     prompts = [rng.integers(100, 49152 - 100, n).tolist() for n in lengths]

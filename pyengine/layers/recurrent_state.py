@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
+from torch import nn
+
+from pyengine.distributed import TensorParallelGroup
 
 # One layer's state tensors, as the model runner hands them to the layer in place of a
 # KV cache: (conv [num_slots, ...], recurrent [num_slots, ...]).
@@ -46,6 +49,18 @@ class RecurrentStates:
             raise ValueError("a recurrent layer ran in a step that names no state slots")
         conv, recurrent = cache
         return cls(conv, recurrent, meta.state_slots, meta.has_state, meta.query_start_loc)
+
+
+def rank_sections(wholes: tuple[int, ...], tp: TensorParallelGroup) -> list[tuple[int, int, int]]:
+    """(whole, this rank's first, its count) of each section of a tensor whose sections
+    are split over the ranks alike (a short convolution's channels: WeightRouter.sections)."""
+    world = tp.world_size
+    return [(whole, tp.rank * whole // world, whole // world) for whole in wholes]
+
+
+def mixer_parameter(*shape: int, device: torch.device) -> nn.Parameter:
+    """A mixer's float32 parameter (its convolution, decays, norm), loaded later."""
+    return nn.Parameter(torch.zeros(*shape, device=device), requires_grad=False)
 
 
 class StepSlots(Protocol):

@@ -23,7 +23,12 @@ from pyengine.layers.attention import AttentionMetadata
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext, MergedColumnParallelLinear, RowParallelLinear
 from pyengine.layers.mamba2_mixer import Mamba2Mixer, Mamba2Shape
-from pyengine.layers.recurrent_state import RecurrentStates, StateCache
+from pyengine.layers.recurrent_state import (
+    RecurrentStates,
+    StateCache,
+    mixer_parameter,
+    rank_sections,
+)
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
 from pyengine.models.llama import DecoderLayer, LlamaForCausalLM
@@ -122,17 +127,15 @@ class Mamba2Layer(nn.Module):
             inner, hidden_size, sizes.bias, ctx, [f"{prefix}.out_proj.weight"]
         )
         s, device = self.shape, ctx.placement.device
-        self.conv_sections = [(whole, tp.rank * whole // world, whole // world)
-                              for whole in (inner, groups, groups)]  # fmt: skip
+        self.conv_sections = rank_sections((inner, groups, groups), tp)
         self.heads = (tp.rank * s.heads, sizes.heads)  # (this rank's first, of all)
-
-        def parameter(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, device=device), requires_grad=False)
-
-        self.conv_weight = parameter(s.conv_channels, s.conv_width)
-        self.conv_bias = parameter(s.conv_channels) if sizes.conv_bias else None
-        self.A_log, self.D, self.dt_bias = (parameter(s.heads) for _ in range(3))
-        self.norm_weight = parameter(s.inner)
+        self.conv_weight = mixer_parameter(s.conv_channels, s.conv_width, device=device)
+        self.conv_bias = (mixer_parameter(s.conv_channels, device=device)
+                          if sizes.conv_bias else None)  # fmt: skip
+        self.A_log, self.D, self.dt_bias = (
+            mixer_parameter(s.heads, device=device) for _ in range(3)
+        )
+        self.norm_weight = mixer_parameter(s.inner, device=device)
         self.mixer: Mamba2Mixer | None = None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

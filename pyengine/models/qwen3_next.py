@@ -40,7 +40,12 @@ from pyengine.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
 )
-from pyengine.layers.recurrent_state import RecurrentStates, StateCache
+from pyengine.layers.recurrent_state import (
+    RecurrentStates,
+    StateCache,
+    mixer_parameter,
+    rank_sections,
+)
 from pyengine.layers.rotary import RotaryEmbedding
 from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
 from pyengine.models.llama import (
@@ -249,20 +254,13 @@ class GatedDeltaNet(nn.Module):
         s, device = self.shape, ctx.placement.device
         # The convolution's channels are the queries', keys' and values' (each split
         # over the ranks, in that order), as the projections give them to the mixer.
-        self.conv_sections = [
-            (whole, tp.rank * whole // tp.world_size, whole // tp.world_size)
-            for whole in (key_size, key_size, value_size)
-        ]
+        self.conv_sections = rank_sections((key_size, key_size, value_size), tp)
         self.value_heads_start = tp.rank * s.value_heads
         self.whole_value_heads = d.value_heads
-
-        def parameter(*shape: int) -> nn.Parameter:
-            return nn.Parameter(torch.zeros(*shape, device=device), requires_grad=False)
-
-        self.conv_weight = parameter(s.conv_channels, s.conv_width)
-        self.A_log = parameter(s.value_heads)
-        self.dt_bias = parameter(s.value_heads)
-        self.norm_weight = parameter(s.value_dim)
+        self.conv_weight = mixer_parameter(s.conv_channels, s.conv_width, device=device)
+        self.A_log = mixer_parameter(s.value_heads, device=device)
+        self.dt_bias = mixer_parameter(s.value_heads, device=device)
+        self.norm_weight = mixer_parameter(s.value_dim, device=device)
         self.mixer: GatedDeltaNetMixer | None = None
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -66,7 +66,7 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> lis
 
 def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
     """Every position's logits, one request through the paged cache (blocks 0, 1, ...,
-    then the next KV-cache group's after them)."""
+    then the next KV-cache group's after them) and, in a hybrid model, state slot 0."""
     runner = llm.llm_engine.executor.driver_worker.model_runner
     n = len(tokens)
     blocks = -(-n // runner.block_size)
@@ -80,6 +80,9 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
         seq_lens=torch.tensor([n], dtype=torch.int32),
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
     )
+    if runner.num_state_slots:
+        meta.state_slots = torch.zeros(1, dtype=torch.int32)
+        meta.has_state = torch.zeros(1, dtype=torch.int32)
     with torch.inference_mode():
         hidden = runner.model(
             torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta

@@ -12,10 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_ranks_give_one_ranks_tokens, hf_greedy
+from helpers.hf_reference import (
+    assert_ranks_give_one_ranks_tokens,
+    assert_tokens_and_logits_match,
+    hf_greedy,
+)
 
 from pyengine import LLM, SamplingParams
-from pyengine.layers.attention import AttentionMetadata
 
 transformers = pytest.importorskip("transformers")
 
@@ -51,25 +54,7 @@ def test_greedy_tokens_and_logits_match_transformers(mamba) -> None:  # type: ig
     assert len(runner.state_layers) == 3
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
-    tokens = rng.integers(0, 256, 70).tolist()
-    n = len(tokens)
-    meta = AttentionMetadata(
-        slot_mapping=torch.zeros(1, n, dtype=torch.int64),
-        block_tables=torch.zeros(1, 1, 1, dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        state_slots=torch.zeros(1, dtype=torch.int32),
-        has_state=torch.zeros(1, dtype=torch.int32),
-    )
-    with torch.inference_mode():
-        theirs = model(torch.tensor([tokens])).logits[0]
-        hidden = runner.model(torch.tensor(tokens), torch.arange(n), runner.caches, meta)
-        ours = runner.model.compute_logits(hidden)
-    assert (ours - theirs).abs().max().item() < 1e-4
+    assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]

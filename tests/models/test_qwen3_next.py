@@ -14,10 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers.hf_reference import assert_ranks_give_one_ranks_tokens, hf_greedy
+from helpers.hf_reference import (
+    assert_ranks_give_one_ranks_tokens,
+    assert_tokens_and_logits_match,
+    hf_greedy,
+)
 
 from pyengine import LLM, SamplingParams
-from pyengine.layers.attention import AttentionMetadata
 from pyengine.worker.state_pool import slot_bytes
 
 transformers = pytest.importorskip("transformers")
@@ -61,26 +64,6 @@ def hybrid(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path
     return request.param, folder, model
 
 
-def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
-    """Every position's logits, one request through the paged cache and state slot 0."""
-    runner = llm.llm_engine.executor.driver_worker.model_runner
-    n = len(tokens)
-    blocks = -(-n // runner.block_size)
-    meta = AttentionMetadata(
-        slot_mapping=torch.arange(n, dtype=torch.int64)[None],
-        block_tables=torch.arange(blocks, dtype=torch.int32)[None, None],
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        state_slots=torch.zeros(1, dtype=torch.int32),
-        has_state=torch.zeros(1, dtype=torch.int32),
-    )
-    with torch.inference_mode():
-        hidden = runner.model(
-            torch.tensor(tokens), torch.arange(n, dtype=torch.int32), runner.caches, meta
-        )
-        return runner.model.compute_logits(hidden)
-
-
 def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: ignore[no-untyped-def]
     """Chunks of 7 tokens cut through every prompt, beside the other requests' decodes."""
     _, folder, model = hybrid
@@ -91,14 +74,7 @@ def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: i
     assert not llm.llm_engine.config.enable_prefix_caching  # (no state checkpoints yet)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
-    tokens = rng.integers(0, 256, 70).tolist()
-    with torch.inference_mode():
-        theirs = model(torch.tensor([tokens])).logits[0]
-    assert (prefill_logits(llm, tokens) - theirs).abs().max().item() < 1e-4
+    assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
