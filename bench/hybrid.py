@@ -10,7 +10,10 @@ decode steps); the state is one slot of every recurrent layer (worker/state_pool
 the same at every length.
 
 Engines (--engines): a dummy-weight model of that shape with its first --layers layers
-(SmolLM2's vocabulary and tokenizer), each engine in a process of its own: offline,
+(SmolLM2's vocabulary and tokenizer), as a Qwen3-Next checkpoint whose MLPs are all
+dense (Qwen3.5's computation, its projections laid out as Qwen3-Next's: vLLM's CPU
+build cannot import its Qwen3.5 module without torchvision, whose PyPI wheel does not
+load beside the CPU build of torch), each engine in a process of its own: offline,
 --num-prompts prompts of --min-len to --max-len random tokens and --output-len greedy
 tokens each, through pyengine and vLLM's CPU build (--vllm-python) at their defaults
 (bfloat16), and transformers' generate in bfloat16 on random weights (--transformers);
@@ -106,18 +109,18 @@ def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
 
 
 def short_stream(folder: Path, args: argparse.Namespace, figures: dict[str, Any]) -> str:
-    """pyengine's decode rate after a short prompt and after the long one."""
+    """pyengine's decode rate after a short prompt, against the long prompt's (the
+    stream compare_engines ran)."""
     rng = np.random.default_rng(args.seed + 1)
-    rates = {}
-    for length in (args.short_prompt_len, args.stream_prompt_len):
-        prompt = rng.integers(100, VOCAB - 100, length).tolist()
-        command, port = pyengine_server(Model("qwen3.5", folder, "dummy", None, 0), "auto", args)
-        rates[length] = one_stream(command, {}, port, prompt, args, "pyengine")["decode_tok_s"]
-        print(f"pyengine stream after {length} tokens: {rates[length]:.2f} tok/s", flush=True)
-    short, long = rates[args.short_prompt_len], rates[args.stream_prompt_len]
+    prompt = rng.integers(100, VOCAB - 100, args.short_prompt_len).tolist()
+    command, port = pyengine_server(Model("qwen3.5", folder, "dummy", None, 0), "auto", args)
+    short = one_stream(command, {}, port, prompt, args, "pyengine")["decode_tok_s"]
+    print(f"pyengine stream after {args.short_prompt_len} tokens: {short:.2f} tok/s", flush=True)
+    long = figures["engines_qwen35"]["stream"]["pyengine"]["decode_tok_s"]
     figures["decode_tok_s_short_context"] = round(short, 2)
     figures["decode_tok_s_long_context"] = round(long, 2)
     figures["decode_long_over_short"] = round(long / short, 3)
+    rates = {args.short_prompt_len: short, args.stream_prompt_len: long}
     print(f"\npyengine's decode rate by context (--layers {args.layers})")
     rows = [(f"{n:,}", f"{r:.2f}", f"{r / short:.0%}") for n, r in rates.items()]
     return print_table(("context", "decode tok/s", "of the short context's"), rows)
@@ -145,10 +148,12 @@ def main() -> None:
     figures: dict[str, Any] = {}
     tables = [memory_table(args, figures)]
     if args.engines:
-        config = {**QWEN3_5, "num_hidden_layers": args.layers,
-                  "layer_types": layer_types(args.layers)}  # fmt: skip
+        config = {**QWEN3_5, "architectures": ["Qwen3NextForCausalLM"],
+                  "model_type": "qwen3_next", "num_hidden_layers": args.layers,
+                  "layer_types": layer_types(args.layers), "num_experts": 0,
+                  "mlp_only_layers": list(range(args.layers))}  # fmt: skip
         tokenizer = default_model_folders(args.cache)["float32"]
-        folder = variant_folder(f"qwen3.5-{args.layers}", config, tokenizer, args.cache)
+        folder = variant_folder(f"qwen3.5-next-{args.layers}", config, tokenizer, args.cache)
         name = f"Qwen3.5 ({args.layers} layers)"
         tables += compare_engines({name: folder}, args, figures)
         tables.append(short_stream(folder, args, figures))

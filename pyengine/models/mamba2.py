@@ -79,17 +79,32 @@ def _json_float(value: Any) -> float:
     return float(value)
 
 
-def mamba_sizes(raw: Mapping[str, Any], prefix: str = "") -> MambaSizes:
-    """A config.json's Mamba-2 sizes (`prefix`: a hybrid's key prefix, as "mamba_")."""
+# Mamba2ForCausalLM's config.json keys of its layers' sizes, and the hybrids' (Bamba,
+# Granite 4, Falcon-H1), in MambaSizes' order.
+MAMBA2_KEYS = ("num_heads", "head_dim", "n_groups", "state_size", "conv_kernel",
+               "use_conv_bias", "use_bias")  # fmt: skip
+HYBRID_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state",
+               "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")  # fmt: skip
+
+
+def mamba_sizes(raw: Mapping[str, Any], hidden_size: int, keys: tuple[str, ...]) -> MambaSizes:
+    """A config.json's Mamba-2 sizes under `keys` (MAMBA2_KEYS or HYBRID_KEYS); a head
+    size of "auto" is the expanded inner size over the heads."""
+    heads_key, head_key, groups_key, state_key, conv_key, conv_bias_key, bias_key = keys
     limit = raw.get("time_step_limit") or (0.0, float("inf"))
+    heads = integer(raw[heads_key])
+    expand = raw.get("mamba_expand", raw.get("expand", 2))
+    head_dim = raw.get(head_key, "auto")
+    if head_dim == "auto" and heads > 0:
+        head_dim = int(float(expand) * hidden_size) // heads
     sizes = MambaSizes(
-        heads=integer(raw[f"{prefix}num_heads" if prefix else "num_heads"]),
-        head_dim=integer(raw[f"{prefix}d_head" if prefix else "head_dim"]),
-        groups=integer(raw[f"{prefix}n_groups" if prefix else "n_groups"]),
-        state_size=integer(raw[f"{prefix}d_state" if prefix else "state_size"]),
-        conv_width=integer(raw[f"{prefix}d_conv" if prefix else "conv_kernel"]),
-        conv_bias=bool(raw.get(f"{prefix}conv_bias" if prefix else "use_conv_bias", True)),
-        bias=bool(raw.get(f"{prefix}proj_bias" if prefix else "use_bias", False)),
+        heads=heads,
+        head_dim=integer(head_dim),
+        groups=integer(raw[groups_key]),
+        state_size=integer(raw[state_key]),
+        conv_width=integer(raw.get(conv_key, 4)),
+        conv_bias=bool(raw.get(conv_bias_key, True)),
+        bias=bool(raw.get(bias_key, False)),
         dt_min=_json_float(limit[0]),
         dt_max=_json_float(limit[1]),
     )
@@ -99,6 +114,12 @@ def mamba_sizes(raw: Mapping[str, Any], prefix: str = "") -> MambaSizes:
     if sizes.heads % sizes.groups:
         raise ValueError(f"mamba heads ({sizes.heads}) must be a multiple of n_groups "
                          f"({sizes.groups})")  # fmt: skip
+    inner = int(float(expand) * hidden_size)
+    if inner != sizes.heads * sizes.head_dim:
+        raise ValueError(
+            f"the Mamba-2 layers' expand * hidden_size ({inner}) must equal their heads "
+            f"times their head size ({sizes.heads} * {sizes.head_dim})"
+        )
     return sizes
 
 
@@ -195,14 +216,9 @@ class Mamba2Block(DecoderLayer):
 
 
 def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
-    sizes = mamba_sizes(raw)
     hidden = integer(raw["hidden_size"])
-    inner = int(float(raw.get("expand", 2)) * hidden)
-    if inner != sizes.heads * sizes.head_dim:
-        raise ValueError(
-            f"expand * hidden_size ({inner}) must equal num_heads * head_dim "
-            f"({sizes.heads} * {sizes.head_dim})"
-        )
+    sizes = mamba_sizes(raw, hidden, MAMBA2_KEYS)
+    inner = sizes.heads * sizes.head_dim
     return ModelConfig(
         architecture=common.architecture,
         vocab_size=integer(raw["vocab_size"]),

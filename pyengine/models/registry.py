@@ -14,6 +14,7 @@ from pyengine.models.deepseek import DeepseekForCausalLM
 from pyengine.models.gemma import GemmaForCausalLM
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.gpt_oss import GptOssForCausalLM
+from pyengine.models.granite_hybrid import GraniteMoeHybridForCausalLM
 from pyengine.models.interface import CausalLM
 from pyengine.models.llama import LlamaForCausalLM
 from pyengine.models.llama4 import Llama4ForCausalLM
@@ -30,6 +31,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     DeepseekForCausalLM,
     Qwen3NextForCausalLM,
     Mamba2ForCausalLM,
+    GraniteMoeHybridForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

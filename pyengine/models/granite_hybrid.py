@@ -1,0 +1,200 @@
+"""IBM Granite 4 (GraniteMoeHybridForCausalLM): Mamba-2 layers (models/mamba2.py's
+`Mamba2Layer`, under `mamba`) with attention in a few layers (`layer_types`), each
+followed by experts and an ungated shared expert, or the shared MLP alone where the
+config names no experts.
+
+Granite's multipliers: the embeddings are scaled by embedding_multiplier, each
+sub-layer's output by residual_multiplier before it joins the residual stream, the
+attention scores by attention_multiplier (the query scale), and the logits divided by
+logits_scaling. Its attention has rope or none (`position_embedding_type`). The
+checkpoints hold each layer's experts in two tensors (`block_sparse_moe.input_linear`,
+[experts, 2 * size, hidden], the gate's rows first, and `output_linear`), its router as
+`block_sparse_moe.router.layer`, and its shared MLP's gate and up projections in one
+tensor (`shared_mlp.input_linear`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from pyengine.config import RECURRENT_SPEC, ModelConfig
+from pyengine.layers.attention import AttentionMetadata, KVCache
+from pyengine.layers.layernorm import RMSNorm
+from pyengine.layers.linear import LayerContext
+from pyengine.layers.moe.layer import FusedMoE
+from pyengine.layers.moe.shared import SharedExpert
+from pyengine.layers.rotary import RotaryEmbedding
+from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, _config_from_hf
+from pyengine.models.llama import _Variant as _AttentionVariant
+from pyengine.models.llama_moe import LlamaMoeForCausalLM, MoeFamilyConfig, SharedNames
+from pyengine.models.mamba2 import HYBRID_KEYS, Mamba2Layer, MambaSizes, check_mamba_split
+from pyengine.models.mamba2 import mamba_sizes as read_mamba_sizes
+from pyengine.models.weights import WeightRouter
+
+_MAMBA_KINDS, _ATTENTION_KINDS = ("mamba", "linear_attention"), ("attention", "full_attention")
+
+
+@dataclass(frozen=True)
+class GraniteHybridFamilyConfig(MoeFamilyConfig):
+    mamba_layers: tuple[int, ...] = ()
+    mamba: MambaSizes = MambaSizes()
+    rope: bool = False
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 1.0
+    logits_scaling: float = 1.0
+
+    def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
+        return RECURRENT_SPEC if index in self.mamba_layers else ("full", 0)
+
+    def check_split(self, tensor_parallel_size: int, expert_parallel: bool) -> None:
+        if self.num_experts:
+            super().check_split(tensor_parallel_size, expert_parallel)
+        check_mamba_split(self.mamba, tensor_parallel_size)
+
+
+def _mamba_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
+    kinds = raw.get("layer_types") or raw.get("layers_block_type") or ["mamba"] * num_layers
+    if not isinstance(kinds, list) or len(kinds) != num_layers:
+        raise ValueError(f"layer_types must list the {num_layers} layers' kinds, got {kinds!r}")
+    unknown = set(kinds) - {*_MAMBA_KINDS, *_ATTENTION_KINDS}
+    if unknown:
+        raise ValueError(f"layer_types: unknown layer kinds {sorted(map(str, unknown))}")
+    return tuple(i for i, kind in enumerate(kinds) if kind in _MAMBA_KINDS)
+
+
+def _config_from_granite(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+    shared = integer(raw.get("shared_intermediate_size", 1024))
+    experts = integer(raw.get("num_local_experts") or 0)
+    expert_size = raw.get("intermediate_size", 1)  # (an expert's)
+    # (ModelConfig's intermediate size is the dense MLP's: the shared one)
+    raw = {**raw, "intermediate_size": shared}
+    config = _config_from_hf(raw, common, _AttentionVariant())
+    if experts and raw.get("shared_intermediate_size", 1) == 0:
+        raise ValueError("shared_intermediate_size 0: a Granite layer without its shared MLP")
+    moe: dict[str, Any] = {}
+    if experts:
+        moe = dict(
+            num_experts=experts,
+            top_k=integer(raw["num_experts_per_tok"]),
+            moe_intermediate_size=integer(expert_size),
+            norm_topk_prob=True,  # (the softmax of the top k's logits)
+            sparse_layers=tuple(range(config.num_layers)),
+            shared_intermediate_size=shared,
+            shared=SharedNames("shared_intermediate_size", "shared_mlp", None),
+        )
+    embedding = raw.get("position_embedding_type")
+    if embedding not in (None, "nope", "rope"):
+        raise ValueError(f"position_embedding_type {embedding!r}: 'rope' or none expected")
+    family = GraniteHybridFamilyConfig(
+        **asdict(config.family), **moe,
+        mamba_layers=_mamba_layers(raw, config.num_layers),
+        mamba=read_mamba_sizes(raw, config.hidden_size, HYBRID_KEYS),
+        rope=embedding == "rope",
+        embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
+        residual_multiplier=float(raw.get("residual_multiplier", 1.0)),
+        attention_multiplier=float(raw.get("attention_multiplier", 1.0)),
+        logits_scaling=float(raw.get("logits_scaling", 1.0)),
+    )  # fmt: skip
+    return replace(config, family=family)
+
+
+class GraniteHybridLayer(DecoderLayer):
+    """A Mamba-2 layer or attention (held as self_attn either way), then experts with a
+    shared expert, or the shared MLP; each output scaled by residual_multiplier."""
+
+    def __init__(
+        self, c: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, prefix: str,
+        mamba: bool,
+    ) -> None:  # fmt: skip
+        nn.Module.__init__(self)
+        family = c.family_config(GraniteHybridFamilyConfig)
+        self.input_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        mixer: nn.Module = (
+            Mamba2Layer(c.hidden_size, family.mamba, c.norm_eps, ctx, f"{prefix}.mamba")
+            if mamba
+            else Attention(
+                c, rotary, ctx, f"{prefix}.self_attn", scale=family.attention_multiplier
+            )  # fmt: skip
+        )
+        self.self_attn = mixer  # type: ignore[assignment]
+        self.rope = family.rope
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.norm_eps)
+        self.mlp = MLP(c, ctx, f"{prefix}.shared_mlp")
+        self.residual_multiplier = family.residual_multiplier
+
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+        cache: KVCache, meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        h, residual = self.enter(h, residual)
+        # (NoPE attention: its positions play no part; position 0 turns nothing)
+        at = positions if self.rope else torch.zeros_like(positions)
+        h = self.self_attn(h, at, cache, meta) * self.residual_multiplier
+        self.post_attention_layernorm.add_residual(h, residual)
+        return self.mlp(h) * self.residual_multiplier, residual
+
+
+class GraniteMoeHybridForCausalLM(LlamaMoeForCausalLM):
+    hf_architectures: ClassVar[tuple[str, ...]] = ("GraniteMoeHybridForCausalLM",)
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+
+    @classmethod
+    def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
+        return _config_from_granite(raw, common)
+
+    def __init__(
+        self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None
+    ) -> None:
+        if config.family_config(GraniteHybridFamilyConfig).num_experts:
+            super().__init__(config, max_positions, ctx)
+        else:  # (the shared MLP alone)
+            LlamaForCausalLM.__init__(self, config, max_positions, ctx)
+
+    def make_layer(
+        self, config: ModelConfig, rotary: RotaryEmbedding, ctx: LayerContext, index: int
+    ) -> nn.Module:
+        mamba = index in config.family_config(GraniteHybridFamilyConfig).mamba_layers
+        return GraniteHybridLayer(config, rotary, ctx, f"model.layers.{index}", mamba)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = super().embed(input_ids)
+        factor = self.config.family_config(GraniteHybridFamilyConfig).embedding_multiplier
+        return h * factor if factor != 1.0 else h
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        scaling = self.config.family_config(GraniteHybridFamilyConfig).logits_scaling
+        logits = super().compute_logits(hidden)
+        return logits / scaling if scaling != 1.0 else logits
+
+    def route_attention(self, router: WeightRouter, prefix: str, attn: nn.Module) -> None:
+        if isinstance(attn, Mamba2Layer):
+            attn.route(router, f"{prefix.removesuffix('.self_attn')}.mamba")
+        else:
+            super().route_attention(router, prefix, attn)
+
+    def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
+        layer = prefix.removesuffix(".mlp")
+        shared = f"{layer}.shared_mlp"
+        if isinstance(mlp, MLP):
+            router.fused(f"{shared}.input_linear.weight", mlp.gate_up_proj, "weight")
+            router.linear_weight(f"{shared}.output_linear", mlp.down_proj)
+            return
+        assert isinstance(mlp, FusedMoE)
+        if mlp.experts is not None or not isinstance(mlp.shared_expert, SharedExpert):
+            raise ValueError("Granite 4's experts load from float checkpoints only")
+        module = f"{layer}.block_sparse_moe"
+        router.plain(f"{module}.router.layer.weight", mlp.router)
+        tensors = mlp.fused_tensors()
+        for name, ours in (("input_linear", "gate_up_proj"), ("output_linear", "down_proj")):
+            router.tensor(f"{module}.{name}.weight", *tensors[ours])
+        expert = mlp.shared_expert
+        part = (expert.whole, expert.start, expert.intermediate_size)
+        router.sections(f"{shared}.input_linear.weight", expert.gate_up.data, [part, part])
+        router.shard(f"{shared}.output_linear.weight", expert.down.data, 1, expert.start,
+                     expert.whole)  # fmt: skip
