@@ -1,27 +1,29 @@
 """Hybrid models with recurrent state: a request's memory, and the engines end to end.
 
-Memory: the bytes one request holds at 1k, 32k and 128k tokens for a Qwen3.5-shaped
-model (transformers' default Qwen3_5TextConfig: 32 layers, every fourth full attention
-with 4 kv heads of 256, the others Gated DeltaNet of 16 key and 32 value heads of 128,
-a convolution of 4), a bfloat16 KV cache and float32 states, against the same 32 layers
-all full attention. The KV figures are what pyengine's KV-cache manager holds for the
-model's KVLayout (bench/attention_variants.py's held_blocks: prefill in chunks, then
-decode steps); the state is one slot of every recurrent layer (worker/state_pool.py),
-the same at every length.
+The shape: transformers' default Qwen3_5MoeTextConfig (Qwen3.5-MoE: 40 layers, every
+fourth full attention with 2 kv heads of 256, the others Gated DeltaNet of 16 key and
+32 value heads of 128 with a convolution of 4; 256 experts of 512, 8 a token, and a
+shared expert of 512), SmolLM2's vocabulary and tokenizer.
 
-Engines (--engines): a dummy-weight model of that shape with its first --layers layers
-(SmolLM2's vocabulary and tokenizer), as a Qwen3-Next checkpoint whose MLPs are all
-dense (Qwen3.5's computation, its projections laid out as Qwen3-Next's: vLLM's CPU
-build cannot import its Qwen3.5 module without torchvision, whose PyPI wheel does not
-load beside the CPU build of torch), each engine in a process of its own: offline,
---num-prompts prompts of --min-len to --max-len random tokens and --output-len greedy
-tokens each, through pyengine and vLLM's CPU build (--vllm-python) at their defaults
-(bfloat16), and transformers' generate in bfloat16 on random weights (--transformers);
-one stream of --stream-len tokens after a --stream-prompt-len-token prompt through each
-server; and pyengine's stream after a --short-prompt-len-token prompt too, whose decode
-rate against the long one's shows what the context costs a token.
+Memory: the bytes one request holds at 1k, 32k and 128k tokens, a bfloat16 KV cache and
+float32 states, against the same 40 layers all full attention. The KV figures are what
+pyengine's KV-cache manager holds for the model's KVLayout (bench/attention_variants.py's
+held_blocks: prefill in chunks, then decode steps); the state is one slot of every
+recurrent layer (worker/state_pool.py), the same at every length.
 
-    python -m bench.hybrid [--contexts 1024,32768,131072] [--engines] [--layers 8]
+Engines (--engines): a dummy-weight model of that shape with its first --layers layers,
+as a Qwen3-Next checkpoint (Qwen3.5-MoE's computation, its projections laid out as
+Qwen3-Next's: vLLM's CPU build cannot import its Qwen3.5 module without torchvision,
+whose PyPI wheel does not load beside the CPU build of torch), each engine in a process
+of its own: offline, --num-prompts prompts of --min-len to --max-len random tokens and
+--output-len greedy tokens each, through pyengine and vLLM's CPU build (--vllm-python)
+at their defaults (bfloat16), and transformers' generate in bfloat16 on random weights
+(--transformers); one stream of --stream-len tokens after a --stream-prompt-len-token
+prompt through each server; and pyengine's stream after a --short-prompt-len-token
+prompt too, whose decode rate against the long one's shows what the context costs a
+token.
+
+    python -m bench.hybrid [--contexts 1024,32768,131072] [--engines] [--layers 4]
                            [--vllm-python PY] [--transformers] [--num-prompts 32]
                            [--min-len 64] [--max-len 512] [--output-len 128]
                            [--stream-prompt-len 32768] [--short-prompt-len 1024]
@@ -46,14 +48,18 @@ from .cpu_peers import Model, one_stream, pyengine_server
 from .shape_checkpoints import VOCAB
 from .variant_checkpoints import variant_folder
 
-# transformers' default Qwen3_5TextConfig (its sizes; SmolLM2's vocabulary).
-QWEN3_5: dict[str, Any] = {
-    "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-    "vocab_size": VOCAB, "hidden_size": 4096, "intermediate_size": 12288,
-    "num_hidden_layers": 32, "num_attention_heads": 16, "num_key_value_heads": 4,
+# transformers' default Qwen3_5MoeTextConfig (its sizes; SmolLM2's vocabulary), as a
+# Qwen3-Next checkpoint.
+QWEN3_5_MOE: dict[str, Any] = {
+    "architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next",
+    "vocab_size": VOCAB, "hidden_size": 2048, "intermediate_size": 512,
+    "num_hidden_layers": 40, "num_attention_heads": 16, "num_key_value_heads": 2,
     "head_dim": 256, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
     "linear_value_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
-    "rms_norm_eps": 1e-6, "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "num_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 512,
+    "shared_expert_intermediate_size": 512, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "rms_norm_eps": 1e-6, "max_position_embeddings": 262144,
+    "tie_word_embeddings": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0,
                         "partial_rotary_factor": 0.25},
     "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
@@ -80,13 +86,13 @@ def state_bytes(config: dict[str, Any], layers: int) -> int:
 
 
 def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
-    layers = QWEN3_5["num_hidden_layers"]
+    layers = QWEN3_5_MOE["num_hidden_layers"]
     kinds = layer_types(layers)
     hybrid = plan_kv_layout([RECURRENT_SPEC if k == "linear_attention" else ("full", 0)
                              for k in kinds])  # fmt: skip
     full = plan_kv_layout([("full", 0)] * layers)
-    page = 2 * QWEN3_5["num_key_value_heads"] * QWEN3_5["head_dim"] * args.block_size * 2
-    state = state_bytes(QWEN3_5, layers)
+    page = 2 * QWEN3_5_MOE["num_key_value_heads"] * QWEN3_5_MOE["head_dim"] * args.block_size * 2
+    state = state_bytes(QWEN3_5_MOE, layers)
     figures["state_mib_per_request"] = round(state / 2**20, 2)
     rows = []
     for context in args.contexts:
@@ -101,7 +107,7 @@ def memory_table(args: argparse.Namespace, figures: dict[str, Any]) -> str:
                      f"{ours / 2**20:,.1f}", f"{theirs / 2**20:,.1f}",
                      f"{theirs / ours:.2f}x"))  # fmt: skip
     linear, attention = kinds.count("linear_attention"), kinds.count("full_attention")
-    print(f"\nOne request's memory, Qwen3.5's shape ({layers} layers: {linear} Gated "
+    print(f"\nOne request's memory, Qwen3.5-MoE's shape ({layers} layers: {linear} Gated "
           f"DeltaNet, {attention} full attention; bfloat16 KV in blocks of {args.block_size}, "
           "float32 states)")  # fmt: skip
     return print_table(("context", "attention KV MiB", "state MiB", "hybrid MiB",
@@ -113,10 +119,10 @@ def short_stream(folder: Path, args: argparse.Namespace, figures: dict[str, Any]
     stream compare_engines ran)."""
     rng = np.random.default_rng(args.seed + 1)
     prompt = rng.integers(100, VOCAB - 100, args.short_prompt_len).tolist()
-    command, port = pyengine_server(Model("qwen3.5", folder, "dummy", None, 0), "auto", args)
+    command, port = pyengine_server(Model("qwen3.5-moe", folder, "dummy", None, 0), "auto", args)
     short = one_stream(command, {}, port, prompt, args, "pyengine")["decode_tok_s"]
     print(f"pyengine stream after {args.short_prompt_len} tokens: {short:.2f} tok/s", flush=True)
-    long = figures["engines_qwen35"]["stream"]["pyengine"]["decode_tok_s"]
+    long = figures["engines_qwen35_moe"]["stream"]["pyengine"]["decode_tok_s"]
     figures["decode_tok_s_short_context"] = round(short, 2)
     figures["decode_tok_s_long_context"] = round(long, 2)
     figures["decode_long_over_short"] = round(long / short, 3)
@@ -133,7 +139,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="max_num_batched_tokens")
     parser.add_argument("--decode", type=int, default=16, help="decode steps at the end")
     parser.add_argument("--engines", action="store_true", help="the model end to end")
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vllm-python", help="the Python of vLLM's CPU build")
     parser.add_argument("--transformers", action="store_true")
     parser.add_argument("--rounds", type=int, default=1)
@@ -148,16 +154,14 @@ def main() -> None:
     figures: dict[str, Any] = {}
     tables = [memory_table(args, figures)]
     if args.engines:
-        config = {**QWEN3_5, "architectures": ["Qwen3NextForCausalLM"],
-                  "model_type": "qwen3_next", "num_hidden_layers": args.layers,
-                  "layer_types": layer_types(args.layers), "num_experts": 0,
-                  "mlp_only_layers": list(range(args.layers))}  # fmt: skip
+        config = {**QWEN3_5_MOE, "num_hidden_layers": args.layers,
+                  "layer_types": layer_types(args.layers)}  # fmt: skip
         tokenizer = default_model_folders(args.cache)["float32"]
-        folder = variant_folder(f"qwen3.5-next-{args.layers}", config, tokenizer, args.cache)
-        name = f"Qwen3.5 ({args.layers} layers)"
+        folder = variant_folder(f"qwen3.5-moe-{args.layers}", config, tokenizer, args.cache)
+        name = f"Qwen3.5-MoE ({args.layers} layers)"
         tables += compare_engines({name: folder}, args, figures)
         tables.append(short_stream(folder, args, figures))
-        offline = figures.get("speedup_vs_vllm_offline_qwen35")
+        offline = figures.get("speedup_vs_vllm_offline_qwen35_moe")
         if offline is not None:
             figures["target_offline_1_2x_vllm"] = bool(offline >= 1.2)
     report("hybrid", figures, tables=tables)

@@ -262,7 +262,7 @@ TEST(a_forks_child_takes_its_own_state_slot_and_a_copy_of_its_parents_state) {
   CHECK(kv.take_pending_state_copies().empty());
 }
 
-TEST(state_slots_refuse_prefix_caching_and_swapping) {
+TEST(state_slots_refuse_prefix_caching_and_stay_through_a_swap) {
   KVCacheConfig config{16, 4, true};
   config.num_state_slots = 2;
   CHECK_THROWS(InvalidArgument, KVCacheManager{config});
@@ -271,7 +271,17 @@ TEST(state_slots_refuse_prefix_caching_and_swapping) {
   KVCacheManager kv(config);
   kv.add_request("a", iota_tokens(6));
   CHECK(kv.allocate_slots("a", 6).has_value());
-  CHECK(!kv.can_swap_out("a"));  // (its state would stay behind: it is recomputed)
+  const int slot = kv.state_slot("a");
+  CHECK(kv.can_swap_out("a"));
+  kv.swap_out("a");  // (its blocks to the host; its state stays in its slot)
+  CHECK_EQ(kv.state_slot("a"), slot);
+  CHECK_EQ(kv.num_free_state_slots(), 1);
+  kv.append_token_ids("a", std::vector<TokenId>{7});
+  CHECK(kv.allocate_slots("a", 1).has_value());  // swapped back in
+  CHECK(!kv.is_swapped("a"));
+  CHECK_EQ(kv.state_slot("a"), slot);
+  kv.free("a");
+  CHECK_EQ(kv.num_free_state_slots(), 2);
   config.num_state_slots = -1;
   CHECK_THROWS(InvalidArgument, KVCacheManager{config});
 }

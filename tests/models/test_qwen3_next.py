@@ -77,10 +77,12 @@ def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: i
     assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
 
 
-def test_preemption_and_parallel_samples_keep_the_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_and_parallel_samples_keep_the_tokens(hybrid, mode: str) -> None:  # type: ignore[no-untyped-def]
     """A KV pool of one block more than a request of max_model_len may hold: requests
-    are preempted (their slots freed, their states computed again) and each gets
-    transformers' tokens; n = 2 forks a state, and both samples go on from it."""
+    are preempted, recomputed (their slots freed, their states computed again) or
+    swapped out (their blocks to the host tier, their states kept in their slots), and
+    each gets transformers' tokens; n = 2 forks a state, and both samples go on from it."""
     _, folder, model = hybrid
     probe = LLM(str(folder), **ENGINE)
     runner = probe.llm_engine.executor.driver_worker.model_runner
@@ -89,7 +91,8 @@ def test_preemption_and_parallel_samples_keep_the_tokens(hybrid) -> None:  # typ
     seqs = 2  # (their states within half the budget, as the runner allows them)
     blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
     options = {"kv_cache_memory": blocks * block + seqs * state, "max_model_len": 128,
-               "max_num_batched_tokens": 32, "max_num_seqs": seqs}  # fmt: skip
+               "max_num_batched_tokens": 32, "max_num_seqs": seqs,
+               "preemption_mode": mode, "kv_offload_gb": 0.01 if mode == "swap" else 0}  # fmt: skip
     llm = LLM(str(folder), **{**ENGINE, **options})
     assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == seqs
     rng = np.random.default_rng(4)
@@ -98,7 +101,9 @@ def test_preemption_and_parallel_samples_keep_the_tokens(hybrid) -> None:  # typ
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    stats = llm.llm_engine.scheduler.stats()
+    assert stats.num_preemptions > 0
+    assert (stats.num_swapped_preemptions > 0) == (mode == "swap")
     two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
     (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
     want = hf_greedy(model, prompts[0], 10)

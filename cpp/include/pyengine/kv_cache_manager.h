@@ -72,8 +72,8 @@ struct KVCacheConfig {
   std::vector<KVGroupSpec> groups;  // empty: one full-attention group
   // > 0: each request holds one of this many recurrent-state slots (a hybrid model's
   // Gated DeltaNet or Mamba layers index their state tensors by it), taken at its first
-  // allocation and released when it is freed; not with prefix caching (hits need state
-  // checkpoints, yet to come) nor swapped out (its state would stay behind).
+  // allocation and released when it is freed (a request swapped out keeps it, its state
+  // in place); not with prefix caching (hits need state checkpoints, yet to come).
   int num_state_slots = 0;
 };
 

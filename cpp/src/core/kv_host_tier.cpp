@@ -69,8 +69,9 @@ std::optional<BlockId> KVCacheManager::content_at_step_start(BlockId block) cons
 
 bool KVCacheManager::can_swap_out(const RequestId& id) const {
   const Request& request = find(id);
-  // (a recurrent state would stay behind in its slot: such a request is recomputed)
-  if (!host_ || request.swapped || request.state_slot >= 0) return false;
+  // (a recurrent state stays in its slot, which the request keeps while swapped out: a
+  // fixed few bytes beside its blocks, and no copy to make)
+  if (!host_ || request.swapped) return false;
   size_t num_held = 0;
   for (const GroupTable& table : request.groups) {
     for (const BlockId b : table.blocks) {
