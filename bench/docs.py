@@ -226,6 +226,20 @@ HEADLINES = (
         "x",
     ),
     Headline(
+        "hybrid",
+        "hybrid model with recurrent state: a Qwen3.5-MoE-shaped request's memory at 128k "
+        "tokens, all-full attention's over the hybrid's (its KV and state)",
+        figure("memory_saving_131072"),
+        "x",
+    ),
+    Headline(
+        "hybrid",
+        "the same shape (4 layers, dummy weights): CPU offline generated tokens/s against "
+        "vLLM's CPU build",
+        figure("speedup_vs_vllm_offline_qwen35_moe"),
+        "x",
+    ),
+    Headline(
         "quantized",
         "CPU single-stream decode (streamed), int8 activations as llama.cpp's, against "
         "llama.cpp's server, slowest of Q4_0/Q4_1/Q8_0",

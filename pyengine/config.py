@@ -84,6 +84,12 @@ class FamilyConfig:
         (multi-head latent attention: DeepSeek's), else 0 (keys and values a kv head)."""
         return 0
 
+    def keeps_state(self, index: int) -> bool:
+        """Whether layer `index` keeps a recurrent state: those that have no KV cache
+        instead (RECURRENT_SPEC), unless the family says otherwise (a layer may attend
+        beside its recurrence: Falcon-H1's)."""
+        return self.kv_spec(index, 0) == RECURRENT_SPEC
+
     def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
         """Layer `index`'s attention as the KV cache groups it: ("sliding", window) or
         ("chunked", chunk) where its queries see only recent keys, RECURRENT_SPEC where
@@ -126,10 +132,14 @@ class ModelConfig:
         """Every layer's attention kind for the KV cache (FamilyConfig.kv_spec)."""
         return [self.family.kv_spec(i, self.sliding_window) for i in range(self.num_layers)]
 
+    def state_layers(self) -> list[int]:
+        """The layers that keep a recurrent state (FamilyConfig.keeps_state)."""
+        return [i for i in range(self.num_layers) if self.family.keeps_state(i)]
+
     def has_recurrent_layers(self) -> bool:
-        """Whether some layers keep a recurrent state instead of a KV cache (a hybrid
-        model's Gated DeltaNet or Mamba-2 layers)."""
-        return RECURRENT_SPEC in self.kv_specs()
+        """Whether some layers keep a recurrent state (a hybrid model's Gated DeltaNet
+        or Mamba-2 layers)."""
+        return bool(self.state_layers())
 
     def __post_init__(self) -> None:
         """Values a model cannot run with are refused when loaded, not at the first

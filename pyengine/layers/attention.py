@@ -20,9 +20,11 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_reqs + 1]
     max_seq_len: int = 0  # the longest seq_len (0: unknown), for the CUDA kernel's split
     max_query_len: int = 0  # the most query tokens of a request (0: unknown), CUDA grid
-    # A hybrid model's recurrent layers: each request's state slot, and 1 where the slot
-    # holds the state of its tokens before the step (0: new, read as zeros). int32
-    # [num_reqs]; None for a model without them.
+    # A hybrid model's recurrent layers: each one's state tensors (by its state_index:
+    # layers/recurrent_state.py), each request's state slot, and 1 where the slot holds
+    # the state of its tokens before the step (0: new, read as zeros; int32 [num_reqs]).
+    # None for a model without them.
+    states: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     state_slots: torch.Tensor | None = None
     has_state: torch.Tensor | None = None
 

@@ -12,15 +12,19 @@ from torch import nn
 
 from pyengine.distributed import TensorParallelGroup
 
-# One layer's state tensors, as the model runner hands them to the layer in place of a
-# KV cache: (conv [num_slots, ...], recurrent [num_slots, ...]).
+# One layer's state tensors: (conv [num_slots, ...], recurrent [num_slots, ...]).
 StateCache = tuple[torch.Tensor, torch.Tensor]
 
 
 @runtime_checkable
 class StateLayer(Protocol):
-    """A layer that keeps a recurrent state per request (the model runner finds these
-    among a model's modules, in layer order, and allocates their slots)."""
+    """A layer that keeps a recurrent state per request. The model runner finds these
+    among a model's modules, in layer order, allocates their slots, numbers them
+    (state_index) and hands every one's tensors to each step (the metadata's `states`),
+    as it tells an attention layer its KV-cache group: a layer may then attend and keep
+    a state both (Falcon-H1's)."""
+
+    state_index: int
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One slot's (conv, recurrent) shapes on this rank (float32)."""
@@ -43,11 +47,11 @@ class RecurrentStates:
     query_start_loc: torch.Tensor
 
     @classmethod
-    def of_step(cls, cache: StateCache, meta: StepSlots) -> RecurrentStates:
-        """A layer's states (the model runner's `cache` for it) for the step `meta`."""
-        if meta.state_slots is None or meta.has_state is None:
+    def of_step(cls, meta: StepSlots, index: int) -> RecurrentStates:
+        """State layer `index`'s states for the step `meta`."""
+        if meta.states is None or meta.state_slots is None or meta.has_state is None:
             raise ValueError("a recurrent layer ran in a step that names no state slots")
-        conv, recurrent = cache
+        conv, recurrent = meta.states[index]
         return cls(conv, recurrent, meta.state_slots, meta.has_state, meta.query_start_loc)
 
 
@@ -66,6 +70,7 @@ def mixer_parameter(*shape: int, device: torch.device) -> nn.Parameter:
 class StepSlots(Protocol):
     """What of a step's metadata (AttentionMetadata) names the requests' slots."""
 
+    states: list[StateCache] | None
     state_slots: torch.Tensor | None
     has_state: torch.Tensor | None
     query_start_loc: torch.Tensor

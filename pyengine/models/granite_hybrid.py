@@ -94,7 +94,9 @@ def _config_from_granite(raw: Mapping[str, Any], common: CommonValues) -> ModelC
     family = GraniteHybridFamilyConfig(
         **asdict(config.family), **moe,
         mamba_layers=_mamba_layers(raw, config.num_layers),
-        mamba=read_mamba_sizes(raw, config.hidden_size, HYBRID_KEYS),
+        mamba=read_mamba_sizes(
+            raw, int(float(raw.get("mamba_expand", 2)) * config.hidden_size), HYBRID_KEYS
+        ),
         rope=embedding == "rope",
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
         residual_multiplier=float(raw.get("residual_multiplier", 1.0)),

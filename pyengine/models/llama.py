@@ -339,6 +339,7 @@ class DecoderLayer(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     intermediate_names: tuple[str, ...] = ("hidden", "residual")
+    final_norm: ClassVar[str] = "model.norm.weight"  # its checkpoint name
     hf_architectures: ClassVar[tuple[str, ...]] = tuple(_HF_VARIANTS)
     gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
@@ -464,7 +465,7 @@ class LlamaForCausalLM(nn.Module):
         router = WeightRouter(c.num_layers, "model.layers.", (self.start_layer, self.end_layer))
         self.route_vocab(router, "model.embed_tokens.weight", "lm_head.weight")
         if self.norm is not None:
-            self.route_norm(router, "model.norm.weight", self.norm)
+            self.route_norm(router, self.final_norm, self.norm)
         for i in range(self.start_layer, self.end_layer):
             layer = self.layers[i]
             assert isinstance(layer, DecoderLayer)

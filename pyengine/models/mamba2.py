@@ -19,13 +19,12 @@ import torch
 from torch import nn
 
 from pyengine.config import RECURRENT_SPEC, FamilyConfig, ModelConfig
-from pyengine.layers.attention import AttentionMetadata
+from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext, MergedColumnParallelLinear, RowParallelLinear
 from pyengine.layers.mamba2_mixer import Mamba2Mixer, Mamba2Shape
 from pyengine.layers.recurrent_state import (
     RecurrentStates,
-    StateCache,
     mixer_parameter,
     rank_sections,
 )
@@ -45,7 +44,8 @@ class MambaSizes:
     state_size: int = 0
     conv_width: int = 4
     conv_bias: bool = True
-    bias: bool = False  # the projections' biases
+    bias: bool = False  # the input projection's bias (and the output's, unless out_bias)
+    out_bias: bool | None = None  # the output projection's (None: as bias)
     dt_min: float = 0.0  # time_step_limit
     dt_max: float = float("inf")
 
@@ -87,16 +87,15 @@ HYBRID_KEYS = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state
                "mamba_d_conv", "mamba_conv_bias", "mamba_proj_bias")  # fmt: skip
 
 
-def mamba_sizes(raw: Mapping[str, Any], hidden_size: int, keys: tuple[str, ...]) -> MambaSizes:
-    """A config.json's Mamba-2 sizes under `keys` (MAMBA2_KEYS or HYBRID_KEYS); a head
-    size of "auto" is the expanded inner size over the heads."""
+def mamba_sizes(raw: Mapping[str, Any], inner: int, keys: tuple[str, ...]) -> MambaSizes:
+    """A config.json's Mamba-2 sizes under `keys` (MAMBA2_KEYS or HYBRID_KEYS), whose
+    heads make `inner` numbers (a head size of "auto": inner over the heads)."""
     heads_key, head_key, groups_key, state_key, conv_key, conv_bias_key, bias_key = keys
     limit = raw.get("time_step_limit") or (0.0, float("inf"))
     heads = integer(raw[heads_key])
-    expand = raw.get("mamba_expand", raw.get("expand", 2))
     head_dim = raw.get(head_key, "auto")
-    if head_dim == "auto" and heads > 0:
-        head_dim = int(float(expand) * hidden_size) // heads
+    if head_dim in ("auto", None) and heads > 0:
+        head_dim = inner // heads
     sizes = MambaSizes(
         heads=heads,
         head_dim=integer(head_dim),
@@ -114,11 +113,10 @@ def mamba_sizes(raw: Mapping[str, Any], hidden_size: int, keys: tuple[str, ...])
     if sizes.heads % sizes.groups:
         raise ValueError(f"mamba heads ({sizes.heads}) must be a multiple of n_groups "
                          f"({sizes.groups})")  # fmt: skip
-    inner = int(float(expand) * hidden_size)
     if inner != sizes.heads * sizes.head_dim:
         raise ValueError(
-            f"the Mamba-2 layers' expand * hidden_size ({inner}) must equal their heads "
-            f"times their head size ({sizes.heads} * {sizes.head_dim})"
+            f"the Mamba-2 layers' inner size ({inner}) must equal their heads times their "
+            f"head size ({sizes.heads} * {sizes.head_dim})"
         )
     return sizes
 
@@ -144,8 +142,9 @@ class Mamba2Layer(nn.Module):
             hidden_size, [inner, inner, groups, groups, sizes.heads], sizes.bias, ctx,
             [f"{prefix}.in_proj.weight"],
         )  # fmt: skip
+        out_bias = sizes.bias if sizes.out_bias is None else sizes.out_bias
         self.out_proj = RowParallelLinear(
-            inner, hidden_size, sizes.bias, ctx, [f"{prefix}.out_proj.weight"]
+            inner, hidden_size, out_bias, ctx, [f"{prefix}.out_proj.weight"]
         )
         s, device = self.shape, ctx.placement.device
         self.conv_sections = rank_sections((inner, groups, groups), tp)
@@ -158,6 +157,7 @@ class Mamba2Layer(nn.Module):
         )
         self.norm_weight = mixer_parameter(s.inner, device=device)
         self.mixer: Mamba2Mixer | None = None
+        self.state_index = 0  # (the model runner's to set)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         s = self.shape
@@ -176,6 +176,7 @@ class Mamba2Layer(nn.Module):
         router.linear_weight(f"{prefix}.out_proj", self.out_proj)
         if self.in_proj.bias is not None:
             router.fused(f"{prefix}.in_proj.bias", self.in_proj, "bias")
+        if self.out_proj.bias is not None:
             router.linear(f"{prefix}.out_proj.bias", self.out_proj, "bias")
         router.sections(f"{prefix}.conv1d.weight", self.conv_weight.data, self.conv_sections)
         if self.conv_bias is not None:
@@ -183,15 +184,18 @@ class Mamba2Layer(nn.Module):
         for name in ("A_log", "D", "dt_bias"):
             router.shard(f"{prefix}.{name}", getattr(self, name).data, 0, *self.heads)
         inner = self.conv_sections[0]
-        router.shard(f"{prefix}.norm.weight", self.norm_weight.data, 0, inner[1], inner[0])
+        if self.shape.norm != "none":  # (Falcon-H1's mixer may have no norm)
+            router.shard(f"{prefix}.norm.weight", self.norm_weight.data, 0, inner[1], inner[0])
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: StateCache,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
+        """(`cache`: the layer's KV cache, which it does not read; its states are the
+        step's)"""
         assert self.mixer is not None, "process_weights_after_loading makes the mixer"
-        del positions  # (a recurrence knows its order)
-        states = RecurrentStates.of_step(cache, meta)
+        del positions, cache  # (a recurrence knows its order)
+        states = RecurrentStates.of_step(meta, self.state_index)
         out: torch.Tensor = self.out_proj(self.mixer(self.in_proj(x), states).to(x.dtype))
         return out
 
@@ -209,7 +213,7 @@ class Mamba2Block(DecoderLayer):
 
     def forward(
         self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
-        cache: StateCache, meta: AttentionMetadata,
+        cache: KVCache, meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         h, residual = self.enter(h, residual)
         return self.mixer(h, positions, cache, meta), residual
@@ -217,8 +221,8 @@ class Mamba2Block(DecoderLayer):
 
 def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
     hidden = integer(raw["hidden_size"])
-    sizes = mamba_sizes(raw, hidden, MAMBA2_KEYS)
-    inner = sizes.heads * sizes.head_dim
+    inner = int(float(raw.get("expand", 2)) * hidden)
+    sizes = mamba_sizes(raw, inner, MAMBA2_KEYS)
     return ModelConfig(
         architecture=common.architecture,
         vocab_size=integer(raw["vocab_size"]),

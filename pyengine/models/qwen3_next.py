@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from pyengine.config import RECURRENT_SPEC, ModelConfig
-from pyengine.layers.attention import AttentionMetadata
+from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.gated_delta_net import (
     DeltaNetShape,
     GatedDeltaNetMixer,
@@ -42,7 +42,6 @@ from pyengine.layers.linear import (
 )
 from pyengine.layers.recurrent_state import (
     RecurrentStates,
-    StateCache,
     mixer_parameter,
     rank_sections,
 )
@@ -194,7 +193,7 @@ class GatedAttention(Attention):
     query_parts = 2
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: StateCache,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
         assert self.q_norm is not None and self.k_norm is not None
@@ -262,6 +261,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = mixer_parameter(s.value_heads, device=device)
         self.norm_weight = mixer_parameter(s.value_dim, device=device)
         self.mixer: GatedDeltaNetMixer | None = None
+        self.state_index = 0  # (the model runner's to set)
 
     def state_shapes(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
         s = self.shape
@@ -291,12 +291,13 @@ class GatedDeltaNet(nn.Module):
         router.plain(f"{prefix}.norm.weight", self.norm_weight)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, cache: StateCache,
+        self, x: torch.Tensor, positions: torch.Tensor, cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # fmt: skip
+        """(`cache`: none, NO_PAGES; its states are the step's)"""
         assert self.mixer is not None, "process_weights_after_loading makes the mixer"
-        del positions  # (a recurrence knows its order)
-        states = RecurrentStates.of_step(cache, meta)
+        del positions, cache  # (a recurrence knows its order)
+        states = RecurrentStates.of_step(meta, self.state_index)
         if self.layout == "qwen3_next":
             inputs = split_qwen3_next(self.in_proj_qkvz(x), self.in_proj_ba(x), self.shape)
         else:

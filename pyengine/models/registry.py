@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
 from pyengine.models.deepseek import DeepseekForCausalLM
+from pyengine.models.falcon_h1 import FalconH1ForCausalLM
 from pyengine.models.gemma import GemmaForCausalLM
 from pyengine.models.gpt import GPT2ForCausalLM, OPTForCausalLM
 from pyengine.models.gpt_oss import GptOssForCausalLM
@@ -32,6 +33,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     Qwen3NextForCausalLM,
     Mamba2ForCausalLM,
     GraniteMoeHybridForCausalLM,
+    FalconH1ForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
 )

@@ -111,6 +111,24 @@ class WeightRouter:
 
         self.tensor(name, tuple(parameter.shape), load)
 
+    def scale(self, name: str, factor: float | torch.Tensor) -> None:
+        """Multiplies the routed tensor `name` by `factor` (a number, or one a row) as it
+        loads: a model's constant multipliers folded into its weights (Falcon-H1's)."""
+        route = self._routes[name]
+        if route.blocks is not None:
+            raise ValueError(f"weight {name}: a multiplier folds into float weights only")
+        load = route.load
+
+        def scaled(tensor: CheckpointTensor) -> None:
+            t = materialize(tensor)
+            if isinstance(factor, torch.Tensor) and (t.dim() == 0 or len(t) != len(factor)):
+                load(t)  # (the wrong shape: the loader's check names it)
+                return
+            by = factor if isinstance(factor, float) else factor.view(-1, *[1] * (t.dim() - 1))
+            load((t.float() * by).to(t.dtype))
+
+        route.load = scaled
+
     def sections(self, name: str, into: torch.Tensor, sections: list[tuple[int, int, int]]) -> None:
         """A tensor whose rows are sections, each split over the ranks (a short
         convolution's q, k and v channels): (whole rows, this rank's first, its count)

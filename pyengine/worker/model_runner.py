@@ -16,7 +16,6 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.placement import Placement
-from pyengine.layers.recurrent_state import StateCache
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.manager import LoRAManager
@@ -38,6 +37,9 @@ from pyengine.worker.state_pool import (
 from pyengine.worker.step_inputs import DeviceStep, StepInputs
 
 logger = logging.getLogger("pyengine")
+
+# The cache of a layer that does not attend (a recurrent one): no pages.
+NO_PAGES: KVCache = (torch.empty(0), torch.empty(0))
 
 
 def resident_bytes(model: Any) -> int:
@@ -214,12 +216,14 @@ class ModelRunner:
         assign_kv_groups(self.model, self.kv_layout, self.layers)
         # A hybrid model's recurrent layers keep their states in slots of their own.
         self.state_layers = state_layers(self.model)
-        recurrent = sum(self.kv_layout.is_recurrent(i) for i in self.layers)
+        recurrent = len(set(c.state_layers()) & set(self.layers))
         if len(self.state_layers) != recurrent:
             raise ValueError(
                 f"the model has {len(self.state_layers)} recurrent layers where its config "
                 f"names {recurrent}"
             )
+        for index, layer in enumerate(self.state_layers):
+            layer.state_index = index
         if self.state_layers and not on_cpu:
             raise ValueError(
                 f"{c.architecture} has recurrent-state layers, which run on the CPU only "
@@ -405,10 +409,8 @@ class ModelRunner:
             for _ in range(num_virtual_engines)
         ]
         self.caches_by_virtual_engine = [
-            self._layer_caches(p, s)
-            for p, s in zip(self.pages_by_virtual_engine, self.states_by_virtual_engine,
-                            strict=True)
-        ]  # fmt: skip
+            self._layer_caches(p) for p in self.pages_by_virtual_engine
+        ]
         if self.inputs is not None and self.capture_sizes and self.placement.device.type == "cpu":
             self.graphs = record_decode_steps(
                 self.model, self.caches, self.inputs, self.capture_sizes, self.max_query_len
@@ -426,14 +428,12 @@ class ModelRunner:
                 self.graph_bytes_expected / 2**20,
             )  # fmt: skip
 
-    def _layer_caches(
-        self, pages: list[KVCache], states: list[StateCache] | None = None
-    ) -> list[KVCache]:
-        """Each layer's cache: its slot's pages, or a recurrent layer's states."""
+    def _layer_caches(self, pages: list[KVCache]) -> list[KVCache]:
+        """Each layer's cache: its slot's pages (none, NO_PAGES, for a layer that does
+        not attend: its states come with the step)."""
         page_of = {slot: pages[i] for i, slot in enumerate(self.kv_slots)}
-        next_state = iter(states or [])
         return [
-            next(next_state) if self.kv_layout.is_recurrent(i)
+            NO_PAGES if self.kv_layout.is_recurrent(i)
             else page_of[self.kv_layout.layer_slots[i][1]]
             for i in self.layers
         ]  # fmt: skip
@@ -574,6 +574,7 @@ class ModelRunner:
             max_query_len=int(np.diff(step.query_start_loc).max()) if len(step.seq_lens) else 0,
         )
         if step.state_slots is not None and step.has_state is not None:
+            meta.states = self.states_by_virtual_engine[step.virtual_engine]
             meta.state_slots = torch.from_numpy(step.state_slots)
             meta.has_state = torch.from_numpy(step.has_state)
         intermediate = None

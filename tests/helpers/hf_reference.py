@@ -81,6 +81,7 @@ def prefill_logits(llm: LLM, tokens: list[int]) -> torch.Tensor:
         query_start_loc=torch.tensor([0, n], dtype=torch.int32),
     )
     if runner.num_state_slots:
+        meta.states = runner.states_by_virtual_engine[0]
         meta.state_slots = torch.zeros(1, dtype=torch.int32)
         meta.has_state = torch.zeros(1, dtype=torch.int32)
     with torch.inference_mode():
