@@ -1,6 +1,7 @@
 """`pyengine serve` on tiny random checkpoints of the attention variants' architectures
 (Gemma 3's sliding windows, gpt-oss's windows and sinks, Llama 4's chunks, DeepSeek-V3's
-latent cache), each with a byte-level tokenizer: a chat completion constrained by a JSON
+latent cache) and of hybrid models with recurrent state (Qwen3-Next, Granite 4), each
+with a byte-level tokenizer: a chat completion constrained by a JSON
 schema parses and fits it, and a greedy completion is the offline engine's text."""
 
 from __future__ import annotations
@@ -39,6 +40,21 @@ CONFIGS: dict[str, Callable[[], Any]] = {
         interleave_moe_layer_step=2, attention_chunk_size=16,
     ),
     "deepseek_v3": lambda: deepseek_config("v3", **COMMON, num_hidden_layers=2),
+    # Recurrent state: Gated DeltaNet beside gated attention, Mamba-2 beside attention.
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **COMMON, **ATTENTION, intermediate_size=96, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+    ),
+    "granite_hybrid": lambda: transformers.GraniteMoeHybridConfig(
+        **COMMON, hidden_size=64, num_attention_heads=2, num_key_value_heads=2,
+        num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+        mamba_n_heads=4, mamba_n_groups=1, mamba_d_state=8, num_local_experts=4,
+        num_experts_per_tok=2, intermediate_size=32, shared_intermediate_size=48,
+        position_embedding_type="rope",
+    ),
 }  # fmt: skip
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
           "additionalProperties": False}  # fmt: skip
