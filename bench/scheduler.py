@@ -135,6 +135,8 @@ CHECK_CONFIGS: list[dict[str, Any]] = [
         "max_num_seqs": 16,
         "enable_chunked_prefill": False,
     },
+    # A hybrid model's: fewer recurrent-state slots than running requests.
+    {"num_blocks": 24, "max_num_batched_tokens": 64, "max_num_seqs": 8, "num_state_slots": 3},
 ]
 CHECK_MAX_MODEL_LEN = 160
 ABORT_STEP = 15
@@ -240,7 +242,8 @@ def drive(make: MakeScheduler, config: dict[str, Any], workload: list[CheckReque
         ids = list(b.request_ids)
         rows = [row for row, sampling in enumerate(b.is_sampling.tolist()) if sampling]
         sampled = np.array([fake_model(token_ids[ids[row]]) for row in rows], dtype=np.int32)
-        arrays = (b.num_scheduled_tokens, b.query_start_loc, b.input_ids, b.positions)
+        arrays = (b.num_scheduled_tokens, b.query_start_loc, b.input_ids, b.positions,
+                  b.state_slots, b.has_state)  # fmt: skip
         schedule_trace.append(
             (ids, *(a.tolist() for a in arrays), b.seq_lens.tolist(), b.logits_indices.tolist())
         )

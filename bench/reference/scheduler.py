@@ -64,30 +64,41 @@ class Request:
 
 
 class BlockAllocator:
-    """KV-cache blocks without prefix caching: a LIFO free list and each request's blocks."""
+    """KV-cache blocks without prefix caching: a LIFO free list and each request's blocks;
+    with num_state_slots, a hybrid model's recurrent-state slots too (a LIFO free list,
+    the lowest first; a request takes one at its first allocation)."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, num_state_slots: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.free_block_ids: deque[int] = deque(range(num_blocks))
         self.req_to_blocks: dict[str, list[int]] = {}
+        self.num_state_slots = num_state_slots
+        self.free_state_slots = list(range(num_state_slots - 1, -1, -1))
+        self.state_slots: dict[str, int] = {}
 
     def allocate_slots(self, request: Request, num_new_tokens: int) -> bool:
-        """Gives `request` blocks for its next `num_new_tokens` tokens; False, changing
-        nothing, if the pool has too few free blocks."""
+        """Gives `request` blocks for its next `num_new_tokens` tokens (and a state slot
+        at its first); False, changing nothing, if the pool has too few free blocks or
+        no state slot is free."""
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_needed = request.num_computed_tokens + num_new_tokens
         num_new_blocks = -(-num_needed // self.block_size) - len(blocks)
-        if num_new_blocks > len(self.free_block_ids):
+        needs_slot = self.num_state_slots > 0 and request.request_id not in self.state_slots
+        if num_new_blocks > len(self.free_block_ids) or (needs_slot and not self.free_state_slots):
             return False
         for _ in range(num_new_blocks):
             blocks.append(self.free_block_ids.popleft())
+        if needs_slot:
+            self.state_slots[request.request_id] = self.free_state_slots.pop()
         return True
 
     def free(self, request_id: str) -> None:
         """Returns a request's blocks to the head of the free list, each pushed there last
-        block first: the request's first block ends up at the head."""
+        block first: the request's first block ends up at the head; and its state slot."""
         self.free_block_ids.extendleft(reversed(self.req_to_blocks.pop(request_id, [])))
+        if request_id in self.state_slots:
+            self.free_state_slots.append(self.state_slots.pop(request_id))
 
 
 @dataclass
@@ -115,6 +126,8 @@ class StepBuffers:
         self._logits_indices = np.zeros(max_num_reqs, np.int32)
         self._num_scheduled_tokens = np.zeros(max_num_reqs, np.int32)
         self._is_sampling = np.zeros(max_num_reqs, np.bool_)
+        self._state_slots = np.zeros(max_num_reqs, np.int32)
+        self._has_state = np.zeros(max_num_reqs, np.int32)
 
     input_ids = property(lambda self: self._input_ids[: self.num_tokens])
     positions = property(lambda self: self._positions[: self.num_tokens])
@@ -125,6 +138,8 @@ class StepBuffers:
     logits_indices = property(lambda self: self._logits_indices[: self.num_sampled])
     num_scheduled_tokens = property(lambda self: self._num_scheduled_tokens[: self.num_reqs])
     is_sampling = property(lambda self: self._is_sampling[: self.num_reqs])
+    state_slots = property(lambda self: self._state_slots[: self.num_reqs])
+    has_state = property(lambda self: self._has_state[: self.num_reqs])
 
 
 class StepResults:
@@ -151,6 +166,7 @@ class PyScheduler:
         enable_chunked_prefill: bool = True,
         long_prefill_token_threshold: int = 0,
         policy: str = "fcfs",
+        num_state_slots: int = 0,
     ) -> None:
         if enable_prefix_caching:
             raise ValueError("PyScheduler has no prefix caching")
@@ -167,7 +183,7 @@ class PyScheduler:
         self.enable_chunked_prefill = enable_chunked_prefill
         self.long_prefill_token_threshold = long_prefill_token_threshold
         self.use_priority = policy == "priority"
-        self.kv = BlockAllocator(num_blocks, block_size)
+        self.kv = BlockAllocator(num_blocks, block_size, num_state_slots)
         self.requests: dict[str, Request] = {}
         self.waiting: list[tuple[tuple[int, float, int], Request]] = []  # a heap
         self.running: list[Request] = []  # admission order
@@ -410,6 +426,8 @@ class PyScheduler:
         b._seq_lens[:num_reqs] = seq_lens
         b._logits_indices[: len(logits_indices)] = logits_indices
         b._num_scheduled_tokens[:num_reqs] = list(scheduled.values())
+        b._state_slots[:num_reqs] = [self.kv.state_slots.get(r.request_id, -1) for r in scheduled]
+        b._has_state[:num_reqs] = [int(r.num_computed_tokens > n) for r, n in scheduled.items()]
         b._is_sampling[:num_reqs] = is_sampling
         self.step_requests = list(scheduled)
         self.step_is_sampling = is_sampling
