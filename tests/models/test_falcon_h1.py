@@ -17,11 +17,10 @@ import torch
 from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
-    hf_greedy,
 )
+from helpers.hybrid import assert_preemption_and_forks_keep_tokens, randomize
 
-from pyengine import LLM, SamplingParams
-from pyengine.worker.state_pool import slot_bytes
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,14 +47,7 @@ def falcon(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, tor
     torch.manual_seed(0)
     config = transformers.FalconH1Config(**SHAPE, **CONFIGS[request.param])
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "D")):
-                p.normal_(0.0, 1.0)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.1)
+    randomize(model)
     model.eval().save_pretrained(folder)
     return folder, model
 
@@ -71,27 +63,7 @@ def test_greedy_tokens_and_logits_match_transformers(falcon) -> None:  # type: i
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(falcon) -> None:  # type: ignore[no-untyped-def]
-    folder, model = falcon
-    probe = LLM(str(folder), **ENGINE)
-    runner = probe.llm_engine.executor.driver_worker.model_runner
-    block, state = runner.block_bytes, slot_bytes(runner.state_layers)
-    probe.llm_engine.shutdown()
-    blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
-    options = {"kv_cache_memory": blocks * block + 2 * state, "max_model_len": 128,
-               "max_num_batched_tokens": 32, "max_num_seqs": 2}  # fmt: skip
-    llm = LLM(str(folder), **{**ENGINE, **options})
-    assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == 2
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]  # (any two: 11 blocks)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
-    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
-    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
-    want = hf_greedy(model, prompts[0], 10)
-    assert [c.token_ids for c in pair.outputs] == [want, want]
+    assert_preemption_and_forks_keep_tokens(*falcon, ENGINE)
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from helpers.hf_reference import (
     assert_tokens_and_logits_match,
     hf_greedy,
 )
+from helpers.hybrid import randomize
 
 from pyengine import LLM, SamplingParams
 
@@ -34,14 +35,7 @@ def mamba(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.nn.Modu
         expand=2, n_groups=2, state_size=16, conv_kernel=4, chunk_size=8,
     )  # fmt: skip
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("A_log", "dt_bias", "D")):
-                p.normal_(0.0, 1.0)
-            elif "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.1)
+    randomize(model)
     model.eval().save_pretrained(folder)
     return folder, model
 

@@ -17,11 +17,10 @@ import torch
 from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
-    hf_greedy,
 )
+from helpers.hybrid import assert_preemption_and_forks_keep_tokens, randomize
 
-from pyengine import LLM, SamplingParams
-from pyengine.worker.state_pool import slot_bytes
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -52,14 +51,7 @@ def hybrid(request, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path
     model = transformers.AutoModelForCausalLM.from_config(
         CONFIGS[request.param](), dtype=torch.float32
     )
-    with torch.no_grad():  # (norms random about 0: they scale by 1 + w; the gated one by w)
-        for name, p in model.named_parameters():
-            if name.endswith("linear_attn.norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith(("A_log", "dt_bias")):
-                p.normal_(0.0, 1.0)
-            else:
-                p.normal_(0.0, 0.3 if "norm" in name else 0.1)
+    randomize(model, one_plus=True)  # (norms that scale by 1 + w; the gated one by w)
     model.eval().save_pretrained(folder)
     return request.param, folder, model
 
@@ -79,38 +71,13 @@ def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: i
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_and_parallel_samples_keep_the_tokens(hybrid, mode: str) -> None:  # type: ignore[no-untyped-def]
-    """A KV pool of one block more than a request of max_model_len may hold: requests
-    are preempted, recomputed (their slots freed, their states computed again) or
-    swapped out (their blocks to the host tier, their states kept in their slots), and
-    each gets transformers' tokens; n = 2 forks a state, and both samples go on from it."""
+    """Requests preempted are recomputed (their slots freed, their states computed
+    again) or swapped out (their blocks to the host tier, their states kept in their
+    slots), and each gets transformers' tokens (helpers/hybrid.py)."""
     _, folder, model = hybrid
-    probe = LLM(str(folder), **ENGINE)
-    runner = probe.llm_engine.executor.driver_worker.model_runner
-    block, state = runner.block_bytes, slot_bytes(runner.state_layers)
-    probe.llm_engine.shutdown()
-    seqs = 2  # (their states within half the budget, as the runner allows them)
-    blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
-    options = {"kv_cache_memory": blocks * block + seqs * state, "max_model_len": 128,
-               "max_num_batched_tokens": 32, "max_num_seqs": seqs,
-               "preemption_mode": mode, "kv_offload_gb": 0.01 if mode == "swap" else 0}  # fmt: skip
-    llm = LLM(str(folder), **{**ENGINE, **options})
-    assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == seqs
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]  # (any two: 11 blocks)
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    stats = llm.llm_engine.scheduler.stats()
-    assert stats.num_preemptions > 0
-    assert (stats.num_swapped_preemptions > 0) == (mode == "swap")
-    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
-    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
-    want = hf_greedy(model, prompts[0], 10)
-    assert [c.token_ids for c in pair.outputs] == [want, want]
-    kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
-    assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
-    assert kv.num_free_state_slots == seqs
+    swap = {"preemption_mode": mode, "kv_offload_gb": 0.01 if mode == "swap" else 0}
+    llm = assert_preemption_and_forks_keep_tokens(folder, model, ENGINE, **swap)
+    assert (llm.llm_engine.scheduler.stats().num_swapped_preemptions > 0) == (mode == "swap")
 
 
 def test_speculative_decoding_is_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]

@@ -1,0 +1,70 @@
+"""What the tests of hybrid models with recurrent state share: random parameters for a
+tiny transformers model (decays, steps and skips about 0, norms that scale by 1 + w
+about 0 or by w about 1), and preemption and parallel samples under a pool one block
+more than a max_model_len request holds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from helpers.hf_reference import hf_greedy
+
+# The gated norms inside the mixers, which scale by w (the others by 1 + w where
+# `one_plus` says).
+_MIXER_NORMS = ("linear_attn.norm.weight", "mamba.norm.weight", "mixer.norm.weight")
+
+
+def randomize(model: torch.nn.Module, one_plus: bool = False) -> None:
+    """Every parameter random: A_log, dt_bias and D about 0 (decays and steps of every
+    size), norms about 1 (about 0 where they scale by 1 + w: `one_plus`, but the
+    mixers' own), the rest small."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("A_log", "dt_bias", ".D")):
+                p.normal_(0.0, 1.0)
+            elif "norm" in name and (not one_plus or name.endswith(_MIXER_NORMS)):
+                p.uniform_(0.5, 1.5)
+            elif "norm" in name:
+                p.normal_(0.0, 0.3)
+            else:
+                p.normal_(0.0, 0.1)
+
+
+def assert_preemption_and_forks_keep_tokens(
+    folder: Path, model: torch.nn.Module, engine: dict[str, Any], **options: Any
+) -> Any:
+    """A KV pool of one block more than a request of max_model_len 128 may hold, beside
+    two requests' states: of three prompts of 50-70 tokens (any two need 11 blocks),
+    requests are preempted and each gets transformers' greedy tokens; n = 2 forks a
+    state and both samples go on from it; nothing is held after. Returns the LLM."""
+    from pyengine import LLM, SamplingParams
+    from pyengine.worker.state_pool import slot_bytes
+
+    probe = LLM(str(folder), **engine)
+    runner = probe.llm_engine.executor.driver_worker.model_runner
+    block, state = runner.block_bytes, slot_bytes(runner.state_layers)
+    probe.llm_engine.shutdown()
+    blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
+    limits = {"kv_cache_memory": blocks * block + 2 * state, "max_model_len": 128,
+              "max_num_batched_tokens": 32, "max_num_seqs": 2}  # fmt: skip
+    llm = LLM(str(folder), **{**engine, **limits, **options})
+    assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == 2
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
+    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
+    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
+    want = hf_greedy(model, prompts[0], 10)
+    assert [c.token_ids for c in pair.outputs] == [want, want]
+    kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
+    assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
+    assert kv.num_free_state_slots == 2
+    return llm
