@@ -41,7 +41,7 @@ def assert_preemption_and_forks_keep_tokens(
     two requests' states: of three prompts of 50-70 tokens (any two need 11 blocks),
     requests are preempted and each gets transformers' greedy tokens; n = 2 forks a
     state and both samples go on from it; nothing is held after. Returns the LLM."""
-    from pyengine import LLM, SamplingParams
+    from pyengine import LLM
     from pyengine.worker.state_pool import slot_bytes
 
     probe = LLM(str(folder), **engine)
@@ -52,6 +52,17 @@ def assert_preemption_and_forks_keep_tokens(
     limits = {"kv_cache_memory": blocks * block + 2 * state, "max_model_len": 128,
               "max_num_batched_tokens": 32, "max_num_seqs": 2}  # fmt: skip
     llm = LLM(str(folder), **{**engine, **limits, **options})
+    assert_generations_and_forks(llm, model)
+    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
+    return llm
+
+
+def assert_generations_and_forks(llm: Any, model: torch.nn.Module) -> None:
+    """Through an LLM of two state slots: three prompts of 50-70 tokens each get
+    transformers' 20 greedy tokens; n = 2 forks a state and both samples go on from it;
+    nothing is held after."""
+    from pyengine import SamplingParams
+
     assert llm.llm_engine.executor.driver_worker.model_runner.num_state_slots == 2
     rng = np.random.default_rng(4)
     prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]
@@ -59,7 +70,6 @@ def assert_preemption_and_forks_keep_tokens(
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    assert llm.llm_engine.scheduler.stats().num_preemptions > 0
     two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
     (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
     want = hf_greedy(model, prompts[0], 10)
@@ -67,4 +77,3 @@ def assert_preemption_and_forks_keep_tokens(
     kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
     assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
     assert kv.num_free_state_slots == 2
-    return llm

@@ -15,11 +15,10 @@ import torch
 from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
-    hf_greedy,
 )
-from helpers.hybrid import randomize
+from helpers.hybrid import assert_generations_and_forks, randomize
 
-from pyengine import LLM, SamplingParams
+from pyengine import LLM
 
 transformers = pytest.importorskip("transformers")
 
@@ -57,21 +56,7 @@ def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type
     folder, model = mamba
     llm = LLM(str(folder), **{**ENGINE, "max_num_seqs": 2, "max_model_len": 128,
                               "max_num_batched_tokens": 32})  # fmt: skip
-    runner = llm.llm_engine.executor.driver_worker.model_runner
-    assert runner.num_state_slots == 2
-    rng = np.random.default_rng(4)
-    prompts = [rng.integers(0, 256, n).tolist() for n in (50, 60, 70)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 20)
-    two = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, n=2)
-    (pair,) = llm.generate([{"prompt_token_ids": prompts[0]}], two, use_tqdm=False)
-    want = hf_greedy(model, prompts[0], 10)
-    assert [c.token_ids for c in pair.outputs] == [want, want]
-    kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
-    assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
-    assert kv.num_free_state_slots == 2
+    assert_generations_and_forks(llm, model)
 
 
 @pytest.mark.slow
