@@ -111,6 +111,8 @@ class SchedulerOutput:
     state_slots: np.ndarray | None = None
     has_state: np.ndarray | None = None
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # ... and the copies to run before it: a prefix hit's state, from its checkpoint.
+    state_loads: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,7 @@ void bind_manager(py::module_& m) {
       .def_readonly("groups", &ComputedBlocks::groups)
       .def_readonly("num_computed_tokens", &ComputedBlocks::num_computed_tokens)
       .def_readonly("num_host_tokens", &ComputedBlocks::num_host_tokens)
+      .def_readonly("state_checkpoint", &ComputedBlocks::state_checkpoint)
       .def("__repr__", [](const ComputedBlocks& c) {
         return "ComputedBlocks(num_groups=" + std::to_string(c.groups.size()) +
                ", num_computed_tokens=" + std::to_string(c.num_computed_tokens) + ")";
@@ -145,18 +146,19 @@ requests move to.)doc")
       .def(py::init([](int num_blocks, int block_size, bool enable_prefix_caching,
                        int num_host_blocks,
                        const std::vector<std::pair<std::string, int>>& groups,
-                       int num_state_slots) {
+                       int num_state_slots, int num_state_checkpoints) {
              return KVCacheManager(KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
                                                  num_host_blocks, kv_groups(groups),
-                                                 num_state_slots});
+                                                 num_state_slots, num_state_checkpoints});
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("num_host_blocks") = 0,
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
-           py::arg("num_state_slots") = 0,
+           py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0,
            "kv_groups: (kind, size) per group, kind 'full' (size 0), 'sliding' (the window) "
            "or 'chunked' (the chunk); empty: one full group. num_state_slots > 0: each "
-           "request holds a recurrent-state slot from its first allocation to its release.")
+           "request holds a recurrent-state slot from its first allocation to its release; "
+           "num_state_checkpoints > 0: prefix hits resume states from checkpoints.")
       .def_property_readonly("num_groups", &KVCacheManager::num_groups)
       .def("max_blocks_held", &KVCacheManager::max_blocks_held, py::arg("num_tokens"),
            py::arg("max_step_tokens"))
@@ -217,7 +219,12 @@ requests move to.)doc")
            "The request's recurrent-state slot (-1: not allocated yet, or no states kept).")
       .def_property_readonly("num_free_state_slots", &KVCacheManager::num_free_state_slots)
       .def("take_pending_state_copies", &KVCacheManager::take_pending_state_copies,
-           "(src, dst) state-slot copies that fork queued since the last call.")
+           "(src, dst) state-slot copies that fork and checkpoint saves queued since the last "
+           "call, to run after the step.")
+      .def("take_pending_state_loads", &KVCacheManager::take_pending_state_loads,
+           "(checkpoint, slot) copies that prefix hits queued, to run before the step.")
+      .def_property_readonly("num_state_checkpoints_held",
+                             &KVCacheManager::num_state_checkpoints_held)
       .def("reset_prefix_cache", &KVCacheManager::reset_prefix_cache)
       .def("can_swap_out", &KVCacheManager::can_swap_out, py::arg("request_id"))
       .def("swap_out", &KVCacheManager::swap_out, py::arg("request_id"),

@@ -161,6 +161,9 @@ group_block_tables hold every group's.)doc")
           "kv_to_device", [](const StepBuffers& b) { return b.kv_transfers.to_device; },
           "(host block, device block) copies, run after kv_to_host.")
       .def_readonly("block_copies", &StepBuffers::block_copies)
+      .def_readonly("state_loads", &StepBuffers::state_loads,
+                    "(src, dst) state-slot copies to run before the step's forward pass (a "
+                    "prefix hit's state, from its checkpoint).")
       .def_readonly("state_copies", &StepBuffers::state_copies,
                     "(src, dst) state-slot copies to run after the step's forward pass "
                     "(samples forked in it start from their parent's state).");
@@ -219,7 +222,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                        const std::string& policy, int max_loras, double draft_row_cost,
                        int num_host_blocks, const std::string& preemption_mode,
                        const std::vector<std::pair<std::string, int>>& groups,
-                       int num_state_slots) {
+                       int num_state_slots, int num_state_checkpoints) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -232,7 +235,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              config.preemption_mode = parse_preemption_mode(preemption_mode);
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
-                                       num_host_blocks, kv_groups(groups), num_state_slots});
+                                       num_host_blocks, kv_groups(groups), num_state_slots,
+                                       num_state_checkpoints});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -245,8 +249,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute",
            // kv_groups: one full-attention group
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
-           // num_state_slots: 0, no recurrent states
-           py::arg("num_state_slots") = 0)
+           // num_state_slots: 0, no recurrent states; num_state_checkpoints: 0, none
+           py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

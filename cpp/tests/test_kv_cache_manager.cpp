@@ -262,6 +262,84 @@ TEST(a_forks_child_takes_its_own_state_slot_and_a_copy_of_its_parents_state) {
   CHECK(kv.take_pending_state_copies().empty());
 }
 
+TEST(a_prefix_hit_resumes_a_state_from_the_checkpoint_of_its_last_block) {
+  KVCacheConfig config{16, 4, true};
+  config.num_state_slots = 2;
+  config.num_state_checkpoints = 2;  // (slots 2 and 3)
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(11));
+  CHECK(kv.allocate_slots("a", 8).has_value());  // a chunk ending at block 1's end
+  const auto saves = kv.take_pending_state_copies();
+  CHECK(saves.size() == 1 && saves[0] == std::make_pair(0, 2));
+  CHECK_EQ(kv.num_state_checkpoints_held(), 1);
+  CHECK(kv.allocate_slots("a", 3).has_value());  // (no boundary: no checkpoint)
+  CHECK(kv.take_pending_state_copies().empty());
+  // A prompt that shares 10 tokens: block 1 is its hit's last with a checkpoint.
+  auto prompt = iota_tokens(10);
+  prompt.push_back(99);
+  kv.add_request("b", prompt);
+  const ComputedBlocks hit = kv.get_computed_blocks("b");
+  CHECK_EQ(hit.num_computed_tokens, 8);
+  CHECK_EQ(hit.state_checkpoint, 2);
+  CHECK(kv.allocate_slots("b", 3, 0, &hit).has_value());
+  const auto loads = kv.take_pending_state_loads();
+  CHECK(loads.size() == 1 && loads[0] == std::make_pair(2, 1));
+  // A checkpoint saved in a step is read from the next step on only.
+  kv.free("a");
+  kv.free("b");
+  kv.add_request("d", iota_tokens(9, 40));
+  CHECK(kv.allocate_slots("d", 8).has_value());  // checkpoints block 1 of d's prefix
+  kv.add_request("e", iota_tokens(9, 40));
+  CHECK_EQ(kv.get_computed_blocks("e").num_computed_tokens, 0);  // (its copy has not run)
+  kv.take_pending_state_copies();
+  CHECK_EQ(kv.get_computed_blocks("e").num_computed_tokens, 8);
+}
+
+TEST(a_checkpoint_goes_with_its_blocks_cache_entry) {
+  KVCacheConfig config{4, 4, true};
+  config.num_state_slots = 1;
+  config.num_state_checkpoints = 1;
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(9));
+  CHECK(kv.allocate_slots("a", 8).has_value());
+  kv.take_pending_state_copies();
+  CHECK_EQ(kv.num_state_checkpoints_held(), 1);
+  kv.rollback("a", 4);  // block 1 leaves the cache, and its checkpoint with it
+  CHECK_EQ(kv.num_state_checkpoints_held(), 0);
+  CHECK(kv.allocate_slots("a", 4).has_value());
+  kv.take_pending_state_copies();
+  CHECK_EQ(kv.num_state_checkpoints_held(), 1);
+  kv.free("a");
+  // Another prompt takes every block: the cached ones are evicted, their checkpoint too.
+  kv.add_request("b", iota_tokens(13, 100));
+  CHECK(kv.allocate_slots("b", 13).has_value());
+  CHECK_EQ(kv.num_state_checkpoints_held(), 0);
+  kv.free("b");
+  // And the prefix cache reset drops them all.
+  kv.add_request("c", iota_tokens(5, 7));
+  CHECK(kv.allocate_slots("c", 4).has_value());
+  kv.take_pending_state_copies();
+  kv.free("c");
+  CHECK_EQ(kv.num_state_checkpoints_held(), 1);
+  CHECK(kv.reset_prefix_cache());
+  CHECK_EQ(kv.num_state_checkpoints_held(), 0);
+}
+
+TEST(state_checkpoints_need_slots_prefix_caching_one_group_and_no_host_tier) {
+  KVCacheConfig config{16, 4, true};
+  config.num_state_slots = 2;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});  // (no checkpoints)
+  config.num_state_checkpoints = 2;
+  config.num_host_blocks = 4;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+  config.num_host_blocks = 0;
+  config.groups = {KVGroupSpec{}, KVGroupSpec{}};
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+  config.groups = {};
+  config.enable_prefix_caching = false;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+}
+
 TEST(state_slots_refuse_prefix_caching_and_stay_through_a_swap) {
   KVCacheConfig config{16, 4, true};
   config.num_state_slots = 2;

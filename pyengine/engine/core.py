@@ -104,6 +104,7 @@ class EngineCore:
                 preemption_mode=config.preemption_mode,
                 kv_groups=list(executor.kv_groups),
                 num_state_slots=executor.num_state_slots,
+                num_state_checkpoints=executor.num_state_checkpoints,
             )
             for _ in range(num_virtual_engines)
         ]
@@ -461,7 +462,8 @@ class EngineCore:
         )
         if self._has_states:
             step = replace(step, state_slots=buffers.state_slots, has_state=buffers.has_state,
-                           state_copies=buffers.state_copies)  # fmt: skip
+                           state_copies=buffers.state_copies,
+                           state_loads=buffers.state_loads)  # fmt: skip
         if self.proposer is not None and self.proposer.drafts_in_step:  # (every step)
             step = replace(step, num_draft_tokens=buffers.num_draft_tokens.copy())
         if self.lora:

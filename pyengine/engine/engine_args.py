@@ -11,6 +11,7 @@ import torch
 
 from pyengine import built_with_cuda
 from pyengine.config import (
+    RECURRENT_SPEC,
     EngineConfig,
     LoRAConfig,
     ModelConfig,
@@ -121,8 +122,9 @@ class EngineArgs:
         check_quantization(self.quantization, loaded.config.quantization, self.model)
         prefix_caching = self.enable_prefix_caching
         if loaded.config.has_recurrent_layers():
-            prefix_caching = _hybrid_prefix_caching(loaded.config.architecture, prefix_caching,
-                                                    speculative is not None)  # fmt: skip
+            prefix_caching = _hybrid_prefix_caching(
+                loaded.config, prefix_caching, speculative is not None, self.kv_offload_gb > 0
+            )
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
         if max_model_len is None:
@@ -199,19 +201,26 @@ class EngineArgs:
         return parallel
 
 
-def _hybrid_prefix_caching(architecture: str, prefix_caching: bool, speculative: bool) -> bool:
-    """A model with recurrent-state layers runs without prefix caching (its states are not
-    checkpointed at block boundaries yet: a hit would have no state to resume from), and
-    refuses speculative decoding (a rejected draft would stay in the state)."""
+def _hybrid_prefix_caching(
+    config: ModelConfig, prefix_caching: bool, speculative: bool, host_tier: bool
+) -> bool:
+    """A model with recurrent-state layers refuses speculative decoding (a rejected draft
+    would stay in the state). Its prefix hits resume states from checkpoints, which the
+    KV-cache manager keeps with one KV-cache group and no host tier: with a host tier
+    (kv_offload_gb) or attention layers of several kinds, prefix caching is off."""
     if speculative:
         raise ValueError(
-            f"speculative decoding: {architecture} has recurrent-state layers, whose state "
-            "cannot take back a rejected draft yet"
+            f"speculative decoding: {config.architecture} has recurrent-state layers, whose "
+            "state cannot take back a rejected draft yet"
         )
-    if prefix_caching:
-        logger.info("prefix caching is off: %s keeps recurrent states, which a cached prefix "
-                    "does not hold yet", architecture)  # fmt: skip
-    return False
+    kinds = {spec for spec in config.kv_specs() if spec != RECURRENT_SPEC}
+    if prefix_caching and (host_tier or len(kinds) > 1):
+        logger.info(
+            "prefix caching is off: %s keeps recurrent states, whose checkpoints are kept "
+            "with no host tier and one attention kind", config.architecture,
+        )  # fmt: skip
+        return False
+    return prefix_caching
 
 
 def _read_config(model: str) -> ModelConfig:

@@ -67,6 +67,12 @@ class Executor(ABC):
         return 0
 
     @property
+    def num_state_checkpoints(self) -> int:
+        """Slots of each scheduler's recurrent-state checkpoints (prefix caching with a
+        hybrid model; 0: none)."""
+        return 0
+
+    @property
     @abstractmethod
     def kv_groups(self) -> tuple[tuple[str, int], ...]:
         """The KV-cache groups of the model the workers run (worker/kv_layout.py), as

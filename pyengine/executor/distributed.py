@@ -104,10 +104,17 @@ class DistributedExecutor(Executor):
 
     @property
     def num_state_slots(self) -> int:
-        slots = {int(d["num_state_slots"]) for d in self.ranks}
-        if len(slots) > 1:  # (each rank's budget holds the same on the CPU)
-            raise RuntimeError(f"the ranks hold different numbers of state slots: {slots}")
-        return slots.pop()
+        return self._same_on_every_rank("num_state_slots")
+
+    @property
+    def num_state_checkpoints(self) -> int:
+        return self._same_on_every_rank("num_state_checkpoints")
+
+    def _same_on_every_rank(self, key: str) -> int:
+        values = {int(d[key]) for d in self.ranks}
+        if len(values) > 1:  # (each rank's budget holds the same on the CPU)
+            raise RuntimeError(f"the ranks hold different {key}: {values}")
+        return values.pop()
 
     @property
     def kv_groups(self) -> tuple[tuple[str, int], ...]:

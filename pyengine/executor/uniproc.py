@@ -31,6 +31,10 @@ class UniProcExecutor(Executor):
         return self.driver_worker.model_runner.num_state_slots
 
     @property
+    def num_state_checkpoints(self) -> int:
+        return self.driver_worker.model_runner.num_state_checkpoints
+
+    @property
     def kv_groups(self) -> tuple[tuple[str, int], ...]:
         return self.driver_worker.model_runner.kv_layout.groups
 

@@ -287,14 +287,22 @@ class ModelRunner:
         kv_bytes = config.kv_cache_memory if on_cpu else self._gpu_kv_cache_bytes(config)
         # The recurrent states: a slot per request each scheduler may run (fewer where
         # they would take more than half the budget), out of the KV cache's budget.
+        # With prefix caching, as many checkpoints as slots beside them (hits resume
+        # states from these).
         engines = config.parallel.pipeline_parallel_size
-        self.num_state_slots = slots_within(self.state_layers, config.max_num_seqs, kv_bytes)
-        self.state_bytes = self.num_state_slots * slot_bytes(self.state_layers) * engines
+        per_request = 2 if config.enable_prefix_caching else 1
+        self.num_state_slots = slots_within(
+            self.state_layers, config.max_num_seqs, kv_bytes // per_request
+        )
+        self.num_state_checkpoints = self.num_state_slots * (per_request - 1)
+        total = self.num_state_slots + self.num_state_checkpoints
+        self.state_bytes = total * slot_bytes(self.state_layers) * engines
         kv_bytes -= self.state_bytes
         if self.num_state_slots:
             logger.info(
-                "recurrent states: %d slots of %.2f MiB (%d layers)", self.num_state_slots,
-                slot_bytes(self.state_layers) / 2**20, len(self.state_layers),
+                "recurrent states: %d slots of %.2f MiB (%d layers), %d checkpoints",
+                self.num_state_slots, slot_bytes(self.state_layers) / 2**20,
+                len(self.state_layers), self.num_state_checkpoints,
             )  # fmt: skip
         if self.block_bytes:
             self.num_blocks = kv_bytes // self.block_bytes
@@ -405,7 +413,11 @@ class ModelRunner:
         ]  # fmt: skip
         # Each virtual engine's recurrent states (a scheduler's slots are its own).
         self.states_by_virtual_engine = [
-            allocate_states(self.state_layers, self.num_state_slots, self.placement.device)
+            allocate_states(
+                self.state_layers,
+                self.num_state_slots + self.num_state_checkpoints,
+                self.placement.device,
+            )
             for _ in range(num_virtual_engines)
         ]
         self.caches_by_virtual_engine = [
@@ -575,6 +587,7 @@ class ModelRunner:
         )
         if step.state_slots is not None and step.has_state is not None:
             meta.states = self.states_by_virtual_engine[step.virtual_engine]
+            copy_states(meta.states, step.state_loads)  # (prefix hits' checkpoints)
             meta.state_slots = torch.from_numpy(step.state_slots)
             meta.has_state = torch.from_numpy(step.has_state)
         intermediate = None

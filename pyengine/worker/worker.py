@@ -86,6 +86,7 @@ class Worker:
             "num_blocks": runner.num_blocks,
             "num_host_blocks": runner.num_host_blocks,
             "num_state_slots": runner.num_state_slots,
+            "num_state_checkpoints": runner.num_state_checkpoints,
             "block_bytes": runner.block_bytes,
             "kv_groups": [list(group) for group in runner.kv_layout.groups],
             "num_parameters": model.num_parameters,

@@ -1,14 +1,16 @@
 """Property tests of the KV-cache manager's recurrent-state slots over random sequences
-of operations (a hybrid model's requests: prefill chunks, decodes, forks, frees).
+of operations (a hybrid model's requests: prefill chunks, decodes, forks, frees), with
+and without prefix caching, whose hits resume states from checkpoints.
 
 A shadow records what each slot's state has absorbed: the tokens of the request that
 last wrote it, as the model runner's recurrent layers would (a step starts from the
 slot's state where the request has computed tokens, from zeros where it has none, and
 the fork's state copies run after the step). The properties: every live request that
 has computed tokens holds a slot of its own, whose state is exactly its computed
-tokens' (whether computed by itself or copied from its parent at a fork); a request
-without computed tokens holds none; slots are never shared; a failed allocation or
-fork changes nothing; every slot is free again once every request is freed.
+tokens' (whether computed by itself, copied from its parent at a fork, or loaded from
+the checkpoint a prefix hit resumes from); a request without computed tokens holds
+none; slots are never shared; a failed allocation or fork changes nothing; every slot is
+free again once every request is freed.
 """
 
 from __future__ import annotations
@@ -43,11 +45,15 @@ class StateSlotMachine(RuleBasedStateMachine):
         num_blocks=st.integers(1, 12),
         block_size=st.sampled_from([1, 2, 4]),
         num_state_slots=st.integers(1, 4),
+        num_state_checkpoints=st.sampled_from([0, 1, 3]),  # (> 0: with prefix caching)
     )
-    def make_manager(self, num_blocks: int, block_size: int, num_state_slots: int) -> None:
+    def make_manager(
+        self, num_blocks: int, block_size: int, num_state_slots: int, num_state_checkpoints: int
+    ) -> None:
         self.kv = KVCacheManager(
-            num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=False,
-            num_state_slots=num_state_slots,
+            num_blocks=num_blocks, block_size=block_size,
+            enable_prefix_caching=num_state_checkpoints > 0, num_state_slots=num_state_slots,
+            num_state_checkpoints=num_state_checkpoints,
         )  # fmt: skip
         self.num_slots = num_state_slots
 
@@ -59,16 +65,21 @@ class StateSlotMachine(RuleBasedStateMachine):
             {r: self.kv.num_computed_tokens(r) for r in self.tokens},
         )
 
-    def allocate(self, request: str, num_new: int) -> bool:
-        """A step of num_new tokens, as the model runner runs it: the slot's state goes
-        on from its computed tokens (zeros where none), then the forks' copies."""
+    def allocate(self, request: str, num_new: int, hit: object = None) -> bool:
+        """A step of num_new tokens, as the model runner runs it: a prefix hit's state
+        loaded from its checkpoint, the slot's state going on from its computed tokens
+        (zeros where none), then the forks' copies and the checkpoints' saves."""
         before = self.snapshot()
         first = self.kv.num_computed_tokens(request)
-        if self.kv.allocate_slots(request, num_new) is None:
+        if hit is not None:
+            first = hit.num_computed_tokens  # type: ignore[attr-defined]
+        if self.kv.allocate_slots(request, num_new, 0, hit) is None:
             assert self.snapshot() == before, "a failed allocation changed the manager"
             return False
         slot = self.kv.state_slot(request)
         assert slot >= 0, "a request that computes tokens holds no state slot"
+        for source, destination in self.kv.take_pending_state_loads():
+            self.states[destination] = self.states[source]
         if first > 0:
             assert self.states[slot] == tuple(self.tokens[request][:first]), (
                 "a step resumed from a state that is not its request's"
@@ -88,7 +99,10 @@ class StateSlotMachine(RuleBasedStateMachine):
         self.kv.add_request(request, prompt)
         self.tokens[request] = list(prompt)
         assert self.kv.state_slot(request) == -1  # (taken at the first allocation)
-        self.allocate(request, data.draw(st.integers(1, len(prompt)), label="first chunk"))
+        hit = self.kv.get_computed_blocks(request)
+        assert (hit.state_checkpoint >= self.num_slots) == (hit.num_computed_tokens > 0)
+        remaining = len(prompt) - hit.num_computed_tokens
+        self.allocate(request, data.draw(st.integers(1, remaining), label="first chunk"), hit)
         return request
 
     @rule(request=requests, data=st.data())
@@ -103,6 +117,25 @@ class StateSlotMachine(RuleBasedStateMachine):
             self.tokens[request].append(token)
             known += 1
         self.allocate(request, data.draw(st.integers(1, known - computed), label="num_new"))
+
+    @rule(request=consumes(requests), data=st.data())
+    def preempt_in_its_step(self, request: str, data: st.DataObject) -> None:
+        """Scheduled, then preempted in the same step (as the scheduler preempts a request
+        it scheduled before): its step's tokens taken back, then freed. The step's copies
+        still run, from a slot it did not write: what they fill must never be read."""
+        if request not in self.tokens:
+            return
+        known, computed = len(self.tokens[request]), self.kv.num_computed_tokens(request)
+        if computed == known:
+            return
+        num_new = data.draw(st.integers(1, known - computed), label="num_new")
+        if self.kv.allocate_slots(request, num_new) is None:
+            return
+        self.kv.rollback(request, computed)
+        for _, destination in self.kv.take_pending_state_copies():
+            self.states[destination] = ("not written",)  # type: ignore[assignment]
+        self.kv.free(request)
+        del self.tokens[request]
 
     @rule(target=requests, request=requests)
     def fork(self, request: str) -> object:

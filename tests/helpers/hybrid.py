@@ -49,8 +49,10 @@ def assert_preemption_and_forks_keep_tokens(
     block, state = runner.block_bytes, slot_bytes(runner.state_layers)
     probe.llm_engine.shutdown()
     blocks = runner.kv_layout.max_blocks_held(128, 32, 16) + 1
+    # (without prefix caching, whose checkpoints would take half the states' budget)
     limits = {"kv_cache_memory": blocks * block + 2 * state, "max_model_len": 128,
-              "max_num_batched_tokens": 32, "max_num_seqs": 2}  # fmt: skip
+              "max_num_batched_tokens": 32, "max_num_seqs": 2,
+              "enable_prefix_caching": False}  # fmt: skip
     llm = LLM(str(folder), **{**engine, **limits, **options})
     assert_generations_and_forks(llm, model)
     assert llm.llm_engine.scheduler.stats().num_preemptions > 0

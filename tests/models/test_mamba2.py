@@ -54,8 +54,9 @@ def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type
     """Two state slots for three requests: the third waits for a slot, which comes to it
     zeroed (has_state 0); n = 2 forks a state, and both samples go on from it."""
     folder, model = mamba
-    llm = LLM(str(folder), **{**ENGINE, "max_num_seqs": 2, "max_model_len": 128,
-                              "max_num_batched_tokens": 32})  # fmt: skip
+    options = {"max_num_seqs": 2, "max_model_len": 128, "max_num_batched_tokens": 32,
+               "enable_prefix_caching": False}  # fmt: skip
+    llm = LLM(str(folder), **{**ENGINE, **options})
     assert_generations_and_forks(llm, model)
 
 

@@ -17,10 +17,11 @@ import torch
 from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
+    hf_greedy,
 )
 from helpers.hybrid import assert_preemption_and_forks_keep_tokens, randomize
 
-from pyengine import LLM
+from pyengine import LLM, SamplingParams
 
 transformers = pytest.importorskip("transformers")
 
@@ -63,7 +64,6 @@ def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: i
     runner = llm.llm_engine.executor.driver_worker.model_runner
     assert runner.kv_layout.groups == (("full", 0),) and runner.kv_slots == [0]
     assert len(runner.state_layers) == 3 and runner.num_state_slots == 256
-    assert not llm.llm_engine.config.enable_prefix_caching  # (no state checkpoints yet)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
     assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
@@ -78,6 +78,28 @@ def test_preemption_and_parallel_samples_keep_the_tokens(hybrid, mode: str) -> N
     swap = {"preemption_mode": mode, "kv_offload_gb": 0.01 if mode == "swap" else 0}
     llm = assert_preemption_and_forks_keep_tokens(folder, model, ENGINE, **swap)
     assert (llm.llm_engine.scheduler.stats().num_swapped_preemptions > 0) == (mode == "swap")
+
+
+def test_a_prefix_hit_resumes_the_state_from_a_checkpoint(hybrid) -> None:  # type: ignore[no-untyped-def]
+    """A prompt's last full block ends a step of its own, where the state is
+    checkpointed; a later prompt sharing 40 of its tokens hits its first two blocks of
+    16 (the last with a checkpoint), resumes from there, and gets transformers' tokens;
+    with a host tier, prefix caching is off."""
+    _, folder, model = hybrid
+    llm = LLM(str(folder), **ENGINE)
+    assert llm.llm_engine.config.enable_prefix_caching
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.num_state_checkpoints == runner.num_state_slots
+    rng = np.random.default_rng(8)
+    shared = rng.integers(0, 256, 45).tolist()
+    second = shared[:40] + rng.integers(0, 256, 9).tolist()
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    for prompt, cached in ((shared, 0), (second, 32), (second, 48)):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert out.num_cached_tokens == cached
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+    offloading = LLM(str(folder), kv_offload_gb=0.01, **ENGINE)
+    assert not offloading.llm_engine.config.enable_prefix_caching
 
 
 def test_speculative_decoding_is_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]

@@ -73,8 +73,15 @@ struct KVCacheConfig {
   // > 0: each request holds one of this many recurrent-state slots (a hybrid model's
   // Gated DeltaNet or Mamba layers index their state tensors by it), taken at its first
   // allocation and released when it is freed (a request swapped out keeps it, its state
-  // in place); not with prefix caching (hits need state checkpoints, yet to come).
+  // in place). With prefix caching it needs num_state_checkpoints.
   int num_state_slots = 0;
+  // > 0 (with state slots and prefix caching; one KV-cache group, no host tier): a hit
+  // resumes a recurrent state from a checkpoint, a copy of a request's state at the end
+  // of a cached block, kept in slots num_state_slots .. + num_state_checkpoints - 1
+  // (reused oldest first) for as long as that block keeps its cache entry. A request's
+  // state is checkpointed where an allocation ends at a block boundary (the scheduler
+  // ends prefill chunks there); a hit ends at the last block that has one.
+  int num_state_checkpoints = 0;
 };
 
 // One group's part of a prefix hit: the hit blocks it still needs, from logical block
@@ -91,6 +98,7 @@ struct ComputedBlocks {
   std::vector<GroupHit> groups;  // one per group (empty: no lookup was made)
   int num_computed_tokens = 0;   // a multiple of block_size
   int num_host_tokens = 0;       // of those, tokens past some group's device prefix
+  int state_checkpoint = -1;     // the state slot the hit's recurrent state resumes from
 };
 
 // Block copies between the tiers, (source, destination) each, in the order to run.
@@ -198,6 +206,11 @@ class KVCacheManager {
   // state starts as its parent's, once the parent's state holds its tokens (the model
   // runner copies it after the step that forks, before the next).
   std::vector<std::pair<int, int>> take_pending_state_copies();
+  // With checkpoints: the checkpoint saves queued since the last call are among those
+  // copies (a request's slot into a checkpoint, after the step), and a hit taken since
+  // then queued a load (the checkpoint into the request's slot) to run before the step:
+  std::vector<std::pair<int, int>> take_pending_state_loads();
+  int num_state_checkpoints_held() const { return static_cast<int>(checkpoint_of_.size()); }
   // Drops every cache entry, in both tiers; false (and nothing changed) while any block
   // is in use.
   bool reset_prefix_cache();
@@ -307,6 +320,11 @@ class KVCacheManager {
   std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
   void extend_block_keys(Request& request);
   void cache_full_blocks(Request& request);
+  // A checkpoint of the request's state at the end of block `block_index`, which this
+  // allocation completed, if the block is cached and has none yet.
+  void save_checkpoint(const Request& request, size_t block_index);
+  // The checkpoint of a block whose cache entry is gone, released.
+  void drop_checkpoint(BlockId block);
 
   KVCacheConfig config_;
   BlockPool pool_;
@@ -319,6 +337,14 @@ class KVCacheManager {
   std::vector<std::pair<BlockId, BlockId>> pending_copies_;
   std::vector<int> free_state_slots_;  // the lowest last (taken first)
   std::vector<std::pair<int, int>> pending_state_copies_;
+  std::vector<std::pair<int, int>> pending_state_loads_;
+  // Checkpoints: each one's block (kNoBlock: none), the blocks' (hits read these), and
+  // those saved since the last take_pending_state_copies, whose copies have not run
+  // (no hit may read them before the step that writes them).
+  std::vector<BlockId> checkpoint_block_;
+  std::unordered_map<BlockId, int> checkpoint_of_;
+  std::unordered_map<BlockId, int> unpublished_checkpoints_;
+  int next_checkpoint_ = 0;
   KVTransfers pending_transfers_;
   std::vector<BlockId> held_host_blocks_;  // released by take_pending_transfers
   int64_t prefix_cache_queries_ = 0;

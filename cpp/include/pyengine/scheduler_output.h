@@ -57,6 +57,10 @@ struct StepBuffers {
   // step's: a sample forked in this step starts from its parent's state, which this
   // step's last prompt tokens complete (unlike KV blocks, a state is not shared).
   std::vector<std::pair<int, int>> state_copies;
+  // State-slot copies (src, dst) to run before the step's forward pass: a prefix hit's
+  // recurrent state, from the checkpoint it resumes from (KVCacheConfig::
+  // num_state_checkpoints).
+  std::vector<std::pair<int, int>> state_loads;
 };
 
 // What update() reports, row by row in the order of StepBuffers::request_ids.

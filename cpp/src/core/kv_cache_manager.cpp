@@ -40,11 +40,20 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config)
   }
   if (config.num_host_blocks > 0) host_.emplace(config.num_host_blocks, config.block_size);
   check_argument(config.num_state_slots >= 0, "num_state_slots must be non-negative");
-  if (config.num_state_slots > 0 && config.enable_prefix_caching) {
+  check_argument(config.num_state_checkpoints >= 0, "num_state_checkpoints must be non-negative");
+  if (config.num_state_slots > 0 && config.enable_prefix_caching &&
+      config.num_state_checkpoints == 0) {
     throw InvalidArgument(
-        "prefix caching with recurrent-state slots needs state checkpoints, which pyengine "
-        "does not keep yet: turn prefix caching off for this model");
+        "prefix caching with recurrent-state slots needs num_state_checkpoints > 0 (a hit "
+        "resumes a state from one)");
   }
+  if (config.num_state_checkpoints > 0) {
+    check_argument(config.num_state_slots > 0 && config.enable_prefix_caching,
+                   "num_state_checkpoints needs state slots and prefix caching");
+    check_argument(!host_ && config_.groups.size() == 1,
+                   "state checkpoints are kept with one KV-cache group and no host tier");
+  }
+  checkpoint_block_.assign(static_cast<size_t>(config.num_state_checkpoints), kNoBlock);
   free_state_slots_.reserve(static_cast<size_t>(config.num_state_slots));
   for (int slot = config.num_state_slots - 1; slot >= 0; --slot) free_state_slots_.push_back(slot);
 }
@@ -221,6 +230,13 @@ ComputedBlocks KVCacheManager::get_computed_blocks(const RequestId& id) {
       parent = host_->link(*block);
     }
     n = i;
+  }
+  if (config_.num_state_checkpoints > 0) {
+    // A recurrent state resumes only from a checkpoint: the hit ends at the last block
+    // whose prefix's state one holds (one group, all on the device).
+    const auto& chain = chains[0];
+    while (n > 0 && !checkpoint_of_.contains(chain[n - 1])) --n;
+    if (n > 0) computed.state_checkpoint = config_.num_state_slots + checkpoint_of_.at(chain[n - 1]);
   }
   computed.num_computed_tokens = static_cast<int>(n) * block_size();
   computed.groups.resize(static_cast<size_t>(num_groups));
@@ -420,7 +436,12 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
   for (size_t g = 0; g < request.groups.size(); ++g) {
     release_before(request.groups[g], p.groups[g].first_needed);
   }
-  if (p.has_hit) take_hit(request, *computed);
+  if (p.has_hit) {
+    take_hit(request, *computed);
+    if (computed->state_checkpoint >= 0) {
+      pending_state_loads_.emplace_back(computed->state_checkpoint, request.state_slot);
+    }
+  }
   if (request.swapped) swap_in(request, p);
   const int end = p.first_new_token + num_new_tokens;
   for (size_t g = 0; g < request.groups.size(); ++g) {
@@ -440,6 +461,9 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);
+  if (config_.num_state_checkpoints > 0 && num_lookahead == 0 && end % size == 0) {
+    save_checkpoint(request, static_cast<size_t>(end / size - 1));
+  }
   return std::span<const BlockId>(request.groups[0].blocks)
       .last(static_cast<size_t>(p.groups[0].num_new_blocks));
 }
@@ -463,6 +487,30 @@ void KVCacheManager::cache_full_blocks(Request& request) {
       }
       table.cached_tail = pool_.link(block);
       ++table.num_cached;
+    }
+  }
+}
+
+void KVCacheManager::save_checkpoint(const Request& request, size_t block_index) {
+  const GroupTable& table = request.groups[0];
+  if (static_cast<size_t>(table.num_cached) <= block_index) return;  // (not cached)
+  const BlockId block = table.blocks[block_index];
+  if (checkpoint_of_.contains(block) || unpublished_checkpoints_.contains(block)) return;
+  // The oldest checkpoint goes (its block may keep its KV, and a hit then ends earlier).
+  const int c = next_checkpoint_;
+  next_checkpoint_ = (c + 1) % config_.num_state_checkpoints;
+  drop_checkpoint(checkpoint_block_[static_cast<size_t>(c)]);
+  checkpoint_block_[static_cast<size_t>(c)] = block;
+  unpublished_checkpoints_.emplace(block, c);
+  pending_state_copies_.emplace_back(request.state_slot, config_.num_state_slots + c);
+}
+
+void KVCacheManager::drop_checkpoint(BlockId block) {
+  if (block == kNoBlock || checkpoint_block_.empty()) return;
+  for (auto* index : {&checkpoint_of_, &unpublished_checkpoints_}) {
+    if (const auto it = index->find(block); it != index->end()) {
+      checkpoint_block_[static_cast<size_t>(it->second)] = kNoBlock;
+      index->erase(it);
     }
   }
 }
@@ -493,6 +541,7 @@ void KVCacheManager::rollback(const RequestId& id, int num_computed_tokens) {
     if (num_full < table.num_cached) {
       for (int i = num_full; i < table.num_cached; ++i) {
         pool_.uncache(table.blocks[static_cast<size_t>(i)]);
+        drop_checkpoint(table.blocks[static_cast<size_t>(i)]);
       }
       table.num_cached = num_full;
       const BlockId tail = num_full == 0 ? kNoBlock : table.blocks[static_cast<size_t>(num_full - 1)];
@@ -570,7 +619,23 @@ int KVCacheManager::state_slot(const RequestId& id) const { return find(id).stat
 int KVCacheManager::state_slot(RequestHandle handle) const { return find(handle).state_slot; }
 
 std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_copies() {
-  return std::exchange(pending_state_copies_, {});
+  // The checkpoints saved so far are written by the step these copies follow: hits
+  // from the next schedule on may read them.
+  checkpoint_of_.merge(unpublished_checkpoints_);
+  unpublished_checkpoints_.clear();
+  auto copies = std::exchange(pending_state_copies_, {});
+  // (a checkpoint reused twice in one step: its last save stands)
+  for (size_t i = copies.size(); i-- > 0;) {
+    for (size_t j = 0; j < i; ++j) {
+      if (copies[j].second == copies[i].second) copies[j].second = -1;
+    }
+  }
+  std::erase_if(copies, [](const auto& copy) { return copy.second < 0; });
+  return copies;
+}
+
+std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_loads() {
+  return std::exchange(pending_state_loads_, {});
 }
 
 bool KVCacheManager::reset_prefix_cache() {
@@ -579,7 +644,11 @@ bool KVCacheManager::reset_prefix_cache() {
                 pool_.num_free_blocks() < pool_.num_blocks())) {
     return false;
   }
-  return pool_.reset_prefix_cache() && (!host_ || host_->reset_prefix_cache());
+  if (!pool_.reset_prefix_cache() || (host_ && !host_->reset_prefix_cache())) return false;
+  checkpoint_of_.clear();
+  unpublished_checkpoints_.clear();
+  std::ranges::fill(checkpoint_block_, kNoBlock);
+  return true;
 }
 
 std::span<const BlockId> KVCacheManager::block_table(const RequestId& id, int group) const {

@@ -13,7 +13,9 @@ BlockId KVCacheManager::take_block() {
   if (host_) {
     if (const auto evicted = pool_.next_eviction()) offload(*evicted);
   }
-  return pool_.allocate();
+  const BlockId block = pool_.allocate();
+  drop_checkpoint(block);  // (evicted: its prefix's state goes with its KV)
+  return block;
 }
 
 void KVCacheManager::offload(BlockId block) {

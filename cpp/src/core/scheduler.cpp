@@ -211,6 +211,17 @@ int Scheduler::capped_by_threshold(int num_remaining_tokens) const {
   return threshold > 0 ? std::min(num_remaining_tokens, threshold) : num_remaining_tokens;
 }
 
+int Scheduler::checkpoint_aligned(const Request& r, int first, int n) const {
+  // With recurrent-state checkpoints, a chunk of known tokens ends at a block boundary
+  // (where the manager checkpoints the state), and a prompt's last full block ends a
+  // step of its own: a later prompt that shares it resumes from there.
+  if (kv_.config().num_state_checkpoints == 0) return n;
+  const int size = kv_.block_size();
+  const int end = first + n;
+  const int aligned = (end < r.num_tokens() ? end : r.num_tokens()) / size * size;
+  return aligned > first && aligned < end ? aligned - first : n;
+}
+
 int Scheduler::num_running_seqs() const {
   int seqs = static_cast<int>(running_.size());
   for (const Request* r : running_) {
@@ -251,7 +262,9 @@ int Scheduler::schedule() {
   for (Request* r : running_) r->num_scheduled_drafts = 0;
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
-    const int n = std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget);
+    const int n = checkpoint_aligned(
+        *r, r->num_computed_tokens,
+        std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget));
     if (n == 0) {  // a sample forked this step: it has nothing to compute
       ++i;
       continue;
@@ -324,7 +337,7 @@ int Scheduler::schedule() {
     const int computed = swapped ? r->num_computed_tokens : hit.num_computed_tokens;
     int n = capped_by_threshold(r->num_tokens() - computed);
     if (!config_.enable_chunked_prefill && n > budget) break;
-    n = std::min(n, budget);
+    n = checkpoint_aligned(*r, computed, std::min(n, budget));
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
     it = waiting_.erase(it);
     if (new_adapter) adapters.push_back(adapter);
@@ -407,6 +420,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
   b.kv_transfers = scheduled.empty() ? KVTransfers{} : kv_.take_pending_transfers();
   b.block_copies = kv_.take_pending_copies();
   b.state_copies = kv_.take_pending_state_copies();
+  b.state_loads = kv_.take_pending_state_loads();
 }
 
 FinishReason Scheduler::stop_reason(const Request& r, TokenId token) const {
