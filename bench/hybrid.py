@@ -19,9 +19,11 @@ of its own: offline, --num-prompts prompts of --min-len to --max-len random toke
 --output-len greedy tokens each, through pyengine and vLLM's CPU build (--vllm-python)
 at their defaults (bfloat16), and transformers' generate in bfloat16 on random weights
 (--transformers); one stream of --stream-len tokens after a --stream-prompt-len-token
-prompt through each server; and pyengine's stream after a --short-prompt-len-token
-prompt too, whose decode rate against the long one's shows what the context costs a
-token.
+prompt through each server (its TTFT is the second request's of that prompt, once warm:
+pyengine's resumes the prompt from its prefix cache, the states from a checkpoint,
+where vLLM's CPU build, in the recorded run, computed it again); and pyengine's stream
+after a --short-prompt-len-token prompt too, whose decode rate against the long one's
+shows what the context costs a token.
 
     python -m bench.hybrid [--contexts 1024,32768,131072] [--engines] [--layers 4]
                            [--vllm-python PY] [--transformers] [--num-prompts 32]

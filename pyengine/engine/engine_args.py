@@ -123,7 +123,11 @@ class EngineArgs:
         prefix_caching = self.enable_prefix_caching
         if loaded.config.has_recurrent_layers():
             prefix_caching = _hybrid_prefix_caching(
-                loaded.config, prefix_caching, speculative is not None, self.kv_offload_gb > 0
+                loaded.config,
+                prefix_caching,
+                speculative is not None,
+                self.kv_offload_gb > 0,
+                self.enable_lora,
             )
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
@@ -202,16 +206,22 @@ class EngineArgs:
 
 
 def _hybrid_prefix_caching(
-    config: ModelConfig, prefix_caching: bool, speculative: bool, host_tier: bool
+    config: ModelConfig, prefix_caching: bool, speculative: bool, host_tier: bool, lora: bool
 ) -> bool:
     """A model with recurrent-state layers refuses speculative decoding (a rejected draft
-    would stay in the state). Its prefix hits resume states from checkpoints, which the
-    KV-cache manager keeps with one KV-cache group and no host tier: with a host tier
-    (kv_offload_gb) or attention layers of several kinds, prefix caching is off."""
+    would stay in the state) and LoRA adapters (its mixers' projections take none). Its
+    prefix hits resume states from checkpoints, which the KV-cache manager keeps with one
+    KV-cache group and no host tier: with a host tier (kv_offload_gb) or attention layers
+    of several kinds, prefix caching is off."""
     if speculative:
         raise ValueError(
             f"speculative decoding: {config.architecture} has recurrent-state layers, whose "
             "state cannot take back a rejected draft yet"
+        )
+    if lora:
+        raise ValueError(
+            f"enable_lora: LoRA adapters on {config.architecture}, a model with "
+            "recurrent-state layers, are not supported"
         )
     kinds = {spec for spec in config.kv_specs() if spec != RECURRENT_SPEC}
     if prefix_caching and (host_tier or len(kinds) > 1):

@@ -102,11 +102,13 @@ def test_a_prefix_hit_resumes_the_state_from_a_checkpoint(hybrid) -> None:  # ty
     assert not offloading.llm_engine.config.enable_prefix_caching
 
 
-def test_speculative_decoding_is_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
+def test_speculative_decoding_and_adapters_are_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = hybrid
     spec = {"method": "ngram", "num_speculative_tokens": 3}
     with pytest.raises(ValueError, match="speculative decoding: .* recurrent-state layers"):
         LLM(str(folder), speculative_config=spec, **ENGINE)
+    with pytest.raises(ValueError, match="enable_lora: LoRA adapters on .* recurrent-state"):
+        LLM(str(folder), enable_lora=True, **ENGINE)
 
 
 @pytest.mark.slow
