@@ -84,7 +84,8 @@ def test_a_prefix_hit_resumes_the_state_from_a_checkpoint(hybrid) -> None:  # ty
     """A prompt's last full block ends a step of its own, where the state is
     checkpointed; a later prompt sharing 40 of its tokens hits its first two blocks of
     16 (the last with a checkpoint), resumes from there, and gets transformers' tokens;
-    with a host tier, prefix caching is off."""
+    so does a next turn, from a checkpoint its answer's decode left; with a host tier,
+    prefix caching is off."""
     _, folder, model = hybrid
     llm = LLM(str(folder), **ENGINE)
     assert llm.llm_engine.config.enable_prefix_caching
@@ -94,10 +95,18 @@ def test_a_prefix_hit_resumes_the_state_from_a_checkpoint(hybrid) -> None:  # ty
     shared = rng.integers(0, 256, 45).tolist()
     second = shared[:40] + rng.integers(0, 256, 9).tolist()
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    answers = []
     for prompt, cached in ((shared, 0), (second, 32), (second, 48)):
         (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
         assert out.num_cached_tokens == cached
         assert out.outputs[0].token_ids == hf_greedy(model, prompt, 12)
+        answers.append(list(out.outputs[0].token_ids))
+    # A next turn: the first answer's decode passed position 48, where its state was
+    # checkpointed too.
+    turn = shared + answers[0] + [7]
+    (out,) = llm.generate([{"prompt_token_ids": turn}], params, use_tqdm=False)
+    assert out.num_cached_tokens == 48
+    assert out.outputs[0].token_ids == hf_greedy(model, turn, 12)
     offloading = LLM(str(folder), kv_offload_gb=0.01, **ENGINE)
     assert not offloading.llm_engine.config.enable_prefix_caching
 
