@@ -1,11 +1,12 @@
 """Falcon-H1 on tiny random checkpoints that transformers makes in the test: every layer
 attention and a Mamba-2 mixer side by side (random decays, skips, steps, convolution
-biases, norms; two groups of B and C; an inner size of its own), and every multiplier
-of its own (attention in and out, keys, the mixer's input, its five sections and its
+biases, norms; two groups of B and C; an inner size of its own), and every multiplier of
+its own (attention in and out, keys, the mixer's input, its five sections and its
 output, the MLP's gate and down, the embeddings, the logits), with the mixer's norm
 before the gate, after it, or none. Greedy float32 tokens and logits identical to
 transformers', through chunked prefill beside other requests' decodes, preemption and
-parallel samples; over two ranks, one rank's tokens."""
+parallel samples; over two tensor-parallel ranks or two pipeline stages, one rank's
+tokens."""
 
 from __future__ import annotations
 
@@ -69,4 +70,6 @@ def test_preemption_and_parallel_samples_keep_the_tokens(falcon) -> None:  # typ
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(falcon) -> None:  # type: ignore[no-untyped-def]
     folder, _ = falcon
-    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
+    assert_ranks_give_one_ranks_tokens(
+        folder, ENGINE, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+    )

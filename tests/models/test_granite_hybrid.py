@@ -4,7 +4,8 @@ norms; two groups of B and C) around one attention layer, with experts and a sha
 expert (rope) or the shared MLP alone (no positions), and every multiplier of its own
 (embeddings, residuals, the attention's scale, the logits). Greedy float32 tokens and
 logits identical to transformers', through chunked prefill beside other requests'
-decodes, preemption and parallel samples; over two ranks, one rank's tokens."""
+decodes, preemption and parallel samples; over two tensor-parallel ranks or two pipeline
+stages, one rank's tokens."""
 
 from __future__ import annotations
 
@@ -73,4 +74,6 @@ def test_preemption_and_parallel_samples_keep_the_tokens(granite) -> None:  # ty
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(granite) -> None:  # type: ignore[no-untyped-def]
     folder, _ = granite
-    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
+    assert_ranks_give_one_ranks_tokens(
+        folder, ENGINE, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+    )

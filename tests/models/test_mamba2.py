@@ -3,7 +3,8 @@ layers alone (random decays, skips, steps, convolution biases and norms; two gro
 B and C; transformers' own scan in chunks of 8). Greedy float32 tokens and logits
 identical to transformers', through chunked prefill (chunks of 7 tokens beside other
 requests' decodes), requests waiting for a state slot, and parallel samples; over two
-ranks, one rank's tokens; blocks that hold nothing."""
+tensor-parallel ranks or two pipeline stages, one rank's tokens; blocks that hold
+nothing."""
 
 from __future__ import annotations
 
@@ -63,4 +64,6 @@ def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(mamba) -> None:  # type: ignore[no-untyped-def]
     folder, _ = mamba
-    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
+    assert_ranks_give_one_ranks_tokens(
+        folder, ENGINE, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+    )

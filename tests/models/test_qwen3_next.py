@@ -3,9 +3,10 @@ transformers makes in the test: Gated DeltaNet layers (random decays, biases of 
 step, norms) around gated full attention with rope on a quarter of each head, norms
 that scale by 1 + w, experts with a gated shared expert (and a dense layer among them).
 Greedy float32 tokens and logits identical to transformers', through chunked prefill
-(chunks of 7 tokens, mixed with other requests' decodes), forced preemption (the state
-recomputed), parallel samples (the state copied at the fork), and a mix of requests
-coming and going; over two ranks, one rank's tokens."""
+(chunks of 7 tokens, mixed with other requests' decodes), preemption (the state
+recomputed, or kept through a swap), parallel samples (the state copied at the fork),
+prefix hits that resume the state from a checkpoint, and a mix of requests coming and
+going; over two tensor-parallel ranks or two pipeline stages, one rank's tokens."""
 
 from __future__ import annotations
 
@@ -123,4 +124,6 @@ def test_speculative_decoding_and_adapters_are_refused_by_name(hybrid) -> None: 
 @pytest.mark.slow
 def test_two_ranks_give_one_ranks_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = hybrid
-    assert_ranks_give_one_ranks_tokens(folder, ENGINE, [{"tensor_parallel_size": 2}])
+    assert_ranks_give_one_ranks_tokens(
+        folder, ENGINE, [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}]
+    )
