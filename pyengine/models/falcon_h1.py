@@ -166,6 +166,7 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
             p = f"model.layers.{i}"
             layer.mamba.route(router, f"{p}.mamba")
             attention_in, key = m("attention_in_multiplier"), m("key_multiplier")
+            sections = self._ssm_vector(layer.mamba)
             scales: dict[str, float | torch.Tensor] = {
                 "self_attn.q_proj.weight": attention_in,
                 "self_attn.k_proj.weight": attention_in * key,
@@ -174,13 +175,13 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
                 "mamba.out_proj.weight": m("ssm_out_multiplier"),
                 "feed_forward.gate_proj.weight": family.mlp_multipliers[0],
                 "feed_forward.down_proj.weight": family.mlp_multipliers[1],
-                "mamba.in_proj.weight": self._ssm_vector(layer.mamba) * m("ssm_in_multiplier"),
+                "mamba.in_proj.weight": sections * m("ssm_in_multiplier"),
             }
             if layer.self_attn.qkv_proj.bias is not None:
                 scales["self_attn.k_proj.bias"] = key
                 scales["self_attn.o_proj.bias"] = m("attention_out_multiplier")
             if layer.mamba.in_proj.bias is not None:
-                scales["mamba.in_proj.bias"] = self._ssm_vector(layer.mamba)
+                scales["mamba.in_proj.bias"] = sections
             if layer.mamba.out_proj.bias is not None:
                 scales["mamba.out_proj.bias"] = m("ssm_out_multiplier")
             for name, factor in scales.items():

@@ -12,7 +12,7 @@ projection."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -249,8 +249,7 @@ class Mamba2ForCausalLM(LlamaForCausalLM):
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
-        config = _config_from_hf(raw, common)
-        return replace(config, rope_scaling=None)
+        return _config_from_hf(raw, common)
 
     def make_rotary(self, config: ModelConfig, max_positions: int) -> RotaryEmbedding:
         """(no layer attends: a placeholder of one position, which no layer turns)"""

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from pyengine import _C, ops
-from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, RECURRENT_SPEC, EngineConfig
+from pyengine.config import CACHE_STORAGE, INT8_SCALE_BYTES, EngineConfig
 from pyengine.distributed import IntermediateTensors, PipelineStage, TensorParallelGroup
 from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
@@ -153,9 +153,11 @@ class ModelRunner:
         # Latent attention (DeepSeek's MLA) caches one vector a token and layer, whole on
         # every rank; its kernel takes any size.
         latent = c.family.latent_cache_dim()
-        # (refused now, not at the first request; a model that never attends has no heads)
-        attends = any(spec != RECURRENT_SPEC for spec in c.kv_specs())
-        if attends and not latent and c.head_size not in head_sizes:
+        # The model's KV-cache groups (a model that never attends has no pages, and no
+        # heads for paged attention to run).
+        self.kv_layout = plan_kv_layout(c.kv_specs())
+        # (refused now, not at the first request)
+        if self.kv_layout.num_slots and not latent and c.head_size not in head_sizes:
             raise ValueError(
                 f"the model's attention head size {c.head_size} is not one paged attention "
                 f"runs ({', '.join(map(str, head_sizes))})"
@@ -168,9 +170,8 @@ class ModelRunner:
         self.num_kv_heads = 1 if latent else self.tp.kv_head_shard(c.num_kv_heads)[1]
         start, end = self.pp.layer_range(c.num_layers)
         self.num_layers = end - start
-        # The model's KV-cache groups, and the page slots of a block this stage's layers
-        # write (one a layer where the model has one attention kind).
-        self.kv_layout = plan_kv_layout(c.kv_specs())
+        # The page slots of a block this stage's layers write (one a layer where the
+        # model has one attention kind).
         self.layers = range(start, end)
         self.kv_slots = self.kv_layout.slots_of(self.layers)
         self.cache_dtype = getattr(torch, CACHE_STORAGE.get(config.cache_dtype, config.cache_dtype))
@@ -327,11 +328,11 @@ class ModelRunner:
             )
         self.caches_by_virtual_engine: list[list[KVCache]] = []
         self.graphs: DecodeGraphs | KernelGraphs | None = None
-        # The host tier (kv_offload_gb): its blocks, allocated by initialize_cache.
-        self.num_host_blocks = config.kv_offload_bytes // max(self.block_bytes, 1)
-        if not self.block_bytes:  # (no attention: nothing to offload)
-            self.num_host_blocks = 0
-        elif config.kv_offload_bytes and self.num_host_blocks == 0:
+        # The host tier (kv_offload_gb): its blocks, allocated by initialize_cache (none
+        # where no layer attends: nothing to offload).
+        block = self.block_bytes
+        self.num_host_blocks = config.kv_offload_bytes // block if block else 0
+        if block and config.kv_offload_bytes and self.num_host_blocks == 0:
             raise ValueError(
                 f"kv_offload_gb ({config.kv_offload_bytes} bytes) holds no KV block of "
                 f"{self.block_bytes} bytes"
