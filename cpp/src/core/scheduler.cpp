@@ -211,14 +211,15 @@ int Scheduler::capped_by_threshold(int num_remaining_tokens) const {
   return threshold > 0 ? std::min(num_remaining_tokens, threshold) : num_remaining_tokens;
 }
 
-int Scheduler::checkpoint_aligned(const Request& r, int first, int n) const {
+int Scheduler::checkpoint_aligned(int first, int n) const {
   // With recurrent-state checkpoints, a chunk of known tokens ends at a block boundary
   // (where the manager checkpoints the state), and a prompt's last full block ends a
   // step of its own: a later prompt that shares it resumes from there.
   if (kv_.config().num_state_checkpoints == 0) return n;
+  // (first + n never passes the known tokens: it ends a chunk or the prompt)
   const int size = kv_.block_size();
   const int end = first + n;
-  const int aligned = (end < r.num_tokens() ? end : r.num_tokens()) / size * size;
+  const int aligned = end / size * size;
   return aligned > first && aligned < end ? aligned - first : n;
 }
 
@@ -263,7 +264,7 @@ int Scheduler::schedule() {
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
     const int n = checkpoint_aligned(
-        *r, r->num_computed_tokens,
+        r->num_computed_tokens,
         std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget));
     if (n == 0) {  // a sample forked this step: it has nothing to compute
       ++i;
@@ -337,7 +338,7 @@ int Scheduler::schedule() {
     const int computed = swapped ? r->num_computed_tokens : hit.num_computed_tokens;
     int n = capped_by_threshold(r->num_tokens() - computed);
     if (!config_.enable_chunked_prefill && n > budget) break;
-    n = checkpoint_aligned(*r, computed, std::min(n, budget));
+    n = checkpoint_aligned(computed, std::min(n, budget));
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
     it = waiting_.erase(it);
     if (new_adapter) adapters.push_back(adapter);
@@ -399,7 +400,7 @@ void Scheduler::write_step(const std::vector<std::pair<Request*, int>>& schedule
     b.num_scheduled_tokens[i] = n + drafts;
     b.num_draft_tokens[i] = drafts;
     b.state_slots[i] = kv_.state_slot(r->kv_handle);
-    b.has_state[i] = first > 0 ? 1 : 0;  // (no prefix hit with states: `first` was computed)
+    b.has_state[i] = first > 0 ? 1 : 0;  // (a prefix hit's state loads before the step)
     const bool sampling = r->num_computed_tokens == r->num_tokens();
     b.is_sampling[i] = sampling ? 1 : 0;
     // The last token's row, then each draft's: a row for every token the step may accept.
