@@ -107,6 +107,9 @@ void bind_recurrent(py::module_& m) {
              "Mamba-2's state-space recurrence over each request's tokens from its state slot "
              "(zeros where has_state is 0), the slot written back; D and dt_bias may be None. "
              "See cpp/include/pyengine/recurrent.h.");
+  m.def("set_recurrent_chunks_from", &set_recurrent_chunks_from, py::arg("tokens"),
+        "Runs of at least `tokens` tokens take gated_delta_rule's and ssm_scan's chunked "
+        "form on the CPU, shorter ones the recurrence token by token; 0: the default.");
 }
 
 }  // namespace pyengine::bindings

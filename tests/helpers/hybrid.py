@@ -79,3 +79,21 @@ def assert_generations_and_forks(llm: Any, model: torch.nn.Module) -> None:
     kv = llm.llm_engine.scheduler.kv_cache  # (nothing held after)
     assert kv.num_free_blocks == llm.llm_engine.executor.num_blocks
     assert kv.num_free_state_slots == 2
+
+
+def assert_chunked_form_keeps_tokens(folder: Path, model: torch.nn.Module,
+                                     engine: dict[str, Any]) -> None:  # fmt: skip
+    """Every run of tokens through the recurrent kernels' chunked form (prefill's, 64
+    tokens a chunk; pinned for every run, decodes' single tokens too): prompts of a
+    partial chunk, a whole one and two and a part give transformers' tokens and logits."""
+    from helpers.hf_reference import assert_tokens_and_logits_match
+    from pyengine import _C, LLM
+
+    _C.set_recurrent_chunks_from(1)
+    try:
+        llm = LLM(str(folder), **engine)
+        rng = np.random.default_rng(3)
+        prompts = [rng.integers(0, 256, n).tolist() for n in (5, 64, 150)]
+        assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 200).tolist())
+    finally:
+        _C.set_recurrent_chunks_from(0)

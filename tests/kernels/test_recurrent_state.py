@@ -24,6 +24,15 @@ def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     _C.set_attention_isa("auto")
 
 
+@pytest.fixture(params=["tokens", "chunks"])
+def form(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each run token by token, or a chunk (64 tokens) at a time: the lengths below both
+    divide into chunks and leave a partial one."""
+    _C.set_recurrent_chunks_from(1 if request.param == "chunks" else 1 << 40)
+    yield request.param
+    _C.set_recurrent_chunks_from(0)
+
+
 def delta_reference(q, k, v, g, beta, state, scale, normalize):  # type: ignore[no-untyped-def]
     """One request's tokens, float64: out [T, Hv, dv] and the final state [Hv, dk, dv]."""
     q, k, v, g, beta, s = (x.double() for x in (q, k, v, g, beta, state))
@@ -82,10 +91,10 @@ def requests(rng: np.random.Generator, lengths: list[int], num_slots: int):  # t
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize(("hk", "hv", "dk", "dv"), [(2, 4, 16, 32), (1, 3, 12, 20)])
 def test_gated_delta_rule_matches_the_float64_recurrence(
-    isa: str, normalize: bool, hk: int, hv: int, dk: int, dv: int
+    isa: str, form: str, normalize: bool, hk: int, hv: int, dk: int, dv: int
 ) -> None:
     rng = np.random.default_rng()
-    lengths = [1, 5, 17, 1, 40]
+    lengths = [1, 5, 17, 1, 64, 150]
     slots, has, qsl = requests(rng, lengths, num_slots=8)
     t = int(qsl[-1])
     q, k = torch.randn(t, hk, dk), torch.randn(t, hk, dk)
@@ -138,11 +147,11 @@ def test_causal_conv1d_matches_the_float64_convolution(
 @pytest.mark.parametrize(("heads", "groups", "p", "n"), [(4, 2, 8, 16), (3, 1, 5, 12)])
 @pytest.mark.parametrize("extras", [True, False])
 def test_ssm_scan_matches_the_float64_recurrence(
-    isa: str, heads: int, groups: int, p: int, n: int, extras: bool
+    isa: str, form: str, heads: int, groups: int, p: int, n: int, extras: bool
 ) -> None:
     """With D and dt_bias, softplus and a clamp of the step (extras), or none of them."""
     rng = np.random.default_rng()
-    lengths = [1, 6, 19, 1, 30]
+    lengths = [1, 6, 19, 1, 128, 131]
     slots, has, qsl = requests(rng, lengths, num_slots=9)
     t = int(qsl[-1])
     x, b, c = torch.randn(t, heads, p), torch.randn(t, groups, n), torch.randn(t, groups, n)
@@ -166,11 +175,11 @@ def test_ssm_scan_matches_the_float64_recurrence(
     assert torch.equal(state[unused], before[unused])
 
 
-def test_a_request_split_across_calls_gives_one_calls_results() -> None:
+def test_a_request_split_across_calls_gives_one_calls_results(form: str) -> None:
     """A prefill in two chunks, then decode steps, continue through the state slots as
     one call over all the tokens does (the engine's chunked prefill and decoding)."""
     torch.manual_seed(0)
-    hk, hv, dk, dv, c, width, t = 2, 4, 16, 16, 24, 4, 30
+    hk, hv, dk, dv, c, width, t = 2, 4, 16, 16, 24, 4, 94
     q, k, v = torch.randn(t, hk, dk), torch.randn(t, hk, dk), torch.randn(t, hv, dv)
     g, beta, x = -torch.rand(t, hv), torch.rand(t, hv), torch.randn(t, c)
     weight = torch.randn(c, width)
@@ -204,7 +213,7 @@ def test_a_request_split_across_calls_gives_one_calls_results() -> None:
                 ssm_state)  # fmt: skip
 
     whole = run([t])
-    split = run([12, 2, 13, 1, 1, 1])
+    split = run([12, 2, 13, 1, 1, 65])
     for a, b in zip(whole, split, strict=True):
         assert torch.allclose(a, b, atol=1e-5)
 

@@ -17,7 +17,7 @@ from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
 )
-from helpers.hybrid import assert_generations_and_forks, randomize
+from helpers.hybrid import assert_chunked_form_keeps_tokens, assert_generations_and_forks, randomize
 
 from pyengine import LLM
 
@@ -49,6 +49,11 @@ def test_greedy_tokens_and_logits_match_transformers(mamba) -> None:  # type: ig
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
     assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
+
+
+def test_prefills_by_chunks_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]
+    folder, model = mamba
+    assert_chunked_form_keeps_tokens(folder, model, ENGINE)
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]

@@ -20,7 +20,11 @@ from helpers.hf_reference import (
     assert_tokens_and_logits_match,
     hf_greedy,
 )
-from helpers.hybrid import assert_preemption_and_forks_keep_tokens, randomize
+from helpers.hybrid import (
+    assert_chunked_form_keeps_tokens,
+    assert_preemption_and_forks_keep_tokens,
+    randomize,
+)
 
 from pyengine import LLM, SamplingParams
 
@@ -68,6 +72,11 @@ def test_greedy_tokens_and_logits_match_transformers(hybrid) -> None:  # type: i
     rng = np.random.default_rng(2)
     prompts = [rng.integers(0, 256, n).tolist() for n in (1, 3, 20, 90)]
     assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 70).tolist())
+
+
+def test_prefills_by_chunks_keep_the_tokens(hybrid) -> None:  # type: ignore[no-untyped-def]
+    _, folder, model = hybrid
+    assert_chunked_form_keeps_tokens(folder, model, ENGINE)
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])

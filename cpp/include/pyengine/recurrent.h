@@ -14,7 +14,8 @@
 
 namespace pyengine {
 
-// Gated DeltaNet's recurrence (the gated delta rule), token by token. For a value head h
+// Gated DeltaNet's recurrence (the gated delta rule): decode token by token, a prefill's
+// long runs by its chunked parallel form, the same sums in another order. For a value head h
 // (its key head h / (Hv / Hk)) and token t, with S the head's state [dk, dv]:
 //   S = exp(g[t, h]) * S;  d = beta[t, h] * (v[t, h] - S^T k[t]);  S += k[t] d^T;
 //   out[t, h] = S^T q[t] * scale
@@ -42,7 +43,8 @@ void causal_conv1d(const TensorView& out, const TensorView& x, const TensorView&
                    const TensorView& has_state, const TensorView& query_start_loc, bool silu,
                    void* stream = nullptr);
 
-// Mamba-2's state-space recurrence (its selective scan), token by token. For head h (of
+// Mamba-2's state-space recurrence (its selective scan): decode token by token, long runs
+// by chunks (its state-space dual form). For head h (of
 // group h / (H / G)) and token t, with S the head's state [P, N]:
 //   step = clamp(softplus(dt[t, h] + dt_bias[h]), dt_min, dt_max)  (no softplus unless
 //          dt_softplus);
@@ -57,5 +59,11 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
               const TensorView& dt_bias, const TensorView& state, const TensorView& state_slots,
               const TensorView& has_state, const TensorView& query_start_loc, bool dt_softplus,
               float dt_min, float dt_max, void* stream = nullptr);
+
+// The form a run of tokens takes on the CPU in gated_delta_rule and ssm_scan: runs of at
+// least `tokens` tokens go by the chunked parallel form (prefill's), shorter ones token by
+// token; 0 restores each kernel's measured default. Tests pin either form with it (1: every
+// run by chunks), as they pin the instruction set.
+void set_recurrent_chunks_from(int64_t tokens);
 
 }  // namespace pyengine

@@ -1,8 +1,9 @@
 // Gated DeltaNet's recurrence on the CPU (pyengine/recurrent.h): a work item is one
-// request's tokens through one value head, token by token over the head's state [dk, dv]
-// (two passes over it a token: the decay with the key's recall, then the update with the
-// query's read; a block of its columns at a time for runs of tokens), the loops built
-// per instruction set (recurrent_kernel.inc).
+// request's tokens through one value head over the head's state [dk, dv]. Short runs
+// (decode) go token by token (two passes over the state a token: the decay with the key's
+// recall, then the update with the query's read; a block of its columns at a time for
+// runs of tokens); long runs (prefill) go by the chunked parallel form
+// (recurrent_chunks.inc). The loops are built per instruction set (recurrent_kernel.inc).
 #include <omp.h>
 
 #include <cmath>
@@ -26,6 +27,14 @@ constexpr const char* kOp = "gated_delta_rule";
 constexpr int64_t cuda_max_key_dim = 256;  // (cuda/recurrent_kernels.cuh: kMaxKeyDim)
 
 }  // namespace
+
+void set_recurrent_chunks_from(int64_t tokens) {
+  if (tokens < 0) {
+    throw InvalidArgument("set_recurrent_chunks_from: tokens must be >= 0 (0: the default), got " +
+                          std::to_string(tokens));
+  }
+  detail::chunks_from_pin.store(tokens, std::memory_order_relaxed);
+}
 
 void gated_delta_rule(const TensorView& out, const TensorView& query, const TensorView& key,
                       const TensorView& value, const TensorView& g, const TensorView& beta,

@@ -4,6 +4,7 @@
 // attention_isa(), as the attention kernels are.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 
 #include "pyengine/attention.h"
@@ -42,6 +43,16 @@ struct SsmRun {
   int64_t tokens, head_dim, state_size;
   bool dt_softplus, fresh;
 };
+
+// set_recurrent_chunks_from's pin (0: none).
+inline std::atomic<int64_t> chunks_from_pin{0};
+
+// Whether a run of `tokens` tokens goes by chunks: from `fallback` tokens up (the
+// kernel's default) unless pinned.
+inline bool by_chunks(int64_t tokens, int64_t fallback) {
+  const int64_t pin = chunks_from_pin.load(std::memory_order_relaxed);
+  return tokens >= (pin > 0 ? pin : fallback);
+}
 
 // One instruction set's build of the loops.
 struct RecurrentBuild {

@@ -1,7 +1,8 @@
 // Mamba-2's state-space recurrence on the CPU (pyengine/recurrent.h): a work item is one
-// request's tokens through one head, token by token over the head's state [P, N] (one
-// pass over it a token: decay, input along B, read along C), the loops built per
-// instruction set (recurrent_kernel.inc).
+// request's tokens through one head over the head's state [P, N]. Short runs (decode) go
+// token by token (one pass over the state a token: decay, input along B, read along C);
+// long runs (prefill) by chunks, the scan's state-space dual form (recurrent_chunks.inc).
+// The loops are built per instruction set (recurrent_kernel.inc).
 #include <omp.h>
 
 #include <cmath>
