@@ -361,6 +361,8 @@ class EngineConfig:
     kv_offload_bytes: int = 0
     kv_offload_dir: str | None = None  # on the CPU: the tier in a file in this folder
     preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
+    # Hybrid models: recurrent states checkpointed every this many blocks for prefix hits
+    state_checkpoint_interval: int = 1
 
     @property
     def cache_dtype(self) -> str:
@@ -382,6 +384,8 @@ class EngineConfig:
             "quantized_activations": self.quantized_activations in QUANTIZED_ACTIVATIONS,
             "kv_offload_bytes": self.kv_offload_bytes >= 0,
             "preemption_mode": self.preemption_mode in PREEMPTION_MODES,
+            "state_checkpoint_interval": isinstance(self.state_checkpoint_interval, int)
+            and self.state_checkpoint_interval >= 1,
         }
         for name, ok in checks.items():
             if not ok:

@@ -222,7 +222,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                        const std::string& policy, int max_loras, double draft_row_cost,
                        int num_host_blocks, const std::string& preemption_mode,
                        const std::vector<std::pair<std::string, int>>& groups,
-                       int num_state_slots, int num_state_checkpoints) {
+                       int num_state_slots, int num_state_checkpoints,
+                       int state_checkpoint_interval) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -236,7 +237,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
                                        num_host_blocks, kv_groups(groups), num_state_slots,
-                                       num_state_checkpoints});
+                                       num_state_checkpoints, state_checkpoint_interval});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -249,8 +250,10 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            py::arg("num_host_blocks") = 0, py::arg("preemption_mode") = "recompute",
            // kv_groups: one full-attention group
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
-           // num_state_slots: 0, no recurrent states; num_state_checkpoints: 0, none
-           py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0)
+           // num_state_slots: 0, no recurrent states; num_state_checkpoints: 0, none;
+           // state_checkpoint_interval: checkpoints every block
+           py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0,
+           py::arg("state_checkpoint_interval") = 1)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

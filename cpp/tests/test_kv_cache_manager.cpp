@@ -325,6 +325,38 @@ TEST(a_checkpoint_goes_with_its_blocks_cache_entry) {
   CHECK_EQ(kv.num_state_checkpoints_held(), 0);
 }
 
+TEST(checkpoints_every_k_blocks_and_at_the_prompts_last_full_block) {
+  KVCacheConfig config{32, 4, true};
+  config.num_state_slots = 1;
+  config.num_state_checkpoints = 4;
+  config.state_checkpoint_interval = 3;
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(22));  // (its prompt's last full block: block 4)
+  // A block boundary each step: checkpoints at blocks 2 (the interval) and 4 (the prompt).
+  for (int block = 0; block < 5; ++block) {
+    CHECK(kv.allocate_slots("a", 4).has_value());
+    const size_t saves = kv.take_pending_state_copies().size();
+    CHECK_EQ(saves, static_cast<size_t>(block == 2 || block == 4 ? 1 : 0));
+  }
+  CHECK(kv.allocate_slots("a", 2).has_value());  // (22: no boundary)
+  kv.append_token_ids("a", iota_tokens(6, 500));
+  for (int block = 5; block < 7; ++block) {  // decode steps: the interval's block 5 alone
+    CHECK(kv.allocate_slots("a", block == 5 ? 2 : 4).has_value());
+    CHECK_EQ(kv.take_pending_state_copies().size(), static_cast<size_t>(block == 5 ? 1 : 0));
+  }
+  CHECK_EQ(kv.num_state_checkpoints_held(), 3);
+  // A prompt sharing 19 tokens hits up to block 2's checkpoint (12 tokens), not block 3's
+  // end; one sharing the whole prompt, up to block 4 (20).
+  auto shares = iota_tokens(19);
+  shares.push_back(999);
+  kv.add_request("b", shares);
+  CHECK_EQ(kv.get_computed_blocks("b").num_computed_tokens, 12);
+  kv.add_request("c", iota_tokens(23));
+  CHECK_EQ(kv.get_computed_blocks("c").num_computed_tokens, 20);
+  config.state_checkpoint_interval = 0;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});
+}
+
 TEST(state_checkpoints_need_slots_prefix_caching_one_group_and_no_host_tier) {
   KVCacheConfig config{16, 4, true};
   config.num_state_slots = 2;

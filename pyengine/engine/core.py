@@ -105,6 +105,7 @@ class EngineCore:
                 kv_groups=list(executor.kv_groups),
                 num_state_slots=executor.num_state_slots,
                 num_state_checkpoints=executor.num_state_checkpoints,
+                state_checkpoint_interval=config.state_checkpoint_interval,
             )
             for _ in range(num_virtual_engines)
         ]

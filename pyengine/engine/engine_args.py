@@ -74,6 +74,11 @@ class EngineArgs:
     # "recompute": a preempted request's blocks are freed, its tokens computed again;
     # "swap" (with kv_offload_gb): its blocks are copied to the host tier and back.
     preemption_mode: str = "recompute"
+    # Hybrid models with prefix caching: their recurrent states are checkpointed every
+    # this many blocks (and at each prompt's last full block), hits resuming from the
+    # last checkpoint. A larger interval keeps each checkpoint that many times longer in
+    # the same memory; a hit may then end up to interval - 1 blocks earlier.
+    state_checkpoint_interval: int = 1
 
     # Ranks per pipeline stage, and stages; their product is the number of workers.
     tensor_parallel_size: int = 1
@@ -165,6 +170,7 @@ class EngineArgs:
             kv_offload_bytes=int(self.kv_offload_gb * 2**30),
             kv_offload_dir=self.kv_offload_dir,
             preemption_mode=self.preemption_mode,
+            state_checkpoint_interval=self.state_checkpoint_interval,
             parallel=parallel,
             quantized_activations=precision.quantized_activations,
             lora=LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)

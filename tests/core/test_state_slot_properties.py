@@ -46,14 +46,20 @@ class StateSlotMachine(RuleBasedStateMachine):
         block_size=st.sampled_from([1, 2, 4]),
         num_state_slots=st.integers(1, 4),
         num_state_checkpoints=st.sampled_from([0, 1, 3]),  # (> 0: with prefix caching)
+        interval=st.integers(1, 3),
     )
     def make_manager(
-        self, num_blocks: int, block_size: int, num_state_slots: int, num_state_checkpoints: int
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_state_slots: int,
+        num_state_checkpoints: int,
+        interval: int,
     ) -> None:
         self.kv = KVCacheManager(
             num_blocks=num_blocks, block_size=block_size,
             enable_prefix_caching=num_state_checkpoints > 0, num_state_slots=num_state_slots,
-            num_state_checkpoints=num_state_checkpoints,
+            num_state_checkpoints=num_state_checkpoints, state_checkpoint_interval=interval,
         )  # fmt: skip
         self.num_slots = num_state_slots
 

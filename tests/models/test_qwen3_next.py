@@ -121,6 +121,26 @@ def test_a_prefix_hit_resumes_the_state_from_a_checkpoint(hybrid) -> None:  # ty
     assert not offloading.llm_engine.config.enable_prefix_caching
 
 
+@pytest.mark.parametrize(("interval", "cached"), [(1, 48), (2, 32)])
+def test_checkpoints_every_k_blocks(hybrid, interval: int, cached: int) -> None:  # type: ignore[no-untyped-def]
+    """Prefill chunks of 16 tokens: a 70-token prompt leaves a checkpoint at every block
+    (interval 1), or at every second block and its last full one (interval 2, chunks cut
+    there); a prompt sharing 55 of its tokens resumes from the last at or before 48."""
+    _, folder, model = hybrid
+    llm = LLM(str(folder), max_num_batched_tokens=16, state_checkpoint_interval=interval,
+              **ENGINE)  # fmt: skip
+    rng = np.random.default_rng(9)
+    first = rng.integers(0, 256, 70).tolist()
+    second = first[:55] + rng.integers(0, 256, 6).tolist()
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for prompt, hit in ((first, 0), (second, cached)):
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        assert out.num_cached_tokens == hit
+        assert out.outputs[0].token_ids == hf_greedy(model, prompt, 6)
+    with pytest.raises(ValueError, match="state_checkpoint_interval"):
+        LLM(str(folder), state_checkpoint_interval=0, **ENGINE)
+
+
 def test_speculative_decoding_and_adapters_are_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = hybrid
     spec = {"method": "ngram", "num_speculative_tokens": 3}

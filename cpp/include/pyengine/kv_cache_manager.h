@@ -82,6 +82,11 @@ struct KVCacheConfig {
   // state is checkpointed where an allocation ends at a block boundary (the scheduler
   // ends prefill chunks there); a hit ends at the last block that has one.
   int num_state_checkpoints = 0;
+  // Checkpoints at every this many blocks (>= 1) of a request, and at its prompt's last
+  // full block (where a later prompt that shares it resumes): a larger interval keeps
+  // each checkpoint that many times longer in the same slots, and a hit may end up to
+  // interval - 1 blocks earlier.
+  int state_checkpoint_interval = 1;
 };
 
 // One group's part of a prefix hit: the hit blocks it still needs, from logical block
@@ -260,6 +265,7 @@ class KVCacheManager {
     bool swapped = false;
     bool lookup_counted = false;  // in the prefix-cache statistics already
     int state_slot = -1;          // the recurrent-state slot (-1: none)
+    int num_prompt_tokens = 0;
   };
 
   // What an allocation needs of one group.
@@ -320,6 +326,10 @@ class KVCacheManager {
   std::span<const TokenId> block_tokens(const Request& request, size_t block_index) const;
   void extend_block_keys(Request& request);
   void cache_full_blocks(Request& request);
+  // Whether a request's state is checkpointed where an allocation ends `end` tokens in
+  // (a block boundary): every state_checkpoint_interval blocks and at the prompt's last
+  // full block.
+  bool checkpoints_at(const Request& request, int end) const;
   // A checkpoint of the request's state at the end of block `block_index`, which this
   // allocation completed, if the block is cached and has none yet.
   void save_checkpoint(const Request& request, size_t block_index);

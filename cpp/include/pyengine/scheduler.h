@@ -200,8 +200,9 @@ class Scheduler {
   Request* preempt_last_running(std::vector<std::pair<Request*, int>>& scheduled, int& budget);
   // At most long_prefill_token_threshold of a request's remaining tokens, if set.
   int capped_by_threshold(int num_remaining_tokens) const;
-  // n tokens from `first` on, ended at a block boundary where states are checkpointed.
-  int checkpoint_aligned(int first, int n) const;
+  // n of r's tokens from `first` on, ended at a block boundary where states are
+  // checkpointed.
+  int checkpoint_aligned(const Request& r, int first, int n) const;
   // Sequences that running requests hold or have reserved for samples not yet forked.
   int num_running_seqs() const;
   // Once sample 0's prompt is computed, its samples share its blocks and join the step

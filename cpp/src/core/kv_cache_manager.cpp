@@ -53,6 +53,10 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config)
     check_argument(!host_ && config_.groups.size() == 1,
                    "state checkpoints are kept with one KV-cache group and no host tier");
   }
+  if (config.state_checkpoint_interval < 1) {
+    throw InvalidArgument("state_checkpoint_interval must be at least 1 (blocks), got " +
+                          std::to_string(config.state_checkpoint_interval));
+  }
   checkpoint_block_.assign(static_cast<size_t>(config.num_state_checkpoints), kNoBlock);
   free_state_slots_.reserve(static_cast<size_t>(config.num_state_slots));
   for (int slot = config.num_state_slots - 1; slot >= 0; --slot) free_state_slots_.push_back(slot);
@@ -118,6 +122,7 @@ void KVCacheManager::add_request(const RequestId& id, std::span<const TokenId> p
   }
   register_request(id, [&](Request& request) {
     request.token_ids.assign(prompt_token_ids.begin(), prompt_token_ids.end());
+    request.num_prompt_tokens = static_cast<int>(prompt_token_ids.size());
     request.groups.resize(config_.groups.size());
     for (size_t g = 0; g < request.groups.size(); ++g) {
       GroupTable& table = request.groups[g];
@@ -461,8 +466,8 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);
-  if (config_.num_state_checkpoints > 0 && num_lookahead == 0 && end % size == 0) {
-    save_checkpoint(request, static_cast<size_t>(end / size - 1));
+  if (config_.num_state_checkpoints > 0 && num_lookahead == 0 && checkpoints_at(request, end)) {
+    save_checkpoint(request, static_cast<size_t>(end / block_size() - 1));
   }
   return std::span<const BlockId>(request.groups[0].blocks)
       .last(static_cast<size_t>(p.groups[0].num_new_blocks));
@@ -489,6 +494,13 @@ void KVCacheManager::cache_full_blocks(Request& request) {
       ++table.num_cached;
     }
   }
+}
+
+bool KVCacheManager::checkpoints_at(const Request& request, int end) const {
+  const int size = block_size();
+  if (end % size != 0) return false;
+  return (end / size) % config_.state_checkpoint_interval == 0 ||
+         end == request.num_prompt_tokens / size * size;
 }
 
 void KVCacheManager::save_checkpoint(const Request& request, size_t block_index) {

@@ -211,15 +211,18 @@ int Scheduler::capped_by_threshold(int num_remaining_tokens) const {
   return threshold > 0 ? std::min(num_remaining_tokens, threshold) : num_remaining_tokens;
 }
 
-int Scheduler::checkpoint_aligned(int first, int n) const {
-  // With recurrent-state checkpoints, a chunk of known tokens ends at a block boundary
-  // (where the manager checkpoints the state), and a prompt's last full block ends a
-  // step of its own: a later prompt that shares it resumes from there.
-  if (kv_.config().num_state_checkpoints == 0) return n;
+int Scheduler::checkpoint_aligned(const Request& r, int first, int n) const {
+  // With recurrent-state checkpoints, a chunk of known tokens ends where the manager
+  // checkpoints the state (every state_checkpoint_interval blocks), and the prompt's
+  // last full block ends a step of its own: a later prompt that shares it resumes there.
+  const KVCacheConfig& kv = kv_.config();
+  if (kv.num_state_checkpoints == 0) return n;
   // (first + n never passes the known tokens: it ends a chunk or the prompt)
-  const int size = kv_.block_size();
+  const int size = kv_.block_size(), unit = size * kv.state_checkpoint_interval;
   const int end = first + n;
-  const int aligned = end / size * size;
+  const int prompt_blocks_end = r.num_prompt_tokens / size * size;
+  int aligned = end / unit * unit;
+  if (prompt_blocks_end < end) aligned = std::max(aligned, prompt_blocks_end);
   return aligned > first && aligned < end ? aligned - first : n;
 }
 
@@ -264,7 +267,7 @@ int Scheduler::schedule() {
   for (size_t i = 0; i < running_.size() && budget > 0;) {
     Request* r = running_[i];
     const int n = checkpoint_aligned(
-        r->num_computed_tokens,
+        *r, r->num_computed_tokens,
         std::min(capped_by_threshold(r->num_tokens() - r->num_computed_tokens), budget));
     if (n == 0) {  // a sample forked this step: it has nothing to compute
       ++i;
@@ -338,7 +341,7 @@ int Scheduler::schedule() {
     const int computed = swapped ? r->num_computed_tokens : hit.num_computed_tokens;
     int n = capped_by_threshold(r->num_tokens() - computed);
     if (!config_.enable_chunked_prefill && n > budget) break;
-    n = checkpoint_aligned(computed, std::min(n, budget));
+    n = checkpoint_aligned(*r, computed, std::min(n, budget));
     if (!kv_.allocate_slots(r->id, n, 0, &hit)) break;
     it = waiting_.erase(it);
     if (new_adapter) adapters.push_back(adapter);

@@ -116,6 +116,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="recompute: a preempted request's KV is computed again; swap (with "
         "--kv-offload-gb): copied to the host tier and back",
     )  # fmt: skip
+    parser.add_argument(
+        "--state-checkpoint-interval", type=int, default=d.state_checkpoint_interval,
+        metavar="BLOCKS", help="hybrid models with prefix caching: checkpoint the recurrent "
+        "states every this many blocks (and at each prompt's last full block)",
+    )  # fmt: skip
     parser.add_argument("--gpu-memory-utilization", type=float, default=d.gpu_memory_utilization)
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
