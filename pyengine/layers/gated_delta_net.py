@@ -61,14 +61,17 @@ def split_qwen3_next(qkvz: torch.Tensor, ba: torch.Tensor, shape: DeltaNetShape)
     per = shape.value_heads // hk
     dk, dv = shape.key_dim, shape.value_dim
     q, k, v, z = torch.split(qkvz.view(tokens, hk, -1), [dk, dk, per * dv, per * dv], dim=-1)
-    b, a = torch.split(ba.view(tokens, hk, 2 * per), [per, per], dim=-1)
+    b, a = split_ba(ba, shape)
     qkv = torch.cat((q.reshape(tokens, -1), k.reshape(tokens, -1), v.reshape(tokens, -1)), -1)
-    return DeltaNetInputs(
-        qkv.contiguous(),
-        z.reshape(tokens, shape.value_heads, dv),
-        b.reshape(tokens, shape.value_heads),
-        a.reshape(tokens, shape.value_heads),
-    )
+    return DeltaNetInputs(qkv.contiguous(), z.reshape(tokens, shape.value_heads, dv), b, a)
+
+
+def split_ba(ba: torch.Tensor, shape: DeltaNetShape) -> tuple[torch.Tensor, torch.Tensor]:
+    """b and a [tokens, value heads] from Qwen3-Next's in_proj_ba output, which holds
+    each key head's value heads' b, then their a."""
+    tokens, per = ba.shape[0], shape.value_heads // shape.key_heads
+    b, a = torch.split(ba.view(tokens, shape.key_heads, 2 * per), [per, per], dim=-1)
+    return b.reshape(tokens, shape.value_heads), a.reshape(tokens, shape.value_heads)
 
 
 def split_qwen3_5(

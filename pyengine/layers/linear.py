@@ -215,6 +215,13 @@ class ColumnParallelLinear(LinearBase):
         _, start, length, local = self.part_rows(part)
         self.load_blocks(local, blocks.rows(start, start + length))
 
+    def load_fused_blocks(self, blocks: BlockQuantized) -> None:
+        """load_fused's blocks: a GGUF tensor of every part stacked (Mamba-2's in_proj)."""
+        first = 0
+        for part, size in enumerate(self.output_sizes):
+            self.load_part_blocks(blocks.rows(first, first + size), part)
+            first += size
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)
         return self.tp.all_gather(out) if self.gather_output else out

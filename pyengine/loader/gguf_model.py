@@ -18,7 +18,7 @@ from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, GG
 from pyengine.models.registry import gguf_architecture
 from pyengine.utils.lazy_weights import LazyWeights
 
-_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
+_LAYER_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)(?:\.(weight|bias))?")
 
 
 def config_from_gguf(g: GGUFFile) -> ModelConfig:
@@ -129,18 +129,21 @@ def weights_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyWeights:
     for name in g.tensors:
         hf_name, rope_heads = _hf_name(g, arch, name, config)
         if hf_name is not None:
-            readers[hf_name] = functools.partial(_read_tensor, g, arch, name, hf_name, rope_heads)
+            readers[hf_name] = functools.partial(
+                _read_tensor, g, arch, name, hf_name, rope_heads, config
+            )
     return LazyWeights(readers)
 
 
 def _read_tensor(
-    g: GGUFFile, arch: GGUFArchitecture, name: str, hf_name: str, rope_heads: int
-) -> torch.Tensor:
+    g: GGUFFile, arch: GGUFArchitecture, name: str, hf_name: str, rope_heads: int,
+    config: ModelConfig,
+) -> torch.Tensor:  # fmt: skip
     array = g.tensor(name)
     if rope_heads:
         array = _unpermute_rope(array, rope_heads)
     if arch.to_hf is not None:
-        array = arch.to_hf(hf_name, array)
+        array = arch.to_hf(hf_name, array, config)
     return torch.from_numpy(np.ascontiguousarray(array))
 
 
@@ -186,17 +189,19 @@ def _hf_name(
 ) -> tuple[str | None, int]:
     """(GGUF tensor `name`'s Hugging Face name, or None for a tensor not loaded; the heads
     whose rows llama.cpp permuted for its rope, or 0)."""
-    m = _LAYER_TENSOR.fullmatch(name)
     if name in arch.global_tensors:
         return arch.global_tensors[name], 0
     if name in ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"):
         return None, 0  # in the config's rope_scaling (_rope_scaling)
-    whole = m and f"{m.group(2)}.{m.group(3)}" in arch.layer_tensors  # (a leaf of its own)
-    if not (m and (whole or m.group(2) in arch.layer_tensors)):
+    m = _LAYER_TENSOR.fullmatch(name)
+    if m is None:
         raise GGUFError(f"{g.path}: unexpected tensor {name}")
-    if whole:
-        leaf = arch.layer_tensors[f"{m.group(2)}.{m.group(3)}"]
-        return f"{arch.layer_prefix}.{m.group(1)}.{leaf}", 0
+    # (a leaf of its own: "<part>.<weight|bias>", or "<part>" where the name has neither)
+    leaf_key = m.group(2) if m.group(3) is None else f"{m.group(2)}.{m.group(3)}"
+    if leaf_key in arch.layer_tensors:
+        return f"{arch.layer_prefix}.{m.group(1)}.{arch.layer_tensors[leaf_key]}", 0
+    if m.group(3) is None or m.group(2) not in arch.layer_tensors:
+        raise GGUFError(f"{g.path}: unexpected tensor {name}")
     layer_name = arch.layer_tensors[m.group(2)]
     hf_name = f"{arch.layer_prefix}.{m.group(1)}.{layer_name}.{m.group(3)}"
     if not arch.rope_permuted:

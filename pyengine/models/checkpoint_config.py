@@ -60,7 +60,8 @@ class GGUFArchitecture:
     # llama.cpp's tensor names and the model's Hugging Face ones: whole names outside the
     # layers; inside them blk.N.<part>.weight becomes <layer_prefix>.N.<layer name>.weight,
     # and a key "<part>.<weight|bias>" names a whole leaf (blk.N.exp_probs_b.bias:
-    # <layer_prefix>.N.mlp.gate.e_score_correction_bias).
+    # <layer_prefix>.N.mlp.gate.e_score_correction_bias), as does the key of a tensor
+    # named without either (blk.N.ssm_a: "ssm_a" -> "mixer.A_log").
     global_tensors: Mapping[str, str]
     layer_tensors: Mapping[str, str]
     layer_prefix: str
@@ -71,9 +72,10 @@ class GGUFArchitecture:
     # Mixtral): whether a file's metadata is this one's. None: the name's default.
     holds: Callable[[GGUFMetadata], bool] | None = None
     # A float tensor's values as the Hugging Face checkpoint holds them, by its Hugging
-    # Face name, where llama.cpp's conversion changed them (Gemma's norms: it stores
-    # 1 + w). None: as they are.
-    to_hf: Callable[[str, Any], Any] | None = None
+    # Face name and the model's config, where llama.cpp's conversion changed them
+    # (Gemma's norms: it stores 1 + w; Mamba-2's A: -exp(A_log)). None: as they are.
+    # (Block-quantized matrices are read as stored: only float tensors may change.)
+    to_hf: Callable[[str, Any, ModelConfig], Any] | None = None
 
 
 def hf_values_from_gguf(m: GGUFMetadata) -> dict[str, Any]:

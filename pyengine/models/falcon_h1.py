@@ -25,8 +25,15 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.layernorm import RMSNorm
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    hf_values_from_gguf,
+    integer,
+)
 from pyengine.models.llama import (
+    _GGUF_LAYER_TENSORS,
     MLP,
     Attention,
     DecoderLayer,
@@ -40,7 +47,10 @@ from pyengine.models.mamba2 import (
     Mamba2Layer,
     MambaSizes,
     check_mamba_split,
+    gguf_mamba_sizes,
+    gguf_mamba_tensors,
     mamba_sizes,
+    mamba_values_to_hf,
 )
 from pyengine.models.weights import WeightRouter
 
@@ -95,6 +105,42 @@ def _config_from_falcon(raw: Mapping[str, Any], common: CommonValues) -> ModelCo
     return replace(config, family=family)
 
 
+def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's falcon-h1 keys as the config.json they came from says them. Its
+    conversion folds every multiplier into the weights (so here each is 1), and
+    llama.cpp's Mamba-2 layer gates before its norm, where the file has one."""
+    names = m.tensor_names
+    raw = {
+        **hf_values_from_gguf(m), **gguf_mamba_sizes(m, 0, HYBRID_KEYS),
+        "head_dim": integer(m.field("attention.key_length")),
+        "intermediate_size": integer(m.field("feed_forward_length")),
+        "mamba_d_ssm": integer(m.field("ssm.inner_size")),
+        "projectors_bias": "blk.0.ssm_out.bias" in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "mamba_rms_norm": "blk.0.ssm_norm.weight" in names,
+        "mamba_norm_before_gate": False,
+    }  # fmt: skip
+    return _config_from_falcon(raw, common)
+
+
+def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
+    return mamba_values_to_hf(name, values)
+
+
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "falcon-h1", "FalconH1ForCausalLM", _config_from_gguf,
+        {"token_embd.weight": "model.embed_tokens.weight",
+         "output_norm.weight": "model.final_layernorm.weight", "output.weight": "lm_head.weight"},
+        {**{part: name for part, name in _GGUF_LAYER_TENSORS.items() if part.startswith("attn_")},
+         **{f"ffn_{part}": f"feed_forward.{part}_proj" for part in ("gate", "up", "down")},
+         "ffn_norm": "pre_ff_layernorm.weight",  # (without a suffix in the file)
+         **gguf_mamba_tensors("mamba")},
+        "model.layers", to_hf=_to_hf,
+    ),
+)  # fmt: skip
+
+
 class FalconH1Layer(DecoderLayer):
     """Attention and a Mamba-2 mixer on the same normed input, summed; then the MLP (its
     multipliers in its weights)."""
@@ -126,7 +172,7 @@ class FalconH1Layer(DecoderLayer):
 
 class FalconH1ForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("FalconH1ForCausalLM",)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
     final_norm: ClassVar[str] = "model.final_layernorm.weight"
 
     @classmethod
@@ -185,7 +231,8 @@ class FalconH1ForCausalLM(LlamaForCausalLM):
             if layer.mamba.out_proj.bias is not None:
                 scales["mamba.out_proj.bias"] = m("ssm_out_multiplier")
             for name, factor in scales.items():
-                if isinstance(factor, torch.Tensor) or factor != 1.0:
+                # (a GGUF file's weights come scaled, each multiplier 1, maybe in blocks)
+                if bool((torch.as_tensor(factor) != 1.0).any()):
                     router.scale(f"{p}.{name}", factor)
         return router
 

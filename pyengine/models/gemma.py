@@ -187,7 +187,7 @@ def _gemma_config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfi
     return replace(config, sliding_window=0, family=family)
 
 
-def _norms_to_hf(name: str, values: Any) -> Any:
+def _norms_to_hf(name: str, values: Any, config: ModelConfig) -> Any:
     """llama.cpp stores Gemma's norms as 1 + w; the checkpoint's w back."""
     return values - 1 if name.endswith("norm.weight") else values
 

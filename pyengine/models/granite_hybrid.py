@@ -28,11 +28,39 @@ from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.moe.shared import SharedExpert
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
-from pyengine.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM, _config_from_hf
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    hf_values_from_gguf,
+    integer,
+)
+from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
+    _GGUF_LAYER_TENSORS,
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    _config_from_hf,
+)
 from pyengine.models.llama import _Variant as _AttentionVariant
-from pyengine.models.llama_moe import LlamaMoeForCausalLM, MoeFamilyConfig, SharedNames
-from pyengine.models.mamba2 import HYBRID_KEYS, Mamba2Layer, MambaSizes, check_mamba_split
+from pyengine.models.llama_moe import (
+    LlamaMoeForCausalLM,
+    MoeFamilyConfig,
+    SharedNames,
+    gguf_expert_tensors,
+    route_stacked_experts,
+)
+from pyengine.models.mamba2 import (
+    HYBRID_KEYS,
+    Mamba2Layer,
+    MambaSizes,
+    check_mamba_split,
+    gguf_mamba_sizes,
+    gguf_mamba_tensors,
+    mamba_values_to_hf,
+)
 from pyengine.models.mamba2 import mamba_sizes as read_mamba_sizes
 from pyengine.models.weights import WeightRouter
 
@@ -95,7 +123,10 @@ def _config_from_granite(raw: Mapping[str, Any], common: CommonValues) -> ModelC
         **asdict(config.family), **moe,
         mamba_layers=_mamba_layers(raw, config.num_layers),
         mamba=read_mamba_sizes(
-            raw, int(float(raw.get("mamba_expand", 2)) * config.hidden_size), HYBRID_KEYS
+            raw,
+            integer(raw.get("mamba_d_ssm") or int(float(raw.get("mamba_expand", 2))
+                                                   * config.hidden_size)),
+            HYBRID_KEYS,
         ),
         rope=embedding == "rope",
         embedding_multiplier=float(raw.get("embedding_multiplier", 1.0)),
@@ -104,6 +135,67 @@ def _config_from_granite(raw: Mapping[str, Any], common: CommonValues) -> ModelC
         logits_scaling=float(raw.get("logits_scaling", 1.0)),
     )  # fmt: skip
     return replace(config, family=family)
+
+
+def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's granitehybrid keys as the config.json they came from says them: the
+    attention layers are those with KV heads (head_count_kv per layer, 0 on the Mamba-2
+    ones), rope where rope.scaling.finetuned says (Bamba; Granite 4 has none), the
+    multipliers as its scales."""
+    kv_heads = m.field("attention.head_count_kv")
+    per_layer = None if isinstance(kv_heads, int | float) else [int(n) for n in kv_heads]
+    values = hf_values_from_gguf(_scalar_kv(m))
+    layers = values["num_hidden_layers"]
+    if per_layer is not None and len(per_layer) != layers:
+        raise ValueError(f"attention.head_count_kv lists {len(per_layer)} layers, not {layers}")
+    kinds = ["attention" if per_layer is None or per_layer[i] else "mamba" for i in range(layers)]
+    mamba_layer = kinds.index("mamba") if "mamba" in kinds else 0
+    field = m.field
+    raw: dict[str, Any] = {
+        **values, "layer_types": kinds,
+        "intermediate_size": integer(field("feed_forward_length", 1)),
+        "shared_intermediate_size": integer(
+            field("expert_shared_feed_forward_length", field("feed_forward_length", 0))
+        ),
+        "num_local_experts": integer(field("expert_count", 0)),
+        "num_experts_per_tok": integer(field("expert_used_count", 0)),
+        "position_embedding_type": "rope" if field("rope.scaling.finetuned", False) else "nope",
+        "embedding_multiplier": float(field("embedding_scale", 1.0)),
+        "residual_multiplier": float(field("residual_scale", 1.0)),
+        "attention_multiplier": float(field("attention.scale", 1.0)),
+        "logits_scaling": float(field("logit_scale", 1.0)),
+        "mamba_d_ssm": integer(field("ssm.inner_size")),
+        **gguf_mamba_sizes(m, mamba_layer, HYBRID_KEYS),
+    }  # fmt: skip
+    return _config_from_granite(raw, common)
+
+
+def _scalar_kv(m: GGUFMetadata) -> GGUFMetadata:
+    """The metadata with head_count_kv one number (the most any layer has), as the
+    values every architecture shares read it."""
+    kv = m.field("attention.head_count_kv")
+    if isinstance(kv, int | float):
+        return m
+    fields = {**m.fields, f"{m.architecture}.attention.head_count_kv": max(map(int, kv), default=0)}
+    return GGUFMetadata(fields, m.tensor_names, m.architecture)
+
+
+def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
+    return mamba_values_to_hf(name, values)
+
+
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "granitehybrid", "GraniteMoeHybridForCausalLM", _config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        {**{part: name for part, name in _GGUF_LAYER_TENSORS.items()
+            if part.startswith("attn_") or part == "ffn_norm"},
+         **gguf_mamba_tensors("mamba"),
+         **gguf_expert_tensors("block_sparse_moe", router="router.layer", shared=None),
+         **{f"ffn_{part}{kind}": f"shared_mlp.{part}_proj" for part in ("gate", "up", "down")
+            for kind in ("", "_shexp")}},
+        "model.layers", rope_permuted=True, to_hf=_to_hf,
+    ),
+)  # fmt: skip
 
 
 class GraniteHybridLayer(DecoderLayer):
@@ -144,7 +236,7 @@ class GraniteHybridLayer(DecoderLayer):
 
 class GraniteMoeHybridForCausalLM(LlamaMoeForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GraniteMoeHybridForCausalLM",)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
@@ -181,22 +273,37 @@ class GraniteMoeHybridForCausalLM(LlamaMoeForCausalLM):
             super().route_attention(router, prefix, attn)
 
     def route_mlp(self, router: WeightRouter, prefix: str, mlp: nn.Module) -> None:
+        """The checkpoints' fused tensors (input_linear: the gate's rows, then up's), or a
+        GGUF file's parts apart (the experts a tensor a part, the shared MLP's gate, up
+        and down)."""
         layer = prefix.removesuffix(".mlp")
         shared = f"{layer}.shared_mlp"
+        parts = [f"{shared}.{part}_proj" for part in ("gate", "up", "down")]
+        gguf = [f"{module}.weight" for module in parts]
+        hf = [f"{shared}.input_linear.weight", f"{shared}.output_linear.weight"]
         if isinstance(mlp, MLP):
-            router.fused(f"{shared}.input_linear.weight", mlp.gate_up_proj, "weight")
-            router.linear_weight(f"{shared}.output_linear", mlp.down_proj)
+            router.fused(hf[0], mlp.gate_up_proj, "weight")
+            router.linear_weight(hf[1].removesuffix(".weight"), mlp.down_proj)
+            router.linear_weight(parts[0], mlp.gate_up_proj, part=0)
+            router.linear_weight(parts[1], mlp.gate_up_proj, part=1)
+            router.linear_weight(parts[2], mlp.down_proj)
+            router.either(hf, gguf)
             return
         assert isinstance(mlp, FusedMoE)
-        if mlp.experts is not None or not isinstance(mlp.shared_expert, SharedExpert):
-            raise ValueError("Granite 4's experts load from float checkpoints only")
+        if mlp.experts is not None or mlp.shared_expert is None:
+            raise ValueError("Granite 4's experts load from float checkpoints or GGUF files only")
         module = f"{layer}.block_sparse_moe"
         router.plain(f"{module}.router.layer.weight", mlp.router)
+        mlp.shared_expert.route(router, parts)
+        gguf += route_stacked_experts(router, f"{module}.experts", mlp)
+        expert = mlp.shared_expert
+        if mlp.method.keeps_blocks or not isinstance(expert, SharedExpert):
+            return  # (a GGUF file's blocks: no other form)
         tensors = mlp.fused_tensors()
         for name, ours in (("input_linear", "gate_up_proj"), ("output_linear", "down_proj")):
-            router.tensor(f"{module}.{name}.weight", *tensors[ours])
-        expert = mlp.shared_expert
+            hf.append(f"{module}.{name}.weight")
+            router.tensor(hf[-1], *tensors[ours])
         part = (expert.whole, expert.start, expert.intermediate_size)
-        router.sections(f"{shared}.input_linear.weight", expert.gate_up.data, [part, part])
-        router.shard(f"{shared}.output_linear.weight", expert.down.data, 1, expert.start,
-                     expert.whole)  # fmt: skip
+        router.sections(hf[0], expert.gate_up.data, [part, part])
+        router.shard(hf[1], expert.down.data, 1, expert.start, expert.whole)
+        router.either(hf, gguf)

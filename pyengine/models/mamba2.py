@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,7 +30,13 @@ from pyengine.layers.recurrent_state import (
     rank_sections,
 )
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    hf_values_from_gguf,
+    integer,
+)
 from pyengine.models.llama import DecoderLayer, LlamaForCausalLM
 from pyengine.models.weights import WeightRouter
 
@@ -119,6 +126,44 @@ def mamba_sizes(raw: Mapping[str, Any], inner: int, keys: tuple[str, ...]) -> Ma
             f"head size ({sizes.heads} * {sizes.head_dim})"
         )
     return sizes
+
+
+def gguf_mamba_tensors(module: str) -> dict[str, str]:
+    """A Mamba-2 layer's tensors in a GGUF file (llama.cpp's mamba2 and its hybrids), by
+    the names of the layer's module: A and D without a suffix."""
+    names = {"ssm_in": "in_proj", "ssm_conv1d": "conv1d", "ssm_dt.bias": "dt_bias",
+             "ssm_a": "A_log", "ssm_d": "D", "ssm_norm": "norm", "ssm_out": "out_proj"}  # fmt: skip
+    return {part: f"{module}.{name}" for part, name in names.items()}
+
+
+def mamba_values_to_hf(name: str, values: np.ndarray) -> np.ndarray:
+    """A Mamba-2 layer's tensor as the Hugging Face checkpoint holds it, where llama.cpp's
+    conversion changed it: A stored as -exp(A_log) [heads, 1] (its log taken back in
+    float64), D as [heads, 1], the norm's weight as [groups, inner / groups]. (The
+    convolution's [channels, width], squeezed, loads as it is.)"""
+    if name.endswith(".A_log"):
+        return np.log(-values.astype(np.float64)).astype(np.float32).reshape(-1)
+    if name.endswith((".D", ".norm.weight")):
+        return values.reshape(-1)
+    return values
+
+
+def gguf_mamba_sizes(
+    m: GGUFMetadata, layer: int, keys: tuple[str, ...] = MAMBA2_KEYS
+) -> dict[str, Any]:
+    """A Mamba-2 layer's sizes from a GGUF file's ssm.* keys, under `keys` (MAMBA2_KEYS or
+    HYBRID_KEYS), the biases from the tensors of layer `layer` (one of the model's
+    Mamba-2 layers)."""
+    inner, heads = integer(m.field("ssm.inner_size")), integer(m.field("ssm.time_step_rank"))
+    if heads < 1 or inner % heads:
+        raise ValueError(f"ssm.inner_size {inner} does not split into {heads} heads")
+    values = (
+        heads, inner // heads, integer(m.field("ssm.group_count", 1)),
+        integer(m.field("ssm.state_size")), integer(m.field("ssm.conv_kernel")),
+        f"blk.{layer}.ssm_conv1d.bias" in m.tensor_names,
+        f"blk.{layer}.ssm_in.bias" in m.tensor_names,
+    )  # fmt: skip
+    return dict(zip(keys, values, strict=True))
 
 
 class Mamba2Layer(nn.Module):
@@ -221,7 +266,7 @@ class Mamba2Block(DecoderLayer):
 
 def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:
     hidden = integer(raw["hidden_size"])
-    inner = int(float(raw.get("expand", 2)) * hidden)
+    inner = integer(raw.get("inner_size") or int(float(raw.get("expand", 2)) * hidden))
     sizes = mamba_sizes(raw, inner, MAMBA2_KEYS)
     return ModelConfig(
         architecture=common.architecture,
@@ -243,9 +288,41 @@ def _config_from_hf(raw: Mapping[str, Any], common: CommonValues) -> ModelConfig
     )
 
 
+# llama.cpp writes a context of 2**20 (no limit) for Mamba-2, whose Hugging Face configs
+# name none: read as 4096 there, and so here (max_model_len may not pass it).
+_NO_CONTEXT = 2**20
+
+
+def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's mamba2 keys as the config.json they came from says them."""
+    common_values = hf_values_from_gguf(m)
+    context = common_values["max_position_embeddings"]
+    raw = {
+        **common_values, **gguf_mamba_sizes(m, 0),
+        "inner_size": integer(m.field("ssm.inner_size")),
+        "layer_norm_epsilon": common_values["rms_norm_eps"],
+        "max_position_embeddings": 4096 if context >= _NO_CONTEXT else context,
+    }  # fmt: skip
+    return _config_from_hf(raw, common)
+
+
+def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
+    return mamba_values_to_hf(name, values)
+
+
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "mamba2", "Mamba2ForCausalLM", _config_from_gguf,
+        {"token_embd.weight": "backbone.embeddings.weight",
+         "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
+        {"attn_norm": "norm", **gguf_mamba_tensors("mixer")}, "backbone.layers", to_hf=_to_hf,
+    ),
+)  # fmt: skip
+
+
 class Mamba2ForCausalLM(LlamaForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = ("Mamba2ForCausalLM",)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:

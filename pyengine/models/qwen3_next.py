@@ -30,6 +30,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.gated_delta_net import (
     DeltaNetShape,
     GatedDeltaNetMixer,
+    split_ba,
     split_qwen3_5,
     split_qwen3_next,
 )
@@ -46,8 +47,16 @@ from pyengine.layers.recurrent_state import (
     rank_sections,
 )
 from pyengine.layers.rotary import RotaryEmbedding
-from pyengine.models.checkpoint_config import CommonValues, GGUFArchitecture, integer
+from pyengine.models.checkpoint_config import (
+    CommonValues,
+    GGUFArchitecture,
+    GGUFMetadata,
+    hf_values_from_gguf,
+    integer,
+)
 from pyengine.models.llama import (
+    _GGUF_GLOBAL_TENSORS,
+    _GGUF_LAYER_TENSORS,
     MLP,
     Attention,
     DecoderLayer,
@@ -56,12 +65,14 @@ from pyengine.models.llama import (
     _Variant,
 )
 from pyengine.models.llama_moe import (
+    _GGUF_EXPERT_TENSORS,
     _QWEN2_SHARED,
     LlamaMoeForCausalLM,
     MoeFamilyConfig,
     refuse_adapters,
     sparse_layers,
 )
+from pyengine.models.mamba2 import mamba_values_to_hf
 from pyengine.models.weights import WeightRouter
 
 
@@ -78,8 +89,11 @@ class DeltaNetSizes:
 
 @dataclass(frozen=True)
 class HybridFamilyConfig(MoeFamilyConfig):
-    """Which layers are Gated DeltaNet, their sizes, the projection layout
-    ("qwen3_next" or "qwen3_5"), and the rotary part of each attention head."""
+    """Which layers are Gated DeltaNet, their sizes, the projection layout, and the
+    rotary part of each attention head. The layouts: "qwen3_next" (in_proj_qkvz and
+    in_proj_ba, each interleaved by key head), "qwen3_5" (q, k and v, the gate, b and a
+    apart), and "qwen3_next_split", Qwen3-Next as llama.cpp stores it (q, k and v, and
+    the gate apart; b and a still interleaved)."""
 
     linear_layers: tuple[int, ...] = ()
     delta: DeltaNetSizes = DeltaNetSizes()
@@ -132,9 +146,11 @@ def _linear_layers(raw: Mapping[str, Any], num_layers: int) -> tuple[int, ...]:
 
 
 def _rotary_dim(raw: Mapping[str, Any], head_size: int) -> int:
+    """The rotary dims of a head: a share of it (partial_rotary_factor), or as a GGUF
+    file counts them (rotary_dim)."""
     parameters = raw.get("rope_parameters") or {}
     factor = raw.get("partial_rotary_factor", parameters.get("partial_rotary_factor", 0.25))
-    rotary = int(head_size * float(factor))
+    rotary = integer(raw["rotary_dim"]) if "rotary_dim" in raw else int(head_size * float(factor))
     if not 0 < rotary <= head_size or rotary % 2:
         raise ValueError(
             f"partial_rotary_factor {factor} turns {rotary} of {head_size} head dims; an even "
@@ -186,6 +202,67 @@ def _config_from_hybrid(raw: Mapping[str, Any], common: CommonValues) -> ModelCo
     return replace(config, family=family)
 
 
+def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
+    """llama.cpp's qwen3next keys as the config.json they came from says them: the
+    Gated DeltaNet's sizes as ssm.* keys (its key heads the groups, its value heads the
+    time-step rank, its key head size the state size), the rotary dims counted, experts
+    in the layers that have a router (their top k renormalised, as llama.cpp does)."""
+    field = m.field
+    value_heads, head_dim = (
+        integer(field("ssm.time_step_rank")),
+        integer(field("attention.key_length")),
+    )
+    raw: dict[str, Any] = {
+        **hf_values_from_gguf(m), "head_dim": head_dim,
+        "intermediate_size": integer(field("feed_forward_length", 1)),
+        "full_attention_interval": integer(field("full_attention_interval", 4)),
+        "linear_num_key_heads": integer(field("ssm.group_count")),
+        "linear_num_value_heads": value_heads,
+        "linear_key_head_dim": integer(field("ssm.state_size")),
+        "linear_value_head_dim": integer(field("ssm.inner_size")) // max(value_heads, 1),
+        "linear_conv_kernel_dim": integer(field("ssm.conv_kernel")),
+        "rotary_dim": integer(field("rope.dimension_count", head_dim // 4)),
+    }  # fmt: skip
+    if integer(field("expert_count", 0)) > 0:
+        layers = raw["num_hidden_layers"]
+        raw.update(
+            num_experts=integer(field("expert_count")),
+            num_experts_per_tok=integer(field("expert_used_count")),
+            moe_intermediate_size=integer(field("expert_feed_forward_length")),
+            shared_expert_intermediate_size=integer(field("expert_shared_feed_forward_length")),
+            norm_topk_prob=bool(field("expert_weights_norm", True)),
+            mlp_only_layers=[i for i in range(layers)
+                             if f"blk.{i}.ffn_gate_inp.weight" not in m.tensor_names],
+        )  # fmt: skip
+    config = _config_from_hybrid(raw, common)
+    family = replace(config.family_config(HybridFamilyConfig), layout="qwen3_next_split")
+    return replace(config, family=family)
+
+
+def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
+    """llama.cpp stores the norms that scale by 1 + w as that (the mixer's gated norm,
+    which scales by w, as it is) and A as -exp(A_log)."""
+    if name.endswith(".A_log"):
+        return mamba_values_to_hf(name, values)
+    if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+        return values - 1
+    return values
+
+
+_GGUF_ARCHITECTURES = (
+    GGUFArchitecture(
+        "qwen3next", "Qwen3NextForCausalLM", _config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS,
+         "post_attention_norm": "post_attention_layernorm",
+         "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+         "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
+         "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
+         "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
+        "model.layers", to_hf=_to_hf,
+    ),
+)  # fmt: skip
+
+
 class GatedAttention(Attention):
     """Full attention whose output is gated per head by sigmoid of a second half of each
     head's q_proj rows, and whose rope turns each head's first rotary_dim dims."""
@@ -231,12 +308,11 @@ class GatedDeltaNet(nn.Module):
         def names(*parts: str) -> list[str]:
             return [f"{prefix}.{part}.weight" for part in parts]
 
-        if self.layout == "qwen3_next":  # (each key head's rows together: split as a whole)
+        # (each key head's rows together where interleaved: split over the ranks whole)
+        self.fused_ba = self.layout in ("qwen3_next", "qwen3_next_split")
+        if self.layout == "qwen3_next":
             self.in_proj_qkvz = ColumnParallelLinear(
                 hidden, [2 * key_size + 2 * value_size], False, ctx, names("in_proj_qkvz")
-            )
-            self.in_proj_ba = ColumnParallelLinear(
-                hidden, [2 * d.value_heads], False, ctx, names("in_proj_ba")
             )
         else:
             self.in_proj_qkv = MergedColumnParallelLinear(
@@ -245,6 +321,11 @@ class GatedDeltaNet(nn.Module):
             self.in_proj_z = ColumnParallelLinear(
                 hidden, [value_size], False, ctx, names("in_proj_z")
             )
+        if self.fused_ba:
+            self.in_proj_ba = ColumnParallelLinear(
+                hidden, [2 * d.value_heads], False, ctx, names("in_proj_ba")
+            )
+        else:
             self.in_proj_ba = MergedColumnParallelLinear(
                 hidden, [d.value_heads, d.value_heads], False, ctx,
                 names("in_proj_b", "in_proj_a"),
@@ -277,10 +358,12 @@ class GatedDeltaNet(nn.Module):
         """Its checkpoint tensors, under `prefix` (the layer's linear_attn)."""
         if self.layout == "qwen3_next":
             router.linear_weight(f"{prefix}.in_proj_qkvz", self.in_proj_qkvz)
-            router.linear_weight(f"{prefix}.in_proj_ba", self.in_proj_ba)
         else:
             router.fused(f"{prefix}.in_proj_qkv.weight", self.in_proj_qkv, "weight")
             router.linear_weight(f"{prefix}.in_proj_z", self.in_proj_z)
+        if self.fused_ba:
+            router.linear_weight(f"{prefix}.in_proj_ba", self.in_proj_ba)
+        else:
             router.linear_weight(f"{prefix}.in_proj_b", self.in_proj_ba, part=0)
             router.linear_weight(f"{prefix}.in_proj_a", self.in_proj_ba, part=1)
         router.linear_weight(f"{prefix}.out_proj", self.out_proj)
@@ -301,7 +384,8 @@ class GatedDeltaNet(nn.Module):
         if self.layout == "qwen3_next":
             inputs = split_qwen3_next(self.in_proj_qkvz(x), self.in_proj_ba(x), self.shape)
         else:
-            b, a = torch.split(self.in_proj_ba(x), self.shape.value_heads, dim=-1)
+            ba = self.in_proj_ba(x)
+            b, a = split_ba(ba, self.shape) if self.fused_ba else ba.chunk(2, dim=-1)
             inputs = split_qwen3_5(self.in_proj_qkv(x), self.in_proj_z(x), b, a, self.shape)
         out: torch.Tensor = self.out_proj(self.mixer(inputs, states).to(x.dtype))
         return out
@@ -326,7 +410,7 @@ class HybridDecoderLayer(DecoderLayer):
 
 class Qwen3NextForCausalLM(LlamaMoeForCausalLM):
     hf_architectures: ClassVar[tuple[str, ...]] = tuple(_HF_VARIANTS)
-    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()
+    gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = _GGUF_ARCHITECTURES
 
     @classmethod
     def config_from_hf(cls, raw: Mapping[str, Any], common: CommonValues) -> ModelConfig:

@@ -84,7 +84,8 @@ class WeightRouter:
         up)."""
         self._linear_modules.add(name.rpartition(".")[0])
         shape = _linear_shape(sum(layer.output_sizes), layer.input_size, kind)
-        self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t), shape=shape)
+        blocks = layer.load_fused_blocks if kind == "weight" and layer.method.keeps_blocks else None
+        self._routes[name] = _Route(lambda t: layer.load_fused(name, kind, t), blocks, shape)
 
     def vocab(self, name: str, module: VocabParallelEmbedding | ParallelLMHead) -> None:
         if isinstance(module, ParallelLMHead):

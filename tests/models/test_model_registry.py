@@ -68,6 +68,10 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "gpt-oss",
         "llama4",
         "deepseek2",
+        "qwen3next",
+        "mamba2",
+        "granitehybrid",
+        "falcon-h1",
     )
     # llama.cpp's deepseek2 is V3 where its experts route by sigmoid (expert_gating_func 2)
     v3 = GGUFMetadata({"deepseek2.expert_gating_func": 2}, (), "deepseek2")
