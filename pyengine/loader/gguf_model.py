@@ -142,6 +142,9 @@ def _read_tensor(
     array = g.tensor(name)
     if rope_heads:
         array = _unpermute_rope(array, rope_heads)
+    order = _row_order(arch, hf_name, config)
+    if order is not None:
+        array = array[order]
     if arch.to_hf is not None:
         array = arch.to_hf(hf_name, array, config)
     return torch.from_numpy(np.ascontiguousarray(array))
@@ -171,17 +174,26 @@ def block_quantized_from_gguf(g: GGUFFile, config: ModelConfig) -> LazyBlocks:
     arch = _architecture(g)
     for name in g.tensors:
         hf_name, rope_heads = _hf_name(g, arch, name, config)
-        if hf_name is not None and g.has_block_form(name):
-            readers[hf_name] = functools.partial(_read_blocks, g, name, rope_heads)
+        if hf_name is None or not g.has_block_form(name):
+            continue
+        if arch.keeps_blocks is None or arch.keeps_blocks(hf_name):
+            order = _row_order(arch, hf_name, config)
+            readers[hf_name] = functools.partial(_read_blocks, g, name, rope_heads, order)
     return LazyBlocks(readers)
 
 
-def _read_blocks(g: GGUFFile, name: str, rope_heads: int) -> BlockQuantized:
+def _read_blocks(g: GGUFFile, name: str, rope_heads: int, order: Any) -> BlockQuantized:
     blocks = g.block_quantized(name)
     assert blocks is not None  # has_block_form said so
     if rope_heads:
         blocks = blocks.map_rows(functools.partial(_unpermute_rope, heads=rope_heads))
+    if order is not None:
+        blocks = blocks.map_rows(lambda rows: rows[order])
     return blocks
+
+
+def _row_order(arch: GGUFArchitecture, hf_name: str, config: ModelConfig) -> Any:
+    return None if arch.row_order is None else arch.row_order(hf_name, config)
 
 
 def _hf_name(

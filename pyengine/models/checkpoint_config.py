@@ -76,6 +76,13 @@ class GGUFArchitecture:
     # (Gemma's norms: it stores 1 + w; Mamba-2's A: -exp(A_log)). None: as they are.
     # (Block-quantized matrices are read as stored: only float tensors may change.)
     to_hf: Callable[[str, Any, ModelConfig], Any] | None = None
+    # The Hugging Face order of a tensor's rows (indices into the file's), by its Hugging
+    # Face name and the config, where llama.cpp's conversion reordered them (Qwen3.5's
+    # value heads), for floats and blocks alike. None (or a None order): as stored.
+    row_order: Callable[[str, ModelConfig], Any] | None = None
+    # Whether a tensor's blocks may stay blocks: not where its columns were reordered,
+    # which only to_hf undoes, on floats (dequantized at load). None: every one may.
+    keeps_blocks: Callable[[str], bool] | None = None
 
 
 def hf_values_from_gguf(m: GGUFMetadata) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -203,18 +204,16 @@ def _config_from_hybrid(raw: Mapping[str, Any], common: CommonValues) -> ModelCo
 
 
 def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
-    """llama.cpp's qwen3next keys as the config.json they came from says them: the
-    Gated DeltaNet's sizes as ssm.* keys (its key heads the groups, its value heads the
-    time-step rank, its key head size the state size), the rotary dims counted, experts
-    in the layers that have a router (their top k renormalised, as llama.cpp does)."""
+    """llama.cpp's qwen3next, qwen35 and qwen35moe keys as the config.json they came from
+    says them: the Gated DeltaNet's sizes as ssm.* keys (its key heads the groups, its
+    value heads the time-step rank, its key head size the state size), the rotary dims
+    counted, experts in the layers that have a router (their top k renormalised, as
+    llama.cpp does). Qwen3-Next's projection comes split (`qwen3_next_split`)."""
     field = m.field
-    value_heads, head_dim = (
-        integer(field("ssm.time_step_rank")),
-        integer(field("attention.key_length")),
-    )
+    value_heads = integer(field("ssm.time_step_rank"))
+    head_dim = integer(field("attention.key_length"))
     raw: dict[str, Any] = {
         **hf_values_from_gguf(m), "head_dim": head_dim,
-        "intermediate_size": integer(field("feed_forward_length", 1)),
         "full_attention_interval": integer(field("full_attention_interval", 4)),
         "linear_num_key_heads": integer(field("ssm.group_count")),
         "linear_num_value_heads": value_heads,
@@ -223,6 +222,8 @@ def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
         "linear_conv_kernel_dim": integer(field("ssm.conv_kernel")),
         "rotary_dim": integer(field("rope.dimension_count", head_dim // 4)),
     }  # fmt: skip
+    if f"{m.architecture}.feed_forward_length" in m.fields:  # (Qwen3.5-MoE's has none)
+        raw["intermediate_size"] = integer(field("feed_forward_length"))
     if integer(field("expert_count", 0)) > 0:
         layers = raw["num_hidden_layers"]
         raw.update(
@@ -235,31 +236,77 @@ def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
                              if f"blk.{i}.ffn_gate_inp.weight" not in m.tensor_names],
         )  # fmt: skip
     config = _config_from_hybrid(raw, common)
+    if m.architecture != "qwen3next":
+        return config
     family = replace(config.family_config(HybridFamilyConfig), layout="qwen3_next_split")
     return replace(config, family=family)
 
 
 def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
     """llama.cpp stores the norms that scale by 1 + w as that (the mixer's gated norm,
-    which scales by w, as it is) and A as -exp(A_log)."""
+    which scales by w, as it is) and A as -exp(A_log); Qwen3.5's output projection
+    takes its value heads' columns in its own order."""
     if name.endswith(".A_log"):
         return mamba_values_to_hf(name, values)
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return values - 1
+    family = config.family_config(HybridFamilyConfig)
+    if name.endswith("linear_attn.out_proj.weight") and family.layout == "qwen3_5":
+        order = _value_rows(family.delta, family.delta.value_dim)
+        return values if order is None else values[:, order]
     return values
 
 
+def _value_rows(d: DeltaNetSizes, size: int) -> Any:
+    """Rows of the value heads (`size` each) in Hugging Face's order, grouped by key head,
+    as indices into llama.cpp's qwen35 rows, tiled (each key head's first value head,
+    then each one's second...); None where each key head has one value head."""
+    per = d.value_heads // d.key_heads
+    if per == 1:
+        return None
+    heads = np.arange(d.value_heads)
+    stored = heads % per * d.key_heads + heads // per
+    return (stored[:, None] * size + np.arange(size)).reshape(-1)
+
+
+def _qwen3_5_row_order(name: str, config: ModelConfig) -> Any:
+    """The rows llama.cpp's qwen35 conversion reorders: the value heads' rows of the
+    projections, the convolution's value channels, and A and dt_bias."""
+    d = config.family_config(HybridFamilyConfig).delta
+    if ".linear_attn." not in name or d.value_heads == d.key_heads:
+        return None
+    if name.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        keys = 2 * d.key_heads * d.key_dim
+        return np.concatenate([np.arange(keys), keys + _value_rows(d, d.value_dim)])
+    if name.endswith("in_proj_z.weight"):
+        return _value_rows(d, d.value_dim)
+    if name.endswith(("in_proj_b.weight", "in_proj_a.weight", ".A_log", ".dt_bias")):
+        return _value_rows(d, 1)
+    return None
+
+
+_GGUF_DELTA_TENSORS = {
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
+    "ssm_conv1d": "linear_attn.conv1d", "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_a": "linear_attn.A_log", "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}  # fmt: skip
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(
         "qwen3next", "Qwen3NextForCausalLM", _config_from_gguf, _GGUF_GLOBAL_TENSORS,
-        {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS,
-         "post_attention_norm": "post_attention_layernorm",
-         "attn_qkv": "linear_attn.in_proj_qkv", "attn_gate": "linear_attn.in_proj_z",
-         "ssm_ba": "linear_attn.in_proj_ba", "ssm_conv1d": "linear_attn.conv1d",
-         "ssm_dt.bias": "linear_attn.dt_bias", "ssm_a": "linear_attn.A_log",
-         "ssm_norm": "linear_attn.norm", "ssm_out": "linear_attn.out_proj"},
+        {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS, **_GGUF_DELTA_TENSORS,
+         "ssm_ba": "linear_attn.in_proj_ba"},
         "model.layers", to_hf=_to_hf,
     ),
+    *(GGUFArchitecture(
+        name, hf, _config_from_gguf, _GGUF_GLOBAL_TENSORS,
+        {**_GGUF_LAYER_TENSORS, **_GGUF_EXPERT_TENSORS, **_GGUF_DELTA_TENSORS,
+         "ssm_beta": "linear_attn.in_proj_b", "ssm_alpha": "linear_attn.in_proj_a"},
+        "model.layers", to_hf=_to_hf, row_order=_qwen3_5_row_order,
+        # (the output projection's columns reordered: dequantized, then put back)
+        keeps_blocks=lambda hf_name: not hf_name.endswith("linear_attn.out_proj.weight"),
+    ) for name, hf in (("qwen35", "Qwen3_5ForCausalLM"), ("qwen35moe", "Qwen3_5MoeForCausalLM"))),
 )  # fmt: skip
 
 

@@ -1,11 +1,13 @@
 """Hybrid models from GGUF files written in the test as llama.cpp's conversion writes
-them (helpers/hybrid_gguf.py): Mamba-2 (mamba2), Qwen3-Next (qwen3next: its projection
+them (helpers/hybrid_gguf.py): Mamba-2 (mamba2); Qwen3-Next (qwen3next: its projection
 split into q, k and v, and the gate, b and a interleaved by key head, its norms stored
-as 1 + w), Granite 4 (granitehybrid: its multipliers in the metadata, q and k rows
-permuted for rope, experts a tensor a part, head_count_kv 0 on the Mamba-2 layers) and
-Falcon-H1 (falcon-h1: its multipliers folded into the weights). The config read from
-the file is the Hugging Face folder's, and the greedy float32 tokens are transformers'
-on the weights the Q8_0 blocks hold."""
+as 1 + w); Qwen3.5 and Qwen3.5-MoE (qwen35, qwen35moe: their value heads reordered in
+every tensor that has them, the output projection's columns too); Granite 4
+(granitehybrid: its multipliers in the metadata, q and k rows permuted for rope,
+experts a tensor a part, head_count_kv 0 on the Mamba-2 layers); Falcon-H1 (falcon-h1:
+its multipliers folded into the weights). The config read from the file is the Hugging
+Face folder's, and the greedy float32 tokens are transformers' on the weights the Q8_0
+blocks hold."""
 
 from __future__ import annotations
 
@@ -92,65 +94,127 @@ def test_mamba2(mamba2_gguf) -> None:  # type: ignore[no-untyped-def]
     assert_transformers_tokens(llm, model)
 
 
-def write_qwen3_next(path: Path, model: torch.nn.Module) -> object:
+def tiled(x: torch.Tensor, key_heads: int, size: int, dim: int = 0) -> torch.Tensor:
+    """Value heads (`size` each) along `dim` in llama.cpp's qwen35 order: each key head's
+    first value head, then each one's second..., where transformers groups them by key
+    head."""
+    shape = list(x.shape)
+    heads = shape[dim] // size
+    split = [*shape[:dim], key_heads, heads // key_heads, size, *shape[dim + 1 :]]
+    return x.reshape(split).transpose(dim, dim + 1).reshape(shape)
+
+
+def grouped(x: torch.Tensor, key_heads: int, size: int, dim: int = 0) -> torch.Tensor:
+    """tiled's inverse."""
+    shape = list(x.shape)
+    heads = shape[dim] // size
+    return tiled(x, heads // key_heads, size, dim) if heads > key_heads else x
+
+
+QWEN_ARCHS = {"qwen3_next": "qwen3next", "qwen3_5": "qwen35", "qwen3_5_moe": "qwen35moe"}
+
+
+def write_qwen3_hybrid(path: Path, model: torch.nn.Module, variant: str) -> object:
+    """Qwen3-Next (in_proj_qkvz split into [q; k; v] and the gate; in_proj_ba as it is) or
+    Qwen3.5 (its projections apart, their value heads reordered, and the output
+    projection's columns) as llama.cpp's conversion writes them."""
     c = model.config
-    writer = gguf.GGUFWriter(str(path), "qwen3next")
+    writer = gguf.GGUFWriter(str(path), QWEN_ARCHS[variant])
     n_k, n_v = c.linear_num_key_heads, c.linear_num_value_heads
-    dk, dv = c.linear_key_head_dim, c.linear_value_head_dim
+    dk, dv, hidden = c.linear_key_head_dim, c.linear_value_head_dim, c.hidden_size
+    experts = getattr(c, "num_experts", 0)
     for add, value in (
         (writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 256),
-        (writer.add_embedding_length, c.hidden_size),
-        (writer.add_feed_forward_length, c.intermediate_size),
+        (writer.add_embedding_length, hidden),
         (writer.add_head_count, c.num_attention_heads),
         (writer.add_head_count_kv, c.num_key_value_heads), (writer.add_key_length, c.head_dim),
         (writer.add_value_length, c.head_dim), (writer.add_rope_freq_base, 10000.0),
-        (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_expert_count, c.num_experts),
-        (writer.add_expert_used_count, c.num_experts_per_tok),
-        (writer.add_expert_feed_forward_length, c.moe_intermediate_size),
-        (writer.add_expert_shared_feed_forward_length, c.shared_expert_intermediate_size),
+        (writer.add_layer_norm_rms_eps, c.rms_norm_eps),
         (writer.add_ssm_conv_kernel, c.linear_conv_kernel_dim), (writer.add_ssm_state_size, dk),
         (writer.add_ssm_group_count, n_k), (writer.add_ssm_time_step_rank, n_v),
         (writer.add_ssm_inner_size, dv * n_v), (writer.add_full_attention_interval, 4),
         (writer.add_rope_dimension_count, c.head_dim // 4),
     ):  # fmt: skip
         add(value)
+    if getattr(c, "intermediate_size", None):
+        writer.add_feed_forward_length(c.intermediate_size)
+    if experts:
+        for add, value in (
+            (writer.add_expert_count, experts),
+            (writer.add_expert_used_count, c.num_experts_per_tok),
+            (writer.add_expert_feed_forward_length, c.moe_intermediate_size),
+            (writer.add_expert_shared_feed_forward_length, c.shared_expert_intermediate_size),
+        ):  # fmt: skip
+            add(value)
     t, p = TensorWriter(writer, model), dict(model.named_parameters())
 
     def plus_one(name: str, hf_name: str) -> None:  # (llama.cpp's 1 + w of these norms)
         t.floats(name, p[hf_name] + 1)
 
+    def reordered(name: str, hf_name: str, order, back) -> None:  # type: ignore[no-untyped-def]
+        """A matrix stored in llama.cpp's order (`order` of it), in blocks; transformers'
+        holds their values in its own (`back`)."""
+        stored = order(p[hf_name].detach()).clone()
+        t.blocks(name, stored)
+        with torch.no_grad():
+            p[hf_name].copy_(back(stored))
+
     t.matrix("token_embd.weight", "model.embed_tokens.weight")
     plus_one("output_norm.weight", "model.norm.weight")
     t.matrix("output.weight", "lm_head.weight")
+    keys = 2 * n_k * dk
     for i in range(c.num_hidden_layers):
         pre = f"model.layers.{i}"
         plus_one(f"blk.{i}.attn_norm.weight", f"{pre}.input_layernorm.weight")
         plus_one(f"blk.{i}.post_attention_norm.weight", f"{pre}.post_attention_layernorm.weight")
+        attn = f"{pre}.linear_attn"
         if c.layer_types[i] == "full_attention":
             for part, name in (("q", "q"), ("k", "k"), ("v", "v"), ("output", "o")):
                 t.matrix(f"blk.{i}.attn_{part}.weight", f"{pre}.self_attn.{name}_proj.weight")
             plus_one(f"blk.{i}.attn_q_norm.weight", f"{pre}.self_attn.q_norm.weight")
             plus_one(f"blk.{i}.attn_k_norm.weight", f"{pre}.self_attn.k_norm.weight")
-        else:  # (in_proj_qkvz, by key head [q, k, v, z], split into [q; k; v] and z)
-            attn = f"{pre}.linear_attn"
-            qkvz = p[f"{attn}.in_proj_qkvz.weight"].view(n_k, -1, c.hidden_size)
+        elif variant == "qwen3_next":  # (in_proj_qkvz, by key head [q, k, v, z])
+            qkvz = p[f"{attn}.in_proj_qkvz.weight"].view(n_k, -1, hidden)
             q, k, v, z = qkvz.split([dk, dk, n_v // n_k * dv, n_v // n_k * dv], dim=1)
-            flat = [x.reshape(-1, c.hidden_size) for x in (q, k, v)]
-            qkv, gate = torch.cat(flat).detach().clone(), z.reshape(-1, c.hidden_size).clone()
+            flat = [x.reshape(-1, hidden) for x in (q, k, v)]
+            qkv, gate = torch.cat(flat).detach().clone(), z.reshape(-1, hidden).clone()
             t.blocks(f"blk.{i}.attn_qkv.weight", qkv)
             t.blocks(f"blk.{i}.attn_gate.weight", gate)
             with torch.no_grad():  # (the blocks' values back in the interleaved rows)
-                parts = [x.view(n_k, -1, c.hidden_size) for x in qkv.split([n_k * dk, n_k * dk,
-                                                                            n_v * dv])]  # fmt: skip
-                whole = torch.cat([*parts, gate.view(n_k, -1, c.hidden_size)], dim=1)
-                p[f"{attn}.in_proj_qkvz.weight"].copy_(whole.reshape(-1, c.hidden_size))
+                parts = [x.view(n_k, -1, hidden) for x in qkv.split([n_k * dk, n_k * dk,
+                                                                     n_v * dv])]  # fmt: skip
+                whole = torch.cat([*parts, gate.view(n_k, -1, hidden)], dim=1)
+                p[f"{attn}.in_proj_qkvz.weight"].copy_(whole.reshape(-1, hidden))
             t.matrix(f"blk.{i}.ssm_ba.weight", f"{attn}.in_proj_ba.weight")
-            t.floats(f"blk.{i}.ssm_conv1d.weight", p[f"{attn}.conv1d.weight"].squeeze(1))
-            t.param(f"blk.{i}.ssm_dt.bias", f"{attn}.dt_bias")
-            with torch.no_grad():
-                t.floats(f"blk.{i}.ssm_a", -torch.exp(p[f"{attn}.A_log"]))
+        else:  # (Qwen3.5's value heads tiled in every tensor that has them)
+            reordered(
+                f"blk.{i}.attn_qkv.weight", f"{attn}.in_proj_qkv.weight",
+                lambda w: torch.cat([w[:keys], tiled(w[keys:], n_k, dv)]),
+                lambda w: torch.cat([w[:keys], grouped(w[keys:], n_k, dv)]),
+            )  # fmt: skip
+            reordered(f"blk.{i}.attn_gate.weight", f"{attn}.in_proj_z.weight",
+                      lambda w: tiled(w, n_k, dv), lambda w: grouped(w, n_k, dv))  # fmt: skip
+            for part, name in (("beta", "b"), ("alpha", "a")):
+                reordered(f"blk.{i}.ssm_{part}.weight", f"{attn}.in_proj_{name}.weight",
+                          lambda w: tiled(w, n_k, 1), lambda w: grouped(w, n_k, 1))  # fmt: skip
+            reordered(f"blk.{i}.ssm_out.weight", f"{attn}.out_proj.weight",
+                      lambda w: tiled(w, n_k, dv, 1), lambda w: grouped(w, n_k, dv, 1))  # fmt: skip
+        if c.layer_types[i] != "full_attention":
+            conv = p[f"{attn}.conv1d.weight"].detach().squeeze(1)
+            a, dt_bias = -torch.exp(p[f"{attn}.A_log"].detach()), p[f"{attn}.dt_bias"]
+            if variant != "qwen3_next":
+                conv = torch.cat([conv[:keys], tiled(conv[keys:], n_k, dv)])
+                a, dt_bias = tiled(a, n_k, 1), tiled(dt_bias.detach(), n_k, 1)
+            t.floats(f"blk.{i}.ssm_conv1d.weight", conv)
+            t.floats(f"blk.{i}.ssm_dt.bias", dt_bias)
+            t.floats(f"blk.{i}.ssm_a", a)
             t.param(f"blk.{i}.ssm_norm.weight", f"{attn}.norm.weight")
-            t.matrix(f"blk.{i}.ssm_out.weight", f"{attn}.out_proj.weight")
+            if variant == "qwen3_next":
+                t.matrix(f"blk.{i}.ssm_out.weight", f"{attn}.out_proj.weight")
+        if not experts:
+            for part in ("gate", "up", "down"):
+                t.matrix(f"blk.{i}.ffn_{part}.weight", f"{pre}.mlp.{part}_proj.weight")
+            continue
         t.experts(i, f"{pre}.mlp")
         for part in ("gate", "up", "down"):
             t.matrix(
@@ -160,30 +224,45 @@ def write_qwen3_next(path: Path, model: torch.nn.Module) -> object:
     return writer
 
 
-@pytest.fixture(scope="module")
-def qwen3_next_gguf(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
-    root = tmp_path_factory.mktemp("qwen3next-gguf")
+QWEN_SHAPE = dict(
+    **SPECIALS, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+    linear_value_head_dim=24, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25},
+)  # fmt: skip
+QWEN_EXPERTS = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    shared_expert_intermediate_size=64)  # fmt: skip
+QWEN_CONFIGS = {
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **QWEN_SHAPE, **QWEN_EXPERTS, intermediate_size=96
+    ),
+    "qwen3_5": lambda: transformers.Qwen3_5TextConfig(**QWEN_SHAPE, intermediate_size=96),
+    "qwen3_5_moe": lambda: transformers.Qwen3_5MoeTextConfig(**QWEN_SHAPE, **QWEN_EXPERTS),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(QWEN_CONFIGS))
+def qwen_gguf(request, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    root = tmp_path_factory.mktemp(f"{request.param}-gguf")
     torch.manual_seed(0)
-    config = transformers.Qwen3NextConfig(
-        **SPECIALS, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
-        linear_value_head_dim=24, linear_conv_kernel_dim=4, intermediate_size=96, num_experts=4,
-        num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                         "partial_rotary_factor": 0.25},
-    )  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(
+        QWEN_CONFIGS[request.param](), dtype=torch.float32
+    )
     randomize(model, one_plus=True)
-    return written(model, root, lambda m: write_qwen3_next(root / "model.gguf", m))
+    write = lambda m: write_qwen3_hybrid(root / "model.gguf", m, request.param)  # noqa: E731
+    return (request.param, *written(model, root, write))
 
 
-def test_qwen3_next(qwen3_next_gguf) -> None:  # type: ignore[no-untyped-def]
-    path, folder, model = qwen3_next_gguf
+def test_qwen3_next_and_qwen3_5(qwen_gguf) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-Next's file has its own layout (q, k and v, and the gate apart; b and a
+    interleaved); Qwen3.5's is its folder's, once its value heads are back in order."""
+    variant, path, folder, model = qwen_gguf
     llm, got, want = file_and_folder(path, folder, ENGINE)
-    family = got.family_config(HybridFamilyConfig)
-    assert family == replace(want.family_config(HybridFamilyConfig), layout="qwen3_next_split")
+    family, theirs = got.family_config(HybridFamilyConfig), want.family_config(HybridFamilyConfig)
+    if variant == "qwen3_next":
+        theirs = replace(theirs, layout="qwen3_next_split")
+    assert family == theirs
     assert (got.head_size, got.num_kv_heads) == (want.head_size, want.num_kv_heads)
     assert_transformers_tokens(llm, model)
 

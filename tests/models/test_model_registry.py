@@ -69,6 +69,8 @@ def test_each_architecture_is_run_by_the_class_that_declares_it() -> None:
         "llama4",
         "deepseek2",
         "qwen3next",
+        "qwen35",
+        "qwen35moe",
         "mamba2",
         "granitehybrid",
         "falcon-h1",
