@@ -99,6 +99,7 @@ class KVCacheManager:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         state_checkpoint_interval: int = 1,
+        state_snapshots: bool = False,
     ) -> None: ...
     @property
     def num_groups(self) -> int: ...
@@ -523,6 +524,7 @@ class Scheduler:
         num_state_slots: int = 0,
         num_state_checkpoints: int = 0,
         state_checkpoint_interval: int = 1,
+        state_snapshots: bool = False,
     ) -> None: ...
     def add_request(
         self,

@@ -147,22 +147,23 @@ requests move to.)doc")
                        int num_host_blocks,
                        const std::vector<std::pair<std::string, int>>& groups,
                        int num_state_slots, int num_state_checkpoints,
-                       int state_checkpoint_interval) {
+                       int state_checkpoint_interval, bool state_snapshots) {
              return KVCacheManager(KVCacheConfig{
                  num_blocks, block_size, enable_prefix_caching, num_host_blocks,
                  kv_groups(groups), num_state_slots, num_state_checkpoints,
-                 state_checkpoint_interval});
+                 state_checkpoint_interval, state_snapshots});
            }),
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
            py::arg("num_host_blocks") = 0,
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
            py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0,
-           py::arg("state_checkpoint_interval") = 1,
+           py::arg("state_checkpoint_interval") = 1, py::arg("state_snapshots") = false,
            "kv_groups: (kind, size) per group, kind 'full' (size 0), 'sliding' (the window) "
            "or 'chunked' (the chunk); empty: one full group. num_state_slots > 0: each "
            "request holds a recurrent-state slot from its first allocation to its release; "
            "num_state_checkpoints > 0: prefix hits resume states from checkpoints, taken every "
-           "state_checkpoint_interval blocks and at a prompt's last full block.")
+           "state_checkpoint_interval blocks and at a prompt's last full block; state_snapshots: "
+           "each slot has a snapshot slot for speculative decoding.")
       .def_property_readonly("num_groups", &KVCacheManager::num_groups)
       .def("max_blocks_held", &KVCacheManager::max_blocks_held, py::arg("num_tokens"),
            py::arg("max_step_tokens"))

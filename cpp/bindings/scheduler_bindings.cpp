@@ -223,7 +223,7 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
                        int num_host_blocks, const std::string& preemption_mode,
                        const std::vector<std::pair<std::string, int>>& groups,
                        int num_state_slots, int num_state_checkpoints,
-                       int state_checkpoint_interval) {
+                       int state_checkpoint_interval, bool state_snapshots) {
              SchedulerConfig config;
              config.max_num_batched_tokens = max_num_batched_tokens;
              config.max_num_seqs = max_num_seqs;
@@ -237,7 +237,8 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
              return std::make_unique<Scheduler>(
                  config, KVCacheConfig{num_blocks, block_size, enable_prefix_caching,
                                        num_host_blocks, kv_groups(groups), num_state_slots,
-                                       num_state_checkpoints, state_checkpoint_interval});
+                                       num_state_checkpoints, state_checkpoint_interval,
+                                       state_snapshots});
            }),
            // No defaults: the engine's live in Python's EngineArgs alone.
            py::arg("num_blocks"), py::arg("block_size"), py::arg("enable_prefix_caching"),
@@ -251,9 +252,9 @@ buffers.logits_indices row; update(sampled). See cpp/include/pyengine/scheduler.
            // kv_groups: one full-attention group
            py::arg("kv_groups") = std::vector<std::pair<std::string, int>>{},
            // num_state_slots: 0, no recurrent states; num_state_checkpoints: 0, none;
-           // state_checkpoint_interval: checkpoints every block
+           // state_checkpoint_interval: checkpoints every block; state_snapshots: none
            py::arg("num_state_slots") = 0, py::arg("num_state_checkpoints") = 0,
-           py::arg("state_checkpoint_interval") = 1)
+           py::arg("state_checkpoint_interval") = 1, py::arg("state_snapshots") = false)
       .def(
           "add_request",
           [](Scheduler& s, const std::string& id, const py::handle& prompt, int max_tokens,

@@ -357,6 +357,34 @@ TEST(checkpoints_every_k_blocks_and_at_the_prompts_last_full_block) {
   CHECK_THROWS(InvalidArgument, KVCacheManager{config});
 }
 
+TEST(state_snapshots_save_and_put_back_a_verifying_steps_state) {
+  KVCacheConfig config{16, 4, true};
+  config.num_state_slots = 2;
+  config.num_state_checkpoints = 2;
+  config.state_snapshots = true;  // (slot s's snapshot: 4 + s)
+  KVCacheManager kv(config);
+  kv.add_request("a", iota_tokens(4));
+  const RequestHandle a = kv.handle("a");
+  CHECK_THROWS(InvalidState, kv.snapshot_state(a));  // (no slot yet)
+  CHECK(kv.allocate_slots("a", 4).has_value());
+  kv.take_pending_state_copies();  // (block 0's checkpoint)
+  kv.append_token_ids("a", iota_tokens(1, 50));
+  CHECK(kv.allocate_slots(a, 1, 3).has_value());  // a decode token and 3 drafts' slots
+  kv.snapshot_state(a);
+  CHECK(kv.take_pending_state_loads() == (std::vector<std::pair<int, int>>{{0, 4}}));
+  kv.restore_state(a);
+  CHECK(kv.take_pending_state_loads() == (std::vector<std::pair<int, int>>{{4, 0}}));
+  // Accepted drafts that end a block become computed tokens with no checkpoint.
+  kv.append_token_ids("a", iota_tokens(3, 60));
+  CHECK(kv.accept_lookahead(a, 3).has_value());
+  CHECK(kv.take_pending_state_copies().empty());
+  CHECK_EQ(kv.num_state_checkpoints_held(), 1);
+  config.num_state_slots = 0;
+  config.num_state_checkpoints = 0;
+  config.enable_prefix_caching = false;
+  CHECK_THROWS(InvalidArgument, KVCacheManager{config});  // (snapshots without slots)
+}
+
 TEST(state_checkpoints_need_slots_prefix_caching_one_group_and_no_host_tier) {
   KVCacheConfig config{16, 4, true};
   config.num_state_slots = 2;

@@ -106,6 +106,7 @@ class EngineCore:
                 num_state_slots=executor.num_state_slots,
                 num_state_checkpoints=executor.num_state_checkpoints,
                 state_checkpoint_interval=config.state_checkpoint_interval,
+                state_snapshots=config.speculative is not None and executor.num_state_slots > 0,
             )
             for _ in range(num_virtual_engines)
         ]

@@ -128,11 +128,7 @@ class EngineArgs:
         prefix_caching = self.enable_prefix_caching
         if loaded.config.has_recurrent_layers():
             prefix_caching = _hybrid_prefix_caching(
-                loaded.config,
-                prefix_caching,
-                speculative is not None,
-                self.kv_offload_gb > 0,
-                self.enable_lora,
+                loaded.config, prefix_caching, self.kv_offload_gb > 0, self.enable_lora
             )
         model_len = loaded.config.max_position_embeddings
         max_model_len = self.max_model_len
@@ -212,18 +208,12 @@ class EngineArgs:
 
 
 def _hybrid_prefix_caching(
-    config: ModelConfig, prefix_caching: bool, speculative: bool, host_tier: bool, lora: bool
+    config: ModelConfig, prefix_caching: bool, host_tier: bool, lora: bool
 ) -> bool:
-    """A model with recurrent-state layers refuses speculative decoding (a rejected draft
-    would stay in the state) and LoRA adapters (its mixers' projections take none). Its
-    prefix hits resume states from checkpoints, which the KV-cache manager keeps with one
-    KV-cache group and no host tier: with a host tier (kv_offload_gb) or attention layers
-    of several kinds, prefix caching is off."""
-    if speculative:
-        raise ValueError(
-            f"speculative decoding: {config.architecture} has recurrent-state layers, whose "
-            "state cannot take back a rejected draft yet"
-        )
+    """A model with recurrent-state layers refuses LoRA adapters (its mixers' projections
+    take none). Its prefix hits resume states from checkpoints, which the KV-cache
+    manager keeps with one KV-cache group and no host tier: with a host tier
+    (kv_offload_gb) or attention layers of several kinds, prefix caching is off."""
     if lora:
         raise ValueError(
             f"enable_lora: LoRA adapters on {config.architecture}, a model with "

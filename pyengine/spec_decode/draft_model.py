@@ -55,8 +55,10 @@ class DraftModelProposer(Proposer):
         least; its token's cost is the ratio of the models' multiply-adds a token."""
         spec = self.spec
         if spec.model is None:
+            check_no_states(target, "draft_layers: the target's first layers")
             return draft_token_cost(target, target, spec.draft_layers)
         draft = read_config(spec.model)
+        check_no_states(draft, f"the draft model {spec.model}")
         check_draft_vocabulary(spec.model, draft.vocab_size, target.vocab_size)
         positions = draft.max_position_embeddings
         if positions < max_model_len:
@@ -68,6 +70,17 @@ class DraftModelProposer(Proposer):
 
     def propose(self, scheduler: Scheduler) -> None:
         scheduler.reserve_draft_tokens(self.spec.num_speculative_tokens)
+
+
+def check_no_states(draft: ModelConfig, what: str) -> None:
+    """The draft runner keeps KV caches only: a draft with recurrent-state layers (a
+    hybrid model's) is refused by name."""
+    if draft.has_recurrent_layers():
+        raise ValueError(
+            f"speculative_config: {what} ({draft.architecture}) hold recurrent-state layers, "
+            "which a draft may not have; use an attention model, or the ngram or suffix "
+            "method"
+        )
 
 
 def check_draft_vocabulary(model: str, draft_vocab: int, target_vocab: int) -> None:

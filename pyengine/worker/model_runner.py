@@ -289,21 +289,25 @@ class ModelRunner:
         # The recurrent states: a slot per request each scheduler may run (fewer where
         # they would take more than half the budget), out of the KV cache's budget.
         # With prefix caching, as many checkpoints as slots beside them (hits resume
-        # states from these).
+        # states from these); with speculative decoding, a snapshot of each slot after
+        # them (a verifying step's state from before it, put back where a draft was
+        # rejected).
         engines = config.parallel.pipeline_parallel_size
-        per_request = 2 if config.enable_prefix_caching else 1
+        checkpoints, snapshots = config.enable_prefix_caching, config.speculative is not None
+        per_request = 1 + checkpoints + snapshots
         self.num_state_slots = slots_within(
             self.state_layers, config.max_num_seqs, kv_bytes // per_request
         )
-        self.num_state_checkpoints = self.num_state_slots * (per_request - 1)
-        total = self.num_state_slots + self.num_state_checkpoints
+        self.num_state_checkpoints = self.num_state_slots * checkpoints
+        self.num_state_snapshots = self.num_state_slots * snapshots
+        total = self.num_state_slots + self.num_state_checkpoints + self.num_state_snapshots
         self.state_bytes = total * slot_bytes(self.state_layers) * engines
         kv_bytes -= self.state_bytes
         if self.num_state_slots:
             logger.info(
-                "recurrent states: %d slots of %.2f MiB (%d layers), %d checkpoints",
-                self.num_state_slots, slot_bytes(self.state_layers) / 2**20,
-                len(self.state_layers), self.num_state_checkpoints,
+                "recurrent states: %d slots of %.2f MiB (%d layers), %d checkpoints, "
+                "%d snapshots", self.num_state_slots, slot_bytes(self.state_layers) / 2**20,
+                len(self.state_layers), self.num_state_checkpoints, self.num_state_snapshots,
             )  # fmt: skip
         if self.block_bytes:
             self.num_blocks = kv_bytes // self.block_bytes
@@ -416,7 +420,7 @@ class ModelRunner:
         self.states_by_virtual_engine = [
             allocate_states(
                 self.state_layers,
-                self.num_state_slots + self.num_state_checkpoints,
+                self.num_state_slots + self.num_state_checkpoints + self.num_state_snapshots,
                 self.placement.device,
             )
             for _ in range(num_virtual_engines)

@@ -644,3 +644,40 @@ def test_state_slots_reach_the_step_buffers() -> None:
             64, 4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128,
             **OPTIONS, num_state_slots=2,
         )  # type: ignore[arg-type]  # fmt: skip
+
+
+def test_a_rejected_draft_puts_the_state_back_and_runs_the_accepted_tokens_again() -> None:
+    """With state snapshots (speculative decoding on a hybrid model), a step that
+    verifies drafts first saves the request's state into its snapshot slot (after the
+    2 request slots and 2 checkpoints: slot 4 + its own); where a draft is rejected, the
+    state is put back before the next step, which runs the decode token, the accepted
+    draft and the new token again as a chunk. Where every draft is accepted, nothing is
+    put back."""
+    scheduler = Scheduler(
+        64, 4, max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128, **OPTIONS,
+        num_state_slots=2, num_state_checkpoints=2, state_snapshots=True,
+    )  # type: ignore[arg-type]  # fmt: skip
+    scheduler.add_request("a", [1, 2, 3, 5], max_tokens=20, speculate=True)
+    assert scheduler.schedule() == 1
+    scheduler.update(np.array([7], dtype=np.int32))  # (4 computed, 5 known)
+    scheduler.set_draft_tokens("a", [8, 9, 10])
+    assert scheduler.schedule() == 1
+    b = scheduler.buffers
+    assert b.state_loads == [(0, 4)] and b.num_draft_tokens.tolist() == [3]
+    # The first draft accepted, the second rejected: 7, 8, then 11 in place of 9.
+    scheduler.update(np.array([8, 11], dtype=np.int32), np.array([2], dtype=np.int32))
+    assert scheduler.schedule() == 1
+    b = scheduler.buffers
+    assert b.state_loads == [(4, 0)] and b.has_state.tolist() == [1]
+    assert b.num_scheduled_tokens.tolist() == [3]  # (7 and 8 again, then 11)
+    assert b.num_draft_tokens.tolist() == [0]
+    scheduler.update(np.array([12], dtype=np.int32))
+    scheduler.set_draft_tokens("a", [13, 14])
+    assert scheduler.schedule() == 1
+    assert scheduler.buffers.state_loads == [(0, 4)]
+    scheduler.update(np.array([13, 14, 15], dtype=np.int32), np.array([3], dtype=np.int32))
+    assert scheduler.schedule() == 1
+    assert (
+        scheduler.buffers.state_loads == []
+        and scheduler.buffers.num_scheduled_tokens.tolist() == [1]
+    )

@@ -97,3 +97,27 @@ def assert_chunked_form_keeps_tokens(folder: Path, model: torch.nn.Module,
         assert_tokens_and_logits_match(llm, model, prompts, rng.integers(0, 256, 200).tolist())
     finally:
         _C.set_recurrent_chunks_from(0)
+
+
+def assert_speculation_keeps_tokens(folder: Path, model: torch.nn.Module,
+                                    engine: dict[str, Any]) -> Any:  # fmt: skip
+    """Suffix decoding's drafts verified by a hybrid model: a prompt, then it again (its
+    first answer's drafts, accepted) beside one that differs in its last token (drafts
+    rejected where its answer parts from the first). Each rejected draft's state is put
+    back from its snapshot and the accepted tokens run again, so that every request gets
+    transformers' greedy tokens. Returns the engine's stats."""
+    from pyengine import LLM, SamplingParams
+
+    spec = {"method": "suffix", "num_speculative_tokens": 4}
+    llm = LLM(str(folder), speculative_config=spec, **engine)
+    runner = llm.llm_engine.executor.driver_worker.model_runner
+    assert runner.num_state_snapshots == runner.num_state_slots > 0
+    first = np.random.default_rng(4).integers(0, 256, 12).tolist()
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    for prompts in ([first], [first, first[:-1] + [(first[-1] + 1) % 256]]):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert list(out.outputs[0].token_ids) == hf_greedy(model, prompt, 32)
+    stats = llm.llm_engine.stats()
+    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens, stats
+    return stats

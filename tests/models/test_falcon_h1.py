@@ -22,6 +22,7 @@ from helpers.hf_reference import (
 from helpers.hybrid import (
     assert_chunked_form_keeps_tokens,
     assert_preemption_and_forks_keep_tokens,
+    assert_speculation_keeps_tokens,
     randomize,
 )
 
@@ -70,6 +71,11 @@ def test_greedy_tokens_and_logits_match_transformers(falcon) -> None:  # type: i
 def test_prefills_by_chunks_keep_the_tokens(falcon) -> None:  # type: ignore[no-untyped-def]
     folder, model = falcon
     assert_chunked_form_keeps_tokens(folder, model, ENGINE)
+
+
+def test_speculative_decoding_puts_the_state_back_where_a_draft_is_rejected(falcon) -> None:  # type: ignore[no-untyped-def]
+    folder, model = falcon
+    assert_speculation_keeps_tokens(folder, model, ENGINE)
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(falcon) -> None:  # type: ignore[no-untyped-def]

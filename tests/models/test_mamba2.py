@@ -17,7 +17,12 @@ from helpers.hf_reference import (
     assert_ranks_give_one_ranks_tokens,
     assert_tokens_and_logits_match,
 )
-from helpers.hybrid import assert_chunked_form_keeps_tokens, assert_generations_and_forks, randomize
+from helpers.hybrid import (
+    assert_chunked_form_keeps_tokens,
+    assert_generations_and_forks,
+    assert_speculation_keeps_tokens,
+    randomize,
+)
 
 from pyengine import LLM
 
@@ -54,6 +59,11 @@ def test_greedy_tokens_and_logits_match_transformers(mamba) -> None:  # type: ig
 def test_prefills_by_chunks_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]
     folder, model = mamba
     assert_chunked_form_keeps_tokens(folder, model, ENGINE)
+
+
+def test_speculative_decoding_puts_the_state_back_where_a_draft_is_rejected(mamba) -> None:  # type: ignore[no-untyped-def]
+    folder, model = mamba
+    assert_speculation_keeps_tokens(folder, model, ENGINE)
 
 
 def test_preemption_and_parallel_samples_keep_the_tokens(mamba) -> None:  # type: ignore[no-untyped-def]

@@ -23,6 +23,7 @@ from helpers.hf_reference import (
 from helpers.hybrid import (
     assert_chunked_form_keeps_tokens,
     assert_preemption_and_forks_keep_tokens,
+    assert_speculation_keeps_tokens,
     randomize,
 )
 
@@ -141,10 +142,15 @@ def test_checkpoints_every_k_blocks(hybrid, interval: int, cached: int) -> None:
         LLM(str(folder), state_checkpoint_interval=0, **ENGINE)
 
 
-def test_speculative_decoding_and_adapters_are_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
+def test_speculative_decoding_puts_the_state_back_where_a_draft_is_rejected(hybrid) -> None:  # type: ignore[no-untyped-def]
+    _, folder, model = hybrid
+    assert_speculation_keeps_tokens(folder, model, ENGINE)
+
+
+def test_draft_models_with_states_and_adapters_are_refused_by_name(hybrid) -> None:  # type: ignore[no-untyped-def]
     _, folder, _ = hybrid
-    spec = {"method": "ngram", "num_speculative_tokens": 3}
-    with pytest.raises(ValueError, match="speculative decoding: .* recurrent-state layers"):
+    spec = {"method": "draft_model", "draft_layers": 1, "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="draft_layers: .* recurrent-state layers"):
         LLM(str(folder), speculative_config=spec, **ENGINE)
     with pytest.raises(ValueError, match="enable_lora: LoRA adapters on .* recurrent-state"):
         LLM(str(folder), enable_lora=True, **ENGINE)

@@ -87,6 +87,11 @@ struct KVCacheConfig {
   // each checkpoint that many times longer in the same slots, and a hit may end up to
   // interval - 1 blocks earlier.
   int state_checkpoint_interval = 1;
+  // Speculative decoding with state slots: each request slot s has a snapshot slot
+  // (num_state_slots + num_state_checkpoints + s) where a verifying step's state is saved
+  // before it runs, and from which it is put back where a draft was rejected (the state
+  // took the draft in, and cannot give it back).
+  bool state_snapshots = false;
 };
 
 // One group's part of a prefix hit: the hit blocks it still needs, from logical block
@@ -215,6 +220,15 @@ class KVCacheManager {
   // copies (a request's slot into a checkpoint, after the step), and a hit taken since
   // then queued a load (the checkpoint into the request's slot) to run before the step:
   std::vector<std::pair<int, int>> take_pending_state_loads();
+  // With state_snapshots: a request's state saved into its snapshot slot before the
+  // step (queued among the loads), or put back from it before the next. Throws
+  // UnknownRequest, InvalidState without snapshots or before the request has a slot.
+  void snapshot_state(RequestHandle handle);
+  void restore_state(RequestHandle handle);
+  // n of a request's lookahead slots become computed tokens (accepted drafts, whose KV
+  // and state the step that verified them computed): allocate_slots(n), but with no
+  // state checkpoint, which would copy the state only after the next step.
+  std::optional<std::span<const BlockId>> accept_lookahead(RequestHandle handle, int n);
   int num_state_checkpoints_held() const { return static_cast<int>(checkpoint_of_.size()); }
   // Drops every cache entry, in both tiers; false (and nothing changed) while any block
   // is in use.
@@ -294,7 +308,10 @@ class KVCacheManager {
   }
   std::optional<std::span<const BlockId>> allocate(Request& request, int num_new_tokens,
                                                    int num_lookahead,
-                                                   const ComputedBlocks* computed);
+                                                   const ComputedBlocks* computed,
+                                                   bool checkpoint = true);
+  // The snapshot slot of a request's state slot (state_snapshots).
+  int snapshot_slot(const Request& request, const char* op) const;
   void append(Request& request, std::span<const TokenId> token_ids);
   size_t take_free_slot();
   // Fills a free slot with `fill`, then registers it under `id`; if anything throws,

@@ -53,6 +53,8 @@ KVCacheManager::KVCacheManager(const KVCacheConfig& config)
     check_argument(!host_ && config_.groups.size() == 1,
                    "state checkpoints are kept with one KV-cache group and no host tier");
   }
+  check_argument(!config.state_snapshots || config.num_state_slots > 0,
+                 "state_snapshots needs state slots");
   if (config.state_checkpoint_interval < 1) {
     throw InvalidArgument("state_checkpoint_interval must be at least 1 (blocks), got " +
                           std::to_string(config.state_checkpoint_interval));
@@ -429,7 +431,8 @@ void KVCacheManager::take_hit(Request& request, const ComputedBlocks& computed) 
 std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& request,
                                                                  int num_new_tokens,
                                                                  int num_lookahead,
-                                                                 const ComputedBlocks* computed) {
+                                                                 const ComputedBlocks* computed,
+                                                                 bool checkpoint) {
   const Plan p = plan(request, num_new_tokens, num_lookahead, computed);
   if (!p.fits) return std::nullopt;
   if (config_.num_state_slots > 0 && request.state_slot < 0) {
@@ -466,7 +469,8 @@ std::optional<std::span<const BlockId>> KVCacheManager::allocate(Request& reques
   }
   request.num_computed_tokens = end;
   cache_full_blocks(request);
-  if (config_.num_state_checkpoints > 0 && num_lookahead == 0 && checkpoints_at(request, end)) {
+  if (config_.num_state_checkpoints > 0 && checkpoint && num_lookahead == 0 &&
+      checkpoints_at(request, end)) {
     save_checkpoint(request, static_cast<size_t>(end / block_size() - 1));
   }
   return std::span<const BlockId>(request.groups[0].blocks)
@@ -644,6 +648,29 @@ std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_copies() {
   }
   std::erase_if(copies, [](const auto& copy) { return copy.second < 0; });
   return copies;
+}
+
+std::optional<std::span<const BlockId>> KVCacheManager::accept_lookahead(RequestHandle handle,
+                                                                         int n) {
+  return allocate(find(handle), n, 0, nullptr, false);
+}
+
+int KVCacheManager::snapshot_slot(const Request& request, const char* op) const {
+  if (!config_.state_snapshots || request.state_slot < 0) {
+    throw InvalidState(std::string(op) +
+                       ": needs state_snapshots and a request that holds a state slot");
+  }
+  return config_.num_state_slots + config_.num_state_checkpoints + request.state_slot;
+}
+
+void KVCacheManager::snapshot_state(RequestHandle handle) {
+  const Request& request = find(handle);
+  pending_state_loads_.emplace_back(request.state_slot, snapshot_slot(request, "snapshot_state"));
+}
+
+void KVCacheManager::restore_state(RequestHandle handle) {
+  const Request& request = find(handle);
+  pending_state_loads_.emplace_back(snapshot_slot(request, "restore_state"), request.state_slot);
 }
 
 std::vector<std::pair<int, int>> KVCacheManager::take_pending_state_loads() {

@@ -294,6 +294,9 @@ int Scheduler::schedule() {
     if (!allocated) continue;
     r->num_computed_tokens += n;
     r->num_scheduled_drafts = drafts;
+    // A recurrent state takes in every token the step runs, a draft that will be rejected
+    // too: it is saved before the step (update puts it back).
+    if (drafts > 0 && kv_.config().state_snapshots) kv_.snapshot_state(r->kv_handle);
     scheduled.emplace_back(r, n);
     budget -= n + drafts;
     fork_samples(*r, scheduled);
@@ -627,9 +630,18 @@ int Scheduler::update(std::span<const TokenId> tokens,
     const int appended = r->num_tokens() - before;
     written += appended;
     r->draft_token_ids.clear();
-    if (reason == FinishReason::kNone && appended > 1) {
+    const bool snapshot = kv_.config().state_snapshots && r->num_scheduled_drafts > 0;
+    if (reason == FinishReason::kNone && snapshot && appended - 1 < r->num_scheduled_drafts) {
+      // The state took the rejected drafts in: it goes back to its snapshot from before
+      // the step, and the step's decode token and accepted drafts are computed again.
+      kv_.restore_state(r->kv_handle);
+      r->num_computed_tokens -= 1;
+      kv_.rollback(r->id, r->num_computed_tokens);
+    } else if (reason == FinishReason::kNone && appended > 1) {
       // The accepted drafts' KV was computed in their lookahead slots: now known tokens.
-      if (!kv_.allocate_slots(r->kv_handle, appended - 1).has_value()) {
+      const auto accepted = snapshot ? kv_.accept_lookahead(r->kv_handle, appended - 1)
+                                     : kv_.allocate_slots(r->kv_handle, appended - 1);
+      if (!accepted.has_value()) {
         throw InvalidState("update: the accepted draft tokens' slots were not held");
       }
       r->num_computed_tokens += appended - 1;
