@@ -1,7 +1,8 @@
 // The CUDA recurrent-state kernels (cuda/recurrent_kernels.cuh) run on the host through
 // cuda_host_emulation.h, against float64 recurrences token by token: mixed requests (new
-// ones and ones continuing from their slots, one token or several, none), unused slots
-// left as they were, grouped heads and a clamp of the step.
+// ones and ones continuing from their slots, one token or several, none; runs of whole
+// chunks of 16 and of chunks and a part), unused slots left as they were, grouped heads
+// and a clamp of the step.
 #include "cuda_host_emulation.h"
 // The kernels after the emulation.
 #include <algorithm>
@@ -54,7 +55,7 @@ bool close(double got, double want, double tolerance) {
 
 TEST(gated_delta_rule_matches_the_float64_recurrence) {
   const int hk = 2, hv = 4, dk = 20, dv = 12, per = hv / hk;
-  const Step step({1, 4, 0, 6}, 6);
+  const Step step({1, 4, 0, 37, 32}, 6);
   const int t = step.tokens();
   auto q = random(t * hk * dk), key = random(t * hk * dk), v = random(t * hv * dv);
   auto g = random(t * hv, -1.0f, 0.0f), beta = random(t * hv, 0.0f, 1.0f);
@@ -143,7 +144,7 @@ TEST(causal_conv1d_matches_the_float64_convolution) {
 
 TEST(ssm_scan_matches_the_float64_recurrence) {
   const int heads = 4, groups = 2, head_dim = 6, n = 10, per = heads / groups;
-  const Step step({3, 1, 0, 5}, 6);
+  const Step step({3, 1, 0, 37, 16}, 6);
   const int t = step.tokens();
   auto x = random(t * heads * head_dim), dt = random(t * heads, -2.0f, 2.0f);
   auto a = random(heads, -2.0f, -0.1f), d = random(heads), dt_bias = random(heads);

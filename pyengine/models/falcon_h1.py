@@ -123,10 +123,6 @@ def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
     return _config_from_falcon(raw, common)
 
 
-def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
-    return mamba_values_to_hf(name, values)
-
-
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(
         "falcon-h1", "FalconH1ForCausalLM", _config_from_gguf,
@@ -136,7 +132,7 @@ _GGUF_ARCHITECTURES = (
          **{f"ffn_{part}": f"feed_forward.{part}_proj" for part in ("gate", "up", "down")},
          "ffn_norm": "pre_ff_layernorm.weight",  # (without a suffix in the file)
          **gguf_mamba_tensors("mamba")},
-        "model.layers", to_hf=_to_hf,
+        "model.layers", to_hf=mamba_values_to_hf,
     ),
 )  # fmt: skip
 

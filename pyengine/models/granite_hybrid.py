@@ -180,10 +180,6 @@ def _scalar_kv(m: GGUFMetadata) -> GGUFMetadata:
     return GGUFMetadata(fields, m.tensor_names, m.architecture)
 
 
-def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
-    return mamba_values_to_hf(name, values)
-
-
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(
         "granitehybrid", "GraniteMoeHybridForCausalLM", _config_from_gguf, _GGUF_GLOBAL_TENSORS,
@@ -193,7 +189,7 @@ _GGUF_ARCHITECTURES = (
          **gguf_expert_tensors("block_sparse_moe", router="router.layer", shared=None),
          **{f"ffn_{part}{kind}": f"shared_mlp.{part}_proj" for part in ("gate", "up", "down")
             for kind in ("", "_shexp")}},
-        "model.layers", rope_permuted=True, to_hf=_to_hf,
+        "model.layers", rope_permuted=True, to_hf=mamba_values_to_hf,
     ),
 )  # fmt: skip
 

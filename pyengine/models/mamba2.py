@@ -136,11 +136,11 @@ def gguf_mamba_tensors(module: str) -> dict[str, str]:
     return {part: f"{module}.{name}" for part, name in names.items()}
 
 
-def mamba_values_to_hf(name: str, values: np.ndarray) -> np.ndarray:
+def mamba_values_to_hf(name: str, values: np.ndarray, config: ModelConfig) -> np.ndarray:
     """A Mamba-2 layer's tensor as the Hugging Face checkpoint holds it, where llama.cpp's
-    conversion changed it: A stored as -exp(A_log) [heads, 1] (its log taken back in
-    float64), D as [heads, 1], the norm's weight as [groups, inner / groups]. (The
-    convolution's [channels, width], squeezed, loads as it is.)"""
+    conversion changed it (a GGUFArchitecture's to_hf): A stored as -exp(A_log) [heads,
+    1] (its log taken back in float64), D as [heads, 1], the norm's weight as [groups,
+    inner / groups]. (The convolution's [channels, width], squeezed, loads as it is.)"""
     if name.endswith(".A_log"):
         return np.log(-values.astype(np.float64)).astype(np.float32).reshape(-1)
     if name.endswith((".D", ".norm.weight")):
@@ -306,16 +306,13 @@ def _config_from_gguf(m: GGUFMetadata, common: CommonValues) -> ModelConfig:
     return _config_from_hf(raw, common)
 
 
-def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
-    return mamba_values_to_hf(name, values)
-
-
 _GGUF_ARCHITECTURES = (
     GGUFArchitecture(
         "mamba2", "Mamba2ForCausalLM", _config_from_gguf,
         {"token_embd.weight": "backbone.embeddings.weight",
          "output_norm.weight": "backbone.norm_f.weight", "output.weight": "lm_head.weight"},
-        {"attn_norm": "norm", **gguf_mamba_tensors("mixer")}, "backbone.layers", to_hf=_to_hf,
+        {"attn_norm": "norm", **gguf_mamba_tensors("mixer")}, "backbone.layers",
+        to_hf=mamba_values_to_hf,
     ),
 )  # fmt: skip
 

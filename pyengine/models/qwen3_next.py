@@ -247,7 +247,7 @@ def _to_hf(name: str, values: Any, config: ModelConfig) -> Any:
     which scales by w, as it is) and A as -exp(A_log); Qwen3.5's output projection
     takes its value heads' columns in its own order."""
     if name.endswith(".A_log"):
-        return mamba_values_to_hf(name, values)
+        return mamba_values_to_hf(name, values, config)
     if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
         return values - 1
     family = config.family_config(HybridFamilyConfig)

@@ -22,6 +22,7 @@ namespace pyengine {
 namespace {
 
 constexpr const char* kOp = "ssm_scan";
+constexpr int64_t cuda_max_state_size = 256;  // (cuda/recurrent_kernels.cuh: kMaxStateSize)
 
 }  // namespace
 
@@ -56,6 +57,11 @@ void ssm_scan(const TensorView& out, const TensorView& x, const TensorView& dt,
   }
   if (detail::on_cuda(device, kOp)) {
     detail::check_request_arrays(state_slots, has_state, query_start_loc, device, kOp);
+    if (state_size > cuda_max_state_size) {
+      throw InvalidArgument(std::string(kOp) + " (CUDA): the state size must be at most " +
+                            std::to_string(cuda_max_state_size) + ", got " +
+                            std::to_string(state_size));
+    }
 #ifdef PYENGINE_WITH_CUDA
     return cuda::ssm_scan(out, x, dt, A, B, C, D, dt_bias, state, state_slots, has_state,
                           query_start_loc, dt_softplus, dt_min, dt_max, stream);
