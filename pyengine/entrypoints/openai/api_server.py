@@ -41,6 +41,7 @@ from pyengine.entrypoints.openai.middlewares import (
     Access,
     add_middlewares,
 )
+from pyengine.entrypoints.openai.reasoning_parsers import ReasoningParser, reasoning_parser
 from pyengine.entrypoints.openai.routes import Routes
 from pyengine.entrypoints.openai.served_models import ServedModels, parse_lora_modules
 from pyengine.entrypoints.openai.serving_chat import ChatServing
@@ -60,6 +61,7 @@ def build_app(
     metrics: EngineMetrics | None = None,
     trust_request_chat_template: bool = False,
     auto_tool_parser: ToolParser | None = None,
+    reasoning_parser: ReasoningParser | None = None,
     waiting: WaitingBound | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
@@ -67,7 +69,7 @@ def build_app(
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
     names requests may give, the base model's and the adapters'; `access` who may call it
     (middlewares.py); `auto_tool_parser` finds the calls of "auto" tool choice (None:
-    refused)."""
+    refused); `reasoning_parser` splits a thinking model's reasoning from its answer."""
     access, limits, waiting = (
         access or Access(),
         limits or RequestLimits(),
@@ -79,6 +81,7 @@ def build_app(
     chat = ChatServing(engine, served, chat_template, waiting, limits)
     chat.trust_request_chat_template = trust_request_chat_template
     chat.tool_parser = auto_tool_parser
+    chat.reasoning_parser = reasoning_parser
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -128,6 +131,9 @@ def serve(ns: argparse.Namespace) -> None:
         metrics=metrics,
         trust_request_chat_template=ns.trust_request_chat_template,
         auto_tool_parser=tool_calls,
+        reasoning_parser=None
+        if ns.reasoning_parser is None
+        else reasoning_parser(ns.reasoning_parser),
         waiting=waiting_bound(ns, llm_engine.config.max_num_seqs),
         max_request_body_bytes=ns.max_request_body_bytes,
         limits=request_limits(ns),

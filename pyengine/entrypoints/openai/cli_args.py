@@ -16,6 +16,7 @@ from pyengine.engine.engine_args import EngineArgs
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.middlewares import DEFAULT_MAX_BODY_BYTES
+from pyengine.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
 from pyengine.entrypoints.openai.slow_clients import DEFAULT_STALL_TIMEOUT
 from pyengine.entrypoints.openai.tool_parsers import TOOL_PARSERS, ToolParser, tool_parser
 from pyengine.executor.registry import executor_names
@@ -231,6 +232,11 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
         help="the format the model writes its calls in (its chat template's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+        help="a thinking model's format: its reasoning goes to reasoning_content, apart "
+        "from the answer",
     )  # fmt: skip
     parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]

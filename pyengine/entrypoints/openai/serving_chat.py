@@ -1,4 +1,6 @@
-"""POST /v1/chat/completions: messages through the chat template, whole or streamed."""
+"""POST /v1/chat/completions: messages through the chat template, whole or streamed; a
+thinking model's reasoning apart from its answer (`reasoning_content`) where the server
+has a reasoning parser, the answer alone parsed for tool calls."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import jinja2
 from pyengine.engine.async_engine import RequestStream
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pyengine.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
     EncodedPrompt,
@@ -38,6 +41,8 @@ class ChatServing(OpenAIServing):
     trust_request_chat_template = False
     # --enable-auto-tool-choice's parser (--tool-call-parser): None, no "auto" tool choice
     tool_parser: ToolParser | None = None
+    # --reasoning-parser's: None, the whole text is the answer
+    reasoning_parser: ReasoningParser | None = None
 
     async def render(
         self,
@@ -149,8 +154,14 @@ class ChatServing(OpenAIServing):
             logprobs = None
             if request.logprobs:
                 logprobs = self.logprobs_json(c.token_ids, c.logprobs, request.top_logprobs or 0)
-            parsed = tools.parse(c.text, self.tool_parser)
+            answer, reasoning = c.text, None
+            if self.reasoning_parser is not None:
+                reasoned = self.reasoning_parser.split(c.text)
+                answer, reasoning = reasoned.content or "", reasoned.reasoning
+            parsed = tools.parse(answer, self.tool_parser)
             message: dict[str, Any] = {"role": "assistant", "content": parsed.content}
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
             if parsed.tool_calls:
                 message["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
             choices.append(
@@ -178,6 +189,8 @@ class ChatServing(OpenAIServing):
     ) -> AsyncIterator[str]:
         created = int(time.time())
         answers = [ToolCallStream(tools, self.tool_parser) for _ in range(request.n)]
+        parser = self.reasoning_parser
+        thoughts = [None if parser is None else parser.stream() for _ in range(request.n)]
 
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
             kind = "chat.completion.chunk"
@@ -204,9 +217,15 @@ class ChatServing(OpenAIServing):
                     logprobs = self.logprobs_json(
                         d.token_ids, d.logprobs, request.top_logprobs or 0
                     )
-                answer = answers[d.index]
+                answer, thought = answers[d.index], thoughts[d.index]
                 finished = d.finish_reason is not None
-                deltas = answer.deltas(d.text, finished)
+                text, reasoning = d.text, None
+                if thought is not None:  # (the reasoning first, the answer's part after it)
+                    sent = thought.feed(d.text, finished)
+                    text, reasoning = sent.content or "", sent.reasoning
+                deltas = answer.deltas(text, finished)
+                if reasoning is not None:
+                    deltas.insert(0, {"reasoning_content": reasoning})
                 if not deltas and (logprobs is not None or finished):
                     deltas = [{}]  # (the logprobs, or the finish, still go out)
                 reason = answer.finish_reason(d.finish_reason) if finished else None
