@@ -40,7 +40,7 @@ class DrainGate:
         if self.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
             error = APIError("the server is shutting down", status=503,
                              headers={"Connection": "close"})  # fmt: skip
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         self.in_flight += 1
         try:

@@ -1,6 +1,7 @@
-"""Errors as clients see them: `APIError` in OpenAI's shape, the HTTP response it becomes,
-and the app's exception handlers, which turn every other failure (a malformed body, an
-engine that died or whose step failed, a bug) into one with the status that says why."""
+"""Errors as clients see them: `APIError` in OpenAI's shape (or Anthropic's, on the
+routes of its Messages API), the HTTP response it becomes, and the app's exception
+handlers, which turn every other failure (a malformed body, an engine that died or whose
+step failed, a bug) into one with the status that says why."""
 
 from __future__ import annotations
 
@@ -57,13 +58,27 @@ class APIError(Exception):
             }
         }
 
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape: {"type": "error", "error": {"type", "message"}}."""
+        kind = {500: "api_error", 503: "overloaded_error"}.get(self.status, self.type)
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
 
-def error_response(error: APIError) -> Response:
-    """The error as the HTTP response a client gets."""
+
+# The routes of Anthropic's Messages API, whose clients read its error shape.
+ANTHROPIC_PATHS = ("/v1/messages",)
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path.startswith(ANTHROPIC_PATHS)
+
+
+def error_response(error: APIError, path: str = "") -> Response:
+    """The error as the HTTP response a client of the route at `path` gets."""
+    body = error.anthropic_body() if speaks_anthropic(path) else error.body()
     # ASCII JSON: a message that quotes the request's text may hold what UTF-8 cannot
     # encode (an unpaired surrogate).
     return Response(
-        json.dumps(error.body()), status_code=error.status, media_type="application/json",
+        json.dumps(body), status_code=error.status, media_type="application/json",
         headers=error.headers,
     )  # fmt: skip
 
@@ -89,27 +104,32 @@ def add_exception_handlers(app: FastAPI) -> None:
     hung 503, a failed engine step 500, and anything else a logged 500."""
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, error: StarletteHTTPException) -> Response:
-        return error_response(APIError(str(error.detail), status=error.status_code))
+    async def http_error(request: Request, error: StarletteHTTPException) -> Response:
+        return error_response(APIError(str(error.detail), status=error.status_code), _path(request))
 
     @app.exception_handler(Exception)
-    async def internal_error(_: Request, error: Exception) -> Response:
+    async def internal_error(request: Request, error: Exception) -> Response:
         logger.exception("a request failed")
-        return error_response(APIError(f"internal error: {type(error).__name__}", status=500))
+        failure = APIError(f"internal error: {type(error).__name__}", status=500)
+        return error_response(failure, _path(request))
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, error: APIError) -> Response:
-        return error_response(error)
+    async def api_error(request: Request, error: APIError) -> Response:
+        return error_response(error, _path(request))
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_: Request, error: RequestValidationError) -> Response:
-        return error_response(validation_error(error))
+    async def invalid_request(request: Request, error: RequestValidationError) -> Response:
+        return error_response(validation_error(error), _path(request))
 
     @app.exception_handler(EngineDeadError)
     @app.exception_handler(ExecutorDeadError)
-    async def engine_dead(_: Request, error: Exception) -> Response:
-        return error_response(APIError(str(error), status=503))
+    async def engine_dead(request: Request, error: Exception) -> Response:
+        return error_response(APIError(str(error), status=503), _path(request))
 
     @app.exception_handler(EngineStepError)
-    async def step_failed(_: Request, error: Exception) -> Response:
-        return error_response(APIError(str(error), status=500))
+    async def step_failed(request: Request, error: Exception) -> Response:
+        return error_response(APIError(str(error), status=500), _path(request))
+
+
+def _path(request: Request) -> str:
+    return request.url.path

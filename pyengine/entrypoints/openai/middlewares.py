@@ -120,7 +120,7 @@ class BodySizeLimit:
 
     async def _refuse(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         error = APIError(f"the request body is larger than {self.max_bytes} bytes", status=413)
-        await error_response(error)(scope, receive, send)
+        await error_response(error, scope["path"])(scope, receive, send)
 
 
 def _replaying(first: dict[str, Any], receive: Any) -> Callable[[], Awaitable[dict[str, Any]]]:
@@ -139,7 +139,8 @@ def _replaying(first: dict[str, Any], receive: Any) -> Callable[[], Awaitable[di
 
 class ApiKeyCheck:
     """Refuses every request but those to `open_paths` without `Authorization: Bearer
-    <key>` of one of the keys, from its headers alone (its body is not read), every key
+    <key>` (or Anthropic's clients' `x-api-key: <key>`) of one of the keys, from its
+    headers alone (its body is not read), every key
     compared in constant time (how long a refusal takes says nothing of a key); with
     salt_per_key, a request's scope carries its key's cache salt (SALT)."""
 
@@ -167,9 +168,15 @@ class ApiKeyCheck:
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] in ("http", "websocket") and scope["path"] not in self.open_paths:
-            index = self.key_index(dict(scope["headers"]).get(b"authorization", b""))
+            headers = dict(scope["headers"])
+            given = headers.get(b"authorization")
+            if given is None and b"x-api-key" in headers:
+                given = b"Bearer " + headers[b"x-api-key"]
+            index = self.key_index(given or b"")
             if index is None:
-                response = error_response(APIError("invalid or missing API key", status=401))
+                response = error_response(
+                    APIError("invalid or missing API key", status=401), scope["path"]
+                )
                 await response(scope, receive, send)
                 return
             scope = {**scope, self.KEY_INDEX: index}
@@ -211,6 +218,8 @@ class HostCheck:
                     f"the Host header {host.decode('latin-1')[:100]!r} names a host this "
                     "server does not answer for without an API key (--allowed-hosts)"
                 )
-                await error_response(APIError(message, status=400))(scope, receive, send)
+                await error_response(APIError(message, status=400), scope["path"])(
+                    scope, receive, send
+                )
                 return
         await self.app(scope, receive, send)

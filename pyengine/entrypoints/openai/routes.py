@@ -1,7 +1,7 @@
 """The server's HTTP routes: health and version, the models and their LoRA adapters,
 completions and chat (a JSON body, or an SSE stream that aborts its requests however it
-ends), tokenize and detokenize, and Prometheus' /metrics. The serving classes do the work;
-a route takes the request to one and its answer back."""
+ends), Anthropic's Messages API, tokenize and detokenize, and Prometheus' /metrics. The
+serving classes do the work; a route takes the request to one and its answer back."""
 
 from __future__ import annotations
 
@@ -19,6 +19,8 @@ from starlette.types import Receive, Scope, Send
 
 from pyengine import __version__
 from pyengine.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pyengine.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pyengine.entrypoints.anthropic.serving_messages import MessagesServing
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.metrics import EngineMetrics
 from pyengine.entrypoints.openai.middlewares import Access, ApiKeyCheck
@@ -66,6 +68,7 @@ class Routes:
         self.served = served
         self.completions = completions
         self.chat = chat
+        self.messages = MessagesServing(chat)
         self.metrics = metrics
         self.access = access or Access()
         self.created = int(time.time())  # (the model cards' creation time)
@@ -90,6 +93,8 @@ class Routes:
             app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         app.add_api_route("/v1/completions", self.create_completion, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.create_chat_completion, methods=["POST"])
+        app.add_api_route("/v1/messages", self.create_message, methods=["POST"])
+        app.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
@@ -151,6 +156,13 @@ class Routes:
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         return await answer(raw, self.chat.create(with_key_salt(body, raw)))
+
+    async def create_message(self, body: MessagesRequest, raw: Request) -> Response:
+        salt = raw.scope.get(ApiKeyCheck.SALT)
+        return await answer(raw, self.messages.create(body, salt))
+
+    async def count_tokens(self, body: CountTokensRequest) -> dict[str, Any]:
+        return await self.messages.count_tokens(body)
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.completions.check_model(body.model)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
@@ -33,6 +34,23 @@ from pyengine.outputs import PositionLogprobs
 
 def _logprob_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+
+@dataclass(frozen=True)
+class ChatRun:
+    """A chat completion started in the engine: what its answer is made from."""
+
+    request: ChatCompletionRequest
+    tools: ToolChoice
+    model: str
+    request_id: str
+    prompt: EncodedPrompt
+    streams: list[RequestStream]
+
+    def stream_args(
+        self,
+    ) -> tuple[ChatCompletionRequest, ToolChoice, str, str, EncodedPrompt, list[RequestStream]]:
+        return self.request, self.tools, self.model, self.request_id, self.prompt, self.streams
 
 
 class ChatServing(OpenAIServing):
@@ -116,30 +134,45 @@ class ChatServing(OpenAIServing):
     async def create(
         self, request: ChatCompletionRequest
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
-        model = self.check_model(request.model)
-        tools = await self.tool_choice(request)
-        params = request.to_sampling_params(tools)
-        if tools.constraint() is None:
-            await self.compile_grammar(params.structured_outputs, request.constraint_param)
+        run = await self.start_chat(request)
+        if request.stream:
+            return self._stream(*run.stream_args()), run.streams
+        return await self.whole(run)
+
+    async def whole(self, run: ChatRun) -> dict[str, Any]:
+        """A started chat's chat.completion object, once its requests end."""
+        (result,) = await self.collect([run.prompt], run.streams, run.request.n)
+        # (off the event loop: a long answer's logprobs and tool calls take a while)
+        return await asyncio.to_thread(
+            self._response, run.request, run.tools, run.model, run.request_id, result
+        )
+
+    async def prompt_of(self, request: ChatCompletionRequest, tools: ToolChoice) -> EncodedPrompt:
+        """The request's conversation (and its tools) through the chat template."""
         template_kwargs = dict(request.chat_template_kwargs)
         if tools.template_tools() is not None:
             template_kwargs.setdefault("tools", tools.template_tools())
-        prompt = await self.render(
+        return await self.render(
             request.messages,
             request.chat_template,
             request.add_generation_prompt,
             **template_kwargs,
         )
+
+    async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
+        """The request checked, rendered and started in the engine."""
+        model = self.check_model(request.model)
+        tools = await self.tool_choice(request)
+        params = request.to_sampling_params(tools)
+        if tools.constraint() is None:
+            await self.compile_grammar(params.structured_outputs, request.constraint_param)
+        prompt = await self.prompt_of(request, tools)
         request_id = random_id("chatcmpl")
         streams = await self.start(
             [prompt], params, request_id, "messages", self.adapter(request.model),
             request.priority, request.cache_salt,
         )  # fmt: skip
-        if request.stream:
-            return self._stream(request, tools, model, request_id, prompt, streams), streams
-        (result,) = await self.collect([prompt], streams, params.n)
-        # (off the event loop: a long answer's logprobs and tool calls take a while)
-        return await asyncio.to_thread(self._response, request, tools, model, request_id, result)
+        return ChatRun(request, tools, model, request_id, prompt, streams)
 
     def _response(
         self,
@@ -187,14 +220,28 @@ class ChatServing(OpenAIServing):
         prompt: EncodedPrompt,
         streams: list[RequestStream],
     ) -> AsyncIterator[str]:
+        async for chunk in self.chunks(request, tools, model, request_id, prompt, streams):
+            yield sse(chunk)
+        yield SSE_DONE
+
+    async def chunks(
+        self,
+        request: ChatCompletionRequest,
+        tools: ToolChoice,
+        model: str,
+        request_id: str,
+        prompt: EncodedPrompt,
+        streams: list[RequestStream],
+    ) -> AsyncIterator[dict[str, Any]]:
+        """The stream's chat.completion.chunk objects (another API's stream is made of
+        them too: serving_messages.py)."""
         created = int(time.time())
         answers = [ToolCallStream(tools, self.tool_parser) for _ in range(request.n)]
         parser = self.reasoning_parser
         thoughts = [None if parser is None else parser.stream() for _ in range(request.n)]
 
-        def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
-            kind = "chat.completion.chunk"
-            return sse(envelope(request_id, kind, created, model, choices, **extra))
+        def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+            return envelope(request_id, "chat.completion.chunk", created, model, choices, **extra)
 
         for k in range(request.n):  # the role first, as OpenAI sends it
             yield chunk(
@@ -241,4 +288,3 @@ class ChatServing(OpenAIServing):
                     yield chunk([choice])
         if request.include_usage:
             yield chunk([], usage=usage(len(prompt[1]), completion_tokens, cached))
-        yield SSE_DONE
