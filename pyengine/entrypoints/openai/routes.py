@@ -1,6 +1,7 @@
 """The server's HTTP routes: health and version, the models and their LoRA adapters,
 completions and chat (a JSON body, or an SSE stream that aborts its requests however it
-ends), Anthropic's Messages API, tokenize and detokenize, and Prometheus' /metrics. The
+ends), the Responses API and its store, Anthropic's Messages API, tokenize and
+detokenize, and Prometheus' /metrics. The
 serving classes do the work; a route takes the request to one and its answer back."""
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from pyengine.entrypoints.openai.protocol import (
     TokenizeRequest,
     UnloadLoRAAdapterRequest,
 )
+from pyengine.entrypoints.openai.responses_protocol import ResponsesRequest
 from pyengine.entrypoints.openai.served_models import ServedModels, path_inside
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.entrypoints.openai.serving_responses import ResponsesServing
 from pyengine.entrypoints.openai.slow_clients import REQUEST_IDS
 from pyengine.executor import ExecutorDeadError
 
@@ -69,6 +72,7 @@ class Routes:
         self.completions = completions
         self.chat = chat
         self.messages = MessagesServing(chat)
+        self.responses = ResponsesServing(chat)
         self.metrics = metrics
         self.access = access or Access()
         self.created = int(time.time())  # (the model cards' creation time)
@@ -93,6 +97,10 @@ class Routes:
             app.add_api_route("/v1/unload_lora_adapter", self.unload_lora_adapter, methods=["POST"])
         app.add_api_route("/v1/completions", self.create_completion, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.create_chat_completion, methods=["POST"])
+        app.add_api_route("/v1/responses", self.create_response, methods=["POST"])
+        app.add_api_route("/v1/responses/{response_id}", self.get_response, methods=["GET"])
+        app.add_api_route("/v1/responses/{response_id}", self.delete_response,
+                          methods=["DELETE"])  # fmt: skip
         app.add_api_route("/v1/messages", self.create_message, methods=["POST"])
         app.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
@@ -156,6 +164,16 @@ class Routes:
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         return await answer(raw, self.chat.create(with_key_salt(body, raw)))
+
+    async def create_response(self, body: ResponsesRequest, raw: Request) -> Response:
+        salt, owner = raw.scope.get(ApiKeyCheck.SALT), raw.scope.get(ApiKeyCheck.KEY_INDEX)
+        return await answer(raw, self.responses.create(body, salt, owner))
+
+    async def get_response(self, response_id: str, raw: Request) -> dict[str, Any]:
+        return self.responses.get(response_id, raw.scope.get(ApiKeyCheck.KEY_INDEX))
+
+    async def delete_response(self, response_id: str, raw: Request) -> dict[str, Any]:
+        return self.responses.delete(response_id, raw.scope.get(ApiKeyCheck.KEY_INDEX))
 
     async def create_message(self, body: MessagesRequest, raw: Request) -> Response:
         salt = raw.scope.get(ApiKeyCheck.SALT)
