@@ -92,6 +92,13 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A constraint on the output (JSON schema, regex, choice, grammar), vLLM's.
     structured_outputs: StructuredOutputsParams | None = None
+    # vLLM's: only these token ids may be sampled; words never generated (each as its
+    # tokens, with and without a leading space: bad_words_token_ids, which the engine
+    # fills from the tokenizer); the prompt cut to its last this many tokens.
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
+    truncate_prompt_tokens: int | None = None
     # What the request's outputs hold: CUMULATIVE copies every sample's whole output at
     # each step (LLMEngine.step()'s callers read them so); a stream asks for DELTA, and
     # LLM.generate for FINAL_ONLY.
@@ -140,6 +147,22 @@ class SamplingParams:
         checks.append(("logit_bias", bias is None or isinstance(bias, dict) and all(
             is_int(t) and t >= 0 and is_real(b) and -100 <= b <= 100 for t, b in bias.items()),
             "a dict of token ids >= 0 to numbers in [-100, 100]"))  # fmt: skip
+        allowed, words, word_ids = self.allowed_token_ids, self.bad_words, self.bad_words_token_ids
+        checks += [
+            ("allowed_token_ids", allowed is None or (isinstance(allowed, list | tuple)
+             and len(allowed) > 0 and all(is_int(t) and t >= 0 for t in allowed)),
+             "a non-empty list of token ids >= 0, or None"),
+            ("bad_words", words is None or (isinstance(words, list | tuple)
+             and all(isinstance(w, str) and w.strip() for w in words)),
+             "a list of non-blank strings, or None"),
+            ("bad_words_token_ids", word_ids is None or (isinstance(word_ids, list | tuple)
+             and all(isinstance(ids, list | tuple) and ids and all(is_int(t) and t >= 0
+                                                                   for t in ids)
+                     for ids in word_ids)), "lists of token ids >= 0, or None"),
+            ("truncate_prompt_tokens", self.truncate_prompt_tokens is None
+             or (is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
+             "an integer >= 1 or None"),
+        ]  # fmt: skip
         constraint = self.structured_outputs
         checks.append(("structured_outputs", constraint is None
                        or isinstance(constraint, StructuredOutputsParams),

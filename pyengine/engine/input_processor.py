@@ -128,7 +128,13 @@ class InputProcessor:
     ) -> EngineRequest:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
+        keep = getattr(params, "truncate_prompt_tokens", None)
+        if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
+            prompt_token_ids = prompt_token_ids[-keep:]  # (its last tokens, as vLLM's)
         params = self._checked(request_id, prompt_token_ids, params, existing, output_kind)
+        if params.bad_words:
+            params.bad_words_token_ids = [*(params.bad_words_token_ids or []),
+                                          *self._word_token_ids(params.bad_words)]  # fmt: skip
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise ValueError(f"priority must be an integer, got {priority!r}")
         if priority != 0 and self.config.scheduling_policy != "priority":
@@ -175,6 +181,19 @@ class InputProcessor:
             cache_salt=cache_salt or "",
         )
 
+    def _word_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens, at the text's start and after a space (where the
+        tokenizer makes other tokens of it), each sequence once."""
+        if self.tokenizer is None:
+            raise ValueError("bad_words needs the model's tokenizer")
+        found: dict[tuple[int, ...], None] = {}
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = tuple(self.tokenizer.encode(text, False))
+                if ids:
+                    found[ids] = None
+        return [list(ids) for ids in found]
+
     def _checked(
         self,
         request_id: str,
@@ -197,6 +216,9 @@ class InputProcessor:
             stop=copy(params.stop),
             stop_token_ids=copy(params.stop_token_ids),
             logit_bias=copy(params.logit_bias),
+            allowed_token_ids=copy(params.allowed_token_ids),
+            bad_words=copy(params.bad_words),
+            bad_words_token_ids=copy(params.bad_words_token_ids),
             output_kind=params.output_kind if output_kind is None else output_kind,
         )
         if not prompt_token_ids:
@@ -205,6 +227,9 @@ class InputProcessor:
         check_token_ids(prompt_token_ids, vocab, what)
         check_token_ids(params.stop_token_ids or [], vocab, f"{what}: stop_token_ids")
         check_token_ids(list(params.logit_bias or {}), vocab, f"{what}: logit_bias")
+        check_token_ids(params.allowed_token_ids or [], vocab, f"{what}: allowed_token_ids")
+        for ids in params.bad_words_token_ids or []:
+            check_token_ids(ids, vocab, f"{what}: bad_words_token_ids")
         c = self.config
         limits = [("logprobs", "max_logprobs", c.max_logprobs),
                   ("prompt_logprobs", "max_logprobs", c.max_logprobs),

@@ -1,6 +1,7 @@
 """Logits processors: each changes a batch of logits rows in place, in the order the
-sampler runs them, before a token is selected. Penalties, OpenAI's logit_bias and the
-tokens blocked under min_tokens today; a grammar's mask of allowed tokens is one more.
+sampler runs them, before a token is selected. Penalties, OpenAI's logit_bias, the
+tokens blocked under min_tokens, vLLM's allowed_token_ids and bad words today; a
+grammar's mask of allowed tokens is one more.
 
 A processor looks only at its own rows' parameters, and costs nothing in a batch where
 no row asks for it."""
@@ -95,6 +96,28 @@ def block_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     logits[column(blocked, torch.long, device)[j], t] = float("-inf")
 
 
+def apply_token_lists(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """In place: each row with allowed_token_ids at -inf outside them, and at -inf each
+    bad word's last token where the row's tokens end with the rest of the word (a
+    one-token word always)."""
+    for i, row in enumerate(rows):
+        allowed = row.params.allowed_token_ids
+        if allowed:
+            ids = torch.tensor(allowed, dtype=torch.long, device=logits.device)
+            kept = logits[i, ids].clone()
+            logits[i].fill_(float("-inf"))
+            logits[i, ids] = kept
+        words = row.params.bad_words_token_ids
+        if not words:
+            continue
+        output = row.output_token_ids
+        banned = [ids[-1] for ids in words if len(ids) == 1 or (
+            len(output) >= len(ids) - 1 and list(output[len(output) - len(ids) + 1 :]) == ids[:-1]
+        )]  # fmt: skip
+        if banned:
+            logits[i, torch.tensor(banned, dtype=torch.long, device=logits.device)] = float("-inf")
+
+
 def mask_disallowed_tokens(logits: torch.Tensor, rows: list[SamplingRow]) -> None:
     """In place: each structured output's row at -inf outside its allowed tokens (its
     bitmask, unpacked on the logits' device; tokens past the mask's are not allowed)."""
@@ -137,5 +160,6 @@ DEFAULT_LOGITS_PROCESSORS: tuple[LogitsProcessor, ...] = (
     apply_penalties,
     apply_logit_bias,
     block_tokens,
+    apply_token_lists,
     mask_disallowed_tokens,
 )

@@ -142,6 +142,8 @@ def plain_greedy(params: SamplingParams) -> bool:
         and not params.frequency_penalty
         and not params.presence_penalty
         and not params.logit_bias
+        and not params.allowed_token_ids
+        and not params.bad_words_token_ids
     )
 
 

@@ -63,6 +63,9 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them a request)
     response_format: dict[str, Any] | None = None
@@ -162,6 +165,9 @@ class _SamplingRequest(BaseModel):
             "top_k": self.top_k,
             "min_p": self.min_p,
             "repetition_penalty": self.repetition_penalty,
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
+            "truncate_prompt_tokens": self.truncate_prompt_tokens,
         }
         try:
             return SamplingParams(
