@@ -41,6 +41,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LLM",
+    "BeamSearchParams",
     "LoRARequest",
     "CompletionOutput",
     "RequestOutput",
@@ -71,4 +72,8 @@ def __getattr__(name: str) -> object:
         from pyengine.entrypoints.llm import LLM
 
         return LLM
+    if name == "BeamSearchParams":
+        from pyengine.entrypoints.beam_search import BeamSearchParams
+
+        return BeamSearchParams
     raise AttributeError(f"module 'pyengine' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""LLM: the offline API (as vLLM's): generate() and chat() over a batch of prompts."""
+"""LLM: the offline API (as vLLM's): generate(), chat() and beam_search() over a batch of
+prompts."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.input_processor import Prompt
+from pyengine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
@@ -50,6 +52,27 @@ class LLM:
         encoded = [self.llm_engine.input_processor.encode_prompt(p) for p in batch]
         salts = [p.get("cache_salt") if isinstance(p, dict) else None for p in batch]
         return self._run(encoded, params, use_tqdm, loras, priority, salts)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's params.beam_width best sequences (entrypoints/beam_search.py),
+        best first; 2 x beam_width logprobs a step, at most the engine's max_logprobs."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"{params!r:.40} is not a BeamSearchParams")
+        batch = _as_batch(prompts)
+        encoded = [self.llm_engine.input_processor.encode_prompt(p)[1] for p in batch]
+
+        eos = (self.llm_engine.model_config.eos_token_ids or (None,))[0]
+        search = BeamSearch(encoded, params, eos)
+        while not search.done:
+            steps = search.step_prompts()
+            outputs = self._run(
+                [(None, t) for t in steps], [search.step_params] * len(steps), False
+            )
+            search.advance([(o.outputs[0].logprobs or [{}])[0] for o in outputs])
+        tokenizer = self.llm_engine.tokenizer
+        return search.results(tokenizer.decode if tokenizer is not None else lambda ids: "")
 
     def chat(
         self,

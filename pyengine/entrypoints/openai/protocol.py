@@ -205,6 +205,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+    # vLLM's: the n best beams of a beam search (entrypoints/beam_search.py), scored by
+    # their summed logprobs over their length to the power length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:

@@ -1,4 +1,5 @@
-"""POST /v1/completions: text or token-id prompts (one or many), whole or streamed."""
+"""POST /v1/completions: text or token-id prompts (one or many), whole or streamed; or,
+with use_beam_search, each prompt's n best beams (whole)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any, cast
 
 from pyengine.engine.async_engine import RequestStream
+from pyengine.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.protocol import CompletionRequest
 from pyengine.entrypoints.openai.serving import (
@@ -86,6 +88,8 @@ class CompletionServing(OpenAIServing):
         self, request: CompletionRequest
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         model = self.check_model(request.model)
+        if request.use_beam_search:
+            return await self._beam_search(request, model)
         params = request.to_sampling_params()
         await self.compile_grammar(params.structured_outputs, request.constraint_param)
         # Off the event loop: a long prompt's tokenization would hold up every stream.
@@ -100,6 +104,40 @@ class CompletionServing(OpenAIServing):
         results = await self.collect(prompts, streams, params.n)
         # (off the event loop: long answers' logprobs take a while)
         return await asyncio.to_thread(self._response, request, model, request_id, results)
+
+    async def _beam_search(self, request: CompletionRequest, model: str) -> dict[str, Any]:
+        """Each prompt's n best beams as its choices: the search's steps run through the
+        engine as requests of one token each (the beams' prefixes from its cache)."""
+        for name in ("stream", "echo", "logprobs", "suffix"):
+            if getattr(request, name):
+                raise APIError(f"use_beam_search does not take {name}", param=name)
+        try:
+            params = BeamSearchParams(request.n, request.max_tokens or 16, request.ignore_eos,
+                                      request.length_penalty)  # fmt: skip
+        except ValueError as error:
+            raise APIError(str(error).removeprefix("BeamSearchParams."), param="n") from None
+        prompts = await asyncio.to_thread(self.prompts, request)
+        eos = (self.engine.model_config.eos_token_ids or (None,))[0]
+        search, request_id = BeamSearch([ids for _, ids in prompts], params, eos), random_id("cmpl")
+        while not search.done:
+            steps: list[EncodedPrompt] = [(None, ids) for ids in search.step_prompts()]
+            streams = await self.start(
+                steps, search.step_params, f"{request_id}-{search.steps}",
+                lora_request=self.adapter(request.model), priority=request.priority,
+                cache_salt=request.cache_salt,
+            )  # fmt: skip
+            results = await self.collect(steps, streams, 1)
+            search.advance([(r.choices[0].logprobs or [{}])[0] for r in results])
+        outputs = await asyncio.to_thread(search.results, self.tokenizer.decode)
+        choices = [
+            {"index": i * request.n + j, "text": beam.text, "logprobs": None,
+             "finish_reason": "stop" if beam.finished else "length", "stop_reason": None}
+            for i, output in enumerate(outputs) for j, beam in enumerate(output.sequences)
+        ]  # fmt: skip
+        generated = sum(len(b.tokens) for output in outputs for b in output.sequences)
+        counted = usage(sum(len(ids) for _, ids in prompts), generated, 0)
+        return envelope(request_id, "text_completion", int(time.time()), model, choices,
+                        usage=counted)  # fmt: skip
 
     def _echo_text(self, prompt: EncodedPrompt) -> str:
         text, ids = prompt
