@@ -159,7 +159,7 @@ class MessagesServing:
         yield event("message_start", {"type": "message_start", "message": start})
         blocks, finish, matched, output_tokens = Blocks(), None, None, 0
         try:
-            async for chunk in self.chat.chunks(*run.stream_args()):
+            async for chunk in self.chat.chunks(run):
                 if chunk.get("usage"):
                     output_tokens = chunk["usage"]["completion_tokens"]
                 for choice in chunk["choices"]:

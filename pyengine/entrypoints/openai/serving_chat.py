@@ -47,11 +47,6 @@ class ChatRun:
     prompt: EncodedPrompt
     streams: list[RequestStream]
 
-    def stream_args(
-        self,
-    ) -> tuple[ChatCompletionRequest, ToolChoice, str, str, EncodedPrompt, list[RequestStream]]:
-        return self.request, self.tools, self.model, self.request_id, self.prompt, self.streams
-
 
 class ChatServing(OpenAIServing):
     # A request's own chat_template is a program the server would run: refused unless the
@@ -136,7 +131,7 @@ class ChatServing(OpenAIServing):
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         run = await self.start_chat(request)
         if request.stream:
-            return self._stream(*run.stream_args()), run.streams
+            return self._stream(run), run.streams
         return await self.whole(run)
 
     async def whole(self, run: ChatRun) -> dict[str, Any]:
@@ -211,30 +206,16 @@ class ChatServing(OpenAIServing):
             usage=self.usage([result]),
         )  # fmt: skip
 
-    async def _stream(
-        self,
-        request: ChatCompletionRequest,
-        tools: ToolChoice,
-        model: str,
-        request_id: str,
-        prompt: EncodedPrompt,
-        streams: list[RequestStream],
-    ) -> AsyncIterator[str]:
-        async for chunk in self.chunks(request, tools, model, request_id, prompt, streams):
+    async def _stream(self, run: ChatRun) -> AsyncIterator[str]:
+        async for chunk in self.chunks(run):
             yield sse(chunk)
         yield SSE_DONE
 
-    async def chunks(
-        self,
-        request: ChatCompletionRequest,
-        tools: ToolChoice,
-        model: str,
-        request_id: str,
-        prompt: EncodedPrompt,
-        streams: list[RequestStream],
-    ) -> AsyncIterator[dict[str, Any]]:
-        """The stream's chat.completion.chunk objects (another API's stream is made of
-        them too: serving_messages.py)."""
+    async def chunks(self, run: ChatRun) -> AsyncIterator[dict[str, Any]]:
+        """A started chat's chat.completion.chunk objects (the Responses and Messages
+        APIs' streams are made of them too)."""
+        request, tools, model, request_id = run.request, run.tools, run.model, run.request_id
+        prompt, streams = run.prompt, run.streams
         created = int(time.time())
         answers = [ToolCallStream(tools, self.tool_parser) for _ in range(request.n)]
         parser = self.reasoning_parser

@@ -199,7 +199,7 @@ class ResponsesServing:
         yield events.emit("response.in_progress", response=dict(response))
         items, finish, usage = StreamedItems(events), None, None
         try:
-            async for chunk in self.chat.chunks(*run.stream_args()):
+            async for chunk in self.chat.chunks(run):
                 usage = chunk.get("usage") or usage
                 for choice in chunk["choices"]:
                     for e in items.feed(choice["delta"]):
