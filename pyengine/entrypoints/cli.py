@@ -1,8 +1,13 @@
 """The `pyengine` command: serve the OpenAI API, or generate and chat at a terminal.
 
 pyengine serve [MODEL] [--port 8000 ...]
-pyengine generate "prompt" [--model MODEL] [--max-tokens 256] [--raw]
-pyengine chat [--model MODEL] [--system "..."]
+pyengine generate "prompt" [--model MODEL] [--max-tokens 256] [--raw] [ENGINE OPTIONS]
+pyengine chat [--model MODEL] [--system "..."] [--reasoning-parser qwen3] [ENGINE OPTIONS]
+
+generate and chat take every engine option serve takes (tensor parallelism,
+quantization, KV cache dtype, speculative decoding, LoRA...); with --reasoning-parser a
+thinking model's reasoning goes to stderr, its answer to stdout (and alone into the
+chat's history).
 """
 
 from __future__ import annotations
@@ -12,10 +17,18 @@ import sys
 import uuid
 from collections.abc import Iterator
 
-from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.llm_engine import LLMEngine
 from pyengine.entrypoints.openai.api_server import serve
-from pyengine.entrypoints.openai.cli_args import add_server_arguments
+from pyengine.entrypoints.openai.cli_args import (
+    add_engine_arguments,
+    add_server_arguments,
+    engine_args,
+)
+from pyengine.entrypoints.openai.reasoning_parsers import (
+    REASONING_PARSERS,
+    ReasoningParser,
+    reasoning_parser,
+)
 from pyengine.loader.resolve import DEFAULT_MODEL
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import Message
@@ -45,26 +58,27 @@ def _add_generation_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=512)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.95)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--system", default=None, help="a system message")
-    parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument(
-        "--dtype",
-        default=EngineArgs.dtype,
-        help="auto (the fastest on this machine) or float32 (exact)",
-    )
+        "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+        help="a thinking model's format: its reasoning to stderr, apart from the answer",
+    )  # fmt: skip
+    add_engine_arguments(parser)
+    # (a terminal's conversation: a model's whole context is more KV than it needs)
+    parser.set_defaults(max_model_len=4096)
 
 
 def _llm_engine(ns: argparse.Namespace) -> LLMEngine:
     print(f"loading {ns.model} ...", file=sys.stderr, flush=True)
-    args = EngineArgs(model=ns.model, max_model_len=ns.max_model_len, dtype=ns.dtype)
-    return args.create_engine()
+    return engine_args(ns).create_engine()
 
 
 def _params(ns: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens, seed=ns.seed
-    )
+    return SamplingParams(temperature=ns.temperature, top_p=ns.top_p, max_tokens=ns.max_tokens)
+
+
+def _parser(ns: argparse.Namespace) -> ReasoningParser | None:
+    return None if ns.reasoning_parser is None else reasoning_parser(ns.reasoning_parser)
 
 
 def _prompt_ids(llm_engine: LLMEngine, messages: list[Message]) -> list[int]:
@@ -75,11 +89,25 @@ def _prompt_ids(llm_engine: LLMEngine, messages: list[Message]) -> list[int]:
     return tokenizer.encode(text, False)
 
 
-def _print_stream(pieces: Iterator[str]) -> str:
+def _print_stream(pieces: Iterator[str], parser: ReasoningParser | None = None) -> str:
+    """Prints the answer as it comes (its reasoning to stderr, with a parser); returns
+    the answer."""
     text = ""
+    thought = None if parser is None else parser.stream()
     for piece in pieces:
-        text += piece
-        print(piece, end="", flush=True)
+        answer = piece
+        if thought is not None:
+            sent = thought.feed(piece, False)
+            if sent.reasoning:
+                print(sent.reasoning, end="", file=sys.stderr, flush=True)
+            answer = sent.content or ""
+        text += answer
+        print(answer, end="", flush=True)
+    if thought is not None:  # (what was held back)
+        rest = thought.feed("", True)
+        print(rest.reasoning or "", end="", file=sys.stderr)
+        text += rest.content or ""
+        print(rest.content or "", end="")
     print()
     return text
 
@@ -94,7 +122,7 @@ def generate(ns: argparse.Namespace) -> None:
     else:
         system = [{"role": "system", "content": ns.system}] if ns.system else []
         ids = _prompt_ids(llm_engine, [*system, {"role": "user", "content": ns.prompt}])
-    _print_stream(stream_text(llm_engine, ids, _params(ns)))
+    _print_stream(stream_text(llm_engine, ids, _params(ns)), _parser(ns))
 
 
 def chat(ns: argparse.Namespace) -> None:
@@ -111,7 +139,7 @@ def chat(ns: argparse.Namespace) -> None:
         messages.append({"role": "user", "content": line})
         try:
             ids = _prompt_ids(llm_engine, messages)
-            reply = _print_stream(stream_text(llm_engine, ids, _params(ns)))
+            reply = _print_stream(stream_text(llm_engine, ids, _params(ns)), _parser(ns))
         except KeyboardInterrupt:  # stops this reply, not the chat
             print()
             messages.pop()

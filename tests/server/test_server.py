@@ -421,6 +421,19 @@ def test_console_script_runs_the_cli() -> None:
         assert option in run.stdout
 
 
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_generate_and_chat_take_the_engines_options(command: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pyengine.entrypoints.cli", command, "--help"],
+        capture_output=True, text=True, timeout=120, cwd=OUTSIDE_SOURCE_TREE,
+    )  # fmt: skip
+    assert run.returncode == 0
+    for option in ("--tensor-parallel-size", "--quantization", "--kv-cache-dtype",
+                   "--speculative-config", "--enable-lora", "--reasoning-parser"):  # fmt: skip
+        assert option in run.stdout, option
+    assert "--api-key" not in run.stdout  # (the server's alone)
+
+
 def test_streamed_stop_string_is_held_back(client: openai.OpenAI, offline: LLM) -> None:
     """Text that could begin a stop string is not streamed until it cannot: the pieces
     add up to the whole answer, cut before the stop string."""

@@ -23,32 +23,10 @@ from pyengine.executor.registry import executor_names
 from pyengine.layers.quantization.registry import QUANTIZATION_METHODS
 
 
-def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Adds the server's options to `parser` (the model is the caller's: `--model`, or
-    `pyengine serve`'s first argument). The engine's defaults are EngineArgs' own."""
+def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the engine's options (EngineArgs' fields but the model, each under its name:
+    `engine_args` reads them back), which `serve`, `generate` and `chat` all take."""
     d = EngineArgs()
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument(
-        "--api-key", action="append", default=None,
-        help="clients must send one of these as a Bearer token (repeat it for several)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--api-key-file", default=None, help="a file of API keys, one a line (with --api-key's)"
-    )
-    parser.add_argument(
-        "--cache-salt-per-api-key", action=argparse.BooleanOptionalAction, default=None,
-        help="each API key's requests share prefix-cache blocks only among themselves "
-        "(a salt of the key's replaces any cache_salt a request sends; default: on with "
-        "several keys)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--public-metrics", action="store_true",
-        help="/metrics answers without an API key (it shows adapter names and traffic)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
-    )
     parser.add_argument("--tokenizer", default=d.tokenizer)
     parser.add_argument("--load-format", default=d.load_format)
     parser.add_argument(
@@ -137,6 +115,57 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     )
     parser.add_argument("--seed", type=int, default=d.seed)
     parser.add_argument(
+        "--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
+        help="fcfs: arrival order; priority: a request's priority first (lower first), "
+        "and preemption takes the lowest-priority running request first",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=d.max_logprobs,
+        help="the most logprobs (top_logprobs) a request may ask for",
+    )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="requests may name LoRA adapters (docs/lora.md)"
+    )
+    parser.add_argument("--max-loras", type=int, default=d.max_loras)
+    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
+    parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
+    parser.add_argument(
+        "--speculative-config", type=json_object, default=None, metavar="JSON",
+        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+        "(docs/speculative.md)",
+    )  # fmt: skip
+    return parser
+
+
+def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Adds the server's options to `parser` (the model is the caller's: `--model`, or
+    `pyengine serve`'s first argument), the engine's among them (add_engine_arguments)."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--api-key", action="append", default=None,
+        help="clients must send one of these as a Bearer token (repeat it for several)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--api-key-file", default=None, help="a file of API keys, one a line (with --api-key's)"
+    )
+    parser.add_argument(
+        "--cache-salt-per-api-key", action=argparse.BooleanOptionalAction, default=None,
+        help="each API key's requests share prefix-cache blocks only among themselves "
+        "(a salt of the key's replaces any cache_salt a request sends; default: on with "
+        "several keys)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--public-metrics", action="store_true",
+        help="/metrics answers without an API key (it shows adapter names and traffic)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients use (default: MODEL)"
+    )
+    add_engine_arguments(parser)
+    parser.add_argument(
         "--engine-step-timeout", type=float, default=None, metavar="SECONDS",
         help="a step running longer is a hang: its requests end with an error, /health "
         "and new requests answer 503 until it ends (default: none)",
@@ -162,11 +191,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         help="their prompt tokens, likewise (at least --max-model-len: a lone prompt always "
         "fits)",
     )  # fmt: skip
-    parser.add_argument(
-        "--scheduling-policy", choices=list(SCHEDULING_POLICIES), default=d.scheduling_policy,
-        help="fcfs: arrival order; priority: a request's priority first (lower first), "
-        "and preemption takes the lowest-priority running request first",
-    )  # fmt: skip
     limits = RequestLimits()
     for name, what in LIMIT_OPTIONS.items():
         default = getattr(limits, name)
@@ -175,15 +199,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
             type=positive_float if isinstance(default, float) else positive_int,
             help=f"the most {what} one request may give (past it: 400)",
         )  # fmt: skip
-    parser.add_argument(
-        "--max-logprobs",
-        type=int,
-        default=d.max_logprobs,
-        help="the most logprobs (top_logprobs) a request may ask for",
-    )
-    parser.add_argument(
-        "--enable-lora", action="store_true", help="requests may name LoRA adapters (docs/lora.md)"
-    )
     parser.add_argument(
         "--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
         help="LoRA adapters (PEFT folders) served under these model names",
@@ -200,14 +215,6 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--max-lora-adapters", type=positive_int, default=64,
         help="adapters served at once (the command line's and those loaded at run time)",
-    )  # fmt: skip
-    parser.add_argument("--max-loras", type=int, default=d.max_loras)
-    parser.add_argument("--max-lora-rank", type=int, default=d.max_lora_rank)
-    parser.add_argument("--max-cpu-loras", type=int, default=d.max_cpu_loras)
-    parser.add_argument(
-        "--speculative-config", type=json_object, default=None, metavar="JSON",
-        help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
-        "(docs/speculative.md)",
     )  # fmt: skip
     parser.add_argument("--chat-template", default=None, help="a Jinja template file (or text)")
     parser.add_argument(
