@@ -83,6 +83,43 @@ def test_token_id_prompt_and_echo(client: openai.OpenAI, offline: LLM) -> None:
 
 
 @pytest.mark.slow
+def test_prompt_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> None:
+    """vLLM's prompt_logprobs field: each prompt token's logprob and the top 2, by token
+    id (None for the first), in completions' choices and chat's response."""
+    prompt = "Paged attention keeps the cache in blocks"
+    got = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1,
+                                    temperature=0, extra_body={"prompt_logprobs": 2})  # fmt: skip
+    (want,) = offline.generate([prompt], _greedy(1, prompt_logprobs=2), use_tqdm=False)
+    positions = got.choices[0].model_extra["prompt_logprobs"]
+    assert positions[0] is None and len(positions) == len(want.prompt_token_ids)
+    for token, mine, theirs in zip(want.prompt_token_ids[1:], positions[1:],
+                                   want.prompt_logprobs[1:], strict=True):  # fmt: skip
+        assert str(token) in mine and set(mine) == {str(t) for t in theirs}
+        assert mine[str(token)]["logprob"] == pytest.approx(theirs[token].logprob, abs=1e-4)
+    chat = client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+        extra_body={"prompt_logprobs": 1},
+    )  # fmt: skip
+    assert chat.model_extra["prompt_logprobs"][0] is None
+    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+        client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+
+
+def test_best_of_keeps_the_n_most_likely_samples(client: openai.OpenAI) -> None:
+    """best_of 4, n 2: the two of the same seed's four samples whose tokens' logprobs
+    sum highest, most likely first; best_of below n, or above it streamed, is a 400."""
+    ask = dict(model=DEFAULT_MODEL, prompt="My favourite animal is", max_tokens=8,
+               temperature=1.0, seed=7, logprobs=0)  # fmt: skip
+    four = client.completions.create(n=4, **ask).choices  # type: ignore[call-overload]
+    ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **ask).choices  # type: ignore[call-overload]
+    assert [c.text for c in best] == [c.text for c in ranked[:2]]
+    for bad in ({"n": 2, "best_of": 1}, {"n": 1, "best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError, match="best_of"):
+            client.completions.create(**{**ask, **bad})  # type: ignore[call-overload]
+
+
 def test_chat_equals_offline_chat(client: openai.OpenAI, offline: LLM) -> None:
     got = client.chat.completions.create(
         model=DEFAULT_MODEL, messages=QUESTION, max_tokens=24, temperature=0

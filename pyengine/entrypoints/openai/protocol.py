@@ -5,13 +5,15 @@ by default; those that would change the output are refused with an APIError (err
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.tool_parsers import NOT_JSON
-from pyengine.sampling_params import SamplingParams, StructuredOutputsParams
+from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import SamplingParams, StructuredOutputsParams, is_int
 
 if TYPE_CHECKING:
     from pyengine.entrypoints.openai.tool_calls import ToolChoice
@@ -66,6 +68,8 @@ class _SamplingRequest(BaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
+    # vLLM's: each prompt token's logprob and its top this many (not streamed)
+    prompt_logprobs: int | None = None
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its
     # older guided_* fields (one of them a request)
     response_format: dict[str, Any] | None = None
@@ -157,6 +161,10 @@ class _SamplingRequest(BaseModel):
             raise APIError(
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
+        if self.prompt_logprobs is not None:
+            if self.stream:
+                raise APIError("prompt_logprobs are not streamed", param="prompt_logprobs")
+            prompt_logprobs = self.prompt_logprobs
         optional = {
             "temperature": self.temperature,
             "top_p": self.top_p,
@@ -213,12 +221,23 @@ class CompletionRequest(_SamplingRequest):
     def to_sampling_params(self) -> SamplingParams:
         if self.suffix:
             raise APIError("suffix is not supported", param="suffix")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError("best_of must equal n (no best-of ranking)", param="best_of")
+        best_of = self.best_of if self.best_of is not None else self.n
+        if not is_int(best_of) or best_of < self.n:
+            raise APIError(
+                f"best_of must be an integer of at least n ({self.n}), got {best_of!r}",
+                param="best_of",
+            )
+        if best_of > self.n and self.stream:
+            raise APIError("best_of above n does not stream (the best are known at the end)",
+                           param="best_of")  # fmt: skip
         if self.logprobs is not None and self.logprobs < 0:  # the engine has the upper bound
             raise APIError(f"logprobs must be at least 0, got {self.logprobs}", param="logprobs")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
-        return self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        params = self.sampling_params(self.max_tokens, self.logprobs, prompt_logprobs)
+        if best_of == self.n:
+            return params
+        # (best_of samples, ranked by their tokens' summed logprobs: those are needed)
+        return replace(params, n=best_of, logprobs=params.logprobs or 0)
 
 
 class TextPart(BaseModel):
@@ -281,6 +300,19 @@ class ChatMessage(BaseModel):
                 for k, call in enumerate(self.tool_calls)
             ]
         return message
+
+
+def prompt_logprobs_json(
+    token_ids: list[int], positions: list[PositionLogprobs | None] | None
+) -> list[dict[str, Any] | None] | None:
+    """vLLM's prompt_logprobs: for each prompt token (None for the first), its logprob
+    and the top ones', by token id."""
+    if positions is None:
+        return None
+    return [None if position is None else {
+        str(token): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+        for token, lp in position.items()
+    } for position in positions[: len(token_ids)]]  # fmt: skip
 
 
 def _template_call(where: str, call: dict[str, Any]) -> dict[str, Any]:

@@ -14,7 +14,11 @@ import jinja2
 
 from pyengine.engine.async_engine import RequestStream
 from pyengine.entrypoints.openai.errors import APIError
-from pyengine.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from pyengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    prompt_logprobs_json,
+)
 from pyengine.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
@@ -201,9 +205,14 @@ class ChatServing(OpenAIServing):
                     "stop_reason": c.stop_reason,
                 }
             )
+        extra = {}
+        if request.prompt_logprobs is not None:
+            extra["prompt_logprobs"] = prompt_logprobs_json(
+                result.prompt[1], result.prompt_logprobs
+            )
         return envelope(
             request_id, "chat.completion", int(time.time()), model, choices,
-            usage=self.usage([result]),
+            usage=self.usage([result]), **extra,
         )  # fmt: skip
 
     async def _stream(self, run: ChatRun) -> AsyncIterator[str]:

@@ -11,9 +11,10 @@ from typing import Any, cast
 from pyengine.engine.async_engine import RequestStream
 from pyengine.entrypoints.beam_search import BeamSearch, BeamSearchParams
 from pyengine.entrypoints.openai.errors import APIError
-from pyengine.entrypoints.openai.protocol import CompletionRequest
+from pyengine.entrypoints.openai.protocol import CompletionRequest, prompt_logprobs_json
 from pyengine.entrypoints.openai.serving import (
     SSE_DONE,
+    Choice,
     EncodedPrompt,
     OpenAIServing,
     PromptResult,
@@ -66,6 +67,11 @@ class CompletionLogprobs:
         }
 
 
+def _summed_logprob(choice: Choice) -> float:
+    pairs = zip(choice.token_ids, choice.logprobs, strict=True)
+    return sum(position[token].logprob for token, position in pairs)
+
+
 class CompletionServing(OpenAIServing):
     def prompts(self, request: CompletionRequest) -> list[EncodedPrompt]:
         p = request.prompt
@@ -102,6 +108,10 @@ class CompletionServing(OpenAIServing):
         if request.stream:
             return self._stream(request, model, request_id, prompts, streams), streams
         results = await self.collect(prompts, streams, params.n)
+        if params.n > request.n:  # (best_of: each prompt's n most likely samples)
+            for result in results:
+                result.choices = sorted(result.choices, key=_summed_logprob, reverse=True)
+                del result.choices[request.n :]
         # (off the event loop: long answers' logprobs take a while)
         return await asyncio.to_thread(self._response, request, model, request_id, results)
 
@@ -168,6 +178,10 @@ class CompletionServing(OpenAIServing):
                         "stop_reason": c.stop_reason,
                     }
                 )
+                if request.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = prompt_logprobs_json(
+                        result.prompt[1], result.prompt_logprobs
+                    )
         return envelope(
             request_id, "text_completion", int(time.time()), model, choices,
             usage=self.usage(results),
