@@ -17,7 +17,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pyengine.entrypoints.openai.errors import APIError
-from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
+from pyengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    joined_text,
+    string_field,
+)
 
 
 class CountTokensRequest(BaseModel):
@@ -104,24 +108,11 @@ def _output_schema(config: dict[str, Any] | None, legacy: dict[str, Any] | None)
 
 def _text(value: Any, where: str) -> str:
     """A string, or text blocks joined (a system prompt, a tool result's content)."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for k, block in enumerate(value):
-            if not isinstance(block, dict) or block.get("type") != "text":
-                kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-                raise APIError(f"{where}[{k}]: a {kind!r} block is not supported here (text)",
-                               param="messages")  # fmt: skip
-            texts.append(_string(block.get("text"), f"{where}[{k}].text"))
-        return "\n".join(texts)
-    raise APIError(f"{where} must be a string or a list of text blocks", param="messages")
+    return joined_text(value, where, "messages", ("text",))
 
 
 def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(f"{where} must be a string", param="messages")
-    return value
+    return string_field(value, where, "messages")
 
 
 def chat_messages(system: str | list[Any] | None, messages: list[Any]) -> list[dict[str, Any]]:

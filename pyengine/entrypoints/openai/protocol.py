@@ -302,6 +302,30 @@ class ChatMessage(BaseModel):
         return message
 
 
+def string_field(value: Any, where: str, param: str) -> str:
+    """A request's string at `where` (of field `param`); an APIError naming it otherwise."""
+    if not isinstance(value, str):
+        raise APIError(f"{where} must be a string", param=param)
+    return value
+
+
+def joined_text(value: Any, where: str, param: str, kinds: tuple[str, ...]) -> str:
+    """A string, or text parts (of these types) joined by newlines, as the Responses and
+    Messages APIs give a message's content; an APIError naming the part otherwise."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise APIError(f"{where} must be a string or a list of text parts", param=param)
+    texts = []
+    for k, part in enumerate(value):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind not in kinds:
+            raise APIError(f"{where}[{k}]: a part of type {kind!r} is not supported here "
+                           f"({', '.join(kinds)})", param=param)  # fmt: skip
+        texts.append(string_field(part.get("text"), f"{where}[{k}].text", param))
+    return "\n".join(texts)
+
+
 def prompt_logprobs_json(
     token_ids: list[int], positions: list[PositionLogprobs | None] | None
 ) -> list[dict[str, Any] | None] | None:

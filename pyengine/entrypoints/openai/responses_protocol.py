@@ -14,7 +14,11 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from pyengine.entrypoints.openai.errors import APIError
-from pyengine.entrypoints.openai.protocol import ChatCompletionRequest
+from pyengine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    joined_text,
+    string_field,
+)
 
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -95,25 +99,12 @@ class ResponsesRequest(BaseModel):
 
 
 def _string(value: Any, where: str) -> str:
-    if not isinstance(value, str):
-        raise APIError(f"{where} must be a string", param="input")
-    return value
+    return string_field(value, where, "input")
 
 
 def _text(value: Any, where: str) -> str:
     """A string, or text parts joined."""
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        texts = []
-        for k, part in enumerate(value):
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind not in _TEXT_PARTS:
-                raise APIError(f"{where}[{k}]: a content part of type {kind!r} is not supported "
-                               "(input_text, output_text)", param="input")  # fmt: skip
-            texts.append(_string(part.get("text"), f"{where}[{k}].text"))
-        return "\n".join(texts)
-    raise APIError(f"{where} must be a string or a list of text parts", param="input")
+    return joined_text(value, where, "input", _TEXT_PARTS)
 
 
 def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
