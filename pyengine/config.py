@@ -67,6 +67,9 @@ class QuantizationConfig:
 # The KV-cache spec of a layer that keeps a recurrent state (Gated DeltaNet, Mamba-2)
 # instead of keys and values.
 RECURRENT_SPEC = ("recurrent", 0)
+# The spec of a layer that keeps nothing between steps: an encoder's, whose prompt runs
+# whole in one step and attends to that step's keys alone.
+NO_CACHE_SPEC = ("none", 0)
 
 
 @dataclass(frozen=True)
@@ -324,6 +327,37 @@ class LoRAConfig:
 QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
 
+# A prompt's last token (a decoder's, which has seen all of it), its first (an
+# encoder's [CLS]), or the mean of all of its tokens.
+POOLING_TYPES = ("last", "cls", "mean")
+
+
+@dataclass(frozen=True)
+class PoolerConfig:
+    """How the pooling runner turns a prompt into its output. `task` is what the model
+    gives: "embed" (its pooled states) or "classify" (its classifier's logits, one per
+    label; a one-label classifier is a cross-encoder, which scores). With
+    `classifier_from_tokens` a decoder classifies by its LM head's logits of these tokens;
+    two of them (no, yes) give one logit, yes - no, whose sigmoid is softmax(no, yes)'s
+    yes: one label."""
+
+    pooling_type: str
+    task: str
+    num_labels: int = 0  # a classifier's (0 for an embedder)
+    classifier_from_tokens: tuple[int, ...] = ()
+    normalize: bool = True  # an embedding's default (a request may say otherwise)
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise ValueError(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}"
+            )
+        if self.task not in ("embed", "classify"):
+            raise ValueError(f"a pooling model embeds or classifies, not {self.task!r}")
+        if self.classifier_from_tokens and self.pooling_type != "last":
+            raise ValueError("classifier_from_token scores a decoder's last token: pooling 'last'")
+
+
 SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 
@@ -363,6 +397,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"  # one of PREEMPTION_MODES
     # Hybrid models: recurrent states checkpointed every this many blocks for prefix hits
     state_checkpoint_interval: int = 1
+    # runner "pooling": how prompts become embeddings or scores (None: the generating
+    # runner). Its prompts run whole, one step each, and end there.
+    pooler: PoolerConfig | None = None
 
     @property
     def cache_dtype(self) -> str:

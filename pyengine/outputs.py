@@ -66,3 +66,42 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     num_cached_tokens: int = 0
     num_host_cached_tokens: int = 0  # of num_cached_tokens, those the KV host tier held
+
+
+@dataclass
+class PoolingOutput:
+    """What a pooling model made of one prompt: an embedding, a classifier's
+    probabilities (or logits, without activation), or a score. `embedding`, `probs`
+    and `score` read it as vLLM's EmbeddingOutput, ClassificationOutput and
+    ScoringOutput do."""
+
+    data: list[float]
+
+    @property
+    def embedding(self) -> list[float]:
+        return self.data
+
+    @property
+    def probs(self) -> list[float]:
+        return self.data
+
+    @property
+    def score(self) -> float:
+        return self.data[0]
+
+
+@dataclass
+class PoolingRequestOutput:
+    """A pooling request's one output, once its prompt has run (what LLM.embed,
+    LLM.classify and LLM.score return)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: PoolingOutput
+    finished: bool = True
+    prompt: str | None = None
+
+
+# What an engine step hands out for a request: a generating request's output, or a
+# pooling request's.
+EngineOutput = RequestOutput | PoolingRequestOutput

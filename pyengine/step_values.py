@@ -135,6 +135,9 @@ class ExecuteOutput:
 
     draft_token_ids: list[int] | None
     prompt_logprobs: list[PositionLogprobs]
+    # The pooling runner's output, a float32 row per sampled row (None: a generating
+    # runner's step)
+    pooled: np.ndarray | None = None
 
 
 @dataclass(frozen=True)
@@ -155,3 +158,4 @@ class ModelRunnerOutput:
     # Per sampled row where its request asked for them; None where no row did.
     logprobs: list[PositionLogprobs | None] | None
     prompt_logprobs: list[PositionLogprobs]  # per PromptLogprobRow, in order
+    pooled: np.ndarray | None = None  # the pooling runner's, a row per sampled row

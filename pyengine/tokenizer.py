@@ -41,12 +41,16 @@ class PyengineTokenizer:
         self.vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not text.isascii():
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError:  # half of a UTF-16 pair, as a cut JavaScript string has
-                raise ValueError("the text is not valid Unicode (an unpaired surrogate)") from None
+        _check_unicode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A text pair's ids with the tokenizer's special tokens around and between them,
+        and each token's type (1 in the second text, for tokenizers that say so)."""
+        _check_unicode(first)
+        _check_unicode(second)
+        encoding = self.tokenizer.encode(first, second, add_special_tokens=True)
+        return list(encoding.ids), list(encoding.type_ids)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes a token stands for, whole: a token that holds part of a character
@@ -107,6 +111,14 @@ class PyengineTokenizer:
             eos_token=self._token(self.eos_token_id),
             **extra,
         )
+
+
+def _check_unicode(text: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # half of a UTF-16 pair, as a cut JavaScript string has
+            raise ValueError("the text is not valid Unicode (an unpaired surrogate)") from None
 
 
 def _template_message(i: int, message: Any) -> Message:

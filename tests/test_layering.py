@@ -19,6 +19,7 @@ LAYERS = [
             "faults",
             "flat_logprobs",
             "outputs",
+            "pooling_params",
             "sampling_params",
             "spec_decode",
             "step_values",

@@ -30,7 +30,8 @@ from pyengine.engine.stats import EngineStats
 from pyengine.faults import RequestFault
 from pyengine.flat_logprobs import FlatLogprobs
 from pyengine.lora.request import LoRARequest
-from pyengine.outputs import RequestOutput
+from pyengine.outputs import EngineOutput, RequestOutput
+from pyengine.pooling_params import PoolingParams
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pyengine")
@@ -44,22 +45,23 @@ class _Stream:
     run on `loop`."""
 
     loop: asyncio.AbstractEventLoop
-    _pending: RequestOutput | None = field(default=None, init=False)
+    _pending: EngineOutput | None = field(default=None, init=False)
     _error: BaseException | None = field(default=None, init=False)  # (after every output)
     _ready: asyncio.Event = field(default_factory=asyncio.Event, init=False)
 
-    def put(self, delta: RequestOutput) -> None:
+    def put(self, delta: EngineOutput) -> None:
         if self._pending is None:
             self._pending = delta
             self._ready.set()
-        else:
+        else:  # (a pooling request has one output)
+            assert isinstance(self._pending, RequestOutput) and isinstance(delta, RequestOutput)
             _merge(self._pending, delta)
 
     def fail(self, error: BaseException) -> None:
         self._error = error
         self._ready.set()
 
-    async def take(self) -> RequestOutput | BaseException:
+    async def take(self) -> EngineOutput | BaseException:
         """The deltas since the last take, merged; the error once none is left."""
         if self._pending is None and self._error is None:
             self._ready.clear()
@@ -89,7 +91,7 @@ class EngineStepError(RuntimeError):
 
 class RequestStream:
     """One request's deltas (RequestOutputs of what its steps added), in order, until the
-    one that finishes it."""
+    one that finishes it; a pooling request's one PoolingRequestOutput."""
 
     def __init__(self, engine: AsyncLLMEngine, request_id: str, stream: _Stream) -> None:
         self.request_id = request_id
@@ -115,7 +117,7 @@ class RequestStream:
     def __aiter__(self) -> RequestStream:
         return self
 
-    async def __anext__(self) -> RequestOutput:
+    async def __anext__(self) -> EngineOutput:
         if self.finished:
             raise StopAsyncIteration
         delta = await self._stream.take()
@@ -227,6 +229,25 @@ class AsyncLLMEngine:
         here, and EngineDeadError while a step hangs (past step_timeout). Iterate the
         returned stream for its deltas (whatever params.output_kind says); close it to
         abort the request (a client gone)."""
+        args = (prompt_token_ids, params, prompt, lora_request, priority, cache_salt)
+        return await self._queue("add", request_id, args)
+
+    async def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None = None,
+        token_type_ids: list[int] | None = None,
+        priority: int = 0,
+    ) -> RequestStream:
+        """Queues a pooling request (runner "pooling"), as add_request does; its stream
+        has one output, a PoolingRequestOutput."""
+        args = (prompt_token_ids, params, prompt, token_type_ids, priority)
+        return await self._queue("pool", request_id, args)
+
+    async def _queue(self, kind: str, request_id: str, args: tuple[Any, ...]) -> RequestStream:
+        """Hands an "add" or "pool" command to the engine thread; the request's stream."""
         stalled = self.stalled_step()
         if stalled is not None:
             raise EngineDeadError(
@@ -234,8 +255,7 @@ class AsyncLLMEngine:
                 f"{self.step_timeout:g} s: no new requests until it ends"
             )
         stream = _Stream(asyncio.get_running_loop())
-        args = (prompt_token_ids, params, prompt, stream, lora_request, priority, cache_salt)
-        command = _Command("add", request_id, args)
+        command = _Command(kind, request_id, (*args, stream))
         try:
             await asyncio.wrap_future(self._submit(command).done)
         except asyncio.CancelledError:
@@ -311,6 +331,8 @@ class AsyncLLMEngine:
             try:
                 if command.kind == "add":
                     self._add(command.request_id, *command.args)
+                elif command.kind == "pool":
+                    self._add_pooling(command.request_id, *command.args)
                 elif command.kind == "fail_all":
                     self._fail_all(*command.args)
                 else:
@@ -326,10 +348,10 @@ class AsyncLLMEngine:
         prompt_token_ids: list[int],
         params: SamplingParams,
         prompt: str | None,
+        lora_request: LoRARequest | None,
+        priority: int,
+        cache_salt: str | None,
         stream: _Stream,
-        lora_request: LoRARequest | None = None,
-        priority: int = 0,
-        cache_salt: str | None = None,
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -338,6 +360,23 @@ class AsyncLLMEngine:
             request_id, prompt_token_ids, params, prompt=prompt, lora_request=lora_request,
             priority=priority, cache_salt=cache_salt, output_kind=RequestOutputKind.DELTA,
         )  # fmt: skip
+        self._streams[request_id] = stream
+
+    def _add_pooling(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None,
+        token_type_ids: list[int] | None,
+        priority: int,
+        stream: _Stream,
+    ) -> None:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already running")
+        self.llm_engine.add_pooling_request(
+            request_id, prompt_token_ids, params, prompt, token_type_ids, priority=priority
+        )
         self._streams[request_id] = stream
 
     def _step(self) -> None:
@@ -368,7 +407,7 @@ class AsyncLLMEngine:
             self._failed_before = False
         finally:
             self._step_started = None
-        deliveries: list[tuple[_Stream, RequestOutput]] = []
+        deliveries: list[tuple[_Stream, EngineOutput]] = []
         finished: list[RequestOutput] = []
         generated = 0
         for out in outputs:
@@ -377,10 +416,11 @@ class AsyncLLMEngine:
             stream = pick(out.request_id, None)
             if stream is None:
                 continue
-            generated += sum(len(o.token_ids) for o in out.outputs)
             deliveries.append((stream, out))
-            if out.finished:
-                finished.append(out)
+            if isinstance(out, RequestOutput):  # (a pooling request's is no generation)
+                generated += sum(len(o.token_ids) for o in out.outputs)
+                if out.finished:
+                    finished.append(out)
         self._update_stats()
         if self._on_step is not None:
             self._on_step(self.stats, finished, generated)
@@ -471,15 +511,15 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args:
 
 
 def _by_loop(
-    deliveries: list[tuple[_Stream, RequestOutput]],
-) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]]:
-    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, RequestOutput]]] = {}
+    deliveries: list[tuple[_Stream, EngineOutput]],
+) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]]:
+    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]] = {}
     for stream, delta in deliveries:
         groups.setdefault(stream.loop, []).append((stream, delta))
     return groups
 
 
-def _deliver(batch: list[tuple[_Stream, RequestOutput]]) -> None:
+def _deliver(batch: list[tuple[_Stream, EngineOutput]]) -> None:
     for stream, delta in batch:
         stream.put(delta)
 

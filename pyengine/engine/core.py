@@ -281,7 +281,7 @@ class EngineCore:
                 tokens[i] = redrawn.token_ids[k]
                 if logprobs is not None and redrawn.logprobs is not None:
                     logprobs[i] = redrawn.logprobs[k]
-        return ModelRunnerOutput(tokens, logprobs, executed.prompt_logprobs)
+        return ModelRunnerOutput(tokens, logprobs, executed.prompt_logprobs, executed.pooled)
 
     def _submit(self, virtual_engine: int) -> list[RowUpdate]:
         """Scheduler `virtual_engine` plans a step and the executor takes it: its forward

@@ -21,6 +21,7 @@ from pyengine.config import (
     kv_cache_dtype_supported,
 )
 from pyengine.engine.llm_engine import LLMEngine
+from pyengine.engine.pooling import resolve_pooler
 from pyengine.engine.precision import DTYPE_NAMES, Precision, choose_precision, cpu_kernels
 from pyengine.executor.registry import check_executor, runs_in_this_process
 from pyengine.layers.placement import Placement
@@ -102,6 +103,14 @@ class EngineArgs:
     # k, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (docs/speculative.md).
     speculative_config: Mapping[str, object] | SpeculativeConfig | None = None
     device: str = "auto"  # "auto": a CUDA GPU where there is one (and a CUDA build), else "cpu"
+    # "generate"; "pooling": embeddings, classifications and scores (LLM.embed,
+    # LLM.classify, LLM.score; /v1/embeddings, /v1/score, /v1/rerank); "auto": pooling
+    # for an encoder, else generate.
+    runner: str = "auto"
+    # The pooling runner's, as vLLM's --pooler-config: {"pooling_type": "LAST" | "CLS" |
+    # "MEAN", "normalize": bool, "classifier_from_token": ["no", "yes"]} (the last, a
+    # decoder scored by those tokens' logits: Qwen3-Reranker's form)
+    pooler_config: Mapping[str, object] | None = None
 
     def create_engine(self) -> LLMEngine:
         start = time.perf_counter()
@@ -125,6 +134,9 @@ class EngineArgs:
             read_weights=runs_in_this_process(parallel),
         )  # fmt: skip
         check_quantization(self.quantization, loaded.config.quantization, self.model)
+        pooler = resolve_pooler(
+            self.runner, self.pooler_config, loaded.config, loaded.source, loaded.tokenizer
+        )
         prefix_caching = self.enable_prefix_caching
         if loaded.config.has_recurrent_layers():
             prefix_caching = _hybrid_prefix_caching(
@@ -141,18 +153,24 @@ class EngineArgs:
         draft_cost = 0.0
         if proposer is not None:
             draft_cost = proposer.draft_token_cost(loaded.config, max_model_len, _read_config)
+        chunked_prefill = self.enable_chunked_prefill
+        if pooler is not None:
+            # A pooling prompt runs whole in one step (an encoder's attention sees all of
+            # it; a mean needs every row), and its states are never reused.
+            _check_pooling(self, speculative)
+            prefix_caching = chunked_prefill = False
         batched = self.max_num_batched_tokens
         if batched is None:
             # A GPU's matmuls want big steps; a CPU's prefill step is seconds already.
             batched = 2048 if device == "cpu" else 8192
-            if not self.enable_chunked_prefill:
+            if not chunked_prefill:
                 batched = max(batched, max_model_len)
         config = EngineConfig(
             max_model_len=max_model_len,
             block_size=self.block_size,
             kv_cache_memory=self.kv_cache_memory or default_kv_cache_memory(),
             enable_prefix_caching=prefix_caching,
-            enable_chunked_prefill=self.enable_chunked_prefill,
+            enable_chunked_prefill=chunked_prefill,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=batched,
             seed=self.seed,
@@ -174,6 +192,7 @@ class EngineArgs:
             else None,
             speculative=speculative,
             draft_token_cost=draft_cost,
+            pooler=pooler,
         )
         engine = LLMEngine(loaded, config)
         logger.info("engine ready in %.1f s", time.perf_counter() - start)
@@ -227,6 +246,16 @@ def _hybrid_prefix_caching(
         )  # fmt: skip
         return False
     return prefix_caching
+
+
+def _check_pooling(args: EngineArgs, speculative: SpeculativeConfig | None) -> None:
+    """What the pooling runner does not take."""
+    if speculative is not None:
+        raise ValueError("speculative decoding generates tokens; the pooling runner makes none")
+    if args.enable_lora:
+        raise ValueError("enable_lora: LoRA adapters on the pooling runner are not supported")
+    if args.pipeline_parallel_size > 1:
+        raise ValueError("the pooling runner runs on one pipeline stage")
 
 
 def _read_config(model: str) -> ModelConfig:

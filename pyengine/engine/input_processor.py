@@ -13,8 +13,10 @@ from typing import Any
 import numpy as np
 
 from pyengine.config import EngineConfig, ModelConfig
+from pyengine.engine.pooling import task_of
 from pyengine.engine.structured_output import GrammarCompiler
 from pyengine.lora.request import LoRARequest
+from pyengine.pooling_params import PoolingParams, with_token_types
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.step_values import logit_bias_arrays
 from pyengine.tokenizer import PyengineTokenizer
@@ -60,6 +62,8 @@ class EngineRequest:
     priority: int = 0  # with scheduling_policy "priority": lower first
     # Prefix-cache blocks are shared only among requests of one salt (a tenant's).
     cache_salt: str = ""
+    # A pooling request's (its params then one greedy token, which only ends it)
+    pooling: PoolingParams | None = None
 
 
 class InputProcessor:
@@ -128,6 +132,11 @@ class InputProcessor:
     ) -> EngineRequest:
         """The request, checked (its id against `existing`); ValueError naming whatever
         the engine cannot run."""
+        if self.config.pooler is not None:
+            raise ValueError(
+                "this engine runs a pooling model (runner 'pooling'): it embeds, classifies "
+                "or scores, and generates no text"
+            )
         keep = getattr(params, "truncate_prompt_tokens", None)
         if isinstance(keep, int) and not isinstance(keep, bool) and keep >= 1:
             prompt_token_ids = prompt_token_ids[-keep:]  # (its last tokens, as vLLM's)
@@ -181,6 +190,82 @@ class InputProcessor:
             cache_salt=cache_salt or "",
         )
 
+    def process_pooling(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None = None,
+        token_type_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        existing: Container[str] = (),
+        priority: int = 0,
+    ) -> EngineRequest:
+        """A pooling request, checked: one of the prompt (its token types, where it is a
+        text pair's, 1 for the second text's) that runs whole and makes one token, which
+        only ends it."""
+        pooler = self.config.pooler
+        if pooler is None:
+            raise ValueError(
+                "embeddings, classifications and scores need the pooling runner "
+                "(runner='pooling'; this engine generates)"
+            )
+        if not isinstance(params, PoolingParams):
+            raise ValueError(f"request {request_id!r}: {params!r:.40} is not a PoolingParams")
+        params = replace(params)  # (checked again)
+        task = task_of(params, pooler)
+        hidden = self.model_config.hidden_size
+        if task == "embed" and params.dimensions is not None and params.dimensions > hidden:
+            raise ValueError(
+                f"dimensions {params.dimensions} is more than the model's embedding size ({hidden})"
+            )
+        keep = params.truncate_prompt_tokens
+        if keep is not None:  # (its first tokens: an encoder reads a text from its start)
+            prompt_token_ids = prompt_token_ids[:keep]
+            token_type_ids = None if token_type_ids is None else token_type_ids[:keep]
+        sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self._checked(request_id, prompt_token_ids, sampling, existing, allow_full=True)
+        # (only an encoder with a second type reads them; a decoder reads the ids alone)
+        if token_type_ids is not None and self._takes_token_types:
+            prompt_token_ids = with_token_types(prompt_token_ids, token_type_ids)
+        return EngineRequest(
+            request_id=request_id,
+            prompt=prompt,
+            prompt_token_ids=list(prompt_token_ids),
+            prompt_array=np.asarray(prompt_token_ids, dtype=np.int32),
+            params=sampling,
+            max_tokens=1,
+            min_tokens=0,
+            eos_token_id=None,
+            stop_token_ids=[],
+            blocked_token_ids=np.array([], np.int64),
+            logit_bias=None,
+            arrival_time=time.time() if arrival_time is None else arrival_time,
+            priority=priority,
+            pooling=params,
+        )
+
+    @property
+    def _takes_token_types(self) -> bool:
+        return getattr(self.model_config.family, "type_vocab_size", 1) > 1
+
+    def encode_pair(self, first: str, second: str) -> tuple[list[int], list[int]]:
+        """A text pair's token ids and types as the tokenizer joins them (a
+        cross-encoder's query and document: [CLS] first [SEP] second [SEP] for BERT)."""
+        if self.tokenizer is None:
+            raise ValueError("this model was loaded without a tokenizer (tokenizer=...)")
+        limit = self.config.max_model_len * self.tokenizer.max_token_chars
+        if len(first) + len(second) > limit:
+            raise ValueError(
+                f"This model's maximum context length is {self.config.max_model_len} "
+                f"tokens. However, the text pair has {len(first) + len(second)} characters, "
+                "more than that many tokens hold."
+            )
+        try:
+            return self.tokenizer.encode_pair(first, second)
+        except ValueError as error:
+            raise ValueError(f"text pair: {error}") from None
+
     def _word_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens, at the text's start and after a space (where the
         tokenizer makes other tokens of it), each sequence once."""
@@ -201,10 +286,12 @@ class InputProcessor:
         params: SamplingParams,
         existing: Container[str],
         output_kind: RequestOutputKind | None = None,
+        allow_full: bool = False,
     ) -> SamplingParams:
         """The request's own copy of `params` (of `output_kind` where one is given),
         checked again (a caller may have changed its fields since it was made, or change
-        them while the request runs)."""
+        them while the request runs). `allow_full`: a prompt may fill max_model_len (a
+        pooling request's, which generates nothing)."""
         if not isinstance(request_id, str):
             raise ValueError(f"a request id must be a string, got {request_id!r:.40}")
         if request_id in existing:
@@ -241,7 +328,12 @@ class InputProcessor:
                     f"{what}: {name} {asked} is more than {limit_name} ({limit}, an engine "
                     "argument)"
                 )
-        if len(prompt_token_ids) >= c.max_model_len:
+        if allow_full and len(prompt_token_ids) > c.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
+                f"max_model_len is {c.max_model_len}"
+            )
+        if not allow_full and len(prompt_token_ids) >= c.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
                 f"max_model_len is {c.max_model_len} (prompt plus at least one token)"

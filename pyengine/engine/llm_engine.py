@@ -17,7 +17,8 @@ from pyengine.executor import Executor, create_executor
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.registry import AdapterRegistry
 from pyengine.lora.request import LoRARequest
-from pyengine.outputs import RequestOutput
+from pyengine.outputs import EngineOutput
+from pyengine.pooling_params import PoolingParams
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -34,7 +35,9 @@ class LLMEngine:
         self.adapters = AdapterRegistry(config.lora, loaded.config)
         self.core = EngineCore(config, self.executor, self.input_processor.grammars)
         eos = loaded.config.eos_token_ids
-        self.output_processor = OutputProcessor(self.tokenizer, eos[0] if eos else None)
+        self.output_processor = OutputProcessor(
+            self.tokenizer, eos[0] if eos else None, config.pooler
+        )
 
     @property
     def scheduler(self) -> Scheduler:
@@ -79,13 +82,33 @@ class LLMEngine:
         self.core.add_request(request, row_ids)
         self.output_processor.add_request(request, row_ids)
 
+    def add_pooling_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        prompt: str | None = None,
+        token_type_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a pooling request (runner "pooling"): its one output, an embedding, a
+        classification or a score, comes once its prompt has run; ValueError naming
+        whatever the engine cannot run."""
+        request = self.input_processor.process_pooling(
+            request_id, prompt_token_ids, params, prompt, token_type_ids, arrival_time,
+            existing=self.output_processor.requests, priority=priority,
+        )  # fmt: skip
+        self.core.add_request(request, [request_id])
+        self.output_processor.add_request(request, [request_id])
+
     def abort_request(self, request_id: str) -> None:
         self.core.finish_rows(self.output_processor.abort_request(request_id), "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.output_processor.requests)
 
-    def step(self) -> list[RequestOutput]:
+    def step(self) -> list[EngineOutput]:
         """Runs one engine step; returns the outputs of the requests that got tokens in
         it or finished (since the last step, aborts too), each as its params.output_kind
         asks: by default (CUMULATIVE) whole, a copy that later steps leave as it is; a

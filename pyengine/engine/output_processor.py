@@ -12,11 +12,24 @@ import time
 from collections import deque
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
+from pyengine.config import PoolerConfig
 from pyengine.engine.core import EngineCoreOutput
 from pyengine.engine.detokenizer import IncrementalDetokenizer
 from pyengine.engine.input_processor import EngineRequest
+from pyengine.engine.pooling import finish_pooled
 from pyengine.flat_logprobs import FlatLogprobs
-from pyengine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from pyengine.outputs import (
+    CompletionOutput,
+    EngineOutput,
+    PoolingOutput,
+    PoolingRequestOutput,
+    PositionLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
+from pyengine.pooling_params import TOKEN_TYPE_SHIFT, without_token_types
 from pyengine.sampling_params import RequestOutputKind
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -91,11 +104,23 @@ class RequestState:
     done: bool = False
     prompt_logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # by position
     num_outputs: int = 0  # handed out so far (the first delta carries the prompt logprobs)
+    pooled: list[float] | None = None  # a pooling request's output, finished
 
-    def make_output(self) -> RequestOutput | None:
+    def make_output(self) -> EngineOutput | None:
         """The request's output now, as its params.output_kind asks: what its samples
         added since the last one (DELTA), or all of it (CUMULATIVE, and FINAL_ONLY once
-        the request is done; None before)."""
+        the request is done; None before). A pooling request has one, once done (with
+        no numbers where it was aborted)."""
+        if self.request.pooling is not None:
+            if not self.done:
+                return None
+            r = self.request
+            ids = r.prompt_token_ids
+            if ids and max(ids) >> TOKEN_TYPE_SHIFT:  # (a pair's: its ids without types)
+                ids = without_token_types(np.asarray(ids))[0].tolist()
+            return PoolingRequestOutput(
+                r.request_id, ids, PoolingOutput(self.pooled or []), True, r.prompt
+            )
         kind = self.request.params.output_kind
         if kind is RequestOutputKind.DELTA:
             outputs = [d for d in (s.delta() for s in self.samples) if d is not None]
@@ -128,16 +153,23 @@ class RequestState:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: PyengineTokenizer | None, eos_token_id: int | None) -> None:
+    def __init__(
+        self,
+        tokenizer: PyengineTokenizer | None,
+        eos_token_id: int | None,
+        pooler: PoolerConfig | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        self.pooler = pooler  # the pooling runner's
         self.requests: dict[str, RequestState] = {}
         self.by_row_id: dict[str, tuple[RequestState, SampleState]] = {}
         self._finished: list[RequestState] = []  # done, not yet handed out
         self._stopped: list[str] = []  # rows a stop string ended, for the core
 
     def add_request(self, request: EngineRequest, row_ids: list[str]) -> None:
-        tokenizer = self.tokenizer
+        # (a pooling request's one token is no text)
+        tokenizer = self.tokenizer if request.pooling is None else None
         samples = [
             SampleState(
                 k,
@@ -166,7 +198,7 @@ class OutputProcessor:
         stopped, self._stopped = self._stopped, []
         return stopped
 
-    def process(self, out: EngineCoreOutput) -> list[RequestOutput]:
+    def process(self, out: EngineCoreOutput) -> list[EngineOutput]:
         """The outputs of the requests that progressed in the step, and of every request
         finished since the last call (those leave the engine), as each one's
         output_kind asks."""
@@ -180,6 +212,8 @@ class OutputProcessor:
         # for each of its new tokens (its accepted drafts, then one more), then unused.
         logprobs_of: dict[str, deque[PositionLogprobs]] = {}
         runner = out.runner_output
+        if runner is not None and runner.pooled is not None:
+            self._take_pooled(out.sampled_row_ids, runner.pooled)
         if runner is not None and runner.logprobs is not None:
             for row_id, lp in zip(out.sampled_row_ids, runner.logprobs, strict=True):
                 if lp is not None:
@@ -203,7 +237,16 @@ class OutputProcessor:
                 self._finish_sample(state, sample, reason, token)
         return self._collect(list(progressed.values()))
 
-    def _collect(self, progressed: list[RequestState]) -> list[RequestOutput]:
+    def _take_pooled(self, row_ids: list[str], pooled: np.ndarray) -> None:
+        """Each pooling request's numbers, finished as its PoolingParams ask."""
+        assert self.pooler is not None, "a pooling runner's step"
+        for row_id, data in zip(row_ids, pooled, strict=True):
+            found = self.by_row_id.get(row_id)
+            params = None if found is None else found[0].request.pooling
+            if found is not None and params is not None:
+                found[0].pooled = finish_pooled(data, params, self.pooler)
+
+    def _collect(self, progressed: list[RequestState]) -> list[EngineOutput]:
         """The outputs of `progressed` and of the requests finished since the last call,
         which leave the engine."""
         finished = self.discard_finished()

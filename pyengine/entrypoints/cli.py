@@ -30,6 +30,7 @@ from pyengine.entrypoints.openai.reasoning_parsers import (
     reasoning_parser,
 )
 from pyengine.loader.resolve import DEFAULT_MODEL
+from pyengine.outputs import RequestOutput
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import Message
 
@@ -44,7 +45,7 @@ def stream_text(
     try:
         while not finished:
             for out in llm_engine.step():
-                if out.request_id == request_id:
+                if out.request_id == request_id and isinstance(out, RequestOutput):
                     finished = out.finished
                     yield "".join(o.text for o in out.outputs)
     finally:

@@ -1,17 +1,20 @@
 """LLM: the offline API (as vLLM's): generate(), chat() and beam_search() over a batch of
-prompts."""
+prompts; with a pooling model (runner "pooling"), embed(), classify() and score()."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.input_processor import Prompt
 from pyengine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
+from pyengine.entrypoints.score_pairs import cosine, score_pairs
 from pyengine.lora.request import LoRARequest
-from pyengine.outputs import RequestOutput
+from pyengine.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
+from pyengine.pooling_params import PoolingParams
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 from pyengine.tokenizer import Message, PyengineTokenizer
 
@@ -74,6 +77,67 @@ class LLM:
         tokenizer = self.llm_engine.tokenizer
         return search.results(tokenizer.decode if tokenizer is not None else lambda ids: "")
 
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`), normalised unless
+        pooling_params says otherwise; outputs in input order."""
+        return self.encode(prompts, _with_task(pooling_params, "embed"), use_tqdm)
+
+    def classify(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's class probabilities (`outputs.probs`), by a classifier model."""
+        return self.encode(prompts, _with_task(pooling_params, "classify"), use_tqdm)
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """The score (`outputs.score`) of each pair: data_1 against each of data_2 (one
+        text), or side by side. A cross-encoder reads each pair at once (the sigmoid of
+        its logit); an embedder scores the cosine of the two texts' embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        pooler = self.llm_engine.config.pooler
+        if pooler is not None and pooler.task == "embed":
+            params = _with_task(pooling_params, "embed")
+            embedded = self.encode([t for pair in pairs for t in pair], params, use_tqdm)
+            return [
+                PoolingRequestOutput(
+                    f"{a.request_id}-{b.request_id}",
+                    a.prompt_token_ids + b.prompt_token_ids,
+                    PoolingOutput([cosine(a.outputs.data, b.outputs.data)]),
+                )
+                for a, b in zip(embedded[::2], embedded[1::2], strict=True)
+            ]
+        processor = self.llm_engine.input_processor
+        encoded = [processor.encode_pair(a, b) for a, b in pairs]
+        items = [(None, ids, types) for ids, types in encoded]
+        return self._pool(items, _with_task(pooling_params, "score"), use_tqdm)
+
+    def encode(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[PoolingRequestOutput]:
+        """Each prompt's pooled output (`outputs.data`), as pooling_params asks (its
+        task, or the model's: an embedder embeds, a classifier classifies)."""
+        batch = _as_batch(prompts)
+        processor = self.llm_engine.input_processor
+        encoded = [processor.encode_prompt(p) for p in batch]
+        items = [(text, ids, None) for text, ids in encoded]
+        return self._pool(items, pooling_params or PoolingParams(), use_tqdm)
+
     def chat(
         self,
         messages: list[Message] | list[list[Message]],
@@ -96,6 +160,21 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, False)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def _pool(
+        self,
+        items: Sequence[tuple[str | None, list[int], list[int] | None]],
+        params: PoolingParams,
+        use_tqdm: bool,
+    ) -> list[PoolingRequestOutput]:
+        """Runs pooling requests of (text, token ids, token types) to their outputs."""
+        llm_engine = self.llm_engine
+
+        def add(request_id: str, item: tuple[str | None, list[int], list[int] | None]) -> None:
+            text, ids, types = item
+            llm_engine.add_pooling_request(request_id, ids, params, text, types)
+
+        return self._run_all(items, add, use_tqdm)  # type: ignore[return-value]
+
     def _run(
         self,
         encoded: list[tuple[str | None, list[int]]],
@@ -106,21 +185,33 @@ class LLM:
         salts: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         llm_engine = self.llm_engine
-        ids = [str(next(self._ids)) for _ in encoded]
+        loras = loras or [None] * len(encoded)
+        priority = priority or [0] * len(encoded)
+        salts = salts or [None] * len(encoded)
+        items = list(zip(encoded, params, loras, priority, salts, strict=True))
+
+        def add(request_id: str, item: tuple[Any, ...]) -> None:
+            (text, token_ids), p, lora, rank, salt = item
+            # One whole output each, once finished: nothing is copied at each step.
+            llm_engine.add_request(request_id, token_ids, p, prompt=text,
+                                   lora_request=lora, priority=rank, cache_salt=salt,
+                                   output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+        return self._run_all(items, add, use_tqdm)  # type: ignore[return-value]
+
+    def _run_all(
+        self, items: Sequence[Any], add: Callable[[str, Any], None], use_tqdm: bool
+    ) -> list[EngineOutput]:
+        """Adds each item as a request (`add`) and steps the engine until all are
+        finished; their outputs in order. Nothing is left queued behind an error."""
+        llm_engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in items]
         added: list[str] = []
         try:
-            loras = loras or [None] * len(ids)
-            priority = priority or [0] * len(ids)
-            salts = salts or [None] * len(ids)
-            for request_id, (text, token_ids), p, lora, rank, salt in zip(
-                ids, encoded, params, loras, priority, salts, strict=True
-            ):
-                # One whole output each, once finished: nothing is copied at each step.
-                llm_engine.add_request(request_id, token_ids, p, prompt=text,
-                                       lora_request=lora, priority=rank, cache_salt=salt,
-                                       output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+            for request_id, item in zip(ids, items, strict=True):
+                add(request_id, item)
                 added.append(request_id)
-            done: dict[str, RequestOutput] = {}
+            done: dict[str, EngineOutput] = {}
             with _Progress(len(ids), use_tqdm) as progress:
                 while llm_engine.has_unfinished_requests():
                     for out in llm_engine.step():
@@ -132,6 +223,13 @@ class LLM:
                 llm_engine.abort_request(request_id)
             llm_engine.discard_finished()
             raise
+
+
+def _with_task(params: PoolingParams | None, task: str) -> PoolingParams:
+    """The caller's pooling params (or the defaults) for `task`."""
+    if params is not None and params.task not in (None, task):
+        raise ValueError(f"pooling_params asks for task {params.task!r}, not {task!r}")
+    return replace(params or PoolingParams(), task=task)
 
 
 def _as_batch(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -171,10 +269,11 @@ class _Progress:
 
             self.bar = tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
 
-    def update(self, out: RequestOutput) -> None:
+    def update(self, out: EngineOutput) -> None:
         if self.bar is None:
             return
-        self.tokens += sum(len(o.token_ids) for o in out.outputs)
+        if isinstance(out, RequestOutput):
+            self.tokens += sum(len(o.token_ids) for o in out.outputs)
         elapsed = self.bar.format_dict["elapsed"] or 1e-9
         self.bar.set_postfix_str(f"output {self.tokens / elapsed:.1f} toks/s", refresh=False)
         self.bar.update(1)

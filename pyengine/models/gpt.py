@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pyengine.config import FamilyConfig, ModelConfig
+from pyengine.config import NO_CACHE_SPEC, FamilyConfig, ModelConfig
 from pyengine.distributed import IntermediateTensors
 from pyengine.layers.attention import AttentionMetadata, KVCache, PagedAttention
 from pyengine.layers.block_quantized import BlockQuantized
+from pyengine.layers.encoder_attention import EncoderAttention
 from pyengine.layers.linear import (
     ColumnParallelLinear,
     LayerContext,
@@ -34,7 +35,7 @@ from pyengine.models.checkpoint_config import (
 from pyengine.models.weights import WeightRouter
 from pyengine.utils.lazy_weights import CheckpointTensor
 
-_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
     "gelu": F.gelu,
     "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
@@ -44,45 +45,53 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 @dataclass(frozen=True)
 class LearnedPositionConfig(FamilyConfig):
-    """Where OPT and GPT-2 differ in their layers."""
+    """Where OPT, GPT-2 and the encoders (models/bert.py) differ in their layers."""
 
-    norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m)
-    position_offset: int = 0  # OPT's learned positions start at row 2
+    norm_before: bool = True  # pre-LN (else post-LN, as OPT-350m and BERT)
+    position_offset: int = 0  # OPT's (and RoBERTa's) learned positions start at row 2
+    bidirectional: bool = False  # an encoder's: its layers attend both ways, cache nothing
+
+    def kv_spec(self, index: int, sliding_window: int) -> tuple[str, int]:
+        return NO_CACHE_SPEC if self.bidirectional else super().kv_spec(index, sliding_window)
 
 
-def _parameter(*shape: int) -> nn.Parameter:
+def empty_parameter(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
 
-class _LayerNorm(nn.Module):
+class BiasedLayerNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
-        self.weight = _parameter(size)
-        self.bias = _parameter(size)
+        self.weight = empty_parameter(size)
+        self.bias = empty_parameter(size)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
 
 
-class _Layer(nn.Module):
+class TransformerLayer(nn.Module):
     def __init__(self, c: ModelConfig, ctx: LayerContext, prefix: str) -> None:
         super().__init__()
         hidden = c.hidden_size
-        self.norm1 = _LayerNorm(hidden, c.norm_eps)
+        self.norm1 = BiasedLayerNorm(hidden, c.norm_eps)
         self.qkv = QKVParallelLinear(
             hidden, c.head_size, c.num_heads, c.num_heads, True, ctx, [f"{prefix}.qkv"]
         )
         self.num_heads, self.head_size = self.qkv.num_heads_per_partition, c.head_size
         self.out = RowParallelLinear(hidden, hidden, True, ctx, [f"{prefix}.out"])
-        self.norm2 = _LayerNorm(hidden, c.norm_eps)
+        self.norm2 = BiasedLayerNorm(hidden, c.norm_eps)
         self.fc1 = ColumnParallelLinear(hidden, [c.intermediate_size], True, ctx, [f"{prefix}.fc1"])
         self.fc2 = RowParallelLinear(c.intermediate_size, hidden, True, ctx, [f"{prefix}.fc2"])
-        if c.hidden_act not in _ACTIVATIONS:
+        if c.hidden_act not in ACTIVATIONS:
             raise ValueError(f"activation {c.hidden_act!r} is not supported")
-        self.act = _ACTIVATIONS[c.hidden_act]
-        self.norm_before = c.family_config(LearnedPositionConfig).norm_before
-        self.attn = PagedAttention(self.num_heads, self.num_heads, c.head_size)
+        self.act = ACTIVATIONS[c.hidden_act]
+        family = c.family_config(LearnedPositionConfig)
+        self.norm_before = family.norm_before
+        self.attn: PagedAttention | EncoderAttention = (
+            EncoderAttention(self.num_heads, c.head_size) if family.bidirectional
+            else PagedAttention(self.num_heads, self.num_heads, c.head_size)
+        )  # fmt: skip
 
     def _attention(self, x: torch.Tensor, cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x).view(-1, 3, self.num_heads, self.head_size).unbind(1)
@@ -104,7 +113,7 @@ class _Layer(nn.Module):
 
 
 @dataclass(frozen=True)
-class _CheckpointNames:
+class CheckpointNames:
     """How an architecture's checkpoint names its tensors, against the internal names
     that the router takes."""
 
@@ -153,7 +162,8 @@ class LearnedPositionDecoder(nn.Module):
 
     intermediate_names: tuple[str, ...] = ("hidden",)
     gguf_architectures: ClassVar[tuple[GGUFArchitecture, ...]] = ()  # none from GGUF
-    checkpoint_names: ClassVar[_CheckpointNames]
+    checkpoint_names: ClassVar[CheckpointNames]
+    has_lm_head: ClassVar[bool] = True  # (an encoder has none)
 
     def __init__(self, config: ModelConfig, max_positions: int, ctx: LayerContext | None = None):
         super().__init__()
@@ -176,13 +186,13 @@ class LearnedPositionDecoder(nn.Module):
         )
         self.position_offset = c.family_config(LearnedPositionConfig).position_offset
         self.embed_positions = (
-            _parameter(c.max_position_embeddings + self.position_offset, c.hidden_size)
+            empty_parameter(c.max_position_embeddings + self.position_offset, c.hidden_size)
             if first
             else None
         )
         self.layers = nn.ModuleList(
             [
-                _Layer(c, ctx, f"layers.{i}")
+                TransformerLayer(c, ctx, f"layers.{i}")
                 if self.start_layer <= i < self.end_layer
                 else nn.Identity()
                 for i in range(c.num_layers)
@@ -190,11 +200,13 @@ class LearnedPositionDecoder(nn.Module):
         )
         # OPT-350m (post-LN) has no final norm; every pre-LN model has one.
         norm_before = c.family_config(LearnedPositionConfig).norm_before
-        self.final_norm = _LayerNorm(c.hidden_size, c.norm_eps) if norm_before and last else None
+        self.final_norm = (
+            BiasedLayerNorm(c.hidden_size, c.norm_eps) if norm_before and last else None
+        )
         self.lm_head = stage_lm_head(
             c.vocab_size, c.hidden_size, ctx, ("embed_tokens", "lm_head"), self.embed_tokens,
             c.tie_word_embeddings,
-        )  # fmt: skip
+        ) if self.has_lm_head else None  # fmt: skip
         self.num_parameters = 0
 
     def forward(
@@ -220,10 +232,12 @@ class LearnedPositionDecoder(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         assert self.lm_head is not None, "the last stage's"
-        if self.final_norm is not None:
-            hidden = self.final_norm(hidden)
-        logits: torch.Tensor = self.lm_head(hidden)
+        logits: torch.Tensor = self.lm_head(self.pooled_states(hidden))
         return logits
+
+    def pooled_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden states as a pooling runner reads them: after the final norm."""
+        return hidden if self.final_norm is None else self.final_norm(hidden)
 
     def load_weights(
         self,
@@ -257,7 +271,7 @@ class LearnedPositionDecoder(nn.Module):
         split_qkv = self.checkpoint_names.split_qkv
         for i in range(self.start_layer, self.end_layer):
             layer = self.layers[i]
-            assert isinstance(layer, _Layer)
+            assert isinstance(layer, TransformerLayer)
             p = f"layers.{i}"
             for norm in ("norm1", "norm2"):
                 for kind in ("weight", "bias"):
@@ -283,7 +297,7 @@ class LearnedPositionDecoder(nn.Module):
         module, _, kind = name.rpartition(".")
         if module in names.outside:
             return f"{names.outside[module]}.{kind}", tensor
-        m = re.fullmatch(r"(?:layers|h)\.(\d+)\.(.+)", module)
+        m = re.fullmatch(r"(?:layers|layer|h)\.(\d+)\.(.+)", module)
         if not m:
             return None
         if m.group(2) not in names.layer:
@@ -298,7 +312,7 @@ class LearnedPositionDecoder(nn.Module):
 
 class OPTForCausalLM(LearnedPositionDecoder):
     hf_architectures: ClassVar[tuple[str, ...]] = ("OPTForCausalLM",)
-    checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
+    checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames(
         ("model.", "decoder."), _OPT_GLOBAL, _OPT_LAYER
     )
 
@@ -331,7 +345,7 @@ class OPTForCausalLM(LearnedPositionDecoder):
 
 class GPT2ForCausalLM(LearnedPositionDecoder):
     hf_architectures: ClassVar[tuple[str, ...]] = ("GPT2LMHeadModel",)
-    checkpoint_names: ClassVar[_CheckpointNames] = _CheckpointNames(
+    checkpoint_names: ClassVar[CheckpointNames] = CheckpointNames(
         ("transformer.",), _GPT2_GLOBAL, _GPT2_LAYER, conv1d=_GPT2_CONV1D
     )
 

@@ -443,6 +443,13 @@ class LlamaForCausalLM(nn.Module):
         logits: torch.Tensor = self.lm_head(self.norm(hidden))
         return logits
 
+    def pooled_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final hidden states as a pooling runner reads them: after the final norm
+        (an embedder's, Qwen3-Embedding's last token)."""
+        assert self.norm is not None, "the last stage's"
+        states: torch.Tensor = self.norm(hidden)
+        return states
+
     def load_weights(
         self,
         weights: Mapping[str, torch.Tensor],

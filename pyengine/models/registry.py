@@ -9,6 +9,7 @@ put in MODEL_CLASSES.
 
 from __future__ import annotations
 
+from pyengine.models.bert import BertEncoder, RobertaEncoder
 from pyengine.models.checkpoint_config import GGUFArchitecture, GGUFMetadata
 from pyengine.models.deepseek import DeepseekForCausalLM
 from pyengine.models.falcon_h1 import FalconH1ForCausalLM
@@ -36,6 +37,8 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     FalconH1ForCausalLM,
     OPTForCausalLM,
     GPT2ForCausalLM,
+    BertEncoder,
+    RobertaEncoder,
 )
 
 

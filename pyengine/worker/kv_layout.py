@@ -11,7 +11,7 @@ blocks that no later query reads, so its memory is bounded by the window.
 
 A hybrid model's recurrent layers (Gated DeltaNet, Mamba-2) keep a state per request in
 slots of their own (worker/state_pool.py) and no KV cache: their spec is RECURRENT, and
-they are in no group.
+they are in no group; nor are an encoder's layers (NO_CACHE), which keep nothing.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyengine import _C
-from pyengine.config import RECURRENT_SPEC
+from pyengine.config import NO_CACHE_SPEC, RECURRENT_SPEC
 from pyengine.layers.attention import PagedAttention
 from pyengine.layers.latent_attention import LatentAttention
 
@@ -30,12 +30,14 @@ KVSpec = tuple[str, int]
 
 FULL: KVSpec = ("full", 0)
 RECURRENT: KVSpec = RECURRENT_SPEC  # a layer with a recurrent state, not a KV cache
+NO_CACHE: KVSpec = NO_CACHE_SPEC  # an encoder's layer: nothing kept between steps
+PAGELESS = (RECURRENT, NO_CACHE)
 
 
 @dataclass(frozen=True)
 class KVLayout:
     """groups: each group's spec, in the KV-cache manager's order; layer_slots: each
-    layer's (group, slot), (-1, -1) for a recurrent layer; num_slots: the pages of one
+    layer's (group, slot), (-1, -1) for a layer without pages; num_slots: the pages of one
     block (0: the model has no attention layer)."""
 
     groups: tuple[KVSpec, ...]
@@ -47,6 +49,8 @@ class KVLayout:
         return sorted({self.layer_slots[i][1] for i in layers} - {-1})
 
     def is_recurrent(self, layer: int) -> bool:
+        """Whether the layer has no pages (a recurrent layer's state, or an encoder's
+        nothing)."""
         return self.layer_slots[layer][0] < 0
 
     def max_blocks_held(self, num_tokens: int, max_step_tokens: int, block_size: int) -> int:
@@ -60,14 +64,14 @@ def plan_kv_layout(specs: list[KVSpec]) -> KVLayout:
     """The groups of layers with these specs (one per layer, in order); recurrent layers
     are in none. A model of recurrent layers alone (Mamba-2's) keeps one full group of
     no slots, so that the KV-cache manager still counts each request's tokens in
-    blocks (which then hold nothing)."""
+    blocks (which then hold nothing); so does an encoder's."""
     if not specs:
         raise ValueError("a model without layers has no KV cache to lay out")
     by_spec: dict[KVSpec, list[int]] = {}
-    attention = [(i, spec) for i, spec in enumerate(specs) if spec != RECURRENT]
+    attention = [(i, spec) for i, spec in enumerate(specs) if spec not in PAGELESS]
     for index, spec in sorted(attention, key=lambda item: item[1][0] != "full"):
         by_spec.setdefault(spec, []).append(index)
-    slots: dict[int, tuple[int, int]] = {i: (-1, -1) for i, s in enumerate(specs) if s == RECURRENT}
+    slots: dict[int, tuple[int, int]] = {i: (-1, -1) for i, s in enumerate(specs) if s in PAGELESS}
     if not by_spec:
         return KVLayout((FULL,), tuple(slots[i] for i in range(len(specs))), 0)
     size = min(len(layers) for layers in by_spec.values())

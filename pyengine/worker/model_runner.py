@@ -16,6 +16,7 @@ from pyengine.layers.attention import AttentionMetadata, KVCache
 from pyengine.layers.linear import LayerContext
 from pyengine.layers.moe.layer import FusedMoE
 from pyengine.layers.placement import Placement
+from pyengine.layers.pooler import Pooler
 from pyengine.loader.model_loader import build_model
 from pyengine.loader.resolve import LoadedModel
 from pyengine.lora.manager import LoRAManager
@@ -230,6 +231,8 @@ class ModelRunner:
                 f"{c.architecture} has recurrent-state layers, which run on the CPU only "
                 "(their CUDA kernels have not run on a GPU yet)"
             )
+        # The pooling runner's: one vector per finished prompt instead of logits.
+        self.pooler = None if config.pooler is None else Pooler(self.model, config.pooler)
         self.lora: LoRAManager | None = None
         # The most logits rows of a step: one a request, and one a draft token.
         spec = config.speculative
@@ -264,8 +267,10 @@ class ModelRunner:
         adapters_replay = self.lora is None or (on_cpu and self.lora.replays_in_place)
         # (latent attention writes its cache and projects its heads with torch operations)
         # (and recurrent layers with torch operations between their kernels)
+        # (and a pooling runner's steps, which are all prompts)
         eager = (config.enforce_eager or self.tp.world_size > 1 or self.pp.world_size > 1
-                 or not adapters_replay or latent > 0 or bool(self.state_layers))  # fmt: skip
+                 or not adapters_replay or latent > 0 or bool(self.state_layers)
+                 or self.pooler is not None)  # fmt: skip
         # On the CPU, steps that verify drafts replay too: up to 1 + k tokens a request.
         self.max_query_len = 1 + spec.num_speculative_tokens if spec and on_cpu else 1
         if not eager:
@@ -559,7 +564,8 @@ class ModelRunner:
     def execute(
         self, step: SchedulerOutput, extra_rows: list[int] | None = None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Logits [num_sampling_rows, vocab] of `step`, and the final hidden states of
+        """Logits [num_sampling_rows, vocab] of `step` (a pooling runner's: its pooled
+        outputs [num_sampling_rows, size], Pooler), and the final hidden states of
         `extra_rows` (token rows of the step; prompt logprobs, for `logits`
         to score a slice at a time), both on the model's device. A stage before the
         last sends its output on and returns (None, None)."""
@@ -607,6 +613,8 @@ class ModelRunner:
         if not isinstance(hidden, torch.Tensor):
             self.pp.send(hidden)
             return None, None
+        if self.pooler is not None:  # (whose steps score no prompt tokens)
+            return self.pooler(hidden, step.query_start_loc, step.logits_indices), None
         extra = hidden[self._on_device(extra_rows)] if extra_rows else None
         # On the model's device: a batch of plain greedy rows sends back only its argmax.
         return self.model.compute_logits(hidden[tensors.logits_indices.long()]), extra

@@ -54,7 +54,7 @@ class Worker:
         self.sampler = Sampler(config.seed, config.device)
         # By virtual engine: a step's logits between execute_model and sample_tokens, and
         # its checked rows' between sample_tokens and redraw.
-        self._executed: dict[int, tuple[SchedulerOutput, torch.Tensor]] = {}
+        self._executed: dict[int, tuple[SchedulerOutput, torch.Tensor | None]] = {}
         self._redraws: dict[int, Redraws] = {}
 
     @property
@@ -112,11 +112,21 @@ class Worker:
         logits, hidden = self.model_runner.execute(step, scored_rows)
         if logits is None:  # a stage before the last: its output went on
             return None
+        if self.model_runner.pooler is not None:
+            return self._pooled(step, logits)
         prompt_logprobs = [] if hidden is None else self._score_prompts(step, hidden)
         if not self.is_output_rank:  # the logits' collectives ran; the tokens are rank 0's
             return None
         self._executed[step.virtual_engine] = (step, logits)
         return ExecuteOutput(drafts, prompt_logprobs)
+
+    def _pooled(self, step: SchedulerOutput, pooled: torch.Tensor) -> ExecuteOutput | None:
+        """A pooling runner's step: its pooled rows go back in place of logits, and its
+        sampled rows each take token 0, which ends their one-token requests."""
+        if not self.is_output_rank:
+            return None
+        self._executed[step.virtual_engine] = (step, None)
+        return ExecuteOutput(None, [], pooled.cpu().numpy())
 
     def sample_tokens(
         self, virtual_engine: int, masks: GrammarMasks | None = None
@@ -128,6 +138,8 @@ class Worker:
             return None
         self._redraws.pop(virtual_engine, None)  # (the last step's, none refused)
         step, logits = self._executed.pop(virtual_engine)
+        if logits is None:  # (a pooling step's)
+            return SampledTokens([0] * len(step.logits_indices), None)
         if step.sampling is None:
             sampled = self.sampler.argmax(logits)
         else:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from pyengine.config import PREEMPTION_MODES, QUANTIZED_ACTIVATIONS, SCHEDULING_POLICIES
 from pyengine.engine.engine_args import EngineArgs
+from pyengine.engine.pooling import RUNNERS
 from pyengine.entrypoints.openai.admission import WaitingBound
 from pyengine.entrypoints.openai.limits import RequestLimits
 from pyengine.entrypoints.openai.middlewares import DEFAULT_MAX_BODY_BYTES
@@ -135,6 +136,16 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
         "--speculative-config", type=json_object, default=None, metavar="JSON",
         help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' '
         "(docs/speculative.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--runner", choices=RUNNERS, default=d.runner,
+        help="pooling: embeddings, scores and reranking (/v1/embeddings, /v1/score, "
+        "/v1/rerank); auto: pooling for an encoder, else generate",
+    )  # fmt: skip
+    parser.add_argument(
+        "--pooler-config", type=json_object, default=None, metavar="JSON",
+        help='the pooling runner\'s, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' or '
+        '\'{"classifier_from_token": ["no", "yes"]}\' (a decoder reranker, Qwen3-Reranker\'s)',
     )  # fmt: skip
     return parser
 

@@ -1,7 +1,7 @@
 """The server's HTTP routes: health and version, the models and their LoRA adapters,
 completions and chat (a JSON body, or an SSE stream that aborts its requests however it
-ends), the Responses API and its store, Anthropic's Messages API, tokenize and
-detokenize, and Prometheus' /metrics. The
+ends), the Responses API and its store, Anthropic's Messages API, a pooling model's
+embeddings, scores and reranking, tokenize and detokenize, and Prometheus' /metrics. The
 serving classes do the work; a route takes the request to one and its answer back."""
 
 from __future__ import annotations
@@ -25,6 +25,11 @@ from pyengine.entrypoints.anthropic.serving_messages import MessagesServing
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.metrics import EngineMetrics
 from pyengine.entrypoints.openai.middlewares import Access, ApiKeyCheck
+from pyengine.entrypoints.openai.pooling_protocol import (
+    EmbeddingRequest,
+    RerankRequest,
+    ScoreRequest,
+)
 from pyengine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -38,6 +43,7 @@ from pyengine.entrypoints.openai.served_models import ServedModels, path_inside
 from pyengine.entrypoints.openai.serving import SSE_DONE, close_all, sse, unless_disconnected
 from pyengine.entrypoints.openai.serving_chat import ChatServing
 from pyengine.entrypoints.openai.serving_completion import CompletionServing
+from pyengine.entrypoints.openai.serving_pooling import PoolingServing
 from pyengine.entrypoints.openai.serving_responses import ResponsesServing
 from pyengine.entrypoints.openai.slow_clients import REQUEST_IDS
 from pyengine.executor import ExecutorDeadError
@@ -73,6 +79,7 @@ class Routes:
         self.chat = chat
         self.messages = MessagesServing(chat)
         self.responses = ResponsesServing(chat)
+        self.pooling = PoolingServing(engine, served, None, chat.waiting, chat.limits)
         self.metrics = metrics
         self.access = access or Access()
         self.created = int(time.time())  # (the model cards' creation time)
@@ -103,6 +110,11 @@ class Routes:
                           methods=["DELETE"])  # fmt: skip
         app.add_api_route("/v1/messages", self.create_message, methods=["POST"])
         app.add_api_route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"])
+        app.add_api_route("/v1/embeddings", self.create_embeddings, methods=["POST"])
+        for path in ("/score", "/v1/score"):
+            app.add_api_route(path, self.create_score, methods=["POST"])
+        for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+            app.add_api_route(path, self.create_rerank, methods=["POST"])
         app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
         app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/metrics", self.prometheus_metrics, methods=["GET"])
@@ -181,6 +193,15 @@ class Routes:
 
     async def count_tokens(self, body: CountTokensRequest) -> dict[str, Any]:
         return await self.messages.count_tokens(body)
+
+    async def create_embeddings(self, body: EmbeddingRequest, raw: Request) -> Response:
+        return await answer(raw, self.pooling.embeddings(body))
+
+    async def create_score(self, body: ScoreRequest, raw: Request) -> Response:
+        return await answer(raw, self.pooling.score(body))
+
+    async def create_rerank(self, body: RerankRequest, raw: Request) -> Response:
+        return await answer(raw, self.pooling.rerank(body))
 
     async def tokenize(self, body: TokenizeRequest) -> dict[str, Any]:
         self.completions.check_model(body.model)

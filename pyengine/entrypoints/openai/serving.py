@@ -268,11 +268,12 @@ def close_all(streams: list[RequestStream]) -> None:
 
 
 async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """The deltas of all streams as they come, tagged with the stream's index; leaving
-    early (or failing) aborts every unfinished request."""
+    """The deltas of all streams (of generating requests) as they come, tagged with the
+    stream's index; leaving early (or failing) aborts every unfinished request."""
     try:
         if len(streams) == 1:
             async for delta in streams[0]:
+                assert isinstance(delta, RequestOutput)
                 yield 0, delta
             return
         pending = {asyncio.ensure_future(anext(s)): i for i, s in enumerate(streams)}
@@ -284,6 +285,7 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
                     delta = task.result()
                 except StopAsyncIteration:
                     continue
+                assert isinstance(delta, RequestOutput)
                 yield i, delta
                 pending[asyncio.ensure_future(anext(streams[i]))] = i
     finally:
