@@ -32,8 +32,8 @@ class EncoderAttention:
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         bounds = meta.query_start_loc.tolist()
         for start, end in zip(bounds[:-1], bounds[1:], strict=True):
-            if end == start:
-                continue
-            qs, ks, vs = (t[start:end].transpose(0, 1) for t in (q, k, v))  # heads first
-            out[start:end] = F.scaled_dot_product_attention(qs, ks, vs).transpose(0, 1)
+            if end > start:
+                # [1, heads, rows, size]: the 4-d form torch's fused CPU kernel takes
+                qs, ks, vs = (t[start:end].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+                out[start:end] = F.scaled_dot_product_attention(qs, ks, vs)[0].transpose(0, 1)
         return out

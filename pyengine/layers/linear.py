@@ -48,6 +48,8 @@ class LayerContext:
     adapters: bool = False
     # Mixture-of-experts layers put whole experts on the tensor-parallel ranks.
     expert_parallel: bool = False
+    # Every step is whole prompts (the pooling runner's): no decode step to pack for.
+    prompts_only: bool = False
 
     @property
     def linear_methods(self) -> LinearMethods:

@@ -39,7 +39,7 @@ def build_model(loaded: LoadedModel, max_positions: int, seed: int, ctx: LayerCo
     placement = ctx.placement
     methods = LinearMethods(
         placement, frozenset(loaded.block_quantized), loaded.config.quantization,
-        ctx.quantized_activations,
+        ctx.quantized_activations, ctx.prompts_only,
     )  # fmt: skip
     ctx = replace(ctx, methods=methods)
     with torch.device(placement.device):  # the parameters are made (and loaded) there

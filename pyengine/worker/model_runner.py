@@ -213,7 +213,8 @@ class ModelRunner:
             LayerContext(self.placement, self.tp, self.pp,
                          quantized_activations=config.quantized_activations,
                          adapters=config.lora is not None,
-                         expert_parallel=config.parallel.enable_expert_parallel),
+                         expert_parallel=config.parallel.enable_expert_parallel,
+                         prompts_only=config.pooler is not None),
         )  # fmt: skip
         assign_kv_groups(self.model, self.kv_layout, self.layers)
         # A hybrid model's recurrent layers keep their states in slots of their own.

@@ -14,7 +14,7 @@ from pyengine.layers.placement import Placement
 from pyengine.layers.quantization.base import LinearMethod
 from pyengine.layers.quantization.gguf import gguf_method
 from pyengine.layers.quantization.registry import quantization_method
-from pyengine.layers.quantization.unquantized import dense_method
+from pyengine.layers.quantization.unquantized import TorchLinearMethod, dense_method
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class LinearMethods:
     quantization: QuantizationConfig | None = None
     # EngineArgs.quantized_activations: which block-quantized layers take int8 rows.
     quantized_activations: str = "float32"
+    # Every step is whole prompts (the pooling runner's): a bfloat16 weight is torch's
+    # matmul's (oneDNN's, AMX where the CPU has it), faster at thousands of rows than the
+    # panels, which are made for decode steps of a few.
+    prompts_only: bool = False
 
     def choose(self, checkpoint_names: Sequence[str], many_rows: bool = True) -> LinearMethod:
         """The method of a layer made of `checkpoint_names` (its parts, in order);
@@ -42,4 +46,6 @@ class LinearMethods:
         has_blocks = bool(names) and all(name in self.block_quantized for name in names)
         if has_blocks and self.placement.keeps_gguf_blocks:
             return gguf_method(self.placement, int8_activations)
+        if self.prompts_only and self.placement.packs_bf16_weights:
+            return TorchLinearMethod(self.placement)
         return dense_method(self.placement, many_rows)
