@@ -47,7 +47,6 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
         llm = LLM(model=job["model"], load_format="dummy", dtype=job["dtype"],
                   max_model_len=job["max_model_len"], runner="pooling", seed=0,
-                  skip_tokenizer_init=True,
                   pooler_config=PoolerConfig(pooling_type=job["pooling_type"]))  # fmt: skip
         as_prompts: list[Any] = [TokensPrompt(prompt_token_ids=p) for p in prompts]
     elif engine == "pyengine":
@@ -72,7 +71,5 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
             "resident_mib": resident_mib(os.getpid())}  # fmt: skip
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # (vLLM's engine core starts processes that import this file)
     print(json.dumps(run(json.loads(sys.stdin.read()))))
-    sys.stdout.flush()
-    os._exit(0)  # (vLLM's engine core may linger in atexit handlers)

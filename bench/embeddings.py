@@ -2,9 +2,10 @@
 embedded whole, through pyengine, vLLM's CPU build (--vllm-python) and transformers
 (--transformers), each at its fastest default.
 
-Two shapes, dummy weights (a config.json in the cache folder; random weights make the
-times of trained ones): BERT-base (BertModel, [CLS] pooling) and Qwen3-Embedding-0.6B
-(Qwen3ForCausalLM run as an embedder, last-token pooling), both at max_model_len 512.
+Two shapes, dummy weights (a config.json in the cache folder, SmolLM2's vocabulary and
+tokenizer; random weights make the times of trained ones): BERT-base (BertModel, [CLS]
+pooling) and Qwen3-Embedding-0.6B (Qwen3ForCausalLM run as an embedder, last-token
+pooling), both at max_model_len 512.
 pyengine and vLLM run in processes of their own (bench/embedding_peer.py), at dtype
 "auto" (bfloat16 on a CPU with AVX512-BF16 or AMX for both); transformers runs in this
 process in bfloat16 (its fastest here; float32 is its default), as sentence-transformers
@@ -31,7 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from .checkpoints import default_model_folders
 from .common import print_table, report
+from .shape_checkpoints import VOCAB
+from .variant_checkpoints import variant_folder
 
 PEER_SCRIPT = Path(__file__).with_name("embedding_peer.py")
 
@@ -61,11 +65,11 @@ MAX_MODEL_LEN = 512
 
 
 def model_folder(name: str, cache: Path) -> Path:
-    """A folder of the shape's config.json alone (the engines draw dummy weights)."""
-    folder = cache / f"embedding-{name}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "config.json").write_text(json.dumps(MODELS[name]["config"], indent=1))
-    return folder
+    """A folder of the shape's config.json (the engines draw dummy weights) with SmolLM2's
+    vocabulary and tokenizer (vLLM's pooling runner loads one; the prompts are ids)."""
+    config = {**MODELS[name]["config"], "vocab_size": VOCAB}
+    return variant_folder(f"embedding-{name}", config, default_model_folders(cache)["float32"],
+                          cache)  # fmt: skip
 
 
 def engine_run(python: str, engine: str, folder: Path, name: str, prompts: list[list[int]],
@@ -92,7 +96,7 @@ def transformers_run(
     """transformers' model in bfloat16, as sentence-transformers runs it."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(**MODELS[name]["config"])
+    config = transformers.AutoConfig.for_model(**{**MODELS[name]["config"], "vocab_size": VOCAB})
     hf = transformers.AutoModel.from_config(config, dtype=torch.bfloat16).eval()
     last = MODELS[name]["pooling"] == "LAST"
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -136,8 +140,7 @@ def main() -> None:
                                "prompt_tokens": int(lengths.sum())}  # fmt: skip
     rows = []
     for name in args.models.split(","):
-        vocab = MODELS[name]["config"]["vocab_size"]
-        prompts = [rng.integers(1000, vocab, n).tolist() for n in lengths]
+        prompts = [rng.integers(1000, VOCAB, n).tolist() for n in lengths]
         folder = model_folder(name, args.cache)
         runs = {"pyengine": engine_run("python", "pyengine", folder, name, prompts, args)}
         if args.vllm_python:

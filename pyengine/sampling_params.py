@@ -99,6 +99,13 @@ class SamplingParams:
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
     truncate_prompt_tokens: int | None = None
+    # A thinking model's reasoning ends with these tokens (its "</think>"; the server's
+    # reasoning parser sets them where the prompt leaves the model thinking): a
+    # structured output constrains only what follows them, and max_thinking_tokens
+    # counts the tokens before them. With max_thinking_tokens, once that many tokens of
+    # reasoning are written, the end is written next (forced), and the answer follows.
+    thinking_end_token_ids: list[int] | None = None
+    max_thinking_tokens: int | None = None
     # What the request's outputs hold: CUMULATIVE copies every sample's whole output at
     # each step (LLMEngine.step()'s callers read them so); a stream asks for DELTA, and
     # LLM.generate for FINAL_ONLY.
@@ -162,6 +169,15 @@ class SamplingParams:
             ("truncate_prompt_tokens", self.truncate_prompt_tokens is None
              or (is_int(self.truncate_prompt_tokens) and self.truncate_prompt_tokens >= 1),
              "an integer >= 1 or None"),
+            ("thinking_end_token_ids", self.thinking_end_token_ids is None
+             or (isinstance(self.thinking_end_token_ids, list | tuple)
+                 and len(self.thinking_end_token_ids) > 0
+                 and all(is_int(t) and t >= 0 for t in self.thinking_end_token_ids)),
+             "a non-empty list of token ids >= 0, or None"),
+            ("max_thinking_tokens", self.max_thinking_tokens is None
+             or (is_int(self.max_thinking_tokens) and self.max_thinking_tokens >= 0
+                 and self.thinking_end_token_ids is not None),
+             "an integer >= 0 with thinking_end_token_ids (the end it forces), or None"),
         ]  # fmt: skip
         constraint = self.structured_outputs
         checks.append(("structured_outputs", constraint is None

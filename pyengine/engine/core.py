@@ -23,6 +23,7 @@ from pyengine.config import EngineConfig
 from pyengine.engine.input_processor import EngineRequest
 from pyengine.engine.step_in_flight import StepInFlight
 from pyengine.engine.structured_output import GrammarCompiler, Matcher, StepGrammar
+from pyengine.engine.thinking import Thinking
 from pyengine.executor import Executor
 from pyengine.faults import RequestFault
 from pyengine.outputs import PositionLogprobs
@@ -50,6 +51,12 @@ class _Row:
     # Its tokens are the argmax of the logits once past min_tokens (no logprobs either).
     argmax_only: bool = False
     matcher: Matcher | None = None  # a structured output's, following its tokens
+    thinking: Thinking | None = None  # a thinking row's reasoning, followed until it ends
+
+    @property
+    def constrained_now(self) -> Matcher | None:
+        """Its matcher, once its reasoning (if it thinks) has ended."""
+        return self.matcher if self.thinking is None or self.thinking.ended else None
 
 
 @dataclass
@@ -68,9 +75,14 @@ class EngineCoreOutput:
 
 class EngineCore:
     def __init__(
-        self, config: EngineConfig, executor: Executor, grammars: GrammarCompiler | None = None
+        self,
+        config: EngineConfig,
+        executor: Executor,
+        grammars: GrammarCompiler | None = None,
+        vocab_size: int = 0,
     ) -> None:
         self.config = config
+        self._mask_words = -(-vocab_size // 32)  # (a forced token's bitmask)
         self.grammars = grammars  # structured outputs' matchers
         self.lora = config.lora is not None
         self.speculative = config.speculative
@@ -145,7 +157,10 @@ class EngineCore:
         constrained = params.structured_outputs
         if constrained is not None and self.grammars is None:
             raise ValueError("structured_outputs needs the model's tokenizer")
-        argmax_only = plain_greedy(params) and params.logprobs is None and constrained is None
+        # (a thinking budget forces tokens through a row's mask)
+        budget = params.max_thinking_tokens is not None
+        argmax_only = (plain_greedy(params) and params.logprobs is None and constrained is None
+                       and not budget)  # fmt: skip
         self.schedulers[virtual_engine].add_request(
             request_id,
             request.prompt_array,
@@ -172,7 +187,12 @@ class EngineCore:
             matcher = None
             if constrained is not None and self.grammars is not None:
                 matcher = self.grammars.matcher(constrained)
-            self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only, matcher=matcher)
+            thinking = None
+            if params.thinking_end_token_ids:
+                end = tuple(params.thinking_end_token_ids)
+                thinking = Thinking(end, params.max_thinking_tokens)
+            self._rows[row_id] = _Row(request, seed, argmax_only=argmax_only, matcher=matcher,
+                                      thinking=thinking)  # fmt: skip
             if not argmax_only or params.min_tokens > 0:
                 self._sampled_rows.add(row_id)
             if request.lora_request is not None:
@@ -382,8 +402,11 @@ class EngineCore:
                 continue
             if token is not None:
                 row.output_token_ids.append(token)
-                if row.matcher is not None:
-                    row.matcher.accept(token)
+                matcher = row.constrained_now  # (the thinking's end is not the answer's)
+                if row.thinking is not None:
+                    row.thinking.accept(token)
+                if matcher is not None:
+                    matcher.accept(token)
                 if (
                     row.argmax_only
                     and row_id in self._sampled_rows
@@ -500,12 +523,16 @@ class EngineCore:
         row = self._rows[row_id]
         request = row.request
         under_min = len(row.output_token_ids) + num_drafts_before < request.params.min_tokens
+        forced = None  # (a spent thinking budget's next token)
+        if row.thinking is not None and not num_drafts_before:
+            forced = row.thinking.forced_mask(self._mask_words)
         return SamplingRow(
             request.params,
             request.prompt_array,
             row.output_token_ids,
             row.seed,
             request.blocked_token_ids if under_min else (),
+            allowed_tokens=forced,
             num_drafts_before=num_drafts_before,
             logit_bias=request.logit_bias,
         )
@@ -517,7 +544,7 @@ class EngineCore:
         matchers."""
         matchers: dict[int, Matcher] = {}
         for i, row_id in enumerate(sampled_row_ids):
-            matcher = self._rows[row_id].matcher
+            matcher = self._rows[row_id].constrained_now
             if matcher is not None:
                 matchers[i] = matcher
         if not matchers or self.grammars is None:

@@ -306,6 +306,7 @@ class InputProcessor:
             allowed_token_ids=copy(params.allowed_token_ids),
             bad_words=copy(params.bad_words),
             bad_words_token_ids=copy(params.bad_words_token_ids),
+            thinking_end_token_ids=copy(params.thinking_end_token_ids),
             output_kind=params.output_kind if output_kind is None else output_kind,
         )
         if not prompt_token_ids:
@@ -315,6 +316,8 @@ class InputProcessor:
         check_token_ids(params.stop_token_ids or [], vocab, f"{what}: stop_token_ids")
         check_token_ids(list(params.logit_bias or {}), vocab, f"{what}: logit_bias")
         check_token_ids(params.allowed_token_ids or [], vocab, f"{what}: allowed_token_ids")
+        check_token_ids(params.thinking_end_token_ids or [], vocab,
+                        f"{what}: thinking_end_token_ids")  # fmt: skip
         for ids in params.bad_words_token_ids or []:
             check_token_ids(ids, vocab, f"{what}: bad_words_token_ids")
         c = self.config

@@ -33,7 +33,9 @@ class LLMEngine:
         self.executor = executor or create_executor(loaded, config)
         self.input_processor = InputProcessor(loaded.config, config, self.tokenizer)
         self.adapters = AdapterRegistry(config.lora, loaded.config)
-        self.core = EngineCore(config, self.executor, self.input_processor.grammars)
+        self.core = EngineCore(
+            config, self.executor, self.input_processor.grammars, loaded.config.vocab_size
+        )
         eos = loaded.config.eos_token_ids
         self.output_processor = OutputProcessor(
             self.tokenizer, eos[0] if eos else None, config.pooler

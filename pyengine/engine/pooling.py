@@ -33,7 +33,7 @@ def resolve_pooler(
     tokenizer: PyengineTokenizer | None,
 ) -> PoolerConfig | None:
     """The PoolerConfig of the pooling runner (None: the generating runner). "auto" is
-    the pooling runner for a model that cannot generate (an encoder)."""
+    the pooling runner for a model that cannot generate (an encoder, a classifier)."""
     if runner not in RUNNERS:
         raise ValueError(f"runner must be one of {', '.join(RUNNERS)}, got {runner!r}")
     cls = model_class(config.architecture)
@@ -43,7 +43,7 @@ def resolve_pooler(
     if runner == "generate":
         if not generates:
             raise ValueError(
-                f"{config.architecture} is an encoder, which does not generate: runner "
+                f"{config.architecture} does not generate (it has no LM head): runner "
                 "'pooling' (embed, classify, score)"
             )
         if options:

@@ -38,6 +38,7 @@ from pyengine.models.checkpoint_config import (
     integer,
 )
 from pyengine.models.weights import WeightRouter
+from pyengine.utils.lazy_weights import CheckpointTensor
 
 
 @dataclass(frozen=True)
@@ -459,8 +460,11 @@ class LlamaForCausalLM(nn.Module):
         q/k/v and gate/up into their fused layers; `block_quantized`: the block form of
         some of them (GGUF's), kept by the layers whose method multiplies from it."""
         router = self.weight_router()
+        # A base model's checkpoint (Qwen3-Embedding's, saved without its LM head) names
+        # its tensors without the "model." prefix.
+        unprefixed = any(name.startswith("layers.") for name in weights)
         with torch.no_grad():
-            router.load(weights, block_quantized or {})
+            router.load(weights, block_quantized or {}, _prefixed if unprefixed else None)
         self.prepare_for_inference()
 
     def prepare_for_inference(self) -> None:
@@ -538,3 +542,10 @@ class LlamaForCausalLM(nn.Module):
             return  # (a quantized or block form: the parts' tensors only)
         router.fused(f"{module}.{fused}.weight", layer, "weight")
         router.either([f"{module}.{part}.weight" for part in parts], [f"{module}.{fused}.weight"])
+
+
+def _prefixed(name: str, tensor: CheckpointTensor) -> tuple[str, CheckpointTensor]:
+    """A base model's tensor under the causal LM's name."""
+    if name.startswith(("embed_tokens.", "layers.", "norm.")):
+        return f"model.{name}", tensor
+    return name, tensor

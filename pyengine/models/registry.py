@@ -23,6 +23,7 @@ from pyengine.models.llama4 import Llama4ForCausalLM
 from pyengine.models.llama_moe import LlamaMoeForCausalLM
 from pyengine.models.mamba2 import Mamba2ForCausalLM
 from pyengine.models.qwen3_next import Qwen3NextForCausalLM
+from pyengine.models.sequence_classification import LlamaForSequenceClassification
 
 MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     LlamaForCausalLM,
@@ -39,6 +40,7 @@ MODEL_CLASSES: tuple[type[CausalLM], ...] = (
     GPT2ForCausalLM,
     BertEncoder,
     RobertaEncoder,
+    LlamaForSequenceClassification,
 )
 
 

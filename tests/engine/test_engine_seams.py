@@ -146,7 +146,9 @@ def test_the_sampler_runs_the_logits_processors_it_is_given() -> None:
 
 def test_the_registry_names_a_class_for_each_architecture() -> None:
     for architecture in ARCHITECTURES:
-        assert model_class(architecture).__name__.endswith(("ForCausalLM", "Decoder", "Encoder"))
+        assert model_class(architecture).__name__.endswith(
+            ("ForCausalLM", "Decoder", "Encoder", "ForSequenceClassification")
+        )
     with pytest.raises(ValueError, match="architecture Mamba is not supported"):
         model_class("Mamba")
 

@@ -53,10 +53,15 @@ def _configs() -> dict[str, object]:
             transformers.XLMRobertaConfig(**roberta, num_labels=1),
         ),  # fmt: skip
         "qwen3": (transformers.Qwen3ForCausalLM, transformers.Qwen3Config(**qwen)),
+        "qwen3-cross": (
+            transformers.Qwen3ForSequenceClassification,
+            transformers.Qwen3Config(**qwen, num_labels=1, pad_token_id=0),
+        ),  # fmt: skip
     }
 
 
-KINDS = ("bert", "bert-cross", "bert-classify", "xlm-roberta", "xlm-roberta-cross", "qwen3")
+KINDS = ("bert", "bert-cross", "bert-classify", "xlm-roberta", "xlm-roberta-cross", "qwen3",
+         "qwen3-cross")  # fmt: skip
 
 
 def make_pooling_checkpoint(kind: str, folder: Path) -> torch.nn.Module:

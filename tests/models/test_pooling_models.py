@@ -6,6 +6,7 @@ lengths give what one prompt at a time gives."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -159,6 +160,32 @@ def test_decoder_last_token_embeddings_and_cosine_scores(checkpoints) -> None:  
     assert torch.allclose(a, b)
 
 
+def test_decoder_cross_encoder_scores_its_last_token(checkpoints) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3ForSequenceClassification: `score` on the pair's last token, normed."""
+    folder, model = checkpoints("qwen3-cross")
+    llm = _llm(folder)  # (runner "auto": a classifier pools)
+    documents = ["w5", "w6 w7 w8 w9", "w1 " * 30]
+    outputs = llm.score("w3 w4", documents, use_tqdm=False)
+    for document, out in zip(documents, outputs, strict=True):
+        ids = llm.get_tokenizer().encode_pair("w3 w4", document)[0]
+        _close([out.outputs.score], torch.sigmoid(_logits(model, ids))[0])
+    with pytest.raises(ValueError, match="Qwen3ForSequenceClassification does not generate"):
+        _llm(folder, runner="generate")
+
+
+def test_a_base_model_checkpoint_embeds(checkpoints, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Qwen3-Embedding's files: the base model's tensors, without the "model." prefix
+    and the LM head, under a causal LM's config."""
+    _, model = checkpoints("qwen3")
+    model.model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=True)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompt = list(range(6, 40))
+    out = _llm(tmp_path, runner="pooling").embed({"prompt_token_ids": prompt}, use_tqdm=False)
+    _close(out[0].outputs.embedding, _normalized(_hidden(model, prompt)[-1]))
+
+
 def test_decoder_reranker_by_yes_and_no_logits(checkpoints) -> None:  # type: ignore[no-untyped-def]
     """Qwen3-Reranker's form: the score is softmax(no, yes)'s yes at the pair's last
     token (its LM head's two logits)."""
@@ -181,7 +208,7 @@ def test_pooling_engines_refuse_what_they_do_not_do(checkpoints) -> None:  # typ
         llm.classify("w1", use_tqdm=False)
     with pytest.raises(ValueError, match="the prompt has 65 tokens; max_model_len is 64"):
         llm.embed({"prompt_token_ids": [7] * 65}, use_tqdm=False)
-    with pytest.raises(ValueError, match="is an encoder, which does not generate"):
+    with pytest.raises(ValueError, match="BertModel does not generate"):
         _llm(folder, runner="generate")
     with pytest.raises(ValueError, match="pooling_type 'max' is not one of"):
         _llm(folder, pooler_config={"pooling_type": "max"})

@@ -32,7 +32,8 @@ TOOLS = [{"name": "get_weather", "description": "The weather in a city", "input_
 def server() -> Iterator[Server]:
     yield from serving(
         extra=["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+               "--structured-outputs-in-reasoning"],
     )  # fmt: skip
 
 

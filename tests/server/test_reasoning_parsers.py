@@ -69,6 +69,35 @@ def test_a_stream_holds_only_what_may_begin_a_marker() -> None:
 
 
 def test_unknown_parsers_are_named() -> None:
-    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "qwen3"]
-    with pytest.raises(ValueError, match="'granite' is not one of deepseek_r1, qwen3"):
+    assert sorted(REASONING_PARSERS) == ["deepseek_r1", "gpt_oss", "qwen3"]
+    with pytest.raises(ValueError, match="'granite' is not one of deepseek_r1, gpt_oss, qwen3"):
         reasoning_parser("granite")
+
+
+HARMONY = [
+    # (analysis, then the final answer)
+    ("<|channel|>analysis<|message|>User asks 2+2. <|end is not a marker|>Simple.<|end|>"
+     "<|start|>assistant<|channel|>final<|message|>2 + 2 = 4.<|return|>",
+     Reasoned("User asks 2+2. <|end is not a marker|>Simple.", "2 + 2 = 4.")),
+    # (two analysis messages around a commentary preamble; the final one cut off)
+    ("<|channel|>analysis<|message|>First.<|end|><|start|>assistant<|channel|>commentary"
+     "<|message|>Checking.<|end|><|start|>assistant<|channel|>analysis<|message|> Second."
+     "<|end|><|start|>assistant<|channel|>final<|message|>Done",
+     Reasoned("First. Second.", "Checking.Done")),
+    # (cut off while thinking; a header cut off)
+    ("<|channel|>analysis<|message|>Hmm", Reasoned("Hmm", None)),
+    ("<|channel|>analysis<|message|>Hmm.<|end|><|start|>assistant<|chan",
+     Reasoned("Hmm.", None)),
+    # (the special tokens skipped: all content)
+    ("analysisHmm.assistantfinal4", Reasoned(None, "analysisHmm.assistantfinal4")),
+    ("<|chan", Reasoned(None, "<|chan")),
+    ("", Reasoned(None, None)),
+]  # fmt: skip
+
+
+def test_harmony_messages_split_whole_and_streamed() -> None:
+    rng = random.Random()
+    for text, want in HARMONY:
+        assert reasoning_parser("gpt_oss").split(text) == want, text
+        for _ in range(40):
+            assert streamed("gpt_oss", text, rng) == want, text

@@ -38,7 +38,8 @@ FORCED = {"type": "function", "name": "get_weather"}
 def server() -> Iterator[Server]:
     yield from serving(
         extra=["--chat-template", str(TEMPLATE), "--enable-auto-tool-choice",
-               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3"],
+               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
+               "--structured-outputs-in-reasoning"],
     )  # fmt: skip
 
 

@@ -85,7 +85,8 @@ def test_token_id_prompt_and_echo(client: openai.OpenAI, offline: LLM) -> None:
 @pytest.mark.slow
 def test_prompt_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> None:
     """vLLM's prompt_logprobs field: each prompt token's logprob and the top 2, by token
-    id (None for the first), in completions' choices and chat's response."""
+    id (None for the first), in completions' choices and chat's response, and streamed
+    in each's first chunk."""
     prompt = "Paged attention keeps the cache in blocks"
     got = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1,
                                     temperature=0, extra_body={"prompt_logprobs": 2})  # fmt: skip
@@ -101,23 +102,34 @@ def test_prompt_logprobs_match_offline(client: openai.OpenAI, offline: LLM) -> N
         extra_body={"prompt_logprobs": 1},
     )  # fmt: skip
     assert chat.model_extra["prompt_logprobs"][0] is None
-    with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
-        client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=1, stream=True,
-                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+    streamed = [c.choices[0].model_extra.get("prompt_logprobs") for c in client.completions.create(
+        model=DEFAULT_MODEL, prompt=prompt, max_tokens=3, temperature=0, stream=True,
+        extra_body={"prompt_logprobs": 2})]  # fmt: skip
+    assert streamed[0] == positions and not any(streamed[1:])
+    chunks = list(client.chat.completions.create(
+        model=DEFAULT_MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=3,
+        stream=True, extra_body={"prompt_logprobs": 1}))  # fmt: skip
+    sent = [c.model_extra.get("prompt_logprobs") for c in chunks]
+    assert [p is not None for p in sent].count(True) == 1
+    assert next(p for p in sent if p is not None) == chat.model_extra["prompt_logprobs"]
 
 
 def test_best_of_keeps_the_n_most_likely_samples(client: openai.OpenAI) -> None:
     """best_of 4, n 2: the two of the same seed's four samples whose tokens' logprobs
-    sum highest, most likely first; best_of below n, or above it streamed, is a 400."""
+    sum highest, most likely first, whole or streamed (at the end, a chunk each); best_of
+    below n is a 400."""
     ask = dict(model=DEFAULT_MODEL, prompt="My favourite animal is", max_tokens=8,
                temperature=1.0, seed=7, logprobs=0)  # fmt: skip
     four = client.completions.create(n=4, **ask).choices  # type: ignore[call-overload]
     ranked = sorted(four, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
     best = client.completions.create(n=2, best_of=4, **ask).choices  # type: ignore[call-overload]
     assert [c.text for c in best] == [c.text for c in ranked[:2]]
-    for bad in ({"n": 2, "best_of": 1}, {"n": 1, "best_of": 2, "stream": True}):
-        with pytest.raises(openai.BadRequestError, match="best_of"):
-            client.completions.create(**{**ask, **bad})  # type: ignore[call-overload]
+    chunks = client.completions.create(n=2, best_of=4, stream=True, **ask)  # type: ignore[call-overload]
+    assert [(c.choices[0].index, c.choices[0].text) for c in chunks] == [
+        (c.index, c.text) for c in best
+    ]
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        client.completions.create(**{**ask, "n": 2, "best_of": 1})  # type: ignore[call-overload]
 
 
 def test_chat_equals_offline_chat(client: openai.OpenAI, offline: LLM) -> None:

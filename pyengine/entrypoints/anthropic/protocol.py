@@ -202,6 +202,17 @@ def _tools(tools: list[Any] | None, choice: dict[str, Any] | None) -> dict[str, 
     return fields
 
 
+def thinking_budget(thinking: dict[str, Any] | None) -> int | None:
+    """An enabled thinking's budget_tokens (None where thinking is not enabled)."""
+    if thinking is None or thinking.get("type") != "enabled" or "budget_tokens" not in thinking:
+        return None
+    budget = thinking["budget_tokens"]
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
+        raise APIError(f"thinking.budget_tokens must be an integer >= 0, got {budget!r}",
+                       param="thinking")  # fmt: skip
+    return budget
+
+
 def _thinking(thinking: dict[str, Any] | None) -> dict[str, Any]:
     """thinking on or off, as the chat template's enable_thinking (Qwen3's)."""
     if thinking is None:

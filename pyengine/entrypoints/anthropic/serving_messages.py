@@ -16,9 +16,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from pyengine.engine.async_engine import EngineDeadError, RequestStream
-from pyengine.entrypoints.anthropic.protocol import CountTokensRequest, MessagesRequest
+from pyengine.entrypoints.anthropic.protocol import (
+    CountTokensRequest,
+    MessagesRequest,
+    thinking_budget,
+)
 from pyengine.entrypoints.openai.errors import APIError
-from pyengine.entrypoints.openai.serving_chat import ChatRun, ChatServing
+from pyengine.entrypoints.openai.serving_chat import ChatRun, ChatServing, delta_pieces
 from pyengine.executor import ExecutorDeadError
 
 logger = logging.getLogger("pyengine")
@@ -88,23 +92,20 @@ class Blocks:
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         events: list[str] = []
-        if delta.get("reasoning_content"):
-            events += self._into("thinking", {"type": "thinking", "thinking": "", "signature": ""})
-            events.append(self._delta({"type": "thinking_delta",
-                                       "thinking": delta["reasoning_content"]}))  # fmt: skip
-        if delta.get("content"):
-            events += self._into("text", {"type": "text", "text": ""})
-            events.append(self._delta({"type": "text_delta", "text": delta["content"]}))
-        for call in delta.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if call.get("id") is not None:  # (a call's first delta names it)
-                block = {"type": "tool_use", "id": call["id"], "name": function.get("name"),
-                         "input": {}}  # fmt: skip
-                events += self._into(f"tool:{call.get('index', 0)}", block)
+        for piece in delta_pieces(delta):
+            if piece.kind == "reasoning":
+                thinking = {"type": "thinking", "thinking": "", "signature": ""}
+                events += self._into("thinking", thinking)
+                events.append(self._delta({"type": "thinking_delta", "thinking": piece.text}))
+            elif piece.kind == "content":
+                events += self._into("text", {"type": "text", "text": ""})
+                events.append(self._delta({"type": "text_delta", "text": piece.text}))
+            elif piece.kind == "call":
+                call = {"type": "tool_use", "id": piece.call_id, "name": piece.name, "input": {}}
+                events += self._into(f"tool:{piece.call_index}", call)
                 self.called = True
-            if function.get("arguments"):
-                events.append(self._delta({"type": "input_json_delta",
-                                           "partial_json": function["arguments"]}))  # fmt: skip
+            else:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": piece.text}))
         return events
 
     def close(self) -> list[str]:
@@ -137,7 +138,10 @@ class MessagesServing:
         self, request: MessagesRequest, cache_salt: str | None = None
     ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         """`cache_salt`: the API key's, where the server binds salts to keys."""
-        sampling = {} if cache_salt is None else {"cache_salt": cache_salt}
+        sampling: dict[str, Any] = {} if cache_salt is None else {"cache_salt": cache_salt}
+        budget = thinking_budget(request.thinking)
+        if budget is not None and self.chat.reasoning_parser is not None:
+            sampling["max_thinking_tokens"] = budget  # (where the server knows the end)
         run = await self.chat.start_chat(request.to_chat(**sampling))
         if request.stream:
             return self._events(request, run), run.streams
@@ -146,7 +150,8 @@ class MessagesServing:
     async def count_tokens(self, request: CountTokensRequest) -> dict[str, Any]:
         chat = request.to_chat()
         self.chat.check_model(chat.model)
-        _, tokens = await self.chat.prompt_of(chat, await self.chat.tool_choice(chat))
+        tools = await self.chat.tool_choice(chat, with_grammar=False)  # (nothing is generated)
+        _, tokens = await self.chat.prompt_of(chat, tools)
         return {"input_tokens": len(tokens)}
 
     async def _events(self, request: MessagesRequest, run: ChatRun) -> AsyncIterator[str]:

@@ -62,6 +62,7 @@ def build_app(
     trust_request_chat_template: bool = False,
     auto_tool_parser: ToolParser | None = None,
     reasoning_parser: ReasoningParser | None = None,
+    structured_outputs_in_reasoning: bool = False,
     waiting: WaitingBound | None = None,
     max_request_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     limits: RequestLimits | None = None,
@@ -69,7 +70,9 @@ def build_app(
     """The app over `engine`, which it starts and stops with its lifespan; `served` the
     names requests may give, the base model's and the adapters'; `access` who may call it
     (middlewares.py); `auto_tool_parser` finds the calls of "auto" tool choice (None:
-    refused); `reasoning_parser` splits a thinking model's reasoning from its answer."""
+    refused); `reasoning_parser` splits a thinking model's reasoning from its answer, and
+    a structured output constrains the answer after it (the reasoning too, with
+    `structured_outputs_in_reasoning`)."""
     access, limits, waiting = (
         access or Access(),
         limits or RequestLimits(),
@@ -82,6 +85,7 @@ def build_app(
     chat.trust_request_chat_template = trust_request_chat_template
     chat.tool_parser = auto_tool_parser
     chat.reasoning_parser = reasoning_parser
+    chat.constrains_reasoning = structured_outputs_in_reasoning
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -134,6 +138,7 @@ def serve(ns: argparse.Namespace) -> None:
         reasoning_parser=None
         if ns.reasoning_parser is None
         else reasoning_parser(ns.reasoning_parser),
+        structured_outputs_in_reasoning=ns.structured_outputs_in_reasoning,
         waiting=waiting_bound(ns, llm_engine.config.max_num_seqs),
         max_request_body_bytes=ns.max_request_body_bytes,
         limits=request_limits(ns),

@@ -254,7 +254,13 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     parser.add_argument(
         "--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
         help="a thinking model's format: its reasoning goes to reasoning_content, apart "
-        "from the answer",
+        "from the answer; a structured output constrains the answer after it, and "
+        "max_thinking_tokens (or reasoning_effort) bounds it",
+    )  # fmt: skip
+    parser.add_argument(
+        "--structured-outputs-in-reasoning", action="store_true",
+        help="with --reasoning-parser: a structured output constrains the reasoning too "
+        "(vLLM's enable_in_reasoning), from the answer's first token",
     )  # fmt: skip
     parser.add_argument(
         "--uvicorn-log-level", default="info", choices=["debug", "info", "warning", "error"]

@@ -162,8 +162,6 @@ class _SamplingRequest(BaseModel):
                 "stream_options is only allowed with stream=true", param="stream_options"
             )
         if self.prompt_logprobs is not None:
-            if self.stream:
-                raise APIError("prompt_logprobs are not streamed", param="prompt_logprobs")
             prompt_logprobs = self.prompt_logprobs
         optional = {
             "temperature": self.temperature,
@@ -227,9 +225,6 @@ class CompletionRequest(_SamplingRequest):
                 f"best_of must be an integer of at least n ({self.n}), got {best_of!r}",
                 param="best_of",
             )
-        if best_of > self.n and self.stream:
-            raise APIError("best_of above n does not stream (the best are known at the end)",
-                           param="best_of")  # fmt: skip
         if self.logprobs is not None and self.logprobs < 0:  # the engine has the upper bound
             raise APIError(f"logprobs must be at least 0, got {self.logprobs}", param="logprobs")
         prompt_logprobs = self.logprobs if self.echo and self.logprobs is not None else None
@@ -373,6 +368,26 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template: str | None = None
     add_generation_prompt: bool = True
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    # A thinking model's reasoning bounded (with --reasoning-parser): pyengine's
+    # max_thinking_tokens, vLLM's thinking_token_budget, or OpenAI's reasoning_effort
+    reasoning_effort: Literal["minimal", "low", "medium", "high"] | None = None
+    max_thinking_tokens: int | None = None
+    thinking_token_budget: int | None = None
+
+    def thinking_budget(self) -> int | None:
+        """The most reasoning tokens the request allows (None: no bound): its count, or
+        its effort's (vLLM's budgets: low 1024, medium 2048, high 8192; minimal 0)."""
+        given = [n for n in ("max_thinking_tokens", "thinking_token_budget")
+                 if getattr(self, n) is not None]  # fmt: skip
+        if len(given) > 1:
+            raise APIError("give one of max_thinking_tokens and thinking_token_budget",
+                           param="max_thinking_tokens")  # fmt: skip
+        if not given:
+            return None if self.reasoning_effort is None else EFFORT_BUDGETS[self.reasoning_effort]
+        budget = getattr(self, given[0])
+        if budget < 0:
+            raise APIError(f"{given[0]} must be at least 0, got {budget}", param=given[0])
+        return int(budget)
 
     def to_sampling_params(self, tools: ToolChoice) -> SamplingParams:
         if not self.messages:
@@ -403,6 +418,10 @@ class ChatCompletionRequest(_SamplingRequest):
             max_tokens, logprobs, tool_call=tools.constraint(),
             skip_special_tokens=False if keep_special else None,
         )  # fmt: skip
+
+
+# reasoning_effort's budgets of reasoning tokens (vLLM's defaults; minimal: none)
+EFFORT_BUDGETS = {"minimal": 0, "low": 1024, "medium": 2048, "high": 8192}
 
 
 class TokenizeRequest(BaseModel):

@@ -9,6 +9,12 @@ from the answer only).
 - `qwen3` (Qwen3, QwQ): reasoning only where the answer opens with `<think>` (up to
   `</think>`, or to its end); an answer that does not open with it is all content
   (thinking off: `enable_thinking=False`).
+- `gpt_oss` (OpenAI's harmony format): the answer is messages, each a header
+  (`<|channel|>analysis`, `final`, `commentary`...) then `<|message|>` and its text to
+  `<|end|>`, `<|return|>` or `<|call|>`, the next one after `<|start|>assistant`. The
+  analysis channel is the reasoning, the others the content. Its markers are special
+  tokens, which the server keeps in the text for it; an answer without them is all
+  content.
 
 A parser splits a whole answer (`split`) and follows a streamed one (`stream`): each
 piece is looked at once, and what the stream sends adds up to the whole answer's split.
@@ -16,10 +22,12 @@ piece is looked at once, and what the stream sends adds up to the whole answer's
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
 from pyengine.entrypoints.openai.content_scanners import partial_marker
+from pyengine.utils.registry import make_named
 
 START, END = "<think>", "</think>"
 
@@ -40,9 +48,19 @@ class ReasoningStream(Protocol):
 
 
 class ReasoningParser(Protocol):
+    # The text that ends the reasoning (the engine's thinking_end_token_ids, tokenized)
+    end: str
+    # Whether its markers are special tokens, which the answer's text must keep
+    needs_special_tokens: bool
+
     def split(self, text: str) -> Reasoned: ...
 
     def stream(self) -> ReasoningStream: ...
+
+    def thinks_after(self, prompt: str) -> bool:
+        """Whether the model, given this prompt, reasons before it answers: not where the
+        prompt closed its thinking (a template's empty block, thinking turned off)."""
+        ...
 
 
 def _some(text: str) -> str | None:
@@ -55,8 +73,15 @@ class ThinkTagParser:
     it); else only where it does. An answer without `</think>` is all reasoning, once
     the reasoning started."""
 
+    end = END
+    needs_special_tokens = False
+
     def __init__(self, opened: bool) -> None:
         self.opened = opened
+
+    def thinks_after(self, prompt: str) -> bool:
+        start = prompt.rfind(START)
+        return start < 0 or END not in prompt[start:]
 
     def split(self, text: str) -> Reasoned:
         body = text.lstrip()
@@ -104,17 +129,99 @@ class ThinkTagStream:
         return Reasoned(_some(reasoning), _some(content))
 
 
-REASONING_PARSERS = {
+CHANNEL, MESSAGE, MESSAGE_START = "<|channel|>", "<|message|>", "<|start|>"
+MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+
+
+class HarmonyParser:
+    """gpt-oss's harmony messages: the analysis channel's text is the reasoning."""
+
+    # (the analysis message's end, and the final message's header: what the model writes
+    # between its reasoning and its answer, and what a spent budget writes for it)
+    end = "<|end|><|start|>assistant<|channel|>final<|message|>"
+    needs_special_tokens = True
+
+    def thinks_after(self, prompt: str) -> bool:
+        return True  # (every answer opens with its analysis)
+
+    def split(self, text: str) -> Reasoned:
+        return HarmonyStream().feed(text, finished=True)
+
+    def stream(self) -> ReasoningStream:
+        return HarmonyStream()
+
+
+class HarmonyStream:
+    """The messages as the answer grows: a header held until its `<|message|>`, a
+    message's text held while its end could begin a marker."""
+
+    def __init__(self) -> None:
+        self.phase = "opening"  # then "header", "body", "between"; or "plain"
+        self.held = ""
+        self.reasoning = False  # (the open message's channel is analysis)
+
+    def feed(self, piece: str, finished: bool) -> Reasoned:
+        self.held += piece
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._advance(finished, reasoning, content):
+            pass
+        return Reasoned(_some("".join(reasoning)), _some("".join(content)))
+
+    def _advance(self, finished: bool, reasoning: list[str], content: list[str]) -> bool:
+        """One move of the state machine; False once it must wait for more text."""
+        if self.phase == "opening":
+            body = self.held.lstrip()
+            if body.startswith((CHANNEL, MESSAGE_START)):
+                self.phase, self.held = "header", body
+            elif (CHANNEL.startswith(body) or MESSAGE_START.startswith(body)) and not finished:
+                return False  # (it may yet open with a header)
+            else:
+                self.phase = "plain"
+            return True
+        if self.phase == "plain":
+            content.append(self.held)
+            self.held = ""
+            return False
+        if self.phase == "header":
+            at = self.held.find(MESSAGE)
+            if at < 0:
+                self.held = "" if finished else self.held  # (a header cut off shows nothing)
+                return False
+            header, self.held = self.held[:at], self.held[at + len(MESSAGE) :]
+            channel = header.partition(CHANNEL)[2].split(" ")[0] if CHANNEL in header else ""
+            self.reasoning, self.phase = channel == "analysis", "body"
+            return True
+        if self.phase == "body":
+            into = reasoning if self.reasoning else content
+            ends = [(self.held.find(m), m) for m in MESSAGE_ENDS if m in self.held]
+            if ends:
+                at, marker = min(ends)
+                into.append(self.held[:at])
+                self.held, self.phase = self.held[at + len(marker) :], "between"
+                return True
+            keep = 0 if finished else max(partial_marker(self.held, m) for m in MESSAGE_ENDS)
+            cut = len(self.held) - keep
+            into.append(self.held[:cut])
+            self.held = self.held[cut:]
+            return False
+        # between messages: the next one's header after <|start|> (anything else dropped)
+        at = self.held.find(MESSAGE_START)
+        if at < 0:
+            keep = 0 if finished else partial_marker(self.held, MESSAGE_START)
+            self.held = self.held[len(self.held) - keep :]
+            return False
+        self.held, self.phase = self.held[at + len(MESSAGE_START) :], "header"
+        return True
+
+
+REASONING_PARSERS: dict[str, Callable[[], ReasoningParser]] = {
     "deepseek_r1": lambda: ThinkTagParser(opened=True),
     "qwen3": lambda: ThinkTagParser(opened=False),
+    "gpt_oss": HarmonyParser,
 }
 
 
 def reasoning_parser(name: str) -> ReasoningParser:
     """The parser of `--reasoning-parser name`; ValueError naming the known ones."""
-    make = REASONING_PARSERS.get(name)
-    if make is None:
-        raise ValueError(
-            f"--reasoning-parser {name!r} is not one of {', '.join(sorted(REASONING_PARSERS))}"
-        )
-    return make()
+    return make_named(REASONING_PARSERS, name, "--reasoning-parser")

@@ -4,8 +4,9 @@ for: `instructions` as the system prompt, the earlier turns of `previous_respons
 parts, function calls and their outputs), function `tools` and `tool_choice` as chat's,
 `text.format` as the response format, `max_output_tokens` as max_tokens. The chat
 completions' own extras (vLLM's: seed, guided_regex...) are taken where a client sends
-them; fields pyengine does not use (metadata, reasoning's effort, truncation...) are
-accepted (metadata echoed back)."""
+them; `reasoning.effort` bounds a thinking model's reasoning where the server has a
+reasoning parser (the chat's reasoning_effort); fields pyengine does not use (metadata,
+truncation...) are accepted (metadata echoed back)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,15 @@ class ResponsesRequest(BaseModel):
     parallel_tool_calls: bool | None = None
     metadata: dict[str, Any] | None = None
     user: str | None = None
+    reasoning: dict[str, Any] | None = None
+
+    def effort(self) -> str | None:
+        """reasoning.effort (None where not given)."""
+        effort = (self.reasoning or {}).get("effort")
+        if effort is not None and effort not in ("minimal", "low", "medium", "high"):
+            raise APIError(f"reasoning.effort must be minimal, low, medium or high, got "
+                           f"{effort!r}", param="reasoning")  # fmt: skip
+        return effort
 
     def turn_messages(self) -> list[dict[str, Any]]:
         """This turn's input as chat messages."""

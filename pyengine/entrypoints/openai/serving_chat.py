@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jinja2
@@ -34,10 +34,42 @@ from pyengine.entrypoints.openai.serving import (
 from pyengine.entrypoints.openai.tool_calls import ToolCallStream, ToolChoice, finish_reason
 from pyengine.entrypoints.openai.tool_parsers import ToolParser
 from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import SamplingParams
 
 
 def _logprob_entry(token: str, logprob: float, raw: bytes) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(raw)}
+
+
+@dataclass(frozen=True)
+class DeltaPiece:
+    """One part of a streamed chat delta, as the APIs over the chat (Messages, Responses)
+    take them: reasoning or content text, a tool call's start (its index, id and name),
+    or its arguments' text."""
+
+    kind: str  # "reasoning", "content", "call" or "arguments"
+    text: str = ""
+    call_index: int = 0
+    call_id: str = ""
+    name: str = ""
+
+
+def delta_pieces(delta: dict[str, Any]) -> list[DeltaPiece]:
+    """A chat chunk's delta in the order its parts come: reasoning, content, then each
+    tool call's start (where its first delta names it) and arguments."""
+    pieces = []
+    if delta.get("reasoning_content"):
+        pieces.append(DeltaPiece("reasoning", delta["reasoning_content"]))
+    if delta.get("content"):
+        pieces.append(DeltaPiece("content", delta["content"]))
+    for call in delta.get("tool_calls") or []:
+        function = call.get("function") or {}
+        if call.get("id") is not None:
+            pieces.append(DeltaPiece("call", call_index=call.get("index", 0), call_id=call["id"],
+                                     name=function.get("name") or ""))  # fmt: skip
+        if function.get("arguments"):
+            pieces.append(DeltaPiece("arguments", function["arguments"]))
+    return pieces
 
 
 @dataclass(frozen=True)
@@ -60,6 +92,8 @@ class ChatServing(OpenAIServing):
     tool_parser: ToolParser | None = None
     # --reasoning-parser's: None, the whole text is the answer
     reasoning_parser: ReasoningParser | None = None
+    # --structured-outputs-in-reasoning: a structured output constrains the reasoning too
+    constrains_reasoning = False
 
     async def render(
         self,
@@ -121,13 +155,17 @@ class ChatServing(OpenAIServing):
             content.append(entry)
         return {"content": content}
 
-    async def tool_choice(self, request: ChatCompletionRequest) -> ToolChoice:
+    async def tool_choice(
+        self, request: ChatCompletionRequest, with_grammar: bool = True
+    ) -> ToolChoice:
         """The request's tools, checked; a forced call's grammar compiled (an APIError
-        naming `tools` where the backend does not take the functions' schemas)."""
+        naming `tools` where the backend does not take the functions' schemas), unless
+        the caller only renders the prompt (`with_grammar` False)."""
         tools = ToolChoice.of(
             request.tools, request.tool_choice, request.parallel_tool_calls, self.tool_parser
         )
-        await self.compile_grammar(tools.constraint(), "tools", "the parameters' schema")
+        if with_grammar:
+            await self.compile_grammar(tools.constraint(), "tools", "the parameters' schema")
         return tools
 
     async def create(
@@ -158,6 +196,40 @@ class ChatServing(OpenAIServing):
             **template_kwargs,
         )
 
+    def with_reasoning(
+        self, params: SamplingParams, request: ChatCompletionRequest, prompt: EncodedPrompt
+    ) -> SamplingParams:
+        """The params as the reasoning parser needs them: the special tokens its markers
+        are kept in the text; and where the prompt leaves the model reasoning, its end of
+        thinking for the engine, if a structured output must wait for the answer or the
+        reasoning has a budget. A budget needs the parser (which knows the end); a prompt
+        that closed the thinking (thinking off) has no budget to keep."""
+        parser, budget = self.reasoning_parser, request.thinking_budget()
+        keep = parser is not None and parser.needs_special_tokens
+        if keep and "skip_special_tokens" not in request.model_fields_set:
+            params = replace(params, skip_special_tokens=False)
+        if parser is None:
+            if budget is not None:
+                raise APIError(
+                    "a thinking budget (max_thinking_tokens, thinking_token_budget, "
+                    "reasoning_effort) needs a server started with --reasoning-parser",
+                    param="max_thinking_tokens",
+                )
+            return params
+        constrained = params.structured_outputs is not None
+        if constrained and self.constrains_reasoning:
+            if budget is not None:
+                raise APIError(
+                    "a thinking budget and a structured output that constrains the "
+                    "reasoning too (--structured-outputs-in-reasoning) do not go together",
+                    param="max_thinking_tokens",
+                )
+            return params
+        if (budget is None and not constrained) or not parser.thinks_after(prompt[0] or ""):
+            return params
+        end = self.tokenizer.encode(parser.end, add_special_tokens=False)
+        return replace(params, thinking_end_token_ids=end, max_thinking_tokens=budget)
+
     async def start_chat(self, request: ChatCompletionRequest) -> ChatRun:
         """The request checked, rendered and started in the engine."""
         model = self.check_model(request.model)
@@ -166,6 +238,7 @@ class ChatServing(OpenAIServing):
         if tools.constraint() is None:
             await self.compile_grammar(params.structured_outputs, request.constraint_param)
         prompt = await self.prompt_of(request, tools)
+        params = self.with_reasoning(params, request, prompt)
         request_id = random_id("chatcmpl")
         streams = await self.start(
             [prompt], params, request_id, "messages", self.adapter(request.model),
@@ -245,8 +318,14 @@ class ChatServing(OpenAIServing):
                 ]
             )
         completion_tokens, cached = 0, 0
+        # (the prompt's logprobs, asked for, go out once, beside the first delta)
+        prompt_extra: dict[str, Any] | None = None
         async for _, out in merge(streams):
             cached = out.num_cached_tokens
+            if request.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                prompt_extra = {
+                    "prompt_logprobs": prompt_logprobs_json(prompt[1], out.prompt_logprobs)
+                }
             for d in out.outputs:
                 completion_tokens += len(d.token_ids)
                 logprobs = None
@@ -275,6 +354,7 @@ class ChatServing(OpenAIServing):
                         "finish_reason": reason if last else None,
                         "stop_reason": d.stop_reason if last else None,
                     }
-                    yield chunk([choice])
+                    yield chunk([choice], **(prompt_extra or {}))
+                    prompt_extra = None
         if request.include_usage:
             yield chunk([], usage=usage(len(prompt[1]), completion_tokens, cached))

@@ -1,11 +1,12 @@
 """POST /v1/completions: text or token-id prompts (one or many), whole or streamed; or,
-with use_beam_search, each prompt's n best beams (whole)."""
+with use_beam_search, each prompt's n best beams. Streamed, best_of's ranked samples
+and the beams come at the end, a chunk each."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from typing import Any, cast
 
 from pyengine.engine.async_engine import RequestStream
@@ -25,6 +26,7 @@ from pyengine.entrypoints.openai.serving import (
     usage,
 )
 from pyengine.outputs import PositionLogprobs
+from pyengine.sampling_params import SamplingParams
 
 
 class CompletionLogprobs:
@@ -105,28 +107,64 @@ class CompletionServing(OpenAIServing):
             prompts, params, request_id, lora_request=self.adapter(request.model),
             priority=request.priority, cache_salt=request.cache_salt,
         )  # fmt: skip
-        if request.stream:
+        if request.stream and params.n == request.n:
             return self._stream(request, model, request_id, prompts, streams), streams
-        results = await self.collect(prompts, streams, params.n)
-        if params.n > request.n:  # (best_of: each prompt's n most likely samples)
+        whole = self._whole(request, model, request_id, prompts, streams, params.n)
+        if request.stream:  # (best_of: the best are known at the end)
+            return _streamed_whole(request, whole), streams
+        return await whole
+
+    async def _whole(
+        self,
+        request: CompletionRequest,
+        model: str,
+        request_id: str,
+        prompts: list[EncodedPrompt],
+        streams: list[RequestStream],
+        samples: int,
+    ) -> dict[str, Any]:
+        """The text_completion object once the requests end; of `samples` samples a
+        prompt (best_of), its n most likely."""
+        results = await self.collect(prompts, streams, samples)
+        if samples > request.n:  # (best_of: each prompt's n most likely samples)
             for result in results:
                 result.choices = sorted(result.choices, key=_summed_logprob, reverse=True)
                 del result.choices[request.n :]
         # (off the event loop: long answers' logprobs take a while)
         return await asyncio.to_thread(self._response, request, model, request_id, results)
 
-    async def _beam_search(self, request: CompletionRequest, model: str) -> dict[str, Any]:
+    async def _beam_search(
+        self, request: CompletionRequest, model: str
+    ) -> dict[str, Any] | tuple[AsyncIterator[str], list[RequestStream]]:
         """Each prompt's n best beams as its choices: the search's steps run through the
-        engine as requests of one token each (the beams' prefixes from its cache)."""
-        for name in ("stream", "echo", "logprobs", "suffix"):
+        engine as requests of one token each (the beams' prefixes from its cache). A
+        stream sends them at the end, each choice in a chunk (as vLLM's)."""
+        for name in ("echo", "logprobs", "suffix"):
             if getattr(request, name):
                 raise APIError(f"use_beam_search does not take {name}", param=name)
         try:
             params = BeamSearchParams(request.n, request.max_tokens or 16, request.ignore_eos,
                                       request.length_penalty)  # fmt: skip
         except ValueError as error:
-            raise APIError(str(error).removeprefix("BeamSearchParams."), param="n") from None
+            message = str(error).removeprefix("BeamSearchParams.")
+            field = message.partition(" ")[0]  # (the request's name of the faulty field)
+            param = {"beam_width": "n"}.get(field, field)
+            raise APIError(message.replace("beam_width", "n", 1), param=param) from None
         prompts = await asyncio.to_thread(self.prompts, request)
+        for prompt in prompts:  # (refused now, not in a stream)
+            self.check_length(prompt, SamplingParams(max_tokens=params.max_tokens), "prompt")
+        beams = self._beams(request, model, params, prompts)
+        if request.stream:
+            return _streamed_whole(request, beams), []  # (its steps' streams close with it)
+        return await beams
+
+    async def _beams(
+        self,
+        request: CompletionRequest,
+        model: str,
+        params: BeamSearchParams,
+        prompts: list[EncodedPrompt],
+    ) -> dict[str, Any]:
         eos = (self.engine.model_config.eos_token_ids or (None,))[0]
         search, request_id = BeamSearch([ids for _, ids in prompts], params, eos), random_id("cmpl")
         while not search.done:
@@ -198,11 +236,15 @@ class CompletionServing(OpenAIServing):
         n = request.n
         created = int(time.time())
         echoed: set[int] = set()
+        prompt_sent: set[int] = set()
         offsets: dict[int, int] = {}  # text_offset of each choice's next token
         completion_tokens = 0
         cached: dict[int, int] = {}  # by prompt
+        prompt_positions: dict[int, list[PositionLogprobs | None]] = {}  # by prompt
         async for i, delta in merge(streams):
             cached[i] = delta.num_cached_tokens
+            if delta.prompt_logprobs is not None:  # (the prompt's first delta has them)
+                prompt_positions[i] = delta.prompt_logprobs
             for d in delta.outputs:
                 index = i * n + d.index
                 text = d.text
@@ -225,9 +267,29 @@ class CompletionServing(OpenAIServing):
                     "finish_reason": d.finish_reason,
                     "stop_reason": d.stop_reason,
                 }
+                if request.prompt_logprobs is not None and index not in prompt_sent:
+                    prompt_sent.add(index)  # (in each choice's first chunk, as whole)
+                    choice["prompt_logprobs"] = prompt_logprobs_json(
+                        prompts[i][1], prompt_positions.get(i)
+                    )
                 yield sse(envelope(request_id, "text_completion", created, model, [choice]))
         if request.include_usage:
             prompt_tokens = sum(len(ids) for _, ids in prompts)
             total = usage(prompt_tokens, completion_tokens, sum(cached.values()))
             yield sse(envelope(request_id, "text_completion", created, model, [], usage=total))
         yield SSE_DONE
+
+
+async def _streamed_whole(
+    request: CompletionRequest, whole: Coroutine[Any, Any, dict[str, Any]]
+) -> AsyncIterator[str]:
+    """A completion known only at its end (best_of's ranking, beam search) as a stream:
+    each choice in a chunk, then the usage where asked for."""
+    response = await whole
+    for choice in response["choices"]:
+        yield sse(envelope(response["id"], "text_completion", response["created"],
+                           response["model"], [choice]))  # fmt: skip
+    if request.include_usage:
+        yield sse(envelope(response["id"], "text_completion", response["created"],
+                           response["model"], [], usage=response["usage"]))  # fmt: skip
+    yield SSE_DONE

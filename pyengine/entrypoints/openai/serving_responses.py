@@ -24,7 +24,7 @@ from typing import Any
 from pyengine.engine.async_engine import EngineDeadError, RequestStream
 from pyengine.entrypoints.openai.errors import APIError
 from pyengine.entrypoints.openai.responses_protocol import ResponsesRequest
-from pyengine.entrypoints.openai.serving_chat import ChatRun, ChatServing
+from pyengine.entrypoints.openai.serving_chat import ChatRun, ChatServing, delta_pieces
 from pyengine.executor import ExecutorDeadError
 
 logger = logging.getLogger("pyengine")
@@ -139,6 +139,9 @@ class ResponsesServing:
         chat = request.to_chat(history)
         if cache_salt is not None:
             chat = chat.model_copy(update={"cache_salt": cache_salt})
+        effort = request.effort()
+        if effort is not None and self.chat.reasoning_parser is not None:
+            chat = chat.model_copy(update={"reasoning_effort": effort})
         run = await self.chat.start_chat(chat)
         conversation = [*history, *request.turn_messages()]
         if request.stream:
@@ -249,22 +252,18 @@ class StreamedItems:
 
     def feed(self, delta: dict[str, Any]) -> list[str]:
         out: list[str] = []
-        if delta.get("reasoning_content"):
-            out += self._into("reasoning", lambda: self.output.reasoning(""))
-            out.append(self._delta("response.reasoning_text.delta", delta["reasoning_content"]))
-        if delta.get("content"):
-            out += self._into("message", lambda: self.output.message(""))
-            out.append(self._delta("response.output_text.delta", delta["content"]))
-        for call in delta.get("tool_calls") or []:
-            function = call.get("function") or {}
-            if call.get("id") is not None:  # (a call's first delta names it)
-                make = functools.partial(
-                    self.output.call, call["id"], function.get("name") or "", ""
-                )
-                out += self._into(f"call:{call.get('index', 0)}", make)
-            if function.get("arguments"):
-                out.append(self._delta("response.function_call_arguments.delta",
-                                       function["arguments"]))  # fmt: skip
+        for piece in delta_pieces(delta):
+            if piece.kind == "reasoning":
+                out += self._into("reasoning", lambda: self.output.reasoning(""))
+                out.append(self._delta("response.reasoning_text.delta", piece.text))
+            elif piece.kind == "content":
+                out += self._into("message", lambda: self.output.message(""))
+                out.append(self._delta("response.output_text.delta", piece.text))
+            elif piece.kind == "call":
+                make = functools.partial(self.output.call, piece.call_id, piece.name, "")
+                out += self._into(f"call:{piece.call_index}", make)
+            else:
+                out.append(self._delta("response.function_call_arguments.delta", piece.text))
         return out
 
     def close(self) -> list[str]:

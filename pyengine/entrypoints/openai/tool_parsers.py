@@ -29,6 +29,7 @@ from pyengine.entrypoints.openai.content_scanners import (
     MarkerScanner,
     WholeAnswerScanner,
 )
+from pyengine.utils.registry import make_named
 
 
 @dataclass(frozen=True)
@@ -195,9 +196,4 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 def tool_parser(name: str) -> ToolParser:
     """The parser of `--tool-call-parser name`; ValueError naming the known ones."""
-    parser = TOOL_PARSERS.get(name)
-    if parser is None:
-        raise ValueError(
-            f"--tool-call-parser {name!r} is not one of {', '.join(sorted(TOOL_PARSERS))}"
-        )
-    return parser()
+    return make_named(TOOL_PARSERS, name, "--tool-call-parser")
