@@ -9,7 +9,7 @@ import json
 import os
 import threading
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -200,16 +200,33 @@ class OpenAIServing:
         self.check_fan_out(len(prompts), params.n)
         lengths = [len(ids) for _, ids in prompts]
         self.limits.check(params, lengths, self.engine.config.max_model_len)
-        admitted = self.waiting.admit(lengths, params.n)
+
+        def add(i: int) -> Awaitable[RequestStream]:
+            text, token_ids = prompts[i]
+            rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+            return self.engine.add_request(
+                rid, token_ids, params, text, lora_request, priority, cache_salt
+            )
+
+        return await self.queue_all(lengths, params.n, add, ("priority", "cache_salt"))
+
+    async def queue_all(
+        self,
+        lengths: list[int],
+        n: int,
+        add: Callable[[int], Awaitable[RequestStream]],
+        params: tuple[str, ...],
+        default_param: str | None = None,
+    ) -> list[RequestStream]:
+        """Admits prompts of these lengths (n samples each) and queues each (`add(i)`:
+        its stream, which releases its admission as it starts and ends). If one is
+        refused, none stays queued: a ValueError is a 400 naming the first of `params`
+        its message names (else default_param)."""
+        admitted = self.waiting.admit(lengths, n)
         streams: list[RequestStream] = []
         try:
-            for i, (text, token_ids) in enumerate(prompts):
-                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(
-                    await self.engine.add_request(
-                        rid, token_ids, params, text, lora_request, priority, cache_salt
-                    )
-                )
+            for i in range(len(lengths)):
+                streams.append(await add(i))
                 streams[-1].on_start, streams[-1].on_end = admitted[i].started, admitted[i].ended
         except BaseException as error:
             for each in admitted:
@@ -218,7 +235,7 @@ class OpenAIServing:
             if not isinstance(error, ValueError):
                 raise
             message = str(error)
-            param = next((p for p in ("priority", "cache_salt") if message.startswith(p)), None)
+            param = next((p for p in params if p in message), default_param)
             raise APIError(message, param=param) from None
         return streams
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 import numpy as np
@@ -142,27 +143,20 @@ class PoolingServing(OpenAIServing):
         self, inputs: list[PoolingInput], params: PoolingParams, priority: int, prefix: str
     ) -> list[PoolingRequestOutput]:
         """Runs the inputs as pooling requests; their outputs in order."""
-        lengths = [len(ids) for _, ids, _ in inputs]
-        admitted = self.waiting.admit(lengths)
         request_id = random_id(prefix)
-        streams: list[RequestStream] = []
+
+        def add(i: int) -> Awaitable[RequestStream]:
+            text, ids, types = inputs[i]
+            return self.engine.add_pooling_request(
+                f"{request_id}-{i}", ids, params, text, types, priority
+            )
+
+        lengths = [len(ids) for _, ids, _ in inputs]
+        streams = await self.queue_all(lengths, 1, add, ("dimensions", "priority"), "input")
         try:
-            for i, (text, ids, types) in enumerate(inputs):
-                streams.append(await self.engine.add_pooling_request(
-                    f"{request_id}-{i}", ids, params, text, types, priority
-                ))  # fmt: skip
-                streams[-1].on_start, streams[-1].on_end = admitted[i].started, admitted[i].ended
-            outputs = await asyncio.gather(*(_only_output(s) for s in streams))
-        except BaseException as error:
-            for each in admitted:
-                each.ended()
+            return list(await asyncio.gather(*(_only_output(s) for s in streams)))
+        finally:  # (a client gone, or an output missing: the others are aborted)
             close_all(streams)
-            if not isinstance(error, ValueError):
-                raise
-            message = str(error)
-            param = next((p for p in ("dimensions", "priority") if p in message), "input")
-            raise APIError(message, param=param) from None
-        return outputs
 
 
 async def _only_output(stream: RequestStream) -> PoolingRequestOutput:
