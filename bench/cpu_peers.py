@@ -134,16 +134,23 @@ def offline(
         "dtype": dtype, "max_model_len": args.max_model_len, "kv_cache_gib": args.kv_cache_gib,
         "prompts": prompts, "output_len": args.output_len, "rounds": args.rounds,
     }  # fmt: skip
+    return peer_figures(python, PEER_SCRIPT, job, env or {}, f"{engine} on {model.name}")
+
+
+def peer_figures(
+    python: str, script: Path, job: dict[str, Any], env: dict[str, str], what: str
+) -> dict[str, Any]:
+    """The JSON object a peer script prints last, run in `python` on `job` (its stdin),
+    from outside the checkout (whose pyengine/ has no _C), with more variables `env`."""
     done = subprocess.run(
-        [python, str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
-        cwd=tempfile.gettempdir(), timeout=3600,  # (not the checkout: its pyengine/ has no _C)
-        env={**os.environ, **(env or {})},
+        [python, str(script)], input=json.dumps(job), capture_output=True, text=True,
+        cwd=tempfile.gettempdir(), timeout=3600, env={**os.environ, **env},
     )  # fmt: skip
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             result: dict[str, Any] = json.loads(line)
             return result
-    raise RuntimeError(f"{engine} on {model.name} failed:\n{done.stderr[-3000:]}")
+    raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
 
 
 def transformers_offline(model: Model, prompts: list[list[int]],

@@ -22,10 +22,6 @@ time / pyengine time.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,6 +31,7 @@ import torch
 
 from .checkpoints import default_model_folders
 from .common import print_table, report
+from .cpu_peers import peer_figures
 from .shape_checkpoints import VOCAB
 from .variant_checkpoints import variant_folder
 
@@ -79,16 +76,8 @@ def engine_run(python: str, engine: str, folder: Path, name: str, prompts: list[
         "engine": engine, "model": str(folder), "dtype": "auto", "max_model_len": MAX_MODEL_LEN,
         "pooling_type": MODELS[name]["pooling"], "prompts": prompts, "rounds": args.rounds,
     }  # fmt: skip
-    done = subprocess.run(
-        [python, str(PEER_SCRIPT)], input=json.dumps(job), capture_output=True, text=True,
-        cwd=tempfile.gettempdir(), timeout=3600,  # (not the checkout: its pyengine/ has no _C)
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2"},
-    )  # fmt: skip
-    for line in reversed(done.stdout.splitlines()):
-        if line.startswith("{"):
-            result: dict[str, Any] = json.loads(line)
-            return result
-    raise RuntimeError(f"{engine} on {name} failed:\n{done.stderr[-3000:]}")
+    env = {"VLLM_CPU_KVCACHE_SPACE": "2"}
+    return peer_figures(python, PEER_SCRIPT, job, env, f"{engine} on {name}")
 
 
 def transformers_run(
