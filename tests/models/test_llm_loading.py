@@ -52,9 +52,9 @@ def test_bad_models_are_clear_errors(tmp_path: Path) -> None:
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="load_format must be one of"):
         LLM(str(tmp_path), load_format="pickle")
-    config = dict(TINY_QWEN2, architectures=["BertModel"])
+    config = dict(TINY_QWEN2, architectures=["T5Model"])
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="architecture BertModel is not supported"):
+    with pytest.raises(ValueError, match="architecture T5Model is not supported"):
         LLM(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(TINY_QWEN2))
     with pytest.raises(FileNotFoundError, match="no .safetensors weights"):
