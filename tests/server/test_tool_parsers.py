@@ -74,6 +74,43 @@ def test_calls_have_ids_and_openais_shape() -> None:
 
 
 def test_an_unknown_parser_is_named() -> None:
-    with pytest.raises(ValueError, match="not one of hermes, llama3_json, pythonic"):
+    with pytest.raises(ValueError, match="not one of hermes, llama3_json, openai, pythonic"):
         tool_parser("mistral")
-    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "pythonic"]
+    assert sorted(TOOL_PARSERS) == ["hermes", "llama3_json", "openai", "pythonic"]
+
+
+HARMONY_CALLS = (
+    "<|channel|>analysis<|message|>The user wants Paris's weather and the time.<|end|>"
+    "<|start|>assistant<|channel|>commentary<|message|>Checking both.<|end|>"
+    "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+    '<|message|>{"city": "Paris"}<|call|>'
+    "<|start|>assistant to=functions.now<|channel|>commentary json<|message|>{}<|call|>"
+)
+
+
+def test_gpt_oss_calls_through_the_harmony_reasoning_parser() -> None:
+    """--reasoning-parser gpt_oss takes the analysis apart and leaves each message to a
+    function in the content, whole or streamed in random pieces; --tool-call-parser
+    openai reads the calls from it, the preamble before them the content."""
+    import random
+
+    from pyengine.entrypoints.openai.reasoning_parsers import reasoning_parser
+
+    whole = reasoning_parser("gpt_oss").split(HARMONY_CALLS)
+    assert whole.reasoning == "The user wants Paris's weather and the time."
+    rng = random.Random()
+    for _ in range(30):
+        stream, cuts = reasoning_parser("gpt_oss").stream(), sorted(
+            rng.randint(0, len(HARMONY_CALLS)) for _ in range(8))  # fmt: skip
+        pieces = [HARMONY_CALLS[a:b] for a, b in zip([0, *cuts], [*cuts, len(HARMONY_CALLS)],
+                                                     strict=True)]  # fmt: skip
+        sent = [stream.feed(p, k == len(pieces) - 1) for k, p in enumerate(pieces)]
+        assert "".join(s.content or "" for s in sent) == whole.content
+    parsed = tool_parser("openai").parse(whole.content or "")
+    assert parsed.content == "Checking both."
+    assert calls(whole.content or "", "openai") == [("get_weather", {"city": "Paris"}),
+                                                    ("now", {})]  # fmt: skip
+    # A call cut off in its arguments is no call: the text stays the content.
+    cut = whole.content[: whole.content.index('"Paris"')] if whole.content else ""
+    assert tool_parser("openai").parse(cut).tool_calls == []
+    assert tool_parser("openai").parse("The weather is fine.").content == "The weather is fine."

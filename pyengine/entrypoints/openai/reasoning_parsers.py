@@ -12,9 +12,11 @@ from the answer only).
 - `gpt_oss` (OpenAI's harmony format): the answer is messages, each a header
   (`<|channel|>analysis`, `final`, `commentary`...) then `<|message|>` and its text to
   `<|end|>`, `<|return|>` or `<|call|>`, the next one after `<|start|>assistant`. The
-  analysis channel is the reasoning, the others the content. Its markers are special
-  tokens, which the server keeps in the text for it; an answer without them is all
-  content.
+  analysis channel is the reasoning, the others the content; a message to a function
+  (`to=functions.name` in its header) stays in the content as
+  `<|channel|>commentary to=functions.name<|message|>{...}<|call|>`, which the `openai`
+  tool parser reads. Its markers are special tokens, which the server keeps in the text
+  for it; an answer without them is all content.
 
 A parser splits a whole answer (`split`) and follows a streamed one (`stream`): each
 piece is looked at once, and what the stream sends adds up to the whole answer's split.
@@ -131,6 +133,8 @@ class ThinkTagStream:
 
 CHANNEL, MESSAGE, MESSAGE_START = "<|channel|>", "<|message|>", "<|start|>"
 MESSAGE_ENDS = ("<|end|>", "<|return|>", "<|call|>")
+# A message to a function, as the content carries it for the `openai` tool parser
+CALL_OPEN, CALL_END = "<|channel|>commentary to=", "<|call|>"
 
 
 class HarmonyParser:
@@ -159,6 +163,7 @@ class HarmonyStream:
         self.phase = "opening"  # then "header", "body", "between"; or "plain"
         self.held = ""
         self.reasoning = False  # (the open message's channel is analysis)
+        self.call = False  # (the open message is to a function: its end goes out too)
 
     def feed(self, piece: str, finished: bool) -> Reasoned:
         self.held += piece
@@ -191,13 +196,17 @@ class HarmonyStream:
             header, self.held = self.held[:at], self.held[at + len(MESSAGE) :]
             channel = header.partition(CHANNEL)[2].split(" ")[0] if CHANNEL in header else ""
             self.reasoning, self.phase = channel == "analysis", "body"
+            recipient = header.partition(" to=")[2].split(" ")[0].split("<|")[0]
+            self.call = recipient.startswith("functions.") and not self.reasoning
+            if self.call:
+                content.append(f"{CALL_OPEN}{recipient}{MESSAGE}")
             return True
         if self.phase == "body":
             into = reasoning if self.reasoning else content
             ends = [(self.held.find(m), m) for m in MESSAGE_ENDS if m in self.held]
             if ends:
                 at, marker = min(ends)
-                into.append(self.held[:at])
+                into.append(self.held[:at] + (CALL_END if self.call else ""))
                 self.held, self.phase = self.held[at + len(marker) :], "between"
                 return True
             keep = 0 if finished else max(partial_marker(self.held, m) for m in MESSAGE_ENDS)

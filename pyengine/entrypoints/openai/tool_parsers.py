@@ -6,7 +6,9 @@ formats the chat templates of today's open models teach them.
 - `llama3_json` (Llama 3.1 and later): the whole answer a JSON object `{"name": ...,
   "parameters": {...}}`, or several separated by `;`, after an optional `<|python_tag|>`;
 - `pythonic` (Llama 3.2 and 4's pythonic templates): the whole answer a Python list of
-  calls, `[get_weather(city="Paris"), now()]`, literals as arguments.
+  calls, `[get_weather(city="Paris"), now()]`, literals as arguments;
+- `openai` (gpt-oss's harmony messages, with `--reasoning-parser gpt_oss`): each message
+  to `functions.name` a call, its message the arguments' JSON.
 
 A parser that finds no call leaves the text as the content; a call that does not parse
 (truncated JSON, a non-literal argument) leaves the text as it is too, never a partial
@@ -29,6 +31,7 @@ from pyengine.entrypoints.openai.content_scanners import (
     MarkerScanner,
     WholeAnswerScanner,
 )
+from pyengine.entrypoints.openai.reasoning_parsers import CALL_END, CALL_OPEN
 from pyengine.utils.registry import make_named
 
 
@@ -94,7 +97,7 @@ class HermesToolParser:
         if start < 0:
             return _unparsed(text)
         calls = []
-        for body in self.blocks(text, start):
+        for body in _blocks(text, start, self.START, self.END):
             try:
                 payload = json.loads(body)
             except NOT_JSON:
@@ -107,18 +110,43 @@ class HermesToolParser:
         content = text[:start]  # (as streamed: up to the first block)
         return ParsedMessage(content if content.strip() else None, calls)
 
-    def blocks(self, text: str, at: int) -> Iterator[str]:
-        """Each block's body from `at` on, stripped (the last may be unclosed). Found by
-        plain searches, in linear time: a regular expression's backtracking over the
-        model's whitespace was quadratic in it."""
-        while (start := text.find(self.START, at)) >= 0:
-            body_from = start + len(self.START)
-            end = text.find(self.END, body_from)
-            if end < 0:
-                yield text[body_from:].strip()
-                return
-            yield text[body_from:end].strip()
-            at = end + len(self.END)
+
+def _blocks(text: str, at: int, opening: str, closing: str) -> Iterator[str]:
+    """Each block's body from `at` on, stripped (the last may be unclosed). Found by plain
+    searches, in linear time: a regular expression's backtracking over the model's
+    whitespace was quadratic in it."""
+    while (start := text.find(opening, at)) >= 0:
+        body_from = start + len(opening)
+        end = text.find(closing, body_from)
+        if end < 0:
+            yield text[body_from:].strip()
+            return
+        yield text[body_from:end].strip()
+        at = end + len(closing)
+
+
+class HarmonyToolParser:
+    """gpt-oss's calls, with `--reasoning-parser gpt_oss`: it leaves each message to a
+    function in the content as `<|channel|>commentary to=functions.name<|message|>{...}
+    <|call|>` (any text before the first is the content)."""
+
+    def content_scanner(self) -> ContentScanner:
+        return MarkerScanner(CALL_OPEN)
+
+    def parse(self, text: str) -> ParsedMessage:
+        start = text.find(CALL_OPEN)
+        if start < 0:
+            return _unparsed(text)
+        calls = []
+        for body in _blocks(text, start, CALL_OPEN, CALL_END):
+            recipient, found, arguments = body.partition("<|message|>")
+            name = recipient.strip().removeprefix("functions.")
+            call = _call(name, arguments.strip() or "{}") if found else None
+            if call is None:
+                return _unparsed(text)
+            calls.append(call)
+        content = text[:start]
+        return ParsedMessage(content if content.strip() else None, calls)
 
 
 class Llama3JsonToolParser:
@@ -191,6 +219,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
     "hermes": HermesToolParser,
     "llama3_json": Llama3JsonToolParser,
     "pythonic": PythonicToolParser,
+    "openai": HarmonyToolParser,
 }
 
 
