@@ -20,9 +20,10 @@ POOLING_TASKS = ("embed", "classify", "score")
 class PoolingParams:
     """`dimensions`: an embedding's first this many numbers (a Matryoshka model's smaller
     embedding), normalised after the cut; `normalize`: an embedding scaled to unit
-    length (None: yes); `activation`: a classifier's softmax, or a score's sigmoid
-    (None: yes); `truncate_prompt_tokens`: only the prompt's first this many tokens
-    (an encoder's texts are cut at their end, as sentence-transformers cuts them)."""
+    length (None: the model's pooler_config, yes unless it says otherwise);
+    `activation`: a classifier's softmax, or a score's sigmoid (None: yes);
+    `truncate_prompt_tokens`: only the prompt's first this many tokens (an encoder's
+    texts are cut at their end, as sentence-transformers cuts them)."""
 
     task: str | None = None  # None: "embed", or what LLM.classify / LLM.score ask
     dimensions: int | None = None

@@ -82,8 +82,9 @@ class EngineCore:
         vocab_size: int = 0,
     ) -> None:
         self.config = config
-        self._mask_words = -(-vocab_size // 32)  # (a forced token's bitmask)
         self.grammars = grammars  # structured outputs' matchers
+        # A forced token's bitmask: as wide as the grammars' (a step stacks both kinds)
+        self._mask_words = grammars.mask_words if grammars else -(-vocab_size // 32)
         self.lora = config.lora is not None
         self.speculative = config.speculative
         # The speculative method, chosen once: where the step's drafts come from.
@@ -180,7 +181,9 @@ class EngineCore:
             # draws give (accept_drafts): every request speculates (a constrained
             # request's rows after drafts are checked or masked from its matcher after
             # them).
-            speculate=self.proposer is not None,
+            # (a thinking row's budget and its grammar's waking follow its tokens one step
+            # row at a time: no drafts for it)
+            speculate=self.proposer is not None and not params.thinking_end_token_ids,
         )
         for k, row_id in enumerate(row_ids):
             seed = None if params.seed is None else (params.seed * 1_000_003 + k) % 2**63
@@ -524,7 +527,7 @@ class EngineCore:
         request = row.request
         under_min = len(row.output_token_ids) + num_drafts_before < request.params.min_tokens
         forced = None  # (a spent thinking budget's next token)
-        if row.thinking is not None and not num_drafts_before:
+        if row.thinking is not None:
             forced = row.thinking.forced_mask(self._mask_words)
         return SamplingRow(
             request.params,

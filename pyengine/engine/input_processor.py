@@ -144,13 +144,7 @@ class InputProcessor:
         if params.bad_words:
             params.bad_words_token_ids = [*(params.bad_words_token_ids or []),
                                           *self._word_token_ids(params.bad_words)]  # fmt: skip
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and self.config.scheduling_policy != "priority":
-            raise ValueError(
-                f"priority {priority} needs scheduling_policy 'priority' (the engine "
-                f"schedules {self.config.scheduling_policy!r})"
-            )
+        self._check_priority(priority)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         if cache_salt is not None and not cache_salt.isascii():
@@ -213,7 +207,10 @@ class InputProcessor:
         if not isinstance(params, PoolingParams):
             raise ValueError(f"request {request_id!r}: {params!r:.40} is not a PoolingParams")
         params = replace(params)  # (checked again)
+        self._check_priority(priority)
         task = task_of(params, pooler)
+        if task != "embed" and params.dimensions is not None:
+            raise ValueError(f"dimensions applies to embeddings, not to task {task!r}")
         hidden = self.model_config.hidden_size
         if task == "embed" and params.dimensions is not None and params.dimensions > hidden:
             raise ValueError(
@@ -265,6 +262,15 @@ class InputProcessor:
             return self.tokenizer.encode_pair(first, second)
         except ValueError as error:
             raise ValueError(f"text pair: {error}") from None
+
+    def _check_priority(self, priority: object) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {priority} needs scheduling_policy 'priority' (the engine "
+                f"schedules {self.config.scheduling_policy!r})"
+            )
 
     def _word_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens, at the text's start and after a space (where the

@@ -44,7 +44,7 @@ class Thinking:
         if index is None:
             return None
         token = self.end[index]
-        mask = np.zeros(mask_words, dtype=np.uint32)
+        mask = np.zeros(max(mask_words, token // 32 + 1), dtype=np.uint32)
         mask[token // 32] = np.uint32(1) << np.uint32(token % 32)
         return mask.view(np.int32)
 

@@ -61,3 +61,16 @@ def test_a_thinking_budget_forces_the_end(llm: LLM, budget: int) -> None:
 def test_a_budget_needs_the_end_it_forces() -> None:
     with pytest.raises(ValueError, match="max_thinking_tokens must be an integer >= 0 with"):
         SamplingParams(max_thinking_tokens=4)
+
+
+def test_a_thinking_row_does_not_speculate(llm: LLM) -> None:
+    """Under speculative decoding the budget and the grammar's waking still hold: a
+    thinking row takes no drafts (its tokens those of no speculation)."""
+    end = llm.get_tokenizer().encode(" Final answer:", add_special_tokens=False)
+    fields = dict(thinking_end_token_ids=end, max_thinking_tokens=4,
+                  structured_outputs=StructuredOutputsParams(regex=ANSWER))  # fmt: skip
+    drafted = default_llm(
+        max_model_len=512, dtype="float32",
+        speculative_config={"method": "ngram", "num_speculative_tokens": 3},
+    )  # fmt: skip
+    assert run(drafted, **fields) == run(llm, **fields)

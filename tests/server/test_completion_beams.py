@@ -58,10 +58,13 @@ def test_what_a_beam_search_cannot_take_is_named(server: Server, field: dict[str
         )  # fmt: skip
 
 
-@pytest.mark.parametrize(("field", "value"), [("n", 0), ("length_penalty", float("nan"))])
+@pytest.mark.parametrize(
+    ("field", "value"), [("n", 0), ("length_penalty", float("nan")), ("priority", 1)]
+)
 def test_a_bad_beam_parameter_is_named(server: Server, field: str, value: float) -> None:
+    """(streamed too: the first step is queued before the stream begins)"""
     body = {"model": DEFAULT_MODEL, "prompt": PROMPTS[0], "n": 2, "max_tokens": 4,
-            "use_beam_search": True, field: value}  # fmt: skip
+            "use_beam_search": True, "stream": True, field: value}  # fmt: skip
     status, answer = server.request("POST", "/v1/completions", json.dumps(body))
     assert status == 400, answer
     assert answer["error"]["param"] == field

@@ -107,6 +107,7 @@ def test_a_cross_encoder_scores_and_reranks_pairs(cross_encoder) -> None:  # typ
         ("/v1/embeddings", {"input": [[7] * 65]}, "input", "max_model_len is 64"),
         ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_2", "as many"),
         ("/v1/rerank", {"query": "w1", "documents": []}, "documents", "at least one"),
+        ("/v1/embeddings", {"input": "w1", "priority": 3}, "priority", "scheduling_policy"),
     ],
 )
 def test_bad_pooling_requests_are_400s(embedder, path, body, param, message) -> None:  # type: ignore[no-untyped-def]

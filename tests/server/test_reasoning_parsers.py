@@ -95,6 +95,15 @@ HARMONY = [
 ]  # fmt: skip
 
 
+def test_a_prompt_that_closed_its_thinking_is_not_thinking() -> None:
+    parser = reasoning_parser("qwen3")
+    assert parser.thinks_after("<|im_start|>assistant\n")
+    assert not parser.thinks_after("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # (an earlier turn's reasoning, closed, does not end the prompt)
+    assert parser.thinks_after("<think>x</think>Paris.<|im_end|>\n<|im_start|>assistant\n")
+    assert reasoning_parser("deepseek_r1").thinks_after("<|Assistant|><think>\n")
+
+
 def test_harmony_messages_split_whole_and_streamed() -> None:
     rng = random.Random()
     for text, want in HARMONY:

@@ -27,7 +27,7 @@ class EmbeddingRequest(_PoolingRequest):
     input: str | list[str] | list[int] | list[list[int]]
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
-    normalize: bool | None = None  # (vLLM's extra: True unless said)
+    normalize: bool | None = None  # (vLLM's extra; None: the server's pooler_config, yes)
 
 
 class ScoreRequest(_PoolingRequest):

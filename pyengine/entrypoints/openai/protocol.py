@@ -374,20 +374,22 @@ class ChatCompletionRequest(_SamplingRequest):
     max_thinking_tokens: int | None = None
     thinking_token_budget: int | None = None
 
-    def thinking_budget(self) -> int | None:
-        """The most reasoning tokens the request allows (None: no bound): its count, or
-        its effort's (vLLM's budgets: low 1024, medium 2048, high 8192; minimal 0)."""
+    def thinking_budget(self) -> tuple[int | None, str]:
+        """The most reasoning tokens the request allows (None: no bound), and the field
+        that says so: its count, or its effort's (vLLM's budgets: low 1024, medium 2048,
+        high 8192; minimal 0)."""
         given = [n for n in ("max_thinking_tokens", "thinking_token_budget")
                  if getattr(self, n) is not None]  # fmt: skip
         if len(given) > 1:
             raise APIError("give one of max_thinking_tokens and thinking_token_budget",
                            param="max_thinking_tokens")  # fmt: skip
         if not given:
-            return None if self.reasoning_effort is None else EFFORT_BUDGETS[self.reasoning_effort]
+            effort = self.reasoning_effort
+            return (None if effort is None else EFFORT_BUDGETS[effort]), "reasoning_effort"
         budget = getattr(self, given[0])
         if budget < 0:
             raise APIError(f"{given[0]} must be at least 0, got {budget}", param=given[0])
-        return int(budget)
+        return int(budget), given[0]
 
     def to_sampling_params(self, tools: ToolChoice) -> SamplingParams:
         if not self.messages:

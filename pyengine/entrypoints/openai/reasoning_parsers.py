@@ -61,7 +61,7 @@ class ReasoningParser(Protocol):
 
     def thinks_after(self, prompt: str) -> bool:
         """Whether the model, given this prompt, reasons before it answers: not where the
-        prompt closed its thinking (a template's empty block, thinking turned off)."""
+        prompt ends by closing its thinking (a template's empty block, thinking off)."""
         ...
 
 
@@ -82,8 +82,8 @@ class ThinkTagParser:
         self.opened = opened
 
     def thinks_after(self, prompt: str) -> bool:
-        start = prompt.rfind(START)
-        return start < 0 or END not in prompt[start:]
+        # (only its end: earlier turns may hold their reasoning, closed)
+        return not prompt.rstrip().endswith(END)
 
     def split(self, text: str) -> Reasoned:
         body = text.lstrip()

@@ -274,10 +274,15 @@ class EngineStreamResponse(StreamingResponse):
 
 async def _ending_in_an_error_event(events: AsyncIterator[str]) -> AsyncIterator[str]:
     """A stream whose engine fails mid-way (a worker died) ends with the error as an
-    event, then [DONE], as OpenAI's streams do: the client learns why it ended."""
+    event, then [DONE], as OpenAI's streams do: the client learns why it ended. So does
+    one whose later work is refused (a beam search's later step, past the server's
+    bound on waiting requests)."""
     try:
         async for event in events:
             yield event
+    except APIError as error:
+        yield sse(error.body())
+        yield SSE_DONE
     except (EngineDeadError, ExecutorDeadError, RuntimeError) as error:
         logger.error("a stream ended by an engine failure: %s", error)
         yield sse(APIError(f"the engine failed: {error}", status=503).body())

@@ -221,7 +221,7 @@ class OpenAIServing:
         """Admits prompts of these lengths (n samples each) and queues each (`add(i)`:
         its stream, which releases its admission as it starts and ends). If one is
         refused, none stays queued: a ValueError is a 400 naming the first of `params`
-        its message names (else default_param)."""
+        that its message mentions (else default_param)."""
         admitted = self.waiting.admit(lengths, n)
         streams: list[RequestStream] = []
         try:

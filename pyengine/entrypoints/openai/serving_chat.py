@@ -187,6 +187,8 @@ class ChatServing(OpenAIServing):
     async def prompt_of(self, request: ChatCompletionRequest, tools: ToolChoice) -> EncodedPrompt:
         """The request's conversation (and its tools) through the chat template."""
         template_kwargs = dict(request.chat_template_kwargs)
+        if request.reasoning_effort is not None:  # (gpt-oss's template reads it)
+            template_kwargs.setdefault("reasoning_effort", request.reasoning_effort)
         if tools.template_tools() is not None:
             template_kwargs.setdefault("tools", tools.template_tools())
         return await self.render(
@@ -203,27 +205,29 @@ class ChatServing(OpenAIServing):
         are kept in the text; and where the prompt leaves the model reasoning, its end of
         thinking for the engine, if a structured output must wait for the answer or the
         reasoning has a budget. A budget needs the parser (which knows the end); a prompt
-        that closed the thinking (thinking off) has no budget to keep."""
-        parser, budget = self.reasoning_parser, request.thinking_budget()
+        that closed the thinking (thinking off) has no budget to keep. (reasoning_effort
+        reaches the template, gpt-oss's, whatever the server; without a parser it bounds
+        nothing.)"""
+        parser = self.reasoning_parser
+        budget, field = request.thinking_budget()
         keep = parser is not None and parser.needs_special_tokens
         if keep and "skip_special_tokens" not in request.model_fields_set:
             params = replace(params, skip_special_tokens=False)
         if parser is None:
-            if budget is not None:
+            if budget is not None and field != "reasoning_effort":
                 raise APIError(
-                    "a thinking budget (max_thinking_tokens, thinking_token_budget, "
-                    "reasoning_effort) needs a server started with --reasoning-parser",
-                    param="max_thinking_tokens",
-                )
+                    f"{field}: a thinking budget needs a server started with "
+                    "--reasoning-parser", param=field,
+                )  # fmt: skip
             return params
         constrained = params.structured_outputs is not None
         if constrained and self.constrains_reasoning:
             if budget is not None:
                 raise APIError(
-                    "a thinking budget and a structured output that constrains the "
-                    "reasoning too (--structured-outputs-in-reasoning) do not go together",
-                    param="max_thinking_tokens",
-                )
+                    f"{field}: a thinking budget and a structured output that constrains "
+                    "the reasoning too (--structured-outputs-in-reasoning) do not go "
+                    "together", param=field,
+                )  # fmt: skip
             return params
         if (budget is None and not constrained) or not parser.thinks_after(prompt[0] or ""):
             return params

@@ -153,27 +153,41 @@ class CompletionServing(OpenAIServing):
         prompts = await asyncio.to_thread(self.prompts, request)
         for prompt in prompts:  # (refused now, not in a stream)
             self.check_length(prompt, SamplingParams(max_tokens=params.max_tokens), "prompt")
-        beams = self._beams(request, model, params, prompts)
+        eos = (self.engine.model_config.eos_token_ids or (None,))[0]
+        search, request_id = BeamSearch([ids for _, ids in prompts], params, eos), random_id("cmpl")
+        # The first step is queued now: what the engine refuses (token ids, priority, a
+        # salt, a full queue) is a 400, before any stream has begun.
+        first = await self._beam_step(search, request, request_id)
+        beams = self._beams(request, model, prompts, search, request_id, first)
         if request.stream:
-            return _streamed_whole(request, beams), []  # (its steps' streams close with it)
+            return _streamed_whole(request, beams), first[1]  # (later steps close with it)
         return await beams
+
+    async def _beam_step(
+        self, search: BeamSearch, request: CompletionRequest, request_id: str
+    ) -> tuple[list[EncodedPrompt], list[RequestStream]]:
+        """The search's next step queued: its beams' one-token requests, and their streams."""
+        steps: list[EncodedPrompt] = [(None, ids) for ids in search.step_prompts()]
+        streams = await self.start(
+            steps, search.step_params, f"{request_id}-{search.steps}",
+            lora_request=self.adapter(request.model), priority=request.priority,
+            cache_salt=request.cache_salt,
+        )  # fmt: skip
+        return steps, streams
 
     async def _beams(
         self,
         request: CompletionRequest,
         model: str,
-        params: BeamSearchParams,
         prompts: list[EncodedPrompt],
+        search: BeamSearch,
+        request_id: str,
+        first: tuple[list[EncodedPrompt], list[RequestStream]],
     ) -> dict[str, Any]:
-        eos = (self.engine.model_config.eos_token_ids or (None,))[0]
-        search, request_id = BeamSearch([ids for _, ids in prompts], params, eos), random_id("cmpl")
+        step: tuple[list[EncodedPrompt], list[RequestStream]] | None = first
         while not search.done:
-            steps: list[EncodedPrompt] = [(None, ids) for ids in search.step_prompts()]
-            streams = await self.start(
-                steps, search.step_params, f"{request_id}-{search.steps}",
-                lora_request=self.adapter(request.model), priority=request.priority,
-                cache_salt=request.cache_salt,
-            )  # fmt: skip
+            steps, streams = step or await self._beam_step(search, request, request_id)
+            step = None
             results = await self.collect(steps, streams, 1)
             search.advance([(r.choices[0].logprobs or [{}])[0] for r in results])
         outputs = await asyncio.to_thread(search.results, self.tokenizer.decode)

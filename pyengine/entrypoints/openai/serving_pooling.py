@@ -39,7 +39,7 @@ class PoolingServing(OpenAIServing):
         name = self.check_model(body.model)
         params = self.params(body, "embed", dimensions=body.dimensions, normalize=body.normalize)
         inputs = await self.encode_inputs(body.input)
-        outputs = await self.run(inputs, params, body.priority, "embd")
+        outputs = await self.run(inputs, params, body.priority, "input")
         data = [
             {"object": "embedding", "index": i, "embedding": _encoded(out.outputs.data,
                                                                      body.encoding_format)}
@@ -86,14 +86,16 @@ class PoolingServing(OpenAIServing):
     async def score_pairs(
         self, pairs: list[tuple[str, str]], body: ScoreRequest | RerankRequest
     ) -> tuple[list[float], int]:
-        """Each pair's score, and the prompt tokens it took."""
+        """Each pair's score, and the prompt tokens it took. (A 400 names the request's
+        second texts: text_2, or a rerank's documents.)"""
+        param = "documents" if isinstance(body, RerankRequest) else "text_2"
         if len(pairs) > MAX_INPUTS:
-            raise APIError(f"{len(pairs)} pairs: at most {MAX_INPUTS}", param="text_2")
+            raise APIError(f"{len(pairs)} pairs: at most {MAX_INPUTS}", param=param)
         pooler = self.engine.config.pooler
         if pooler is not None and pooler.task == "embed":
             texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-            inputs = [await self.encode_text(text, "input") for text in texts]
-            outputs = await self.run(inputs, self.params(body, "embed"), body.priority, "score")
+            inputs = [await self.encode_text(text, param) for text in texts]
+            outputs = await self.run(inputs, self.params(body, "embed"), body.priority, param)
             embedding = {t: out.outputs.data for t, out in zip(texts, outputs, strict=True)}
             scores = [cosine(embedding[a], embedding[b]) for a, b in pairs]
             return scores, sum(len(ids) for _, ids, _ in inputs)
@@ -101,9 +103,9 @@ class PoolingServing(OpenAIServing):
         try:
             encoded = [await asyncio.to_thread(processor.encode_pair, a, b) for a, b in pairs]
         except ValueError as error:
-            raise APIError(str(error), param="text_2") from None
+            raise APIError(str(error), param=param) from None
         inputs = [(None, ids, types) for ids, types in encoded]
-        outputs = await self.run(inputs, self.params(body, "score"), body.priority, "score")
+        outputs = await self.run(inputs, self.params(body, "score"), body.priority, param)
         return [out.outputs.score for out in outputs], sum(len(ids) for ids, _ in encoded)
 
     def params(self, body: Any, task: str, **fields: Any) -> PoolingParams:
@@ -140,10 +142,12 @@ class PoolingServing(OpenAIServing):
         return inputs
 
     async def run(
-        self, inputs: list[PoolingInput], params: PoolingParams, priority: int, prefix: str
+        self, inputs: list[PoolingInput], params: PoolingParams, priority: int, param: str
     ) -> list[PoolingRequestOutput]:
-        """Runs the inputs as pooling requests; their outputs in order."""
-        request_id = random_id(prefix)
+        """Runs the inputs as pooling requests; their outputs in order. A request the
+        engine refuses is a 400 naming `param` (the inputs' field), or the field its
+        error names."""
+        request_id = random_id("pool")
 
         def add(i: int) -> Awaitable[RequestStream]:
             text, ids, types = inputs[i]
@@ -152,7 +156,7 @@ class PoolingServing(OpenAIServing):
             )
 
         lengths = [len(ids) for _, ids, _ in inputs]
-        streams = await self.queue_all(lengths, 1, add, ("dimensions", "priority"), "input")
+        streams = await self.queue_all(lengths, 1, add, ("dimensions", "priority"), param)
         try:
             return list(await asyncio.gather(*(_only_output(s) for s in streams)))
         finally:  # (a client gone, or an output missing: the others are aborted)
