@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 from pyengine.sampling_params import is_int
 
@@ -47,10 +51,12 @@ class PoolingParams:
 
 
 # An encoder's second segment (a text pair's second text) is told apart by its token
-# type; the engine carries it in the prompt's token ids themselves, above every id a
-# vocabulary holds, so that nothing between the request and the model's embeddings
-# carries a second array. Only pooling requests of a pair have such ids.
+# type; the engine carries it in the token ids it schedules, above every id a vocabulary
+# holds, so that nothing between the request and the model's embeddings carries a
+# second array (the request's own prompt_token_ids stay plain). Only pooling requests
+# of a pair have such ids.
 TOKEN_TYPE_SHIFT = 30
+Ids = TypeVar("Ids", "np.ndarray", "torch.Tensor")
 
 
 def with_token_types(token_ids: Sequence[int], type_ids: Sequence[int]) -> list[int]:
@@ -58,6 +64,6 @@ def with_token_types(token_ids: Sequence[int], type_ids: Sequence[int]) -> list[
     return [t | (k << TOKEN_TYPE_SHIFT) for t, k in zip(token_ids, type_ids, strict=True)]
 
 
-def without_token_types(token_ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(token ids, token types) of ids that may carry types."""
+def without_token_types(token_ids: Ids) -> tuple[Ids, Ids]:
+    """(token ids, token types) of ids that may carry types (an array or a tensor)."""
     return token_ids & ((1 << TOKEN_TYPE_SHIFT) - 1), token_ids >> TOKEN_TYPE_SHIFT

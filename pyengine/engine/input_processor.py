@@ -222,14 +222,16 @@ class InputProcessor:
             token_type_ids = None if token_type_ids is None else token_type_ids[:keep]
         sampling = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
         self._checked(request_id, prompt_token_ids, sampling, existing, allow_full=True)
-        # (only an encoder with a second type reads them; a decoder reads the ids alone)
+        # The scheduler's ids carry the types (only an encoder with a second type reads
+        # them; a decoder reads the ids alone); the request's own are the plain ones.
+        scheduled = prompt_token_ids
         if token_type_ids is not None and self._takes_token_types:
-            prompt_token_ids = with_token_types(prompt_token_ids, token_type_ids)
+            scheduled = with_token_types(prompt_token_ids, token_type_ids)
         return EngineRequest(
             request_id=request_id,
             prompt=prompt,
             prompt_token_ids=list(prompt_token_ids),
-            prompt_array=np.asarray(prompt_token_ids, dtype=np.int32),
+            prompt_array=np.asarray(scheduled, dtype=np.int32),
             params=sampling,
             max_tokens=1,
             min_tokens=0,
@@ -337,14 +339,11 @@ class InputProcessor:
                     f"{what}: {name} {asked} is more than {limit_name} ({limit}, an engine "
                     "argument)"
                 )
-        if allow_full and len(prompt_token_ids) > c.max_model_len:
+        longest = c.max_model_len if allow_full else c.max_model_len - 1
+        if len(prompt_token_ids) > longest:
             raise ValueError(
                 f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
                 f"max_model_len is {c.max_model_len}"
-            )
-        if not allow_full and len(prompt_token_ids) >= c.max_model_len:
-            raise ValueError(
-                f"request {request_id!r}: the prompt has {len(prompt_token_ids)} tokens; "
-                f"max_model_len is {c.max_model_len} (prompt plus at least one token)"
+                + ("" if allow_full else " (prompt plus at least one token)")
             )
         return params

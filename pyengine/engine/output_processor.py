@@ -29,7 +29,6 @@ from pyengine.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from pyengine.pooling_params import TOKEN_TYPE_SHIFT, without_token_types
 from pyengine.sampling_params import RequestOutputKind
 from pyengine.tokenizer import PyengineTokenizer
 
@@ -115,11 +114,8 @@ class RequestState:
             if not self.done:
                 return None
             r = self.request
-            ids = r.prompt_token_ids
-            if ids and max(ids) >> TOKEN_TYPE_SHIFT:  # (a pair's: its ids without types)
-                ids = without_token_types(np.asarray(ids))[0].tolist()
             return PoolingRequestOutput(
-                r.request_id, ids, PoolingOutput(self.pooled or []), True, r.prompt
+                r.request_id, r.prompt_token_ids, PoolingOutput(self.pooled or []), True, r.prompt
             )
         kind = self.request.params.output_kind
         if kind is RequestOutputKind.DELTA:

@@ -11,7 +11,7 @@ from typing import Any
 from pyengine.engine.engine_args import EngineArgs
 from pyengine.engine.input_processor import Prompt
 from pyengine.entrypoints.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
-from pyengine.entrypoints.score_pairs import cosine, score_pairs
+from pyengine.entrypoints.score_pairs import cosine, distinct_texts, score_pairs
 from pyengine.lora.request import LoRARequest
 from pyengine.outputs import EngineOutput, PoolingOutput, PoolingRequestOutput, RequestOutput
 from pyengine.pooling_params import PoolingParams
@@ -110,14 +110,15 @@ class LLM:
         pooler = self.llm_engine.config.pooler
         if pooler is not None and pooler.task == "embed":
             params = _with_task(pooling_params, "embed")
-            embedded = self.encode([t for pair in pairs for t in pair], params, use_tqdm)
+            texts = distinct_texts(pairs)  # (each embedded once)
+            of = dict(zip(texts, self.encode(texts, params, use_tqdm), strict=True))
             return [
                 PoolingRequestOutput(
-                    f"{a.request_id}-{b.request_id}",
-                    a.prompt_token_ids + b.prompt_token_ids,
-                    PoolingOutput([cosine(a.outputs.data, b.outputs.data)]),
+                    f"{of[a].request_id}-{of[b].request_id}",
+                    of[a].prompt_token_ids + of[b].prompt_token_ids,
+                    PoolingOutput([cosine(of[a].outputs.data, of[b].outputs.data)]),
                 )
-                for a, b in zip(embedded[::2], embedded[1::2], strict=True)
+                for a, b in pairs
             ]
         processor = self.llm_engine.input_processor
         encoded = [processor.encode_pair(a, b) for a, b in pairs]

@@ -28,6 +28,11 @@ def score_pairs(first: str | Sequence[str], second: str | Sequence[str]) -> list
     return list(zip(firsts, seconds, strict=True))
 
 
+def distinct_texts(pairs: list[tuple[str, str]]) -> list[str]:
+    """The pairs' texts, each once (what an embedder embeds to score them)."""
+    return list(dict.fromkeys(t for pair in pairs for t in pair))
+
+
 def cosine(a: Sequence[float], b: Sequence[float]) -> float:
     """The cosine similarity of two embeddings (0 where either is all zeros)."""
     dot = sum(x * y for x, y in zip(a, b, strict=True))

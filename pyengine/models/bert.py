@@ -31,7 +31,7 @@ from pyengine.models.gpt import (
     empty_parameter,
 )
 from pyengine.models.weights import WeightRouter
-from pyengine.pooling_params import TOKEN_TYPE_SHIFT
+from pyengine.pooling_params import without_token_types
 
 
 @dataclass(frozen=True)
@@ -100,10 +100,9 @@ class BertEncoder(LearnedPositionDecoder):
         num_layers: int | None = None,
     ) -> torch.Tensor | IntermediateTensors:
         assert self.embed_tokens is not None and self.embed_positions is not None
-        ids = input_ids.long()
-        types = ids >> TOKEN_TYPE_SHIFT
+        ids, types = without_token_types(input_ids.long())
         h: torch.Tensor = (
-            self.embed_tokens(ids & ((1 << TOKEN_TYPE_SHIFT) - 1))
+            self.embed_tokens(ids)
             + F.embedding(positions.long() + self.position_offset, self.embed_positions)
             + F.embedding(types, self.embed_types)
         )

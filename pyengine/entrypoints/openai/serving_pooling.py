@@ -26,7 +26,7 @@ from pyengine.entrypoints.openai.pooling_protocol import (
     ScoreRequest,
 )
 from pyengine.entrypoints.openai.serving import OpenAIServing, close_all, random_id
-from pyengine.entrypoints.score_pairs import cosine, score_pairs
+from pyengine.entrypoints.score_pairs import cosine, distinct_texts, score_pairs
 from pyengine.outputs import PoolingRequestOutput
 from pyengine.pooling_params import PoolingParams
 
@@ -93,7 +93,7 @@ class PoolingServing(OpenAIServing):
             raise APIError(f"{len(pairs)} pairs: at most {MAX_INPUTS}", param=param)
         pooler = self.engine.config.pooler
         if pooler is not None and pooler.task == "embed":
-            texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+            texts = distinct_texts(pairs)
             inputs = [await self.encode_text(text, param) for text in texts]
             outputs = await self.run(inputs, self.params(body, "embed"), body.priority, param)
             embedding = {t: out.outputs.data for t, out in zip(texts, outputs, strict=True)}
