@@ -7,7 +7,9 @@ to the event loop in one call, as the output processor made it, a RequestOutput 
 request that progressed holding what the step added (text that could still turn out to
 begin a stop string held back until it cannot). A reader that falls behind (a client
 whose socket is full) holds one output, the steps' deltas merged into it, never one per
-step: the engine thread never waits for a reader.
+step: the engine thread never waits for a reader. A caller without an event loop (the C
+API's bridge) queues with add_request_nowait and a sink of its own, which the engine
+thread calls directly.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pyengine import _C
 from pyengine.engine.llm_engine import LLMEngine
@@ -35,6 +37,18 @@ from pyengine.pooling_params import PoolingParams
 from pyengine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("pyengine")
+
+
+class OutputSink(Protocol):
+    """Where a request's deltas go: put and fail run on `loop` (posted to it), or on the
+    engine thread itself where loop is None (so they must be quick and never block)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None: ...
+
+    def put(self, delta: EngineOutput) -> None: ...
+
+    def fail(self, error: BaseException) -> None: ...
 
 
 @dataclass
@@ -163,7 +177,7 @@ class AsyncLLMEngine:
         # the number of tokens generated.
         self._on_step = on_step
         self._commands: queue.Queue[_Command] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}  # touched only on the engine thread
+        self._streams: dict[str, OutputSink] = {}  # touched only on the engine thread
         self._thread = threading.Thread(target=self._run, name="pyengine-engine", daemon=True)
         self._error: BaseException | None = None
         self._failed_before = False  # the last step failed too
@@ -265,9 +279,55 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, stream)
 
-    def abort(self, request_id: str) -> None:
-        if self._thread.is_alive():
-            self._submit(_Command("abort", request_id))
+    def abort(self, request_id: str) -> concurrent.futures.Future[None] | None:
+        """Queues the abort; its future is done once the engine thread has aborted the
+        request (its KV blocks freed), None where the engine has stopped."""
+        if not self._thread.is_alive():
+            return None
+        return self._submit(_Command("abort", request_id)).done
+
+    def add_request_nowait(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        sink: OutputSink,
+        prompt: str | None = None,
+        lora_request: LoRARequest | None = None,
+        priority: int = 0,
+    ) -> None:
+        """Queues a request without waiting for the engine thread, which may be in a long
+        step (a caller that submits many requests one after another gets them into one
+        batch). It is checked here, on the caller's thread, so that a bad request raises
+        ValueError at once; what only the engine thread can refuse goes to sink.fail."""
+        self.llm_engine.adapters.check(lora_request)
+        self.input_processor.process(
+            request_id, prompt_token_ids, params, prompt, lora_request=lora_request,
+            priority=priority,
+        )  # fmt: skip
+        args = (prompt_token_ids, params, prompt, lora_request, priority, None, sink)
+        self._queue_nowait(_Command("add", request_id, args), sink)
+
+    def add_pooling_request_nowait(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: PoolingParams,
+        sink: OutputSink,
+        prompt: str | None = None,
+    ) -> None:
+        """A pooling request, queued as add_request_nowait queues one."""
+        self.input_processor.process_pooling(request_id, prompt_token_ids, params, prompt)
+        args = (prompt_token_ids, params, prompt, None, 0, sink)
+        self._queue_nowait(_Command("pool", request_id, args), sink)
+
+    def _queue_nowait(self, command: _Command, sink: OutputSink) -> None:
+        def refused(done: concurrent.futures.Future[None]) -> None:
+            error = done.exception()
+            if error is not None:
+                sink.fail(error)
+
+        self._submit(command).done.add_done_callback(refused)
 
     async def fail_all(self, reason: str) -> None:
         """Aborts every request; each stream ends with EngineDeadError(reason) (a shutdown
@@ -351,7 +411,7 @@ class AsyncLLMEngine:
         lora_request: LoRARequest | None,
         priority: int,
         cache_salt: str | None,
-        stream: _Stream,
+        stream: OutputSink,
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -370,7 +430,7 @@ class AsyncLLMEngine:
         prompt: str | None,
         token_type_ids: list[int] | None,
         priority: int,
-        stream: _Stream,
+        stream: OutputSink,
     ) -> None:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already running")
@@ -407,7 +467,7 @@ class AsyncLLMEngine:
             self._failed_before = False
         finally:
             self._step_started = None
-        deliveries: list[tuple[_Stream, EngineOutput]] = []
+        deliveries: list[tuple[OutputSink, EngineOutput]] = []
         finished: list[RequestOutput] = []
         generated = 0
         for out in outputs:
@@ -500,9 +560,15 @@ def _stop_at_exit(engine: weakref.ref[AsyncLLMEngine]) -> None:
         alive.stop()
 
 
-def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: Any) -> None:
-    """Runs callback(*args) on `loop`; nothing where the loop is closed (its readers are
-    gone: a script that ended, the stop at interpreter exit)."""
+def _post(
+    loop: asyncio.AbstractEventLoop | None, callback: Callable[..., None], *args: Any
+) -> None:
+    """Runs callback(*args) on `loop` (here and now where it is None); nothing where the
+    loop is closed (its readers are gone: a script that ended, the stop at interpreter
+    exit)."""
+    if loop is None:
+        callback(*args)
+        return
     try:
         loop.call_soon_threadsafe(callback, *args)
     except RuntimeError:
@@ -511,15 +577,15 @@ def _post(loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args:
 
 
 def _by_loop(
-    deliveries: list[tuple[_Stream, EngineOutput]],
-) -> dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]]:
-    groups: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, EngineOutput]]] = {}
+    deliveries: list[tuple[OutputSink, EngineOutput]],
+) -> dict[asyncio.AbstractEventLoop | None, list[tuple[OutputSink, EngineOutput]]]:
+    groups: dict[asyncio.AbstractEventLoop | None, list[tuple[OutputSink, EngineOutput]]] = {}
     for stream, delta in deliveries:
         groups.setdefault(stream.loop, []).append((stream, delta))
     return groups
 
 
-def _deliver(batch: list[tuple[_Stream, EngineOutput]]) -> None:
+def _deliver(batch: list[tuple[OutputSink, EngineOutput]]) -> None:
     for stream, delta in batch:
         stream.put(delta)
 
