@@ -91,7 +91,10 @@ void RequestState::deliver(OwnedEvent event, std::int32_t prompt_tokens) {
       for (Sample& sample : samples_)
         if (sample.finish == PYENGINE_FINISH_NONE) sample.finish = PYENGINE_FINISH_ERROR;
     }
-    if (event.request_finished) finished_ = true;
+    if (event.request_finished) {
+      finished_ = true;
+      ended_ = callback_ == nullptr;  // (else once its callback has seen the last event)
+    }
     if (callback_ == nullptr) events_.push_back(event);
   }
   changed_.notify_all();
@@ -122,12 +125,21 @@ void RequestState::run_callback(const OwnedEvent& event) {
   bool keep = true;
   {
     std::lock_guard<std::recursive_mutex> lock(callback_mutex_);
-    if (silenced_) return;
-    pyengine_event view;
-    fill(&view, event);
-    keep = callback_(&view, user_data_);
+    if (!silenced_) {
+      pyengine_event view;
+      fill(&view, event);
+      keep = callback_(&view, user_data_);
+    }
   }
-  if (!keep && !event.request_finished) {
+  if (event.request_finished) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      ended_ = true;
+    }
+    changed_.notify_all();
+    return;
+  }
+  if (!keep) {
     try {
       abort();
     } catch (const Failure&) {  // (the engine shut down meanwhile: it aborted everything)
@@ -163,12 +175,12 @@ pyengine_status RequestState::next(pyengine_event* event, std::int32_t timeout_m
 
 pyengine_status RequestState::wait(std::int32_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mutex_);
-  return wait_for(lock, timeout_ms, [&] { return finished_; }) ? PYENGINE_OK : PYENGINE_TIMEOUT;
+  return wait_for(lock, timeout_ms, [&] { return ended_; }) ? PYENGINE_OK : PYENGINE_TIMEOUT;
 }
 
 pyengine_status RequestState::output(std::int32_t index, pyengine_output* out) {
   std::lock_guard<std::mutex> lock(mutex_);
-  if (!finished_)
+  if (!ended_)
     fail(PYENGINE_ERROR_NOT_FINISHED, "the request is still running: wait for it first");
   if (index < 0 || static_cast<std::size_t>(index) >= samples_.size())
     fail(PYENGINE_ERROR_INVALID_ARGUMENT, "sample index " + std::to_string(index) +
@@ -189,7 +201,7 @@ pyengine_status RequestState::output(std::int32_t index, pyengine_output* out) {
 
 bool RequestState::finished() {
   std::lock_guard<std::mutex> lock(mutex_);
-  return finished_;
+  return ended_;
 }
 
 void RequestState::abort() {

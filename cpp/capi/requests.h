@@ -83,7 +83,8 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   std::deque<OwnedEvent> events_;  // for polling
   OwnedEvent current_;             // the event the last next() returned
   std::vector<Sample> samples_;
-  bool finished_ = false;
+  bool finished_ = false;  // the engine's last event has come
+  bool ended_ = false;     // ... and, with a callback, the callback has run on it
   pyengine_status status_ = PYENGINE_OK;
   std::string error_;
   std::int32_t prompt_tokens_ = 0;

@@ -7,6 +7,7 @@ operation's number and its JSON, and keeps the C functions that hand back result
 from __future__ import annotations
 
 import ctypes
+import gc
 import json
 import logging
 import struct
@@ -67,7 +68,24 @@ class _Bridge:
         engine = self.engines.pop(key, None)
         if engine is not None:
             engine.shutdown()
+            del engine
+            # An embedded interpreter never exits, so nothing collects the engine's cycles
+            # or runs multiprocessing's exit: the workers' queues and locks are freed
+            # now, and with the last engine the helper process that tracks them ends.
+            gc.collect()
+            if not self.engines:
+                _stop_resource_tracker()
         return b""
+
+
+def _stop_resource_tracker() -> None:
+    """Ends multiprocessing's resource tracker, where one was started (by the `mp`
+    executor's workers); it starts again with the next worker."""
+    from multiprocessing import resource_tracker
+
+    stop = getattr(resource_tracker._resource_tracker, "_stop", None)
+    if stop is not None:
+        stop()
 
 
 _bridge: _Bridge | None = None

@@ -61,12 +61,12 @@ class _Sink:
         else:
             prompt_tokens = 0
         samples = delta.outputs or [CompletionOutput(0, "", [])]
+        if delta.finished:  # (before the last event: its reader may ask for the stats)
+            self.done(self.key)
         for i, sample in enumerate(samples):
             last = delta.finished and i == len(samples) - 1
             self._send(sample, last, prompt_tokens)
             prompt_tokens = 0
-        if delta.finished:
-            self.done(self.key)
 
     def _send(self, sample: CompletionOutput, last: bool, prompt_tokens: int) -> None:
         ids = sample.token_ids
@@ -82,11 +82,11 @@ class _Sink:
         )  # fmt: skip
 
     def fail(self, error: BaseException) -> None:
+        self.done(self.key)
         status = INVALID_ARGUMENT if isinstance(error, ValueError) else ENGINE
         text = str(error).encode("utf-8", "replace")
         self.deliver(self.key, 0, None, 0, text, len(text), None, None, None, 0,
                      FINISH_ERROR, status, 1, 0)  # fmt: skip
-        self.done(self.key)
 
 
 def _logprob_arrays(sample: CompletionOutput, top_k: int) -> tuple[Any, Any, Any]:

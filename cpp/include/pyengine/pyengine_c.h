@@ -21,9 +21,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#if defined(_WIN32)
-#define PYENGINE_API __declspec(dllimport)
-#elif defined(__GNUC__) || defined(__clang__)
+#if defined(__GNUC__) || defined(__clang__)
 #define PYENGINE_API __attribute__((visibility("default")))
 #else
 #define PYENGINE_API
@@ -255,7 +253,8 @@ PYENGINE_API pyengine_status pyengine_request_next(pyengine_request *request,
                                                    pyengine_event *event,
                                                    int32_t timeout_ms);
 /* Waits until the request has finished (timeout_ms as above): PYENGINE_OK, or
- * PYENGINE_TIMEOUT. Its events still wait to be polled. */
+ * PYENGINE_TIMEOUT. A polled request's events still wait to be polled; a request with a
+ * callback has finished once its callback has returned from the last event. */
 PYENGINE_API pyengine_status pyengine_request_wait(pyengine_request *request,
                                                    int32_t timeout_ms);
 
@@ -280,6 +279,7 @@ PYENGINE_API pyengine_status pyengine_request_output(pyengine_request *request,
  * freed by the next step). Its last event says PYENGINE_FINISH_ABORT. A finished request
  * is left as it is. */
 PYENGINE_API pyengine_status pyengine_request_abort(pyengine_request *request);
+/* Whether the request has finished, as pyengine_request_wait says it. */
 PYENGINE_API bool pyengine_request_finished(pyengine_request *request);
 /* Aborts the request if it runs and frees the handle; NULL is ignored. No callback of
  * the request runs once it returns. */
