@@ -38,6 +38,7 @@ ORDER = (
     "speculative",
     "structured",
     "serve",
+    "c_api",
     "soak",
     "hostile",
     "gpu_kernels",
@@ -289,6 +290,17 @@ HEADLINES = (
         "%",
     ),
     Headline("serve", "server output tokens/s over HTTP", figure("serve_output_tok_s"), ""),
+    Headline(
+        "c_api",
+        "the C API against the Python API (LLM.generate), least of offline throughput from 1 "
+        "and from 8 submitting threads and single-stream decode through a callback",
+        least(
+            "speedup_vs_python_api",
+            "speedup_vs_python_api_8_threads",
+            "speedup_vs_python_api_decode",
+        ),
+        "x",
+    ),
     Headline(
         "gpu_throughput",
         "GPU offline generated tokens/s, against transformers",

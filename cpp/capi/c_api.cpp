@@ -266,8 +266,7 @@ pyengine_status pyengine_engine_shutdown(pyengine_engine* engine) {
     require(!state.on_delivery_thread(),
             "pyengine_engine_shutdown was called from a request's callback: call it from "
             "another thread");
-    if (state.closed()) return PYENGINE_OK;
-    state.close();  // (new calls fail from here on)
+    if (!state.close()) return PYENGINE_OK;  // (closed already; new calls fail from here on)
     try {
       call(state.key(), Op::kShutdown, "");
     } catch (...) {

@@ -97,8 +97,12 @@ void RequestState::deliver(OwnedEvent event, std::int32_t prompt_tokens) {
     }
     if (callback_ == nullptr) events_.push_back(event);
   }
-  changed_.notify_all();
-  if (callback_ != nullptr) engine_->post(shared_from_this(), std::move(event));
+  if (callback_ != nullptr) {
+    engine_->post(shared_from_this(), std::move(event));
+    return;
+  }
+  event_ready_.notify_all();
+  if (event.request_finished) ended_changed_.notify_all();
 }
 
 void RequestState::fill(pyengine_event* out, const OwnedEvent& event) {
@@ -136,7 +140,7 @@ void RequestState::run_callback(const OwnedEvent& event) {
       std::lock_guard<std::mutex> lock(mutex_);
       ended_ = true;
     }
-    changed_.notify_all();
+    ended_changed_.notify_all();
     return;
   }
   if (!keep) {
@@ -153,18 +157,18 @@ void RequestState::silence() {
 }
 
 template <typename Ready>
-bool RequestState::wait_for(std::unique_lock<std::mutex>& lock, std::int32_t timeout_ms,
-                            Ready ready) {
+bool RequestState::wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                            std::int32_t timeout_ms, Ready ready) {
   if (timeout_ms < 0) {
-    changed_.wait(lock, ready);
+    cv.wait(lock, ready);
     return true;
   }
-  return changed_.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
+  return cv.wait_for(lock, std::chrono::milliseconds(timeout_ms), ready);
 }
 
 pyengine_status RequestState::next(pyengine_event* event, std::int32_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mutex_);
-  if (!wait_for(lock, timeout_ms, [&] { return !events_.empty() || finished_; }))
+  if (!wait_for(event_ready_, lock, timeout_ms, [&] { return !events_.empty() || finished_; }))
     return PYENGINE_TIMEOUT;
   if (events_.empty()) return PYENGINE_DONE;
   current_ = std::move(events_.front());
@@ -175,7 +179,8 @@ pyengine_status RequestState::next(pyengine_event* event, std::int32_t timeout_m
 
 pyengine_status RequestState::wait(std::int32_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mutex_);
-  return wait_for(lock, timeout_ms, [&] { return ended_; }) ? PYENGINE_OK : PYENGINE_TIMEOUT;
+  const bool ended = wait_for(ended_changed_, lock, timeout_ms, [&] { return ended_; });
+  return ended ? PYENGINE_OK : PYENGINE_TIMEOUT;
 }
 
 pyengine_status RequestState::output(std::int32_t index, pyengine_output* out) {
@@ -224,19 +229,21 @@ bool EngineState::closed() const {
   return closed_;
 }
 
-void EngineState::close() {
+bool EngineState::close() {
   std::lock_guard<std::mutex> lock(mutex_);
-  closed_ = true;
+  return !std::exchange(closed_, true);
 }
 
 void EngineState::post(std::shared_ptr<RequestState> request, OwnedEvent event) {
+  bool was_empty = false;
   {
     std::lock_guard<std::mutex> lock(mutex_);
+    was_empty = queue_.empty();
     queue_.emplace_back(std::move(request), std::move(event));
     if (!thread_.joinable() && !stopping_)  // (started by the first callback's event)
       thread_ = std::thread([self = shared_from_this()] { self->deliver_loop(); });
   }
-  queued_.notify_one();
+  if (was_empty) queued_.notify_one();  // (the thread sleeps only on an empty queue)
 }
 
 void EngineState::deliver_loop() {

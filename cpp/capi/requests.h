@@ -67,9 +67,10 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
     pyengine_finish_reason finish = PYENGINE_FINISH_NONE;
   };
 
-  // Waits (the lock held) until `ready` or the timeout; whether `ready` holds.
+  // Waits on `cv` (the lock held) until `ready` or the timeout; whether `ready` holds.
   template <typename Ready>
-  bool wait_for(std::unique_lock<std::mutex>& lock, std::int32_t timeout_ms, Ready ready);
+  static bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                       std::int32_t timeout_ms, Ready ready);
   void fill(pyengine_event* out, const OwnedEvent& event);
 
   const std::int64_t key_;
@@ -79,7 +80,10 @@ class RequestState : public std::enable_shared_from_this<RequestState> {
   pyengine_request* handle_ = nullptr;
 
   std::mutex mutex_;
-  std::condition_variable changed_;
+  // Separate, so that a step's events wake only a thread polling them, never one that
+  // waits for the end (each needless wake-up takes a core from the step's kernels).
+  std::condition_variable event_ready_;
+  std::condition_variable ended_changed_;
   std::deque<OwnedEvent> events_;  // for polling
   OwnedEvent current_;             // the event the last next() returned
   std::vector<Sample> samples_;
@@ -102,7 +106,8 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
 
   std::int64_t key() const { return key_; }
   bool closed() const;
-  void close();
+  // Marks the engine closed; whether it was open (the caller that closed it shuts it down).
+  bool close();
 
   // (the engine thread) Queues an event for the delivery thread.
   void post(std::shared_ptr<RequestState> request, OwnedEvent event);

@@ -3,15 +3,21 @@
 // completion is printed on the line of its prompt, in order.
 //
 //   batch_threads [--threads N] [--model M] [--max-tokens N] [--option NAME=VALUE]...
-//                 [--ids] [--token-prompts] [--stream] < prompts.txt
+//                 [--ids] [--token-prompts] [--stream] [--ignore-eos] [--rounds R]
+//                 [--prompts FILE [--step]] < prompts.txt
 //
 // --ids prints token ids rather than text; --token-prompts reads each line as token ids;
 // --stream takes each request's tokens through a callback rather than waiting for its
-// end. The time from the first submission to the last token goes to stderr as JSON.
+// end; --rounds splits the prompts into R batches run one after another. The time from
+// each batch's first submission to its last token goes to stderr as JSON. --prompts
+// reads them from FILE instead; with --step each round waits for a line on stdin and
+// says "round SECONDS" on stderr when done (bench/c_api.py runs rounds in turn with
+// the Python API's that way).
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <mutex>
@@ -35,6 +41,9 @@ struct Settings {
   bool ids = false;
   bool token_prompts = false;
   bool stream = false;
+  int rounds = 1;
+  std::string prompts;  // (a file; stdin where empty)
+  bool step = false;
   pyengine_sampling_params sampling = pyengine_sampling_default_params();
 };
 
@@ -63,13 +72,14 @@ class Streamed {
   bool ended_ = false;
 };
 
-// One thread's share: it submits all its jobs, then collects each one's output.
+// One thread's share of jobs [begin, end): it submits them all, then collects each
+// one's output.
 void run_share(pyengine::Engine& engine, std::vector<Job>& jobs, const Settings& settings,
-               int first) {
+               std::size_t begin, std::size_t end) {
   std::vector<pyengine::Request> requests;
   std::vector<Streamed> streams(jobs.size());
-  for (std::size_t i = static_cast<std::size_t>(first); i < jobs.size();
-       i += static_cast<std::size_t>(settings.threads)) {
+  const auto step = static_cast<std::size_t>(settings.threads);
+  for (std::size_t i = begin; i < end; i += step) {
     Job& job = jobs[i];
     pyengine_request_params params = pyengine_request_default_params();
     params.sampling = settings.sampling;
@@ -87,8 +97,7 @@ void run_share(pyengine::Engine& engine, std::vector<Job>& jobs, const Settings&
     requests.push_back(engine.submit(params, callback));
   }
   std::size_t k = 0;
-  for (std::size_t i = static_cast<std::size_t>(first); i < jobs.size();
-       i += static_cast<std::size_t>(settings.threads), ++k) {
+  for (std::size_t i = begin; i < end; i += step, ++k) {
     if (settings.stream) {
       streams[i].wait();
     } else {
@@ -112,6 +121,7 @@ int main(int argc, char** argv) {
     if (flag == "--token-prompts") { settings.token_prompts = true; continue; }
     if (flag == "--stream") { settings.stream = true; continue; }
     if (flag == "--ignore-eos") { settings.sampling.ignore_eos = true; continue; }
+    if (flag == "--step") { settings.step = true; continue; }
     if (i + 1 >= argc) {
       std::cerr << flag << " needs a value\n";
       return 2;
@@ -119,6 +129,10 @@ int main(int argc, char** argv) {
     const std::string value = argv[++i];
     if (flag == "--threads") {
       settings.threads = std::stoi(value);
+    } else if (flag == "--prompts") {
+      settings.prompts = value;
+    } else if (flag == "--rounds") {
+      settings.rounds = std::stoi(value);
     } else if (flag == "--model") {
       model = value;
     } else if (flag == "--max-tokens") {
@@ -130,8 +144,18 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
+  if (settings.threads < 1 || settings.rounds < 1) {
+    std::cerr << "--threads and --rounds take a positive count\n";
+    return 2;
+  }
   std::vector<Job> jobs;
-  for (std::string line; std::getline(std::cin, line);) {
+  std::ifstream file(settings.prompts);
+  if (!settings.prompts.empty() && !file) {
+    std::cerr << "cannot read " << settings.prompts << "\n";
+    return 2;
+  }
+  std::istream& input = settings.prompts.empty() ? std::cin : file;
+  for (std::string line; std::getline(input, line);) {
     Job job;
     job.text = line;
     std::istringstream ids(line);
@@ -140,13 +164,23 @@ int main(int argc, char** argv) {
   }
   try {
     pyengine::Engine engine(model, options);
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> threads;
-    for (int t = 0; t < settings.threads; ++t)
-      threads.emplace_back(run_share, std::ref(engine), std::ref(jobs), std::cref(settings), t);
-    for (std::thread& thread : threads) thread.join();
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    std::string round_seconds;
+    const std::size_t per_round = jobs.size() / static_cast<std::size_t>(settings.rounds);
+    for (int round = 0; round < settings.rounds; ++round) {
+      std::string go;
+      if (settings.step && !std::getline(std::cin, go)) break;
+      const std::size_t begin = per_round * static_cast<std::size_t>(round);
+      const std::size_t end = round + 1 == settings.rounds ? jobs.size() : begin + per_round;
+      const auto start = std::chrono::steady_clock::now();
+      std::vector<std::thread> threads;
+      for (std::size_t t = 0; t < static_cast<std::size_t>(settings.threads); ++t)
+        threads.emplace_back(run_share, std::ref(engine), std::ref(jobs), std::cref(settings),
+                             begin + t, end);
+      for (std::thread& thread : threads) thread.join();
+      const std::chrono::duration<double> took = std::chrono::steady_clock::now() - start;
+      round_seconds += (round ? ", " : "") + std::to_string(took.count());
+      if (settings.step) std::cerr << "round " << took.count() << std::endl;
+    }
     std::size_t generated = 0;
     for (const Job& job : jobs) {
       generated += job.output.tokens.size();
@@ -158,8 +192,8 @@ int main(int argc, char** argv) {
         std::cout << job.output.text << "\n";
       }
     }
-    std::fprintf(stderr, "{\"requests\": %zu, \"output_tokens\": %zu, \"seconds\": %.6f}\n",
-                 jobs.size(), generated, seconds);
+    std::fprintf(stderr, "{\"requests\": %zu, \"output_tokens\": %zu, \"round_seconds\": [%s]}\n",
+                 jobs.size(), generated, round_seconds.c_str());
   } catch (const pyengine::Error& error) {
     std::cerr << error.what() << "\n";
     return 1;

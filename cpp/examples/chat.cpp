@@ -1,5 +1,6 @@
 // A chat at the terminal through pyengine's C++ header: each line read is the user's
-// turn, and the reply streams back through a callback as the engine makes it.
+// turn, and the reply streams back as the engine makes it (the request's events, taken
+// as a range; batch_threads.cpp takes them through a callback instead).
 //
 //   chat [--model M] [--max-tokens N] [--option NAME=VALUE]... [--system TEXT]
 //
@@ -39,16 +40,13 @@ int main(int argc, char** argv) {
       if (line.empty()) break;
       messages.push_back({"user", line});
       std::string reply;
-      pyengine::Request request =
-          engine.submit(messages, sampling, [&reply](const pyengine_event& event) {
-            // (on the engine's delivery thread; the main thread waits meanwhile)
-            std::cout.write(event.text, static_cast<std::streamsize>(event.text_len));
-            std::cout.flush();
-            reply.append(event.text, event.text_len);
-            return true;
-          });
-      request.wait();
-      request.output();  // (throws where the request failed)
+      pyengine::Request request = engine.submit(messages, sampling);
+      for (const pyengine_event& event : request.events()) {
+        if (event.status != PYENGINE_OK) throw pyengine::Error(event.status, event.error);
+        std::cout.write(event.text, static_cast<std::streamsize>(event.text_len));
+        std::cout.flush();
+        reply.append(event.text, event.text_len);
+      }
       std::cout << "\n";
       messages.push_back({"assistant", reply});
     }

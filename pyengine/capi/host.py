@@ -196,14 +196,19 @@ class EmbeddedEngine:
             raise CApiError(UNSUPPORTED, "embeddings need a pooling model (runner 'pooling'); "
                             "this engine generates")  # fmt: skip
         params = PoolingParams(task="embed", normalize=normalize, dimensions=dimensions)
-        processor = self.engine.input_processor
-        sinks = []
-        for text in texts:
-            sink = _Pooled()
-            request_id = f"c-embed-{next(self._pool_ids)}"
-            ids = processor.encode(text, "text")
-            self.engine.add_pooling_request_nowait(request_id, ids, params, sink, prompt=text)
-            sinks.append(sink)
+        encoded = [self.engine.input_processor.encode(text, "text") for text in texts]
+        sinks: list[_Pooled] = []
+        added: list[str] = []
+        try:
+            for text, ids in zip(texts, encoded, strict=True):
+                sinks.append(_Pooled())
+                request_id = f"c-embed-{next(self._pool_ids)}"
+                self.engine.add_pooling_request_nowait(request_id, ids, params, sinks[-1], text)
+                added.append(request_id)
+        except BaseException:
+            for request_id in added:  # (nothing is left running behind the error)
+                self.engine.abort(request_id)
+            raise
         rows = []
         for sink in sinks:
             sink.done.wait()

@@ -168,6 +168,11 @@ static void bad_requests(pyengine_engine *engine) {
   check(status == PYENGINE_ERROR_INVALID_ARGUMENT && contains(pyengine_last_error(), "json"),
         "bad_schema", pyengine_status_name(status));
   params.sampling = pyengine_sampling_default_params();
+  params.priority = 5;
+  status = submit(engine, &params, &request);
+  check(status == PYENGINE_ERROR_INVALID_ARGUMENT && contains(pyengine_last_error(), "priority"),
+        "priority_needs_its_policy", pyengine_status_name(status));
+  params.priority = 0;
   tokens[0] = 1 << 30;
   params.prompt = NULL;
   params.prompt_tokens = tokens;
@@ -217,6 +222,16 @@ static bool stop_after_three(const pyengine_event *event, void *user_data) {
   int *seen = (int *)user_data;
   (void)event;
   return ++*seen < 3;
+}
+
+static void check_workers_gone(void) {
+  check(count_children() == 0, "exit_no_worker_left", "a child process outlived the engine");
+}
+
+static bool count_events(const pyengine_event *event, void *user_data) {
+  (void)event;
+  ++*(int *)user_data;
+  return true;
 }
 
 static void callback_abort(pyengine_engine *engine) {
@@ -279,7 +294,92 @@ static void embed_unsupported(pyengine_engine *engine) {
         "embed_needs_pooling", pyengine_status_name(status));
 }
 
-/* checks errors | checks engine OPTION=VALUE... | checks embed MODEL TEXT... */
+/* Each request's outputs as lines: "tokens NAME SAMPLE ids...", "finish NAME SAMPLE
+ * reason", "text NAME SAMPLE hex", and with logprobs "logprobs NAME lp..." and
+ * "top NAME id lp id lp ...". */
+static void print_request(const char *name, pyengine_request *request, int n) {
+  pyengine_event event;
+  pyengine_output output;
+  int i;
+  size_t k;
+  while (pyengine_request_next(request, &event, -1) == PYENGINE_OK) {
+    if (event.status != PYENGINE_OK) printf("FAIL %s: %s\n", name, event.error);
+    if (event.logprobs == NULL) continue;
+    printf("logprobs %s", name);
+    for (k = 0; k < event.n_tokens; ++k) printf(" %.6f", event.logprobs[k]);
+    printf("\ntop %s", name);
+    for (k = 0; k < event.n_tokens * event.top_k; ++k)
+      printf(" %d %.6f", (int)event.top_tokens[k], event.top_logprobs[k]);
+    printf("\n");
+  }
+  for (i = 0; i < n; ++i) {
+    if (pyengine_request_output(request, i, &output) != PYENGINE_OK) {
+      printf("FAIL %s: %s\n", name, pyengine_last_error());
+      continue;
+    }
+    printf("tokens %s %d", name, i);
+    for (k = 0; k < output.n_tokens; ++k) printf(" %d", (int)output.tokens[k]);
+    printf("\nfinish %s %d %d\ntext %s %d ", name, i, (int)output.finish_reason, name, i);
+    for (k = 0; k < output.text_len; ++k) printf("%02x", (unsigned char)output.text[k]);
+    printf("\n");
+  }
+  pyengine_request_free(request);
+}
+
+#define N_SAMPLING 9
+
+/* Requests of every kind of parameter, submitted together (one batch). */
+static void sampling(pyengine_engine *engine, const char *adapter) {
+  static const char *const stops[1] = {" seven"};
+  static const pyengine_chat_message chat[1] = {{"user", "What is 2+2?"}};
+  const char *names[N_SAMPLING] = {"logprobs", "stop", "seeded", "n2", "json", "regex",
+                                   "chat", "extra", "lora"};
+  pyengine_request *requests[N_SAMPLING];
+  pyengine_lora lora;
+  int i;
+  for (i = 0; i < N_SAMPLING; ++i) {
+    pyengine_request_params p = pyengine_request_default_params();
+    p.prompt = "The capital of France is";
+    p.sampling.temperature = 0.0f;
+    p.sampling.max_tokens = 8;
+    switch (i) {
+      case 0: p.sampling.logprobs = 3; break;
+      case 1:
+        p.prompt = "Count from one to ten: one, two, three,";
+        p.sampling.max_tokens = 40;
+        p.sampling.stop = stops;
+        p.sampling.n_stop = 1;
+        break;
+      case 2: p.sampling.temperature = 1.0f; p.sampling.seed = 1234; break;
+      case 3: p.sampling.temperature = 0.8f; p.sampling.seed = 7; p.sampling.n = 2; break;
+      case 4:
+        p.prompt = "A JSON object with an integer field a:";
+        p.sampling.max_tokens = 30;
+        p.sampling.json_schema =
+            "{\"type\": \"object\", \"properties\": {\"a\": {\"type\": \"integer\"}}, "
+            "\"required\": [\"a\"]}";
+        break;
+      case 5: p.prompt = "Call 555-"; p.sampling.regex = "[0-9]{3}-[0-9]{4}"; break;
+      case 6: p.prompt = NULL; p.messages = chat; p.n_messages = 1; break;
+      case 7: p.sampling.extra_json = "{\"bad_words\": [\" Paris\"], \"min_tokens\": 4}"; break;
+      case 8:
+        lora.name = "adapter";
+        lora.id = 1;
+        lora.path = adapter;
+        p.lora = &lora;
+        break;
+    }
+    if (pyengine_submit(engine, &p, &requests[i]) != PYENGINE_OK) {
+      printf("FAIL submit %s: %s\n", names[i], pyengine_last_error());
+      requests[i] = NULL;
+    }
+  }
+  for (i = 0; i < N_SAMPLING; ++i)
+    if (requests[i] != NULL) print_request(names[i], requests[i], i == 3 ? 2 : 1);
+}
+
+/* checks errors | checks engine OPTION=VALUE... | checks exit OPTION=VALUE...
+ * | checks sampling ADAPTER OPTION=VALUE... | checks embed MODEL TEXT... */
 int main(int argc, char **argv) {
   if (argc >= 2 && strcmp(argv[1], "errors") == 0) {
     errors();
@@ -301,6 +401,29 @@ int main(int argc, char **argv) {
     pyengine_engine_free(engine);
     check(count_threads() == threads, "no_thread_left", "threads outlived the engine");
     check(count_children() == 0, "no_worker_left", "a child process outlived the engine");
+  } else if (argc >= 2 && strcmp(argv[1], "exit") == 0) {
+    /* Leaves the engine open, two requests running (one with a callback): the library
+     * shuts it down as the process exits. */
+    pyengine_engine *engine;
+    pyengine_request_params params = pyengine_request_default_params();
+    pyengine_request *polled, *called;
+    pyengine_event event;
+    static int seen = 0;
+    atexit(check_workers_gone); /* (before the library's own: it runs after it) */
+    engine = create(argc - 2, argv + 2);
+    params.prompt = "Once upon a time";
+    params.sampling.max_tokens = 4000;
+    params.sampling.ignore_eos = true;
+    check(pyengine_submit(engine, &params, &polled) == PYENGINE_OK, "exit_submit", "refused");
+    params.callback = count_events;
+    params.user_data = &seen;
+    check(pyengine_submit(engine, &params, &called) == PYENGINE_OK, "exit_submit_2", "refused");
+    check(pyengine_request_next(polled, &event, -1) == PYENGINE_OK, "exit_running", "no event");
+    return failures;
+  } else if (argc >= 3 && strcmp(argv[1], "sampling") == 0) {
+    pyengine_engine *engine = create(argc - 3, argv + 3);
+    sampling(engine, argv[2]);
+    pyengine_engine_free(engine);
   } else if (argc >= 4 && strcmp(argv[1], "embed") == 0) {
     pyengine_engine_params params = pyengine_engine_default_params();
     pyengine_option options[2] = {{"runner", "pooling"}, {"dtype", "float32"}};
@@ -330,7 +453,8 @@ int main(int argc, char **argv) {
     free(rows);
     pyengine_engine_free(engine);
   } else {
-    fprintf(stderr, "usage: %s errors | engine OPTION=VALUE... | embed MODEL TEXT...\n", argv[0]);
+    fprintf(stderr, "usage: %s errors | engine OPTION=VALUE... | sampling ADAPTER OPTION=VALUE..."
+            " | embed MODEL TEXT...\n", argv[0]);
     return 2;
   }
   return failures;

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -210,3 +211,89 @@ def test_an_environment_without_pyengine_is_an_error(pkg_config_build: Path,
     assert done.returncode == 1
     assert "PYENGINE_ERROR_ENVIRONMENT" in done.stderr
     assert "No module named 'pyengine'" in done.stderr
+
+
+def _sampling_reference(llm, adapter: Path) -> dict[str, list]:  # type: ignore[no-untyped-def]
+    """What checks.c's sampling requests give through LLM.generate, in one batch too."""
+    from pyengine import LoRARequest, StructuredOutputsParams
+
+    tokenizer = llm.get_tokenizer()
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2+2?"}])
+    france = "The capital of France is"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def greedy(**fields: object) -> SamplingParams:
+        return SamplingParams(**{"temperature": 0, "max_tokens": 8, **fields})  # type: ignore[arg-type]
+
+    requests = {
+        "logprobs": (france, greedy(logprobs=3)),
+        "stop": ("Count from one to ten: one, two, three,", greedy(max_tokens=40,
+                                                                    stop=[" seven"])),
+        "seeded": (france, greedy(temperature=1.0, seed=1234)),
+        "n2": (france, greedy(temperature=0.8, seed=7, n=2)),
+        "json": ("A JSON object with an integer field a:", greedy(
+            max_tokens=30, structured_outputs=StructuredOutputsParams(json=schema))),
+        "regex": ("Call 555-", greedy(
+            structured_outputs=StructuredOutputsParams(regex="[0-9]{3}-[0-9]{4}"))),
+        "chat": ({"prompt": chat, "prompt_token_ids": tokenizer.encode(chat, False)}, greedy()),
+        "extra": (france, greedy(bad_words=[" Paris"], min_tokens=4)),
+        "lora": (france, greedy()),
+    }  # fmt: skip
+    loras = [LoRARequest("adapter", 1, str(adapter)) if name == "lora" else None
+             for name in requests]  # fmt: skip
+    outputs = llm.generate([p for p, _ in requests.values()], [s for _, s in requests.values()],
+                           use_tqdm=False, lora_request=loras)  # fmt: skip
+    return dict(zip(requests, (o.outputs for o in outputs), strict=True))
+
+
+@pytest.mark.slow
+def test_every_sampling_parameter_reaches_the_engine(pkg_config_build: Path, llm,
+                                                     tmp_path: Path) -> None:  # type: ignore[no-untyped-def]  # fmt: skip
+    from helpers.lora import write_random_adapter
+
+    from pyengine import LLM
+
+    write_random_adapter(llm.llm_engine.model_config, tmp_path / "adapter", seed=3)
+    options = ["dtype=float32", "enable_lora=true", "max_lora_rank=8", "max_loras=1"]
+    done = _run([pkg_config_build / "checks", "sampling", tmp_path / "adapter", *options])
+    assert "FAIL" not in done.stdout, done.stdout
+    got: dict[tuple[str, str], list[str]] = {}
+    for line in done.stdout.splitlines():
+        kind, name, *rest = line.split(" ")
+        if kind in ("logprobs", "top"):  # (a line an event: appended)
+            got.setdefault((kind, name), []).extend(rest)
+        else:
+            got[(kind, f"{name}/{rest.pop(0)}")] = rest
+    reference = LLM(dtype="float32", enable_lora=True, max_lora_rank=8, max_loras=1)
+    expected = _sampling_reference(reference, tmp_path / "adapter")
+    reasons = {"stop": 1, "length": 2}
+    for name, samples in expected.items():
+        for sample in samples:
+            key = f"{name}/{sample.index}"
+            assert _ids(" ".join(got[("tokens", key)])) == sample.token_ids, key
+            assert int(got[("finish", key)][0]) == reasons[sample.finish_reason], key
+            assert bytes.fromhex(got[("text", key)][0]).decode() == sample.text, key
+    assert expected["stop"][0].finish_reason == "stop"  # (the stop string ended it)
+    assert expected["lora"][0].token_ids != expected["logprobs"][0].token_ids
+    positions = expected["logprobs"][0].logprobs
+    chosen = [float(x) for x in got[("logprobs", "logprobs")]]
+    assert len(chosen) == len(positions)
+    top = [float(x) for x in got[("top", "logprobs")]]
+    for i, (token, position) in enumerate(zip(expected["logprobs"][0].token_ids, positions,
+                                              strict=True)):  # fmt: skip
+        assert chosen[i] == pytest.approx(position[token].logprob, abs=1e-5)
+        ranked = sorted(position.items(), key=lambda item: item[1].rank)[:3]
+        for j, (other, logprob) in enumerate(ranked):
+            assert int(top[6 * i + 2 * j]) == other
+            assert top[6 * i + 2 * j + 1] == pytest.approx(logprob.logprob, abs=1e-5)
+
+
+def test_an_engine_left_open_ends_with_the_process(pkg_config_build: Path, llm) -> None:  # type: ignore[no-untyped-def]
+    # (requests running, one with a callback; `mp` workers, which must not outlive it)
+    start = time.monotonic()
+    done = _run([pkg_config_build / "checks", "exit", "distributed_executor_backend=mp"],
+                check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "ok exit_no_worker_left" in done.stdout, done.stdout
+    assert time.monotonic() - start < 120
+    assert "Traceback" not in done.stderr and "leaked" not in done.stderr, done.stderr

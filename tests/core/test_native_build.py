@@ -7,9 +7,11 @@ and runs cpp/examples against the installed package through find_package(pyengin
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,20 @@ def test_example_embeds_the_installed_package(core_build: Path, tmp_path: Path) 
     assert "chat-b   prefix hit: 32 of 43 tokens" in out
     assert "chat-b.1 block_table = [0, 1, 4]" in out
     assert "after free: 32 free blocks" in out
+    # The C API's examples build from the same package; its library lies outside an
+    # installed pyengine, so it runs the Python that PYENGINE_PYTHON names.
+    stream = example_build / "stream_completion"
+    alone = subprocess.run([stream, "Hello"], capture_output=True, text=True, timeout=60)
+    assert alone.returncode == 1
+    assert "not inside an installed pyengine package" in alone.stderr
+    from pyengine.loader.resolve import default_model_path
+
+    try:
+        default_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(f"the C API's run: {error}")
+    named = subprocess.run(
+        [stream, "--max-tokens", "4", "Hello"], capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYENGINE_PYTHON": sys.executable},
+    )  # fmt: skip
+    assert named.returncode == 0 and named.stdout.strip(), named.stderr
