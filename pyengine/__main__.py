@@ -9,11 +9,12 @@ otherwise the command line (`python -m pyengine serve ...`, as `pyengine serve .
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 from pyengine.capi import files
 from pyengine.entrypoints.cli import main
 
-_FLAGS = {
+_FLAGS: dict[str, Callable[[], str]] = {
     "--includes": files.compiler_flags,
     "--libs": files.linker_flags,
     "--cmakedir": lambda: str(files.cmake_dir()),
