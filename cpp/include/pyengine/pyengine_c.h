@@ -276,8 +276,8 @@ PYENGINE_API pyengine_status pyengine_request_output(pyengine_request *request,
                                                      int32_t index,
                                                      pyengine_output *output);
 /* Aborts the request; returns once the engine has taken the abort (its KV blocks are
- * freed by the next step). Its last event says PYENGINE_FINISH_ABORT. A finished request
- * is left as it is. */
+ * free; the stats say so after the engine's next step). Its last event says
+ * PYENGINE_FINISH_ABORT. A finished request is left as it is. */
 PYENGINE_API pyengine_status pyengine_request_abort(pyengine_request *request);
 /* Whether the request has finished, as pyengine_request_wait says it. */
 PYENGINE_API bool pyengine_request_finished(pyengine_request *request);
