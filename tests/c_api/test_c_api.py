@@ -30,12 +30,17 @@ def _need(*tools: str) -> None:
             pytest.skip(f"{tool} is not installed")
 
 
-def _run(args: list[str | Path], stdin: str = "", env: dict[str, str] | None = None,
-         check: bool = True) -> subprocess.CompletedProcess[str]:  # fmt: skip
+def _run(
+    args: list[str | Path],
+    stdin: str = "",
+    env: dict[str, str] | None = None,
+    check: bool = True,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess[str]:
     environment = {k: v for k, v in os.environ.items() if not k.startswith("PYENGINE_")}
     done = subprocess.run(
         [str(a) for a in args], input=stdin, capture_output=True, text=True, timeout=600,
-        env={**environment, **(env or {})},
+        env={**environment, **(env or {})}, cwd=cwd,
     )  # fmt: skip
     if check and done.returncode != 0:
         raise AssertionError(f"{args[0]} exited {done.returncode}:\n{done.stdout}\n{done.stderr}")
@@ -101,12 +106,14 @@ def test_the_library_exports_only_its_api() -> None:
     assert [s for s in symbols if not s.startswith("pyengine_")] == []
 
 
-def test_python_m_pyengine_says_where_the_files_are() -> None:
-    flags = _run([sys.executable, "-m", "pyengine", "--includes", "--libs"]).stdout.split()
+def test_python_m_pyengine_says_where_the_files_are(tmp_path: Path) -> None:
+    # (from another folder: in the repository's root, -m would find the source tree)
+    python_m = [sys.executable, "-m", "pyengine"]
+    flags = _run([*python_m, "--includes", "--libs"], cwd=tmp_path).stdout.split()
     assert flags[0] == f"-I{files.include_dir()}"
     assert (files.include_dir() / "pyengine" / "pyengine_c.h").is_file()
     assert (files.include_dir() / "pyengine" / "pyengine.hpp").is_file()
-    cmakedir = Path(_run([sys.executable, "-m", "pyengine", "--cmakedir"]).stdout.strip())
+    cmakedir = Path(_run([*python_m, "--cmakedir"], cwd=tmp_path).stdout.strip())
     assert (cmakedir / "pyengineConfig.cmake").is_file()
     assert files.library().is_file()
 
