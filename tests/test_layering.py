@@ -37,6 +37,7 @@ LAYERS = [
     ("executor", ["executor"]),
     ("engine", ["engine"]),
     ("entrypoints", ["entrypoints"]),
+    ("capi", ["capi", "__main__"]),  # (the C API's side, and python -m pyengine)
 ]
 RANK = {part: rank for rank, (_, parts) in enumerate(LAYERS) for part in parts}
 ROOT = Path(pyengine.__file__).parent
