@@ -74,6 +74,7 @@ RequestState::RequestState(std::int64_t key, std::shared_ptr<EngineState> engine
       samples_(static_cast<std::size_t>(n)) {}
 
 void RequestState::deliver(OwnedEvent event, std::int32_t prompt_tokens) {
+  const bool last = event.request_finished;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     if (prompt_tokens > 0) prompt_tokens_ = prompt_tokens;
@@ -91,18 +92,18 @@ void RequestState::deliver(OwnedEvent event, std::int32_t prompt_tokens) {
       for (Sample& sample : samples_)
         if (sample.finish == PYENGINE_FINISH_NONE) sample.finish = PYENGINE_FINISH_ERROR;
     }
-    if (event.request_finished) {
+    if (last) {
       finished_ = true;
       ended_ = callback_ == nullptr;  // (else once its callback has seen the last event)
     }
-    if (callback_ == nullptr) events_.push_back(event);
+    if (callback_ == nullptr) events_.push_back(std::move(event));
   }
   if (callback_ != nullptr) {
     engine_->post(shared_from_this(), std::move(event));
     return;
   }
   event_ready_.notify_all();
-  if (event.request_finished) ended_changed_.notify_all();
+  if (last) ended_changed_.notify_all();
 }
 
 void RequestState::fill(pyengine_event* out, const OwnedEvent& event) {
@@ -215,13 +216,15 @@ void RequestState::abort() {
 }
 
 EngineState::~EngineState() {
-  // (the last reference may be the delivery thread's own, as its loop ends)
-  if (thread_.joinable()) {
-    if (on_delivery_thread())
-      thread_.detach();
-    else
-      thread_.join();
-  }
+  end_delivery_thread();  // (the last reference may be its own, as its loop ends)
+}
+
+void EngineState::end_delivery_thread() {
+  if (!thread_.joinable()) return;
+  if (on_delivery_thread())
+    thread_.detach();  // (it cannot join itself; its loop ends once it returns)
+  else
+    thread_.join();
 }
 
 bool EngineState::closed() const {
@@ -266,11 +269,7 @@ void EngineState::stop_delivery() {
     stopping_ = true;
   }
   queued_.notify_one();
-  if (!thread_.joinable()) return;
-  if (on_delivery_thread())
-    thread_.detach();
-  else
-    thread_.join();
+  end_delivery_thread();
 }
 
 bool EngineState::on_delivery_thread() const {

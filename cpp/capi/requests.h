@@ -117,6 +117,8 @@ class EngineState : public std::enable_shared_from_this<EngineState> {
 
  private:
   void deliver_loop();
+  // Joins the delivery thread, or detaches it where this is that thread.
+  void end_delivery_thread();
 
   const std::int64_t key_;
   mutable std::mutex mutex_;

@@ -51,15 +51,12 @@ class _Sink:
         self.deliver = deliver
         self.top_k = top_k
         self.done = done
-        self.prompt_tokens = 0  # sent once, with the first event
+        self.started = False  # (the prompt's length goes with the first event only)
 
     def put(self, delta: EngineOutput) -> None:
         assert isinstance(delta, RequestOutput)
-        if not self.prompt_tokens:
-            self.prompt_tokens = len(delta.prompt_token_ids)
-            prompt_tokens = self.prompt_tokens
-        else:
-            prompt_tokens = 0
+        prompt_tokens = 0 if self.started else len(delta.prompt_token_ids)
+        self.started = True
         samples = delta.outputs or [CompletionOutput(0, "", [])]
         if delta.finished:  # (before the last event: its reader may ask for the stats)
             self.done(self.key)
